@@ -1,0 +1,59 @@
+"""kvformat: the `.kv` KV-cache snapshot format (see ``spec/SPEC.md``).
+
+Reading::
+
+    with kvformat.open("run.kv") as snap:
+        h = snap.head(layer=3, head=1)      # h.k (n_tokens, k_dim), h.v, h.positions
+
+Writing: `save` for in-memory arrays, `Writer` to stream layers and token ranges as they come.
+Depends only on numpy, zstandard, ml-dtypes and crc32c.
+"""
+
+from kvformat.codecs import BytePlaneZstd, Raw, Zstd
+from kvformat.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
+from kvformat.errors import (
+    ChecksumError,
+    CorruptFileError,
+    KVFormatError,
+    LimitExceededError,
+    TruncatedFileError,
+    UnsupportedFeatureError,
+    UnsupportedVersionError,
+)
+from kvformat.layout import MAJOR, MINOR
+from kvformat.manifest import LayerSpec
+from kvformat.reader import Head, Segment, Snapshot, VerifyReport, open
+from kvformat.recover import RecoverReport, recover
+from kvformat.writer import Layer, Writer, save
+
+__version__ = "0.1.0"
+FORMAT_VERSION = (MAJOR, MINOR)
+
+__all__ = [
+    "BFLOAT16",
+    "FLOAT16",
+    "FLOAT32",
+    "FORMAT_VERSION",
+    "BytePlaneZstd",
+    "ChecksumError",
+    "CorruptFileError",
+    "DType",
+    "Head",
+    "KVFormatError",
+    "Layer",
+    "LayerSpec",
+    "LimitExceededError",
+    "Raw",
+    "RecoverReport",
+    "Segment",
+    "Snapshot",
+    "TruncatedFileError",
+    "UnsupportedFeatureError",
+    "UnsupportedVersionError",
+    "VerifyReport",
+    "Writer",
+    "Zstd",
+    "open",
+    "recover",
+    "save",
+]

@@ -1,0 +1,213 @@
+"""The ``kvsnap`` command line. Format commands live here; other stages add theirs through the
+``kvsnap.commands`` entry-point group (a function ``register(subparsers)``), so this package never
+imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from importlib import metadata as importlib_metadata
+from typing import Any
+
+import numpy as np
+
+import kvformat
+from kvformat import codecs, dtypes
+from kvformat.errors import KVFormatError
+
+
+def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
+    layers = []
+    for i, spec in enumerate(snap.layers):
+        entry: dict[str, Any] = {"layer": i, **spec.to_json()}
+        if spec.present:
+            positions = snap.positions(i, 0, 0)
+            assert positions is not None
+            entry["tokens"] = int(positions.size)
+            entry["first_position"] = int(positions[0]) if positions.size else None
+            entry["last_position"] = int(positions[-1]) if positions.size else None
+        layers.append(entry)
+    return {
+        "file": snap.name,
+        "version": f"{snap.version[0]}.{snap.version[1]}",
+        "snapshot": snap.index,
+        "num_snapshots": snap.num_snapshots,
+        "num_layers": snap.num_layers,
+        "num_heads": snap.num_heads,
+        "head_dim": snap.head_dim,
+        "num_seqs": snap.num_seqs,
+        "seq_len": snap.seq_len,
+        "num_chunks": snap.num_chunks,
+        "metadata": snap.metadata,
+        "snapshot_metadata": snap.snapshot_metadata,
+        "layers": layers,
+    }
+
+
+def _info(args: argparse.Namespace) -> int:
+    with kvformat.open(args.file, args.snapshot) as snap:
+        description = _describe(snap)
+    if args.json:
+        print(json.dumps(description, indent=2, ensure_ascii=False))
+        return 0
+    d = description
+    print(f"{d['file']}: .kv v{d['version']}, snapshot {d['snapshot'] + 1} of {d['num_snapshots']}")
+    print(
+        f"  {d['num_layers']} layers, {d['num_heads']} KV heads, head_dim {d['head_dim']}, "
+        f"{d['num_seqs']} sequence(s), seq_len {d['seq_len']}, {d['num_chunks']} chunks"
+    )
+    model = d["metadata"].get("model", {})
+    if isinstance(model, dict) and model.get("name"):
+        print(f"  model: {model.get('name')} ({model.get('architecture', '?')})")
+    for layer in d["layers"]:
+        if not layer["present"]:
+            print(f"  layer {layer['layer']:3d}: absent {layer['attributes'] or ''}")
+            continue
+        span = (
+            f"positions {layer['first_position']}..{layer['last_position']}" if layer["tokens"] else "empty"
+        )
+        print(
+            f"  layer {layer['layer']:3d}: {layer['num_heads']} heads, k_dim {layer['k_dim']}, "
+            f"v_dim {layer['v_dim']}, {layer['dtype']}, {layer['tokens']} tokens ({span})"
+        )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    with kvformat.open(args.file) as snap:
+        report = snap.verify()
+    print(
+        f"{args.file}: OK — {report.records} records, {report.chunks} chunks, "
+        f"{report.snapshots} snapshot(s), {report.bytes_checked} bytes checked"
+    )
+    return 0
+
+
+def _recover(args: argparse.Namespace) -> int:
+    report = kvformat.recover(args.file, args.output, overwrite=args.force)
+    extra = " (plus one rebuilt from chunks after the last snapshot)" if report.recovered_snapshot else ""
+    print(
+        f"recovered {report.path}: {report.chunks} chunks, {report.snapshots} snapshot(s){extra}; "
+        f"{report.bytes_dropped} incomplete bytes dropped"
+    )
+    return 0
+
+
+def _pack(args: argparse.Namespace) -> int:
+    with np.load(args.input, allow_pickle=False) as npz:
+        names = set(npz.files)
+        layer_ids = sorted({int(n[3:]) for n in names if n.startswith(("k_L", "v_L")) and n[3:].isdigit()})
+        if not layer_ids:
+            raise SystemExit(f"{args.input}: no arrays named k_L<layer> / v_L<layer>")
+        layers: list[kvformat.Layer | None] = []
+        for layer in range(layer_ids[-1] + 1):
+            if f"k_L{layer}" not in names and f"v_L{layer}" not in names:
+                layers.append(None)
+                continue
+            if f"k_L{layer}" not in names or f"v_L{layer}" not in names:
+                raise SystemExit(f"{args.input}: layer {layer} needs both k_L{layer} and v_L{layer}")
+            k, v = npz[f"k_L{layer}"], npz[f"v_L{layer}"]
+            if k.dtype == np.uint16 or args.dtype:
+                target = dtypes.from_name(args.dtype or "bfloat16").numpy
+                k = k.view(target) if k.dtype == np.uint16 else k.astype(target)
+                v = v.view(target) if v.dtype == np.uint16 else v.astype(target)
+            if k.ndim != 3 or v.ndim != 3:
+                raise SystemExit(f"{args.input}: layer {layer} arrays must be (heads, tokens, head_dim)")
+            positions = npz[f"positions_L{layer}"] if f"positions_L{layer}" in names else None
+            layers.append(kvformat.Layer(k, v, positions))
+    row_bytes = max(max(l.k.shape[2], l.v.shape[2]) * l.k.dtype.itemsize for l in layers if l)
+    chunk_bytes = args.chunk_tokens * row_bytes if args.chunk_tokens else kvformat.writer.DEFAULT_CHUNK_BYTES
+    kvformat.save(
+        args.output,
+        layers,
+        codec=args.codec,
+        chunk_bytes=chunk_bytes,
+        metadata={"source": {"npz": str(args.input)}},
+    )
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _dump(args: argparse.Namespace) -> int:
+    with kvformat.open(args.file, args.snapshot) as snap:
+        head = snap.head(args.layer, args.head, args.seq)
+        if head is None:
+            raise SystemExit(f"{args.file}: layer {args.layer} is absent from this snapshot")
+        np.savez(
+            args.output, k=head.k.astype(np.float32), v=head.v.astype(np.float32), positions=head.positions
+        )
+    print(f"wrote {args.output}: k {head.k.shape}, v {head.v.shape}, float32")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsnap", description="KV-cache snapshots: capture, inspect, analyse."
+    )
+    parser.add_argument("--version", action="version", version=f"kvsnap {kvformat.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("info", help="describe a .kv file (reads only its index)")
+    p.add_argument("file")
+    p.add_argument("--snapshot", type=int, default=-1, help="which snapshot of a series (default: last)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_info)
+
+    p = sub.add_parser("verify", help="check every checksum and rule of a .kv file")
+    p.add_argument("file")
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser("recover", help="rebuild FILE.kv.partial left by a crashed writer")
+    p.add_argument("file")
+    p.add_argument("-o", "--output", help="output path (default: the name without .partial)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.set_defaults(func=_recover)
+
+    p = sub.add_parser("pack", help="convert an .npz of k_L<i>/v_L<i> (heads, tokens, dim) arrays")
+    p.add_argument("input")
+    p.add_argument("output")
+    p.add_argument("--codec", default="raw", help=f"one of {', '.join(codecs.NAMES)} (zstd:LEVEL too)")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="tokens per chunk")
+    p.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), help="convert arrays to this dtype")
+    p.set_defaults(func=_pack)
+
+    p = sub.add_parser("dump", help="write one head's K, V (float32) and positions to .npz")
+    p.add_argument("file")
+    p.add_argument("--layer", type=int, required=True)
+    p.add_argument("--head", type=int, required=True)
+    p.add_argument("--seq", type=int, default=0)
+    p.add_argument("--snapshot", type=int, default=-1)
+    p.add_argument("-o", "--output", required=True)
+    p.set_defaults(func=_dump)
+
+    for entry_point in importlib_metadata.entry_points(group="kvsnap.commands"):
+        try:
+            register = entry_point.load()
+        except ImportError as exc:
+            missing = getattr(exc, "name", None) or str(exc)
+            sub.add_parser(entry_point.name, help=f"(unavailable: {missing} is not installed)")
+            continue
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.error(f"'{args.command}' needs packages that are not installed; see README")
+    try:
+        return int(args.func(args) or 0)
+    except KVFormatError as exc:
+        print(f"kvsnap: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, FileExistsError, IsADirectoryError, PermissionError, ValueError) as exc:
+        print(f"kvsnap: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+"""Errors raised for files that are not valid `.kv` snapshots.
+
+Every malformed, truncated or hostile file raises a subclass of `KVFormatError` (itself a
+`ValueError`), never a bare numpy, struct, zstd or JSON exception.
+"""
+
+from __future__ import annotations
+
+
+class KVFormatError(ValueError):
+    """A file is not a valid `.kv` snapshot, or asks for something this reader cannot do."""
+
+
+class TruncatedFileError(KVFormatError):
+    """The file ends before a structure it declares (often: the writer never finished)."""
+
+
+class CorruptFileError(KVFormatError):
+    """A structure is malformed or breaks a rule of the spec."""
+
+
+class ChecksumError(CorruptFileError):
+    """A stored CRC-32C does not match the bytes it covers."""
+
+
+class UnsupportedVersionError(KVFormatError):
+    """The file's major format version is not one this reader implements."""
+
+
+class UnsupportedFeatureError(KVFormatError):
+    """The file requires a feature, dtype or codec this reader does not implement."""
+
+
+class LimitExceededError(KVFormatError):
+    """A size or count field exceeds a hard limit of the spec."""

@@ -1,0 +1,175 @@
+"""The JSON side of a file: layer descriptors, features, metadata and snapshot segment lists.
+
+Everything here is plain JSON (UTF-8, no NaN). Parsing is strict about types and sizes, since the
+JSON decides how the binary chunk table is interpreted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvformat import dtypes
+from kvformat.dtypes import DType
+from kvformat.errors import CorruptFileError, LimitExceededError, UnsupportedFeatureError
+from kvformat.layout import MAX_HEADS, MAX_LAYERS, MAX_SEQS, MAX_WIDTH
+
+# Features this implementation understands. Version 1.0 defines none; a later minor version may
+# add some, and a file that lists an unknown name under "required_features" is rejected.
+KNOWN_FEATURES: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer of the model: its KV head count, K and V head dims (elements) and dtype.
+
+    An absent layer (``present=False``) holds no K/V at all: recurrent layers of hybrid models,
+    or layers that share another layer's cache. ``attributes`` is free JSON (layer kind, window).
+    """
+
+    num_heads: int = 0
+    k_dim: int = 0
+    v_dim: int = 0
+    dtype: DType | None = None
+    attributes: dict[str, Any] = field(default_factory=dict)
+    present: bool = True
+
+    @classmethod
+    def absent(cls, attributes: dict[str, Any] | None = None) -> LayerSpec:
+        return cls(present=False, attributes=dict(attributes or {}))
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.present:
+            return {"present": False, "attributes": self.attributes}
+        assert self.dtype is not None
+        return {
+            "present": True,
+            "num_heads": self.num_heads,
+            "k_dim": self.k_dim,
+            "v_dim": self.v_dim,
+            "dtype": self.dtype.name,
+            "attributes": self.attributes,
+        }
+
+    def check(self) -> None:
+        """Raise ValueError for a layer a writer must not declare."""
+        if not self.present:
+            return
+        if self.dtype is None:
+            raise ValueError("a present layer needs a dtype")
+        for name, value, limit in (
+            ("num_heads", self.num_heads, MAX_HEADS),
+            ("k_dim", self.k_dim, MAX_WIDTH),
+            ("v_dim", self.v_dim, MAX_WIDTH),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+                raise ValueError(f"layer {name} must be an integer in 1..{limit}, got {value!r}")
+
+
+def _int(obj: dict[str, Any], key: str, low: int, high: int, where: str) -> int:
+    value = obj.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise CorruptFileError(f"{where}: '{key}' must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise LimitExceededError(f"{where}: '{key}' = {value} outside {low}..{high}")
+    return value
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise CorruptFileError(f"{where} must be a JSON object")
+    return value
+
+
+def parse_layer(obj: Any, index: int) -> LayerSpec:
+    where = f"layer {index}"
+    obj = _object(obj, where)
+    attributes = _object(obj.get("attributes", {}), f"{where} attributes")
+    present = obj.get("present", True)
+    if not isinstance(present, bool):
+        raise CorruptFileError(f"{where}: 'present' must be true or false")
+    if not present:
+        return LayerSpec.absent(attributes)
+    name = obj.get("dtype")
+    if not isinstance(name, str):
+        raise CorruptFileError(f"{where}: 'dtype' must be a string")
+    return LayerSpec(
+        num_heads=_int(obj, "num_heads", 1, MAX_HEADS, where),
+        k_dim=_int(obj, "k_dim", 1, MAX_WIDTH, where),
+        v_dim=_int(obj, "v_dim", 1, MAX_WIDTH, where),
+        dtype=dtypes.from_name(name),
+        attributes=attributes,
+    )
+
+
+@dataclass
+class Manifest:
+    """File-level description: layers, number of sequences, features, metadata."""
+
+    layers: list[LayerSpec]
+    num_seqs: int = 1
+    metadata: dict[str, Any] = field(default_factory=dict)
+    required_features: list[str] = field(default_factory=list)
+    optional_features: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_seqs": self.num_seqs,
+            "layers": [layer.to_json() for layer in self.layers],
+            "required_features": self.required_features,
+            "optional_features": self.optional_features,
+            "metadata": self.metadata,
+        }
+
+
+def _strings(value: Any, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise CorruptFileError(f"{where} must be a list of strings")
+    return list(value)
+
+
+def parse_manifest(obj: Any) -> Manifest:
+    obj = _object(obj, "manifest")
+    required = _strings(obj.get("required_features", []), "required_features")
+    unknown = sorted(set(required) - KNOWN_FEATURES)
+    if unknown:
+        raise UnsupportedFeatureError(f"file requires features this reader lacks: {unknown}")
+    layers_json = obj.get("layers")
+    if not isinstance(layers_json, list):
+        raise CorruptFileError("manifest 'layers' must be a list")
+    if len(layers_json) > MAX_LAYERS:
+        raise LimitExceededError(f"{len(layers_json)} layers; the limit is {MAX_LAYERS}")
+    return Manifest(
+        layers=[parse_layer(layer, i) for i, layer in enumerate(layers_json)],
+        num_seqs=_int(obj, "num_seqs", 1, MAX_SEQS, "manifest"),
+        metadata=_object(obj.get("metadata", {}), "metadata"),
+        required_features=required,
+        optional_features=_strings(obj.get("optional_features", []), "optional_features"),
+    )
+
+
+def dumps(obj: Any) -> bytes:
+    """Serialize to compact UTF-8 JSON; NaN and infinities are refused (they are not JSON)."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"metadata must be plain JSON (dict, list, str, int, float, bool, None): {exc}"
+        ) from None
+
+
+def loads(data: bytes | memoryview, what: str) -> Any:
+    """Parse UTF-8 JSON from a file, mapping every failure to `CorruptFileError`."""
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptFileError(f"{what} is not valid UTF-8: {exc}") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptFileError(f"{what} is not valid JSON: {exc}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")

@@ -1,0 +1,82 @@
+"""Byte sources a reader pulls from: a memory map of a local file, or any seekable file object."""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+from typing import BinaryIO, Protocol
+
+from kvformat.errors import TruncatedFileError
+
+
+class Source(Protocol):
+    """Random access to the bytes of one file. ``read`` returns exactly ``size`` bytes."""
+
+    name: str
+    size: int
+
+    def read(self, offset: int, size: int) -> memoryview: ...
+
+    def close(self) -> None: ...
+
+
+class MmapSource:
+    """A read-only memory map: ``read`` returns zero-copy views of the page cache."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.name = os.fspath(path)
+        with open(self.name, "rb") as f:
+            self.size = os.fstat(f.fileno()).st_size
+            self._map: mmap.mmap | None = (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
+            )
+        self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def read(self, offset: int, size: int) -> memoryview:
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise TruncatedFileError(
+                f"{self.name}: read of {size} bytes at {offset} passes end of file ({self.size})"
+            )
+        return self._view[offset : offset + size]
+
+    def close(self) -> None:
+        """Unmap, unless arrays handed out still view the map (then it goes with the last one)."""
+        try:
+            self._view.release()
+            if self._map is not None:
+                self._map.close()
+        except BufferError:
+            pass
+        self._map = None
+
+
+class FileObjectSource:
+    """Any seekable binary file object; every ``read`` copies into fresh memory."""
+
+    def __init__(self, fileobj: BinaryIO, name: str | None = None) -> None:
+        self._file = fileobj
+        self.name = name or str(getattr(fileobj, "name", "<file object>"))
+        try:
+            self.size = fileobj.seek(0, io.SEEK_END)
+        except (OSError, AttributeError, ValueError) as exc:
+            raise TypeError(f"{self.name}: file object must be seekable ({exc})") from None
+
+    def read(self, offset: int, size: int) -> memoryview:
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise TruncatedFileError(
+                f"{self.name}: read of {size} bytes at {offset} passes end of file ({self.size})"
+            )
+        self._file.seek(offset)
+        buffer = bytearray(size)
+        view = memoryview(buffer)
+        got = 0
+        while got < size:
+            n = self._file.readinto(view[got:])  # type: ignore[attr-defined]
+            if not n:
+                raise TruncatedFileError(f"{self.name}: file ended at {offset + got} while reading")
+            got += n
+        return view
+
+    def close(self) -> None:
+        pass

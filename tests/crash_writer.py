@@ -1,0 +1,27 @@
+"""Helper for test_crash: write a long series forever-ish; the test kills this process."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import kvformat
+from tests.conftest import pattern
+
+
+def main(path: str, steps: int) -> None:
+    spec = kvformat.LayerSpec(2, 32, 32, kvformat.FLOAT32)
+    with kvformat.Writer(path, [spec, spec], codec=sys.argv[3], chunk_bytes=1024) as w:
+        for step in range(steps):
+            positions = np.arange(step * 24, (step + 1) * 24)
+            for layer in range(2):
+                k = np.stack([pattern(layer, h, positions, 32, "k") for h in range(2)])
+                v = np.stack([pattern(layer, h, positions, 32, "v") for h in range(2)])
+                w.append(layer, k, v, positions)
+            w.snapshot({"step": step})
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

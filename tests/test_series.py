@@ -1,0 +1,68 @@
+"""A series of snapshots in one file: shared chunks, sliding windows, selection by index."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+import kvformat
+from tests.conftest import pattern, write_series
+
+
+def test_every_snapshot_reads_back(tmp_path: Path, codec: str) -> None:
+    path = tmp_path / "series.kv"
+    expected = write_series(path, codec)
+    with kvformat.open(path) as last:
+        assert last.num_snapshots == 3 and last.index == 2
+        assert last.metadata == {"name": "série"}
+        for index, held in enumerate(expected):
+            snap = last.select(index)
+            assert snap.snapshot_metadata == {"step": index}
+            assert snap.head(2, 0) is None
+            for layer, positions in held.items():
+                for head in range(2):
+                    got = snap.head(layer, head)
+                    assert got is not None
+                    assert got.positions.tolist() == positions.tolist()
+                    assert np.array_equal(got.k, pattern(layer, head, positions, 8, "k"))
+                    assert np.array_equal(got.v, pattern(layer, head, positions, 4, "v"))
+        last.verify()
+
+
+def test_sliding_window_keeps_prefix_and_window(tmp_path: Path) -> None:
+    expected = write_series(tmp_path / "s.kv")
+    assert expected[-1][1].tolist() == [0, 11, 12, 13, 14, 15]
+    with kvformat.open(tmp_path / "s.kv", snapshot=0) as first:
+        assert first.positions(1).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_series_stores_shared_chunks_once(tmp_path: Path) -> None:
+    """n snapshots of a growing cache cost O(n) bytes: each chunk is written once."""
+    spec = kvformat.LayerSpec(4, 64, 64, kvformat.FLOAT16)
+    step_tokens, steps = 16, 12
+    rng = np.random.default_rng(0)
+    with kvformat.Writer(tmp_path / "grow.kv", [spec] * 2) as w:
+        for _ in range(steps):
+            for layer in range(2):
+                k = rng.standard_normal((4, step_tokens, 64)).astype(np.float16)
+                w.append(layer, k, k)
+            w.snapshot()
+    payload = steps * step_tokens * 2 * 4 * 64 * 2 * 2  # tokens, layers, heads, dim, K+V, bytes
+    size = (tmp_path / "grow.kv").stat().st_size
+    assert payload <= size < payload * 1.5
+    with kvformat.open(tmp_path / "grow.kv") as snap:
+        assert snap.seq_len == steps * step_tokens
+        assert snap.select(3).seq_len == 4 * step_tokens
+
+
+def test_blocks_stream_every_segment_once(tmp_path: Path) -> None:
+    write_series(tmp_path / "b.kv", chunk_bytes=64)
+    with kvformat.open(tmp_path / "b.kv") as snap:
+        seen: dict[tuple[int, int], list[int]] = {}
+        for block in snap.blocks():
+            assert np.array_equal(block.k, pattern(block.layer, block.head, block.positions, 8, "k"))
+            seen.setdefault((block.layer, block.head), []).extend(block.positions.tolist())
+        for (layer, head), positions in seen.items():
+            whole = snap.head(layer, head)
+            assert whole is not None and sorted(positions) == whole.positions.tolist()
