@@ -30,8 +30,10 @@ def main() -> None:
             print(snap)
             report = snap.verify()
             print(f"verify: {report.chunks} chunks OK")
-            norms = {(h.layer, h.head): float(np.linalg.norm(h.k.astype(np.float32), axis=1).mean())
-                     for h in snap.heads()}
+            norms = {
+                (h.layer, h.head): float(np.linalg.norm(h.k.astype(np.float32), axis=1).mean())
+                for h in snap.heads()
+            }
     median = float(np.median(list(norms.values())))
     print("layer head  mean||K||")
     for (layer, head), value in norms.items():

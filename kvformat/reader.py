@@ -31,6 +31,7 @@ from kvformat.layout import (
     HEADER_SIZE,
     JSON_KINDS,
     KIND_K,
+    KIND_MANIFEST,
     KIND_V,
     MAX_CHUNK_COUNT,
     MAX_CHUNK_DECODED,
@@ -38,6 +39,7 @@ from kvformat.layout import (
     MAX_POSITION,
     MAX_TOKENS_PER_CHUNK,
     MAX_WIDTH,
+    MINOR,
     TENSOR_NAMES,
     Descriptor,
     Footer,
@@ -464,6 +466,10 @@ def _verify(file: _File) -> VerifyReport:
             chunk += 1
         elif desc.kind in JSON_KINDS:
             loads(payload, label)
+        elif file.version[1] <= MINOR:
+            raise CorruptFileError(f"{label}: unknown record kind {desc.kind}")
+        if (records == 0) != (desc.kind == KIND_MANIFEST):
+            raise CorruptFileError(f"{label}: the manifest must be the first record, and only it")
         next_record = align(desc.end)
         padding = source.read(desc.end, min(next_record, index_offset) - desc.end)
         if any(padding):

@@ -217,7 +217,10 @@ JSON_EDITS: list[tuple[str, Callable[[dict], object]]] = [
     ("drop wrong arity", lambda d: set_path(d, ("snapshots", -1, "drop"), [[0, 0, 1]])),
     ("drop bad layer", lambda d: set_path(d, ("snapshots", -1, "drop"), [[9, 0, 1, 2]])),
     ("drop reversed", lambda d: set_path(d, ("snapshots", -1, "drop"), [[0, 0, 5, 2]])),
-    ("append re-adds parent rows", lambda d: d["snapshots"][1]["append"].extend(d["snapshots"][0]["append"][:6])),
+    (
+        "append re-adds parent rows",
+        lambda d: d["snapshots"][1]["append"].extend(d["snapshots"][0]["append"][:6]),
+    ),
     ("segments not triples", lambda d: d["snapshots"][-1]["append"].pop()),
     ("K without V", lambda d: set_path(d, ("snapshots", -1, "append"), d["snapshots"][-1]["append"][:3])),
     (

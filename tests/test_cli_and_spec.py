@@ -1,0 +1,83 @@
+"""The CLI commands, and the spec's worked example reproduced byte for byte."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvformat
+from kvformat.cli import main
+from kvformat.layout import FOOTER_SIZE, Footer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_worked_example_is_byte_exact(tmp_path: Path) -> None:
+    """spec/SPEC.md section 16 describes spec/vectors/example.kv; the writer reproduces it."""
+    k = np.array([[[1.0, 2.0], [3.0, 4.0]]], np.float16)
+    v = np.array([[[-1.0, 0.5], [0.25, -2.0]]], np.float16)
+    path = tmp_path / "example.kv"
+    kvformat.save(path, [kvformat.Layer(k, v)], metadata={"model": {"name": "tiny"}})
+    data = path.read_bytes()
+    assert data == (ROOT / "spec" / "vectors" / "example.kv").read_bytes()
+    assert len(data) == 1243
+    footer = Footer.unpack(data[-FOOTER_SIZE:])
+    assert (footer.index_offset, footer.chunk_count, footer.json_size) == (0x300, 2, 283)
+    assert data[0x1C0:0x1C8] == k.tobytes() and data[0x240:0x248] == v.tobytes()
+    spec = (ROOT / "spec" / "SPEC.md").read_text()
+    assert "header_crc = 0x97a83583" in spec and f"{int.from_bytes(data[60:64], 'little'):#x}" == "0x97a83583"
+
+
+def test_info_verify_dump_pack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(3)
+    npz = tmp_path / "in.npz"
+    arrays = {
+        "k_L0": rng.standard_normal((2, 7, 4)).astype(np.float32),
+        "v_L0": rng.standard_normal((2, 7, 4)).astype(np.float32),
+        "k_L2": rng.standard_normal((1, 3, 8)).astype(np.float16),
+        "v_L2": rng.standard_normal((1, 3, 6)).astype(np.float16),
+    }
+    np.savez(npz, **arrays)
+    out = tmp_path / "out.kv"
+    assert main(["pack", str(npz), str(out), "--codec", "zstd", "--chunk-tokens", "2"]) == 0
+    assert main(["info", str(out), "--json"]) == 0
+    description = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    assert description["num_layers"] == 3
+    assert [layer["present"] for layer in description["layers"]] == [True, False, True]
+    assert description["layers"][2]["v_dim"] == 6
+    assert main(["info", str(out)]) == 0
+    assert "absent" in capsys.readouterr().out
+    assert main(["verify", str(out)]) == 0
+    assert "OK" in capsys.readouterr().out
+    dumped = tmp_path / "head.npz"
+    assert main(["dump", str(out), "--layer", "0", "--head", "1", "-o", str(dumped)]) == 0
+    with np.load(dumped) as got:
+        assert np.array_equal(got["k"], arrays["k_L0"][1])
+        assert got["positions"].tolist() == list(range(7))
+
+
+def test_errors_are_reported_not_raised(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.kv"
+    bad.write_bytes(b"not a kv file at all" * 10)
+    assert main(["verify", str(bad)]) == 2
+    assert "CorruptFileError" in capsys.readouterr().err
+    assert main(["info", str(tmp_path / "missing.kv")]) == 2
+
+
+def test_recover_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = kvformat.LayerSpec(1, 2, 2, kvformat.FLOAT32)
+    writer = kvformat.Writer(tmp_path / "x.kv", [spec])
+    writer.append(0, np.ones((1, 3, 2), np.float32), np.ones((1, 3, 2), np.float32))
+    writer._file.flush()  # simulate a crash: the process dies before close()
+    partial = tmp_path / "x.kv.partial"
+    assert partial.exists() and not (tmp_path / "x.kv").exists()
+    assert main(["recover", str(partial)]) == 0
+    assert "1 snapshot" in capsys.readouterr().out
+    with kvformat.open(tmp_path / "x.kv") as snap:
+        head = snap.head(0, 0)
+        assert head is not None and head.positions.tolist() == [0, 1, 2]
+        assert snap.snapshot_metadata == {"recovered": True}
+    writer._file.close()
