@@ -35,11 +35,13 @@ FOOTER_SIZE = 64
 # Record kinds (descriptor byte 4).
 KIND_K = 0
 KIND_V = 1
+KIND_ARRAY = 2
 KIND_MANIFEST = 16
 KIND_SNAPSHOT = 17
 TENSOR_KINDS = (KIND_K, KIND_V)
+TABLE_KINDS = (KIND_K, KIND_V, KIND_ARRAY)
 JSON_KINDS = (KIND_MANIFEST, KIND_SNAPSHOT)
-TENSOR_NAMES = {KIND_K: "k", KIND_V: "v"}
+TENSOR_NAMES = {KIND_K: "k", KIND_V: "v", KIND_ARRAY: "array"}
 
 # Hard limits a reader applies before trusting any size field (spec section 8).
 MAX_JSON_SIZE = 256 * 1024 * 1024

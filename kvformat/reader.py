@@ -30,9 +30,9 @@ from kvformat.layout import (
     FOOTER_SIZE,
     HEADER_SIZE,
     JSON_KINDS,
+    KIND_ARRAY,
     KIND_K,
     KIND_MANIFEST,
-    KIND_V,
     MAX_CHUNK_COUNT,
     MAX_CHUNK_DECODED,
     MAX_JSON_SIZE,
@@ -40,6 +40,7 @@ from kvformat.layout import (
     MAX_TOKENS_PER_CHUNK,
     MAX_WIDTH,
     MINOR,
+    TABLE_KINDS,
     TENSOR_NAMES,
     Descriptor,
     Footer,
@@ -151,9 +152,9 @@ class _File:
         index_offset = self.footer.index_offset
         if not bool(np.all(t["magic"] == DESCRIPTOR_MAGIC)):
             raise CorruptFileError("chunk table entry without descriptor magic")
-        bad_kind = ~np.isin(t["kind"], (KIND_K, KIND_V))
+        bad_kind = ~np.isin(t["kind"], TABLE_KINDS)
         if bad_kind.any():
-            raise CorruptFileError(f"chunk table entry {int(np.argmax(bad_kind))} is not a K or V chunk")
+            raise CorruptFileError(f"chunk table entry {int(np.argmax(bad_kind))} has an unknown kind")
         if t["flags"].any():
             raise CorruptFileError("chunk flags must be zero in version 1")
         offsets = t["offset"]
@@ -188,6 +189,12 @@ class _File:
         raw = t["codec"] == codecs.Raw.code
         if not bool(np.all(stored[raw] == decoded[raw])):
             raise CorruptFileError("raw chunk stored size differs from its decoded size")
+        arrays = t[t["kind"] == KIND_ARRAY]
+        if bool(np.any(arrays["layer"])) or bool(np.any(arrays["head"])) or bool(np.any(arrays["seq"])):
+            raise CorruptFileError("array chunk with a non-zero layer, head or seq")
+        if bool(np.any(arrays["position"])):
+            raise CorruptFileError("array chunk with a non-zero position")
+        t = t[t["kind"] != KIND_ARRAY]
         layers = self.manifest.layers
         num_seqs = self.manifest.num_seqs
         if bool(np.any(t["layer"] >= len(layers))) or bool(np.any(t["seq"] >= num_seqs)):
@@ -242,7 +249,14 @@ class Snapshot:
         self._file = file
         self.index = index % count
         self._segments = file.chain.segments(self.index)
-        self.snapshot_metadata: dict[str, Any] = file.entries[self.index].metadata
+        entry = file.entries[self.index]
+        self.snapshot_metadata: dict[str, Any] = entry.metadata
+        for name, chunk in entry.arrays.items():
+            if chunk >= len(file.table) or int(file.table["kind"][chunk]) != KIND_ARRAY:
+                raise CorruptFileError(
+                    f"snapshot {self.index}: array {name!r} names chunk {chunk}, not an array"
+                )
+        self._arrays = entry.arrays
 
     # -- structure -------------------------------------------------------------------------
     @property
@@ -293,6 +307,16 @@ class Snapshot:
     @property
     def num_chunks(self) -> int:
         return len(self._file.table)
+
+    @property
+    def array_names(self) -> list[str]:
+        """Names of the arrays attached to this snapshot (e.g. ``"last_logits"``)."""
+        return sorted(self._arrays)
+
+    def array(self, name: str) -> np.ndarray | None:
+        """An array attached to this snapshot, ``(rows, width)``, or None if there is none."""
+        chunk = self._arrays.get(name)
+        return None if chunk is None else self._file.chunk_array(chunk)
 
     def select(self, index: int) -> Snapshot:
         """Another snapshot of the same open file (shares the file; close either to close)."""
@@ -450,13 +474,13 @@ def _verify(file: _File) -> VerifyReport:
             raise CorruptFileError(f"record at {cursor} runs into the index")
         payload = source.read(desc.payload_offset, desc.stored_size)
         label = f"record at offset {cursor}"
-        if desc.kind in (KIND_K, KIND_V):
+        if desc.kind in TABLE_KINDS:
             if chunk >= len(file.table) or bytes(raw) != file.table[chunk].tobytes():
                 raise CorruptFileError(f"{label}: chunk {chunk} differs from its index copy")
             label = _chunk_label(file.table, chunk)
         if crc32c(payload) != desc.payload_crc:
             raise ChecksumError(f"{source.name}: {label}: payload CRC-32C mismatch")
-        if desc.kind in (KIND_K, KIND_V):
+        if desc.kind in TABLE_KINDS:
             file_checks = file.check_checksums
             file.check_checksums = False
             try:
@@ -480,7 +504,7 @@ def _verify(file: _File) -> VerifyReport:
     if chunk != len(file.table):
         raise CorruptFileError(f"index lists {len(file.table)} chunks, the file holds {chunk}")
     for i in range(len(file.entries)):
-        file.chain.segments(i)
+        Snapshot(file, i)
     return VerifyReport(records, chunk, len(file.entries), checked)
 
 

@@ -24,7 +24,7 @@ from kvformat.layout import (
     KIND_K,
     KIND_MANIFEST,
     KIND_SNAPSHOT,
-    KIND_V,
+    TABLE_KINDS,
     Descriptor,
     align,
     check_header,
@@ -76,7 +76,7 @@ def _scan(source: MmapSource) -> tuple[int, Manifest, list[Descriptor], list[Ent
                 layers, seqs = len(manifest.layers), manifest.num_seqs
                 snapshots.append(parse_entry(document, len(snapshots), layers, seqs))
                 committed = len(chunks)
-            elif desc.kind in (KIND_K, KIND_V):
+            elif desc.kind in TABLE_KINDS:
                 chunks.append(desc)
         except KVFormatError:
             break

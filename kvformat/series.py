@@ -44,14 +44,18 @@ class Entry:
     drops: list[tuple[int, int, int, int]]
     appends: list[tuple[int, int, int]]
     metadata: dict[str, Any] = field(default_factory=dict)
+    arrays: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "parent": self.parent,
             "drop": [list(d) for d in self.drops],
             "append": [x for triple in self.appends for x in triple],
             "metadata": self.metadata,
         }
+        if self.arrays:
+            document["arrays"] = self.arrays
+        return document
 
 
 def _ints(value: Any, where: str) -> list[int]:
@@ -89,7 +93,10 @@ def parse_entry(obj: Any, index: int, num_layers: int, num_seqs: int) -> Entry:
     metadata = obj.get("metadata", {})
     if not isinstance(metadata, dict):
         raise CorruptFileError(f"{where}: metadata must be an object")
-    return Entry(parent, drops, appends, metadata)
+    arrays = obj.get("arrays", {})
+    if not isinstance(arrays, dict) or not all(type(v) is int and v >= 0 for v in arrays.values()):
+        raise CorruptFileError(f"{where}: 'arrays' must map names to chunk indices")
+    return Entry(parent, drops, appends, metadata, arrays)
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,8 @@ class Chain:
         for chunk, row, count in entry.appends:
             if chunk >= n:
                 raise CorruptFileError(f"snapshot {index} appends chunk {chunk}; the file has {n}")
+            if self._key[chunk][3] not in (KIND_K, KIND_V):
+                raise CorruptFileError(f"snapshot {index} appends chunk {chunk}, which is not K or V")
             if count < 1 or row + count > self._rows[chunk]:
                 raise CorruptFileError(f"snapshot {index}: rows {row}+{count} fall outside chunk {chunk}")
             state.setdefault(self._key[chunk], []).append((chunk, row, count, self._position[chunk] + row))

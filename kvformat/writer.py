@@ -18,8 +18,10 @@ import numpy as np
 from kvformat import codecs, dtypes
 from kvformat.checksum import crc32c
 from kvformat.codecs import BytesLike, Codec
+from kvformat.dtypes import DType
 from kvformat.layout import (
     ALIGN,
+    KIND_ARRAY,
     KIND_K,
     KIND_MANIFEST,
     KIND_SNAPSHOT,
@@ -147,12 +149,11 @@ class Writer:
         self._write_record(descriptor, [payload])
 
     def _write_chunk(
-        self, kind: int, layer: int, head: int, seq: int, position: int, rows: np.ndarray
+        self, kind: int, dtype: DType, layer: int, head: int, seq: int, position: int, rows: np.ndarray
     ) -> int:
-        spec = self.manifest.layers[layer]
-        assert spec.dtype is not None
+        """Encode and write one table chunk (``rows``: C-contiguous 2-D); return its index."""
         data = _byte_view(rows)
-        pieces = self.codec.encode(data, spec.dtype.itemsize)
+        pieces = self.codec.encode(data, dtype.itemsize)
         crc = 0
         stored = 0
         for piece in pieces:
@@ -160,7 +161,7 @@ class Writer:
             stored += memoryview(piece).nbytes
         descriptor = Descriptor(
             kind=kind,
-            dtype=spec.dtype.code,
+            dtype=dtype.code,
             codec=self.codec.code,
             layer=layer,
             head=head,
@@ -176,6 +177,16 @@ class Writer:
         self._write_record(descriptor, pieces)
         self._chunks.append(descriptor)
         return len(self._chunks) - 1
+
+    def _write_array(self, name: str, value: Any) -> int:
+        if not isinstance(name, str) or not name:
+            raise ValueError("array names must be non-empty strings")
+        array = np.ascontiguousarray(value)
+        if array.ndim == 1:
+            array = array.reshape(1, -1)
+        if array.ndim != 2:
+            raise ValueError(f"array {name!r} must be 1-D or 2-D, got shape {array.shape}")
+        return self._write_chunk(KIND_ARRAY, dtypes.from_numpy(array.dtype), 0, 0, 0, 0, array)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -260,8 +271,12 @@ class Writer:
             for first in range(start, stop, rows_per_chunk):
                 last = min(stop, first + rows_per_chunk)
                 position = int(pos[first])
-                k_chunk = self._write_chunk(KIND_K, layer, head, seq, position, k_array[first:last])
-                v_chunk = self._write_chunk(KIND_V, layer, head, seq, position, v_array[first:last])
+                k_chunk = self._write_chunk(
+                    KIND_K, spec.dtype, layer, head, seq, position, k_array[first:last]
+                )
+                v_chunk = self._write_chunk(
+                    KIND_V, spec.dtype, layer, head, seq, position, v_array[first:last]
+                )
                 for key, chunk in ((k_key, k_chunk), (v_key, v_chunk)):
                     run = (chunk, 0, last - first, position)
                     self._live.setdefault(key, []).append(run)
@@ -285,14 +300,20 @@ class Writer:
         self._pending_drops.append((layer, seq, start, stop))
         self._dirty = True
 
-    def snapshot(self, metadata: dict[str, Any] | None = None) -> int:
-        """Commit the live state of every layer as a new snapshot; return its index."""
+    def snapshot(self, metadata: dict[str, Any] | None = None, arrays: dict[str, Any] | None = None) -> int:
+        """Commit the live state of every layer as a new snapshot; return its index.
+
+        ``arrays`` attaches named arrays to this snapshot (e.g. ``"last_logits"``:
+        ``(num_seqs, vocab)`` float32), each stored as one array chunk.
+        """
         self._check_open()
+        attached = {name: self._write_array(name, value) for name, value in (arrays or {}).items()}
         entry = Entry(
             parent=len(self._snapshots) - 1 if self._snapshots else None,
             drops=self._pending_drops,
             appends=[run[:3] for key in sorted(self._pending) for run in self._pending[key]],
             metadata=dict(metadata or {}),
+            arrays=attached,
         )
         self._write_json_record(KIND_SNAPSHOT, dumps(entry.to_json()))
         self._snapshots.append(entry)

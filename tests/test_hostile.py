@@ -221,6 +221,8 @@ JSON_EDITS: list[tuple[str, Callable[[dict], object]]] = [
         "append re-adds parent rows",
         lambda d: d["snapshots"][1]["append"].extend(d["snapshots"][0]["append"][:6]),
     ),
+    ("array names a K chunk", lambda d: set_path(d, ("snapshots", -1, "arrays"), {"x": 0})),
+    ("array index not int", lambda d: set_path(d, ("snapshots", -1, "arrays"), {"x": "0"})),
     ("segments not triples", lambda d: d["snapshots"][-1]["append"].pop()),
     ("K without V", lambda d: set_path(d, ("snapshots", -1, "append"), d["snapshots"][-1]["append"][:3])),
     (

@@ -66,3 +66,21 @@ def test_blocks_stream_every_segment_once(tmp_path: Path) -> None:
         for (layer, head), positions in seen.items():
             whole = snap.head(layer, head)
             assert whole is not None and sorted(positions) == whole.positions.tolist()
+
+
+def test_arrays_attach_to_snapshots(tmp_path: Path, codec: str) -> None:
+    spec = kvformat.LayerSpec(1, 4, 4, kvformat.FLOAT32)
+    logits = [np.linspace(-1, 1, 50, dtype=np.float32) * i for i in range(3)]
+    with kvformat.Writer(tmp_path / "a.kv", [spec], codec=codec) as w:
+        for step in range(3):
+            w.append(0, np.ones((1, 2, 4), np.float32), np.ones((1, 2, 4), np.float32))
+            w.snapshot({"step": step}, arrays={"last_logits": logits[step]} if step != 1 else None)
+    with kvformat.open(tmp_path / "a.kv") as snap:
+        got = snap.array("last_logits")
+        assert got is not None and got.shape == (1, 50)
+        assert np.array_equal(got[0], logits[2])
+        assert snap.select(1).array("last_logits") is None
+        assert snap.select(0).array_names == ["last_logits"]
+        assert np.array_equal(snap.select(0).array("last_logits")[0], logits[0])  # type: ignore[index]
+        assert snap.seq_len == 6
+        snap.verify()
