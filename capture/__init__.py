@@ -1,0 +1,20 @@
+"""capture: mlx-lm KV caches into `.kv` snapshots, during or after generation, and back.
+
+`generate` streams like `mlx_lm.stream_generate` while taking snapshots; `snapshot_kv` takes one
+of any prompt cache; `restore` builds a live prompt cache from a snapshot.
+"""
+
+from capture.errors import CaptureError, UnsupportedModelError
+from capture.generate import SnapshotEvent, generate
+from capture.restore import restore
+from capture.snapshot import KVSnapshot, snapshot_kv
+
+__all__ = [
+    "CaptureError",
+    "KVSnapshot",
+    "SnapshotEvent",
+    "UnsupportedModelError",
+    "generate",
+    "restore",
+    "snapshot_kv",
+]

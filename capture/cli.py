@@ -40,3 +40,117 @@ def register(sub: Any) -> None:
     p.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(MODELS)} (default: all)")
     p.add_argument("--dtype", choices=DTYPES, default="float16")
     p.set_defaults(func=_fetch)
+
+    register_capture(sub)
+
+
+def _resolve_model(spec: str) -> str:
+    """A fixture name, a GGUF file (converted once into the cache) or an mlx-lm directory."""
+    from pathlib import Path
+
+    from capture.fixtures import MODELS, _sha256, cache_dir, fetch_model
+
+    if spec in MODELS:
+        return str(fetch_model(spec))
+    path = Path(spec)
+    if path.suffix == ".gguf" and path.is_file():
+        from capture.convert import convert_gguf
+
+        out = cache_dir() / "converted" / _sha256(path)[:16]
+        if not (out / "config.json").exists():
+            convert_gguf(path, out)
+        return str(out)
+    if (path / "config.json").exists():
+        return str(path)
+    raise ValueError(
+        f"--model {spec!r}: not a fixture name ({', '.join(MODELS)}), .gguf file or model directory"
+    )
+
+
+def _capture(args: argparse.Namespace) -> int:
+    import sys
+    import time
+    from pathlib import Path
+
+    from mlx_lm import load
+
+    from capture.generate import SnapshotEvent, generate
+
+    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
+    model_path = _resolve_model(args.model)
+    loaded = load(model_path)
+    model, tokenizer = loaded[0], loaded[1]
+    if args.chat and getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    at = [int(x) for x in args.at.split(",") if x.strip()] if args.at else []
+    extra: dict[str, Any] = {}
+    if args.kv_bits:
+        extra.update(kv_bits=args.kv_bits, quantized_kv_start=0)
+    events: list[SnapshotEvent] = []
+
+    def report(event: SnapshotEvent) -> None:
+        events.append(event)
+        print(
+            f"\r\033[Ksnapshot {len(events)} after {event.generated} generated tokens "
+            f"({event.tokens} in cache) -> {event.path} ({event.size / 1e6:.2f} MB)",
+            file=sys.stderr,
+        )
+
+    start = time.perf_counter()
+    count = 0
+    for response in generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=args.max_tokens,
+        output=args.output,
+        every=args.every,
+        at=at,
+        separate_files=args.separate_files,
+        codec=args.codec,
+        model_path=model_path,
+        max_kv_size=args.max_kv_size,
+        on_snapshot=report,
+        metadata={"prompt": prompt},
+        **extra,
+    ):
+        count += 1
+        if args.echo:
+            print(response.text, end="", flush=True)
+        else:
+            rate = count / (time.perf_counter() - start)
+            bar = "#" * (30 * count // args.max_tokens)
+            print(
+                f"\r[{bar:<30}] {count}/{args.max_tokens} tokens, {rate:.1f} tok/s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(file=sys.stderr)
+    if not args.separate_files:
+        size = Path(args.output).stat().st_size
+        print(
+            f"wrote {args.output}: {len(events)} snapshot(s), {size / 1e6:.2f} MB, {count} tokens generated"
+        )
+    return 0
+
+
+def register_capture(sub: Any) -> None:
+    p = sub.add_parser("capture", help="generate with an mlx-lm model and save KV snapshots to .kv")
+    p.add_argument("--model", required=True, help="mlx-lm model dir, a .gguf file, or a fixture name")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt")
+    source.add_argument("--prompt-file")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--every", type=int, help="snapshot every N generated tokens")
+    p.add_argument("--at", help="snapshot at these generated-token counts, e.g. 1,8,32")
+    p.add_argument("--separate-files", action="store_true", help="one file per snapshot (OUT-NNNN.kv)")
+    p.add_argument("--codec", default="raw")
+    p.add_argument("--kv-bits", type=int, help="quantize the KV cache (mlx-lm QuantizedKVCache)")
+    p.add_argument("--max-kv-size", type=int, help="rotating cache of this many tokens")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--echo", action="store_true", help="print the generated text instead of a progress bar")
+    p.set_defaults(func=_capture)

@@ -1,0 +1,181 @@
+"""mlx-lm cache objects <-> per-layer K/V in temporal order with absolute positions.
+
+`read_layer` turns one layer's cache into a `LayerKV` (zero-copy views where the cache allows);
+`build_cache` turns stored K/V back into a live cache of the same class. Every cache class of
+``mlx_lm.models.cache`` is either handled or refused with an error naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import mlx.core as mx
+import numpy as np
+
+from capture.errors import UnsupportedModelError
+
+
+@dataclass
+class LayerKV:
+    """One layer's cache contents in temporal order.
+
+    ``k``: per sequence ``(num_heads, n_tokens, k_dim)`` numpy arrays (views of mlx buffers where
+    possible), ``v`` likewise, ``positions``: per sequence ``(n_tokens,)`` int64. ``present`` is
+    False for layers holding no K/V (recurrent state); ``attributes`` describe the cache.
+    """
+
+    k: list[np.ndarray] = field(default_factory=list)
+    v: list[np.ndarray] = field(default_factory=list)
+    positions: list[np.ndarray] = field(default_factory=list)
+    attributes: dict[str, Any] = field(default_factory=dict)
+    present: bool = True
+
+
+def to_numpy(array: mx.array) -> np.ndarray:
+    """A numpy view of an evaluated mlx array (bfloat16 through a uint16 view); no copy."""
+    if array.dtype == mx.bfloat16:
+        return np.asarray(array.view(mx.uint16)).view(ml_dtypes.bfloat16)
+    return np.asarray(array)
+
+
+def to_mlx(array: np.ndarray) -> mx.array:
+    """An mlx array from numpy (bfloat16 via uint16)."""
+    if array.dtype == ml_dtypes.bfloat16:
+        return mx.array(array.view(np.uint16)).view(mx.bfloat16)
+    return mx.array(array)
+
+
+def _split(keys: mx.array, values: mx.array, positions: np.ndarray, attributes: dict[str, Any]) -> LayerKV:
+    """``keys``: ``(B, H, n, D)`` in temporal order; the same positions for every sequence."""
+    mx.eval(keys, values)
+    k, v = to_numpy(keys), to_numpy(values)
+    batch = k.shape[0]
+    return LayerKV(
+        [k[b] for b in range(batch)], [v[b] for b in range(batch)], [positions] * batch, attributes
+    )
+
+
+def _rotating_positions(offset: int, held: int, keep: int) -> np.ndarray:
+    """Positions of a rotating cache holding ``held`` slots after ``offset`` tokens."""
+    if held >= offset:
+        return np.arange(offset, dtype=np.int64)
+    tail = held - keep
+    return np.concatenate([np.arange(keep), np.arange(offset - tail, offset)]).astype(np.int64)
+
+
+_KV_CLASSES = frozenset(
+    {"KVCache", "ConcatenateKVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache", "BatchKVCache"}
+)
+
+
+def read_layer(cache: Any) -> LayerKV:
+    """The K/V one mlx-lm cache object holds, for any cache class mlx-lm defines."""
+    name = type(cache).__name__
+    attributes: dict[str, Any] = {"cache_class": name}
+    if name == "ArraysCache":
+        # Recurrent (SSM / linear-attention) state: not K/V. Recorded as an absent layer.
+        return LayerKV(attributes={**attributes, "kind": "recurrent"}, present=False)
+    if name == "CacheList":
+        raise UnsupportedModelError("CacheList (several caches in one layer) is not captured yet")
+    if name not in _KV_CLASSES:
+        raise UnsupportedModelError(f"cache class {name} is not supported by kvsnap capture")
+    if getattr(cache, "keys", None) is None:
+        return LayerKV(attributes={**attributes, "kind": "full"}, present=True)
+    if name in ("KVCache", "ConcatenateKVCache"):
+        offset = int(cache.offset)
+        keys, values = cache.keys[..., :offset, :], cache.values[..., :offset, :]
+        return _split(keys, values, np.arange(offset, dtype=np.int64), {**attributes, "kind": "full"})
+    if name == "RotatingKVCache":
+        keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+        held = min(int(keys.shape[2]), int(cache.offset))
+        keys, values = keys[..., :held, :], values[..., :held, :]
+        positions = _rotating_positions(int(cache.offset), held, int(cache.keep))
+        attrs = {**attributes, "kind": "sliding", "window": int(cache.max_size), "keep": int(cache.keep)}
+        return _split(keys, values, positions, attrs)
+    if name == "ChunkedKVCache":
+        start, end = int(cache.start_position), int(cache.offset)
+        keys, values = cache.keys[..., : end - start, :], cache.values[..., : end - start, :]
+        attrs = {**attributes, "kind": "chunked", "chunk_size": int(cache.chunk_size)}
+        return _split(keys, values, np.arange(start, end, dtype=np.int64), attrs)
+    if name == "QuantizedKVCache":
+        offset = int(cache.offset)
+        group, bits = int(cache.group_size), int(cache.bits)
+        keys, values = (
+            mx.dequantize(
+                w[..., :offset, :], s[..., :offset, :], b[..., :offset, :], group_size=group, bits=bits
+            )
+            for w, s, b in (cache.keys, cache.values)
+        )
+        attrs = {
+            **attributes,
+            "kind": "full",
+            "quantized": {"bits": bits, "group_size": group, "stored": "dequantized"},
+        }
+        return _split(keys, values, np.arange(offset, dtype=np.int64), attrs)
+    if name == "BatchKVCache":
+        mx.eval(cache.keys, cache.values, cache.left_padding)
+        end = int(cache._idx)
+        padding = np.asarray(cache.left_padding).tolist()
+        k, v = to_numpy(cache.keys[..., :end, :]), to_numpy(cache.values[..., :end, :])
+        out = LayerKV(attributes={**attributes, "kind": "full", "left_padding": padding})
+        for b, pad in enumerate(padding):
+            out.k.append(k[b, :, pad:end])
+            out.v.append(v[b, :, pad:end])
+            out.positions.append(np.arange(end - pad, dtype=np.int64))
+        return out
+    raise UnsupportedModelError(f"cache class {name} is not supported by kvsnap capture")
+
+
+def build_cache(layer: LayerKV) -> Any:
+    """A live mlx-lm cache holding ``layer`` (the inverse of `read_layer`)."""
+    from mlx_lm.models import cache as cache_module
+
+    name = layer.attributes.get("cache_class", "KVCache")
+    cache: Any
+    if not layer.present:
+        raise UnsupportedModelError(
+            f"layer of class {name} holds no K/V in the snapshot (recurrent state is not stored); "
+            "it cannot be restored"
+        )
+    if not layer.k:
+        raise UnsupportedModelError("layer without sequences cannot be restored")
+    if any(not np.array_equal(p, layer.positions[0]) for p in layer.positions):
+        raise UnsupportedModelError("sequences of a batch hold different positions; restore one sequence")
+    positions = layer.positions[0]
+    keys = to_mlx(np.stack([np.asarray(k) for k in layer.k]))
+    values = to_mlx(np.stack([np.asarray(v) for v in layer.v]))
+    n = int(positions.size)
+    offset = int(positions[-1]) + 1 if n else 0
+    if name in ("KVCache", "ConcatenateKVCache", "QuantizedKVCache"):
+        if not np.array_equal(positions, np.arange(n)):
+            raise UnsupportedModelError(f"{name} needs positions 0..n-1; this layer holds others")
+        if name == "QuantizedKVCache":
+            quant = layer.attributes.get("quantized", {})
+            cache = cache_module.QuantizedKVCache(group_size=quant["group_size"], bits=quant["bits"])
+            if n:
+                cache.keys = mx.quantize(keys, group_size=cache.group_size, bits=cache.bits)
+                cache.values = mx.quantize(values, group_size=cache.group_size, bits=cache.bits)
+            cache.offset = n
+            return cache
+        cache = getattr(cache_module, name)()
+        if n:
+            cache.keys, cache.values, cache.offset = keys, values, n
+        return cache
+    if name == "RotatingKVCache":
+        window, keep = int(layer.attributes["window"]), int(layer.attributes.get("keep", 0))
+        cache = cache_module.RotatingKVCache(max_size=window, keep=keep)
+        if n:
+            expected = _rotating_positions(offset, n, keep)
+            if not np.array_equal(positions, expected):
+                raise UnsupportedModelError("rotating layer positions are not keep-prefix + window")
+            cache.keys, cache.values, cache.offset, cache._idx = keys, values, offset, n
+        return cache
+    if name == "ChunkedKVCache":
+        cache = cache_module.ChunkedKVCache(int(layer.attributes["chunk_size"]))
+        if n:
+            cache.keys, cache.values, cache.offset = keys, values, offset
+            cache.start_position = int(positions[0])
+        return cache
+    raise UnsupportedModelError(f"restoring cache class {name} is not supported")

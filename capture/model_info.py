@@ -1,0 +1,83 @@
+"""What a snapshot records about the model: architecture, config digest, heads, RoPE, layers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import mlx.nn as nn
+
+import kvformat
+
+_LATENT_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3")
+
+
+def model_config(model: nn.Module) -> dict[str, Any]:
+    """The model's config as plain JSON (its ``args`` dataclass, or what it exposes)."""
+    args = getattr(model, "args", None)
+    if args is None:
+        return {}
+    items = vars(args) if hasattr(args, "__dict__") else {}
+    return json.loads(json.dumps(items, default=str))
+
+
+def rope_description(config: dict[str, Any]) -> dict[str, Any] | None:
+    """RoPE as analysis needs it: base, scaling, rotary dims, pairing (interleaved or half)."""
+    if "rope_theta" not in config and "rope_local_base_freq" not in config:
+        return None
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    partial = config.get("partial_rotary_factor", 1.0)
+    traditional = bool(config.get("rope_traditional", False))
+    return {
+        "base": float(config.get("rope_theta", 10000.0)),
+        "scaling": config.get("rope_scaling"),
+        "dims": int(head_dim * partial),
+        "traditional": traditional,
+        "pairing": "interleaved" if traditional else "half",
+    }
+
+
+def layer_rope_base(config: dict[str, Any], layer: int) -> float | None:
+    """A per-layer RoPE base where the model uses more than one (Gemma-3 local layers)."""
+    if config.get("model_type") == "gemma3_text":
+        pattern = int(config.get("sliding_window_pattern", 6))
+        if (layer + 1) % pattern != 0:
+            return float(config.get("rope_local_base_freq", 10000.0))
+    return None
+
+
+def file_metadata(model: nn.Module, model_path: str | None, tokenizer: Any = None) -> dict[str, Any]:
+    """File-level metadata per spec section 15.1."""
+    config = model_config(model)
+    if config.get("model_type") in _LATENT_MODEL_TYPES:
+        from capture.errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"{config['model_type']} keeps a latent (MLA) cache; capturing it as per-head K/V would "
+            "mislabel it, and latent capture is not implemented yet"
+        )
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    metadata: dict[str, Any] = {
+        "model": {
+            "name": (model_path or "").rstrip("/").split("/")[-1] or config.get("model_type"),
+            "path": model_path,
+            "architecture": config.get("model_type"),
+            "config_sha256": digest,
+            "num_layers": config.get("num_hidden_layers"),
+            "num_attention_heads": config.get("num_attention_heads"),
+            "num_kv_heads": config.get("num_key_value_heads"),
+            "config": config,
+        },
+        "tool": {"name": "kvsnap", "version": kvformat.__version__},
+    }
+    rope = rope_description(config)
+    if rope:
+        metadata["rope"] = rope
+    if tokenizer is not None:
+        metadata["tokenizer"] = {
+            "vocab_size": getattr(tokenizer, "vocab_size", None),
+            "bos_token_id": getattr(tokenizer, "bos_token_id", None),
+            "eos_token_ids": sorted(getattr(tokenizer, "eos_token_ids", []) or []),
+        }
+    return metadata

@@ -1,0 +1,49 @@
+"""Snapshots back into live mlx-lm caches, so generation can resume where it stopped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import kvformat
+from capture.caches import LayerKV, build_cache
+from capture.snapshot import KVSnapshot
+
+
+def layers_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[LayerKV]:
+    """Per-layer K/V of an in-memory snapshot or of one read back with `kvformat.open`."""
+    if isinstance(snapshot, KVSnapshot):
+        return snapshot.layers
+    layers = []
+    for index, spec in enumerate(snapshot.layers):
+        if not spec.present:
+            layers.append(LayerKV(attributes=dict(spec.attributes), present=False))
+            continue
+        data = LayerKV(attributes=dict(spec.attributes))
+        for seq in range(snapshot.num_seqs):
+            heads = [snapshot.head(index, head, seq) for head in range(spec.num_heads)]
+            data.k.append(np.stack([h.k for h in heads if h is not None]))
+            data.v.append(np.stack([h.v for h in heads if h is not None]))
+            first = heads[0]
+            data.positions.append(first.positions if first is not None else np.empty(0, np.int64))
+        layers.append(data)
+    return layers
+
+
+def restore(snapshot: KVSnapshot | kvformat.Snapshot) -> list[Any]:
+    """An mlx-lm prompt cache (one cache object per layer) holding the snapshot's K/V."""
+    return [build_cache(layer) for layer in layers_of(snapshot)]
+
+
+def last_logits(snapshot: KVSnapshot | kvformat.Snapshot) -> np.ndarray | None:
+    """``(num_seqs, vocab)`` logits after the snapshot's last token, if it recorded them."""
+    if isinstance(snapshot, KVSnapshot):
+        return snapshot.last_logits
+    return snapshot.array("last_logits")
+
+
+def tokens_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[list[int]]:
+    """Token ids per sequence whose K/V the snapshot holds (from its metadata)."""
+    tokens = snapshot.snapshot_metadata.get("tokens", [])
+    return [list(map(int, seq)) for seq in tokens]

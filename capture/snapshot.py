@@ -1,0 +1,143 @@
+"""In-memory snapshots of an mlx-lm prompt cache, and saving them as `.kv` files."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.nn as nn
+import numpy as np
+
+import kvformat
+from capture.caches import LayerKV, read_layer
+from capture.model_info import file_metadata, layer_rope_base, model_config
+
+
+@dataclass(frozen=True)
+class HeadKV:
+    """K ``(n_tokens, k_dim)``, V ``(n_tokens, v_dim)`` and positions ``(n_tokens,)`` of one head."""
+
+    k: np.ndarray
+    v: np.ndarray
+    positions: np.ndarray
+
+
+@dataclass
+class KVSnapshot:
+    """The K/V of every layer at one moment, plus what is needed to interpret and resume it.
+
+    Arrays are views of the cache buffers where possible: taking a snapshot copies at most once.
+    """
+
+    layers: list[LayerKV]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    snapshot_metadata: dict[str, Any] = field(default_factory=dict)
+    last_logits: np.ndarray | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_seqs(self) -> int:
+        return max((len(layer.k) for layer in self.layers if layer.present), default=1)
+
+    @property
+    def num_heads(self) -> int:
+        return max((layer.k[0].shape[0] for layer in self.layers if layer.present and layer.k), default=0)
+
+    @property
+    def head_dim(self) -> int:
+        return max((layer.k[0].shape[2] for layer in self.layers if layer.present and layer.k), default=0)
+
+    @property
+    def seq_len(self) -> int:
+        """One past the largest position held (tokens processed)."""
+        ends = [int(p[-1]) + 1 for layer in self.layers for p in layer.positions if p.size]
+        return max(ends, default=0)
+
+    def head(self, layer: int, head: int, seq: int = 0) -> HeadKV | None:
+        """One head's K, V and positions, or None for a layer without K/V."""
+        data = self.layers[layer]
+        if not data.present or not data.k:
+            return None
+        return HeadKV(data.k[seq][head], data.v[seq][head], data.positions[seq])
+
+    def layer_specs(self) -> list[kvformat.LayerSpec | None]:
+        specs: list[kvformat.LayerSpec | None] = []
+        for data in self.layers:
+            if not data.present or not data.k:
+                specs.append(kvformat.LayerSpec.absent(data.attributes))
+                continue
+            k, v = data.k[0], data.v[0]
+            specs.append(
+                kvformat.LayerSpec(
+                    num_heads=k.shape[0],
+                    k_dim=k.shape[2],
+                    v_dim=v.shape[2],
+                    dtype=kvformat.dtypes.from_numpy(k.dtype),
+                    attributes=data.attributes,
+                )
+            )
+        return specs
+
+    def save(self, path: str | os.PathLike[str], codec: str = "raw") -> None:
+        """Write this snapshot as a one-snapshot `.kv` file (streamed head by head, no copy)."""
+        writer = kvformat.Writer(
+            path, self.layer_specs(), num_seqs=self.num_seqs, metadata=self.metadata, codec=codec
+        )
+        try:
+            for index, data in enumerate(self.layers):
+                if not data.present or not data.k:
+                    continue
+                for seq, (k, v, positions) in enumerate(zip(data.k, data.v, data.positions, strict=True)):
+                    writer.append(index, k, v, positions, seq=seq)
+            arrays = {"last_logits": self.last_logits} if self.last_logits is not None else None
+            writer.snapshot(self.snapshot_metadata, arrays=arrays)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
+
+
+def snapshot_kv(
+    prompt_cache: list[Any],
+    model: nn.Module | None = None,
+    *,
+    model_path: str | None = None,
+    tokenizer: Any = None,
+    tokens: list[int] | list[list[int]] | None = None,
+    last_logits: Any = None,
+    metadata: dict[str, Any] | None = None,
+) -> KVSnapshot:
+    """Take a snapshot of an mlx-lm prompt cache (one cache object per layer).
+
+    ``tokens`` are the token ids whose K/V the cache holds (one list per sequence);
+    ``last_logits`` the ``(num_seqs, vocab)`` logits after the last of them, for resuming.
+    """
+    layers = [read_layer(cache) for cache in prompt_cache]
+    info = file_metadata(model, model_path, tokenizer) if model is not None else {}
+    config = model_config(model) if model is not None else {}
+    for index, data in enumerate(layers):
+        base = layer_rope_base(config, index)
+        if base is not None:
+            data.attributes["rope_base"] = base
+    info["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    info.update(metadata or {})
+    snapshot_meta: dict[str, Any] = {}
+    if tokens is not None:
+        per_seq: list[Any] = list(tokens) if tokens and isinstance(tokens[0], list) else [tokens]
+        snapshot_meta["tokens"] = [[int(t) for t in seq] for seq in per_seq]
+        if tokenizer is not None:
+            snapshot_meta["text"] = [tokenizer.decode(seq) for seq in snapshot_meta["tokens"]]
+    logits = None
+    if last_logits is not None:
+        import mlx.core as mx
+
+        from capture.caches import to_numpy
+
+        array = mx.array(last_logits).astype(mx.float32)
+        logits = to_numpy(array.reshape(-1, array.shape[-1]))
+    return KVSnapshot(layers, info, snapshot_meta, logits)
