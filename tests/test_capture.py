@@ -291,3 +291,15 @@ def test_real_model_resume_equals_uninterrupted(
         assert early.snapshot_metadata["generated"] == 2
         assert early.array("last_logits") is not None
         assert run(model, tokenizer, [], total - 2, resume=early) == reference[2:]
+
+
+@pytest.mark.parametrize("arch", sorted(__import__("capture.tiny", fromlist=["CONFIGS"]).CONFIGS))
+def test_tiny_factory_builds_and_runs(arch: str) -> None:
+    model = tiny_model(arch)
+    cache = cache_module.make_prompt_cache(model)
+    logits = model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
+    mx.eval(logits)
+    assert logits.shape == (1, 5, 256) and bool(mx.all(mx.isfinite(logits)).item())
+    kinds = {type(c).__name__ for c in cache}
+    expected = {"gemma3_text": {"RotatingKVCache", "KVCache"}, "lfm2": {"ArraysCache", "KVCache"}}
+    assert kinds == expected.get(arch, {"KVCache"})

@@ -1,0 +1,117 @@
+"""Capture benchmark, all in one run on SmolLM2-135M (fixture model):
+
+1. snapshot save time vs a bare ``f.write(memoryview)`` of the same K/V bytes, and vs mlx-lm's
+   ``save_prompt_cache`` on the same cache (time and size on disk);
+2. the overhead that snapshots every 16 tokens (one series file) add to a 256-token generation.
+
+    python benchmarks/capture_bench.py [--tokens 256] [--every 16] [--context 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm import load, stream_generate
+from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+from capture import generate, snapshot_kv
+from capture.fixtures import fetch_model
+
+
+def fsync_write(path: Path, buffers: list[memoryview]) -> None:
+    with open(path, "wb") as f:
+        for buffer in buffers:
+            f.write(buffer)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def best(repeats: int, fn) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--every", type=int, default=16)
+    parser.add_argument("--context", type=int, default=2048, help="prompt tokens for the save test")
+    args = parser.parse_args()
+    path = str(fetch_model("smollm2-135m"))
+    model, tokenizer = load(path)
+    lines = ["| measurement | kvsnap | peer / machine limit | ratio |", "|---|---:|---:|---:|"]
+
+    # 1. Save one snapshot of a filled cache.
+    cache = make_prompt_cache(model)
+    prompt = mx.array(np.random.default_rng(0).integers(100, 40000, args.context))
+    model(prompt[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    with tempfile.TemporaryDirectory() as tmp:
+        snap = snapshot_kv(cache, model, model_path=path)
+        buffers = [memoryview(np.ascontiguousarray(layer.k[0][h]).view(np.uint8).reshape(-1))
+                   for layer in snap.layers for h in range(layer.k[0].shape[0])]
+        buffers += [memoryview(np.ascontiguousarray(layer.v[0][h]).view(np.uint8).reshape(-1))
+                    for layer in snap.layers for h in range(layer.v[0].shape[0])]
+        nbytes = sum(b.nbytes for b in buffers)
+        kv_path, bare_path, mlx_path = Path(tmp) / "s.kv", Path(tmp) / "bare.bin", Path(tmp) / "c.safetensors"
+
+        def save_kv() -> None:
+            snapshot_kv(cache, model, model_path=path).save(kv_path)
+
+        kv_s = best(5, save_kv)
+        bare_s = best(5, lambda: fsync_write(bare_path, buffers))
+        mlx_s = best(5, lambda: save_prompt_cache(str(mlx_path), cache))
+        kv_size, mlx_size = kv_path.stat().st_size, mlx_path.stat().st_size
+        lines.append(f"| snapshot + save, {args.context} tokens ({nbytes / 1e6:.1f} MB K/V) | {kv_s * 1e3:.1f} ms "
+                     f"| bare f.write + fsync {bare_s * 1e3:.1f} ms | {bare_s / kv_s:.2f}x |")
+        lines.append(f"| same vs mlx-lm save_prompt_cache | {kv_s * 1e3:.1f} ms | {mlx_s * 1e3:.1f} ms "
+                     f"| {mlx_s / kv_s:.2f}x faster |")
+        lines.append(f"| size on disk | {kv_size / 1e6:.2f} MB | save_prompt_cache {mlx_size / 1e6:.2f} MB "
+                     f"| {mlx_size / kv_size:.2f}x smaller |")
+        small = make_prompt_cache(model)
+        model(prompt[None, :18], cache=small)
+        mx.eval([c.state for c in small])
+        snapshot_kv(small, model).save(Path(tmp) / "small.kv")
+        save_prompt_cache(str(Path(tmp) / "small.safetensors"), small)
+        a, b = (Path(tmp) / "small.kv").stat().st_size, (Path(tmp) / "small.safetensors").stat().st_size
+        lines.append(f"| size, 18-token cache | {a / 1e3:.0f} kB | save_prompt_cache {b / 1e3:.0f} kB | {b / a:.1f}x smaller |")
+
+        # 2. Generation overhead of snapshots every N tokens.
+        text = "Write a long story about a lighthouse keeper."
+        ids = tokenizer.encode(text)
+
+        def plain() -> None:
+            for _ in stream_generate(model, tokenizer, mx.array(ids), max_tokens=args.tokens):
+                pass
+
+        def probed() -> None:
+            out = Path(tmp) / "series.kv"
+            out.unlink(missing_ok=True)
+            for _ in generate(model, tokenizer, ids, max_tokens=args.tokens, output=out, every=args.every):
+                pass
+
+        plain()  # warm up
+        plain_s, probed_s = [], []
+        for _ in range(2):
+            plain_s.append(best(1, plain))
+            probed_s.append(best(1, probed))
+        p, q = min(plain_s), min(probed_s)
+        series = Path(tmp) / "series.kv"
+        lines.append(f"| {args.tokens}-token generation, snapshot every {args.every} | {q:.2f} s "
+                     f"| plain stream_generate {p:.2f} s | overhead {100 * (q - p) / p:+.1f}% |")
+        lines.append(f"| series file ({args.tokens // args.every} snapshots) | {series.stat().st_size / 1e6:.2f} MB | | |")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
