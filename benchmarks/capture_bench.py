@@ -58,10 +58,16 @@ def main() -> None:
     mx.eval([c.state for c in cache])
     with tempfile.TemporaryDirectory() as tmp:
         snap = snapshot_kv(cache, model, model_path=path)
-        buffers = [memoryview(np.ascontiguousarray(layer.k[0][h]).view(np.uint8).reshape(-1))
-                   for layer in snap.layers for h in range(layer.k[0].shape[0])]
-        buffers += [memoryview(np.ascontiguousarray(layer.v[0][h]).view(np.uint8).reshape(-1))
-                    for layer in snap.layers for h in range(layer.v[0].shape[0])]
+        buffers = [
+            memoryview(np.ascontiguousarray(layer.k[0][h]).view(np.uint8).reshape(-1))
+            for layer in snap.layers
+            for h in range(layer.k[0].shape[0])
+        ]
+        buffers += [
+            memoryview(np.ascontiguousarray(layer.v[0][h]).view(np.uint8).reshape(-1))
+            for layer in snap.layers
+            for h in range(layer.v[0].shape[0])
+        ]
         nbytes = sum(b.nbytes for b in buffers)
         kv_path, bare_path, mlx_path = Path(tmp) / "s.kv", Path(tmp) / "bare.bin", Path(tmp) / "c.safetensors"
 
@@ -72,19 +78,28 @@ def main() -> None:
         bare_s = best(5, lambda: fsync_write(bare_path, buffers))
         mlx_s = best(5, lambda: save_prompt_cache(str(mlx_path), cache))
         kv_size, mlx_size = kv_path.stat().st_size, mlx_path.stat().st_size
-        lines.append(f"| snapshot + save, {args.context} tokens ({nbytes / 1e6:.1f} MB K/V) | {kv_s * 1e3:.1f} ms "
-                     f"| bare f.write + fsync {bare_s * 1e3:.1f} ms | {bare_s / kv_s:.2f}x |")
-        lines.append(f"| same vs mlx-lm save_prompt_cache | {kv_s * 1e3:.1f} ms | {mlx_s * 1e3:.1f} ms "
-                     f"| {mlx_s / kv_s:.2f}x faster |")
-        lines.append(f"| size on disk | {kv_size / 1e6:.2f} MB | save_prompt_cache {mlx_size / 1e6:.2f} MB "
-                     f"| {mlx_size / kv_size:.2f}x smaller |")
+        lines.append(
+            f"| snapshot + save, {args.context} tokens ({nbytes / 1e6:.1f} MB K/V) | {kv_s * 1e3:.1f} ms "
+            f"| bare f.write + fsync {bare_s * 1e3:.1f} ms | {bare_s / kv_s:.2f}x |"
+        )
+        lines.append(
+            f"| same vs mlx-lm save_prompt_cache | {kv_s * 1e3:.1f} ms | {mlx_s * 1e3:.1f} ms "
+            f"| {mlx_s / kv_s:.2f}x faster |"
+        )
+        lines.append(
+            f"| size on disk | {kv_size / 1e6:.2f} MB | save_prompt_cache {mlx_size / 1e6:.2f} MB "
+            f"| {mlx_size / kv_size:.2f}x smaller |"
+        )
         small = make_prompt_cache(model)
         model(prompt[None, :18], cache=small)
         mx.eval([c.state for c in small])
         snapshot_kv(small, model).save(Path(tmp) / "small.kv")
         save_prompt_cache(str(Path(tmp) / "small.safetensors"), small)
         a, b = (Path(tmp) / "small.kv").stat().st_size, (Path(tmp) / "small.safetensors").stat().st_size
-        lines.append(f"| size, 18-token cache | {a / 1e3:.0f} kB | save_prompt_cache {b / 1e3:.0f} kB | {b / a:.1f}x smaller |")
+        lines.append(
+            f"| size, 18-token cache | {a / 1e3:.0f} kB | save_prompt_cache {b / 1e3:.0f} kB "
+            f"| {b / a:.1f}x smaller |"
+        )
 
         # 2. Generation overhead of snapshots every N tokens.
         text = "Write a long story about a lighthouse keeper."
@@ -107,9 +122,14 @@ def main() -> None:
             probed_s.append(best(1, probed))
         p, q = min(plain_s), min(probed_s)
         series = Path(tmp) / "series.kv"
-        lines.append(f"| {args.tokens}-token generation, snapshot every {args.every} | {q:.2f} s "
-                     f"| plain stream_generate {p:.2f} s | overhead {100 * (q - p) / p:+.1f}% |")
-        lines.append(f"| series file ({args.tokens // args.every} snapshots) | {series.stat().st_size / 1e6:.2f} MB | | |")
+        lines.append(
+            f"| {args.tokens}-token generation, snapshot every {args.every} | {q:.2f} s "
+            f"| plain stream_generate {p:.2f} s | overhead {100 * (q - p) / p:+.1f}% |"
+        )
+        lines.append(
+            f"| series file ({args.tokens // args.every} snapshots) "
+            f"| {series.stat().st_size / 1e6:.2f} MB | | |"
+        )
     print("\n".join(lines))
 
 

@@ -15,6 +15,8 @@ import mlx.core as mx
 import numpy as np
 
 from capture.errors import UnsupportedModelError
+from kvformat.quantization import BITS as QUANT_BITS
+from kvformat.quantization import Quantization
 
 
 @dataclass
@@ -26,11 +28,39 @@ class LayerKV:
     False for layers holding no K/V (recurrent state); ``attributes`` describe the cache.
     """
 
-    k: list[np.ndarray] = field(default_factory=list)
-    v: list[np.ndarray] = field(default_factory=list)
+    k: list[Any] = field(default_factory=list)
+    v: list[Any] = field(default_factory=list)
     positions: list[np.ndarray] = field(default_factory=list)
     attributes: dict[str, Any] = field(default_factory=dict)
     present: bool = True
+    quantization: Quantization | None = None
+
+    def tokens_from(self, seq: int, start: int) -> tuple[Any, Any]:
+        """K and V of one sequence from token index ``start`` on (parts sliced alike)."""
+        if self.quantization is not None:
+            return (tuple(p[:, start:] for p in self.k[seq]), tuple(p[:, start:] for p in self.v[seq]))
+        return self.k[seq][:, start:], self.v[seq][:, start:]
+
+    def dense(self, seq: int, head: int) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantized (if needed) K ``(n, k_dim)`` and V ``(n, v_dim)`` of one head."""
+        if self.quantization is None:
+            return self.k[seq][head], self.v[seq][head]
+        dtype = self.k[seq][1].dtype
+        k = self.quantization.dequantize(tuple(p[head] for p in self.k[seq]), dtype)
+        v = self.quantization.dequantize(tuple(p[head] for p in self.v[seq]), dtype)
+        return k, v
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        """(num_heads, k_dim, v_dim)."""
+        if self.quantization is None:
+            return self.k[0].shape[0], self.k[0].shape[2], self.v[0].shape[2]
+        per_word = 32 // self.quantization.bits
+        return self.k[0][0].shape[0], self.k[0][0].shape[2] * per_word, self.v[0][0].shape[2] * per_word
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.k[0][1].dtype if self.quantization is not None else self.k[0].dtype)
 
 
 def to_numpy(array: mx.array) -> np.ndarray:
@@ -55,6 +85,12 @@ def _split(keys: mx.array, values: mx.array, positions: np.ndarray, attributes: 
     return LayerKV(
         [k[b] for b in range(batch)], [v[b] for b in range(batch)], [positions] * batch, attributes
     )
+
+
+def _evaluated(arrays: Any) -> Any:
+    sliced = list(arrays)
+    mx.eval(sliced)
+    return sliced
 
 
 def _rotating_positions(offset: int, held: int, keep: int) -> np.ndarray:
@@ -101,19 +137,20 @@ def read_layer(cache: Any) -> LayerKV:
         return _split(keys, values, np.arange(start, end, dtype=np.int64), attrs)
     if name == "QuantizedKVCache":
         offset = int(cache.offset)
-        group, bits = int(cache.group_size), int(cache.bits)
-        keys, values = (
-            mx.dequantize(
-                w[..., :offset, :], s[..., :offset, :], b[..., :offset, :], group_size=group, bits=bits
-            )
-            for w, s, b in (cache.keys, cache.values)
+        quant = Quantization(int(cache.bits), int(cache.group_size))
+        if quant.bits not in QUANT_BITS:
+            raise UnsupportedModelError(f"QuantizedKVCache with {quant.bits} bits; supported: {QUANT_BITS}")
+        k_parts = [to_numpy(x[..., :offset, :]) for x in _evaluated(cache.keys)]
+        v_parts = [to_numpy(x[..., :offset, :]) for x in _evaluated(cache.values)]
+        batch = k_parts[0].shape[0]
+        positions = np.arange(offset, dtype=np.int64)
+        return LayerKV(
+            [tuple(x[b] for x in k_parts) for b in range(batch)],
+            [tuple(x[b] for x in v_parts) for b in range(batch)],
+            [positions] * batch,
+            {**attributes, "kind": "full"},
+            quantization=quant,
         )
-        attrs = {
-            **attributes,
-            "kind": "full",
-            "quantized": {"bits": bits, "group_size": group, "stored": "dequantized"},
-        }
-        return _split(keys, values, np.arange(offset, dtype=np.int64), attrs)
     if name == "BatchKVCache":
         mx.eval(cache.keys, cache.values, cache.left_padding)
         end = int(cache._idx)
@@ -144,21 +181,26 @@ def build_cache(layer: LayerKV) -> Any:
     if any(not np.array_equal(p, layer.positions[0]) for p in layer.positions):
         raise UnsupportedModelError("sequences of a batch hold different positions; restore one sequence")
     positions = layer.positions[0]
-    keys = to_mlx(np.stack([np.asarray(k) for k in layer.k]))
-    values = to_mlx(np.stack([np.asarray(v) for v in layer.v]))
     n = int(positions.size)
     offset = int(positions[-1]) + 1 if n else 0
-    if name in ("KVCache", "ConcatenateKVCache", "QuantizedKVCache"):
+    if layer.quantization is not None:
+        if not np.array_equal(positions, np.arange(n)):
+            raise UnsupportedModelError("QuantizedKVCache needs positions 0..n-1; this layer holds others")
+        cache = cache_module.QuantizedKVCache(
+            group_size=layer.quantization.group_size, bits=layer.quantization.bits
+        )
+        if n:
+            cache.keys, cache.values = (
+                tuple(to_mlx(np.stack([np.asarray(parts[j]) for parts in group])) for j in range(3))
+                for group in (layer.k, layer.v)
+            )
+        cache.offset = n
+        return cache
+    keys = to_mlx(np.stack([np.asarray(k) for k in layer.k]))
+    values = to_mlx(np.stack([np.asarray(v) for v in layer.v]))
+    if name in ("KVCache", "ConcatenateKVCache"):
         if not np.array_equal(positions, np.arange(n)):
             raise UnsupportedModelError(f"{name} needs positions 0..n-1; this layer holds others")
-        if name == "QuantizedKVCache":
-            quant = layer.attributes.get("quantized", {})
-            cache = cache_module.QuantizedKVCache(group_size=quant["group_size"], bits=quant["bits"])
-            if n:
-                cache.keys = mx.quantize(keys, group_size=cache.group_size, bits=cache.bits)
-                cache.values = mx.quantize(values, group_size=cache.group_size, bits=cache.bits)
-            cache.offset = n
-            return cache
         cache = getattr(cache_module, name)()
         if n:
             cache.keys, cache.values, cache.offset = keys, values, n

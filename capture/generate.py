@@ -72,7 +72,7 @@ class SeriesWriter:
         for index, layer in enumerate(snapshot.layers):
             if not layer.present or not layer.k:
                 continue
-            for seq, (k, v, positions) in enumerate(zip(layer.k, layer.v, layer.positions, strict=True)):
+            for seq, positions in enumerate(layer.positions):
                 held = self._held[index][seq]
                 last = int(held[-1]) if held.size else -1
                 for start, stop in _ranges(held[~np.isin(held, positions)]):
@@ -81,7 +81,8 @@ class SeriesWriter:
                 if not np.array_equal(positions[~new], held[np.isin(held, positions)]):
                     raise CaptureError(f"layer {index}: cache positions are not append-only")
                 first_new = int(np.argmax(new)) if new.any() else positions.size
-                writer.append(index, k[:, first_new:], v[:, first_new:], positions[first_new:], seq=seq)
+                k, v = layer.tokens_from(seq, first_new)
+                writer.append(index, k, v, positions[first_new:], seq=seq)
                 self._held[index][seq] = positions.copy()
         arrays = {"last_logits": snapshot.last_logits} if snapshot.last_logits is not None else None
         return writer.snapshot(snapshot.snapshot_metadata, arrays=arrays)

@@ -20,7 +20,16 @@ def layers_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[LayerKV]:
         if not spec.present:
             layers.append(LayerKV(attributes=dict(spec.attributes), present=False))
             continue
-        data = LayerKV(attributes=dict(spec.attributes))
+        data = LayerKV(attributes=dict(spec.attributes), quantization=spec.quantization)
+        if spec.quantization is not None:
+            for seq in range(snapshot.num_seqs):
+                stored = [snapshot.quantized_head(index, head, seq) for head in range(spec.num_heads)]
+                parts = [s for s in stored if s is not None]
+                data.k.append(tuple(np.stack([p[0][j] for p in parts]) for j in range(3)))
+                data.v.append(tuple(np.stack([p[1][j] for p in parts]) for j in range(3)))
+                data.positions.append(parts[0][2])
+            layers.append(data)
+            continue
         for seq in range(snapshot.num_seqs):
             heads = [snapshot.head(index, head, seq) for head in range(spec.num_heads)]
             data.k.append(np.stack([h.k for h in heads if h is not None]))

@@ -46,11 +46,11 @@ class KVSnapshot:
 
     @property
     def num_heads(self) -> int:
-        return max((layer.k[0].shape[0] for layer in self.layers if layer.present and layer.k), default=0)
+        return max((layer.dims[0] for layer in self.layers if layer.present and layer.k), default=0)
 
     @property
     def head_dim(self) -> int:
-        return max((layer.k[0].shape[2] for layer in self.layers if layer.present and layer.k), default=0)
+        return max((layer.dims[1] for layer in self.layers if layer.present and layer.k), default=0)
 
     @property
     def seq_len(self) -> int:
@@ -63,7 +63,8 @@ class KVSnapshot:
         data = self.layers[layer]
         if not data.present or not data.k:
             return None
-        return HeadKV(data.k[seq][head], data.v[seq][head], data.positions[seq])
+        k, v = data.dense(seq, head)
+        return HeadKV(k, v, data.positions[seq])
 
     def layer_specs(self) -> list[kvformat.LayerSpec | None]:
         specs: list[kvformat.LayerSpec | None] = []
@@ -71,14 +72,15 @@ class KVSnapshot:
             if not data.present or not data.k:
                 specs.append(kvformat.LayerSpec.absent(data.attributes))
                 continue
-            k, v = data.k[0], data.v[0]
+            heads, k_dim, v_dim = data.dims
             specs.append(
                 kvformat.LayerSpec(
-                    num_heads=k.shape[0],
-                    k_dim=k.shape[2],
-                    v_dim=v.shape[2],
-                    dtype=kvformat.dtypes.from_numpy(k.dtype),
+                    num_heads=heads,
+                    k_dim=k_dim,
+                    v_dim=v_dim,
+                    dtype=kvformat.dtypes.from_numpy(data.dtype),
                     attributes=data.attributes,
+                    quantization=data.quantization,
                 )
             )
         return specs

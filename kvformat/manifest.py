@@ -10,10 +10,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvformat import dtypes
+from kvformat import dtypes, quantization
 from kvformat.dtypes import DType
 from kvformat.errors import CorruptFileError, LimitExceededError, UnsupportedFeatureError
 from kvformat.layout import MAX_HEADS, MAX_LAYERS, MAX_SEQS, MAX_WIDTH
+from kvformat.quantization import Quantization
 
 # Features this implementation understands. Version 1.0 defines none; a later minor version may
 # add some, and a file that lists an unknown name under "required_features" is rejected.
@@ -34,6 +35,15 @@ class LayerSpec:
     dtype: DType | None = None
     attributes: dict[str, Any] = field(default_factory=dict)
     present: bool = True
+    quantization: Quantization | None = None
+
+    def row_bytes(self, kind: int) -> int:
+        """Stored bytes per token row of K (kind 0) or V (kind 1) before any codec."""
+        assert self.dtype is not None
+        dim = self.k_dim if kind == 0 else self.v_dim
+        if self.quantization is None:
+            return dim * self.dtype.itemsize
+        return self.quantization.row_bytes(dim, self.dtype.itemsize)
 
     @classmethod
     def absent(cls, attributes: dict[str, Any] | None = None) -> LayerSpec:
@@ -43,7 +53,7 @@ class LayerSpec:
         if not self.present:
             return {"present": False, "attributes": self.attributes}
         assert self.dtype is not None
-        return {
+        document = {
             "present": True,
             "num_heads": self.num_heads,
             "k_dim": self.k_dim,
@@ -51,6 +61,9 @@ class LayerSpec:
             "dtype": self.dtype.name,
             "attributes": self.attributes,
         }
+        if self.quantization is not None:
+            document["quantization"] = self.quantization.to_json()
+        return document
 
     def check(self) -> None:
         """Raise ValueError for a layer a writer must not declare."""
@@ -65,6 +78,9 @@ class LayerSpec:
         ):
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
                 raise ValueError(f"layer {name} must be an integer in 1..{limit}, got {value!r}")
+        if self.quantization is not None:
+            self.quantization.check_dim(self.k_dim)
+            self.quantization.check_dim(self.v_dim)
 
 
 def _int(obj: dict[str, Any], key: str, low: int, high: int, where: str) -> int:
@@ -94,13 +110,19 @@ def parse_layer(obj: Any, index: int) -> LayerSpec:
     name = obj.get("dtype")
     if not isinstance(name, str):
         raise CorruptFileError(f"{where}: 'dtype' must be a string")
-    return LayerSpec(
+    spec = LayerSpec(
         num_heads=_int(obj, "num_heads", 1, MAX_HEADS, where),
         k_dim=_int(obj, "k_dim", 1, MAX_WIDTH, where),
         v_dim=_int(obj, "v_dim", 1, MAX_WIDTH, where),
         dtype=dtypes.from_name(name),
         attributes=attributes,
+        quantization=quantization.parse(obj.get("quantization")),
     )
+    try:
+        spec.check()
+    except ValueError as exc:
+        raise CorruptFileError(f"{where}: {exc}") from None
+    return spec
 
 
 @dataclass

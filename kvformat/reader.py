@@ -15,6 +15,7 @@ import numpy as np
 
 from kvformat import codecs, dtypes
 from kvformat.checksum import crc32c
+from kvformat.codecs import BytesLike
 from kvformat.errors import (
     ChecksumError,
     CorruptFileError,
@@ -33,6 +34,7 @@ from kvformat.layout import (
     KIND_ARRAY,
     KIND_K,
     KIND_MANIFEST,
+    KIND_V,
     MAX_CHUNK_COUNT,
     MAX_CHUNK_DECODED,
     MAX_JSON_SIZE,
@@ -48,6 +50,7 @@ from kvformat.layout import (
     check_header,
 )
 from kvformat.manifest import LayerSpec, Manifest, loads, parse_manifest
+from kvformat.quantization import Parts, Quantization
 from kvformat.series import Chain, Segment, parse_entry
 from kvformat.source import FileObjectSource, MmapSource, Source
 
@@ -142,6 +145,8 @@ class _File:
         self.widths = self.table["width"].tolist()
         self.codecs = self.table["codec"].tolist()
         self.dtype_codes = self.table["dtype"].tolist()
+        self.kinds = self.table["kind"].tolist()
+        self.layers_of_chunks = self.table["layer"].tolist()
 
     def _check_table(self) -> None:
         """Vectorized checks of every chunk descriptor against the spec and the manifest."""
@@ -184,8 +189,14 @@ class _File:
         decoded = t["decoded_size"]
         if bool(np.any(decoded > MAX_CHUNK_DECODED)):
             raise LimitExceededError(f"a chunk decodes to more than {MAX_CHUNK_DECODED} bytes")
-        if not bool(np.all(rows * width * itemsize == decoded.astype(np.int64))):
-            raise CorruptFileError("chunk decoded size is not rows x width x itemsize")
+        row_bytes = width * itemsize
+        for layer_index, spec in enumerate(self.manifest.layers):
+            if spec.present and spec.quantization is not None:
+                for kind in (KIND_K, KIND_V):
+                    mask = (t["layer"] == layer_index) & (t["kind"] == kind)
+                    row_bytes[mask] = spec.row_bytes(kind)
+        if not bool(np.all(rows * row_bytes == decoded.astype(np.int64))):
+            raise CorruptFileError("chunk decoded size is not rows x (bytes per row)")
         raw = t["codec"] == codecs.Raw.code
         if not bool(np.all(stored[raw] == decoded[raw])):
             raise CorruptFileError("raw chunk stored size differs from its decoded size")
@@ -224,15 +235,35 @@ class _File:
             )
         return payload
 
-    def chunk_array(self, i: int) -> np.ndarray:
-        """Chunk ``i`` decoded: ``(rows, width)`` (a zero-copy view for raw chunks from mmap)."""
+    def _decoded(self, i: int) -> BytesLike:
         dtype = dtypes.from_code(self.dtype_codes[i])
         payload = self.read_payload(i)
         try:
-            data = codecs.from_code(self.codecs[i]).decode(payload, self.decoded[i], dtype.itemsize)
+            return codecs.from_code(self.codecs[i]).decode(payload, self.decoded[i], dtype.itemsize)
         except KVFormatError as exc:
             raise type(exc)(f"{self.source.name}: {_chunk_label(self.table, i)}: {exc}") from None
-        return np.frombuffer(data, dtype=dtype.numpy).reshape(self.rows[i], self.widths[i])
+
+    def _quantization(self, i: int) -> Quantization | None:
+        if self.kinds[i] == KIND_ARRAY:
+            return None
+        return self.manifest.layers[self.layers_of_chunks[i]].quantization
+
+    def chunk_parts(self, i: int) -> Parts:
+        """(packed, scales, biases) of a chunk of a quantized layer, each ``(rows, ...)``."""
+        quant = self._quantization(i)
+        if quant is None:
+            raise ValueError(f"chunk {i} is not quantized")
+        rows = np.frombuffer(self._decoded(i), dtype=np.uint8).reshape(self.rows[i], -1)
+        return quant.split(rows, self.widths[i], dtypes.from_code(self.dtype_codes[i]).numpy)
+
+    def chunk_array(self, i: int) -> np.ndarray:
+        """Chunk ``i`` decoded: ``(rows, width)`` (a zero-copy view for raw chunks from mmap);
+        quantized chunks come back dequantized."""
+        dtype = dtypes.from_code(self.dtype_codes[i])
+        quant = self._quantization(i)
+        if quant is not None:
+            return quant.dequantize(self.chunk_parts(i), dtype.numpy)
+        return np.frombuffer(self._decoded(i), dtype=dtype.numpy).reshape(self.rows[i], self.widths[i])
 
 
 class Snapshot:
@@ -383,6 +414,36 @@ class Snapshot:
         return Head(
             layer, head, seq, np.concatenate(k_parts), np.concatenate(v_parts), np.concatenate(pos_parts)
         )
+
+    def quantized_head(self, layer: int, head: int, seq: int = 0) -> tuple[Parts, Parts, np.ndarray] | None:
+        """K and V of a quantized layer as stored: ``(packed, scales, biases)`` each, plus
+        positions; None for an absent layer. Raises ValueError for an unquantized layer."""
+        spec = self._layer(layer, head, seq)
+        if spec is None:
+            return None
+        if spec.quantization is None:
+            raise ValueError(f"layer {layer} is not quantized")
+        segments = self._segments.get((layer, seq, head), [])
+        k_parts = [self._file.chunk_parts(s.k_chunk) for s in segments]
+        v_parts = [self._file.chunk_parts(s.v_chunk) for s in segments]
+
+        def join(parts: list[Parts], rows: list[tuple[int, int]]) -> Parts:
+            assert spec is not None and spec.dtype is not None
+            if not parts:
+                empty = spec.quantization.widths(spec.k_dim)  # type: ignore[union-attr]
+                return (
+                    np.empty((0, empty[0]), "<u4"),
+                    np.empty((0, empty[1]), spec.dtype.numpy),
+                    np.empty((0, empty[1]), spec.dtype.numpy),
+                )
+            return tuple(  # type: ignore[return-value]
+                np.concatenate([p[j][lo : lo + n] for p, (lo, n) in zip(parts, rows, strict=True)])
+                for j in range(3)
+            )
+
+        k = join(k_parts, [(s.k_row, s.count) for s in segments])
+        v = join(v_parts, [(s.v_row, s.count) for s in segments])
+        return k, v, _positions(segments)
 
     def heads(self, seq: int = 0) -> Iterator[Head]:
         """Every present (layer, head) of one sequence, layer-major, one head in memory at a time."""

@@ -149,9 +149,18 @@ class Writer:
         self._write_record(descriptor, [payload])
 
     def _write_chunk(
-        self, kind: int, dtype: DType, layer: int, head: int, seq: int, position: int, rows: np.ndarray
+        self,
+        kind: int,
+        dtype: DType,
+        layer: int,
+        head: int,
+        seq: int,
+        position: int,
+        rows: np.ndarray,
+        width: int | None = None,
     ) -> int:
-        """Encode and write one table chunk (``rows``: C-contiguous 2-D); return its index."""
+        """Encode and write one table chunk (``rows``: C-contiguous 2-D, stored bytes; ``width``
+        in elements, default ``rows.shape[1]``); return its index."""
         data = _byte_view(rows)
         pieces = self.codec.encode(data, dtype.itemsize)
         crc = 0
@@ -168,7 +177,7 @@ class Writer:
             seq=seq,
             position=position,
             rows=rows.shape[0],
-            width=rows.shape[1],
+            width=width or rows.shape[1],
             offset=self._offset,
             stored_size=stored,
             decoded_size=data.nbytes,
@@ -218,42 +227,69 @@ class Writer:
         """Append tokens to every head of ``layer`` for sequence ``seq``.
 
         ``k``: ``(num_heads, n_tokens, k_dim)``, ``v``: ``(num_heads, n_tokens, v_dim)``, in the
-        layer's dtype. ``positions``: ``(n_tokens,)`` strictly increasing absolute positions, all
-        after what the layer already holds; default: continue from `next_position`.
+        layer's dtype; for a quantized layer each is a tuple ``(packed, scales, biases)`` of
+        ``(num_heads, n_tokens, ...)`` arrays. ``positions``: ``(n_tokens,)`` strictly increasing
+        absolute positions after what the layer holds; default: continue from `next_position`.
         """
         self._check_open()
         spec = self._layer(layer)
         self._check_seq(seq)
-        k_array, v_array = np.asarray(k), np.asarray(v)
-        for name, array, dim in (("k", k_array, spec.k_dim), ("v", v_array, spec.v_dim)):
-            expected = (spec.num_heads, k_array.shape[1] if k_array.ndim == 3 else -1, dim)
-            if array.shape != expected:
-                raise ValueError(f"layer {layer} {name} must have shape {expected}, got {array.shape}")
+        if spec.quantization is not None:
+            k_heads = [tuple(np.asarray(part)[h] for part in k) for h in range(spec.num_heads)]
+            v_heads = [tuple(np.asarray(part)[h] for part in v) for h in range(spec.num_heads)]
+            count = np.asarray(k[0]).shape[1]
+        else:
+            k_array, v_array = np.asarray(k), np.asarray(v)
+            for name, array, dim in (("k", k_array, spec.k_dim), ("v", v_array, spec.v_dim)):
+                expected = (spec.num_heads, k_array.shape[1] if k_array.ndim == 3 else -1, dim)
+                if array.shape != expected:
+                    raise ValueError(f"layer {layer} {name} must have shape {expected}, got {array.shape}")
+            k_heads, v_heads, count = list(k_array), list(v_array), k_array.shape[1]
         if positions is None:
-            positions = np.arange(k_array.shape[1], dtype=np.int64) + self.next_position(layer, seq)
+            positions = np.arange(count, dtype=np.int64) + self.next_position(layer, seq)
         for head in range(spec.num_heads):
-            self.append_head(layer, head, k_array[head], v_array[head], positions, seq=seq)
+            self.append_head(layer, head, k_heads[head], v_heads[head], positions, seq=seq)
+
+    @staticmethod
+    def _stored_rows(spec: LayerSpec, where: str, data: Any, dim: int) -> np.ndarray:
+        """The rows exactly as stored before the codec: ``(n_tokens, ...)`` C-contiguous."""
+        assert spec.dtype is not None
+        if spec.quantization is None:
+            array = np.ascontiguousarray(data)
+            if array.ndim != 2 or array.shape[1] != dim:
+                raise ValueError(f"{where} must have shape (n_tokens, {dim}), got {array.shape}")
+            if array.dtype != spec.dtype.numpy:
+                raise TypeError(f"{where} is {array.dtype} but the layer is {spec.dtype.name}; convert first")
+            return array
+        words, groups = spec.quantization.widths(dim)
+        if not isinstance(data, tuple | list) or len(data) != 3:
+            raise TypeError(f"{where}: a quantized layer takes (packed, scales, biases)")
+        packed, scales, biases = (np.asarray(p) for p in data)
+        n = packed.shape[0] if packed.ndim == 2 else -1
+        if packed.shape != (n, words) or packed.dtype != np.uint32:
+            raise ValueError(
+                f"{where}: packed must be uint32 (n_tokens, {words}), got {packed.dtype} {packed.shape}"
+            )
+        for name, part in (("scales", scales), ("biases", biases)):
+            if part.shape != (n, groups) or part.dtype != spec.dtype.numpy:
+                raise ValueError(f"{where}: {name} must be {spec.dtype.name} (n_tokens, {groups})")
+        return spec.quantization.join((packed, scales, biases))
 
     def append_head(self, layer: int, head: int, k: Any, v: Any, positions: Any, *, seq: int = 0) -> None:
-        """Append tokens to one head: ``k`` ``(n_tokens, k_dim)``, ``v`` ``(n_tokens, v_dim)``."""
+        """Append tokens to one head: ``k`` ``(n_tokens, k_dim)``, ``v`` ``(n_tokens, v_dim)``
+        (for a quantized layer, ``(packed, scales, biases)`` tuples)."""
         self._check_open()
         spec = self._layer(layer)
         self._check_seq(seq)
         assert spec.dtype is not None
         if not isinstance(head, int) or not 0 <= head < spec.num_heads:
             raise IndexError(f"head {head} out of range 0..{spec.num_heads - 1} in layer {layer}")
-        k_array = np.ascontiguousarray(k)
-        v_array = np.ascontiguousarray(v)
-        for name, array, dim in (("k", k_array, spec.k_dim), ("v", v_array, spec.v_dim)):
-            if array.ndim != 2 or array.shape[1] != dim or array.shape[0] != k_array.shape[0]:
-                raise ValueError(
-                    f"layer {layer} head {head} {name} must have shape (n_tokens, {dim}), got {array.shape}"
-                )
-            if array.dtype != spec.dtype.numpy:
-                raise TypeError(
-                    f"layer {layer} is {spec.dtype.name} but {name} is {array.dtype}; convert first"
-                )
-        count = k_array.shape[0]
+        where = f"layer {layer} head {head}"
+        k_rows = self._stored_rows(spec, f"{where} k", k, spec.k_dim)
+        v_rows = self._stored_rows(spec, f"{where} v", v, spec.v_dim)
+        if k_rows.shape[0] != v_rows.shape[0]:
+            raise ValueError(f"{where}: k has {k_rows.shape[0]} tokens, v has {v_rows.shape[0]}")
+        count = k_rows.shape[0]
         pos = _as_positions(positions, count)
         if count == 0:
             return
@@ -264,18 +300,17 @@ class Writer:
                 f"layer {layer} head {head} seq {seq}: position {pos[0]} is not after the last "
                 f"position held ({held[-1][3] + held[-1][2] - 1})"
             )
-        row_bytes = max(spec.k_dim, spec.v_dim) * spec.dtype.itemsize
-        rows_per_chunk = max(1, self.chunk_bytes // row_bytes)
+        rows_per_chunk = max(1, self.chunk_bytes // max(spec.row_bytes(KIND_K), spec.row_bytes(KIND_V)))
         breaks = np.flatnonzero(np.diff(pos) != 1) + 1
         for start, stop in zip([0, *breaks.tolist()], [*breaks.tolist(), count], strict=True):
             for first in range(start, stop, rows_per_chunk):
                 last = min(stop, first + rows_per_chunk)
                 position = int(pos[first])
                 k_chunk = self._write_chunk(
-                    KIND_K, spec.dtype, layer, head, seq, position, k_array[first:last]
+                    KIND_K, spec.dtype, layer, head, seq, position, k_rows[first:last], spec.k_dim
                 )
                 v_chunk = self._write_chunk(
-                    KIND_V, spec.dtype, layer, head, seq, position, v_array[first:last]
+                    KIND_V, spec.dtype, layer, head, seq, position, v_rows[first:last], spec.v_dim
                 )
                 for key, chunk in ((k_key, k_chunk), (v_key, v_chunk)):
                     run = (chunk, 0, last - first, position)

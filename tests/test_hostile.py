@@ -198,6 +198,19 @@ JSON_EDITS: list[tuple[str, Callable[[dict], object]]] = [
     ("layers dropped", lambda d: set_path(d, ("manifest", "layers"), [])),
     ("layers not a list", lambda d: set_path(d, ("manifest", "layers"), {"0": 1})),
     ("too many layers", lambda d: set_path(d, ("manifest", "layers"), [{"present": False}] * 70000)),
+    (
+        "quantization bits 3",
+        lambda d: set_path(
+            d, ("manifest", "layers", 0, "quantization"), {"mode": "affine", "bits": 3, "group_size": 32}
+        ),
+    ),
+    (
+        "quantization on wrong dims",
+        lambda d: set_path(
+            d, ("manifest", "layers", 0, "quantization"), {"mode": "affine", "bits": 4, "group_size": 32}
+        ),
+    ),
+    ("quantization mode", lambda d: set_path(d, ("manifest", "layers", 0, "quantization"), {"mode": "nf4"})),
     ("num_seqs zero", lambda d: set_path(d, ("manifest", "num_seqs"), 0)),
     ("num_seqs float", lambda d: set_path(d, ("manifest", "num_seqs"), 1.5)),
     ("required feature", lambda d: set_path(d, ("manifest", "required_features"), ["time-travel"])),
