@@ -4,7 +4,7 @@
    ``save_prompt_cache`` on the same cache (time and size on disk);
 2. the overhead that snapshots every 16 tokens (one series file) add to a 256-token generation.
 
-    python benchmarks/capture_bench.py [--tokens 256] [--every 16] [--context 2048]
+    python -m benchmarks.capture_bench [--tokens 256] [--every 16] [--context 2048]
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +19,7 @@ import numpy as np
 from mlx_lm import load, stream_generate
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
+from benchmarks.timing import best_of
 from capture import generate, snapshot_kv
 from capture.fixtures import fetch_model
 
@@ -30,15 +30,6 @@ def fsync_write(path: Path, buffers: list[memoryview]) -> None:
             f.write(buffer)
         f.flush()
         os.fsync(f.fileno())
-
-
-def best(repeats: int, fn) -> float:  # type: ignore[no-untyped-def]
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -74,9 +65,9 @@ def main() -> None:
         def save_kv() -> None:
             snapshot_kv(cache, model, model_path=path).save(kv_path)
 
-        kv_s = best(5, save_kv)
-        bare_s = best(5, lambda: fsync_write(bare_path, buffers))
-        mlx_s = best(5, lambda: save_prompt_cache(str(mlx_path), cache))
+        kv_s = best_of(5, save_kv)
+        bare_s = best_of(5, lambda: fsync_write(bare_path, buffers))
+        mlx_s = best_of(5, lambda: save_prompt_cache(str(mlx_path), cache))
         kv_size, mlx_size = kv_path.stat().st_size, mlx_path.stat().st_size
         lines.append(
             f"| snapshot + save, {args.context} tokens ({nbytes / 1e6:.1f} MB K/V) | {kv_s * 1e3:.1f} ms "
@@ -118,8 +109,8 @@ def main() -> None:
         plain()  # warm up
         plain_s, probed_s = [], []
         for _ in range(2):
-            plain_s.append(best(1, plain))
-            probed_s.append(best(1, probed))
+            plain_s.append(best_of(1, plain))
+            probed_s.append(best_of(1, probed))
         p, q = min(plain_s), min(probed_s)
         series = Path(tmp) / "series.kv"
         lines.append(

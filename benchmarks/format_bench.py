@@ -1,7 +1,7 @@
 """Format benchmark: write, open, one-head read, verify and codecs, against the machine's own
 limits measured in the same run (bare `f.write(memoryview)`, plain sequential read).
 
-    python benchmarks/format_bench.py [--gib 2] [--dir /tmp] [--real FILE.kv]
+    python -m benchmarks.format_bench [--gib 2] [--dir /tmp] [--real FILE.kv]
 
 ``--real`` measures codec ratios and speeds on the K/V of a real captured snapshot as well.
 """
@@ -13,22 +13,13 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 import kvformat
+from benchmarks.timing import best_of
 from kvformat import codecs
-
-
-def best_of(repeats: int, fn: Callable[[], object]) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def synthetic_layers(num_layers: int, heads: int, tokens: int, dim: int) -> list[np.ndarray]:

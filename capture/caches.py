@@ -102,7 +102,15 @@ def _rotating_positions(offset: int, held: int, keep: int) -> np.ndarray:
 
 
 _KV_CLASSES = frozenset(
-    {"KVCache", "ConcatenateKVCache", "RotatingKVCache", "ChunkedKVCache", "QuantizedKVCache", "BatchKVCache"}
+    {
+        "KVCache",
+        "ConcatenateKVCache",
+        "RotatingKVCache",
+        "ChunkedKVCache",
+        "QuantizedKVCache",
+        "BatchKVCache",
+        "BatchRotatingKVCache",
+    }
 )
 
 
@@ -114,7 +122,23 @@ def read_layer(cache: Any) -> LayerKV:
         # Recurrent (SSM / linear-attention) state: not K/V. Recorded as an absent layer.
         return LayerKV(attributes={**attributes, "kind": "recurrent"}, present=False)
     if name == "CacheList":
-        raise UnsupportedModelError("CacheList (several caches in one layer) is not captured yet")
+        inner = [type(c).__name__ for c in cache.caches]
+        kv = [i for i, c in enumerate(inner) if c in _KV_CLASSES]
+        if len(kv) != 1:
+            raise UnsupportedModelError(
+                f"CacheList of {inner}: exactly one K/V cache per layer can be captured, found {len(kv)}"
+            )
+        layer = read_layer(cache.caches[kv[0]])
+        layer.attributes.update(
+            {
+                "cache_class": "CacheList",
+                "sub_caches": inner,
+                "kv_sub_cache": kv[0],
+                "inner_cache_class": inner[kv[0]],
+                "not_stored": [c for i, c in enumerate(inner) if i != kv[0]],
+            }
+        )
+        return layer
     if name not in _KV_CLASSES:
         raise UnsupportedModelError(f"cache class {name} is not supported by kvsnap capture")
     if getattr(cache, "keys", None) is None:
@@ -162,7 +186,32 @@ def read_layer(cache: Any) -> LayerKV:
             out.v.append(v[b, :, pad:end])
             out.positions.append(np.arange(end - pad, dtype=np.int64))
         return out
+    if name == "BatchRotatingKVCache":
+        return _read_batch_rotating(cache, attributes)
     raise UnsupportedModelError(f"cache class {name} is not supported by kvsnap capture")
+
+
+def _read_batch_rotating(cache: Any, attributes: dict[str, Any]) -> LayerKV:
+    """Per-sequence windows of a BatchRotatingKVCache, without changing the cache."""
+    keys, values = cache.keys, cache.values
+    if cache.rotated:
+        keys, values = mx.roll(keys, -cache._idx, 2), mx.roll(values, -cache._idx, 2)
+    else:
+        keys, values = keys[..., : cache._idx, :], values[..., : cache._idx, :]
+    mx.eval(keys, values, cache.left_padding, cache.offset)
+    k, v = to_numpy(keys), to_numpy(values)
+    slots = k.shape[2]
+    padding = np.asarray(cache.left_padding).tolist()
+    offsets = np.asarray(cache.offset).tolist()
+    out = LayerKV(attributes={**attributes, "kind": "sliding", "window": int(cache.max_size), "keep": 0})
+    for b, (pad, offset) in enumerate(zip(padding, offsets, strict=True)):
+        first = max(int(pad), 0)
+        count = min(slots - first, int(offset))
+        first = slots - count
+        out.k.append(k[b, :, first:])
+        out.v.append(v[b, :, first:])
+        out.positions.append(np.arange(int(offset) - count, int(offset), dtype=np.int64))
+    return out
 
 
 def build_cache(layer: LayerKV) -> Any:
@@ -171,6 +220,11 @@ def build_cache(layer: LayerKV) -> Any:
 
     name = layer.attributes.get("cache_class", "KVCache")
     cache: Any
+    if name == "CacheList":
+        raise UnsupportedModelError(
+            f"this layer's CacheList also held {layer.attributes.get('not_stored')}, which a snapshot "
+            "does not store; it cannot be restored"
+        )
     if not layer.present:
         raise UnsupportedModelError(
             f"layer of class {name} holds no K/V in the snapshot (recurrent state is not stored); "

@@ -47,16 +47,28 @@ def layer_rope_base(config: dict[str, Any], layer: int) -> float | None:
     return None
 
 
+def latent_attributes(config: dict[str, Any]) -> dict[str, Any] | None:
+    """Layer attributes of a multi-head latent attention (MLA) cache, or None for other models.
+
+    mlx-lm's MLA layers cache the compressed latent (after its layernorm) in the K slot and the
+    shared RoPE'd key part in the V slot; the attributes say so (spec 15.2, kind "latent").
+    """
+    if config.get("model_type") not in _LATENT_MODEL_TYPES:
+        return None
+    return {
+        "kind": "latent",
+        "k_holds": "kv_latent",
+        "v_holds": "k_rope",
+        "kv_lora_rank": config.get("kv_lora_rank"),
+        "qk_rope_head_dim": config.get("qk_rope_head_dim"),
+        "qk_nope_head_dim": config.get("qk_nope_head_dim"),
+        "v_head_dim": config.get("v_head_dim"),
+    }
+
+
 def file_metadata(model: nn.Module, model_path: str | None, tokenizer: Any = None) -> dict[str, Any]:
     """File-level metadata per spec section 15.1."""
     config = model_config(model)
-    if config.get("model_type") in _LATENT_MODEL_TYPES:
-        from capture.errors import UnsupportedModelError
-
-        raise UnsupportedModelError(
-            f"{config['model_type']} keeps a latent (MLA) cache; capturing it as per-head K/V would "
-            "mislabel it, and latent capture is not implemented yet"
-        )
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     metadata: dict[str, Any] = {
         "model": {

@@ -12,7 +12,7 @@ import numpy as np
 
 import kvformat
 from capture.caches import LayerKV, read_layer
-from capture.model_info import file_metadata, layer_rope_base, model_config
+from capture.model_info import file_metadata, latent_attributes, layer_rope_base, model_config
 
 
 @dataclass(frozen=True)
@@ -122,10 +122,13 @@ def snapshot_kv(
     layers = [read_layer(cache) for cache in prompt_cache]
     info = file_metadata(model, model_path, tokenizer) if model is not None else {}
     config = model_config(model) if model is not None else {}
+    latent = latent_attributes(config)
     for index, data in enumerate(layers):
         base = layer_rope_base(config, index)
         if base is not None:
             data.attributes["rope_base"] = base
+        if latent is not None and data.present:
+            data.attributes.update(latent)
     info["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     info.update(metadata or {})
     snapshot_meta: dict[str, Any] = {}

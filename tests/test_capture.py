@@ -136,6 +136,26 @@ def test_batch_cache_removes_left_padding(tmp_path: Path) -> None:
         np.testing.assert_array_equal(second.k, k[1, 1])
 
 
+def test_batch_rotating_cache_per_sequence_windows(tmp_path: Path) -> None:
+    cache = cache_module.BatchRotatingKVCache(max_size=8, left_padding=[2, 0])
+    rng = np.random.default_rng(4)
+    prefill = rng.standard_normal((2, H, 6, D)).astype(np.float32)
+    cache.update_and_fetch(mx.array(prefill), mx.array(prefill))
+    fed = [prefill]
+    for _ in range(10):
+        step = rng.standard_normal((2, H, 1, D)).astype(np.float32)
+        cache.update_and_fetch(mx.array(step), mx.array(step))
+        fed.append(step)
+    everything = np.concatenate(fed, axis=2)  # (2, H, 16, D) slots as fed, padding included
+    with roundtrip(tmp_path, [cache]) as snap:
+        for seq, pad in enumerate((2, 0)):
+            head = snap.head(0, 1, seq=seq)
+            assert head is not None
+            real = everything[seq, 1, pad:]  # this sequence's tokens in order
+            assert head.positions.tolist() == list(range(len(real) - 8, len(real)))
+            np.testing.assert_array_equal(head.k, real[-8:])
+
+
 def test_recurrent_and_unknown_caches(tmp_path: Path) -> None:
     arrays = cache_module.ArraysCache(2)
     kv = cache_module.KVCache()
@@ -150,8 +170,16 @@ def test_recurrent_and_unknown_caches(tmp_path: Path) -> None:
 
     with pytest.raises(UnsupportedModelError, match="Mystery"):
         snapshot_kv([Mystery()])
-    with pytest.raises(UnsupportedModelError, match="CacheList"):
-        snapshot_kv([cache_module.CacheList(cache_module.KVCache())])
+    combined = cache_module.CacheList(cache_module.ArraysCache(1), cache_module.KVCache())
+    feed(combined.caches[1], [4])
+    with roundtrip(tmp_path, [combined]) as snap:
+        assert snap.layers[0].attributes["not_stored"] == ["ArraysCache"]
+        head = snap.head(0, 1)
+        assert head is not None and head.positions.tolist() == [0, 1, 2, 3]
+        with pytest.raises(UnsupportedModelError, match="cannot be restored"):
+            restore(snap)
+    with pytest.raises(UnsupportedModelError, match="exactly one"):
+        snapshot_kv([cache_module.CacheList(cache_module.KVCache(), cache_module.KVCache())])
 
 
 def run(model: Any, tokenizer: Any, prompt: list[int], n: int, **kwargs: Any) -> list[int]:
@@ -245,8 +273,18 @@ def test_hybrid_and_latent_models(tmp_path: Path) -> None:
     with kvformat.open(tmp_path / "h.kv") as snap:
         assert [layer.present for layer in snap.layers] == [False, True, False, True]
         assert snap.head(0, 0) is None
-    with pytest.raises(UnsupportedModelError, match="latent"):
-        run(tiny_model("deepseek_v3"), _tiny_tokenizer(), [1, 2, 3], 2, output=tmp_path / "d.kv")
+    model = tiny_model("deepseek_v3")
+    reference = run(model, _tiny_tokenizer(), [1, 2, 3], 6)
+    assert run(model, _tiny_tokenizer(), [1, 2, 3], 6, output=tmp_path / "d.kv", at=[2]) == reference
+    with kvformat.open(tmp_path / "d.kv") as snap:
+        attributes = snap.layers[0].attributes
+        assert (attributes["kind"], attributes["k_holds"], attributes["v_holds"]) == (
+            "latent",
+            "kv_latent",
+            "k_rope",
+        )
+        assert (snap.layers[0].k_dim, snap.layers[0].v_dim, snap.layers[0].num_heads) == (16, 8, 1)
+        assert run(model, _tiny_tokenizer(), [], 4, resume=snap.select(0)) == reference[2:]
 
 
 def test_smollm2_keys_are_post_rope_projections(tmp_path: Path, smollm2_dir: Path) -> None:
