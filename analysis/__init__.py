@@ -1,5 +1,25 @@
-"""analysis: per-head statistics streamed out of `.kv` files into Polars (bounded memory)."""
+"""analysis: per-head statistics streamed out of `.kv` files into Arrow / Polars (bounded memory).
 
-from analysis.norms import head_norms, norm_rows, outliers
+Never imports `capture`: it reads files only.
+"""
 
-__all__ = ["head_norms", "norm_rows", "outliers"]
+from analysis.rope import Rope, RopeError
+from analysis.stats import (
+    HeadAccumulator,
+    head_stats,
+    head_stats_reader,
+    outliers,
+    stats_for_file,
+    token_table,
+)
+
+__all__ = [
+    "HeadAccumulator",
+    "Rope",
+    "RopeError",
+    "head_stats",
+    "head_stats_reader",
+    "outliers",
+    "stats_for_file",
+    "token_table",
+]

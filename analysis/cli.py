@@ -9,9 +9,9 @@ from typing import Any
 def _stats(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from analysis.norms import head_norms, outliers
+    from analysis.stats import head_stats, outliers
 
-    table = head_norms(args.files, args.snapshot)
+    table = head_stats(args.files, args.snapshot, args.keys)
     if args.output:
         table.write_parquet(args.output)
         print(f"wrote {args.output}: {table.height} rows")
@@ -41,9 +41,18 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("stats", help="per-head norm statistics (mean ||K|| etc.), outlier heads flagged")
+    p = sub.add_parser(
+        "stats",
+        help="per-head statistics (norms, channels, spectrum, ...); prints mean ||K||, outliers flagged",
+    )
     p.add_argument("files", nargs="+")
     p.add_argument("--snapshot", type=int, default=-1)
     p.add_argument("--factor", type=float, default=1.5, help="outlier threshold vs the median head")
-    p.add_argument("-o", "--output", help="write the full table as Parquet")
+    p.add_argument(
+        "--keys",
+        choices=["post_rope", "pre_rope"],
+        default="post_rope",
+        help="pre_rope: un-rotate K with the RoPE the snapshot records",
+    )
+    p.add_argument("-o", "--output", help="write the full statistics table as Parquet")
     p.set_defaults(func=_stats)

@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 
 import kvformat
-from analysis.norms import head_norms, outliers
+from analysis.stats import head_stats, outliers
 from kvformat.cli import main
 
 
@@ -19,7 +19,7 @@ def test_norm_statistics_match_numpy(tmp_path: Path) -> None:
     v = rng.standard_normal((3, 50, 8)).astype(np.float16)
     path = tmp_path / "n.kv"
     kvformat.save(path, [kvformat.Layer(k, v), None, kvformat.Layer(k[:, :7], v[:, :7])], chunk_bytes=160)
-    table = head_norms(path)
+    table = head_stats(path)
     assert table.height == 2 * 3 * 2
     for head in range(3):
         norms = np.linalg.norm(k[head].astype(np.float64), axis=1)

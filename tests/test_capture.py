@@ -14,6 +14,7 @@ from mlx_lm.models import cache as cache_module
 from mlx_lm.sample_utils import make_sampler
 
 import kvformat
+from analysis.rope import Rope
 from capture.caches import build_cache, read_layer, to_numpy
 from capture.errors import UnsupportedModelError
 from capture.generate import generate
@@ -307,10 +308,15 @@ def test_smollm2_keys_are_post_rope_projections(tmp_path: Path, smollm2_dir: Pat
         even, odd = k[..., 0::2], k[..., 1::2]
         rotated = mx.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(k.shape)
         expected = np.array(rotated)[0]
+        undo = Rope.from_metadata(snap.metadata, snap.layers[0].attributes, 64)
+        pre_rope = np.array(k)[0]
         for head in range(3):
             got = snap.head(0, head, tokens=(0, len(prompt)))
             assert got is not None
             np.testing.assert_allclose(got.k.astype(np.float32), expected[:, head], rtol=2e-2, atol=2e-2)
+            # ...and analysis recovers the pre-RoPE projection from the file alone.
+            recovered = undo.rotate(got.k, got.positions, inverse=True)
+            np.testing.assert_allclose(recovered, pre_rope[:, head], rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("fixture", ["smollm2_dir", "gemma3_dir"])

@@ -1,0 +1,339 @@
+"""Per-head statistics of K and V, computed in one streaming pass over a snapshot's chunks.
+
+One accumulator per (sequence, layer, head, tensor) holds mergeable sums only (moments, a Gram
+matrix, histograms, a top-k list), so memory is bounded by ``head_dim^2`` per head, never by the
+number of tokens, and accumulators of different chunks or files merge exactly. The formulas are in
+``analysis/README.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import kvformat
+from analysis.rope import Rope
+
+if TYPE_CHECKING:
+    import polars as pl
+    import pyarrow as pa
+
+_LOG_LOW, _LOG_HIGH, _BINS = -8.0, 8.0, 2048  # log10 histogram: ~1.8% relative bin width
+_PIECE = 1 << 13
+TOP_K = 8
+QUANT_BITS = (8, 4, 2)
+QUANT_GROUP = 32
+POSITION_BINS = 48  # [0,1), [1,2), [2,4), ... [2^46, 2^47)
+RANKS = (1, 4, 16)
+
+
+def _hist_index(values: np.ndarray) -> np.ndarray:
+    logs = np.log10(np.maximum(values, 10.0**_LOG_LOW))
+    scaled = (logs - _LOG_LOW) / (_LOG_HIGH - _LOG_LOW) * _BINS
+    return np.clip(scaled.astype(np.int64), 0, _BINS - 1)
+
+
+def _hist_quantile(hist: np.ndarray, q: float) -> float:
+    total = hist.sum()
+    if not total:
+        return float("nan")
+    index = int(np.searchsorted(np.cumsum(hist), q * total, side="left"))
+    center = _LOG_LOW + (index + 0.5) * (_LOG_HIGH - _LOG_LOW) / _BINS
+    return float(10.0**center)
+
+
+def _quant_error(x: np.ndarray, bits: int, axis: int) -> float:
+    """Sum of squared errors of asymmetric min-max quantization in groups of `QUANT_GROUP`
+    along ``axis`` (1: per-token groups of channels; 0: per-channel groups of tokens)."""
+    levels = (1 << bits) - 1
+    moved = np.moveaxis(x, axis, -1)
+    n = moved.shape[-1]
+    pad = (-n) % QUANT_GROUP
+    if pad:
+        edge = np.repeat(moved[..., -1:], pad, axis=-1)  # repeat the last value: error-free padding
+        moved = np.concatenate([moved, edge], axis=-1)
+    groups = moved.reshape(*moved.shape[:-1], -1, QUANT_GROUP)
+    low = groups.min(axis=-1, keepdims=True)
+    high = groups.max(axis=-1, keepdims=True)
+    step = np.where(high > low, (high - low) / levels, 1.0)
+    restored = np.round((groups - low) / step) * step + low
+    return float(((restored - groups) ** 2).sum())
+
+
+@dataclass
+class HeadAccumulator:
+    """Mergeable sums for one (sequence, layer, head, tensor) over vectors of ``dim`` channels."""
+
+    dim: int
+    rope: Rope | None = None
+    count: int = 0
+    norm_sum: float = 0.0
+    norm_sq_sum: float = 0.0
+    norm_min: float = float("inf")
+    norm_max: float = float("-inf")
+    norm_hist: np.ndarray = field(default_factory=lambda: np.zeros(_BINS, np.int64))
+    peak_hist: np.ndarray = field(default_factory=lambda: np.zeros(_BINS, np.int64))
+    power: np.ndarray = field(init=False)  # (4, dim) sums of x, x^2, x^3, x^4
+    absmax: np.ndarray = field(init=False)
+    gram: np.ndarray = field(init=False)
+    unit_sum: np.ndarray = field(init=False)
+    band: np.ndarray | None = field(init=False)
+    first_norm: float | None = None
+    position_count: np.ndarray = field(default_factory=lambda: np.zeros(POSITION_BINS, np.int64))
+    position_norm: np.ndarray = field(default_factory=lambda: np.zeros(POSITION_BINS))
+    top: list[tuple[float, int]] = field(default_factory=list)
+    quant_token: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
+    quant_channel: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
+
+    def __post_init__(self) -> None:
+        self.power = np.zeros((4, self.dim))
+        self.absmax = np.zeros(self.dim)
+        self.gram = np.zeros((self.dim, self.dim))
+        self.unit_sum = np.zeros(self.dim)
+        self.band = np.zeros(self.rope.dims // 2) if self.rope is not None else None
+
+    def add(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        """Add ``rows`` ``(n_tokens, dim)`` at absolute ``positions`` ``(n_tokens,)``."""
+        for start in range(0, rows.shape[0], _PIECE):
+            x = np.asarray(rows[start : start + _PIECE], dtype=np.float64)
+            pos = positions[start : start + _PIECE]
+            if not x.shape[0]:
+                continue
+            sq = np.einsum("ij,ij->i", x, x)
+            norms = np.sqrt(sq)
+            self.count += x.shape[0]
+            self.norm_sum += float(norms.sum())
+            self.norm_sq_sum += float(sq.sum())
+            self.norm_min = min(self.norm_min, float(norms.min()))
+            self.norm_max = max(self.norm_max, float(norms.max()))
+            np.add.at(self.norm_hist, _hist_index(norms), 1)
+            peaks = np.abs(x).max(axis=1)
+            np.add.at(self.peak_hist, _hist_index(peaks), 1)
+            x2 = x * x
+            self.power += np.stack([x.sum(0), x2.sum(0), (x2 * x).sum(0), (x2 * x2).sum(0)])
+            self.absmax = np.maximum(self.absmax, np.abs(x).max(axis=0))
+            self.gram += x.T @ x
+            self.unit_sum += (x / np.maximum(norms, 1e-30)[:, None]).sum(0)
+            if self.band is not None and self.rope is not None:
+                self.band += self.rope.pair_energy(x)
+            if pos.size and pos[0] == 0:
+                self.first_norm = float(norms[0])
+            bins = np.where(pos > 0, np.floor(np.log2(np.maximum(pos, 1))).astype(np.int64) + 1, 0)
+            bins = np.clip(bins, 0, POSITION_BINS - 1)
+            np.add.at(self.position_count, bins, 1)
+            np.add.at(self.position_norm, bins, norms)
+            best = np.argsort(peaks)[-TOP_K:]
+            self.top = sorted(self.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[:TOP_K]
+            for i, bits in enumerate(QUANT_BITS):
+                self.quant_token[i] += _quant_error(x, bits, axis=1)
+                self.quant_channel[i] += _quant_error(x, bits, axis=0)
+
+    def merge(self, other: HeadAccumulator) -> None:
+        """Add another accumulator of the same (layer, head, tensor) into this one."""
+        self.count += other.count
+        self.norm_sum += other.norm_sum
+        self.norm_sq_sum += other.norm_sq_sum
+        self.norm_min = min(self.norm_min, other.norm_min)
+        self.norm_max = max(self.norm_max, other.norm_max)
+        for name in (
+            "norm_hist",
+            "peak_hist",
+            "power",
+            "gram",
+            "unit_sum",
+            "position_count",
+            "position_norm",
+            "quant_token",
+            "quant_channel",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.absmax = np.maximum(self.absmax, other.absmax)
+        if self.band is not None and other.band is not None:
+            self.band = self.band + other.band
+        self.first_norm = self.first_norm if self.first_norm is not None else other.first_norm
+        self.top = sorted(self.top + other.top, reverse=True)[:TOP_K]
+
+    def row(self) -> dict[str, Any]:
+        """The statistics (see analysis/README.md for each formula)."""
+        n = self.count
+        if not n:
+            return {"n_tokens": 0}
+        mean_norm = self.norm_sum / n
+        sq_mean = self.norm_sq_sum / n
+        m1, m2, m3, m4 = self.power / n
+        var = np.maximum(m2 - m1 * m1, 0.0)
+        central4 = m4 - 4 * m1 * m3 + 6 * m1 * m1 * m2 - 3 * m1**4
+        with np.errstate(divide="ignore", invalid="ignore"):
+            kurtosis = np.where(var > 0, central4 / (var * var) - 3.0, np.nan)
+        covariance = self.gram / n - np.outer(m1, m1)
+        eig = np.clip(np.linalg.eigvalsh(covariance)[::-1], 0.0, None)
+        total = float(eig.sum())
+        cumulative = np.cumsum(eig) / total if total > 0 else np.ones_like(eig)
+        probabilities = eig / total if total > 0 else eig
+        nonzero = probabilities[probabilities > 0]
+        peak_median = _hist_quantile(self.peak_hist, 0.5)
+        energy = float(self.power[1].sum())
+        with np.errstate(divide="ignore", invalid="ignore"):
+            by_position = np.where(self.position_count > 0, self.position_norm / self.position_count, np.nan)
+        last_bin = int(np.flatnonzero(self.position_count).max()) + 1 if self.position_count.any() else 0
+        row: dict[str, Any] = {
+            "n_tokens": n,
+            "norm_mean": mean_norm,
+            "norm_std": float(np.sqrt(max(sq_mean - mean_norm**2, 0.0))),
+            "norm_min": self.norm_min,
+            "norm_max": self.norm_max,
+            "norm_p50": _hist_quantile(self.norm_hist, 0.5),
+            "norm_p99": _hist_quantile(self.norm_hist, 0.99),
+            "norm_sq_mean": sq_mean,
+            "channel_mean": m1.tolist(),
+            "channel_var": var.tolist(),
+            "channel_absmax": self.absmax.tolist(),
+            "outlier_channel_ratio": float(self.absmax.max() / max(np.median(self.absmax), 1e-30)),
+            "channel_kurtosis": kurtosis.tolist(),
+            "massive_positions": [p for _, p in self.top],
+            "massive_values": [v for v, _ in self.top],
+            "massive_ratio": self.top[0][0] / peak_median if self.top and peak_median > 0 else float("nan"),
+            "sink_ratio": self.first_norm / mean_norm if self.first_norm is not None else float("nan"),
+            "rope_band_energy": (self.band / max(float(self.band.sum()), 1e-30)).tolist()
+            if self.band is not None
+            else None,
+            "eigenvalues": eig.tolist(),
+            "rank_90": int(np.searchsorted(cumulative, 0.9) + 1),
+            "effective_rank": float(np.exp(-(nonzero * np.log(nonzero)).sum())) if nonzero.size else 0.0,
+            "norm_by_position": by_position[:last_bin].tolist(),
+            "anisotropy": float(np.linalg.norm(self.unit_sum / n)),
+        }
+        for r in RANKS:
+            kept = float(eig[:r].sum()) / total if total > 0 else 1.0
+            row[f"rank{r}_error"] = 1.0 - kept
+        for i, bits in enumerate(QUANT_BITS):
+            row[f"quant{bits}_token_error"] = float(self.quant_token[i] / energy) if energy else float("nan")
+            row[f"quant{bits}_channel_error"] = (
+                float(self.quant_channel[i] / energy) if energy else float("nan")
+            )
+        return row
+
+
+def _accumulators(path: str | os.PathLike[str], snapshot: int, keys: str) -> Iterator[dict[str, Any]]:
+    if keys not in ("post_rope", "pre_rope"):
+        raise ValueError("keys must be 'post_rope' or 'pre_rope'")
+    with kvformat.open(path, snapshot) as snap:
+        table: dict[tuple[int, int, int, str], HeadAccumulator] = {}
+        ropes: dict[int, Rope | None] = {}
+        for layer, spec in enumerate(snap.layers):
+            if not spec.present:
+                continue
+            try:
+                ropes[layer] = Rope.from_metadata(snap.metadata, spec.attributes, spec.k_dim)
+            except ValueError:
+                if keys == "pre_rope":
+                    raise
+                ropes[layer] = None
+            for seq in range(snap.num_seqs):
+                for head in range(spec.num_heads):
+                    table[(seq, layer, head, "k")] = HeadAccumulator(spec.k_dim, ropes[layer])
+                    table[(seq, layer, head, "v")] = HeadAccumulator(spec.v_dim)
+        for block in snap.blocks():
+            k = block.k
+            rope = ropes[block.layer]
+            if keys == "pre_rope" and rope is not None:
+                k = rope.rotate(k, block.positions, inverse=True)
+            table[(block.seq, block.layer, block.head, "k")].add(k, block.positions)
+            table[(block.seq, block.layer, block.head, "v")].add(block.v, block.positions)
+        name, index = os.fspath(path), snap.index
+    for (seq, layer, head, tensor), acc in sorted(table.items()):
+        yield {
+            "file": name,
+            "snapshot": index,
+            "seq": seq,
+            "layer": layer,
+            "head": head,
+            "tensor": tensor,
+            **acc.row(),
+        }
+
+
+def stats_for_file(
+    path: str | os.PathLike[str], snapshot: int = -1, keys: str = "post_rope"
+) -> list[dict[str, Any]]:
+    """Rows of per-head statistics for one file (one streaming pass)."""
+    return list(_accumulators(path, snapshot, keys))
+
+
+def _paths(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
+    return [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+
+
+def head_stats(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+) -> pl.DataFrame:
+    """A Polars DataFrame, one row per (file, seq, layer, head, tensor); ``keys="pre_rope"``
+    un-rotates K first using the RoPE description in the metadata."""
+    import polars as pl
+
+    return pl.DataFrame([row for path in _paths(paths) for row in stats_for_file(path, snapshot, keys)])
+
+
+def head_stats_reader(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+) -> pa.RecordBatchReader:
+    """The same rows as an Arrow RecordBatchReader, one batch per file (streams file by file)."""
+    import pyarrow as pa
+
+    files = _paths(paths)
+    first = pa.RecordBatch.from_pylist(stats_for_file(files[0], snapshot, keys)) if files else None
+    if first is None:
+        return pa.RecordBatchReader.from_batches(pa.schema([]), iter(()))
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        yield first
+        for path in files[1:]:
+            yield pa.RecordBatch.from_pylist(stats_for_file(path, snapshot, keys), schema=first.schema)
+
+    return pa.RecordBatchReader.from_batches(first.schema, batches())
+
+
+def token_table(path: str | os.PathLike[str], snapshot: int = -1) -> pl.LazyFrame:
+    """Per-token scalars (seq, layer, head, position, k_norm, v_norm, k_absmax) as a LazyFrame,
+    built chunk by chunk."""
+    import polars as pl
+
+    frames = []
+    with kvformat.open(path, snapshot) as snap:
+        for block in snap.blocks():
+            k = np.asarray(block.k, dtype=np.float32)
+            v = np.asarray(block.v, dtype=np.float32)
+            frames.append(
+                pl.DataFrame(
+                    {
+                        "seq": np.full(block.positions.size, block.seq, np.int32),
+                        "layer": np.full(block.positions.size, block.layer, np.int32),
+                        "head": np.full(block.positions.size, block.head, np.int32),
+                        "position": block.positions,
+                        "k_norm": np.linalg.norm(k, axis=1),
+                        "v_norm": np.linalg.norm(v, axis=1),
+                        "k_absmax": np.abs(k).max(axis=1) if k.size else np.empty(0, np.float32),
+                    }
+                )
+            )
+    if not frames:
+        return pl.LazyFrame()
+    return pl.concat(frames).lazy()
+
+
+def outliers(table: pl.DataFrame, factor: float = 1.5) -> pl.DataFrame:
+    """K rows with ``ratio_to_median`` (mean norm / the file's median head) and an ``outlier``
+    flag where it exceeds ``factor``."""
+    import polars as pl
+
+    keys = table.filter(pl.col("tensor") == "k")
+    ratio = (pl.col("norm_mean") / pl.col("norm_mean").median().over("file")).alias("ratio_to_median")
+    return keys.with_columns(ratio).with_columns((pl.col("ratio_to_median") > factor).alias("outlier"))

@@ -1,0 +1,112 @@
+"""The per-head statistics catalogue: streamed, mergeable results equal direct computations;
+pre-RoPE keys recovered exactly; Arrow and Polars forms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import polars as pl
+import pytest
+
+import kvformat
+from analysis.rope import Rope, RopeError
+from analysis.stats import head_stats, head_stats_reader, stats_for_file, token_table
+
+ROPE = {"rope": {"base": 10000.0, "dims": 16, "pairing": "half", "scaling": None}}
+
+
+def make_file(path: Path, chunk_bytes: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((2, 96, 16)).astype(np.float32) * np.linspace(0.5, 3, 16, dtype=np.float32)
+    k[1, 5] *= 40  # a massive-value token at position 5
+    kvformat.save(path, [kvformat.Layer(k, k[:, :, :8].copy())], metadata=ROPE, chunk_bytes=chunk_bytes)
+    return k
+
+
+def test_statistics_equal_direct_computation(tmp_path: Path) -> None:
+    k = make_file(tmp_path / "one.kv", chunk_bytes=1 << 20)
+    row = next(r for r in stats_for_file(tmp_path / "one.kv") if (r["head"], r["tensor"]) == (1, "k"))
+    x = k[1].astype(np.float64)
+    norms = np.linalg.norm(x, axis=1)
+    assert row["n_tokens"] == 96
+    np.testing.assert_allclose(row["norm_mean"], norms.mean(), rtol=1e-9)
+    np.testing.assert_allclose(row["norm_sq_mean"], (norms**2).mean(), rtol=1e-9)
+    np.testing.assert_allclose(row["norm_p50"], np.median(norms), rtol=0.03)
+    np.testing.assert_allclose(row["channel_mean"], x.mean(0), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(row["channel_var"], x.var(0), rtol=1e-9)
+    centered = x - x.mean(0)
+    kurtosis = (centered**4).mean(0) / x.var(0) ** 2 - 3
+    np.testing.assert_allclose(row["channel_kurtosis"], kurtosis, rtol=1e-7)
+    eig = np.sort(np.linalg.eigvalsh(np.cov(x.T, bias=True)))[::-1]
+    np.testing.assert_allclose(row["eigenvalues"], eig, rtol=1e-7, atol=1e-9)
+    assert row["rank_90"] == int(np.searchsorted(np.cumsum(eig) / eig.sum(), 0.9) + 1)
+    np.testing.assert_allclose(row["rank1_error"], 1 - eig[0] / eig.sum(), rtol=1e-9)
+    assert row["massive_positions"][0] == 5 and row["massive_ratio"] > 10
+    np.testing.assert_allclose(row["sink_ratio"], norms[0] / norms.mean(), rtol=1e-9)
+    np.testing.assert_allclose(row["anisotropy"], np.linalg.norm((x / norms[:, None]).mean(0)), rtol=1e-9)
+    band = x[:, :8] ** 2 + x[:, 8:] ** 2
+    np.testing.assert_allclose(row["rope_band_energy"], band.sum(0) / band.sum(), rtol=1e-9)
+    np.testing.assert_allclose(row["norm_by_position"][0], norms[0])
+    np.testing.assert_allclose(row["norm_by_position"][3], norms[4:8].mean())
+    assert row["quant2_token_error"] > row["quant4_token_error"] > row["quant8_token_error"] > 0
+    assert row["quant2_channel_error"] > row["quant8_channel_error"] > 0
+
+
+def test_streaming_in_small_chunks_equals_one_chunk(tmp_path: Path) -> None:
+    make_file(tmp_path / "one.kv", chunk_bytes=1 << 20)
+    make_file(tmp_path / "many.kv", chunk_bytes=32 * 16 * 4)  # 32-token chunks: same quant groups
+    one, many = stats_for_file(tmp_path / "one.kv"), stats_for_file(tmp_path / "many.kv")
+    for a, b in zip(one, many, strict=True):
+        for key, value in a.items():
+            if key in ("file",):
+                continue
+            if isinstance(value, float):
+                np.testing.assert_allclose(b[key], value, rtol=1e-9, err_msg=key)
+            elif isinstance(value, list) and value and isinstance(value[0], float):
+                np.testing.assert_allclose(b[key], value, rtol=1e-7, atol=1e-12, err_msg=key)
+            else:
+                assert b[key] == value, key
+
+
+def test_pre_rope_keys_are_recovered_exactly(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    raw = rng.standard_normal((1, 40, 16)).astype(np.float32)
+    positions = np.arange(100, 140)
+    for pairing, traditional in (("half", False), ("interleaved", True)):
+        rotated = np.array(
+            mx.fast.rope(
+                mx.array(raw[None]), 16, traditional=traditional, base=10000.0, scale=1.0, offset=100
+            )
+        )[0]
+        metadata = {"rope": {"base": 10000.0, "dims": 16, "pairing": pairing, "scaling": None}}
+        path = tmp_path / f"{pairing}.kv"
+        kvformat.save(path, [kvformat.Layer(rotated, rotated, positions)], metadata=metadata)
+        rope = Rope.from_metadata(metadata, {}, 16)
+        with kvformat.open(path) as snap:
+            head = snap.head(0, 0)
+            assert head is not None
+            np.testing.assert_allclose(rope.rotate(head.k, head.positions, inverse=True), raw[0], atol=2e-5)
+        pre = head_stats(path, keys="pre_rope").filter(pl.col("tensor") == "k").row(0, named=True)
+        np.testing.assert_allclose(pre["channel_mean"], raw[0].mean(0), atol=1e-5)
+
+
+def test_pre_rope_needs_a_rope_description(tmp_path: Path) -> None:
+    k = np.ones((1, 4, 8), np.float32)
+    kvformat.save(tmp_path / "x.kv", [kvformat.Layer(k, k)])
+    with pytest.raises(RopeError, match="no 'rope'"):
+        head_stats(tmp_path / "x.kv", keys="pre_rope")
+    assert head_stats(tmp_path / "x.kv")["rope_band_energy"].null_count() == 2
+
+
+def test_arrow_reader_and_token_table(tmp_path: Path) -> None:
+    make_file(tmp_path / "a.kv", chunk_bytes=1 << 12)
+    make_file(tmp_path / "b.kv", chunk_bytes=1 << 12, seed=3)
+    reader = head_stats_reader([tmp_path / "a.kv", tmp_path / "b.kv"])
+    table = reader.read_all()
+    assert table.num_rows == 8 and set(table.column("tensor").to_pylist()) == {"k", "v"}
+    tokens = token_table(tmp_path / "a.kv").filter(pl.col("head") == 1).sort("position").collect()
+    assert tokens.height == 96 and tokens["position"].to_list() == list(range(96))
+    top = tokens.sort("k_norm", descending=True)["position"][0]
+    assert top == 5
