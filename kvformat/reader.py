@@ -459,16 +459,23 @@ class Snapshot:
         return sorted(every, key=lambda seg: seg.k_chunk)
 
     def blocks(self) -> Iterator[Head]:
-        """Stream the snapshot segment by segment in file order: a `Head` holding one run."""
+        """Stream the snapshot segment by segment in file order: a `Head` holding one run.
+
+        Pages of a chunk are released from this process once the next block is requested, so a
+        pass over a file larger than memory keeps a bounded resident set.
+        """
+        file = self._file
         for seg in self.segments():
             yield Head(
                 seg.layer,
                 seg.head,
                 seg.seq,
-                self._file.chunk_array(seg.k_chunk)[seg.k_row : seg.k_row + seg.count],
-                self._file.chunk_array(seg.v_chunk)[seg.v_row : seg.v_row + seg.count],
+                file.chunk_array(seg.k_chunk)[seg.k_row : seg.k_row + seg.count],
+                file.chunk_array(seg.v_chunk)[seg.v_row : seg.v_row + seg.count],
                 np.arange(seg.position, seg.position + seg.count, dtype=np.int64),
             )
+            for chunk in (seg.k_chunk, seg.v_chunk):
+                file.source.release(file.offsets[chunk], DESCRIPTOR_SIZE + file.stored[chunk])
 
     def verify(self) -> VerifyReport:
         """Check every CRC, every record, padding, the index copy and every snapshot.

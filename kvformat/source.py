@@ -18,6 +18,8 @@ class Source(Protocol):
 
     def read(self, offset: int, size: int) -> memoryview: ...
 
+    def release(self, offset: int, size: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -39,6 +41,17 @@ class MmapSource:
                 f"{self.name}: read of {size} bytes at {offset} passes end of file ({self.size})"
             )
         return self._view[offset : offset + size]
+
+    def release(self, offset: int, size: int) -> None:
+        """Drop the pages of ``[offset, offset + size)`` from this process (they stay in the page
+        cache; a later access faults them back in, so views stay valid). Keeps the resident set
+        of a streaming pass over a multi-GB file bounded."""
+        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+        end = min(offset + size, self.size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         """Unmap, unless arrays handed out still view the map (then it goes with the last one)."""
@@ -77,6 +90,9 @@ class FileObjectSource:
                 raise TruncatedFileError(f"{self.name}: file ended at {offset + got} while reading")
             got += n
         return view
+
+    def release(self, offset: int, size: int) -> None:
+        pass
 
     def close(self) -> None:
         pass

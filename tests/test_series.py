@@ -84,3 +84,32 @@ def test_arrays_attach_to_snapshots(tmp_path: Path, codec: str) -> None:
         assert np.array_equal(snap.select(0).array("last_logits")[0], logits[0])  # type: ignore[index]
         assert snap.seq_len == 6
         snap.verify()
+
+
+def test_streaming_keeps_resident_memory_bounded(tmp_path: Path) -> None:
+    """blocks() releases each chunk's pages: a full pass over a 256 MB file stays far below it."""
+    import subprocess
+    import sys
+
+    spec = kvformat.LayerSpec(8, 128, 128, kvformat.FLOAT16)
+    rng = np.random.default_rng(0)
+    path = tmp_path / "big.kv"
+    with kvformat.Writer(path, [spec] * 8) as w:
+        for layer in range(8):
+            k = rng.standard_normal((8, 8192, 128)).astype(np.float16)
+            w.append(layer, k, k)
+    code = (
+        "import kvformat, resource, sys\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "total = 0.0\n"
+        "with kvformat.open(sys.argv[1]) as snap:\n"
+        "    for block in snap.blocks():\n"
+        "        total += float(block.k.sum(dtype='float32')) + float(block.v.sum(dtype='float32'))\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n"
+    )
+    grown = int(
+        subprocess.run(
+            [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    assert grown < path.stat().st_size / 4, (grown, path.stat().st_size)
