@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,14 @@ from kvformat.series import Entry, Key, Run, trim
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 _ZEROS = bytes(ALIGN)
+_OVERLAP_BYTES = 1 << 20  # payloads this large get their CRC computed beside the write
+
+
+def _crc_of(pieces: list[BytesLike]) -> int:
+    crc = 0
+    for piece in pieces:
+        crc = crc32c(piece, crc)
+    return crc
 
 
 def _as_positions(positions: Any, count: int) -> np.ndarray:
@@ -114,6 +123,8 @@ class Writer:
         self._snapshots: list[Entry] = []
         self._dirty = False
         self._closed = False
+        self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvformat-crc")
+        self.overlap_bytes = _OVERLAP_BYTES
         self._write(pack_header())
         self._write_json_record(KIND_MANIFEST, manifest_json)
 
@@ -124,6 +135,10 @@ class Writer:
 
     def _write_record(self, descriptor: Descriptor, pieces: list[BytesLike]) -> None:
         self._write(descriptor.pack())
+        self._write_payload(pieces)
+
+    def _write_payload(self, pieces: list[BytesLike]) -> None:
+        """The payload pieces, then zero padding to the next multiple of 64."""
         for piece in pieces:
             self._write(piece)
         pad = align(self._offset) - self._offset
@@ -163,11 +178,18 @@ class Writer:
         in elements, default ``rows.shape[1]``); return its index."""
         data = _byte_view(rows)
         pieces = self.codec.encode(data, dtype.itemsize)
-        crc = 0
-        stored = 0
-        for piece in pieces:
-            crc = crc32c(piece, crc)
-            stored += memoryview(piece).nbytes
+        stored = sum(memoryview(piece).nbytes for piece in pieces)
+        offset = self._offset
+        if stored >= self.overlap_bytes:
+            # Large payload: write a placeholder descriptor and the payload while another thread
+            # computes the CRC, then put the real descriptor in place. A crash in between leaves
+            # a zero descriptor, which recovery treats as the end of the complete records.
+            pending = self._crc_pool.submit(_crc_of, pieces)
+            self._write(_ZEROS)
+            self._write_payload(pieces)
+            crc = pending.result()
+        else:
+            crc = _crc_of(pieces)
         descriptor = Descriptor(
             kind=kind,
             dtype=dtype.code,
@@ -178,12 +200,16 @@ class Writer:
             position=position,
             rows=rows.shape[0],
             width=width or rows.shape[1],
-            offset=self._offset,
+            offset=offset,
             stored_size=stored,
             decoded_size=data.nbytes,
             payload_crc=crc,
         )
-        self._write_record(descriptor, pieces)
+        if stored >= self.overlap_bytes:
+            self._file.flush()
+            os.pwrite(self._file.fileno(), descriptor.pack(), offset)
+        else:
+            self._write_record(descriptor, pieces)
         self._chunks.append(descriptor)
         return len(self._chunks) - 1
 
@@ -375,6 +401,7 @@ class Writer:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
+        self._crc_pool.shutdown()
         self._closed = True
         os.replace(self.partial_path, self.path)
         fsync_directory(self.path)
@@ -385,6 +412,7 @@ class Writer:
             return
         self._closed = True
         self._file.close()
+        self._crc_pool.shutdown()
         os.unlink(self.partial_path)
 
     def __enter__(self) -> Writer:
@@ -397,6 +425,7 @@ class Writer:
             # Keep what was written: `kvsnap recover` can rebuild it.
             self._closed = True
             self._file.close()
+            self._crc_pool.shutdown()
 
 
 def index_bytes(

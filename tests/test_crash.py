@@ -41,9 +41,9 @@ def check_contents(path: Path) -> int:
         return int(first.positions.size)
 
 
-@pytest.mark.parametrize("codec", ["raw", "zstd"])
+@pytest.mark.parametrize("codec", ["raw", "zstd", "raw+overlap"])
 def test_killed_writer_never_leaves_wrong_data(tmp_path: Path, codec: str) -> None:
-    rng = np.random.default_rng(5 if codec == "raw" else 6)
+    rng = np.random.default_rng(len(codec))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     outcomes = {"finished": 0, "recovered": 0, "nothing": 0}
     for trial in range(12):
