@@ -85,10 +85,16 @@ class KVSnapshot:
             )
         return specs
 
-    def save(self, path: str | os.PathLike[str], codec: str = "raw") -> None:
-        """Write this snapshot as a one-snapshot `.kv` file (streamed head by head, no copy)."""
+    def save(self, path: str | os.PathLike[str], codec: str = "raw", durable: bool = True) -> None:
+        """Write this snapshot as a one-snapshot `.kv` file (streamed head by head, no copy);
+        ``durable=False`` skips the fsyncs."""
         writer = kvformat.Writer(
-            path, self.layer_specs(), num_seqs=self.num_seqs, metadata=self.metadata, codec=codec
+            path,
+            self.layer_specs(),
+            num_seqs=self.num_seqs,
+            metadata=self.metadata,
+            codec=codec,
+            durable=durable,
         )
         try:
             for index, data in enumerate(self.layers):

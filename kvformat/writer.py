@@ -72,6 +72,8 @@ class Writer:
     """Write one `.kv` file incrementally.
 
     ``layers`` declares every layer up front (`LayerSpec`, or ``None`` for an absent layer).
+    ``durable=False`` skips the fsyncs at close (the rename stays atomic, but a power loss may
+    lose the file); for scratch files on tmpfs or benchmarks against non-syncing peers.
     ``append`` adds tokens to a layer, ``drop`` removes positions from the live state (a sliding
     window moving on), ``snapshot`` commits the live state of every layer as one snapshot.
     Chunks already written are shared by later snapshots, so a series costs only what is new.
@@ -88,6 +90,7 @@ class Writer:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         required_features: Sequence[str] = (),
         optional_features: Sequence[str] = (),
+        durable: bool = True,
     ) -> None:
         specs = [layer if layer is not None else LayerSpec.absent() for layer in layers]
         for spec in specs:
@@ -98,6 +101,7 @@ class Writer:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_DECODED}")
         self.path = os.fspath(path)
         self.partial_path = self.path + ".partial"
+        self.durable = durable
         self.codec = codecs.parse(codec)
         self.chunk_bytes = chunk_bytes
         self.manifest = Manifest(
@@ -399,12 +403,14 @@ class Writer:
             self.snapshot()
         self._write(index_bytes(self._offset, self._chunks, self.manifest, self._snapshots))
         self._file.flush()
-        os.fsync(self._file.fileno())
+        if self.durable:
+            os.fsync(self._file.fileno())
         self._file.close()
         self._crc_pool.shutdown()
         self._closed = True
         os.replace(self.partial_path, self.path)
-        fsync_directory(self.path)
+        if self.durable:
+            fsync_directory(self.path)
 
     def abort(self) -> None:
         """Stop writing and delete the partial file."""
