@@ -85,7 +85,14 @@ def _capture(args: argparse.Namespace) -> int:
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
     at = [int(x) for x in args.at.split(",") if x.strip()] if args.at else []
-    extra: dict[str, Any] = {}
+    from mlx_lm.sample_utils import make_sampler
+
+    extra: dict[str, Any] = {"sampler": make_sampler(args.temp, top_p=args.top_p)}
+    if args.seed is not None:
+        import mlx.core as mx
+
+        mx.random.seed(args.seed)
+    sampling = {"temperature": args.temp, "top_p": args.top_p, "seed": args.seed}
     if args.kv_bits:
         extra.update(kv_bits=args.kv_bits, quantized_kv_start=0)
     events: list[SnapshotEvent] = []
@@ -113,7 +120,7 @@ def _capture(args: argparse.Namespace) -> int:
         model_path=model_path,
         max_kv_size=args.max_kv_size,
         on_snapshot=report,
-        metadata={"prompt": prompt},
+        metadata={"prompt": prompt, "generation": sampling},
         **extra,
     ):
         count += 1
@@ -151,6 +158,9 @@ def register_capture(sub: Any) -> None:
     p.add_argument("--codec", default="raw")
     p.add_argument("--kv-bits", type=int, help="quantize the KV cache (mlx-lm QuantizedKVCache)")
     p.add_argument("--max-kv-size", type=int, help="rotating cache of this many tokens")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling (0: off)")
+    p.add_argument("--seed", type=int, help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--echo", action="store_true", help="print the generated text instead of a progress bar")
     p.set_defaults(func=_capture)

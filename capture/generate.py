@@ -207,8 +207,16 @@ def generate(
         snap.snapshot_metadata["generated"] = generated
         if file_metadata is None:
             file_metadata = snap.metadata
-            file_metadata["prompt_tokens"] = (
-                len(history) + len(prompt_ids) if resume is None else len(history)
+            file_metadata["prompt_tokens"] = len(prompt_ids) if resume is None else 0
+            file_metadata["resumed_from_tokens"] = len(history)
+            file_metadata.setdefault("generation", {}).update(
+                {
+                    "max_tokens": max_tokens,
+                    "every": every,
+                    "at": sorted(at_set),
+                    "max_kv_size": max_kv_size,
+                    **{k: v for k, v in generate_kwargs.items() if isinstance(v, int | float | str | None)},
+                }
             )
         if output is None:
             return

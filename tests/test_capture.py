@@ -227,6 +227,8 @@ def test_tiny_series_and_resume(tmp_path: Path, arch: str, extra: dict[str, Any]
     with kvformat.open(path) as snap:
         snap.verify()
         assert snap.num_snapshots == 5  # after 5, 10, 15, 20 and the final 24
+        assert snap.metadata["prompt_tokens"] == 11
+        assert snap.metadata["generation"]["max_tokens"] == 24 and snap.metadata["generation"]["every"] == 5
         for index in range(snap.num_snapshots):
             view = snap.select(index)
             n_tokens = len(view.snapshot_metadata["tokens"][0])
@@ -346,3 +348,31 @@ def test_tiny_factory_builds_and_runs(arch: str) -> None:
     kinds = {type(c).__name__ for c in cache}
     expected = {"gemma3_text": {"RotatingKVCache", "KVCache"}, "lfm2": {"ArraysCache", "KVCache"}}
     assert kinds == expected.get(arch, {"KVCache"})
+
+
+def test_capture_command(tmp_path: Path, smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvformat.cli import main
+
+    out = tmp_path / "cli.kv"
+    args = [
+        "capture",
+        "--model",
+        str(smollm2_dir),
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "3",
+        "--every",
+        "1",
+        "--seed",
+        "1",
+        "-o",
+        str(out),
+    ]
+    assert main(args) == 0
+    assert "3 snapshot(s)" in capsys.readouterr().out
+    with kvformat.open(out) as snap:
+        assert snap.num_snapshots == 3
+        assert snap.metadata["generation"]["temperature"] == 0.0
+        assert snap.metadata["prompt"] == "The capital of France is"
+        assert [snap.select(i).snapshot_metadata["generated"] for i in range(3)] == [1, 2, 3]
