@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata as importlib_metadata
@@ -201,6 +202,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"'{args.command}' needs packages that are not installed; see README")
     try:
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # Output piped into `head` and the like: stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KVFormatError as exc:
         print(f"kvsnap: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
