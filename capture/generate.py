@@ -19,7 +19,6 @@ import mlx.nn as nn
 import numpy as np
 
 import kvformat
-from capture.caches import read_layer
 from capture.errors import CaptureError
 from capture.restore import last_logits, restore, tokens_of
 from capture.snapshot import KVSnapshot, snapshot_kv
@@ -102,14 +101,6 @@ def _ranges(positions: np.ndarray) -> list[tuple[int, int]]:
     return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, stops, strict=True)]
 
 
-def _cache_offset(prompt_cache: list[Any]) -> int | None:
-    for cache in prompt_cache:
-        layer = read_layer(cache)
-        if layer.present and layer.positions and layer.positions[0].size:
-            return int(layer.positions[0][-1]) + 1
-    return None
-
-
 def generate(
     model: nn.Module,
     tokenizer: Any,
@@ -155,9 +146,9 @@ def generate(
         logits = last_logits(resume)
         if logits is None:
             raise CaptureError("the snapshot has no last logits; capture with save_logits=True to resume")
-        prompt_cache = restore(resume)
-        if _cache_offset(prompt_cache) != len(history):
+        if resume.seq_len and resume.seq_len != len(history):
             raise CaptureError("snapshot tokens and K/V disagree; cannot resume")
+        prompt_cache = restore(resume)
         logprobs = mx.array(logits[0])
         logprobs = logprobs - mx.logsumexp(logprobs, keepdims=True)
         token = int(np.array(sampler(logprobs[None])).reshape(-1)[0])
@@ -191,9 +182,6 @@ def generate(
 
     def take(response: Any, generated: int, tokens: list[int]) -> None:
         nonlocal series, file_metadata, taken
-        offset = _cache_offset(prompt_cache)
-        if offset is not None and offset != len(tokens):
-            raise CaptureError(f"cache holds {offset} positions but {len(tokens)} tokens were processed")
         logits = recorder.logits if save_logits else None
         snap = snapshot_kv(
             prompt_cache,
@@ -204,6 +192,10 @@ def generate(
             last_logits=logits,
             metadata=metadata,
         )
+        if snap.seq_len and snap.seq_len != len(tokens):
+            raise CaptureError(
+                f"cache holds {snap.seq_len} positions but {len(tokens)} tokens were processed"
+            )
         snap.snapshot_metadata["generated"] = generated
         if file_metadata is None:
             file_metadata = snap.metadata
