@@ -1,17 +1,153 @@
-"""``kvsnap stats``: per-head norm statistics of snapshots, outlier heads flagged."""
+"""Analysis commands: `kvsnap stats`, `outliers`, `plot`, `similarity`."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
+
+KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
+
+
+def _table(args: argparse.Namespace) -> Any:
+    """Statistics of every file, ``--jobs`` processes, a progress line on stderr."""
+    import polars as pl
+    import pyarrow as pa
+
+    from analysis.stats import file_tables
+
+    done = 0
+
+    def progress(name: str) -> None:
+        nonlocal done
+        done += 1
+        if sys.stderr.isatty() or len(args.files) > 1:
+            width = 30
+            filled = width * done // len(args.files)
+            print(
+                f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{len(args.files)} {name[-40:]}",
+                end="\n" if done == len(args.files) else "",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    tables = [
+        t
+        for t in file_tables(args.files, args.snapshot, args.keys, args.jobs, progress=progress)
+        if t.num_rows
+    ]
+    if not tables:
+        raise SystemExit("no statistics: every layer of every file is absent")
+    return pl.from_arrow(pa.concat_tables(tables, promote_options="default"))
+
+
+def _outliers(args: argparse.Namespace) -> int:
+    """Heads whose statistic is more than ``--threshold`` times the median head of their file."""
+    import polars as pl
+
+    table = _table(args)
+    if args.stat not in table.columns or table.schema[args.stat] not in (pl.Float64, pl.Int64, pl.Float32):
+        scalars = [c for c, t in table.schema.items() if t in (pl.Float64, pl.Int64) and c not in KEYS]
+        raise SystemExit(f"--stat must be a scalar statistic, one of: {', '.join(scalars)}")
+    rows = table.filter(pl.col("tensor") == args.tensor)
+    ratio = (pl.col(args.stat) / pl.col(args.stat).median().over("file")).alias("ratio_to_median")
+    flagged = rows.with_columns(ratio).filter(pl.col("ratio_to_median") > args.threshold)
+    flagged = flagged.sort("ratio_to_median", descending=True)
+    print(
+        f"{flagged.height} heads with {args.tensor} {args.stat} above "
+        f"{args.threshold}x the file's median head"
+    )
+    print(f"{'file':40s} {'seq':>3s} {'layer':>5s} {'head':>4s} {args.stat:>14s} {'x median':>9s}")
+    for row in flagged.iter_rows(named=True):
+        print(
+            f"{row['file'][-40:]:40s} {row['seq']:3d} {row['layer']:5d} {row['head']:4d} "
+            f"{row[args.stat]:14.4f} {row['ratio_to_median']:9.2f}"
+        )
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    """A layers x heads heatmap of one statistic and per-position norm curves, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import polars as pl
+
+    from analysis.stats import token_table
+
+    args.files = [args.file]
+    table = _table(args).filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
+    if args.stat not in table.columns:
+        raise SystemExit(f"unknown statistic {args.stat!r}")
+    layers = sorted(set(table["layer"].to_list()))
+    heads = max(table["head"].to_list()) + 1
+    grid = np.full((len(layers), heads), np.nan)
+    for row in table.iter_rows(named=True):
+        grid[layers.index(row["layer"]), row["head"]] = row[args.stat]
+    tokens = (
+        token_table(args.file, args.snapshot)
+        .filter(pl.col("seq") == 0)
+        .group_by("layer", "position")
+        .agg(pl.col(f"{args.tensor}_norm").mean())
+        .sort("layer", "position")
+        .collect()
+    )
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    image = left.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+    left.set_xlabel("KV head")
+    left.set_ylabel("layer")
+    left.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+    left.set_title(f"{args.tensor.upper()} {args.stat}")
+    figure.colorbar(image, ax=left)
+    colors = plt.get_cmap("viridis")
+    for i, layer in enumerate(layers):
+        part = tokens.filter(pl.col("layer") == layer)
+        right.plot(
+            part["position"], part[f"{args.tensor}_norm"], color=colors(i / max(1, len(layers) - 1)), lw=0.8
+        )
+    right.set_xlabel("position")
+    right.set_ylabel(f"mean ||{args.tensor}|| over heads")
+    right.set_title("norm by position (dark = early layers)")
+    figure.tight_layout()
+    figure.savefig(args.output, dpi=110)
+    print(f"wrote {args.output}: {len(layers)} layers x {heads} heads, {tokens.height} position points")
+    return 0
+
+
+def _similarity(args: argparse.Namespace) -> int:
+    import polars as pl
+
+    from analysis.similarity import head_similarity
+
+    table = head_similarity(args.files, args.snapshot, args.keys)
+    if args.output:
+        table.write_parquet(args.output)
+        print(f"wrote {args.output}: {table.height} rows")
+    if table.is_empty():
+        print("no head pairs")
+        return 0
+    for kind, title in (
+        ("head", "most similar heads within a layer"),
+        ("layer", "most similar across layers"),
+    ):
+        part = table.filter((pl.col("kind") == kind) & (pl.col("tensor") == args.tensor))
+        print(f"{title} ({args.tensor.upper()}, linear CKA):")
+        for row in part.sort("cka", descending=True, nulls_last=True).head(args.top).iter_rows(named=True):
+            print(
+                f"  layer {row['layer']} head {row['head']} ~ layer {row['other_layer']} head "
+                f"{row['other_head']}: CKA {row['cka']:.3f}, mean cosine {row['cosine_mean']:.3f}"
+            )
+    return 0
 
 
 def _stats(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from analysis.stats import head_stats, outliers
+    from analysis.stats import outliers
 
-    table = head_stats(args.files, args.snapshot, args.keys)
+    table = _table(args)
     if args.output:
         table.write_parquet(args.output)
         print(f"wrote {args.output}: {table.height} rows")
@@ -40,19 +176,49 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "stats",
-        help="per-head statistics (norms, channels, spectrum, ...); prints mean ||K||, outliers flagged",
-    )
-    p.add_argument("files", nargs="+")
+def _common(p: argparse.ArgumentParser, many: bool = True) -> None:
+    if many:
+        p.add_argument("files", nargs="+")
     p.add_argument("--snapshot", type=int, default=-1)
-    p.add_argument("--factor", type=float, default=1.5, help="outlier threshold vs the median head")
     p.add_argument(
         "--keys",
         choices=["post_rope", "pre_rope"],
         default="post_rope",
         help="pre_rope: un-rotate K with the RoPE the snapshot records",
     )
+    p.add_argument("--jobs", type=int, default=1, help="files computed in this many processes")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "stats",
+        help="per-head statistics (norms, channels, spectrum, ...); prints mean ||K||, outliers flagged",
+    )
+    _common(p)
+    p.add_argument("--factor", type=float, default=1.5, help="outlier threshold vs the median head")
     p.add_argument("-o", "--output", help="write the full statistics table as Parquet")
     p.set_defaults(func=_stats)
+
+    p = sub.add_parser("outliers", help="heads whose statistic exceeds N x the median head")
+    _common(p)
+    p.add_argument(
+        "--stat", default="norm_mean", help="a scalar column of 'kvsnap stats' (default norm_mean)"
+    )
+    p.add_argument("--tensor", choices=["k", "v"], default="k")
+    p.add_argument("--threshold", type=float, default=1.5, help="ratio to the file's median head")
+    p.set_defaults(func=_outliers)
+
+    p = sub.add_parser("plot", help="PNG: layers x heads heatmap of a statistic, norm by position")
+    p.add_argument("file")
+    _common(p, many=False)
+    p.add_argument("--stat", default="norm_mean")
+    p.add_argument("--tensor", choices=["k", "v"], default="k")
+    p.add_argument("-o", "--output", required=True, help="PNG file")
+    p.set_defaults(func=_plot)
+
+    p = sub.add_parser("similarity", help="cross-head and cross-layer linear CKA and cosine")
+    _common(p)
+    p.add_argument("--tensor", choices=["k", "v"], default="k")
+    p.add_argument("--top", type=int, default=5, help="pairs to print per kind")
+    p.add_argument("-o", "--output", help="write every pair as Parquet")
+    p.set_defaults(func=_similarity)

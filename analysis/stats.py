@@ -9,7 +9,7 @@ number of tokens, and accumulators of different chunks or files merge exactly. T
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -257,27 +257,88 @@ def _accumulators(path: str | os.PathLike[str], snapshot: int, keys: str) -> Ite
         }
 
 
-def stats_for_file(
+def stats_rows(
     path: str | os.PathLike[str], snapshot: int = -1, keys: str = "post_rope"
 ) -> list[dict[str, Any]]:
-    """Rows of per-head statistics for one file (one streaming pass)."""
+    """Rows of per-head statistics for one file (one streaming pass), as dicts."""
     return list(_accumulators(path, snapshot, keys))
+
+
+def stats_for_file(
+    path: str | os.PathLike[str], snapshot: int = -1, keys: str = "post_rope"
+) -> Iterator[pa.Table]:
+    """The per-head statistics of one file as Arrow tables, one per layer, after one streaming
+    pass. No global state: a process pool or a distributed engine can call it per file."""
+    import pyarrow as pa
+
+    batch: list[dict[str, Any]] = []
+    for row in _accumulators(path, snapshot, keys):
+        if batch and row["layer"] != batch[-1]["layer"]:
+            yield pa.Table.from_pylist(batch)
+            batch = []
+        batch.append(row)
+    if batch:
+        yield pa.Table.from_pylist(batch)
+
+
+def _file_table(path: str | os.PathLike[str], snapshot: int, keys: str) -> pa.Table:
+    import pyarrow as pa
+
+    tables = list(stats_for_file(path, snapshot, keys))
+    return pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
 
 
 def _paths(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
     return [paths] if isinstance(paths, str | os.PathLike) else list(paths)
 
 
+def file_tables(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    jobs: int = 1,
+    progress: Callable[[str], None] | None = None,
+) -> Iterator[pa.Table]:
+    """One Arrow table per file, in the order given; ``jobs > 1`` computes files in that many
+    processes. ``progress`` is called with each file name as it finishes."""
+    files = _paths(paths)
+    if jobs <= 1 or len(files) <= 1:
+        for path in files:
+            table = _file_table(path, snapshot, keys)
+            if progress:
+                progress(os.fspath(path))
+            yield table
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        futures = [pool.submit(_file_table, path, snapshot, keys) for path in files]
+        for path, future in zip(files, futures, strict=True):
+            table = future.result()
+            if progress:
+                progress(os.fspath(path))
+            yield table
+
+
 def head_stats(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     snapshot: int = -1,
     keys: str = "post_rope",
+    jobs: int = 1,
 ) -> pl.DataFrame:
     """A Polars DataFrame, one row per (file, seq, layer, head, tensor); ``keys="pre_rope"``
-    un-rotates K first using the RoPE description in the metadata."""
+    un-rotates K first using the RoPE description in the metadata; ``jobs`` processes."""
     import polars as pl
+    import pyarrow as pa
 
-    return pl.DataFrame([row for path in _paths(paths) for row in stats_for_file(path, snapshot, keys)])
+    tables = [t for t in file_tables(paths, snapshot, keys, jobs) if t.num_rows]
+    if not tables:
+        return pl.DataFrame()
+    frame = pl.from_arrow(pa.concat_tables(tables, promote_options="default"))
+    assert isinstance(frame, pl.DataFrame)
+    return frame
 
 
 def head_stats_reader(
@@ -288,17 +349,18 @@ def head_stats_reader(
     """The same rows as an Arrow RecordBatchReader, one batch per file (streams file by file)."""
     import pyarrow as pa
 
-    files = _paths(paths)
-    first = pa.RecordBatch.from_pylist(stats_for_file(files[0], snapshot, keys)) if files else None
+    tables = file_tables(paths, snapshot, keys)
+    first = next(tables, None)
     if first is None:
         return pa.RecordBatchReader.from_batches(pa.schema([]), iter(()))
+    schema = first.schema
 
     def batches() -> Iterator[pa.RecordBatch]:
-        yield first
-        for path in files[1:]:
-            yield pa.RecordBatch.from_pylist(stats_for_file(path, snapshot, keys), schema=first.schema)
+        yield from first.cast(schema).to_batches()
+        for table in tables:
+            yield from table.cast(schema).to_batches()
 
-    return pa.RecordBatchReader.from_batches(first.schema, batches())
+    return pa.RecordBatchReader.from_batches(schema, batches())
 
 
 def token_table(path: str | os.PathLike[str], snapshot: int = -1) -> pl.LazyFrame:

@@ -43,3 +43,65 @@ def test_stats_command(tmp_path: Path, capsys: object) -> None:
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "h1=  20.00*" in out
     assert pl.read_parquet(tmp_path / "s.parquet").height == 4
+
+
+def make_files(tmp_path: Path, count: int = 3) -> list[str]:
+    rng = np.random.default_rng(5)
+    paths = []
+    for i in range(count):
+        k = rng.standard_normal((4, 30 + i, 8)).astype(np.float32)
+        k[3] *= 8  # an outlier head
+        path = tmp_path / f"f{i}.kv"
+        kvformat.save(path, [kvformat.Layer(k, k[:, :, :4].copy()), kvformat.Layer(k * 0.5, k)])
+        paths.append(str(path))
+    return paths
+
+
+def test_jobs_give_the_same_table_as_one_process(tmp_path: Path) -> None:
+    paths = make_files(tmp_path)
+    one, many = head_stats(paths), head_stats(paths, jobs=2)
+    assert one.height == 3 * 2 * 4 * 2
+    assert one.equals(many)
+    assert one["file"].unique(maintain_order=True).to_list() == paths
+
+
+def test_stats_for_file_yields_arrow_tables(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from analysis.stats import stats_for_file, stats_rows
+
+    path = make_files(tmp_path, 1)[0]
+    tables = list(stats_for_file(path))
+    assert all(isinstance(t, pa.Table) for t in tables) and len(tables) == 2  # one per layer
+    assert sum(t.num_rows for t in tables) == len(stats_rows(path))
+
+
+def test_outliers_command_prints_the_flagged_heads(tmp_path: Path, capsys: object) -> None:
+    paths = make_files(tmp_path, 2)
+    assert main(["outliers", *paths, "--stat", "norm_mean", "--tensor", "k", "--threshold", "3"]) == 0
+    out = capsys.readouterr().out  # type: ignore[attr-defined]
+    assert out.startswith("4 heads with k norm_mean above 3.0x")
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert {(r[2], r[3]) for r in rows} == {("0", "3"), ("1", "3")}
+    assert all(float(r[5]) > 3 for r in rows)
+    try:
+        main(["outliers", paths[0], "--stat", "eigenvalues"])
+    except SystemExit as error:
+        assert "scalar statistic" in str(error)
+    else:
+        raise AssertionError("a list statistic must be refused")
+
+
+def test_plot_and_similarity_commands(tmp_path: Path, capsys: object) -> None:
+    path = make_files(tmp_path, 1)[0]
+    png = tmp_path / "h.png"
+    assert main(["plot", path, "--stat", "norm_max", "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert main(["similarity", path, "-o", str(tmp_path / "sim.parquet"), "--top", "2"]) == 0
+    out = capsys.readouterr().out  # type: ignore[attr-defined]
+    assert "2 layers x 4 heads" in out
+    assert "most similar across layers" in out
+    table = pl.read_parquet(tmp_path / "sim.parquet")
+    across = table.filter((pl.col("kind") == "layer") & (pl.col("tensor") == "k"))
+    assert across["cka"].to_list() == [1.0] * 4 or np.allclose(across["cka"].to_list(), 1.0)  # k * 0.5
+    assert table.filter(pl.col("kind") == "head").height == 2 * 2 * 6  # 2 layers, k and v, 6 pairs

@@ -12,7 +12,7 @@ import pytest
 
 import kvformat
 from analysis.rope import Rope, RopeError
-from analysis.stats import head_stats, head_stats_reader, stats_for_file, token_table
+from analysis.stats import head_stats, head_stats_reader, stats_rows, token_table
 
 ROPE = {"rope": {"base": 10000.0, "dims": 16, "pairing": "half", "scaling": None}}
 
@@ -27,7 +27,7 @@ def make_file(path: Path, chunk_bytes: int, seed: int = 0) -> np.ndarray:
 
 def test_statistics_equal_direct_computation(tmp_path: Path) -> None:
     k = make_file(tmp_path / "one.kv", chunk_bytes=1 << 20)
-    row = next(r for r in stats_for_file(tmp_path / "one.kv") if (r["head"], r["tensor"]) == (1, "k"))
+    row = next(r for r in stats_rows(tmp_path / "one.kv") if (r["head"], r["tensor"]) == (1, "k"))
     x = k[1].astype(np.float64)
     norms = np.linalg.norm(x, axis=1)
     assert row["n_tokens"] == 96
@@ -57,7 +57,7 @@ def test_statistics_equal_direct_computation(tmp_path: Path) -> None:
 def test_streaming_in_small_chunks_equals_one_chunk(tmp_path: Path) -> None:
     make_file(tmp_path / "one.kv", chunk_bytes=1 << 20)
     make_file(tmp_path / "many.kv", chunk_bytes=32 * 16 * 4)  # 32-token chunks: same quant groups
-    one, many = stats_for_file(tmp_path / "one.kv"), stats_for_file(tmp_path / "many.kv")
+    one, many = stats_rows(tmp_path / "one.kv"), stats_rows(tmp_path / "many.kv")
     for a, b in zip(one, many, strict=True):
         for key, value in a.items():
             if key in ("file",):
