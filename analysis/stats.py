@@ -46,22 +46,31 @@ def _hist_quantile(hist: np.ndarray, q: float) -> float:
     return float(10.0**center)
 
 
+def _group_error(groups: np.ndarray, levels: int, axis: int) -> float:
+    """Squared error of min-max quantizing ``groups`` to ``levels`` steps along ``axis``."""
+    low = groups.min(axis=axis, keepdims=True)
+    high = groups.max(axis=axis, keepdims=True)
+    step = np.where(high > low, (high - low) / levels, np.float32(1.0))
+    restored = np.round((groups - low) / step) * step + low
+    restored -= groups
+    np.square(restored, out=restored)
+    return float(restored.sum(dtype=np.float64))
+
+
 def _quant_error(x: np.ndarray, bits: int, axis: int) -> float:
     """Sum of squared errors of asymmetric min-max quantization in groups of `QUANT_GROUP`
-    along ``axis`` (1: per-token groups of channels; 0: per-channel groups of tokens)."""
+    along ``axis`` (1: per-token groups of channels; 0: per-channel groups of tokens); a last
+    partial group is quantized on its own. ``x``: ``(n_tokens, dim)`` float32 (computed in
+    float32, summed in float64)."""
     levels = (1 << bits) - 1
-    moved = np.moveaxis(x, axis, -1)
-    n = moved.shape[-1]
-    pad = (-n) % QUANT_GROUP
-    if pad:
-        edge = np.repeat(moved[..., -1:], pad, axis=-1)  # repeat the last value: error-free padding
-        moved = np.concatenate([moved, edge], axis=-1)
-    groups = moved.reshape(*moved.shape[:-1], -1, QUANT_GROUP)
-    low = groups.min(axis=-1, keepdims=True)
-    high = groups.max(axis=-1, keepdims=True)
-    step = np.where(high > low, (high - low) / levels, 1.0)
-    restored = np.round((groups - low) / step) * step + low
-    return float(((restored - groups) ** 2).sum())
+    n, dim = x.shape
+    if axis == 1:
+        full = dim - dim % QUANT_GROUP
+        error = _group_error(x[:, :full].reshape(n, -1, QUANT_GROUP), levels, 2) if full else 0.0
+        return error + (_group_error(x[:, full:], levels, 1) if full < dim else 0.0)
+    full = n - n % QUANT_GROUP
+    error = _group_error(x[:full].reshape(-1, QUANT_GROUP, dim), levels, 1) if full else 0.0
+    return error + (_group_error(x[full:], levels, 0) if full < n else 0.0)
 
 
 @dataclass
@@ -128,9 +137,10 @@ class HeadAccumulator:
             np.add.at(self.position_norm, bins, norms)
             best = np.argsort(peaks)[-TOP_K:]
             self.top = sorted(self.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[:TOP_K]
+            x32 = np.asarray(rows[start : start + _PIECE], dtype=np.float32)
             for i, bits in enumerate(QUANT_BITS):
-                self.quant_token[i] += _quant_error(x, bits, axis=1)
-                self.quant_channel[i] += _quant_error(x, bits, axis=0)
+                self.quant_token[i] += _quant_error(x32, bits, axis=1)
+                self.quant_channel[i] += _quant_error(x32, bits, axis=0)
 
     def merge(self, other: HeadAccumulator) -> None:
         """Add another accumulator of the same (layer, head, tensor) into this one."""

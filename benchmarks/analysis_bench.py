@@ -1,0 +1,135 @@
+"""Analysis benchmark: the full default statistics catalogue over big synthetic snapshots, with
+peak memory and throughput against the machine's sequential read and the naive peer, in one run.
+
+    python -m benchmarks.analysis_bench [--dir /tmp] [--tokens 8192] [--quick]
+
+Files (written once, then reused): the seed's example shape, 32 layers x 32 KV heads x 128 dims
+x 8192 tokens float32 (8.6 GB K+V), and a Qwen3-8B-shaped bfloat16 one (36 x 8 x 128 x 8192,
+1.2 GB), each raw; plus the bfloat16 one with zstd. Every measurement runs in a fresh process,
+so ``getrusage`` max RSS (which counts mapped file pages) is that measurement's own peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+import kvformat
+
+SHAPES = {
+    "seed-fp32": (32, 32, 128, np.float32),
+    "qwen3-8b-bf16": (36, 8, 128, ml_dtypes.bfloat16),
+}
+
+
+def write(path: Path, layers: int, heads: int, dim: int, tokens: int, dtype: type, codec: str) -> None:
+    """K-like data (per-channel scales, a few outlier channels), streamed a head at a time."""
+    if path.exists():
+        return
+    rng = np.random.default_rng(0)
+    scale = np.exp(rng.normal(0, 0.7, dim)).astype(np.float32)
+    spec = kvformat.LayerSpec(heads, dim, dim, kvformat.dtypes.from_numpy(np.dtype(dtype)))
+    with kvformat.Writer(path, [spec] * layers, codec=codec) as writer:
+        positions = np.arange(tokens)
+        for layer in range(layers):
+            for head in range(heads):
+                k = (rng.standard_normal((tokens, dim), dtype=np.float32) * scale).astype(dtype)
+                v = rng.standard_normal((tokens, dim), dtype=np.float32).astype(dtype)
+                writer.append_head(layer, head, k, v, positions)
+
+
+CHILD = r"""
+import json, resource, sys, time
+import numpy as np
+mode, path = sys.argv[1], sys.argv[2]
+start = time.perf_counter()
+if mode == "read":
+    buffer = bytearray(16 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(view):
+            pass
+elif mode == "stats":
+    from analysis.stats import stats_for_file
+    rows = sum(t.num_rows for t in stats_for_file(path))
+elif mode == "naive":
+    # The peer: map the file, load each head whole as a numpy array, compute the same
+    # catalogue on it (same accumulator, one add per head), never release pages.
+    import kvformat
+    from analysis.rope import Rope
+    from analysis.stats import HeadAccumulator
+    with kvformat.open(path) as snap:
+        for layer, spec in enumerate(snap.layers):
+            for head in range(spec.num_heads):
+                data = snap.head(layer, head)
+                for rows, dim in ((data.k, spec.k_dim), (data.v, spec.v_dim)):
+                    acc = HeadAccumulator(dim)
+                    acc.add(np.array(rows, dtype=np.float32), data.positions)
+                    acc.row()
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def measure(mode: str, path: Path) -> dict[str, float]:
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(path)], capture_output=True, text=True, check=True
+    )
+    return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", default="/tmp/kvsnap-analysis-bench")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--quick", action="store_true", help="1/8 of the tokens (a smoke run)")
+    args = parser.parse_args()
+    tokens = args.tokens // 8 if args.quick else args.tokens
+    directory = Path(args.dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    cases = [
+        ("seed-fp32", "raw"),
+        ("qwen3-8b-bf16", "raw"),
+        ("qwen3-8b-bf16", "zstd:1"),
+    ]
+    lines = [
+        "| file | size | sequential read | kvsnap stats | stats / read | peak RSS | naive peer "
+        "| peer peak RSS | kvsnap / peer speed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, codec in cases:
+        layers, heads, dim, dtype = SHAPES[name]
+        path = directory / f"{name}-{tokens}-{codec.replace(':', '')}.kv"
+        start = time.perf_counter()
+        write(path, layers, heads, dim, tokens, dtype, codec)
+        print(f"{path.name}: ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        size = path.stat().st_size
+        measure("read", path)  # warm the page cache the same way for every contender
+        read = measure("read", path)
+        stats = measure("stats", path)
+        naive = measure("naive", path)
+        decoded = layers * heads * dim * tokens * 2 * np.dtype(dtype).itemsize
+        lines.append(
+            f"| {name} {codec} | {size / 1e9:.2f} GB (decoded {decoded / 1e9:.2f}) "
+            f"| {size / read['seconds'] / 1e9:.2f} GB/s "
+            f"| {decoded / stats['seconds'] / 1e9:.2f} GB/s ({stats['seconds']:.1f} s) "
+            f"| {read['seconds'] / stats['seconds']:.2f}x "
+            f"| {stats['max_rss'] / 2**20:.0f} MiB "
+            f"| {naive['seconds']:.1f} s | {naive['max_rss'] / 2**20:.0f} MiB "
+            f"| {naive['seconds'] / stats['seconds']:.2f}x |"
+        )
+        print(lines[-1], file=sys.stderr)
+    print(f"machine: {os.cpu_count()} CPUs; files in {directory} (page cache warm for every contender)")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
