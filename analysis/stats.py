@@ -112,29 +112,35 @@ class HeadAccumulator:
             pos = positions[start : start + _PIECE]
             if not x.shape[0]:
                 continue
-            sq = np.einsum("ij,ij->i", x, x)
+            x2 = x * x
+            sq = x2.sum(axis=1)
             norms = np.sqrt(sq)
             self.count += x.shape[0]
             self.norm_sum += float(norms.sum())
             self.norm_sq_sum += float(sq.sum())
             self.norm_min = min(self.norm_min, float(norms.min()))
             self.norm_max = max(self.norm_max, float(norms.max()))
-            np.add.at(self.norm_hist, _hist_index(norms), 1)
-            peaks = np.abs(x).max(axis=1)
-            np.add.at(self.peak_hist, _hist_index(peaks), 1)
-            x2 = x * x
-            self.power += np.stack([x.sum(0), x2.sum(0), (x2 * x).sum(0), (x2 * x2).sum(0)])
-            self.absmax = np.maximum(self.absmax, np.abs(x).max(axis=0))
+            self.norm_hist += np.bincount(_hist_index(norms), minlength=_BINS)
+            magnitude = np.abs(x)
+            peaks = magnitude.max(axis=1)
+            self.peak_hist += np.bincount(_hist_index(peaks), minlength=_BINS)
+            self.absmax = np.maximum(self.absmax, magnitude.max(axis=0))
+            del magnitude
+            self.power[0] += x.sum(0)
+            self.power[1] += x2.sum(0)
+            self.power[2] += np.einsum("ij,ij->j", x2, x)
+            self.power[3] += np.einsum("ij,ij->j", x2, x2)
+            del x2
             self.gram += x.T @ x
-            self.unit_sum += (x / np.maximum(norms, 1e-30)[:, None]).sum(0)
+            self.unit_sum += (1.0 / np.maximum(norms, 1e-30)) @ x
             if self.band is not None and self.rope is not None:
                 self.band += self.rope.pair_energy(x)
             if pos.size and pos[0] == 0:
                 self.first_norm = float(norms[0])
             bins = np.where(pos > 0, np.floor(np.log2(np.maximum(pos, 1))).astype(np.int64) + 1, 0)
             bins = np.clip(bins, 0, POSITION_BINS - 1)
-            np.add.at(self.position_count, bins, 1)
-            np.add.at(self.position_norm, bins, norms)
+            self.position_count += np.bincount(bins, minlength=POSITION_BINS)
+            self.position_norm += np.bincount(bins, weights=norms, minlength=POSITION_BINS)
             best = np.argsort(peaks)[-TOP_K:]
             self.top = sorted(self.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[:TOP_K]
             x32 = np.asarray(rows[start : start + _PIECE], dtype=np.float32)
