@@ -132,6 +132,26 @@ def _pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _describe_command(args: argparse.Namespace) -> int:
+    from kvformat.conformance import describe
+
+    print(json.dumps(describe(args.file), ensure_ascii=False))
+    return 0
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    from kvformat.conformance import run
+
+    results = run(args.directory, args.reader)
+    width = max(len(r.name) for r in results) if results else 4
+    print(f"{'vector':{width}s}  result")
+    for result in results:
+        print(f"{result.name:{width}s}  {'pass' if result.passed else 'FAIL ' + result.detail}")
+    passed = sum(r.passed for r in results)
+    print(f"{passed}/{len(results)} passed ({args.reader or 'kvformat'})")
+    return 0 if passed == len(results) else 1
+
+
 def _dump(args: argparse.Namespace) -> int:
     with kvformat.open(args.file, args.snapshot) as snap:
         head = snap.head(args.layer, args.head, args.seq)
@@ -174,6 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=None, help="tokens per chunk")
     p.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), help="convert arrays to this dtype")
     p.set_defaults(func=_pack)
+
+    p = sub.add_parser("describe", help="the conformance description of a file (JSON; see spec/vectors)")
+    p.add_argument("file")
+    p.set_defaults(func=_describe_command)
+
+    p = sub.add_parser("conformance", help="check a reader against spec/vectors/manifest.json")
+    p.add_argument("directory")
+    p.add_argument("--reader", help="command; 'CMD FILE' prints the description JSON (default: kvformat)")
+    p.set_defaults(func=_conformance)
 
     p = sub.add_parser("dump", help="write one head's K, V (float32) and positions to .npz")
     p.add_argument("file")

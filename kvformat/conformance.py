@@ -1,0 +1,148 @@
+"""Conformance: describe a `.kv` file as manifest-shaped JSON, and check readers against
+``spec/vectors/manifest.json``.
+
+The description of a file is what any reader can compute from `spec/SPEC.md` alone::
+
+    {"version": [major, minor], "num_seqs": S, "num_snapshots": N,
+     "layers": [<layer JSON as in the manifest record>], "metadata": {...},
+     "snapshots": [{"metadata": {...}, "arrays": {name: sha256},
+                    "heads": [{"layer", "head", "seq", "n_tokens",
+                               "positions": sha256, "k": sha256, "v": sha256}, ...]}, ...]}
+
+Hashes are SHA-256 (hex) of a canonical layout: positions as little-endian int64; K and V as the
+decoded ``(n_tokens, dim)`` rows, C order, little-endian, in the layer's dtype (``float32`` /
+``float16`` / ``bfloat16``; a quantized layer dequantized to its scale dtype); arrays likewise.
+Heads are listed for every present layer, sequence and head (``n_tokens`` may be 0). A file a
+reader must refuse is described as ``{"error": "<KVFormatError subclass name>"}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvformat.errors import KVFormatError
+from kvformat.reader import open as open_kv
+
+
+def _sha(array: np.ndarray) -> str:
+    canonical = np.ascontiguousarray(array)
+    if canonical.dtype.byteorder == ">":
+        canonical = canonical.byteswap().view(canonical.dtype.newbyteorder("<"))
+    return hashlib.sha256(canonical.tobytes()).hexdigest()
+
+
+def describe(path: str | Path) -> dict[str, Any]:
+    """The manifest-shaped description of one file, or ``{"error": class name}``."""
+    try:
+        with open_kv(path, snapshot=0) as first:
+            description: dict[str, Any] = {
+                "version": list(first.version),
+                "num_seqs": first.num_seqs,
+                "num_snapshots": first.num_snapshots,
+                "layers": [layer.to_json() for layer in first.layers],
+                "metadata": first.metadata,
+                "snapshots": [],
+            }
+            for index in range(first.num_snapshots):
+                snap = first.select(index)
+                heads = []
+                for layer, spec in enumerate(snap.layers):
+                    if not spec.present:
+                        continue
+                    for seq in range(snap.num_seqs):
+                        for head in range(spec.num_heads):
+                            data = snap.head(layer, head, seq)
+                            assert data is not None
+                            heads.append(
+                                {
+                                    "layer": layer,
+                                    "head": head,
+                                    "seq": seq,
+                                    "n_tokens": int(data.positions.size),
+                                    "positions": _sha(data.positions.astype("<i8")),
+                                    "k": _sha(data.k),
+                                    "v": _sha(data.v),
+                                }
+                            )
+                arrays = {}
+                for name in snap.array_names:
+                    value = snap.array(name)
+                    assert value is not None
+                    arrays[name] = _sha(value)
+                description["snapshots"].append(
+                    {"metadata": snap.snapshot_metadata, "arrays": arrays, "heads": heads}
+                )
+            first.verify()
+        return description
+    except KVFormatError as error:
+        return {"error": type(error).__name__}
+
+
+@dataclass
+class Result:
+    """One vector's outcome: ``passed``, and what differed when not."""
+
+    name: str
+    passed: bool
+    detail: str
+
+
+def _first_difference(expected: Any, actual: Any, where: str = "") -> str:
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        for key in sorted(set(expected) | set(actual)):
+            if key not in actual:
+                return f"{where}.{key}: missing"
+            if key not in expected:
+                return f"{where}.{key}: unexpected"
+            found = _first_difference(expected[key], actual[key], f"{where}.{key}")
+            if found:
+                return found
+        return ""
+    if isinstance(expected, list) and isinstance(actual, list):
+        if len(expected) != len(actual):
+            return f"{where}: {len(actual)} items, expected {len(expected)}"
+        for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
+            found = _first_difference(a, b, f"{where}[{i}]")
+            if found:
+                return found
+        return ""
+    return "" if expected == actual else f"{where}: {actual!r}, expected {expected!r}"
+
+
+def run(directory: str | Path, reader: str | None = None) -> list[Result]:
+    """Check every vector of ``directory/manifest.json`` with our reader or ``reader`` (a
+    command; ``CMD FILE`` must print the description JSON)."""
+    directory = Path(directory)
+    manifest = json.loads((directory / "manifest.json").read_text("utf-8"))
+    results = []
+    for entry in manifest["vectors"]:
+        path = directory / entry["file"]
+        if reader is None:
+            actual = describe(path)
+        else:
+            try:
+                completed = subprocess.run(
+                    [*shlex.split(reader), str(path)], capture_output=True, text=True, timeout=120
+                )
+                actual = json.loads(completed.stdout)
+            except (OSError, subprocess.TimeoutExpired) as error:
+                raise ValueError(f"reader command {reader!r} failed on {path.name}: {error}") from None
+            except json.JSONDecodeError:
+                actual = {"error": f"no JSON from reader (exit {completed.returncode})"}
+        expected = entry["expect"]
+        if "error" in expected:
+            ok = "error" in actual and (actual["error"] == expected["error"] or reader is not None)
+            detail = "" if ok else f"expected error {expected['error']}, got {actual.get('error', 'a read')}"
+        else:
+            detail = _first_difference(expected, actual)
+            ok = not detail
+        results.append(Result(entry["file"], ok, detail))
+    return results

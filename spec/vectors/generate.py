@@ -1,0 +1,310 @@
+"""Rebuild the golden conformance vectors and ``manifest.json`` deterministically.
+
+    python spec/vectors/generate.py [OUTPUT_DIR]      # default: this directory
+
+Every file is written by `kvformat` from fixed seeds, so the output is byte-for-byte stable;
+``tests/test_conformance.py`` checks that the committed files equal a fresh run. Each vector
+covers one feature of spec/SPEC.md; the manifest gives, per file, what it covers and the
+description a conforming reader must produce (`kvformat.conformance.describe`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+import kvformat
+from kvformat.checksum import crc32c
+from kvformat.conformance import describe
+from kvformat.layout import DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, FOOTER_SIZE, Footer
+from kvformat.quantization import Quantization
+
+HERE = Path(__file__).resolve().parent
+
+
+def _rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def _kv(
+    seed: int, heads: int, tokens: int, k_dim: int, v_dim: int, dtype: object
+) -> tuple[np.ndarray, np.ndarray]:
+    rng = _rng(seed)
+    k = rng.standard_normal((heads, tokens, k_dim)).astype(dtype)
+    v = rng.standard_normal((heads, tokens, v_dim)).astype(dtype)
+    return k, v
+
+
+def dtype_codec(dtype: object, codec: str) -> Callable[[Path], None]:
+    def build(path: Path) -> None:
+        k, v = _kv(1, 2, 9, 8, 8, dtype)
+        kvformat.save(path, [kvformat.Layer(k, v)], codec=codec, chunk_bytes=4 * 8 * np.dtype(dtype).itemsize)
+
+    return build
+
+
+def rotating(path: Path) -> None:
+    """A sliding-window layer: keep 2 + window 5 after 40 tokens, beside a full layer."""
+    k, v = _kv(2, 2, 40, 8, 8, np.float16)
+    positions = np.concatenate([[0, 1], np.arange(35, 40)])
+    kvformat.save(
+        path,
+        [
+            kvformat.Layer(k, v, attributes={"kind": "full"}),
+            kvformat.Layer(
+                k[:, positions].copy(),
+                v[:, positions].copy(),
+                positions=positions,
+                attributes={"kind": "sliding", "window": 5, "keep": 2},
+            ),
+        ],
+    )
+
+
+def batch(path: Path) -> None:
+    """Two sequences of different lengths (left padding removed)."""
+    k0, v0 = _kv(3, 2, 6, 8, 8, np.float32)
+    k1, v1 = _kv(4, 2, 3, 8, 8, np.float32)
+    kvformat.save(path, [kvformat.Layer([k0, k1], [v0, v1], positions=[np.arange(6), np.arange(3)])])
+
+
+def absent_and_dims(path: Path) -> None:
+    """An absent (recurrent) layer between layers whose K and V head dims differ."""
+    k, v = _kv(5, 2, 4, 16, 8, ml_dtypes.bfloat16)
+    kvformat.save(path, [kvformat.Layer(k, v), None, kvformat.Layer(k[:, :2].copy(), v[:, :2].copy())])
+
+
+def empty_and_one(path: Path) -> None:
+    """A layer holding one token and a layer holding none."""
+    k, v = _kv(6, 1, 1, 8, 8, np.float32)
+    spec = kvformat.LayerSpec(1, 8, 8, kvformat.FLOAT32)
+    with kvformat.Writer(path, [spec, spec]) as writer:
+        writer.append(0, k, v, [7])
+
+
+def unicode_metadata(path: Path) -> None:
+    k, v = _kv(7, 1, 2, 8, 8, np.float16)
+    metadata = {"prompt": "Ünïcödé ✓ 日本語 \U0001f9ea", "nested": {"list": [1, 2.5, None, True]}}
+    kvformat.save(path, [kvformat.Layer(k, v)], metadata=metadata)
+
+
+def quantized(path: Path) -> None:
+    """A natively quantized layer (4-bit affine, groups of 32, float16 scales and biases)."""
+    q = Quantization(bits=4, group_size=32)
+    rng = _rng(8)
+    words, groups = q.widths(64)
+    parts = tuple(
+        (
+            rng.integers(0, 2**32, (2, 5, words), dtype=np.uint32),
+            rng.standard_normal((2, 5, groups)).astype(np.float16),
+            rng.standard_normal((2, 5, groups)).astype(np.float16),
+        )
+        for _ in range(2)
+    )
+    spec = kvformat.LayerSpec(2, 64, 64, kvformat.FLOAT16, quantization=q)
+    with kvformat.Writer(path, [spec]) as writer:
+        writer.append(0, parts[0], parts[1])
+
+
+def series(path: Path) -> None:
+    """Three snapshots as deltas: append, append + window drop, and a last-logits array."""
+    k, v = _kv(9, 2, 12, 8, 8, np.float32)
+    spec = kvformat.LayerSpec(2, 8, 8, kvformat.FLOAT32)
+    with kvformat.Writer(path, [spec], metadata={"model": "tiny"}) as writer:
+        writer.append(0, k[:, :6], v[:, :6])
+        writer.snapshot({"step": 0})
+        writer.append(0, k[:, 6:10], v[:, 6:10])
+        writer.drop(0, 1, 4)
+        writer.snapshot({"step": 1})
+        writer.append(0, k[:, 10:], v[:, 10:])
+        logits = _rng(10).standard_normal((1, 11)).astype(np.float32)
+        writer.snapshot({"step": 2}, arrays={"last_logits": logits})
+
+
+def optional_feature(path: Path) -> None:
+    """A file naming an optional feature this reader does not know: it must still read."""
+    k, v = _kv(11, 1, 3, 8, 8, np.float32)
+    spec = kvformat.LayerSpec(1, 8, 8, kvformat.FLOAT32)
+    with kvformat.Writer(path, [spec], optional_features=["x-future-hint"]) as writer:
+        writer.append(0, k, v)
+
+
+VECTORS: list[tuple[str, str, Callable[[Path], None]]] = [
+    ("float32-raw.kv", "float32, raw codec, 4-token chunks", dtype_codec(np.float32, "raw")),
+    ("float16-zstd.kv", "float16, zstd codec", dtype_codec(np.float16, "zstd:3")),
+    (
+        "bfloat16-byteplane.kv",
+        "bfloat16, byteplane-zstd codec",
+        dtype_codec(ml_dtypes.bfloat16, "byteplane-zstd"),
+    ),
+    ("rotating.kv", "non-contiguous positions (sliding window with keep)", rotating),
+    ("batch.kv", "two sequences of different lengths", batch),
+    ("absent-and-dims.kv", "absent layer; K and V head dims differ; bfloat16", absent_and_dims),
+    ("empty-and-one.kv", "a one-token layer and an empty layer", empty_and_one),
+    ("unicode-metadata.kv", "unicode and nested JSON metadata", unicode_metadata),
+    ("quantized.kv", "4-bit affine quantized layer (dequantized hashes)", quantized),
+    ("series.kv", "three snapshots as deltas, a drop, an array", series),
+    ("optional-feature.kv", "unknown optional feature: must read", optional_feature),
+]
+
+
+def _rebuild(
+    source: Path,
+    out: Path,
+    edit_table: Callable[[np.ndarray], None] | None = None,
+    edit_json: Callable[[dict[str, Any]], object] | None = None,
+    footer: dict[str, int] | None = None,
+) -> None:
+    """Rewrite ``source``'s index with edits and *valid* CRCs (descriptors, index), so that only
+    the structural rule under test can catch the damage."""
+    data = source.read_bytes()
+    f = Footer.unpack(data[-FOOTER_SIZE:])
+    table_end = f.index_offset + f.chunk_count * DESCRIPTOR_SIZE
+    table = np.frombuffer(data[f.index_offset : table_end], DESCRIPTOR_DTYPE).copy()
+    document = json.loads(data[table_end:-FOOTER_SIZE])
+    if edit_table:
+        edit_table(table)
+        raw = table.view(np.uint8).reshape(len(table), DESCRIPTOR_SIZE)
+        table["descriptor_crc"] = [crc32c(bytes(row[:60])) for row in raw]
+    if edit_json:
+        replaced = edit_json(document)
+        if replaced is not None:
+            document = replaced
+    index_json = document if isinstance(document, bytes) else json.dumps(document).encode()
+    fields = {"index_offset": f.index_offset, "chunk_count": len(table), "json_size": len(index_json)}
+    fields.update(footer or {})
+    crc = crc32c(index_json, crc32c(table.tobytes(), crc32c(data[:64])))
+    footer_bytes = Footer(fields["index_offset"], fields["chunk_count"], fields["json_size"], crc).pack()
+    out.write_bytes(data[: f.index_offset] + table.tobytes() + index_json + footer_bytes)
+
+
+def _patched(source: Path, out: Path, offset: int, value: bytes, header_crc: bool = False) -> None:
+    data = bytearray(source.read_bytes())
+    data[offset : offset + len(value)] = value
+    if header_crc:
+        struct.pack_into("<I", data, 60, crc32c(bytes(data[:60])))
+    out.write_bytes(bytes(data))
+
+
+def _set(field: str, row: int, value: int) -> Callable[[np.ndarray], None]:
+    def edit(table: np.ndarray) -> None:
+        table[field][row] = value
+
+    return edit
+
+
+def _copy_offset(table: np.ndarray) -> None:
+    table["offset"][1] = table["offset"][0]
+
+
+def _first_payload(path: Path) -> int:
+    data = path.read_bytes()
+    f = Footer.unpack(data[-FOOTER_SIZE:])
+    table = np.frombuffer(data[f.index_offset :], DESCRIPTOR_DTYPE, count=f.chunk_count)
+    return int(table["offset"][0]) + DESCRIPTOR_SIZE
+
+
+BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
+    (
+        "truncated-footer.kv",
+        "the last 10 bytes are missing",
+        lambda s, o: o.write_bytes(s.read_bytes()[:-10]),
+    ),
+    (
+        "index-past-eof.kv",
+        "footer index offset beyond the end of the file",
+        lambda s, o: _rebuild(s, o, footer={"index_offset": 10**9}),
+    ),
+    (
+        "overlapping-chunks.kv",
+        "chunk 1 claims chunk 0's bytes",
+        lambda s, o: _rebuild(s, o, edit_table=_copy_offset),
+    ),
+    (
+        "shape-overflow.kv",
+        "rows x width x itemsize far above the payload",
+        lambda s, o: _rebuild(s, o, edit_table=_set("rows", 0, 2**32 - 1)),
+    ),
+    (
+        "decoded-size-mismatch.kv",
+        "declared decoded size disagrees with rows x width",
+        lambda s, o: _rebuild(s, o, edit_table=_set("decoded_size", 0, 2**40)),
+    ),
+    (
+        "checksum-mismatch.kv",
+        "one payload byte flipped",
+        lambda s, o: _patched(s, o, _first_payload(s), bytes([s.read_bytes()[_first_payload(s)] ^ 0x10])),
+    ),
+    (
+        "major-version-2.kv",
+        "format major version 2",
+        lambda s, o: _patched(s, o, 8, struct.pack("<H", 2), header_crc=True),
+    ),
+    (
+        "unknown-required-feature.kv",
+        "a required feature this reader does not know",
+        lambda s, o: _rebuild(
+            s, o, edit_json=lambda d: d["manifest"].__setitem__("required_features", ["time-travel"])
+        ),
+    ),
+    (
+        "duplicate-entries.kv",
+        "the same segment listed twice",
+        lambda s, o: _rebuild(
+            s, o, edit_json=lambda d: d["snapshots"][-1]["append"].extend(d["snapshots"][-1]["append"][:3])
+        ),
+    ),
+    (
+        "invalid-utf8-metadata.kv",
+        "index JSON that is not UTF-8",
+        lambda s, o: _rebuild(s, o, edit_json=lambda d: b'{"manifest": "\xff\xfe"}'),
+    ),
+    (
+        "absurd-layer-count.kv",
+        "70,000 layers declared",
+        lambda s, o: _rebuild(
+            s, o, edit_json=lambda d: d["manifest"].__setitem__("layers", [{"present": False}] * 70000)
+        ),
+    ),
+    (
+        "absurd-chunk-count.kv",
+        "footer chunk count 2^40",
+        lambda s, o: _rebuild(s, o, footer={"chunk_count": 2**40}),
+    ),
+]
+
+
+def generate(directory: Path) -> dict[str, object]:
+    """Write every vector into ``directory`` and return the manifest (also written there)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for name, covers, build in VECTORS:
+        path = directory / name
+        path.unlink(missing_ok=True)
+        build(path)
+        entries.append({"file": name, "covers": covers, "expect": describe(path)})
+    (directory / "bad").mkdir(exist_ok=True)
+    source = directory / "float32-raw.kv"
+    for name, breaks, build_bad in BAD:
+        path = directory / "bad" / name
+        build_bad(source, path)
+        expect = describe(path)
+        if "error" not in expect:
+            raise AssertionError(f"bad vector {name} reads as valid")
+        entries.append({"file": f"bad/{name}", "covers": breaks, "expect": expect})
+    manifest = {"format_version": [1, 0], "hash": "sha256", "vectors": entries}
+    (directory / "manifest.json").write_text(
+        json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", "utf-8"
+    )
+    return manifest
+
+
+if __name__ == "__main__":
+    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE)
