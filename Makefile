@@ -28,5 +28,10 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint
+# The Kaitai Struct compiler (npm, JavaScript build) that tests/test_kaitai.py runs on spec/kv.ksy.
+KAITAI := .cache/kaitai/node_modules/kaitai-struct-compiler
+$(KAITAI):
+	npm install --silent --no-audit --no-fund --prefix .cache/kaitai kaitai-struct-compiler@0.11.0
+
+test: lint $(KAITAI)
 	$(BIN)/python -m pytest tests
