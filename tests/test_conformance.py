@@ -5,6 +5,7 @@ and a structure-aware fuzzer over the vectors finds only KVFormatError."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import sys
 from pathlib import Path
@@ -76,7 +77,12 @@ def test_a_wrong_hash_is_detected(tmp_path: Path) -> None:
 GOOD = [p for p in sorted(VECTORS.glob("*.kv"))]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ_EXAMPLES = int(os.environ.get("KVSNAP_FUZZ_EXAMPLES", "150"))  # raise it for a long fuzz run
+
+
+@settings(
+    max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     index=st.integers(0, len(GOOD) - 1),
     edits=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), min_size=1, max_size=4),
