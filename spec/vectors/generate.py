@@ -181,7 +181,10 @@ def _rebuild(
     fields = {"index_offset": f.index_offset, "chunk_count": len(table), "json_size": len(index_json)}
     fields.update(footer or {})
     crc = crc32c(index_json, crc32c(table.tobytes(), crc32c(data[:64])))
-    footer_bytes = Footer(fields["index_offset"], fields["chunk_count"], fields["json_size"], crc).pack()
+    minor = struct.unpack_from("<H", data, 10)[0]  # the footer repeats the header's minor version
+    footer_bytes = Footer(
+        fields["index_offset"], fields["chunk_count"], fields["json_size"], crc, minor
+    ).pack()
     out.write_bytes(data[: f.index_offset] + table.tobytes() + index_json + footer_bytes)
 
 
@@ -281,11 +284,38 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
 ]
 
 
+def newer_minor(directory: Path) -> Callable[[Path], None]:
+    """Version 1.7 of the format with an unknown optional feature and unknown JSON keys: a 1.0
+    reader must read it (SPEC section 14)."""
+
+    def build(path: Path) -> None:
+        source = path.with_suffix(".tmp")
+        _patched(directory / "optional-feature.kv", source, 10, struct.pack("<H", 7), header_crc=True)
+
+        def extend(document: dict[str, Any]) -> None:
+            document["manifest"]["optional_features"] = ["x-future-hint", "x-attention-stats"]
+            document["manifest"]["x_future_key"] = {"x": 1}
+            document["x_future_top"] = 3
+
+        _rebuild(source, path, edit_json=extend)
+        source.unlink()
+
+    return build
+
+
 def generate(directory: Path) -> dict[str, object]:
     """Write every vector into ``directory`` and return the manifest (also written there)."""
     directory.mkdir(parents=True, exist_ok=True)
     entries = []
-    for name, covers, build in VECTORS:
+    vectors = [
+        *VECTORS,
+        (
+            "newer-minor.kv",
+            "format 1.7, unknown optional feature and keys: must read",
+            newer_minor(directory),
+        ),
+    ]
+    for name, covers, build in vectors:
         path = directory / name
         path.unlink(missing_ok=True)
         build(path)
