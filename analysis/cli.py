@@ -97,6 +97,7 @@ def _plot(args: argparse.Namespace) -> int:
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
     image = left.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
     left.set_xlabel("KV head")
+    left.set_xticks(range(heads))
     left.set_ylabel("layer")
     left.set_yticks(range(len(layers)), [str(layer) for layer in layers])
     left.set_title(f"{args.tensor.upper()} {args.stat}")
