@@ -11,10 +11,7 @@ KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
 def _table(args: argparse.Namespace) -> Any:
     """Statistics of every file, ``--jobs`` processes, a progress line on stderr."""
-    import polars as pl
-    import pyarrow as pa
-
-    from analysis.stats import file_tables
+    from analysis.stats import head_stats
 
     done = 0
 
@@ -31,14 +28,10 @@ def _table(args: argparse.Namespace) -> Any:
                 flush=True,
             )
 
-    tables = [
-        t
-        for t in file_tables(args.files, args.snapshot, args.keys, args.jobs, progress=progress)
-        if t.num_rows
-    ]
-    if not tables:
+    table = head_stats(args.files, args.snapshot, args.keys, args.jobs, progress)
+    if table.is_empty():
         raise SystemExit("no statistics: every layer of every file is absent")
-    return pl.from_arrow(pa.concat_tables(tables, promote_options="default"))
+    return table
 
 
 def _outliers(args: argparse.Namespace) -> int:

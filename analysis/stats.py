@@ -343,13 +343,15 @@ def head_stats(
     snapshot: int = -1,
     keys: str = "post_rope",
     jobs: int = 1,
+    progress: Callable[[str], None] | None = None,
 ) -> pl.DataFrame:
     """A Polars DataFrame, one row per (file, seq, layer, head, tensor); ``keys="pre_rope"``
-    un-rotates K first using the RoPE description in the metadata; ``jobs`` processes."""
+    un-rotates K first using the RoPE description in the metadata; ``jobs`` processes;
+    ``progress`` is called with each file name as it finishes."""
     import polars as pl
     import pyarrow as pa
 
-    tables = [t for t in file_tables(paths, snapshot, keys, jobs) if t.num_rows]
+    tables = [t for t in file_tables(paths, snapshot, keys, jobs, progress) if t.num_rows]
     if not tables:
         return pl.DataFrame()
     frame = pl.from_arrow(pa.concat_tables(tables, promote_options="default"))
