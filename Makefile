@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install
+.PHONY: demo test lint install nginx
 
 $(BIN)/kvsnap: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,5 +33,15 @@ KAITAI := .cache/kaitai/node_modules/kaitai-struct-compiler
 $(KAITAI):
 	npm install --silent --no-audit --no-fund --prefix .cache/kaitai kaitai-struct-compiler@0.11.0
 
-test: lint $(KAITAI)
+# nginx serves snapshots over HTTP range requests to tests/test_remote.py and tests/test_batch.py
+# (started on loopback by tests/servers.py). Installed from Debian's packages or Homebrew.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+nginx:
+	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || { \
+		if command -v apt-get >/dev/null 2>&1; then \
+			$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nginx >/dev/null; \
+		elif command -v brew >/dev/null 2>&1; then brew install nginx; \
+		else echo "install nginx for the remote-reading tests" >&2; exit 1; fi; }
+
+test: lint $(KAITAI) nginx
 	$(BIN)/python -m pytest tests

@@ -3,35 +3,82 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
 
-def _table(args: argparse.Namespace) -> Any:
-    """Statistics of every file, ``--jobs`` processes, a progress line on stderr."""
-    from analysis.stats import head_stats
+def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``--storage-option KEY=VALUE`` pairs (VALUE parsed as JSON when it is JSON)."""
+    options: dict[str, Any] = {}
+    for item in getattr(args, "storage_option", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--storage-option wants KEY=VALUE, not {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options or None
 
+
+def _progress(total: int) -> Callable[[str], None]:
     done = 0
 
     def progress(name: str) -> None:
         nonlocal done
         done += 1
-        if sys.stderr.isatty() or len(args.files) > 1:
+        if sys.stderr.isatty() or total > 1:
             width = 30
-            filled = width * done // len(args.files)
+            filled = width * done // total
             print(
-                f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{len(args.files)} {name[-40:]}",
-                end="\n" if done == len(args.files) else "",
+                f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name[-40:]}",
+                end="\n" if done == total else "",
                 file=sys.stderr,
                 flush=True,
             )
 
-    table = head_stats(args.files, args.snapshot, args.keys, args.jobs, progress)
-    if table.is_empty():
-        raise SystemExit("no statistics: every layer of every file is absent")
-    return table
+    return progress
+
+
+def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
+    """Statistics of every file or pattern, on the chosen engine; failures reported by file."""
+    from analysis.batch import expand_paths, merged_stats, run_stats
+
+    options = _storage_options(args)
+    try:
+        files = expand_paths(args.files, options)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(str(exc)) from None
+    run = merged_stats if merge else run_stats
+    result = run(
+        files,
+        engine=getattr(args, "engine", "local"),
+        jobs=args.jobs,
+        address=getattr(args, "address", None),
+        fail_fast=getattr(args, "fail_fast", False),
+        snapshot=args.snapshot,
+        keys=args.keys,
+        storage_options=options,
+        progress=_progress(len(files)),
+    )
+    for failure in result.failures:
+        print(f"failed: {failure.file}: {failure.error}", file=sys.stderr)
+    if result.failures:
+        print(f"{len(result.failures)} of {result.files} files failed", file=sys.stderr)
+    return result
+
+
+def _table(args: argparse.Namespace) -> Any:
+    """The statistics table of every file (failures reported on stderr, exit status 1 later)."""
+    result = _batch(args)
+    args.failed = bool(result.failures)
+    if result.table.is_empty():
+        raise SystemExit("no statistics: every file failed or every layer is absent")
+    return result.table
 
 
 def _outliers(args: argparse.Namespace) -> int:
@@ -56,7 +103,7 @@ def _outliers(args: argparse.Namespace) -> int:
             f"{row['file'][-40:]:40s} {row['seq']:3d} {row['layer']:5d} {row['head']:4d} "
             f"{row[args.stat]:14.4f} {row['ratio_to_median']:9.2f}"
         )
-    return 0
+    return 1 if args.failed else 0
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -80,7 +127,7 @@ def _plot(args: argparse.Namespace) -> int:
     for row in table.iter_rows(named=True):
         grid[layers.index(row["layer"]), row["head"]] = row[args.stat]
     tokens = (
-        token_table(args.file, args.snapshot)
+        token_table(args.file, args.snapshot, _storage_options(args))
         .filter(pl.col("seq") == 0)
         .group_by("layer", "position")
         .agg(pl.col(f"{args.tensor}_norm").mean())
@@ -136,11 +183,35 @@ def _similarity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _merged(args: argparse.Namespace) -> int:
+    result = _batch(args, merge=True)
+    table = result.table
+    if args.output and not table.is_empty():
+        table.write_parquet(args.output)
+        print(f"wrote {args.output}: {table.height} rows")
+    if table.is_empty():
+        raise SystemExit("no statistics: every file failed or every layer is absent")
+    import polars as pl
+
+    keys = table.filter(pl.col("tensor") == "k")
+    files = keys["n_files"][0]
+    print(f"mean ||K|| per layer and KV head over {files} files ({keys['n_tokens'].max()} tokens per head)")
+    for layer in sorted(set(keys["layer"].to_list())):
+        cells = [
+            f"h{row['head']}={row['norm_mean']:7.2f}"
+            for row in keys.filter(pl.col("layer") == layer).iter_rows(named=True)
+        ]
+        print(f"  layer {layer:3d}: " + "  ".join(cells))
+    return 1 if result.failures else 0
+
+
 def _stats(args: argparse.Namespace) -> int:
     import polars as pl
 
     from analysis.stats import outliers
 
+    if args.merge:
+        return _merged(args)
     table = _table(args)
     if args.output:
         table.write_parquet(args.output)
@@ -167,7 +238,7 @@ def _stats(args: argparse.Namespace) -> int:
                 for r in top.iter_rows(named=True)
             )
         )
-    return 0
+    return 1 if args.failed else 0
 
 
 def _common(p: argparse.ArgumentParser, many: bool = True) -> None:
@@ -181,6 +252,21 @@ def _common(p: argparse.ArgumentParser, many: bool = True) -> None:
         help="pre_rope: un-rotate K with the RoPE the snapshot records",
     )
     p.add_argument("--jobs", type=int, default=1, help="files computed in this many processes")
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec option for URLs (e.g. endpoint_url=http://host:9000); repeatable",
+    )
+    if many:
+        p.add_argument(
+            "--engine",
+            choices=["local", "ray"],
+            default="local",
+            help="local: --jobs processes; ray: a Ray cluster (--address) or local Ray with --jobs CPUs",
+        )
+        p.add_argument("--address", help="Ray cluster address for --engine ray")
+        p.add_argument("--fail-fast", action="store_true", help="stop at the first file that fails")
 
 
 def register(sub: Any) -> None:
@@ -191,6 +277,11 @@ def register(sub: Any) -> None:
     _common(p)
     p.add_argument("--factor", type=float, default=1.5, help="outlier threshold vs the median head")
     p.add_argument("-o", "--output", help="write the full statistics table as Parquet")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="one row per (layer, head, tensor) over all files (they must share the model's layout)",
+    )
     p.set_defaults(func=_stats)
 
     p = sub.add_parser("outliers", help="heads whose statistic exceeds N x the median head")

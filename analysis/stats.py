@@ -91,7 +91,8 @@ class HeadAccumulator:
     gram: np.ndarray = field(init=False)
     unit_sum: np.ndarray = field(init=False)
     band: np.ndarray | None = field(init=False)
-    first_norm: float | None = None
+    first_norm_sum: float = 0.0  # ||x|| at position 0, summed over the sequences that hold it
+    first_count: int = 0
     position_count: np.ndarray = field(default_factory=lambda: np.zeros(POSITION_BINS, np.int64))
     position_norm: np.ndarray = field(default_factory=lambda: np.zeros(POSITION_BINS))
     top: list[tuple[float, int]] = field(default_factory=list)
@@ -136,7 +137,8 @@ class HeadAccumulator:
             if self.band is not None and self.rope is not None:
                 self.band += self.rope.pair_energy(x)
             if pos.size and pos[0] == 0:
-                self.first_norm = float(norms[0])
+                self.first_norm_sum += float(norms[0])
+                self.first_count += 1
             bins = np.where(pos > 0, np.floor(np.log2(np.maximum(pos, 1))).astype(np.int64) + 1, 0)
             bins = np.clip(bins, 0, POSITION_BINS - 1)
             self.position_count += np.bincount(bins, minlength=POSITION_BINS)
@@ -149,7 +151,10 @@ class HeadAccumulator:
                 self.quant_channel[i] += _quant_error(x32, bits, axis=0)
 
     def merge(self, other: HeadAccumulator) -> None:
-        """Add another accumulator of the same (layer, head, tensor) into this one."""
+        """Add another accumulator of the same (layer, head, tensor) into this one (another chunk,
+        sequence or file); raises ValueError when the channel counts differ."""
+        if other.dim != self.dim:
+            raise ValueError(f"cannot merge {other.dim}-channel statistics into {self.dim}-channel ones")
         self.count += other.count
         self.norm_sum += other.norm_sum
         self.norm_sq_sum += other.norm_sq_sum
@@ -170,7 +175,8 @@ class HeadAccumulator:
         self.absmax = np.maximum(self.absmax, other.absmax)
         if self.band is not None and other.band is not None:
             self.band = self.band + other.band
-        self.first_norm = self.first_norm if self.first_norm is not None else other.first_norm
+        self.first_norm_sum += other.first_norm_sum
+        self.first_count += other.first_count
         self.top = sorted(self.top + other.top, reverse=True)[:TOP_K]
 
     def row(self) -> dict[str, Any]:
@@ -213,7 +219,9 @@ class HeadAccumulator:
             "massive_positions": [p for _, p in self.top],
             "massive_values": [v for v, _ in self.top],
             "massive_ratio": self.top[0][0] / peak_median if self.top and peak_median > 0 else float("nan"),
-            "sink_ratio": self.first_norm / mean_norm if self.first_norm is not None else float("nan"),
+            "sink_ratio": self.first_norm_sum / self.first_count / mean_norm
+            if self.first_count
+            else float("nan"),
             "rope_band_energy": (self.band / max(float(self.band.sum()), 1e-30)).tolist()
             if self.band is not None
             else None,
@@ -234,11 +242,17 @@ class HeadAccumulator:
         return row
 
 
-def _accumulators(path: str | os.PathLike[str], snapshot: int, keys: str) -> Iterator[dict[str, Any]]:
+Key = tuple[int, int, int, str]  # (seq, layer, head, "k" | "v")
+
+
+def _accumulate(
+    path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None
+) -> tuple[str, int, dict[Key, HeadAccumulator]]:
+    """One streaming pass over a file: (file name, snapshot index, accumulator per key)."""
     if keys not in ("post_rope", "pre_rope"):
         raise ValueError("keys must be 'post_rope' or 'pre_rope'")
-    with kvformat.open(path, snapshot) as snap:
-        table: dict[tuple[int, int, int, str], HeadAccumulator] = {}
+    with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
+        table: dict[Key, HeadAccumulator] = {}
         ropes: dict[int, Rope | None] = {}
         for layer, spec in enumerate(snap.layers):
             if not spec.present:
@@ -260,7 +274,13 @@ def _accumulators(path: str | os.PathLike[str], snapshot: int, keys: str) -> Ite
                 k = rope.rotate(k, block.positions, inverse=True)
             table[(block.seq, block.layer, block.head, "k")].add(k, block.positions)
             table[(block.seq, block.layer, block.head, "v")].add(block.v, block.positions)
-        name, index = os.fspath(path), snap.index
+        return os.fspath(path), snap.index, table
+
+
+def _accumulators(
+    path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None = None
+) -> Iterator[dict[str, Any]]:
+    name, index, table = _accumulate(path, snapshot, keys, storage_options)
     for (seq, layer, head, tensor), acc in sorted(table.items()):
         yield {
             "file": name,
@@ -281,14 +301,18 @@ def stats_rows(
 
 
 def stats_for_file(
-    path: str | os.PathLike[str], snapshot: int = -1, keys: str = "post_rope"
+    path: str | os.PathLike[str],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    storage_options: dict[str, Any] | None = None,
 ) -> Iterator[pa.Table]:
-    """The per-head statistics of one file as Arrow tables, one per layer, after one streaming
-    pass. No global state: a process pool or a distributed engine can call it per file."""
+    """The per-head statistics of one file (a path or a URL) as Arrow tables, one per layer, after
+    one streaming pass. No global state: a process pool or a distributed engine can call it per
+    file."""
     import pyarrow as pa
 
     batch: list[dict[str, Any]] = []
-    for row in _accumulators(path, snapshot, keys):
+    for row in _accumulators(path, snapshot, keys, storage_options):
         if batch and row["layer"] != batch[-1]["layer"]:
             yield pa.Table.from_pylist(batch)
             batch = []
@@ -297,10 +321,32 @@ def stats_for_file(
         yield pa.Table.from_pylist(batch)
 
 
-def _file_table(path: str | os.PathLike[str], snapshot: int, keys: str) -> pa.Table:
+def file_accumulators(
+    path: str | os.PathLike[str],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    storage_options: dict[str, Any] | None = None,
+) -> dict[tuple[int, int, str], HeadAccumulator]:
+    """The mergeable state of one file, per (layer, head, tensor), its sequences merged: the unit
+    that `analysis.batch.merged_stats` combines across files."""
+    merged: dict[tuple[int, int, str], HeadAccumulator] = {}
+    for (_, layer, head, tensor), acc in sorted(
+        _accumulate(path, snapshot, keys, storage_options)[2].items()
+    ):
+        key = (layer, head, tensor)
+        if key in merged:
+            merged[key].merge(acc)
+        else:
+            merged[key] = acc
+    return merged
+
+
+def _file_table(
+    path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None = None
+) -> pa.Table:
     import pyarrow as pa
 
-    tables = list(stats_for_file(path, snapshot, keys))
+    tables = list(stats_for_file(path, snapshot, keys, storage_options))
     return pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
 
 
@@ -381,13 +427,15 @@ def head_stats_reader(
     return pa.RecordBatchReader.from_batches(schema, batches())
 
 
-def token_table(path: str | os.PathLike[str], snapshot: int = -1) -> pl.LazyFrame:
+def token_table(
+    path: str | os.PathLike[str], snapshot: int = -1, storage_options: dict[str, Any] | None = None
+) -> pl.LazyFrame:
     """Per-token scalars (seq, layer, head, position, k_norm, v_norm, k_absmax) as a LazyFrame,
     built chunk by chunk."""
     import polars as pl
 
     frames = []
-    with kvformat.open(path, snapshot) as snap:
+    with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
         for block in snap.blocks():
             k = np.asarray(block.k, dtype=np.float32)
             v = np.asarray(block.v, dtype=np.float32)

@@ -5,8 +5,12 @@ Reading::
     with kvformat.open("run.kv") as snap:
         h = snap.head(layer=3, head=1)      # h.k (n_tokens, k_dim), h.v, h.positions
 
+    kvformat.open("https://host/run.kv")   # or s3://..., or filesystem=fsspec/pyarrow fs:
+                                           # byte-range reads of the index and the chunks used
+
 Writing: `save` for in-memory arrays, `Writer` to stream layers and token ranges as they come.
-Depends only on numpy, zstandard, ml-dtypes and crc32c.
+Depends only on numpy, zstandard, ml-dtypes and crc32c (fsspec, optional, for s3:// and other object
+stores; HTTP uses the standard library).
 """
 
 from kvformat.codecs import BytePlaneZstd, Raw, Zstd
@@ -16,6 +20,8 @@ from kvformat.errors import (
     CorruptFileError,
     KVFormatError,
     LimitExceededError,
+    RemoteError,
+    RemoteNotFoundError,
     TruncatedFileError,
     UnsupportedFeatureError,
     UnsupportedVersionError,
@@ -45,6 +51,8 @@ __all__ = [
     "LimitExceededError",
     "Raw",
     "RecoverReport",
+    "RemoteError",
+    "RemoteNotFoundError",
     "Segment",
     "Snapshot",
     "TruncatedFileError",

@@ -39,10 +39,11 @@ def _sha(array: np.ndarray) -> str:
     return hashlib.sha256(canonical.tobytes()).hexdigest()
 
 
-def describe(path: str | Path) -> dict[str, Any]:
-    """The manifest-shaped description of one file, or ``{"error": class name}``."""
+def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
+    """The manifest-shaped description of one file, or ``{"error": class name}``;
+    ``open_options`` go to `kvformat.open` (e.g. ``storage_options`` for a URL)."""
     try:
-        with open_kv(path, snapshot=0) as first:
+        with open_kv(path, snapshot=0, **open_options) as first:
             description: dict[str, Any] = {
                 "version": list(first.version),
                 "num_seqs": first.num_seqs,

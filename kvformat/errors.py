@@ -33,3 +33,12 @@ class UnsupportedFeatureError(KVFormatError):
 
 class LimitExceededError(KVFormatError):
     """A size or count field exceeds a hard limit of the spec."""
+
+
+class RemoteError(KVFormatError):
+    """A remote file could not be read: network failure, timeout, refused range request, or the
+    file changed on the server while it was open."""
+
+
+class RemoteNotFoundError(RemoteError):
+    """A remote file does not exist (or vanished after it was opened)."""

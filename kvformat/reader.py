@@ -7,13 +7,14 @@ Every rule of ``spec/SPEC.md`` section 8 is checked before a size field is trust
 from __future__ import annotations
 
 import os
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from kvformat import codecs, dtypes
+from kvformat import codecs, dtypes, remote
 from kvformat.checksum import crc32c
 from kvformat.codecs import BytesLike
 from kvformat.errors import (
@@ -51,6 +52,7 @@ from kvformat.layout import (
 )
 from kvformat.manifest import LayerSpec, Manifest, loads, parse_manifest
 from kvformat.quantization import Parts, Quantization
+from kvformat.remote import READ_AHEAD
 from kvformat.series import Chain, Segment, parse_entry
 from kvformat.source import FileObjectSource, MmapSource, Source
 
@@ -226,6 +228,10 @@ class _File:
                     f"chunk of layer {layer_index} disagrees with the layer's heads, dims or dtype"
                 )
 
+    def prefetch(self, chunks: list[int]) -> None:
+        """Announce chunks about to be read (remote sources fetch them in few requests)."""
+        self.source.prefetch([(self.offsets[i] + DESCRIPTOR_SIZE, self.stored[i]) for i in chunks])
+
     def read_payload(self, i: int) -> memoryview:
         """Stored bytes of chunk ``i``, CRC-checked if the file was opened with checks on."""
         payload = self.source.read(self.offsets[i] + DESCRIPTOR_SIZE, self.stored[i])
@@ -387,6 +393,8 @@ class Snapshot:
         assert spec.dtype is not None
         segments = self._segments.get((layer, seq, head), [])
         start, stop = _token_range(tokens)
+        wanted = [s for s in segments if max(start, s.position) < min(stop, s.position + s.count)]
+        self._file.prefetch([c for s in wanted for c in (s.k_chunk, s.v_chunk)])
         k_parts: list[np.ndarray] = []
         v_parts: list[np.ndarray] = []
         pos_parts: list[np.ndarray] = []
@@ -465,7 +473,17 @@ class Snapshot:
         pass over a file larger than memory keeps a bounded resident set.
         """
         file = self._file
-        for seg in self.segments():
+        segments = self.segments()
+        announced = 0
+        for i, seg in enumerate(segments):
+            if i == announced:  # read-ahead for remote sources (a no-op on a memory map)
+                budget, chunks = READ_AHEAD, list[int]()
+                while announced < len(segments) and (budget > 0 or not chunks):
+                    for chunk in (segments[announced].k_chunk, segments[announced].v_chunk):
+                        chunks.append(chunk)
+                        budget -= file.stored[chunk]
+                    announced += 1
+                file.prefetch(chunks)
             yield Head(
                 seg.layer,
                 seg.head,
@@ -581,14 +599,35 @@ def open(
     snapshot: int = -1,
     *,
     check_checksums: bool = True,
+    filesystem: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    timeout: float = remote.DEFAULT_TIMEOUT,
 ) -> Snapshot:
-    """Open a `.kv` file (a path, memory-mapped; or a seekable binary file object).
+    """Open a `.kv` file: a local path (memory-mapped), a seekable binary file object, a URL
+    (``http(s)://`` with the standard library; ``s3://`` and other fsspec schemes with
+    ``storage_options``), or a path inside ``filesystem`` (an fsspec or pyarrow filesystem).
 
     Reads only the header, footer and index. ``snapshot`` selects which snapshot of a series
     (default: the last). ``check_checksums`` verifies each chunk's CRC-32C as it is read.
+    ``timeout`` (seconds) bounds each network operation of a remote file.
     """
-    if isinstance(file, str | os.PathLike):
-        source: Source = MmapSource(file)
+    source: Source
+    if filesystem is not None or remote.is_url(file):
+        assert isinstance(file, str | os.PathLike)
+        location = os.fspath(file)
+        if filesystem is None and location.startswith("file://"):
+            source = MmapSource(urllib.parse.unquote(urllib.parse.urlsplit(location).path))
+        else:
+            reader = remote.range_reader(
+                location, filesystem=filesystem, storage_options=storage_options, timeout=timeout
+            )
+            try:
+                source = remote.RemoteSource(reader)
+            except BaseException:
+                reader.close()
+                raise
+    elif isinstance(file, str | os.PathLike):
+        source = MmapSource(file)
     else:
         source = FileObjectSource(file)
     try:

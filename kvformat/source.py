@@ -1,22 +1,28 @@
-"""Byte sources a reader pulls from: a memory map of a local file, or any seekable file object."""
+"""Byte sources a reader pulls from: a memory map of a local file, or any seekable file object
+(remote files: `kvformat.remote.RemoteSource`)."""
 
 from __future__ import annotations
 
 import io
 import mmap
 import os
+from collections.abc import Sequence
 from typing import BinaryIO, Protocol
 
 from kvformat.errors import TruncatedFileError
 
 
 class Source(Protocol):
-    """Random access to the bytes of one file. ``read`` returns exactly ``size`` bytes."""
+    """Random access to the bytes of one file. ``read`` returns exactly ``size`` bytes;
+    ``prefetch`` announces ``(offset, size)`` ranges about to be read; ``release`` says a range
+    is no longer needed."""
 
     name: str
     size: int
 
     def read(self, offset: int, size: int) -> memoryview: ...
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None: ...
 
     def release(self, offset: int, size: int) -> None: ...
 
@@ -41,6 +47,9 @@ class MmapSource:
                 f"{self.name}: read of {size} bytes at {offset} passes end of file ({self.size})"
             )
         return self._view[offset : offset + size]
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Nothing to do: the page cache serves a local file."""
 
     def release(self, offset: int, size: int) -> None:
         """Drop the pages of ``[offset, offset + size)`` from this process (they stay in the page
@@ -90,6 +99,9 @@ class FileObjectSource:
                 raise TruncatedFileError(f"{self.name}: file ended at {offset + got} while reading")
             got += n
         return view
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        pass
 
     def release(self, offset: int, size: int) -> None:
         pass

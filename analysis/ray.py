@@ -1,0 +1,188 @@
+"""Ray Data over `.kv` files: one read task per file, each running `stats_for_file` and yielding
+one Arrow table per layer, so Ray's streaming executor bounds memory and schedules the files.
+
+    import ray, analysis.ray
+    ray.init()                                   # or ray.init(address="ray://head:10001")
+    ds = analysis.ray.read_kv(["s3://bucket/runs/a.kv", ...])
+    ds.to_pandas()                               # one row per (file, seq, layer, head, tensor)
+
+Needs ``pip install 'kvsnap[ray]'``. We build no scheduler: Ray places and retries the tasks.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
+
+from analysis.batch import (
+    BatchResult,
+    FileFailure,
+    MergedKey,
+    Options,
+    _accumulators_or_failure,
+    _frame,
+    describe_error,
+    sort_like,
+)
+from analysis.stats import HeadAccumulator, stats_for_file
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+ERROR_COLUMNS = ("file", "error")
+
+
+def _read_file(
+    path: str, snapshot: int, keys: str, storage_options: Options | None, errors: str
+) -> Iterator[pa.Table]:
+    import pyarrow as pa
+
+    try:
+        yield from stats_for_file(path, snapshot, keys, storage_options)
+    except Exception as exc:
+        if errors == "raise":
+            raise
+        yield pa.table({"file": [path], "error": [describe_error(exc)]})
+
+
+class KVDatasource(Datasource):
+    """Per-head statistic rows of `.kv` files (paths or URLs): one read task per file.
+
+    ``errors="collect"`` turns a failing file into one ``(file, error)`` row instead of failing
+    the dataset; `ray_stats` separates those rows from the statistics."""
+
+    def __init__(
+        self,
+        paths: list[str],
+        *,
+        snapshot: int = -1,
+        keys: str = "post_rope",
+        storage_options: Options | None = None,
+        errors: str = "raise",
+    ) -> None:
+        if errors not in ("raise", "collect"):
+            raise ValueError("errors must be 'raise' or 'collect'")
+        self.paths = list(paths)
+        self.snapshot = snapshot
+        self.keys = keys
+        self.storage_options = storage_options
+        self.errors = errors
+
+    def get_name(self) -> str:
+        return "KV"
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None  # the output is a few KB per head, whatever the file size
+
+    def get_read_tasks(
+        self, parallelism: int, per_task_row_limit: int | None = None, data_context: Any = None
+    ) -> list[ReadTask]:
+        tasks = []
+        for path in self.paths:
+            tasks.append(
+                ReadTask(
+                    functools.partial(
+                        _read_file, path, self.snapshot, self.keys, self.storage_options, self.errors
+                    ),
+                    BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=(path,)),
+                )
+            )
+        return tasks
+
+
+def read_kv(
+    paths: str | list[str],
+    *,
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    storage_options: Options | None = None,
+    errors: str = "raise",
+) -> ray.data.Dataset:
+    """A `ray.data.Dataset` of per-head statistic rows of the files (paths, URLs or glob patterns),
+    the same rows as `analysis.head_stats`, one read task per file."""
+    from analysis.batch import expand_paths
+
+    files = expand_paths([paths] if isinstance(paths, str) else paths, storage_options)
+    source = KVDatasource(files, snapshot=snapshot, keys=keys, storage_options=storage_options, errors=errors)
+    return ray.data.read_datasource(source, override_num_blocks=len(files))
+
+
+def _connect(address: str | None, num_cpus: int) -> None:
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(1, num_cpus), include_dashboard=False, log_to_driver=False)
+
+
+def ray_stats(
+    paths: list[str],
+    *,
+    address: str | None = None,
+    num_cpus: int = 1,
+    fail_fast: bool = False,
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    storage_options: Options | None = None,
+) -> BatchResult:
+    """`analysis.batch.run_stats` on Ray: the same table, the failures collected by file."""
+    _connect(address, num_cpus)
+    dataset = read_kv(
+        paths,
+        snapshot=snapshot,
+        keys=keys,
+        storage_options=storage_options,
+        errors="raise" if fail_fast else "collect",
+    )
+    tables: list[pa.Table] = []
+    failures: list[FileFailure] = []
+    for reference in dataset.to_arrow_refs():
+        table = ray.get(reference)
+        if tuple(table.column_names) == ERROR_COLUMNS:
+            failures.extend(FileFailure(f, e) for f, e in zip(*table.to_pydict().values(), strict=True))
+        elif table.num_rows:
+            tables.append(table)
+    order = {path: i for i, path in enumerate(paths)}
+    failures.sort(key=lambda failure: order.get(failure.file, len(paths)))
+    return BatchResult(sort_like(_frame(tables), paths), failures, len(paths))
+
+
+@ray.remote
+def _accumulators_task(
+    path: str, snapshot: int, keys: str, storage_options: Options | None, fail_fast: bool
+) -> dict[MergedKey, HeadAccumulator] | FileFailure:
+    return _accumulators_or_failure(path, snapshot, keys, storage_options, fail_fast)
+
+
+def ray_accumulators(
+    paths: list[str],
+    *,
+    address: str | None = None,
+    num_cpus: int = 1,
+    fail_fast: bool = False,
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    storage_options: Options | None = None,
+) -> Iterator[tuple[str, dict[MergedKey, HeadAccumulator] | FileFailure]]:
+    """Each file's mergeable state, computed by Ray tasks, yielded in the order of ``paths`` (so
+    merged sums are added in the same order as on the local engine, bit for bit) with at most
+    ``2 x cluster CPUs`` tasks in flight, so the driver holds few states at once."""
+    _connect(address, num_cpus)
+    window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    pending: collections.deque[tuple[str, Any]] = collections.deque()
+    queue = collections.deque(paths)
+    while queue or pending:
+        while queue and len(pending) < window:
+            path = queue.popleft()
+            pending.append(
+                (path, _accumulators_task.remote(path, snapshot, keys, storage_options, fail_fast))
+            )
+        path, reference = pending.popleft()
+        yield path, ray.get(reference)

@@ -1,0 +1,195 @@
+"""Many files: glob patterns and URLs, per-file failures, --fail-fast, merging across files, and the
+Ray engine (local mode, 2 CPUs) giving the same table as local processes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+import kvformat
+from analysis.batch import expand_paths, merged_stats, run_stats
+from analysis.stats import head_stats
+from kvformat.cli import main
+from tests.servers import moto_s3, nginx
+
+LAYERS, HEADS, DIM = 3, 2, 16
+
+
+def write_run(path: Path, seed: int, tokens: int, seqs: int = 1) -> list[np.ndarray]:
+    """A snapshot of ``seqs`` sequences; returns K per (layer, head) with all sequences stacked."""
+    rng = np.random.default_rng(seed)
+    layers, keys = [], []
+    for layer in range(LAYERS):
+        k = rng.standard_normal((seqs, HEADS, tokens, DIM)).astype(np.float32) * (1 + layer)
+        v = rng.standard_normal((seqs, HEADS, tokens, DIM)).astype(np.float32)
+        layers.append(kvformat.Layer(k if seqs > 1 else k[0], v if seqs > 1 else v[0]))
+        keys.extend(np.concatenate(list(k[:, head])) for head in range(HEADS))
+    kvformat.save(path, layers, chunk_bytes=700, metadata={"seed": seed})
+    return keys
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    for i, tokens in enumerate((40, 57, 33)):
+        write_run(root / f"run{i}.kv", seed=i, tokens=tokens)
+    good = (root / "run1.kv").read_bytes()
+    (root / "run3-broken.kv").write_bytes(good[: len(good) - 10])
+    return root
+
+
+def good_files(runs: Path) -> list[str]:
+    return [str(runs / f"run{i}.kv") for i in range(3)]
+
+
+def test_patterns_expand_in_order_and_unmatched_ones_are_errors(runs: Path) -> None:
+    assert expand_paths([str(runs / "run[12].kv"), str(runs / "run0.kv")]) == [
+        str(runs / "run1.kv"),
+        str(runs / "run2.kv"),
+        str(runs / "run0.kv"),
+    ]
+    with pytest.raises(FileNotFoundError, match="no file matches"):
+        expand_paths([str(runs / "*.nothing")])
+
+
+def test_local_engine_collects_failures_by_file(runs: Path) -> None:
+    result = run_stats(str(runs / "*.kv"))
+    assert result.files == 4
+    assert [f.file for f in result.failures] == [str(runs / "run3-broken.kv")]
+    assert result.failures[0].error.startswith("TruncatedFileError: ")
+    assert result.table.equals(head_stats(good_files(runs)))
+    assert result.table.height == 3 * LAYERS * HEADS * 2
+    with pytest.raises(kvformat.TruncatedFileError):
+        run_stats(str(runs / "*.kv"), fail_fast=True)
+
+
+def test_processes_give_the_same_table(runs: Path) -> None:
+    serial = run_stats(str(runs / "*.kv"))
+    parallel = run_stats(str(runs / "*.kv"), jobs=2)
+    assert parallel.table.equals(serial.table)
+    assert parallel.failures == serial.failures
+
+
+SCALARS = ("n_tokens", "norm_mean", "norm_std", "norm_max", "norm_sq_mean", "anisotropy", "effective_rank")
+
+
+def test_merging_equals_statistics_of_the_pooled_tokens(runs: Path, tmp_path: Path) -> None:
+    merged = merged_stats(good_files(runs)).table
+    assert merged.height == LAYERS * HEADS * 2 and set(merged["n_files"].to_list()) == {3}
+    # The same tokens as one file of three sequences (equal lengths), merged over its sequences.
+    pooled_keys = write_run(tmp_path / "pooled.kv", seed=9, tokens=20, seqs=3)
+    pooled = merged_stats([str(tmp_path / "pooled.kv")]).table
+    # Reference: numpy on the pooled K of layer 2 head 1 (all three sequences).
+    k = pooled_keys[2 * HEADS + 1].astype(np.float64)
+    row = pooled.filter((pl.col("layer") == 2) & (pl.col("head") == 1) & (pl.col("tensor") == "k")).row(
+        0, named=True
+    )
+    norms = np.linalg.norm(k, axis=1)
+    assert row["n_tokens"] == 60
+    assert row["norm_mean"] == pytest.approx(norms.mean(), rel=1e-9)
+    assert row["norm_max"] == pytest.approx(norms.max(), rel=1e-6)
+    np.testing.assert_allclose(row["channel_var"], k.var(axis=0), rtol=1e-7, atol=1e-9)
+    # Merging files equals merging the per-file rows' underlying sums: n_tokens add up.
+    separate = head_stats(good_files(runs)).filter(pl.col("tensor") == "k")
+    totals = separate.group_by("layer", "head").agg(pl.col("n_tokens").sum()).sort("layer", "head")
+    ks = merged.filter(pl.col("tensor") == "k").sort("layer", "head")
+    assert ks["n_tokens"].to_list() == totals["n_tokens"].to_list() == [130] * (LAYERS * HEADS)
+    weighted = separate.group_by("layer", "head").agg(
+        (pl.col("norm_mean") * pl.col("n_tokens")).sum() / pl.col("n_tokens").sum()
+    )
+    joined = ks.join(weighted, on=["layer", "head"], suffix="_expected")
+    np.testing.assert_allclose(joined["norm_mean"], joined["norm_mean_expected"], rtol=1e-12)
+
+
+def test_merging_reports_files_of_another_layout(runs: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other.kv"
+    rng = np.random.default_rng(0)
+    narrow = rng.standard_normal((HEADS, 5, 8), np.float32)
+    kvformat.save(other, [kvformat.Layer(narrow, narrow)] * LAYERS)
+    result = merged_stats([*good_files(runs), str(other), str(runs / "run3-broken.kv")])
+    assert [f.file for f in result.failures] == [str(other), str(runs / "run3-broken.kv")]
+    assert "8 channels" in result.failures[0].error
+    assert set(result.table["n_files"].to_list()) == {3}
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_ray_engine_gives_the_local_table(runs: Path, local_ray: None) -> None:
+    local = run_stats(str(runs / "*.kv"), jobs=2)
+    on_ray = run_stats(str(runs / "*.kv"), engine="ray")
+    assert on_ray.table.equals(local.table)
+    assert on_ray.failures == local.failures
+    merged_local = merged_stats(good_files(runs))
+    merged_ray = merged_stats(good_files(runs), engine="ray")
+    assert merged_ray.table.equals(merged_local.table)
+
+
+def test_read_kv_is_a_ray_dataset_of_statistic_rows(runs: Path, local_ray: None) -> None:
+    import ray
+
+    from analysis.ray import read_kv
+
+    dataset = read_kv(good_files(runs))
+    assert dataset.count() == 3 * LAYERS * HEADS * 2
+    assert {"file", "layer", "head", "tensor", "norm_mean", "eigenvalues"} <= set(dataset.columns())
+    with pytest.raises(ray.exceptions.RayError, match=r"run3-broken\.kv"):
+        read_kv([str(runs / "run3-broken.kv")]).materialize()
+
+
+def test_cli_reports_failures_and_writes_the_rest(
+    runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "stats.parquet"
+    assert main(["stats", str(runs / "*.kv"), "-o", str(out), "--jobs", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "failed: " + str(runs / "run3-broken.kv") + ": TruncatedFileError" in captured.err
+    assert "1 of 4 files failed" in captured.err
+    assert pl.read_parquet(out).height == 3 * LAYERS * HEADS * 2
+    assert main(["stats", str(runs / "*.kv"), "--fail-fast"]) == 2
+    assert "TruncatedFileError: " + str(runs / "run3-broken.kv") in capsys.readouterr().err
+    assert main(["stats", *good_files(runs), "--merge", "-o", str(out)]) == 0
+    assert "over 3 files" in capsys.readouterr().out
+    assert pl.read_parquet(out).height == LAYERS * HEADS * 2
+
+
+def test_cli_over_http_and_s3_equals_local(runs: Path, tmp_path: Path) -> None:
+    local = tmp_path / "local.parquet"
+    assert main(["stats", *good_files(runs), "-o", str(local)]) == 0
+    expected = pl.read_parquet(local).drop("file")
+    www = tmp_path / "www"
+    www.mkdir()
+    for name in ("run0.kv", "run1.kv", "run2.kv"):
+        shutil.copy(runs / name, www / name)
+    with nginx(www, tmp_path / "nginx") as server:
+        out = tmp_path / "http.parquet"
+        urls = [server.url(f"run{i}.kv") for i in range(3)]
+        assert main(["stats", *urls, "-o", str(out), "--jobs", "2"]) == 0
+        table = pl.read_parquet(out)
+        assert table["file"].unique(maintain_order=True).to_list() == urls
+        assert table.drop("file").equals(expected)
+    with moto_s3() as s3:
+        for name in ("run0.kv", "run1.kv", "run2.kv"):
+            s3.upload(runs / name, f"runs/{name}")
+        out = tmp_path / "s3.parquet"
+        options = [f"--storage-option={k}={json.dumps(v)}" for k, v in s3.storage_options.items()]
+        assert main(["stats", f"s3://{s3.bucket}/runs/*.kv", "-o", str(out), *options]) == 0
+        table = pl.read_parquet(out)
+        assert table["file"].unique().sort().to_list() == [
+            f"s3://{s3.bucket}/runs/run{i}.kv" for i in range(3)
+        ]
+        assert table.drop("file").equals(expected)
