@@ -3,7 +3,7 @@
 
     python -m benchmarks.batch_bench [--dir /tmp/kvsnap-batch-bench] [--files 16] [--quick]
 
-The set: ``--files`` Qwen3-8B-shaped bfloat16 snapshots of 1024 tokens (36 layers x 8 KV heads x
+The set: ``--files`` (8) Qwen3-8B-shaped bfloat16 snapshots of 1024 tokens (36 layers x 8 KV heads x
 128 dims, 151 MB each) plus one of 16384 tokens (2.4 GB), raw codec. Each engine runs in a fresh
 child process; the parent samples the resident memory of that process and all its descendants
 (Ray's raylet, GCS and workers included) from /proc every 0.1 s (Linux). Both engines must give
@@ -179,7 +179,7 @@ def remote_rows(big: Path, directory: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="/tmp/kvsnap-batch-bench")
-    parser.add_argument("--files", type=int, default=16)
+    parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--quick", action="store_true", help="small files, a 150 MB big one")
     args = parser.parse_args()

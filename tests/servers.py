@@ -3,6 +3,7 @@ Debian's or Homebrew's package; `make test` installs it) and moto's S3 API in se
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -146,6 +147,7 @@ def moto_s3() -> Iterator[S3]:
     state per process, so each server gets a bucket name of its own)."""
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
