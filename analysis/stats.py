@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import kvformat
+from analysis import kernel
 from analysis.rope import Rope
 
 if TYPE_CHECKING:
@@ -73,6 +75,18 @@ def _quant_error(x: np.ndarray, bits: int, axis: int) -> float:
     return error + (_group_error(x[full:], levels, 0) if full < n else 0.0)
 
 
+def _float32(rows: np.ndarray) -> np.ndarray:
+    """``rows`` as a C-contiguous float32 array: a view for float32, else one conversion
+    (bfloat16 by shifting its bits into the high half of a float32)."""
+    if rows.dtype == np.float32:
+        return np.ascontiguousarray(rows)
+    if rows.dtype.name == "bfloat16":
+        bits = np.ascontiguousarray(rows).view(np.uint16).astype(np.uint32)
+        bits <<= 16
+        return bits.view(np.float32)
+    return np.ascontiguousarray(rows, dtype=np.float32)
+
+
 @dataclass
 class HeadAccumulator:
     """Mergeable sums for one (sequence, layer, head, tensor) over vectors of ``dim`` channels."""
@@ -107,7 +121,61 @@ class HeadAccumulator:
         self.band = np.zeros(self.rope.dims // 2) if self.rope is not None else None
 
     def add(self, rows: np.ndarray, positions: np.ndarray) -> None:
-        """Add ``rows`` ``(n_tokens, dim)`` at absolute ``positions`` ``(n_tokens,)``."""
+        """Add ``rows`` ``(n_tokens, dim)`` at absolute ``positions`` ``(n_tokens,)``: the compiled
+        one-pass kernel (`analysis.kernel`) where numba is installed, else numpy."""
+        if kernel.AVAILABLE:
+            self._add_compiled(rows, positions)
+        else:
+            self._add_numpy(rows, positions)
+
+    def _add_compiled(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        if self.band is not None and self.rope is not None:
+            first, second = (np.arange(self.rope.dims)[part] for part in self.rope._pairs())
+            band = self.band
+        else:
+            first = second = np.empty(0, np.int64)
+            band = np.empty(0)
+        scalars = np.array([0.0, 0.0, self.norm_min, self.norm_max, 0.0, 0.0])
+        levels = np.array([(1 << bits) - 1 for bits in QUANT_BITS], np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        for start in range(0, rows.shape[0], _PIECE):
+            x = _float32(rows[start : start + _PIECE])
+            n = x.shape[0]
+            if not n:
+                continue
+            pos = positions[start : start + n]
+            peaks = np.empty(n)
+            kernel.accumulate(
+                x,
+                pos,
+                first,
+                second,
+                levels,
+                scalars,
+                self.norm_hist,
+                self.peak_hist,
+                self.power,
+                self.absmax,
+                self.unit_sum,
+                band,
+                self.position_count,
+                self.position_norm,
+                peaks,
+            )
+            kernel.quantization_error(x, levels, self.quant_token, True)
+            kernel.quantization_error(x, levels, self.quant_channel, False)
+            x64 = x.astype(np.float64)
+            self.gram += x64.T @ x64
+            self.count += n
+            best = np.argpartition(peaks, n - TOP_K)[n - TOP_K :] if n > TOP_K else np.arange(n)
+            self.top = sorted(self.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[:TOP_K]
+        self.norm_sum += float(scalars[0])
+        self.norm_sq_sum += float(scalars[1])
+        self.norm_min, self.norm_max = float(scalars[2]), float(scalars[3])
+        self.first_norm_sum += float(scalars[4])
+        self.first_count += int(scalars[5])
+
+    def _add_numpy(self, rows: np.ndarray, positions: np.ndarray) -> None:
         for start in range(0, rows.shape[0], _PIECE):
             x = np.asarray(rows[start : start + _PIECE], dtype=np.float64)
             pos = positions[start : start + _PIECE]
@@ -267,13 +335,27 @@ def _accumulate(
                 for head in range(spec.num_heads):
                     table[(seq, layer, head, "k")] = HeadAccumulator(spec.k_dim, ropes[layer])
                     table[(seq, layer, head, "v")] = HeadAccumulator(spec.v_dim)
-        for block in snap.blocks():
-            k = block.k
-            rope = ropes[block.layer]
-            if keys == "pre_rope" and rope is not None:
-                k = rope.rotate(k, block.positions, inverse=True)
-            table[(block.seq, block.layer, block.head, "k")].add(k, block.positions)
-            table[(block.seq, block.layer, block.head, "v")].add(block.v, block.positions)
+        # K and V of a block go to different accumulators: with the compiled kernel (which, like
+        # BLAS and numpy's conversions, releases the GIL) they run on two threads.
+        pool = ThreadPoolExecutor(2, thread_name_prefix="kvsnap-stats") if kernel.AVAILABLE else None
+        try:
+            for block in snap.blocks():
+                k = block.k
+                rope = ropes[block.layer]
+                if keys == "pre_rope" and rope is not None:
+                    k = rope.rotate(k, block.positions, inverse=True)
+                k_acc = table[(block.seq, block.layer, block.head, "k")]
+                v_acc = table[(block.seq, block.layer, block.head, "v")]
+                if pool is None:
+                    k_acc.add(k, block.positions)
+                    v_acc.add(block.v, block.positions)
+                else:
+                    pending = pool.submit(v_acc.add, block.v, block.positions)
+                    k_acc.add(k, block.positions)
+                    pending.result()
+        finally:
+            if pool is not None:
+                pool.shutdown()
         return os.fspath(path), snap.index, table
 
 

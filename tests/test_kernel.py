@@ -1,0 +1,61 @@
+"""The compiled kernel (numba) and the numpy path of HeadAccumulator.add compute the same
+statistics, for every dtype, odd sizes (partial quantization groups), RoPE pairings, positions
+with and without 0, and several adds in a row."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from analysis import kernel
+from analysis.rope import Rope
+from analysis.stats import HeadAccumulator
+
+
+def test_the_compiled_kernel_is_in_use() -> None:
+    assert kernel.AVAILABLE  # numba is a dependency of the analysis extra
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16], ids=str)
+@pytest.mark.parametrize("dim", [8, 40, 128])
+@pytest.mark.parametrize("pairing", [None, "interleaved", "half"])
+def test_compiled_and_numpy_paths_agree(dtype: type, dim: int, pairing: str | None) -> None:
+    rng = np.random.default_rng(dim)
+    rope = Rope(base=10000.0, dims=dim, pairing=pairing) if pairing else None
+    compiled, reference = HeadAccumulator(dim, rope), HeadAccumulator(dim, rope)
+    start = 0
+    for n in (1, 45, 33, 200):  # partial groups of tokens and channels, a one-row block
+        scale = np.exp(rng.normal(0, 1.5, dim))
+        rows = (rng.standard_normal((n, dim)) * scale).astype(dtype)
+        rows[rng.integers(0, n), rng.integers(0, dim)] = 0  # ties and zeros
+        positions = np.arange(start, start + n) if start or n > 1 else np.array([0])
+        compiled._add_compiled(rows, positions)
+        reference._add_numpy(rows, positions)
+        start += n + int(rng.integers(0, 300))  # gaps, as in sliding windows
+    got, expected = compiled.row(), reference.row()
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        if value is None:
+            assert got[name] is None, name
+        elif name.startswith("quant"):
+            assert got[name] == pytest.approx(value, rel=1e-9), name
+        elif name in ("massive_positions", "n_tokens", "rank_90"):
+            assert got[name] == value, name
+        else:
+            np.testing.assert_allclose(got[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+    np.testing.assert_array_equal(compiled.norm_hist, reference.norm_hist)
+    np.testing.assert_array_equal(compiled.position_count, reference.position_count)
+    assert compiled.first_count == reference.first_count == 1
+
+
+def test_zero_rows_and_constant_groups() -> None:
+    """All-zero rows (norm 0, unit vector guarded) and constant groups (step 1) match too."""
+    compiled, reference = HeadAccumulator(32), HeadAccumulator(32)
+    rows = np.zeros((40, 32), np.float32)
+    rows[5:] = 3.0
+    compiled._add_compiled(rows, np.arange(40))
+    reference._add_numpy(rows, np.arange(40))
+    got, expected = compiled.row(), reference.row()
+    for name in ("norm_mean", "norm_min", "anisotropy", "quant8_token_error", "quant2_channel_error"):
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-12, err_msg=name)
