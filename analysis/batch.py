@@ -9,11 +9,11 @@ name and collected in `BatchResult.failures`; the other files go on unless ``fai
 from __future__ import annotations
 
 import glob
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from analysis.stats import HeadAccumulator, _file_table, file_accumulators
+from analysis.stats import HeadAccumulator, _file_table, file_accumulators, local_map
 from kvformat.remote import expand, is_url
 
 if TYPE_CHECKING:
@@ -84,26 +84,6 @@ def _accumulators_or_failure(
         return FileFailure(path, describe_error(exc))
 
 
-def _local_map(function: Callable[..., Any], paths: list[str], jobs: int, *args: Any) -> Iterator[Any]:
-    """``function(path, *args)`` for each path, in order, in ``jobs`` spawned processes."""
-    if jobs <= 1 or len(paths) <= 1:
-        for path in paths:
-            yield function(path, *args)
-        return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = [pool.submit(function, path, *args) for path in paths]
-        try:
-            for future in futures:
-                yield future.result()
-        finally:
-            for future in futures:
-                future.cancel()
-
-
 def sort_like(table: pl.DataFrame, paths: list[str]) -> pl.DataFrame:
     """Rows in the order of ``paths``, then seq, layer, head, tensor (the local engine's order)."""
     import polars as pl
@@ -162,7 +142,7 @@ def run_stats(
     failures: list[FileFailure] = []
     for path, result in zip(
         paths,
-        _local_map(_table_or_failure, paths, jobs, snapshot, keys, storage_options, fail_fast),
+        local_map(_table_or_failure, paths, jobs, snapshot, keys, storage_options, fail_fast),
         strict=True,
     ):
         if isinstance(result, FileFailure):
@@ -245,7 +225,7 @@ def merged_stats(
     elif engine == "local":
         results = zip(
             paths,
-            _local_map(_accumulators_or_failure, paths, jobs, snapshot, keys, storage_options, fail_fast),
+            local_map(_accumulators_or_failure, paths, jobs, snapshot, keys, storage_options, fail_fast),
             strict=True,
         )
     else:

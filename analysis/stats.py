@@ -9,7 +9,7 @@ number of tokens, and accumulators of different chunks or files merge exactly. T
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -436,6 +436,41 @@ def _paths(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> 
     return [paths] if isinstance(paths, str | os.PathLike) else list(paths)
 
 
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def local_map(function: Callable[..., Any], paths: Sequence[Any], jobs: int, *args: Any) -> Iterator[Any]:
+    """``function(path, *args)`` for each path, in order, in ``jobs`` spawned processes."""
+    if jobs <= 1 or len(paths) <= 1:
+        for path in paths:
+            yield function(path, *args)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
+    # One BLAS thread per worker (as Ray does): N processes x a spinning BLAS pool each would
+    # oversubscribe the cores. Workers inherit the environment when they are spawned (on submit).
+    saved = {name: os.environ.get(name) for name in _THREAD_VARIABLES}
+    os.environ.update(dict.fromkeys(_THREAD_VARIABLES, "1"))
+    try:
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context)
+        futures = [pool.submit(function, path, *args) for path in paths]
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    with pool:
+        try:
+            for future in futures:
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+
+
 def file_tables(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     snapshot: int = -1,
@@ -446,24 +481,10 @@ def file_tables(
     """One Arrow table per file, in the order given; ``jobs > 1`` computes files in that many
     processes. ``progress`` is called with each file name as it finishes."""
     files = _paths(paths)
-    if jobs <= 1 or len(files) <= 1:
-        for path in files:
-            table = _file_table(path, snapshot, keys)
-            if progress:
-                progress(os.fspath(path))
-            yield table
-        return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        futures = [pool.submit(_file_table, path, snapshot, keys) for path in files]
-        for path, future in zip(files, futures, strict=True):
-            table = future.result()
-            if progress:
-                progress(os.fspath(path))
-            yield table
+    for path, table in zip(files, local_map(_file_table, files, jobs, snapshot, keys), strict=True):
+        if progress:
+            progress(os.fspath(path))
+        yield table
 
 
 def head_stats(
