@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from kvformat.cli import storage_options
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
-    """``--storage-option KEY=VALUE`` pairs (VALUE parsed as JSON when it is JSON)."""
-    options: dict[str, Any] = {}
-    for item in getattr(args, "storage_option", None) or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--storage-option wants KEY=VALUE, not {item!r}")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options or None
+    return storage_options(getattr(args, "storage_option", None))
 
 
 def _progress(total: int) -> Callable[[str], None]:

@@ -48,8 +48,28 @@ def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
     }
 
 
+def storage_options(items: Sequence[str] | None) -> dict[str, Any] | None:
+    """``KEY=VALUE`` strings (``--storage-option``) as fsspec options; VALUE is parsed as JSON
+    when it is JSON (``anon=true``, ``client_kwargs={"region_name": "eu-west-1"}``)."""
+    options: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--storage-option wants KEY=VALUE, not {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options or None
+
+
+def _open(args: argparse.Namespace, snapshot: int = -1) -> kvformat.Snapshot:
+    """The file or URL of a command, with its ``--storage-option``s."""
+    return kvformat.open(args.file, snapshot, storage_options=storage_options(args.storage_option))
+
+
 def _info(args: argparse.Namespace) -> int:
-    with kvformat.open(args.file, args.snapshot) as snap:
+    with _open(args, args.snapshot) as snap:
         description = _describe(snap)
     if args.json:
         print(json.dumps(description, indent=2, ensure_ascii=False))
@@ -78,7 +98,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    with kvformat.open(args.file) as snap:
+    with _open(args) as snap:
         report = snap.verify()
     print(
         f"{args.file}: OK — {report.records} records, {report.chunks} chunks, "
@@ -135,7 +155,8 @@ def _pack(args: argparse.Namespace) -> int:
 def _describe_command(args: argparse.Namespace) -> int:
     from kvformat.conformance import describe
 
-    print(json.dumps(describe(args.file), ensure_ascii=False))
+    options = storage_options(args.storage_option)
+    print(json.dumps(describe(args.file, storage_options=options), ensure_ascii=False))
     return 0
 
 
@@ -153,7 +174,7 @@ def _conformance(args: argparse.Namespace) -> int:
 
 
 def _dump(args: argparse.Namespace) -> int:
-    with kvformat.open(args.file, args.snapshot) as snap:
+    with _open(args, args.snapshot) as snap:
         head = snap.head(args.layer, args.head, args.seq)
         if head is None:
             raise SystemExit(f"{args.file}: layer {args.layer} is absent from this snapshot")
@@ -162,6 +183,15 @@ def _dump(args: argparse.Namespace) -> int:
         )
     print(f"wrote {args.output}: k {head.k.shape}, v {head.v.shape}, float32")
     return 0
+
+
+def _remote_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="for a URL: fsspec option (endpoint_url=..., anon=true) or headers={...} for HTTP; repeatable",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,12 +203,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="describe a .kv file (reads only its index)")
     p.add_argument("file")
+    _remote_options(p)
     p.add_argument("--snapshot", type=int, default=-1, help="which snapshot of a series (default: last)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_info)
 
     p = sub.add_parser("verify", help="check every checksum and rule of a .kv file")
     p.add_argument("file")
+    _remote_options(p)
     p.set_defaults(func=_verify)
 
     p = sub.add_parser("recover", help="rebuild FILE.kv.partial left by a crashed writer")
@@ -197,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("describe", help="the conformance description of a file (JSON; see spec/vectors)")
     p.add_argument("file")
+    _remote_options(p)
     p.set_defaults(func=_describe_command)
 
     p = sub.add_parser("conformance", help="check a reader against spec/vectors/manifest.json")
@@ -206,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("dump", help="write one head's K, V (float32) and positions to .npz")
     p.add_argument("file")
+    _remote_options(p)
     p.add_argument("--layer", type=int, required=True)
     p.add_argument("--head", type=int, required=True)
     p.add_argument("--seq", type=int, default=0)

@@ -11,9 +11,11 @@ A `RemoteSource` serves the reader's ``read(offset, size)`` calls from byte-rang
   releases them.
 
 Backends: ``http://`` and ``https://`` with the standard library only (keep-alive connection per
-thread, timeouts, the file's ETag pinned with ``If-Match`` so a file replaced mid-read is an error,
-not a mix of two files); any other ``scheme://`` through fsspec (``pip install kvsnap[remote]``
-brings fsspec and s3fs); and any fsspec or pyarrow filesystem object passed as ``filesystem=``.
+thread, timeouts, redirects, retries of 429/5xx answers, extra request headers from
+``storage_options={"headers": {...}}``, the file's ETag pinned with ``If-Match`` so a file
+replaced mid-read is an error, not a mix of two files); any other ``scheme://`` through fsspec
+(``pip install kvsnap[remote]`` brings fsspec and s3fs); and any fsspec or pyarrow filesystem
+object passed as ``filesystem=``.
 Every network failure, timeout, missing object and short read is a `RemoteError` (or
 `TruncatedFileError`), i.e. a `KVFormatError` naming the file.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import http.client
 import re
 import threading
+import time
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -183,21 +186,22 @@ class RemoteSource:
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
+REDIRECTS = (301, 302, 303, 307, 308)
+RETRY_STATUS = (429, 500, 502, 503, 504)
+MAX_REDIRECTS = 5
+RETRY_DELAYS = (0.25, 0.5, 1.0)  # seconds before each retry of a 429/5xx answer
+
+
 class HTTPRangeReader:
     """``Range`` requests over HTTP/1.1 with the standard library: one keep-alive connection per
-    thread, ``timeout`` seconds per socket operation, one retry on a dropped connection."""
+    thread, ``timeout`` seconds per socket operation, one retry on a dropped connection, up to
+    three retries of 429/5xx answers (0.25, 0.5, 1 s apart), up to five redirects (the final
+    location is kept for later requests, e.g. a presigned object-store URL)."""
 
     def __init__(
         self, url: str, *, timeout: float = DEFAULT_TIMEOUT, headers: dict[str, str] | None = None
     ) -> None:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
         self.name = url
-        self._https = parts.scheme == "https"
-        self._host = parts.hostname
-        self._port = parts.port
-        self._target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self._timeout = timeout
         self._headers = dict(headers or {})
         self._local = threading.local()
@@ -205,13 +209,27 @@ class HTTPRangeReader:
         self._connections_lock = threading.Lock()
         self._size = -1
         self._etag: str | None = None
+        self._locate(url)
+
+    def _locate(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise RemoteError(f"{self.name}: not an http(s) URL: {url!r}")
+        self._origin = (parts.scheme, parts.hostname, parts.port)
+        self._target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._url = url
 
     def _connection(self) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
+        if conn is not None and getattr(self._local, "origin", None) != self._origin:
+            self._drop_connection()
+            conn = None
         if conn is None:
-            cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-            conn = cls(self._host, self._port, timeout=self._timeout)
+            scheme, host, port = self._origin
+            cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+            conn = cls(host, port, timeout=self._timeout)
             self._local.conn = conn
+            self._local.origin = self._origin
             with self._connections_lock:
                 self._connections.append(conn)
         return conn
@@ -222,16 +240,12 @@ class HTTPRangeReader:
             conn.close()
             self._local.conn = None
 
-    def _get(self, byte_range: str) -> tuple[int, http.client.HTTPResponse]:
-        headers = {**self._headers, "Range": byte_range}
-        if self._etag is not None:
-            headers["If-Match"] = self._etag
+    def _send(self, headers: dict[str, str]) -> http.client.HTTPResponse:
         for attempt in (0, 1):
             conn = self._connection()
             try:
                 conn.request("GET", self._target, headers=headers)
-                response = conn.getresponse()
-                return response.status, response
+                return conn.getresponse()
             except TimeoutError as exc:
                 self._drop_connection()
                 raise RemoteError(f"{self.name}: no answer within {self._timeout:g} s ({exc})") from None
@@ -240,6 +254,29 @@ class HTTPRangeReader:
                 if attempt:
                     raise RemoteError(f"{self.name}: {type(exc).__name__}: {exc}") from None
         raise AssertionError("unreachable")
+
+    def _get(self, byte_range: str) -> tuple[int, http.client.HTTPResponse]:
+        headers = {**self._headers, "Range": byte_range}
+        if self._etag is not None:
+            headers["If-Match"] = self._etag
+        redirects = retries = 0
+        while True:
+            response = self._send(headers)
+            status = response.status
+            if status in REDIRECTS:
+                location = response.getheader("Location")
+                self._drop_connection()  # the body of a redirect is not wanted
+                if not location or redirects >= MAX_REDIRECTS:
+                    raise RemoteError(f"{self.name}: too many redirects or a redirect without a Location")
+                redirects += 1
+                self._locate(urllib.parse.urljoin(self._url, location))
+                continue
+            if status in RETRY_STATUS and retries < len(RETRY_DELAYS):
+                self._drop_connection()
+                time.sleep(RETRY_DELAYS[retries])
+                retries += 1
+                continue
+            return status, response
 
     def _body(self, response: http.client.HTTPResponse, expected: int) -> bytes:
         try:
@@ -384,8 +421,8 @@ def range_reader(
             return FsspecRangeReader(filesystem, path)
         raise TypeError(f"{type(filesystem).__name__} is neither an fsspec nor a pyarrow filesystem")
     scheme = path.split("://", 1)[0].lower()
-    if scheme in ("http", "https") and not storage_options:
-        return HTTPRangeReader(path, timeout=timeout)
+    if scheme in ("http", "https") and set(storage_options or {}) <= {"headers"}:
+        return HTTPRangeReader(path, timeout=timeout, headers=(storage_options or {}).get("headers"))
     try:
         import fsspec
     except ImportError:

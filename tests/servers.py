@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -158,3 +158,65 @@ def moto_s3() -> Iterator[S3]:
         yield s3
     finally:
         server.stop()
+
+
+@dataclass
+class Quirks:
+    """What `quirky_http` does besides serving byte ranges of files in its root."""
+
+    redirects: dict[str, str] = field(default_factory=dict)  # path -> Location
+    failures: int = 0  # answer this many requests with 503 first
+    header: tuple[str, str] | None = None  # required request header, else 403
+    requests: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def quirky_http(root: Path, quirks: Quirks) -> Iterator[str]:
+    """A small range-serving HTTP server on loopback with redirects, transient 503s and a
+    required header; yields its base URL."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _reply(self, status: int, headers: dict[str, str], body: bytes = b"") -> None:
+            self.send_response(status)
+            for key, value in {**headers, "Content-Length": str(len(body))}.items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            quirks.requests.append(self.path)
+            if self.path in quirks.redirects:
+                return self._reply(302, {"Location": quirks.redirects[self.path]})
+            if quirks.failures > 0:
+                quirks.failures -= 1
+                return self._reply(503, {}, b"busy")
+            if quirks.header and self.headers.get(quirks.header[0]) != quirks.header[1]:
+                return self._reply(403, {}, b"forbidden")
+            path = root / self.path.lstrip("/")
+            if not path.is_file():
+                return self._reply(404, {}, b"")
+            data = path.read_bytes()
+            first, _, last = self.headers.get("Range", "bytes=0-").removeprefix("bytes=").partition("-")
+            start = len(data) - int(last) if not first else int(first)
+            stop = len(data) - 1 if not first or not last else min(int(last), len(data) - 1)
+            self._reply(
+                206,
+                {"Content-Range": f"bytes {max(start, 0)}-{stop}/{len(data)}", "ETag": '"v1"'},
+                data[max(start, 0) : stop + 1],
+            )
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -7,6 +7,7 @@ vanished, truncated, replaced, silent or range-ignoring server gives a KVFormatE
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import shutil
 import socket
@@ -22,7 +23,7 @@ import kvformat
 from kvformat.conformance import describe
 from kvformat.remote import READ_AHEAD, RemoteSource, expand
 from tests.conftest import write_series
-from tests.servers import S3, Nginx, moto_s3, nginx
+from tests.servers import S3, Nginx, Quirks, moto_s3, nginx, quirky_http
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 BIG_LAYERS, BIG_HEADS, BIG_DIM, BIG_TOKENS = 10, 8, 64, 8192  # 335 MB of float32 K+V
@@ -278,3 +279,43 @@ def test_glob_expansion_lists_objects(s3: S3) -> None:
     assert expand(f"s3://{s3.bucket}/runs/series.kv") == [f"s3://{s3.bucket}/runs/series.kv"]
     with pytest.raises(ValueError, match="cannot be listed"):
         expand("http://127.0.0.1:1/*.kv")
+
+
+def test_redirects_retries_and_headers(tmp_path: Path) -> None:
+    write_series(tmp_path / "s.kv")
+    quirks = Quirks(redirects={"/old.kv": "/s.kv"}, failures=2, header=("Authorization", "Bearer t"))
+    with quirky_http(tmp_path, quirks) as base, kvformat.open(tmp_path / "s.kv") as local:
+        options = {"headers": {"Authorization": "Bearer t"}}
+        with kvformat.open(f"{base}/old.kv", storage_options=options) as remote:
+            assert_same_snapshot(remote, local)
+        assert quirks.requests[:4] == ["/old.kv", "/s.kv", "/s.kv", "/s.kv"]  # 302, 503, 503, 206
+        assert quirks.requests[4:] == ["/s.kv"] * (len(quirks.requests) - 4)  # the location is kept
+        with pytest.raises(kvformat.RemoteError, match="HTTP 403"):
+            kvformat.open(f"{base}/s.kv")
+        quirks.failures = 10
+        start = time.monotonic()
+        with pytest.raises(kvformat.RemoteError, match="HTTP 503"):
+            kvformat.open(f"{base}/s.kv", storage_options=options)
+        assert time.monotonic() - start < 5  # three retries, 1.75 s of back-off, then an error
+        quirks.failures = 0
+        quirks.redirects = {"/loop.kv": "/loop.kv"}
+        with pytest.raises(kvformat.RemoteError, match="too many redirects"):
+            kvformat.open(f"{base}/loop.kv", storage_options=options)
+
+
+def test_cli_reads_urls(served: Nginx, s3: S3, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvformat.cli import main
+
+    assert main(["info", served.url("series.kv"), "--json"]) == 0
+    remote = json.loads(capsys.readouterr().out)
+    assert main(["info", str(served.root / "series.kv"), "--json"]) == 0
+    local = json.loads(capsys.readouterr().out)
+    assert remote.pop("file") == served.url("series.kv")
+    local.pop("file")
+    assert remote == local
+    options = [f"--storage-option={k}={json.dumps(v)}" for k, v in s3.storage_options.items()]
+    assert main(["verify", f"s3://{s3.bucket}/runs/series.kv", *options]) == 0
+    assert main(["describe", f"s3://{s3.bucket}/runs/bf16.kv", *options]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == describe(VECTORS / "bfloat16-byteplane.kv")
+    assert main(["info", served.url("missing.kv")]) == 2
+    assert "RemoteNotFoundError" in capsys.readouterr().err
