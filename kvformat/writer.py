@@ -50,15 +50,18 @@ def _crc_of(pieces: list[BytesLike]) -> int:
 
 
 def _as_positions(positions: Any, count: int) -> np.ndarray:
-    array = np.asarray(positions)
+    array = positions if isinstance(positions, np.ndarray) else np.asarray(positions)
     if array.shape != (count,):
         raise ValueError(f"positions must have shape ({count},), got {array.shape}")
-    if count and array.dtype.kind not in "iu":
+    if not count:
+        return array.astype(np.int64, copy=False)
+    if array.dtype.kind not in "iu":
         raise TypeError(f"positions must be integers, got {array.dtype}")
     array = array.astype(np.int64, copy=False)
-    if count and (array[0] < 0 or array[-1] >= MAX_POSITION):
-        raise ValueError(f"positions must lie in 0..2**53-1, got {array[0]}..{array[-1]}")
-    if count > 1 and not bool(np.all(np.diff(array) > 0)):
+    first, last = int(array[0]), int(array[-1])
+    if first < 0 or last >= MAX_POSITION:
+        raise ValueError(f"positions must lie in 0..2**53-1, got {first}..{last}")
+    if count > 1 and not (array[1:] > array[:-1]).all():
         raise ValueError("positions must be strictly increasing")
     return array
 
@@ -128,6 +131,7 @@ class Writer:
         self._dirty = False
         self._closed = False
         self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvformat-crc")
+        self._scratch = np.empty(0, np.uint8)
         self.overlap_bytes = _OVERLAP_BYTES
         self._write(pack_header())
         self._write_json_record(KIND_MANIFEST, manifest_json)
@@ -277,15 +281,17 @@ class Writer:
             k_heads, v_heads, count = list(k_array), list(v_array), k_array.shape[1]
         if positions is None:
             positions = np.arange(count, dtype=np.int64) + self.next_position(layer, seq)
+        pos = _as_positions(positions, count)  # checked once for every head
         for head in range(spec.num_heads):
-            self.append_head(layer, head, k_heads[head], v_heads[head], positions, seq=seq)
+            self._append_head(layer, head, k_heads[head], v_heads[head], pos, seq, checked=True)
 
     @staticmethod
     def _stored_rows(spec: LayerSpec, where: str, data: Any, dim: int) -> np.ndarray:
-        """The rows exactly as stored before the codec: ``(n_tokens, ...)`` C-contiguous."""
+        """The rows exactly as stored before the codec: ``(n_tokens, ...)`` (C-contiguous for a
+        quantized layer; possibly strided otherwise)."""
         assert spec.dtype is not None
         if spec.quantization is None:
-            array = np.ascontiguousarray(data)
+            array = np.asarray(data)  # strided views are gathered chunk by chunk (`_gathered`)
             if array.ndim != 2 or array.shape[1] != dim:
                 raise ValueError(f"{where} must have shape (n_tokens, {dim}), got {array.shape}")
             if array.dtype != spec.dtype.numpy:
@@ -309,8 +315,26 @@ class Writer:
         """Append tokens to one head: ``k`` ``(n_tokens, k_dim)``, ``v`` ``(n_tokens, v_dim)``
         (for a quantized layer, ``(packed, scales, biases)`` tuples)."""
         self._check_open()
-        spec = self._layer(layer)
+        self._layer(layer)
         self._check_seq(seq)
+        self._append_head(layer, head, k, v, positions, seq)
+
+    def _gathered(self, rows: np.ndarray) -> np.ndarray:
+        """``rows`` as a C-contiguous array: itself, or a copy into a scratch buffer reused from
+        chunk to chunk (no fresh allocation, so no page faults, per strided head; mlx-lm keeps V
+        as a strided view). Valid until the next call: `_write_chunk` is done with it by then."""
+        if rows.flags.c_contiguous:
+            return rows
+        if self._scratch.nbytes < rows.nbytes:
+            self._scratch = np.empty(rows.nbytes, np.uint8)
+        out = self._scratch[: rows.nbytes].view(rows.dtype).reshape(rows.shape)
+        np.copyto(out, rows)
+        return out
+
+    def _append_head(
+        self, layer: int, head: int, k: Any, v: Any, positions: Any, seq: int, checked: bool = False
+    ) -> None:
+        spec = self._layer(layer)
         assert spec.dtype is not None
         if not isinstance(head, int) or not 0 <= head < spec.num_heads:
             raise IndexError(f"head {head} out of range 0..{spec.num_heads - 1} in layer {layer}")
@@ -320,7 +344,9 @@ class Writer:
         if k_rows.shape[0] != v_rows.shape[0]:
             raise ValueError(f"{where}: k has {k_rows.shape[0]} tokens, v has {v_rows.shape[0]}")
         count = k_rows.shape[0]
-        pos = _as_positions(positions, count)
+        if checked and positions.shape != (count,):
+            raise ValueError(f"positions must have shape ({count},), got {positions.shape}")
+        pos = positions if checked else _as_positions(positions, count)
         if count == 0:
             return
         k_key, v_key = (layer, seq, head, KIND_K), (layer, seq, head, KIND_V)
@@ -331,16 +357,32 @@ class Writer:
                 f"position held ({held[-1][3] + held[-1][2] - 1})"
             )
         rows_per_chunk = max(1, self.chunk_bytes // max(spec.row_bytes(KIND_K), spec.row_bytes(KIND_V)))
-        breaks = np.flatnonzero(np.diff(pos) != 1) + 1
+        # Strictly increasing, so a span of count - 1 means one contiguous run (the usual case).
+        contiguous = int(pos[-1]) - int(pos[0]) == count - 1
+        breaks = np.empty(0, np.int64) if contiguous else np.flatnonzero(np.diff(pos) != 1) + 1
         for start, stop in zip([0, *breaks.tolist()], [*breaks.tolist(), count], strict=True):
             for first in range(start, stop, rows_per_chunk):
                 last = min(stop, first + rows_per_chunk)
                 position = int(pos[first])
                 k_chunk = self._write_chunk(
-                    KIND_K, spec.dtype, layer, head, seq, position, k_rows[first:last], spec.k_dim
+                    KIND_K,
+                    spec.dtype,
+                    layer,
+                    head,
+                    seq,
+                    position,
+                    self._gathered(k_rows[first:last]),
+                    spec.k_dim,
                 )
                 v_chunk = self._write_chunk(
-                    KIND_V, spec.dtype, layer, head, seq, position, v_rows[first:last], spec.v_dim
+                    KIND_V,
+                    spec.dtype,
+                    layer,
+                    head,
+                    seq,
+                    position,
+                    self._gathered(v_rows[first:last]),
+                    spec.v_dim,
                 )
                 for key, chunk in ((k_key, k_chunk), (v_key, v_chunk)):
                     run = (chunk, 0, last - first, position)

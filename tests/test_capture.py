@@ -91,6 +91,35 @@ def test_cache_class_roundtrip_is_bit_exact(tmp_path: Path, make: Any, expected_
         np.testing.assert_array_equal(rebuilt.positions[0], positions)
 
 
+def test_strided_heads_are_gathered_exactly(tmp_path: Path) -> None:
+    """Save gathers strided K/V heads through a ring of reused buffers on a helper thread: every
+    head of many layers (more than the ring holds) reads back equal to the cache, in bf16 too."""
+    rng = np.random.default_rng(5)
+    caches, expected = [], []
+    for layer in range(7):
+        cache = cache_module.KVCache()
+        shape = (1, 256 * (1 + layer % 2), 3, 16)  # (B, L, H, D) transposed, as attention does;
+        # a prefill of whole 256-token steps stays a strided view of it in the cache
+        k = mx.array(rng.standard_normal(shape).astype(np.float32)).transpose(0, 2, 1, 3)
+        v = mx.array(rng.standard_normal(shape).astype(np.float32)).transpose(0, 2, 1, 3)
+        if layer % 2:
+            k, v = k.astype(mx.bfloat16), v.astype(mx.bfloat16)
+        cache.update_and_fetch(k, v)
+        caches.append(cache)
+        expected.append((to_numpy(k)[0], to_numpy(v)[0]))
+    snap = snapshot_kv(caches)
+    assert not snap.layers[0].v[0][0].flags.c_contiguous  # the case the ring exists for
+    assert not snap.layers[1].k[0][2].flags.c_contiguous
+    snap.save(tmp_path / "s.kv")
+    with kvformat.open(tmp_path / "s.kv") as back:
+        for layer, (k, v) in enumerate(expected):
+            for head in range(3):
+                got = back.head(layer, head)
+                assert got is not None
+                np.testing.assert_array_equal(got.k, k[head])
+                np.testing.assert_array_equal(got.v, v[head])
+
+
 def test_rotating_window_positions() -> None:
     cache = cache_module.RotatingKVCache(max_size=8, keep=2)
     feed(cache, STEPS)
