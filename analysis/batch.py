@@ -85,15 +85,15 @@ def _accumulators_or_failure(
 
 
 def sort_like(table: pl.DataFrame, paths: list[str]) -> pl.DataFrame:
-    """Rows in the order of ``paths``, then seq, layer, head, tensor (the local engine's order)."""
+    """Rows in the order of ``paths``, each file's rows in the order its pass produced them (a
+    stable sort): the local engine's order."""
     import polars as pl
 
     if table.is_empty():
         return table
     order = {path: i for i, path in enumerate(paths)}
     rank = pl.col("file").replace_strict(order, default=len(paths), return_dtype=pl.Int64)
-    keys = [c for c in ("snapshot", "seq", "layer", "head", "tensor") if c in table.columns]
-    return table.with_columns(rank.alias("__order")).sort(["__order", *keys]).drop("__order")
+    return table.with_columns(rank.alias("__order")).sort("__order", maintain_order=True).drop("__order")
 
 
 def _frame(tables: list[pa.Table]) -> pl.DataFrame:

@@ -134,6 +134,18 @@ def ray_stats(
 ) -> BatchResult:
     """`analysis.batch.run_stats` on Ray: the same table, the failures collected by file."""
     _connect(address, num_cpus)
+    context = ray.data.DataContext.get_current()
+    preserve = context.execution_options.preserve_order
+    context.execution_options.preserve_order = True  # each file's layers in the order of its pass
+    try:
+        return _collect(paths, fail_fast, snapshot, keys, storage_options)
+    finally:
+        context.execution_options.preserve_order = preserve
+
+
+def _collect(
+    paths: list[str], fail_fast: bool, snapshot: int, keys: str, storage_options: Options | None
+) -> BatchResult:
     dataset = read_kv(
         paths,
         snapshot=snapshot,

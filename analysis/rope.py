@@ -73,6 +73,12 @@ class Rope:
         out[:, second] = a * sin + b * cos
         return out
 
+    def pair_indices(self) -> tuple[np.ndarray, np.ndarray]:
+        """Channel indices ``(first, second)`` of each rotary pair, ``(dims/2,)`` each."""
+        channels = np.arange(self.dims)
+        first, second = self._pairs()
+        return channels[first], channels[second]
+
     def pair_energy(self, x: np.ndarray) -> np.ndarray:
         """``(dims/2,)`` sum over rows of the squared norm of each rotary pair (RoPE-invariant)."""
         first, second = self._pairs()

@@ -130,7 +130,7 @@ class HeadAccumulator:
 
     def _add_compiled(self, rows: np.ndarray, positions: np.ndarray) -> None:
         if self.band is not None and self.rope is not None:
-            first, second = (np.arange(self.rope.dims)[part] for part in self.rope._pairs())
+            first, second = self.rope.pair_indices()
             band = self.band
         else:
             first = second = np.empty(0, np.int64)
@@ -313,14 +313,16 @@ class HeadAccumulator:
 Key = tuple[int, int, int, str]  # (seq, layer, head, "k" | "v")
 
 
-def _accumulate(
+def _layers(
     path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None
-) -> tuple[str, int, dict[Key, HeadAccumulator]]:
-    """One streaming pass over a file: (file name, snapshot index, accumulator per key)."""
+) -> Iterator[tuple[str, int, int, dict[Key, HeadAccumulator]]]:
+    """One streaming pass over a file, yielding ``(file name, snapshot index, layer, its
+    accumulators)`` as soon as the pass is past the layer's last chunk, so memory holds the
+    accumulators of the layers in progress only (one layer for a layer-major file)."""
     if keys not in ("post_rope", "pre_rope"):
         raise ValueError("keys must be 'post_rope' or 'pre_rope'")
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
-        table: dict[Key, HeadAccumulator] = {}
+        name, index = os.fspath(path), snap.index
         ropes: dict[int, Rope | None] = {}
         for layer, spec in enumerate(snap.layers):
             if not spec.present:
@@ -331,15 +333,29 @@ def _accumulate(
                 if keys == "pre_rope":
                     raise
                 ropes[layer] = None
+
+        def fresh(layer: int) -> dict[Key, HeadAccumulator]:
+            spec = snap.layers[layer]
+            table: dict[Key, HeadAccumulator] = {}
             for seq in range(snap.num_seqs):
                 for head in range(spec.num_heads):
                     table[(seq, layer, head, "k")] = HeadAccumulator(spec.k_dim, ropes[layer])
                     table[(seq, layer, head, "v")] = HeadAccumulator(spec.v_dim)
+            return table
+
+        last = {seg.layer: i for i, seg in enumerate(snap.segments())}  # blocks() goes in this order
+        for layer in ropes:
+            if layer not in last:  # present but holding no tokens
+                yield name, index, layer, fresh(layer)
+        in_progress: dict[int, dict[Key, HeadAccumulator]] = {}
         # K and V of a block go to different accumulators: with the compiled kernel (which, like
         # BLAS and numpy's conversions, releases the GIL) they run on two threads.
         pool = ThreadPoolExecutor(2, thread_name_prefix="kvsnap-stats") if kernel.AVAILABLE else None
         try:
-            for block in snap.blocks():
+            for i, block in enumerate(snap.blocks()):
+                table = in_progress.get(block.layer)
+                if table is None:
+                    table = in_progress[block.layer] = fresh(block.layer)
                 k = block.k
                 rope = ropes[block.layer]
                 if keys == "pre_rope" and rope is not None:
@@ -353,18 +369,26 @@ def _accumulate(
                     pending = pool.submit(v_acc.add, block.v, block.positions)
                     k_acc.add(k, block.positions)
                     pending.result()
+                if last[block.layer] == i:
+                    yield name, index, block.layer, in_progress.pop(block.layer)
         finally:
             if pool is not None:
                 pool.shutdown()
-        return os.fspath(path), snap.index, table
 
 
-def _accumulators(
-    path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None = None
-) -> Iterator[dict[str, Any]]:
-    name, index, table = _accumulate(path, snapshot, keys, storage_options)
-    for (seq, layer, head, tensor), acc in sorted(table.items()):
-        yield {
+def _accumulate(
+    path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None
+) -> dict[Key, HeadAccumulator]:
+    """One streaming pass over a file: the accumulator of every key."""
+    table: dict[Key, HeadAccumulator] = {}
+    for _, _, _, accumulators in _layers(path, snapshot, keys, storage_options):
+        table.update(accumulators)
+    return table
+
+
+def _rows(name: str, index: int, accumulators: dict[Key, HeadAccumulator]) -> list[dict[str, Any]]:
+    return [
+        {
             "file": name,
             "snapshot": index,
             "seq": seq,
@@ -373,6 +397,17 @@ def _accumulators(
             "tensor": tensor,
             **acc.row(),
         }
+        for (seq, layer, head, tensor), acc in sorted(accumulators.items())
+    ]
+
+
+def _accumulators(
+    path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None = None
+) -> Iterator[dict[str, Any]]:
+    """Rows layer by layer, in the order the pass completes them (layer order for files written
+    layer by layer); within a layer by (seq, head, tensor)."""
+    for name, index, _, accumulators in _layers(path, snapshot, keys, storage_options):
+        yield from _rows(name, index, accumulators)
 
 
 def stats_rows(
@@ -388,19 +423,13 @@ def stats_for_file(
     keys: str = "post_rope",
     storage_options: dict[str, Any] | None = None,
 ) -> Iterator[pa.Table]:
-    """The per-head statistics of one file (a path or a URL) as Arrow tables, one per layer, after
-    one streaming pass. No global state: a process pool or a distributed engine can call it per
-    file."""
+    """The per-head statistics of one file (a path or a URL) as Arrow tables, one per layer, each
+    yielded as soon as the streaming pass is past that layer's last chunk. No global state: a
+    process pool or a distributed engine can call it per file."""
     import pyarrow as pa
 
-    batch: list[dict[str, Any]] = []
-    for row in _accumulators(path, snapshot, keys, storage_options):
-        if batch and row["layer"] != batch[-1]["layer"]:
-            yield pa.Table.from_pylist(batch)
-            batch = []
-        batch.append(row)
-    if batch:
-        yield pa.Table.from_pylist(batch)
+    for name, index, _, accumulators in _layers(path, snapshot, keys, storage_options):
+        yield pa.Table.from_pylist(_rows(name, index, accumulators))
 
 
 def file_accumulators(
@@ -412,9 +441,7 @@ def file_accumulators(
     """The mergeable state of one file, per (layer, head, tensor), its sequences merged: the unit
     that `analysis.batch.merged_stats` combines across files."""
     merged: dict[tuple[int, int, str], HeadAccumulator] = {}
-    for (_, layer, head, tensor), acc in sorted(
-        _accumulate(path, snapshot, keys, storage_options)[2].items()
-    ):
+    for (_, layer, head, tensor), acc in sorted(_accumulate(path, snapshot, keys, storage_options).items()):
         key = (layer, head, tensor)
         if key in merged:
             merged[key].merge(acc)

@@ -4,6 +4,8 @@ with and without 0, and several adds in a row."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -59,3 +61,39 @@ def test_zero_rows_and_constant_groups() -> None:
     got, expected = compiled.row(), reference.row()
     for name in ("norm_mean", "norm_min", "anisotropy", "quant8_token_error", "quant2_channel_error"):
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-12, err_msg=name)
+
+
+def test_statistics_stream_layer_by_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stats_for_file yields a layer's table once the pass is past its last chunk, having made
+    accumulators for that layer only; a series file (layers interleaved) gives the same rows."""
+    import kvformat
+    from analysis import stats
+    from tests.conftest import write_series
+
+    rng = np.random.default_rng(3)
+    layers = [kvformat.Layer(*(rng.standard_normal((2, 30, 8), np.float32),) * 2) for _ in range(4)]
+    kvformat.save(tmp_path / "layers.kv", layers, chunk_bytes=256)
+    made = []
+
+    class Counting(stats.HeadAccumulator):
+        def __post_init__(self) -> None:
+            made.append(self)
+            super().__post_init__()
+
+    monkeypatch.setattr(stats, "HeadAccumulator", Counting)
+    tables = stats.stats_for_file(tmp_path / "layers.kv")
+    first = next(tables)
+    assert set(first["layer"].to_pylist()) == {0} and len(made) == 2 * 2  # 2 heads x K/V
+    assert [t["layer"][0].as_py() for t in tables] == [1, 2, 3]
+    write_series(tmp_path / "series.kv", chunk_bytes=64)
+    streamed = [row for t in stats.stats_for_file(tmp_path / "series.kv") for row in t.to_pylist()]
+    with kvformat.open(tmp_path / "series.kv") as snap:
+        expected = {
+            (layer, head, tensor): len(data.positions)
+            for layer in (0, 1)
+            for head in range(2)
+            for tensor in ("k", "v")
+            if (data := snap.head(layer, head)) is not None
+        }
+    assert {(r["layer"], r["head"], r["tensor"]): r["n_tokens"] for r in streamed} == expected
+    assert len(streamed) == len(expected)
