@@ -148,6 +148,14 @@ class RemoteSource:
             for o, s in ranges
             if s > 0 and o >= 0 and o + s <= self.size and self._lookup(o, s) is None
         )
+        # Announce no more than half the cache: spans evicted before they are read would be
+        # fetched twice. What is left is fetched range by range as it is read.
+        budget = self.cache_bytes // 2
+        for i, (_, size) in enumerate(wanted):
+            budget -= size
+            if budget < 0:
+                wanted = wanted[: max(i, 1)]
+                break
         spans: list[list[int]] = []
         for offset, size in wanted:
             if spans and offset <= spans[-1][1] + self.gap:

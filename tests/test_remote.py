@@ -319,3 +319,29 @@ def test_cli_reads_urls(served: Nginx, s3: S3, capsys: pytest.CaptureFixture[str
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == describe(VECTORS / "bfloat16-byteplane.kv")
     assert main(["info", served.url("missing.kv")]) == 2
     assert "RemoteNotFoundError" in capsys.readouterr().err
+
+
+def test_a_head_larger_than_the_cache_is_fetched_once(served: Nginx) -> None:
+    """A head in 16 runs scattered between other heads' chunks, 4x the cache: announcing it all
+    would evict runs before they are read and fetch them twice; at most half the cache is."""
+    from kvformat.reader import Snapshot, _File
+    from kvformat.remote import HTTPRangeReader
+
+    rng = np.random.default_rng(2)
+    spec = kvformat.LayerSpec(4, 64, 64, kvformat.FLOAT32)
+    with kvformat.Writer(served.root / "runs.kv", [spec, spec]) as w:
+        for step in range(16):
+            for layer in (0, 1):
+                k = rng.standard_normal((4, 512, 64), dtype=np.float32)
+                w.append(layer, k, k + 1, np.arange(step * 512, (step + 1) * 512))
+        w.snapshot()
+    source = RemoteSource(HTTPRangeReader(served.url("runs.kv")), cache_bytes=1 << 20)
+    with Snapshot(_File(source, True), -1) as snap, kvformat.open(served.root / "runs.kv") as local:
+        opened = source.bytes_fetched
+        head, expected = snap.head(1, 2), local.head(1, 2)  # 16 K and 16 V runs of 128 KB
+        assert head is not None and expected is not None
+        np.testing.assert_array_equal(head.k, expected.k)
+        np.testing.assert_array_equal(head.v, expected.v)
+        stored = expected.k.nbytes + expected.v.nbytes
+        assert source.bytes_fetched - opened < 1.05 * stored
+        assert source._cached <= source.cache_bytes
