@@ -12,6 +12,7 @@ Needs ``pip install 'kvsnap[ray]'``. We build no scheduler: Ray places and retri
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -138,9 +139,23 @@ def ray_stats(
     preserve = context.execution_options.preserve_order
     context.execution_options.preserve_order = True  # each file's layers in the order of its pass
     try:
-        return _collect(paths, fail_fast, snapshot, keys, storage_options)
+        with _unwrapped():
+            return _collect(paths, fail_fast, snapshot, keys, storage_options)
     finally:
         context.execution_options.preserve_order = preserve
+
+
+@contextlib.contextmanager
+def _unwrapped() -> Iterator[None]:
+    """Re-raise a task's own exception (a `KVFormatError` naming the file, say) rather than
+    Ray's wrapper, whose message carries the remote traceback."""
+    try:
+        yield
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise
 
 
 def _collect(
@@ -197,4 +212,6 @@ def ray_accumulators(
                 (path, _accumulators_task.remote(path, snapshot, keys, storage_options, fail_fast))
             )
         path, reference = pending.popleft()
-        yield path, ray.get(reference)
+        with _unwrapped():
+            result = ray.get(reference)
+        yield path, result

@@ -134,6 +134,9 @@ def test_ray_engine_gives_the_local_table(runs: Path, local_ray: None) -> None:
     on_ray = run_stats(str(runs / "*.kv"), engine="ray")
     assert on_ray.table.equals(local.table)
     assert on_ray.failures == local.failures
+    with pytest.raises(kvformat.TruncatedFileError, match=r"run3-broken\.kv") as failed:
+        run_stats(str(runs / "*.kv"), engine="ray", fail_fast=True)
+    assert "ray" not in type(failed.value).__module__  # the file's error, not Ray's wrapper
     merged_local = merged_stats(good_files(runs))
     merged_ray = merged_stats(good_files(runs), engine="ray")
     assert merged_ray.table.equals(merged_local.table)
