@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from analysis.stats import HeadAccumulator, _file_table, file_accumulators, local_map
+from analysis.stats import HeadAccumulator, _file_table, file_accumulators, frame_of, local_map
 from kvformat.remote import expand, is_url
 
 if TYPE_CHECKING:
@@ -62,22 +62,18 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _table_or_failure(
-    path: str, snapshot: int, keys: str, storage_options: Options | None, fail_fast: bool
-) -> pa.Table | FileFailure:
+def file_or_failure(
+    path: str,
+    work: Callable[..., Any],
+    snapshot: int,
+    keys: str,
+    storage_options: Options | None,
+    fail_fast: bool,
+) -> Any:
+    """``work(path, snapshot, keys, storage_options)``, or the `FileFailure` it raised (raised
+    again with ``fail_fast``). ``path`` first, as `local_map` calls it."""
     try:
-        return _file_table(path, snapshot, keys, storage_options)
-    except Exception as exc:
-        if fail_fast:
-            raise
-        return FileFailure(path, describe_error(exc))
-
-
-def _accumulators_or_failure(
-    path: str, snapshot: int, keys: str, storage_options: Options | None, fail_fast: bool
-) -> dict[MergedKey, HeadAccumulator] | FileFailure:
-    try:
-        return file_accumulators(path, snapshot, keys, storage_options)
+        return work(path, snapshot, keys, storage_options)
     except Exception as exc:
         if fail_fast:
             raise
@@ -94,18 +90,6 @@ def sort_like(table: pl.DataFrame, paths: list[str]) -> pl.DataFrame:
     order = {path: i for i, path in enumerate(paths)}
     rank = pl.col("file").replace_strict(order, default=len(paths), return_dtype=pl.Int64)
     return table.with_columns(rank.alias("__order")).sort("__order", maintain_order=True).drop("__order")
-
-
-def _frame(tables: list[pa.Table]) -> pl.DataFrame:
-    import polars as pl
-    import pyarrow as pa
-
-    tables = [t for t in tables if t.num_rows]
-    if not tables:
-        return pl.DataFrame()
-    frame = pl.from_arrow(pa.concat_tables(tables, promote_options="default"))
-    assert isinstance(frame, pl.DataFrame)
-    return frame
 
 
 def run_stats(
@@ -142,7 +126,7 @@ def run_stats(
     failures: list[FileFailure] = []
     for path, result in zip(
         paths,
-        local_map(_table_or_failure, paths, jobs, snapshot, keys, storage_options, fail_fast),
+        local_map(file_or_failure, paths, jobs, _file_table, snapshot, keys, storage_options, fail_fast),
         strict=True,
     ):
         if isinstance(result, FileFailure):
@@ -151,7 +135,7 @@ def run_stats(
             tables.append(result)
         if progress:
             progress(path)
-    return BatchResult(_frame(tables), failures, len(paths))
+    return BatchResult(frame_of(tables), failures, len(paths))
 
 
 class Merger:
@@ -225,7 +209,9 @@ def merged_stats(
     elif engine == "local":
         results = zip(
             paths,
-            local_map(_accumulators_or_failure, paths, jobs, snapshot, keys, storage_options, fail_fast),
+            local_map(
+                file_or_failure, paths, jobs, file_accumulators, snapshot, keys, storage_options, fail_fast
+            ),
             strict=True,
         )
     else:

@@ -26,12 +26,11 @@ from analysis.batch import (
     FileFailure,
     MergedKey,
     Options,
-    _accumulators_or_failure,
-    _frame,
     describe_error,
+    file_or_failure,
     sort_like,
 )
-from analysis.stats import HeadAccumulator, stats_for_file
+from analysis.stats import HeadAccumulator, file_accumulators, frame_of, stats_for_file
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -178,14 +177,14 @@ def _collect(
             tables.append(table)
     order = {path: i for i, path in enumerate(paths)}
     failures.sort(key=lambda failure: order.get(failure.file, len(paths)))
-    return BatchResult(sort_like(_frame(tables), paths), failures, len(paths))
+    return BatchResult(sort_like(frame_of(tables), paths), failures, len(paths))
 
 
 @ray.remote
 def _accumulators_task(
     path: str, snapshot: int, keys: str, storage_options: Options | None, fail_fast: bool
 ) -> dict[MergedKey, HeadAccumulator] | FileFailure:
-    return _accumulators_or_failure(path, snapshot, keys, storage_options, fail_fast)
+    return file_or_failure(path, file_accumulators, snapshot, keys, storage_options, fail_fast)
 
 
 def ray_accumulators(

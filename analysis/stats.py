@@ -524,10 +524,15 @@ def head_stats(
     """A Polars DataFrame, one row per (file, seq, layer, head, tensor); ``keys="pre_rope"``
     un-rotates K first using the RoPE description in the metadata; ``jobs`` processes;
     ``progress`` is called with each file name as it finishes."""
+    return frame_of(list(file_tables(paths, snapshot, keys, jobs, progress)))
+
+
+def frame_of(tables: list[pa.Table]) -> pl.DataFrame:
+    """One Polars DataFrame of Arrow tables (columns unified, empty tables dropped)."""
     import polars as pl
     import pyarrow as pa
 
-    tables = [t for t in file_tables(paths, snapshot, keys, jobs, progress) if t.num_rows]
+    tables = [t for t in tables if t.num_rows]
     if not tables:
         return pl.DataFrame()
     frame = pl.from_arrow(pa.concat_tables(tables, promote_options="default"))
