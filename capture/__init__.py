@@ -6,7 +6,7 @@ of any prompt cache; `restore` builds a live prompt cache from a snapshot.
 
 from capture.errors import CaptureError, UnsupportedModelError
 from capture.generate import SnapshotEvent, generate
-from capture.restore import restore
+from capture.restore import restore, text_of, tokens_of
 from capture.snapshot import KVSnapshot, snapshot_kv
 
 __all__ = [
@@ -17,4 +17,6 @@ __all__ = [
     "generate",
     "restore",
     "snapshot_kv",
+    "text_of",
+    "tokens_of",
 ]

@@ -55,6 +55,8 @@ class SeriesWriter:
         self.metadata = metadata
         self.writer: kvformat.Writer | None = None
         self._held: list[list[np.ndarray]] = []
+        self._tokens: list[list[int]] | None = None  # the previous snapshot's, for deltas
+        self._text: list[str] | None = None
 
     def add(self, snapshot: KVSnapshot) -> int:
         """Write the difference between ``snapshot`` and the previous one; return its index."""
@@ -68,27 +70,62 @@ class SeriesWriter:
             )
             self._held = [[np.empty(0, np.int64)] * snapshot.num_seqs for _ in snapshot.layers]
         writer = self.writer
+        appends = []
         for index, layer in enumerate(snapshot.layers):
             if not layer.present or not layer.k:
                 continue
             for seq, positions in enumerate(layer.positions):
                 held = self._held[index][seq]
-                last = int(held[-1]) if held.size else -1
-                for start, stop in _ranges(held[~np.isin(held, positions)]):
-                    writer.drop(index, start, stop, seq=seq)
-                new = positions > last
-                if not np.array_equal(positions[~new], held[np.isin(held, positions)]):
-                    raise CaptureError(f"layer {index}: cache positions are not append-only")
-                first_new = int(np.argmax(new)) if new.any() else positions.size
+                if positions.size >= held.size and np.array_equal(positions[: held.size], held):
+                    first_new = held.size  # the usual case: the cache only grew
+                else:
+                    last = int(held[-1]) if held.size else -1
+                    for start, stop in _ranges(held[~np.isin(held, positions)]):
+                        writer.drop(index, start, stop, seq=seq)
+                    new = positions > last
+                    if not np.array_equal(positions[~new], held[np.isin(held, positions)]):
+                        raise CaptureError(f"layer {index}: cache positions are not append-only")
+                    first_new = int(np.argmax(new)) if new.any() else positions.size
                 k, v = layer.tokens_from(seq, first_new)
-                writer.append(index, k, v, positions[first_new:], seq=seq)
-                self._held[index][seq] = positions.copy()
+                appends.append((index, k, v, positions[first_new:], seq))
+                self._held[index][seq] = positions
+        writer.append_many(appends)  # one call: large first snapshots are pipelined
         arrays = {"last_logits": snapshot.last_logits} if snapshot.last_logits is not None else None
-        return writer.snapshot(snapshot.snapshot_metadata, arrays=arrays)
+        return writer.snapshot(self._delta_metadata(snapshot.snapshot_metadata), arrays=arrays)
+
+    def _delta_metadata(self, metadata: dict[str, Any]) -> dict[str, Any]:
+        """``metadata`` with ``tokens`` / ``text`` replaced by what was appended since the previous
+        snapshot (``tokens_appended`` / ``text_appended``, SPEC 15.3) when the previous ones are a
+        prefix, so a series' index grows with the tokens, not with tokens x snapshots."""
+        out = dict(metadata)
+        tokens: Any = metadata.get("tokens")
+        text: Any = metadata.get("text")
+        previous_tokens: Any = self._tokens
+        previous_text: Any = self._text
+        self._tokens, self._text = tokens, text
+        if _extends(tokens, previous_tokens):
+            del out["tokens"]
+            out["tokens_appended"] = [
+                new[len(old) :] for new, old in zip(tokens, previous_tokens, strict=True)
+            ]
+            if _extends(text, previous_text):
+                del out["text"]
+                out["text_appended"] = [new[len(old) :] for new, old in zip(text, previous_text, strict=True)]
+        return out
 
     def close(self, metadata: dict[str, Any] | None = None) -> None:
         if self.writer is not None:
             self.writer.close(metadata)
+
+
+def _extends(new: Any, old: Any) -> bool:
+    """Whether each sequence of ``new`` starts with the same sequence of ``old``."""
+    return (
+        new is not None
+        and old is not None
+        and len(new) == len(old)
+        and all(n[: len(o)] == o for n, o in zip(new, old, strict=True))
+    )
 
 
 def _ranges(positions: np.ndarray) -> list[tuple[int, int]]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,64 +97,20 @@ class KVSnapshot:
             durable=durable,
         )
         try:
-            for layer, head, seq, k, v, positions in _gathered_heads(self.layers):
-                writer.append_head(layer, head, k, v, positions, seq=seq)
+            # One call for the whole cache: strided heads (mlx-lm keeps V as a strided view) are
+            # gathered and checksummed on the writer's helper thread while earlier ones are written.
+            writer.append_many(
+                (index, data.k[seq], data.v[seq], data.positions[seq], seq)
+                for index, data in enumerate(self.layers)
+                if data.present and data.k
+                for seq in range(len(data.k))
+            )
             arrays = {"last_logits": self.last_logits} if self.last_logits is not None else None
             writer.snapshot(self.snapshot_metadata, arrays=arrays)
             writer.close()
         except BaseException:
             writer.abort()
             raise
-
-
-_AHEAD = 2  # heads gathered ahead of the one being written
-
-
-def _gathered_heads(layers: list[LayerKV]) -> Iterator[tuple[int, int, int, Any, Any, np.ndarray]]:
-    """Every (layer, head, seq, k, v, positions) with K and V C-contiguous: strided heads (mlx-lm
-    keeps V as a strided view) are copied on a helper thread up to `_AHEAD` heads ahead of the
-    writer, into a ring of reused buffers (no allocation, so no page faults, per head), so the
-    copy overlaps the write and CRC of the previous heads."""
-    items = [
-        (layer, head, seq, data.k[seq], data.v[seq], data.positions[seq], data.quantization is None)
-        for layer, data in enumerate(layers)
-        if data.present and data.k
-        for seq in range(len(data.k))
-        for head in range(_heads(data.k[seq], data.quantization is None))
-    ]
-    ring: list[dict[str, np.ndarray]] = [{} for _ in range(_AHEAD + 2)]
-
-    def gather(i: int) -> tuple[Any, Any]:
-        _, head, _, k, v, _, plain = items[i]
-        if not plain:
-            return tuple(np.asarray(part)[head] for part in k), tuple(np.asarray(part)[head] for part in v)
-        slot = ring[i % len(ring)]
-        return _contiguous(k[head], slot, "k"), _contiguous(v[head], slot, "v")
-
-    with ThreadPoolExecutor(1, thread_name_prefix="kvsnap-gather") as pool:
-        # Slots in use at once: the head being written and the _AHEAD + 1 gathered after it.
-        pending = {i: pool.submit(gather, i) for i in range(min(_AHEAD + 1, len(items)))}
-        for i, (layer, head, seq, _, _, positions, _) in enumerate(items):
-            k, v = pending.pop(i).result()
-            if i + _AHEAD + 1 < len(items):
-                pending[i + _AHEAD + 1] = pool.submit(gather, i + _AHEAD + 1)
-            yield layer, head, seq, k, v, positions
-
-
-def _heads(k: Any, plain: bool) -> int:
-    return int(np.asarray(k).shape[0] if plain else np.asarray(k[0]).shape[0])
-
-
-def _contiguous(view: np.ndarray, slot: dict[str, np.ndarray], name: str) -> np.ndarray:
-    """``view`` itself if C-contiguous, else a copy in the slot's reused buffer ``name``."""
-    if view.flags.c_contiguous:
-        return view
-    buffer = slot.get(name)
-    if buffer is None or buffer.nbytes < view.nbytes:
-        buffer = slot[name] = np.empty(view.nbytes, np.uint8)
-    out = buffer[: view.nbytes].view(view.dtype).reshape(view.shape)
-    np.copyto(out, view)
-    return out
 
 
 def snapshot_kv(

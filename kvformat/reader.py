@@ -327,6 +327,11 @@ class Snapshot:
         return len(self._file.entries)
 
     @property
+    def parent(self) -> int | None:
+        """Index of the snapshot this one was derived from (None for the first of a series)."""
+        return self._file.entries[self.index].parent
+
+    @property
     def num_heads(self) -> int:
         """KV heads per layer (the largest, if layers differ; see ``layers[i].num_heads``)."""
         return max((layer.num_heads for layer in self.layers if layer.present), default=0)

@@ -150,7 +150,7 @@ def recover(
         f.truncate(good_end)
         f.seek(good_end)
         f.write(bytes(index_offset - good_end))
-        f.write(index_bytes(index_offset, chunks, manifest, snapshots))
+        f.write(index_bytes(index_offset, [chunk.pack() for chunk in chunks], manifest, snapshots))
         f.flush()
         os.fsync(f.fileno())
     with reader.open(partial) as snap:

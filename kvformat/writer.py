@@ -9,8 +9,8 @@ data.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ from kvformat.codecs import BytesLike, Codec
 from kvformat.dtypes import DType
 from kvformat.layout import (
     ALIGN,
+    DESCRIPTOR_SIZE,
     KIND_ARRAY,
     KIND_K,
     KIND_MANIFEST,
@@ -39,7 +40,11 @@ from kvformat.series import Entry, Key, Run, trim
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 _ZEROS = bytes(ALIGN)
-_OVERLAP_BYTES = 1 << 20  # payloads this large get their CRC computed beside the write
+PIPELINE_BYTES = 2 << 20  # appends this large are prepared on a helper thread while being written
+_UNIT_BYTES = 4 << 20  # chunks are prepared and written in units of about this many bytes
+_AHEAD = 2  # work units prepared ahead of the one being written
+_HAS_WRITEV = hasattr(os, "writev")  # not on Windows
+_IOV_MAX = 1024  # buffers per writev call (POSIX guarantees at least 16; Linux and macOS allow 1024)
 
 
 def _crc_of(pieces: list[BytesLike]) -> int:
@@ -71,6 +76,41 @@ def _byte_view(array: np.ndarray) -> memoryview:
     return array.reshape(-1).view(np.uint8).data
 
 
+def _flat(buffer: BytesLike) -> memoryview:
+    view = memoryview(buffer)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+@dataclass
+class _Part:
+    """One table chunk to write: ``rows`` ``(n, ...)`` as stored before the codec, maybe strided;
+    ``width`` in elements."""
+
+    kind: int
+    layer: int
+    seq: int
+    head: int
+    position: int
+    rows: np.ndarray
+    width: int
+    dtype: DType
+
+
+_Unit = list[_Part]
+"""Chunks prepared together on the helper thread and written together (one ``writev``)."""
+
+
+@dataclass
+class _Records:
+    """Prepared records laid out from file offset ``start``: what to write (descriptor, payload,
+    padding per chunk), the packed descriptors, and the offset just past them."""
+
+    buffers: list[BytesLike]
+    packed: list[bytes]
+    start: int
+    end: int
+
+
 class Writer:
     """Write one `.kv` file incrementally.
 
@@ -80,6 +120,9 @@ class Writer:
     ``append`` adds tokens to a layer, ``drop`` removes positions from the live state (a sliding
     window moving on), ``snapshot`` commits the live state of every layer as one snapshot.
     Chunks already written are shared by later snapshots, so a series costs only what is new.
+
+    Large appends are pipelined: a helper thread gathers strided rows into contiguous buffers,
+    encodes and checksums the next chunks while the calling thread writes the current ones.
     """
 
     def __init__(
@@ -116,42 +159,50 @@ class Writer:
         )
         manifest_json = dumps(self.manifest.to_json())
         try:
-            self._file = open(self.partial_path, "xb")  # noqa: SIM115 - closed in close()/abort()
+            # Unbuffered: records go out in one writev each, straight from the caller's arrays.
+            self._file = open(self.partial_path, "xb", buffering=0)  # noqa: SIM115 - closed in close()/abort()
         except FileExistsError:
             raise FileExistsError(
                 f"{self.partial_path} exists: an earlier write did not finish. Run "
                 f"'kvsnap recover {self.partial_path}' to keep its data, or delete it."
             ) from None
         self._offset = 0
-        self._chunks: list[Descriptor] = []
+        self._table: list[bytes] = []  # packed descriptors of every table chunk, for the index
         self._live: dict[Key, list[Run]] = {}
         self._pending: dict[Key, list[Run]] = {}
         self._pending_drops: list[tuple[int, int, int, int]] = []
         self._snapshots: list[Entry] = []
         self._dirty = False
         self._closed = False
-        self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvformat-crc")
-        self._scratch = np.empty(0, np.uint8)
-        self.overlap_bytes = _OVERLAP_BYTES
-        self._write(pack_header())
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvformat-prepare")
+        # Reused gather buffers, one per work unit in flight (no allocation, so no page faults,
+        # per strided head; mlx-lm keeps V as a strided view).
+        self._scratch = [np.empty(0, np.uint8) for _ in range(_AHEAD + 2)]
+        self.pipeline_bytes = PIPELINE_BYTES
+        self._write_all([pack_header()])
         self._write_json_record(KIND_MANIFEST, manifest_json)
 
     # -- low level -----------------------------------------------------------------------
-    def _write(self, data: BytesLike) -> None:
-        self._file.write(data)
-        self._offset += memoryview(data).nbytes
-
-    def _write_record(self, descriptor: Descriptor, pieces: list[BytesLike]) -> None:
-        self._write(descriptor.pack())
-        self._write_payload(pieces)
-
-    def _write_payload(self, pieces: list[BytesLike]) -> None:
-        """The payload pieces, then zero padding to the next multiple of 64."""
-        for piece in pieces:
-            self._write(piece)
-        pad = align(self._offset) - self._offset
-        if pad:
-            self._write(_ZEROS[:pad])
+    def _write_all(self, buffers: Sequence[BytesLike]) -> None:
+        """Write ``buffers`` in order at the end of the file (``writev``, retried on short writes)."""
+        views = [view for view in map(_flat, buffers) if view.nbytes]
+        total = sum(view.nbytes for view in views)
+        fd = self._file.fileno()
+        i = 0
+        while i < len(views):
+            batch = views[i : i + _IOV_MAX]
+            written = os.writev(fd, batch) if _HAS_WRITEV else os.write(fd, batch[0])
+            if written <= 0:
+                raise OSError(f"{self.partial_path}: write made no progress")
+            while written:
+                view = views[i]
+                if written >= view.nbytes:
+                    written -= view.nbytes
+                    i += 1
+                else:
+                    views[i] = view[written:]
+                    written = 0
+        self._offset += total
 
     def _write_json_record(self, kind: int, payload: bytes) -> None:
         descriptor = Descriptor(
@@ -169,57 +220,110 @@ class Writer:
             decoded_size=len(payload),
             payload_crc=crc32c(payload),
         )
-        self._write_record(descriptor, [payload])
+        end = self._offset + DESCRIPTOR_SIZE + len(payload)
+        self._write_all([descriptor.pack(), payload, _ZEROS[: align(end) - end]])
 
-    def _write_chunk(
-        self,
-        kind: int,
-        dtype: DType,
-        layer: int,
-        head: int,
-        seq: int,
-        position: int,
-        rows: np.ndarray,
-        width: int | None = None,
-    ) -> int:
-        """Encode and write one table chunk (``rows``: C-contiguous 2-D, stored bytes; ``width``
-        in elements, default ``rows.shape[1]``); return its index."""
-        data = _byte_view(rows)
-        pieces = self.codec.encode(data, dtype.itemsize)
-        stored = sum(memoryview(piece).nbytes for piece in pieces)
-        offset = self._offset
-        if stored >= self.overlap_bytes:
-            # Large payload: write a placeholder descriptor and the payload while another thread
-            # computes the CRC, then put the real descriptor in place. A crash in between leaves
-            # a zero descriptor, which recovery treats as the end of the complete records.
-            pending = self._crc_pool.submit(_crc_of, pieces)
-            self._write(_ZEROS)
-            self._write_payload(pieces)
-            crc = pending.result()
-        else:
-            crc = _crc_of(pieces)
-        descriptor = Descriptor(
-            kind=kind,
-            dtype=dtype.code,
-            codec=self.codec.code,
-            layer=layer,
-            head=head,
-            seq=seq,
-            position=position,
-            rows=rows.shape[0],
-            width=width or rows.shape[1],
-            offset=offset,
-            stored_size=stored,
-            decoded_size=data.nbytes,
-            payload_crc=crc,
-        )
-        if stored >= self.overlap_bytes:
-            self._file.flush()
-            os.pwrite(self._file.fileno(), descriptor.pack(), offset)
-        else:
-            self._write_record(descriptor, pieces)
-        self._chunks.append(descriptor)
-        return len(self._chunks) - 1
+    def _prepare(self, unit: _Unit, slot: int, offset: int) -> _Records:
+        """The records of ``unit``, laid out from file offset ``offset``: gather strided rows (into
+        scratch buffer ``slot``), encode, checksum, build descriptors. Runs on the helper thread
+        for pipelined appends and touches no writer state but the slot."""
+        strided = sum(part.rows.nbytes for part in unit if not part.rows.flags.c_contiguous)
+        if self._scratch[slot].nbytes < strided:
+            self._scratch[slot] = np.empty(strided, np.uint8)
+        scratch, used = self._scratch[slot], 0
+        records = _Records([], [], offset, offset)
+        for part in unit:
+            rows = part.rows
+            if not rows.flags.c_contiguous:
+                out = scratch[used : used + rows.nbytes].view(rows.dtype).reshape(rows.shape)
+                np.copyto(out, rows)
+                used += rows.nbytes
+                rows = out
+            data = _byte_view(rows)
+            pieces = self.codec.encode(data, part.dtype.itemsize)
+            stored = sum(memoryview(piece).nbytes for piece in pieces)
+            descriptor = Descriptor(
+                kind=part.kind,
+                dtype=part.dtype.code,
+                codec=self.codec.code,
+                layer=part.layer,
+                head=part.head,
+                seq=part.seq,
+                position=part.position,
+                rows=rows.shape[0],
+                width=part.width,
+                offset=records.end,
+                stored_size=stored,
+                decoded_size=data.nbytes,
+                payload_crc=_crc_of(pieces),
+            )
+            end = records.end + DESCRIPTOR_SIZE + stored
+            packed = descriptor.pack()
+            records.buffers += [packed, *pieces, _ZEROS[: align(end) - end]]
+            records.packed.append(packed)
+            records.end = align(end)
+        return records
+
+    def _commit(self, unit: _Unit, records: _Records) -> list[int]:
+        """Write prepared records (which must start at the current end of the file); return
+        their chunk indices."""
+        assert records.start == self._offset
+        self._write_all(records.buffers)
+        first = len(self._table)
+        self._table += records.packed
+        for index, part in enumerate(unit, first):
+            if part.kind in (KIND_K, KIND_V):
+                run = (index, 0, part.rows.shape[0], part.position)
+                key = (part.layer, part.seq, part.head, part.kind)
+                self._live.setdefault(key, []).append(run)
+                self._pending.setdefault(key, []).append(run)
+                self._dirty = True
+        return list(range(first, len(self._table)))
+
+    def _run(self, parts: list[_Part]) -> None:
+        """Prepare and write ``parts`` in order, grouped into units of about `_UNIT_BYTES`;
+        pipelined when there is enough to overlap."""
+        units: list[_Unit] = []
+        size = _UNIT_BYTES
+        for part in parts:
+            if size >= _UNIT_BYTES:
+                units.append([])
+                size = 0
+            units[-1].append(part)
+            size += part.rows.nbytes
+        if len(units) < 2 or sum(part.rows.nbytes for part in parts) < self.pipeline_bytes:
+            for unit in units:
+                self._commit(unit, self._prepare(unit, 0, self._offset))
+            return
+        slots = len(self._scratch)  # the unit being written + _AHEAD + 1 being prepared
+        end = [self._offset]  # where the next unit starts; only the helper thread moves it
+
+        def prepare(i: int) -> _Records:
+            records = self._prepare(units[i], i % slots, end[0])
+            end[0] = records.end
+            return records
+
+        pending = {i: self._pool.submit(prepare, i) for i in range(min(_AHEAD + 1, len(units)))}
+        try:
+            for i, unit in enumerate(units):
+                records = pending.pop(i).result()
+                if i + _AHEAD + 1 < len(units):
+                    pending[i + _AHEAD + 1] = self._pool.submit(prepare, i + _AHEAD + 1)
+                self._commit(unit, records)
+        finally:
+            for future in pending.values():
+                future.cancel()
+            wait(pending.values())  # no helper may still write into a scratch buffer
+
+    def _check_after(self, layer: int, seq: int, heads: Iterable[int], position: int) -> None:
+        """Every head of ``heads`` holds only positions before ``position``."""
+        for head in heads:
+            held = self._live.get((layer, seq, head, KIND_K))
+            if held and position < held[-1][3] + held[-1][2]:
+                raise ValueError(
+                    f"layer {layer} head {head} seq {seq}: position {position} is not after the "
+                    f"last position held ({held[-1][3] + held[-1][2] - 1})"
+                )
 
     def _write_array(self, name: str, value: Any) -> int:
         if not isinstance(name, str) or not name:
@@ -229,7 +333,9 @@ class Writer:
             array = array.reshape(1, -1)
         if array.ndim != 2:
             raise ValueError(f"array {name!r} must be 1-D or 2-D, got shape {array.shape}")
-        return self._write_chunk(KIND_ARRAY, dtypes.from_numpy(array.dtype), 0, 0, 0, 0, array)
+        dtype = dtypes.from_numpy(array.dtype)
+        unit = [_Part(KIND_ARRAY, 0, 0, 0, 0, array, array.shape[1], dtype)]
+        return self._commit(unit, self._prepare(unit, 0, self._offset))[0]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -261,29 +367,118 @@ class Writer:
         """Append tokens to every head of ``layer`` for sequence ``seq``.
 
         ``k``: ``(num_heads, n_tokens, k_dim)``, ``v``: ``(num_heads, n_tokens, v_dim)``, in the
-        layer's dtype; for a quantized layer each is a tuple ``(packed, scales, biases)`` of
-        ``(num_heads, n_tokens, ...)`` arrays. ``positions``: ``(n_tokens,)`` strictly increasing
-        absolute positions after what the layer holds; default: continue from `next_position`.
+        layer's dtype (strided views are fine); for a quantized layer each is a tuple ``(packed,
+        scales, biases)`` of ``(num_heads, n_tokens, ...)`` arrays. ``positions``: ``(n_tokens,)``
+        strictly increasing absolute positions after what the layer holds; default: continue
+        from `next_position`.
         """
+        self.append_many([(layer, k, v, positions, seq)])
+
+    def append_many(self, appends: Iterable[tuple[int, Any, Any, Any, int]]) -> None:
+        """`append` for several layers (and sequences) at once: ``(layer, k, v, positions, seq)``
+        items, written in order. One call for a whole cache lets the gathering, encoding and
+        checksumming of one layer overlap the write of the previous one."""
         self._check_open()
-        spec = self._layer(layer)
-        self._check_seq(seq)
+        parts: list[_Part] = []
+        following: dict[tuple[int, int], int] = {}  # next default position within this call
+        for layer, k, v, positions, seq in appends:
+            spec = self._layer(layer)
+            self._check_seq(seq)
+            heads, count = self._layer_rows(layer, spec, k, v)
+            if positions is None:
+                start = following.get((layer, seq))
+                start = self.next_position(layer, seq) if start is None else start
+                positions = np.arange(count, dtype=np.int64) + start
+            pos = _as_positions(positions, count)  # checked once for every head
+            if count:
+                earlier = following.get((layer, seq))
+                if earlier is None:
+                    self._check_after(layer, seq, range(spec.num_heads), int(pos[0]))
+                elif pos[0] < earlier:
+                    raise ValueError(
+                        f"layer {layer} seq {seq}: position {pos[0]} is not after the last position "
+                        f"appended earlier in this call ({earlier - 1})"
+                    )
+                following[(layer, seq)] = int(pos[-1]) + 1
+            parts += self._parts(spec, layer, seq, heads, pos)
+        self._run(parts)
+
+    def _layer_rows(
+        self, layer: int, spec: LayerSpec, k: Any, v: Any
+    ) -> tuple[list[tuple[int, np.ndarray, np.ndarray]], int]:
+        """Per head ``(head, k_rows, v_rows)`` as stored before the codec, and the token count."""
         if spec.quantization is not None:
-            k_heads = [tuple(np.asarray(part)[h] for part in k) for h in range(spec.num_heads)]
-            v_heads = [tuple(np.asarray(part)[h] for part in v) for h in range(spec.num_heads)]
-            count = np.asarray(k[0]).shape[1]
-        else:
-            k_array, v_array = np.asarray(k), np.asarray(v)
-            for name, array, dim in (("k", k_array, spec.k_dim), ("v", v_array, spec.v_dim)):
-                expected = (spec.num_heads, k_array.shape[1] if k_array.ndim == 3 else -1, dim)
-                if array.shape != expected:
-                    raise ValueError(f"layer {layer} {name} must have shape {expected}, got {array.shape}")
-            k_heads, v_heads, count = list(k_array), list(v_array), k_array.shape[1]
-        if positions is None:
-            positions = np.arange(count, dtype=np.int64) + self.next_position(layer, seq)
-        pos = _as_positions(positions, count)  # checked once for every head
-        for head in range(spec.num_heads):
-            self._append_head(layer, head, k_heads[head], v_heads[head], pos, seq, checked=True)
+            for name, parts in (("k", k), ("v", v)):
+                if not isinstance(parts, tuple | list) or len(parts) != 3:
+                    raise TypeError(f"layer {layer} {name}: a quantized layer takes (packed, scales, biases)")
+            k_parts, v_parts = [np.asarray(p) for p in k], [np.asarray(p) for p in v]
+            if any(p.ndim != 3 or p.shape[0] != spec.num_heads for p in k_parts + v_parts):
+                raise ValueError(
+                    f"layer {layer}: quantized parts must be (num_heads={spec.num_heads}, n_tokens, ...)"
+                )
+            heads = [
+                (
+                    h,
+                    self._stored_rows(
+                        spec, f"layer {layer} head {h} k", tuple(p[h] for p in k_parts), spec.k_dim
+                    ),
+                    self._stored_rows(
+                        spec, f"layer {layer} head {h} v", tuple(p[h] for p in v_parts), spec.v_dim
+                    ),
+                )
+                for h in range(spec.num_heads)
+            ]
+            if heads[0][1].shape[0] != heads[0][2].shape[0]:
+                raise ValueError(
+                    f"layer {layer}: k has {heads[0][1].shape[0]} tokens, v has {heads[0][2].shape[0]}"
+                )
+            return heads, heads[0][1].shape[0]
+        assert spec.dtype is not None
+        k_array, v_array = np.asarray(k), np.asarray(v)
+        count = k_array.shape[1] if k_array.ndim == 3 else -1
+        for name, array, dim in (("k", k_array, spec.k_dim), ("v", v_array, spec.v_dim)):
+            expected = (spec.num_heads, count, dim)
+            if array.shape != expected:
+                raise ValueError(f"layer {layer} {name} must have shape {expected}, got {array.shape}")
+            if array.dtype != spec.dtype.numpy:
+                raise TypeError(
+                    f"layer {layer} {name} is {array.dtype} but the layer is {spec.dtype.name}; convert first"
+                )
+        return [(h, k_array[h], v_array[h]) for h in range(spec.num_heads)], count
+
+    def _parts(
+        self,
+        spec: LayerSpec,
+        layer: int,
+        seq: int,
+        heads: list[tuple[int, np.ndarray, np.ndarray]],
+        pos: np.ndarray,
+    ) -> list[_Part]:
+        """The chunks for ``heads`` at positions ``pos``: one per head, kind and run of consecutive
+        positions (split at ``chunk_bytes``), in record order: head by head, K before V."""
+        assert spec.dtype is not None
+        count = pos.shape[0]
+        if count == 0:
+            return []
+        rows_per_chunk = max(1, self.chunk_bytes // max(spec.row_bytes(KIND_K), spec.row_bytes(KIND_V)))
+        # Strictly increasing, so a span of count - 1 means one contiguous run (the usual case).
+        contiguous = int(pos[-1]) - int(pos[0]) == count - 1
+        breaks = [] if contiguous else (np.flatnonzero(np.diff(pos) != 1) + 1).tolist()
+        slices = [
+            (first, min(stop, first + rows_per_chunk))
+            for start, stop in zip([0, *breaks], [*breaks, count], strict=True)
+            for first in range(start, stop, rows_per_chunk)
+        ]
+        dtype = spec.dtype
+        return [
+            part
+            for head, k_rows, v_rows in heads
+            for first, last in slices
+            for part in (
+                _Part(KIND_K, layer, seq, head, int(pos[first]), k_rows[first:last], spec.k_dim, dtype),
+                _Part(KIND_V, layer, seq, head, int(pos[first]), v_rows[first:last], spec.v_dim, dtype),
+            )
+        ]
 
     @staticmethod
     def _stored_rows(spec: LayerSpec, where: str, data: Any, dim: int) -> np.ndarray:
@@ -291,7 +486,7 @@ class Writer:
         quantized layer; possibly strided otherwise)."""
         assert spec.dtype is not None
         if spec.quantization is None:
-            array = np.asarray(data)  # strided views are gathered chunk by chunk (`_gathered`)
+            array = np.asarray(data)  # strided views are gathered chunk by chunk (`_prepare`)
             if array.ndim != 2 or array.shape[1] != dim:
                 raise ValueError(f"{where} must have shape (n_tokens, {dim}), got {array.shape}")
             if array.dtype != spec.dtype.numpy:
@@ -315,27 +510,8 @@ class Writer:
         """Append tokens to one head: ``k`` ``(n_tokens, k_dim)``, ``v`` ``(n_tokens, v_dim)``
         (for a quantized layer, ``(packed, scales, biases)`` tuples)."""
         self._check_open()
-        self._layer(layer)
-        self._check_seq(seq)
-        self._append_head(layer, head, k, v, positions, seq)
-
-    def _gathered(self, rows: np.ndarray) -> np.ndarray:
-        """``rows`` as a C-contiguous array: itself, or a copy into a scratch buffer reused from
-        chunk to chunk (no fresh allocation, so no page faults, per strided head; mlx-lm keeps V
-        as a strided view). Valid until the next call: `_write_chunk` is done with it by then."""
-        if rows.flags.c_contiguous:
-            return rows
-        if self._scratch.nbytes < rows.nbytes:
-            self._scratch = np.empty(rows.nbytes, np.uint8)
-        out = self._scratch[: rows.nbytes].view(rows.dtype).reshape(rows.shape)
-        np.copyto(out, rows)
-        return out
-
-    def _append_head(
-        self, layer: int, head: int, k: Any, v: Any, positions: Any, seq: int, checked: bool = False
-    ) -> None:
         spec = self._layer(layer)
-        assert spec.dtype is not None
+        self._check_seq(seq)
         if not isinstance(head, int) or not 0 <= head < spec.num_heads:
             raise IndexError(f"head {head} out of range 0..{spec.num_heads - 1} in layer {layer}")
         where = f"layer {layer} head {head}"
@@ -343,52 +519,10 @@ class Writer:
         v_rows = self._stored_rows(spec, f"{where} v", v, spec.v_dim)
         if k_rows.shape[0] != v_rows.shape[0]:
             raise ValueError(f"{where}: k has {k_rows.shape[0]} tokens, v has {v_rows.shape[0]}")
-        count = k_rows.shape[0]
-        if checked and positions.shape != (count,):
-            raise ValueError(f"positions must have shape ({count},), got {positions.shape}")
-        pos = positions if checked else _as_positions(positions, count)
-        if count == 0:
-            return
-        k_key, v_key = (layer, seq, head, KIND_K), (layer, seq, head, KIND_V)
-        held = self._live.get(k_key)
-        if held and pos[0] < held[-1][3] + held[-1][2]:
-            raise ValueError(
-                f"layer {layer} head {head} seq {seq}: position {pos[0]} is not after the last "
-                f"position held ({held[-1][3] + held[-1][2] - 1})"
-            )
-        rows_per_chunk = max(1, self.chunk_bytes // max(spec.row_bytes(KIND_K), spec.row_bytes(KIND_V)))
-        # Strictly increasing, so a span of count - 1 means one contiguous run (the usual case).
-        contiguous = int(pos[-1]) - int(pos[0]) == count - 1
-        breaks = np.empty(0, np.int64) if contiguous else np.flatnonzero(np.diff(pos) != 1) + 1
-        for start, stop in zip([0, *breaks.tolist()], [*breaks.tolist(), count], strict=True):
-            for first in range(start, stop, rows_per_chunk):
-                last = min(stop, first + rows_per_chunk)
-                position = int(pos[first])
-                k_chunk = self._write_chunk(
-                    KIND_K,
-                    spec.dtype,
-                    layer,
-                    head,
-                    seq,
-                    position,
-                    self._gathered(k_rows[first:last]),
-                    spec.k_dim,
-                )
-                v_chunk = self._write_chunk(
-                    KIND_V,
-                    spec.dtype,
-                    layer,
-                    head,
-                    seq,
-                    position,
-                    self._gathered(v_rows[first:last]),
-                    spec.v_dim,
-                )
-                for key, chunk in ((k_key, k_chunk), (v_key, v_chunk)):
-                    run = (chunk, 0, last - first, position)
-                    self._live.setdefault(key, []).append(run)
-                    self._pending.setdefault(key, []).append(run)
-        self._dirty = True
+        pos = _as_positions(positions, k_rows.shape[0])
+        if pos.size:
+            self._check_after(layer, seq, [head], int(pos[0]))
+        self._run(self._parts(spec, layer, seq, [(head, k_rows, v_rows)], pos))
 
     def drop(self, layer: int, start: int, stop: int, *, seq: int = 0) -> None:
         """Remove positions ``[start, stop)`` from every head of ``layer`` in the live state.
@@ -443,12 +577,12 @@ class Writer:
             self.manifest.metadata.update(metadata)
         if self._dirty or not self._snapshots:
             self.snapshot()
-        self._write(index_bytes(self._offset, self._chunks, self.manifest, self._snapshots))
+        self._write_all([index_bytes(self._offset, self._table, self.manifest, self._snapshots)])
         self._file.flush()
         if self.durable:
             os.fsync(self._file.fileno())
         self._file.close()
-        self._crc_pool.shutdown()
+        self._pool.shutdown()
         self._closed = True
         os.replace(self.partial_path, self.path)
         if self.durable:
@@ -460,7 +594,7 @@ class Writer:
             return
         self._closed = True
         self._file.close()
-        self._crc_pool.shutdown()
+        self._pool.shutdown()
         os.unlink(self.partial_path)
 
     def __enter__(self) -> Writer:
@@ -473,18 +607,19 @@ class Writer:
             # Keep what was written: `kvsnap recover` can rebuild it.
             self._closed = True
             self._file.close()
-            self._crc_pool.shutdown()
+            self._pool.shutdown()
 
 
 def index_bytes(
-    index_offset: int, chunks: Sequence[Descriptor], manifest: Manifest, snapshots: Sequence[Entry]
+    index_offset: int, table: Sequence[bytes], manifest: Manifest, snapshots: Sequence[Entry]
 ) -> bytes:
-    """Chunk table, index JSON and footer for a file whose records end at ``index_offset``."""
-    table = b"".join(d.pack() for d in chunks)
+    """Chunk table, index JSON and footer for a file whose records end at ``index_offset``;
+    ``table``: every table chunk's packed descriptor, in chunk order."""
+    joined = b"".join(table)
     index_json = dumps({"manifest": manifest.to_json(), "snapshots": [s.to_json() for s in snapshots]})
-    crc = crc32c(index_json, crc32c(table, crc32c(pack_header())))
-    footer = Footer(index_offset, len(chunks), len(index_json), crc).pack()
-    return table + index_json + footer
+    crc = crc32c(index_json, crc32c(joined, crc32c(pack_header())))
+    footer = Footer(index_offset, len(table), len(index_json), crc).pack()
+    return joined + index_json + footer
 
 
 def fsync_directory(path: str) -> None:

@@ -14,8 +14,8 @@ def main(path: str, steps: int) -> None:
     spec = kvformat.LayerSpec(2, 32, 32, kvformat.FLOAT32)
     codec, _, mode = sys.argv[3].partition("+")
     with kvformat.Writer(path, [spec, spec], codec=codec, chunk_bytes=1024) as w:
-        if mode == "overlap":
-            w.overlap_bytes = 0  # every chunk takes the placeholder + pwrite path
+        if mode == "pipelined":
+            w.pipeline_bytes = 0  # every append is prepared on the helper thread
         for step in range(steps):
             positions = np.arange(step * 24, (step + 1) * 24)
             for layer in range(2):

@@ -19,7 +19,7 @@ from capture.caches import build_cache, read_layer, to_numpy
 from capture.errors import UnsupportedModelError
 from capture.generate import generate
 from capture.restore import layers_of as restore_layers
-from capture.restore import restore
+from capture.restore import restore, text_of, tokens_of
 from capture.snapshot import snapshot_kv
 from capture.tiny import tiny_model
 from kvformat.quantization import Quantization
@@ -91,9 +91,12 @@ def test_cache_class_roundtrip_is_bit_exact(tmp_path: Path, make: Any, expected_
         np.testing.assert_array_equal(rebuilt.positions[0], positions)
 
 
-def test_strided_heads_are_gathered_exactly(tmp_path: Path) -> None:
-    """Save gathers strided K/V heads through a ring of reused buffers on a helper thread: every
-    head of many layers (more than the ring holds) reads back equal to the cache, in bf16 too."""
+def test_strided_heads_are_gathered_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Save gathers strided K/V heads on the writer's helper thread into a ring of reused buffers:
+    every head of many work units (far more than the ring holds) reads back equal to the cache,
+    in bf16 too."""
+    monkeypatch.setattr(kvformat.writer, "PIPELINE_BYTES", 0)  # pipeline even this small cache
+    monkeypatch.setattr(kvformat.writer, "_UNIT_BYTES", 4096)  # and in many small work units
     rng = np.random.default_rng(5)
     caches, expected = [], []
     for layer in range(7):
@@ -258,9 +261,16 @@ def test_tiny_series_and_resume(tmp_path: Path, arch: str, extra: dict[str, Any]
         assert snap.num_snapshots == 5  # after 5, 10, 15, 20 and the final 24
         assert snap.metadata["prompt_tokens"] == 11
         assert snap.metadata["generation"]["max_tokens"] == 24 and snap.metadata["generation"]["every"] == 5
+        stored = 0  # token ids written into the index over the whole series
         for index in range(snap.num_snapshots):
             view = snap.select(index)
-            n_tokens = len(view.snapshot_metadata["tokens"][0])
+            metadata = view.snapshot_metadata
+            assert ("tokens" in metadata) == (index == 0)  # later snapshots store only what is new
+            stored += len((metadata.get("tokens") or metadata["tokens_appended"])[0])
+            ids = tokens_of(view)[0]
+            assert ids == prompt + reference[: metadata["generated"]]
+            assert text_of(view) == [tokenizer.decode(ids)]
+            n_tokens = len(ids)
             assert view.seq_len == n_tokens == len(prompt) + view.snapshot_metadata["generated"]
             for layer, spec in enumerate(view.layers):
                 positions = view.positions(layer)
@@ -275,6 +285,7 @@ def test_tiny_series_and_resume(tmp_path: Path, arch: str, extra: dict[str, Any]
                 model, tokenizer, [], 24 - view.snapshot_metadata["generated"], resume=view, **extra
             )
             assert resumed == reference[len(reference) - len(resumed) :], f"snapshot {index}"
+        assert stored == len(prompt) + len(reference)  # O(tokens), not O(tokens x snapshots)
 
 
 def test_live_cache_equals_file_after_generation(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ def check_contents(path: Path) -> int:
         return int(first.positions.size)
 
 
-@pytest.mark.parametrize("codec", ["raw", "zstd", "raw+overlap"])
+@pytest.mark.parametrize("codec", ["raw", "zstd", "raw+pipelined"])
 def test_killed_writer_never_leaves_wrong_data(tmp_path: Path, codec: str) -> None:
     rng = np.random.default_rng(len(codec))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -1,0 +1,130 @@
+"""The writer's pipelined path (helper thread gathers, encodes and checksums while the caller
+writes) produces exactly the bytes of the serial path, for strided inputs, split chunks, gaps in
+positions, bf16 and every codec; and its low-level write survives short writes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kvformat
+from kvformat import writer as writer_module
+
+
+def _strided(rng: np.random.Generator, heads: int, tokens: int, dim: int, dtype: Any) -> np.ndarray:
+    """``(heads, tokens, dim)`` as a transposed view of ``(tokens, heads, dim)``, the way
+    attention produces V: no head is C-contiguous."""
+    return rng.standard_normal((tokens, heads, dim)).astype(dtype).transpose(1, 0, 2)
+
+
+def _write(path: Path, codec: str, pipelined: bool, monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
+    rng = np.random.default_rng(11)
+    specs = [
+        kvformat.LayerSpec(3, 8, 6, kvformat.FLOAT32),
+        kvformat.LayerSpec(2, 16, 16, kvformat.BFLOAT16),
+        None,
+        kvformat.LayerSpec(4, 4, 4, kvformat.FLOAT16),
+    ]
+    items: list[tuple[Any, ...]] = []
+    for layer, spec in enumerate(specs):
+        if spec is None:
+            continue
+        assert spec.dtype is not None
+        tokens = 40 + 7 * layer
+        k = _strided(rng, spec.num_heads, tokens, spec.k_dim, spec.dtype.numpy)
+        v = _strided(rng, spec.num_heads, tokens, spec.v_dim, spec.dtype.numpy)
+        positions = (
+            np.arange(tokens)
+            if layer != 3
+            else np.concatenate([np.arange(5), np.arange(20, 20 + tokens - 5)])
+        )
+        items.append((layer, k, v, positions, 0))
+    monkeypatch.setattr(writer_module, "_UNIT_BYTES", 700 if pipelined else 1 << 30)
+    with kvformat.Writer(path, specs, codec=codec, chunk_bytes=200) as w:
+        w.pipeline_bytes = 0 if pipelined else 1 << 62
+        w.append_many(items)
+        w.snapshot({"step": 0})
+        # A second call continues each layer's positions by default.
+        more = [(layer, k[:, :3], v[:, :3], None, 0) for layer, k, v, _, _ in items]
+        w.append_many(more)
+    return items
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd", "byteplane-zstd"])
+def test_pipelined_bytes_equal_serial_bytes(
+    tmp_path: Path, codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    serial, pipelined = tmp_path / "serial.kv", tmp_path / "pipelined.kv"
+    items = _write(serial, codec, False, monkeypatch)
+    _write(pipelined, codec, True, monkeypatch)
+    assert serial.read_bytes() == pipelined.read_bytes()
+    with kvformat.open(pipelined) as snap:
+        assert snap.verify().snapshots == 2  # raises on any bad checksum
+        for layer, k, v, positions, _ in items:
+            for head in range(k.shape[0]):
+                got = snap.head(layer, head)
+                assert got is not None
+                np.testing.assert_array_equal(got.k[: k.shape[1]], k[head])
+                np.testing.assert_array_equal(got.v[: k.shape[1]], v[head])
+                np.testing.assert_array_equal(got.k[k.shape[1] :], k[head, :3])
+                last = int(positions[-1])
+                assert got.positions.tolist() == [*positions.tolist(), last + 1, last + 2, last + 3]
+
+
+def test_a_bad_item_writes_nothing_of_its_call(tmp_path: Path) -> None:
+    spec = kvformat.LayerSpec(2, 4, 4, kvformat.FLOAT32)
+    ok = np.ones((2, 5, 4), np.float32)
+    with kvformat.Writer(tmp_path / "x.kv", [spec, spec]) as w:
+        before = w._offset
+        with pytest.raises(TypeError, match="layer 1 v is float64"):
+            w.append_many([(0, ok, ok, None, 0), (1, ok, ok.astype(np.float64), None, 0)])
+        assert w._offset == before and w.next_position(0) == 0
+        w.append_many([(0, ok, ok, None, 0), (1, ok, ok, None, 0)])
+    with kvformat.open(tmp_path / "x.kv") as snap:
+        head = snap.head(1, 1)
+        assert head is not None and head.positions.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_short_writes_are_completed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``writev`` may write less than asked (signals, pipes, some file systems): the writer
+    goes on from the exact byte where it stopped."""
+    reference = tmp_path / "reference.kv"
+    _write(reference, "raw", True, monkeypatch)
+    real_writev = os.writev
+    calls = []
+
+    def stingy(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(len(buffers))
+        budget, first = 100, []  # at most 100 bytes, often ending inside a buffer
+        for buffer in buffers:
+            first.append(buffer[:budget])
+            budget -= len(first[-1])
+            if not budget:
+                break
+        return real_writev(fd, first)
+
+    monkeypatch.setattr(os, "writev", stingy)
+    short = tmp_path / "short.kv"
+    _write(short, "raw", True, monkeypatch)
+    assert len(calls) > short.stat().st_size // 100
+    assert short.read_bytes() == reference.read_bytes()
+
+
+def test_bfloat16_strided_views_are_gathered(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    k = _strided(rng, 2, 33, 8, ml_dtypes.bfloat16)
+    spec = kvformat.LayerSpec(2, 8, 8, kvformat.BFLOAT16)
+    with kvformat.Writer(tmp_path / "b.kv", [spec]) as w:
+        w.pipeline_bytes = 0
+        w.append(0, k, k[:, ::-1])
+    with kvformat.open(tmp_path / "b.kv") as snap:
+        for head in range(2):
+            got = snap.head(0, head)
+            assert got is not None
+            assert got.k.tobytes() == np.ascontiguousarray(k[head]).tobytes()
+            assert got.v.tobytes() == np.ascontiguousarray(k[head, ::-1]).tobytes()
