@@ -55,32 +55,25 @@ def last_logits(snapshot: KVSnapshot | kvformat.Snapshot) -> np.ndarray | None:
 def tokens_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[list[int]]:
     """Token ids per sequence whose K/V the snapshot holds (from its metadata; in a series, the
     ``tokens_appended`` of each snapshot after the last full ``tokens`` list)."""
-    return [list(map(int, seq)) for seq in _resolved(snapshot, "tokens", [])]
+    return [list(map(int, seq)) for seq in _resolved(snapshot, "tokens")]
 
 
 def text_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[str]:
     """Decoded text per sequence so far (from its metadata, deltas resolved as for `tokens_of`)."""
-    return [str(seq) for seq in _resolved(snapshot, "text", "")]
+    return [str(seq) for seq in _resolved(snapshot, "text")]
 
 
-def _resolved(snapshot: KVSnapshot | kvformat.Snapshot, key: str, empty: Any) -> list[Any]:
+def _resolved(snapshot: KVSnapshot | kvformat.Snapshot, key: str) -> list[Any]:
     """Metadata ``key`` per sequence, following ``KEY_appended`` deltas back through parents."""
     deltas: list[list[Any]] = []
-    current: KVSnapshot | kvformat.Snapshot | None = snapshot
-    while current is not None:
-        metadata = current.snapshot_metadata
-        if key in metadata:
-            base = list(metadata[key])
-            break
-        if f"{key}_appended" not in metadata:
+    current = snapshot
+    while key not in current.snapshot_metadata:
+        appended = current.snapshot_metadata.get(f"{key}_appended")
+        if appended is None or not isinstance(current, kvformat.Snapshot) or current.parent is None:
             return []
-        deltas.append(metadata[f"{key}_appended"])
-        parent = current.parent if isinstance(current, kvformat.Snapshot) else None
-        current = (
-            current.select(parent) if parent is not None and isinstance(current, kvformat.Snapshot) else None
-        )
-    else:
-        return []
+        deltas.append(appended)
+        current = current.select(current.parent)
+    base = list(current.snapshot_metadata[key])
     for delta in reversed(deltas):
         if len(delta) != len(base):
             return []
