@@ -50,7 +50,7 @@ class Entry:
         document: dict[str, Any] = {
             "parent": self.parent,
             "drop": [list(d) for d in self.drops],
-            "append": [x for triple in self.appends for x in triple],
+            "append": list(itertools.chain.from_iterable(self.appends)),
             "metadata": self.metadata,
         }
         if self.arrays:

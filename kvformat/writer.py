@@ -8,20 +8,22 @@ data.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from kvformat import codecs, dtypes
-from kvformat.checksum import crc32c
+from kvformat.checksum import crc32c, crc32c_many, crc32c_rows
 from kvformat.codecs import BytesLike, Codec
 from kvformat.dtypes import DType
 from kvformat.layout import (
     ALIGN,
+    DESCRIPTOR_DTYPE,
     DESCRIPTOR_SIZE,
     KIND_ARRAY,
     KIND_K,
@@ -36,7 +38,7 @@ from kvformat.layout import (
     pack_header,
 )
 from kvformat.manifest import LayerSpec, Manifest, dumps
-from kvformat.series import Entry, Key, Run, trim
+from kvformat.series import Entry
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 _ZEROS = bytes(ALIGN)
@@ -45,13 +47,6 @@ _UNIT_BYTES = 4 << 20  # chunks are prepared and written in units of about this 
 _AHEAD = 2  # work units prepared ahead of the one being written
 _HAS_WRITEV = hasattr(os, "writev")  # not on Windows
 _IOV_MAX = 1024  # buffers per writev call (POSIX guarantees at least 16; Linux and macOS allow 1024)
-
-
-def _crc_of(pieces: list[BytesLike]) -> int:
-    crc = 0
-    for piece in pieces:
-        crc = crc32c(piece, crc)
-    return crc
 
 
 def _as_positions(positions: Any, count: int) -> np.ndarray:
@@ -95,20 +90,119 @@ class _Part:
     width: int
     dtype: DType
 
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
 
-_Unit = list[_Part]
-"""Chunks prepared together on the helper thread and written together (one ``writev``)."""
+
+@dataclass
+class _Block:
+    """Every head of one layer and sequence at once, one chunk per head and kind, stored raw:
+    ``k`` ``(num_heads, n, k_dim)`` and ``v`` ``(num_heads, n, v_dim)``, both C-contiguous, at
+    positions ``position .. position + n - 1``. Its records are laid out with numpy, not per
+    chunk (the common case of a series snapshot: hundreds of small chunks)."""
+
+    layer: int
+    seq: int
+    position: int
+    k: np.ndarray
+    v: np.ndarray
+    dtype: DType
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+_Unit = list[_Part | _Block]
+"""Chunks prepared together (on the helper thread when pipelined) and written with one ``writev``."""
+
+# Columns of the pending-appends table: one row per K/V chunk run not yet in a snapshot.
+_LAYER, _SEQ, _HEAD, _KIND, _CHUNK, _ROW, _COUNT, _POSITION = range(8)
 
 
 @dataclass
 class _Records:
     """Prepared records laid out from file offset ``start``: what to write (descriptor, payload,
-    padding per chunk), the packed descriptors, and the offset just past them."""
+    padding per chunk), the packed descriptors, the chunk columns and the offset just past them."""
 
     buffers: list[BytesLike]
-    packed: list[bytes]
+    packed: bytes
+    columns: np.ndarray  # (n, 8) int64: layer, seq, head, kind, 0, 0, rows, position
     start: int
     end: int
+
+
+def _block_columns(blocks: list[_Block]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Chunk columns (decoded size in the chunk column), widths and dtype codes of consecutive
+    blocks, in record order: block by block, head by head, K before V."""
+    heads = np.array([b.k.shape[0] for b in blocks])
+    per_block = np.array(
+        [
+            (
+                b.layer,
+                b.seq,
+                b.position,
+                b.k.shape[1],
+                b.k.shape[2],
+                b.v.shape[2],
+                b.dtype.code,
+                b.dtype.itemsize,
+            )
+            for b in blocks
+        ],
+        np.int64,
+    )
+    each = np.repeat(per_block, 2 * heads, axis=0)  # one row per chunk
+    n = each.shape[0]
+    is_v = np.tile([False, True], n // 2)
+    head = np.arange(n) // 2 - np.repeat(np.cumsum(heads) - heads, 2 * heads)
+    width = np.where(is_v, each[:, 5], each[:, 4])
+    columns = np.empty((n, 8), np.int64)
+    columns[:, _LAYER], columns[:, _SEQ], columns[:, _HEAD] = each[:, 0], each[:, 1], head
+    columns[:, _KIND] = np.where(is_v, KIND_V, KIND_K)
+    columns[:, _CHUNK] = each[:, 3] * width * each[:, 7]
+    columns[:, _ROW], columns[:, _COUNT], columns[:, _POSITION] = 0, each[:, 3], each[:, 2]
+    return columns, width, each[:, 6]
+
+
+def _layout(
+    columns: np.ndarray,
+    widths: np.ndarray,
+    dtype_codes: np.ndarray,
+    codec: int,
+    stored: np.ndarray,
+    decoded: np.ndarray,
+    crcs: np.ndarray,
+    start: int,
+) -> tuple[bytes, np.ndarray, np.ndarray, int]:
+    """Descriptors of consecutive records from file offset ``start``, built with numpy: the packed
+    descriptors, each record's padding, each record's offset, and the offset after the last."""
+    n = columns.shape[0]
+    spans = DESCRIPTOR_SIZE + stored
+    padded = (spans + (ALIGN - 1)) // ALIGN * ALIGN
+    offsets = np.empty(n, np.int64)
+    offsets[0] = start
+    np.cumsum(padded[:-1], out=offsets[1:])
+    offsets[1:] += start
+    table = np.zeros(n, DESCRIPTOR_DTYPE)
+    table["magic"] = b"KVCK"
+    table["kind"] = columns[:, _KIND]
+    table["dtype"] = dtype_codes
+    table["codec"] = codec
+    table["layer"] = columns[:, _LAYER]
+    table["head"] = columns[:, _HEAD]
+    table["seq"] = columns[:, _SEQ]
+    table["position"] = columns[:, _POSITION]
+    table["rows"] = columns[:, _COUNT]
+    table["width"] = widths
+    table["offset"] = offsets
+    table["stored_size"] = stored
+    table["decoded_size"] = decoded
+    table["payload_crc"] = crcs
+    raw = table.view(np.uint8).reshape(n, DESCRIPTOR_SIZE)
+    table["descriptor_crc"] = crc32c_rows(raw[:, :60])
+    return table.tobytes(), padded - spans, offsets, int(start + padded.sum())
 
 
 class Writer:
@@ -123,6 +217,8 @@ class Writer:
 
     Large appends are pipelined: a helper thread gathers strided rows into contiguous buffers,
     encodes and checksums the next chunks while the calling thread writes the current ones.
+    Descriptors, checksums and index entries of a whole call are built with numpy, not chunk by
+    chunk, so a snapshot of hundreds of small chunks costs about a millisecond.
     """
 
     def __init__(
@@ -167,9 +263,11 @@ class Writer:
                 f"'kvsnap recover {self.partial_path}' to keep its data, or delete it."
             ) from None
         self._offset = 0
-        self._table: list[bytes] = []  # packed descriptors of every table chunk, for the index
-        self._live: dict[Key, list[Run]] = {}
-        self._pending: dict[Key, list[Run]] = {}
+        self._table: list[bytes] = []  # packed descriptors of every table chunk, in chunk order
+        self._chunks = 0  # table chunks written
+        # Per (layer, seq): one past the last position each head holds (0 for none).
+        self._ends: dict[tuple[int, int], np.ndarray] = {}
+        self._pending: list[np.ndarray] = []  # (n, 8) blocks of runs appended since the last snapshot
         self._pending_drops: list[tuple[int, int, int, int]] = []
         self._snapshots: list[Entry] = []
         self._dirty = False
@@ -183,21 +281,29 @@ class Writer:
         self._write_json_record(KIND_MANIFEST, manifest_json)
 
     # -- low level -----------------------------------------------------------------------
-    def _write_all(self, buffers: Sequence[BytesLike]) -> None:
-        """Write ``buffers`` in order at the end of the file (``writev``, retried on short writes)."""
-        views = [view for view in map(_flat, buffers) if view.nbytes]
-        total = sum(view.nbytes for view in views)
+    def _write_all(self, buffers: Sequence[BytesLike], total: int | None = None) -> None:
+        """Write ``buffers`` in order at the end of the file (``writev``, retried on short writes).
+        With ``total`` (their size in bytes) they must be flat byte buffers: none is checked."""
+        if total is None:
+            views = [view for view in map(_flat, buffers) if view.nbytes]
+            total = sum(view.nbytes for view in views)
+        else:
+            views = cast(list[memoryview], list(buffers))
         fd = self._file.fileno()
-        i = 0
+        i, remaining = 0, total
         while i < len(views):
             batch = views[i : i + _IOV_MAX]
             written = os.writev(fd, batch) if _HAS_WRITEV else os.write(fd, batch[0])
             if written <= 0:
                 raise OSError(f"{self.partial_path}: write made no progress")
+            remaining -= written
+            if _HAS_WRITEV and i + len(batch) == len(views) and remaining == 0:
+                break  # the usual case: everything went out in one call
             while written:
                 view = views[i]
-                if written >= view.nbytes:
-                    written -= view.nbytes
+                size = len(view)
+                if written >= size:
+                    written -= size
                     i += 1
                 else:
                     views[i] = view[written:]
@@ -227,12 +333,36 @@ class Writer:
         """The records of ``unit``, laid out from file offset ``offset``: gather strided rows (into
         scratch buffer ``slot``), encode, checksum, build descriptors. Runs on the helper thread
         for pipelined appends and touches no writer state but the slot."""
-        strided = sum(part.rows.nbytes for part in unit if not part.rows.flags.c_contiguous)
+        strided = sum(p.rows.nbytes for p in unit if isinstance(p, _Part) and not p.rows.flags.c_contiguous)
         if self._scratch[slot].nbytes < strided:
             self._scratch[slot] = np.empty(strided, np.uint8)
         scratch, used = self._scratch[slot], 0
-        records = _Records([], [], offset, offset)
-        for part in unit:
+        columns: list[np.ndarray] = []  # per group of chunks: (n, 8) columns, widths, dtype codes
+        widths: list[np.ndarray] = []
+        dtype_codes: list[np.ndarray] = []
+        payloads: list[BytesLike] = []  # one buffer per chunk ...
+        multi: dict[int, list[BytesLike]] = {}  # ... or, for codecs of several pieces, these
+        i = 0
+        while i < len(unit):
+            item = unit[i]
+            if isinstance(item, _Block):
+                j = i
+                while j < len(unit) and isinstance(unit[j], _Block):
+                    j += 1
+                blocks = cast(list[_Block], unit[i:j])
+                group = _block_columns(blocks)
+                columns.append(group[0])
+                widths.append(group[1])
+                dtype_codes.append(group[2])
+                for block in blocks:
+                    k_size, v_size = block.k[0].nbytes, block.v[0].nbytes
+                    k_bytes, v_bytes = _byte_view(block.k), _byte_view(block.v)
+                    for h in range(block.k.shape[0]):
+                        payloads.append(k_bytes[h * k_size : (h + 1) * k_size])
+                        payloads.append(v_bytes[h * v_size : (h + 1) * v_size])
+                i = j
+                continue
+            part = cast(_Part, item)
             rows = part.rows
             if not rows.flags.c_contiguous:
                 out = scratch[used : used + rows.nbytes].view(rows.dtype).reshape(rows.shape)
@@ -241,59 +371,101 @@ class Writer:
                 rows = out
             data = _byte_view(rows)
             pieces = self.codec.encode(data, part.dtype.itemsize)
-            stored = sum(memoryview(piece).nbytes for piece in pieces)
-            descriptor = Descriptor(
-                kind=part.kind,
-                dtype=part.dtype.code,
-                codec=self.codec.code,
-                layer=part.layer,
-                head=part.head,
-                seq=part.seq,
-                position=part.position,
-                rows=rows.shape[0],
-                width=part.width,
-                offset=records.end,
-                stored_size=stored,
-                decoded_size=data.nbytes,
-                payload_crc=_crc_of(pieces),
+            if len(pieces) != 1:
+                multi[len(payloads)] = pieces
+            payloads.append(pieces[0] if len(pieces) == 1 else data)
+            columns.append(
+                np.array([[part.layer, part.seq, part.head, part.kind, 0, 0, rows.shape[0], part.position]])
             )
-            end = records.end + DESCRIPTOR_SIZE + stored
-            packed = descriptor.pack()
-            records.buffers += [packed, *pieces, _ZEROS[: align(end) - end]]
-            records.packed.append(packed)
-            records.end = align(end)
-        return records
+            widths.append(np.array([part.width]))
+            dtype_codes.append(np.array([part.dtype.code]))
+            # The decoded size rides in the CHUNK column until the chunk index is known.
+            columns[-1][0, _CHUNK] = data.nbytes
+            i += 1
+        if not payloads:
+            return _Records([], b"", np.empty((0, 8), np.int64), offset, offset)
+        table = np.concatenate(columns)
+        decoded = table[:, _CHUNK].copy()
+        raw = self.codec.code == 0
+        stored = decoded.copy() if raw else np.array([len(p) for p in payloads], np.int64)
+        crcs = crc32c_many(payloads)
+        for index, pieces in multi.items():  # CRCs continue across the pieces of one payload
+            crcs[index] = _crc_of(pieces)
+            stored[index] = sum(memoryview(p).nbytes for p in pieces)
+        packed, padding, _offsets, end = _layout(
+            table,
+            np.concatenate(widths),
+            np.concatenate(dtype_codes),
+            self.codec.code,
+            stored,
+            decoded,
+            crcs,
+            offset,
+        )
+        descriptors = memoryview(packed)
+        n = len(payloads)
+        if not multi and not padding.any():  # the usual raw case: descriptor, payload, ...
+            buffers: list[BytesLike] = [b""] * (2 * n)
+            buffers[0::2] = [descriptors[d : d + DESCRIPTOR_SIZE] for d in range(0, n * DESCRIPTOR_SIZE, 64)]
+            buffers[1::2] = payloads
+        else:
+            buffers = []
+            for index, (payload, pad) in enumerate(zip(payloads, padding.tolist(), strict=True)):
+                buffers.append(descriptors[index * DESCRIPTOR_SIZE : (index + 1) * DESCRIPTOR_SIZE])
+                buffers += multi.get(index, [payload])
+                if pad:
+                    buffers.append(_ZEROS[:pad])
+        return _Records(buffers, packed, table, offset, end)
 
-    def _commit(self, unit: _Unit, records: _Records) -> list[int]:
+    def _commit(self, records: _Records) -> range:
         """Write prepared records (which must start at the current end of the file); return
         their chunk indices."""
         assert records.start == self._offset
-        self._write_all(records.buffers)
-        first = len(self._table)
-        self._table += records.packed
-        for index, part in enumerate(unit, first):
-            if part.kind in (KIND_K, KIND_V):
-                run = (index, 0, part.rows.shape[0], part.position)
-                key = (part.layer, part.seq, part.head, part.kind)
-                self._live.setdefault(key, []).append(run)
-                self._pending.setdefault(key, []).append(run)
+        self._write_all(records.buffers, records.end - records.start)
+        first = self._chunks
+        count = records.columns.shape[0]
+        self._chunks += count
+        if count:
+            self._table.append(records.packed)
+            columns = records.columns
+            columns[:, _CHUNK] = np.arange(first, first + count)
+            tensors = columns[columns[:, _KIND] != KIND_ARRAY]
+            if tensors.shape[0]:
+                self._pending.append(tensors)
                 self._dirty = True
-        return list(range(first, len(self._table)))
+                self._advance_ends(tensors)
+        return range(first, first + count)
 
-    def _run(self, parts: list[_Part]) -> None:
+    def _advance_ends(self, runs: np.ndarray) -> None:
+        """Record that the heads of ``runs`` now hold positions up to each run's end (runs of
+        one head come in position order, so the last one of a head ends last)."""
+        ends = runs[:, _POSITION] + runs[:, _COUNT]
+        keys = runs[:, _LAYER] * (1 << 24) + runs[:, _SEQ]
+        bounds = [0, *(np.flatnonzero(keys[1:] != keys[:-1]) + 1).tolist(), len(keys)]
+        for a, b in itertools.pairwise(bounds):
+            layer, seq = int(runs[a, _LAYER]), int(runs[a, _SEQ])
+            held = self._ends.get((layer, seq))
+            if held is None:
+                held = self._ends[(layer, seq)] = np.zeros(self.manifest.layers[layer].num_heads, np.int64)
+            heads = runs[a:b, _HEAD]
+            held[heads] = np.maximum(held[heads], ends[a:b])
+
+    def _run(self, parts: Sequence[_Part | _Block]) -> None:
         """Prepare and write ``parts`` in order, grouped into units of about `_UNIT_BYTES`;
         pipelined when there is enough to overlap."""
         units: list[_Unit] = []
         size = _UNIT_BYTES
+        total = 0
         for part in parts:
             if size >= _UNIT_BYTES:
                 units.append([])
                 size = 0
             units[-1].append(part)
-            size += part.rows.nbytes
-        if len(units) < 2 or sum(part.rows.nbytes for part in parts) < self.pipeline_bytes:
+            size += part.nbytes
+            total += part.nbytes
+        if len(units) < 2 or total < self.pipeline_bytes:
             for unit in units:
-                self._commit(unit, self._prepare(unit, 0, self._offset))
+                self._commit(self._prepare(unit, 0, self._offset))
             return
         slots = len(self._scratch)  # the unit being written + _AHEAD + 1 being prepared
         end = [self._offset]  # where the next unit starts; only the helper thread moves it
@@ -305,25 +477,28 @@ class Writer:
 
         pending = {i: self._pool.submit(prepare, i) for i in range(min(_AHEAD + 1, len(units)))}
         try:
-            for i, unit in enumerate(units):
+            for i in range(len(units)):
                 records = pending.pop(i).result()
                 if i + _AHEAD + 1 < len(units):
                     pending[i + _AHEAD + 1] = self._pool.submit(prepare, i + _AHEAD + 1)
-                self._commit(unit, records)
+                self._commit(records)
         finally:
             for future in pending.values():
                 future.cancel()
             wait(pending.values())  # no helper may still write into a scratch buffer
 
-    def _check_after(self, layer: int, seq: int, heads: Iterable[int], position: int) -> None:
-        """Every head of ``heads`` holds only positions before ``position``."""
-        for head in heads:
-            held = self._live.get((layer, seq, head, KIND_K))
-            if held and position < held[-1][3] + held[-1][2]:
-                raise ValueError(
-                    f"layer {layer} head {head} seq {seq}: position {position} is not after the "
-                    f"last position held ({held[-1][3] + held[-1][2] - 1})"
-                )
+    def _check_after(self, layer: int, seq: int, position: int, head: int | None = None) -> None:
+        """Every head of ``layer`` (or only ``head``) holds only positions before ``position``."""
+        held = self._ends.get((layer, seq))
+        if held is None:
+            return
+        if head is None:
+            head = int(np.argmax(held))
+        if position < held[head]:
+            raise ValueError(
+                f"layer {layer} head {head} seq {seq}: position {position} is not after the "
+                f"last position held ({int(held[head]) - 1})"
+            )
 
     def _write_array(self, name: str, value: Any) -> int:
         if not isinstance(name, str) or not name:
@@ -334,8 +509,8 @@ class Writer:
         if array.ndim != 2:
             raise ValueError(f"array {name!r} must be 1-D or 2-D, got shape {array.shape}")
         dtype = dtypes.from_numpy(array.dtype)
-        unit = [_Part(KIND_ARRAY, 0, 0, 0, 0, array, array.shape[1], dtype)]
-        return self._commit(unit, self._prepare(unit, 0, self._offset))[0]
+        unit: _Unit = [_Part(KIND_ARRAY, 0, 0, 0, 0, array, array.shape[1], dtype)]
+        return self._commit(self._prepare(unit, 0, self._offset))[0]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -356,12 +531,8 @@ class Writer:
     # -- public API ----------------------------------------------------------------------
     def next_position(self, layer: int, seq: int = 0) -> int:
         """One past the last position any head of ``layer`` holds for ``seq`` (0 if empty)."""
-        ends = [
-            runs[-1][3] + runs[-1][2]
-            for (lay, sq, _head, _kind), runs in self._live.items()
-            if lay == layer and sq == seq and runs
-        ]
-        return max(ends, default=0)
+        held = self._ends.get((layer, seq))
+        return int(held.max()) if held is not None else 0
 
     def append(self, layer: int, k: Any, v: Any, positions: Any = None, *, seq: int = 0) -> None:
         """Append tokens to every head of ``layer`` for sequence ``seq``.
@@ -377,31 +548,83 @@ class Writer:
     def append_many(self, appends: Iterable[tuple[int, Any, Any, Any, int]]) -> None:
         """`append` for several layers (and sequences) at once: ``(layer, k, v, positions, seq)``
         items, written in order. One call for a whole cache lets the gathering, encoding and
-        checksumming of one layer overlap the write of the previous one."""
+        checksumming of one layer overlap the write of the previous one. Every item is checked
+        before anything is written: a bad item writes nothing of the call."""
         self._check_open()
-        parts: list[_Part] = []
+        parts: list[_Part | _Block] = []
         following: dict[tuple[int, int], int] = {}  # next default position within this call
         for layer, k, v, positions, seq in appends:
             spec = self._layer(layer)
             self._check_seq(seq)
-            heads, count = self._layer_rows(layer, spec, k, v)
+            start: int | None = None
             if positions is None:
                 start = following.get((layer, seq))
                 start = self.next_position(layer, seq) if start is None else start
+            block = self._block(spec, layer, seq, k, v, positions, start)
+            if block is not None:
+                count, first, last = block.k.shape[1], block.position, block.position + block.k.shape[1] - 1
+                if count:
+                    self._check_order(following, layer, seq, first, last)
+                    parts.append(block)
+                continue
+            heads, count = self._layer_rows(layer, spec, k, v)
+            if start is not None:
                 positions = np.arange(count, dtype=np.int64) + start
             pos = _as_positions(positions, count)  # checked once for every head
             if count:
-                earlier = following.get((layer, seq))
-                if earlier is None:
-                    self._check_after(layer, seq, range(spec.num_heads), int(pos[0]))
-                elif pos[0] < earlier:
-                    raise ValueError(
-                        f"layer {layer} seq {seq}: position {pos[0]} is not after the last position "
-                        f"appended earlier in this call ({earlier - 1})"
-                    )
-                following[(layer, seq)] = int(pos[-1]) + 1
+                self._check_order(following, layer, seq, int(pos[0]), int(pos[-1]))
             parts += self._parts(spec, layer, seq, heads, pos)
         self._run(parts)
+
+    def _check_order(
+        self, following: dict[tuple[int, int], int], layer: int, seq: int, first: int, last: int
+    ) -> None:
+        """Positions ``first..last`` come after what the layer holds and what this call appended."""
+        earlier = following.get((layer, seq))
+        if earlier is None:
+            self._check_after(layer, seq, first)
+        elif first < earlier:
+            raise ValueError(
+                f"layer {layer} seq {seq}: position {first} is not after the last position "
+                f"appended earlier in this call ({earlier - 1})"
+            )
+        following[(layer, seq)] = last + 1
+
+    def _block(
+        self, spec: LayerSpec, layer: int, seq: int, k: Any, v: Any, positions: Any, start: int | None
+    ) -> _Block | None:
+        """``k``/``v`` as one `_Block` when they can be stored that way (raw codec, plain dtype,
+        C-contiguous numpy arrays of the right shape, consecutive positions within one chunk per
+        head); None otherwise, and the general path checks and splits them."""
+        if (
+            self.codec.code != 0
+            or spec.quantization is not None
+            or type(k) is not np.ndarray
+            or type(v) is not np.ndarray
+            or not (k.flags.c_contiguous and v.flags.c_contiguous)
+        ):
+            return None
+        assert spec.dtype is not None
+        if (
+            k.ndim != 3
+            or v.ndim != 3
+            or k.shape != (spec.num_heads, k.shape[1], spec.k_dim)
+            or v.shape != (spec.num_heads, k.shape[1], spec.v_dim)
+            or k.dtype != spec.dtype.numpy
+            or v.dtype != spec.dtype.numpy
+        ):
+            return None
+        count = k.shape[1]
+        if count * max(spec.row_bytes(KIND_K), spec.row_bytes(KIND_V)) > self.chunk_bytes:
+            return None
+        if start is None:
+            pos = _as_positions(positions, count)
+            if count and int(pos[-1]) - int(pos[0]) != count - 1:
+                return None  # gaps: one chunk per run, the general path
+            start = int(pos[0]) if count else 0
+        elif count and not 0 <= start <= MAX_POSITION - count:
+            raise ValueError(f"positions must lie in 0..2**53-1, got {start}..{start + count - 1}")
+        return _Block(layer, seq, start, k, v, spec.dtype)
 
     def _layer_rows(
         self, layer: int, spec: LayerSpec, k: Any, v: Any
@@ -521,7 +744,7 @@ class Writer:
             raise ValueError(f"{where}: k has {k_rows.shape[0]} tokens, v has {v_rows.shape[0]}")
         pos = _as_positions(positions, k_rows.shape[0])
         if pos.size:
-            self._check_after(layer, seq, [head], int(pos[0]))
+            self._check_after(layer, seq, int(pos[0]), head)
         self._run(self._parts(spec, layer, seq, [(head, k_rows, v_rows)], pos))
 
     def drop(self, layer: int, start: int, stop: int, *, seq: int = 0) -> None:
@@ -534,10 +757,12 @@ class Writer:
         self._check_seq(seq)
         if not (type(start) is int and type(stop) is int and 0 <= start <= stop <= MAX_POSITION):
             raise ValueError(f"drop range must be integers 0 <= start <= stop, got {start}, {stop}")
-        for runs_by_key in (self._live, self._pending):
-            for key, runs in runs_by_key.items():
-                if key[0] == layer and key[1] == seq:
-                    runs_by_key[key] = trim(runs, start, stop)
+        held = self._ends.get((layer, seq))
+        if held is not None:
+            # A head whose last position was dropped may take positions from ``start`` on again.
+            held[(held > start) & (held <= stop)] = start
+        if self._pending:
+            self._pending = [_trim_runs(np.concatenate(self._pending), layer, seq, start, stop)]
         self._pending_drops.append((layer, seq, start, stop))
         self._dirty = True
 
@@ -549,16 +774,19 @@ class Writer:
         """
         self._check_open()
         attached = {name: self._write_array(name, value) for name, value in (arrays or {}).items()}
+        runs = np.concatenate(self._pending) if self._pending else np.empty((0, 8), np.int64)
+        # Sorted by (layer, seq, head, kind), in append order within each: a stable sort.
+        runs = runs[np.lexsort((runs[:, _KIND], runs[:, _HEAD], runs[:, _SEQ], runs[:, _LAYER]))]
         entry = Entry(
             parent=len(self._snapshots) - 1 if self._snapshots else None,
             drops=self._pending_drops,
-            appends=[run[:3] for key in sorted(self._pending) for run in self._pending[key]],
+            appends=list(zip(*(runs[:, c].tolist() for c in (_CHUNK, _ROW, _COUNT)), strict=True)),
             metadata=dict(metadata or {}),
             arrays=attached,
         )
         self._write_json_record(KIND_SNAPSHOT, dumps(entry.to_json()))
         self._snapshots.append(entry)
-        self._pending, self._pending_drops = {}, []
+        self._pending, self._pending_drops = [], []
         self._dirty = False
         return len(self._snapshots) - 1
 
@@ -610,15 +838,49 @@ class Writer:
             self._pool.shutdown()
 
 
+def _trim_runs(runs: np.ndarray, layer: int, seq: int, start: int, stop: int) -> np.ndarray:
+    """Pending ``runs`` with positions ``[start, stop)`` of ``layer``/``seq`` removed; a run that
+    straddles the range keeps its pieces in place, in order (as `kvformat.series.trim`)."""
+    position, count = runs[:, _POSITION], runs[:, _COUNT]
+    end = position + count
+    hit = (runs[:, _LAYER] == layer) & (runs[:, _SEQ] == seq) & (end > start) & (position < stop)
+    if not hit.any():
+        return runs
+    pieces: list[np.ndarray] = []
+    for i, row in enumerate(runs):
+        if not hit[i]:
+            pieces.append(row)
+            continue
+        if position[i] < start:
+            left = row.copy()
+            left[_COUNT] = start - position[i]
+            pieces.append(left)
+        if end[i] > stop:
+            right = row.copy()
+            right[_ROW] += stop - position[i]
+            right[_COUNT] = end[i] - stop
+            right[_POSITION] = stop
+            pieces.append(right)
+    return np.array(pieces, np.int64).reshape(-1, 8)
+
+
+def _crc_of(pieces: list[BytesLike]) -> int:
+    crc = 0
+    for piece in pieces:
+        crc = crc32c(piece, crc)
+    return crc
+
+
 def index_bytes(
     index_offset: int, table: Sequence[bytes], manifest: Manifest, snapshots: Sequence[Entry]
 ) -> bytes:
     """Chunk table, index JSON and footer for a file whose records end at ``index_offset``;
-    ``table``: every table chunk's packed descriptor, in chunk order."""
+    ``table``: the packed descriptors of every table chunk in chunk order, in blocks of any
+    number of 64-byte descriptors."""
     joined = b"".join(table)
     index_json = dumps({"manifest": manifest.to_json(), "snapshots": [s.to_json() for s in snapshots]})
     crc = crc32c(index_json, crc32c(joined, crc32c(pack_header())))
-    footer = Footer(index_offset, len(table), len(index_json), crc).pack()
+    footer = Footer(index_offset, len(joined) // DESCRIPTOR_SIZE, len(index_json), crc).pack()
     return joined + index_json + footer
 
 
