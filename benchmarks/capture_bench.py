@@ -2,9 +2,15 @@
 
 1. snapshot save time vs a bare ``f.write(memoryview)`` of the same K/V bytes, and vs mlx-lm's
    ``save_prompt_cache`` on the same cache (time and size on disk);
-2. the overhead that snapshots every 16 tokens (one series file) add to a 256-token generation.
+2. the overhead that snapshots every 16 tokens (one series file) add to a 256-token generation;
+3. with ``--shapes`` / ``--accelerator-shapes``: the same overhead on random-weight models in real
+   shapes (SmolLM2-135M, Qwen3-8B, and Qwen3-8B's KV shape on a tiny hidden size), on whatever
+   device mlx runs (CUDA on the accelerator machine), and a one-shot save of an 8192-token
+   Qwen3-8B-shaped cache against ``save_prompt_cache`` and a bare write, with and without fsync.
 
     python -m benchmarks.capture_bench [--tokens 256] [--every 16] [--context 2048]
+    python -m benchmarks.capture_bench --accelerator-shapes [--tokenizer DIR]
+    python -m benchmarks.capture_bench --shapes qwen3-8b-kv-tiny
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 from benchmarks.timing import best_of
 from capture import generate, snapshot_kv
+from capture.caches import to_numpy
 from capture.fixtures import fetch_model
-from capture.generate import SeriesWriter
 from kvformat.checksum import crc32c
 
 
@@ -87,37 +93,318 @@ def save_rows(model: Any, path: str, context: int, tmp: Path, lines: list[str]) 
     return cache, kv_s
 
 
-def series_cost(
-    model: Any, tokenizer: Any, path: str, every: int, snapshots: int, tmp: Path
+SHAPES: dict[str, dict[str, Any]] = {
+    # Random weights in real shapes, built with mlx-lm's own classes (timing does not depend on
+    # the weights). (config, dtype, prompt tokens, generated tokens)
+    "smollm2-135m": {
+        "config": {
+            "model_type": "llama",
+            "hidden_size": 576,
+            "num_hidden_layers": 30,
+            "intermediate_size": 1536,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "head_dim": 64,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": 49152,
+            "rope_theta": 100000.0,
+            "tie_word_embeddings": True,
+        },
+        "dtype": "float16",
+        "prompt": 128,
+        "tokens": 512,
+    },
+    "qwen3-8b": {
+        "config": {
+            "model_type": "qwen3",
+            "hidden_size": 4096,
+            "num_hidden_layers": 36,
+            "intermediate_size": 12288,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": 151936,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 40960,
+        },
+        "dtype": "bfloat16",
+        "prompt": 1024,
+        "tokens": 256,
+    },
+    # The Qwen3-8B KV shape (36 layers x 8 KV heads x 128, bf16) with a tiny hidden size, so a
+    # 2-core CPU decodes fast enough for the snapshot cost to show.
+    "qwen3-8b-kv-tiny": {
+        "config": {
+            "model_type": "qwen3",
+            "hidden_size": 128,
+            "num_hidden_layers": 36,
+            "intermediate_size": 256,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "rms_norm_eps": 1e-6,
+            "vocab_size": 49152,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 40960,
+        },
+        "dtype": "bfloat16",
+        "prompt": 1024,
+        "tokens": 256,
+    },
+}
+
+
+def random_model(name: str) -> Any:
+    import importlib
+
+    shape = SHAPES[name]
+    module = importlib.import_module(f"mlx_lm.models.{shape['config']['model_type']}")
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(shape["config"]))
+    model.set_dtype(getattr(mx, shape["dtype"]))
+    mx.eval(model.parameters())
+    return model
+
+
+def generation_overhead(
+    model: Any,
+    tokenizer: Any,
+    prompt_len: int,
+    tokens: int,
+    every: int | None,
+    runs: int,
+    tmp: Path,
+    variant: str = "",
 ) -> tuple[float, float]:
-    """Median seconds one series snapshot costs (`snapshot_kv` + `SeriesWriter.add`, as
-    `capture.generate` does every ``every`` tokens) and median seconds of those ``every``
-    decode steps, measured alternately in one loop."""
-    cache = make_prompt_cache(model)
-    ids = [int(t) for t in np.random.default_rng(1).integers(100, 40000, 12)]
-    logits = model(mx.array(ids)[None], cache=cache)
-    series: SeriesWriter | None = None
-    snapshot_s, decode_s = [], []
-    rng = np.random.default_rng(2)
-    for _ in range(snapshots):
-        start = time.perf_counter()
-        for _ in range(every):
-            token = int(rng.integers(100, 40000))
-            ids.append(token)
-            logits = model(mx.array([[token]]), cache=cache)
-            mx.eval(logits, [c.state for c in cache])
-        middle = time.perf_counter()
-        snap = snapshot_kv(
-            cache, model, model_path=path, tokenizer=tokenizer, tokens=ids, last_logits=logits[:, -1, :]
+    """Median seconds of plain `stream_generate` and of `capture.generate` writing a series
+    snapshot every ``every`` tokens (None: the final one only), alternating the two; the overhead
+    reported is the median of each pair's ratio (a pair ran back to back, under the same load)."""
+    vocab = len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else 49152
+    banned = mx.array(sorted(tokenizer.eos_token_ids))
+
+    def restrict(history: mx.array, logits: mx.array) -> mx.array:
+        """No end of sequence (every run generates ``tokens``), no ids the tokenizer lacks."""
+        logits[:, banned] = -float("inf")
+        if logits.shape[-1] > vocab:
+            logits[:, vocab:] = -float("inf")
+        return logits
+
+    prompt = [int(t) for t in np.random.default_rng(3).integers(100, min(vocab, 40000), prompt_len)]
+
+    def plain() -> None:
+        count = sum(
+            1
+            for _ in stream_generate(
+                model, tokenizer, mx.array(prompt), max_tokens=tokens, logits_processors=[restrict]
+            )
         )
-        if series is None:
-            series = SeriesWriter(tmp / "cost.kv", "raw", snap.metadata)
-        series.add(snap)
-        snapshot_s.append(time.perf_counter() - middle)
-        decode_s.append(middle - start)
-    assert series is not None
-    series.close()
-    return float(np.median(snapshot_s)), float(np.median(decode_s))
+        assert count == tokens
+
+    def disk_load() -> None:
+        """Plain generation beside a thread writing and syncing as much as a capture does."""
+        import threading
+
+        def write() -> None:
+            block = np.ones(1 << 20, np.uint8)
+            with open(tmp / "load.bin", "wb") as f:
+                for i in range(200):
+                    f.write(block.data)
+                    if i % 10 == 9:
+                        os.fsync(f.fileno())
+
+        thread = threading.Thread(target=write)
+        thread.start()
+        plain()
+        thread.join()
+
+    def captured() -> None:
+        import capture.series
+
+        if variant == "disk-load":
+            disk_load()
+            return
+        if variant.startswith("sync-"):
+            capture.series.SYNC_EACH = variant[5:]
+        out = tmp / "overhead.kv"
+        out.unlink(missing_ok=True)
+        count = sum(
+            1
+            for _ in generate(
+                model,
+                tokenizer,
+                prompt,
+                max_tokens=tokens,
+                output=out,
+                every=every,
+                logits_processors=[restrict],
+                durable=variant != "no-fsync",
+            )
+        )
+        assert count == tokens
+
+    for _ in range(2):  # warm up both (the first runs of a process are slow and erratic on CUDA)
+        plain()
+        captured()
+    if os.environ.get("KVSNAP_BENCH_PROFILE"):
+        print(f"    generating thread, one captured run: {profile_snapshots(captured)}", flush=True)
+    plain_s, captured_s = [], []
+    for _ in range(runs):
+        plain_s.append(best_of(1, plain))
+        captured_s.append(best_of(1, captured))
+    ratios = np.array(captured_s) / np.array(plain_s)
+    print(
+        f"    {variant or 'default'} every={every}: pair overheads "
+        + " ".join(f"{100 * (r - 1):+.1f}%" for r in ratios),
+        flush=True,
+    )
+    ratio = float(np.median(ratios))
+    return float(np.median(plain_s)), float(np.median(plain_s)) * ratio
+
+
+def profile_snapshots(run: Any) -> str:
+    """Where one captured run's snapshot time goes: in the generating thread (taking snapshots,
+    waiting for a full queue, closing) and on the writer thread (jobs)."""
+    import sys
+
+    import capture.background as background
+
+    generate_module = sys.modules["capture.generate"]  # the package exports a function of that name
+
+    spent: dict[str, float] = {"take": 0.0, "queue wait": 0.0, "close": 0.0, "writer jobs": 0.0}
+    snapshots_class, writer_class = generate_module._Snapshots, background.BackgroundWriter
+    originals = (snapshots_class.take, snapshots_class.close, writer_class.submit)
+
+    def timed(name: str, fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        return wrapper
+
+    def submit(self: Any, job: Any) -> None:
+        originals[2](self, timed("writer jobs", job))
+
+    snapshots_class.take = timed("take", originals[0])  # type: ignore[method-assign]
+    snapshots_class.close = timed("close", originals[1])  # type: ignore[method-assign]
+    writer_class.submit = timed("queue wait", submit)  # type: ignore[method-assign]
+    start = time.perf_counter()
+    try:
+        run()
+    finally:
+        snapshots_class.take, snapshots_class.close, writer_class.submit = originals  # type: ignore[method-assign]
+    total = time.perf_counter() - start
+    return f"run {total:.3f} s; " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in spent.items())
+
+
+def one_shot_rows(context: int, lines: list[str], tmp: Path) -> None:
+    """Snapshot + save of a ``context``-token Qwen3-8B-shaped cache against mlx-lm's
+    ``save_prompt_cache`` and a bare write of the same bytes, with and without fsync."""
+    from mlx_lm.models.cache import KVCache
+
+    caches = []
+    for i in range(36):
+        cache = KVCache()
+        k = mx.random.normal((1, context, 8, 128), key=mx.random.key(i)).astype(mx.bfloat16)
+        cache.update_and_fetch(k.transpose(0, 2, 1, 3), (k * 2).transpose(0, 2, 1, 3))
+        caches.append(cache)
+    mx.eval([c.state for c in caches])
+
+    def on_device() -> None:
+        """Touch every cache buffer on the device, as a decode step would: on CUDA, mlx's managed
+        pages a previous run moved to the host go back, so every run pays the same transfer."""
+        mx.eval([mx.sum(c.keys) + mx.sum(c.values) for c in caches])
+
+    host = [
+        np.array(x)
+        for c in caches
+        for x in (to_numpy(c.keys[..., :context, :]), to_numpy(c.values[..., :context, :]))
+    ]
+    nbytes = sum(h.nbytes for h in host)
+    kv_path, mlx_path, bare_path = tmp / "one.kv", tmp / "one.safetensors", tmp / "bare.bin"
+
+    def timed(fn: Any) -> float:
+        times = []
+        for _ in range(3):
+            on_device()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    def save_kv(durable: bool) -> None:
+        kv_path.unlink(missing_ok=True)
+        snapshot_kv(caches).save(kv_path, durable=durable)
+
+    def save_mlx(durable: bool) -> None:
+        mlx_path.unlink(missing_ok=True)
+        save_prompt_cache(str(mlx_path), caches)
+        if durable:
+            fd = os.open(mlx_path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+    what = f"{context}-token Qwen3-8B-shaped cache ({nbytes / 1e9:.2f} GB K/V)"
+    for durable in (False, True):
+        label = "with fsync" if durable else "no fsync"
+        kv_s = timed(lambda d=durable: save_kv(d))
+        mlx_s = timed(lambda d=durable: save_mlx(d))
+        lines.append(
+            f"| snapshot + save, {what}, {label} | {kv_s * 1e3:.0f} ms "
+            f"| save_prompt_cache{' + fsync' if durable else ''} {mlx_s * 1e3:.0f} ms | {mlx_s / kv_s:.2f}x |"
+        )
+    bare_s = timed(
+        lambda: bare_write(bare_path, [memoryview(h.view(np.uint8).reshape(-1)) for h in host], True)
+    )
+    kv_s = timed(lambda: save_kv(True))
+    lines.append(
+        f"| snapshot + save, {what}, with fsync | {kv_s * 1e3:.0f} ms "
+        f"| bare write + fsync of pre-gathered bytes {bare_s * 1e3:.0f} ms | {bare_s / kv_s:.2f}x |"
+    )
+
+
+def shapes_main(names: list[str], runs: int, every: int, context: int, tokenizer_path: str) -> None:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    print(f"mlx {mx.__version__} on {mx.default_device()}", flush=True)
+    tokenizer = load_tokenizer(Path(tokenizer_path))
+    lines = ["| measurement | kvsnap | peer / machine limit | ratio |", "|---|---:|---:|---:|"]
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        for shape in names:
+            spec = SHAPES[shape]
+            model = random_model(shape)
+            variants = [(every, ""), (None, "")]
+            if os.environ.get("KVSNAP_BENCH_VARIANTS"):
+                variants = [(every, f"sync-{mode}") for mode in ("writeback", "fdatasync", "none")]
+                variants += [(every, "no-fsync"), (every, "sync-writeback")]
+            for cadence, variant in variants:
+                plain_s, captured_s = generation_overhead(
+                    model, tokenizer, spec["prompt"], spec["tokens"], cadence, runs, tmp, variant
+                )
+                label = f"every {cadence}" if cadence else "final snapshot only"
+                if variant == "no-fsync":
+                    label += " (durable=False)"
+                elif variant.startswith("sync-"):
+                    label += f" (each snapshot: {variant[5:]})"
+                elif variant == "disk-load":
+                    label = "plain, beside a thread writing 200 MB with fsyncs (no capture)"
+                lines.append(
+                    f"| {shape} {spec['dtype']}, {spec['prompt']} + {spec['tokens']} tokens, series {label} "
+                    f"| {captured_s:.3f} s | plain stream_generate {plain_s:.3f} s "
+                    f"({spec['tokens'] / plain_s:.0f} tok/s) "
+                    f"| overhead {100 * (captured_s - plain_s) / plain_s:+.1f}% |"
+                )
+                print(lines[-1], flush=True)
+            del model
+        if context:
+            one_shot_rows(context, lines, tmp)
+    print("\n".join(lines))
 
 
 def main() -> None:
@@ -125,7 +412,28 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--every", type=int, default=16)
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens for the save test")
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        choices=sorted(SHAPES),
+        help="random-weight models in real shapes: generation overhead of series snapshots "
+        "(plain and captured runs alternate, median of --runs), then a one-shot save of a "
+        "--save-context-token Qwen3-8B-shaped cache",
+    )
+    parser.add_argument(
+        "--accelerator-shapes",
+        action="store_true",
+        help="the accelerator targets: --shapes smollm2-135m qwen3-8b --save-context 8192",
+    )
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--save-context", type=int, default=0)
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: the SmolLM2 fixture's)")
     args = parser.parse_args()
+    if args.accelerator_shapes or args.shapes:
+        names = args.shapes or ["smollm2-135m", "qwen3-8b"]
+        context = args.save_context or (8192 if args.accelerator_shapes else 0)
+        shapes_main(names, args.runs, args.every, context, args.tokenizer or str(fetch_model("smollm2-135m")))
+        return
     path = str(fetch_model("smollm2-135m"))
     model, tokenizer = load(path)
     lines = ["| measurement | kvsnap | peer / machine limit | ratio |", "|---|---:|---:|---:|"]
@@ -211,18 +519,6 @@ def main() -> None:
         lines.append(
             f"| series file ({args.tokens // args.every} snapshots) "
             f"| {series.stat().st_size / 1e6:.2f} MB | | |"
-        )
-        # 3. The same overhead measured directly: one series snapshot against the decode steps
-        # between two snapshots, and the generation speed up to which it stays under 5%.
-        snapshot_s, decode_s = series_cost(model, tokenizer, path, args.every, 8, Path(tmp))
-        lines.append(
-            f"| one series snapshot (every {args.every} tokens, median of 8) | {snapshot_s * 1e3:.1f} ms "
-            f"| {args.every} decode steps {decode_s * 1e3:.0f} ms | {100 * snapshot_s / decode_s:.1f}% |"
-        )
-        lines.append(
-            f"| generation speed up to which that stays under 5% "
-            f"| {0.05 * args.every / snapshot_s:.0f} tokens/s "
-            f"| this machine {args.every / decode_s:.1f} tokens/s | |"
         )
     print("\n".join(lines))
 

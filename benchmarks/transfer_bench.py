@@ -41,7 +41,9 @@ def main() -> None:
     caches = []
     for i in range(args.layers):
         cache = KVCache()
-        k = mx.random.normal((1, args.context, args.heads, args.dim), key=mx.random.key(i)).astype(mx.bfloat16)
+        k = mx.random.normal((1, args.context, args.heads, args.dim), key=mx.random.key(i)).astype(
+            mx.bfloat16
+        )
         cache.update_and_fetch(k.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3) * 2)
         caches.append(cache)
     # Decode 16 more tokens one at a time, as generation does.
@@ -56,8 +58,10 @@ def main() -> None:
 
     a = host(caches[0].keys[..., :offset, :])
     b = host(caches[0].keys[..., :offset, :])
-    print(f"np.asarray twice -> same address: {a.ctypes.data == b.ctypes.data}; "
-          f"c_contiguous {a.flags.c_contiguous}, owndata {a.flags.owndata}, base {type(a.base)}")
+    print(
+        f"np.asarray twice -> same address: {a.ctypes.data == b.ctypes.data}; "
+        f"c_contiguous {a.flags.c_contiguous}, owndata {a.flags.owndata}, base {type(a.base)}"
+    )
     del a, b
 
     def old_path() -> None:
@@ -68,8 +72,10 @@ def main() -> None:
                 total += int(np.ascontiguousarray(view).view(np.uint8)[::4096].sum())
 
     def device_copy() -> list[mx.array]:
-        flat = [mx.concatenate([c.keys[..., :offset, :].reshape(-1), c.values[..., :offset, :].reshape(-1)])
-                for c in caches]
+        flat = [
+            mx.concatenate([c.keys[..., :offset, :].reshape(-1), c.values[..., :offset, :].reshape(-1)])
+            for c in caches
+        ]
         mx.eval(flat)
         return flat
 
@@ -92,13 +98,19 @@ def main() -> None:
     def small(n: int) -> None:
         parts = []
         for c in caches:
-            parts += [c.keys[..., offset - n : offset, :].reshape(-1), c.values[..., offset - n : offset, :].reshape(-1)]
+            parts += [
+                c.keys[..., offset - n : offset, :].reshape(-1),
+                c.values[..., offset - n : offset, :].reshape(-1),
+            ]
         flat = mx.concatenate(parts)
         mx.eval(flat)
         np.array(host(flat), copy=True)
 
     for n in (16, 64):
-        print(f"series slice of {n} new tokens, one flat buffer, to host: {best_of(20, lambda n=n: small(n)) * 1e3:.2f} ms")
+        print(
+            f"series slice of {n} new tokens, one flat buffer, to host: "
+            f"{best_of(20, lambda n=n: small(n)) * 1e3:.2f} ms"
+        )
 
     # np.asarray of an async-evaluated array from another thread.
     parts = [c.keys[..., offset - 16 : offset, :].reshape(-1) for c in caches]
@@ -142,9 +154,13 @@ def main() -> None:
             os.unlink(path)
 
         for sync in (False, True):
-            print(f"bare write of host bytes, fsync={sync}: {best_of(3, lambda s=sync: bare(s)) * 1e3:.0f} ms")
-            print(f"device copy + write straight from asarray, fsync={sync}: "
-                  f"{best_of(3, lambda s=sync: direct(s)) * 1e3:.0f} ms")
+            print(
+                f"bare write of host bytes, fsync={sync}: {best_of(3, lambda s=sync: bare(s)) * 1e3:.0f} ms"
+            )
+            print(
+                f"device copy + write straight from asarray, fsync={sync}: "
+                f"{best_of(3, lambda s=sync: direct(s)) * 1e3:.0f} ms"
+            )
         print(f"save_prompt_cache (no fsync): {best_of(3, mlx_save) * 1e3:.0f} ms")
     start = time.perf_counter()
     print(f"done in {time.perf_counter() - start:.1f} s")

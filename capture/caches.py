@@ -78,7 +78,10 @@ def to_mlx(array: np.ndarray) -> mx.array:
 
 
 def _split(keys: mx.array, values: mx.array, positions: np.ndarray, attributes: dict[str, Any]) -> LayerKV:
-    """``keys``: ``(B, H, n, D)`` in temporal order; the same positions for every sequence."""
+    """``keys``: ``(B, H, n, D)`` in temporal order; the same positions for every sequence. Copied
+    on the device into contiguous buffers first: a strided view of the cache would be gathered on
+    the host row by row (and on CUDA, fault in every page of the whole buffer)."""
+    keys, values = mx.contiguous(keys), mx.contiguous(values)
     mx.eval(keys, values)
     k, v = to_numpy(keys), to_numpy(values)
     batch = k.shape[0]
@@ -164,8 +167,8 @@ def read_layer(cache: Any) -> LayerKV:
         quant = Quantization(int(cache.bits), int(cache.group_size))
         if quant.bits not in QUANT_BITS:
             raise UnsupportedModelError(f"QuantizedKVCache with {quant.bits} bits; supported: {QUANT_BITS}")
-        k_parts = [to_numpy(x[..., :offset, :]) for x in _evaluated(cache.keys)]
-        v_parts = [to_numpy(x[..., :offset, :]) for x in _evaluated(cache.values)]
+        k_parts = [to_numpy(x) for x in _evaluated(mx.contiguous(x[..., :offset, :]) for x in cache.keys)]
+        v_parts = [to_numpy(x) for x in _evaluated(mx.contiguous(x[..., :offset, :]) for x in cache.values)]
         batch = k_parts[0].shape[0]
         positions = np.arange(offset, dtype=np.int64)
         return LayerKV(

@@ -99,14 +99,24 @@ def _capture(args: argparse.Namespace) -> int:
 
     def report(event: SnapshotEvent) -> None:
         events.append(event)
-        print(
-            f"\r\033[Ksnapshot {len(events)} after {event.generated} generated tokens "
-            f"({event.tokens} in cache) -> {event.path} ({event.size / 1e6:.2f} MB)",
-            file=sys.stderr,
+        message = (
+            f"snapshot {len(events) - 1} after {event.generated} generated tokens "
+            f"({event.tokens} in cache) -> {event.path} ({event.size / 1e6:.2f} MB)"
         )
+        if args.echo:
+            print(f"\n[{message}]", file=sys.stderr, flush=True)
+        else:
+            from tqdm import tqdm
+
+            tqdm.write(message, file=sys.stderr)
 
     start = time.perf_counter()
     count = 0
+    progress = None
+    if not args.echo:
+        from tqdm import tqdm
+
+        progress = tqdm(total=args.max_tokens, unit="tok", file=sys.stderr, leave=False)
     for response in generate(
         model,
         tokenizer,
@@ -126,22 +136,56 @@ def _capture(args: argparse.Namespace) -> int:
         count += 1
         if args.echo:
             print(response.text, end="", flush=True)
-        else:
-            rate = count / (time.perf_counter() - start)
-            bar = "#" * (30 * count // args.max_tokens)
-            print(
-                f"\r[{bar:<30}] {count}/{args.max_tokens} tokens, {rate:.1f} tok/s",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-    print(file=sys.stderr)
-    if not args.separate_files:
+        elif progress is not None:
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+    elapsed = time.perf_counter() - start
+    if args.echo:
+        print()
+    if count and not args.separate_files:
         size = Path(args.output).stat().st_size
         print(
-            f"wrote {args.output}: {len(events)} snapshot(s), {size / 1e6:.2f} MB, {count} tokens generated"
+            f"wrote {args.output}: {len(events)} snapshot(s), {size / 1e6:.2f} MB, {count} tokens generated "
+            f"({count / elapsed:.1f} tok/s)"
         )
     return 0
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def codec_name(text: str) -> str:
+    """argparse type: a codec the format knows."""
+    from kvformat import codecs
+
+    try:
+        codecs.parse(text)
+    except Exception as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _check_output(parser: argparse.ArgumentParser, output: str) -> None:
+    """The output's folder exists and is writable, and no unfinished write sits there."""
+    import os
+    from pathlib import Path
+
+    folder = Path(output).resolve().parent
+    if not folder.is_dir():
+        parser.error(f"-o {output}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        parser.error(f"-o {output}: folder {folder} is not writable")
+    if Path(output + ".partial").exists():
+        parser.error(f"-o {output}: {output}.partial exists (an unfinished capture): recover or delete it")
 
 
 def register_capture(sub: Any) -> None:
@@ -150,17 +194,40 @@ def register_capture(sub: Any) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt")
     source.add_argument("--prompt-file")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("-o", "--output", required=True)
-    p.add_argument("--every", type=int, help="snapshot every N generated tokens")
+    p.add_argument("--every", type=positive_int, help="snapshot every N generated tokens")
     p.add_argument("--at", help="snapshot at these generated-token counts, e.g. 1,8,32")
     p.add_argument("--separate-files", action="store_true", help="one file per snapshot (OUT-NNNN.kv)")
-    p.add_argument("--codec", default="raw")
-    p.add_argument("--kv-bits", type=int, help="quantize the KV cache (mlx-lm QuantizedKVCache)")
-    p.add_argument("--max-kv-size", type=int, help="rotating cache of this many tokens")
+    p.add_argument("--codec", type=codec_name, default="raw", help="raw, zstd or byteplane-zstd")
+    p.add_argument(
+        "--kv-bits", type=int, choices=(2, 4, 8), help="quantize the KV cache (mlx-lm QuantizedKVCache)"
+    )
+    p.add_argument(
+        "--max-kv-size",
+        type=positive_int,
+        help="keep only the last N tokens (and the first 4) in every full-attention layer",
+    )
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling (0: off)")
     p.add_argument("--seed", type=int, help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--echo", action="store_true", help="print the generated text instead of a progress bar")
-    p.set_defaults(func=_capture)
+    p.set_defaults(func=_capture, check=_check_capture)
+
+
+def _check_capture(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Checks that need no model: run before any weights are read."""
+    _check_output(parser, args.output)
+    if args.at:
+        try:
+            counts = [int(x) for x in args.at.split(",") if x.strip()]
+        except ValueError:
+            parser.error(f"--at {args.at!r}: give generated-token counts like 1,8,32")
+        if any(n < 1 for n in counts):
+            parser.error(f"--at {args.at!r}: counts must be at least 1")
+    if args.prompt_file is not None:
+        from pathlib import Path
+
+        if not Path(args.prompt_file).is_file():
+            parser.error(f"--prompt-file {args.prompt_file}: no such file")

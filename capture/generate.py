@@ -8,6 +8,8 @@ logits predict the next one; a snapshot records both, so a resumed run continues
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,9 +21,14 @@ import mlx.nn as nn
 import numpy as np
 
 import kvformat
+from capture.background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
+from capture.deltas import CacheTracker, layer_specs
 from capture.errors import CaptureError
+from capture.model_info import annotate_layers, file_metadata
 from capture.restore import last_logits, restore, tokens_of
+from capture.series import SeriesWriter
 from capture.snapshot import KVSnapshot, snapshot_kv
+from capture.triggers import Triggers
 
 
 @dataclass(frozen=True)
@@ -46,96 +53,166 @@ class _LogitsRecorder:
         return logits
 
 
-class SeriesWriter:
-    """Appends snapshots of a live cache to one `.kv` file, writing only what changed."""
+class _Snapshots:
+    """Takes the snapshots of one generation: deltas sliced on the device in the generating
+    thread, written by a background thread (`capture.background`), one series file or one file
+    per snapshot."""
 
-    def __init__(self, path: str | os.PathLike[str], codec: str, metadata: dict[str, Any]) -> None:
-        self.path = os.fspath(path)
+    def __init__(
+        self,
+        prompt_cache: list[Any],
+        model: nn.Module,
+        tokenizer: Any,
+        *,
+        output: str | os.PathLike[str] | None,
+        separate_files: bool,
+        codec: str,
+        model_path: str | None,
+        file_metadata: dict[str, Any],
+        save_logits: bool,
+        on_snapshot: Callable[[SnapshotEvent], None] | None,
+        max_pending: int,
+        durable: bool = True,
+    ) -> None:
+        self.durable = durable
+        self.prompt_cache = prompt_cache
+        self.model = model
+        self.tokenizer = tokenizer
+        self.output = output
+        self.separate_files = separate_files
         self.codec = codec
-        self.metadata = metadata
-        self.writer: kvformat.Writer | None = None
-        self._held: list[list[np.ndarray]] = []
-        self._tokens: list[list[int]] | None = None  # the previous snapshot's, for deltas
-        self._text: list[str] | None = None
+        self.model_path = model_path
+        self.file_metadata = file_metadata
+        self.save_logits = save_logits
+        self.on_snapshot = on_snapshot
+        self.tracker = CacheTracker()
+        self.background = BackgroundWriter(max_pending) if output is not None else None
+        self.series: SeriesWriter | None = None
+        self.taken = 0
+        self._tokens_written = 0  # token ids already recorded in the series' metadata
+        self._text_written = 0  # streamed text pieces already recorded
+        self.failed = False
 
-    def add(self, snapshot: KVSnapshot) -> int:
-        """Write the difference between ``snapshot`` and the previous one; return its index."""
-        if self.writer is None:
-            self.writer = kvformat.Writer(
-                self.path,
-                snapshot.layer_specs(),
-                num_seqs=snapshot.num_seqs,
-                metadata=self.metadata,
-                codec=self.codec,
+    def check(self) -> None:
+        """Raise a writer-thread error in the generating thread."""
+        if self.background is not None:
+            try:
+                self.background.check()
+            except CaptureError as exc:
+                self.failed = True
+                partial = os.fspath(self.output or "") + ".partial"
+                raise CaptureError(
+                    f"{exc}; {partial} keeps every snapshot written before it: run 'kvsnap recover {partial}'"
+                ) from exc.__cause__
+
+    def take(self, generated: int, tokens: list[int], pieces: list[str], base_text: str, logits: Any) -> None:
+        """One snapshot after ``generated`` tokens; ``tokens`` every id the cache holds, ``pieces``
+        the streamed text so far after ``base_text`` (the prompt's)."""
+        self.check()
+        if self.output is None:
+            return
+        if self.separate_files:
+            self._take_file(generated, tokens, pieces, base_text, logits)
+            return
+        metadata: dict[str, Any] = {"generated": generated}
+        if self.series is None and self.taken == 0:
+            metadata["tokens"] = [list(tokens)]
+            metadata["text"] = [base_text + "".join(pieces)]
+        else:  # SPEC 15.3: what was added since the previous snapshot
+            metadata["tokens_appended"] = [tokens[self._tokens_written :]]
+            metadata["text_appended"] = ["".join(pieces[self._text_written :])]
+        self._tokens_written, self._text_written = len(tokens), len(pieces)
+        deltas = self.tracker.read(self.prompt_cache)
+        if self.tracker.end() not in (0, len(tokens)):
+            raise CaptureError(
+                f"cache holds {self.tracker.end()} positions but {len(tokens)} tokens were processed"
             )
-            self._held = [[np.empty(0, np.int64)] * snapshot.num_seqs for _ in snapshot.layers]
-        writer = self.writer
-        appends = []
-        for index, layer in enumerate(snapshot.layers):
-            if not layer.present or not layer.k:
-                continue
-            for seq, positions in enumerate(layer.positions):
-                held = self._held[index][seq]
-                if positions.size >= held.size and np.array_equal(positions[: held.size], held):
-                    first_new = held.size  # the usual case: the cache only grew
-                else:
-                    last = int(held[-1]) if held.size else -1
-                    for start, stop in _ranges(held[~np.isin(held, positions)]):
-                        writer.drop(index, start, stop, seq=seq)
-                    new = positions > last
-                    if not np.array_equal(positions[~new], held[np.isin(held, positions)]):
-                        raise CaptureError(f"layer {index}: cache positions are not append-only")
-                    first_new = int(np.argmax(new)) if new.any() else positions.size
-                k, v = layer.tokens_from(seq, first_new)
-                appends.append((index, k, v, positions[first_new:], seq))
-                self._held[index][seq] = positions
-        writer.append_many(appends)  # one call: large first snapshots are pipelined
-        arrays = {"last_logits": snapshot.last_logits} if snapshot.last_logits is not None else None
-        return writer.snapshot(self._delta_metadata(snapshot.snapshot_metadata), arrays=arrays)
+        arrays = [array for delta in deltas for array in (*delta.keys, *delta.values)]
+        if logits is not None:
+            arrays.append(mx.array(logits).astype(mx.float32).reshape(-1, logits.shape[-1]))
+        transfer = Transfer(arrays)
+        if self.series is None:
+            specs, num_seqs = layer_specs(self.prompt_cache)
+            annotate_layers([spec.attributes for spec in specs], [spec.present for spec in specs], self.model)
+            # Opening writes the header and manifest: small, once, here.
+            self.series = SeriesWriter(
+                self.output, self.codec, self.file_metadata, specs, num_seqs, durable=self.durable
+            )
+        series = self.series
+        index, count = self.taken, len(tokens)
+        event_path = os.fspath(self.output) + ".partial"
+        with_logits = logits is not None
 
-    def _delta_metadata(self, metadata: dict[str, Any]) -> dict[str, Any]:
-        """``metadata`` with ``tokens`` / ``text`` replaced by what was appended since the previous
-        snapshot (``tokens_appended`` / ``text_appended``, SPEC 15.3) when the previous ones are a
-        prefix, so a series' index grows with the tokens, not with tokens x snapshots."""
-        out = dict(metadata)
-        tokens: Any = metadata.get("tokens")
-        text: Any = metadata.get("text")
-        previous_tokens: Any = self._tokens
-        previous_text: Any = self._text
-        self._tokens, self._text = tokens, text
-        if _extends(tokens, previous_tokens):
-            del out["tokens"]
-            out["tokens_appended"] = [
-                new[len(old) :] for new, old in zip(tokens, previous_tokens, strict=True)
-            ]
-            if _extends(text, previous_text):
-                del out["text"]
-                out["text_appended"] = [new[len(old) :] for new, old in zip(text, previous_text, strict=True)]
-        return out
+        def write() -> None:
+            host = transfer.to_host()
+            last = host.pop() if with_logits else None
+            series.add(deltas, host, metadata, last)
+            if self.on_snapshot is not None:
+                size = os.path.getsize(event_path) if os.path.exists(event_path) else 0
+                self.on_snapshot(SnapshotEvent(generated, count, event_path, index, size))
 
-    def close(self, metadata: dict[str, Any] | None = None) -> None:
-        if self.writer is not None:
-            self.writer.close(metadata)
+        assert self.background is not None
+        self.background.submit(write)
+        self.taken += 1
+
+    def _take_file(
+        self, generated: int, tokens: list[int], pieces: list[str], base_text: str, logits: Any
+    ) -> None:
+        snap = snapshot_kv(self.prompt_cache, self.model, model_path=self.model_path, last_logits=logits)
+        if snap.seq_len and snap.seq_len != len(tokens):
+            raise CaptureError(
+                f"cache holds {snap.seq_len} positions but {len(tokens)} tokens were processed"
+            )
+        snap.metadata = {**self.file_metadata}
+        snap.snapshot_metadata = {
+            "tokens": [list(tokens)],
+            "text": [base_text + "".join(pieces)],
+            "generated": generated,
+        }
+        assert self.output is not None
+        base = Path(self.output)
+        path = base.with_name(f"{base.stem}-{generated:04d}{base.suffix or '.kv'}")
+        codec, count = self.codec, len(tokens)
+
+        def write() -> None:
+            snap.save(path, codec, durable=self.durable)
+            if self.on_snapshot is not None:
+                self.on_snapshot(SnapshotEvent(generated, count, os.fspath(path), 0, path.stat().st_size))
+
+        assert self.background is not None
+        self.background.submit(write)
+        self.taken += 1
+
+    def close(self, generated_text: str) -> None:
+        """Write the index (or, after a writer error, leave the ``.partial`` file) and stop."""
+        if self.background is None:
+            return
+        series = self.series
+        if series is not None and not self.failed:
+            self.background.submit(lambda: series.close({"generated_text": generated_text}))
+        try:
+            self.background.close()
+        except CaptureError:
+            self.failed = True
+            raise
 
 
-def _extends(new: Any, old: Any) -> bool:
-    """Whether each sequence of ``new`` starts with the same sequence of ``old``."""
-    return (
-        new is not None
-        and old is not None
-        and len(new) == len(old)
-        and all(n[: len(o)] == o for n, o in zip(new, old, strict=True))
-    )
+def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list[Any]:
+    """The model's prompt cache; with ``max_kv_size``, every plain `KVCache` layer becomes a
+    `RotatingKVCache` of that many tokens (keeping the first 4), also for models that build their
+    own cache, where mlx-lm ignores ``max_kv_size``. Raises if no layer could be limited."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-
-def _ranges(positions: np.ndarray) -> list[tuple[int, int]]:
-    """Sorted positions as half-open runs ``[start, stop)``."""
-    if positions.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-    starts = np.concatenate([[0], breaks])
-    stops = np.concatenate([breaks, [positions.size]])
-    return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, stops, strict=True)]
+    cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    if max_kv_size is None:
+        return cache
+    if not isinstance(max_kv_size, int) or max_kv_size < 1:
+        raise ValueError(f"max_kv_size must be a positive number of tokens, got {max_kv_size!r}")
+    limited = [RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is KVCache else c for c in cache]
+    if not any(type(c).__name__ == "RotatingKVCache" and c.max_size == max_kv_size for c in limited):
+        names = sorted({type(c).__name__ for c in cache})
+        raise CaptureError(f"max_kv_size cannot be applied: this model's cache layers are {names}")
+    return limited
 
 
 def generate(
@@ -157,6 +234,8 @@ def generate(
     max_kv_size: int | None = None,
     on_snapshot: Callable[[SnapshotEvent], None] | None = None,
     metadata: dict[str, Any] | None = None,
+    max_pending: int = DEFAULT_MAX_PENDING,
+    durable: bool = True,
     **generate_kwargs: Any,
 ) -> Iterator[Any]:
     """Stream generation like `mlx_lm.stream_generate`, taking K/V snapshots along the way.
@@ -164,17 +243,21 @@ def generate(
     Snapshots are taken after ``every`` generated tokens, at the generated-token counts in ``at``,
     whenever ``when(response)`` is true, and at the end (``final``). With ``output`` they are
     appended to one `.kv` series file (shared chunks stored once), or, with ``separate_files``,
-    written to ``output`` with ``-NNNN`` before the suffix. ``resume`` continues from a snapshot
-    (in memory or read back) instead of a prompt. Other keyword arguments (``sampler``,
-    ``kv_bits``, ``prefill_step_size``, ...) go to mlx-lm.
+    written to ``output`` with ``-NNNN`` before the suffix. Each snapshot copies only the rows the
+    cache gained (sliced on the device) and is written by a background thread; at most
+    ``max_pending`` snapshots wait for the disk before generation does. ``resume`` continues from
+    a snapshot (in memory or read back) instead of a prompt. ``durable=False`` skips the fsyncs
+    (each snapshot's and the file's at close): for scratch captures. Other keyword arguments
+    (``sampler``, ``kv_bits``, ``prefill_step_size``, ...) go to mlx-lm.
     """
     from mlx_lm import stream_generate
     from mlx_lm.generate import GenerationResponse
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
+    triggers = Triggers.of(every, at, when, final)
     if max_tokens <= 0:
         return
+    kvformat.codecs.parse(codec)  # an unknown codec fails now, not at the first snapshot
     sampler = generate_kwargs.pop("sampler", None) or make_sampler(0.0)
     history: list[int]
     first_response: Any = None
@@ -204,99 +287,83 @@ def generate(
         if token in getattr(tokenizer, "eos_token_ids", ()):
             first_response.finish_reason = "stop"
         prompt_ids = [token]
+        processed = list(history)
     else:
         if prompt is None:
             raise ValueError("give a prompt or a snapshot to resume from")
         prompt_ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
         history = []
-        prompt_cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+        prompt_cache = make_cache(model, max_kv_size)
+        processed = list(prompt_ids)
     recorder = _LogitsRecorder()
     processors = [*generate_kwargs.pop("logits_processors", []), recorder]
-    series: SeriesWriter | None = None
-    file_metadata: dict[str, Any] | None = None
-    taken = 0
-    at_set = {int(n) for n in at}
-
-    def take(response: Any, generated: int, tokens: list[int]) -> None:
-        nonlocal series, file_metadata, taken
-        logits = recorder.logits if save_logits else None
-        snap = snapshot_kv(
-            prompt_cache,
-            model,
-            model_path=model_path,
-            tokenizer=tokenizer,
-            tokens=tokens,
-            last_logits=logits,
-            metadata=metadata,
-        )
-        if snap.seq_len and snap.seq_len != len(tokens):
-            raise CaptureError(
-                f"cache holds {snap.seq_len} positions but {len(tokens)} tokens were processed"
-            )
-        snap.snapshot_metadata["generated"] = generated
-        if file_metadata is None:
-            file_metadata = snap.metadata
-            file_metadata["prompt_tokens"] = len(prompt_ids) if resume is None else 0
-            file_metadata["resumed_from_tokens"] = len(history)
-            file_metadata.setdefault("generation", {}).update(
-                {
-                    "max_tokens": max_tokens,
-                    "every": every,
-                    "at": sorted(at_set),
-                    "max_kv_size": max_kv_size,
-                    **{k: v for k, v in generate_kwargs.items() if isinstance(v, int | float | str | None)},
-                }
-            )
-        if output is None:
-            return
-        if separate_files:
-            base = Path(output)
-            path = base.with_name(f"{base.stem}-{generated:04d}{base.suffix or '.kv'}")
-            snap.save(path, codec)
-            index = 0
-        else:
-            if series is None:
-                series = SeriesWriter(output, codec, file_metadata)
-            index = series.add(snap)
-            path = Path(output).with_name(Path(output).name + ".partial")
-        taken += 1
-        if on_snapshot is not None:
-            size = path.stat().st_size if path.exists() else 0
-            on_snapshot(SnapshotEvent(generated, len(tokens), os.fspath(path), index, size))
-
+    info = file_metadata(model, model_path, tokenizer)
+    info["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    info.update(metadata or {})
+    info["prompt_tokens"] = len(prompt_ids) if resume is None else 0
+    info["resumed_from_tokens"] = len(history)
+    info.setdefault("generation", {}).update(
+        {
+            "max_tokens": max_tokens,
+            "every": every,
+            "at": sorted(triggers.at),
+            "max_kv_size": max_kv_size,
+            **{k: v for k, v in generate_kwargs.items() if isinstance(v, int | float | str | None)},
+        }
+    )
+    snapshots = _Snapshots(
+        prompt_cache,
+        model,
+        tokenizer,
+        output=output,
+        separate_files=separate_files,
+        codec=codec,
+        model_path=model_path,
+        file_metadata=info,
+        save_logits=save_logits,
+        on_snapshot=on_snapshot,
+        max_pending=max_pending,
+        durable=durable,
+    )
+    base_text = tokenizer.decode(processed) if output is not None else ""
+    pieces: list[str] = []  # streamed text of the generated tokens
     generated_tokens: list[int] = []
+    finished = False
     try:
-        if first_response is not None:
-            generated_tokens.append(first_response.token)
-            yield first_response
-            if first_response.finish_reason is not None:
-                return
-        remaining = max_tokens - len(generated_tokens)
-        if remaining <= 0:
-            return
-        for response in stream_generate(
+        responses: Iterator[Any] = stream_generate(
             model,
             tokenizer,
             mx.array(prompt_ids),
-            max_tokens=remaining,
+            max_tokens=max_tokens - (first_response is not None),
             sampler=sampler,
             logits_processors=processors,
             prompt_cache=prompt_cache,
             **generate_kwargs,
-        ):
+        )
+        if first_response is not None:
+            # The resumed token is yielded first; its K/V enter the cache with the next step.
+            pieces.append(first_response.text)
+            generated_tokens.append(first_response.token)
+            processed.append(first_response.token)
+            yield first_response
+            if first_response.finish_reason is not None or max_tokens == 1:
+                finished = True
+                return
+        for response in responses:
+            snapshots.check()
             generated_tokens.append(int(response.token))
+            pieces.append(response.text)
+            processed.append(int(response.token))
             generated = len(generated_tokens)
-            tokens = history + (prompt_ids if resume is None else []) + generated_tokens
-            is_final = response.finish_reason is not None
-            if (
-                (every and generated % every == 0)
-                or generated in at_set
-                or (when is not None and when(response))
-                or (final and is_final)
-            ):
-                take(response, generated, tokens)
+            if triggers.due(generated, response, response.finish_reason is not None):
+                latest = recorder.logits if save_logits else None
+                snapshots.take(generated, processed, pieces, base_text, latest)
             yield response
+        finished = True
     finally:
-        if series is not None:
-            text = tokenizer.decode(generated_tokens)
-            series.close({"generated_text": text} if not separate_files else None)
+        text = tokenizer.decode(generated_tokens) if output is not None else ""
+        if finished:
+            snapshots.close(text)
+        else:  # an error, or the caller stopped early: still finish what was written
+            with contextlib.suppress(CaptureError):
+                snapshots.close(text)

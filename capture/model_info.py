@@ -93,3 +93,18 @@ def file_metadata(model: nn.Module, model_path: str | None, tokenizer: Any = Non
             "eos_token_ids": sorted(getattr(tokenizer, "eos_token_ids", []) or []),
         }
     return metadata
+
+
+def annotate_layers(attributes: list[dict[str, Any]], present: list[bool], model: nn.Module | None) -> None:
+    """Add what the model says about each layer to its attributes (in place): a per-layer RoPE
+    base, and the latent (MLA) layout of present layers."""
+    if model is None:
+        return
+    config = model_config(model)
+    latent = latent_attributes(config)
+    for index, (attrs, here) in enumerate(zip(attributes, present, strict=True)):
+        base = layer_rope_base(config, index)
+        if base is not None:
+            attrs["rope_base"] = base
+        if latent is not None and here:
+            attrs.update(latent)

@@ -12,7 +12,7 @@ import numpy as np
 
 import kvformat
 from capture.caches import LayerKV, read_layer
-from capture.model_info import file_metadata, latent_attributes, layer_rope_base, model_config
+from capture.model_info import annotate_layers, file_metadata
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class HeadKV:
 class KVSnapshot:
     """The K/V of every layer at one moment, plus what is needed to interpret and resume it.
 
-    Arrays are views of the cache buffers where possible: taking a snapshot copies at most once.
+    Arrays are host views of one contiguous device copy of the cache (on CUDA, mlx's managed memory:
+    pages move to the host as the writer reads them, overlapping the write).
     """
 
     layers: list[LayerKV]
@@ -130,14 +131,7 @@ def snapshot_kv(
     """
     layers = [read_layer(cache) for cache in prompt_cache]
     info = file_metadata(model, model_path, tokenizer) if model is not None else {}
-    config = model_config(model) if model is not None else {}
-    latent = latent_attributes(config)
-    for index, data in enumerate(layers):
-        base = layer_rope_base(config, index)
-        if base is not None:
-            data.attributes["rope_base"] = base
-        if latent is not None and data.present:
-            data.attributes.update(latent)
+    annotate_layers([data.attributes for data in layers], [data.present for data in layers], model)
     info["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     info.update(metadata or {})
     snapshot_meta: dict[str, Any] = {}

@@ -263,6 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
         parser.error(f"'{args.command}' needs packages that are not installed; see README")
+    check = getattr(args, "check", None)
+    if check is not None:  # argument checks that need no model or file: before anything loads
+        check(parser, args)
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:

@@ -790,6 +790,10 @@ class Writer:
         self._dirty = False
         return len(self._snapshots) - 1
 
+    def fileno(self) -> int:
+        """The descriptor of the ``.partial`` file being written (e.g. to sync it early)."""
+        return self._file.fileno()
+
     @property
     def num_snapshots(self) -> int:
         return len(self._snapshots)

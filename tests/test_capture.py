@@ -111,8 +111,11 @@ def test_strided_heads_are_gathered_exactly(tmp_path: Path, monkeypatch: pytest.
         caches.append(cache)
         expected.append((to_numpy(k)[0], to_numpy(v)[0]))
     snap = snapshot_kv(caches)
-    assert not snap.layers[0].v[0][0].flags.c_contiguous  # the case the ring exists for
-    assert not snap.layers[1].k[0][2].flags.c_contiguous
+    # A strided cache view is copied contiguous on the device (one pass there, not a host
+    # gather; on CUDA not a fault of every page of the buffer); the writer's ring still
+    # gathers strided input of its own callers (tests/test_writer.py).
+    assert snap.layers[0].v[0][0].flags.c_contiguous
+    assert snap.layers[1].k[0][2].flags.c_contiguous
     snap.save(tmp_path / "s.kv")
     with kvformat.open(tmp_path / "s.kv") as back:
         for layer, (k, v) in enumerate(expected):
@@ -269,7 +272,12 @@ def test_tiny_series_and_resume(tmp_path: Path, arch: str, extra: dict[str, Any]
             stored += len((metadata.get("tokens") or metadata["tokens_appended"])[0])
             ids = tokens_of(view)[0]
             assert ids == prompt + reference[: metadata["generated"]]
-            assert text_of(view) == [tokenizer.decode(ids)]
+            # The text as mlx-lm streamed it: decode(ids), less bytes of a character not yet
+            # complete (random tiny models emit many).
+            text, decoded = text_of(view)[0], tokenizer.decode(ids)
+            assert decoded.startswith(text)
+            if index == snap.num_snapshots - 1:
+                assert text == decoded  # the stream is flushed at the end
             n_tokens = len(ids)
             assert view.seq_len == n_tokens == len(prompt) + view.snapshot_metadata["generated"]
             for layer, spec in enumerate(view.layers):

@@ -1,0 +1,112 @@
+"""Snapshots leave the generating thread at once: device slices are packed and evaluated
+asynchronously there, and a writer thread copies them to the host, checksums and writes them.
+
+Memory is bounded: at most ``max_pending`` snapshots wait in the queue (each holds what it adds:
+its new rows on the device or in host memory, about ``layers x 2 x heads x new tokens x head_dim x
+itemsize`` bytes); when the queue is full the generator waits for the disk. A writer error (disk
+full, permission) is kept and raised in the generating thread at its next call, never swallowed,
+and the ``.partial`` file stays recoverable.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from capture.caches import to_numpy
+from capture.errors import CaptureError
+
+DEFAULT_MAX_PENDING = 4
+
+
+class Transfer:
+    """mlx arrays copied on the device into one flat buffer per dtype and evaluated without
+    waiting; `to_host` returns numpy copies of the original shapes (in the original order)."""
+
+    def __init__(self, arrays: list[mx.array]) -> None:
+        groups: dict[Any, list[int]] = {}
+        for index, array in enumerate(arrays):
+            groups.setdefault(array.dtype, []).append(index)
+        self._places: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, ())] * len(arrays)
+        self._flats: list[mx.array] = []
+        for members in groups.values():
+            parts = [arrays[i].reshape(-1) for i in members]
+            # Always a new buffer (a lone part might otherwise be a view of the cache, whose
+            # rotating slots are overwritten later).
+            parts.append(mx.zeros((0,), arrays[members[0]].dtype))
+            offset = 0
+            for i in members:
+                self._places[i] = (len(self._flats), offset, tuple(arrays[i].shape))
+                offset += arrays[i].size
+            self._flats.append(mx.concatenate(parts))
+        mx.async_eval(self._flats)
+        self.nbytes = sum(f.nbytes for f in self._flats)
+
+    def to_host(self) -> list[np.ndarray]:
+        """Host copies (numpy copies release the GIL; on CUDA they fault mlx's managed pages in
+        here, on the writer thread, not on the generating one)."""
+        hosts = [np.array(to_numpy(flat), copy=True) for flat in self._flats]
+        self._flats = []
+        return [
+            hosts[group][offset : offset + int(np.prod(shape))].reshape(shape)
+            for group, offset, shape in self._places
+        ]
+
+
+class BackgroundWriter:
+    """One writer thread fed through a bounded queue of jobs (callables run in order)."""
+
+    def __init__(self, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+        if max_pending < 1:
+            raise ValueError("max_pending must be at least 1")
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="kvsnap-writer", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if self._error is None:  # after a failure, later jobs are dropped
+                    job()
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def check(self) -> None:
+        """Raise the writer thread's error, if it had one."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._failed = error
+            raise CaptureError(f"writing snapshots failed: {error}") from error
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Queue ``job``; waits while ``max_pending`` jobs are queued."""
+        if self._closed:
+            raise CaptureError("the snapshot writer is closed")
+        self.check()
+        self._queue.put(job)
+
+    def drain(self) -> None:
+        """Wait until every queued job ran; raise the first error."""
+        self._queue.join()
+        self.check()
+
+    def close(self) -> None:
+        """Finish every queued job and stop the thread; raise the first error."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        self.check()

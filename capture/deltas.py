@@ -1,0 +1,303 @@
+"""What a live mlx-lm cache gained since the last snapshot, sliced on the device.
+
+A series snapshot must cost what it adds, not what the cache holds: `CacheTracker` remembers, per
+layer, which positions the file already has and returns only the new rows as lazy mlx slices of
+the cache buffers (plus the ranges that fell out of a sliding window), so nothing proportional to
+the context is copied to the host or walked in Python. Cache classes whose layout it does not know
+incrementally (the batch caches) are read whole and compared on the host, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+import kvformat
+from capture.caches import LayerKV, read_layer, to_numpy
+from capture.errors import CaptureError, UnsupportedModelError
+from kvformat.quantization import BITS as QUANT_BITS
+from kvformat.quantization import Quantization
+
+_INCREMENTAL = frozenset(
+    {"KVCache", "ConcatenateKVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache"}
+)
+
+
+@dataclass
+class LayerDelta:
+    """What one layer adds to the next snapshot.
+
+    ``drops``: position ranges ``[start, stop)`` no longer held (every sequence). New rows: on the
+    device path, ``keys`` / ``values`` are mlx arrays ``(B, H, count, D)`` (a quantized layer: 3
+    arrays each, packed / scales / biases) at positions ``start .. start + count - 1`` for every
+    sequence at ``positions`` (int64, increasing: the new tokens only, so O(new) to build); on the
+    host path, ``host`` holds per sequence ``(k, v, positions)`` numpy data.
+    """
+
+    layer: int
+    drops: list[tuple[int, int]] = field(default_factory=list)
+    keys: list[mx.array] = field(default_factory=list)
+    values: list[mx.array] = field(default_factory=list)
+    positions: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    host: list[tuple[Any, Any, np.ndarray]] | None = None
+    host_drops: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, start, stop)
+
+
+@dataclass
+class _Held:
+    """What the file holds of one layer: positions ``[0, keep)`` plus ``[first, end)``, or for a
+    host-compared layer the position arrays per sequence."""
+
+    cache_class: str
+    end: int = 0
+    first: int = 0
+    positions: list[np.ndarray] | None = None
+
+
+def _kv_cache(cache: Any) -> Any:
+    """The cache object holding K/V (the one K/V cache inside a `CacheList`)."""
+    if type(cache).__name__ == "CacheList":
+        inner = [c for c in cache.caches if type(c).__name__ not in ("ArraysCache", "MambaCache")]
+        if len(inner) != 1:
+            names = [type(c).__name__ for c in cache.caches]
+            raise UnsupportedModelError(
+                f"CacheList of {names}: exactly one K/V cache per layer can be captured, found {len(inner)}"
+            )
+        return inner[0]
+    return cache
+
+
+def _tail(buffer: mx.array, cache: Any, count: int) -> mx.array:
+    """The last ``count`` rows, in temporal order, of a `RotatingKVCache` buffer."""
+    idx, size, keep = int(cache._idx), int(buffer.shape[2]), int(cache.keep)
+    if idx == size or idx >= int(cache.offset):  # temporal order already (prefill or not yet full)
+        return buffer[..., idx - count : idx, :]
+    # Rotated: temporal order is [0, keep), [idx, size), [keep, idx).
+    recent = idx - keep
+    if count <= recent:
+        return buffer[..., idx - count : idx, :]
+    older = count - recent
+    return mx.concatenate([buffer[..., size - older :, :], buffer[..., keep:idx, :]], axis=2)
+
+
+class CacheTracker:
+    """Per layer of a prompt cache, the positions already written; `read` returns what is new."""
+
+    def __init__(self) -> None:
+        self._held: list[_Held | None] = []
+
+    def read(self, prompt_cache: list[Any]) -> list[LayerDelta]:
+        """The deltas of every layer since the previous call (the first call: everything)."""
+        if not self._held:
+            self._held = [None] * len(prompt_cache)
+        if len(prompt_cache) != len(self._held):
+            raise CaptureError(f"the cache has {len(prompt_cache)} layers, it had {len(self._held)}")
+        deltas = []
+        for index, cache in enumerate(prompt_cache):
+            delta = self._read_layer(index, cache)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    def end(self) -> int:
+        """One past the last position any layer holds (the tokens the cache has processed)."""
+        ends = [0]
+        for held in self._held:
+            if held is None:
+                continue
+            if held.positions is not None:
+                ends += [int(p[-1]) + 1 for p in held.positions if p.size]
+            else:
+                ends.append(held.end)
+        return max(ends)
+
+    def _read_layer(self, index: int, cache: Any) -> LayerDelta | None:
+        name = type(cache).__name__
+        if name == "ArraysCache":
+            return None  # recurrent state: an absent layer
+        inner = _kv_cache(cache)
+        inner_name = type(inner).__name__
+        held = self._held[index]
+        if held is None:
+            held = self._held[index] = _Held(inner_name)
+        elif held.cache_class != inner_name:
+            raise CaptureError(
+                f"layer {index}: the cache changed from {held.cache_class} to {inner_name} during "
+                "generation (mlx-lm quantizes the cache after quantized_kv_start tokens); start "
+                "quantizing at the first token (quantized_kv_start=0) to capture a series"
+            )
+        if inner_name not in _INCREMENTAL:
+            return self._compare_on_host(index, inner, held)
+        delta = LayerDelta(index)
+        keys = getattr(inner, "keys", None)
+        offset = int(inner.offset)
+        if keys is None:
+            return None
+        if offset < held.end:  # trimmed (e.g. a rejected draft): positions from offset on are gone
+            delta.drops.append((offset, held.end))
+            held.end = offset
+        pieces: list[tuple[int, int, list[mx.array], list[mx.array]]] = []  # (first position, count, K, V)
+        if inner_name == "RotatingKVCache":
+            window = min(int(keys.shape[2]), offset)
+            keep = int(inner.keep)
+            first = 0 if window >= offset else offset - (window - keep)
+            if first > held.first:
+                lost = (max(keep, held.first), min(first, held.end))
+                if lost[0] < lost[1]:
+                    delta.drops.append(lost)
+                held.first = first
+            if first > keep and held.end < keep:  # the kept prefix ("sinks"), not yet written
+                a = held.end
+                pieces.append((a, keep - a, [inner.keys[..., a:keep, :]], [inner.values[..., a:keep, :]]))
+            new_from = max(held.end, first)
+            count = offset - new_from
+            if count > 0:
+                pieces.append(
+                    (new_from, count, [_tail(inner.keys, inner, count)], [_tail(inner.values, inner, count)])
+                )
+        elif inner_name == "ChunkedKVCache":
+            first = int(inner.start_position)
+            if first > held.first:
+                lost = (held.first, min(first, held.end))
+                if lost[0] < lost[1]:
+                    delta.drops.append(lost)
+                held.first = first
+            new_from = max(held.end, first)
+            count = offset - new_from
+            if count > 0:
+                a, b = new_from - first, offset - first
+                pieces.append((new_from, count, [inner.keys[..., a:b, :]], [inner.values[..., a:b, :]]))
+        else:  # KVCache, ConcatenateKVCache, QuantizedKVCache: row p holds position p
+            new_from = held.end
+            count = offset - new_from
+            if count > 0:
+                if inner_name == "QuantizedKVCache":
+                    k_parts = [x[..., new_from:offset, :] for x in inner.keys]
+                    v_parts = [x[..., new_from:offset, :] for x in inner.values]
+                    pieces.append((new_from, count, k_parts, v_parts))
+                else:
+                    k_new, v_new = inner.keys[..., new_from:offset, :], inner.values[..., new_from:offset, :]
+                    pieces.append((new_from, count, [k_new], [v_new]))
+        if len(pieces) == 1:
+            delta.keys, delta.values = pieces[0][2], pieces[0][3]
+        elif pieces:
+            delta.keys = [mx.concatenate([p[2][i] for p in pieces], axis=2) for i in range(len(pieces[0][2]))]
+            delta.values = [
+                mx.concatenate([p[3][i] for p in pieces], axis=2) for i in range(len(pieces[0][3]))
+            ]
+        if pieces:
+            delta.positions = np.concatenate([np.arange(p[0], p[0] + p[1], dtype=np.int64) for p in pieces])
+        held.end = max(held.end, offset)
+        return delta
+
+    def _compare_on_host(self, index: int, cache: Any, held: _Held) -> LayerDelta:
+        """A layer read whole and compared with what is held (the batch caches)."""
+        layer = read_layer(cache)
+        delta = LayerDelta(index, host=[])
+        if held.positions is None:
+            held.positions = [np.empty(0, np.int64) for _ in layer.positions]
+        assert delta.host is not None
+        for seq, positions in enumerate(layer.positions):
+            old = held.positions[seq]
+            if positions.size >= old.size and np.array_equal(positions[: old.size], old):
+                first_new = old.size  # the usual case: the cache only grew
+            else:
+                last = int(old[-1]) if old.size else -1
+                for start, stop in _ranges(old[~np.isin(old, positions)]):
+                    delta.host_drops.append((seq, start, stop))
+                new = positions > last
+                if not np.array_equal(positions[~new], old[np.isin(old, positions)]):
+                    raise CaptureError(f"layer {index}: cache positions are not append-only")
+                first_new = int(np.argmax(new)) if new.any() else positions.size
+            k, v = layer.tokens_from(seq, first_new)
+            delta.host.append((k, v, positions[first_new:]))
+            held.positions[seq] = positions
+        return delta
+
+
+def _ranges(positions: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted positions as half-open runs ``[start, stop)``."""
+    if positions.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    stops = np.concatenate([breaks, [positions.size]])
+    return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(starts, stops, strict=True)]
+
+
+def layer_specs(prompt_cache: list[Any]) -> tuple[list[kvformat.LayerSpec], int]:
+    """Per layer the file's description (attributes, heads, dims, dtype, quantization), read from
+    the cache objects without copying their data (the batch caches excepted); and the batch size."""
+    specs: list[kvformat.LayerSpec] = []
+    batch = 1
+    for cache in prompt_cache:
+        name = type(cache).__name__
+        if name == "ArraysCache" or type(_kv_cache(cache)).__name__ not in _INCREMENTAL:
+            layer = read_layer(cache)  # absent, or a batch cache: its own description
+            specs.append(spec_of(layer))
+            batch = max(batch, len(layer.k))
+            continue
+        inner = _kv_cache(cache)
+        inner_name = type(inner).__name__
+        attributes: dict[str, Any] = {"cache_class": inner_name, "kind": "full"}
+        if inner_name == "RotatingKVCache":
+            attributes.update(kind="sliding", window=int(inner.max_size), keep=int(inner.keep))
+        elif inner_name == "ChunkedKVCache":
+            attributes.update(kind="chunked", chunk_size=int(inner.chunk_size))
+        if name == "CacheList":
+            names = [type(c).__name__ for c in cache.caches]
+            position = names.index(inner_name)
+            attributes.update(
+                cache_class="CacheList",
+                sub_caches=names,
+                kv_sub_cache=position,
+                inner_cache_class=inner_name,
+                not_stored=[c for i, c in enumerate(names) if i != position],
+            )
+        keys = getattr(inner, "keys", None)
+        if keys is None:
+            specs.append(kvformat.LayerSpec.absent(attributes))
+            continue
+        quant = None
+        if inner_name == "QuantizedKVCache":
+            quant = Quantization(int(inner.bits), int(inner.group_size))
+            if quant.bits not in QUANT_BITS:
+                raise UnsupportedModelError(
+                    f"QuantizedKVCache with {quant.bits} bits; supported: {QUANT_BITS}"
+                )
+            per_word = 32 // quant.bits
+            shape, dtype = keys[0].shape, keys[1].dtype
+            k_dim, v_dim = int(shape[3]) * per_word, int(inner.values[0].shape[3]) * per_word
+        else:
+            shape, dtype = keys.shape, keys.dtype
+            k_dim, v_dim = int(shape[3]), int(inner.values.shape[3])
+        batch = max(batch, int(shape[0]))
+        specs.append(
+            kvformat.LayerSpec(
+                num_heads=int(shape[1]),
+                k_dim=k_dim,
+                v_dim=v_dim,
+                dtype=kvformat.dtypes.from_numpy(to_numpy(mx.zeros((0,), dtype)).dtype),
+                attributes=attributes,
+                quantization=quant,
+            )
+        )
+    return specs, batch
+
+
+def spec_of(layer: LayerKV) -> kvformat.LayerSpec:
+    """The file's description of a layer read with its data."""
+    if not layer.present or not layer.k:
+        return kvformat.LayerSpec.absent(layer.attributes)
+    heads, k_dim, v_dim = layer.dims
+    return kvformat.LayerSpec(
+        num_heads=heads,
+        k_dim=k_dim,
+        v_dim=v_dim,
+        dtype=kvformat.dtypes.from_numpy(layer.dtype),
+        attributes=layer.attributes,
+        quantization=layer.quantization,
+    )

@@ -1,0 +1,92 @@
+"""A series file written snapshot by snapshot from cache deltas (on the writer thread)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+import kvformat
+from capture.deltas import LayerDelta
+
+SYNC_EACH = "writeback"
+"""What each snapshot does for durability while generation goes on: ``"writeback"`` starts the
+kernel writing it to disk without waiting (``posix_fadvise(DONTNEED)``), so the fsync at close
+has little left; ``"fdatasync"`` waits until it is on disk; ``"none"`` leaves it all to close."""
+
+
+def _sync_each(fd: int, mode: str) -> None:
+    if mode == "fdatasync":
+        getattr(os, "fdatasync", os.fsync)(fd)  # macOS has no fdatasync
+    elif mode == "writeback" and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+class SeriesWriter:
+    """Appends snapshots to one `.kv` file: each one the drops and new rows of every layer
+    (`capture.deltas`), so shared chunks are stored once and a snapshot costs what it adds."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        codec: str,
+        metadata: dict[str, Any],
+        specs: list[kvformat.LayerSpec],
+        num_seqs: int,
+        durable: bool = True,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.num_seqs = num_seqs
+        self.writer = kvformat.Writer(
+            self.path, specs, num_seqs=num_seqs, metadata=metadata, codec=codec, durable=durable
+        )
+
+    def add(
+        self,
+        deltas: list[LayerDelta],
+        host: list[np.ndarray],
+        metadata: dict[str, Any],
+        last_logits: np.ndarray | None = None,
+    ) -> int:
+        """Write one snapshot: ``host`` holds the host copies of every delta's device arrays in
+        order (keys then values, layer by layer). Returns the snapshot's index."""
+        writer = self.writer
+        appends: list[tuple[int, Any, Any, Any, int]] = []
+        cursor = 0
+        for delta in deltas:
+            if delta.host is not None:  # compared on the host (batch caches)
+                for seq, start, stop in delta.host_drops:
+                    writer.drop(delta.layer, start, stop, seq=seq)
+                for seq, (k, v, positions) in enumerate(delta.host):
+                    if positions.size:
+                        appends.append((delta.layer, k, v, positions, seq))
+                continue
+            for start, stop in delta.drops:
+                for seq in range(self.num_seqs):
+                    writer.drop(delta.layer, start, stop, seq=seq)
+            n = len(delta.keys)
+            keys, values = host[cursor : cursor + n], host[cursor + n : cursor + 2 * n]
+            cursor += 2 * n
+            if not delta.positions.size:
+                continue
+            positions = delta.positions
+            for seq in range(keys[0].shape[0]):
+                if n == 1:
+                    k, v = keys[0][seq], values[0][seq]
+                else:  # quantized: (packed, scales, biases)
+                    k, v = tuple(x[seq] for x in keys), tuple(x[seq] for x in values)
+                appends.append((delta.layer, k, v, positions, seq))
+        writer.append_many(appends)
+        arrays = {"last_logits": last_logits} if last_logits is not None else None
+        index = writer.snapshot(metadata, arrays=arrays)
+        if writer.durable:
+            _sync_each(writer.fileno(), SYNC_EACH)
+        return index
+
+    def close(self, metadata: dict[str, Any] | None = None) -> None:
+        self.writer.close(metadata)
+
+    def leave_partial(self) -> None:
+        """Stop without an index: the ``.partial`` file stays, for `kvsnap recover`."""
+        self.writer.__exit__(RuntimeError, None, None)

@@ -1,0 +1,269 @@
+"""Capture at accelerator speed: snapshots sliced on the device to what they add, written by a
+background thread through a bounded queue, errors raised at the next token; --max-kv-size that
+takes effect; bad arguments refused before any model loads."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.models import cache as cache_module
+from mlx_lm.sample_utils import make_sampler
+
+import kvformat
+from capture.background import BackgroundWriter, Transfer
+from capture.caches import read_layer, to_numpy
+from capture.deltas import CacheTracker
+from capture.errors import CaptureError
+from capture.generate import generate, make_cache
+from capture.series import SeriesWriter
+from capture.tiny import tiny_model
+from kvformat.checksum import crc32c, crc32c_many, crc32c_rows
+
+from .test_capture import _tiny_tokenizer
+
+
+def _steps(cache: Any, sizes: list[int], seed: int = 0, dim: int = 8) -> None:
+    rng = np.random.default_rng(seed)
+    for n in sizes:
+        k = mx.array(rng.standard_normal((1, 2, n, dim)).astype(np.float32))
+        cache.update_and_fetch(k, k * 2)
+    mx.eval(cache.state)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: cache_module.KVCache(),
+        lambda: cache_module.RotatingKVCache(max_size=8, keep=2),
+        lambda: cache_module.RotatingKVCache(max_size=6, keep=0),
+        lambda: cache_module.RotatingKVCache(max_size=6, keep=3),
+        lambda: cache_module.ChunkedKVCache(7),
+        lambda: cache_module.QuantizedKVCache(group_size=32, bits=4),
+    ],
+    ids=["full", "rotating-keep", "rotating", "rotating-small", "chunked", "quantized"],
+)
+@pytest.mark.parametrize("first", [0, 4], ids=["from-start", "late-start"])
+def test_deltas_rebuild_every_snapshot(tmp_path: Path, make: Any, first: int) -> None:
+    """A series written from deltas alone holds, at every snapshot, exactly what a full read of
+    the cache holds then: positions and K/V, through prefills, single steps and window moves,
+    also when the first snapshot comes after a window has rotated (its kept prefix included)."""
+    cache = make()
+    dim = 32 if isinstance(cache, cache_module.QuantizedKVCache) else 8
+    tracker = CacheTracker()
+    series: SeriesWriter | None = None
+    expected = []
+    for step, sizes in enumerate([[5], [1, 1, 1], [4], [1], [1, 1, 1, 1, 1, 1], [9], [1, 1]]):
+        if isinstance(cache, cache_module.RotatingKVCache | cache_module.ChunkedKVCache) and sizes == [9]:
+            sizes = [1] * 9  # a rotating cache takes multi-token updates only as a prefill
+        _steps(cache, sizes, seed=step, dim=dim)
+        if step < first:
+            continue
+        deltas = tracker.read([cache])
+        arrays = [a for d in deltas for a in (*d.keys, *d.values)]
+        host = Transfer(arrays).to_host()
+        if series is None:
+            from capture.deltas import layer_specs
+
+            specs, seqs = layer_specs([cache])
+            series = SeriesWriter(tmp_path / "d.kv", "raw", {}, specs, seqs, durable=False)
+        series.add(deltas, host, {"step": step})  # type: ignore[union-attr]
+        expected.append(read_layer(cache))
+    assert series is not None
+    series.close()
+    with kvformat.open(tmp_path / "d.kv") as snap:
+        snap.verify()
+        assert snap.num_snapshots == len(expected)
+        for index, layer in enumerate(expected):
+            view = snap.select(index)
+            for head in range(2):
+                got = view.head(0, head)
+                assert got is not None
+                np.testing.assert_array_equal(got.positions, layer.positions[0])
+                k, v = layer.dense(0, head)
+                np.testing.assert_array_equal(got.k, k)
+                np.testing.assert_array_equal(got.v, v)
+
+
+def test_tracker_copies_only_what_is_new() -> None:
+    """After the first snapshot, a delta holds the new rows only, however long the cache."""
+    cache = cache_module.KVCache()
+    _steps(cache, [300])
+    tracker = CacheTracker()
+    first = tracker.read([cache])[0]
+    assert first.positions.tolist() == list(range(300))
+    _steps(cache, [1, 1, 1])
+    delta = tracker.read([cache])[0]
+    assert delta.positions.tolist() == [300, 301, 302] and delta.keys[0].shape == (1, 2, 3, 8)
+    assert tracker.read([cache])[0].positions.size == 0  # nothing new: nothing copied
+    cache.trim(2)  # a rejected draft: positions 301, 302 are gone
+    delta = tracker.read([cache])[0]
+    assert delta.drops == [(301, 303)] and delta.positions.size == 0
+
+
+def test_transfer_keeps_shapes_order_and_dtypes() -> None:
+    arrays = [
+        mx.arange(12, dtype=mx.float32).reshape(1, 2, 3, 2),
+        mx.arange(6).astype(mx.bfloat16).reshape(1, 1, 3, 2),
+        mx.arange(4, dtype=mx.uint32).reshape(1, 1, 2, 2),
+        mx.arange(8, dtype=mx.float32).reshape(2, 4)[:, 1:3],  # a strided view
+    ]
+    host = Transfer(arrays).to_host()
+    for got, array in zip(host, arrays, strict=True):
+        np.testing.assert_array_equal(got, to_numpy(array))
+        assert got.shape == tuple(array.shape) and got.flags.c_contiguous
+
+
+def test_background_writer_bounds_the_queue_and_raises_errors() -> None:
+    writer = BackgroundWriter(max_pending=1)
+    release = threading.Event()
+    ran: list[int] = []
+    writer.submit(lambda: (release.wait(30), ran.append(1)))  # running
+    writer.submit(lambda: ran.append(2))  # queued: the queue is full now
+    blocked = threading.Thread(target=lambda: writer.submit(lambda: ran.append(3)))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive()  # the third waits for room: memory stays bounded
+    release.set()
+    blocked.join(30)
+    writer.drain()
+    assert ran == [1, 2, 3]
+
+    def fail() -> None:
+        raise OSError(28, "No space left on device")
+
+    writer.submit(fail)
+    writer.submit(lambda: ran.append(4))  # dropped: nothing is written after a failure
+    with pytest.raises(CaptureError, match="No space left"):
+        writer.drain()
+    assert ran == [1, 2, 3]
+    writer.close()
+
+
+def test_a_writer_error_stops_generation_and_keeps_a_recoverable_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Disk full on the third snapshot: generation raises at a following token (not silently
+    going on), the .partial file is left, and recovery gives back the snapshots before it."""
+    model, tokenizer = tiny_model("llama"), _tiny_tokenizer()
+    original = SeriesWriter.add
+    calls = {"n": 0}
+
+    def add(self: SeriesWriter, *args: Any, **kwargs: Any) -> int:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(28, "No space left on device")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SeriesWriter, "add", add)
+    path = tmp_path / "full.kv"
+    seen = 0
+    with pytest.raises(CaptureError, match=r"No space left.*kvsnap recover"):
+        for _ in generate(model, tokenizer, [1, 2, 3], max_tokens=40, output=path, every=2):
+            seen += 1
+    assert seen < 40 and not path.exists()
+    partial = Path(str(path) + ".partial")
+    assert partial.exists()
+    kvformat.recover(partial, path)
+    with kvformat.open(path) as snap:
+        assert snap.num_snapshots >= 2
+        assert snap.select(1).snapshot_metadata["generated"] == 4
+
+
+def test_generation_with_snapshots_equals_plain_generation(tmp_path: Path) -> None:
+    """Snapshots every token change nothing in what is generated, and the last one equals the
+    live cache."""
+    model, tokenizer = tiny_model("qwen3"), _tiny_tokenizer()
+    prompt = list(range(1, 40))
+    plain = [r.token for r in generate(model, tokenizer, prompt, max_tokens=20)]
+    path = tmp_path / "every.kv"
+    probed = [r.token for r in generate(model, tokenizer, prompt, max_tokens=20, output=path, every=1)]
+    assert probed == plain
+    with kvformat.open(path) as snap:
+        assert snap.num_snapshots == 20
+        assert snap.seq_len == len(prompt) + 20
+        snap.verify()
+
+
+@pytest.mark.parametrize("fixture", ["smollm2_dir", "gemma3_dir"])
+def test_max_kv_size_takes_effect(tmp_path: Path, fixture: str, request: pytest.FixtureRequest) -> None:
+    """Both fixture models build their own caches (mlx-lm would ignore max_kv_size): every full
+    layer becomes a 16-token window keeping 4 sinks, and the file holds only those positions."""
+    model, tokenizer = load(str(request.getfixturevalue(fixture)))
+    prompt = tokenizer.encode("Once upon a time, in a land far away, there lived a dragon")
+    path = tmp_path / "window.kv"
+    list(
+        generate(
+            model, tokenizer, prompt, max_tokens=6, output=path, max_kv_size=16, sampler=make_sampler(0.0)
+        )
+    )
+    with kvformat.open(path) as snap:
+        assert snap.metadata["generation"]["max_kv_size"] == 16
+        total = len(prompt) + 6
+        for index, spec in enumerate(snap.layers):
+            assert spec.attributes["kind"] == "sliding"
+            window = spec.attributes["window"]
+            positions = snap.positions(index)
+            assert positions is not None and positions[-1] == total - 1
+            if window == 16:
+                assert spec.attributes["keep"] == 4
+                assert positions.tolist() == [0, 1, 2, 3, *range(total - 12, total)]
+            else:  # gemma3's own local layers keep their window
+                assert positions.size <= max(window, len(prompt))
+        assert any(spec.attributes["window"] == 16 for spec in snap.layers)
+
+
+def test_max_kv_size_is_refused_where_it_cannot_apply() -> None:
+    """A model whose layers are all recurrent or windowed already cannot be limited: an error,
+    not a setting recorded that did not take effect."""
+
+    class Model:
+        def make_cache(self) -> list[Any]:
+            return [cache_module.ArraysCache(2), cache_module.RotatingKVCache(max_size=8)]
+
+    with pytest.raises(CaptureError, match="cannot be applied"):
+        make_cache(Model(), 16)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--every", "0"], "--every: must be at least 1"),
+        (["--max-tokens", "0"], "--max-tokens: must be at least 1"),
+        (["--max-tokens", "-3"], "--max-tokens: must be at least 1"),
+        (["--max-kv-size", "0"], "--max-kv-size: must be at least 1"),
+        (["--codec", "lz4"], "unknown codec 'lz4'"),
+        (["--at", "3,x"], "--at"),
+        (["-o", "/nonexistent-folder/out.kv"], "does not exist"),
+    ],
+)
+def test_bad_arguments_fail_before_the_model_loads(tmp_path: Path, flags: list[str], message: str) -> None:
+    env = {**os.environ, "KVSNAP_CACHE": str(tmp_path / "cache")}
+    args = ["--model", "smollm2-135m", "--prompt", "hi", "-o", str(tmp_path / "x.kv")]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvformat.cli", "capture", *args, *flags],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "cache").exists()  # nothing fetched, nothing converted, nothing loaded
+    assert "wrote" not in result.stdout
+
+
+def test_crc32c_in_bulk_equals_one_by_one() -> None:
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 256, (300, 60), dtype=np.uint8)
+    assert crc32c_rows(rows).tolist() == [crc32c(bytes(row)) for row in rows]
+    buffers = [memoryview(rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for n in (0, 1, 63, 70_000)]
+    assert crc32c_many(buffers).tolist() == [crc32c(b) for b in buffers]
