@@ -93,12 +93,82 @@ def real_samples(path: str) -> list[tuple[np.ndarray, int]]:
     return samples
 
 
+def series_rows(snapshots: int, every: int, dim: int, tmp: Path) -> list[str]:
+    """A series of ``snapshots`` snapshots of a Qwen3-8B layout (36 layers x 8 KV heads), each
+    adding ``every`` tokens (head_dim ``dim``): the writer's cost per snapshot, then open,
+    select + head, verify and recover against a sequential read of the file."""
+    layers, heads = 36, 8
+    path = tmp / f"series-{snapshots}.kv"
+    specs = [kvformat.LayerSpec(heads, dim, dim, kvformat.FLOAT16)] * layers
+    block = np.random.default_rng(0).standard_normal((layers, heads, every, dim)).astype(np.float16)
+    per_snapshot = []
+    with kvformat.Writer(path, specs, durable=False) as w:
+        for step in range(snapshots):
+            start = time.perf_counter()
+            w.append_many([(layer, block[layer], block[layer], None, 0) for layer in range(layers)])
+            w.snapshot({"generated": step * every})
+            per_snapshot.append(time.perf_counter() - start)
+    size = path.stat().st_size
+    read_s = best_of(3, lambda: plain_read(path))
+
+    def open_close() -> None:
+        kvformat.open(path).close()
+
+    def select_head() -> None:
+        with kvformat.open(path) as snap:
+            head = snap.select(min(100, snapshots - 1)).head(20, 3)
+            assert head is not None
+
+    def verify() -> None:
+        with kvformat.open(path) as snap:
+            snap.verify()
+
+    partial = tmp / "copy.kv.partial"
+
+    def recover() -> None:
+        with open(path, "rb") as src, open(partial, "wb") as dst:
+            dst.write(src.read()[: size - 64])  # no footer: an unfinished write
+        kvformat.recover(partial, tmp / "recovered.kv", overwrite=True)
+
+    chunks = layers * heads * 2 * snapshots
+    what = f"{snapshots} snapshots x {layers * heads * 2} chunks ({chunks} chunks, {size / 1e6:.0f} MB)"
+    rows = [
+        f"| writer, one snapshot of {layers * heads * 2} new chunks, {what} (median) "
+        f"| {np.median(per_snapshot) * 1e3:.2f} ms | | |",
+        f"| sequential read of the file | {read_s * 1e3:.0f} ms | | |",
+    ]
+    for name, fn, repeats in (
+        ("kvformat.open", open_close, 5),
+        ("select(100).head(20, 3), open included", select_head, 5),
+        ("verify, open included", verify, 1),
+        ("recover of the file without its index", recover, 1),
+    ):
+        took = best_of(repeats, fn)
+        rows.append(
+            f"| {name} | {took * 1e3:.1f} ms | sequential read {read_s * 1e3:.0f} ms | {read_s / took:.2f}x |"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gib", type=float, default=2.0, help="size of the big file")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--real", action="append", default=[], help="a captured .kv for codec ratios")
+    parser.add_argument(
+        "--series",
+        action="store_true",
+        help="only the series case: 512 and 64 snapshots of 16 tokens, Qwen3-8B layout, head_dim 16",
+    )
+    parser.add_argument("--snapshots", type=int, nargs="*", default=[64, 512])
     args = parser.parse_args()
+    if args.series:
+        lines = ["| measurement | kvformat | machine limit | ratio |", "|---|---:|---:|---:|"]
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            for count in args.snapshots:
+                lines += series_rows(count, 16, 16, Path(tmp))
+                print("\n".join(lines), flush=True)
+        return
     heads, dim, layers = 8, 128, 32
     tokens = int(args.gib * (1 << 30) / (layers * 2 * heads * dim * 2))
     arrays = synthetic_layers(layers, heads, tokens, dim)

@@ -6,6 +6,7 @@ Every rule of ``spec/SPEC.md`` section 8 is checked before a size field is trust
 
 from __future__ import annotations
 
+import functools
 import os
 import urllib.parse
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from kvformat import codecs, dtypes, remote
-from kvformat.checksum import crc32c
+from kvformat.checksum import crc32c, crc32c_many, crc32c_rows
 from kvformat.codecs import BytesLike
 from kvformat.errors import (
     ChecksumError,
@@ -138,17 +139,48 @@ class _File:
         layers, seqs = len(self.manifest.layers), self.manifest.num_seqs
         self.entries = [parse_entry(entry, i, layers, seqs) for i, entry in enumerate(snapshots)]
         self.chain = Chain(self.entries, self.table)
-        # Python-int columns for fast per-chunk access.
-        self.offsets = self.table["offset"].tolist()
-        self.stored = self.table["stored_size"].tolist()
-        self.decoded = self.table["decoded_size"].tolist()
-        self.crcs = self.table["payload_crc"].tolist()
-        self.rows = self.table["rows"].tolist()
-        self.widths = self.table["width"].tolist()
-        self.codecs = self.table["codec"].tolist()
-        self.dtype_codes = self.table["dtype"].tolist()
-        self.kinds = self.table["kind"].tolist()
-        self.layers_of_chunks = self.table["layer"].tolist()
+
+    # Python-int columns for fast per-chunk access, made on first use (not at open).
+
+    @functools.cached_property
+    def offsets(self) -> list[int]:
+        return self.table["offset"].tolist()
+
+    @functools.cached_property
+    def stored(self) -> list[int]:
+        return self.table["stored_size"].tolist()
+
+    @functools.cached_property
+    def decoded(self) -> list[int]:
+        return self.table["decoded_size"].tolist()
+
+    @functools.cached_property
+    def crcs(self) -> list[int]:
+        return self.table["payload_crc"].tolist()
+
+    @functools.cached_property
+    def rows(self) -> list[int]:
+        return self.table["rows"].tolist()
+
+    @functools.cached_property
+    def widths(self) -> list[int]:
+        return self.table["width"].tolist()
+
+    @functools.cached_property
+    def codecs(self) -> list[int]:
+        return self.table["codec"].tolist()
+
+    @functools.cached_property
+    def dtype_codes(self) -> list[int]:
+        return self.table["dtype"].tolist()
+
+    @functools.cached_property
+    def kinds(self) -> list[int]:
+        return self.table["kind"].tolist()
+
+    @functools.cached_property
+    def layers_of_chunks(self) -> list[int]:
+        return self.table["layer"].tolist()
 
     def _check_table(self) -> None:
         """Vectorized checks of every chunk descriptor against the spec and the manifest."""
@@ -185,48 +217,60 @@ class _File:
             raise CorruptFileError("chunk positions outside 0..2**53-1")
         for code in np.unique(t["codec"]).tolist():
             codecs.from_code(code)
-        itemsize = np.zeros(n, dtype=np.int64)
+        itemsizes = np.zeros(256, dtype=np.int64)
         for code in np.unique(t["dtype"]).tolist():
-            itemsize[t["dtype"] == code] = dtypes.from_code(code).itemsize
+            itemsizes[code] = dtypes.from_code(code).itemsize
         decoded = t["decoded_size"]
         if bool(np.any(decoded > MAX_CHUNK_DECODED)):
             raise LimitExceededError(f"a chunk decodes to more than {MAX_CHUNK_DECODED} bytes")
-        row_bytes = width * itemsize
-        for layer_index, spec in enumerate(self.manifest.layers):
-            if spec.present and spec.quantization is not None:
-                for kind in (KIND_K, KIND_V):
-                    mask = (t["layer"] == layer_index) & (t["kind"] == kind)
-                    row_bytes[mask] = spec.row_bytes(kind)
+        is_array = t["kind"] == KIND_ARRAY
+        tensor = ~is_array
+        layers = self.manifest.layers
+        layer = t["layer"].astype(np.int64)
+        if bool(np.any(layer[tensor] >= len(layers))) or bool(
+            np.any(t["seq"][tensor] >= self.manifest.num_seqs)
+        ):
+            raise CorruptFileError("chunk names a layer or sequence the manifest does not declare")
+        # Per-layer facts as lookup tables indexed by each chunk's layer: no loop over chunks.
+        count = max(len(layers), 1)
+        present = np.zeros(count, bool)
+        heads = np.zeros(count, np.int64)
+        dims = np.zeros((count, 2), np.int64)
+        dtype_codes = np.zeros(count, np.int64)
+        quantized_row_bytes = np.zeros((count, 2), np.int64)  # 0: not quantized
+        for index, spec in enumerate(layers):
+            if not spec.present:
+                continue
+            assert spec.dtype is not None
+            present[index], heads[index], dtype_codes[index] = True, spec.num_heads, spec.dtype.code
+            dims[index] = spec.k_dim, spec.v_dim
+            if spec.quantization is not None:
+                quantized_row_bytes[index] = spec.row_bytes(KIND_K), spec.row_bytes(KIND_V)
+        of = np.where(tensor, layer, 0)
+        side = np.where(t["kind"] == KIND_V, 1, 0)
+        row_bytes = width * itemsizes[t["dtype"]]
+        quantized = tensor & (quantized_row_bytes[of, side] > 0)
+        row_bytes[quantized] = quantized_row_bytes[of[quantized], side[quantized]]
         if not bool(np.all(rows * row_bytes == decoded.astype(np.int64))):
             raise CorruptFileError("chunk decoded size is not rows x (bytes per row)")
         raw = t["codec"] == codecs.Raw.code
         if not bool(np.all(stored[raw] == decoded[raw])):
             raise CorruptFileError("raw chunk stored size differs from its decoded size")
-        arrays = t[t["kind"] == KIND_ARRAY]
+        arrays = t[is_array]
         if bool(np.any(arrays["layer"])) or bool(np.any(arrays["head"])) or bool(np.any(arrays["seq"])):
             raise CorruptFileError("array chunk with a non-zero layer, head or seq")
         if bool(np.any(arrays["position"])):
             raise CorruptFileError("array chunk with a non-zero position")
-        t = t[t["kind"] != KIND_ARRAY]
-        layers = self.manifest.layers
-        num_seqs = self.manifest.num_seqs
-        if bool(np.any(t["layer"] >= len(layers))) or bool(np.any(t["seq"] >= num_seqs)):
-            raise CorruptFileError("chunk names a layer or sequence the manifest does not declare")
-        for layer_index in np.unique(t["layer"]).tolist():
-            spec = layers[layer_index]
-            mine = t[t["layer"] == layer_index]
-            if not spec.present:
-                raise CorruptFileError(f"chunk stored for absent layer {layer_index}")
-            assert spec.dtype is not None
-            dims = np.where(mine["kind"] == KIND_K, spec.k_dim, spec.v_dim)
-            if (
-                bool(np.any(mine["head"] >= spec.num_heads))
-                or bool(np.any(mine["width"] != dims))
-                or bool(np.any(mine["dtype"] != spec.dtype.code))
-            ):
-                raise CorruptFileError(
-                    f"chunk of layer {layer_index} disagrees with the layer's heads, dims or dtype"
-                )
+        absent = tensor & ~present[of]
+        if absent.any():
+            raise CorruptFileError(f"chunk stored for absent layer {int(layer[absent][0])}")
+        wrong = tensor & (
+            (t["head"] >= heads[of]) | (width != dims[of, side]) | (t["dtype"] != dtype_codes[of])
+        )
+        if wrong.any():
+            raise CorruptFileError(
+                f"chunk of layer {int(layer[wrong][0])} disagrees with the layer's heads, dims or dtype"
+            )
 
     def prefetch(self, chunks: list[int]) -> None:
         """Announce chunks about to be read (remote sources fetch them in few requests)."""
@@ -285,14 +329,10 @@ class Snapshot:
             raise IndexError(f"snapshot {index} out of range: the file holds {count}")
         self._file = file
         self.index = index % count
-        self._segments = file.chain.segments(self.index)
+        self._segments = file.chain.segments(self.index)  # checked now: a bad snapshot fails here
         entry = file.entries[self.index]
         self.snapshot_metadata: dict[str, Any] = entry.metadata
-        for name, chunk in entry.arrays.items():
-            if chunk >= len(file.table) or int(file.table["kind"][chunk]) != KIND_ARRAY:
-                raise CorruptFileError(
-                    f"snapshot {self.index}: array {name!r} names chunk {chunk}, not an array"
-                )
+        _check_arrays(file, self.index, entry.arrays)
         self._arrays = entry.arrays
 
     # -- structure -------------------------------------------------------------------------
@@ -344,7 +384,7 @@ class Snapshot:
     @property
     def seq_len(self) -> int:
         """One past the largest position held by any layer, head or sequence of this snapshot."""
-        return max((segs[-1].position + segs[-1].count for segs in self._segments.values()), default=0)
+        return self._segments.end()
 
     @property
     def num_chunks(self) -> int:
@@ -368,7 +408,7 @@ class Snapshot:
         """Absolute positions ``(n_tokens,)`` one head holds, without reading any K/V."""
         if self._layer(layer, head, seq) is None:
             return None
-        segments = self._segments.get((layer, seq, head), [])
+        segments = self._segments.of_head(layer, seq, head)
         return _positions(segments)
 
     # -- data ------------------------------------------------------------------------------
@@ -396,7 +436,7 @@ class Snapshot:
         if spec is None:
             return None
         assert spec.dtype is not None
-        segments = self._segments.get((layer, seq, head), [])
+        segments = self._segments.of_head(layer, seq, head)
         start, stop = _token_range(tokens)
         wanted = [s for s in segments if max(start, s.position) < min(stop, s.position + s.count)]
         self._file.prefetch([c for s in wanted for c in (s.k_chunk, s.v_chunk)])
@@ -436,7 +476,7 @@ class Snapshot:
             return None
         if spec.quantization is None:
             raise ValueError(f"layer {layer} is not quantized")
-        segments = self._segments.get((layer, seq, head), [])
+        segments = self._segments.of_head(layer, seq, head)
         k_parts = [self._file.chunk_parts(s.k_chunk) for s in segments]
         v_parts = [self._file.chunk_parts(s.v_chunk) for s in segments]
 
@@ -468,8 +508,7 @@ class Snapshot:
 
     def segments(self) -> list[Segment]:
         """All segments of this snapshot in file order of their K chunk."""
-        every = [seg for segs in self._segments.values() for seg in segs]
-        return sorted(every, key=lambda seg: seg.k_chunk)
+        return self._segments.in_file_order()
 
     def blocks(self) -> Iterator[Head]:
         """Stream the snapshot segment by segment in file order: a `Head` holding one run.
@@ -500,6 +539,12 @@ class Snapshot:
             for chunk in (seg.k_chunk, seg.v_chunk):
                 file.source.release(file.offsets[chunk], DESCRIPTOR_SIZE + file.stored[chunk])
 
+    def check_snapshots(self) -> None:
+        """Check that every snapshot of the file materializes (section 11), each entry once."""
+        self._file.chain.check_all()
+        for i, entry in enumerate(self._file.entries):
+            _check_arrays(self._file, i, entry.arrays)
+
     def verify(self) -> VerifyReport:
         """Check every CRC, every record, padding, the index copy and every snapshot.
 
@@ -526,6 +571,12 @@ class Snapshot:
         )
 
 
+def _check_arrays(file: _File, index: int, arrays: dict[str, int]) -> None:
+    for name, chunk in arrays.items():
+        if chunk >= len(file.table) or int(file.table["kind"][chunk]) != KIND_ARRAY:
+            raise CorruptFileError(f"snapshot {index}: array {name!r} names chunk {chunk}, not an array")
+
+
 def _positions(segments: list[Segment]) -> np.ndarray:
     if not segments:
         return np.empty(0, np.int64)
@@ -543,60 +594,143 @@ def _token_range(tokens: tuple[int, int] | range | None) -> tuple[int, int]:
     return int(start), int(stop)
 
 
+_VERIFY_BATCH_BYTES = 64 << 20  # records checked together in bulk: at most this many bytes
+
+
 def _verify(file: _File) -> VerifyReport:
-    """Walk the record stream from offset 64 to the index, checking everything."""
+    """Walk the record stream from offset 64 to the index, checking everything.
+
+    Runs of table chunks laid back to back are checked in bulk (`_verify_chunks`: descriptors
+    against the chunk table, descriptor and payload CRCs, padding), the JSON records between them
+    one by one (`_verify_record`); whatever fails in bulk is checked again one by one, so the
+    error names the record exactly as the one-by-one walk would."""
+    index_offset = file.footer.index_offset
+    table = file.table
+    n = len(table)
+    offsets = table["offset"].astype(np.int64)
+    follows = (
+        (offsets + DESCRIPTOR_SIZE + table["stored_size"].astype(np.int64) + (ALIGN - 1)) // ALIGN * ALIGN
+    )
+    # Chunk i+1 starts where chunk i's record ends: runs of back-to-back chunks end at the breaks.
+    breaks = np.flatnonzero(follows[:-1] != offsets[1:]) if n > 1 else np.empty(0, np.int64)
+    cursor, records, chunk, checked = HEADER_SIZE, 0, 0, 0
+    while cursor < index_offset:
+        if records and chunk < n and int(offsets[chunk]) == cursor:
+            last = (
+                int(breaks[np.searchsorted(breaks, chunk)]) if breaks.size and breaks[-1] >= chunk else n - 1
+            )
+            while chunk <= last:  # in batches of bounded size
+                stop = int(np.searchsorted(offsets, offsets[chunk] + _VERIFY_BATCH_BYTES, side="left"))
+                stop = min(max(stop, chunk + 1), last + 1)
+                size, end = _verify_chunks(file, chunk, stop, int(follows[stop - 1]))
+                if end < 0:  # something is wrong in this batch: walk it one by one for the error
+                    for _ in range(chunk, stop):
+                        cursor, chunk, size = _verify_record(file, cursor, records, chunk)
+                        checked += size
+                        records += 1
+                    raise AssertionError("a batch failed in bulk but passed record by record")
+                checked += size
+                records += stop - chunk
+                chunk, cursor = stop, end
+            continue
+        cursor, chunk, size = _verify_record(file, cursor, records, chunk)
+        checked += size
+        records += 1
+    if chunk != n:
+        raise CorruptFileError(f"index lists {n} chunks, the file holds {chunk}")
+    file.chain.check_all()  # every snapshot, each entry once
+    for i, entry in enumerate(file.entries):
+        _check_arrays(file, i, entry.arrays)
+    return VerifyReport(records, chunk, len(file.entries), checked)
+
+
+def _verify_chunks(file: _File, first: int, stop: int, follows: int) -> tuple[int, int]:
+    """Check table chunks ``first .. stop-1``, laid back to back, in bulk. Returns the bytes of
+    their records and the offset after the last one's padding, or ``(0, -1)`` if any check fails."""
+    table = file.table[first:stop]
+    index_offset = file.footer.index_offset
+    base = int(table["offset"][0])
+    end = min(follows, index_offset)
+    span = np.frombuffer(file.source.read(base, end - base), dtype=np.uint8)
+    starts = table["offset"].astype(np.int64) - base
+    descriptors = span[starts[:, None] + np.arange(DESCRIPTOR_SIZE)]
+    if not np.array_equal(descriptors, table.view(np.uint8).reshape(-1, DESCRIPTOR_SIZE)):
+        return 0, -1
+    if not np.array_equal(crc32c_rows(np.ascontiguousarray(descriptors[:, :60])), table["descriptor_crc"]):
+        return 0, -1
+    stored = table["stored_size"].astype(np.int64)
+    view = span.data
+    payloads = [
+        view[a : a + size]
+        for a, size in zip((starts + DESCRIPTOR_SIZE).tolist(), stored.tolist(), strict=True)
+    ]
+    if not np.array_equal(crc32c_many(payloads), table["payload_crc"]):
+        return 0, -1
+    # Padding: from each payload's end to the next record (or the index), all zero.
+    ends = starts + DESCRIPTOR_SIZE + stored
+    nexts = np.append(starts[1:], end - base)
+    lengths = nexts - ends
+    if lengths.sum():
+        where = np.repeat(ends - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
+        if span[where].any():
+            return 0, -1
+    encoded = np.flatnonzero(table["codec"] != codecs.Raw.code)
+    if encoded.size:  # decoding is the check of an encoded payload (raw ones are sized already)
+        checks = file.check_checksums
+        file.check_checksums = False  # just checked
+        try:
+            for i in encoded.tolist():
+                file.chunk_array(first + i)
+        except KVFormatError:
+            return 0, -1
+        finally:
+            file.check_checksums = checks
+    return int((DESCRIPTOR_SIZE + stored).sum()), end
+
+
+def _verify_record(file: _File, cursor: int, records: int, chunk: int) -> tuple[int, int, int]:
+    """Check the one record at ``cursor`` (the ``records``-th; ``chunk`` table chunks before it).
+    Returns the next record's offset, the chunks seen, and this record's bytes."""
     source = file.source
     index_offset = file.footer.index_offset
-    cursor = HEADER_SIZE
-    records = 0
-    chunk = 0
-    checked = 0
-    while cursor < index_offset:
-        if cursor + DESCRIPTOR_SIZE > index_offset:
-            raise CorruptFileError(f"record at {cursor} overruns the index")
-        raw = source.read(cursor, DESCRIPTOR_SIZE)
+    if cursor + DESCRIPTOR_SIZE > index_offset:
+        raise CorruptFileError(f"record at {cursor} overruns the index")
+    raw = source.read(cursor, DESCRIPTOR_SIZE)
+    try:
+        desc = Descriptor.unpack(raw)
+    except KVFormatError as exc:
+        raise type(exc)(f"{source.name}: record at offset {cursor}: {exc}") from None
+    if desc.offset != cursor:
+        raise CorruptFileError(f"record at {cursor} says it lies at {desc.offset}")
+    if desc.end > index_offset:
+        raise CorruptFileError(f"record at {cursor} runs into the index")
+    payload = source.read(desc.payload_offset, desc.stored_size)
+    label = f"record at offset {cursor}"
+    if desc.kind in TABLE_KINDS:
+        if chunk >= len(file.table) or bytes(raw) != file.table[chunk].tobytes():
+            raise CorruptFileError(f"{label}: chunk {chunk} differs from its index copy")
+        label = _chunk_label(file.table, chunk)
+    if crc32c(payload) != desc.payload_crc:
+        raise ChecksumError(f"{source.name}: {label}: payload CRC-32C mismatch")
+    if desc.kind in TABLE_KINDS:
+        file_checks = file.check_checksums
+        file.check_checksums = False
         try:
-            desc = Descriptor.unpack(raw)
-        except KVFormatError as exc:
-            raise type(exc)(f"{source.name}: record at offset {cursor}: {exc}") from None
-        if desc.offset != cursor:
-            raise CorruptFileError(f"record at {cursor} says it lies at {desc.offset}")
-        if desc.end > index_offset:
-            raise CorruptFileError(f"record at {cursor} runs into the index")
-        payload = source.read(desc.payload_offset, desc.stored_size)
-        label = f"record at offset {cursor}"
-        if desc.kind in TABLE_KINDS:
-            if chunk >= len(file.table) or bytes(raw) != file.table[chunk].tobytes():
-                raise CorruptFileError(f"{label}: chunk {chunk} differs from its index copy")
-            label = _chunk_label(file.table, chunk)
-        if crc32c(payload) != desc.payload_crc:
-            raise ChecksumError(f"{source.name}: {label}: payload CRC-32C mismatch")
-        if desc.kind in TABLE_KINDS:
-            file_checks = file.check_checksums
-            file.check_checksums = False
-            try:
-                file.chunk_array(chunk)
-            finally:
-                file.check_checksums = file_checks
-            chunk += 1
-        elif desc.kind in JSON_KINDS:
-            loads(payload, label)
-        elif file.version[1] <= MINOR:
-            raise CorruptFileError(f"{label}: unknown record kind {desc.kind}")
-        if (records == 0) != (desc.kind == KIND_MANIFEST):
-            raise CorruptFileError(f"{label}: the manifest must be the first record, and only it")
-        next_record = align(desc.end)
-        padding = source.read(desc.end, min(next_record, index_offset) - desc.end)
-        if any(padding):
-            raise CorruptFileError(f"{label}: non-zero padding after the payload")
-        checked += DESCRIPTOR_SIZE + desc.stored_size
-        records += 1
-        cursor = next_record
-    if chunk != len(file.table):
-        raise CorruptFileError(f"index lists {len(file.table)} chunks, the file holds {chunk}")
-    for i in range(len(file.entries)):
-        Snapshot(file, i)
-    return VerifyReport(records, chunk, len(file.entries), checked)
+            file.chunk_array(chunk)
+        finally:
+            file.check_checksums = file_checks
+        chunk += 1
+    elif desc.kind in JSON_KINDS:
+        loads(payload, label)
+    elif file.version[1] <= MINOR:
+        raise CorruptFileError(f"{label}: unknown record kind {desc.kind}")
+    if (records == 0) != (desc.kind == KIND_MANIFEST):
+        raise CorruptFileError(f"{label}: the manifest must be the first record, and only it")
+    next_record = align(desc.end)
+    padding = source.read(desc.end, min(next_record, index_offset) - desc.end)
+    if any(padding):
+        raise CorruptFileError(f"{label}: non-zero padding after the payload")
+    return next_record, chunk, DESCRIPTOR_SIZE + desc.stored_size
 
 
 def open(

@@ -154,8 +154,7 @@ def recover(
         f.flush()
         os.fsync(f.fileno())
     with reader.open(partial) as snap:
-        for i in range(snap.num_snapshots):
-            snap.select(i)
+        snap.check_snapshots()  # every snapshot materializes (each entry checked once)
     os.replace(partial, out)
     fsync_directory(out)
     return RecoverReport(out, len(chunks), len(snapshots), trailing is not None, max(dropped, 0))

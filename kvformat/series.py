@@ -42,7 +42,7 @@ class Entry:
 
     parent: int | None
     drops: list[tuple[int, int, int, int]]
-    appends: list[tuple[int, int, int]]
+    appends: list[tuple[int, int, int]] | np.ndarray  # (chunk, row, count) triples, or (n, 3) int64
     metadata: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, int] = field(default_factory=dict)
 
@@ -50,7 +50,11 @@ class Entry:
         document: dict[str, Any] = {
             "parent": self.parent,
             "drop": [list(d) for d in self.drops],
-            "append": list(itertools.chain.from_iterable(self.appends)),
+            "append": (
+                self.appends.reshape(-1).tolist()
+                if isinstance(self.appends, np.ndarray)
+                else list(itertools.chain.from_iterable(self.appends))
+            ),
             "metadata": self.metadata,
         }
         if self.arrays:
@@ -64,6 +68,20 @@ def _ints(value: Any, where: str) -> list[int]:
     if value and (min(value) < 0 or max(value) > MAX_POSITION):
         raise CorruptFileError(f"{where} holds an integer outside 0..2**53")
     return value
+
+
+def _int_array(value: Any, where: str) -> np.ndarray:
+    """`_ints` for long lists, as an int64 array: the type test runs in C (``map``/``set``), not
+    per element in Python (a series' index holds a triple per chunk)."""
+    if not isinstance(value, list) or not set(map(type, value)) <= {int}:
+        raise CorruptFileError(f"{where} must be a list of integers")
+    try:
+        array = np.array(value, dtype=np.int64)
+    except OverflowError:
+        raise CorruptFileError(f"{where} holds an integer outside 0..2**53") from None
+    if array.size and (int(array.min()) < 0 or int(array.max()) > MAX_POSITION):
+        raise CorruptFileError(f"{where} holds an integer outside 0..2**53")
+    return array
 
 
 def parse_entry(obj: Any, index: int, num_layers: int, num_seqs: int) -> Entry:
@@ -86,17 +104,16 @@ def parse_entry(obj: Any, index: int, num_layers: int, num_seqs: int) -> Entry:
         if layer >= num_layers or seq >= num_seqs or start > stop:
             raise CorruptFileError(f"{where}: drop {values} names no valid layer, sequence or range")
         drops.append((layer, seq, start, stop))
-    flat = _ints(obj.get("append", []), f"{where} append")
-    if len(flat) % 3:
+    appends = _int_array(obj.get("append", []), f"{where} append")
+    if appends.size % 3:
         raise CorruptFileError(f"{where}: 'append' must hold (chunk, row, count) triples")
-    appends = list(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
     metadata = obj.get("metadata", {})
     if not isinstance(metadata, dict):
         raise CorruptFileError(f"{where}: metadata must be an object")
     arrays = obj.get("arrays", {})
     if not isinstance(arrays, dict) or not all(type(v) is int and v >= 0 for v in arrays.values()):
         raise CorruptFileError(f"{where}: 'arrays' must map names to chunk indices")
-    return Entry(parent, drops, appends, metadata, arrays)
+    return Entry(parent, drops, appends.reshape(-1, 3), metadata, arrays)
 
 
 @dataclass(frozen=True)
@@ -114,77 +131,238 @@ class Segment:
     position: int
 
 
+# Columns of a runs array ``(n, 8)`` int64: one row per run of rows of one K or V chunk.
+LAYER, SEQ, HEAD, KIND, CHUNK, ROW, COUNT, POSITION = range(8)
+
+
+def trim_runs(
+    runs: np.ndarray, start: int, stop: int, layer: int | None = None, seq: int | None = None
+) -> np.ndarray:
+    """``runs`` with positions ``[start, stop)`` removed (of ``layer``/``seq`` only, if given): a
+    run straddling the range keeps its pieces, in place and in order (as `trim`)."""
+    position, count = runs[:, POSITION], runs[:, COUNT]
+    end = position + count
+    hit = (end > start) & (position < stop)
+    if layer is not None:
+        hit &= (runs[:, LAYER] == layer) & (runs[:, SEQ] == seq)
+    if not hit.any():
+        return runs
+    left = hit & (position < start)
+    right = hit & (end > stop)
+    copies = np.where(hit, left.astype(np.int64) + right, 1)
+    out = np.repeat(runs, copies, axis=0)
+    first = np.cumsum(copies) - copies  # where each input row's first copy lands
+    at = first[left]
+    out[at, COUNT] = start - position[left]
+    at = first[right] + left[right]
+    out[at, ROW] += stop - position[right]
+    out[at, COUNT] = end[right] - stop
+    out[at, POSITION] = stop
+    return out
+
+
+def _head_keys(runs: np.ndarray) -> np.ndarray:
+    """One int64 per run naming its (layer, seq, head): layer < 2^16, seq < 2^20, head < 2^16."""
+    return (runs[:, LAYER] << 36) | (runs[:, SEQ] << 16) | runs[:, HEAD]
+
+
+class Segments:
+    """The validated K/V run pairs of one snapshot as arrays, sorted by (layer, seq, head,
+    position); `Segment` objects are made only for what is asked."""
+
+    def __init__(self, k: np.ndarray, v: np.ndarray) -> None:
+        self._k, self._v = k, v  # matching rows: K runs and V runs
+        self._keys = _head_keys(k)
+
+    def __len__(self) -> int:
+        return int(self._k.shape[0])
+
+    def _build(self, rows: np.ndarray) -> list[Segment]:
+        k, v = self._k[rows].tolist(), self._v[rows].tolist()
+        return [
+            Segment(a[LAYER], a[HEAD], a[SEQ], a[CHUNK], a[ROW], b[CHUNK], b[ROW], a[COUNT], a[POSITION])
+            for a, b in zip(k, v, strict=True)
+        ]
+
+    def of_head(self, layer: int, seq: int, head: int) -> list[Segment]:
+        """One head's segments in position order."""
+        key = (layer << 36) | (seq << 16) | head
+        first, last = np.searchsorted(self._keys, [key, key + 1])
+        return self._build(np.arange(first, last))
+
+    def in_file_order(self) -> list[Segment]:
+        """Every segment, in file order of its K chunk."""
+        return self._build(np.argsort(self._k[:, CHUNK], kind="stable"))
+
+    def end(self) -> int:
+        """One past the largest position held (0 if none)."""
+        if not len(self):
+            return 0
+        return int((self._k[:, POSITION] + self._k[:, COUNT]).max())
+
+
 class Chain:
-    """Materializes snapshots of one file; remembers the last state to make walks cheap."""
+    """Materializes snapshots of one file with numpy: each snapshot's runs are its parent's, less
+    its drops, plus its appends. Remembers the last state, so walking a series in order costs
+    each entry once."""
 
     def __init__(self, entries: list[Entry], table: np.ndarray) -> None:
         self.entries = entries
-        self._rows = table["rows"].tolist()
-        self._position = table["position"].tolist()
-        self._key = list(
-            zip(
-                table["layer"].tolist(),
-                table["seq"].tolist(),
-                table["head"].tolist(),
-                table["kind"].tolist(),
-                strict=True,
+        self._n = len(table)
+        self._columns = (
+            np.stack(
+                [
+                    table[name].astype(np.int64)
+                    for name in ("layer", "seq", "head", "kind", "rows", "position")
+                ],
+                axis=1,
             )
+            if len(table)
+            else np.zeros((0, 6), np.int64)
         )
-        self._cache: tuple[int, dict[Key, list[Run]]] | None = None
+        self._cache: tuple[int, list[np.ndarray]] | None = None
 
-    def state(self, index: int) -> dict[Key, list[Run]]:
-        """Runs per (layer, seq, head, kind) of snapshot ``index`` (not yet validated)."""
+    def appended(self, index: int) -> np.ndarray:
+        """The validated runs snapshot ``index`` appends, ``(n, 8)``."""
+        entry = self.entries[index]
+        triples = np.asarray(entry.appends, dtype=np.int64).reshape(-1, 3)
+        chunk, row, count = triples[:, 0], triples[:, 1], triples[:, 2]
+        if triples.shape[0] and int(chunk.max()) >= self._n:
+            bad = int(chunk[chunk >= self._n][0])
+            raise CorruptFileError(f"snapshot {index} appends chunk {bad}; the file has {self._n}")
+        columns = self._columns[chunk]
+        kind = columns[:, 3]
+        tensor = (kind == KIND_K) | (kind == KIND_V)
+        if not tensor.all():
+            bad = int(chunk[~tensor][0])
+            raise CorruptFileError(f"snapshot {index} appends chunk {bad}, which is not K or V")
+        outside = (count < 1) | (row + count > columns[:, 4])
+        if outside.any():
+            i = int(np.argmax(outside))
+            raise CorruptFileError(
+                f"snapshot {index}: rows {int(row[i])}+{int(count[i])} fall outside chunk {int(chunk[i])}"
+            )
+        runs = np.empty((triples.shape[0], 8), np.int64)
+        runs[:, :4] = columns[:, :4]
+        runs[:, CHUNK], runs[:, ROW], runs[:, COUNT] = chunk, row, count
+        runs[:, POSITION] = columns[:, 5] + row
+        return runs
+
+    def _apply(self, state: list[np.ndarray], index: int) -> list[np.ndarray]:
+        entry = self.entries[index]
+        if entry.drops:
+            runs = np.concatenate(state) if state else np.empty((0, 8), np.int64)
+            for layer, seq, start, stop in entry.drops:
+                runs = trim_runs(runs, start, stop, layer, seq)
+            state = [runs]
+        return [*state, self.appended(index)]
+
+    def runs(self, index: int) -> np.ndarray:
+        """Every live run of snapshot ``index``, ``(n, 8)`` (not yet checked as a whole)."""
         chain: list[int] = []
         cursor: int | None = index
-        base: dict[Key, list[Run]] = {}
+        state: list[np.ndarray] = []
         while cursor is not None:
             if self._cache is not None and self._cache[0] == cursor:
-                base = {key: list(runs) for key, runs in self._cache[1].items()}
+                state = list(self._cache[1])
                 break
             chain.append(cursor)
             cursor = self.entries[cursor].parent
-        state = base
         for i in reversed(chain):
-            self._apply(state, self.entries[i], i)
-        self._cache = (index, state)
-        return {key: list(runs) for key, runs in state.items()}
+            state = self._apply(state, i)
+        joined = np.concatenate(state) if state else np.empty((0, 8), np.int64)
+        self._cache = (index, [joined])
+        return joined
 
-    def _apply(self, state: dict[Key, list[Run]], entry: Entry, index: int) -> None:
-        for layer, seq, start, stop in entry.drops:
-            for key in state:
-                if key[0] == layer and key[1] == seq:
-                    state[key] = trim(state[key], start, stop)
-        n = len(self._rows)
-        for chunk, row, count in entry.appends:
-            if chunk >= n:
-                raise CorruptFileError(f"snapshot {index} appends chunk {chunk}; the file has {n}")
-            if self._key[chunk][3] not in (KIND_K, KIND_V):
-                raise CorruptFileError(f"snapshot {index} appends chunk {chunk}, which is not K or V")
-            if count < 1 or row + count > self._rows[chunk]:
-                raise CorruptFileError(f"snapshot {index}: rows {row}+{count} fall outside chunk {chunk}")
-            state.setdefault(self._key[chunk], []).append((chunk, row, count, self._position[chunk] + row))
+    def state(self, index: int) -> dict[Key, list[Run]]:
+        """Runs per (layer, seq, head, kind) of snapshot ``index`` as ``(chunk, row, count,
+        position)`` tuples (not yet validated)."""
+        out: dict[Key, list[Run]] = {}
+        for r in self.runs(index).tolist():
+            out.setdefault((r[LAYER], r[SEQ], r[HEAD], r[KIND]), []).append(
+                (r[CHUNK], r[ROW], r[COUNT], r[POSITION])
+            )
+        return out
 
-    def segments(self, index: int) -> dict[tuple[int, int, int], list[Segment]]:
-        """Validated K/V segment pairs per (layer, seq, head), in position order."""
-        state = self.state(index)
-        groups: dict[tuple[int, int, int], list[Segment]] = {}
-        heads = {(key[0], key[1], key[2]) for key, runs in state.items() if runs}
-        for layer, seq, head in heads:
-            k_runs = sorted(state.get((layer, seq, head, KIND_K), []), key=lambda r: r[3])
-            v_runs = sorted(state.get((layer, seq, head, KIND_V), []), key=lambda r: r[3])
-            if [(r[3], r[2]) for r in k_runs] != [(r[3], r[2]) for r in v_runs]:
-                raise CorruptFileError(
-                    f"snapshot {index}: K and V of layer {layer} head {head} seq {seq} "
-                    "do not cover the same positions"
-                )
-            for before, after in itertools.pairwise(k_runs):
-                if after[3] < before[3] + before[2]:
-                    raise CorruptFileError(
-                        f"snapshot {index}: layer {layer} head {head} seq {seq} holds position "
-                        f"{after[3]} twice"
-                    )
-            groups[(layer, seq, head)] = [
-                Segment(layer, head, seq, k[0], k[1], v[0], v[1], k[2], k[3])
-                for k, v in zip(k_runs, v_runs, strict=True)
-            ]
-        return groups
+    def segments(self, index: int) -> Segments:
+        """Validated K/V segment pairs of snapshot ``index``."""
+        return check_runs(self.runs(index), index)
+
+    def check_all(self) -> None:
+        """Check every snapshot, each entry once: a snapshot whose parent is the one before is
+        checked from what it adds (its K and V runs pair up, and none starts before the end of
+        what its head holds; if one does, that snapshot is checked whole); any other snapshot is
+        materialized and checked whole."""
+        dense = _DenseKeys(self._columns)
+        live: list[np.ndarray] | None = None  # runs of the previous snapshot, in blocks
+        ends = dense.zeros()  # per (layer, seq, head, kind): one past the last position held
+        for index, entry in enumerate(self.entries):
+            if live is None or entry.parent != index - 1 or entry.drops:
+                runs = self.runs(index)
+                check_runs(runs, index)
+                live, ends = [runs], dense.zeros()
+                np.maximum.at(ends, dense.of(runs), runs[:, POSITION] + runs[:, COUNT])
+                continue
+            new = self.appended(index)
+            check_runs(new, index)  # K and V of what is added pair up, no position twice within
+            ids = dense.of(new)
+            live.append(new)
+            if bool(np.any(new[:, POSITION] < ends[ids])):
+                check_runs(np.concatenate(live), index)  # before a head's end: check it whole
+            np.maximum.at(ends, ids, new[:, POSITION] + new[:, COUNT])
+            self._cache = (index, list(live))
+
+
+class _DenseKeys:
+    """Numbers the (layer, seq, head, kind) of every chunk 0..size-1 (size <= chunks: bounded by
+    the file, whatever its layer, sequence and head counts)."""
+
+    def __init__(self, columns: np.ndarray) -> None:
+        keys = (((columns[:, 0] << 20) | columns[:, 1]) << 17) | (columns[:, 2] << 1) | (columns[:, 3] & 1)
+        unique, self._ids = np.unique(keys, return_inverse=True)
+        self.size = max(int(unique.size), 1)
+
+    def zeros(self) -> np.ndarray:
+        return np.zeros(self.size, np.int64)
+
+    def of(self, runs: np.ndarray) -> np.ndarray:
+        return self._ids[runs[:, CHUNK]]
+
+
+def check_runs(runs: np.ndarray, index: int) -> Segments:
+    """Section 11's rules for a materialized snapshot: per head, K runs and V runs cover the same
+    (position, count) list, and no position appears twice. Returns the pairs as `Segments`."""
+    k = runs[runs[:, KIND] == KIND_K]
+    v = runs[runs[:, KIND] == KIND_V]
+    k = k[np.lexsort((k[:, POSITION], _head_keys(k)))]
+    v = v[np.lexsort((v[:, POSITION], _head_keys(v)))]
+    same = k.shape == v.shape
+    if same:
+        columns = [LAYER, SEQ, HEAD, POSITION, COUNT]
+        differ = np.any(k[:, columns] != v[:, columns], axis=1)
+        same = not differ.any()
+    if not same:
+        first = _first_mismatch(k, v)
+        raise CorruptFileError(
+            f"snapshot {index}: K and V of layer {first[0]} head {first[2]} seq {first[1]} "
+            "do not cover the same positions"
+        )
+    if k.shape[0] > 1:
+        keys = _head_keys(k)
+        twice = (keys[1:] == keys[:-1]) & (k[1:, POSITION] < k[:-1, POSITION] + k[:-1, COUNT])
+        if twice.any():
+            i = int(np.argmax(twice)) + 1
+            raise CorruptFileError(
+                f"snapshot {index}: layer {int(k[i, LAYER])} head {int(k[i, HEAD])} seq {int(k[i, SEQ])} "
+                f"holds position {int(k[i, POSITION])} twice"
+            )
+    return Segments(k, v)
+
+
+def _first_mismatch(k: np.ndarray, v: np.ndarray) -> tuple[int, int, int]:
+    """(layer, seq, head) of the first head whose K and V runs differ."""
+    n = min(k.shape[0], v.shape[0])
+    columns = [LAYER, SEQ, HEAD, POSITION, COUNT]
+    differ = np.flatnonzero(np.any(k[:n][:, columns] != v[:n][:, columns], axis=1))
+    row = k[differ[0]] if differ.size else (k[n] if k.shape[0] > n else v[n])
+    return int(row[LAYER]), int(row[SEQ]), int(row[HEAD])

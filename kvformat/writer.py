@@ -38,7 +38,7 @@ from kvformat.layout import (
     pack_header,
 )
 from kvformat.manifest import LayerSpec, Manifest, dumps
-from kvformat.series import Entry
+from kvformat.series import Entry, trim_runs
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 _ZEROS = bytes(ALIGN)
@@ -117,7 +117,8 @@ class _Block:
 _Unit = list[_Part | _Block]
 """Chunks prepared together (on the helper thread when pipelined) and written with one ``writev``."""
 
-# Columns of the pending-appends table: one row per K/V chunk run not yet in a snapshot.
+# Columns of the pending-appends table (`kvformat.series`' runs): one row per K/V chunk run not
+# yet in a snapshot.
 _LAYER, _SEQ, _HEAD, _KIND, _CHUNK, _ROW, _COUNT, _POSITION = range(8)
 
 
@@ -762,7 +763,7 @@ class Writer:
             # A head whose last position was dropped may take positions from ``start`` on again.
             held[(held > start) & (held <= stop)] = start
         if self._pending:
-            self._pending = [_trim_runs(np.concatenate(self._pending), layer, seq, start, stop)]
+            self._pending = [trim_runs(np.concatenate(self._pending), start, stop, layer, seq)]
         self._pending_drops.append((layer, seq, start, stop))
         self._dirty = True
 
@@ -840,32 +841,6 @@ class Writer:
             self._closed = True
             self._file.close()
             self._pool.shutdown()
-
-
-def _trim_runs(runs: np.ndarray, layer: int, seq: int, start: int, stop: int) -> np.ndarray:
-    """Pending ``runs`` with positions ``[start, stop)`` of ``layer``/``seq`` removed; a run that
-    straddles the range keeps its pieces in place, in order (as `kvformat.series.trim`)."""
-    position, count = runs[:, _POSITION], runs[:, _COUNT]
-    end = position + count
-    hit = (runs[:, _LAYER] == layer) & (runs[:, _SEQ] == seq) & (end > start) & (position < stop)
-    if not hit.any():
-        return runs
-    pieces: list[np.ndarray] = []
-    for i, row in enumerate(runs):
-        if not hit[i]:
-            pieces.append(row)
-            continue
-        if position[i] < start:
-            left = row.copy()
-            left[_COUNT] = start - position[i]
-            pieces.append(left)
-        if end[i] > stop:
-            right = row.copy()
-            right[_ROW] += stop - position[i]
-            right[_COUNT] = end[i] - stop
-            right[_POSITION] = stop
-            pieces.append(right)
-    return np.array(pieces, np.int64).reshape(-1, 8)
 
 
 def _crc_of(pieces: list[BytesLike]) -> int:
