@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvformat import reader
-from kvformat.checksum import crc32c
+from kvformat.checksum import crc32c, crc32c_many, crc32c_rows
 from kvformat.errors import KVFormatError, TruncatedFileError
 from kvformat.layout import (
     DESCRIPTOR_DTYPE,
@@ -30,7 +30,7 @@ from kvformat.layout import (
     check_header,
 )
 from kvformat.manifest import Manifest, loads, parse_manifest
-from kvformat.series import Chain, Entry, parse_entry
+from kvformat.series import COUNT, HEAD, LAYER, POSITION, SEQ, Chain, Entry, parse_entry
 from kvformat.source import MmapSource
 from kvformat.writer import fsync_directory, index_bytes
 
@@ -46,17 +46,34 @@ class RecoverReport:
     bytes_dropped: int
 
 
-def _scan(source: MmapSource) -> tuple[int, Manifest, list[Descriptor], list[Entry], int]:
-    """Return the end of the last complete record, the manifest, chunks, snapshots, and how
-    many chunks precede the last snapshot record."""
+_BULK = 4096  # records checked together when the next ones are predicted
+
+
+def _scan(source: MmapSource) -> tuple[int, Manifest, list[bytes], list[Entry], int]:
+    """Return the end of the last complete record, the manifest, the packed descriptors of the
+    table chunks (blocks of 64-byte descriptors), the snapshots, and how many chunks precede
+    the last snapshot record.
+
+    A table chunk of ``S`` payload bytes is often followed by more of the same size (a series
+    writes every head alike): those are predicted, checked in bulk (`_complete_run`) and taken as
+    far as they hold; the scan goes on record by record from the first that does not."""
     check_header(bytes(source.read(0, HEADER_SIZE)))
     cursor = HEADER_SIZE
     manifest: Manifest | None = None
-    chunks: list[Descriptor] = []
+    blocks: list[bytes] = []
+    chunks = 0
     snapshots: list[Entry] = []
     good_end = HEADER_SIZE
     committed = 0
     while cursor + DESCRIPTOR_SIZE <= source.size:
+        if manifest is not None:
+            taken, end = _complete_run(source, cursor)
+            if taken:
+                blocks.append(_descriptors(source, cursor, taken))
+                chunks += taken
+                good_end = end
+                cursor = align(end)
+                continue
         try:
             desc = Descriptor.unpack(source.read(cursor, DESCRIPTOR_SIZE))
         except KVFormatError:
@@ -75,41 +92,93 @@ def _scan(source: MmapSource) -> tuple[int, Manifest, list[Descriptor], list[Ent
                 document = loads(payload, "snapshot record")
                 layers, seqs = len(manifest.layers), manifest.num_seqs
                 snapshots.append(parse_entry(document, len(snapshots), layers, seqs))
-                committed = len(chunks)
+                committed = chunks
             elif desc.kind in TABLE_KINDS:
-                chunks.append(desc)
+                blocks.append(bytes(source.read(cursor, DESCRIPTOR_SIZE)))
+                chunks += 1
         except KVFormatError:
             break
         good_end = desc.end
         cursor = align(desc.end)
     if manifest is None:
         raise TruncatedFileError(f"{source.name}: no complete manifest record; nothing to recover")
-    return good_end, manifest, chunks, snapshots, committed
+    return good_end, manifest, blocks, snapshots, committed
 
 
-def _trailing_snapshot(chunks: list[Descriptor], snapshots: list[Entry], committed: int) -> Entry | None:
+def _descriptors(source: MmapSource, cursor: int, count: int) -> bytes:
+    """The ``count`` descriptors of the equal-stride records from ``cursor`` (checked already)."""
+    head = np.frombuffer(source.read(cursor, DESCRIPTOR_SIZE), DESCRIPTOR_DTYPE)[0]
+    stride = align(DESCRIPTOR_SIZE + int(head["stored_size"]))
+    span = np.frombuffer(source.read(cursor, (count - 1) * stride + DESCRIPTOR_SIZE), np.uint8)
+    rows = (np.arange(count) * stride)[:, None] + np.arange(DESCRIPTOR_SIZE)
+    return span[rows].tobytes()
+
+
+def _complete_run(source: MmapSource, cursor: int) -> tuple[int, int]:
+    """How many complete table-chunk records lie at ``cursor`` with the stored size of the first,
+    back to back (0 if the first is not one), and the end of the last one's payload."""
+    if cursor + DESCRIPTOR_SIZE > source.size:
+        return 0, cursor
+    head = np.frombuffer(source.read(cursor, DESCRIPTOR_SIZE), DESCRIPTOR_DTYPE)[0]
+    if bytes(head["magic"]) != b"KVCK" or int(head["kind"]) not in TABLE_KINDS:
+        return 0, cursor
+    size = int(head["stored_size"])
+    stride = align(DESCRIPTOR_SIZE + size)
+    count = min(_BULK, (source.size - cursor - DESCRIPTOR_SIZE - size) // stride + 1)
+    if count < 2 or int(head["offset"]) != cursor:
+        return 0, cursor  # not worth predicting: the record-by-record path takes it
+    span = np.frombuffer(source.read(cursor, (count - 1) * stride + DESCRIPTOR_SIZE + size), np.uint8)
+    starts = np.arange(count) * stride
+    rows = span[starts[:, None] + np.arange(DESCRIPTOR_SIZE)]
+    table = rows.view(DESCRIPTOR_DTYPE).reshape(-1)
+    cheap = (
+        (table["magic"] == b"KVCK")
+        & np.isin(table["kind"], TABLE_KINDS)
+        & (table["offset"] == cursor + starts)
+        & (table["stored_size"] == size)
+    )
+    taken = count if cheap.all() else int(np.argmin(cheap))  # checksums only for that prefix
+    crc_good = crc32c_rows(np.ascontiguousarray(rows[:taken, :60])) == table["descriptor_crc"][:taken]
+    if not crc_good.all():
+        taken = int(np.argmin(crc_good))
+    if taken == 0:
+        return 0, cursor
+    view = span.data
+    payloads = [view[a : a + size] for a in (starts[:taken] + DESCRIPTOR_SIZE).tolist()]
+    crc_good = crc32c_many(payloads) == table["payload_crc"][:taken]
+    if not crc_good.all():
+        taken = int(np.argmin(crc_good))
+    return taken, cursor + (taken - 1) * stride + DESCRIPTOR_SIZE + size
+
+
+def _trailing_snapshot(blocks: list[bytes], snapshots: list[Entry], committed: int) -> Entry | None:
     """A snapshot adding the complete K/V runs written after the last committed one (None if
     there are none and a snapshot exists)."""
+    table = np.frombuffer(b"".join(blocks), dtype=DESCRIPTOR_DTYPE)
     held_end: dict[tuple[int, int, int], int] = {}
     if snapshots:
-        table = np.frombuffer(b"".join(d.pack() for d in chunks), dtype=DESCRIPTOR_DTYPE)
-        for (layer, seq, head, _kind), runs in Chain(snapshots, table).state(len(snapshots) - 1).items():
-            if runs:
-                end = max(run[3] + run[2] for run in runs)
-                held_end[(layer, seq, head)] = max(held_end.get((layer, seq, head), 0), end)
+        runs = Chain(snapshots, table).runs(len(snapshots) - 1)
+        if runs.shape[0]:
+            keys = runs[:, [LAYER, SEQ, HEAD]]
+            ends = runs[:, POSITION] + runs[:, COUNT]
+            order = np.lexsort((ends, keys[:, 2], keys[:, 1], keys[:, 0]))
+            for (layer, seq, head), end in zip(keys[order].tolist(), ends[order].tolist(), strict=True):
+                held_end[(layer, seq, head)] = end  # the largest end comes last
     pending: dict[tuple[int, int, int, int, int], int] = {}
     appends: list[tuple[int, int, int]] = []
-    for i in range(committed, len(chunks)):
-        d = chunks[i]
-        run = (d.layer, d.seq, d.head, d.position, d.rows)
-        if d.kind == KIND_K:
+    tail = table[committed:]
+    columns = [tail[name].tolist() for name in ("kind", "layer", "seq", "head", "position", "rows")]
+    for offset, (kind, layer, seq, head, position, rows) in enumerate(zip(*columns, strict=True)):
+        i = committed + offset
+        run = (layer, seq, head, position, rows)
+        if kind == KIND_K:
             pending[run] = i
         elif run in pending:
             k = pending.pop(run)
-            key = (d.layer, d.seq, d.head)
-            if d.position >= held_end.get(key, 0) and d.rows:
-                appends += [(k, 0, d.rows), (i, 0, d.rows)]
-                held_end[key] = d.position + d.rows
+            key = (layer, seq, head)
+            if position >= held_end.get(key, 0) and rows:
+                appends += [(k, 0, rows), (i, 0, rows)]
+                held_end[key] = position + rows
     if not appends and snapshots:
         return None
     parent = len(snapshots) - 1 if snapshots else None
@@ -138,10 +207,10 @@ def recover(
         raise FileExistsError(f"{out} exists; pass overwrite=True (--force) to replace it")
     source = MmapSource(partial)
     try:
-        good_end, manifest, chunks, snapshots, committed = _scan(source)
+        good_end, manifest, blocks, snapshots, committed = _scan(source)
     finally:
         source.close()
-    trailing = _trailing_snapshot(chunks, snapshots, committed)
+    trailing = _trailing_snapshot(blocks, snapshots, committed)
     if trailing is not None:
         snapshots.append(trailing)
     index_offset = align(good_end)
@@ -150,11 +219,12 @@ def recover(
         f.truncate(good_end)
         f.seek(good_end)
         f.write(bytes(index_offset - good_end))
-        f.write(index_bytes(index_offset, [chunk.pack() for chunk in chunks], manifest, snapshots))
+        f.write(index_bytes(index_offset, blocks, manifest, snapshots))
         f.flush()
         os.fsync(f.fileno())
     with reader.open(partial) as snap:
         snap.check_snapshots()  # every snapshot materializes (each entry checked once)
     os.replace(partial, out)
     fsync_directory(out)
-    return RecoverReport(out, len(chunks), len(snapshots), trailing is not None, max(dropped, 0))
+    chunks = sum(len(block) for block in blocks) // DESCRIPTOR_SIZE
+    return RecoverReport(out, chunks, len(snapshots), trailing is not None, max(dropped, 0))

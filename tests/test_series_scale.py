@@ -151,3 +151,27 @@ def test_trim_runs_equals_trim() -> None:
         array = np.array([[0, 0, 0, 0, c, r, n, p] for c, r, n, p in runs], np.int64)
         got = trim_runs(array, start, stop)
         assert [(c, r, n, p) for *_, c, r, n, p in got.tolist()] == expected
+
+
+@pytest.mark.parametrize("where", ["payload", "descriptor"])
+def test_recover_stops_at_the_first_damaged_chunk(tmp_path: Path, where: str) -> None:
+    """A run of equal chunks is checked in bulk when recovering; one damaged record in the middle
+    of it still ends the scan right before it."""
+    path = tmp_path / "r.kv"
+    specs = [kvformat.LayerSpec(4, 8, 8, kvformat.FLOAT16)] * 3
+    data = np.ones((4, 5, 8), np.float16)
+    with kvformat.Writer(path, specs) as w:
+        for _ in range(6):
+            w.append_many([(layer, data, data, None, 0) for layer in range(3)])
+            w.snapshot()
+    with kvformat.open(path) as snap:
+        offset = int(snap._file.table["offset"][50])
+    raw = bytearray(path.read_bytes()[:-64])
+    raw[offset + (70 if where == "payload" else 20)] ^= 0x10
+    partial = tmp_path / "bad.kv.partial"
+    partial.write_bytes(bytes(raw))
+    report = kvformat.recover(partial, tmp_path / "back.kv")
+    assert report.chunks == 50  # chunks 0..49: the 50th is damaged
+    with kvformat.open(tmp_path / "back.kv") as back:
+        back.verify()
+        assert back.num_snapshots == 3  # 24 chunks a snapshot: two complete, then what was after them
