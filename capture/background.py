@@ -65,7 +65,8 @@ class BackgroundWriter:
         if max_pending < 1:
             raise ValueError("max_pending must be at least 1")
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=max_pending)
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the first failure; kept, so later jobs are dropped
+        self._reported = False
         self._thread = threading.Thread(target=self._work, name="kvsnap-writer", daemon=True)
         self._thread.start()
         self._closed = False
@@ -84,11 +85,10 @@ class BackgroundWriter:
                 self._queue.task_done()
 
     def check(self) -> None:
-        """Raise the writer thread's error, if it had one."""
-        if self._error is not None:
-            error, self._error = self._error, None
-            self._failed = error
-            raise CaptureError(f"writing snapshots failed: {error}") from error
+        """Raise the writer thread's error, if it had one (once; jobs stay dropped after it)."""
+        if self._error is not None and not self._reported:
+            self._reported = True
+            raise CaptureError(f"writing snapshots failed: {self._error}") from self._error
 
     def submit(self, job: Callable[[], None]) -> None:
         """Queue ``job``; waits while ``max_pending`` jobs are queued."""

@@ -144,8 +144,9 @@ def test_background_writer_bounds_the_queue_and_raises_errors() -> None:
     writer.submit(lambda: ran.append(4))  # dropped: nothing is written after a failure
     with pytest.raises(CaptureError, match="No space left"):
         writer.drain()
-    assert ran == [1, 2, 3]
+    writer.submit(lambda: ran.append(5))  # still dropped after the error was reported
     writer.close()
+    assert ran == [1, 2, 3]
 
 
 def test_a_writer_error_stops_generation_and_keeps_a_recoverable_file(
