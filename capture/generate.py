@@ -69,7 +69,6 @@ class _Snapshots:
         codec: str,
         model_path: str | None,
         file_metadata: dict[str, Any],
-        save_logits: bool,
         on_snapshot: Callable[[SnapshotEvent], None] | None,
         max_pending: int,
         durable: bool = True,
@@ -83,7 +82,6 @@ class _Snapshots:
         self.codec = codec
         self.model_path = model_path
         self.file_metadata = file_metadata
-        self.save_logits = save_logits
         self.on_snapshot = on_snapshot
         self.tracker = CacheTracker()
         self.background = BackgroundWriter(max_pending) if output is not None else None
@@ -320,7 +318,6 @@ def generate(
         codec=codec,
         model_path=model_path,
         file_metadata=info,
-        save_logits=save_logits,
         on_snapshot=on_snapshot,
         max_pending=max_pending,
         durable=durable,

@@ -176,9 +176,9 @@ def _layout(
     decoded: np.ndarray,
     crcs: np.ndarray,
     start: int,
-) -> tuple[bytes, np.ndarray, np.ndarray, int]:
+) -> tuple[bytes, np.ndarray, int]:
     """Descriptors of consecutive records from file offset ``start``, built with numpy: the packed
-    descriptors, each record's padding, each record's offset, and the offset after the last."""
+    descriptors, each record's padding, and the offset after the last."""
     n = columns.shape[0]
     spans = DESCRIPTOR_SIZE + stored
     padded = (spans + (ALIGN - 1)) // ALIGN * ALIGN
@@ -203,7 +203,7 @@ def _layout(
     table["payload_crc"] = crcs
     raw = table.view(np.uint8).reshape(n, DESCRIPTOR_SIZE)
     table["descriptor_crc"] = crc32c_rows(raw[:, :60])
-    return table.tobytes(), padded - spans, offsets, int(start + padded.sum())
+    return table.tobytes(), padded - spans, int(start + padded.sum())
 
 
 class Writer:
@@ -393,7 +393,7 @@ class Writer:
         for index, pieces in multi.items():  # CRCs continue across the pieces of one payload
             crcs[index] = _crc_of(pieces)
             stored[index] = sum(memoryview(p).nbytes for p in pieces)
-        packed, padding, _offsets, end = _layout(
+        packed, padding, end = _layout(
             table,
             np.concatenate(widths),
             np.concatenate(dtype_codes),
