@@ -15,6 +15,8 @@ import mlx.core as mx
 import numpy as np
 
 from capture.errors import UnsupportedModelError
+from kvformat import dtypes
+from kvformat.manifest import LayerSpec
 from kvformat.quantization import BITS as QUANT_BITS
 from kvformat.quantization import Quantization
 
@@ -61,6 +63,20 @@ class LayerKV:
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(self.k[0][1].dtype if self.quantization is not None else self.k[0].dtype)
+
+    def spec(self) -> LayerSpec:
+        """The file's description of this layer (absent if it holds no K/V)."""
+        if not self.present or not self.k:
+            return LayerSpec.absent(self.attributes)
+        heads, k_dim, v_dim = self.dims
+        return LayerSpec(
+            num_heads=heads,
+            k_dim=k_dim,
+            v_dim=v_dim,
+            dtype=dtypes.from_numpy(self.dtype),
+            attributes=self.attributes,
+            quantization=self.quantization,
+        )
 
 
 def to_numpy(array: mx.array) -> np.ndarray:

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 import kvformat
-from capture.caches import LayerKV, read_layer, to_numpy
+from capture.caches import read_layer, to_numpy
 from capture.errors import CaptureError, UnsupportedModelError
 from kvformat.quantization import BITS as QUANT_BITS
 from kvformat.quantization import Quantization
@@ -237,7 +237,7 @@ def layer_specs(prompt_cache: list[Any]) -> tuple[list[kvformat.LayerSpec], int]
         name = type(cache).__name__
         if name == "ArraysCache" or type(_kv_cache(cache)).__name__ not in _INCREMENTAL:
             layer = read_layer(cache)  # absent, or a batch cache: its own description
-            specs.append(spec_of(layer))
+            specs.append(layer.spec())
             batch = max(batch, len(layer.k))
             continue
         inner = _kv_cache(cache)
@@ -286,18 +286,3 @@ def layer_specs(prompt_cache: list[Any]) -> tuple[list[kvformat.LayerSpec], int]
             )
         )
     return specs, batch
-
-
-def spec_of(layer: LayerKV) -> kvformat.LayerSpec:
-    """The file's description of a layer read with its data."""
-    if not layer.present or not layer.k:
-        return kvformat.LayerSpec.absent(layer.attributes)
-    heads, k_dim, v_dim = layer.dims
-    return kvformat.LayerSpec(
-        num_heads=heads,
-        k_dim=k_dim,
-        v_dim=v_dim,
-        dtype=kvformat.dtypes.from_numpy(layer.dtype),
-        attributes=layer.attributes,
-        quantization=layer.quantization,
-    )

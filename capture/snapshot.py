@@ -68,23 +68,7 @@ class KVSnapshot:
         return HeadKV(k, v, data.positions[seq])
 
     def layer_specs(self) -> list[kvformat.LayerSpec | None]:
-        specs: list[kvformat.LayerSpec | None] = []
-        for data in self.layers:
-            if not data.present or not data.k:
-                specs.append(kvformat.LayerSpec.absent(data.attributes))
-                continue
-            heads, k_dim, v_dim = data.dims
-            specs.append(
-                kvformat.LayerSpec(
-                    num_heads=heads,
-                    k_dim=k_dim,
-                    v_dim=v_dim,
-                    dtype=kvformat.dtypes.from_numpy(data.dtype),
-                    attributes=data.attributes,
-                    quantization=data.quantization,
-                )
-            )
-        return specs
+        return [data.spec() for data in self.layers]
 
     def save(self, path: str | os.PathLike[str], codec: str = "raw", durable: bool = True) -> None:
         """Write this snapshot as a one-snapshot `.kv` file (streamed head by head, no copy);
