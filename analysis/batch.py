@@ -8,126 +8,82 @@ name and collected in `BatchResult.failures`; the other files go on unless ``fai
 
 from __future__ import annotations
 
-import glob
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from analysis.stats import HeadAccumulator, _file_table, file_accumulators, frame_of, local_map
-from kvformat.remote import expand, is_url
+from analysis.files import (
+    BatchResult,
+    FileFailure,
+    MergedKey,
+    Options,
+    describe_error,
+    expand_paths,
+    file_or_failure,
+)
+from analysis.parallel import cores, split_jobs
+from analysis.stats import (
+    HeadAccumulator,
+    PassOptions,
+    file_table,
+    frame_of,
+    local_map,
+    merged_accumulators,
+    stat_groups,
+)
 
 if TYPE_CHECKING:
     import polars as pl
     import pyarrow as pa
 
-Options = dict[str, Any]
-MergedKey = tuple[int, int, str]  # (layer, head, "k" | "v")
+__all__ = ["BatchResult", "FileFailure", "Merger", "expand_paths", "merged_stats", "run_stats"]
 
 
-@dataclass(frozen=True)
-class FileFailure:
-    """A file whose statistics could not be computed: its name and ``"ErrorClass: message"``."""
-
-    file: str
-    error: str
-
-
-@dataclass
-class BatchResult:
-    """The statistics table of the files that worked and the failures of those that did not."""
-
-    table: pl.DataFrame
-    failures: list[FileFailure] = field(default_factory=list)
-    files: int = 0
-
-
-def expand_paths(patterns: Iterable[str], storage_options: Options | None = None) -> list[str]:
-    """Paths and URLs with glob patterns expanded (``runs/*.kv``, ``s3://bucket/runs/*.kv``), in
-    the order given, each pattern's matches sorted; a pattern that matches nothing is an error."""
-    found: list[str] = []
-    for pattern in patterns:
-        if is_url(pattern):
-            matches = expand(pattern, storage_options=storage_options)
-        elif any(c in pattern for c in "*?["):
-            matches = sorted(glob.glob(pattern, recursive=True))
-        else:
-            matches = [pattern]
-        if not matches:
-            raise FileNotFoundError(f"no file matches {pattern!r}")
-        found.extend(matches)
-    return found
-
-
-def describe_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def file_or_failure(
-    path: str,
-    work: Callable[..., Any],
+def _plan(
+    paths: list[str],
+    jobs: int | None,
     snapshot: int,
     keys: str,
+    stats: str | Iterable[str] | None,
     storage_options: Options | None,
-    fail_fast: bool,
-) -> Any:
-    """``work(path, snapshot, keys, storage_options)``, or the `FileFailure` it raised (raised
-    again with ``fail_fast``). ``path`` first, as `local_map` calls it."""
-    try:
-        return work(path, snapshot, keys, storage_options)
-    except Exception as exc:
-        if fail_fast:
-            raise
-        return FileFailure(path, describe_error(exc))
-
-
-def sort_like(table: pl.DataFrame, paths: list[str]) -> pl.DataFrame:
-    """Rows in the order of ``paths``, each file's rows in the order its pass produced them (a
-    stable sort): the local engine's order."""
-    import polars as pl
-
-    if table.is_empty():
-        return table
-    order = {path: i for i, path in enumerate(paths)}
-    rank = pl.col("file").replace_strict(order, default=len(paths), return_dtype=pl.Int64)
-    return table.with_columns(rank.alias("__order")).sort("__order", maintain_order=True).drop("__order")
+) -> tuple[int, PassOptions]:
+    """Processes for the files and each file's pass options (its threads: the cores left)."""
+    processes, threads = split_jobs(cores() if jobs is None else jobs, len(paths))
+    options = PassOptions(
+        snapshot, keys, stat_groups(stats), threads, storage_options, progress=len(paths) == 1
+    )
+    return processes, options
 
 
 def run_stats(
     patterns: str | Iterable[str],
     *,
     engine: str = "local",
-    jobs: int = 1,
+    jobs: int | None = None,
     address: str | None = None,
     fail_fast: bool = False,
     snapshot: int = -1,
     keys: str = "post_rope",
+    stats: str | Iterable[str] | None = None,
     storage_options: Options | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BatchResult:
     """Per-head statistics of every file the patterns name, one row per (file, seq, layer, head,
-    tensor), with ``engine`` ``"local"`` (``jobs`` processes) or ``"ray"`` (``address`` of a
-    cluster, or a local one with ``jobs`` CPUs). Same rows, same order, for both engines."""
+    tensor), with ``engine`` ``"local"`` (``jobs`` cores, default all: files in processes, the
+    cores left as threads within each file) or ``"ray"`` (``address`` of a cluster, or a local
+    one with ``jobs`` CPUs); ``stats`` names the statistic groups (default all). Same rows, same
+    order, for both engines."""
     paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, storage_options)
+    processes, options = _plan(paths, jobs, snapshot, keys, stats, storage_options)
     if engine == "ray":
         from analysis.ray import ray_stats
 
-        return ray_stats(
-            paths,
-            address=address,
-            num_cpus=jobs,
-            fail_fast=fail_fast,
-            snapshot=snapshot,
-            keys=keys,
-            storage_options=storage_options,
-        )
+        return ray_stats(paths, options, address=address, num_cpus=jobs or cores(), fail_fast=fail_fast)
     if engine != "local":
         raise ValueError(f"engine must be 'local' or 'ray', not {engine!r}")
     tables: list[pa.Table] = []
     failures: list[FileFailure] = []
     for path, result in zip(
-        paths,
-        local_map(file_or_failure, paths, jobs, _file_table, snapshot, keys, storage_options, fail_fast),
-        strict=True,
+        paths, local_map(file_or_failure, paths, processes, file_table, options, fail_fast), strict=True
     ):
         if isinstance(result, FileFailure):
             failures.append(result)
@@ -177,11 +133,12 @@ def merged_stats(
     patterns: str | Iterable[str],
     *,
     engine: str = "local",
-    jobs: int = 1,
+    jobs: int | None = None,
     address: str | None = None,
     fail_fast: bool = False,
     snapshot: int = -1,
     keys: str = "post_rope",
+    stats: str | Iterable[str] | None = None,
     storage_options: Options | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BatchResult:
@@ -190,28 +147,21 @@ def merged_stats(
     top-k) is combined as it arrives, so memory holds one model's worth of accumulators. The
     files must share the layer/head layout; one that does not is a failure naming it.
     ``massive_positions`` then index each top value's own file; ``sink_ratio`` uses the mean
-    ||x_0|| over the sequences."""
+    ||x_0|| over the sequences. ``jobs`` and ``stats`` as in `run_stats`."""
     paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, storage_options)
+    processes, options = _plan(paths, jobs, snapshot, keys, stats, storage_options)
     merger = Merger()
     failures: list[FileFailure] = []
     if engine == "ray":
         from analysis.ray import ray_accumulators
 
         results: Iterable[tuple[str, Any]] = ray_accumulators(
-            paths,
-            address=address,
-            num_cpus=jobs,
-            fail_fast=fail_fast,
-            snapshot=snapshot,
-            keys=keys,
-            storage_options=storage_options,
+            paths, options, address=address, num_cpus=jobs or cores(), fail_fast=fail_fast
         )
     elif engine == "local":
         results = zip(
             paths,
-            local_map(
-                file_or_failure, paths, jobs, file_accumulators, snapshot, keys, storage_options, fail_fast
-            ),
+            local_map(file_or_failure, paths, processes, merged_accumulators, options, fail_fast),
             strict=True,
         )
     else:

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvformat.cli import storage_options
+from kvformat.cli import positive_int, storage_options
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
@@ -16,21 +16,28 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     return storage_options(getattr(args, "storage_option", None))
 
 
+def stat_groups_type(text: str) -> frozenset[str]:
+    """argparse type: comma-separated statistic groups (``all``, ``norms``, ``channels``, ...)."""
+    from analysis.stats import stat_groups
+
+    try:
+        return stat_groups(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _progress(total: int) -> Callable[[str], None]:
-    done = 0
+    """A bar over the files (tqdm, on stderr, off when stderr is not a terminal or for one file,
+    whose pass shows its layers instead)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="file", file=sys.stderr, disable=None if total > 1 else True, leave=False)
 
     def progress(name: str) -> None:
-        nonlocal done
-        done += 1
-        if sys.stderr.isatty() or total > 1:
-            width = 30
-            filled = width * done // total
-            print(
-                f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {name[-40:]}",
-                end="\n" if done == total else "",
-                file=sys.stderr,
-                flush=True,
-            )
+        bar.set_postfix_str(name[-40:], refresh=False)
+        bar.update()
+        if bar.n >= total:
+            bar.close()
 
     return progress
 
@@ -53,6 +60,7 @@ def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
         fail_fast=getattr(args, "fail_fast", False),
         snapshot=args.snapshot,
         keys=args.keys,
+        stats=getattr(args, "stats", None),
         storage_options=options,
         progress=_progress(len(files)),
     )
@@ -184,6 +192,9 @@ def _merged(args: argparse.Namespace) -> int:
         raise SystemExit("no statistics: every file failed or every layer is absent")
     import polars as pl
 
+    if "norm_mean" not in table.columns:
+        _medians(table.with_columns(pl.lit("merged").alias("file")))
+        return 1 if result.failures else 0
     keys = table.filter(pl.col("tensor") == "k")
     files = keys["n_files"][0]
     print(f"mean ||K|| per layer and KV head over {files} files ({keys['n_tokens'].max()} tokens per head)")
@@ -194,6 +205,20 @@ def _merged(args: argparse.Namespace) -> int:
         ]
         print(f"  layer {layer:3d}: " + "  ".join(cells))
     return 1 if result.failures else 0
+
+
+def _medians(table: Any) -> None:
+    """Per file: the median over heads of each scalar statistic, for K and V."""
+    import polars as pl
+
+    scalars = [c for c, t in table.schema.items() if t.is_numeric() and c not in KEYS]
+    for name in table["file"].unique(maintain_order=True).to_list():
+        rows = table.filter(pl.col("file") == name)
+        print(f"{name}: {rows.height} head rows; median over heads")
+        for tensor in ("k", "v"):
+            part = rows.filter(pl.col("tensor") == tensor)
+            cells = [f"{c}={part[c].median():.4g}" for c in scalars]
+            print(f"  {tensor.upper()}: " + "  ".join(cells))
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -207,6 +232,9 @@ def _stats(args: argparse.Namespace) -> int:
     if args.output:
         table.write_parquet(args.output)
         print(f"wrote {args.output}: {table.height} rows")
+    if "norm_mean" not in table.columns:  # --stats without norms: medians of what was computed
+        _medians(table)
+        return 1 if args.failed else 0
     flagged = outliers(table, args.factor)
     for name in flagged["file"].unique(maintain_order=True).to_list():
         rows = flagged.filter(pl.col("file") == name)
@@ -242,7 +270,11 @@ def _common(p: argparse.ArgumentParser, many: bool = True) -> None:
         default="post_rope",
         help="pre_rope: un-rotate K with the RoPE the snapshot records",
     )
-    p.add_argument("--jobs", type=int, default=1, help="files computed in this many processes")
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        help="cores to use (default: all): files in processes, the cores left as threads within a file",
+    )
     p.add_argument(
         "--storage-option",
         action="append",
@@ -260,6 +292,18 @@ def _common(p: argparse.ArgumentParser, many: bool = True) -> None:
         p.add_argument("--fail-fast", action="store_true", help="stop at the first file that fails")
 
 
+def _stats_option(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    from analysis.stats import GROUPS
+
+    p.add_argument(
+        "--stats",
+        type=stat_groups_type,
+        default=None if default is None else stat_groups_type(default),
+        metavar="GROUPS",
+        help=f"statistic groups to compute, comma-separated: all (default), {', '.join(GROUPS)}",
+    )
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "stats",
@@ -273,6 +317,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="one row per (layer, head, tensor) over all files (they must share the model's layout)",
     )
+    _stats_option(p)
     p.set_defaults(func=_stats)
 
     p = sub.add_parser("outliers", help="heads whose statistic exceeds N x the median head")
@@ -282,6 +327,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--tensor", choices=["k", "v"], default="k")
     p.add_argument("--threshold", type=float, default=1.5, help="ratio to the file's median head")
+    _stats_option(p)
     p.set_defaults(func=_outliers)
 
     p = sub.add_parser("plot", help="PNG: layers x heads heatmap of a statistic, norm by position")
@@ -290,6 +336,7 @@ def register(sub: Any) -> None:
     p.add_argument("--stat", default="norm_mean")
     p.add_argument("--tensor", choices=["k", "v"], default="k")
     p.add_argument("-o", "--output", required=True, help="PNG file")
+    _stats_option(p)
     p.set_defaults(func=_plot)
 
     p = sub.add_parser("similarity", help="cross-head and cross-layer linear CKA and cosine")

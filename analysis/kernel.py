@@ -1,12 +1,23 @@
-"""The compiled one-pass kernel behind `HeadAccumulator.add` (numba).
+"""The fused compiled kernel behind `HeadAccumulator.add` (numba).
 
-One call reads a piece of rows ``(n_tokens, dim)`` float32 once, row by row while the row is in
-L1, and updates every per-element sum of the catalogue in place: norms and their histogram,
-power sums up to the 4th order, channel absmax, the unit-vector sum, RoPE pair energy, norm by
-position bin, the per-row peak, and min-max quantization error at 8/4/2 bits in groups of 32
-channels per token and 32 tokens per channel. The Gram matrix stays with BLAS. The arithmetic
-is that of the numpy path in `analysis.stats` (float64 sums; quantization in float32 summed in
-float64), so the two agree to rounding (1e-9 relative); `tests/test_kernel.py` holds them to it.
+One call walks a piece of rows ``(n_tokens, dim)`` float32 in tiles of `GROUP` rows (16 KiB for
+128 channels, so a tile stays in L1) and updates, for the statistic groups asked for, every
+per-element sum of the catalogue in place:
+
+- the row pass (`_row_pass`, float64 sums): squared norms and their histogram, channel power sums
+  up to the 4th order, channel absmax and the per-row peak, the unit-vector sum, RoPE pair
+  energy, norm by position bin;
+- the quantization pass (`_quant_tile`, float32 arithmetic as the definition says): min-max
+  quantization error at 8/4/2 bits in groups of `GROUP` channels per token and `GROUP` tokens per
+  channel, both over the tile the row pass has just read.
+
+The Gram matrix stays with BLAS (`analysis.stats`). Every inner loop runs over contiguous
+channels without a loop-carried dependency other than a reduction, so LLVM vectorizes it: the
+float64 sums are reassociated (``fastmath`` reassoc), the absolute maxima are taken on the float
+bits as integers (an exact, vectorizable max for non-negative floats), and the quantization pass,
+which alone runs with no-NaN fast math, only sees tiles the row pass found finite (a non-finite
+tile makes the quantization errors NaN, as the numpy reference would). Step divisions are
+multiplications by the reciprocal; the errors agree with the numpy reference to ~1e-8 relative.
 
 ``KVSNAP_KERNEL=numpy`` in the environment, or numba missing, selects the numpy path.
 """
@@ -26,6 +37,10 @@ AVAILABLE = numba is not None and os.environ.get("KVSNAP_KERNEL", "compiled") !=
 
 LOG_LOW, LOG_HIGH, BINS = -8.0, 8.0, 2048
 GROUP = 32
+ABS_MASK = np.int32(0x7FFFFFFF)
+
+# Flags (an int64 array, so one compiled version serves every selection).
+NORMS, CHANNELS, ROPE, MEAN, QUANT = range(5)
 
 
 def _hist_bin(value: float) -> int:
@@ -35,151 +50,283 @@ def _hist_bin(value: float) -> int:
     return 0 if index < 0 else (BINS - 1 if index > BINS - 1 else index)
 
 
-def _quantization_error(x: np.ndarray, levels: np.ndarray, out: np.ndarray, tokens: bool) -> None:
-    """Add the squared min-max quantization error of ``x`` ``(n, dim)`` float32 at each of the
-    three ``levels`` to ``out``: groups of GROUP channels per token (``tokens``) or of GROUP
-    tokens per channel; a last partial group is quantized on its own. One pass per group
-    computes all three levels."""
-    n, dim = x.shape
-    one = np.float32(1.0)
-    l0, l1, l2 = np.float32(levels[0]), np.float32(levels[1]), np.float32(levels[2])
-    if tokens:
-        acc = np.zeros((3, GROUP), np.float64)  # per-lane sums: vectorizes without reassociation
-        for i in range(n):
-            for start in range(0, dim, GROUP):
-                stop = min(start + GROUP, dim)
-                low = x[i, start]
-                high = x[i, start]
-                for j in range(start + 1, stop):
-                    low = min(low, x[i, j])
-                    high = max(high, x[i, j])
-                wide = high > low
-                s0 = (high - low) / l0 if wide else one
-                s1 = (high - low) / l1 if wide else one
-                s2 = (high - low) / l2 if wide else one
-                for j in range(start, stop):
-                    v = x[i, j]
-                    d = v - low
-                    e0 = np.rint(d / s0) * s0 + low - v
-                    e1 = np.rint(d / s1) * s1 + low - v
-                    e2 = np.rint(d / s2) * s2 + low - v
-                    acc[0, j - start] += np.float64(e0 * e0)
-                    acc[1, j - start] += np.float64(e1 * e1)
-                    acc[2, j - start] += np.float64(e2 * e2)
-        for b in range(3):
-            out[b] += acc[b].sum()
-        return
-    lows = np.empty(dim, np.float32)
-    highs = np.empty(dim, np.float32)
-    steps = np.empty((3, dim), np.float32)
-    sums = np.zeros((3, dim), np.float64)
-    for start in range(0, n, GROUP):
-        stop = min(start + GROUP, n)
-        lows[:] = x[start]
-        highs[:] = x[start]
-        for i in range(start + 1, stop):
-            for j in range(dim):
-                lows[j] = min(lows[j], x[i, j])
-                highs[j] = max(highs[j], x[i, j])
-        for j in range(dim):
-            wide = highs[j] > lows[j]
-            steps[0, j] = (highs[j] - lows[j]) / l0 if wide else one
-            steps[1, j] = (highs[j] - lows[j]) / l1 if wide else one
-            steps[2, j] = (highs[j] - lows[j]) / l2 if wide else one
-        for i in range(start, stop):
-            for j in range(dim):
-                v = x[i, j]
-                low = lows[j]
-                d = v - low
-                e0 = np.rint(d / steps[0, j]) * steps[0, j] + low - v
-                e1 = np.rint(d / steps[1, j]) * steps[1, j] + low - v
-                e2 = np.rint(d / steps[2, j]) * steps[2, j] + low - v
-                sums[0, j] += np.float64(e0 * e0)
-                sums[1, j] += np.float64(e1 * e1)
-                sums[2, j] += np.float64(e2 * e2)
-    for b in range(3):
-        out[b] += sums[b].sum()
-
-
-def _accumulate(
+def _row_pass(
     x: np.ndarray,
+    bits: np.ndarray,
+    start: int,
+    stop: int,
     positions: np.ndarray,
     first: np.ndarray,
     second: np.ndarray,
-    levels: np.ndarray,
+    flags: np.ndarray,
     scalars: np.ndarray,
     norm_hist: np.ndarray,
-    peak_hist: np.ndarray,
     power: np.ndarray,
-    absmax: np.ndarray,
+    absmax_bits: np.ndarray,
     unit_sum: np.ndarray,
     band: np.ndarray,
     position_count: np.ndarray,
     position_norm: np.ndarray,
-    peaks: np.ndarray,
+    peak_bits: np.ndarray,
+    square_norms: np.ndarray,
+    low_keys: np.ndarray,
+    high_keys: np.ndarray,
+    row: np.ndarray,
+) -> bool:
+    """Rows ``start:stop`` of ``x`` (``bits``: the same memory as int32); with the QUANT flag,
+    ``low_keys``/``high_keys`` ``(dim,)`` become these rows' channel minima/maxima as order keys.
+    Returns True when every value was finite.
+
+    Maxima and minima are taken branch-free (``w + ((v - w) & -(v > w))``): LLVM vectorizes that
+    form, not a compare-and-select stored back to an array."""
+    dim = x.shape[1]
+    bins = position_count.shape[0]
+    finite = True
+    if flags[QUANT]:
+        for j in range(dim):
+            key = _order_key(bits[start, j])
+            low_keys[j] = key
+            high_keys[j] = key
+    for i in range(start, stop):
+        values = x[i]
+        row_bits = bits[i]
+        square_sum = 0.0
+        for j in range(dim):
+            v = np.float64(values[j])
+            row[j] = v
+            square_sum += v * v
+        if not np.isfinite(square_sum):
+            finite = False
+        scalars[1] += square_sum
+        square_norms[i] = square_sum
+        if flags[QUANT]:
+            for j in range(dim):
+                key = _order_key(row_bits[j])
+                low = low_keys[j]
+                low_keys[j] = low + ((key - low) & -(key < low))
+            for j in range(dim):
+                key = _order_key(row_bits[j])
+                high = high_keys[j]
+                high_keys[j] = high + ((key - high) & -(key > high))
+        if flags[MEAN]:
+            for j in range(dim):
+                power[0, j] += row[j]
+        if flags[CHANNELS]:
+            for j in range(dim):
+                v = row[j]
+                v2 = v * v
+                power[1, j] += v2
+                power[2, j] += v2 * v
+                power[3, j] += v2 * v2
+            peak = 0
+            for j in range(dim):
+                a = row_bits[j] & ABS_MASK
+                peak = a if a > peak else peak
+            for j in range(dim):
+                a = row_bits[j] & ABS_MASK
+                m = absmax_bits[j]
+                absmax_bits[j] = m + ((a - m) & -(a > m))
+            peak_bits[i] = peak
+        if flags[ROPE]:
+            for p in range(first.shape[0]):
+                a = row[first[p]]
+                b = row[second[p]]
+                band[p] += a * a + b * b
+        if flags[NORMS]:
+            norm = np.sqrt(square_sum)
+            scalars[0] += norm
+            scalars[2] = min(scalars[2], norm)
+            scalars[3] = max(scalars[3], norm)
+            inverse = 1.0 / max(norm, 1e-30)
+            for j in range(dim):
+                unit_sum[j] += row[j] * inverse
+            norm_hist[_hist_bin(norm)] += 1
+            position = positions[i]
+            if position > 0:
+                slot = int(np.floor(np.log2(np.float64(position)))) + 1
+                slot = min(slot, bins - 1)
+            else:
+                slot = 0
+                if position == 0:
+                    scalars[4] += norm
+                    scalars[5] += 1.0
+            position_count[slot] += 1
+            position_norm[slot] += norm
+    return finite
+
+
+def _order_key(bits: int) -> int:
+    """An int32 key of a float32's bits that orders as the float does (-0 just below +0):
+    negative floats have their magnitude bits flipped. The map is its own inverse."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _quant_tile(
+    x: np.ndarray,
+    start: int,
+    stop: int,
+    low_keys: np.ndarray,
+    high_keys: np.ndarray,
+    levels: np.ndarray,
+    token: np.ndarray,
+    channel: np.ndarray,
+    scratch: np.ndarray,
 ) -> None:
-    """Update the sums with ``x`` ``(n_tokens, dim)`` float32 at ``positions`` ``(n_tokens,)``
-    (the quantization errors: `quantization_error`, compiled apart so that the fast-math flags of
-    this pass do not reach its float32 arithmetic).
+    """Add the squared min-max quantization errors of rows ``start:stop`` (one group of at most
+    `GROUP` tokens; ``low_keys``/``high_keys`` ``(dim,)``: its channel minima and maxima as order
+    keys) at the three ``levels`` (float32): per token in groups of `GROUP` channels to ``token``
+    ``(3,)``, per channel to ``channel`` ``(3,)``. ``scratch``: ``(14, dim)`` float32."""
+    dim = x.shape[1]
+    one = np.float32(1.0)
+    lows = scratch[0]
+    low_bits = lows.view(np.int32)
+    high_bits = scratch[1].view(np.int32)
+    for j in range(dim):
+        low_bits[j] = _order_key(low_keys[j])
+        high_bits[j] = _order_key(high_keys[j])
+    highs = scratch[1]
+    steps = scratch[2:5]
+    inverses = scratch[5:8]
+    channel_errors = scratch[8:11]
+    for b in range(3):
+        level = levels[b]
+        step_b = steps[b]
+        inverse_b = inverses[b]
+        for j in range(dim):
+            spread = highs[j] - lows[j]
+            step = spread / level if spread > 0 else one
+            step_b[j] = step
+            inverse_b[j] = one / step
+    channel_errors[:] = 0
+    token_errors = scratch[11:14]
+    token_errors[:] = 0
+    full = dim - dim % GROUP
+    for i in range(start, stop):
+        row = x[i]
+        for b in range(3):
+            step_b = steps[b]
+            inverse_b = inverses[b]
+            error_b = channel_errors[b]
+            for j in range(dim):
+                v = row[j]
+                low = lows[j]
+                e = (np.rint((v - low) * inverse_b[j]) * step_b[j] + low) - v
+                error_b[j] += e * e
+        for g in range(0, dim, GROUP):
+            size = GROUP if g < full else dim - full
+            group = row[g : g + size]
+            low = group[0]
+            high = group[0]
+            for j in range(size):
+                v = group[j]
+                low = v if v < low else low
+                high = v if v > high else high
+            spread = high - low
+            for b in range(3):
+                step = spread / levels[b] if spread > 0 else one
+                inverse = one / step
+                lanes = token_errors[b, g : g + size]
+                for j in range(size):
+                    v = group[j]
+                    e = (np.rint((v - low) * inverse) * step + low) - v
+                    lanes[j] += e * e
+    for b in range(3):
+        total = 0.0
+        for j in range(dim):
+            total += np.float64(channel_errors[b, j])
+        channel[b] += total
+        total = 0.0
+        for j in range(dim):
+            total += np.float64(token_errors[b, j])
+        token[b] += total
+
+
+def _accumulate(
+    x: np.ndarray,
+    bits: np.ndarray,
+    positions: np.ndarray,
+    first: np.ndarray,
+    second: np.ndarray,
+    levels: np.ndarray,
+    flags: np.ndarray,
+    scalars: np.ndarray,
+    norm_hist: np.ndarray,
+    power: np.ndarray,
+    absmax_bits: np.ndarray,
+    unit_sum: np.ndarray,
+    band: np.ndarray,
+    position_count: np.ndarray,
+    position_norm: np.ndarray,
+    peak_bits: np.ndarray,
+    square_norms: np.ndarray,
+    quant_token: np.ndarray,
+    quant_channel: np.ndarray,
+) -> None:
+    """Update the sums with ``x`` ``(n_tokens, dim)`` float32 (``bits``: its int32 view) at
+    ``positions`` ``(n_tokens,)``, for the groups ``flags`` selects, one tile of `GROUP` rows
+    at a time (the row pass, then the quantization pass on the same tile).
 
         ``scalars``: [sum ||x||, sum ||x||^2, min ||x||, max ||x||, sum ||x_0||, count of x_0];
-        ``peaks`` ``(n_tokens,)`` receives each row's max |x|."""
+        ``absmax_bits`` ``(dim,)`` int32: the float32 bits of each channel's max |x| so far;
+        ``peak_bits`` ``(n_tokens,)`` int32 receives each row's max |x| as float32 bits;
+        ``square_norms`` ``(n_tokens,)`` float64 receives each row's ||x||^2;
+        ``quant_token``, ``quant_channel`` ``(3,)``: the error sums at 8, 4 and 2 bits."""
     n, dim = x.shape
-    bins = position_count.shape[0]
     row = np.empty(dim, np.float64)
-    for i in range(n):
-        square_sum = 0.0
-        peak = 0.0
-        for j in range(dim):
-            v = np.float64(x[i, j])
-            row[j] = v
-            v2 = v * v
-            square_sum += v2
-            power[0, j] += v
-            power[1, j] += v2
-            power[2, j] += v2 * v
-            power[3, j] += v2 * v2
-            magnitude = abs(v)
-            if magnitude > absmax[j]:
-                absmax[j] = magnitude
-            if magnitude > peak:
-                peak = magnitude
-        norm = np.sqrt(square_sum)
-        scalars[0] += norm
-        scalars[1] += square_sum
-        scalars[2] = min(scalars[2], norm)
-        scalars[3] = max(scalars[3], norm)
-        inverse = 1.0 / max(norm, 1e-30)
-        for j in range(dim):
-            unit_sum[j] += row[j] * inverse
-        for p in range(first.shape[0]):
-            a = row[first[p]]
-            b = row[second[p]]
-            band[p] += a * a + b * b
-        norm_hist[_hist_bin(norm)] += 1
-        peak_hist[_hist_bin(peak)] += 1
-        peaks[i] = peak
-        position = positions[i]
-        if position > 0:
-            slot = int(np.floor(np.log2(np.float64(position)))) + 1
-            slot = min(slot, bins - 1)
-        else:
-            slot = 0
-            if position == 0:
-                scalars[4] += norm
-                scalars[5] += 1.0
-        position_count[slot] += 1
-        position_norm[slot] += norm
+    low_keys = np.empty(dim, np.int32)
+    high_keys = np.empty(dim, np.int32)
+    scratch = np.empty((14, dim), np.float32)
+    levels32 = levels.astype(np.float32)
+    nan = False
+    for start in range(0, n, GROUP):
+        stop = min(start + GROUP, n)
+        finite = _row_pass(
+            x,
+            bits,
+            start,
+            stop,
+            positions,
+            first,
+            second,
+            flags,
+            scalars,
+            norm_hist,
+            power,
+            absmax_bits,
+            unit_sum,
+            band,
+            position_count,
+            position_norm,
+            peak_bits,
+            square_norms,
+            low_keys,
+            high_keys,
+            row,
+        )
+        if flags[QUANT]:
+            if finite:
+                _quant_tile(
+                    x, start, stop, low_keys, high_keys, levels32, quant_token, quant_channel, scratch
+                )
+            else:
+                nan = True
+    if nan:
+        quant_token[:] = np.nan
+        quant_channel[:] = np.nan
 
 
-# Reassociation lets LLVM vectorize the float64 reductions of the main pass (sums move by ~1e-15
-# relative). The quantization pass has no fast-math at all: its float32 arithmetic must round
-# exactly as numpy's does, so its sums are kept per lane instead.
-_FAST = {"reassoc", "nsz"}
+# Reassociation lets LLVM vectorize the float64 reductions of the row pass (sums move by ~1e-15
+# relative); it keeps NaN semantics, so non-finite rows are seen. The quantization pass keeps the
+# order of its float32 arithmetic (no reassociation, no fused multiply-add: each error rounds as
+# the numpy definition's does) and adds no-NaN/no-inf so that its min/max reductions vectorize;
+# it is only called on finite tiles.
+_ROW_FLAGS = {"reassoc", "nsz", "contract"}
+_QUANT_FLAGS = {"nsz", "nnan", "ninf"}
 if numba is not None:
     _hist_bin = numba.njit(cache=True, nogil=True)(_hist_bin)
-    quantization_error = numba.njit(cache=True, nogil=True)(_quantization_error)
-    accumulate = numba.njit(cache=True, nogil=True, fastmath=_FAST)(_accumulate)
+    _row_pass = numba.njit(cache=True, nogil=True, fastmath=_ROW_FLAGS)(_row_pass)
+    _order_key = numba.njit(cache=True, nogil=True, inline="always")(_order_key)
+    _quant_tile = numba.njit(cache=True, nogil=True, fastmath=_QUANT_FLAGS)(_quant_tile)
+    accumulate = numba.njit(cache=True, nogil=True)(_accumulate)
 else:  # pragma: no cover
-    quantization_error = _quantization_error
     accumulate = _accumulate

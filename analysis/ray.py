@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -21,16 +22,24 @@ import ray
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from analysis.batch import (
+from analysis.files import (
     BatchResult,
     FileFailure,
     MergedKey,
     Options,
     describe_error,
+    expand_paths,
     file_or_failure,
     sort_like,
 )
-from analysis.stats import HeadAccumulator, file_accumulators, frame_of, stats_for_file
+from analysis.stats import (
+    HeadAccumulator,
+    PassOptions,
+    frame_of,
+    merged_accumulators,
+    stat_groups,
+    stats_for_file,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -38,13 +47,18 @@ if TYPE_CHECKING:
 ERROR_COLUMNS = ("file", "error")
 
 
-def _read_file(
-    path: str, snapshot: int, keys: str, storage_options: Options | None, errors: str
-) -> Iterator[pa.Table]:
+def _read_file(path: str, options: PassOptions, errors: str) -> Iterator[pa.Table]:
     import pyarrow as pa
 
     try:
-        yield from stats_for_file(path, snapshot, keys, storage_options)
+        yield from stats_for_file(
+            path,
+            options.snapshot,
+            options.keys,
+            options.storage_options,
+            stats=options.stats,
+            jobs=options.threads,
+        )
     except Exception as exc:
         if errors == "raise":
             raise
@@ -63,15 +77,14 @@ class KVDatasource(Datasource):
         *,
         snapshot: int = -1,
         keys: str = "post_rope",
+        stats: str | list[str] | None = None,
         storage_options: Options | None = None,
         errors: str = "raise",
     ) -> None:
         if errors not in ("raise", "collect"):
             raise ValueError("errors must be 'raise' or 'collect'")
         self.paths = list(paths)
-        self.snapshot = snapshot
-        self.keys = keys
-        self.storage_options = storage_options
+        self.options = PassOptions(snapshot, keys, stat_groups(stats), 1, storage_options)
         self.errors = errors
 
     def get_name(self) -> str:
@@ -87,9 +100,7 @@ class KVDatasource(Datasource):
         for path in self.paths:
             tasks.append(
                 ReadTask(
-                    functools.partial(
-                        _read_file, path, self.snapshot, self.keys, self.storage_options, self.errors
-                    ),
+                    functools.partial(_read_file, path, self.options, self.errors),
                     BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=(path,)),
                 )
             )
@@ -101,15 +112,17 @@ def read_kv(
     *,
     snapshot: int = -1,
     keys: str = "post_rope",
+    stats: str | list[str] | None = None,
     storage_options: Options | None = None,
     errors: str = "raise",
 ) -> ray.data.Dataset:
     """A `ray.data.Dataset` of per-head statistic rows of the files (paths, URLs or glob patterns),
-    the same rows as `analysis.head_stats`, one read task per file."""
-    from analysis.batch import expand_paths
-
+    the same rows as `analysis.head_stats`, one read task per file (one thread each: Ray
+    schedules the cores)."""
     files = expand_paths([paths] if isinstance(paths, str) else paths, storage_options)
-    source = KVDatasource(files, snapshot=snapshot, keys=keys, storage_options=storage_options, errors=errors)
+    source = KVDatasource(
+        files, snapshot=snapshot, keys=keys, stats=stats, storage_options=storage_options, errors=errors
+    )
     return ray.data.read_datasource(source, override_num_blocks=len(files))
 
 
@@ -124,13 +137,11 @@ def _connect(address: str | None, num_cpus: int) -> None:
 
 def ray_stats(
     paths: list[str],
+    options: PassOptions,
     *,
     address: str | None = None,
     num_cpus: int = 1,
     fail_fast: bool = False,
-    snapshot: int = -1,
-    keys: str = "post_rope",
-    storage_options: Options | None = None,
 ) -> BatchResult:
     """`analysis.batch.run_stats` on Ray: the same table, the failures collected by file."""
     _connect(address, num_cpus)
@@ -139,7 +150,7 @@ def ray_stats(
     context.execution_options.preserve_order = True  # each file's layers in the order of its pass
     try:
         with _unwrapped():
-            return _collect(paths, fail_fast, snapshot, keys, storage_options)
+            return _collect(paths, fail_fast, options)
     finally:
         context.execution_options.preserve_order = preserve
 
@@ -157,14 +168,13 @@ def _unwrapped() -> Iterator[None]:
         raise
 
 
-def _collect(
-    paths: list[str], fail_fast: bool, snapshot: int, keys: str, storage_options: Options | None
-) -> BatchResult:
+def _collect(paths: list[str], fail_fast: bool, options: PassOptions) -> BatchResult:
     dataset = read_kv(
         paths,
-        snapshot=snapshot,
-        keys=keys,
-        storage_options=storage_options,
+        snapshot=options.snapshot,
+        keys=options.keys,
+        stats=sorted(options.stats),
+        storage_options=options.storage_options,
         errors="raise" if fail_fast else "collect",
     )
     tables: list[pa.Table] = []
@@ -182,34 +192,31 @@ def _collect(
 
 @ray.remote
 def _accumulators_task(
-    path: str, snapshot: int, keys: str, storage_options: Options | None, fail_fast: bool
+    path: str, options: PassOptions, fail_fast: bool
 ) -> dict[MergedKey, HeadAccumulator] | FileFailure:
-    return file_or_failure(path, file_accumulators, snapshot, keys, storage_options, fail_fast)
+    return file_or_failure(path, merged_accumulators, options, fail_fast)
 
 
 def ray_accumulators(
     paths: list[str],
+    options: PassOptions,
     *,
     address: str | None = None,
     num_cpus: int = 1,
     fail_fast: bool = False,
-    snapshot: int = -1,
-    keys: str = "post_rope",
-    storage_options: Options | None = None,
 ) -> Iterator[tuple[str, dict[MergedKey, HeadAccumulator] | FileFailure]]:
     """Each file's mergeable state, computed by Ray tasks, yielded in the order of ``paths`` (so
     merged sums are added in the same order as on the local engine, bit for bit) with at most
     ``2 x cluster CPUs`` tasks in flight, so the driver holds few states at once."""
     _connect(address, num_cpus)
     window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
+    one_thread = dataclasses.replace(options, threads=1, progress=False)  # Ray schedules the cores
     pending: collections.deque[tuple[str, Any]] = collections.deque()
     queue = collections.deque(paths)
     while queue or pending:
         while queue and len(pending) < window:
             path = queue.popleft()
-            pending.append(
-                (path, _accumulators_task.remote(path, snapshot, keys, storage_options, fail_fast))
-            )
+            pending.append((path, _accumulators_task.remote(path, one_thread, fail_fast)))
         path, reference = pending.popleft()
         with _unwrapped():
             result = ray.get(reference)

@@ -8,9 +8,10 @@ number of tokens, and accumulators of different chunks or files merge exactly. T
 
 from __future__ import annotations
 
+import collections
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 
 _LOG_LOW, _LOG_HIGH, _BINS = -8.0, 8.0, 2048  # log10 histogram: ~1.8% relative bin width
 _PIECE = 1 << 13
+_GRAM_ROWS = 512  # rows per float32 product: its rounding grows with them
+_GRAM_FLOAT64_ROWS = 512  # fewer rows than this: the Gram update in float64
+_HEAVY = 16.0  # squared norm over the piece's median: a row the Gram adds in float64
 TOP_K = 8
 QUANT_BITS = (8, 4, 2)
 QUANT_GROUP = 32
@@ -87,12 +91,63 @@ def _float32(rows: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(rows, dtype=np.float32)
 
 
+GROUPS: dict[str, tuple[str, ...]] = {
+    "norms": (
+        "norm_mean",
+        "norm_std",
+        "norm_min",
+        "norm_max",
+        "norm_p50",
+        "norm_p99",
+        "norm_sq_mean",
+        "sink_ratio",
+        "norm_by_position",
+        "anisotropy",
+    ),
+    "channels": (
+        "channel_mean",
+        "channel_var",
+        "channel_absmax",
+        "outlier_channel_ratio",
+        "channel_kurtosis",
+        "massive_positions",
+        "massive_values",
+        "massive_ratio",
+    ),
+    "rope": ("rope_band_energy",),
+    "spectrum": ("eigenvalues", "rank_90", "effective_rank", *(f"rank{r}_error" for r in RANKS)),
+    "quant": tuple(f"quant{b}_{axis}_error" for b in QUANT_BITS for axis in ("token", "channel")),
+}
+"""The statistic groups and their columns (``n_tokens`` is always there)."""
+
+ALL = frozenset(GROUPS)
+
+
+def stat_groups(stats: str | Iterable[str] | None = None) -> frozenset[str]:
+    """The groups named by ``stats``: ``None`` or ``"all"`` for every group, else names from
+    `GROUPS` (a comma-separated string or an iterable); ValueError naming an unknown group."""
+    if stats is None:
+        return ALL
+    names = [s.strip() for s in stats.split(",")] if isinstance(stats, str) else [str(s) for s in stats]
+    names = [n for n in names if n]
+    if not names:
+        raise ValueError(f"no statistic group named; choose from all, {', '.join(GROUPS)}")
+    if "all" in names:
+        return ALL
+    unknown = [n for n in names if n not in GROUPS]
+    if unknown:
+        raise ValueError(f"unknown statistic group {unknown[0]!r}; choose from all, {', '.join(GROUPS)}")
+    return frozenset(names)
+
+
 @dataclass
 class HeadAccumulator:
-    """Mergeable sums for one (sequence, layer, head, tensor) over vectors of ``dim`` channels."""
+    """Mergeable sums for one (sequence, layer, head, tensor) over vectors of ``dim`` channels,
+    for the statistic ``groups`` (see `GROUPS`; all by default)."""
 
     dim: int
     rope: Rope | None = None
+    groups: frozenset[str] = ALL
     count: int = 0
     norm_sum: float = 0.0
     norm_sq_sum: float = 0.0
@@ -102,7 +157,7 @@ class HeadAccumulator:
     peak_hist: np.ndarray = field(default_factory=lambda: np.zeros(_BINS, np.int64))
     power: np.ndarray = field(init=False)  # (4, dim) sums of x, x^2, x^3, x^4
     absmax: np.ndarray = field(init=False)
-    gram: np.ndarray = field(init=False)
+    gram: np.ndarray = field(init=False)  # (dim, dim) sum of x x^T
     unit_sum: np.ndarray = field(init=False)
     band: np.ndarray | None = field(init=False)
     first_norm_sum: float = 0.0  # ||x|| at position 0, summed over the sequences that hold it
@@ -114,6 +169,7 @@ class HeadAccumulator:
     quant_channel: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
 
     def __post_init__(self) -> None:
+        self.groups = stat_groups(self.groups)
         self.power = np.zeros((4, self.dim))
         self.absmax = np.zeros(self.dim)
         self.gram = np.zeros((self.dim, self.dim))
@@ -121,12 +177,21 @@ class HeadAccumulator:
         self.band = np.zeros(self.rope.dims // 2) if self.rope is not None else None
 
     def add(self, rows: np.ndarray, positions: np.ndarray) -> None:
-        """Add ``rows`` ``(n_tokens, dim)`` at absolute ``positions`` ``(n_tokens,)``: the compiled
-        one-pass kernel (`analysis.kernel`) where numba is installed, else numpy."""
+        """Add ``rows`` ``(n_tokens, dim)`` at absolute ``positions`` ``(n_tokens,)``: the fused
+        compiled kernel (`analysis.kernel`) where numba is installed, else numpy."""
         if kernel.AVAILABLE:
             self._add_compiled(rows, positions)
         else:
             self._add_numpy(rows, positions)
+
+    def _flags(self) -> np.ndarray:
+        flags = np.zeros(5, np.int64)
+        flags[kernel.NORMS] = "norms" in self.groups
+        flags[kernel.CHANNELS] = "channels" in self.groups
+        flags[kernel.ROPE] = "rope" in self.groups and self.band is not None
+        flags[kernel.MEAN] = "channels" in self.groups or "spectrum" in self.groups
+        flags[kernel.QUANT] = "quant" in self.groups
+        return flags
 
     def _add_compiled(self, rows: np.ndarray, positions: np.ndarray) -> None:
         if self.band is not None and self.rope is not None:
@@ -135,8 +200,11 @@ class HeadAccumulator:
         else:
             first = second = np.empty(0, np.int64)
             band = np.empty(0)
+        flags = self._flags()
+        channels, spectrum = "channels" in self.groups, "spectrum" in self.groups
         scalars = np.array([0.0, 0.0, self.norm_min, self.norm_max, 0.0, 0.0])
         levels = np.array([(1 << bits) - 1 for bits in QUANT_BITS], np.int64)
+        absmax_bits = np.zeros(self.dim, np.int32)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         for start in range(0, rows.shape[0], _PIECE):
             x = _float32(rows[start : start + _PIECE])
@@ -144,36 +212,78 @@ class HeadAccumulator:
             if not n:
                 continue
             pos = positions[start : start + n]
-            peaks = np.empty(n)
+            peak_bits = np.zeros(n, np.int32)
+            square_norms = np.empty(n)
+            before = self.power[0].copy() if spectrum else None
             kernel.accumulate(
                 x,
+                x.view(np.int32),
                 pos,
                 first,
                 second,
                 levels,
+                flags,
                 scalars,
                 self.norm_hist,
-                self.peak_hist,
                 self.power,
-                self.absmax,
+                absmax_bits,
                 self.unit_sum,
                 band,
                 self.position_count,
                 self.position_norm,
-                peaks,
+                peak_bits,
+                square_norms,
+                self.quant_token,
+                self.quant_channel,
             )
-            kernel.quantization_error(x, levels, self.quant_token, True)
-            kernel.quantization_error(x, levels, self.quant_channel, False)
-            x64 = x.astype(np.float64)
-            self.gram += x64.T @ x64
+            if before is not None:
+                self._add_gram(x, self.power[0] - before, square_norms)
             self.count += n
-            best = np.argpartition(peaks, n - TOP_K)[n - TOP_K :] if n > TOP_K else np.arange(n)
-            self.top = sorted(self.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[:TOP_K]
+            if channels:
+                peaks = peak_bits.view(np.float32).astype(np.float64)
+                self.peak_hist += np.bincount(_hist_index(peaks), minlength=_BINS)
+                best = np.argpartition(peaks, n - TOP_K)[n - TOP_K :] if n > TOP_K else np.arange(n)
+                self.top = sorted(self.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[
+                    :TOP_K
+                ]
+        if channels:
+            self.absmax = np.maximum(self.absmax, absmax_bits.view(np.float32))
         self.norm_sum += float(scalars[0])
         self.norm_sq_sum += float(scalars[1])
         self.norm_min, self.norm_max = float(scalars[2]), float(scalars[3])
         self.first_norm_sum += float(scalars[4])
         self.first_count += int(scalars[5])
+
+    def _add_gram(self, x: np.ndarray, sums: np.ndarray, square_norms: np.ndarray) -> None:
+        """Add ``x`` ``(n, dim)`` float32 (channel sums ``sums`` float64, row norms squared
+        ``square_norms``) to the Gram matrix.
+
+        Pieces under `_GRAM_FLOAT64_ROWS` rows are added in float64. In larger ones, rows over
+        `_HEAVY` times the piece's median squared norm (massive activations, attention
+        sinks) are added in float64: in float32 they would set the rounding of every entry. The
+        others run in float32 (BLAS) less their mean ``c``, so rounding is relative to their
+        spread, in pieces of `_GRAM_ROWS` added in float64:
+        ``sum x x^T = sum (x-c)(x-c)^T + c s^T + s c^T - n c c^T`` with ``s = sum x``."""
+        if x.shape[0] < _GRAM_FLOAT64_ROWS:  # small pieces: float64 costs nothing there
+            x64 = x.astype(np.float64)
+            self.gram += x64.T @ x64
+            return
+        heavy = square_norms > _HEAVY * np.median(square_norms)
+        if heavy.any():
+            big = x[heavy].astype(np.float64)
+            self.gram += big.T @ big
+            x = x[~heavy]
+            sums = sums - big.sum(axis=0)
+        n = x.shape[0]
+        if not n:
+            return
+        center = (sums / n).astype(np.float32)
+        for start in range(0, n, _GRAM_ROWS):
+            shifted = x[start : start + _GRAM_ROWS] - center
+            self.gram += shifted.T @ shifted
+        c = center.astype(np.float64)
+        cross = np.outer(c, sums)
+        self.gram += cross + cross.T - n * np.outer(c, c)
 
     def _add_numpy(self, rows: np.ndarray, positions: np.ndarray) -> None:
         for start in range(0, rows.shape[0], _PIECE):
@@ -220,9 +330,13 @@ class HeadAccumulator:
 
     def merge(self, other: HeadAccumulator) -> None:
         """Add another accumulator of the same (layer, head, tensor) into this one (another chunk,
-        sequence or file); raises ValueError when the channel counts differ."""
+        sequence or file); raises ValueError when the channel counts or the groups differ."""
         if other.dim != self.dim:
             raise ValueError(f"cannot merge {other.dim}-channel statistics into {self.dim}-channel ones")
+        if other.groups != self.groups:
+            raise ValueError(
+                f"cannot merge statistics of groups {sorted(other.groups)} into {sorted(self.groups)}"
+            )
         self.count += other.count
         self.norm_sum += other.norm_sum
         self.norm_sq_sum += other.norm_sq_sum
@@ -248,30 +362,37 @@ class HeadAccumulator:
         self.top = sorted(self.top + other.top, reverse=True)[:TOP_K]
 
     def row(self) -> dict[str, Any]:
-        """The statistics (see analysis/README.md for each formula)."""
+        """The statistics of the accumulator's groups, ``n_tokens`` first (see analysis/README.md
+        for each formula); columns of groups not computed are absent."""
         n = self.count
+        row: dict[str, Any] = {"n_tokens": n}
         if not n:
-            return {"n_tokens": 0}
+            return row
+        m1 = self.power[0] / n
+        if "norms" in self.groups:
+            row.update(self._norms(n))
+        if "channels" in self.groups:
+            row.update(self._channels(n, m1))
+        if "rope" in self.groups:
+            row["rope_band_energy"] = (
+                (self.band / max(float(self.band.sum()), 1e-30)).tolist() if self.band is not None else None
+            )
+        if "spectrum" in self.groups:
+            row.update(self._spectrum(n, m1))
+        if "quant" in self.groups:
+            energy = self.norm_sq_sum
+            for i, bits in enumerate(QUANT_BITS):
+                for axis, sums in (("token", self.quant_token), ("channel", self.quant_channel)):
+                    row[f"quant{bits}_{axis}_error"] = float(sums[i] / energy) if energy else float("nan")
+        return row
+
+    def _norms(self, n: int) -> dict[str, Any]:
         mean_norm = self.norm_sum / n
         sq_mean = self.norm_sq_sum / n
-        m1, m2, m3, m4 = self.power / n
-        var = np.maximum(m2 - m1 * m1, 0.0)
-        central4 = m4 - 4 * m1 * m3 + 6 * m1 * m1 * m2 - 3 * m1**4
-        with np.errstate(divide="ignore", invalid="ignore"):
-            kurtosis = np.where(var > 0, central4 / (var * var) - 3.0, np.nan)
-        covariance = self.gram / n - np.outer(m1, m1)
-        eig = np.clip(np.linalg.eigvalsh(covariance)[::-1], 0.0, None)
-        total = float(eig.sum())
-        cumulative = np.cumsum(eig) / total if total > 0 else np.ones_like(eig)
-        probabilities = eig / total if total > 0 else eig
-        nonzero = probabilities[probabilities > 0]
-        peak_median = _hist_quantile(self.peak_hist, 0.5)
-        energy = float(self.power[1].sum())
         with np.errstate(divide="ignore", invalid="ignore"):
             by_position = np.where(self.position_count > 0, self.position_norm / self.position_count, np.nan)
         last_bin = int(np.flatnonzero(self.position_count).max()) + 1 if self.position_count.any() else 0
-        row: dict[str, Any] = {
-            "n_tokens": n,
+        return {
             "norm_mean": mean_norm,
             "norm_std": float(np.sqrt(max(sq_mean - mean_norm**2, 0.0))),
             "norm_min": self.norm_min,
@@ -279,6 +400,21 @@ class HeadAccumulator:
             "norm_p50": _hist_quantile(self.norm_hist, 0.5),
             "norm_p99": _hist_quantile(self.norm_hist, 0.99),
             "norm_sq_mean": sq_mean,
+            "sink_ratio": self.first_norm_sum / self.first_count / mean_norm
+            if self.first_count
+            else float("nan"),
+            "norm_by_position": by_position[:last_bin].tolist(),
+            "anisotropy": float(np.linalg.norm(self.unit_sum / n)),
+        }
+
+    def _channels(self, n: int, m1: np.ndarray) -> dict[str, Any]:
+        _, m2, m3, m4 = self.power / n
+        var = np.maximum(m2 - m1 * m1, 0.0)
+        central4 = m4 - 4 * m1 * m3 + 6 * m1 * m1 * m2 - 3 * m1**4
+        with np.errstate(divide="ignore", invalid="ignore"):
+            kurtosis = np.where(var > 0, central4 / (var * var) - 3.0, np.nan)
+        peak_median = _hist_quantile(self.peak_hist, 0.5)
+        return {
             "channel_mean": m1.tolist(),
             "channel_var": var.tolist(),
             "channel_absmax": self.absmax.tolist(),
@@ -287,41 +423,74 @@ class HeadAccumulator:
             "massive_positions": [p for _, p in self.top],
             "massive_values": [v for v, _ in self.top],
             "massive_ratio": self.top[0][0] / peak_median if self.top and peak_median > 0 else float("nan"),
-            "sink_ratio": self.first_norm_sum / self.first_count / mean_norm
-            if self.first_count
-            else float("nan"),
-            "rope_band_energy": (self.band / max(float(self.band.sum()), 1e-30)).tolist()
-            if self.band is not None
-            else None,
+        }
+
+    def _spectrum(self, n: int, m1: np.ndarray) -> dict[str, Any]:
+        covariance = self.gram / n - np.outer(m1, m1)
+        eig = np.clip(np.linalg.eigvalsh(covariance)[::-1], 0.0, None)
+        total = float(eig.sum())
+        cumulative = np.cumsum(eig) / total if total > 0 else np.ones_like(eig)
+        probabilities = eig / total if total > 0 else eig
+        nonzero = probabilities[probabilities > 0]
+        row: dict[str, Any] = {
             "eigenvalues": eig.tolist(),
             "rank_90": int(np.searchsorted(cumulative, 0.9) + 1),
             "effective_rank": float(np.exp(-(nonzero * np.log(nonzero)).sum())) if nonzero.size else 0.0,
-            "norm_by_position": by_position[:last_bin].tolist(),
-            "anisotropy": float(np.linalg.norm(self.unit_sum / n)),
         }
         for r in RANKS:
             kept = float(eig[:r].sum()) / total if total > 0 else 1.0
             row[f"rank{r}_error"] = 1.0 - kept
-        for i, bits in enumerate(QUANT_BITS):
-            row[f"quant{bits}_token_error"] = float(self.quant_token[i] / energy) if energy else float("nan")
-            row[f"quant{bits}_channel_error"] = (
-                float(self.quant_channel[i] / energy) if energy else float("nan")
-            )
         return row
 
 
 Key = tuple[int, int, int, str]  # (seq, layer, head, "k" | "v")
 
 
+@dataclass(frozen=True)
+class PassOptions:
+    """What one streaming pass over a file computes, and with how many threads.
+
+    ``snapshot``: index (negative from the end); ``keys``: ``"post_rope"`` or ``"pre_rope"``;
+    ``stats``: the statistic groups (`GROUPS`); ``threads``: threads on this file's blocks;
+    ``storage_options``: fsspec options for URLs; ``progress``: a bar of layers on stderr."""
+
+    snapshot: int = -1
+    keys: str = "post_rope"
+    stats: frozenset[str] = ALL
+    threads: int = 1
+    storage_options: dict[str, Any] | None = field(default=None, compare=False)
+    progress: bool = field(default=False, compare=False)  # a bar per layer on a terminal's stderr
+
+    def __post_init__(self) -> None:
+        if self.keys not in ("post_rope", "pre_rope"):
+            raise ValueError("keys must be 'post_rope' or 'pre_rope'")
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads must be a positive integer, not {self.threads!r}")
+        object.__setattr__(self, "stats", stat_groups(self.stats))
+
+
+def _add(accumulator: HeadAccumulator, rows: np.ndarray, positions: np.ndarray, rope: Rope | None) -> None:
+    if rope is not None:
+        rows = rope.rotate(rows, positions, inverse=True)
+    accumulator.add(rows, positions)
+
+
 def _layers(
-    path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None
+    path: str | os.PathLike[str], options: PassOptions, progress: bool = False
 ) -> Iterator[tuple[str, int, int, dict[Key, HeadAccumulator]]]:
     """One streaming pass over a file, yielding ``(file name, snapshot index, layer, its
-    accumulators)`` as soon as the pass is past the layer's last chunk, so memory holds the
-    accumulators of the layers in progress only (one layer for a layer-major file)."""
-    if keys not in ("post_rope", "pre_rope"):
-        raise ValueError("keys must be 'post_rope' or 'pre_rope'")
-    with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
+    accumulators)`` as soon as the pass is past the layer's last chunk and its work is done, so
+    memory holds the accumulators of the layers in progress only (one or two for a layer-major
+    file).
+
+    With ``options.threads`` = T > 1 the K and V of each block go to T threads, at most 2T
+    blocks in flight (`analysis.parallel.OrderedPool`): memory is about
+    ``2T x block + T x 3 x 8192 x head_dim x 4 bytes (float32 pieces) + the accumulators of the
+    layers in progress`` (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``). ``progress`` shows a
+    bar per layer on stderr when it is a terminal."""
+    from analysis.parallel import OrderedPool, single_threaded_blas
+
+    with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
         name, index = os.fspath(path), snap.index
         ropes: dict[int, Rope | None] = {}
         for layer, spec in enumerate(snap.layers):
@@ -330,58 +499,75 @@ def _layers(
             try:
                 ropes[layer] = Rope.from_metadata(snap.metadata, spec.attributes, spec.k_dim)
             except ValueError:
-                if keys == "pre_rope":
+                if options.keys == "pre_rope":
                     raise
                 ropes[layer] = None
+        unrotate = options.keys == "pre_rope"
 
         def fresh(layer: int) -> dict[Key, HeadAccumulator]:
             spec = snap.layers[layer]
             table: dict[Key, HeadAccumulator] = {}
             for seq in range(snap.num_seqs):
                 for head in range(spec.num_heads):
-                    table[(seq, layer, head, "k")] = HeadAccumulator(spec.k_dim, ropes[layer])
-                    table[(seq, layer, head, "v")] = HeadAccumulator(spec.v_dim)
+                    table[(seq, layer, head, "k")] = HeadAccumulator(spec.k_dim, ropes[layer], options.stats)
+                    table[(seq, layer, head, "v")] = HeadAccumulator(spec.v_dim, None, options.stats)
             return table
 
         last = {seg.layer: i for i, seg in enumerate(snap.segments())}  # blocks() goes in this order
+        bar = _layer_bar(name, len(ropes), progress)
         for layer in ropes:
             if layer not in last:  # present but holding no tokens
+                bar.update()
                 yield name, index, layer, fresh(layer)
-        in_progress: dict[int, dict[Key, HeadAccumulator]] = {}
-        # K and V of a block go to different accumulators: with the compiled kernel (which, like
-        # BLAS and numpy's conversions, releases the GIL) they run on two threads.
-        pool = ThreadPoolExecutor(2, thread_name_prefix="kvsnap-stats") if kernel.AVAILABLE else None
-        try:
-            for i, block in enumerate(snap.blocks()):
-                table = in_progress.get(block.layer)
-                if table is None:
-                    table = in_progress[block.layer] = fresh(block.layer)
-                k = block.k
-                rope = ropes[block.layer]
-                if keys == "pre_rope" and rope is not None:
-                    k = rope.rotate(k, block.positions, inverse=True)
-                k_acc = table[(block.seq, block.layer, block.head, "k")]
-                v_acc = table[(block.seq, block.layer, block.head, "v")]
-                if pool is None:
-                    k_acc.add(k, block.positions)
-                    v_acc.add(block.v, block.positions)
-                else:
-                    pending = pool.submit(v_acc.add, block.v, block.positions)
-                    k_acc.add(k, block.positions)
-                    pending.result()
-                if last[block.layer] == i:
-                    yield name, index, block.layer, in_progress.pop(block.layer)
-        finally:
-            if pool is not None:
-                pool.shutdown()
+        window = 2 * options.threads
+        in_progress: dict[int, tuple[dict[Key, HeadAccumulator], list[Any]]] = {}
+        closing: collections.deque[int] = collections.deque()
+        # BLAS on one thread whatever the thread count: the Gram's rounding then does not depend
+        # on it (BLAS splits sums differently over its own threads).
+        with single_threaded_blas(), OrderedPool(options.threads) as pool, bar:
+            for i, block in enumerate(snap.blocks(hold=window)):
+                layer = block.layer
+                if layer not in in_progress:
+                    in_progress[layer] = (fresh(layer), [])
+                table, futures = in_progress[layer]
+                rope = ropes[layer] if unrotate else None
+                for tensor, rows, rotation in (("k", block.k, rope), ("v", block.v, None)):
+                    key = (block.seq, layer, block.head, tensor)
+                    futures.append(pool.submit(key, _add, table[key], rows, block.positions, rotation))
+                if last[layer] == i:
+                    closing.append(layer)
+                pool.drain(window)
+                while closing and all(f.done() for f in in_progress[closing[0]][1]):
+                    done = closing.popleft()
+                    for future in in_progress[done][1]:
+                        future.result()
+                    bar.update()
+                    yield name, index, done, in_progress.pop(done)[0]
+            pool.drain()
+            while closing:
+                done = closing.popleft()
+                bar.update()
+                yield name, index, done, in_progress.pop(done)[0]
 
 
-def _accumulate(
-    path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None
-) -> dict[Key, HeadAccumulator]:
+def _layer_bar(name: str, layers: int, show: bool) -> Any:
+    """A tqdm bar over the layers of one file: on stderr, only when it is a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=layers,
+        desc=os.path.basename(name) or name,
+        unit="layer",
+        file=sys.stderr,
+        disable=None if show else True,  # None: off when stderr is not a terminal
+        leave=False,
+    )
+
+
+def _accumulate(path: str | os.PathLike[str], options: PassOptions) -> dict[Key, HeadAccumulator]:
     """One streaming pass over a file: the accumulator of every key."""
     table: dict[Key, HeadAccumulator] = {}
-    for _, _, _, accumulators in _layers(path, snapshot, keys, storage_options):
+    for _, _, _, accumulators in _layers(path, options):
         table.update(accumulators)
     return table
 
@@ -401,20 +587,18 @@ def _rows(name: str, index: int, accumulators: dict[Key, HeadAccumulator]) -> li
     ]
 
 
-def _accumulators(
-    path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None = None
-) -> Iterator[dict[str, Any]]:
-    """Rows layer by layer, in the order the pass completes them (layer order for files written
-    layer by layer); within a layer by (seq, head, tensor)."""
-    for name, index, _, accumulators in _layers(path, snapshot, keys, storage_options):
-        yield from _rows(name, index, accumulators)
-
-
 def stats_rows(
-    path: str | os.PathLike[str], snapshot: int = -1, keys: str = "post_rope"
+    path: str | os.PathLike[str],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    *,
+    stats: str | Iterable[str] | None = None,
+    jobs: int = 1,
 ) -> list[dict[str, Any]]:
-    """Rows of per-head statistics for one file (one streaming pass), as dicts."""
-    return list(_accumulators(path, snapshot, keys))
+    """Rows of per-head statistics for one file (one streaming pass, ``jobs`` threads), as dicts:
+    within a layer by (seq, head, tensor)."""
+    options = PassOptions(snapshot, keys, stat_groups(stats), jobs)
+    return [row for name, index, _, table in _layers(path, options) for row in _rows(name, index, table)]
 
 
 def stats_for_file(
@@ -422,13 +606,23 @@ def stats_for_file(
     snapshot: int = -1,
     keys: str = "post_rope",
     storage_options: dict[str, Any] | None = None,
+    *,
+    stats: str | Iterable[str] | None = None,
+    jobs: int = 1,
+    progress: bool = False,
 ) -> Iterator[pa.Table]:
     """The per-head statistics of one file (a path or a URL) as Arrow tables, one per layer, each
-    yielded as soon as the streaming pass is past that layer's last chunk. No global state: a
+    yielded as soon as the streaming pass is past that layer's last chunk; ``stats`` picks the
+    groups (`GROUPS`, all by default), ``jobs`` threads share the file. No global state: a
     process pool or a distributed engine can call it per file."""
+    options = PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options)
+    yield from _tables(path, options, progress)
+
+
+def _tables(path: str | os.PathLike[str], options: PassOptions, progress: bool = False) -> Iterator[pa.Table]:
     import pyarrow as pa
 
-    for name, index, _, accumulators in _layers(path, snapshot, keys, storage_options):
+    for name, index, _, accumulators in _layers(path, options, progress):
         yield pa.Table.from_pylist(_rows(name, index, accumulators))
 
 
@@ -437,11 +631,21 @@ def file_accumulators(
     snapshot: int = -1,
     keys: str = "post_rope",
     storage_options: dict[str, Any] | None = None,
+    *,
+    stats: str | Iterable[str] | None = None,
+    jobs: int = 1,
 ) -> dict[tuple[int, int, str], HeadAccumulator]:
     """The mergeable state of one file, per (layer, head, tensor), its sequences merged: the unit
     that `analysis.batch.merged_stats` combines across files."""
+    return merged_accumulators(path, PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options))
+
+
+def merged_accumulators(
+    path: str | os.PathLike[str], options: PassOptions
+) -> dict[tuple[int, int, str], HeadAccumulator]:
+    """`file_accumulators` with its options as one `PassOptions` (what the engines call)."""
     merged: dict[tuple[int, int, str], HeadAccumulator] = {}
-    for (_, layer, head, tensor), acc in sorted(_accumulate(path, snapshot, keys, storage_options).items()):
+    for (_, layer, head, tensor), acc in sorted(_accumulate(path, options).items()):
         key = (layer, head, tensor)
         if key in merged:
             merged[key].merge(acc)
@@ -450,12 +654,11 @@ def file_accumulators(
     return merged
 
 
-def _file_table(
-    path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None = None
-) -> pa.Table:
+def file_table(path: str | os.PathLike[str], options: PassOptions) -> pa.Table:
+    """Every layer's table of one file, concatenated (what the engines call per file)."""
     import pyarrow as pa
 
-    tables = list(stats_for_file(path, snapshot, keys, storage_options))
+    tables = list(_tables(path, options, options.progress))
     return pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
 
 
@@ -502,13 +705,20 @@ def file_tables(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     snapshot: int = -1,
     keys: str = "post_rope",
-    jobs: int = 1,
+    jobs: int | None = None,
     progress: Callable[[str], None] | None = None,
+    *,
+    stats: str | Iterable[str] | None = None,
 ) -> Iterator[pa.Table]:
-    """One Arrow table per file, in the order given; ``jobs > 1`` computes files in that many
-    processes. ``progress`` is called with each file name as it finishes."""
+    """One Arrow table per file, in the order given, on ``jobs`` cores (default: all of this
+    process's): files in parallel processes first, the rest as threads within each file.
+    ``progress`` is called with each file name as it finishes."""
+    from analysis.parallel import cores, split_jobs
+
     files = _paths(paths)
-    for path, table in zip(files, local_map(_file_table, files, jobs, snapshot, keys), strict=True):
+    processes, threads = split_jobs(cores() if jobs is None else jobs, len(files))
+    options = PassOptions(snapshot, keys, stat_groups(stats), threads, progress=len(files) == 1)
+    for path, table in zip(files, local_map(file_table, files, processes, options), strict=True):
         if progress:
             progress(os.fspath(path))
         yield table
@@ -518,13 +728,16 @@ def head_stats(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     snapshot: int = -1,
     keys: str = "post_rope",
-    jobs: int = 1,
+    jobs: int | None = None,
     progress: Callable[[str], None] | None = None,
+    *,
+    stats: str | Iterable[str] | None = None,
 ) -> pl.DataFrame:
     """A Polars DataFrame, one row per (file, seq, layer, head, tensor); ``keys="pre_rope"``
-    un-rotates K first using the RoPE description in the metadata; ``jobs`` processes;
-    ``progress`` is called with each file name as it finishes."""
-    return frame_of(list(file_tables(paths, snapshot, keys, jobs, progress)))
+    un-rotates K first using the RoPE description in the metadata; ``stats`` names the groups
+    (`GROUPS`; default all); ``jobs`` cores (default: all); ``progress`` is called with each
+    file name as it finishes."""
+    return frame_of(list(file_tables(paths, snapshot, keys, jobs, progress, stats=stats)))
 
 
 def frame_of(tables: list[pa.Table]) -> pl.DataFrame:
@@ -544,11 +757,14 @@ def head_stats_reader(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     snapshot: int = -1,
     keys: str = "post_rope",
+    jobs: int | None = None,
+    *,
+    stats: str | Iterable[str] | None = None,
 ) -> pa.RecordBatchReader:
     """The same rows as an Arrow RecordBatchReader, one batch per file (streams file by file)."""
     import pyarrow as pa
 
-    tables = file_tables(paths, snapshot, keys)
+    tables = file_tables(paths, snapshot, keys, jobs, stats=stats)
     first = next(tables, None)
     if first is None:
         return pa.RecordBatchReader.from_batches(pa.schema([]), iter(()))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kvformat.cli import positive_int
+
 
 def _convert(args: argparse.Namespace) -> int:
     from capture.convert import convert_gguf
@@ -150,17 +152,6 @@ def _capture(args: argparse.Namespace) -> int:
             f"({count / elapsed:.1f} tok/s)"
         )
     return 0
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def codec_name(text: str) -> str:

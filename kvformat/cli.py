@@ -48,6 +48,17 @@ def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
     }
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def storage_options(items: Sequence[str] | None) -> dict[str, Any] | None:
     """``KEY=VALUE`` strings (``--storage-option``) as fsspec options; VALUE is parsed as JSON
     when it is JSON (``anon=true``, ``client_kwargs={"region_name": "eu-west-1"}``)."""

@@ -6,6 +6,7 @@ Every rule of ``spec/SPEC.md`` section 8 is checked before a size field is trust
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import urllib.parse
@@ -510,15 +511,21 @@ class Snapshot:
         """All segments of this snapshot in file order of their K chunk."""
         return self._segments.in_file_order()
 
-    def blocks(self) -> Iterator[Head]:
+    def blocks(self, hold: int = 0) -> Iterator[Head]:
         """Stream the snapshot segment by segment in file order: a `Head` holding one run.
 
-        Pages of a chunk are released from this process once the next block is requested, so a
-        pass over a file larger than memory keeps a bounded resident set.
+        Pages of a block's chunks are released from this process once ``hold + 1`` more blocks
+        have been requested (the next one, by default), so a pass over a file larger than memory
+        keeps a bounded resident set; a consumer that works on ``hold`` blocks at once (threads)
+        keeps them resident until it is done with them. Released views stay valid (the pages
+        fault back in).
         """
+        if not isinstance(hold, int) or hold < 0:
+            raise ValueError(f"hold must be a non-negative integer, not {hold!r}")
         file = self._file
         segments = self.segments()
         announced = 0
+        held: collections.deque[tuple[int, int]] = collections.deque()
         for i, seg in enumerate(segments):
             if i == announced:  # read-ahead for remote sources (a no-op on a memory map)
                 budget, chunks = READ_AHEAD, list[int]()
@@ -536,8 +543,10 @@ class Snapshot:
                 file.chunk_array(seg.v_chunk)[seg.v_row : seg.v_row + seg.count],
                 np.arange(seg.position, seg.position + seg.count, dtype=np.int64),
             )
-            for chunk in (seg.k_chunk, seg.v_chunk):
-                file.source.release(file.offsets[chunk], DESCRIPTOR_SIZE + file.stored[chunk])
+            held.append((seg.k_chunk, seg.v_chunk))
+            if len(held) > hold:
+                for chunk in held.popleft():
+                    file.source.release(file.offsets[chunk], DESCRIPTOR_SIZE + file.stored[chunk])
 
     def check_snapshots(self) -> None:
         """Check that every snapshot of the file materializes (section 11), each entry once."""

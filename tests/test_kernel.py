@@ -12,7 +12,9 @@ import pytest
 
 from analysis import kernel
 from analysis.rope import Rope
-from analysis.stats import HeadAccumulator
+from analysis.stats import GROUPS, HeadAccumulator
+
+LOOSE = set(GROUPS["spectrum"]) | set(GROUPS["quant"])
 
 
 def test_the_compiled_kernel_is_in_use() -> None:
@@ -40,8 +42,8 @@ def test_compiled_and_numpy_paths_agree(dtype: type, dim: int, pairing: str | No
     for name, value in expected.items():
         if value is None:
             assert got[name] is None, name
-        elif name.startswith("quant"):
-            assert got[name] == pytest.approx(value, rel=1e-9), name
+        elif name in LOOSE:  # float32 Gram pieces, float32 quantization sums with reciprocals
+            np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-12, err_msg=name)
         elif name in ("massive_positions", "n_tokens", "rank_90"):
             assert got[name] == value, name
         else:
@@ -59,8 +61,10 @@ def test_zero_rows_and_constant_groups() -> None:
     compiled._add_compiled(rows, np.arange(40))
     reference._add_numpy(rows, np.arange(40))
     got, expected = compiled.row(), reference.row()
-    for name in ("norm_mean", "norm_min", "anisotropy", "quant8_token_error", "quant2_channel_error"):
+    for name in ("norm_mean", "norm_min", "anisotropy"):
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-12, err_msg=name)
+    for name in ("quant8_token_error", "quant2_channel_error"):
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, err_msg=name)
 
 
 def test_statistics_stream_layer_by_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 import kvformat
 from analysis.rope import Rope, RopeError
-from analysis.stats import head_stats, head_stats_reader, stats_rows, token_table
+from analysis.stats import GROUPS, head_stats, head_stats_reader, stats_rows, token_table
 
 ROPE = {"rope": {"base": 10000.0, "dims": 16, "pairing": "half", "scaling": None}}
 
@@ -40,9 +40,10 @@ def test_statistics_equal_direct_computation(tmp_path: Path) -> None:
     kurtosis = (centered**4).mean(0) / x.var(0) ** 2 - 3
     np.testing.assert_allclose(row["channel_kurtosis"], kurtosis, rtol=1e-7)
     eig = np.sort(np.linalg.eigvalsh(np.cov(x.T, bias=True)))[::-1]
-    np.testing.assert_allclose(row["eigenvalues"], eig, rtol=1e-7, atol=1e-9)
+    # float32 Gram pieces (the massive row in float64): within the documented 1e-5 relative
+    np.testing.assert_allclose(row["eigenvalues"], eig, rtol=1e-5, atol=1e-9)
     assert row["rank_90"] == int(np.searchsorted(np.cumsum(eig) / eig.sum(), 0.9) + 1)
-    np.testing.assert_allclose(row["rank1_error"], 1 - eig[0] / eig.sum(), rtol=1e-9)
+    np.testing.assert_allclose(row["rank1_error"], 1 - eig[0] / eig.sum(), rtol=1e-5)
     assert row["massive_positions"][0] == 5 and row["massive_ratio"] > 10
     np.testing.assert_allclose(row["sink_ratio"], norms[0] / norms.mean(), rtol=1e-9)
     np.testing.assert_allclose(row["anisotropy"], np.linalg.norm((x / norms[:, None]).mean(0)), rtol=1e-9)
@@ -62,10 +63,12 @@ def test_streaming_in_small_chunks_equals_one_chunk(tmp_path: Path) -> None:
         for key, value in a.items():
             if key in ("file",):
                 continue
+            # the Gram runs on float32 pieces whose bounds follow the chunks: 1e-5 relative there
+            loose = 1e-5 if key in GROUPS["spectrum"] else None
             if isinstance(value, float):
-                np.testing.assert_allclose(b[key], value, rtol=1e-9, err_msg=key)
+                np.testing.assert_allclose(b[key], value, rtol=loose or 1e-9, err_msg=key)
             elif isinstance(value, list) and value and isinstance(value[0], float):
-                np.testing.assert_allclose(b[key], value, rtol=1e-7, atol=1e-12, err_msg=key)
+                np.testing.assert_allclose(b[key], value, rtol=loose or 1e-7, atol=1e-12, err_msg=key)
             else:
                 assert b[key] == value, key
 

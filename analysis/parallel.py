@@ -1,0 +1,93 @@
+"""Threads for one file's pass: tasks keyed by accumulator, each key's tasks run in order.
+
+The statistics kernels (numba ``nogil``), BLAS and numpy's conversions release the GIL, so
+threads scale over cores while sharing the file's memory map. Results stay identical to one
+thread: every accumulator is updated by one task at a time, in the order the blocks were read
+(a task waits for the previous task of its key, which a FIFO pool has already started).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def split_jobs(jobs: int, files: int) -> tuple[int, int]:
+    """``(processes, threads per file)`` for ``jobs`` cores over ``files`` files: files in
+    parallel first (no sharing at all), the cores left over as threads within each file."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, not {jobs}")
+    processes = max(1, min(jobs, files))
+    return processes, max(1, jobs // processes)
+
+
+@contextlib.contextmanager
+def single_threaded_blas() -> Iterator[None]:
+    """BLAS limited to one thread while a pass runs: our own threads spread the work (N threads x
+    a BLAS pool each would oversubscribe the cores), and results do not depend on the thread
+    count. A no-op where threadpoolctl is not installed."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - threadpoolctl comes with the analysis extra
+        yield
+        return
+    with threadpool_limits(1, user_api="blas"):
+        yield
+
+
+def _after(previous: Future[Any] | None, function: Callable[..., Any], *args: Any) -> Any:
+    if previous is not None:
+        previous.result()
+    return function(*args)
+
+
+class OrderedPool:
+    """``threads`` worker threads; `submit` runs ``function(*args)`` after every earlier task
+    of the same key. With one thread, tasks run at once in the caller."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._executor = (
+            ThreadPoolExecutor(threads, thread_name_prefix="kvsnap-stats") if threads > 1 else None
+        )
+        self._last: dict[Any, Future[Any]] = {}
+        self._in_flight: collections.deque[Future[Any]] = collections.deque()
+
+    def submit(self, key: Any, function: Callable[..., Any], *args: Any) -> Future[Any]:
+        if self._executor is None:
+            future: Future[Any] = Future()
+            future.set_result(function(*args))
+            return future
+        future = self._executor.submit(_after, self._last.get(key), function, *args)
+        self._last[key] = future
+        self._in_flight.append(future)
+        return future
+
+    def drain(self, limit: int = 0) -> None:
+        """Wait, oldest first, until at most ``limit`` tasks are in flight; a task's exception is
+        raised here."""
+        while len(self._in_flight) > limit:
+            self._in_flight.popleft().result()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def __enter__(self) -> OrderedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
