@@ -19,6 +19,7 @@ import numpy as np
 
 import kvformat
 from analysis import kernel
+from analysis.eigen import eigenvalues
 from analysis.rope import Rope
 
 if TYPE_CHECKING:
@@ -167,6 +168,7 @@ class HeadAccumulator:
     top: list[tuple[float, int]] = field(default_factory=list)
     quant_token: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
     quant_channel: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
+    _row: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.groups = stat_groups(self.groups)
@@ -179,6 +181,7 @@ class HeadAccumulator:
     def add(self, rows: np.ndarray, positions: np.ndarray) -> None:
         """Add ``rows`` ``(n_tokens, dim)`` at absolute ``positions`` ``(n_tokens,)``: the fused
         compiled kernel (`analysis.kernel`) where numba is installed, else numpy."""
+        self._row = None
         if kernel.AVAILABLE:
             self._add_compiled(rows, positions)
         else:
@@ -337,6 +340,7 @@ class HeadAccumulator:
             raise ValueError(
                 f"cannot merge statistics of groups {sorted(other.groups)} into {sorted(self.groups)}"
             )
+        self._row = None
         self.count += other.count
         self.norm_sum += other.norm_sum
         self.norm_sq_sum += other.norm_sq_sum
@@ -363,7 +367,13 @@ class HeadAccumulator:
 
     def row(self) -> dict[str, Any]:
         """The statistics of the accumulator's groups, ``n_tokens`` first (see analysis/README.md
-        for each formula); columns of groups not computed are absent."""
+        for each formula); columns of groups not computed are absent. Computed once until the
+        next `add` or `merge` (a pass computes it on its worker threads)."""
+        if self._row is None:
+            self._row = self._statistics()
+        return dict(self._row)
+
+    def _statistics(self) -> dict[str, Any]:
         n = self.count
         row: dict[str, Any] = {"n_tokens": n}
         if not n:
@@ -427,7 +437,9 @@ class HeadAccumulator:
 
     def _spectrum(self, n: int, m1: np.ndarray) -> dict[str, Any]:
         covariance = self.gram / n - np.outer(m1, m1)
-        eig = np.clip(np.linalg.eigvalsh(covariance)[::-1], 0.0, None)
+        # compiled where the kernel is (parallel over heads), LAPACK on the numpy reference path
+        descending = eigenvalues(covariance) if kernel.AVAILABLE else np.linalg.eigvalsh(covariance)[::-1]
+        eig = np.clip(descending, 0.0, None)
         total = float(eig.sum())
         cumulative = np.cumsum(eig) / total if total > 0 else np.ones_like(eig)
         probabilities = eig / total if total > 0 else eig
@@ -476,7 +488,7 @@ def _add(accumulator: HeadAccumulator, rows: np.ndarray, positions: np.ndarray, 
 
 
 def _layers(
-    path: str | os.PathLike[str], options: PassOptions, progress: bool = False
+    path: str | os.PathLike[str], options: PassOptions, progress: bool = False, finish: bool = False
 ) -> Iterator[tuple[str, int, int, dict[Key, HeadAccumulator]]]:
     """One streaming pass over a file, yielding ``(file name, snapshot index, layer, its
     accumulators)`` as soon as the pass is past the layer's last chunk and its work is done, so
@@ -487,7 +499,8 @@ def _layers(
     blocks in flight (`analysis.parallel.OrderedPool`): memory is about
     ``2T x block + T x 3 x 8192 x head_dim x 4 bytes (float32 pieces) + the accumulators of the
     layers in progress`` (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``). ``progress`` shows a
-    bar per layer on stderr when it is a terminal."""
+    bar per layer on stderr when it is a terminal; ``finish`` computes each accumulator's row
+    (eigenvalues and all) on the threads, once its layer is read."""
     from analysis.parallel import OrderedPool, single_threaded_blas
 
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
@@ -535,6 +548,8 @@ def _layers(
                     key = (block.seq, layer, block.head, tensor)
                     futures.append(pool.submit(key, _add, table[key], rows, block.positions, rotation))
                 if last[layer] == i:
+                    if finish:
+                        futures.extend(pool.submit(key, acc.row) for key, acc in table.items())
                     closing.append(layer)
                 pool.drain(window)
                 while closing and all(f.done() for f in in_progress[closing[0]][1]):
@@ -598,7 +613,11 @@ def stats_rows(
     """Rows of per-head statistics for one file (one streaming pass, ``jobs`` threads), as dicts:
     within a layer by (seq, head, tensor)."""
     options = PassOptions(snapshot, keys, stat_groups(stats), jobs)
-    return [row for name, index, _, table in _layers(path, options) for row in _rows(name, index, table)]
+    return [
+        row
+        for name, index, _, table in _layers(path, options, finish=True)
+        for row in _rows(name, index, table)
+    ]
 
 
 def stats_for_file(
@@ -622,7 +641,7 @@ def stats_for_file(
 def _tables(path: str | os.PathLike[str], options: PassOptions, progress: bool = False) -> Iterator[pa.Table]:
     import pyarrow as pa
 
-    for name, index, _, accumulators in _layers(path, options, progress):
+    for name, index, _, accumulators in _layers(path, options, progress, finish=True):
         yield pa.Table.from_pylist(_rows(name, index, accumulators))
 
 

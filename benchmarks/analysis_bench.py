@@ -1,7 +1,9 @@
-"""Analysis benchmark: the full default statistics catalogue over big synthetic snapshots, with
-peak memory and throughput against the machine's sequential read and the naive peer, in one run.
+"""Analysis benchmark: the statistics catalogue over big synthetic snapshots, with peak memory and
+throughput against the machine's sequential read of the same file and the naive peer, in one run:
+the full catalogue on 1 core, 2 cores and every core (threads within the one file), and the
+``norms,channels`` selection on every core.
 
-    python -m benchmarks.analysis_bench [--dir /tmp] [--tokens 8192] [--quick]
+    python -m benchmarks.analysis_bench [--dir /tmp] [--tokens 8192] [--quick] [--cases seed-fp32]
 
 Files (written once, then reused): the seed's example shape, 32 layers x 32 KV heads x 128 dims
 x 8192 tokens float32 (8.6 GB K+V), and a Qwen3-8B-shaped bfloat16 one (36 x 8 x 128 x 8192,
@@ -57,9 +59,10 @@ if mode == "read":
     with open(path, "rb", buffering=0) as f:
         while f.readinto(view):
             pass
-elif mode == "stats":
+elif mode.startswith("stats"):  # stats:GROUPS:JOBS
     from analysis.stats import stats_for_file
-    rows = sum(t.num_rows for t in stats_for_file(path))
+    _, groups, jobs = mode.split(":")
+    rows = sum(t.num_rows for t in stats_for_file(path, stats=groups, jobs=int(jobs)))
 elif mode == "gram":
     # The floor of statistics 7-8 alone: float64 Gram update of every block (BLAS), nothing else.
     import kvformat
@@ -90,8 +93,8 @@ print(json.dumps({"seconds": seconds, "max_rss": resource.getrusage(resource.RUS
 
 def measure(mode: str, path: Path) -> dict[str, float]:
     env = dict(os.environ)
-    if mode == "stats_numpy":  # the same catalogue on the numpy path (no compiled kernel)
-        mode, env["KVSNAP_KERNEL"] = "stats", "numpy"
+    if mode.startswith("numpy:"):  # the same catalogue on the numpy path (no compiled kernel)
+        mode, env["KVSNAP_KERNEL"] = "stats" + mode[len("numpy") :], "numpy"
     result = subprocess.run(
         [sys.executable, "-c", CHILD, mode, str(path)], capture_output=True, text=True, check=True, env=env
     )
@@ -99,25 +102,27 @@ def measure(mode: str, path: Path) -> dict[str, float]:
 
 
 def main() -> None:
+    from analysis.parallel import cores
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="/tmp/kvsnap-analysis-bench")
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--quick", action="store_true", help="1/8 of the tokens (a smoke run)")
+    parser.add_argument("--cases", default="seed-fp32:raw,qwen3-8b-bf16:raw,qwen3-8b-bf16:zstd:1")
+    parser.add_argument("--no-peer", action="store_true", help="skip the naive peer (slow)")
     args = parser.parse_args()
     tokens = args.tokens // 8 if args.quick else args.tokens
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
-    cases = [
-        ("seed-fp32", "raw"),
-        ("qwen3-8b-bf16", "raw"),
-        ("qwen3-8b-bf16", "zstd:1"),
-    ]
+    n = cores()
     lines = [
-        "| file | size | sequential read | kvsnap stats | stats / read | peak RSS | numpy path "
-        "| kernel / numpy | Gram alone (floor) | naive peer | peer peak RSS | kvsnap / peer speed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| file | size | sequential read | all, 1 core | all, 2 cores | all, {n} cores | all {n} / read "
+        f"| all {n} / all 2 | norms,channels, {n} cores | / read | peak RSS (all, {n}) | numpy path, 1 core "
+        "| naive peer, 1 core | peer peak RSS |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, codec in cases:
+    for case in args.cases.split(","):
+        name, _, codec = case.partition(":")
         layers, heads, dim, dtype = SHAPES[name]
         path = directory / f"{name}-{tokens}-{codec.replace(':', '')}.kv"
         start = time.perf_counter()
@@ -126,28 +131,32 @@ def main() -> None:
         size = path.stat().st_size
         measure("read", path)  # warm the page cache the same way for every contender
         read = measure("read", path)
-        stats = measure("stats", path)
-        numpy_path = measure("stats_numpy", path) if name != "seed-fp32" or args.quick else None
-        gram = measure("gram", path)
-        naive = measure("naive", path)
+        one = measure("stats:all:1", path)
+        two = measure("stats:all:2", path)
+        every = measure(f"stats:all:{n}", path)
+        light = measure(f"stats:norms,channels:{n}", path)
+        numpy_path = measure("numpy:all:1", path) if name != "seed-fp32" or args.quick else None
+        naive = None if args.no_peer else measure("naive", path)
         decoded = layers * heads * dim * tokens * 2 * np.dtype(dtype).itemsize
+
+        def rate(result: dict[str, float], decoded: int = decoded) -> str:
+            return f"{decoded / result['seconds'] / 1e9:.2f} GB/s ({result['seconds']:.1f} s)"
+
         lines.append(
             f"| {name} {codec} | {size / 1e9:.2f} GB (decoded {decoded / 1e9:.2f}) "
-            f"| {size / read['seconds'] / 1e9:.2f} GB/s "
-            f"| {decoded / stats['seconds'] / 1e9:.2f} GB/s ({stats['seconds']:.1f} s) "
-            f"| {read['seconds'] / stats['seconds']:.2f}x "
-            f"| {stats['max_rss'] / 2**20:.0f} MiB "
-            + (
-                f"| {numpy_path['seconds']:.1f} s | {numpy_path['seconds'] / stats['seconds']:.2f}x "
-                if numpy_path
-                else "| (see run 1) | "
-            )
-            + f"| {decoded / gram['seconds'] / 1e9:.2f} GB/s ({read['seconds'] / gram['seconds']:.2f}x read) "
-            f"| {naive['seconds']:.1f} s | {naive['max_rss'] / 2**20:.0f} MiB "
-            f"| {naive['seconds'] / stats['seconds']:.2f}x |"
+            f"| {size / read['seconds'] / 1e9:.2f} GB/s ({read['seconds']:.2f} s) "
+            f"| {rate(one)} | {rate(two)} | {rate(every)} "
+            f"| **{read['seconds'] / every['seconds']:.3f}x** | {two['seconds'] / every['seconds']:.2f}x "
+            f"| {rate(light)} | **{read['seconds'] / light['seconds']:.3f}x** "
+            f"| {every['max_rss'] / 2**20:.0f} MiB "
+            + (f"| {numpy_path['seconds']:.1f} s " if numpy_path else "| - ")
+            + (f"| {naive['seconds']:.1f} s | {naive['max_rss'] / 2**20:.0f} MiB |" if naive else "| - | - |")
         )
         print(lines[-1], file=sys.stderr)
-    print(f"machine: {os.cpu_count()} CPUs; files in {directory} (page cache warm for every contender)")
+    print(
+        f"machine: {os.cpu_count()} CPUs ({n} usable); files in {directory} "
+        "(page cache warm for every contender)"
+    )
     print("\n".join(lines))
 
 

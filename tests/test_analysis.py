@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pytest
 
 import kvformat
 from analysis.stats import head_stats, outliers
@@ -105,3 +106,74 @@ def test_plot_and_similarity_commands(tmp_path: Path, capsys: object) -> None:
     across = table.filter((pl.col("kind") == "layer") & (pl.col("tensor") == "k"))
     assert across["cka"].to_list() == [1.0] * 4 or np.allclose(across["cka"].to_list(), 1.0)  # k * 0.5
     assert table.filter(pl.col("kind") == "head").height == 2 * 2 * 6  # 2 layers, k and v, 6 pairs
+
+
+def test_statistic_groups_select_columns_and_keep_their_values(tmp_path: Path) -> None:
+    """Each group computes its columns only (the others absent, not NaN), with the values the
+    full catalogue gives; unknown names are refused naming the choices."""
+    from analysis.stats import GROUPS, stat_groups
+
+    paths = make_files(tmp_path, 1)
+    full = head_stats(paths)
+    for group, columns in GROUPS.items():
+        part = head_stats(paths, stats=group)
+        assert set(part.columns) == {
+            "file",
+            "snapshot",
+            "seq",
+            "layer",
+            "head",
+            "tensor",
+            "n_tokens",
+            *columns,
+        }
+        for column in columns:
+            assert part[column].to_list() == full[column].to_list(), column
+    pair = head_stats(paths, stats="norms,channels")
+    assert {"norm_mean", "channel_kurtosis"} <= set(pair.columns) and "eigenvalues" not in pair.columns
+    assert stat_groups("all") == stat_groups(None) == frozenset(GROUPS)
+    for bad in ("norm", "", "norms,spectra"):
+        with pytest.raises(ValueError, match="choose from all, norms"):
+            stat_groups(bad)
+
+
+def test_stats_option_and_jobs_are_checked_when_parsed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = make_files(tmp_path, 1)
+    for flags, message in (
+        (["--stats", "spectra"], "unknown statistic group 'spectra'"),
+        (["--jobs", "0"], "--jobs: must be at least 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["stats", *paths, *flags])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    assert main(["stats", *paths, "--stats", "spectrum,quant", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "median over heads" in out and "effective_rank=" in out and "norm_mean" not in out
+
+
+def test_one_file_over_threads_equals_one_thread(tmp_path: Path) -> None:
+    """Many chunks per head (each head's adds in order on whatever thread), several layers."""
+    rng = np.random.default_rng(9)
+    layers = []
+    for scale in (1.0, 3.0, 0.2):
+        k = (rng.standard_normal((4, 700, 32)) * scale).astype(np.float32)
+        layers.append(kvformat.Layer(k, k[:, :, :16].copy()))
+    path = tmp_path / "threads.kv"
+    kvformat.save(path, layers, chunk_bytes=100 * 32 * 4)
+    one = head_stats(path, jobs=1)
+    for jobs in (2, 3, 8):
+        assert head_stats(path, jobs=jobs).equals(one), jobs
+
+
+def test_split_jobs() -> None:
+    from analysis.parallel import split_jobs
+
+    assert split_jobs(16, 1) == (1, 16)
+    assert split_jobs(16, 4) == (4, 4)
+    assert split_jobs(16, 200) == (16, 1)
+    assert split_jobs(3, 2) == (2, 1)
+    with pytest.raises(ValueError, match="at least 1"):
+        split_jobs(0, 3)

@@ -173,3 +173,22 @@ def test_writer_rejects_bad_input(tmp_path: Path) -> None:
     with kvformat.open(tmp_path / "w.kv") as snap:
         head = snap.head(0, 0)
         assert head is not None and head.positions.tolist() == [3, 4]
+
+
+def test_blocks_hold_keeps_the_same_stream(tmp_path: Path) -> None:
+    """``blocks(hold=N)`` (pages released N blocks later, for threaded consumers) yields the same
+    blocks; a negative hold is refused."""
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((3, 50, 8)).astype(np.float32)
+    path = tmp_path / "hold.kv"
+    kvformat.save(path, [kvformat.Layer(k, k), kvformat.Layer(k * 2, k)], chunk_bytes=20 * 8 * 4)
+    with kvformat.open(path) as snap:
+        plain = [(b.layer, b.head, b.k.copy(), b.positions.copy()) for b in snap.blocks()]
+        held = list(snap.blocks(hold=4))
+        assert len(held) == len(plain) > 6
+        for (layer, head, rows, positions), block in zip(plain, held, strict=True):
+            assert (block.layer, block.head) == (layer, head)
+            np.testing.assert_array_equal(block.k, rows)
+            np.testing.assert_array_equal(block.positions, positions)
+        with pytest.raises(ValueError, match="hold must be a non-negative integer"):
+            next(snap.blocks(hold=-1))
