@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 _LOG_LOW, _LOG_HIGH, _BINS = -8.0, 8.0, 2048  # log10 histogram: ~1.8% relative bin width
 _PIECE = 1 << 13
 _GRAM_ROWS = 512  # rows per float32 product: its rounding grows with them
+_BATCH_BYTES = 8 << 20  # K + V bytes of one head handed to one task
 _GRAM_FLOAT64_ROWS = 512  # fewer rows than this: the Gram update in float64
 _HEAVY = 16.0  # squared norm over the piece's median: a row the Gram adds in float64
 TOP_K = 8
@@ -481,10 +482,14 @@ class PassOptions:
         object.__setattr__(self, "stats", stat_groups(self.stats))
 
 
-def _add(accumulator: HeadAccumulator, rows: np.ndarray, positions: np.ndarray, rope: Rope | None) -> None:
-    if rope is not None:
-        rows = rope.rotate(rows, positions, inverse=True)
-    accumulator.add(rows, positions)
+def _add(
+    accumulator: HeadAccumulator, pieces: list[tuple[np.ndarray, np.ndarray]], rope: Rope | None
+) -> None:
+    """``accumulator.add`` of each ``(rows, positions)`` in order (un-rotated by ``rope``)."""
+    for rows, positions in pieces:
+        if rope is not None:
+            rows = rope.rotate(rows, positions, inverse=True)
+        accumulator.add(rows, positions)
 
 
 def _layers(
@@ -495,12 +500,13 @@ def _layers(
     memory holds the accumulators of the layers in progress only (one or two for a layer-major
     file).
 
-    With ``options.threads`` = T > 1 the K and V of each block go to T threads, at most 2T
-    blocks in flight (`analysis.parallel.OrderedPool`): memory is about
-    ``2T x block + T x 3 x 8192 x head_dim x 4 bytes (float32 pieces) + the accumulators of the
-    layers in progress`` (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``). ``progress`` shows a
-    bar per layer on stderr when it is a terminal; ``finish`` computes each accumulator's row
-    (eigenvalues and all) on the threads, once its layer is read."""
+    With ``options.threads`` = T > 1, consecutive blocks of a head (up to 8 MiB of K and V, or
+    one block if larger) go to T threads as one K task and one V task, at most T + 2 such
+    batches in flight (`analysis.parallel.OrderedPool`): memory is about
+    ``(T + 3) x max(8 MiB, block) + T x 3 x 8192 x head_dim x 4 bytes (float32 pieces) + the
+    accumulators of the layers in progress`` (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``).
+    ``progress`` shows a bar per layer on stderr when it is a terminal; ``finish`` computes each
+    accumulator's row (eigenvalues and all) on the threads, once its layer is read."""
     from analysis.parallel import OrderedPool, single_threaded_blas
 
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
@@ -532,26 +538,56 @@ def _layers(
             if layer not in last:  # present but holding no tokens
                 bar.update()
                 yield name, index, layer, fresh(layer)
-        window = 2 * options.threads
+        # Consecutive blocks of one head go to one task (up to _BATCH_BYTES of K and V), so the
+        # tasks in flight span many heads even when a head is stored in many chunks.
+        window = options.threads + 2
         in_progress: dict[int, tuple[dict[Key, HeadAccumulator], list[Any]]] = {}
         closing: collections.deque[int] = collections.deque()
+        batch: list[kvformat.Head] = []
+        in_flight: collections.deque[tuple[int, list[Any]]] = collections.deque()  # (blocks, futures)
+
+        def submit() -> None:
+            first = batch[0]
+            table, futures = in_progress[first.layer]
+            rope = ropes[first.layer] if unrotate else None
+            submitted = []
+            for tensor, rotation in (("k", rope), ("v", None)):
+                key = (first.seq, first.layer, first.head, tensor)
+                pieces = [(b.k if tensor == "k" else b.v, b.positions) for b in batch]
+                submitted.append(pool.submit(key, _add, table[key], pieces, rotation))
+            futures.extend(submitted)
+            in_flight.append((len(batch), submitted))
+            batch.clear()
+
+        def hold() -> int:  # blocks whose pages a task may still read
+            return sum(count for count, _ in in_flight) + len(batch)
+
         # BLAS on one thread whatever the thread count: the Gram's rounding then does not depend
         # on it (BLAS splits sums differently over its own threads).
         with single_threaded_blas(), OrderedPool(options.threads) as pool, bar:
-            for i, block in enumerate(snap.blocks(hold=window)):
+            size = 0
+            for i, block in enumerate(snap.blocks(hold=hold)):
                 layer = block.layer
                 if layer not in in_progress:
                     in_progress[layer] = (fresh(layer), [])
-                table, futures = in_progress[layer]
-                rope = ropes[layer] if unrotate else None
-                for tensor, rows, rotation in (("k", block.k, rope), ("v", block.v, None)):
-                    key = (block.seq, layer, block.head, tensor)
-                    futures.append(pool.submit(key, _add, table[key], rows, block.positions, rotation))
+                if batch and (
+                    (block.seq, layer, block.head) != (batch[0].seq, batch[0].layer, batch[0].head)
+                    or size >= _BATCH_BYTES
+                ):
+                    submit()
+                if not batch:
+                    size = 0
+                batch.append(block)
+                size += block.k.nbytes + block.v.nbytes
                 if last[layer] == i:
+                    submit()
                     if finish:
+                        table, futures = in_progress[layer]
                         futures.extend(pool.submit(key, acc.row) for key, acc in table.items())
                     closing.append(layer)
-                pool.drain(window)
+                while len(in_flight) > window:
+                    for future in in_flight.popleft()[1]:
+                        future.result()
                 while closing and all(f.done() for f in in_progress[closing[0]][1]):
                     done = closing.popleft()
                     for future in in_progress[done][1]:
@@ -561,6 +597,8 @@ def _layers(
             pool.drain()
             while closing:
                 done = closing.popleft()
+                for future in in_progress[done][1]:
+                    future.result()
                 bar.update()
                 yield name, index, done, in_progress.pop(done)[0]
 

@@ -126,6 +126,7 @@ def run(directory: str | Path, reader: str | None = None) -> list[Result]:
     results = []
     for entry in manifest["vectors"]:
         path = directory / entry["file"]
+        expected = entry["expect"]
         if reader is None:
             actual = describe(path)
         else:
@@ -133,14 +134,23 @@ def run(directory: str | Path, reader: str | None = None) -> list[Result]:
                 completed = subprocess.run(
                     [*shlex.split(reader), str(path)], capture_output=True, text=True, timeout=120
                 )
-                actual = json.loads(completed.stdout)
             except (OSError, subprocess.TimeoutExpired) as error:
                 raise ValueError(f"reader command {reader!r} failed on {path.name}: {error}") from None
+            try:
+                printed = json.loads(completed.stdout)
             except json.JSONDecodeError:
-                actual = {"error": f"no JSON from reader (exit {completed.returncode})"}
-        expected = entry["expect"]
+                printed = None
+            if isinstance(printed, dict):
+                actual = printed
+            else:  # a crash is not a refusal: it fails every vector
+                results.append(
+                    Result(
+                        entry["file"], False, f"no JSON object from the reader (exit {completed.returncode})"
+                    )
+                )
+                continue
         if "error" in expected:
-            ok = "error" in actual and (actual["error"] == expected["error"] or reader is not None)
+            ok = actual.get("error") == expected["error"]
             detail = "" if ok else f"expected error {expected['error']}, got {actual.get('error', 'a read')}"
         else:
             detail = _first_difference(expected, actual)

@@ -10,7 +10,7 @@ import collections
 import functools
 import os
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -511,17 +511,19 @@ class Snapshot:
         """All segments of this snapshot in file order of their K chunk."""
         return self._segments.in_file_order()
 
-    def blocks(self, hold: int = 0) -> Iterator[Head]:
+    def blocks(self, hold: int | Callable[[], int] = 0) -> Iterator[Head]:
         """Stream the snapshot segment by segment in file order: a `Head` holding one run.
 
         Pages of a block's chunks are released from this process once ``hold + 1`` more blocks
         have been requested (the next one, by default), so a pass over a file larger than memory
         keeps a bounded resident set; a consumer that works on ``hold`` blocks at once (threads)
-        keeps them resident until it is done with them. Released views stay valid (the pages
-        fault back in).
+        keeps them resident until it is done with them. ``hold`` may be a function, asked at each
+        step (a consumer whose number of blocks in flight varies). Released views stay valid (the
+        pages fault back in).
         """
-        if not isinstance(hold, int) or hold < 0:
+        if not callable(hold) and (not isinstance(hold, int) or hold < 0):
             raise ValueError(f"hold must be a non-negative integer, not {hold!r}")
+        holding = hold if callable(hold) else (lambda: hold)
         file = self._file
         segments = self.segments()
         announced = 0
@@ -544,7 +546,8 @@ class Snapshot:
                 np.arange(seg.position, seg.position + seg.count, dtype=np.int64),
             )
             held.append((seg.k_chunk, seg.v_chunk))
-            if len(held) > hold:
+            keep = holding()
+            while len(held) > keep:
                 for chunk in held.popleft():
                     file.source.release(file.offsets[chunk], DESCRIPTOR_SIZE + file.stored[chunk])
 

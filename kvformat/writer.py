@@ -752,6 +752,11 @@ class Writer:
         """Remove positions ``[start, stop)`` from every head of ``layer`` in the live state.
 
         Nothing is erased from the file; later snapshots simply stop referring to those rows.
+        Positions must increase within what a snapshot holds, not over the file's history: once
+        the last positions are dropped, the next `append` continues from ``start`` and may take
+        dropped positions again. That is what a trimmed cache does (mlx-lm's ``trim_prompt_cache``
+        after rejected draft tokens: the accepted tokens take the same positions), and SPEC
+        section 11 materializes it: the drop removes the old rows, the append adds the new ones.
         """
         self._check_open()
         self._layer(layer)

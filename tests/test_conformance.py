@@ -59,6 +59,16 @@ def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {liar}"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "/24 passed" in out
+    # A reader that crashes or refuses everything with a made-up error passes nothing.
+    for name, source in (
+        ("crash.py", "raise SystemExit(1)\n"),
+        ("refuser.py", "print('{\"error\": \"IOError\"}')\n"),
+    ):
+        (tmp_path / name).write_text(source)
+        assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {tmp_path / name}"]) == 1
+        assert capsys.readouterr().out.splitlines()[-1].startswith("0/24 passed"), name
+    results = run(VECTORS, "false")
+    assert not any(r.passed for r in results) and "no JSON object" in results[0].detail
 
 
 def test_a_wrong_hash_is_detected(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import kvformat
 from tests.conftest import pattern, write_series
@@ -113,3 +114,29 @@ def test_streaming_keeps_resident_memory_bounded(tmp_path: Path) -> None:
         ).stdout
     )
     assert grown < path.stat().st_size / 4, (grown, path.stat().st_size)
+
+
+def test_positions_dropped_from_the_end_may_be_appended_again(tmp_path: Path) -> None:
+    """A trimmed cache (rejected draft tokens): after ``drop(layer, 4, 100)`` on a layer holding
+    0..19, the next append continues at 4 and the snapshot holds the new rows there, the old
+    ones gone; positions still inside the live state cannot be appended again."""
+    spec = kvformat.LayerSpec(1, 4, 4, kvformat.dtypes.from_numpy(np.dtype(np.float32)))
+    old = np.arange(20 * 4, dtype=np.float32).reshape(1, 20, 4)
+    new = -np.arange(16 * 4, dtype=np.float32).reshape(1, 16, 4)
+    path = tmp_path / "trim.kv"
+    with kvformat.Writer(path, [spec]) as writer:
+        writer.append(0, old, old)
+        writer.snapshot()
+        writer.drop(0, 4, 100)
+        writer.append(0, new, new)  # positions 4..19 again, then 20..
+        writer.snapshot()
+        with pytest.raises(ValueError, match="not after"):
+            writer.append(0, new[:, :1], new[:, :1], np.array([10]))
+    with kvformat.open(path) as snap:
+        head = snap.head(0, 0)
+        assert head is not None
+        np.testing.assert_array_equal(head.positions, np.arange(20))
+        np.testing.assert_array_equal(head.k[:4], old[0, :4])
+        np.testing.assert_array_equal(head.k[4:], new[0])
+    with kvformat.open(path, 0) as first:
+        np.testing.assert_array_equal(first.head(0, 0).k, old[0])  # type: ignore[union-attr]
