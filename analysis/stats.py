@@ -482,14 +482,22 @@ class PassOptions:
         object.__setattr__(self, "stats", stat_groups(self.stats))
 
 
-def _add(
-    accumulator: HeadAccumulator, pieces: list[tuple[np.ndarray, np.ndarray]], rope: Rope | None
+def _add_segments(
+    snap: kvformat.Snapshot,
+    segments: list[kvformat.Segment],
+    k_acc: HeadAccumulator,
+    v_acc: HeadAccumulator,
+    rope: Rope | None,
 ) -> None:
-    """``accumulator.add`` of each ``(rows, positions)`` in order (un-rotated by ``rope``)."""
-    for rows, positions in pieces:
-        if rope is not None:
-            rows = rope.rotate(rows, positions, inverse=True)
-        accumulator.add(rows, positions)
+    """Read (CRC, decode), add and release each segment of one head, in order; K is un-rotated
+    by ``rope`` when given. Runs on a pass's worker thread: reading there spreads the page faults
+    and checksums of a memory-mapped file over the cores."""
+    for segment in segments:
+        block = snap.read(segment)
+        k = block.k if rope is None else rope.rotate(block.k, block.positions, inverse=True)
+        k_acc.add(k, block.positions)
+        v_acc.add(block.v, block.positions)
+        snap.release(segment)
 
 
 def _layers(
@@ -532,62 +540,61 @@ def _layers(
                     table[(seq, layer, head, "v")] = HeadAccumulator(spec.v_dim, None, options.stats)
             return table
 
-        last = {seg.layer: i for i, seg in enumerate(snap.segments())}  # blocks() goes in this order
+        last = {seg.layer: i for i, seg in enumerate(snap.segments())}  # the pass goes in this order
+        k_row_bytes = {layer: spec.row_bytes(0) for layer, spec in enumerate(snap.layers) if spec.present}
+        v_row_bytes = {layer: spec.row_bytes(1) for layer, spec in enumerate(snap.layers) if spec.present}
         bar = _layer_bar(name, len(ropes), progress)
         for layer in ropes:
             if layer not in last:  # present but holding no tokens
                 bar.update()
                 yield name, index, layer, fresh(layer)
-        # Consecutive blocks of one head go to one task (up to _BATCH_BYTES of K and V), so the
-        # tasks in flight span many heads even when a head is stored in many chunks.
+        # Consecutive segments of one head go to one task (up to _BATCH_BYTES of K and V): the
+        # tasks in flight span many heads even when a head is stored in many chunks. The task
+        # reads its segments itself, so checksums and page faults run on every core.
         window = options.threads + 2
         in_progress: dict[int, tuple[dict[Key, HeadAccumulator], list[Any]]] = {}
         closing: collections.deque[int] = collections.deque()
-        batch: list[kvformat.Head] = []
-        in_flight: collections.deque[tuple[int, list[Any]]] = collections.deque()  # (blocks, futures)
+        batch: list[kvformat.Segment] = []
+        in_flight: collections.deque[Any] = collections.deque()
 
         def submit() -> None:
             first = batch[0]
             table, futures = in_progress[first.layer]
+            k_acc = table[(first.seq, first.layer, first.head, "k")]
+            v_acc = table[(first.seq, first.layer, first.head, "v")]
             rope = ropes[first.layer] if unrotate else None
-            submitted = []
-            for tensor, rotation in (("k", rope), ("v", None)):
-                key = (first.seq, first.layer, first.head, tensor)
-                pieces = [(b.k if tensor == "k" else b.v, b.positions) for b in batch]
-                submitted.append(pool.submit(key, _add, table[key], pieces, rotation))
-            futures.extend(submitted)
-            in_flight.append((len(batch), submitted))
+            snap.prefetch(batch)
+            key = (first.seq, first.layer, first.head)
+            future = pool.submit(key, _add_segments, snap, list(batch), k_acc, v_acc, rope)
+            futures.append(future)
+            in_flight.append(future)
             batch.clear()
-
-        def hold() -> int:  # blocks whose pages a task may still read
-            return sum(count for count, _ in in_flight) + len(batch)
 
         # BLAS on one thread whatever the thread count: the Gram's rounding then does not depend
         # on it (BLAS splits sums differently over its own threads).
         with single_threaded_blas(), OrderedPool(options.threads) as pool, bar:
             size = 0
-            for i, block in enumerate(snap.blocks(hold=hold)):
-                layer = block.layer
+            for i, segment in enumerate(snap.segments()):
+                layer = segment.layer
                 if layer not in in_progress:
                     in_progress[layer] = (fresh(layer), [])
                 if batch and (
-                    (block.seq, layer, block.head) != (batch[0].seq, batch[0].layer, batch[0].head)
+                    (segment.seq, layer, segment.head) != (batch[0].seq, batch[0].layer, batch[0].head)
                     or size >= _BATCH_BYTES
                 ):
                     submit()
                 if not batch:
                     size = 0
-                batch.append(block)
-                size += block.k.nbytes + block.v.nbytes
+                batch.append(segment)
+                size += segment.count * (k_row_bytes[layer] + v_row_bytes[layer])
                 if last[layer] == i:
                     submit()
                     if finish:
                         table, futures = in_progress[layer]
-                        futures.extend(pool.submit(key, acc.row) for key, acc in table.items())
+                        futures.extend(pool.submit(key[:3], acc.row) for key, acc in table.items())
                     closing.append(layer)
                 while len(in_flight) > window:
-                    for future in in_flight.popleft()[1]:
-                        future.result()
+                    in_flight.popleft().result()
                 while closing and all(f.done() for f in in_progress[closing[0]][1]):
                     done = closing.popleft()
                     for future in in_progress[done][1]:

@@ -527,29 +527,48 @@ class Snapshot:
         file = self._file
         segments = self.segments()
         announced = 0
-        held: collections.deque[tuple[int, int]] = collections.deque()
+        held: collections.deque[Segment] = collections.deque()
         for i, seg in enumerate(segments):
             if i == announced:  # read-ahead for remote sources (a no-op on a memory map)
-                budget, chunks = READ_AHEAD, list[int]()
-                while announced < len(segments) and (budget > 0 or not chunks):
-                    for chunk in (segments[announced].k_chunk, segments[announced].v_chunk):
-                        chunks.append(chunk)
-                        budget -= file.stored[chunk]
+                budget, ahead = READ_AHEAD, list[Segment]()
+                while announced < len(segments) and (budget > 0 or not ahead):
+                    ahead.append(segments[announced])
+                    budget -= (
+                        file.stored[segments[announced].k_chunk] + file.stored[segments[announced].v_chunk]
+                    )
                     announced += 1
-                file.prefetch(chunks)
-            yield Head(
-                seg.layer,
-                seg.head,
-                seg.seq,
-                file.chunk_array(seg.k_chunk)[seg.k_row : seg.k_row + seg.count],
-                file.chunk_array(seg.v_chunk)[seg.v_row : seg.v_row + seg.count],
-                np.arange(seg.position, seg.position + seg.count, dtype=np.int64),
-            )
-            held.append((seg.k_chunk, seg.v_chunk))
+                self.prefetch(ahead)
+            yield self.read(seg)
+            held.append(seg)
             keep = holding()
             while len(held) > keep:
-                for chunk in held.popleft():
-                    file.source.release(file.offsets[chunk], DESCRIPTOR_SIZE + file.stored[chunk])
+                self.release(held.popleft())
+
+    def read(self, segment: Segment) -> Head:
+        """One segment of `segments()` as a `Head`: its K and V rows decoded (CRC-checked when
+        the file was opened with checks; a view of the map for raw chunks), its positions.
+        Thread-safe: a pass may read segments on several threads."""
+        file = self._file
+        return Head(
+            segment.layer,
+            segment.head,
+            segment.seq,
+            file.chunk_array(segment.k_chunk)[segment.k_row : segment.k_row + segment.count],
+            file.chunk_array(segment.v_chunk)[segment.v_row : segment.v_row + segment.count],
+            np.arange(segment.position, segment.position + segment.count, dtype=np.int64),
+        )
+
+    def release(self, segment: Segment) -> None:
+        """Drop the pages of the segment's chunks from this process (views stay valid: the pages
+        fault back in), so a streaming pass keeps a bounded resident set."""
+        file = self._file
+        for chunk in (segment.k_chunk, segment.v_chunk):
+            file.source.release(file.offsets[chunk], DESCRIPTOR_SIZE + file.stored[chunk])
+
+    def prefetch(self, segments: list[Segment]) -> None:
+        """Announce segments about to be read: a remote source fetches them in few requests (a
+        no-op on a memory map)."""
+        self._file.prefetch([chunk for seg in segments for chunk in (seg.k_chunk, seg.v_chunk)])
 
     def check_snapshots(self) -> None:
         """Check that every snapshot of the file materializes (section 11), each entry once."""
