@@ -72,6 +72,7 @@ def _row_pass(
     low_keys: np.ndarray,
     high_keys: np.ndarray,
     row: np.ndarray,
+    sums: np.ndarray,
 ) -> bool:
     """Rows ``start:stop`` of ``x`` (``bits``: the same memory as int32); with the QUANT flag,
     ``low_keys``/``high_keys`` ``(dim,)`` become these rows' channel minima/maxima as order keys.
@@ -110,7 +111,7 @@ def _row_pass(
                 high_keys[j] = high + ((key - high) & -(key > high))
         if flags[MEAN]:
             for j in range(dim):
-                power[0, j] += row[j]
+                sums[j] += row[j]
         if flags[CHANNELS]:
             for j in range(dim):
                 v = row[j]
@@ -251,6 +252,8 @@ def _accumulate(
     flags: np.ndarray,
     scalars: np.ndarray,
     norm_hist: np.ndarray,
+    peak_hist: np.ndarray,
+    sums: np.ndarray,
     power: np.ndarray,
     absmax_bits: np.ndarray,
     unit_sum: np.ndarray,
@@ -268,7 +271,9 @@ def _accumulate(
 
         ``scalars``: [sum ||x||, sum ||x||^2, min ||x||, max ||x||, sum ||x_0||, count of x_0];
         ``absmax_bits`` ``(dim,)`` int32: the float32 bits of each channel's max |x| so far;
-        ``peak_bits`` ``(n_tokens,)`` int32 receives each row's max |x| as float32 bits;
+        ``peak_bits`` ``(n_tokens,)`` int32 receives each row's max |x| as float32 bits, and
+        ``peak_hist`` counts them (CHANNELS); ``sums`` ``(dim,)`` receives this piece's channel
+        sums, also added to ``power[0]`` (MEAN);
         ``square_norms`` ``(n_tokens,)`` float64 receives each row's ||x||^2;
         ``quant_token``, ``quant_channel`` ``(3,)``: the error sums at 8, 4 and 2 bits."""
     n, dim = x.shape
@@ -302,6 +307,7 @@ def _accumulate(
             low_keys,
             high_keys,
             row,
+            sums,
         )
         if flags[QUANT]:
             if finite:
@@ -313,6 +319,29 @@ def _accumulate(
     if nan:
         quant_token[:] = np.nan
         quant_channel[:] = np.nan
+    if flags[MEAN]:
+        for j in range(dim):
+            power[0, j] += sums[j]
+    if flags[CHANNELS]:
+        peaks = peak_bits.view(np.float32)
+        for i in range(n):
+            peak_hist[_hist_bin(np.float64(peaks[i]))] += 1
+
+
+def _add_shift_terms(gram: np.ndarray, center: np.ndarray, sums: np.ndarray, n: int) -> None:
+    """``gram += c s^T + s c^T - n c c^T`` (float64; ``c`` = ``center``): what turns the Gram
+    matrix of rows less ``c`` into that of the rows, ``s`` their sum."""
+    dim = gram.shape[0]
+    for i in range(dim):
+        ci = np.float64(center[i])
+        for j in range(dim):
+            cj = np.float64(center[j])
+            gram[i, j] += ci * sums[j] + sums[i] * cj - n * ci * cj
+
+
+def _heavy_rows(square_norms: np.ndarray, factor: float) -> np.ndarray:
+    """Rows whose squared norm exceeds ``factor`` times the median (``(n,)`` bool)."""
+    return square_norms > factor * np.median(square_norms)
 
 
 # Reassociation lets LLVM vectorize the float64 reductions of the row pass (sums move by ~1e-15
@@ -328,5 +357,9 @@ if numba is not None:
     _order_key = numba.njit(cache=True, nogil=True, inline="always")(_order_key)
     _quant_tile = numba.njit(cache=True, nogil=True, fastmath=_QUANT_FLAGS)(_quant_tile)
     accumulate = numba.njit(cache=True, nogil=True)(_accumulate)
+    heavy_rows = numba.njit(cache=True, nogil=True)(_heavy_rows)
+    add_shift_terms = numba.njit(cache=True, nogil=True)(_add_shift_terms)
 else:  # pragma: no cover
     accumulate = _accumulate
+    heavy_rows = _heavy_rows
+    add_shift_terms = _add_shift_terms

@@ -28,12 +28,15 @@ if TYPE_CHECKING:
 
 _LOG_LOW, _LOG_HIGH, _BINS = -8.0, 8.0, 2048  # log10 histogram: ~1.8% relative bin width
 _PIECE = 1 << 13
+_NO_PAIRS = np.empty(0, np.int64)
+_NO_BAND = np.empty(0)
 _GRAM_ROWS = 512  # rows per float32 product: its rounding grows with them
 _BATCH_BYTES = 8 << 20  # K + V bytes of one head handed to one task
 _GRAM_FLOAT64_ROWS = 512  # fewer rows than this: the Gram update in float64
 _HEAVY = 16.0  # squared norm over the piece's median: a row the Gram adds in float64
 TOP_K = 8
 QUANT_BITS = (8, 4, 2)
+_LEVELS = np.array([(1 << bits) - 1 for bits in QUANT_BITS], np.int64)
 QUANT_GROUP = 32
 POSITION_BINS = 48  # [0,1), [1,2), [2,4), ... [2^46, 2^47)
 RANKS = (1, 4, 16)
@@ -170,6 +173,7 @@ class HeadAccumulator:
     quant_token: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
     quant_channel: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
     _row: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+    _flag_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.groups = stat_groups(self.groups)
@@ -189,7 +193,9 @@ class HeadAccumulator:
             self._add_numpy(rows, positions)
 
     def _flags(self) -> np.ndarray:
-        flags = np.zeros(5, np.int64)
+        if self._flag_array is not None:
+            return self._flag_array
+        flags = self._flag_array = np.zeros(5, np.int64)
         flags[kernel.NORMS] = "norms" in self.groups
         flags[kernel.CHANNELS] = "channels" in self.groups
         flags[kernel.ROPE] = "rope" in self.groups and self.band is not None
@@ -198,17 +204,18 @@ class HeadAccumulator:
         return flags
 
     def _add_compiled(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        # Few Python-level calls per piece: with many threads, what holds the GIL sets the pace.
         if self.band is not None and self.rope is not None:
             first, second = self.rope.pair_indices()
             band = self.band
         else:
-            first = second = np.empty(0, np.int64)
-            band = np.empty(0)
+            first = second = _NO_PAIRS
+            band = _NO_BAND
         flags = self._flags()
         channels, spectrum = "channels" in self.groups, "spectrum" in self.groups
         scalars = np.array([0.0, 0.0, self.norm_min, self.norm_max, 0.0, 0.0])
-        levels = np.array([(1 << bits) - 1 for bits in QUANT_BITS], np.int64)
         absmax_bits = np.zeros(self.dim, np.int32)
+        sums = np.zeros(self.dim)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         for start in range(0, rows.shape[0], _PIECE):
             x = _float32(rows[start : start + _PIECE])
@@ -216,19 +223,21 @@ class HeadAccumulator:
             if not n:
                 continue
             pos = positions[start : start + n]
-            peak_bits = np.zeros(n, np.int32)
+            peak_bits = np.empty(n, np.int32)
             square_norms = np.empty(n)
-            before = self.power[0].copy() if spectrum else None
+            sums[:] = 0.0
             kernel.accumulate(
                 x,
                 x.view(np.int32),
                 pos,
                 first,
                 second,
-                levels,
+                _LEVELS,
                 flags,
                 scalars,
                 self.norm_hist,
+                self.peak_hist,
+                sums,
                 self.power,
                 absmax_bits,
                 self.unit_sum,
@@ -240,13 +249,12 @@ class HeadAccumulator:
                 self.quant_token,
                 self.quant_channel,
             )
-            if before is not None:
-                self._add_gram(x, self.power[0] - before, square_norms)
+            if spectrum:
+                self._add_gram(x, sums, square_norms)
             self.count += n
             if channels:
-                peaks = peak_bits.view(np.float32).astype(np.float64)
-                self.peak_hist += np.bincount(_hist_index(peaks), minlength=_BINS)
-                best = np.argpartition(peaks, n - TOP_K)[n - TOP_K :] if n > TOP_K else np.arange(n)
+                best = np.argpartition(peak_bits, n - TOP_K)[n - TOP_K :] if n > TOP_K else range(n)
+                peaks = peak_bits.view(np.float32)
                 self.top = sorted(self.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[
                     :TOP_K
                 ]
@@ -272,7 +280,7 @@ class HeadAccumulator:
             x64 = x.astype(np.float64)
             self.gram += x64.T @ x64
             return
-        heavy = square_norms > _HEAVY * np.median(square_norms)
+        heavy = kernel.heavy_rows(square_norms, _HEAVY)
         if heavy.any():
             big = x[heavy].astype(np.float64)
             self.gram += big.T @ big
@@ -281,13 +289,18 @@ class HeadAccumulator:
         n = x.shape[0]
         if not n:
             return
-        center = (sums / n).astype(np.float32)
-        for start in range(0, n, _GRAM_ROWS):
-            shifted = x[start : start + _GRAM_ROWS] - center
-            self.gram += shifted.T @ shifted
-        c = center.astype(np.float64)
-        cross = np.outer(c, sums)
-        self.gram += cross + cross.T - n * np.outer(c, c)
+        center = (sums / n).astype(np.float32)  # the shift; exact shifts are not needed
+        # Few, large numpy calls (each releases the GIL): one shift, one batched product of
+        # every _GRAM_ROWS-row piece, one float64 sum of the partial Gram matrices.
+        shifted = x - center
+        full = n - n % _GRAM_ROWS
+        if full:
+            stacked = shifted[:full].reshape(-1, _GRAM_ROWS, x.shape[1])
+            self.gram += np.matmul(stacked.transpose(0, 2, 1), stacked).sum(axis=0, dtype=np.float64)
+        if full < n:
+            rest = shifted[full:]
+            self.gram += rest.T @ rest
+        kernel.add_shift_terms(self.gram, center, sums, n)
 
     def _add_numpy(self, rows: np.ndarray, positions: np.ndarray) -> None:
         for start in range(0, rows.shape[0], _PIECE):
