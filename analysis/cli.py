@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvformat.cli import positive_int, storage_options
+from kvformat.cli import positive_float, positive_int, storage_options
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
@@ -161,7 +161,7 @@ def _similarity(args: argparse.Namespace) -> int:
 
     from analysis.similarity import head_similarity
 
-    table = head_similarity(args.files, args.snapshot, args.keys)
+    table = head_similarity(args.files, args.snapshot, args.keys, args.jobs, _storage_options(args))
     if args.output:
         table.write_parquet(args.output)
         print(f"wrote {args.output}: {table.height} rows")
@@ -174,9 +174,11 @@ def _similarity(args: argparse.Namespace) -> int:
     ):
         part = table.filter((pl.col("kind") == kind) & (pl.col("tensor") == args.tensor))
         print(f"{title} ({args.tensor.upper()}, linear CKA):")
+        several = table["file"].n_unique() > 1
         for row in part.sort("cka", descending=True, nulls_last=True).head(args.top).iter_rows(named=True):
+            where = f"{row['file']}: " if several else ""
             print(
-                f"  layer {row['layer']} head {row['head']} ~ layer {row['other_layer']} head "
+                f"  {where}layer {row['layer']} head {row['head']} ~ layer {row['other_layer']} head "
                 f"{row['other_head']}: CKA {row['cka']:.3f}, mean cosine {row['cosine_mean']:.3f}"
             )
     return 0
@@ -260,7 +262,7 @@ def _stats(args: argparse.Namespace) -> int:
     return 1 if args.failed else 0
 
 
-def _common(p: argparse.ArgumentParser, many: bool = True) -> None:
+def _common(p: argparse.ArgumentParser, many: bool = True, engines: bool = True) -> None:
     if many:
         p.add_argument("files", nargs="+")
     p.add_argument("--snapshot", type=int, default=-1)
@@ -281,7 +283,7 @@ def _common(p: argparse.ArgumentParser, many: bool = True) -> None:
         metavar="KEY=VALUE",
         help="fsspec option for URLs (e.g. endpoint_url=http://host:9000); repeatable",
     )
-    if many:
+    if many and engines:
         p.add_argument(
             "--engine",
             choices=["local", "ray"],
@@ -310,7 +312,7 @@ def register(sub: Any) -> None:
         help="per-head statistics (norms, channels, spectrum, ...); prints mean ||K||, outliers flagged",
     )
     _common(p)
-    p.add_argument("--factor", type=float, default=1.5, help="outlier threshold vs the median head")
+    p.add_argument("--factor", type=positive_float, default=1.5, help="outlier threshold vs the median head")
     p.add_argument("-o", "--output", help="write the full statistics table as Parquet")
     p.add_argument(
         "--merge",
@@ -326,7 +328,7 @@ def register(sub: Any) -> None:
         "--stat", default="norm_mean", help="a scalar column of 'kvsnap stats' (default norm_mean)"
     )
     p.add_argument("--tensor", choices=["k", "v"], default="k")
-    p.add_argument("--threshold", type=float, default=1.5, help="ratio to the file's median head")
+    p.add_argument("--threshold", type=positive_float, default=1.5, help="ratio to the file's median head")
     _stats_option(p)
     p.set_defaults(func=_outliers)
 
@@ -340,8 +342,8 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_plot)
 
     p = sub.add_parser("similarity", help="cross-head and cross-layer linear CKA and cosine")
-    _common(p)
+    _common(p, engines=False)
     p.add_argument("--tensor", choices=["k", "v"], default="k")
-    p.add_argument("--top", type=int, default=5, help="pairs to print per kind")
+    p.add_argument("--top", type=positive_int, default=5, help="pairs to print per kind")
     p.add_argument("-o", "--output", help="write every pair as Parquet")
     p.set_defaults(func=_similarity)

@@ -91,13 +91,16 @@ def _rows_of(
 
 
 def similarity_rows(
-    path: str | os.PathLike[str], snapshot: int = -1, keys: str = "post_rope"
+    path: str | os.PathLike[str],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    storage_options: dict[str, Any] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Rows ``{file, snapshot, seq, tensor, kind ("head" | "layer"), layer, head, other_layer,
     other_head, n_tokens, cka, cosine_mean}`` for one file, streamed a layer at a time."""
     if keys not in ("post_rope", "pre_rope"):
         raise ValueError("keys must be 'post_rope' or 'pre_rope'")
-    with kvformat.open(path, snapshot) as snap:
+    with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
         name, index = os.fspath(path), snap.index
         present = [i for i, spec in enumerate(snap.layers) if spec.present and spec.num_heads > 0]
         ropes = {
@@ -183,13 +186,16 @@ def _cross_layer(
 
 
 def similarity_for_file(
-    path: str | os.PathLike[str], snapshot: int = -1, keys: str = "post_rope"
+    path: str | os.PathLike[str],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    storage_options: dict[str, Any] | None = None,
 ) -> Iterator[pa.Table]:
     """The similarity rows of one file as Arrow tables (one per sequence and tensor)."""
     import pyarrow as pa
 
     batch: list[dict[str, Any]] = []
-    for row in similarity_rows(path, snapshot, keys):
+    for row in similarity_rows(path, snapshot, keys, storage_options):
         if batch and (row["seq"], row["tensor"]) != (batch[-1]["seq"], batch[-1]["tensor"]):
             yield pa.Table.from_pylist(batch)
             batch = []
@@ -198,15 +204,33 @@ def similarity_for_file(
         yield pa.Table.from_pylist(batch)
 
 
+def _file_tables(
+    path: str | os.PathLike[str], snapshot: int, keys: str, storage_options: dict[str, Any] | None
+) -> list[pa.Table]:
+    return list(similarity_for_file(path, snapshot, keys, storage_options))
+
+
 def head_similarity(
     paths: str | os.PathLike[str] | list[str | os.PathLike[str]],
     snapshot: int = -1,
     keys: str = "post_rope",
+    jobs: int | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> pl.DataFrame:
-    """Cross-head and cross-layer similarity of one or more files as a Polars DataFrame."""
+    """Cross-head and cross-layer similarity of one or more files (paths or URLs) as a Polars
+    DataFrame, each row naming its ``file``; files run in up to ``jobs`` processes (default:
+    every core)."""
     import polars as pl
 
+    from analysis.parallel import cores
+    from analysis.stats import local_map
+
     files = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
-    tables = [pl.from_arrow(t) for path in files for t in similarity_for_file(path, snapshot, keys)]
+    processes = min(cores() if jobs is None else jobs, len(files))
+    tables = [
+        pl.from_arrow(t)
+        for per_file in local_map(_file_tables, files, processes, snapshot, keys, storage_options)
+        for t in per_file
+    ]
     frames = [t for t in tables if isinstance(t, pl.DataFrame)]
     return pl.concat(frames) if frames else pl.DataFrame()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvformat.cli import positive_int
+from kvformat.cli import fraction, non_negative_float, positive_int
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -199,8 +199,8 @@ def register_capture(sub: Any) -> None:
         type=positive_int,
         help="keep only the last N tokens (and the first 4) in every full-attention layer",
     )
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling (0: off)")
+    p.add_argument("--temp", type=non_negative_float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=fraction, default=0.0, help="nucleus sampling (0: off)")
     p.add_argument("--seed", type=int, help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--echo", action="store_true", help="print the generated text instead of a progress bar")

@@ -17,7 +17,7 @@ import numpy as np
 
 import kvformat
 from kvformat import codecs, dtypes
-from kvformat.errors import KVFormatError
+from kvformat.errors import KVFormatError, OutOfRangeError
 
 
 def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
@@ -59,6 +59,54 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not np.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not np.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    value = _number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must lie in 0..1, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def storage_options(items: Sequence[str] | None) -> dict[str, Any] | None:
     """``KEY=VALUE`` strings (``--storage-option``) as fsspec options; VALUE is parsed as JSON
     when it is JSON (``anon=true``, ``client_kwargs={"region_name": "eu-west-1"}``)."""
@@ -86,7 +134,8 @@ def _info(args: argparse.Namespace) -> int:
         print(json.dumps(description, indent=2, ensure_ascii=False))
         return 0
     d = description
-    print(f"{d['file']}: .kv v{d['version']}, snapshot {d['snapshot'] + 1} of {d['num_snapshots']}")
+    count = d["num_snapshots"]
+    print(f"{d['file']}: .kv v{d['version']}, snapshot {d['snapshot']} of {count} (numbered 0..{count - 1})")
     print(
         f"  {d['num_layers']} layers, {d['num_heads']} KV heads, head_dim {d['head_dim']}, "
         f"{d['num_seqs']} sequence(s), seq_len {d['seq_len']}, {d['num_chunks']} chunks"
@@ -142,6 +191,12 @@ def _pack(args: argparse.Namespace) -> int:
             if f"k_L{layer}" not in names or f"v_L{layer}" not in names:
                 raise SystemExit(f"{args.input}: layer {layer} needs both k_L{layer} and v_L{layer}")
             k, v = npz[f"k_L{layer}"], npz[f"v_L{layer}"]
+            stored = {np.dtype(d.numpy) for d in dtypes.BY_NAME.values()} | {np.dtype(np.uint16)}
+            if not args.dtype and (k.dtype not in stored or v.dtype not in stored):
+                raise SystemExit(
+                    f"{args.input}: layer {layer} arrays are {k.dtype}/{v.dtype}, which .kv does not store: "
+                    f"pass --dtype {' or '.join(sorted(dtypes.BY_NAME))} to convert"
+                )
             if k.dtype == np.uint16 or args.dtype:
                 target = dtypes.from_name(args.dtype or "bfloat16").numpy
                 k = k.view(target) if k.dtype == np.uint16 else k.astype(target)
@@ -234,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input")
     p.add_argument("output")
     p.add_argument("--codec", default="raw", help=f"one of {', '.join(codecs.NAMES)} (zstd:LEVEL too)")
-    p.add_argument("--chunk-tokens", type=int, default=None, help="tokens per chunk")
+    p.add_argument("--chunk-tokens", type=positive_int, default=None, help="tokens per chunk")
     p.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), help="convert arrays to this dtype")
     p.set_defaults(func=_pack)
 
@@ -251,9 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dump", help="write one head's K, V (float32) and positions to .npz")
     p.add_argument("file")
     _remote_options(p)
-    p.add_argument("--layer", type=int, required=True)
-    p.add_argument("--head", type=int, required=True)
-    p.add_argument("--seq", type=int, default=0)
+    p.add_argument("--layer", type=non_negative_int, required=True)
+    p.add_argument("--head", type=non_negative_int, required=True)
+    p.add_argument("--seq", type=non_negative_int, default=0)
     p.add_argument("--snapshot", type=int, default=-1)
     p.add_argument("-o", "--output", required=True)
     p.set_defaults(func=_dump)
@@ -285,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except KVFormatError as exc:
         print(f"kvsnap: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except OutOfRangeError as exc:  # --snapshot, --layer, --head, --seq outside the file's range
+        print(f"kvsnap: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"kvsnap: error: {exc}", file=sys.stderr)

@@ -42,3 +42,8 @@ class RemoteError(KVFormatError):
 
 class RemoteNotFoundError(RemoteError):
     """A remote file does not exist (or vanished after it was opened)."""
+
+
+class OutOfRangeError(IndexError):
+    """A snapshot, layer, head or sequence index outside what the file holds (a usage error, not
+    a file problem: the message names the valid range)."""

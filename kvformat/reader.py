@@ -24,6 +24,7 @@ from kvformat.errors import (
     CorruptFileError,
     KVFormatError,
     LimitExceededError,
+    OutOfRangeError,
     TruncatedFileError,
 )
 from kvformat.layout import (
@@ -327,7 +328,10 @@ class Snapshot:
     def __init__(self, file: _File, index: int) -> None:
         count = len(file.entries)
         if not isinstance(index, int) or not -count <= index < count:
-            raise IndexError(f"snapshot {index} out of range: the file holds {count}")
+            raise OutOfRangeError(
+                f"snapshot {index} out of range: the file holds {count} "
+                f"(numbered 0..{count - 1}; -1 is the last)"
+            )
         self._file = file
         self.index = index % count
         self._segments = file.chain.segments(self.index)  # checked now: a bad snapshot fails here
@@ -415,14 +419,14 @@ class Snapshot:
     # -- data ------------------------------------------------------------------------------
     def _layer(self, layer: int, head: int, seq: int) -> LayerSpec | None:
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer} out of range 0..{self.num_layers - 1}")
+            raise OutOfRangeError(f"layer {layer} out of range 0..{self.num_layers - 1}")
         if not isinstance(seq, int) or not 0 <= seq < self.num_seqs:
-            raise IndexError(f"seq {seq} out of range 0..{self.num_seqs - 1}")
+            raise OutOfRangeError(f"seq {seq} out of range 0..{self.num_seqs - 1}")
         spec = self.layers[layer]
         if not spec.present:
             return None
         if not isinstance(head, int) or not 0 <= head < spec.num_heads:
-            raise IndexError(f"head {head} out of range 0..{spec.num_heads - 1} in layer {layer}")
+            raise OutOfRangeError(f"head {head} out of range 0..{spec.num_heads - 1} in layer {layer}")
         return spec
 
     def head(
@@ -597,7 +601,7 @@ class Snapshot:
     def __repr__(self) -> str:
         return (
             f"<kvformat.Snapshot {self.name!r} v{self.version[0]}.{self.version[1]} "
-            f"snapshot {self.index + 1}/{self.num_snapshots}: {self.num_layers} layers, "
+            f"snapshot {self.index} of 0..{self.num_snapshots - 1}: {self.num_layers} layers, "
             f"{self.num_heads} kv heads, head_dim {self.head_dim}, seq_len {self.seq_len}>"
         )
 

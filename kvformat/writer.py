@@ -21,6 +21,7 @@ from kvformat import codecs, dtypes
 from kvformat.checksum import crc32c, crc32c_many, crc32c_rows
 from kvformat.codecs import BytesLike, Codec
 from kvformat.dtypes import DType
+from kvformat.errors import OutOfRangeError
 from kvformat.layout import (
     ALIGN,
     DESCRIPTOR_DTYPE,
@@ -519,7 +520,7 @@ class Writer:
 
     def _layer(self, layer: int) -> LayerSpec:
         if not isinstance(layer, int) or not 0 <= layer < len(self.manifest.layers):
-            raise IndexError(f"layer {layer} out of range 0..{len(self.manifest.layers) - 1}")
+            raise OutOfRangeError(f"layer {layer} out of range 0..{len(self.manifest.layers) - 1}")
         spec = self.manifest.layers[layer]
         if not spec.present:
             raise ValueError(f"layer {layer} is declared absent; it cannot hold K/V")
@@ -527,7 +528,7 @@ class Writer:
 
     def _check_seq(self, seq: int) -> None:
         if not isinstance(seq, int) or not 0 <= seq < self.manifest.num_seqs:
-            raise IndexError(f"seq {seq} out of range 0..{self.manifest.num_seqs - 1}")
+            raise OutOfRangeError(f"seq {seq} out of range 0..{self.manifest.num_seqs - 1}")
 
     # -- public API ----------------------------------------------------------------------
     def next_position(self, layer: int, seq: int = 0) -> int:
@@ -737,7 +738,7 @@ class Writer:
         spec = self._layer(layer)
         self._check_seq(seq)
         if not isinstance(head, int) or not 0 <= head < spec.num_heads:
-            raise IndexError(f"head {head} out of range 0..{spec.num_heads - 1} in layer {layer}")
+            raise OutOfRangeError(f"head {head} out of range 0..{spec.num_heads - 1} in layer {layer}")
         where = f"layer {layer} head {head}"
         k_rows = self._stored_rows(spec, f"{where} k", k, spec.k_dim)
         v_rows = self._stored_rows(spec, f"{where} v", v, spec.v_dim)

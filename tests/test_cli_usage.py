@@ -1,0 +1,129 @@
+"""Everyday command-line use (issue 15): snapshot numbering, out-of-range selections, numeric
+flags checked when parsed, pack of float64 arrays, similarity naming files. Each bad input is
+one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvformat
+from kvformat.cli import main
+
+
+@pytest.fixture
+def series(tmp_path: Path) -> Path:
+    spec = kvformat.LayerSpec(2, 4, 4, kvformat.dtypes.from_numpy(np.dtype(np.float32)))
+    path = tmp_path / "series.kv"
+    with kvformat.Writer(path, [spec, spec]) as writer:
+        for step in range(3):
+            k = np.full((2, 2, 4), step, np.float32)
+            writer.append(0, k, k)
+            writer.append(1, k, k)
+            writer.snapshot()
+    return path
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        code = main(argv)
+        raise SystemExit(code)
+    assert exit_info.value.code == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and message in err[-1], (argv, err)
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_snapshots_are_numbered_from_0_as_typed(series: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", str(series), "--snapshot", "0"]) == 0
+    assert "snapshot 0 of 3 (numbered 0..2)" in capsys.readouterr().out
+    assert main(["info", str(series)]) == 0
+    assert "snapshot 2 of 3" in capsys.readouterr().out
+    assert main(["info", str(series), "--snapshot", "-3"]) == 0
+    assert "snapshot 0 of 3" in capsys.readouterr().out
+    with kvformat.open(series, 1) as snap:
+        assert "snapshot 1 of 0..2" in repr(snap)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["info", "{f}", "--snapshot", "3"],
+            "snapshot 3 out of range: the file holds 3 (numbered 0..2; -1 is the last)",
+        ),
+        (["info", "{f}", "--snapshot", "-4"], "snapshot -4 out of range"),
+        (["dump", "{f}", "--layer", "2", "--head", "0", "-o", "x.npz"], "layer 2 out of range 0..1"),
+        (
+            ["dump", "{f}", "--layer", "0", "--head", "2", "-o", "x.npz"],
+            "head 2 out of range 0..1 in layer 0",
+        ),
+        (
+            ["dump", "{f}", "--layer", "0", "--head", "0", "--seq", "1", "-o", "x.npz"],
+            "seq 1 out of range 0..0",
+        ),
+        (
+            ["dump", "{f}", "--layer", "-1", "--head", "0", "-o", "x.npz"],
+            "--layer: must be 0 or more, got -1",
+        ),
+        (
+            ["dump", "{f}", "--snapshot", "7", "--layer", "0", "--head", "0", "-o", "x.npz"],
+            "snapshot 7 out of range",
+        ),
+    ],
+)
+def test_out_of_range_selections_are_one_line(
+    series: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    one_line_error(capsys, [a.replace("{f}", str(series)) for a in argv], message)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["stats", "{f}", "--jobs", "-2"], "--jobs: must be at least 1, got -2"),
+        (["stats", "{f}", "--factor", "0"], "--factor: must be a number above 0, got 0"),
+        (["outliers", "{f}", "--threshold", "-1"], "--threshold: must be a number above 0, got -1"),
+        (["similarity", "{f}", "--top", "-1"], "--top: must be at least 1, got -1"),
+        (["stats", "{f}", "--factor", "nan"], "--factor: must be a number above 0, got nan"),
+        (["pack", "in.npz", "out.kv", "--chunk-tokens", "0"], "--chunk-tokens: must be at least 1, got 0"),
+        (
+            ["capture", "model", "--prompt", "x", "-o", "o.kv", "--temp", "-1"],
+            "--temp: must be 0 or more, got -1",
+        ),
+        (
+            ["capture", "model", "--prompt", "x", "-o", "o.kv", "--top-p", "1.5"],
+            "--top-p: must lie in 0..1, got 1.5",
+        ),
+    ],
+)
+def test_numeric_flags_are_checked_when_parsed(
+    series: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    one_line_error(capsys, [a.replace("{f}", str(series)) for a in argv], message)
+
+
+def test_pack_of_float64_arrays_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    k = np.random.default_rng(0).standard_normal((2, 5, 4))  # float64, numpy's default
+    np.savez(tmp_path / "in.npz", k_L0=k, v_L0=k)
+    with pytest.raises(SystemExit, match="float64/float64, which .kv does not store: pass --dtype"):
+        main(["pack", str(tmp_path / "in.npz"), str(tmp_path / "out.kv")])
+    assert main(["pack", str(tmp_path / "in.npz"), str(tmp_path / "out.kv"), "--dtype", "float32"]) == 0
+    with kvformat.open(tmp_path / "out.kv") as snap:
+        head = snap.head(0, 1)
+        assert head is not None
+        np.testing.assert_array_equal(head.k, k[1].astype(np.float32))
+
+
+def test_similarity_names_the_file_of_each_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(1)
+    paths = []
+    for i in range(2):
+        k = rng.standard_normal((3, 20, 8)).astype(np.float32)
+        paths.append(str(tmp_path / f"s{i}.kv"))
+        kvformat.save(paths[-1], [kvformat.Layer(k, k), kvformat.Layer(k * 2, k)])
+    assert main(["similarity", *paths, "--top", "2", "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"{paths[0]}: layer" in out and f"{paths[1]}: layer" in out
