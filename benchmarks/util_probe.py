@@ -35,12 +35,13 @@ def main() -> None:
     positions = np.arange(8192)
     for groups in args.groups.split(","):
         for jobs in [int(j) for j in args.jobs.split(",")]:
-            wall, user, system = timed(
-                lambda: sum(t.num_rows for t in stats_for_file(args.file, stats=groups, jobs=jobs))
-            )
-            print(
-                f"file   {groups:9s} jobs {jobs:2d}: {wall:6.2f} s, {user:4.1f} user + {system:4.1f} sys cores"
-            )
+
+            def on_file(jobs: int = jobs, groups: str = groups) -> None:
+                sum(t.num_rows for t in stats_for_file(args.file, stats=groups, jobs=jobs))
+
+            wall, user, system = timed(on_file)
+            cpu = f"{user:4.1f} user + {system:4.1f} sys cores"
+            print(f"file   {groups:9s} jobs {jobs:2d}: {wall:6.2f} s, {cpu}")
 
             def memory(jobs: int = jobs, groups: str = groups) -> None:
                 def one(_: int) -> None:
@@ -52,9 +53,8 @@ def main() -> None:
 
             wall, user, system = timed(memory)
             rate = jobs * 8 * rows.nbytes / wall / 1e9
-            print(
-                f"memory {groups:9s} jobs {jobs:2d}: {rate:6.2f} GB/s, {user:4.1f} user + {system:4.1f} sys cores"
-            )
+            cpu = f"{user:4.1f} user + {system:4.1f} sys cores"
+            print(f"memory {groups:9s} jobs {jobs:2d}: {rate:6.2f} GB/s, {cpu}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[s
     # A reader that crashes or refuses everything with a made-up error passes nothing.
     for name, source in (
         ("crash.py", "raise SystemExit(1)\n"),
-        ("refuser.py", "print('{\"error\": \"IOError\"}')\n"),
+        ("refuser.py", 'print(\'{"error": "IOError"}\')\n'),
     ):
         (tmp_path / name).write_text(source)
         assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {tmp_path / name}"]) == 1
