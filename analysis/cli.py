@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvformat.cli import positive_float, positive_int, storage_options
+from kvformat.cli import non_negative_int, positive_float, positive_int, storage_options
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
@@ -306,6 +306,28 @@ def _stats_option(p: argparse.ArgumentParser, default: str | None = None) -> Non
     )
 
 
+def _export(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from analysis.export import export_heads
+
+    written = 0
+    paths = export_heads(
+        args.file,
+        args.output,
+        layers=args.layer,
+        heads=args.head,
+        fmt=args.format,
+        keys=args.keys,
+        snapshot=args.snapshot,
+        storage_options=_storage_options(args),
+    )
+    for _ in tqdm(paths, unit="head", file=sys.stderr, disable=None, leave=False):
+        written += 1
+    print(f"wrote {written} {args.format} file(s) into {args.output} (one per layer and head)")
+    return 0
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "stats",
@@ -340,6 +362,24 @@ def register(sub: Any) -> None:
     p.add_argument("-o", "--output", required=True, help="PNG file")
     _stats_option(p)
     p.set_defaults(func=_plot)
+
+    p = sub.add_parser(
+        "export", help="one file per layer and head (L00-H00.csv, as go-mlx probes), streamed head by head"
+    )
+    p.add_argument("file")
+    p.add_argument("-o", "--output", required=True, help="directory (created)")
+    p.add_argument("--layer", type=non_negative_int, action="append", help="only this layer (repeatable)")
+    p.add_argument("--head", type=non_negative_int, action="append", help="only this head (repeatable)")
+    p.add_argument("--format", choices=["csv", "npy", "npz", "parquet"], default="csv")
+    p.add_argument("--snapshot", type=int, default=-1)
+    p.add_argument(
+        "--keys",
+        choices=["post_rope", "pre_rope"],
+        default="post_rope",
+        help="pre_rope: un-rotate K with the RoPE the snapshot records",
+    )
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("similarity", help="cross-head and cross-layer linear CKA and cosine")
     _common(p, engines=False)

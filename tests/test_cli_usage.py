@@ -151,3 +151,49 @@ def test_info_shows_text_settings_quantization_and_groups_layers(
     vectors = Path(__file__).resolve().parent.parent / "spec" / "vectors"
     assert main(["info", str(vectors / "quantized.kv")]) == 0
     assert "4-bit affine quantized (groups of 32, float16 scales)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fmt", ["csv", "npy", "npz", "parquet"])
+def test_export_writes_one_file_per_head(
+    tmp_path: Path, fmt: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import pyarrow.csv as csv
+    import pyarrow.parquet as parquet
+
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((3, 6, 4)).astype(np.float16)
+    v = rng.standard_normal((3, 6, 2)).astype(np.float16)
+    positions = np.array([0, 1, 2, 10, 11, 12])
+    kvformat.save(tmp_path / "e.kv", [kvformat.Layer(k, v, positions), None, kvformat.Layer(k, v, positions)])
+    out = tmp_path / "heads"
+    assert main(["export", str(tmp_path / "e.kv"), "-o", str(out), "--format", fmt, "--head", "2"]) == 0
+    assert "wrote 2 " in capsys.readouterr().out
+    if fmt == "npy":
+        assert sorted(p.name for p in out.iterdir())[:3] == [
+            "L00-H02.k.npy",
+            "L00-H02.positions.npy",
+            "L00-H02.v.npy",
+        ]
+        np.testing.assert_array_equal(np.load(out / "L02-H02.k.npy"), k[2].astype(np.float32))
+        return
+    name = out / f"L02-H02.{fmt}"
+    assert sorted(p.name for p in out.iterdir()) == [f"L00-H02.{fmt}", f"L02-H02.{fmt}"]
+    if fmt == "npz":
+        with np.load(name) as data:
+            np.testing.assert_array_equal(data["v"], v[2].astype(np.float32))
+            np.testing.assert_array_equal(data["positions"], positions)
+        return
+    table = csv.read_csv(name) if fmt == "csv" else parquet.read_table(name)
+    assert table.column_names == ["seq", "position", "k_0", "k_1", "k_2", "k_3", "v_0", "v_1"]
+    assert table["position"].to_pylist() == positions.tolist()
+    np.testing.assert_allclose(table["k_3"].to_numpy(), k[2, :, 3].astype(np.float32), rtol=1e-6)
+
+
+def test_export_refuses_layers_outside_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    k = np.ones((1, 2, 4), np.float32)
+    kvformat.save(tmp_path / "e.kv", [kvformat.Layer(k, k)])
+    one_line_error(
+        capsys,
+        ["export", str(tmp_path / "e.kv"), "-o", str(tmp_path / "x"), "--layer", "3"],
+        "layer 3 out of range 0..0",
+    )
