@@ -7,6 +7,7 @@ JSON decides how the binary chunk table is interpreted.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,9 +189,32 @@ def loads(data: bytes | memoryview, what: str) -> Any:
     except UnicodeDecodeError as exc:
         raise CorruptFileError(f"{what} is not valid UTF-8: {exc}") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
         raise CorruptFileError(f"{what} is not valid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+        raise CorruptFileError(f"{what} holds an unpaired UTF-16 surrogate escape (SPEC section 2)")
+    return value
+
+
+# A \uD800-\uDFFF escape: only then can a parsed string hold a lone surrogate (a pair decodes to
+# one character; raw surrogates cannot be valid UTF-8), so most files skip the walk below.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if any("\ud800" <= c <= "\udfff" for c in item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(x for x in item if isinstance(x, str | dict | list))
+    return False
 
 
 def _reject_constant(name: str) -> Any:

@@ -197,3 +197,22 @@ def test_export_refuses_layers_outside_the_file(tmp_path: Path, capsys: pytest.C
         ["export", str(tmp_path / "e.kv"), "-o", str(tmp_path / "x"), "--layer", "3"],
         "layer 3 out of range 0..0",
     )
+
+
+def test_lone_surrogates_are_refused_by_writer_and_every_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SPEC section 2: no unpaired surrogate in JSON strings. The writer refuses to write one;
+    verify, describe and info agree on refusing a file that holds one (a conformance vector)."""
+    k = np.ones((1, 2, 4), np.float32)
+    with pytest.raises(ValueError, match="metadata must be plain JSON"):
+        kvformat.save(tmp_path / "s.kv", [kvformat.Layer(k, k)], metadata={"note": "\ud800"})
+    kvformat.save(tmp_path / "ok.kv", [kvformat.Layer(k, k)], metadata={"note": "\U0001f600 paired"})
+    with kvformat.open(tmp_path / "ok.kv") as snap:
+        assert snap.metadata["note"] == "\U0001f600 paired"
+    bad = Path(__file__).resolve().parent.parent / "spec" / "vectors" / "bad" / "lone-surrogate-metadata.kv"
+    for command in ("verify", "info"):
+        assert main([command, str(bad)]) == 2
+        assert "unpaired UTF-16 surrogate" in capsys.readouterr().err
+    assert main(["describe", str(bad)]) == 0
+    assert capsys.readouterr().out.strip() == '{"error": "CorruptFileError"}'

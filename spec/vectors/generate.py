@@ -270,6 +270,17 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         lambda s, o: _rebuild(s, o, edit_json=lambda d: b'{"manifest": "\xff\xfe"}'),
     ),
     (
+        "lone-surrogate-metadata.kv",
+        "an unpaired UTF-16 surrogate escape in metadata",
+        lambda s, o: _rebuild(
+            s,
+            o,
+            edit_json=lambda d: json.dumps({**d, "manifest": {**d["manifest"], "metadata": {"note": "@"}}})
+            .replace('"@"', '"\\ud800"')
+            .encode(),
+        ),
+    ),
+    (
         "absurd-layer-count.kv",
         "70,000 layers declared",
         lambda s, o: _rebuild(
