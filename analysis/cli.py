@@ -262,16 +262,20 @@ def _stats(args: argparse.Namespace) -> int:
     return 1 if args.failed else 0
 
 
-def _common(p: argparse.ArgumentParser, many: bool = True, engines: bool = True) -> None:
-    if many:
-        p.add_argument("files", nargs="+")
-    p.add_argument("--snapshot", type=int, default=-1)
+def _keys_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--keys",
         choices=["post_rope", "pre_rope"],
         default="post_rope",
         help="pre_rope: un-rotate K with the RoPE the snapshot records",
     )
+
+
+def _common(p: argparse.ArgumentParser, many: bool = True, engines: bool = True) -> None:
+    if many:
+        p.add_argument("files", nargs="+")
+    p.add_argument("--snapshot", type=int, default=-1)
+    _keys_option(p)
     p.add_argument(
         "--jobs",
         type=positive_int,
@@ -372,12 +376,7 @@ def register(sub: Any) -> None:
     p.add_argument("--head", type=non_negative_int, action="append", help="only this head (repeatable)")
     p.add_argument("--format", choices=["csv", "npy", "npz", "parquet"], default="csv")
     p.add_argument("--snapshot", type=int, default=-1)
-    p.add_argument(
-        "--keys",
-        choices=["post_rope", "pre_rope"],
-        default="post_rope",
-        help="pre_rope: un-rotate K with the RoPE the snapshot records",
-    )
+    _keys_option(p)
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
     p.set_defaults(func=_export)
 

@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata as importlib_metadata
 from typing import Any
 
@@ -48,63 +48,49 @@ def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
     }
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
+def _integer(text: str, minimum: int, rule: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
     return value
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
+def _number(text: str, valid: Callable[[float], bool], rule: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not np.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number above 0, got {text}")
+    if not np.isfinite(value) or not valid(value):
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
     return value
 
 
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not np.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    value = _number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def fraction(text: str) -> float:
-    """argparse type: a number in [0, 1]."""
-    value = _number(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must lie in 0..1, got {text}")
-    return value
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _integer(text, 1, "at least 1")
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+    return _integer(text, 0, "0 or more")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    return _number(text, lambda value: value > 0, "a number above 0")
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    return _number(text, lambda value: value >= 0, "0 or more")
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    return _number(text, lambda value: 0 <= value <= 1, "in 0..1")
 
 
 def storage_options(items: Sequence[str] | None) -> dict[str, Any] | None:

@@ -95,7 +95,7 @@ def test_out_of_range_selections_are_one_line(
         ),
         (
             ["capture", "model", "--prompt", "x", "-o", "o.kv", "--top-p", "1.5"],
-            "--top-p: must lie in 0..1, got 1.5",
+            "--top-p: must be in 0..1, got 1.5",
         ),
     ],
 )

@@ -275,9 +275,11 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         lambda s, o: _rebuild(
             s,
             o,
-            edit_json=lambda d: json.dumps({**d, "manifest": {**d["manifest"], "metadata": {"note": "@"}}})
-            .replace('"@"', '"\\ud800"')
-            .encode(),
+            edit_json=lambda d: (
+                json.dumps({**d, "manifest": {**d["manifest"], "metadata": {"note": "@"}}})
+                .replace('"@"', '"\\ud800"')
+                .encode()
+            ),
         ),
     ),
     (
