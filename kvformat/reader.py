@@ -114,6 +114,10 @@ class _File:
             hint = " (the writer did not finish: try 'kvsnap recover')"
             raise TruncatedFileError(f"{source.name}: {exc}{hint}") from None
         f = self.footer
+        if f.minor != self.version[1]:
+            raise CorruptFileError(
+                f"{source.name}: footer says version 1.{f.minor}, the header 1.{self.version[1]}"
+            )
         if f.chunk_count > MAX_CHUNK_COUNT:
             raise LimitExceededError(f"chunk count {f.chunk_count} exceeds {MAX_CHUNK_COUNT}")
         if f.json_size > MAX_JSON_SIZE:

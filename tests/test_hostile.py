@@ -300,7 +300,7 @@ def test_newer_minor_version_with_unknown_keys_is_read(sample: Path, tmp_path: P
     raw = bytearray(mutant.read_bytes())
     f = Footer.unpack(bytes(raw[-FOOTER_SIZE:]))
     crc = crc32c(bytes(raw[f.index_offset : -FOOTER_SIZE]), crc32c(data_header))
-    raw[-FOOTER_SIZE:] = Footer(f.index_offset, f.chunk_count, f.json_size, crc).pack()
+    raw[-FOOTER_SIZE:] = Footer(f.index_offset, f.chunk_count, f.json_size, crc, 7).pack()  # R3
     mutant.write_bytes(raw)
     assert outcome(mutant) == outcome(sample)
     with kvformat.open(mutant) as snap:

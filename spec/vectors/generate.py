@@ -182,6 +182,7 @@ def _rebuild(
     fields.update(footer or {})
     crc = crc32c(index_json, crc32c(table.tobytes(), crc32c(data[:64])))
     minor = struct.unpack_from("<H", data, 10)[0]  # the footer repeats the header's minor version
+    minor = fields.get("minor", minor)
     footer_bytes = Footer(
         fields["index_offset"], fields["chunk_count"], fields["json_size"], crc, minor
     ).pack()
@@ -281,6 +282,11 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
                 .encode()
             ),
         ),
+    ),
+    (
+        "footer-version-mismatch.kv",
+        "the footer says version 1.3, the header 1.0",
+        lambda s, o: _rebuild(s, o, footer={"minor": 3}),
     ),
     (
         "absurd-layer-count.kv",
