@@ -39,6 +39,24 @@ def _sha(array: np.ndarray) -> str:
     return hashlib.sha256(canonical.tobytes()).hexdigest()
 
 
+# The NaN a description hashes in place of any NaN of a dequantized layer (SPEC section 17).
+CANONICAL_NAN_BITS = {2: 0x7E00, 4: 0x7FC00000}  # by itemsize: float16, float32; bfloat16 below
+BFLOAT16_NAN_BITS = 0x7FC0
+
+
+def _canonical_nans(values: np.ndarray) -> np.ndarray:
+    """``values`` with every NaN replaced by the canonical quiet NaN of its dtype: dequantizing
+    (``scale * q + bias``) can produce NaNs whose payload depends on the hardware (inf x 0)."""
+    nan = np.isnan(values.astype(np.float32))
+    if not nan.any():
+        return values
+    out = np.array(values, copy=True)
+    bits = out.view(np.uint16 if out.dtype.itemsize == 2 else np.uint32)
+    canonical = BFLOAT16_NAN_BITS if out.dtype.name == "bfloat16" else CANONICAL_NAN_BITS[out.dtype.itemsize]
+    bits[nan] = canonical
+    return out
+
+
 def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
     """The manifest-shaped description of one file, or ``{"error": class name}``;
     ``open_options`` go to `kvformat.open` (e.g. ``storage_options`` for a URL)."""
@@ -62,6 +80,9 @@ def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
                         for head in range(spec.num_heads):
                             data = snap.head(layer, head, seq)
                             assert data is not None
+                            k, v = data.k, data.v
+                            if spec.quantization is not None:
+                                k, v = _canonical_nans(k), _canonical_nans(v)
                             heads.append(
                                 {
                                     "layer": layer,
@@ -69,8 +90,8 @@ def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
                                     "seq": seq,
                                     "n_tokens": int(data.positions.size),
                                     "positions": _sha(data.positions.astype("<i8")),
-                                    "k": _sha(data.k),
-                                    "v": _sha(data.v),
+                                    "k": _sha(k),
+                                    "v": _sha(v),
                                 }
                             )
                 arrays = {}

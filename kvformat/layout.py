@@ -52,6 +52,7 @@ MAX_WIDTH = 1 << 20
 MAX_LAYERS = 1 << 16
 MAX_HEADS = 1 << 16
 MAX_SEQS = 1 << 20
+MAX_HEAD_SEQUENCES = 1 << 24  # sum of num_heads over present layers, times num_seqs
 MAX_POSITION = 1 << 53
 
 _HEADER = struct.Struct("<8sHHI44sI")

@@ -14,7 +14,7 @@ from typing import Any
 from kvformat import dtypes, quantization
 from kvformat.dtypes import DType
 from kvformat.errors import CorruptFileError, LimitExceededError, UnsupportedFeatureError
-from kvformat.layout import MAX_HEADS, MAX_LAYERS, MAX_SEQS, MAX_WIDTH
+from kvformat.layout import MAX_HEAD_SEQUENCES, MAX_HEADS, MAX_LAYERS, MAX_SEQS, MAX_WIDTH
 from kvformat.quantization import Quantization
 
 # Features this implementation understands. Version 1.0 defines none; a later minor version may
@@ -163,13 +163,25 @@ def parse_manifest(obj: Any) -> Manifest:
         raise CorruptFileError("manifest 'layers' must be a list")
     if len(layers_json) > MAX_LAYERS:
         raise LimitExceededError(f"{len(layers_json)} layers; the limit is {MAX_LAYERS}")
-    return Manifest(
+    manifest = Manifest(
         layers=[parse_layer(layer, i) for i, layer in enumerate(layers_json)],
         num_seqs=_int(obj, "num_seqs", 1, MAX_SEQS, "manifest"),
         metadata=_object(obj.get("metadata", {}), "metadata"),
         required_features=required,
         optional_features=_strings(obj.get("optional_features", []), "optional_features"),
     )
+    check_head_sequences(manifest.layers, manifest.num_seqs, LimitExceededError)
+    return manifest
+
+
+def check_head_sequences(layers: list[LayerSpec], num_seqs: int, error: type[Exception]) -> None:
+    """At most `MAX_HEAD_SEQUENCES` (layer, head, sequence) triples (SPEC section 10): what bounds
+    a description, a pass over heads, or a table of per-head statistics."""
+    total = sum(layer.num_heads for layer in layers if layer.present) * num_seqs
+    if total > MAX_HEAD_SEQUENCES:
+        raise error(
+            f"{total} (layer, head, sequence) triples declared; the limit is {MAX_HEAD_SEQUENCES} (2^24)"
+        )
 
 
 def dumps(obj: Any) -> bytes:

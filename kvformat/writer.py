@@ -38,7 +38,7 @@ from kvformat.layout import (
     align,
     pack_header,
 )
-from kvformat.manifest import LayerSpec, Manifest, dumps
+from kvformat.manifest import LayerSpec, Manifest, check_head_sequences, dumps
 from kvformat.series import Entry, trim_runs
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
@@ -241,6 +241,7 @@ class Writer:
             spec.check()
         if not isinstance(num_seqs, int) or num_seqs < 1:
             raise ValueError(f"num_seqs must be a positive integer, got {num_seqs!r}")
+        check_head_sequences(specs, num_seqs, ValueError)
         if not 1 <= chunk_bytes <= MAX_CHUNK_DECODED:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_DECODED}")
         self.path = os.fspath(path)

@@ -53,12 +53,12 @@ def test_vectors_are_small_and_cover_the_features() -> None:
 def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reader = f"{sys.executable} -m kvformat.cli describe"
     assert main(["conformance", str(VECTORS), "--reader", reader]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("26/26 passed")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("27/27 passed")
     liar = tmp_path / "liar.py"
     liar.write_text("print('{\"version\": [1, 0]}')\n")
     assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {liar}"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL" in out and "/26 passed" in out
+    assert "FAIL" in out and "/27 passed" in out
     # A reader that crashes or refuses everything with a made-up error passes nothing.
     for name, source in (
         ("crash.py", "raise SystemExit(1)\n"),
@@ -66,7 +66,7 @@ def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[s
     ):
         (tmp_path / name).write_text(source)
         assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {tmp_path / name}"]) == 1
-        assert capsys.readouterr().out.splitlines()[-1].startswith("0/26 passed"), name
+        assert capsys.readouterr().out.splitlines()[-1].startswith("0/27 passed"), name
     results = run(VECTORS, "false")
     assert not any(r.passed for r in results) and "no JSON object" in results[0].detail
 
@@ -126,3 +126,31 @@ def test_fuzz_vectors_raise_only_format_errors(
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_descriptions_hash_one_nan_per_dtype() -> None:
+    """SPEC 17: NaNs of dequantized rows hash as the canonical quiet NaN of their dtype, whatever
+    payload the arithmetic produced."""
+    import ml_dtypes
+
+    from kvformat.conformance import _canonical_nans
+
+    for dtype, bits_type, canonical, other in (
+        (np.float16, np.uint16, 0x7E00, 0x7E01),
+        (ml_dtypes.bfloat16, np.uint16, 0x7FC0, 0xFFC1),
+        (np.float32, np.uint32, 0x7FC00000, 0xFFC00001),
+    ):
+        values = np.array([1.5, 0, 0, -2], dtype=dtype)
+        values.view(bits_type)[1:3] = other
+        fixed = _canonical_nans(values)
+        assert fixed.view(bits_type)[1:3].tolist() == [canonical, canonical], dtype
+        np.testing.assert_array_equal(fixed.astype(np.float32)[[0, 3]], [1.5, -2])
+        assert _canonical_nans(values[[0, 3]]) is not None
+
+
+def test_head_sequence_limit_is_enforced_by_writer(tmp_path: Path) -> None:
+    import kvformat
+
+    spec = kvformat.LayerSpec(65536, 1, 1, kvformat.dtypes.from_numpy(np.dtype(np.float32)))
+    with pytest.raises(ValueError, match=r"triples declared; the limit is 16777216 \(2\^24\)"):
+        kvformat.Writer(tmp_path / "big.kv", [spec] * 300)

@@ -296,6 +296,18 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         ),
     ),
     (
+        "absurd-head-count.kv",
+        "300 layers of 65,536 heads: 19.7 million (layer, head, sequence) triples",
+        lambda s, o: _rebuild(
+            s,
+            o,
+            edit_json=lambda d: d["manifest"].__setitem__(
+                "layers",
+                [{"present": True, "num_heads": 65536, "k_dim": 1, "v_dim": 1, "dtype": "float32"}] * 300,
+            ),
+        ),
+    ),
+    (
         "absurd-chunk-count.kv",
         "footer chunk count 2^40",
         lambda s, o: _rebuild(s, o, footer={"chunk_count": 2**40}),
