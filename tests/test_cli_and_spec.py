@@ -28,7 +28,7 @@ def test_worked_example_is_byte_exact(tmp_path: Path) -> None:
     assert (footer.index_offset, footer.chunk_count, footer.json_size) == (0x300, 2, 283)
     assert data[0x1C0:0x1C8] == k.tobytes() and data[0x240:0x248] == v.tobytes()
     spec = (ROOT / "spec" / "SPEC.md").read_text()
-    assert "header_crc = 0x97a83583" in spec and f"{int.from_bytes(data[60:64], 'little'):#x}" == "0x97a83583"
+    assert "header_crc = 0x7654c3ca" in spec and f"{int.from_bytes(data[60:64], 'little'):#x}" == "0x7654c3ca"
 
 
 def test_info_verify_dump_pack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

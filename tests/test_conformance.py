@@ -53,12 +53,12 @@ def test_vectors_are_small_and_cover_the_features() -> None:
 def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reader = f"{sys.executable} -m kvformat.cli describe"
     assert main(["conformance", str(VECTORS), "--reader", reader]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("27/27 passed")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("28/28 passed")
     liar = tmp_path / "liar.py"
     liar.write_text("print('{\"version\": [1, 0]}')\n")
     assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {liar}"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL" in out and "/27 passed" in out
+    assert "FAIL" in out and "/28 passed" in out
     # A reader that crashes or refuses everything with a made-up error passes nothing.
     for name, source in (
         ("crash.py", "raise SystemExit(1)\n"),
@@ -66,7 +66,7 @@ def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[s
     ):
         (tmp_path / name).write_text(source)
         assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {tmp_path / name}"]) == 1
-        assert capsys.readouterr().out.splitlines()[-1].startswith("0/27 passed"), name
+        assert capsys.readouterr().out.splitlines()[-1].startswith("0/28 passed"), name
     results = run(VECTORS, "false")
     assert not any(r.passed for r in results) and "no JSON object" in results[0].detail
 

@@ -334,6 +334,19 @@ def newer_minor(directory: Path) -> Callable[[Path], None]:
     return build
 
 
+def older_minor(directory: Path) -> Callable[[Path], None]:
+    """A file as a 1.0 writer wrote it (header and footer minor 0): every later 1.x reader reads it
+    (SPEC section 14)."""
+
+    def build(path: Path) -> None:
+        source = path.with_suffix(".tmp")
+        _patched(directory / "float32-raw.kv", source, 10, struct.pack("<H", 0), header_crc=True)
+        _rebuild(source, path)
+        source.unlink()
+
+    return build
+
+
 def generate(directory: Path) -> dict[str, object]:
     """Write every vector into ``directory`` and return the manifest (also written there)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -345,6 +358,7 @@ def generate(directory: Path) -> dict[str, object]:
             "format 1.7, unknown optional feature and keys: must read",
             newer_minor(directory),
         ),
+        ("older-minor.kv", "format 1.0 (before the 1.1 rules): must read", older_minor(directory)),
     ]
     for name, covers, build in vectors:
         path = directory / name
