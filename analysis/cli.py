@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -332,6 +334,95 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diff(args: argparse.Namespace) -> int:
+    """Head-by-head comparison of two captures: summary (worst heads first), Parquet, heatmap."""
+    import numpy as np
+    import polars as pl
+
+    from analysis.diff import LayoutMismatchError, head_diff
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            table = head_diff(
+                args.a,
+                args.b,
+                snapshot_a=args.snapshot_a,
+                snapshot_b=args.snapshot_b,
+                keys=args.keys,
+                tolerance=args.tolerance,
+                storage_options=_storage_options(args),
+            )
+    except LayoutMismatchError as exc:
+        print(f"kvsnap: error: {exc}", file=sys.stderr)
+        return 2
+    for warning in caught:
+        print(f"kvsnap: warning: {warning.message}", file=sys.stderr)
+    if args.output:
+        table.write_parquet(args.output)
+        print(f"wrote {args.output}: {table.height} rows")
+    compared = table.filter(pl.col("n_positions") > 0)
+    if compared.is_empty():
+        print("the two files hold no position in common")
+        return 0
+    for tensor in ("k", "v"):
+        part = compared.filter(pl.col("tensor") == tensor)
+        errors, cosines = part["rel_error"].to_numpy(), part["cosine_mean"].to_numpy()
+        diverging = int(part["first_divergent_position"].is_not_null().sum())
+        print(
+            f"{tensor.upper()}: rel_error median {float(np.median(errors)):.3g}, max "
+            f"{float(errors.max()):.3g}; cosine_mean min {float(cosines.min()):.6f}; "
+            f"{diverging} of {part.height} heads diverge beyond {args.tolerance:g}"
+        )
+    positions = int(compared["n_positions"].to_numpy().max())
+    print(f"worst heads by rel_error ({positions} positions compared):")
+    worst = compared.sort("rel_error", descending=True, nulls_last=True).head(args.top)
+    for row in worst.iter_rows(named=True):
+        first = row["first_divergent_position"]
+        print(
+            f"  layer {row['layer']:3d} head {row['head']:2d} seq {row['seq']} {row['tensor']}: "
+            f"rel_error {row['rel_error']:.4g}, max_abs_error {row['max_abs_error']:.4g}, "
+            f"cosine_mean {row['cosine_mean']:.6f}, norm_ratio {row['norm_ratio']:.4f}, "
+            f"first divergent position {first if first is not None else '-'}"
+        )
+    if args.plot:
+        _diff_heatmap(compared, args)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _diff_heatmap(table: Any, args: argparse.Namespace) -> None:
+    """Layers x heads heatmaps of rel_error, K and V side by side, on one colour scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import polars as pl
+
+    rows = table.filter(pl.col("seq") == 0)
+    layers = sorted(set(rows["layer"].to_list()))
+    heads = max(rows["head"].to_list()) + 1
+    grids = {}
+    for tensor in ("k", "v"):
+        grid = np.full((len(layers), heads), np.nan)
+        for row in rows.filter(pl.col("tensor") == tensor).iter_rows(named=True):
+            grid[layers.index(row["layer"]), row["head"]] = row["rel_error"]
+        grids[tensor] = grid
+    top = np.nanmax([np.nanmax(g) for g in grids.values()])
+    figure, axes = plt.subplots(1, 2, figsize=(10, max(4, len(layers) * 0.18 + 1.5)), sharey=True)
+    for axis, (tensor, grid) in zip(axes, grids.items(), strict=True):
+        image = axis.imshow(grid, aspect="auto", cmap="magma", vmin=0, vmax=top, interpolation="nearest")
+        axis.set_title(f"{tensor.upper()}: ||B - A|| / ||A||")
+        axis.set_xlabel("KV head")
+        axis.set_xticks(range(heads))
+    axes[0].set_ylabel("layer")
+    axes[0].set_yticks(range(len(layers)), [str(layer) for layer in layers])
+    figure.colorbar(image, ax=list(axes), label="relative error (Frobenius)")
+    figure.suptitle(f"A = {os.path.basename(args.a)}, B = {os.path.basename(args.b)}")
+    figure.savefig(args.plot, dpi=110)
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "stats",
@@ -379,6 +470,21 @@ def register(sub: Any) -> None:
     _keys_option(p)
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
     p.set_defaults(func=_export)
+
+    p = sub.add_parser("diff", help="compare two captures head by head at the positions both hold")
+    p.add_argument("a", help="reference capture (A)")
+    p.add_argument("b", help="capture compared with it (B)")
+    p.add_argument("-o", "--output", help="write every (layer, head, seq, tensor) row as Parquet")
+    p.add_argument("--plot", help="PNG: layers x heads heatmap of rel_error, K and V")
+    p.add_argument("--snapshot-a", type=int, default=-1, help="snapshot of A (default: last)")
+    p.add_argument("--snapshot-b", type=int, default=-1, help="snapshot of B (default: last)")
+    p.add_argument(
+        "--tolerance", type=positive_float, default=1e-3, help="row relative error that counts as divergent"
+    )
+    p.add_argument("--top", type=positive_int, default=10, help="worst heads to print")
+    _keys_option(p)
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
+    p.set_defaults(func=_diff)
 
     p = sub.add_parser("similarity", help="cross-head and cross-layer linear CKA and cosine")
     _common(p, engines=False)

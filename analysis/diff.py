@@ -1,0 +1,193 @@
+"""Compare two captures head by head: how far B's K and V are from A's at the positions both hold.
+
+`head_diff(a, b)` reads one head of each file at a time (memory: two heads, whatever the file
+sizes) and matches rows by absolute position, so sliding windows and series snapshots compare
+where they overlap. One row per (`layer`, `head`, `seq`, `tensor`):
+
+- ``n_positions``: positions both files hold for that head;
+- ``rel_error``: ``||B - A||_F / ||A||_F`` over those positions and channels;
+- ``max_abs_error``: ``max |B - A|``;
+- ``cosine_mean``: mean over positions of ``cos(A_t, B_t)`` (a zero row against a zero row
+  counts 1, against a non-zero row 0);
+- ``norm_ratio``: ``mean ||B_t|| / mean ||A_t||``;
+- ``first_divergent_position``: the first position whose row error ``||B_t - A_t|| / ||A_t||``
+  exceeds ``tolerance``, or null.
+
+Files whose layouts differ (present layers, heads, dims, sequences) are refused with one line
+naming the difference; files whose recorded token ids differ are compared anyway, with a warning
+naming the first differing position. Arithmetic in float64.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import kvformat
+from analysis.rope import Rope
+
+if TYPE_CHECKING:
+    import polars as pl
+
+
+class LayoutMismatchError(ValueError):
+    """The two files do not hold the same layers, heads, dims or sequences."""
+
+
+def _layout_difference(a: kvformat.Snapshot, b: kvformat.Snapshot) -> str | None:
+    if a.num_layers != b.num_layers:
+        return f"{a.num_layers} layers vs {b.num_layers}"
+    if a.num_seqs != b.num_seqs:
+        return f"{a.num_seqs} sequences vs {b.num_seqs}"
+    for layer, (x, y) in enumerate(zip(a.layers, b.layers, strict=True)):
+        if x.present != y.present:
+            return f"layer {layer} is {'present' if x.present else 'absent'} in A, not in B"
+        if x.present and (x.num_heads, x.k_dim, x.v_dim) != (y.num_heads, y.k_dim, y.v_dim):
+            return (
+                f"layer {layer}: {x.num_heads} heads, k_dim {x.k_dim}, v_dim {x.v_dim} in A vs "
+                f"{y.num_heads} heads, k_dim {y.k_dim}, v_dim {y.v_dim} in B"
+            )
+    return None
+
+
+def _tokens(snap: kvformat.Snapshot) -> list[list[int]] | None:
+    """The token ids the snapshot holds, per sequence, where the file records them: ``tokens``
+    (a one-shot snapshot) or the ``tokens_appended`` of each snapshot of a series up to this one
+    (SPEC 15.3)."""
+    recorded = snap.snapshot_metadata.get("tokens")
+    if isinstance(recorded, list) and recorded and isinstance(recorded[0], list):
+        return [[int(t) for t in seq] for seq in recorded]
+    gathered: list[list[int]] | None = None
+    for index in range(snap.index + 1):
+        appended = snap.select(index).snapshot_metadata.get("tokens_appended")
+        if not (isinstance(appended, list) and appended and isinstance(appended[0], list)):
+            return None
+        if gathered is None:
+            gathered = [[] for _ in appended]
+        for seq, tokens in zip(gathered, appended, strict=False):
+            seq.extend(int(t) for t in tokens)
+    return gathered
+
+
+def _token_warning(a: kvformat.Snapshot, b: kvformat.Snapshot) -> str | None:
+    ta, tb = _tokens(a), _tokens(b)
+    if ta is None or tb is None:
+        return None
+    for seq, (x, y) in enumerate(zip(ta, tb, strict=False)):
+        for position, (p, q) in enumerate(zip(x, y, strict=False)):
+            if p != q:
+                return f"token ids differ from position {position} of sequence {seq} on"
+    return None
+
+
+def _metrics(a: np.ndarray, b: np.ndarray, positions: np.ndarray, tolerance: float) -> dict[str, Any]:
+    """The diff columns of rows ``a`` and ``b`` ``(n, dim)`` (float64) at ``positions``."""
+    n = positions.size
+    if not n:
+        return {
+            "n_positions": 0,
+            "rel_error": None,
+            "max_abs_error": None,
+            "cosine_mean": None,
+            "norm_ratio": None,
+            "first_divergent_position": None,
+        }
+    delta = b - a
+    norm_a = np.linalg.norm(a, axis=1)
+    norm_b = np.linalg.norm(b, axis=1)
+    row_error = np.linalg.norm(delta, axis=1)
+    total_a = float(np.sqrt((norm_a**2).sum()))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cosine = np.where(
+            (norm_a > 0) & (norm_b > 0),
+            (a * b).sum(axis=1) / (norm_a * norm_b),
+            np.where((norm_a == 0) & (norm_b == 0), 1.0, 0.0),
+        )
+        relative_rows = np.where(norm_a > 0, row_error / norm_a, np.where(row_error > 0, np.inf, 0.0))
+    divergent = np.flatnonzero(relative_rows > tolerance)
+    mean_a = float(norm_a.mean())
+    return {
+        "n_positions": int(n),
+        "rel_error": float(np.sqrt((row_error**2).sum()) / total_a) if total_a > 0 else float("nan"),
+        "max_abs_error": float(np.abs(delta).max()),
+        "cosine_mean": float(cosine.mean()),
+        "norm_ratio": float(norm_b.mean() / mean_a) if mean_a > 0 else float("nan"),
+        "first_divergent_position": int(positions[divergent[0]]) if divergent.size else None,
+    }
+
+
+def head_diff(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    snapshot_a: int = -1,
+    snapshot_b: int = -1,
+    keys: str = "post_rope",
+    tolerance: float = 1e-3,
+    storage_options: dict[str, Any] | None = None,
+) -> pl.DataFrame:
+    """One row per (layer, head, seq, tensor) comparing file ``b`` to file ``a`` (see the module
+    docstring for the columns); ``keys="pre_rope"`` un-rotates both files' K first.
+    `LayoutMismatchError` if the layouts differ; a `UserWarning` if the token ids differ."""
+    import polars as pl
+
+    if keys not in ("post_rope", "pre_rope"):
+        raise ValueError("keys must be 'post_rope' or 'pre_rope'")
+    if not tolerance > 0:
+        raise ValueError(f"tolerance must be above 0, got {tolerance}")
+    rows: list[dict[str, Any]] = []
+    with (
+        kvformat.open(a, snapshot_a, storage_options=storage_options) as first,
+        kvformat.open(b, snapshot_b, storage_options=storage_options) as second,
+    ):
+        difference = _layout_difference(first, second)
+        if difference is not None:
+            raise LayoutMismatchError(f"{os.fspath(a)} and {os.fspath(b)} differ: {difference}")
+        message = _token_warning(first, second)
+        if message is not None:
+            warnings.warn(f"{os.fspath(a)} vs {os.fspath(b)}: {message}", UserWarning, stacklevel=2)
+        for layer, spec in enumerate(first.layers):
+            if not spec.present:
+                continue
+            ropes = [
+                Rope.from_metadata(snap.metadata, snap.layers[layer].attributes, spec.k_dim)
+                if keys == "pre_rope"
+                else None
+                for snap in (first, second)
+            ]
+            for seq in range(first.num_seqs):
+                for head in range(spec.num_heads):
+                    x, y = first.head(layer, head, seq), second.head(layer, head, seq)
+                    assert x is not None and y is not None
+                    shared, in_x, in_y = np.intersect1d(x.positions, y.positions, return_indices=True)
+                    for tensor, left, right in (("k", x.k, y.k), ("v", x.v, y.v)):
+                        p = np.asarray(left, dtype=np.float64)[in_x]
+                        q = np.asarray(right, dtype=np.float64)[in_y]
+                        if tensor == "k" and ropes[0] is not None and ropes[1] is not None:
+                            p = ropes[0].rotate(p, shared, inverse=True).astype(np.float64)
+                            q = ropes[1].rotate(q, shared, inverse=True).astype(np.float64)
+                        rows.append(
+                            {
+                                "layer": layer,
+                                "head": head,
+                                "seq": seq,
+                                "tensor": tensor,
+                                **_metrics(p, q, shared, tolerance),
+                            }
+                        )
+    schema = {
+        "layer": pl.Int64,
+        "head": pl.Int64,
+        "seq": pl.Int64,
+        "tensor": pl.String,
+        "n_positions": pl.Int64,
+        "rel_error": pl.Float64,
+        "max_abs_error": pl.Float64,
+        "cosine_mean": pl.Float64,
+        "norm_ratio": pl.Float64,
+        "first_divergent_position": pl.Int64,
+    }
+    return pl.DataFrame(rows, schema=schema)

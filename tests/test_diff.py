@@ -1,0 +1,107 @@
+"""Diff two captures head by head (issue 17): the same SmolLM2 prompt with a float16 cache and
+with 8-bit and 4-bit quantized caches (quantizing from the first token)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from mlx_lm import load
+from mlx_lm.sample_utils import make_sampler
+
+import kvformat
+from analysis.diff import LayoutMismatchError, head_diff
+from capture.generate import generate
+from kvformat.cli import main
+from tests.conftest import PROSE
+
+
+@pytest.fixture(scope="module")
+def captures(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    model, tokenizer = load(str(smollm2_dir))
+    prompt = tokenizer.encode(PROSE)[:48]
+    out = tmp_path_factory.mktemp("diff")
+    paths = {}
+    for name, extra in (("fp16", {}), ("kv8", {"kv_bits": 8}), ("kv4", {"kv_bits": 4})):
+        if extra:
+            extra = {**extra, "kv_group_size": 64, "quantized_kv_start": 0}
+        paths[name] = out / f"{name}.kv"
+        list(
+            generate(
+                model, tokenizer, prompt, max_tokens=2, output=paths[name], sampler=make_sampler(0.0), **extra
+            )
+        )
+    return paths
+
+
+def direct_rel_error(a: Path, b: Path, layer: int, head: int, tensor: str) -> float:
+    with kvformat.open(a) as x, kvformat.open(b) as y:
+        p, q = x.head(layer, head), y.head(layer, head)
+        assert p is not None and q is not None
+        _, i, j = np.intersect1d(p.positions, q.positions, return_indices=True)
+        left = np.asarray(getattr(p, tensor), np.float64)[i]
+        right = np.asarray(getattr(q, tensor), np.float64)[j]
+        return float(np.linalg.norm(right - left) / np.linalg.norm(left))
+
+
+def test_quantized_caches_against_float16(captures: dict[str, Path]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # greedy tokens may differ after the prompt
+        eight = head_diff(captures["fp16"], captures["kv8"])
+        four = head_diff(captures["fp16"], captures["kv4"])
+    with kvformat.open(captures["fp16"]) as snap:
+        assert snap.layers[0].quantization is None
+        expected_rows = sum(spec.num_heads for spec in snap.layers if spec.present) * 2
+    with kvformat.open(captures["kv4"]) as snap:
+        assert snap.layers[0].quantization is not None and snap.layers[0].quantization.bits == 4
+    assert eight.height == four.height == expected_rows
+    assert (eight["n_positions"] >= 48).all()
+    for row in eight.sample(8, seed=0).iter_rows(named=True):
+        direct = direct_rel_error(captures["fp16"], captures["kv8"], row["layer"], row["head"], row["tensor"])
+        assert row["rel_error"] == pytest.approx(direct, rel=1e-12)
+    joined = eight.join(four, on=["layer", "head", "seq", "tensor"], suffix="_4")
+    assert (joined["rel_error_4"] > joined["rel_error"]).all()  # 4-bit worse than 8-bit, every head
+    assert (eight["rel_error"] < 0.05).all() and (eight["cosine_mean"] > 0.99).all()
+    assert (four["first_divergent_position"] == 0).all()  # quantized from the first token
+    same = head_diff(captures["fp16"], captures["fp16"])
+    assert (same["rel_error"] == 0).all() and same["first_divergent_position"].null_count() == same.height
+
+
+def test_diff_command(captures: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, plot = tmp_path / "d.parquet", tmp_path / "d.png"
+    argv = ["diff", str(captures["fp16"]), str(captures["kv4"]), "-o", str(out), "--plot", str(plot)]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "worst heads" in printed.out and "rel_error" in printed.out
+    assert pl.read_parquet(out).height > 0 and plot.stat().st_size > 10_000
+
+
+def test_layouts_that_differ_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    k = np.ones((2, 3, 4), np.float32)
+    kvformat.save(tmp_path / "a.kv", [kvformat.Layer(k, k)])
+    kvformat.save(tmp_path / "b.kv", [kvformat.Layer(k[:1], k[:1])])
+    with pytest.raises(LayoutMismatchError, match="layer 0: 2 heads, k_dim 4, v_dim 4 in A vs 1 heads"):
+        head_diff(tmp_path / "a.kv", tmp_path / "b.kv")
+    assert main(["diff", str(tmp_path / "a.kv"), str(tmp_path / "b.kv")]) == 2
+    assert "differ: layer 0" in capsys.readouterr().err
+
+
+def test_different_tokens_are_compared_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = kvformat.LayerSpec(1, 4, 4, kvformat.dtypes.from_numpy(np.dtype(np.float32)))
+    rng = np.random.default_rng(2)
+    k = rng.standard_normal((1, 3, 4)).astype(np.float32)
+    for name, tokens, rows in (("a", [5, 6, 7], k), ("b", [5, 9, 7], k * 1.5)):
+        with kvformat.Writer(tmp_path / f"{name}.kv", [spec]) as writer:
+            writer.append(0, rows, rows)
+            writer.snapshot({"tokens": [tokens]})
+    with pytest.warns(UserWarning, match="token ids differ from position 1 of sequence 0"):
+        table = head_diff(tmp_path / "a.kv", tmp_path / "b.kv")
+    assert table["rel_error"].to_list() == pytest.approx([0.5, 0.5])
+    assert table["norm_ratio"].to_list() == pytest.approx([1.5, 1.5])
+    assert main(["diff", str(tmp_path / "a.kv"), str(tmp_path / "b.kv")]) == 0
+    assert "kvsnap: warning: " in capsys.readouterr().err
