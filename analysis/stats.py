@@ -570,6 +570,15 @@ def _layers(
         batch: list[kvformat.Segment] = []
         in_flight: collections.deque[Any] = collections.deque()
 
+        def finished(wait: bool) -> Iterator[tuple[str, int, int, dict[Key, HeadAccumulator]]]:
+            """The closed layers whose work is done, in order (all of them when ``wait``)."""
+            while closing and (wait or all(f.done() for f in in_progress[closing[0]][1])):
+                done = closing.popleft()
+                for future in in_progress[done][1]:
+                    future.result()
+                bar.update()
+                yield name, index, done, in_progress.pop(done)[0]
+
         def submit() -> None:
             first = batch[0]
             table, futures = in_progress[first.layer]
@@ -608,19 +617,9 @@ def _layers(
                     closing.append(layer)
                 while len(in_flight) > window:
                     in_flight.popleft().result()
-                while closing and all(f.done() for f in in_progress[closing[0]][1]):
-                    done = closing.popleft()
-                    for future in in_progress[done][1]:
-                        future.result()
-                    bar.update()
-                    yield name, index, done, in_progress.pop(done)[0]
+                yield from finished(wait=False)
             pool.drain()
-            while closing:
-                done = closing.popleft()
-                for future in in_progress[done][1]:
-                    future.result()
-                bar.update()
-                yield name, index, done, in_progress.pop(done)[0]
+            yield from finished(wait=True)
 
 
 def _layer_bar(name: str, layers: int, show: bool) -> Any:
