@@ -123,7 +123,7 @@ def remote_rows(big: Path, directory: Path) -> list[str]:
     layer, head = LAYERS // 2, HEADS // 2
     with kvformat.open(big) as snap:
         stored = sum(
-            snap._file.stored[c] + 64
+            snap._file.chunk(c).stored_size + 64
             for s in snap.segments()
             if (s.layer, s.head) == (layer, head)
             for c in (s.k_chunk, s.v_chunk)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,7 @@ MAGIC = b"\x89KVS\r\n\x1a\n"
 FOOTER_MAGIC = b"KVSINDEX"
 DESCRIPTOR_MAGIC = b"KVCK"
 MAJOR = 1
-MINOR = 1
+MINOR = 2
 ALIGN = 64
 HEADER_SIZE = 64
 DESCRIPTOR_SIZE = 64
@@ -156,6 +157,32 @@ class Descriptor:
             0,
         )[:60]
         return body + struct.pack("<I", crc32c(body))
+
+    @classmethod
+    def from_fields(cls, fields: tuple[Any, ...]) -> Descriptor:
+        """From one `DESCRIPTOR_DTYPE` record as a tuple (``table[i].item()``), unchecked: a
+        chunk-table entry, which the index CRC already covers."""
+        (
+            _,
+            kind,
+            dtype,
+            codec,
+            flags,
+            layer,
+            head,
+            seq,
+            position,
+            rows,
+            width,
+            offset,
+            stored,
+            decoded,
+            crc,
+            _,
+        ) = fields
+        return cls(
+            kind, dtype, codec, layer, head, seq, position, rows, width, offset, stored, decoded, crc, flags
+        )
 
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> Descriptor:

@@ -17,9 +17,9 @@ from kvformat.errors import CorruptFileError, LimitExceededError, UnsupportedFea
 from kvformat.layout import MAX_HEAD_SEQUENCES, MAX_HEADS, MAX_LAYERS, MAX_SEQS, MAX_WIDTH
 from kvformat.quantization import Quantization
 
-# Features this implementation understands. Version 1.0 defines none; a later minor version may
-# add some, and a file that lists an unknown name under "required_features" is rejected.
-KNOWN_FEATURES: frozenset[str] = frozenset()
+# Features this implementation understands (SPEC section 14): 1.2 defines "append-chunks"; a
+# file that lists an unknown name under "required_features" is rejected.
+KNOWN_FEATURES: frozenset[str] = frozenset({"append-chunks"})
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvformat import reader
-from kvformat.checksum import crc32c, crc32c_many, crc32c_rows
+from kvformat.checksum import crc32c, crc32c_rows, crc32c_slices
 from kvformat.errors import KVFormatError, TruncatedFileError
 from kvformat.layout import (
     DESCRIPTOR_DTYPE,
@@ -24,6 +24,7 @@ from kvformat.layout import (
     KIND_K,
     KIND_MANIFEST,
     KIND_SNAPSHOT,
+    KIND_V,
     TABLE_KINDS,
     Descriptor,
     align,
@@ -110,8 +111,7 @@ def _descriptors(source: MmapSource, cursor: int, count: int) -> bytes:
     head = np.frombuffer(source.read(cursor, DESCRIPTOR_SIZE), DESCRIPTOR_DTYPE)[0]
     stride = align(DESCRIPTOR_SIZE + int(head["stored_size"]))
     span = np.frombuffer(source.read(cursor, (count - 1) * stride + DESCRIPTOR_SIZE), np.uint8)
-    rows = (np.arange(count) * stride)[:, None] + np.arange(DESCRIPTOR_SIZE)
-    return span[rows].tobytes()
+    return np.ndarray((count, DESCRIPTOR_SIZE), np.uint8, buffer=span, strides=(stride, 1)).tobytes()
 
 
 def _complete_run(source: MmapSource, cursor: int) -> tuple[int, int]:
@@ -129,8 +129,8 @@ def _complete_run(source: MmapSource, cursor: int) -> tuple[int, int]:
         return 0, cursor  # not worth predicting: the record-by-record path takes it
     span = np.frombuffer(source.read(cursor, (count - 1) * stride + DESCRIPTOR_SIZE + size), np.uint8)
     starts = np.arange(count) * stride
-    rows = span[starts[:, None] + np.arange(DESCRIPTOR_SIZE)]
-    table = rows.view(DESCRIPTOR_DTYPE).reshape(-1)
+    # The predicted descriptors as a strided view of the file: nothing is copied until a prefix holds.
+    table = np.ndarray((count,), DESCRIPTOR_DTYPE, buffer=span, strides=(stride,))
     cheap = (
         (table["magic"] == b"KVCK")
         & np.isin(table["kind"], TABLE_KINDS)
@@ -138,14 +138,14 @@ def _complete_run(source: MmapSource, cursor: int) -> tuple[int, int]:
         & (table["stored_size"] == size)
     )
     taken = count if cheap.all() else int(np.argmin(cheap))  # checksums only for that prefix
-    crc_good = crc32c_rows(np.ascontiguousarray(rows[:taken, :60])) == table["descriptor_crc"][:taken]
+    rows = np.ndarray((taken, 60), np.uint8, buffer=span, strides=(stride, 1))
+    crc_good = crc32c_rows(np.ascontiguousarray(rows)) == table["descriptor_crc"][:taken]
     if not crc_good.all():
         taken = int(np.argmin(crc_good))
     if taken == 0:
         return 0, cursor
-    view = span.data
-    payloads = [view[a : a + size] for a in (starts[:taken] + DESCRIPTOR_SIZE).tolist()]
-    crc_good = crc32c_many(payloads) == table["payload_crc"][:taken]
+    crcs = crc32c_slices(span.data, (starts[:taken] + DESCRIPTOR_SIZE).tolist(), [size] * taken)
+    crc_good = crcs == table["payload_crc"][:taken]
     if not crc_good.all():
         taken = int(np.argmin(crc_good))
     return taken, cursor + (taken - 1) * stride + DESCRIPTOR_SIZE + size
@@ -155,9 +155,16 @@ def _trailing_snapshot(blocks: list[bytes], snapshots: list[Entry], committed: i
     """A snapshot adding the complete K/V runs written after the last committed one (None if
     there are none and a snapshot exists)."""
     table = np.frombuffer(b"".join(blocks), dtype=DESCRIPTOR_DTYPE)
+    tail = table[committed:]
+    if snapshots and not bool(np.any(np.isin(tail["kind"], (KIND_K, KIND_V)))):
+        return None  # nothing after the last snapshot: the usual crash point, and cheap
     held_end: dict[tuple[int, int, int], int] = {}
     if snapshots:
         runs = Chain(snapshots, table).runs(len(snapshots) - 1)
+        # Only the heads the tail writes to matter: the ends of the others are never asked.
+        combined = (runs[:, LAYER] << 36) | (runs[:, SEQ] << 16) | runs[:, HEAD]
+        wanted = (tail["layer"].astype(np.int64) << 36) | (tail["seq"].astype(np.int64) << 16) | tail["head"]
+        runs = runs[np.isin(combined, wanted)]
         if runs.shape[0]:
             keys = runs[:, [LAYER, SEQ, HEAD]]
             ends = runs[:, POSITION] + runs[:, COUNT]
@@ -166,7 +173,6 @@ def _trailing_snapshot(blocks: list[bytes], snapshots: list[Entry], committed: i
                 held_end[(layer, seq, head)] = end  # the largest end comes last
     pending: dict[tuple[int, int, int, int, int], int] = {}
     appends: list[tuple[int, int, int]] = []
-    tail = table[committed:]
     columns = [tail[name].tolist() for name in ("kind", "layer", "seq", "head", "position", "rows")]
     for offset, (kind, layer, seq, head, position, rows) in enumerate(zip(*columns, strict=True)):
         i = committed + offset

@@ -8,6 +8,7 @@ index of an n-snapshot series O(n), where full segment lists would grow O(n^2).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,15 +37,25 @@ def trim(runs: list[Run], start: int, stop: int) -> list[Run]:
     return kept
 
 
+# The 1.2 feature a file lists in ``required_features`` when a snapshot uses ``append_chunks``.
+APPEND_CHUNKS = "append-chunks"
+
+
+def _no_ranges() -> np.ndarray:
+    return np.empty((0, 2), np.int64)
+
+
 @dataclass
 class Entry:
-    """One snapshot as stored: parent index (or None), drops, appended (chunk, row, count)."""
+    """One snapshot as stored: parent index (or None), drops, appended (chunk, row, count)
+    triples, and appended whole-chunk ranges ``[first, stop)`` (``append_chunks``, format 1.2)."""
 
     parent: int | None
     drops: list[tuple[int, int, int, int]]
     appends: list[tuple[int, int, int]] | np.ndarray  # (chunk, row, count) triples, or (n, 3) int64
     metadata: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, int] = field(default_factory=dict)
+    chunk_ranges: np.ndarray = field(default_factory=_no_ranges)  # (m, 2) int64: first, stop
 
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {
@@ -57,9 +68,21 @@ class Entry:
             ),
             "metadata": self.metadata,
         }
+        if self.chunk_ranges.size:
+            document["append_chunks"] = self.chunk_ranges.reshape(-1).tolist()
         if self.arrays:
             document["arrays"] = self.arrays
         return document
+
+
+def chunk_ranges(chunks: np.ndarray) -> np.ndarray:
+    """Sorted distinct chunk indices as maximal ``[first, stop)`` ranges, ``(m, 2)`` int64."""
+    if not chunks.size:
+        return _no_ranges()
+    breaks = np.flatnonzero(np.diff(chunks) != 1) + 1
+    firsts = chunks[np.concatenate(([0], breaks))]
+    stops = chunks[np.concatenate((breaks - 1, [chunks.size - 1]))] + 1
+    return np.stack([firsts, stops], axis=1).astype(np.int64)
 
 
 def _ints(value: Any, where: str) -> list[int]:
@@ -107,13 +130,19 @@ def parse_entry(obj: Any, index: int, num_layers: int, num_seqs: int) -> Entry:
     appends = _int_array(obj.get("append", []), f"{where} append")
     if appends.size % 3:
         raise CorruptFileError(f"{where}: 'append' must hold (chunk, row, count) triples")
+    ranges = _int_array(obj.get("append_chunks", []), f"{where} append_chunks")
+    if ranges.size % 2:
+        raise CorruptFileError(f"{where}: 'append_chunks' must hold (first, stop) pairs")
+    ranges = ranges.reshape(-1, 2)
+    if bool(np.any(ranges[:, 0] >= ranges[:, 1])):
+        raise CorruptFileError(f"{where}: an 'append_chunks' range is empty (first >= stop)")
     metadata = obj.get("metadata", {})
     if not isinstance(metadata, dict):
         raise CorruptFileError(f"{where}: metadata must be an object")
     arrays = obj.get("arrays", {})
     if not isinstance(arrays, dict) or not all(type(v) is int and v >= 0 for v in arrays.values()):
         raise CorruptFileError(f"{where}: 'arrays' must map names to chunk indices")
-    return Entry(parent, drops, appends.reshape(-1, 3), metadata, arrays)
+    return Entry(parent, drops, appends.reshape(-1, 3), metadata, arrays, ranges)
 
 
 @dataclass(frozen=True)
@@ -208,41 +237,60 @@ class Chain:
 
     def __init__(self, entries: list[Entry], table: np.ndarray) -> None:
         self.entries = entries
+        self._table = table
         self._n = len(table)
-        self._columns = (
-            np.stack(
-                [
-                    table[name].astype(np.int64)
-                    for name in ("layer", "seq", "head", "kind", "rows", "position")
-                ],
-                axis=1,
-            )
-            if len(table)
-            else np.zeros((0, 6), np.int64)
-        )
         self._cache: tuple[int, list[np.ndarray]] | None = None
 
+    @staticmethod
+    def _stack(table: np.ndarray) -> np.ndarray:
+        """``(n, 6)`` int64 columns layer, seq, head, kind, rows, position of descriptors."""
+        out = np.empty((len(table), 6), np.int64)
+        for column, name in enumerate(("layer", "seq", "head", "kind", "rows", "position")):
+            out[:, column] = table[name]
+        return out
+
+    @functools.cached_property
+    def _columns(self) -> np.ndarray:
+        """Columns of every chunk (made only when every chunk is needed: `check_all`)."""
+        return self._stack(self._table)
+
+    def _columns_of(self, chunks: np.ndarray) -> np.ndarray:
+        if "_columns" in self.__dict__:
+            return self._columns[chunks]
+        return self._stack(self._table[chunks])
+
     def appended(self, index: int) -> np.ndarray:
-        """The validated runs snapshot ``index`` appends, ``(n, 8)``."""
+        """The validated runs snapshot ``index`` appends, ``(n, 8)``: its triples, then every row
+        of each chunk of its ``append_chunks`` ranges."""
         entry = self.entries[index]
         triples = np.asarray(entry.appends, dtype=np.int64).reshape(-1, 3)
-        chunk, row, count = triples[:, 0], triples[:, 1], triples[:, 2]
-        if triples.shape[0] and int(chunk.max()) >= self._n:
+        ranges = entry.chunk_ranges
+        if ranges.shape[0]:
+            if int(ranges[:, 1].max()) > self._n:
+                bad = int(ranges[ranges[:, 1] > self._n][0, 1]) - 1
+                raise CorruptFileError(f"snapshot {index} appends chunk {bad}; the file has {self._n}")
+            whole = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges.tolist()])
+        else:
+            whole = np.empty(0, np.int64)
+        chunk = np.concatenate([triples[:, 0], whole])
+        if chunk.shape[0] and int(chunk.max()) >= self._n:
             bad = int(chunk[chunk >= self._n][0])
             raise CorruptFileError(f"snapshot {index} appends chunk {bad}; the file has {self._n}")
-        columns = self._columns[chunk]
+        columns = self._columns_of(chunk)
         kind = columns[:, 3]
         tensor = (kind == KIND_K) | (kind == KIND_V)
         if not tensor.all():
             bad = int(chunk[~tensor][0])
             raise CorruptFileError(f"snapshot {index} appends chunk {bad}, which is not K or V")
+        row = np.concatenate([triples[:, 1], np.zeros(whole.shape[0], np.int64)])
+        count = np.concatenate([triples[:, 2], columns[triples.shape[0] :, 4]])
         outside = (count < 1) | (row + count > columns[:, 4])
         if outside.any():
             i = int(np.argmax(outside))
             raise CorruptFileError(
                 f"snapshot {index}: rows {int(row[i])}+{int(count[i])} fall outside chunk {int(chunk[i])}"
             )
-        runs = np.empty((triples.shape[0], 8), np.int64)
+        runs = np.empty((chunk.shape[0], 8), np.int64)
         runs[:, :4] = columns[:, :4]
         runs[:, CHUNK], runs[:, ROW], runs[:, COUNT] = chunk, row, count
         runs[:, POSITION] = columns[:, 5] + row

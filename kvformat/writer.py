@@ -39,7 +39,7 @@ from kvformat.layout import (
     pack_header,
 )
 from kvformat.manifest import LayerSpec, Manifest, check_head_sequences, dumps
-from kvformat.series import Entry, trim_runs
+from kvformat.series import APPEND_CHUNKS, Entry, chunk_ranges, trim_runs
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 _ZEROS = bytes(ALIGN)
@@ -268,6 +268,7 @@ class Writer:
         self._offset = 0
         self._table: list[bytes] = []  # packed descriptors of every table chunk, in chunk order
         self._chunks = 0  # table chunks written
+        self._chunk_rows = np.zeros(1024, np.int64)  # rows of table chunk i (capacity doubles)
         # Per (layer, seq): one past the last position each head holds (0 for none).
         self._ends: dict[tuple[int, int], np.ndarray] = {}
         self._pending: list[np.ndarray] = []  # (n, 8) blocks of runs appended since the last snapshot
@@ -432,6 +433,11 @@ class Writer:
             self._table.append(records.packed)
             columns = records.columns
             columns[:, _CHUNK] = np.arange(first, first + count)
+            if first + count > self._chunk_rows.shape[0]:
+                grown = np.zeros(max(2 * self._chunk_rows.shape[0], first + count), np.int64)
+                grown[:first] = self._chunk_rows[:first]
+                self._chunk_rows = grown
+            self._chunk_rows[first : first + count] = columns[:, _COUNT]
             tensors = columns[columns[:, _KIND] != KIND_ARRAY]
             if tensors.shape[0]:
                 self._pending.append(tensors)
@@ -783,14 +789,20 @@ class Writer:
         self._check_open()
         attached = {name: self._write_array(name, value) for name, value in (arrays or {}).items()}
         runs = np.concatenate(self._pending) if self._pending else np.empty((0, 8), np.int64)
+        # Chunks appended whole (not trimmed by a drop since) go in as ranges of chunk indices
+        # (`append_chunks`); what a drop cut goes in as (chunk, row, count) triples.
+        whole = (runs[:, _ROW] == 0) & (runs[:, _COUNT] == self._chunk_rows[runs[:, _CHUNK]])
+        ranges = chunk_ranges(np.sort(runs[whole, _CHUNK]))
+        cut = runs[~whole]
         # Sorted by (layer, seq, head, kind), in append order within each: a stable sort.
-        runs = runs[np.lexsort((runs[:, _KIND], runs[:, _HEAD], runs[:, _SEQ], runs[:, _LAYER]))]
+        cut = cut[np.lexsort((cut[:, _KIND], cut[:, _HEAD], cut[:, _SEQ], cut[:, _LAYER]))]
         entry = Entry(
             parent=len(self._snapshots) - 1 if self._snapshots else None,
             drops=self._pending_drops,
-            appends=list(zip(*(runs[:, c].tolist() for c in (_CHUNK, _ROW, _COUNT)), strict=True)),
+            appends=cut[:, [_CHUNK, _ROW, _COUNT]],
             metadata=dict(metadata or {}),
             arrays=attached,
+            chunk_ranges=ranges,
         )
         self._write_json_record(KIND_SNAPSHOT, dumps(entry.to_json()))
         self._snapshots.append(entry)
@@ -864,7 +876,10 @@ def index_bytes(
     ``table``: the packed descriptors of every table chunk in chunk order, in blocks of any
     number of 64-byte descriptors."""
     joined = b"".join(table)
-    index_json = dumps({"manifest": manifest.to_json(), "snapshots": [s.to_json() for s in snapshots]})
+    document = manifest.to_json()
+    if any(s.chunk_ranges.size for s in snapshots) and APPEND_CHUNKS not in manifest.required_features:
+        document["required_features"] = [*manifest.required_features, APPEND_CHUNKS]
+    index_json = dumps({"manifest": document, "snapshots": [s.to_json() for s in snapshots]})
     crc = crc32c(index_json, crc32c(joined, crc32c(pack_header())))
     footer = Footer(index_offset, len(joined) // DESCRIPTOR_SIZE, len(index_json), crc).pack()
     return joined + index_json + footer

@@ -9,7 +9,9 @@ doc: |
   then records (64-byte descriptor + payload + zero padding to a multiple of 64), then the chunk
   table (one descriptor per table chunk), the index JSON, and a 64-byte footer at the very end.
   A reader starts from the footer. The grammar describes structure only: CRC-32C checks, codecs,
-  the JSON schema and the validation rules of section 13 are in the prose spec.
+  the JSON schema and the validation rules of section 13 are in the prose spec. Version 1.2
+  changed only the JSON (the snapshot key `append_chunks`, section 11): the layout below is that
+  of every 1.x version.
 seq:
   - id: header
     type: header

@@ -23,12 +23,16 @@ def test_worked_example_is_byte_exact(tmp_path: Path) -> None:
     kvformat.save(path, [kvformat.Layer(k, v)], metadata={"model": {"name": "tiny"}})
     data = path.read_bytes()
     assert data == (ROOT / "spec" / "vectors" / "example.kv").read_bytes()
-    assert len(data) == 1243
+    assert len(data) == 1333
     footer = Footer.unpack(data[-FOOTER_SIZE:])
-    assert (footer.index_offset, footer.chunk_count, footer.json_size) == (0x300, 2, 283)
+    assert (footer.index_offset, footer.chunk_count, footer.json_size) == (0x340, 2, 309)
     assert data[0x1C0:0x1C8] == k.tobytes() and data[0x240:0x248] == v.tobytes()
+    record = b'{"parent":null,"drop":[],"append":[],"metadata":{},"append_chunks":[0,2]}'
+    assert data[0x2C0 : 0x2C0 + len(record)] == record
     spec = (ROOT / "spec" / "SPEC.md").read_text()
-    assert "header_crc = 0x7654c3ca" in spec and f"{int.from_bytes(data[60:64], 'little'):#x}" == "0x7654c3ca"
+    assert record.decode() in spec and "footer_crc" in spec
+    assert "header_crc = 0x51bdafe0" in spec and f"{int.from_bytes(data[60:64], 'little'):#x}" == "0x51bdafe0"
+    assert f"{int.from_bytes(data[-4:], 'little'):08x}" == "6716c920"  # footer_crc as SPEC shows it
 
 
 def test_info_verify_dump_pack(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

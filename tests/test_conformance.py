@@ -50,15 +50,22 @@ def test_vectors_are_small_and_cover_the_features() -> None:
     assert all(r.passed for r in results), [r for r in results if not r.passed]
 
 
+def test_series_as_triples_and_as_ranges_describe_alike() -> None:
+    """series-1.1.kv is series.kv stored as 1.1 stored it (SPEC 14): same heads, same bytes."""
+    ranges, triples = describe(VECTORS / "series.kv"), describe(VECTORS / "series-1.1.kv")
+    assert ranges.pop("version") == [1, 2] and triples.pop("version") == [1, 1]
+    assert ranges == triples
+
+
 def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reader = f"{sys.executable} -m kvformat.cli describe"
     assert main(["conformance", str(VECTORS), "--reader", reader]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("28/28 passed")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("32/32 passed")
     liar = tmp_path / "liar.py"
     liar.write_text("print('{\"version\": [1, 0]}')\n")
     assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {liar}"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL" in out and "/28 passed" in out
+    assert "FAIL" in out and "/32 passed" in out
     # A reader that crashes or refuses everything with a made-up error passes nothing.
     for name, source in (
         ("crash.py", "raise SystemExit(1)\n"),
@@ -66,7 +73,7 @@ def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[s
     ):
         (tmp_path / name).write_text(source)
         assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {tmp_path / name}"]) == 1
-        assert capsys.readouterr().out.splitlines()[-1].startswith("0/28 passed"), name
+        assert capsys.readouterr().out.splitlines()[-1].startswith("0/32 passed"), name
     results = run(VECTORS, "false")
     assert not any(r.passed for r in results) and "no JSON object" in results[0].detail
 

@@ -255,11 +255,63 @@ JSON_EDITS: list[tuple[str, Callable[[dict], object]]] = [
 ]
 
 
+def as_triples(path: Path, out: Path) -> None:
+    """``path`` with every ``append_chunks`` range written out as ``append`` triples, as a 1.1
+    writer would have stored it (the edits above aim at the triples)."""
+    with kvformat.open(path) as snap:
+        rows = snap._file.table["rows"].tolist()
+
+    def expand(document: dict) -> None:
+        for entry in document["snapshots"]:
+            for first, stop in zip(*[iter(entry.pop("append_chunks", []))] * 2, strict=True):
+                entry["append"] += [x for c in range(first, stop) for x in (c, 0, rows[c])]
+        document["manifest"]["required_features"].remove("append-chunks")
+
+    rebuild(path, out, edit_json=expand)
+
+
+def test_triples_and_ranges_read_the_same(sample: Path, tmp_path: Path) -> None:
+    triples = tmp_path / "triples.kv"
+    as_triples(sample, triples)
+    for path, ranges in ((sample, True), (triples, False)):
+        with kvformat.open(path) as snap:
+            assert any(e.chunk_ranges.size for e in snap._file.entries) is ranges
+    assert read_all(triples, verify=True) == read_all(sample, verify=True)
+
+
 @pytest.mark.parametrize("name,edit", JSON_EDITS, ids=[n for n, _ in JSON_EDITS])
 def test_hostile_index_json_is_rejected(sample: Path, tmp_path: Path, name: str, edit: Callable) -> None:
+    triples, mutant = tmp_path / "triples.kv", tmp_path / "json.kv"
+    as_triples(sample, triples)
+    assert outcome(triples).startswith("error:") is False
+    rebuild(triples, mutant, edit_json=edit)
+    assert outcome(mutant).startswith("error:"), name
+
+
+def _ranges(d: dict, index: int) -> list:
+    return d["snapshots"][index]["append_chunks"]
+
+
+RANGE_EDITS = [
+    ("range past table", lambda d: set_path(d, ("snapshots", -1, "append_chunks", 1), 10**6)),
+    ("range empty", lambda d: set_path(d, ("snapshots", -1, "append_chunks", 1), _ranges(d, -1)[0])),
+    ("range reversed", lambda d: set_path(d, ("snapshots", -1, "append_chunks", 1), _ranges(d, -1)[0] - 1)),
+    ("range negative", lambda d: set_path(d, ("snapshots", -1, "append_chunks", 0), -1)),
+    ("range float", lambda d: set_path(d, ("snapshots", -1, "append_chunks", 0), 1.0)),
+    ("range not pairs", lambda d: _ranges(d, -1).pop()),
+    ("range not a list", lambda d: set_path(d, ("snapshots", -1, "append_chunks"), 3)),
+    ("range K without V", lambda d: set_path(d, ("snapshots", 0, "append_chunks"), [0, 1])),
+    ("range re-adds parent chunks", lambda d: _ranges(d, 1).extend(_ranges(d, 0))),
+    ("range and triple name one chunk", lambda d: d["snapshots"][0]["append"].extend([0, 0, 1, 1, 0, 1])),
+    ("ranges undeclared", lambda d: set_path(d, ("manifest", "required_features"), [])),
+]
+
+
+@pytest.mark.parametrize("name,edit", RANGE_EDITS, ids=[n for n, _ in RANGE_EDITS])
+def test_hostile_append_chunks_are_rejected(sample: Path, tmp_path: Path, name: str, edit: Callable) -> None:
     mutant = tmp_path / "json.kv"
     rebuild(sample, mutant, edit_json=edit)
-    assert outcome(mutant).startswith("error:"), name
+    assert outcome(mutant).startswith("error:CorruptFileError"), name
 
 
 def test_not_a_kv_file(tmp_path: Path) -> None:

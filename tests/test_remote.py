@@ -101,7 +101,7 @@ def test_one_head_costs_under_twice_its_size_plus_the_index(served: Nginx) -> No
     with kvformat.open(served.url("big.kv")) as snap, kvformat.open(served.root / "big.kv") as local:
         file = snap._file
         stored = sum(
-            file.stored[c] + 64
+            file.chunk(c).stored_size + 64
             for s in snap.segments()
             if (s.layer, s.head) == (6, 3)
             for c in (s.k_chunk, s.v_chunk)
@@ -229,7 +229,7 @@ def test_s3_one_head_costs_under_twice_its_size_plus_the_index(s3: S3, served: N
         source = source_of(snap)
         index = snap._file.footer.chunk_count * 64 + snap._file.footer.json_size + 64
         stored = sum(
-            snap._file.stored[c] + 64
+            snap._file.chunk(c).stored_size + 64
             for s in snap.segments()
             if (s.layer, s.head) == (2, 5)
             for c in (s.k_chunk, s.v_chunk)

@@ -29,7 +29,9 @@ def reference(entries: list[Entry], table: np.ndarray, index: int) -> dict[tuple
             for key in state:
                 if key[0] == layer and key[1] == seq:
                     state[key] = trim(state[key], start, stop)
-        for chunk, row, count in np.asarray(entries[i].appends).reshape(-1, 3).tolist():
+        ranges = entries[i].chunk_ranges.tolist()
+        whole = [(c, 0, int(table[c]["rows"])) for a, b in ranges for c in range(a, b)]
+        for chunk, row, count in [*np.asarray(entries[i].appends).reshape(-1, 3).tolist(), *whole]:
             d = table[chunk]
             key = (int(d["layer"]), int(d["seq"]), int(d["head"]), int(d["kind"]))
             state.setdefault(key, []).append((chunk, row, count, int(d["position"]) + row))
@@ -175,3 +177,17 @@ def test_recover_stops_at_the_first_damaged_chunk(tmp_path: Path, where: str) ->
     with kvformat.open(tmp_path / "back.kv") as back:
         back.verify()
         assert back.num_snapshots == 3  # 24 chunks a snapshot: two complete, then what was after them
+
+
+def test_opening_a_series_builds_no_snapshot(tmp_path: Path) -> None:
+    """SPEC 13: open reads the index; a snapshot is materialized when first used, and a bad one
+    still fails before any of its data is returned."""
+    path = tmp_path / "s.kv"
+    random_series(path, 1)
+    with kvformat.open(path) as snap:
+        file = snap._file
+        assert "_segments" not in snap.__dict__ and file.chain._cache is None
+        assert "_columns" not in file.chain.__dict__  # no per-chunk columns of the whole table
+        view = snap.select(3)
+        assert file.chain._cache is None
+        assert view.head(0, 1) is not None and "_segments" in view.__dict__

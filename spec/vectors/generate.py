@@ -189,6 +189,34 @@ def _rebuild(
     out.write_bytes(data[: f.index_offset] + table.tobytes() + index_json + footer_bytes)
 
 
+def _as_triples(source: Path, out: Path) -> None:
+    """``source`` with its ``append_chunks`` ranges written as (chunk, row, count) triples in the
+    index, as a writer before 1.2 stored every snapshot."""
+    data = source.read_bytes()
+    f = Footer.unpack(data[-FOOTER_SIZE:])
+    rows = np.frombuffer(data[f.index_offset :], DESCRIPTOR_DTYPE, count=f.chunk_count)["rows"].tolist()
+
+    def expand(document: dict[str, Any]) -> None:
+        for entry in document["snapshots"]:
+            ranges = entry.pop("append_chunks", [])
+            for first, stop in zip(ranges[::2], ranges[1::2], strict=True):
+                entry["append"] += [x for c in range(first, stop) for x in (c, 0, rows[c])]
+        features = document["manifest"]["required_features"]
+        if "append-chunks" in features:
+            features.remove("append-chunks")
+
+    _rebuild(source, out, edit_json=expand)
+
+
+def _older(source: Path, out: Path, minor: int) -> None:
+    """``source`` as a writer of version 1.``minor`` (before 1.2) wrote it: header and footer
+    minor ``minor``, appends as triples."""
+    patched = out.with_suffix(".tmp")
+    _patched(source, patched, 10, struct.pack("<H", minor), header_crc=True)
+    _as_triples(patched, out)
+    patched.unlink()
+
+
 def _patched(source: Path, out: Path, offset: int, value: bytes, header_crc: bool = False) -> None:
     data = bytearray(source.read_bytes())
     data[offset : offset + len(value)] = value
@@ -206,6 +234,11 @@ def _set(field: str, row: int, value: int) -> Callable[[np.ndarray], None]:
 
 def _copy_offset(table: np.ndarray) -> None:
     table["offset"][1] = table["offset"][0]
+
+
+def _last_ranges(document: dict[str, Any]) -> list[int]:
+    ranges: list[int] = document["snapshots"][-1]["append_chunks"]
+    return ranges
 
 
 def _first_payload(path: Path) -> int:
@@ -260,10 +293,29 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
     ),
     (
         "duplicate-entries.kv",
-        "the same segment listed twice",
+        "the same chunks appended twice",
         lambda s, o: _rebuild(
-            s, o, edit_json=lambda d: d["snapshots"][-1]["append"].extend(d["snapshots"][-1]["append"][:3])
+            s,
+            o,
+            edit_json=lambda d: _last_ranges(d).extend(_last_ranges(d)),
         ),
+    ),
+    (
+        "duplicate-triples.kv",
+        "the same segment listed twice as (chunk, row, count) triples",
+        lambda s, o: _rebuild(
+            s, o, edit_json=lambda d: d["snapshots"][-1]["append"].extend([0, 0, 1, 1, 0, 1])
+        ),
+    ),
+    (
+        "append-chunks-undeclared.kv",
+        "a snapshot uses append_chunks; required_features does not list append-chunks",
+        lambda s, o: _rebuild(s, o, edit_json=lambda d: d["manifest"].__setitem__("required_features", [])),
+    ),
+    (
+        "append-chunks-past-table.kv",
+        "an append_chunks range ends past the chunk table",
+        lambda s, o: _rebuild(s, o, edit_json=lambda d: _last_ranges(d).__setitem__(1, 10**6)),
     ),
     (
         "invalid-utf8-metadata.kv",
@@ -285,7 +337,7 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
     ),
     (
         "footer-version-mismatch.kv",
-        "the footer says version 1.3, the header 1.0",
+        "the footer says version 1.3, the header 1.2",
         lambda s, o: _rebuild(s, o, footer={"minor": 3}),
     ),
     (
@@ -335,16 +387,14 @@ def newer_minor(directory: Path) -> Callable[[Path], None]:
 
 
 def older_minor(directory: Path) -> Callable[[Path], None]:
-    """A file as a 1.0 writer wrote it (header and footer minor 0): every later 1.x reader reads it
-    (SPEC section 14)."""
+    """A file as a 1.0 writer wrote it (header and footer minor 0, appends as triples): every
+    later 1.x reader reads it (SPEC section 14)."""
+    return lambda path: _older(directory / "float32-raw.kv", path, 0)
 
-    def build(path: Path) -> None:
-        source = path.with_suffix(".tmp")
-        _patched(directory / "float32-raw.kv", source, 10, struct.pack("<H", 0), header_crc=True)
-        _rebuild(source, path)
-        source.unlink()
 
-    return build
+def older_series(directory: Path) -> Callable[[Path], None]:
+    """``series.kv`` as a 1.1 writer wrote it: every append a (chunk, row, count) triple."""
+    return lambda path: _older(directory / "series.kv", path, 1)
 
 
 def generate(directory: Path) -> dict[str, object]:
@@ -359,6 +409,7 @@ def generate(directory: Path) -> dict[str, object]:
             newer_minor(directory),
         ),
         ("older-minor.kv", "format 1.0 (before the 1.1 rules): must read", older_minor(directory)),
+        ("series-1.1.kv", "series.kv as format 1.1 wrote it: appends as triples", older_series(directory)),
     ]
     for name, covers, build in vectors:
         path = directory / name
@@ -374,7 +425,7 @@ def generate(directory: Path) -> dict[str, object]:
         if "error" not in expect:
             raise AssertionError(f"bad vector {name} reads as valid")
         entries.append({"file": f"bad/{name}", "covers": breaks, "expect": expect})
-    manifest = {"format_version": [1, 0], "hash": "sha256", "vectors": entries}
+    manifest = {"format_version": [1, 2], "hash": "sha256", "vectors": entries}
     (directory / "manifest.json").write_text(
         json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", "utf-8"
     )
