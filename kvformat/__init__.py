@@ -9,6 +9,7 @@ Reading::
                                            # byte-range reads of the index and the chunks used
 
 Writing: `save` for in-memory arrays, `Writer` to stream layers and token ranges as they come.
+Importing: `import_mlxkv` converts a go-mlx MLXKV001 snapshot into a `.kv` file.
 Depends only on numpy, zstandard, ml-dtypes and crc32c (fsspec, optional, for s3:// and other object
 stores; HTTP uses the standard library).
 """
@@ -18,6 +19,7 @@ from kvformat.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from kvformat.errors import (
     ChecksumError,
     CorruptFileError,
+    ForeignFormatError,
     KVFormatError,
     LimitExceededError,
     OutOfRangeError,
@@ -29,6 +31,7 @@ from kvformat.errors import (
 )
 from kvformat.layout import MAJOR, MINOR
 from kvformat.manifest import LayerSpec
+from kvformat.mlxkv import ImportReport, import_mlxkv
 from kvformat.reader import Head, Segment, Snapshot, VerifyReport, open
 from kvformat.recover import RecoverReport, recover
 from kvformat.writer import Layer, Writer, save
@@ -45,7 +48,9 @@ __all__ = [
     "ChecksumError",
     "CorruptFileError",
     "DType",
+    "ForeignFormatError",
     "Head",
+    "ImportReport",
     "KVFormatError",
     "Layer",
     "LayerSpec",
@@ -63,6 +68,7 @@ __all__ = [
     "VerifyReport",
     "Writer",
     "Zstd",
+    "import_mlxkv",
     "open",
     "recover",
     "save",

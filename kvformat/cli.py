@@ -128,10 +128,17 @@ def _info(args: argparse.Namespace) -> int:
     )
     meta = d["metadata"]
     model = meta.get("model", {})
-    if isinstance(model, dict) and model.get("name"):
+    if isinstance(model, dict) and (model.get("name") or model.get("architecture")):
         source = model.get("gguf", {}) if isinstance(model.get("gguf"), dict) else {}
         origin = f", from GGUF {source['file']}" if source.get("file") else ""
-        print(f"  model: {model.get('name')} ({model.get('architecture', '?')}{origin})")
+        print(f"  model: {model.get('name', '(unnamed)')} ({model.get('architecture', '?')}{origin})")
+    imported = meta.get("source")
+    if isinstance(imported, dict) and imported.get("format"):
+        digest = str(imported.get("sha256", ""))[:16]
+        print(
+            f"  imported from: {imported.get('file', '?')} ({imported['format']} version "
+            f"{imported.get('version', '?')}, {imported.get('bytes', '?')} bytes, sha256 {digest}...)"
+        )
     generation = meta.get("generation")
     if isinstance(generation, dict):
         settings = ", ".join(f"{k} {v}" for k, v in generation.items() if v not in (None, [], ""))
@@ -251,6 +258,17 @@ def _pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_mlxkv(args: argparse.Namespace) -> int:
+    from kvformat.mlxkv import import_mlxkv
+
+    report = import_mlxkv(args.source, args.output, codec=args.codec, overwrite=args.force)
+    print(
+        f"wrote {report.path}: MLXKV001 version {report.version}, {report.layers} layer(s) with K/V, "
+        f"seq_len {report.seq_len}, source sha256 {report.sha256[:16]}..."
+    )
+    return 0
+
+
 def _describe_command(args: argparse.Namespace) -> int:
     from kvformat.conformance import describe
 
@@ -325,6 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=positive_int, default=None, help="tokens per chunk")
     p.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), help="convert arrays to this dtype")
     p.set_defaults(func=_pack)
+
+    p = sub.add_parser("import-mlxkv", help="convert a go-mlx MLXKV001 snapshot (versions 1-6) to .kv")
+    p.add_argument("source", help="the MLXKV001 file (go-mlx snap.Save)")
+    p.add_argument("output", help="the .kv file to write")
+    p.add_argument("--codec", default="raw", help=f"one of {', '.join(codecs.NAMES)} (zstd:LEVEL too)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.set_defaults(func=_import_mlxkv)
 
     p = sub.add_parser("describe", help="the conformance description of a file (JSON; see spec/vectors)")
     p.add_argument("file")

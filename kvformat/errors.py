@@ -19,6 +19,11 @@ class CorruptFileError(KVFormatError):
     """A structure is malformed or breaks a rule of the spec."""
 
 
+class ForeignFormatError(CorruptFileError):
+    """The file is another format kvsnap can import (e.g. go-mlx MLXKV001): the message names
+    the command that converts it."""
+
+
 class ChecksumError(CorruptFileError):
     """A stored CRC-32C does not match the bytes it covers."""
 

@@ -22,6 +22,7 @@ from kvformat.codecs import BytesLike
 from kvformat.errors import (
     ChecksumError,
     CorruptFileError,
+    ForeignFormatError,
     KVFormatError,
     LimitExceededError,
     OutOfRangeError,
@@ -54,6 +55,7 @@ from kvformat.layout import (
     check_header,
 )
 from kvformat.manifest import LayerSpec, Manifest, loads, parse_manifest
+from kvformat.mlxkv import is_mlxkv
 from kvformat.quantization import Parts, Quantization
 from kvformat.remote import READ_AHEAD
 from kvformat.series import APPEND_CHUNKS, Chain, Segment, Segments, parse_entry
@@ -117,6 +119,11 @@ class _File:
         self.source = source
         self.check_checksums = check_checksums
         size = source.size
+        if size >= 8 and is_mlxkv(bytes(source.read(0, 8))):
+            raise ForeignFormatError(
+                f"{source.name} is a go-mlx MLXKV001 snapshot, not a kvsnap .kv file; convert it with "
+                f"'kvsnap import-mlxkv {source.name} OUT.kv'"
+            )
         if size < HEADER_SIZE + FOOTER_SIZE:
             if size >= 8:
                 check_header(bytes(source.read(0, min(size, HEADER_SIZE))).ljust(HEADER_SIZE, b"\0"))
