@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from analysis.files import (
+from kvsnap.analysis.files import (
     BatchResult,
     FileFailure,
     MergedKey,
@@ -20,8 +20,8 @@ from analysis.files import (
     expand_paths,
     file_or_failure,
 )
-from analysis.parallel import cores, split_jobs
-from analysis.stats import (
+from kvsnap.analysis.parallel import cores, split_jobs
+from kvsnap.analysis.stats import (
     HeadAccumulator,
     PassOptions,
     file_table,
@@ -75,7 +75,7 @@ def run_stats(
     paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, storage_options)
     processes, options = _plan(paths, jobs, snapshot, keys, stats, storage_options)
     if engine == "ray":
-        from analysis.ray import ray_stats
+        from kvsnap.analysis.ray import ray_stats
 
         return ray_stats(paths, options, address=address, num_cpus=jobs or cores(), fail_fast=fail_fast)
     if engine != "local":
@@ -153,7 +153,7 @@ def merged_stats(
     merger = Merger()
     failures: list[FileFailure] = []
     if engine == "ray":
-        from analysis.ray import ray_accumulators
+        from kvsnap.analysis.ray import ray_accumulators
 
         results: Iterable[tuple[str, Any]] = ray_accumulators(
             paths, options, address=address, num_cpus=jobs or cores(), fail_fast=fail_fast

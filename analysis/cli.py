@@ -20,7 +20,7 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def stat_groups_type(text: str) -> frozenset[str]:
     """argparse type: comma-separated statistic groups (``all``, ``norms``, ``channels``, ...)."""
-    from analysis.stats import stat_groups
+    from kvsnap.analysis.stats import stat_groups
 
     try:
         return stat_groups(text)
@@ -46,7 +46,7 @@ def _progress(total: int) -> Callable[[str], None]:
 
 def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
     """Statistics of every file or pattern, on the chosen engine; failures reported by file."""
-    from analysis.batch import expand_paths, merged_stats, run_stats
+    from kvsnap.analysis.batch import expand_paths, merged_stats, run_stats
 
     options = _storage_options(args)
     try:
@@ -116,7 +116,7 @@ def _plot(args: argparse.Namespace) -> int:
     import numpy as np
     import polars as pl
 
-    from analysis.stats import token_table
+    from kvsnap.analysis.stats import token_table
 
     args.files = [args.file]
     table = _table(args).filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
@@ -161,7 +161,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _similarity(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from analysis.similarity import head_similarity
+    from kvsnap.analysis.similarity import head_similarity
 
     table = head_similarity(args.files, args.snapshot, args.keys, args.jobs, _storage_options(args))
     if args.output:
@@ -228,7 +228,7 @@ def _medians(table: Any) -> None:
 def _stats(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from analysis.stats import outliers
+    from kvsnap.analysis.stats import outliers
 
     if args.merge:
         return _merged(args)
@@ -301,7 +301,7 @@ def _common(p: argparse.ArgumentParser, many: bool = True, engines: bool = True)
 
 
 def _stats_option(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    from analysis.stats import GROUPS
+    from kvsnap.analysis.stats import GROUPS
 
     p.add_argument(
         "--stats",
@@ -315,7 +315,7 @@ def _stats_option(p: argparse.ArgumentParser, default: str | None = None) -> Non
 def _export(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from analysis.export import export_heads
+    from kvsnap.analysis.export import export_heads
 
     written = 0
     paths = export_heads(
@@ -339,7 +339,7 @@ def _diff(args: argparse.Namespace) -> int:
     import numpy as np
     import polars as pl
 
-    from analysis.diff import LayoutMismatchError, head_diff
+    from kvsnap.analysis.diff import LayoutMismatchError, head_diff
 
     try:
         with warnings.catch_warnings(record=True) as caught:

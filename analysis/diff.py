@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import kvformat
-from analysis.rope import Rope
+from kvsnap.analysis.rope import Rope
 
 if TYPE_CHECKING:
     import polars as pl

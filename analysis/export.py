@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 import kvformat
-from analysis.rope import Rope
+from kvsnap.analysis.rope import Rope
 
 FORMATS = ("csv", "npy", "npz", "parquet")
 

@@ -22,7 +22,7 @@ import ray
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from analysis.files import (
+from kvsnap.analysis.files import (
     BatchResult,
     FileFailure,
     MergedKey,
@@ -32,7 +32,7 @@ from analysis.files import (
     file_or_failure,
     sort_like,
 )
-from analysis.stats import (
+from kvsnap.analysis.stats import (
     HeadAccumulator,
     PassOptions,
     frame_of,

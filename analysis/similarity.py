@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import kvformat
-from analysis.rope import Rope
+from kvsnap.analysis.rope import Rope
 
 if TYPE_CHECKING:
     import polars as pl
@@ -222,8 +222,8 @@ def head_similarity(
     every core)."""
     import polars as pl
 
-    from analysis.parallel import cores
-    from analysis.stats import local_map
+    from kvsnap.analysis.parallel import cores
+    from kvsnap.analysis.stats import local_map
 
     files = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     processes = min(cores() if jobs is None else jobs, len(files))

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import kvformat
-from analysis import kernel
-from analysis.eigen import eigenvalues
-from analysis.rope import Rope
+from kvsnap.analysis import kernel
+from kvsnap.analysis.eigen import eigenvalues
+from kvsnap.analysis.rope import Rope
 
 if TYPE_CHECKING:
     import polars as pl
@@ -528,7 +528,7 @@ def _layers(
     accumulators of the layers in progress`` (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``).
     ``progress`` shows a bar per layer on stderr when it is a terminal; ``finish`` computes each
     accumulator's row (eigenvalues and all) on the threads, once its layer is read."""
-    from analysis.parallel import OrderedPool, single_threaded_blas
+    from kvsnap.analysis.parallel import OrderedPool, single_threaded_blas
 
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
         name, index = os.fspath(path), snap.index
@@ -814,7 +814,7 @@ def file_tables(
     """One Arrow table per file, in the order given, on ``jobs`` cores (default: all of this
     process's): files in parallel processes first, the rest as threads within each file.
     ``progress`` is called with each file name as it finishes."""
-    from analysis.parallel import cores, split_jobs
+    from kvsnap.analysis.parallel import cores, split_jobs
 
     files = _paths(paths)
     processes, threads = split_jobs(cores() if jobs is None else jobs, len(files))

@@ -60,13 +60,13 @@ if mode == "read":
         while f.readinto(view):
             pass
 elif mode.startswith("stats"):  # stats:GROUPS:JOBS
-    from analysis.stats import stats_for_file
+    from kvsnap.analysis.stats import stats_for_file
     _, groups, jobs = mode.split(":")
     rows = sum(t.num_rows for t in stats_for_file(path, stats=groups, jobs=int(jobs)))
 elif mode == "gram":
     # The floor of statistics 7-8 alone: float64 Gram update of every block (BLAS), nothing else.
     import kvformat
-    from analysis.stats import _float32
+    from kvsnap.analysis.stats import _float32
     with kvformat.open(path) as snap:
         for block in snap.blocks():
             for rows in (block.k, block.v):
@@ -76,8 +76,8 @@ elif mode == "naive":
     # The peer: map the file, load each head whole as a numpy array, compute the same
     # catalogue on it (same accumulator, one add per head), never release pages.
     import kvformat
-    from analysis.rope import Rope
-    from analysis.stats import HeadAccumulator
+    from kvsnap.analysis.rope import Rope
+    from kvsnap.analysis.stats import HeadAccumulator
     with kvformat.open(path) as snap:
         for layer, spec in enumerate(snap.layers):
             for head in range(spec.num_heads):
@@ -102,7 +102,7 @@ def measure(mode: str, path: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    from analysis.parallel import cores
+    from kvsnap.analysis.parallel import cores
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="/tmp/kvsnap-analysis-bench")

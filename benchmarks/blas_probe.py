@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from analysis.parallel import single_threaded_blas
-from analysis.stats import HeadAccumulator, stat_groups
+from kvsnap.analysis.parallel import single_threaded_blas
+from kvsnap.analysis.stats import HeadAccumulator, stat_groups
 
 
 def rate(jobs: int, work: Callable[[], None], repeat: int) -> float:

@@ -28,10 +28,10 @@ from mlx_lm import load, stream_generate
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 from benchmarks.timing import best_of
-from capture import generate, snapshot_kv
-from capture.caches import to_numpy
-from capture.fixtures import fetch_model
 from kvformat.checksum import crc32c
+from kvsnap.capture import generate, snapshot_kv
+from kvsnap.capture.caches import to_numpy
+from kvsnap.capture.fixtures import fetch_model
 
 
 def bare_write(path: Path, buffers: list[memoryview], durable: bool) -> None:
@@ -221,13 +221,13 @@ def generation_overhead(
         thread.join()
 
     def captured() -> None:
-        import capture.series
+        import kvsnap.capture.series
 
         if variant == "disk-load":
             disk_load()
             return
         if variant.startswith("sync-"):
-            capture.series.SYNC_EACH = variant[5:]
+            kvsnap.capture.series.SYNC_EACH = variant[5:]
         out = tmp / "overhead.kv"
         out.unlink(missing_ok=True)
         count = sum(
@@ -269,9 +269,9 @@ def profile_snapshots(run: Any) -> str:
     waiting for a full queue, closing) and on the writer thread (jobs)."""
     import sys
 
-    import capture.background as background
+    import kvsnap.capture.background as background
 
-    generate_module = sys.modules["capture.generate"]  # the package exports a function of that name
+    generate_module = sys.modules["kvsnap.capture.generate"]  # the package exports a function of that name
 
     spent: dict[str, float] = {"take": 0.0, "queue wait": 0.0, "close": 0.0, "writer jobs": 0.0}
     snapshots_class, writer_class = generate_module._Snapshots, background.BackgroundWriter

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from analysis.parallel import single_threaded_blas
-from analysis.stats import HeadAccumulator, stat_groups, stats_for_file
+from kvsnap.analysis.parallel import single_threaded_blas
+from kvsnap.analysis.stats import HeadAccumulator, stat_groups, stats_for_file
 
 
 def timed(work: object) -> tuple[float, float, float]:

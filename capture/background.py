@@ -18,8 +18,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from capture.caches import to_numpy
-from capture.errors import CaptureError
+from kvsnap.capture.caches import to_numpy
+from kvsnap.capture.errors import CaptureError
 
 DEFAULT_MAX_PENDING = 4
 

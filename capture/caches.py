@@ -14,11 +14,11 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
-from capture.errors import UnsupportedModelError
 from kvformat import dtypes
 from kvformat.manifest import LayerSpec
 from kvformat.quantization import BITS as QUANT_BITS
 from kvformat.quantization import Quantization
+from kvsnap.capture.errors import UnsupportedModelError
 
 
 @dataclass

@@ -10,7 +10,7 @@ from kvformat.cli import fraction, non_negative_float, positive_int
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from capture.convert import convert_gguf
+    from kvsnap.capture.convert import convert_gguf
 
     out = convert_gguf(args.gguf, args.out_dir, args.dtype)
     print(f"wrote mlx-lm model directory {out}")
@@ -18,7 +18,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from capture.fixtures import MODELS, cache_dir, fetch_model
+    from kvsnap.capture.fixtures import MODELS, cache_dir, fetch_model
 
     for name in args.names or list(MODELS):
         path = fetch_model(name, args.dtype)
@@ -29,8 +29,8 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Add the capture commands to the ``kvsnap`` argument parser."""
-    from capture.convert import DTYPES
-    from capture.fixtures import MODELS
+    from kvsnap.capture.convert import DTYPES
+    from kvsnap.capture.fixtures import MODELS
 
     p = sub.add_parser("convert-gguf", help="convert a GGUF model (llama, gemma3) to an mlx-lm directory")
     p.add_argument("gguf")
@@ -50,13 +50,13 @@ def _resolve_model(spec: str) -> str:
     """A fixture name, a GGUF file (converted once into the cache) or an mlx-lm directory."""
     from pathlib import Path
 
-    from capture.fixtures import MODELS, cache_dir, fetch_model, sha256_of
+    from kvsnap.capture.fixtures import MODELS, cache_dir, fetch_model, sha256_of
 
     if spec in MODELS:
         return str(fetch_model(spec))
     path = Path(spec)
     if path.suffix == ".gguf" and path.is_file():
-        from capture.convert import convert_gguf
+        from kvsnap.capture.convert import convert_gguf
 
         out = cache_dir() / "converted" / sha256_of(path)[:16]
         if not (out / "config.json").exists():
@@ -76,7 +76,7 @@ def _capture(args: argparse.Namespace) -> int:
 
     from mlx_lm import load
 
-    from capture.generate import SnapshotEvent, generate
+    from kvsnap.capture.generate import SnapshotEvent, generate
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
     model_path = _resolve_model(args.model)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from capture.errors import UnsupportedModelError
+from kvsnap.capture.errors import UnsupportedModelError
 
 DTYPES = ("float16", "bfloat16", "float32")
 

@@ -16,10 +16,10 @@ import mlx.core as mx
 import numpy as np
 
 import kvformat
-from capture.caches import read_layer, to_numpy
-from capture.errors import CaptureError, UnsupportedModelError
 from kvformat.quantization import BITS as QUANT_BITS
 from kvformat.quantization import Quantization
+from kvsnap.capture.caches import read_layer, to_numpy
+from kvsnap.capture.errors import CaptureError, UnsupportedModelError
 
 _INCREMENTAL = frozenset(
     {"KVCache", "ConcatenateKVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache"}

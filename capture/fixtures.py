@@ -16,8 +16,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from capture.convert import convert_gguf, sha256_of
-from capture.errors import CaptureError
+from kvsnap.capture.convert import convert_gguf, sha256_of
+from kvsnap.capture.errors import CaptureError
 
 
 @dataclass(frozen=True)

@@ -21,14 +21,14 @@ import mlx.nn as nn
 import numpy as np
 
 import kvformat
-from capture.background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
-from capture.deltas import CacheTracker, layer_specs
-from capture.errors import CaptureError
-from capture.model_info import annotate_layers, file_metadata
-from capture.restore import last_logits, restore, tokens_of
-from capture.series import SeriesWriter
-from capture.snapshot import KVSnapshot, snapshot_kv
-from capture.triggers import Triggers
+from kvsnap.capture.background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
+from kvsnap.capture.deltas import CacheTracker, layer_specs
+from kvsnap.capture.errors import CaptureError
+from kvsnap.capture.model_info import annotate_layers, file_metadata
+from kvsnap.capture.restore import last_logits, restore, tokens_of
+from kvsnap.capture.series import SeriesWriter
+from kvsnap.capture.snapshot import KVSnapshot, snapshot_kv
+from kvsnap.capture.triggers import Triggers
 
 
 @dataclass(frozen=True)

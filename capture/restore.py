@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 
 import kvformat
-from capture.caches import LayerKV, build_cache
-from capture.snapshot import KVSnapshot
+from kvsnap.capture.caches import LayerKV, build_cache
+from kvsnap.capture.snapshot import KVSnapshot
 
 
 def layers_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[LayerKV]:

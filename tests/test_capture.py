@@ -14,15 +14,15 @@ from mlx_lm.models import cache as cache_module
 from mlx_lm.sample_utils import make_sampler
 
 import kvformat
-from analysis.rope import Rope
-from capture.caches import build_cache, read_layer, to_numpy, unified_memory
-from capture.errors import UnsupportedModelError
-from capture.generate import generate
-from capture.restore import layers_of as restore_layers
-from capture.restore import restore, text_of, tokens_of
-from capture.snapshot import snapshot_kv
-from capture.tiny import tiny_model
 from kvformat.quantization import Quantization
+from kvsnap.analysis.rope import Rope
+from kvsnap.capture.caches import build_cache, read_layer, to_numpy, unified_memory
+from kvsnap.capture.errors import UnsupportedModelError
+from kvsnap.capture.generate import generate
+from kvsnap.capture.restore import layers_of as restore_layers
+from kvsnap.capture.restore import restore, text_of, tokens_of
+from kvsnap.capture.snapshot import snapshot_kv
+from kvsnap.capture.tiny import tiny_model
 
 H, D = 2, 8
 
@@ -385,7 +385,7 @@ def test_real_model_resume_equals_uninterrupted(
         assert run(model, tokenizer, [], total - 2, resume=early) == reference[2:]
 
 
-@pytest.mark.parametrize("arch", sorted(__import__("capture.tiny", fromlist=["CONFIGS"]).CONFIGS))
+@pytest.mark.parametrize("arch", sorted(__import__("kvsnap.capture.tiny", fromlist=["CONFIGS"]).CONFIGS))
 def test_tiny_factory_builds_and_runs(arch: str) -> None:
     model = tiny_model(arch)
     cache = cache_module.make_prompt_cache(model)

@@ -19,14 +19,14 @@ from mlx_lm.models import cache as cache_module
 from mlx_lm.sample_utils import make_sampler
 
 import kvformat
-from capture.background import BackgroundWriter, Transfer
-from capture.caches import read_layer, to_numpy
-from capture.deltas import CacheTracker
-from capture.errors import CaptureError
-from capture.generate import generate, make_cache
-from capture.series import SeriesWriter
-from capture.tiny import tiny_model
 from kvformat.checksum import crc32c, crc32c_many, crc32c_rows
+from kvsnap.capture.background import BackgroundWriter, Transfer
+from kvsnap.capture.caches import read_layer, to_numpy
+from kvsnap.capture.deltas import CacheTracker
+from kvsnap.capture.errors import CaptureError
+from kvsnap.capture.generate import generate, make_cache
+from kvsnap.capture.series import SeriesWriter
+from kvsnap.capture.tiny import tiny_model
 
 from .test_capture import _tiny_tokenizer
 
@@ -71,7 +71,7 @@ def test_deltas_rebuild_every_snapshot(tmp_path: Path, make: Any, first: int) ->
         arrays = [a for d in deltas for a in (*d.keys, *d.values)]
         host = Transfer(arrays).to_host()
         if series is None:
-            from capture.deltas import layer_specs
+            from kvsnap.capture.deltas import layer_specs
 
             specs, seqs = layer_specs([cache])
             series = SeriesWriter(tmp_path / "d.kv", "raw", {}, specs, seqs, durable=False)

@@ -13,9 +13,9 @@ import pytest
 from mlx_lm import generate, load
 from mlx_lm.utils import load_model
 
-from capture.convert import _ARCHITECTURES, _target_name, convert_gguf, dequantized_tensors
-from capture.errors import UnsupportedModelError
-from capture.fixtures import fetch_gguf
+from kvsnap.capture.convert import _ARCHITECTURES, _target_name, convert_gguf, dequantized_tensors
+from kvsnap.capture.errors import UnsupportedModelError
+from kvsnap.capture.fixtures import fetch_gguf
 from tests.conftest import PROSE
 
 

@@ -10,9 +10,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from analysis import kernel
-from analysis.rope import Rope
-from analysis.stats import GROUPS, HeadAccumulator
+from kvsnap.analysis import kernel
+from kvsnap.analysis.rope import Rope
+from kvsnap.analysis.stats import GROUPS, HeadAccumulator
 
 LOOSE = set(GROUPS["spectrum"]) | set(GROUPS["quant"])
 
@@ -71,7 +71,7 @@ def test_statistics_stream_layer_by_layer(tmp_path: Path, monkeypatch: pytest.Mo
     """stats_for_file yields a layer's table once the pass is past its last chunk, having made
     accumulators for that layer only; a series file (layers interleaved) gives the same rows."""
     import kvformat
-    from analysis import stats
+    from kvsnap.analysis import stats
     from tests.conftest import write_series
 
     rng = np.random.default_rng(3)
@@ -107,7 +107,7 @@ def test_statistics_stream_layer_by_layer(tmp_path: Path, monkeypatch: pytest.Mo
 def test_compiled_eigenvalues_match_lapack(n: int) -> None:
     """The compiled symmetric eigensolver (parallel over heads) against LAPACK: full rank with a
     wide spectrum, rank-deficient, zero."""
-    from analysis.eigen import eigenvalues
+    from kvsnap.analysis.eigen import eigenvalues
 
     rng = np.random.default_rng(n)
     for rows in (3 * n + 5, max(1, n // 3)):

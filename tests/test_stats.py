@@ -11,8 +11,8 @@ import polars as pl
 import pytest
 
 import kvformat
-from analysis.rope import Rope, RopeError
-from analysis.stats import GROUPS, head_stats, head_stats_reader, stats_rows, token_table
+from kvsnap.analysis.rope import Rope, RopeError
+from kvsnap.analysis.stats import GROUPS, head_stats, head_stats_reader, stats_rows, token_table
 
 ROPE = {"rope": {"base": 10000.0, "dims": 16, "pairing": "half", "scaling": None}}
 

@@ -12,9 +12,9 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from analysis import kernel, stats
-from analysis.stats import GROUPS, stats_rows
-from capture.snapshot import snapshot_kv
+from kvsnap.analysis import kernel, stats
+from kvsnap.analysis.stats import GROUPS, stats_rows
+from kvsnap.capture.snapshot import snapshot_kv
 from tests.conftest import PROSE
 
 TOKENS = 320  # CPU prefill is slow here (~0.1 s a token); the float64 threshold is lowered below
