@@ -108,52 +108,99 @@ def _outliers(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    """A layers x heads heatmap of one statistic and per-position norm curves, as one PNG."""
+    """A layers x heads heatmap of one statistic and per-position norm curves, as one PNG: a title
+    naming file, model, snapshot and statistic; labelled colour scales; the prompt/generation
+    boundary; token labels on request."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
     import polars as pl
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
 
+    import kvformat
     from kvsnap.analysis.stats import token_table
 
     args.files = [args.file]
     table = _table(args).filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
-    if args.stat not in table.columns:
-        raise SystemExit(f"unknown statistic {args.stat!r}")
+    numeric = [
+        c for c, t in table.schema.items() if t.is_numeric() and c not in ("seq", "layer", "head", "snapshot")
+    ]
+    if args.stat not in numeric:
+        raise SystemExit(f"unknown statistic {args.stat!r}; one of: {', '.join(numeric)}")
     layers = sorted(set(table["layer"].to_list()))
     heads = max(table["head"].to_list()) + 1
     grid = np.full((len(layers), heads), np.nan)
     for row in table.iter_rows(named=True):
         grid[layers.index(row["layer"]), row["head"]] = row[args.stat]
+    options = _storage_options(args)
+    with kvformat.open(args.file, args.snapshot, storage_options=options) as snap:
+        index, count, seq_len = snap.index, snap.num_snapshots, snap.seq_len
+        generated = snap.snapshot_metadata.get("generated")
+        model = snap.metadata.get("model", {})
+    model_name = model.get("name") if isinstance(model, dict) else None
     tokens = (
-        token_table(args.file, args.snapshot, _storage_options(args))
+        token_table(args.file, args.snapshot, options)
         .filter(pl.col("seq") == 0)
         .group_by("layer", "position")
-        .agg(pl.col(f"{args.tensor}_norm").mean())
+        .agg(pl.col(f"{args.tensor}_norm").mean(), pl.col("token_text").first())
         .sort("layer", "position")
         .collect()
     )
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    name = f"{args.tensor.upper()} {args.stat}"
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
+    figure.suptitle(
+        f"{os.path.basename(args.file)}  |  model {model_name or '(not recorded)'}  |  "
+        f"snapshot {index} (of 0..{count - 1})  |  {name}",
+        fontsize=11,
+    )
     image = left.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
     left.set_xlabel("KV head")
     left.set_xticks(range(heads))
     left.set_ylabel("layer")
-    left.set_yticks(range(len(layers)), [str(layer) for layer in layers])
-    left.set_title(f"{args.tensor.upper()} {args.stat}")
-    figure.colorbar(image, ax=left)
+    step = max(1, len(layers) // 16)
+    left.set_yticks(range(0, len(layers), step), [str(layer) for layer in layers[::step]])
+    left.set_title(f"{name} per layer and head")
+    figure.colorbar(image, ax=left, label=name)
     colors = plt.get_cmap("viridis")
-    for i, layer in enumerate(layers):
+    scale = Normalize(min(layers), max(layers)) if layers else Normalize(0, 1)
+    for layer in layers:
         part = tokens.filter(pl.col("layer") == layer)
-        right.plot(
-            part["position"], part[f"{args.tensor}_norm"], color=colors(i / max(1, len(layers) - 1)), lw=0.8
+        right.plot(part["position"], part[f"{args.tensor}_norm"], color=colors(scale(layer)), lw=0.8)
+    figure.colorbar(ScalarMappable(scale, colors), ax=right, label="layer")
+    if isinstance(generated, int) and 0 < generated <= seq_len:
+        boundary = seq_len - generated  # the first generated token's position
+        right.axvline(boundary - 0.5, color="crimson", ls="--", lw=1)
+        right.annotate(
+            "prompt | generated",
+            (boundary - 0.5, 1.0),
+            xycoords=("data", "axes fraction"),
+            ha="center",
+            va="bottom",
+            color="crimson",
+            fontsize=8,
         )
     right.set_xlabel("position")
-    right.set_ylabel(f"mean ||{args.tensor}|| over heads")
-    right.set_title("norm by position (dark = early layers)")
+    right.set_ylabel(f"mean ||{args.tensor.upper()}|| over heads")
+    right.set_title(f"||{args.tensor.upper()}|| by position, one line per layer", pad=14)
+    if args.token_labels:
+        first = tokens.filter(pl.col("layer") == layers[0]) if layers else tokens
+        labelled = [
+            (p, t) for p, t in zip(first["position"], first["token_text"], strict=True) if t is not None
+        ]
+        if not labelled:
+            print("note: the file records no token text; plotting without token labels", file=sys.stderr)
+        else:
+            every = max(1, len(labelled) // 60)
+            shown = labelled[::every]
+            right.set_xticks(
+                [p for p, _ in shown], [repr(t)[1:-1][:12] for _, t in shown], rotation=90, fontsize=6
+            )
     figure.tight_layout()
     figure.savefig(args.output, dpi=110)
+    plt.close(figure)
     print(f"wrote {args.output}: {len(layers)} layers x {heads} heads, {tokens.height} position points")
     return 0
 
@@ -455,6 +502,11 @@ def register(sub: Any) -> None:
     p.add_argument("--stat", default="norm_mean")
     p.add_argument("--tensor", choices=["k", "v"], default="k")
     p.add_argument("-o", "--output", required=True, help="PNG file")
+    p.add_argument(
+        "--token-labels",
+        action="store_true",
+        help="label positions with their tokens (if the file records them)",
+    )
     _stats_option(p)
     p.set_defaults(func=_plot)
 

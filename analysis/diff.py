@@ -28,6 +28,7 @@ import numpy as np
 
 import kvformat
 from kvsnap.analysis.rope import Rope
+from kvsnap.analysis.tokens import token_ids
 
 if TYPE_CHECKING:
     import polars as pl
@@ -53,27 +54,8 @@ def _layout_difference(a: kvformat.Snapshot, b: kvformat.Snapshot) -> str | None
     return None
 
 
-def _tokens(snap: kvformat.Snapshot) -> list[list[int]] | None:
-    """The token ids the snapshot holds, per sequence, where the file records them: ``tokens``
-    (a one-shot snapshot) or the ``tokens_appended`` of each snapshot of a series up to this one
-    (SPEC 15.3)."""
-    recorded = snap.snapshot_metadata.get("tokens")
-    if isinstance(recorded, list) and recorded and isinstance(recorded[0], list):
-        return [[int(t) for t in seq] for seq in recorded]
-    gathered: list[list[int]] | None = None
-    for index in range(snap.index + 1):
-        appended = snap.select(index).snapshot_metadata.get("tokens_appended")
-        if not (isinstance(appended, list) and appended and isinstance(appended[0], list)):
-            return None
-        if gathered is None:
-            gathered = [[] for _ in appended]
-        for seq, tokens in zip(gathered, appended, strict=False):
-            seq.extend(int(t) for t in tokens)
-    return gathered
-
-
 def _token_warning(a: kvformat.Snapshot, b: kvformat.Snapshot) -> str | None:
-    ta, tb = _tokens(a), _tokens(b)
+    ta, tb = token_ids(a), token_ids(b)
     if ta is None or tb is None:
         return None
     for seq, (x, y) in enumerate(zip(ta, tb, strict=False)):

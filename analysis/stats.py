@@ -21,6 +21,7 @@ import kvformat
 from kvsnap.analysis import kernel
 from kvsnap.analysis.eigen import eigenvalues
 from kvsnap.analysis.rope import Rope
+from kvsnap.analysis.tokens import token_ids, token_pieces
 
 if TYPE_CHECKING:
     import polars as pl
@@ -882,12 +883,19 @@ def head_stats_reader(
 def token_table(
     path: str | os.PathLike[str], snapshot: int = -1, storage_options: dict[str, Any] | None = None
 ) -> pl.LazyFrame:
-    """Per-token scalars (seq, layer, head, position, k_norm, v_norm, k_absmax) as a LazyFrame,
-    built chunk by chunk."""
+    """Per-token scalars as a LazyFrame, built chunk by chunk: seq, layer, head, position,
+    k_norm, v_norm, k_absmax, and where the file records them (SPEC 15.3) ``token_id`` and
+    ``token_text`` (the token decoded alone), null where it does not."""
     import polars as pl
 
     frames = []
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
+        ids, pieces = token_ids(snap), token_pieces(snap)
+
+        def label(values: list[list[Any]] | None, seq: int, positions: np.ndarray) -> list[Any]:
+            known = values[seq] if values is not None and seq < len(values) else []
+            return [known[p] if p < len(known) else None for p in positions.tolist()]
+
         for block in snap.blocks():
             k = np.asarray(block.k, dtype=np.float32)
             v = np.asarray(block.v, dtype=np.float32)
@@ -901,6 +909,8 @@ def token_table(
                         "k_norm": np.linalg.norm(k, axis=1),
                         "v_norm": np.linalg.norm(v, axis=1),
                         "k_absmax": np.abs(k).max(axis=1) if k.size else np.empty(0, np.float32),
+                        "token_id": pl.Series(label(ids, block.seq, block.positions), dtype=pl.Int64),
+                        "token_text": pl.Series(label(pieces, block.seq, block.positions), dtype=pl.Utf8),
                     }
                 )
             )

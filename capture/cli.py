@@ -50,18 +50,13 @@ def _resolve_model(spec: str) -> str:
     """A fixture name, a GGUF file (converted once into the cache) or an mlx-lm directory."""
     from pathlib import Path
 
-    from kvsnap.capture.fixtures import MODELS, cache_dir, fetch_model, sha256_of
+    from kvsnap.capture.fixtures import MODELS, converted_gguf, fetch_model
 
     if spec in MODELS:
         return str(fetch_model(spec))
     path = Path(spec)
     if path.suffix == ".gguf" and path.is_file():
-        from kvsnap.capture.convert import convert_gguf
-
-        out = cache_dir() / "converted" / sha256_of(path)[:16]
-        if not (out / "config.json").exists():
-            convert_gguf(path, out)
-        return str(out)
+        return str(converted_gguf(path))
     if (path / "config.json").exists():
         return str(path)
     raise ValueError(

@@ -248,7 +248,16 @@ def convert_gguf(
         if norms_plus_one and target.endswith("norm.weight"):
             array = array - np.float32(1.0)
         weights[target] = mx.array(array).astype(getattr(mx, dtype))
-    config["kvsnap_source"] = {"gguf": gguf_path.name, "sha256": sha256_of(gguf_path), "dtype": dtype}
+    config["kvsnap_source"] = {
+        "gguf": gguf_path.name,
+        "sha256": sha256_of(gguf_path),
+        "dtype": dtype,
+        # The GGUF's own description of the model (general.*), for provenance in captures.
+        "name": meta.get("general.name", None),
+        "architecture": meta.architecture,
+        "size_label": meta.get("general.size_label", None),
+        "file_type": meta.get("general.file_type", None),
+    }
     mx.save_safetensors(str(out / "model.safetensors"), dict(sorted(weights.items())), {"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _tokenizer_files(meta, out)

@@ -108,20 +108,55 @@ def fetch_model(name: str, dtype: str = "float16") -> Path:
     """The converted mlx-lm directory of a fixture model, fetching and converting on first use."""
     model = _model(name)
     out = cache_dir() / "models" / f"{model.name}-{dtype}"
-    marker = out / ".kvsnap-complete"
-    if marker.exists() and marker.read_text().strip() == model.gguf_sha256:
+    if _finished(out, model.gguf_sha256):
         return out
-    gguf = fetch_gguf(name)
-    staging = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else _mkdir(out.parent)))
+    return convert_once(fetch_gguf(name), out, model.gguf_sha256, dtype)
+
+
+COMPLETE = ".kvsnap-complete"
+"""Written last into a converted directory: only a finished conversion has it."""
+CONVERSION = 2  # bumped when conversion output changes (2: GGUF name and architecture recorded)
+
+
+def _stamp(digest: str) -> str:
+    return f"{digest} conversion {CONVERSION}"
+
+
+def _finished(out: Path, digest: str) -> bool:
+    marker = out / COMPLETE
+    return marker.exists() and marker.read_text().strip() == _stamp(digest)
+
+
+def converted_gguf(gguf: Path) -> Path:
+    """The cached mlx-lm conversion of any GGUF file (converted on first use), in
+    ``cache_dir()/converted/<first 16 hex digits of its SHA-256>``."""
+    digest = sha256_of(gguf)
+    out = cache_dir() / "converted" / digest[:16]
+    if _finished(out, digest):
+        return out
+    return convert_once(gguf, out, digest)
+
+
+def convert_once(gguf: Path, out: Path, digest: str, dtype: str = "float16") -> Path:
+    """Convert ``gguf`` into a staging folder beside ``out`` and rename it into place, so that
+    an interrupted or failed conversion never leaves a directory that looks finished. Says on
+    stderr where the copy is cached and how big it is."""
+    staging = Path(tempfile.mkdtemp(dir=_mkdir(out.parent)))
     try:
         convert_gguf(gguf, staging, dtype)
-        (staging / ".kvsnap-complete").write_text(model.gguf_sha256 + "\n")
+        (staging / COMPLETE).write_text(_stamp(digest) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(
+        f"kvsnap: converted {gguf.name} to an mlx-lm model ({size / 1e6:.0f} MB, {dtype}) cached in {out} "
+        "(reused next time; delete the folder to free the space)",
+        file=sys.stderr,
+    )
     return out
 
 

@@ -31,6 +31,19 @@ from kvsnap.capture.snapshot import KVSnapshot, snapshot_kv
 from kvsnap.capture.triggers import Triggers
 
 
+def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
+    """Each token decoded alone (SPEC 15.3 ``token_pieces``): the text a researcher labels a
+    position with. A token holding part of a UTF-8 character decodes to U+FFFD."""
+    if not ids:
+        return []
+    batch = getattr(tokenizer, "batch_decode", None) or getattr(
+        getattr(tokenizer, "_tokenizer", None), "batch_decode", None
+    )
+    if batch is not None:
+        return [str(piece) for piece in batch([[int(t)] for t in ids])]
+    return [str(tokenizer.decode([int(t)])) for t in ids]
+
+
 @dataclass(frozen=True)
 class SnapshotEvent:
     """A snapshot that was taken: generated-token count, total tokens, where it went."""
@@ -115,9 +128,11 @@ class _Snapshots:
         metadata: dict[str, Any] = {"generated": generated}
         if self.series is None and self.taken == 0:
             metadata["tokens"] = [list(tokens)]
+            metadata["token_pieces"] = [token_pieces(self.tokenizer, tokens)]
             metadata["text"] = [base_text + "".join(pieces)]
         else:  # SPEC 15.3: what was added since the previous snapshot
             metadata["tokens_appended"] = [tokens[self._tokens_written :]]
+            metadata["token_pieces_appended"] = [token_pieces(self.tokenizer, tokens[self._tokens_written :])]
             metadata["text_appended"] = ["".join(pieces[self._text_written :])]
         self._tokens_written, self._text_written = len(tokens), len(pieces)
         deltas = self.tracker.read(self.prompt_cache)
@@ -164,6 +179,7 @@ class _Snapshots:
         snap.metadata = {**self.file_metadata}
         snap.snapshot_metadata = {
             "tokens": [list(tokens)],
+            "token_pieces": [token_pieces(self.tokenizer, tokens)],
             "text": [base_text + "".join(pieces)],
             "generated": generated,
         }

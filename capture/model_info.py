@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
@@ -66,13 +67,30 @@ def latent_attributes(config: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def gguf_source(model_path: str | None) -> dict[str, Any] | None:
+    """What `convert_gguf` recorded about the GGUF a model directory came from (its
+    ``config.json`` key ``kvsnap_source``, which mlx-lm's model arguments drop), or None."""
+    if not model_path:
+        return None
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    source = config.get("kvsnap_source") if isinstance(config, dict) else None
+    return source if isinstance(source, dict) else None
+
+
 def file_metadata(model: nn.Module, model_path: str | None, tokenizer: Any = None) -> dict[str, Any]:
     """File-level metadata per spec section 15.1."""
     config = model_config(model)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    source = gguf_source(model_path)
+    name = (model_path or "").rstrip("/").split("/")[-1] or config.get("model_type")
+    if source is not None:  # a converted GGUF: its directory is named by a hash; use the GGUF's name
+        name = source.get("name") or str(source.get("gguf", name)).removesuffix(".gguf")
     metadata: dict[str, Any] = {
         "model": {
-            "name": (model_path or "").rstrip("/").split("/")[-1] or config.get("model_type"),
+            "name": name,
             "path": model_path,
             "architecture": config.get("model_type"),
             "config_sha256": digest,
@@ -83,6 +101,16 @@ def file_metadata(model: nn.Module, model_path: str | None, tokenizer: Any = Non
         },
         "tool": {"name": "kvsnap", "version": kvformat.__version__},
     }
+    if source is not None:
+        metadata["model"]["gguf"] = {
+            "file": source.get("gguf"),
+            "sha256": source.get("sha256"),  # the identity of the weights
+            "name": source.get("name"),
+            "architecture": source.get("architecture"),
+            "size_label": source.get("size_label"),
+            "file_type": source.get("file_type"),
+            "converted_dtype": source.get("dtype"),
+        }
     rope = rope_description(config)
     if rope:
         metadata["rope"] = rope

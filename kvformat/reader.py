@@ -119,16 +119,16 @@ class _File:
         self.source = source
         self.check_checksums = check_checksums
         size = source.size
-        if size >= 8 and is_mlxkv(bytes(source.read(0, 8))):
+        header = bytes(source.read(0, min(size, HEADER_SIZE)))  # one read, whatever the size
+        if is_mlxkv(header):
             raise ForeignFormatError(
                 f"{source.name} is a go-mlx MLXKV001 snapshot, not a kvsnap .kv file; convert it with "
                 f"'kvsnap import-mlxkv {source.name} OUT.kv'"
             )
         if size < HEADER_SIZE + FOOTER_SIZE:
             if size >= 8:
-                check_header(bytes(source.read(0, min(size, HEADER_SIZE))).ljust(HEADER_SIZE, b"\0"))
+                check_header(header.ljust(HEADER_SIZE, b"\0"))
             raise TruncatedFileError(f"{source.name}: {size} bytes is too short for a .kv file")
-        header = bytes(source.read(0, HEADER_SIZE))
         self.version = check_header(header)
         try:
             self.footer = Footer.unpack(bytes(source.read(size - FOOTER_SIZE, FOOTER_SIZE)))

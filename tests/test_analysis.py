@@ -177,3 +177,39 @@ def test_split_jobs() -> None:
     assert split_jobs(3, 2) == (2, 1)
     with pytest.raises(ValueError, match="at least 1"):
         split_jobs(0, 3)
+
+
+def test_plot_is_labelled_for_a_paper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 15 item 7: a title naming file, model, snapshot and statistic; labelled colour
+    scales (the statistic, the layers); the prompt/generation boundary; token labels."""
+    import matplotlib.figure
+
+    rng = np.random.default_rng(0)
+    spec = kvformat.LayerSpec(2, 16, 16, kvformat.FLOAT32)
+    path = tmp_path / "run.kv"
+    pieces = [f"t{i}" for i in range(30)]
+    with kvformat.Writer(path, [spec] * 3, metadata={"model": {"name": "tiny-test-model"}}) as writer:
+        for layer in range(3):
+            data = rng.standard_normal((2, 20, 16)).astype(np.float32)
+            writer.append(layer, data, data)
+        writer.snapshot({"generated": 0, "tokens": [list(range(20))], "token_pieces": [pieces[:20]]})
+        for layer in range(3):
+            data = rng.standard_normal((2, 10, 16)).astype(np.float32)
+            writer.append(layer, data, data)
+        appended = {"tokens_appended": [list(range(20, 30))], "token_pieces_appended": [pieces[20:]]}
+        writer.snapshot({"generated": 10, **appended})
+    figures: list[matplotlib.figure.Figure] = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: figures.append(self))
+    png = str(tmp_path / "p.png")
+    assert main(["plot", str(path), "--stat", "norm_max", "--token-labels", "-o", png]) == 0
+    figure = figures[0]
+    title = figure.texts[0].get_text()  # the suptitle
+    for part in ("run.kv", "tiny-test-model", "snapshot 1 (of 0..1)", "K norm_max"):
+        assert part in title, title
+    _, curves, heat_bar, layer_bar = figure.axes
+    assert heat_bar.get_ylabel() == "K norm_max" and layer_bar.get_ylabel() == "layer"
+    assert layer_bar.get_ylim() == (0.0, 2.0)  # the layer scale spans the layers
+    boundary = [line.get_xdata()[0] for line in curves.get_lines() if line.get_linestyle() == "--"]
+    assert boundary == [19.5]  # 20 prompt tokens, then the generated ones
+    assert [t.get_text() for t in curves.get_xticklabels()][:3] == ["t0", "t1", "t2"]
+    assert len(curves.get_lines()) == 3 + 1  # one line per layer, plus the boundary

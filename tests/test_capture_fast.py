@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import polars as pl
 import pytest
 from mlx_lm import load
 from mlx_lm.models import cache as cache_module
@@ -20,6 +21,8 @@ from mlx_lm.sample_utils import make_sampler
 
 import kvformat
 from kvformat.checksum import crc32c, crc32c_many, crc32c_rows
+from kvsnap.analysis.stats import token_table
+from kvsnap.analysis.tokens import token_ids, token_pieces
 from kvsnap.capture.background import BackgroundWriter, Transfer
 from kvsnap.capture.caches import read_layer, to_numpy
 from kvsnap.capture.deltas import CacheTracker
@@ -192,6 +195,18 @@ def test_generation_with_snapshots_equals_plain_generation(tmp_path: Path) -> No
         assert snap.num_snapshots == 20
         assert snap.seq_len == len(prompt) + 20
         snap.verify()
+        # SPEC 15.3: ids and pieces in full in the first snapshot, appended after; resolved.
+        assert "token_pieces" in snap.select(0).snapshot_metadata
+        assert "token_pieces_appended" in snap.select(7).snapshot_metadata
+        ids, pieces = token_ids(snap.select(7)), token_pieces(snap.select(7))
+        assert ids == [(prompt + probed)[: snap.select(7).seq_len]]
+        assert pieces == [[tokenizer.decode([t]) for t in ids[0]]]
+    table = (
+        token_table(path).filter((pl.col("layer") == 0) & (pl.col("head") == 0)).sort("position").collect()
+    )
+    everything = prompt + probed
+    assert table["token_id"].to_list() == everything[: table.height]
+    assert table["token_text"].to_list() == [tokenizer.decode([t]) for t in everything[: table.height]]
 
 
 @pytest.mark.parametrize("fixture", ["smollm2_dir", "gemma3_dir"])

@@ -89,3 +89,38 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(UnsupportedModelError, match="mamba"):
         convert_gguf(path, tmp_path / "out")
+
+
+def test_a_gguf_is_converted_once_staged_and_named_by_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 15 item 9 and issue 21: a capture from a .gguf records the GGUF's own name and
+    architecture (the hash stays as identity); the converted copy's place and size are said; a
+    conversion that fails half-way leaves nothing that looks finished."""
+    from kvsnap.capture import fixtures
+    from kvsnap.capture.model_info import file_metadata
+
+    gguf = fetch_gguf("smollm2-135m")  # before the cache moves
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    monkeypatch.setenv("KVSNAP_CACHE", str(tmp_path / "cache"))
+
+    def broken(src: Path, out: Path, dtype: str = "float16") -> Path:
+        (Path(out) / "config.json").write_text("{}")  # what used to pass for a finished conversion
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(fixtures, "convert_gguf", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        fixtures.converted_gguf(gguf)
+    converted = tmp_path / "cache" / "converted"
+    assert list(converted.iterdir()) == []  # no staging folder, no half-made model
+    monkeypatch.setattr(fixtures, "convert_gguf", convert_gguf)
+    out = fixtures.converted_gguf(gguf)
+    assert out == converted / digest[:16]
+    said = capsys.readouterr().err
+    assert f"cached in {out}" in said and " MB, float16)" in said
+    assert fixtures.converted_gguf(gguf) == out and capsys.readouterr().err == ""  # reused, silently
+    model, tokenizer = load(str(out))
+    meta = file_metadata(model, str(out), tokenizer)["model"]
+    assert meta["name"] == "Smollm2 135M 8k Lc100K Mix1 Ep2" and meta["architecture"] == "llama"
+    assert meta["gguf"]["sha256"] == digest and meta["gguf"]["file"] == gguf.name
+    assert meta["gguf"]["size_label"] == "135M" and meta["path"] == str(out)

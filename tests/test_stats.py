@@ -111,5 +111,6 @@ def test_arrow_reader_and_token_table(tmp_path: Path) -> None:
     assert table.num_rows == 8 and set(table.column("tensor").to_pylist()) == {"k", "v"}
     tokens = token_table(tmp_path / "a.kv").filter(pl.col("head") == 1).sort("position").collect()
     assert tokens.height == 96 and tokens["position"].to_list() == list(range(96))
+    assert tokens["token_id"].null_count() == tokens["token_text"].null_count() == 96  # none recorded
     top = tokens.sort("k_norm", descending=True)["position"][0]
     assert top == 5
