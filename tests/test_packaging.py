@@ -20,7 +20,9 @@ def run_python(code: str, cwd: Path) -> str:
 
 def test_local_modules_named_like_the_stages_shadow_nothing(tmp_path: Path) -> None:
     for name in ("analysis", "capture"):
-        (tmp_path / f"{name}.py").write_text(f"raise ImportError('the user\\'s own {name}.py was imported')\n")
+        (tmp_path / f"{name}.py").write_text(
+            f"raise ImportError('the user\\'s own {name}.py was imported')\n"
+        )
     out = run_python(
         "import kvsnap, kvsnap.analysis, kvsnap.capture\n"
         "print(kvsnap.head_stats is kvsnap.analysis.head_stats, kvsnap.generate is kvsnap.capture.generate)\n"
@@ -29,7 +31,10 @@ def test_local_modules_named_like_the_stages_shadow_nothing(tmp_path: Path) -> N
     )
     assert out.split() == ["True", "True", "kvsnap.analysis", "kvformat.reader"]
     done = subprocess.run(
-        [sys.executable, "-m", "kvformat.cli", "stats", "--help"], cwd=tmp_path, capture_output=True, text=True
+        [sys.executable, "-m", "kvformat.cli", "stats", "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0 and "--stats" in done.stdout, done.stderr
 
@@ -37,7 +42,8 @@ def test_local_modules_named_like_the_stages_shadow_nothing(tmp_path: Path) -> N
 def test_stages_import_only_what_they_need(tmp_path: Path) -> None:
     code = (
         "import sys, json\n"
-        "def top(): return sorted({m.split('.')[0] for m in sys.modules} & {'mlx', 'mlx_lm', 'pyarrow', 'polars'})\n"
+        "heavy = {'mlx', 'mlx_lm', 'pyarrow', 'polars'}\n"
+        "def top(): return sorted({m.split('.')[0] for m in sys.modules} & heavy)\n"
         "import kvsnap; a = top(); loaded = [m for m in sys.modules if m.startswith('kvsnap.')]\n"
         "import kvformat, kvformat.cli, kvformat.mlxkv; b = top()\n"
         "import kvsnap.analysis, kvsnap.analysis.cli; c = top()\n"
