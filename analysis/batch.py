@@ -45,11 +45,21 @@ def _plan(
     keys: str,
     stats: str | Iterable[str] | None,
     storage_options: Options | None,
+    backend: str = "cpu",
 ) -> tuple[int, PassOptions]:
-    """Processes for the files and each file's pass options (its threads: the cores left)."""
+    """Processes for the files and each file's pass options (its threads: the cores left; with
+    ``backend="mlx"``, one process and one thread driving the device)."""
     processes, threads = split_jobs(cores() if jobs is None else jobs, len(paths))
+    if backend == "mlx":
+        processes = threads = 1
     options = PassOptions(
-        snapshot, keys, stat_groups(stats), threads, storage_options, progress=len(paths) == 1
+        snapshot,
+        keys,
+        stat_groups(stats),
+        threads,
+        storage_options,
+        progress=len(paths) == 1,
+        backend=backend,
     )
     return processes, options
 
@@ -66,14 +76,16 @@ def run_stats(
     stats: str | Iterable[str] | None = None,
     storage_options: Options | None = None,
     progress: Callable[[str], None] | None = None,
+    backend: str = "cpu",
 ) -> BatchResult:
     """Per-head statistics of every file the patterns name, one row per (file, seq, layer, head,
     tensor), with ``engine`` ``"local"`` (``jobs`` cores, default all: files in processes, the
     cores left as threads within each file) or ``"ray"`` (``address`` of a cluster, or a local
-    one with ``jobs`` CPUs); ``stats`` names the statistic groups (default all). Same rows, same
+    one with ``jobs`` CPUs); ``stats`` names the statistic groups (default all); ``backend``
+    ``"cpu"`` or ``"mlx"`` (mlx's default device, a GPU where there is one). Same rows, same
     order, for both engines."""
     paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, storage_options)
-    processes, options = _plan(paths, jobs, snapshot, keys, stats, storage_options)
+    processes, options = _plan(paths, jobs, snapshot, keys, stats, storage_options, backend)
     if engine == "ray":
         from kvsnap.analysis.ray import ray_stats
 
@@ -141,6 +153,7 @@ def merged_stats(
     stats: str | Iterable[str] | None = None,
     storage_options: Options | None = None,
     progress: Callable[[str], None] | None = None,
+    backend: str = "cpu",
 ) -> BatchResult:
     """Statistics of each (layer, head, tensor) over every token of every sequence of every file
     ("average over 200 prompts"): each file's mergeable state (moments, Gram matrix, histograms,
@@ -149,7 +162,7 @@ def merged_stats(
     ``massive_positions`` then index each top value's own file; ``sink_ratio`` uses the mean
     ||x_0|| over the sequences. ``jobs`` and ``stats`` as in `run_stats`."""
     paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, storage_options)
-    processes, options = _plan(paths, jobs, snapshot, keys, stats, storage_options)
+    processes, options = _plan(paths, jobs, snapshot, keys, stats, storage_options, backend)
     merger = Merger()
     failures: list[FileFailure] = []
     if engine == "ray":

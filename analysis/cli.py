@@ -65,6 +65,7 @@ def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
         stats=getattr(args, "stats", None),
         storage_options=options,
         progress=_progress(len(files)),
+        backend=getattr(args, "backend", "cpu"),
     )
     for failure in result.failures:
         print(f"failed: {failure.file}: {failure.error}", file=sys.stderr)
@@ -348,8 +349,14 @@ def _common(p: argparse.ArgumentParser, many: bool = True, engines: bool = True)
 
 
 def _stats_option(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    from kvsnap.analysis.stats import GROUPS
+    from kvsnap.analysis.stats import BACKENDS, GROUPS
 
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="cpu",
+        help="cpu: the compiled kernel on --jobs cores; mlx: mlx's device (Metal or CUDA GPU, else CPU)",
+    )
     p.add_argument(
         "--stats",
         type=stat_groups_type,

@@ -173,6 +173,8 @@ class HeadAccumulator:
     top: list[tuple[float, int]] = field(default_factory=list)
     quant_token: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
     quant_channel: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
+    backend: str = "cpu"  # "cpu": the compiled kernel (or numpy); "mlx": mlx on its default device
+    _pending: Any = field(default=None, init=False, repr=False, compare=False)  # mlx: a piece in flight
     _row: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
     _flag_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -186,9 +188,14 @@ class HeadAccumulator:
 
     def add(self, rows: np.ndarray, positions: np.ndarray) -> None:
         """Add ``rows`` ``(n_tokens, dim)`` at absolute ``positions`` ``(n_tokens,)``: the fused
-        compiled kernel (`analysis.kernel`) where numba is installed, else numpy."""
+        compiled kernel (`analysis.kernel`) where numba is installed, else numpy; with
+        ``backend="mlx"``, mlx on its default device (`analysis.mlx_kernel`)."""
         self._row = None
-        if kernel.AVAILABLE:
+        if self.backend == "mlx":
+            from kvsnap.analysis import mlx_kernel
+
+            mlx_kernel.add(self, rows, positions)
+        elif kernel.AVAILABLE:
             self._add_compiled(rows, positions)
         else:
             self._add_numpy(rows, positions)
@@ -346,9 +353,22 @@ class HeadAccumulator:
                 self.quant_token[i] += _quant_error(x32, bits, axis=1)
                 self.quant_channel[i] += _quant_error(x32, bits, axis=0)
 
+    def settle(self) -> None:
+        """Fold in device work still in flight (``backend="mlx"``; a no-op otherwise)."""
+        if self._pending is not None:
+            from kvsnap.analysis import mlx_kernel
+
+            mlx_kernel.settle(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.settle()  # device arrays do not cross processes; their sums do
+        return dict(self.__dict__)
+
     def merge(self, other: HeadAccumulator) -> None:
         """Add another accumulator of the same (layer, head, tensor) into this one (another chunk,
         sequence or file); raises ValueError when the channel counts or the groups differ."""
+        self.settle()
+        other.settle()
         if other.dim != self.dim:
             raise ValueError(f"cannot merge {other.dim}-channel statistics into {self.dim}-channel ones")
         if other.groups != self.groups:
@@ -389,6 +409,7 @@ class HeadAccumulator:
         return dict(self._row)
 
     def _statistics(self) -> dict[str, Any]:
+        self.settle()
         n = self.count
         row: dict[str, Any] = {"n_tokens": n}
         if not n:
@@ -479,7 +500,9 @@ class PassOptions:
 
     ``snapshot``: index (negative from the end); ``keys``: ``"post_rope"`` or ``"pre_rope"``;
     ``stats``: the statistic groups (`GROUPS`); ``threads``: threads on this file's blocks;
-    ``storage_options``: fsspec options for URLs; ``progress``: a bar of layers on stderr."""
+    ``storage_options``: fsspec options for URLs; ``progress``: a bar of layers on stderr;
+    ``backend``: ``"cpu"`` (the compiled kernel on ``threads`` threads) or ``"mlx"`` (mlx on its
+    default device, driven by one thread that reads the next block while the device works)."""
 
     snapshot: int = -1
     keys: str = "post_rope"
@@ -487,13 +510,31 @@ class PassOptions:
     threads: int = 1
     storage_options: dict[str, Any] | None = field(default=None, compare=False)
     progress: bool = field(default=False, compare=False)  # a bar per layer on a terminal's stderr
+    backend: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.keys not in ("post_rope", "pre_rope"):
             raise ValueError("keys must be 'post_rope' or 'pre_rope'")
         if not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads must be a positive integer, not {self.threads!r}")
+        check_backend(self.backend)
         object.__setattr__(self, "stats", stat_groups(self.stats))
+        if self.backend == "mlx":  # one thread drives the device; mlx is not used from several
+            object.__setattr__(self, "threads", 1)
+
+
+BACKENDS = ("cpu", "mlx")
+
+
+def check_backend(backend: str) -> None:
+    """ValueError for an unknown backend, or ``"mlx"`` where mlx is not installed."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if backend == "mlx":
+        from kvsnap.analysis import mlx_kernel
+
+        if not mlx_kernel.available():
+            raise ValueError("backend 'mlx' needs mlx: pip install 'kvsnap[capture]' (or mlx-cuda, mlx[cpu])")
 
 
 def _add_segments(
@@ -550,8 +591,12 @@ def _layers(
             table: dict[Key, HeadAccumulator] = {}
             for seq in range(snap.num_seqs):
                 for head in range(spec.num_heads):
-                    table[(seq, layer, head, "k")] = HeadAccumulator(spec.k_dim, ropes[layer], options.stats)
-                    table[(seq, layer, head, "v")] = HeadAccumulator(spec.v_dim, None, options.stats)
+                    table[(seq, layer, head, "k")] = HeadAccumulator(
+                        spec.k_dim, ropes[layer], options.stats, backend=options.backend
+                    )
+                    table[(seq, layer, head, "v")] = HeadAccumulator(
+                        spec.v_dim, None, options.stats, backend=options.backend
+                    )
             return table
 
         last = {seg.layer: i for i, seg in enumerate(snap.segments())}  # the pass goes in this order
@@ -612,9 +657,11 @@ def _layers(
                 size += segment.count * (k_row_bytes[layer] + v_row_bytes[layer])
                 if last[layer] == i:
                     submit()
+                    table, futures = in_progress[layer]
                     if finish:
-                        table, futures = in_progress[layer]
                         futures.extend(pool.submit(key[:3], acc.row) for key, acc in table.items())
+                    elif options.backend == "mlx":  # what is still on the device, on the same thread
+                        futures.extend(pool.submit(key[:3], acc.settle) for key, acc in table.items())
                     closing.append(layer)
                 while len(in_flight) > window:
                     in_flight.popleft().result()
@@ -667,10 +714,11 @@ def stats_rows(
     *,
     stats: str | Iterable[str] | None = None,
     jobs: int = 1,
+    backend: str = "cpu",
 ) -> list[dict[str, Any]]:
-    """Rows of per-head statistics for one file (one streaming pass, ``jobs`` threads), as dicts:
-    within a layer by (seq, head, tensor)."""
-    options = PassOptions(snapshot, keys, stat_groups(stats), jobs)
+    """Rows of per-head statistics for one file (one streaming pass, ``jobs`` threads, or mlx
+    with ``backend="mlx"``), as dicts: within a layer by (seq, head, tensor)."""
+    options = PassOptions(snapshot, keys, stat_groups(stats), jobs, backend=backend)
     return [
         row
         for name, index, _, table in _layers(path, options, finish=True)
@@ -687,12 +735,13 @@ def stats_for_file(
     stats: str | Iterable[str] | None = None,
     jobs: int = 1,
     progress: bool = False,
+    backend: str = "cpu",
 ) -> Iterator[pa.Table]:
     """The per-head statistics of one file (a path or a URL) as Arrow tables, one per layer, each
     yielded as soon as the streaming pass is past that layer's last chunk; ``stats`` picks the
     groups (`GROUPS`, all by default), ``jobs`` threads share the file. No global state: a
     process pool or a distributed engine can call it per file."""
-    options = PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options)
+    options = PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options, backend=backend)
     yield from _tables(path, options, progress)
 
 
@@ -736,10 +785,12 @@ def file_accumulators(
     *,
     stats: str | Iterable[str] | None = None,
     jobs: int = 1,
+    backend: str = "cpu",
 ) -> dict[tuple[int, int, str], HeadAccumulator]:
     """The mergeable state of one file, per (layer, head, tensor), its sequences merged: the unit
     that `analysis.batch.merged_stats` combines across files."""
-    return merged_accumulators(path, PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options))
+    options = PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options, backend=backend)
+    return merged_accumulators(path, options)
 
 
 def merged_accumulators(
@@ -811,15 +862,21 @@ def file_tables(
     progress: Callable[[str], None] | None = None,
     *,
     stats: str | Iterable[str] | None = None,
+    backend: str = "cpu",
 ) -> Iterator[pa.Table]:
     """One Arrow table per file, in the order given, on ``jobs`` cores (default: all of this
-    process's): files in parallel processes first, the rest as threads within each file.
-    ``progress`` is called with each file name as it finishes."""
+    process's): files in parallel processes first, the rest as threads within each file; with
+    ``backend="mlx"`` one file after another, on mlx's device. ``progress`` is called with each
+    file name as it finishes."""
     from kvsnap.analysis.parallel import cores, split_jobs
 
     files = _paths(paths)
     processes, threads = split_jobs(cores() if jobs is None else jobs, len(files))
-    options = PassOptions(snapshot, keys, stat_groups(stats), threads, progress=len(files) == 1)
+    if backend == "mlx":
+        processes = threads = 1
+    options = PassOptions(
+        snapshot, keys, stat_groups(stats), threads, progress=len(files) == 1, backend=backend
+    )
     for path, table in zip(files, local_map(file_table, files, processes, options), strict=True):
         if progress:
             progress(os.fspath(path))
@@ -834,12 +891,14 @@ def head_stats(
     progress: Callable[[str], None] | None = None,
     *,
     stats: str | Iterable[str] | None = None,
+    backend: str = "cpu",
 ) -> pl.DataFrame:
     """A Polars DataFrame, one row per (file, seq, layer, head, tensor); ``keys="pre_rope"``
     un-rotates K first using the RoPE description in the metadata; ``stats`` names the groups
-    (`GROUPS`; default all); ``jobs`` cores (default: all); ``progress`` is called with each
-    file name as it finishes."""
-    return frame_of(list(file_tables(paths, snapshot, keys, jobs, progress, stats=stats)))
+    (`GROUPS`; default all); ``jobs`` cores (default: all); ``backend="mlx"`` computes on mlx's
+    default device (a GPU where there is one); ``progress`` is called with each file name as it
+    finishes."""
+    return frame_of(list(file_tables(paths, snapshot, keys, jobs, progress, stats=stats, backend=backend)))
 
 
 def frame_of(tables: list[pa.Table]) -> pl.DataFrame:

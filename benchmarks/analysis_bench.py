@@ -59,10 +59,29 @@ if mode == "read":
     with open(path, "rb", buffering=0) as f:
         while f.readinto(view):
             pass
-elif mode.startswith("stats"):  # stats:GROUPS:JOBS
+elif mode.startswith("stats"):  # stats:GROUPS:JOBS[:BACKEND]
     from kvsnap.analysis.stats import stats_for_file
-    _, groups, jobs = mode.split(":")
-    rows = sum(t.num_rows for t in stats_for_file(path, stats=groups, jobs=int(jobs)))
+    _, groups, jobs, *backend = mode.split(":")
+    tables = stats_for_file(path, stats=groups, jobs=int(jobs), backend=(backend or ["cpu"])[0])
+    rows = sum(t.num_rows for t in tables)
+elif mode.startswith("mlx-compute"):  # mlx-compute:DIM:DTYPE: the device work alone, on one piece
+    import mlx.core as mx
+    from kvsnap.analysis import mlx_kernel
+    from kvsnap.analysis.stats import _PIECE
+    _, dim, dtype = mode.split(":")
+    function = mlx_kernel._piece_function(True, True, True, True, True, True)
+    x = mx.random.normal((_PIECE, int(dim))).astype(getattr(mx, dtype))
+    mx.eval(x)
+    for _ in range(3):
+        mx.eval(function(x.astype(mx.float32)))
+    start = time.perf_counter()
+    repeats = 50
+    for _ in range(repeats):
+        mx.eval(function(x.astype(mx.float32)))
+    seconds = (time.perf_counter() - start) / repeats
+    device = str(mx.default_device())
+    print(json.dumps({"seconds": seconds, "bytes": _PIECE * int(dim) * x.itemsize, "device": device}))
+    sys.exit(0)
 elif mode == "gram":
     # The floor of statistics 7-8 alone: float64 Gram update of every block (BLAS), nothing else.
     import kvformat
@@ -110,11 +129,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1/8 of the tokens (a smoke run)")
     parser.add_argument("--cases", default="seed-fp32:raw,qwen3-8b-bf16:raw,qwen3-8b-bf16:zstd:1")
     parser.add_argument("--no-peer", action="store_true", help="skip the naive peer (slow)")
+    parser.add_argument(
+        "--backend",
+        choices=["cpu", "mlx"],
+        default="cpu",
+        help="mlx: the mlx backend (full catalogue and norms,channels) against a read and the CPU kernel",
+    )
     args = parser.parse_args()
     tokens = args.tokens // 8 if args.quick else args.tokens
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     n = cores()
+    if args.backend == "mlx":
+        mlx_table(args, tokens, directory, n)
+        return
     lines = [
         f"| file | size | sequential read | all, 1 core | all, 2 cores | all, {n} cores | all {n} / read "
         f"| all {n} / all 2 | norms,channels, {n} cores | / read | peak RSS (all, {n}) | numpy path, 1 core "
@@ -157,6 +185,51 @@ def main() -> None:
         f"machine: {os.cpu_count()} CPUs ({n} usable); files in {directory} "
         "(page cache warm for every contender)"
     )
+    print("\n".join(lines))
+
+
+def mlx_table(args: argparse.Namespace, tokens: int, directory: Path, n: int) -> None:
+    """``--backend mlx``: per file, a sequential read, the mlx backend (full catalogue, then
+    norms,channels), the device work alone on one resident piece (no reading, no transfers), and
+    the CPU kernel on every core, all in this run."""
+    lines = [
+        "| file | size | sequential read | mlx, all | all / read | mlx, norms,channels | / read "
+        f"| device compute alone | peak RSS (mlx, all) | CPU kernel, all, {n} cores | mlx / CPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    device = ""
+    for case in args.cases.split(","):
+        name, _, codec = case.partition(":")
+        layers, heads, dim, dtype = SHAPES[name]
+        path = directory / f"{name}-{tokens}-{codec.replace(':', '')}.kv"
+        start = time.perf_counter()
+        write(path, layers, heads, dim, tokens, dtype, codec)
+        print(f"{path.name}: ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        size = path.stat().st_size
+        measure("read", path)
+        read = measure("read", path)
+        measure("stats:norms:1:mlx", path)  # compile the device functions once (a cache per process)
+        every = measure("stats:all:1:mlx", path)
+        light = measure("stats:norms,channels:1:mlx", path)
+        compute = measure(f"mlx-compute:{dim}:{np.dtype(dtype).name}", path)
+        device = str(compute.get("device", ""))
+        cpu = measure(f"stats:all:{n}", path)
+        decoded = layers * heads * dim * tokens * 2 * np.dtype(dtype).itemsize
+        compute_rate = compute["bytes"] / compute["seconds"]
+
+        def rate(result: dict[str, float], decoded: int = decoded) -> str:
+            return f"{decoded / result['seconds'] / 1e9:.2f} GB/s ({result['seconds']:.1f} s)"
+
+        lines.append(
+            f"| {name} {codec} | {size / 1e9:.2f} GB (decoded {decoded / 1e9:.2f}) "
+            f"| {size / read['seconds'] / 1e9:.2f} GB/s ({read['seconds']:.2f} s) "
+            f"| {rate(every)} | **{read['seconds'] / every['seconds']:.3f}x** "
+            f"| {rate(light)} | **{read['seconds'] / light['seconds']:.3f}x** "
+            f"| {compute_rate / 1e9:.1f} GB/s ({decoded / compute_rate:.2f} s for the file) "
+            f"| {every['max_rss'] / 2**20:.0f} MiB | {rate(cpu)} | {cpu['seconds'] / every['seconds']:.2f}x |"
+        )
+        print(lines[-1], file=sys.stderr)
+    print(f"machine: {os.cpu_count()} CPUs ({n} usable), mlx device {device}; files in {directory}")
     print("\n".join(lines))
 
 

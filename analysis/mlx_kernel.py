@@ -1,0 +1,267 @@
+"""The statistics of `HeadAccumulator.add` as mlx array operations (``backend="mlx"``): on mlx's
+default device, the Metal GPU of a Mac, an NVIDIA GPU with mlx's CUDA build, or the CPU.
+
+Per piece of rows (the CPU path's pieces of `_PIECE` rows, so quantization groups of tokens
+start at the same rows), one compiled mlx function computes on the device everything that
+touches every element: squared row norms and peaks, channel power sums up to the 4th order,
+channel absmax, the unit-vector sum, the Gram matrix of the rows (less their mean, massive rows
+left out) and the 8/4/2-bit quantization errors. The host gets back a few vectors per piece
+and folds them into the accumulator's float64 sums: histograms, position bins, the top peaks and
+the Gram matrix of massive rows (few, added in float64) are numpy work on ``O(rows)`` values.
+
+Pipelining: `add` converts the piece, starts its computation (``mx.async_eval``) and returns;
+the results are folded in at the accumulator's next `add`, or when its row or a merge needs
+them (`settle`), so the next block is read while the device works on this one. Device memory
+holds at most two pieces per accumulator in flight (`_PIECE` rows each, plus outputs).
+
+Precision (the CPU kernel sums in float64): sums run in float32 on the device, in pieces of at
+most `_PIECE` rows, then in float64 on the host; `tests/test_mlx_backend.py` holds every column
+to the CPU kernel within `TOLERANCES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvsnap.analysis.stats import HeadAccumulator
+
+_SPAN = 64  # rows summed together on the device before the next level
+
+TOLERANCES = {"default": 1e-4, "quantile": 0.02}
+"""Agreement with the CPU kernel, held by the tests: every column within ``default`` relative,
+except ``channel_mean`` (``default`` times the channel's standard deviation: means near zero),
+``channel_kurtosis`` (``default`` times the non-excess kurtosis, ``k + 3``: excess kurtosis near
+zero), ``eigenvalues`` (``default`` times the largest: the small ones are at float32 noise in
+either kernel) and the histogram quantiles ``norm_p50``/``norm_p99`` (``quantile``: one bin of
+the log histogram, as a norm computed in float32 may fall in the next bin)."""
+
+
+def available() -> bool:
+    """Whether mlx can be imported here."""
+    try:
+        import mlx.core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def device_name() -> str:
+    import mlx.core as mx
+
+    return str(mx.default_device())
+
+
+@dataclass
+class _Pending:
+    """A piece whose device results are not folded in yet."""
+
+    rows: np.ndarray  # float32 (n, dim), host copy (heavy rows of the Gram are added from it)
+    positions: np.ndarray
+    outputs: dict[str, Any]
+
+
+_COMPILED: dict[tuple[bool, ...], Any] = {}
+
+
+def _piece_function(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quant: bool) -> Any:
+    """The compiled per-piece computation for one selection of groups."""
+    key = (norms, channels, rope, mean, gram, quant)
+    function = _COMPILED.get(key)
+    if function is not None:
+        return function
+    import mlx.core as mx
+
+    from kvsnap.analysis.stats import _HEAVY, QUANT_BITS, QUANT_GROUP
+
+    def column_sums(a: Any) -> Any:
+        """Sums over rows in two levels of at most `_SPAN` terms (float32 rounding then grows
+        with ~2 sqrt(_SPAN), not with the rows, whatever order the device reduces in)."""
+        n = a.shape[0]
+        full = n - n % _SPAN
+        total = a[:full].reshape(-1, _SPAN, *a.shape[1:]).sum(axis=1).sum(axis=0) if full else None
+        if full < n:
+            rest = a[full:].sum(axis=0)
+            total = rest if total is None else total + rest
+        return total
+
+    def group_error(g: Any, levels: int, axis: int) -> Any:
+        """Squared errors of min-max quantizing ``g`` along ``axis``, summed per group: the host
+        adds the (few) group sums in float64."""
+        low = g.min(axis=axis, keepdims=True)
+        high = g.max(axis=axis, keepdims=True)
+        step = mx.where(high > low, (high - low) / levels, mx.array(1.0, mx.float32))
+        restored = mx.round((g - low) / step) * step + low
+        error = mx.square(restored - g)
+        return error.reshape(error.shape[0], -1).sum(axis=1)
+
+    def quant_errors(x: Any) -> tuple[Any, Any]:
+        """Per bit width: per-row sums of the per-token error ``(bits, n)`` and per-group sums
+        of the per-channel error ``(bits, groups)``."""
+        n, dim = x.shape
+        token, channel = [], []
+        for bits in QUANT_BITS:
+            levels = (1 << bits) - 1
+            full = dim - dim % QUANT_GROUP
+            t = group_error(x[:, :full].reshape(n, -1, QUANT_GROUP), levels, 2) if full else mx.zeros(n)
+            if full < dim:
+                t = t + group_error(x[:, full:], levels, 1)
+            full = n - n % QUANT_GROUP
+            parts = [group_error(x[:full].reshape(-1, QUANT_GROUP, dim), levels, 1)] if full else []
+            if full < n:
+                parts.append(group_error(x[full:][None], levels, 1))
+            token.append(t)
+            channel.append(mx.concatenate(parts))
+        return mx.stack(token), mx.stack(channel)
+
+    def piece(x: Any) -> dict[str, Any]:
+        square = x * x
+        sq = square.sum(axis=1)
+        out: dict[str, Any] = {"sq": sq}
+        if norms:
+            out["unit"] = column_sums(x / mx.maximum(mx.sqrt(sq), 1e-30)[:, None])
+        if channels or rope or mean:
+            # Power sums about the piece's own mean (well conditioned in float32 even for a
+            # channel whose mean is many standard deviations); the host expands them to raw
+            # sums in float64 (`_raw_powers`).
+            shift = column_sums(x) / x.shape[0]
+            d = x - shift
+            d2 = d * d
+            out["shift"] = shift
+            out["central"] = mx.stack(
+                [column_sums(d), column_sums(d2), column_sums(d2 * d), column_sums(d2 * d2)]
+            )
+        if channels:
+            magnitude = mx.abs(x)
+            out["peaks"] = magnitude.max(axis=1)
+            out["absmax"] = magnitude.max(axis=0)
+        if gram:
+            n = x.shape[0]
+            ordered = mx.sort(sq)
+            median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+            light = (sq <= _HEAVY * median).astype(x.dtype)
+            weighted = x * light[:, None]
+            light_sums = column_sums(weighted)
+            center = light_sums / mx.maximum(light.sum(), 1.0)
+            shifted = (x - center) * light[:, None]
+            out.update(light=light, center=center, light_sums=light_sums, product=shifted.T @ shifted)
+        if quant:
+            out["quant_token"], out["quant_channel"] = quant_errors(x)
+        return out
+
+    function = _COMPILED[key] = mx.compile(piece)
+    return function
+
+
+def add(acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray) -> None:
+    """Start the device computation of ``rows`` ``(n, dim)`` at ``positions``, piece by piece,
+    folding in what an earlier `add` left in flight."""
+    import mlx.core as mx
+
+    from kvsnap.analysis.stats import _GRAM_FLOAT64_ROWS, _PIECE, _float32
+
+    groups = acc.groups
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    for start in range(0, rows.shape[0], _PIECE):
+        x = _float32(rows[start : start + _PIECE])
+        n = x.shape[0]
+        if not n:
+            continue
+        gram = "spectrum" in groups and n >= _GRAM_FLOAT64_ROWS
+        function = _piece_function(
+            "norms" in groups,
+            "channels" in groups,
+            "rope" in groups and acc.band is not None,
+            "channels" in groups or "spectrum" in groups,
+            gram,
+            "quant" in groups,
+        )
+        outputs = function(mx.array(x))
+        mx.async_eval(outputs)
+        settle(acc)
+        acc._pending = _Pending(x, positions[start : start + n], outputs)
+
+
+def _raw_powers(shift: np.ndarray, central: np.ndarray, n: int) -> np.ndarray:
+    """``(4, dim)`` float64 sums of x, x^2, x^3, x^4 from sums of ``d = x - shift`` (binomial
+    expansion; ``shift`` is exactly the float32 value the device subtracted)."""
+    c = shift.astype(np.float64)
+    s1, s2, s3, s4 = central.astype(np.float64)
+    return np.stack(
+        [
+            s1 + n * c,
+            s2 + 2 * c * s1 + n * c**2,
+            s3 + 3 * c * s2 + 3 * c**2 * s1 + n * c**3,
+            s4 + 4 * c * s3 + 6 * c**2 * s2 + 4 * c**3 * s1 + n * c**4,
+        ]
+    )
+
+
+def settle(acc: HeadAccumulator) -> None:
+    """Fold the piece in flight (if any) into the accumulator's float64 sums."""
+    pending = acc._pending
+    if pending is None:
+        return
+    acc._pending = None
+    from kvsnap.analysis import stats
+
+    groups = acc.groups
+    x, pos = pending.rows, pending.positions
+    n = x.shape[0]
+    out = {name: np.array(value) for name, value in pending.outputs.items()}
+    sq = out["sq"].astype(np.float64)
+    acc.count += n
+    acc.norm_sq_sum += float(sq.sum())
+    if "norms" in groups:
+        norms = np.sqrt(sq)
+        acc.norm_sum += float(norms.sum())
+        acc.norm_min = min(acc.norm_min, float(norms.min()))
+        acc.norm_max = max(acc.norm_max, float(norms.max()))
+        acc.norm_hist += np.bincount(stats._hist_index(norms), minlength=stats._BINS)
+        acc.unit_sum += out["unit"]
+        if pos[0] == 0:
+            acc.first_norm_sum += float(norms[0])
+            acc.first_count += 1
+        bins = np.zeros(n, np.int64)
+        positive = pos > 0
+        bins[positive] = np.floor(np.log2(pos[positive].astype(np.float64))).astype(np.int64) + 1
+        np.minimum(bins, stats.POSITION_BINS - 1, out=bins)
+        acc.position_count += np.bincount(bins, minlength=stats.POSITION_BINS)
+        acc.position_norm += np.bincount(bins, weights=norms, minlength=stats.POSITION_BINS)
+    raw = _raw_powers(out["shift"], out["central"], n) if "central" in out else None
+    if raw is not None and ("channels" in groups or "spectrum" in groups):
+        acc.power[0] += raw[0]
+    if "channels" in groups:
+        assert raw is not None
+        peaks = out["peaks"]
+        acc.peak_hist += np.bincount(stats._hist_index(peaks.astype(np.float64)), minlength=stats._BINS)
+        acc.absmax = np.maximum(acc.absmax, out["absmax"])
+        acc.power[1:] += raw[1:]
+        best = np.argpartition(peaks, n - stats.TOP_K)[n - stats.TOP_K :] if n > stats.TOP_K else range(n)
+        acc.top = sorted(acc.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[
+            : stats.TOP_K
+        ]
+    if raw is not None and "rope" in groups and acc.band is not None and acc.rope is not None:
+        first, second = acc.rope.pair_indices()
+        acc.band += raw[1][first] + raw[1][second]
+    if "spectrum" in groups:
+        if "product" not in out:  # a small piece: float64 on the host, as the CPU path does
+            x64 = x.astype(np.float64)
+            acc.gram += x64.T @ x64
+        else:
+            heavy = out["light"] == 0
+            if heavy.any():
+                big = x[heavy].astype(np.float64)
+                acc.gram += big.T @ big
+            acc.gram += out["product"]
+            m = int(n - heavy.sum())
+            if m:
+                shift = out["center"].astype(np.float64)  # the exact float32 shift the device used
+                sums = out["light_sums"].astype(np.float64)
+                acc.gram += np.outer(shift, sums) + np.outer(sums, shift) - m * np.outer(shift, shift)
+    if "quant" in groups:
+        acc.quant_token += out["quant_token"].astype(np.float64).sum(axis=1)
+        acc.quant_channel += out["quant_channel"].astype(np.float64).sum(axis=1)

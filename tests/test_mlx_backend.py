@@ -1,0 +1,135 @@
+"""``backend="mlx"`` (issue 19): the statistics as mlx array operations on mlx's default device
+(CPU mlx here; Metal or CUDA where the user has them) equal the CPU kernel's table within
+`mlx_kernel.TOLERANCES`, for every column and statistic group, on random K/V (massive rows,
+float32/float16/bfloat16, head dims that are not a multiple of the quantization group, pieces
+under and over the float32-Gram threshold and over one piece) and on real captured K/V."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kvformat
+from kvformat.cli import main
+from kvsnap.analysis import mlx_kernel
+from kvsnap.analysis.batch import merged_stats, run_stats
+from kvsnap.analysis.stats import GROUPS, stats_rows
+from tests.test_stats_real import capture  # noqa: F401 - the real-capture fixture
+
+QUANTILES = {"norm_p50", "norm_p99"}
+
+
+def random_file(path: Path, dtype: Any, dim: int, tokens: int, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    layers = []
+    for _ in range(2):
+        k = rng.standard_normal((2, tokens, dim)).astype(np.float32) * rng.uniform(0.5, 3, dim)
+        k[:, 0] *= 40  # an attention sink: a massive first row
+        k[:, tokens // 3, 5] = 300.0  # a massive value
+        v = rng.standard_normal((2, tokens, dim)).astype(np.float32) + 0.3
+        layers.append(kvformat.Layer(k.astype(dtype), v.astype(dtype)))
+    rope = {"base": 10000.0, "dims": dim, "pairing": "half", "traditional": False}
+    kvformat.save(path, layers, metadata={"rope": rope})
+    return path
+
+
+def within(got: np.ndarray, expected: np.ndarray, tolerance: np.ndarray) -> bool:
+    """``|got - expected| <= tolerance`` elementwise, NaN equal to NaN (an empty channel)."""
+    both_nan = np.isnan(got) & np.isnan(expected)
+    return bool(np.all(both_nan | (np.abs(got - expected) <= tolerance)))
+
+
+def assert_close(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> float:
+    """Every column of every row within the documented tolerances; returns the worst relative
+    error seen outside the quantiles."""
+    assert len(got) == len(expected) > 0
+    worst = 0.0
+    default = mlx_kernel.TOLERANCES["default"]
+    for a, b in zip(got, expected, strict=True):
+        assert a.keys() == b.keys()
+        where = f"layer {b['layer']} head {b['head']} {b['tensor']}"
+        for name, value in b.items():
+            if name in ("file", "layer", "head", "seq", "tensor", "snapshot", "n_tokens"):
+                assert a[name] == value, name
+                continue
+            if name == "massive_positions":
+                assert set(a[name]) == set(value), (name, where)
+                continue
+            other, value = np.asarray(a[name], float), np.asarray(value, float)
+            if name == "eigenvalues":  # relative to the largest: small ones are float32 noise
+                other, value = other[:16], value[:16]
+                np.testing.assert_allclose(other, value, rtol=0, atol=default * value.max(), err_msg=where)
+                continue
+            if name in QUANTILES:
+                np.testing.assert_allclose(
+                    other, value, rtol=mlx_kernel.TOLERANCES["quantile"], err_msg=where
+                )
+                continue
+            if name == "channel_mean":  # relative to the channel's spread: means near zero
+                spread = np.sqrt(np.asarray(b["channel_var"], float))
+                assert within(other, value, default * spread + 1e-12), (name, where)
+                continue
+            if name == "channel_kurtosis":  # relative to the kurtosis, not the excess near zero
+                assert within(other, value, default * np.abs(value + 3)), (name, where)
+                continue
+            np.testing.assert_allclose(other, value, rtol=default, atol=1e-9, err_msg=f"{name} {where}")
+            finite = np.isfinite(value) & (np.abs(value) > 1e-6)
+            if finite.any():
+                worst = max(
+                    worst, float(np.max(np.abs(other[finite] - value[finite]) / np.abs(value[finite])))
+                )
+    return worst
+
+
+@pytest.mark.parametrize(
+    "dtype,dim,tokens",
+    [
+        (np.float32, 64, 700),  # one piece, float32 Gram on the device
+        (np.float16, 80, 300),  # under the threshold: the Gram on the host in float64
+        (ml_dtypes.bfloat16, 64, 9000),  # two pieces
+    ],
+    ids=["float32", "float16-dim80", "bfloat16-two-pieces"],
+)
+def test_random_files_match_the_cpu_kernel(tmp_path: Path, dtype: Any, dim: int, tokens: int) -> None:
+    path = random_file(tmp_path / "r.kv", dtype, dim, tokens)
+    worst = assert_close(stats_rows(path, backend="mlx"), stats_rows(path))
+    print(f"{mlx_kernel.device_name()}: worst relative error {worst:.2e}")
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_each_group_alone(tmp_path: Path, group: str) -> None:
+    path = random_file(tmp_path / "r.kv", np.float32, 64, 600, seed=1)
+    got = stats_rows(path, stats=group, backend="mlx")
+    assert_close(got, stats_rows(path, stats=group))
+    assert set(got[0]) - {"file", "layer", "head", "seq", "tensor", "snapshot", "n_tokens"} == set(
+        GROUPS[group]
+    )
+
+
+def test_real_captures_match(capture: Path) -> None:  # noqa: F811 - the imported fixture
+    worst = assert_close(stats_rows(capture, backend="mlx"), stats_rows(capture))
+    print(f"real capture: worst relative error {worst:.2e}")
+
+
+def test_many_files_and_merge(tmp_path: Path) -> None:
+    paths = [str(random_file(tmp_path / f"{i}.kv", np.float32, 64, 520, seed=i)) for i in range(3)]
+    got = merged_stats(paths, backend="mlx")
+    expected = merged_stats(paths)
+    assert not got.failures and got.files == 3
+    order = ("layer", "head", "tensor")
+    assert_close(got.table.sort(order).to_dicts(), expected.table.sort(order).to_dicts())
+    many = run_stats(paths, backend="mlx")
+    assert_close(many.table.to_dicts(), run_stats(paths).table.to_dicts())
+
+
+def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = random_file(tmp_path / "r.kv", np.float32, 64, 100)
+    assert main(["stats", str(path), "--backend", "mlx", "-o", str(tmp_path / "t.parquet")]) == 0
+    assert "mean ||K||" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:  # argparse: one usage line, exit status 2
+        main(["stats", str(path), "--backend", "cuda"])
+    assert exit_info.value.code == 2 and "--backend" in capsys.readouterr().err
