@@ -21,6 +21,7 @@ to the CPU kernel within `TOLERANCES`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +60,7 @@ def device_name() -> str:
 class _Pending:
     """A piece whose device results are not folded in yet."""
 
-    rows: np.ndarray  # float32 (n, dim), host copy (heavy rows of the Gram are added from it)
+    rows: np.ndarray  # (n, dim) as stored (a view): heavy rows of the Gram are added from it
     positions: np.ndarray
     outputs: dict[str, Any]
 
@@ -67,12 +68,23 @@ class _Pending:
 _COMPILED: dict[tuple[bool, ...], Any] = {}
 
 
-def _piece_function(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quant: bool) -> Any:
-    """The compiled per-piece computation for one selection of groups."""
-    key = (norms, channels, rope, mean, gram, quant)
+def _piece_function(
+    norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quant: bool, batched: bool = False
+) -> Any:
+    """The compiled per-piece computation for one selection of groups; ``batched``: over a
+    leading axis of pieces of one shape (``mx.vmap``)."""
+    key = (norms, channels, rope, mean, gram, quant, batched)
     function = _COMPILED.get(key)
-    if function is not None:
-        return function
+    if function is None:
+        import mlx.core as mx
+
+        piece = _piece(norms, channels, rope, mean, gram, quant)
+        function = _COMPILED[key] = mx.compile(mx.vmap(piece) if batched else piece)
+    return function
+
+
+def _piece(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quant: bool) -> Any:
+    """The per-piece computation (uncompiled) for one selection of groups."""
     import mlx.core as mx
 
     from kvsnap.analysis.stats import _HEAVY, QUANT_BITS, QUANT_GROUP
@@ -117,7 +129,8 @@ def _piece_function(norms: bool, channels: bool, rope: bool, mean: bool, gram: b
             channel.append(mx.concatenate(parts))
         return mx.stack(token), mx.stack(channel)
 
-    def piece(x: Any) -> dict[str, Any]:
+    def piece(stored: Any) -> dict[str, Any]:
+        x = stored.astype(mx.float32)  # float16 / bfloat16 cross to the device as stored
         square = x * x
         sq = square.sum(axis=1)
         out: dict[str, Any] = {"sq": sq}
@@ -152,37 +165,142 @@ def _piece_function(norms: bool, channels: bool, rope: bool, mean: bool, gram: b
             out["quant_token"], out["quant_channel"] = quant_errors(x)
         return out
 
-    function = _COMPILED[key] = mx.compile(piece)
-    return function
+    return piece
+
+
+def _to_device(rows: np.ndarray) -> Any:
+    """``rows`` as an mlx array in their stored type (half the bytes of float32 for 16-bit
+    types; the device converts)."""
+    import mlx.core as mx
+
+    if rows.dtype.name == "bfloat16":
+        return mx.array(np.ascontiguousarray(rows).view(np.uint16)).view(mx.bfloat16)
+    if rows.dtype in (np.float16, np.float32):
+        return mx.array(np.ascontiguousarray(rows))
+    return mx.array(np.ascontiguousarray(rows, dtype=np.float32))
+
+
+Flags = tuple[bool, bool, bool, bool, bool, bool]
+
+
+def _flags(acc: HeadAccumulator, n: int) -> Flags:
+    """The `_piece_function` selection for a piece of ``n`` rows of ``acc``."""
+    from kvsnap.analysis.stats import _GRAM_FLOAT64_ROWS
+
+    groups = acc.groups
+    return (
+        "norms" in groups,
+        "channels" in groups,
+        "rope" in groups and acc.band is not None,
+        "channels" in groups or "spectrum" in groups,
+        "spectrum" in groups and n >= _GRAM_FLOAT64_ROWS,
+        "quant" in groups,
+    )
+
+
+def _pieces(rows: np.ndarray, positions: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``rows`` in the CPU path's pieces (quantization groups of tokens start at the same rows)."""
+    from kvsnap.analysis.stats import _PIECE
+
+    positions = np.ascontiguousarray(positions, dtype=np.int64)
+    for start in range(0, rows.shape[0], _PIECE):
+        piece = rows[start : start + _PIECE]
+        if piece.shape[0]:
+            yield piece, positions[start : start + piece.shape[0]]
 
 
 def add(acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray) -> None:
     """Start the device computation of ``rows`` ``(n, dim)`` at ``positions``, piece by piece,
-    folding in what an earlier `add` left in flight."""
+    folding in what an earlier `add` left in flight (one accumulator on its own; a pass batches
+    many with `Pipeline`)."""
     import mlx.core as mx
 
-    from kvsnap.analysis.stats import _GRAM_FLOAT64_ROWS, _PIECE, _float32
-
-    groups = acc.groups
-    positions = np.ascontiguousarray(positions, dtype=np.int64)
-    for start in range(0, rows.shape[0], _PIECE):
-        x = _float32(rows[start : start + _PIECE])
-        n = x.shape[0]
-        if not n:
-            continue
-        gram = "spectrum" in groups and n >= _GRAM_FLOAT64_ROWS
-        function = _piece_function(
-            "norms" in groups,
-            "channels" in groups,
-            "rope" in groups and acc.band is not None,
-            "channels" in groups or "spectrum" in groups,
-            gram,
-            "quant" in groups,
-        )
-        outputs = function(mx.array(x))
+    for x, pos in _pieces(rows, positions):
+        outputs = _piece_function(*_flags(acc, x.shape[0]))(_to_device(x))
         mx.async_eval(outputs)
         settle(acc)
-        acc._pending = _Pending(x, positions[start : start + n], outputs)
+        acc._pending = _Pending(x, pos, outputs)
+
+
+class _Batch:
+    """Pieces of many accumulators sent to the device together: per group of pieces of one
+    shape, dtype and selection, one stacked array and one call of the batched function."""
+
+    def __init__(self, entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]]) -> None:
+        import mlx.core as mx
+
+        groups: dict[tuple[Any, str, Flags], list[int]] = {}
+        for i, (acc, x, _) in enumerate(entries):
+            groups.setdefault((x.shape, x.dtype.str, _flags(acc, x.shape[0])), []).append(i)
+        self.entries = entries
+        self.calls: list[tuple[list[int], dict[str, Any]]] = []
+        for (_, _, flags), members in groups.items():
+            stacked = np.stack([entries[i][1] for i in members])  # the host copy of this batch
+            outputs = _piece_function(*flags, batched=True)(_to_device(stacked))
+            self.calls.append((members, outputs))
+        mx.async_eval([outputs for _, outputs in self.calls])
+        for acc, _, _ in entries:
+            acc._pending = self
+
+    def fold(self) -> None:
+        """Wait for the device and fold every piece into its accumulator, in order."""
+        folded: dict[int, dict[str, np.ndarray]] = {}
+        for members, outputs in self.calls:
+            host = {name: np.array(value) for name, value in outputs.items()}
+            for b, i in enumerate(members):
+                folded[i] = {name: value[b] for name, value in host.items()}
+        for acc, _, _ in self.entries:
+            acc._pending = None
+        for i, (acc, x, pos) in enumerate(self.entries):
+            _fold(acc, x, pos, folded[i])
+        self.calls = []
+
+
+class Pipeline:
+    """Batches the pieces a pass adds into device calls of about ``limit`` bytes (`_Batch`),
+    one batch on the device while the next is read and stacked. Device memory: two batches and
+    their float32 copies and outputs; host memory: two stacked batches."""
+
+    def __init__(self, limit: int = 32 << 20) -> None:
+        self.limit = limit
+        self._entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]] = []
+        self._after: list[Callable[[], None]] = []
+        self._bytes = 0
+        self._in_flight: _Batch | None = None
+
+    def add(
+        self,
+        acc: HeadAccumulator,
+        rows: np.ndarray,
+        positions: np.ndarray,
+        after: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue ``rows`` of ``acc``; ``after`` runs once they are copied for the device (e.g.
+        releasing their pages)."""
+        for x, pos in _pieces(rows, positions):
+            self._entries.append((acc, x, pos))
+            self._bytes += x.nbytes
+        if after is not None:
+            self._after.append(after)
+        if self._bytes >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what is queued; fold the batch sent before it."""
+        batch = _Batch(self._entries) if self._entries else None
+        for after in self._after:
+            after()
+        self._entries, self._after, self._bytes = [], [], 0
+        previous, self._in_flight = self._in_flight, batch
+        if previous is not None:
+            previous.fold()
+
+    def finish(self) -> None:
+        """Send what is queued and fold everything: every accumulator is up to date."""
+        self.flush()
+        if self._in_flight is not None:
+            self._in_flight.fold()
+            self._in_flight = None
 
 
 def _raw_powers(shift: np.ndarray, central: np.ndarray, n: int) -> np.ndarray:
@@ -201,17 +319,24 @@ def _raw_powers(shift: np.ndarray, central: np.ndarray, n: int) -> np.ndarray:
 
 
 def settle(acc: HeadAccumulator) -> None:
-    """Fold the piece in flight (if any) into the accumulator's float64 sums."""
+    """Fold the work in flight (if any) into the accumulator's float64 sums."""
     pending = acc._pending
     if pending is None:
         return
+    if isinstance(pending, _Batch):
+        pending.fold()
+        return
     acc._pending = None
+    _fold(acc, pending.rows, pending.positions, {k: np.array(v) for k, v in pending.outputs.items()})
+
+
+def _fold(acc: HeadAccumulator, x: np.ndarray, pos: np.ndarray, out: dict[str, np.ndarray]) -> None:
+    """Add one piece's device results ``out`` (host arrays) to ``acc``; ``x`` the piece as
+    stored, ``pos`` its positions."""
     from kvsnap.analysis import stats
 
     groups = acc.groups
-    x, pos = pending.rows, pending.positions
     n = x.shape[0]
-    out = {name: np.array(value) for name, value in pending.outputs.items()}
     sq = out["sq"].astype(np.float64)
     acc.count += n
     acc.norm_sq_sum += float(sq.sum())
@@ -249,12 +374,12 @@ def settle(acc: HeadAccumulator) -> None:
         acc.band += raw[1][first] + raw[1][second]
     if "spectrum" in groups:
         if "product" not in out:  # a small piece: float64 on the host, as the CPU path does
-            x64 = x.astype(np.float64)
+            x64 = stats._float32(x).astype(np.float64)
             acc.gram += x64.T @ x64
         else:
             heavy = out["light"] == 0
             if heavy.any():
-                big = x[heavy].astype(np.float64)
+                big = stats._float32(x[heavy]).astype(np.float64)
                 acc.gram += big.T @ big
             acc.gram += out["product"]
             m = int(n - heavy.sum())

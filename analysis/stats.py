@@ -9,6 +9,7 @@ number of tokens, and accumulators of different chunks or files merge exactly. T
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -543,13 +544,19 @@ def _add_segments(
     k_acc: HeadAccumulator,
     v_acc: HeadAccumulator,
     rope: Rope | None,
+    pipeline: Any = None,
 ) -> None:
     """Read (CRC, decode), add and release each segment of one head, in order; K is un-rotated
     by ``rope`` when given. Runs on a pass's worker thread: reading there spreads the page faults
-    and checksums of a memory-mapped file over the cores."""
+    and checksums of a memory-mapped file over the cores. With an mlx ``pipeline``
+    (`mlx_kernel.Pipeline`) the rows join its next device batch instead."""
     for segment in segments:
         block = snap.read(segment)
         k = block.k if rope is None else rope.rotate(block.k, block.positions, inverse=True)
+        if pipeline is not None:
+            pipeline.add(k_acc, k, block.positions)
+            pipeline.add(v_acc, block.v, block.positions, after=functools.partial(snap.release, segment))
+            continue
         k_acc.add(k, block.positions)
         v_acc.add(block.v, block.positions)
         snap.release(segment)
@@ -570,7 +577,9 @@ def _layers(
     accumulators of the layers in progress`` (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``).
     ``progress`` shows a bar per layer on stderr when it is a terminal; ``finish`` computes each
     accumulator's row (eigenvalues and all) on the threads, once its layer is read."""
-    from kvsnap.analysis.parallel import OrderedPool, single_threaded_blas
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvsnap.analysis.parallel import OrderedPool, cores, single_threaded_blas
 
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
         name, index = os.fspath(path), snap.index
@@ -633,14 +642,25 @@ def _layers(
             rope = ropes[first.layer] if unrotate else None
             snap.prefetch(batch)
             key = (first.seq, first.layer, first.head)
-            future = pool.submit(key, _add_segments, snap, list(batch), k_acc, v_acc, rope)
+            future = pool.submit(key, _add_segments, snap, list(batch), k_acc, v_acc, rope, pipeline)
             futures.append(future)
             in_flight.append(future)
             batch.clear()
 
         # BLAS on one thread whatever the thread count: the Gram's rounding then does not depend
         # on it (BLAS splits sums differently over its own threads).
-        with single_threaded_blas(), OrderedPool(options.threads) as pool, bar:
+        rows_threads = cores() if options.backend == "mlx" else 1
+        pipeline = None
+        if options.backend == "mlx":
+            from kvsnap.analysis.mlx_kernel import Pipeline
+
+            pipeline = Pipeline()
+        with (
+            single_threaded_blas(),
+            OrderedPool(options.threads) as pool,
+            ThreadPoolExecutor(rows_threads, thread_name_prefix="kvsnap-rows") as row_pool,
+            bar,
+        ):
             size = 0
             for i, segment in enumerate(snap.segments()):
                 layer = segment.layer
@@ -658,10 +678,14 @@ def _layers(
                 if last[layer] == i:
                     submit()
                     table, futures = in_progress[layer]
-                    if finish:
+                    if pipeline is not None:
+                        # What is still on the device is folded in on this thread (the one that
+                        # drives mlx); rows (eigenvalues) then run on CPU threads.
+                        pipeline.finish()
+                        if finish:
+                            futures.extend(row_pool.submit(acc.row) for acc in table.values())
+                    elif finish:
                         futures.extend(pool.submit(key[:3], acc.row) for key, acc in table.items())
-                    elif options.backend == "mlx":  # what is still on the device, on the same thread
-                        futures.extend(pool.submit(key[:3], acc.settle) for key, acc in table.items())
                     closing.append(layer)
                 while len(in_flight) > window:
                     in_flight.popleft().result()

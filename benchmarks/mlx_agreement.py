@@ -1,0 +1,68 @@
+"""The mlx backend against the CPU kernel on this machine's mlx device, without pytest (for the
+accelerator machine): the worst relative error per column over random files of three dtypes.
+
+    python -m benchmarks.mlx_agreement
+"""
+
+from __future__ import annotations
+
+import collections
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+import kvformat
+from kvsnap.analysis import mlx_kernel
+from kvsnap.analysis.stats import stats_rows
+
+SKIP = {"file", "layer", "head", "seq", "tensor", "snapshot", "massive_positions"}
+
+
+def random_file(path: Path, dtype: object, dim: int, tokens: int) -> Path:
+    rng = np.random.default_rng(0)
+    layers = []
+    for _ in range(2):
+        k = rng.standard_normal((2, tokens, dim)).astype(np.float32) * rng.uniform(0.5, 3, dim)
+        k[:, 0] *= 40
+        k[:, tokens // 3, 5] = 300.0
+        v = rng.standard_normal((2, tokens, dim)).astype(np.float32) + 0.3
+        layers.append(kvformat.Layer(k.astype(dtype), v.astype(dtype)))
+    rope = {"base": 10000.0, "dims": dim, "pairing": "half", "traditional": False}
+    kvformat.save(path, layers, metadata={"rope": rope})
+    return path
+
+
+def main() -> None:
+    print(f"mlx device: {mlx_kernel.device_name()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype, dim, tokens in (
+            (np.float32, 128, 700),
+            (np.float16, 80, 300),
+            (ml_dtypes.bfloat16, 128, 20000),
+        ):
+            path = random_file(Path(tmp) / "r.kv", dtype, dim, tokens)
+            got, expected = stats_rows(path, backend="mlx"), stats_rows(path)
+            worst: dict[str, float] = collections.defaultdict(float)
+            for a, b in zip(got, expected, strict=True):
+                for name, value in b.items():
+                    if name in SKIP:
+                        continue
+                    x, y = np.asarray(a[name], float), np.asarray(value, float)
+                    if name == "eigenvalues":
+                        error = float(np.abs(x[:16] - y[:16]).max() / y.max())
+                    elif name == "channel_kurtosis":
+                        error = float(np.nanmax(np.abs(x - y) / np.abs(y + 3)))
+                    elif name == "channel_mean":
+                        error = float(np.nanmax(np.abs(x - y) / np.sqrt(np.asarray(b["channel_var"]))))
+                    else:
+                        scale = np.maximum(np.abs(y), 1e-12)
+                        error = float(np.nanmax(np.abs(x - y) / scale)) if y.size else 0.0
+                    worst[name] = max(worst[name], error)
+            top = sorted(worst.items(), key=lambda item: -item[1])[:6]
+            print(np.dtype(dtype).name, dim, tokens, ", ".join(f"{k} {v:.1e}" for k, v in top))
+
+
+if __name__ == "__main__":
+    main()
