@@ -192,40 +192,7 @@ class Descriptor:
         fields = _DESCRIPTOR.unpack(data)
         if crc32c(data[:60]) != fields[15]:
             raise ChecksumError("descriptor CRC-32C mismatch")
-        (
-            _,
-            kind,
-            dtype,
-            codec,
-            flags,
-            layer,
-            head,
-            seq,
-            position,
-            rows,
-            width,
-            offset,
-            stored,
-            decoded,
-            payload_crc,
-            _,
-        ) = fields
-        return cls(
-            kind,
-            dtype,
-            codec,
-            layer,
-            head,
-            seq,
-            position,
-            rows,
-            width,
-            offset,
-            stored,
-            decoded,
-            payload_crc,
-            flags,
-        )
+        return cls.from_fields(fields)
 
 
 @dataclass(frozen=True)
