@@ -21,7 +21,10 @@ to the CPU kernel within `TOLERANCES`.
 
 from __future__ import annotations
 
+import collections
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -224,42 +227,67 @@ def add(acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray) -> None:
 
 class _Batch:
     """Pieces of many accumulators sent to the device together: per group of pieces of one
-    shape, dtype and selection, one stacked array and one call of the batched function."""
+    shape, dtype and selection, one call of the batched function on the pieces stacked on the
+    device (each piece is copied to the device once, straight from the file's pages).
 
-    def __init__(self, entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]]) -> None:
+    Life: sent (`__init__`, on the driving thread), fetched (`fetch`: the driving thread waits
+    for the device and copies the small results to the host), folded (`_fold_all`, on the
+    pipeline's fold thread, batches in the order they were sent)."""
+
+    def __init__(
+        self, entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]], folder: ThreadPoolExecutor
+    ) -> None:
         import mlx.core as mx
 
+        self.folder = folder
         groups: dict[tuple[Any, str, Flags], list[int]] = {}
         for i, (acc, x, _) in enumerate(entries):
             groups.setdefault((x.shape, x.dtype.str, _flags(acc, x.shape[0])), []).append(i)
         self.entries = entries
         self.calls: list[tuple[list[int], dict[str, Any]]] = []
         for (_, _, flags), members in groups.items():
-            stacked = np.stack([entries[i][1] for i in members])  # the host copy of this batch
-            outputs = _piece_function(*flags, batched=True)(_to_device(stacked))
+            stacked = mx.stack([_to_device(entries[i][1]) for i in members])
+            outputs = _piece_function(*flags, batched=True)(stacked)
             self.calls.append((members, outputs))
         mx.async_eval([outputs for _, outputs in self.calls])
+        self._lock = threading.Lock()
+        self._folded: Future[None] | None = None
         for acc, _, _ in entries:
             acc._pending = self
 
-    def fold(self) -> None:
-        """Wait for the device and fold every piece into its accumulator, in order."""
-        folded: dict[int, dict[str, np.ndarray]] = {}
-        for members, outputs in self.calls:
-            host = {name: np.array(value) for name, value in outputs.items()}
-            for b, i in enumerate(members):
-                folded[i] = {name: value[b] for name, value in host.items()}
-        for acc, _, _ in self.entries:
-            acc._pending = None
+    def fetch(self) -> Future[None]:
+        """Wait for the device, copy the results to the host and queue the folding on the fold
+        thread (after the batches fetched before this one); returns the folding's future.
+        Idempotent."""
+        with self._lock:
+            if self._folded is None:
+                results: dict[int, dict[str, np.ndarray]] = {}
+                for members, outputs in self.calls:
+                    host = {name: np.array(value) for name, value in outputs.items()}
+                    for b, i in enumerate(members):
+                        results[i] = {name: value[b] for name, value in host.items()}
+                self.calls = []
+                self._folded = self.folder.submit(self._fold_all, results)
+            return self._folded
+
+    def _fold_all(self, results: dict[int, dict[str, np.ndarray]]) -> None:
         for i, (acc, x, pos) in enumerate(self.entries):
-            _fold(acc, x, pos, folded[i])
-        self.calls = []
+            _fold(acc, x, pos, results[i])
+        for acc, _, _ in self.entries:
+            if acc._pending is self:
+                acc._pending = None
+
+    def fold(self) -> None:
+        """Everything of this batch folded in (and so every batch sent before it)."""
+        self.fetch().result()
 
 
 class Pipeline:
-    """Batches the pieces a pass adds into device calls of about ``limit`` bytes (`_Batch`),
-    one batch on the device while the next is read and stacked. Device memory: two batches and
-    their float32 copies and outputs; host memory: two stacked batches."""
+    """Batches the pieces a pass adds into device calls of about ``limit`` bytes (`_Batch`):
+    one batch on the device while the next is read and sent, results folded into the
+    accumulators on one fold thread (in order) while the device works on the next. Device
+    memory: two batches, their float32 copies and outputs; host memory: the results of the
+    batches waiting for the fold thread (a few vectors and a ``dim x dim`` matrix per piece)."""
 
     def __init__(self, limit: int = 32 << 20) -> None:
         self.limit = limit
@@ -267,6 +295,8 @@ class Pipeline:
         self._after: list[Callable[[], None]] = []
         self._bytes = 0
         self._in_flight: _Batch | None = None
+        self._folder = ThreadPoolExecutor(1, thread_name_prefix="kvsnap-mlx-fold")
+        self._folding: collections.deque[Future[None]] = collections.deque()
 
     def add(
         self,
@@ -286,21 +316,38 @@ class Pipeline:
             self.flush()
 
     def flush(self) -> None:
-        """Send what is queued; fold the batch sent before it."""
-        batch = _Batch(self._entries) if self._entries else None
+        """Send what is queued; fetch the batch sent before it and queue its folding."""
+        batch = _Batch(self._entries, self._folder) if self._entries else None
         for after in self._after:
             after()
         self._entries, self._after, self._bytes = [], [], 0
         previous, self._in_flight = self._in_flight, batch
         if previous is not None:
-            previous.fold()
+            self._folding.append(previous.fetch())
+        while len(self._folding) > 2:  # bounded host memory: results wait for the fold thread
+            self._folding.popleft().result()
 
     def finish(self) -> None:
         """Send what is queued and fold everything: every accumulator is up to date."""
         self.flush()
         if self._in_flight is not None:
-            self._in_flight.fold()
+            self._folding.append(self._in_flight.fetch())
             self._in_flight = None
+        while self._folding:
+            self._folding.popleft().result()
+
+    def close(self) -> None:
+        """Finish, then stop the fold thread."""
+        try:
+            self.finish()
+        finally:
+            self._folder.shutdown()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _raw_powers(shift: np.ndarray, central: np.ndarray, n: int) -> np.ndarray:

@@ -9,6 +9,7 @@ number of tokens, and accumulators of different chunks or files merge exactly. T
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import sys
@@ -656,6 +657,7 @@ def _layers(
 
             pipeline = Pipeline()
         with (
+            pipeline if pipeline is not None else contextlib.nullcontext(),
             single_threaded_blas(),
             OrderedPool(options.threads) as pool,
             ThreadPoolExecutor(rows_threads, thread_name_prefix="kvsnap-rows") as row_pool,

@@ -1,0 +1,117 @@
+"""Where the time of an mlx pass goes, on the machine that runs it: the host memory of mlx alone,
+then one `stats_for_file(..., backend="mlx")` pass with timers around its stages (reading and
+checksumming, stacking a batch, the copy to the device, waiting for the device, folding results,
+eigenvalues), and mlx's own memory counters.
+
+    python -m benchmarks.mlx_profile FILE [--stats all] [--batch-mib 32] [--cache-limit-mib N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import resource
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+_totals: dict[str, float] = collections.defaultdict(float)
+_counts: dict[str, int] = collections.defaultdict(int)
+_lock = threading.Lock()
+
+
+def _timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            with _lock:
+                _totals[name] += time.perf_counter() - start
+                _counts[name] += 1
+
+    return wrapper
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _current_rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("file")
+    parser.add_argument("--stats", default="all")
+    parser.add_argument("--batch-mib", type=int, default=None)
+    parser.add_argument("--cache-limit-mib", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+
+    import mlx.core as mx
+
+    report: dict[str, Any] = {"device": str(mx.default_device())}
+    mx.eval(mx.ones((1024, 1024)) @ mx.ones((1024, 1024)))
+    report["rss_after_mlx_init_mib"] = _current_rss_mib()
+    if args.cache_limit_mib is not None:
+        mx.set_cache_limit(args.cache_limit_mib << 20)
+
+    import kvformat
+    from kvsnap.analysis import mlx_kernel, stats
+
+    if args.batch_mib is not None:
+        original = mlx_kernel.Pipeline.__init__
+        limit = args.batch_mib << 20
+
+        def init(self: Any, limit_: int = limit) -> None:
+            original(self, limit_)
+
+        mlx_kernel.Pipeline.__init__ = init  # type: ignore[method-assign]
+
+    # warm: compile the device functions
+    with kvformat.open(args.file) as snap:
+        block = next(iter(snap.blocks()))
+        for rows in (block.k, block.v):
+            acc = stats.HeadAccumulator(rows.shape[1], None, stats.stat_groups(args.stats), backend="mlx")
+            acc.add(rows, block.positions)
+            acc.settle()
+    report["rss_after_warm_mib"] = _current_rss_mib()
+
+    kvformat.Snapshot.read = _timed("read+crc (worker)", kvformat.Snapshot.read)  # type: ignore[method-assign]
+    mlx_kernel._to_device = _timed("to device (mx.array per piece)", mlx_kernel._to_device)
+    batch = mlx_kernel._Batch
+    batch.__init__ = _timed("batch send (total, driver)", batch.__init__)  # type: ignore[method-assign]
+    batch.fetch = _timed("batch fetch (wait + results to host, driver)", batch.fetch)  # type: ignore[method-assign]
+    batch._fold_all = _timed("fold (fold thread)", batch._fold_all)  # type: ignore[method-assign]
+    mlx_kernel._fold = _timed("fold one piece (host numpy)", mlx_kernel._fold)
+    row = stats.HeadAccumulator.row
+    stats.HeadAccumulator.row = _timed("row (eigenvalues; threads)", row)  # type: ignore[method-assign]
+
+    report["seconds"] = []
+    for _ in range(args.repeat):  # the first run compiles the batched functions
+        _totals.clear()
+        _counts.clear()
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        rows = sum(t.num_rows for t in stats.stats_for_file(args.file, stats=args.stats, backend="mlx"))
+        report["seconds"].append(round(time.perf_counter() - start, 3))
+        report["rows"] = rows
+    report["stages_s"] = {k: round(v, 3) for k, v in sorted(_totals.items())}
+    report["stage_calls"] = dict(sorted(_counts.items()))
+    report["peak_rss_mib"] = _rss_mib()
+    report["mlx_peak_mib"] = mx.get_peak_memory() / 2**20
+    report["mlx_cache_mib"] = mx.get_cache_memory() / 2**20
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
