@@ -3,24 +3,57 @@
 Installed as `kvsnap.analysis`. Never imports `kvsnap.capture`: it reads files only (local paths
 or URLs). `kvsnap.analysis.batch` runs many files on local processes or Ray
 (`kvsnap.analysis.ray`, imported only when asked for).
+
+Names load on first use (PEP 562): importing a submodule, such as the CLI's, does not load
+numba, pyarrow or polars.
 """
 
-from kvsnap.analysis.batch import BatchResult, FileFailure, expand_paths, merged_stats, run_stats
-from kvsnap.analysis.diff import head_diff
-from kvsnap.analysis.export import export_heads
-from kvsnap.analysis.rope import Rope, RopeError
-from kvsnap.analysis.similarity import head_similarity, similarity_for_file
-from kvsnap.analysis.stats import (
-    HeadAccumulator,
-    file_accumulators,
-    file_tables,
-    head_stats,
-    head_stats_reader,
-    outliers,
-    stats_for_file,
-    stats_rows,
-    token_table,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvsnap.analysis.batch import BatchResult, FileFailure, expand_paths, merged_stats, run_stats
+    from kvsnap.analysis.diff import head_diff
+    from kvsnap.analysis.export import export_heads
+    from kvsnap.analysis.rope import Rope, RopeError
+    from kvsnap.analysis.similarity import head_similarity, similarity_for_file
+    from kvsnap.analysis.stats import (
+        HeadAccumulator,
+        file_accumulators,
+        file_tables,
+        head_stats,
+        head_stats_reader,
+        outliers,
+        stats_for_file,
+        stats_rows,
+        token_table,
+    )
+
+_EXPORTS = {
+    **dict.fromkeys(("BatchResult", "FileFailure", "expand_paths", "merged_stats", "run_stats"), "batch"),
+    "head_diff": "diff",
+    "export_heads": "export",
+    "Rope": "rope",
+    "RopeError": "rope",
+    "head_similarity": "similarity",
+    "similarity_for_file": "similarity",
+    **dict.fromkeys(
+        (
+            "HeadAccumulator",
+            "file_accumulators",
+            "file_tables",
+            "head_stats",
+            "head_stats_reader",
+            "outliers",
+            "stats_for_file",
+            "stats_rows",
+            "token_table",
+        ),
+        "stats",
+    ),
+}
 
 __all__ = [
     "BatchResult",
@@ -43,4 +76,17 @@ __all__ = [
     "stats_for_file",
     "stats_rows",
     "token_table",
-]
+]  # the same names as _EXPORTS (a literal, so tools see the exports)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvsnap.analysis' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kvsnap.analysis.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*__all__, *globals()})

@@ -4,12 +4,32 @@ Installed as `kvsnap.capture` (``import kvsnap.capture`` or ``kvsnap.generate``)
 
 `generate` streams like `mlx_lm.stream_generate` while taking snapshots; `snapshot_kv` takes one
 of any prompt cache; `restore` builds a live prompt cache from a snapshot.
+
+Names load on first use (PEP 562): importing a submodule, such as the CLI's, does not load mlx.
 """
 
-from kvsnap.capture.errors import CaptureError, UnsupportedModelError
-from kvsnap.capture.generate import SnapshotEvent, generate
-from kvsnap.capture.restore import restore, text_of, tokens_of
-from kvsnap.capture.snapshot import KVSnapshot, snapshot_kv
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvsnap.capture.errors import CaptureError, UnsupportedModelError
+    from kvsnap.capture.generate import SnapshotEvent, generate
+    from kvsnap.capture.restore import restore, text_of, tokens_of
+    from kvsnap.capture.snapshot import KVSnapshot, snapshot_kv
+
+_EXPORTS = {
+    "CaptureError": "errors",
+    "UnsupportedModelError": "errors",
+    "SnapshotEvent": "generate",
+    "generate": "generate",
+    "restore": "restore",
+    "text_of": "restore",
+    "tokens_of": "restore",
+    "KVSnapshot": "snapshot",
+    "snapshot_kv": "snapshot",
+}
 
 __all__ = [
     "CaptureError",
@@ -21,4 +41,17 @@ __all__ = [
     "snapshot_kv",
     "text_of",
     "tokens_of",
-]
+]  # the same names as _EXPORTS (a literal, so tools see the exports)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvsnap.capture' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"kvsnap.capture.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*__all__, *globals()})

@@ -46,13 +46,17 @@ def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
 
 @dataclass(frozen=True)
 class SnapshotEvent:
-    """A snapshot that was taken: generated-token count, total tokens, where it went."""
+    """A snapshot that was written: ``generated`` tokens generated so far, ``tokens`` in the
+    cache, ``path`` the file it belongs to (a series: the output file, which appears under that
+    name when generation ends; until then its bytes are in ``writing``), ``index`` its snapshot
+    index there, ``size`` the bytes written so far."""
 
     generated: int
     tokens: int
     path: str
     index: int
     size: int
+    writing: str
 
 
 class _LogitsRecorder:
@@ -153,7 +157,8 @@ class _Snapshots:
             )
         series = self.series
         index, count = self.taken, len(tokens)
-        event_path = os.fspath(self.output) + ".partial"
+        output = os.fspath(self.output)
+        event_path = output + ".partial"
         with_logits = logits is not None
 
         def write() -> None:
@@ -162,7 +167,7 @@ class _Snapshots:
             series.add(deltas, host, metadata, last)
             if self.on_snapshot is not None:
                 size = os.path.getsize(event_path) if os.path.exists(event_path) else 0
-                self.on_snapshot(SnapshotEvent(generated, count, event_path, index, size))
+                self.on_snapshot(SnapshotEvent(generated, count, output, index, size, event_path))
 
         assert self.background is not None
         self.background.submit(write)
@@ -191,7 +196,9 @@ class _Snapshots:
         def write() -> None:
             snap.save(path, codec, durable=self.durable)
             if self.on_snapshot is not None:
-                self.on_snapshot(SnapshotEvent(generated, count, os.fspath(path), 0, path.stat().st_size))
+                self.on_snapshot(
+                    SnapshotEvent(generated, count, os.fspath(path), 0, path.stat().st_size, os.fspath(path))
+                )
 
         assert self.background is not None
         self.background.submit(write)

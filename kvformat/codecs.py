@@ -8,6 +8,7 @@ more than the ``decoded_size`` the descriptor declares, and anything else is a `
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Protocol
 
 import numpy as np
@@ -50,6 +51,18 @@ class Raw:
         return stored
 
 
+_LOCAL = threading.local()
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompressor (one per thread: a decompressor is not shared by threads, and
+    making one per frame cost more than decoding a small frame)."""
+    decompressor: zstandard.ZstdDecompressor | None = getattr(_LOCAL, "decompressor", None)
+    if decompressor is None:
+        decompressor = _LOCAL.decompressor = zstandard.ZstdDecompressor()
+    return decompressor
+
+
 def _zstd_decode(frame: memoryview, size: int) -> bytes:
     """Decode exactly one zstd frame that must declare a content size equal to ``size``."""
     try:
@@ -59,7 +72,7 @@ def _zstd_decode(frame: memoryview, size: int) -> bytes:
     if declared != size:
         raise CorruptFileError(f"zstd frame declares {declared} bytes, chunk declares {size}")
     try:
-        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
+        out = _decompressor().decompress(frame, max_output_size=size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CorruptFileError(f"zstd frame does not decode: {exc}") from None
     if len(out) != size:
@@ -75,7 +88,13 @@ class Zstd:
 
     def __init__(self, level: int = DEFAULT_ZSTD_LEVEL) -> None:
         self.level = level
-        self._compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        self._made: zstandard.ZstdCompressor | None = None  # made on first encode
+
+    @property
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        if self._made is None:
+            self._made = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+        return self._made
 
     def encode(self, data: memoryview, itemsize: int) -> list[BytesLike]:
         return [self._compressor.compress(data)]
@@ -95,7 +114,13 @@ class BytePlaneZstd:
 
     def __init__(self, level: int = DEFAULT_ZSTD_LEVEL) -> None:
         self.level = level
-        self._compressor = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        self._made: zstandard.ZstdCompressor | None = None  # made on first encode
+
+    @property
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        if self._made is None:
+            self._made = zstandard.ZstdCompressor(level=self.level, write_content_size=True)
+        return self._made
 
     def encode(self, data: memoryview, itemsize: int) -> list[BytesLike]:
         grid = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize)
@@ -126,13 +151,17 @@ BY_CODE: dict[int, type[Raw] | type[Zstd] | type[BytePlaneZstd]] = {
     Zstd.code: Zstd,
     BytePlaneZstd.code: BytePlaneZstd,
 }
-NAMES = ("raw", "zstd", "byteplane-zstd")
+NAMES = tuple(codec.name for codec in BY_CODE.values())
+"""Every codec's name, in code order: the one list (the CLI's choices and the tests use it)."""
+
+_DECODERS: dict[int, Codec] = {code: codec() for code, codec in BY_CODE.items()}
 
 
 def from_code(code: int) -> Codec:
-    """The codec for an on-disk code; decoding never depends on the compression level."""
+    """The codec for an on-disk code (one shared instance per code: decoding never depends on
+    the compression level, and decoding is safe on any thread)."""
     try:
-        return BY_CODE[code]()
+        return _DECODERS[code]
     except KeyError:
         raise UnsupportedFeatureError(f"unknown codec code {code}") from None
 

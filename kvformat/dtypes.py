@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from kvformat.errors import UnsupportedFeatureError
@@ -16,13 +16,27 @@ class DType:
 
     code: int
     name: str
-    numpy: np.dtype
     itemsize: int
 
+    @property
+    def numpy(self) -> np.dtype:
+        """The numpy dtype (little-endian); bfloat16's comes from ml_dtypes, imported on first
+        use (it takes ~0.5 s to load on some machines, and most commands never need it)."""
+        return _numpy_dtype(self.name)
 
-FLOAT32 = DType(1, "float32", np.dtype("<f4"), 4)
-FLOAT16 = DType(2, "float16", np.dtype("<f2"), 2)
-BFLOAT16 = DType(3, "bfloat16", np.dtype(ml_dtypes.bfloat16), 2)
+
+@functools.cache
+def _numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name).newbyteorder("<")
+
+
+FLOAT32 = DType(1, "float32", 4)
+FLOAT16 = DType(2, "float16", 2)
+BFLOAT16 = DType(3, "bfloat16", 2)
 
 ALL: tuple[DType, ...] = (FLOAT32, FLOAT16, BFLOAT16)
 BY_CODE: dict[int, DType] = {d.code: d for d in ALL}
@@ -48,7 +62,7 @@ def from_code(code: int) -> DType:
 def from_numpy(dtype: np.dtype | type) -> DType:
     """Map a numpy dtype (native or little-endian) to a format dtype."""
     dt = np.dtype(dtype)
-    for d in ALL:
-        if dt == d.numpy:
+    for d in ALL:  # bfloat16 last: its numpy dtype is only looked up (imported) when needed
+        if (d is not BFLOAT16 or dt.name == "bfloat16") and dt == d.numpy:
             return d
     raise TypeError(f"unsupported array dtype {dt}; use float32, float16 or bfloat16")

@@ -1,4 +1,5 @@
-"""The JSON side of a file: layer descriptors, features, metadata and snapshot segment lists.
+"""The JSON side of a file: the manifest (layer descriptors, features, metadata) and the
+snapshot records (parent, drops, appended chunks, metadata, arrays).
 
 Everything here is plain JSON (UTF-8, no NaN). Parsing is strict about types and sizes, since the
 JSON decides how the binary chunk table is interpreted.

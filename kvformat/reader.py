@@ -58,7 +58,7 @@ from kvformat.manifest import LayerSpec, Manifest, loads, parse_manifest
 from kvformat.mlxkv import is_mlxkv
 from kvformat.quantization import Parts, Quantization
 from kvformat.remote import READ_AHEAD
-from kvformat.series import APPEND_CHUNKS, Chain, Segment, Segments, parse_entry
+from kvformat.series import APPEND_CHUNKS, Chain, Segment, Segments, parse_entry, ranges
 from kvformat.source import FileObjectSource, MmapSource, Source
 
 
@@ -421,8 +421,7 @@ class Snapshot:
         """Absolute positions ``(n_tokens,)`` one head holds, without reading any K/V."""
         if self._layer(layer, head, seq) is None:
             return None
-        segments = self._segments.of_head(layer, seq, head)
-        return _positions(segments)
+        return self._segments.positions_of_head(layer, seq, head)
 
     # -- data ------------------------------------------------------------------------------
     def _layer(self, layer: int, head: int, seq: int) -> LayerSpec | None:
@@ -623,9 +622,9 @@ def _check_arrays(file: _File, index: int, arrays: dict[str, int]) -> None:
 
 
 def _positions(segments: list[Segment]) -> np.ndarray:
-    if not segments:
-        return np.empty(0, np.int64)
-    return np.concatenate([np.arange(s.position, s.position + s.count, dtype=np.int64) for s in segments])
+    return ranges(
+        np.array([s.position for s in segments], np.int64), np.array([s.count for s in segments], np.int64)
+    )
 
 
 def _token_range(tokens: tuple[int, int] | range | None) -> tuple[int, int]:

@@ -195,6 +195,18 @@ def _head_keys(runs: np.ndarray) -> np.ndarray:
     return (runs[:, LAYER] << 36) | (runs[:, SEQ] << 16) | runs[:, HEAD]
 
 
+def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])`` as int64, in bulk."""
+    counts = np.asarray(counts, np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return np.empty(0, np.int64)
+    # Each element is its run's start plus its index within the run.
+    run_of = np.repeat(np.arange(counts.size), counts)
+    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.asarray(starts, np.int64)[run_of] + offsets
+
+
 class Segments:
     """The validated K/V run pairs of one snapshot as arrays, sorted by (layer, seq, head,
     position); `Segment` objects are made only for what is asked."""
@@ -213,11 +225,20 @@ class Segments:
             for a, b in zip(k, v, strict=True)
         ]
 
-    def of_head(self, layer: int, seq: int, head: int) -> list[Segment]:
-        """One head's segments in position order."""
+    def _head_rows(self, layer: int, seq: int, head: int) -> np.ndarray:
         key = (layer << 36) | (seq << 16) | head
         first, last = np.searchsorted(self._keys, [key, key + 1])
-        return self._build(np.arange(first, last))
+        return np.arange(first, last)
+
+    def of_head(self, layer: int, seq: int, head: int) -> list[Segment]:
+        """One head's segments in position order."""
+        return self._build(self._head_rows(layer, seq, head))
+
+    def positions_of_head(self, layer: int, seq: int, head: int) -> np.ndarray:
+        """The absolute positions ``(n_tokens,)`` int64 one head holds, in order, from its runs
+        in bulk (no `Segment` per run: a head of a long series has one run per snapshot)."""
+        runs = self._k[self._head_rows(layer, seq, head)]
+        return ranges(runs[:, POSITION], runs[:, COUNT])
 
     def in_file_order(self) -> list[Segment]:
         """Every segment, in file order of its K chunk."""

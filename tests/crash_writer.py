@@ -10,9 +10,11 @@ import kvformat
 from tests.conftest import pattern
 
 
-def main(path: str, steps: int) -> None:
+def main(path: str, steps: int, codec_and_mode: str) -> None:
+    """Write ``steps`` snapshots of 24 tokens (2 layers x 2 heads x 32 dims) to ``path``;
+    ``codec_and_mode``: ``raw``, ``zstd`` or ``raw+pipelined``."""
     spec = kvformat.LayerSpec(2, 32, 32, kvformat.FLOAT32)
-    codec, _, mode = sys.argv[3].partition("+")
+    codec, _, mode = codec_and_mode.partition("+")
     with kvformat.Writer(path, [spec, spec], codec=codec, chunk_bytes=1024) as w:
         if mode == "pipelined":
             w.pipeline_bytes = 0  # every append is prepared on the helper thread
@@ -27,4 +29,4 @@ def main(path: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -170,6 +170,7 @@ def test_cli_reports_failures_and_writes_the_rest(
     assert pl.read_parquet(out).height == LAYERS * HEADS * 2
 
 
+@pytest.mark.nginx
 def test_cli_over_http_and_s3_equals_local(runs: Path, tmp_path: Path) -> None:
     local = tmp_path / "local.parquet"
     assert main(["stats", *good_files(runs), "-o", str(local)]) == 0

@@ -368,6 +368,7 @@ def test_smollm2_keys_are_post_rope_projections(tmp_path: Path, smollm2_dir: Pat
             np.testing.assert_allclose(recovered, pre_rope[:, head], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("fixture", ["smollm2_dir", "gemma3_dir"])
 def test_real_model_resume_equals_uninterrupted(
     tmp_path: Path, fixture: str, request: pytest.FixtureRequest

@@ -209,6 +209,7 @@ def test_generation_with_snapshots_equals_plain_generation(tmp_path: Path) -> No
     assert table["token_text"].to_list() == [tokenizer.decode([t]) for t in everything[: table.height]]
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("fixture", ["smollm2_dir", "gemma3_dir"])
 def test_max_kv_size_takes_effect(tmp_path: Path, fixture: str, request: pytest.FixtureRequest) -> None:
     """Both fixture models build their own caches (mlx-lm would ignore max_kv_size): every full

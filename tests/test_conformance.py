@@ -5,6 +5,7 @@ and a structure-aware fuzzer over the vectors finds only KVFormatError."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import sys
@@ -45,9 +46,15 @@ def test_generator_reproduces_the_committed_vectors(tmp_path: Path) -> None:
 
 def test_vectors_are_small_and_cover_the_features() -> None:
     assert sum(p.stat().st_size for p in committed_files()) < 10_000_000
+    manifest = json.loads((VECTORS / "manifest.json").read_text("utf-8"))
+    listed = {entry["file"] for entry in manifest["vectors"]}
+    on_disk = {p.relative_to(VECTORS).as_posix() for p in committed_files() if p.suffix == ".kv"}
+    assert listed == on_disk  # every vector file is in the manifest, and only those
     results = run(VECTORS)
-    assert len(results) >= 20
+    assert len(results) == len(manifest["vectors"]) == 32
     assert all(r.passed for r in results), [r for r in results if not r.passed]
+    expectations = [entry["expect"] for entry in manifest["vectors"]]
+    assert sum("error" in e for e in expectations) == 18  # hostile vectors, each with its error class
 
 
 def test_series_as_triples_and_as_ranges_describe_alike() -> None:

@@ -91,6 +91,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
         convert_gguf(path, tmp_path / "out")
 
 
+@pytest.mark.network
 def test_a_gguf_is_converted_once_staged_and_named_by_itself(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -3,8 +3,9 @@ wrong data; the `.partial` left behind recovers into a valid file of complete ch
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import kvformat
+from tests import crash_writer
 from tests.conftest import pattern
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,27 +43,34 @@ def check_contents(path: Path) -> int:
         return int(first.positions.size)
 
 
+@pytest.fixture(scope="module")
+def writers() -> multiprocessing.context.ForkServerContext:
+    """Writer processes forked from a server that has imported numpy and kvformat once (a fresh
+    interpreter per trial spent most of this test's time starting up); each is a separate process
+    killed with SIGKILL, as before."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["tests.crash_writer"])
+    return context
+
+
 @pytest.mark.parametrize("codec", ["raw", "zstd", "raw+pipelined"])
-def test_killed_writer_never_leaves_wrong_data(tmp_path: Path, codec: str) -> None:
+def test_killed_writer_never_leaves_wrong_data(
+    tmp_path: Path, codec: str, writers: multiprocessing.context.ForkServerContext
+) -> None:
     rng = np.random.default_rng(len(codec))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     outcomes = {"finished": 0, "recovered": 0, "nothing": 0}
     for trial in range(12):
         path = tmp_path / f"trial{trial}.kv"
         partial = Path(str(path) + ".partial")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.crash_writer", str(path), "400", codec],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
+        proc = writers.Process(target=crash_writer.main, args=(str(path), 400, codec))
+        proc.start()
         # Wait for the process to start writing, then kill it a random moment later.
         deadline = time.monotonic() + 30
-        while not partial.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while not partial.exists() and proc.is_alive() and time.monotonic() < deadline:
             time.sleep(0.002)
         time.sleep(float(rng.uniform(0.0, 0.25)))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.kill()  # SIGKILL (nothing if it has finished)
+        proc.join()
         if path.exists():
             check_contents(path)
             outcomes["finished"] += 1

@@ -61,7 +61,7 @@ def outcome(path: Path, verify: bool = False) -> str:
             return f"error:{type(exc).__name__}"
 
 
-@pytest.fixture(params=["raw", "zstd", "byteplane-zstd"])
+@pytest.fixture(params=kvformat.codecs.NAMES)
 def sample(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     path = tmp_path / f"sample-{request.param}.kv"
     write_series(path, request.param, chunk_bytes=96)

@@ -19,6 +19,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 VECTORS = ROOT / "spec" / "vectors"
+pytestmark = pytest.mark.npm
+
 COMPILER_DIR = Path(os.environ.get("KVSNAP_KAITAI_DIR", ROOT / ".cache" / "kaitai"))
 
 

@@ -18,7 +18,6 @@ from kvformat.cli import main
 from kvsnap.analysis import mlx_kernel
 from kvsnap.analysis.batch import merged_stats, run_stats
 from kvsnap.analysis.stats import GROUPS, stats_rows
-from tests.test_stats_real import capture  # noqa: F401 - the real-capture fixture
 
 QUANTILES = {"norm_p50", "norm_p99"}
 
@@ -110,8 +109,9 @@ def test_each_group_alone(tmp_path: Path, group: str) -> None:
     )
 
 
-def test_real_captures_match(capture: Path) -> None:  # noqa: F811 - the imported fixture
-    worst = assert_close(stats_rows(capture, backend="mlx"), stats_rows(capture))
+@pytest.mark.network
+def test_real_captures_match(real_capture: Path) -> None:
+    worst = assert_close(stats_rows(real_capture, backend="mlx"), stats_rows(real_capture))
     print(f"real capture: worst relative error {worst:.2e}")
 
 

@@ -55,3 +55,22 @@ def test_stages_import_only_what_they_need(tmp_path: Path) -> None:
     assert after_format == []  # kvformat: numpy, zstandard, ml-dtypes only
     assert "mlx" not in after_analysis and "mlx_lm" not in after_analysis
     assert capture == []  # analysis reads files; it never imports capture
+
+
+def test_stage_packages_export_lazily_and_completely() -> None:
+    """`kvsnap.capture` and `kvsnap.analysis` list the same names as they export, each resolves,
+    and importing a stage's CLI module loads neither mlx nor numba (CLI start-up stays fast)."""
+    import kvsnap.analysis
+    import kvsnap.capture
+
+    for package in (kvsnap.capture, kvsnap.analysis):
+        assert sorted(package._EXPORTS) == package.__all__
+        for name in package.__all__:
+            assert getattr(package, name) is not None
+    code = (
+        "import sys, kvsnap.capture.cli, kvsnap.analysis.cli, kvformat.cli; "
+        "heavy = ('mlx.core', 'numba', 'pyarrow', 'polars', 'ml_dtypes'); "
+        "print(sorted(m for m in heavy if m in sys.modules))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"

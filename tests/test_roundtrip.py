@@ -15,7 +15,7 @@ import kvformat
 from kvformat import dtypes
 
 DTYPES = [d.name for d in dtypes.ALL]
-CODECS = ["raw", "zstd", "byteplane-zstd", "zstd:1"]
+CODECS = [*kvformat.codecs.NAMES, "zstd:1"]
 
 
 @st.composite

@@ -6,40 +6,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm import load
-from mlx_lm.models.cache import make_prompt_cache
 
 from kvsnap.analysis import kernel, stats
 from kvsnap.analysis.stats import GROUPS, stats_rows
-from kvsnap.capture.snapshot import snapshot_kv
-from tests.conftest import PROSE
 
-TOKENS = 320  # CPU prefill is slow here (~0.1 s a token); the float64 threshold is lowered below
-
-
-@pytest.fixture(scope="module", params=["smollm2_dir", "gemma3_dir"])
-def capture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model, tokenizer = load(str(request.getfixturevalue(request.param)))
-    tokens = (tokenizer.encode(PROSE) * 12)[:TOKENS]
-    cache = make_prompt_cache(model)
-    model(mx.array([tokens]), cache=cache)
-    mx.eval([c.state for c in cache])
-    path = tmp_path_factory.mktemp("real") / f"{request.param}.kv"
-    snapshot_kv(cache, model, tokens=tokens).save(path)
-    return path
+pytestmark = pytest.mark.network  # both fixture models
 
 
 def test_fused_kernel_is_within_1e_5_of_the_float64_reference(
-    capture: Path, monkeypatch: pytest.MonkeyPatch
+    real_capture: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert kernel.AVAILABLE
     monkeypatch.setattr(stats, "_GRAM_FLOAT64_ROWS", 64)  # the float32 Gram on every head
-    compiled = stats_rows(capture)
+    compiled = stats_rows(real_capture)
     monkeypatch.setattr(kernel, "AVAILABLE", False)
-    reference = stats_rows(capture)
+    reference = stats_rows(real_capture)
     assert len(compiled) == len(reference) > 0
     assert min(row["n_tokens"] for row in reference) >= 64  # the float32 Gram path ran
     worst = 0.0
@@ -60,9 +43,9 @@ def test_fused_kernel_is_within_1e_5_of_the_float64_reference(
     print(f"worst relative error of a spectrum column: {worst:.2e}")
 
 
-def test_threads_give_the_one_thread_result_exactly(capture: Path) -> None:
-    one = stats_rows(capture, jobs=1)
-    four = stats_rows(capture, jobs=4)
+def test_threads_give_the_one_thread_result_exactly(real_capture: Path) -> None:
+    one = stats_rows(real_capture, jobs=1)
+    four = stats_rows(real_capture, jobs=4)
     assert one == four or all(
         a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a) for a, b in zip(one, four, strict=True)
     )

@@ -55,7 +55,7 @@ def _write(path: Path, codec: str, pipelined: bool, monkeypatch: pytest.MonkeyPa
     return items
 
 
-@pytest.mark.parametrize("codec", ["raw", "zstd", "byteplane-zstd"])
+@pytest.mark.parametrize("codec", kvformat.codecs.NAMES)
 def test_pipelined_bytes_equal_serial_bytes(
     tmp_path: Path, codec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
