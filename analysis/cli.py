@@ -91,9 +91,9 @@ def _outliers(args: argparse.Namespace) -> int:
     if args.stat not in table.columns or table.schema[args.stat] not in (pl.Float64, pl.Int64, pl.Float32):
         scalars = [c for c, t in table.schema.items() if t in (pl.Float64, pl.Int64) and c not in KEYS]
         raise SystemExit(f"--stat must be a scalar statistic, one of: {', '.join(scalars)}")
-    rows = table.filter(pl.col("tensor") == args.tensor)
-    ratio = (pl.col(args.stat) / pl.col(args.stat).median().over("file")).alias("ratio_to_median")
-    flagged = rows.with_columns(ratio).filter(pl.col("ratio_to_median") > args.threshold)
+    from kvsnap.analysis.stats import outliers
+
+    flagged = outliers(table, args.threshold, args.stat, args.tensor).filter(pl.col("outlier"))
     flagged = flagged.sort("ratio_to_median", descending=True)
     print(
         f"{flagged.height} heads with {args.tensor} {args.stat} above "

@@ -1004,11 +1004,13 @@ def token_table(
     return pl.concat(frames).lazy()
 
 
-def outliers(table: pl.DataFrame, factor: float = 1.5) -> pl.DataFrame:
-    """K rows with ``ratio_to_median`` (mean norm / the file's median head) and an ``outlier``
-    flag where it exceeds ``factor``."""
+def outliers(
+    table: pl.DataFrame, factor: float = 1.5, stat: str = "norm_mean", tensor: str = "k"
+) -> pl.DataFrame:
+    """The ``tensor`` rows with ``ratio_to_median`` (``stat`` / the median head of its file) and
+    an ``outlier`` flag where it exceeds ``factor``."""
     import polars as pl
 
-    keys = table.filter(pl.col("tensor") == "k")
-    ratio = (pl.col("norm_mean") / pl.col("norm_mean").median().over("file")).alias("ratio_to_median")
-    return keys.with_columns(ratio).with_columns((pl.col("ratio_to_median") > factor).alias("outlier"))
+    rows = table.filter(pl.col("tensor") == tensor)
+    ratio = (pl.col(stat) / pl.col(stat).median().over("file")).alias("ratio_to_median")
+    return rows.with_columns(ratio).with_columns((pl.col("ratio_to_median") > factor).alias("outlier"))

@@ -275,19 +275,19 @@ class _File:
         infos = [self.chunk(i) for i in chunks]
         self.source.prefetch([(c.offset + DESCRIPTOR_SIZE, c.stored_size) for c in infos])
 
-    def read_payload(self, i: int, info: Descriptor | None = None) -> memoryview:
+    def read_payload(self, i: int, info: Descriptor | None = None, checked: bool = False) -> memoryview:
         """Stored bytes of chunk ``i``, CRC-checked if the file was opened with checks on."""
         c = self.chunk(i) if info is None else info
         payload = self.source.read(c.offset + DESCRIPTOR_SIZE, c.stored_size)
-        if self.check_checksums and crc32c(payload) != c.payload_crc:
+        if self.check_checksums and not checked and crc32c(payload) != c.payload_crc:
             raise ChecksumError(
                 f"{self.source.name}: {_chunk_label(self.table, i)}: payload CRC-32C mismatch"
             )
         return payload
 
-    def _decoded(self, i: int, c: Descriptor) -> BytesLike:
+    def _decoded(self, i: int, c: Descriptor, checked: bool = False) -> BytesLike:
         dtype = dtypes.from_code(c.dtype)
-        payload = self.read_payload(i, c)
+        payload = self.read_payload(i, c, checked)
         try:
             return codecs.from_code(c.codec).decode(payload, c.decoded_size, dtype.itemsize)
         except KVFormatError as exc:
@@ -306,19 +306,20 @@ class _File:
             raise ValueError(f"chunk {i} is not quantized")
         return self._parts(i, c, quant)
 
-    def _parts(self, i: int, c: Descriptor, quant: Quantization) -> Parts:
-        rows = np.frombuffer(self._decoded(i, c), dtype=np.uint8).reshape(c.rows, -1)
+    def _parts(self, i: int, c: Descriptor, quant: Quantization, checked: bool = False) -> Parts:
+        rows = np.frombuffer(self._decoded(i, c, checked), dtype=np.uint8).reshape(c.rows, -1)
         return quant.split(rows, c.width, dtypes.from_code(c.dtype).numpy)
 
-    def chunk_array(self, i: int) -> np.ndarray:
+    def chunk_array(self, i: int, checked: bool = False) -> np.ndarray:
         """Chunk ``i`` decoded: ``(rows, width)`` (a zero-copy view for raw chunks from mmap);
-        quantized chunks come back dequantized."""
+        quantized chunks come back dequantized. ``checked``: its CRC was just verified (by
+        `verify`), so it is not computed again."""
         c = self.chunk(i)
         dtype = dtypes.from_code(c.dtype)
         quant = self._quantization(c)
         if quant is not None:
-            return quant.dequantize(self._parts(i, c, quant), dtype.numpy)
-        return np.frombuffer(self._decoded(i, c), dtype=dtype.numpy).reshape(c.rows, c.width)
+            return quant.dequantize(self._parts(i, c, quant, checked), dtype.numpy)
+        return np.frombuffer(self._decoded(i, c, checked), dtype=dtype.numpy).reshape(c.rows, c.width)
 
 
 class Snapshot:
@@ -720,15 +721,11 @@ def _verify_chunks(file: _File, first: int, stop: int, follows: int) -> tuple[in
             return 0, -1
     encoded = np.flatnonzero(table["codec"] != codecs.Raw.code)
     if encoded.size:  # decoding is the check of an encoded payload (raw ones are sized already)
-        checks = file.check_checksums
-        file.check_checksums = False  # just checked
         try:
             for i in encoded.tolist():
-                file.chunk_array(first + i)
+                file.chunk_array(first + i, checked=True)
         except KVFormatError:
             return 0, -1
-        finally:
-            file.check_checksums = checks
     return int((DESCRIPTOR_SIZE + stored).sum()), end
 
 
@@ -757,12 +754,7 @@ def _verify_record(file: _File, cursor: int, records: int, chunk: int) -> tuple[
     if crc32c(payload) != desc.payload_crc:
         raise ChecksumError(f"{source.name}: {label}: payload CRC-32C mismatch")
     if desc.kind in TABLE_KINDS:
-        file_checks = file.check_checksums
-        file.check_checksums = False
-        try:
-            file.chunk_array(chunk)
-        finally:
-            file.check_checksums = file_checks
+        file.chunk_array(chunk, checked=True)
         chunk += 1
     elif desc.kind in JSON_KINDS:
         loads(payload, label)

@@ -39,7 +39,20 @@ from kvformat.layout import (
     pack_header,
 )
 from kvformat.manifest import LayerSpec, Manifest, check_head_sequences, dumps
-from kvformat.series import APPEND_CHUNKS, Entry, chunk_ranges, trim_runs
+from kvformat.series import (
+    APPEND_CHUNKS,
+    CHUNK,
+    COUNT,
+    HEAD,
+    KIND,
+    LAYER,
+    POSITION,
+    ROW,
+    SEQ,
+    Entry,
+    chunk_ranges,
+    trim_runs,
+)
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 _ZEROS = bytes(ALIGN)
@@ -118,9 +131,8 @@ class _Block:
 _Unit = list[_Part | _Block]
 """Chunks prepared together (on the helper thread when pipelined) and written with one ``writev``."""
 
-# Columns of the pending-appends table (`kvformat.series`' runs): one row per K/V chunk run not
-# yet in a snapshot.
-_LAYER, _SEQ, _HEAD, _KIND, _CHUNK, _ROW, _COUNT, _POSITION = range(8)
+# The pending-appends table has the columns of `kvformat.series`' runs (LAYER .. POSITION): one
+# row per K/V chunk run not yet in a snapshot.
 
 
 @dataclass
@@ -161,10 +173,10 @@ def _block_columns(blocks: list[_Block]) -> tuple[np.ndarray, np.ndarray, np.nda
     head = np.arange(n) // 2 - np.repeat(np.cumsum(heads) - heads, 2 * heads)
     width = np.where(is_v, each[:, 5], each[:, 4])
     columns = np.empty((n, 8), np.int64)
-    columns[:, _LAYER], columns[:, _SEQ], columns[:, _HEAD] = each[:, 0], each[:, 1], head
-    columns[:, _KIND] = np.where(is_v, KIND_V, KIND_K)
-    columns[:, _CHUNK] = each[:, 3] * width * each[:, 7]
-    columns[:, _ROW], columns[:, _COUNT], columns[:, _POSITION] = 0, each[:, 3], each[:, 2]
+    columns[:, LAYER], columns[:, SEQ], columns[:, HEAD] = each[:, 0], each[:, 1], head
+    columns[:, KIND] = np.where(is_v, KIND_V, KIND_K)
+    columns[:, CHUNK] = each[:, 3] * width * each[:, 7]
+    columns[:, ROW], columns[:, COUNT], columns[:, POSITION] = 0, each[:, 3], each[:, 2]
     return columns, width, each[:, 6]
 
 
@@ -189,14 +201,14 @@ def _layout(
     offsets[1:] += start
     table = np.zeros(n, DESCRIPTOR_DTYPE)
     table["magic"] = b"KVCK"
-    table["kind"] = columns[:, _KIND]
+    table["kind"] = columns[:, KIND]
     table["dtype"] = dtype_codes
     table["codec"] = codec
-    table["layer"] = columns[:, _LAYER]
-    table["head"] = columns[:, _HEAD]
-    table["seq"] = columns[:, _SEQ]
-    table["position"] = columns[:, _POSITION]
-    table["rows"] = columns[:, _COUNT]
+    table["layer"] = columns[:, LAYER]
+    table["head"] = columns[:, HEAD]
+    table["seq"] = columns[:, SEQ]
+    table["position"] = columns[:, POSITION]
+    table["rows"] = columns[:, COUNT]
     table["width"] = widths
     table["offset"] = offsets
     table["stored_size"] = stored
@@ -384,12 +396,12 @@ class Writer:
             widths.append(np.array([part.width]))
             dtype_codes.append(np.array([part.dtype.code]))
             # The decoded size rides in the CHUNK column until the chunk index is known.
-            columns[-1][0, _CHUNK] = data.nbytes
+            columns[-1][0, CHUNK] = data.nbytes
             i += 1
         if not payloads:
             return _Records([], b"", np.empty((0, 8), np.int64), offset, offset)
         table = np.concatenate(columns)
-        decoded = table[:, _CHUNK].copy()
+        decoded = table[:, CHUNK].copy()
         raw = self.codec.code == 0
         stored = decoded.copy() if raw else np.array([len(p) for p in payloads], np.int64)
         crcs = crc32c_many(payloads)
@@ -432,13 +444,13 @@ class Writer:
         if count:
             self._table.append(records.packed)
             columns = records.columns
-            columns[:, _CHUNK] = np.arange(first, first + count)
+            columns[:, CHUNK] = np.arange(first, first + count)
             if first + count > self._chunk_rows.shape[0]:
                 grown = np.zeros(max(2 * self._chunk_rows.shape[0], first + count), np.int64)
                 grown[:first] = self._chunk_rows[:first]
                 self._chunk_rows = grown
-            self._chunk_rows[first : first + count] = columns[:, _COUNT]
-            tensors = columns[columns[:, _KIND] != KIND_ARRAY]
+            self._chunk_rows[first : first + count] = columns[:, COUNT]
+            tensors = columns[columns[:, KIND] != KIND_ARRAY]
             if tensors.shape[0]:
                 self._pending.append(tensors)
                 self._dirty = True
@@ -448,15 +460,15 @@ class Writer:
     def _advance_ends(self, runs: np.ndarray) -> None:
         """Record that the heads of ``runs`` now hold positions up to each run's end (runs of
         one head come in position order, so the last one of a head ends last)."""
-        ends = runs[:, _POSITION] + runs[:, _COUNT]
-        keys = runs[:, _LAYER] * (1 << 24) + runs[:, _SEQ]
+        ends = runs[:, POSITION] + runs[:, COUNT]
+        keys = runs[:, LAYER] * (1 << 24) + runs[:, SEQ]
         bounds = [0, *(np.flatnonzero(keys[1:] != keys[:-1]) + 1).tolist(), len(keys)]
         for a, b in itertools.pairwise(bounds):
-            layer, seq = int(runs[a, _LAYER]), int(runs[a, _SEQ])
+            layer, seq = int(runs[a, LAYER]), int(runs[a, SEQ])
             held = self._ends.get((layer, seq))
             if held is None:
                 held = self._ends[(layer, seq)] = np.zeros(self.manifest.layers[layer].num_heads, np.int64)
-            heads = runs[a:b, _HEAD]
+            heads = runs[a:b, HEAD]
             held[heads] = np.maximum(held[heads], ends[a:b])
 
     def _run(self, parts: Sequence[_Part | _Block]) -> None:
@@ -791,15 +803,15 @@ class Writer:
         runs = np.concatenate(self._pending) if self._pending else np.empty((0, 8), np.int64)
         # Chunks appended whole (not trimmed by a drop since) go in as ranges of chunk indices
         # (`append_chunks`); what a drop cut goes in as (chunk, row, count) triples.
-        whole = (runs[:, _ROW] == 0) & (runs[:, _COUNT] == self._chunk_rows[runs[:, _CHUNK]])
-        ranges = chunk_ranges(np.sort(runs[whole, _CHUNK]))
+        whole = (runs[:, ROW] == 0) & (runs[:, COUNT] == self._chunk_rows[runs[:, CHUNK]])
+        ranges = chunk_ranges(np.sort(runs[whole, CHUNK]))
         cut = runs[~whole]
         # Sorted by (layer, seq, head, kind), in append order within each: a stable sort.
-        cut = cut[np.lexsort((cut[:, _KIND], cut[:, _HEAD], cut[:, _SEQ], cut[:, _LAYER]))]
+        cut = cut[np.lexsort((cut[:, KIND], cut[:, HEAD], cut[:, SEQ], cut[:, LAYER]))]
         entry = Entry(
             parent=len(self._snapshots) - 1 if self._snapshots else None,
             drops=self._pending_drops,
-            appends=cut[:, [_CHUNK, _ROW, _COUNT]],
+            appends=cut[:, [CHUNK, ROW, COUNT]],
             metadata=dict(metadata or {}),
             arrays=attached,
             chunk_ranges=ranges,
