@@ -17,7 +17,8 @@ import pytest
 
 import kvformat
 from kvformat.checksum import crc32c
-from kvformat.layout import DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, FOOTER_SIZE, Footer, pack_header
+from kvformat.layout import DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, FOOTER_SIZE
+from kvformat.rewrite import as_triples, rebuild_index
 from tests.conftest import write_series
 
 
@@ -107,39 +108,6 @@ def test_every_flipped_bit_is_caught_by_verify(sample: Path, tmp_path: Path) -> 
         assert outcome(mutant, verify=True).startswith("error:"), f"verify missed flip at byte {offset}"
 
 
-def rebuild(
-    path: Path,
-    out: Path,
-    edit_table: Callable[[np.ndarray], None] | None = None,
-    edit_json: Callable[[dict], object] | None = None,
-    footer: dict | None = None,
-) -> None:
-    """Rewrite a file's index with edits and *valid* CRCs, so only the structural rules can
-    catch the damage."""
-    data = path.read_bytes()
-    f = Footer.unpack(data[-FOOTER_SIZE:])
-    table_end = f.index_offset + f.chunk_count * DESCRIPTOR_SIZE
-    table = np.frombuffer(data[f.index_offset : table_end], DESCRIPTOR_DTYPE).copy()
-    document = json.loads(data[table_end:-FOOTER_SIZE])
-    if edit_table:
-        edit_table(table)
-    if edit_json:
-        replaced = edit_json(document)
-        if replaced is not None:
-            document = replaced
-    json_bytes = document if isinstance(document, bytes) else json.dumps(document).encode()
-    table_bytes = table.tobytes()
-    fields = {"index_offset": f.index_offset, "chunk_count": len(table), "json_size": len(json_bytes)}
-    fields.update(footer or {})
-    crc = crc32c(json_bytes, crc32c(table_bytes, crc32c(pack_header())))
-    out.write_bytes(
-        data[: f.index_offset]
-        + table_bytes
-        + json_bytes
-        + Footer(fields["index_offset"], fields["chunk_count"], fields["json_size"], crc).pack()
-    )
-
-
 EXTREMES = [0, 1, 63, 64, 65, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53, 2**63 - 1, 2**64 - 1]
 
 
@@ -160,7 +128,7 @@ def test_extreme_descriptor_fields_are_rejected_or_harmless(sample: Path, tmp_pa
             def edit(table: np.ndarray, row: int = row, value: int = value) -> None:
                 table[field][row] = value
 
-            rebuild(sample, mutant, edit_table=edit)
+            rebuild_index(sample, mutant, edit_table=edit)
             result = outcome(mutant)
             assert result == original or result.startswith("error:"), f"{field}={value} row {row}"
 
@@ -173,7 +141,7 @@ def test_extreme_descriptor_fields_are_rejected_or_harmless(sample: Path, tmp_pa
 )
 def test_extreme_footer_fields_are_rejected(sample: Path, tmp_path: Path, footer: dict) -> None:
     mutant = tmp_path / "footer.kv"
-    rebuild(sample, mutant, footer=footer)
+    rebuild_index(sample, mutant, footer=footer)
     original = outcome(sample)
     result = outcome(mutant)
     assert result == original or result.startswith("error:")
@@ -255,21 +223,6 @@ JSON_EDITS: list[tuple[str, Callable[[dict], object]]] = [
 ]
 
 
-def as_triples(path: Path, out: Path) -> None:
-    """``path`` with every ``append_chunks`` range written out as ``append`` triples, as a 1.1
-    writer would have stored it (the edits above aim at the triples)."""
-    with kvformat.open(path) as snap:
-        rows = snap._file.table["rows"].tolist()
-
-    def expand(document: dict) -> None:
-        for entry in document["snapshots"]:
-            for first, stop in zip(*[iter(entry.pop("append_chunks", []))] * 2, strict=True):
-                entry["append"] += [x for c in range(first, stop) for x in (c, 0, rows[c])]
-        document["manifest"]["required_features"].remove("append-chunks")
-
-    rebuild(path, out, edit_json=expand)
-
-
 def test_triples_and_ranges_read_the_same(sample: Path, tmp_path: Path) -> None:
     triples = tmp_path / "triples.kv"
     as_triples(sample, triples)
@@ -284,7 +237,7 @@ def test_hostile_index_json_is_rejected(sample: Path, tmp_path: Path, name: str,
     triples, mutant = tmp_path / "triples.kv", tmp_path / "json.kv"
     as_triples(sample, triples)
     assert outcome(triples).startswith("error:") is False
-    rebuild(triples, mutant, edit_json=edit)
+    rebuild_index(triples, mutant, edit_json=edit)
     assert outcome(mutant).startswith("error:"), name
 
 
@@ -310,7 +263,7 @@ RANGE_EDITS = [
 @pytest.mark.parametrize("name,edit", RANGE_EDITS, ids=[n for n, _ in RANGE_EDITS])
 def test_hostile_append_chunks_are_rejected(sample: Path, tmp_path: Path, name: str, edit: Callable) -> None:
     mutant = tmp_path / "json.kv"
-    rebuild(sample, mutant, edit_json=edit)
+    rebuild_index(sample, mutant, edit_json=edit)
     assert outcome(mutant).startswith("error:CorruptFileError"), name
 
 
@@ -346,14 +299,7 @@ def test_newer_minor_version_with_unknown_keys_is_read(sample: Path, tmp_path: P
         document["future_top"] = 3
 
     mutant = tmp_path / "v1.7.kv"
-    data_header = bytes(data[:64])
-    rebuild(newer, mutant, edit_json=extend)
-    # rebuild() recomputes the index CRC over a v1.0 header; redo it over the v1.7 header.
-    raw = bytearray(mutant.read_bytes())
-    f = Footer.unpack(bytes(raw[-FOOTER_SIZE:]))
-    crc = crc32c(bytes(raw[f.index_offset : -FOOTER_SIZE]), crc32c(data_header))
-    raw[-FOOTER_SIZE:] = Footer(f.index_offset, f.chunk_count, f.json_size, crc, 7).pack()  # R3
-    mutant.write_bytes(raw)
+    rebuild_index(newer, mutant, edit_json=extend)  # index CRC over the v1.7 header, footer minor 7 (R3)
     assert outcome(mutant) == outcome(sample)
     with kvformat.open(mutant) as snap:
         assert snap.version == (1, 7)

@@ -25,6 +25,7 @@ from kvformat.checksum import crc32c
 from kvformat.conformance import describe
 from kvformat.layout import DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, FOOTER_SIZE, Footer
 from kvformat.quantization import Quantization
+from kvformat.rewrite import as_triples, rebuild_index
 
 HERE = Path(__file__).resolve().parent
 
@@ -155,65 +156,12 @@ VECTORS: list[tuple[str, str, Callable[[Path], None]]] = [
 ]
 
 
-def _rebuild(
-    source: Path,
-    out: Path,
-    edit_table: Callable[[np.ndarray], None] | None = None,
-    edit_json: Callable[[dict[str, Any]], object] | None = None,
-    footer: dict[str, int] | None = None,
-) -> None:
-    """Rewrite ``source``'s index with edits and *valid* CRCs (descriptors, index), so that only
-    the structural rule under test can catch the damage."""
-    data = source.read_bytes()
-    f = Footer.unpack(data[-FOOTER_SIZE:])
-    table_end = f.index_offset + f.chunk_count * DESCRIPTOR_SIZE
-    table = np.frombuffer(data[f.index_offset : table_end], DESCRIPTOR_DTYPE).copy()
-    document = json.loads(data[table_end:-FOOTER_SIZE])
-    if edit_table:
-        edit_table(table)
-        raw = table.view(np.uint8).reshape(len(table), DESCRIPTOR_SIZE)
-        table["descriptor_crc"] = [crc32c(bytes(row[:60])) for row in raw]
-    if edit_json:
-        replaced = edit_json(document)
-        if replaced is not None:
-            document = replaced
-    index_json = document if isinstance(document, bytes) else json.dumps(document).encode()
-    fields = {"index_offset": f.index_offset, "chunk_count": len(table), "json_size": len(index_json)}
-    fields.update(footer or {})
-    crc = crc32c(index_json, crc32c(table.tobytes(), crc32c(data[:64])))
-    minor = struct.unpack_from("<H", data, 10)[0]  # the footer repeats the header's minor version
-    minor = fields.get("minor", minor)
-    footer_bytes = Footer(
-        fields["index_offset"], fields["chunk_count"], fields["json_size"], crc, minor
-    ).pack()
-    out.write_bytes(data[: f.index_offset] + table.tobytes() + index_json + footer_bytes)
-
-
-def _as_triples(source: Path, out: Path) -> None:
-    """``source`` with its ``append_chunks`` ranges written as (chunk, row, count) triples in the
-    index, as a writer before 1.2 stored every snapshot."""
-    data = source.read_bytes()
-    f = Footer.unpack(data[-FOOTER_SIZE:])
-    rows = np.frombuffer(data[f.index_offset :], DESCRIPTOR_DTYPE, count=f.chunk_count)["rows"].tolist()
-
-    def expand(document: dict[str, Any]) -> None:
-        for entry in document["snapshots"]:
-            ranges = entry.pop("append_chunks", [])
-            for first, stop in zip(ranges[::2], ranges[1::2], strict=True):
-                entry["append"] += [x for c in range(first, stop) for x in (c, 0, rows[c])]
-        features = document["manifest"]["required_features"]
-        if "append-chunks" in features:
-            features.remove("append-chunks")
-
-    _rebuild(source, out, edit_json=expand)
-
-
 def _older(source: Path, out: Path, minor: int) -> None:
     """``source`` as a writer of version 1.``minor`` (before 1.2) wrote it: header and footer
     minor ``minor``, appends as triples."""
     patched = out.with_suffix(".tmp")
     _patched(source, patched, 10, struct.pack("<H", minor), header_crc=True)
-    _as_triples(patched, out)
+    as_triples(patched, out)
     patched.unlink()
 
 
@@ -257,22 +205,22 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
     (
         "index-past-eof.kv",
         "footer index offset beyond the end of the file",
-        lambda s, o: _rebuild(s, o, footer={"index_offset": 10**9}),
+        lambda s, o: rebuild_index(s, o, footer={"index_offset": 10**9}),
     ),
     (
         "overlapping-chunks.kv",
         "chunk 1 claims chunk 0's bytes",
-        lambda s, o: _rebuild(s, o, edit_table=_copy_offset),
+        lambda s, o: rebuild_index(s, o, edit_table=_copy_offset),
     ),
     (
         "shape-overflow.kv",
         "rows x width x itemsize far above the payload",
-        lambda s, o: _rebuild(s, o, edit_table=_set("rows", 0, 2**32 - 1)),
+        lambda s, o: rebuild_index(s, o, edit_table=_set("rows", 0, 2**32 - 1)),
     ),
     (
         "decoded-size-mismatch.kv",
         "declared decoded size disagrees with rows x width",
-        lambda s, o: _rebuild(s, o, edit_table=_set("decoded_size", 0, 2**40)),
+        lambda s, o: rebuild_index(s, o, edit_table=_set("decoded_size", 0, 2**40)),
     ),
     (
         "checksum-mismatch.kv",
@@ -287,14 +235,14 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
     (
         "unknown-required-feature.kv",
         "a required feature this reader does not know",
-        lambda s, o: _rebuild(
+        lambda s, o: rebuild_index(
             s, o, edit_json=lambda d: d["manifest"].__setitem__("required_features", ["time-travel"])
         ),
     ),
     (
         "duplicate-entries.kv",
         "the same chunks appended twice",
-        lambda s, o: _rebuild(
+        lambda s, o: rebuild_index(
             s,
             o,
             edit_json=lambda d: _last_ranges(d).extend(_last_ranges(d)),
@@ -303,29 +251,31 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
     (
         "duplicate-triples.kv",
         "the same segment listed twice as (chunk, row, count) triples",
-        lambda s, o: _rebuild(
+        lambda s, o: rebuild_index(
             s, o, edit_json=lambda d: d["snapshots"][-1]["append"].extend([0, 0, 1, 1, 0, 1])
         ),
     ),
     (
         "append-chunks-undeclared.kv",
         "a snapshot uses append_chunks; required_features does not list append-chunks",
-        lambda s, o: _rebuild(s, o, edit_json=lambda d: d["manifest"].__setitem__("required_features", [])),
+        lambda s, o: rebuild_index(
+            s, o, edit_json=lambda d: d["manifest"].__setitem__("required_features", [])
+        ),
     ),
     (
         "append-chunks-past-table.kv",
         "an append_chunks range ends past the chunk table",
-        lambda s, o: _rebuild(s, o, edit_json=lambda d: _last_ranges(d).__setitem__(1, 10**6)),
+        lambda s, o: rebuild_index(s, o, edit_json=lambda d: _last_ranges(d).__setitem__(1, 10**6)),
     ),
     (
         "invalid-utf8-metadata.kv",
         "index JSON that is not UTF-8",
-        lambda s, o: _rebuild(s, o, edit_json=lambda d: b'{"manifest": "\xff\xfe"}'),
+        lambda s, o: rebuild_index(s, o, edit_json=lambda d: b'{"manifest": "\xff\xfe"}'),
     ),
     (
         "lone-surrogate-metadata.kv",
         "an unpaired UTF-16 surrogate escape in metadata",
-        lambda s, o: _rebuild(
+        lambda s, o: rebuild_index(
             s,
             o,
             edit_json=lambda d: (
@@ -338,19 +288,19 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
     (
         "footer-version-mismatch.kv",
         "the footer says version 1.3, the header 1.2",
-        lambda s, o: _rebuild(s, o, footer={"minor": 3}),
+        lambda s, o: rebuild_index(s, o, footer={"minor": 3}),
     ),
     (
         "absurd-layer-count.kv",
         "70,000 layers declared",
-        lambda s, o: _rebuild(
+        lambda s, o: rebuild_index(
             s, o, edit_json=lambda d: d["manifest"].__setitem__("layers", [{"present": False}] * 70000)
         ),
     ),
     (
         "absurd-head-count.kv",
         "300 layers of 65,536 heads: 19.7 million (layer, head, sequence) triples",
-        lambda s, o: _rebuild(
+        lambda s, o: rebuild_index(
             s,
             o,
             edit_json=lambda d: d["manifest"].__setitem__(
@@ -362,7 +312,7 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
     (
         "absurd-chunk-count.kv",
         "footer chunk count 2^40",
-        lambda s, o: _rebuild(s, o, footer={"chunk_count": 2**40}),
+        lambda s, o: rebuild_index(s, o, footer={"chunk_count": 2**40}),
     ),
 ]
 
@@ -380,7 +330,7 @@ def newer_minor(directory: Path) -> Callable[[Path], None]:
             document["manifest"]["x_future_key"] = {"x": 1}
             document["x_future_top"] = 3
 
-        _rebuild(source, path, edit_json=extend)
+        rebuild_index(source, path, edit_json=extend)
         source.unlink()
 
     return build
