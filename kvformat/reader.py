@@ -31,21 +31,15 @@ from kvformat.errors import (
 from kvformat.layout import (
     ALIGN,
     DESCRIPTOR_DTYPE,
-    DESCRIPTOR_MAGIC,
     DESCRIPTOR_SIZE,
     FOOTER_SIZE,
     HEADER_SIZE,
     JSON_KINDS,
     KIND_ARRAY,
-    KIND_K,
     KIND_MANIFEST,
-    KIND_V,
     MAX_CHUNK_COUNT,
-    MAX_CHUNK_DECODED,
     MAX_JSON_SIZE,
     MAX_POSITION,
-    MAX_TOKENS_PER_CHUNK,
-    MAX_WIDTH,
     MINOR,
     TABLE_KINDS,
     TENSOR_NAMES,
@@ -60,6 +54,7 @@ from kvformat.quantization import Parts, Quantization
 from kvformat.remote import READ_AHEAD
 from kvformat.series import APPEND_CHUNKS, Chain, Segment, Segments, parse_entry, ranges
 from kvformat.source import FileObjectSource, MmapSource, Source
+from kvformat.table_rules import check_table
 
 
 @dataclass(frozen=True)
@@ -95,21 +90,6 @@ def _chunk_label(table: np.ndarray, i: int) -> str:
         f"chunk {i} (layer {int(rec['layer'])}, head {int(rec['head'])}, seq {int(rec['seq'])}, "
         f"{TENSOR_NAMES.get(int(rec['kind']), '?')}, positions {first}..{first + int(rec['rows']) - 1})"
     )
-
-
-class _Columns:
-    """Fields of a chunk table, each copied out once as a contiguous array (operations on a
-    strided field of 64-byte records cost several times more, and the checks reuse them)."""
-
-    def __init__(self, table: np.ndarray) -> None:
-        self._table = table
-        self._columns: dict[str, np.ndarray] = {}
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        column = self._columns.get(name)
-        if column is None:
-            column = self._columns[name] = np.ascontiguousarray(self._table[name])
-        return column
 
 
 class _File:
@@ -163,7 +143,7 @@ class _File:
         snapshots = document.get("snapshots")
         if not isinstance(snapshots, list) or not snapshots:
             raise CorruptFileError("index JSON must list at least one snapshot")
-        self._check_table()
+        check_table(self.table, self.footer.index_offset, self.manifest)
         layers, seqs = len(self.manifest.layers), self.manifest.num_seqs
         self.entries = [parse_entry(entry, i, layers, seqs) for i, entry in enumerate(snapshots)]
         if APPEND_CHUNKS not in self.manifest.required_features:
@@ -179,96 +159,6 @@ class _File:
         """The descriptor of table chunk ``i`` (a couple of microseconds: nothing per chunk is
         built at open, so a table of 300k chunks opens in milliseconds)."""
         return Descriptor.from_fields(self.table[i].item())
-
-    def _check_table(self) -> None:
-        """Vectorized checks of every chunk descriptor against the spec and the manifest."""
-        t = _Columns(self.table)
-        n = len(self.table)
-        if n == 0:
-            return
-        index_offset = self.footer.index_offset
-        magic = np.frombuffer(DESCRIPTOR_MAGIC, "<u4")[0]
-        if not bool(np.all(self.table.view("<u4")[::16] == magic)):  # the first 4 bytes of each
-            raise CorruptFileError("chunk table entry without descriptor magic")
-        bad_kind = t["kind"] > max(TABLE_KINDS)  # kinds 0, 1, 2
-        if bad_kind.any():
-            raise CorruptFileError(f"chunk table entry {int(np.argmax(bad_kind))} has an unknown kind")
-        if t["flags"].any():
-            raise CorruptFileError("chunk flags must be zero in version 1")
-        offsets = t["offset"]
-        stored = t["stored_size"]
-        if bool(np.any(stored > index_offset)) or bool(np.any(offsets > index_offset)):
-            raise CorruptFileError("chunk offset or size points past the index")
-        if bool(np.any(offsets % ALIGN)) or int(offsets[0]) < HEADER_SIZE:
-            raise CorruptFileError("chunk descriptor offset is not 64-aligned after the header")
-        ends = offsets.astype(np.int64) + DESCRIPTOR_SIZE + stored.astype(np.int64)
-        if n > 1 and bool(np.any(offsets[1:].astype(np.int64) < ends[:-1])):
-            i = int(np.argmax(offsets[1:].astype(np.int64) < ends[:-1]))
-            raise CorruptFileError(f"chunks {i} and {i + 1} overlap or are out of file order")
-        if int(ends[-1]) > index_offset:
-            raise CorruptFileError("last chunk runs into the index")
-        rows = t["rows"].astype(np.int64)
-        width = t["width"].astype(np.int64)
-        if bool(np.any(rows > MAX_TOKENS_PER_CHUNK)) or bool(np.any(width > MAX_WIDTH)):
-            raise LimitExceededError("chunk rows or width exceed the spec limits")
-        position = t["position"]
-        if bool(np.any(position < 0)) or bool(np.any(position + rows > MAX_POSITION)):
-            raise CorruptFileError("chunk positions outside 0..2**53-1")
-        for code in np.flatnonzero(np.bincount(t["codec"], minlength=256)).tolist():
-            codecs.from_code(code)
-        itemsizes = np.zeros(256, dtype=np.int64)
-        for code in np.flatnonzero(np.bincount(t["dtype"], minlength=256)).tolist():
-            itemsizes[code] = dtypes.from_code(code).itemsize
-        decoded = t["decoded_size"]
-        if bool(np.any(decoded > MAX_CHUNK_DECODED)):
-            raise LimitExceededError(f"a chunk decodes to more than {MAX_CHUNK_DECODED} bytes")
-        is_array = t["kind"] == KIND_ARRAY
-        tensor = ~is_array
-        layers = self.manifest.layers
-        layer = t["layer"].astype(np.int64)
-        if bool(np.any(layer[tensor] >= len(layers))) or bool(
-            np.any(t["seq"][tensor] >= self.manifest.num_seqs)
-        ):
-            raise CorruptFileError("chunk names a layer or sequence the manifest does not declare")
-        # Per-layer facts as lookup tables indexed by each chunk's layer: no loop over chunks.
-        count = max(len(layers), 1)
-        present = np.zeros(count, bool)
-        heads = np.zeros(count, np.int64)
-        dims = np.zeros((count, 2), np.int64)
-        dtype_codes = np.zeros(count, np.int64)
-        quantized_row_bytes = np.zeros((count, 2), np.int64)  # 0: not quantized
-        for index, spec in enumerate(layers):
-            if not spec.present:
-                continue
-            assert spec.dtype is not None
-            present[index], heads[index], dtype_codes[index] = True, spec.num_heads, spec.dtype.code
-            dims[index] = spec.k_dim, spec.v_dim
-            if spec.quantization is not None:
-                quantized_row_bytes[index] = spec.row_bytes(KIND_K), spec.row_bytes(KIND_V)
-        of = np.where(tensor, layer, 0)
-        side = np.where(t["kind"] == KIND_V, 1, 0)
-        row_bytes = width * itemsizes[t["dtype"]]
-        quantized = tensor & (quantized_row_bytes[of, side] > 0)
-        row_bytes[quantized] = quantized_row_bytes[of[quantized], side[quantized]]
-        if not bool(np.all(rows * row_bytes == decoded.astype(np.int64))):
-            raise CorruptFileError("chunk decoded size is not rows x (bytes per row)")
-        raw = t["codec"] == codecs.Raw.code
-        if not bool(np.all(stored[raw] == decoded[raw])):
-            raise CorruptFileError("raw chunk stored size differs from its decoded size")
-        if any(bool(np.any(t[name][is_array])) for name in ("layer", "head", "seq")):
-            raise CorruptFileError("array chunk with a non-zero layer, head or seq")
-        if bool(np.any(t["position"][is_array])):
-            raise CorruptFileError("array chunk with a non-zero position")
-        absent = tensor & ~present[of]
-        if absent.any():
-            raise CorruptFileError(f"chunk stored for absent layer {int(layer[absent][0])}")
-        wrong = tensor & (
-            (t["head"] >= heads[of]) | (width != dims[of, side]) | (t["dtype"] != dtype_codes[of])
-        )
-        if wrong.any():
-            raise CorruptFileError(
-                f"chunk of layer {int(layer[wrong][0])} disagrees with the layer's heads, dims or dtype"
-            )
 
     def prefetch(self, chunks: list[int]) -> None:
         """Announce chunks about to be read (remote sources fetch them in few requests)."""
