@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,94 +133,96 @@ def _rotating_positions(offset: int, held: int, keep: int) -> np.ndarray:
     return np.concatenate([np.arange(keep), np.arange(offset - tail, offset)]).astype(np.int64)
 
 
-_KV_CLASSES = frozenset(
-    {
-        "KVCache",
-        "ConcatenateKVCache",
-        "RotatingKVCache",
-        "ChunkedKVCache",
-        "QuantizedKVCache",
-        "BatchKVCache",
-        "BatchRotatingKVCache",
-    }
-)
-
-
 def read_layer(cache: Any) -> LayerKV:
-    """The K/V one mlx-lm cache object holds, for any cache class mlx-lm defines."""
+    """The K/V one mlx-lm cache object holds, for any cache class mlx-lm defines (`CACHE_CLASSES`)."""
     name = type(cache).__name__
-    attributes: dict[str, Any] = {"cache_class": name}
-    if name == "ArraysCache":
-        # Recurrent (SSM / linear-attention) state: not K/V. Recorded as an absent layer.
-        return LayerKV(attributes={**attributes, "kind": "recurrent"}, present=False)
-    if name == "CacheList":
-        inner = [type(c).__name__ for c in cache.caches]
-        kv = [i for i, c in enumerate(inner) if c in _KV_CLASSES]
-        if len(kv) != 1:
-            raise UnsupportedModelError(
-                f"CacheList of {inner}: exactly one K/V cache per layer can be captured, found {len(kv)}"
-            )
-        layer = read_layer(cache.caches[kv[0]])
-        layer.attributes.update(
-            {
-                "cache_class": "CacheList",
-                "sub_caches": inner,
-                "kv_sub_cache": kv[0],
-                "inner_cache_class": inner[kv[0]],
-                "not_stored": [c for i, c in enumerate(inner) if i != kv[0]],
-            }
-        )
-        return layer
-    if name not in _KV_CLASSES:
+    kind = CACHE_CLASSES.get(name)
+    if kind is None:
         raise UnsupportedModelError(f"cache class {name} is not supported by kvsnap capture")
-    if getattr(cache, "keys", None) is None:
+    attributes: dict[str, Any] = {"cache_class": name}
+    if kind.holds_kv and getattr(cache, "keys", None) is None:  # nothing cached yet
         return LayerKV(attributes={**attributes, "kind": "full"}, present=True)
-    if name in ("KVCache", "ConcatenateKVCache"):
-        offset = int(cache.offset)
-        keys, values = cache.keys[..., :offset, :], cache.values[..., :offset, :]
-        return _split(keys, values, np.arange(offset, dtype=np.int64), {**attributes, "kind": "full"})
-    if name == "RotatingKVCache":
-        keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
-        held = min(int(keys.shape[2]), int(cache.offset))
-        keys, values = keys[..., :held, :], values[..., :held, :]
-        positions = _rotating_positions(int(cache.offset), held, int(cache.keep))
-        attrs = {**attributes, "kind": "sliding", "window": int(cache.max_size), "keep": int(cache.keep)}
-        return _split(keys, values, positions, attrs)
-    if name == "ChunkedKVCache":
-        start, end = int(cache.start_position), int(cache.offset)
-        keys, values = cache.keys[..., : end - start, :], cache.values[..., : end - start, :]
-        attrs = {**attributes, "kind": "chunked", "chunk_size": int(cache.chunk_size)}
-        return _split(keys, values, np.arange(start, end, dtype=np.int64), attrs)
-    if name == "QuantizedKVCache":
-        offset = int(cache.offset)
-        quant = Quantization(int(cache.bits), int(cache.group_size))
-        if quant.bits not in QUANT_BITS:
-            raise UnsupportedModelError(f"QuantizedKVCache with {quant.bits} bits; supported: {QUANT_BITS}")
-        k_parts = [to_numpy(x) for x in _evaluated(_host_ready(x[..., :offset, :]) for x in cache.keys)]
-        v_parts = [to_numpy(x) for x in _evaluated(_host_ready(x[..., :offset, :]) for x in cache.values)]
-        batch = k_parts[0].shape[0]
-        positions = np.arange(offset, dtype=np.int64)
-        return LayerKV(
-            [tuple(x[b] for x in k_parts) for b in range(batch)],
-            [tuple(x[b] for x in v_parts) for b in range(batch)],
-            [positions] * batch,
-            {**attributes, "kind": "full"},
-            quantization=quant,
+    return kind.read(cache, attributes)
+
+
+def _read_recurrent(cache: Any, attributes: dict[str, Any]) -> LayerKV:
+    """Recurrent (SSM / linear-attention) state: not K/V. Recorded as an absent layer."""
+    return LayerKV(attributes={**attributes, "kind": "recurrent"}, present=False)
+
+
+def _read_cache_list(cache: Any, attributes: dict[str, Any]) -> LayerKV:
+    """The one K/V cache of a CacheList, the others named in the attributes."""
+    inner = [type(c).__name__ for c in cache.caches]
+    kv = [i for i, c in enumerate(inner) if c in CACHE_CLASSES and CACHE_CLASSES[c].holds_kv]
+    if len(kv) != 1:
+        raise UnsupportedModelError(
+            f"CacheList of {inner}: exactly one K/V cache per layer can be captured, found {len(kv)}"
         )
-    if name == "BatchKVCache":
-        mx.eval(cache.keys, cache.values, cache.left_padding)
-        end = int(cache._idx)
-        padding = np.asarray(cache.left_padding).tolist()
-        k, v = to_numpy(cache.keys[..., :end, :]), to_numpy(cache.values[..., :end, :])
-        out = LayerKV(attributes={**attributes, "kind": "full", "left_padding": padding})
-        for b, pad in enumerate(padding):
-            out.k.append(k[b, :, pad:end])
-            out.v.append(v[b, :, pad:end])
-            out.positions.append(np.arange(end - pad, dtype=np.int64))
-        return out
-    if name == "BatchRotatingKVCache":
-        return _read_batch_rotating(cache, attributes)
-    raise UnsupportedModelError(f"cache class {name} is not supported by kvsnap capture")
+    layer = read_layer(cache.caches[kv[0]])
+    layer.attributes.update(
+        {
+            "cache_class": "CacheList",
+            "sub_caches": inner,
+            "kv_sub_cache": kv[0],
+            "inner_cache_class": inner[kv[0]],
+            "not_stored": [c for i, c in enumerate(inner) if i != kv[0]],
+        }
+    )
+    return layer
+
+
+def _read_full(cache: Any, attributes: dict[str, Any]) -> LayerKV:
+    offset = int(cache.offset)
+    keys, values = cache.keys[..., :offset, :], cache.values[..., :offset, :]
+    return _split(keys, values, np.arange(offset, dtype=np.int64), {**attributes, "kind": "full"})
+
+
+def _read_rotating(cache: Any, attributes: dict[str, Any]) -> LayerKV:
+    keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+    held = min(int(keys.shape[2]), int(cache.offset))
+    keys, values = keys[..., :held, :], values[..., :held, :]
+    positions = _rotating_positions(int(cache.offset), held, int(cache.keep))
+    attrs = {**attributes, "kind": "sliding", "window": int(cache.max_size), "keep": int(cache.keep)}
+    return _split(keys, values, positions, attrs)
+
+
+def _read_chunked(cache: Any, attributes: dict[str, Any]) -> LayerKV:
+    start, end = int(cache.start_position), int(cache.offset)
+    keys, values = cache.keys[..., : end - start, :], cache.values[..., : end - start, :]
+    attrs = {**attributes, "kind": "chunked", "chunk_size": int(cache.chunk_size)}
+    return _split(keys, values, np.arange(start, end, dtype=np.int64), attrs)
+
+
+def _read_quantized(cache: Any, attributes: dict[str, Any]) -> LayerKV:
+    offset = int(cache.offset)
+    quant = Quantization(int(cache.bits), int(cache.group_size))
+    if quant.bits not in QUANT_BITS:
+        raise UnsupportedModelError(f"QuantizedKVCache with {quant.bits} bits; supported: {QUANT_BITS}")
+    k_parts = [to_numpy(x) for x in _evaluated(_host_ready(x[..., :offset, :]) for x in cache.keys)]
+    v_parts = [to_numpy(x) for x in _evaluated(_host_ready(x[..., :offset, :]) for x in cache.values)]
+    batch = k_parts[0].shape[0]
+    positions = np.arange(offset, dtype=np.int64)
+    return LayerKV(
+        [tuple(x[b] for x in k_parts) for b in range(batch)],
+        [tuple(x[b] for x in v_parts) for b in range(batch)],
+        [positions] * batch,
+        {**attributes, "kind": "full"},
+        quantization=quant,
+    )
+
+
+def _read_batch(cache: Any, attributes: dict[str, Any]) -> LayerKV:
+    """Each sequence of a BatchKVCache without its left padding."""
+    mx.eval(cache.keys, cache.values, cache.left_padding)
+    end = int(cache._idx)
+    padding = np.asarray(cache.left_padding).tolist()
+    k, v = to_numpy(cache.keys[..., :end, :]), to_numpy(cache.values[..., :end, :])
+    out = LayerKV(attributes={**attributes, "kind": "full", "left_padding": padding})
+    for b, pad in enumerate(padding):
+        out.k.append(k[b, :, pad:end])
+        out.v.append(v[b, :, pad:end])
+        out.positions.append(np.arange(end - pad, dtype=np.int64))
+    return out
 
 
 def _read_batch_rotating(cache: Any, attributes: dict[str, Any]) -> LayerKV:
@@ -246,11 +249,9 @@ def _read_batch_rotating(cache: Any, attributes: dict[str, Any]) -> LayerKV:
 
 
 def build_cache(layer: LayerKV) -> Any:
-    """A live mlx-lm cache holding ``layer`` (the inverse of `read_layer`)."""
-    from mlx_lm.models import cache as cache_module
-
+    """A live mlx-lm cache holding ``layer`` (the inverse of `read_layer`; `CACHE_CLASSES` says
+    which classes can be rebuilt)."""
     name = layer.attributes.get("cache_class", "KVCache")
-    cache: Any
     if name == "CacheList":
         raise UnsupportedModelError(
             f"this layer's CacheList also held {layer.attributes.get('not_stored')}, which a snapshot "
@@ -265,44 +266,101 @@ def build_cache(layer: LayerKV) -> Any:
         raise UnsupportedModelError("layer without sequences cannot be restored")
     if any(not np.array_equal(p, layer.positions[0]) for p in layer.positions):
         raise UnsupportedModelError("sequences of a batch hold different positions; restore one sequence")
+    if layer.quantization is not None:
+        name = "QuantizedKVCache"  # whatever class wrote it: quantized data goes back quantized
+    kind = CACHE_CLASSES.get(name)
+    if kind is None or kind.build is None:
+        raise UnsupportedModelError(f"restoring cache class {name} is not supported")
+    return kind.build(layer, name)
+
+
+def _positions_from_zero(layer: LayerKV, name: str) -> int:
+    """The token count of a layer that must hold positions 0..n-1 (UnsupportedModelError if not)."""
     positions = layer.positions[0]
     n = int(positions.size)
-    offset = int(positions[-1]) + 1 if n else 0
-    if layer.quantization is not None:
-        if not np.array_equal(positions, np.arange(n)):
-            raise UnsupportedModelError("QuantizedKVCache needs positions 0..n-1; this layer holds others")
-        cache = cache_module.QuantizedKVCache(
-            group_size=layer.quantization.group_size, bits=layer.quantization.bits
+    if not np.array_equal(positions, np.arange(n)):
+        raise UnsupportedModelError(f"{name} needs positions 0..n-1; this layer holds others")
+    return n
+
+
+def _stacked(tensors: list[Any]) -> mx.array:
+    return to_mlx(np.stack([np.asarray(x) for x in tensors]))
+
+
+def _build_quantized(layer: LayerKV, name: str) -> Any:
+    from mlx_lm.models import cache as cache_module
+
+    n = _positions_from_zero(layer, name)
+    assert layer.quantization is not None
+    quantization = layer.quantization
+    cache = cache_module.QuantizedKVCache(group_size=quantization.group_size, bits=quantization.bits)
+    if n:
+        keys, values = (
+            tuple(to_mlx(np.stack([np.asarray(parts[j]) for parts in group])) for j in range(3))
+            for group in (layer.k, layer.v)
         )
-        if n:
-            cache.keys, cache.values = (
-                tuple(to_mlx(np.stack([np.asarray(parts[j]) for parts in group])) for j in range(3))
-                for group in (layer.k, layer.v)
-            )
-        cache.offset = n
-        return cache
-    keys = to_mlx(np.stack([np.asarray(k) for k in layer.k]))
-    values = to_mlx(np.stack([np.asarray(v) for v in layer.v]))
-    if name in ("KVCache", "ConcatenateKVCache"):
-        if not np.array_equal(positions, np.arange(n)):
-            raise UnsupportedModelError(f"{name} needs positions 0..n-1; this layer holds others")
-        cache = getattr(cache_module, name)()
-        if n:
-            cache.keys, cache.values, cache.offset = keys, values, n
-        return cache
-    if name == "RotatingKVCache":
-        window, keep = int(layer.attributes["window"]), int(layer.attributes.get("keep", 0))
-        cache = cache_module.RotatingKVCache(max_size=window, keep=keep)
-        if n:
-            expected = _rotating_positions(offset, n, keep)
-            if not np.array_equal(positions, expected):
-                raise UnsupportedModelError("rotating layer positions are not keep-prefix + window")
-            cache.keys, cache.values, cache.offset, cache._idx = keys, values, offset, n
-        return cache
-    if name == "ChunkedKVCache":
-        cache = cache_module.ChunkedKVCache(int(layer.attributes["chunk_size"]))
-        if n:
-            cache.keys, cache.values, cache.offset = keys, values, offset
-            cache.start_position = int(positions[0])
-        return cache
-    raise UnsupportedModelError(f"restoring cache class {name} is not supported")
+        cache.keys, cache.values = keys, values  # type: ignore[assignment]
+    cache.offset = n
+    return cache
+
+
+def _build_full(layer: LayerKV, name: str) -> Any:
+    from mlx_lm.models import cache as cache_module
+
+    n = _positions_from_zero(layer, name)
+    cache = getattr(cache_module, name)()
+    if n:
+        cache.keys, cache.values, cache.offset = _stacked(layer.k), _stacked(layer.v), n
+    return cache
+
+
+def _build_rotating(layer: LayerKV, name: str) -> Any:
+    from mlx_lm.models import cache as cache_module
+
+    positions = layer.positions[0]
+    n = int(positions.size)
+    window, keep = int(layer.attributes["window"]), int(layer.attributes.get("keep", 0))
+    cache = cache_module.RotatingKVCache(max_size=window, keep=keep)
+    if n:
+        offset = int(positions[-1]) + 1
+        if not np.array_equal(positions, _rotating_positions(offset, n, keep)):
+            raise UnsupportedModelError("rotating layer positions are not keep-prefix + window")
+        cache.keys, cache.values = _stacked(layer.k), _stacked(layer.v)
+        cache.offset, cache._idx = offset, n
+    return cache
+
+
+def _build_chunked(layer: LayerKV, name: str) -> Any:
+    from mlx_lm.models import cache as cache_module
+
+    positions = layer.positions[0]
+    cache = cache_module.ChunkedKVCache(int(layer.attributes["chunk_size"]))
+    if positions.size:
+        cache.keys, cache.values = _stacked(layer.k), _stacked(layer.v)
+        cache.offset, cache.start_position = int(positions[-1]) + 1, int(positions[0])
+    return cache
+
+
+@dataclass(frozen=True)
+class CacheClass:
+    """How kvsnap handles one mlx-lm cache class: ``read`` it into a `LayerKV` (given the class
+    attributes), ``build`` one back from a `LayerKV` (None: captured but not restorable), and
+    whether it ``holds_kv`` (a K/V cache, as opposed to recurrent state or a list of caches)."""
+
+    read: Callable[[Any, dict[str, Any]], LayerKV]
+    build: Callable[[LayerKV, str], Any] | None
+    holds_kv: bool = True
+
+
+CACHE_CLASSES: dict[str, CacheClass] = {
+    "KVCache": CacheClass(_read_full, _build_full),
+    "ConcatenateKVCache": CacheClass(_read_full, _build_full),
+    "RotatingKVCache": CacheClass(_read_rotating, _build_rotating),
+    "ChunkedKVCache": CacheClass(_read_chunked, _build_chunked),
+    "QuantizedKVCache": CacheClass(_read_quantized, _build_quantized),
+    "BatchKVCache": CacheClass(_read_batch, None),  # restore one sequence of it instead
+    "BatchRotatingKVCache": CacheClass(_read_batch_rotating, None),
+    "ArraysCache": CacheClass(_read_recurrent, None, holds_kv=False),
+    "CacheList": CacheClass(_read_cache_list, None, holds_kv=False),
+}
+"""Every mlx-lm cache class kvsnap captures, by class name: the one place to add a class."""
