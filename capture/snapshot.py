@@ -73,29 +73,24 @@ class KVSnapshot:
     def save(self, path: str | os.PathLike[str], codec: str = "raw", durable: bool = True) -> None:
         """Write this snapshot as a one-snapshot `.kv` file (streamed head by head, no copy);
         ``durable=False`` skips the fsyncs."""
-        writer = kvformat.Writer(
+        # One call for the whole cache: strided heads (mlx-lm keeps V as a strided view) are
+        # gathered and checksummed on the writer's helper thread while earlier ones are written.
+        kvformat.write_snapshot(
             path,
             self.layer_specs(),
-            num_seqs=self.num_seqs,
-            metadata=self.metadata,
-            codec=codec,
-            durable=durable,
-        )
-        try:
-            # One call for the whole cache: strided heads (mlx-lm keeps V as a strided view) are
-            # gathered and checksummed on the writer's helper thread while earlier ones are written.
-            writer.append_many(
+            (
                 (index, data.k[seq], data.v[seq], data.positions[seq], seq)
                 for index, data in enumerate(self.layers)
                 if data.present and data.k
                 for seq in range(len(data.k))
-            )
-            arrays = {"last_logits": self.last_logits} if self.last_logits is not None else None
-            writer.snapshot(self.snapshot_metadata, arrays=arrays)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
+            ),
+            num_seqs=self.num_seqs,
+            metadata=self.metadata,
+            snapshot_metadata=self.snapshot_metadata,
+            arrays={"last_logits": self.last_logits} if self.last_logits is not None else None,
+            codec=codec,
+            durable=durable,
+        )
 
 
 def snapshot_kv(

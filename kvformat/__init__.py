@@ -34,7 +34,8 @@ from kvformat.manifest import LayerSpec
 from kvformat.mlxkv import ImportReport, import_mlxkv
 from kvformat.reader import Head, Segment, Snapshot, VerifyReport, open
 from kvformat.recover import RecoverReport, recover
-from kvformat.writer import Layer, Writer, save
+from kvformat.saving import Layer, save, write_snapshot
+from kvformat.writer import Writer
 
 __version__ = "0.1.0"
 FORMAT_VERSION = (MAJOR, MINOR)
@@ -72,4 +73,5 @@ __all__ = [
     "open",
     "recover",
     "save",
+    "write_snapshot",
 ]

@@ -16,7 +16,9 @@ import numpy as np
 
 from kvformat import reader
 from kvformat.checksum import crc32c, crc32c_rows, crc32c_slices
+from kvformat.durability import fsync_directory
 from kvformat.errors import KVFormatError, TruncatedFileError
+from kvformat.index import index_bytes
 from kvformat.layout import (
     DESCRIPTOR_DTYPE,
     DESCRIPTOR_SIZE,
@@ -33,7 +35,6 @@ from kvformat.layout import (
 from kvformat.manifest import Manifest, loads, parse_manifest
 from kvformat.series import COUNT, HEAD, LAYER, POSITION, SEQ, Chain, Entry, parse_entry
 from kvformat.source import MmapSource
-from kvformat.writer import fsync_directory, index_bytes
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,9 @@ from kvformat import codecs, dtypes
 from kvformat.checksum import crc32c, crc32c_many, crc32c_rows
 from kvformat.codecs import BytesLike, Codec
 from kvformat.dtypes import DType
+from kvformat.durability import fsync_directory
 from kvformat.errors import OutOfRangeError
+from kvformat.index import index_bytes
 from kvformat.layout import (
     ALIGN,
     DESCRIPTOR_DTYPE,
@@ -34,13 +36,11 @@ from kvformat.layout import (
     MAX_CHUNK_DECODED,
     MAX_POSITION,
     Descriptor,
-    Footer,
     align,
     pack_header,
 )
 from kvformat.manifest import LayerSpec, Manifest, check_head_sequences, dumps
 from kvformat.series import (
-    APPEND_CHUNKS,
     CHUNK,
     COUNT,
     HEAD,
@@ -650,45 +650,16 @@ class Writer:
     def _layer_rows(
         self, layer: int, spec: LayerSpec, k: Any, v: Any
     ) -> tuple[list[tuple[int, np.ndarray, np.ndarray]], int]:
-        """Per head ``(head, k_rows, v_rows)`` as stored before the codec, and the token count."""
-        if spec.quantization is not None:
-            for name, parts in (("k", k), ("v", v)):
-                if not isinstance(parts, tuple | list) or len(parts) != 3:
-                    raise TypeError(f"layer {layer} {name}: a quantized layer takes (packed, scales, biases)")
-            k_parts, v_parts = [np.asarray(p) for p in k], [np.asarray(p) for p in v]
-            if any(p.ndim != 3 or p.shape[0] != spec.num_heads for p in k_parts + v_parts):
-                raise ValueError(
-                    f"layer {layer}: quantized parts must be (num_heads={spec.num_heads}, n_tokens, ...)"
-                )
-            heads = [
-                (
-                    h,
-                    self._stored_rows(
-                        spec, f"layer {layer} head {h} k", tuple(p[h] for p in k_parts), spec.k_dim
-                    ),
-                    self._stored_rows(
-                        spec, f"layer {layer} head {h} v", tuple(p[h] for p in v_parts), spec.v_dim
-                    ),
-                )
-                for h in range(spec.num_heads)
-            ]
-            if heads[0][1].shape[0] != heads[0][2].shape[0]:
-                raise ValueError(
-                    f"layer {layer}: k has {heads[0][1].shape[0]} tokens, v has {heads[0][2].shape[0]}"
-                )
-            return heads, heads[0][1].shape[0]
-        assert spec.dtype is not None
-        k_array, v_array = np.asarray(k), np.asarray(v)
-        count = k_array.shape[1] if k_array.ndim == 3 else -1
-        for name, array, dim in (("k", k_array, spec.k_dim), ("v", v_array, spec.v_dim)):
-            expected = (spec.num_heads, count, dim)
-            if array.shape != expected:
-                raise ValueError(f"layer {layer} {name} must have shape {expected}, got {array.shape}")
-            if array.dtype != spec.dtype.numpy:
-                raise TypeError(
-                    f"layer {layer} {name} is {array.dtype} but the layer is {spec.dtype.name}; convert first"
-                )
-        return [(h, k_array[h], v_array[h]) for h in range(spec.num_heads)], count
+        """Per head ``(head, k_rows, v_rows)`` as stored before the codec, and the token count;
+        ``k``/``v`` ``(num_heads, n_tokens, dim)``, or ``(packed, scales, biases)`` with that
+        leading shape for a quantized layer. Checked once for the whole layer."""
+        heads = (spec.num_heads,)
+        k_rows = _rows_of(spec, f"layer {layer} k", k, spec.k_dim, heads)
+        v_rows = _rows_of(spec, f"layer {layer} v", v, spec.v_dim, heads)
+        count = k_rows[0].shape[0] if spec.num_heads else 0
+        if spec.num_heads and v_rows[0].shape[0] != count:
+            raise ValueError(f"layer {layer}: k has {count} tokens, v has {v_rows[0].shape[0]}")
+        return [(h, k_rows[h], v_rows[h]) for h in range(spec.num_heads)], count
 
     def _parts(
         self,
@@ -724,32 +695,6 @@ class Writer:
             )
         ]
 
-    @staticmethod
-    def _stored_rows(spec: LayerSpec, where: str, data: Any, dim: int) -> np.ndarray:
-        """The rows exactly as stored before the codec: ``(n_tokens, ...)`` (C-contiguous for a
-        quantized layer; possibly strided otherwise)."""
-        assert spec.dtype is not None
-        if spec.quantization is None:
-            array = np.asarray(data)  # strided views are gathered chunk by chunk (`_prepare`)
-            if array.ndim != 2 or array.shape[1] != dim:
-                raise ValueError(f"{where} must have shape (n_tokens, {dim}), got {array.shape}")
-            if array.dtype != spec.dtype.numpy:
-                raise TypeError(f"{where} is {array.dtype} but the layer is {spec.dtype.name}; convert first")
-            return array
-        words, groups = spec.quantization.widths(dim)
-        if not isinstance(data, tuple | list) or len(data) != 3:
-            raise TypeError(f"{where}: a quantized layer takes (packed, scales, biases)")
-        packed, scales, biases = (np.asarray(p) for p in data)
-        n = packed.shape[0] if packed.ndim == 2 else -1
-        if packed.shape != (n, words) or packed.dtype != np.uint32:
-            raise ValueError(
-                f"{where}: packed must be uint32 (n_tokens, {words}), got {packed.dtype} {packed.shape}"
-            )
-        for name, part in (("scales", scales), ("biases", biases)):
-            if part.shape != (n, groups) or part.dtype != spec.dtype.numpy:
-                raise ValueError(f"{where}: {name} must be {spec.dtype.name} (n_tokens, {groups})")
-        return spec.quantization.join((packed, scales, biases))
-
     def append_head(self, layer: int, head: int, k: Any, v: Any, positions: Any, *, seq: int = 0) -> None:
         """Append tokens to one head: ``k`` ``(n_tokens, k_dim)``, ``v`` ``(n_tokens, v_dim)``
         (for a quantized layer, ``(packed, scales, biases)`` tuples)."""
@@ -759,8 +704,8 @@ class Writer:
         if not isinstance(head, int) or not 0 <= head < spec.num_heads:
             raise OutOfRangeError(f"head {head} out of range 0..{spec.num_heads - 1} in layer {layer}")
         where = f"layer {layer} head {head}"
-        k_rows = self._stored_rows(spec, f"{where} k", k, spec.k_dim)
-        v_rows = self._stored_rows(spec, f"{where} v", v, spec.v_dim)
+        k_rows = _rows_of(spec, f"{where} k", k, spec.k_dim, ())
+        v_rows = _rows_of(spec, f"{where} v", v, spec.v_dim, ())
         if k_rows.shape[0] != v_rows.shape[0]:
             raise ValueError(f"{where}: k has {k_rows.shape[0]} tokens, v has {v_rows.shape[0]}")
         pos = _as_positions(positions, k_rows.shape[0])
@@ -874,122 +819,44 @@ class Writer:
             self._pool.shutdown()
 
 
+def _rows_of(spec: LayerSpec, where: str, data: Any, dim: int, heads: tuple[int, ...]) -> np.ndarray:
+    """``data`` checked against the layer and returned as the rows stored before the codec,
+    ``(*heads, n_tokens, dim)`` in the layer's dtype (possibly strided: gathered chunk by chunk
+    in `Writer._prepare`), or for a quantized layer, from ``(packed, scales, biases)`` of leading
+    shape ``heads``, the joined rows ``(*heads, n_tokens, row_bytes)`` uint8. ``heads``: ``()``
+    for one head, ``(num_heads,)`` for a layer."""
+    assert spec.dtype is not None
+    leading = " x ".join(["num_heads"] * len(heads) + ["n_tokens"])
+    if spec.quantization is None:
+        array = np.asarray(data)
+        count = array.shape[len(heads)] if array.ndim == len(heads) + 2 else -1
+        if array.shape != (*heads, count, dim):
+            raise ValueError(f"{where} must have shape {(*heads, 'n_tokens', dim)}, got {array.shape}")
+        if array.dtype != spec.dtype.numpy:
+            raise TypeError(f"{where} is {array.dtype} but the layer is {spec.dtype.name}; convert first")
+        return array
+    if not isinstance(data, tuple | list) or len(data) != 3:
+        raise TypeError(f"{where}: a quantized layer takes (packed, scales, biases)")
+    words, groups = spec.quantization.widths(dim)
+    packed, scales, biases = (np.asarray(p) for p in data)
+    count = packed.shape[len(heads)] if packed.ndim == len(heads) + 2 else -1
+    if packed.shape != (*heads, count, words) or packed.dtype != np.uint32:
+        raise ValueError(
+            f"{where}: packed must be uint32 ({leading}, {words}), got {packed.dtype} {packed.shape}"
+        )
+    for name, part in (("scales", scales), ("biases", biases)):
+        if part.shape != (*heads, count, groups) or part.dtype != spec.dtype.numpy:
+            raise ValueError(
+                f"{where}: {name} must be {spec.dtype.name} ({leading}, {groups}), "
+                f"got {part.dtype} {part.shape}"
+            )
+    if not heads:
+        return spec.quantization.join((packed, scales, biases))
+    return np.stack([spec.quantization.join((packed[h], scales[h], biases[h])) for h in range(heads[0])])
+
+
 def _crc_of(pieces: list[BytesLike]) -> int:
     crc = 0
     for piece in pieces:
         crc = crc32c(piece, crc)
     return crc
-
-
-def index_bytes(
-    index_offset: int, table: Sequence[bytes], manifest: Manifest, snapshots: Sequence[Entry]
-) -> bytes:
-    """Chunk table, index JSON and footer for a file whose records end at ``index_offset``;
-    ``table``: the packed descriptors of every table chunk in chunk order, in blocks of any
-    number of 64-byte descriptors."""
-    joined = b"".join(table)
-    document = manifest.to_json()
-    if any(s.chunk_ranges.size for s in snapshots) and APPEND_CHUNKS not in manifest.required_features:
-        document["required_features"] = [*manifest.required_features, APPEND_CHUNKS]
-    index_json = dumps({"manifest": document, "snapshots": [s.to_json() for s in snapshots]})
-    crc = crc32c(index_json, crc32c(joined, crc32c(pack_header())))
-    footer = Footer(index_offset, len(joined) // DESCRIPTOR_SIZE, len(index_json), crc).pack()
-    return joined + index_json + footer
-
-
-def fsync_directory(path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-@dataclass
-class Layer:
-    """In-memory K/V of one layer for `save`.
-
-    ``k``: ``(num_heads, n_tokens, k_dim)`` for one sequence, ``(num_seqs, num_heads, n_tokens,
-    k_dim)`` for a batch, or a list of per-sequence ``(num_heads, n_i, k_dim)`` arrays (lengths may
-    differ). ``v`` likewise. ``positions``: ``(n_tokens,)``, one such array per sequence, or
-    ``None`` for ``0..n-1``.
-    """
-
-    k: Any
-    v: Any
-    positions: Any = None
-    attributes: dict[str, Any] | None = None
-
-
-def _per_sequence(value: Any) -> list[Any]:
-    if isinstance(value, list | tuple):
-        return list(value)
-    array = np.asarray(value)
-    return list(array) if array.ndim == 4 else [array]
-
-
-def save(
-    path: str | os.PathLike[str],
-    layers: Sequence[Layer | None],
-    *,
-    metadata: dict[str, Any] | None = None,
-    codec: str | Codec = "raw",
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    num_seqs: int | None = None,
-) -> None:
-    """Write in-memory K/V as a single-snapshot file. ``None`` entries are absent layers.
-
-    ``num_seqs`` defaults to what the arrays show (1 if every layer is absent).
-    """
-    specs: list[LayerSpec | None] = []
-    per_layer: list[tuple[list[Any], list[Any], list[Any]] | None] = []
-    for index, layer in enumerate(layers):
-        if layer is None:
-            specs.append(None)
-            per_layer.append(None)
-            continue
-        ks, vs = _per_sequence(layer.k), _per_sequence(layer.v)
-        if layer.positions is None:
-            positions: list[Any] = [None] * len(ks)
-        elif len(ks) == 1 and np.asarray(layer.positions).ndim == 1:
-            positions = [layer.positions]
-        else:
-            positions = list(layer.positions)
-        if not (len(ks) == len(vs) == len(positions)):
-            raise ValueError(f"layer {index}: k, v and positions disagree on the number of sequences")
-        if num_seqs is None:
-            num_seqs = len(ks)
-        elif num_seqs != len(ks):
-            raise ValueError(f"layer {index} has {len(ks)} sequences, earlier layers {num_seqs}")
-        first_k, first_v = np.asarray(ks[0]), np.asarray(vs[0])
-        if first_k.ndim != 3 or first_v.ndim != 3:
-            raise ValueError(f"layer {index}: k and v must be (num_heads, n_tokens, head_dim) per sequence")
-        specs.append(
-            LayerSpec(
-                num_heads=first_k.shape[0],
-                k_dim=first_k.shape[2],
-                v_dim=first_v.shape[2],
-                dtype=dtypes.from_numpy(first_k.dtype),
-                attributes=dict(layer.attributes or {}),
-            )
-        )
-        per_layer.append((ks, vs, positions))
-    writer = Writer(
-        path, specs, num_seqs=num_seqs or 1, metadata=metadata, codec=codec, chunk_bytes=chunk_bytes
-    )
-    try:
-        for index, data in enumerate(per_layer):
-            if data is None:
-                continue
-            for seq, (k, v, pos) in enumerate(zip(*data, strict=True)):
-                writer.append(index, k, v, pos, seq=seq)
-        writer.close()
-    except BaseException:
-        writer.abort()
-        raise

@@ -5,6 +5,7 @@ positions, bf16 and every codec; and its low-level write survives short writes."
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +129,60 @@ def test_bfloat16_strided_views_are_gathered(tmp_path: Path) -> None:
             assert got is not None
             assert got.k.tobytes() == np.ascontiguousarray(k[head]).tobytes()
             assert got.v.tobytes() == np.ascontiguousarray(k[head, ::-1]).tobytes()
+
+
+def _quantized_parts(rng: np.random.Generator, heads: int, tokens: int, dim: int) -> tuple[np.ndarray, ...]:
+    """4-bit, group 32: ``(packed (heads, tokens, dim/8) uint32, scales, biases (heads, tokens, dim/32))``."""
+    packed = rng.integers(0, 2**32, (heads, tokens, dim // 8), dtype=np.uint32)
+    scales = rng.standard_normal((heads, tokens, dim // 32)).astype(np.float16)
+    biases = rng.standard_normal((heads, tokens, dim // 32)).astype(np.float16)
+    return packed, scales, biases
+
+
+def test_quantized_layer_and_head_appends_store_the_parts_exactly(tmp_path: Path) -> None:
+    from kvformat.quantization import Quantization
+
+    rng = np.random.default_rng(5)
+    spec = kvformat.LayerSpec(2, 64, 64, kvformat.FLOAT16, quantization=Quantization(4, 32))
+    k, v = _quantized_parts(rng, 2, 10, 64), _quantized_parts(rng, 2, 10, 64)
+    k_more, v_more = _quantized_parts(rng, 1, 3, 64), _quantized_parts(rng, 1, 3, 64)
+    path = tmp_path / "q.kv"
+    with kvformat.Writer(path, [spec]) as writer:
+        writer.append(0, k, v)
+        writer.append_head(0, 1, tuple(p[0] for p in k_more), tuple(p[0] for p in v_more), np.arange(10, 13))
+    with kvformat.open(path) as snap:
+        stored = snap.quantized_head(0, 1)
+        assert stored is not None
+        (k_parts, v_parts, positions) = stored
+        assert positions.tolist() == list(range(13))
+        for got, whole, more in zip(k_parts + v_parts, k + v, k_more + v_more, strict=True):
+            np.testing.assert_array_equal(got, np.concatenate([whole[1], more[0]]))
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        (lambda parts: parts[:2], TypeError, "k: a quantized layer takes (packed, scales, biases)"),
+        (lambda parts: (parts[0].astype(np.int32), *parts[1:]), ValueError, "k: packed must be uint32"),
+        (lambda parts: (parts[0], parts[1].astype(np.float32), parts[2]), ValueError, "k: scales must be"),
+        (lambda parts: (parts[0], parts[1], parts[2][..., :1]), ValueError, "k: biases must be"),
+        (lambda parts: (parts[0][..., :1, :], *parts[1:]), ValueError, "k: scales must be"),
+    ],
+)
+def test_quantized_appends_are_checked_and_write_nothing_when_wrong(
+    tmp_path: Path, change: Any, error: type[Exception], message: str
+) -> None:
+    from kvformat.quantization import Quantization
+
+    rng = np.random.default_rng(6)
+    spec = kvformat.LayerSpec(2, 64, 64, kvformat.FLOAT16, quantization=Quantization(4, 32))
+    k, v = _quantized_parts(rng, 2, 5, 64), _quantized_parts(rng, 2, 5, 64)
+    path = tmp_path / "bad.kv"
+    with kvformat.Writer(path, [spec]) as writer:
+        with pytest.raises(error, match="layer 0 " + re.escape(message)):
+            writer.append(0, change(k), v)
+        with pytest.raises(error, match="layer 0 head 0 " + re.escape(message)):
+            writer.append_head(0, 0, change(tuple(p[0] for p in k)), tuple(p[0] for p in v), np.arange(5))
+        assert writer.next_position(0) == 0
+    with kvformat.open(path) as snap:
+        assert snap.seq_len == 0
