@@ -20,13 +20,12 @@ from kvsnap.analysis.files import (
     expand_paths,
     file_or_failure,
 )
-from kvsnap.analysis.parallel import cores, split_jobs
+from kvsnap.analysis.parallel import cores, local_map, split_jobs
 from kvsnap.analysis.stats import (
     HeadAccumulator,
     PassOptions,
     file_table,
     frame_of,
-    local_map,
     merged_accumulators,
     stat_groups,
 )

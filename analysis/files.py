@@ -17,7 +17,7 @@ from kvformat.remote import expand, is_url
 if TYPE_CHECKING:
     import polars as pl
 
-    from kvsnap.analysis.stats import PassOptions
+    from kvsnap.analysis.streaming import PassOptions
 
 Options = dict[str, Any]
 MergedKey = tuple[int, int, str]  # (layer, head, "k" | "v")

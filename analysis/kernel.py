@@ -28,6 +28,9 @@ import os
 
 import numpy as np
 
+from kvsnap.analysis.catalogue import BINS, LOG_HIGH, LOG_LOW
+from kvsnap.analysis.catalogue import QUANT_GROUP as GROUP
+
 try:
     import numba
 except ImportError:  # pragma: no cover - exercised where numba is absent
@@ -35,12 +38,15 @@ except ImportError:  # pragma: no cover - exercised where numba is absent
 
 AVAILABLE = numba is not None and os.environ.get("KVSNAP_KERNEL", "compiled") != "numpy"
 
-LOG_LOW, LOG_HIGH, BINS = -8.0, 8.0, 2048
-GROUP = 32
 ABS_MASK = np.int32(0x7FFFFFFF)
 
 # Flags (an int64 array, so one compiled version serves every selection).
 NORMS, CHANNELS, ROPE, MEAN, QUANT = range(5)
+FLAGS = 5
+
+# Slots of the ``scalars`` float64 array the kernel updates.
+NORM_SUM, SQUARE_SUM, NORM_MIN, NORM_MAX, FIRST_NORM_SUM, FIRST_COUNT = range(6)
+SCALARS = 6
 
 
 def _hist_bin(value: float) -> int:
@@ -98,7 +104,7 @@ def _row_pass(
             square_sum += v * v
         if not np.isfinite(square_sum):
             finite = False
-        scalars[1] += square_sum
+        scalars[SQUARE_SUM] += square_sum
         square_norms[i] = square_sum
         if flags[QUANT]:
             for j in range(dim):
@@ -135,9 +141,9 @@ def _row_pass(
                 band[p] += a * a + b * b
         if flags[NORMS]:
             norm = np.sqrt(square_sum)
-            scalars[0] += norm
-            scalars[2] = min(scalars[2], norm)
-            scalars[3] = max(scalars[3], norm)
+            scalars[NORM_SUM] += norm
+            scalars[NORM_MIN] = min(scalars[NORM_MIN], norm)
+            scalars[NORM_MAX] = max(scalars[NORM_MAX], norm)
             inverse = 1.0 / max(norm, 1e-30)
             for j in range(dim):
                 unit_sum[j] += row[j] * inverse
@@ -149,8 +155,8 @@ def _row_pass(
             else:
                 slot = 0
                 if position == 0:
-                    scalars[4] += norm
-                    scalars[5] += 1.0
+                    scalars[FIRST_NORM_SUM] += norm
+                    scalars[FIRST_COUNT] += 1.0
             position_count[slot] += 1
             position_norm[slot] += norm
     return finite
@@ -269,7 +275,8 @@ def _accumulate(
     ``positions`` ``(n_tokens,)``, for the groups ``flags`` selects, one tile of `GROUP` rows
     at a time (the row pass, then the quantization pass on the same tile).
 
-        ``scalars``: [sum ||x||, sum ||x||^2, min ||x||, max ||x||, sum ||x_0||, count of x_0];
+        ``scalars`` (`SCALARS`,): sum ||x||, sum ||x||^2, min ||x||, max ||x||, sum ||x_0||,
+        count of x_0 (slots `NORM_SUM` ... `FIRST_COUNT`);
         ``absmax_bits`` ``(dim,)`` int32: the float32 bits of each channel's max |x| so far;
         ``peak_bits`` ``(n_tokens,)`` int32 receives each row's max |x| as float32 bits, and
         ``peak_hist`` counts them (CHANNELS); ``sums`` ``(dim,)`` receives this piece's channel

@@ -1,7 +1,7 @@
 """The statistics of `HeadAccumulator.add` as mlx array operations (``backend="mlx"``): on mlx's
 default device, the Metal GPU of a Mac, an NVIDIA GPU with mlx's CUDA build, or the CPU.
 
-Per piece of rows (the CPU path's pieces of `_PIECE` rows, so quantization groups of tokens
+Per piece of rows (the CPU path's pieces of `accumulator.PIECE` rows, so quantization groups of tokens
 start at the same rows), one compiled mlx function computes on the device everything that
 touches every element: squared row norms and peaks, channel power sums up to the 4th order,
 channel absmax, the unit-vector sum, the Gram matrix of the rows (less their mean, massive rows
@@ -12,10 +12,10 @@ the Gram matrix of massive rows (few, added in float64) are numpy work on ``O(ro
 Pipelining: `add` converts the piece, starts its computation (``mx.async_eval``) and returns;
 the results are folded in at the accumulator's next `add`, or when its row or a merge needs
 them (`settle`), so the next block is read while the device works on this one. Device memory
-holds at most two pieces per accumulator in flight (`_PIECE` rows each, plus outputs).
+holds at most two pieces per accumulator in flight (`accumulator.PIECE` rows each, plus outputs).
 
 Precision (the CPU kernel sums in float64): sums run in float32 on the device, in pieces of at
-most `_PIECE` rows, then in float64 on the host; `tests/test_mlx_backend.py` holds every column
+most `accumulator.PIECE` rows, then in float64 on the host; `tests/test_mlx_backend.py` holds every column
 to the CPU kernel within `TOLERANCES`.
 """
 
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from kvsnap.analysis.stats import HeadAccumulator
+    from kvsnap.analysis.accumulator import HeadAccumulator
 
 _SPAN = 64  # rows summed together on the device before the next level
 
@@ -90,7 +90,8 @@ def _piece(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quan
     """The per-piece computation (uncompiled) for one selection of groups."""
     import mlx.core as mx
 
-    from kvsnap.analysis.stats import _HEAVY, QUANT_BITS, QUANT_GROUP
+    from kvsnap.analysis.accumulator import HEAVY
+    from kvsnap.analysis.catalogue import QUANT_BITS, QUANT_GROUP
 
     def column_sums(a: Any) -> Any:
         """Sums over rows in two levels of at most `_SPAN` terms (float32 rounding then grows
@@ -158,7 +159,7 @@ def _piece(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quan
             n = x.shape[0]
             ordered = mx.sort(sq)
             median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
-            light = (sq <= _HEAVY * median).astype(x.dtype)
+            light = (sq <= HEAVY * median).astype(x.dtype)
             weighted = x * light[:, None]
             light_sums = column_sums(weighted)
             center = light_sums / mx.maximum(light.sum(), 1.0)
@@ -188,7 +189,7 @@ Flags = tuple[bool, bool, bool, bool, bool, bool]
 
 def _flags(acc: HeadAccumulator, n: int) -> Flags:
     """The `_piece_function` selection for a piece of ``n`` rows of ``acc``."""
-    from kvsnap.analysis.stats import _GRAM_FLOAT64_ROWS
+    from kvsnap.analysis.accumulator import GRAM_FLOAT64_ROWS
 
     groups = acc.groups
     return (
@@ -196,18 +197,18 @@ def _flags(acc: HeadAccumulator, n: int) -> Flags:
         "channels" in groups,
         "rope" in groups and acc.band is not None,
         "channels" in groups or "spectrum" in groups,
-        "spectrum" in groups and n >= _GRAM_FLOAT64_ROWS,
+        "spectrum" in groups and n >= GRAM_FLOAT64_ROWS,
         "quant" in groups,
     )
 
 
 def _pieces(rows: np.ndarray, positions: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``rows`` in the CPU path's pieces (quantization groups of tokens start at the same rows)."""
-    from kvsnap.analysis.stats import _PIECE
+    from kvsnap.analysis.accumulator import PIECE
 
     positions = np.ascontiguousarray(positions, dtype=np.int64)
-    for start in range(0, rows.shape[0], _PIECE):
-        piece = rows[start : start + _PIECE]
+    for start in range(0, rows.shape[0], PIECE):
+        piece = rows[start : start + PIECE]
         if piece.shape[0]:
             yield piece, positions[start : start + piece.shape[0]]
 
@@ -380,7 +381,8 @@ def settle(acc: HeadAccumulator) -> None:
 def _fold(acc: HeadAccumulator, x: np.ndarray, pos: np.ndarray, out: dict[str, np.ndarray]) -> None:
     """Add one piece's device results ``out`` (host arrays) to ``acc``; ``x`` the piece as
     stored, ``pos`` its positions."""
-    from kvsnap.analysis import stats
+    from kvsnap.analysis import catalogue
+    from kvsnap.analysis.accumulator import float32_rows
 
     groups = acc.groups
     n = x.shape[0]
@@ -392,7 +394,7 @@ def _fold(acc: HeadAccumulator, x: np.ndarray, pos: np.ndarray, out: dict[str, n
         acc.norm_sum += float(norms.sum())
         acc.norm_min = min(acc.norm_min, float(norms.min()))
         acc.norm_max = max(acc.norm_max, float(norms.max()))
-        acc.norm_hist += np.bincount(stats._hist_index(norms), minlength=stats._BINS)
+        acc.norm_hist += np.bincount(catalogue.hist_index(norms), minlength=catalogue.BINS)
         acc.unit_sum += out["unit"]
         if pos[0] == 0:
             acc.first_norm_sum += float(norms[0])
@@ -400,33 +402,32 @@ def _fold(acc: HeadAccumulator, x: np.ndarray, pos: np.ndarray, out: dict[str, n
         bins = np.zeros(n, np.int64)
         positive = pos > 0
         bins[positive] = np.floor(np.log2(pos[positive].astype(np.float64))).astype(np.int64) + 1
-        np.minimum(bins, stats.POSITION_BINS - 1, out=bins)
-        acc.position_count += np.bincount(bins, minlength=stats.POSITION_BINS)
-        acc.position_norm += np.bincount(bins, weights=norms, minlength=stats.POSITION_BINS)
+        np.minimum(bins, catalogue.POSITION_BINS - 1, out=bins)
+        acc.position_count += np.bincount(bins, minlength=catalogue.POSITION_BINS)
+        acc.position_norm += np.bincount(bins, weights=norms, minlength=catalogue.POSITION_BINS)
     raw = _raw_powers(out["shift"], out["central"], n) if "central" in out else None
     if raw is not None and ("channels" in groups or "spectrum" in groups):
         acc.power[0] += raw[0]
     if "channels" in groups:
         assert raw is not None
         peaks = out["peaks"]
-        acc.peak_hist += np.bincount(stats._hist_index(peaks.astype(np.float64)), minlength=stats._BINS)
+        acc.peak_hist += np.bincount(catalogue.hist_index(peaks.astype(np.float64)), minlength=catalogue.BINS)
         acc.absmax = np.maximum(acc.absmax, out["absmax"])
         acc.power[1:] += raw[1:]
-        best = np.argpartition(peaks, n - stats.TOP_K)[n - stats.TOP_K :] if n > stats.TOP_K else range(n)
-        acc.top = sorted(acc.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[
-            : stats.TOP_K
-        ]
+        top_k = catalogue.TOP_K
+        best = np.argpartition(peaks, n - top_k)[n - top_k :] if n > top_k else range(n)
+        acc.top = sorted(acc.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[:top_k]
     if raw is not None and "rope" in groups and acc.band is not None and acc.rope is not None:
         first, second = acc.rope.pair_indices()
         acc.band += raw[1][first] + raw[1][second]
     if "spectrum" in groups:
         if "product" not in out:  # a small piece: float64 on the host, as the CPU path does
-            x64 = stats._float32(x).astype(np.float64)
+            x64 = float32_rows(x).astype(np.float64)
             acc.gram += x64.T @ x64
         else:
             heavy = out["light"] == 0
             if heavy.any():
-                big = stats._float32(x[heavy]).astype(np.float64)
+                big = float32_rows(x[heavy]).astype(np.float64)
                 acc.gram += big.T @ big
             acc.gram += out["product"]
             m = int(n - heavy.sum())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -91,3 +91,38 @@ class OrderedPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def local_map(function: Callable[..., Any], paths: Sequence[Any], jobs: int, *args: Any) -> Iterator[Any]:
+    """``function(path, *args)`` for each path, in order, in ``jobs`` spawned processes."""
+    if jobs <= 1 or len(paths) <= 1:
+        for path in paths:
+            yield function(path, *args)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
+    # One BLAS thread per worker (as Ray does): N processes x a spinning BLAS pool each would
+    # oversubscribe the cores. Workers inherit the environment when they are spawned (on submit).
+    saved = {name: os.environ.get(name) for name in _THREAD_VARIABLES}
+    os.environ.update(dict.fromkeys(_THREAD_VARIABLES, "1"))
+    try:
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context)
+        futures = [pool.submit(function, path, *args) for path in paths]
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    with pool:
+        try:
+            for future in futures:
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()

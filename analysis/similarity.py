@@ -222,8 +222,7 @@ def head_similarity(
     every core)."""
     import polars as pl
 
-    from kvsnap.analysis.parallel import cores
-    from kvsnap.analysis.stats import local_map
+    from kvsnap.analysis.parallel import cores, local_map
 
     files = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     processes = min(cores() if jobs is None else jobs, len(files))

@@ -73,10 +73,10 @@ elif mode.startswith("stats"):  # stats:GROUPS:JOBS[:BACKEND[:warm]]
 elif mode.startswith("mlx-compute"):  # mlx-compute:DIM:DTYPE: the device work alone, on one piece
     import mlx.core as mx
     from kvsnap.analysis import mlx_kernel
-    from kvsnap.analysis.stats import _PIECE
+    from kvsnap.analysis.accumulator import PIECE
     _, dim, dtype = mode.split(":")
     function = mlx_kernel._piece_function(True, True, True, True, True, True)
-    x = mx.random.normal((_PIECE, int(dim))).astype(getattr(mx, dtype))
+    x = mx.random.normal((PIECE, int(dim))).astype(getattr(mx, dtype))
     mx.eval(x)
     for _ in range(3):
         mx.eval(function(x.astype(mx.float32)))
@@ -86,12 +86,12 @@ elif mode.startswith("mlx-compute"):  # mlx-compute:DIM:DTYPE: the device work a
         mx.eval(function(x.astype(mx.float32)))
     seconds = (time.perf_counter() - start) / repeats
     device = str(mx.default_device())
-    print(json.dumps({"seconds": seconds, "bytes": _PIECE * int(dim) * x.itemsize, "device": device}))
+    print(json.dumps({"seconds": seconds, "bytes": PIECE * int(dim) * x.itemsize, "device": device}))
     sys.exit(0)
 elif mode == "gram":
     # The floor of statistics 7-8 alone: float64 Gram update of every block (BLAS), nothing else.
     import kvformat
-    from kvsnap.analysis.stats import _float32
+    from kvsnap.analysis.accumulator import float32_rows as _float32
     with kvformat.open(path) as snap:
         for block in snap.blocks():
             for rows in (block.k, block.v):

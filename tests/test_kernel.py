@@ -71,7 +71,7 @@ def test_statistics_stream_layer_by_layer(tmp_path: Path, monkeypatch: pytest.Mo
     """stats_for_file yields a layer's table once the pass is past its last chunk, having made
     accumulators for that layer only; a series file (layers interleaved) gives the same rows."""
     import kvformat
-    from kvsnap.analysis import stats
+    from kvsnap.analysis import stats, streaming
     from tests.conftest import write_series
 
     rng = np.random.default_rng(3)
@@ -84,7 +84,7 @@ def test_statistics_stream_layer_by_layer(tmp_path: Path, monkeypatch: pytest.Mo
             made.append(self)
             super().__post_init__()
 
-    monkeypatch.setattr(stats, "HeadAccumulator", Counting)
+    monkeypatch.setattr(streaming, "HeadAccumulator", Counting)
     tables = stats.stats_for_file(tmp_path / "layers.kv")
     first = next(tables)
     assert set(first["layer"].to_pylist()) == {0} and len(made) == 2 * 2  # 2 heads x K/V

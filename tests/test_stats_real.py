@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsnap.analysis import kernel, stats
+from kvsnap.analysis import accumulator, kernel
 from kvsnap.analysis.stats import GROUPS, stats_rows
 
 pytestmark = pytest.mark.network  # both fixture models
@@ -19,7 +19,7 @@ def test_fused_kernel_is_within_1e_5_of_the_float64_reference(
     real_capture: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert kernel.AVAILABLE
-    monkeypatch.setattr(stats, "_GRAM_FLOAT64_ROWS", 64)  # the float32 Gram on every head
+    monkeypatch.setattr(accumulator, "GRAM_FLOAT64_ROWS", 64)  # the float32 Gram on every head
     compiled = stats_rows(real_capture)
     monkeypatch.setattr(kernel, "AVAILABLE", False)
     reference = stats_rows(real_capture)

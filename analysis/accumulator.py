@@ -1,0 +1,397 @@
+"""`HeadAccumulator`: the mergeable sums of one (sequence, layer, head, tensor) and the
+statistics computed from them.
+
+An accumulator holds sums only (moments, a Gram matrix, histograms, a top-k list), so memory is
+bounded by ``head_dim^2`` per head, never by the number of tokens, and accumulators of different
+chunks or files merge exactly. `add` runs the fused compiled kernel (`analysis.kernel`), the
+numpy reference, or mlx (`analysis.mlx_kernel`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvsnap.analysis import kernel
+from kvsnap.analysis.catalogue import (
+    ALL,
+    BINS,
+    LEVELS,
+    POSITION_BINS,
+    QUANT_BITS,
+    RANKS,
+    TOP_K,
+    hist_index,
+    hist_quantile,
+    quant_error,
+    stat_groups,
+)
+from kvsnap.analysis.eigen import eigenvalues
+from kvsnap.analysis.rope import Rope
+
+PIECE = 1 << 13  # rows per kernel call: bounds the float32 copy of a piece
+_NO_PAIRS = np.empty(0, np.int64)
+_NO_BAND = np.empty(0)
+_GRAM_ROWS = 512  # rows per float32 product: its rounding grows with them
+GRAM_FLOAT64_ROWS = 512  # fewer rows than this: the Gram update in float64
+HEAVY = 16.0  # squared norm over the piece's median: a row the Gram adds in float64
+
+
+def float32_rows(rows: np.ndarray) -> np.ndarray:
+    """``rows`` as a C-contiguous float32 array: a view for float32, else one conversion
+    (bfloat16 by shifting its bits into the high half of a float32)."""
+    if rows.dtype == np.float32:
+        return np.ascontiguousarray(rows)
+    if rows.dtype.name == "bfloat16":
+        bits = np.ascontiguousarray(rows).view(np.uint16).astype(np.uint32)
+        bits <<= 16
+        return bits.view(np.float32)
+    return np.ascontiguousarray(rows, dtype=np.float32)
+
+
+@dataclass
+class HeadAccumulator:
+    """Mergeable sums for one (sequence, layer, head, tensor) over vectors of ``dim`` channels,
+    for the statistic ``groups`` (see `GROUPS`; all by default)."""
+
+    dim: int
+    rope: Rope | None = None
+    groups: frozenset[str] = ALL
+    count: int = 0
+    norm_sum: float = 0.0
+    norm_sq_sum: float = 0.0
+    norm_min: float = float("inf")
+    norm_max: float = float("-inf")
+    norm_hist: np.ndarray = field(default_factory=lambda: np.zeros(BINS, np.int64))
+    peak_hist: np.ndarray = field(default_factory=lambda: np.zeros(BINS, np.int64))
+    power: np.ndarray = field(init=False)  # (4, dim) sums of x, x^2, x^3, x^4
+    absmax: np.ndarray = field(init=False)
+    gram: np.ndarray = field(init=False)  # (dim, dim) sum of x x^T
+    unit_sum: np.ndarray = field(init=False)
+    band: np.ndarray | None = field(init=False)
+    first_norm_sum: float = 0.0  # ||x|| at position 0, summed over the sequences that hold it
+    first_count: int = 0
+    position_count: np.ndarray = field(default_factory=lambda: np.zeros(POSITION_BINS, np.int64))
+    position_norm: np.ndarray = field(default_factory=lambda: np.zeros(POSITION_BINS))
+    top: list[tuple[float, int]] = field(default_factory=list)
+    quant_token: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
+    quant_channel: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
+    backend: str = "cpu"  # "cpu": the compiled kernel (or numpy); "mlx": mlx on its default device
+    _pending: Any = field(default=None, init=False, repr=False, compare=False)  # mlx: a piece in flight
+    _row: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+    _flag_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.groups = stat_groups(self.groups)
+        self.power = np.zeros((4, self.dim))
+        self.absmax = np.zeros(self.dim)
+        self.gram = np.zeros((self.dim, self.dim))
+        self.unit_sum = np.zeros(self.dim)
+        self.band = np.zeros(self.rope.dims // 2) if self.rope is not None else None
+
+    def add(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        """Add ``rows`` ``(n_tokens, dim)`` at absolute ``positions`` ``(n_tokens,)``: the fused
+        compiled kernel (`analysis.kernel`) where numba is installed, else numpy; with
+        ``backend="mlx"``, mlx on its default device (`analysis.mlx_kernel`)."""
+        self._row = None
+        if self.backend == "mlx":
+            from kvsnap.analysis import mlx_kernel
+
+            mlx_kernel.add(self, rows, positions)
+        elif kernel.AVAILABLE:
+            self._add_compiled(rows, positions)
+        else:
+            self._add_numpy(rows, positions)
+
+    def _flags(self) -> np.ndarray:
+        if self._flag_array is not None:
+            return self._flag_array
+        flags = self._flag_array = np.zeros(kernel.FLAGS, np.int64)
+        flags[kernel.NORMS] = "norms" in self.groups
+        flags[kernel.CHANNELS] = "channels" in self.groups
+        flags[kernel.ROPE] = "rope" in self.groups and self.band is not None
+        flags[kernel.MEAN] = "channels" in self.groups or "spectrum" in self.groups
+        flags[kernel.QUANT] = "quant" in self.groups
+        return flags
+
+    def _add_compiled(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        # Few Python-level calls per piece: with many threads, what holds the GIL sets the pace.
+        if self.band is not None and self.rope is not None:
+            first, second = self.rope.pair_indices()
+            band = self.band
+        else:
+            first = second = _NO_PAIRS
+            band = _NO_BAND
+        flags = self._flags()
+        channels, spectrum = "channels" in self.groups, "spectrum" in self.groups
+        scalars = np.zeros(kernel.SCALARS)
+        scalars[kernel.NORM_MIN], scalars[kernel.NORM_MAX] = self.norm_min, self.norm_max
+        absmax_bits = np.zeros(self.dim, np.int32)
+        sums = np.zeros(self.dim)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        for start in range(0, rows.shape[0], PIECE):
+            x = float32_rows(rows[start : start + PIECE])
+            n = x.shape[0]
+            if not n:
+                continue
+            pos = positions[start : start + n]
+            peak_bits = np.empty(n, np.int32)
+            square_norms = np.empty(n)
+            sums[:] = 0.0
+            kernel.accumulate(
+                x=x,
+                bits=x.view(np.int32),
+                positions=pos,
+                first=first,
+                second=second,
+                levels=LEVELS,
+                flags=flags,
+                scalars=scalars,
+                norm_hist=self.norm_hist,
+                peak_hist=self.peak_hist,
+                sums=sums,
+                power=self.power,
+                absmax_bits=absmax_bits,
+                unit_sum=self.unit_sum,
+                band=band,
+                position_count=self.position_count,
+                position_norm=self.position_norm,
+                peak_bits=peak_bits,
+                square_norms=square_norms,
+                quant_token=self.quant_token,
+                quant_channel=self.quant_channel,
+            )
+            if spectrum:
+                self._add_gram(x, sums, square_norms)
+            self.count += n
+            if channels:
+                best = np.argpartition(peak_bits, n - TOP_K)[n - TOP_K :] if n > TOP_K else range(n)
+                peaks = peak_bits.view(np.float32)
+                self.top = sorted(self.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[
+                    :TOP_K
+                ]
+        if channels:
+            self.absmax = np.maximum(self.absmax, absmax_bits.view(np.float32))
+        self.norm_sum += float(scalars[kernel.NORM_SUM])
+        self.norm_sq_sum += float(scalars[kernel.SQUARE_SUM])
+        self.norm_min, self.norm_max = float(scalars[kernel.NORM_MIN]), float(scalars[kernel.NORM_MAX])
+        self.first_norm_sum += float(scalars[kernel.FIRST_NORM_SUM])
+        self.first_count += int(scalars[kernel.FIRST_COUNT])
+
+    def _add_gram(self, x: np.ndarray, sums: np.ndarray, square_norms: np.ndarray) -> None:
+        """Add ``x`` ``(n, dim)`` float32 (channel sums ``sums`` float64, row norms squared
+        ``square_norms``) to the Gram matrix.
+
+        Pieces under `GRAM_FLOAT64_ROWS` rows are added in float64. In larger ones, rows over
+        `HEAVY` times the piece's median squared norm (massive activations, attention
+        sinks) are added in float64: in float32 they would set the rounding of every entry. The
+        others run in float32 (BLAS) less their mean ``c``, so rounding is relative to their
+        spread, in pieces of `_GRAM_ROWS` added in float64:
+        ``sum x x^T = sum (x-c)(x-c)^T + c s^T + s c^T - n c c^T`` with ``s = sum x``."""
+        if x.shape[0] < GRAM_FLOAT64_ROWS:  # small pieces: float64 costs nothing there
+            x64 = x.astype(np.float64)
+            self.gram += x64.T @ x64
+            return
+        heavy = kernel.heavy_rows(square_norms, HEAVY)
+        if heavy.any():
+            big = x[heavy].astype(np.float64)
+            self.gram += big.T @ big
+            x = x[~heavy]
+            sums = sums - big.sum(axis=0)
+        n = x.shape[0]
+        if not n:
+            return
+        center = (sums / n).astype(np.float32)  # the shift; exact shifts are not needed
+        # Few, large numpy calls (each releases the GIL): one shift, one batched product of
+        # every _GRAM_ROWS-row piece, one float64 sum of the partial Gram matrices.
+        shifted = x - center
+        full = n - n % _GRAM_ROWS
+        if full:
+            stacked = shifted[:full].reshape(-1, _GRAM_ROWS, x.shape[1])
+            self.gram += np.matmul(stacked.transpose(0, 2, 1), stacked).sum(axis=0, dtype=np.float64)
+        if full < n:
+            rest = shifted[full:]
+            self.gram += rest.T @ rest
+        kernel.add_shift_terms(self.gram, center, sums, n)
+
+    def _add_numpy(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        for start in range(0, rows.shape[0], PIECE):
+            x = np.asarray(rows[start : start + PIECE], dtype=np.float64)
+            pos = positions[start : start + PIECE]
+            if not x.shape[0]:
+                continue
+            x2 = x * x
+            sq = x2.sum(axis=1)
+            norms = np.sqrt(sq)
+            self.count += x.shape[0]
+            self.norm_sum += float(norms.sum())
+            self.norm_sq_sum += float(sq.sum())
+            self.norm_min = min(self.norm_min, float(norms.min()))
+            self.norm_max = max(self.norm_max, float(norms.max()))
+            self.norm_hist += np.bincount(hist_index(norms), minlength=BINS)
+            magnitude = np.abs(x)
+            peaks = magnitude.max(axis=1)
+            self.peak_hist += np.bincount(hist_index(peaks), minlength=BINS)
+            self.absmax = np.maximum(self.absmax, magnitude.max(axis=0))
+            del magnitude
+            self.power[0] += x.sum(0)
+            self.power[1] += x2.sum(0)
+            self.power[2] += np.einsum("ij,ij->j", x2, x)
+            self.power[3] += np.einsum("ij,ij->j", x2, x2)
+            del x2
+            self.gram += x.T @ x
+            self.unit_sum += (1.0 / np.maximum(norms, 1e-30)) @ x
+            if self.band is not None and self.rope is not None:
+                self.band += self.rope.pair_energy(x)
+            if pos.size and pos[0] == 0:
+                self.first_norm_sum += float(norms[0])
+                self.first_count += 1
+            bins = np.where(pos > 0, np.floor(np.log2(np.maximum(pos, 1))).astype(np.int64) + 1, 0)
+            bins = np.clip(bins, 0, POSITION_BINS - 1)
+            self.position_count += np.bincount(bins, minlength=POSITION_BINS)
+            self.position_norm += np.bincount(bins, weights=norms, minlength=POSITION_BINS)
+            best = np.argsort(peaks)[-TOP_K:]
+            self.top = sorted(self.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[:TOP_K]
+            x32 = np.asarray(rows[start : start + PIECE], dtype=np.float32)
+            for i, bits in enumerate(QUANT_BITS):
+                self.quant_token[i] += quant_error(x32, bits, axis=1)
+                self.quant_channel[i] += quant_error(x32, bits, axis=0)
+
+    def settle(self) -> None:
+        """Fold in device work still in flight (``backend="mlx"``; a no-op otherwise)."""
+        if self._pending is not None:
+            from kvsnap.analysis import mlx_kernel
+
+            mlx_kernel.settle(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.settle()  # device arrays do not cross processes; their sums do
+        return dict(self.__dict__)
+
+    def merge(self, other: HeadAccumulator) -> None:
+        """Add another accumulator of the same (layer, head, tensor) into this one (another chunk,
+        sequence or file); raises ValueError when the channel counts or the groups differ."""
+        self.settle()
+        other.settle()
+        if other.dim != self.dim:
+            raise ValueError(f"cannot merge {other.dim}-channel statistics into {self.dim}-channel ones")
+        if other.groups != self.groups:
+            raise ValueError(
+                f"cannot merge statistics of groups {sorted(other.groups)} into {sorted(self.groups)}"
+            )
+        self._row = None
+        self.count += other.count
+        self.norm_sum += other.norm_sum
+        self.norm_sq_sum += other.norm_sq_sum
+        self.norm_min = min(self.norm_min, other.norm_min)
+        self.norm_max = max(self.norm_max, other.norm_max)
+        for name in (
+            "norm_hist",
+            "peak_hist",
+            "power",
+            "gram",
+            "unit_sum",
+            "position_count",
+            "position_norm",
+            "quant_token",
+            "quant_channel",
+        ):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.absmax = np.maximum(self.absmax, other.absmax)
+        if self.band is not None and other.band is not None:
+            self.band = self.band + other.band
+        self.first_norm_sum += other.first_norm_sum
+        self.first_count += other.first_count
+        self.top = sorted(self.top + other.top, reverse=True)[:TOP_K]
+
+    def row(self) -> dict[str, Any]:
+        """The statistics of the accumulator's groups, ``n_tokens`` first (see analysis/README.md
+        for each formula); columns of groups not computed are absent. Computed once until the
+        next `add` or `merge` (a pass computes it on its worker threads)."""
+        if self._row is None:
+            self._row = self._statistics()
+        return dict(self._row)
+
+    def _statistics(self) -> dict[str, Any]:
+        self.settle()
+        n = self.count
+        row: dict[str, Any] = {"n_tokens": n}
+        if not n:
+            return row
+        m1 = self.power[0] / n
+        if "norms" in self.groups:
+            row.update(self._norms(n))
+        if "channels" in self.groups:
+            row.update(self._channels(n, m1))
+        if "rope" in self.groups:
+            row["rope_band_energy"] = (
+                (self.band / max(float(self.band.sum()), 1e-30)).tolist() if self.band is not None else None
+            )
+        if "spectrum" in self.groups:
+            row.update(self._spectrum(n, m1))
+        if "quant" in self.groups:
+            energy = self.norm_sq_sum
+            for i, bits in enumerate(QUANT_BITS):
+                for axis, sums in (("token", self.quant_token), ("channel", self.quant_channel)):
+                    row[f"quant{bits}_{axis}_error"] = float(sums[i] / energy) if energy else float("nan")
+        return row
+
+    def _norms(self, n: int) -> dict[str, Any]:
+        mean_norm = self.norm_sum / n
+        sq_mean = self.norm_sq_sum / n
+        with np.errstate(divide="ignore", invalid="ignore"):
+            by_position = np.where(self.position_count > 0, self.position_norm / self.position_count, np.nan)
+        last_bin = int(np.flatnonzero(self.position_count).max()) + 1 if self.position_count.any() else 0
+        return {
+            "norm_mean": mean_norm,
+            "norm_std": float(np.sqrt(max(sq_mean - mean_norm**2, 0.0))),
+            "norm_min": self.norm_min,
+            "norm_max": self.norm_max,
+            "norm_p50": hist_quantile(self.norm_hist, 0.5),
+            "norm_p99": hist_quantile(self.norm_hist, 0.99),
+            "norm_sq_mean": sq_mean,
+            "sink_ratio": self.first_norm_sum / self.first_count / mean_norm
+            if self.first_count
+            else float("nan"),
+            "norm_by_position": by_position[:last_bin].tolist(),
+            "anisotropy": float(np.linalg.norm(self.unit_sum / n)),
+        }
+
+    def _channels(self, n: int, m1: np.ndarray) -> dict[str, Any]:
+        _, m2, m3, m4 = self.power / n
+        var = np.maximum(m2 - m1 * m1, 0.0)
+        central4 = m4 - 4 * m1 * m3 + 6 * m1 * m1 * m2 - 3 * m1**4
+        with np.errstate(divide="ignore", invalid="ignore"):
+            kurtosis = np.where(var > 0, central4 / (var * var) - 3.0, np.nan)
+        peak_median = hist_quantile(self.peak_hist, 0.5)
+        return {
+            "channel_mean": m1.tolist(),
+            "channel_var": var.tolist(),
+            "channel_absmax": self.absmax.tolist(),
+            "outlier_channel_ratio": float(self.absmax.max() / max(np.median(self.absmax), 1e-30)),
+            "channel_kurtosis": kurtosis.tolist(),
+            "massive_positions": [p for _, p in self.top],
+            "massive_values": [v for v, _ in self.top],
+            "massive_ratio": self.top[0][0] / peak_median if self.top and peak_median > 0 else float("nan"),
+        }
+
+    def _spectrum(self, n: int, m1: np.ndarray) -> dict[str, Any]:
+        covariance = self.gram / n - np.outer(m1, m1)
+        # compiled where the kernel is (parallel over heads), LAPACK on the numpy reference path
+        descending = eigenvalues(covariance) if kernel.AVAILABLE else np.linalg.eigvalsh(covariance)[::-1]
+        eig = np.clip(descending, 0.0, None)
+        total = float(eig.sum())
+        cumulative = np.cumsum(eig) / total if total > 0 else np.ones_like(eig)
+        probabilities = eig / total if total > 0 else eig
+        nonzero = probabilities[probabilities > 0]
+        row: dict[str, Any] = {
+            "eigenvalues": eig.tolist(),
+            "rank_90": int(np.searchsorted(cumulative, 0.9) + 1),
+            "effective_rank": float(np.exp(-(nonzero * np.log(nonzero)).sum())) if nonzero.size else 0.0,
+        }
+        for r in RANKS:
+            kept = float(eig[:r].sum()) / total if total > 0 else 1.0
+            row[f"rank{r}_error"] = 1.0 - kept
+        return row

@@ -1,0 +1,109 @@
+"""The statistics catalogue: which statistics exist (`GROUPS`), their fixed parameters, and
+the numpy definitions the kernels are held to (`quant_error`, the log histogram). Shared by the
+accumulator (`analysis.accumulator`), the compiled kernel and the mlx kernel. The formulas are
+in ``analysis/README.md``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+LOG_LOW, LOG_HIGH, BINS = -8.0, 8.0, 2048  # log10 histogram of norms and peaks: ~1.8% relative bin width
+TOP_K = 8  # largest per-token peaks kept (massive activations)
+QUANT_BITS = (8, 4, 2)  # bit widths of the quantization-error statistics
+LEVELS = np.array([(1 << bits) - 1 for bits in QUANT_BITS], np.int64)  # their steps
+QUANT_GROUP = 32  # channels per token group, and tokens per channel group
+POSITION_BINS = 48  # norm by position: [0,1), [1,2), [2,4), ... [2^46, 2^47)
+RANKS = (1, 4, 16)  # rank-r approximation errors
+
+
+def hist_index(values: np.ndarray) -> np.ndarray:
+    logs = np.log10(np.maximum(values, 10.0**LOG_LOW))
+    scaled = (logs - LOG_LOW) / (LOG_HIGH - LOG_LOW) * BINS
+    return np.clip(scaled.astype(np.int64), 0, BINS - 1)
+
+
+def hist_quantile(hist: np.ndarray, q: float) -> float:
+    total = hist.sum()
+    if not total:
+        return float("nan")
+    index = int(np.searchsorted(np.cumsum(hist), q * total, side="left"))
+    center = LOG_LOW + (index + 0.5) * (LOG_HIGH - LOG_LOW) / BINS
+    return float(10.0**center)
+
+
+def _group_error(groups: np.ndarray, levels: int, axis: int) -> float:
+    """Squared error of min-max quantizing ``groups`` to ``levels`` steps along ``axis``."""
+    low = groups.min(axis=axis, keepdims=True)
+    high = groups.max(axis=axis, keepdims=True)
+    step = np.where(high > low, (high - low) / levels, np.float32(1.0))
+    restored = np.round((groups - low) / step) * step + low
+    restored -= groups
+    np.square(restored, out=restored)
+    return float(restored.sum(dtype=np.float64))
+
+
+def quant_error(x: np.ndarray, bits: int, axis: int) -> float:
+    """Sum of squared errors of asymmetric min-max quantization in groups of `QUANT_GROUP`
+    along ``axis`` (1: per-token groups of channels; 0: per-channel groups of tokens); a last
+    partial group is quantized on its own. ``x``: ``(n_tokens, dim)`` float32 (computed in
+    float32, summed in float64)."""
+    levels = (1 << bits) - 1
+    n, dim = x.shape
+    if axis == 1:
+        full = dim - dim % QUANT_GROUP
+        error = _group_error(x[:, :full].reshape(n, -1, QUANT_GROUP), levels, 2) if full else 0.0
+        return error + (_group_error(x[:, full:], levels, 1) if full < dim else 0.0)
+    full = n - n % QUANT_GROUP
+    error = _group_error(x[:full].reshape(-1, QUANT_GROUP, dim), levels, 1) if full else 0.0
+    return error + (_group_error(x[full:], levels, 0) if full < n else 0.0)
+
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "norms": (
+        "norm_mean",
+        "norm_std",
+        "norm_min",
+        "norm_max",
+        "norm_p50",
+        "norm_p99",
+        "norm_sq_mean",
+        "sink_ratio",
+        "norm_by_position",
+        "anisotropy",
+    ),
+    "channels": (
+        "channel_mean",
+        "channel_var",
+        "channel_absmax",
+        "outlier_channel_ratio",
+        "channel_kurtosis",
+        "massive_positions",
+        "massive_values",
+        "massive_ratio",
+    ),
+    "rope": ("rope_band_energy",),
+    "spectrum": ("eigenvalues", "rank_90", "effective_rank", *(f"rank{r}_error" for r in RANKS)),
+    "quant": tuple(f"quant{b}_{axis}_error" for b in QUANT_BITS for axis in ("token", "channel")),
+}
+"""The statistic groups and their columns (``n_tokens`` is always there)."""
+
+ALL = frozenset(GROUPS)
+
+
+def stat_groups(stats: str | Iterable[str] | None = None) -> frozenset[str]:
+    """The groups named by ``stats``: ``None`` or ``"all"`` for every group, else names from
+    `GROUPS` (a comma-separated string or an iterable); ValueError naming an unknown group."""
+    if stats is None:
+        return ALL
+    names = [s.strip() for s in stats.split(",")] if isinstance(stats, str) else [str(s) for s in stats]
+    names = [n for n in names if n]
+    if not names:
+        raise ValueError(f"no statistic group named; choose from all, {', '.join(GROUPS)}")
+    if "all" in names:
+        return ALL
+    unknown = [n for n in names if n not in GROUPS]
+    if unknown:
+        raise ValueError(f"unknown statistic group {unknown[0]!r}; choose from all, {', '.join(GROUPS)}")
+    return frozenset(names)

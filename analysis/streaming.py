@@ -1,0 +1,299 @@
+"""The streaming pass: one read of a snapshot's chunks, spread over threads (or an mlx device),
+feeding one `HeadAccumulator` per (seq, layer, head, tensor) and handing each layer's
+accumulators back as soon as the pass is past it."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import os
+import sys
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import kvformat
+from kvsnap.analysis.accumulator import HeadAccumulator
+from kvsnap.analysis.catalogue import ALL, stat_groups
+from kvsnap.analysis.rope import Rope
+
+BATCH_BYTES = 8 << 20  # K + V bytes of one head handed to one task
+
+
+Key = tuple[int, int, int, str]  # (seq, layer, head, "k" | "v")
+
+
+@dataclass(frozen=True)
+class PassOptions:
+    """What one streaming pass over a file computes, and with how many threads.
+
+    ``snapshot``: index (negative from the end); ``keys``: ``"post_rope"`` or ``"pre_rope"``;
+    ``stats``: the statistic groups (`GROUPS`); ``threads``: threads on this file's blocks;
+    ``storage_options``: fsspec options for URLs; ``progress``: a bar of layers on stderr;
+    ``backend``: ``"cpu"`` (the compiled kernel on ``threads`` threads) or ``"mlx"`` (mlx on its
+    default device, driven by one thread that reads the next block while the device works)."""
+
+    snapshot: int = -1
+    keys: str = "post_rope"
+    stats: frozenset[str] = ALL
+    threads: int = 1
+    storage_options: dict[str, Any] | None = field(default=None, compare=False)
+    progress: bool = field(default=False, compare=False)  # a bar per layer on a terminal's stderr
+    backend: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.keys not in ("post_rope", "pre_rope"):
+            raise ValueError("keys must be 'post_rope' or 'pre_rope'")
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads must be a positive integer, not {self.threads!r}")
+        check_backend(self.backend)
+        object.__setattr__(self, "stats", stat_groups(self.stats))
+        if self.backend == "mlx":  # one thread drives the device; mlx is not used from several
+            object.__setattr__(self, "threads", 1)
+
+
+BACKENDS = ("cpu", "mlx")
+
+
+def check_backend(backend: str) -> None:
+    """ValueError for an unknown backend, or ``"mlx"`` where mlx is not installed."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    if backend == "mlx":
+        from kvsnap.analysis import mlx_kernel
+
+        if not mlx_kernel.available():
+            raise ValueError("backend 'mlx' needs mlx: pip install 'kvsnap[capture]' (or mlx-cuda, mlx[cpu])")
+
+
+def _add_segments(
+    snap: kvformat.Snapshot,
+    segments: list[kvformat.Segment],
+    k_acc: HeadAccumulator,
+    v_acc: HeadAccumulator,
+    rope: Rope | None,
+    pipeline: Any = None,
+) -> None:
+    """Read (CRC, decode), add and release each segment of one head, in order; K is un-rotated
+    by ``rope`` when given. Runs on a pass's worker thread: reading there spreads the page faults
+    and checksums of a memory-mapped file over the cores. With an mlx ``pipeline``
+    (`mlx_kernel.Pipeline`) the rows join its next device batch instead."""
+    for segment in segments:
+        block = snap.read(segment)
+        k = block.k if rope is None else rope.rotate(block.k, block.positions, inverse=True)
+        if pipeline is not None:
+            pipeline.add(k_acc, k, block.positions)
+            pipeline.add(v_acc, block.v, block.positions, after=functools.partial(snap.release, segment))
+            continue
+        k_acc.add(k, block.positions)
+        v_acc.add(block.v, block.positions)
+        snap.release(segment)
+
+
+def layer_ropes(snap: kvformat.Snapshot, keys: str) -> dict[int, Rope | None]:
+    """The RoPE of every present layer, from the file's metadata: None where it does not say
+    (an error with ``keys="pre_rope"``, which needs it to un-rotate K)."""
+    ropes: dict[int, Rope | None] = {}
+    for layer, spec in enumerate(snap.layers):
+        if not spec.present:
+            continue
+        try:
+            ropes[layer] = Rope.from_metadata(snap.metadata, spec.attributes, spec.k_dim)
+        except ValueError:
+            if keys == "pre_rope":
+                raise
+            ropes[layer] = None
+    return ropes
+
+
+def fresh_accumulators(
+    snap: kvformat.Snapshot, layer: int, rope: Rope | None, options: PassOptions
+) -> dict[Key, HeadAccumulator]:
+    """Empty accumulators for every (seq, head, tensor) of ``layer``; K's knows its ``rope``."""
+    spec = snap.layers[layer]
+    table: dict[Key, HeadAccumulator] = {}
+    for seq in range(snap.num_seqs):
+        for head in range(spec.num_heads):
+            table[(seq, layer, head, "k")] = HeadAccumulator(
+                spec.k_dim, rope, options.stats, backend=options.backend
+            )
+            table[(seq, layer, head, "v")] = HeadAccumulator(
+                spec.v_dim, None, options.stats, backend=options.backend
+            )
+    return table
+
+
+def head_batches(
+    snap: kvformat.Snapshot, last: dict[int, int]
+) -> Iterator[tuple[list[kvformat.Segment], bool]]:
+    """The snapshot's segments in file order, grouped into batches of consecutive segments of one
+    head, each up to `BATCH_BYTES` of K and V (or one segment if larger); with each batch, whether
+    it holds its layer's last segment (``last``: layer -> index of that segment)."""
+    row_bytes = {
+        layer: spec.row_bytes(0) + spec.row_bytes(1) for layer, spec in enumerate(snap.layers) if spec.present
+    }
+    batch: list[kvformat.Segment] = []
+    size = 0
+    for i, segment in enumerate(snap.segments()):
+        if batch and (
+            (segment.seq, segment.layer, segment.head) != (batch[0].seq, batch[0].layer, batch[0].head)
+            or size >= BATCH_BYTES
+        ):
+            yield batch, False
+            batch, size = [], 0
+        batch.append(segment)
+        size += segment.count * row_bytes[segment.layer]
+        if last[segment.layer] == i:
+            yield batch, True
+            batch, size = [], 0
+
+
+class _Workers:
+    """The threads of one pass: an `OrderedPool` of ``options.threads`` for the batches (each
+    head's batches in order), BLAS on one thread (the Gram's rounding then does not depend on the
+    thread count), and for mlx the device `Pipeline` plus CPU threads for the rows."""
+
+    def __init__(self, options: PassOptions) -> None:
+        self.options = options
+        self.pipeline: Any = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> _Workers:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from kvsnap.analysis.parallel import OrderedPool, cores, single_threaded_blas
+
+        with self._stack as stack:
+            if self.options.backend == "mlx":
+                from kvsnap.analysis.mlx_kernel import Pipeline
+
+                self.pipeline = stack.enter_context(Pipeline())
+            stack.enter_context(single_threaded_blas())
+            self.pool = stack.enter_context(OrderedPool(self.options.threads))
+            rows_threads = cores() if self.pipeline is not None else 1
+            self.row_pool = stack.enter_context(
+                ThreadPoolExecutor(rows_threads, thread_name_prefix="kvsnap-rows")
+            )
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.__exit__(*exc)  # type: ignore[arg-type]
+
+    def add(
+        self,
+        snap: kvformat.Snapshot,
+        batch: list[kvformat.Segment],
+        accumulators: dict[Key, HeadAccumulator],
+        rope: Rope | None,
+    ) -> Future[Any]:
+        """Read and add one batch of one head's segments (K un-rotated by ``rope`` when given)
+        on a worker; the reads run there too, so checksums and page faults use every core."""
+        first = batch[0]
+        k_acc = accumulators[(first.seq, first.layer, first.head, "k")]
+        v_acc = accumulators[(first.seq, first.layer, first.head, "v")]
+        snap.prefetch(batch)
+        key = (first.seq, first.layer, first.head)
+        return self.pool.submit(key, _add_segments, snap, batch, k_acc, v_acc, rope, self.pipeline)
+
+    def finish_layer(self, accumulators: dict[Key, HeadAccumulator], rows: bool) -> list[Future[Any]]:
+        """After a layer's last batch: fold what is still on the device (mlx, on this thread,
+        the one that drives it) and, with ``rows``, compute each accumulator's row on the
+        threads (after its head's batches)."""
+        if self.pipeline is not None:
+            self.pipeline.finish()
+            return [self.row_pool.submit(acc.row) for acc in accumulators.values()] if rows else []
+        return [self.pool.submit(key[:3], acc.row) for key, acc in accumulators.items()] if rows else []
+
+
+@dataclass
+class _OpenLayer:
+    """A layer the pass has started: its accumulators and the work submitted for it."""
+
+    accumulators: dict[Key, HeadAccumulator]
+    work: list[Future[Any]] = field(default_factory=list)
+
+
+LayerResult = tuple[str, int, int, dict[Key, HeadAccumulator]]
+"""``(file name, snapshot index, layer, its accumulators)``."""
+
+
+def layers(
+    path: str | os.PathLike[str], options: PassOptions, progress: bool = False, finish: bool = False
+) -> Iterator[LayerResult]:
+    """One streaming pass over a file, yielding each layer's accumulators as soon as the pass is
+    past the layer's last chunk and its work is done, so memory holds the accumulators of the
+    layers in progress only (one or two for a layer-major file).
+
+    With ``options.threads`` = T > 1, consecutive blocks of a head (up to 8 MiB of K and V, or
+    one block if larger) go to T threads as one task, at most T + 2 such batches in flight
+    (`analysis.parallel.OrderedPool`): memory is about ``(T + 3) x max(8 MiB, block) + T x 3 x
+    8192 x head_dim x 4 bytes (float32 pieces) + the accumulators of the layers in progress``
+    (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``). ``progress`` shows a bar per layer on
+    stderr when it is a terminal; ``finish`` computes each accumulator's row (eigenvalues and
+    all) on the threads, once its layer is read."""
+    with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
+        name, index = os.fspath(path), snap.index
+        ropes = layer_ropes(snap, options.keys)
+        unrotate = options.keys == "pre_rope"
+        last = {seg.layer: i for i, seg in enumerate(snap.segments())}  # the pass goes in this order
+        bar = _layer_bar(name, len(ropes), progress)
+        for layer in ropes:
+            if layer not in last:  # present but holding no tokens
+                bar.update()
+                yield name, index, layer, fresh_accumulators(snap, layer, ropes[layer], options)
+        started: dict[int, _OpenLayer] = {}
+        closing: collections.deque[int] = collections.deque()
+        in_flight: collections.deque[Future[Any]] = collections.deque()
+
+        def finished(wait: bool) -> Iterator[LayerResult]:
+            """The closed layers whose work is done, in order (all of them when ``wait``)."""
+            while closing and (wait or all(f.done() for f in started[closing[0]].work)):
+                layer = closing.popleft()
+                done = started.pop(layer)
+                for future in done.work:
+                    future.result()
+                bar.update()
+                yield name, index, layer, done.accumulators
+
+        with _Workers(options) as workers, bar:
+            for batch, closes in head_batches(snap, last):
+                layer = batch[0].layer
+                if layer not in started:
+                    started[layer] = _OpenLayer(fresh_accumulators(snap, layer, ropes[layer], options))
+                open_layer = started[layer]
+                future = workers.add(snap, batch, open_layer.accumulators, ropes[layer] if unrotate else None)
+                open_layer.work.append(future)
+                in_flight.append(future)
+                if closes:
+                    open_layer.work += workers.finish_layer(open_layer.accumulators, finish)
+                    closing.append(layer)
+                while len(in_flight) > options.threads + 2:
+                    in_flight.popleft().result()
+                yield from finished(wait=False)
+            workers.pool.drain()
+            yield from finished(wait=True)
+
+
+def _layer_bar(name: str, layers: int, show: bool) -> Any:
+    """A tqdm bar over the layers of one file: on stderr, only when it is a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(
+        total=layers,
+        desc=os.path.basename(name) or name,
+        unit="layer",
+        file=sys.stderr,
+        disable=None if show else True,  # None: off when stderr is not a terminal
+        leave=False,
+    )
+
+
+def accumulate(path: str | os.PathLike[str], options: PassOptions) -> dict[Key, HeadAccumulator]:
+    """One streaming pass over a file: the accumulator of every key."""
+    table: dict[Key, HeadAccumulator] = {}
+    for _, _, _, accumulators in layers(path, options):
+        table.update(accumulators)
+    return table
