@@ -14,7 +14,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvsnap.analysis.batch import BatchResult, FileFailure, expand_paths, merged_stats, run_stats
+    from kvsnap.analysis.batch import (
+        BatchOptions,
+        BatchResult,
+        FileFailure,
+        expand_paths,
+        merged_stats,
+        run_stats,
+    )
     from kvsnap.analysis.diff import head_diff
     from kvsnap.analysis.export import export_heads
     from kvsnap.analysis.rope import Rope, RopeError
@@ -32,7 +39,9 @@ if TYPE_CHECKING:
     )
 
 _EXPORTS = {
-    **dict.fromkeys(("BatchResult", "FileFailure", "expand_paths", "merged_stats", "run_stats"), "batch"),
+    **dict.fromkeys(
+        ("BatchOptions", "BatchResult", "FileFailure", "expand_paths", "merged_stats", "run_stats"), "batch"
+    ),
     "head_diff": "diff",
     "export_heads": "export",
     "Rope": "rope",
@@ -56,6 +65,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "BatchOptions",
     "BatchResult",
     "FileFailure",
     "HeadAccumulator",

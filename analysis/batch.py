@@ -12,90 +12,61 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvsnap.analysis.files import (
+    BatchOptions,
     BatchResult,
     FileFailure,
     MergedKey,
-    Options,
     describe_error,
     expand_paths,
     file_or_failure,
 )
-from kvsnap.analysis.parallel import cores, local_map, split_jobs
+from kvsnap.analysis.parallel import local_map
 from kvsnap.analysis.stats import (
     HeadAccumulator,
-    PassOptions,
     file_table,
     frame_of,
     merged_accumulators,
-    stat_groups,
 )
 
 if TYPE_CHECKING:
     import polars as pl
     import pyarrow as pa
 
-__all__ = ["BatchResult", "FileFailure", "Merger", "expand_paths", "merged_stats", "run_stats"]
-
-
-def _plan(
-    paths: list[str],
-    jobs: int | None,
-    snapshot: int,
-    keys: str,
-    stats: str | Iterable[str] | None,
-    storage_options: Options | None,
-    backend: str = "cpu",
-) -> tuple[int, PassOptions]:
-    """Processes for the files and each file's pass options (its threads: the cores left; with
-    ``backend="mlx"``, one process and one thread driving the device)."""
-    processes, threads = split_jobs(cores() if jobs is None else jobs, len(paths))
-    if backend == "mlx":
-        processes = threads = 1
-    options = PassOptions(
-        snapshot,
-        keys,
-        stat_groups(stats),
-        threads,
-        storage_options,
-        progress=len(paths) == 1,
-        backend=backend,
-    )
-    return processes, options
+__all__ = [
+    "BatchOptions",
+    "BatchResult",
+    "FileFailure",
+    "Merger",
+    "expand_paths",
+    "merged_stats",
+    "run_stats",
+]
 
 
 def run_stats(
     patterns: str | Iterable[str],
+    options: BatchOptions | None = None,
     *,
-    engine: str = "local",
-    jobs: int | None = None,
-    address: str | None = None,
-    fail_fast: bool = False,
-    snapshot: int = -1,
-    keys: str = "post_rope",
-    stats: str | Iterable[str] | None = None,
-    storage_options: Options | None = None,
     progress: Callable[[str], None] | None = None,
-    backend: str = "cpu",
+    **settings: Any,
 ) -> BatchResult:
     """Per-head statistics of every file the patterns name, one row per (file, seq, layer, head,
-    tensor), with ``engine`` ``"local"`` (``jobs`` cores, default all: files in processes, the
-    cores left as threads within each file) or ``"ray"`` (``address`` of a cluster, or a local
-    one with ``jobs`` CPUs); ``stats`` names the statistic groups (default all); ``backend``
-    ``"cpu"`` or ``"mlx"`` (mlx's default device, a GPU where there is one). Same rows, same
-    order, for both engines."""
-    paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, storage_options)
-    processes, options = _plan(paths, jobs, snapshot, keys, stats, storage_options, backend)
-    if engine == "ray":
+    tensor). ``options`` (`BatchOptions`), or its fields as keywords (``jobs=8``,
+    ``engine="ray"``, ``stats="norms"``...), say how: the ``"local"`` engine (``jobs`` cores,
+    default all: files in processes, the cores left as threads within each file) or ``"ray"``
+    (``address`` of a cluster, or a local one with ``jobs`` CPUs). Same rows, same order, for
+    both engines. ``progress`` is called with each file name as it finishes."""
+    options = BatchOptions.of(options, settings)
+    paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, options.storage_options)
+    if options.engine == "ray":
         from kvsnap.analysis.ray import ray_stats
 
-        return ray_stats(paths, options, address=address, num_cpus=jobs or cores(), fail_fast=fail_fast)
-    if engine != "local":
-        raise ValueError(f"engine must be 'local' or 'ray', not {engine!r}")
+        return ray_stats(paths, options)
+    processes, pass_options = options.plan(len(paths))
     tables: list[pa.Table] = []
     failures: list[FileFailure] = []
-    for path, result in zip(
-        paths, local_map(file_or_failure, paths, processes, file_table, options, fail_fast), strict=True
-    ):
+    results = local_map(file_or_failure, paths, processes, file_table, pass_options, options.fail_fast)
+    for path, result in zip(paths, results, strict=True):
         if isinstance(result, FileFailure):
             failures.append(result)
         else:
@@ -142,42 +113,30 @@ class Merger:
 
 def merged_stats(
     patterns: str | Iterable[str],
+    options: BatchOptions | None = None,
     *,
-    engine: str = "local",
-    jobs: int | None = None,
-    address: str | None = None,
-    fail_fast: bool = False,
-    snapshot: int = -1,
-    keys: str = "post_rope",
-    stats: str | Iterable[str] | None = None,
-    storage_options: Options | None = None,
     progress: Callable[[str], None] | None = None,
-    backend: str = "cpu",
+    **settings: Any,
 ) -> BatchResult:
     """Statistics of each (layer, head, tensor) over every token of every sequence of every file
     ("average over 200 prompts"): each file's mergeable state (moments, Gram matrix, histograms,
     top-k) is combined as it arrives, so memory holds one model's worth of accumulators. The
     files must share the layer/head layout; one that does not is a failure naming it.
     ``massive_positions`` then index each top value's own file; ``sink_ratio`` uses the mean
-    ||x_0|| over the sequences. ``jobs`` and ``stats`` as in `run_stats`."""
-    paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, storage_options)
-    processes, options = _plan(paths, jobs, snapshot, keys, stats, storage_options, backend)
+    ||x_0|| over the sequences. ``options``, ``settings`` and ``progress`` as in `run_stats`."""
+    options = BatchOptions.of(options, settings)
+    fail_fast = options.fail_fast
+    paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, options.storage_options)
     merger = Merger()
     failures: list[FileFailure] = []
-    if engine == "ray":
+    if options.engine == "ray":
         from kvsnap.analysis.ray import ray_accumulators
 
-        results: Iterable[tuple[str, Any]] = ray_accumulators(
-            paths, options, address=address, num_cpus=jobs or cores(), fail_fast=fail_fast
-        )
-    elif engine == "local":
-        results = zip(
-            paths,
-            local_map(file_or_failure, paths, processes, merged_accumulators, options, fail_fast),
-            strict=True,
-        )
+        results: Iterable[tuple[str, Any]] = ray_accumulators(paths, options)
     else:
-        raise ValueError(f"engine must be 'local' or 'ray', not {engine!r}")
+        processes, pass_options = options.plan(len(paths))
+        work = local_map(file_or_failure, paths, processes, merged_accumulators, pass_options, fail_fast)
+        results = zip(paths, work, strict=True)
     for path, result in results:
         if isinstance(result, FileFailure):
             failures.append(result)

@@ -1,4 +1,5 @@
-"""What the batch engines share: file patterns, per-file failures, the result of a batch.
+"""What the batch engines share: their options (`BatchOptions`), file patterns, per-file
+failures, the result of a batch.
 
 `analysis.batch` (the entry points) uses this module and, when asked for Ray, `analysis.ray`;
 `analysis.ray` uses this module and `analysis.stats`. Nothing here imports either engine, so the
@@ -7,12 +8,14 @@ dependencies run one way: batch -> ray -> files, stats.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvformat.remote import expand, is_url
+from kvsnap.analysis.catalogue import ALL, stat_groups
 
 if TYPE_CHECKING:
     import polars as pl
@@ -21,6 +24,77 @@ if TYPE_CHECKING:
 
 Options = dict[str, Any]
 MergedKey = tuple[int, int, str]  # (layer, head, "k" | "v")
+
+
+ENGINES = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """How a batch job over many files runs: one object for `analysis.batch.run_stats`,
+    `analysis.batch.merged_stats` and the Ray engine.
+
+    ``engine``: ``"local"`` (processes on this machine) or ``"ray"``; ``jobs``: cores (local) or
+    CPUs of a local Ray cluster, default all of this process's; ``address``: a Ray cluster to
+    join; ``fail_fast``: raise on the first failing file instead of collecting it. Each file's
+    pass: ``snapshot`` (index, negative from the end), ``keys`` (``"post_rope"`` or
+    ``"pre_rope"``), ``stats`` (statistic groups, default all), ``storage_options`` (fsspec, for
+    URLs), ``backend`` (``"cpu"`` or ``"mlx"``)."""
+
+    engine: str = "local"
+    jobs: int | None = None
+    address: str | None = None
+    fail_fast: bool = False
+    snapshot: int = -1
+    keys: str = "post_rope"
+    stats: frozenset[str] = ALL
+    storage_options: Options | None = field(default=None, compare=False)
+    backend: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be 'local' or 'ray', not {self.engine!r}")
+        if self.jobs is not None and (not isinstance(self.jobs, int) or self.jobs < 1):
+            raise ValueError(f"jobs must be a positive integer, not {self.jobs!r}")
+        object.__setattr__(self, "stats", stat_groups(self.stats))
+
+    @classmethod
+    def of(cls, options: BatchOptions | None, settings: dict[str, Any]) -> BatchOptions:
+        """``options`` (default: the defaults) with the keyword ``settings`` applied; TypeError
+        naming a setting that is not a field."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            raise TypeError(f"unknown batch option {unknown[0]!r}; known: {', '.join(known)}")
+        return dataclasses.replace(options or cls(), **settings)
+
+    @property
+    def cores(self) -> int:
+        """``jobs``, or every core this process may use."""
+        from kvsnap.analysis.parallel import cores
+
+        return self.jobs or cores()
+
+    def plan(self, files: int) -> tuple[int, PassOptions]:
+        """Processes for ``files`` files and each file's pass options: files in parallel first,
+        the cores left as threads within each file; with ``backend="mlx"``, one process and one
+        thread driving the device."""
+        from kvsnap.analysis.parallel import split_jobs
+        from kvsnap.analysis.streaming import PassOptions
+
+        processes, threads = split_jobs(self.cores, files)
+        if self.backend == "mlx":
+            processes = threads = 1
+        options = PassOptions(
+            self.snapshot,
+            self.keys,
+            self.stats,
+            threads,
+            self.storage_options,
+            progress=files == 1,
+            backend=self.backend,
+        )
+        return processes, options
 
 
 @dataclass(frozen=True)

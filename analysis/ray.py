@@ -23,6 +23,7 @@ from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
 from kvsnap.analysis.files import (
+    BatchOptions,
     BatchResult,
     FileFailure,
     MergedKey,
@@ -36,9 +37,9 @@ from kvsnap.analysis.stats import (
     HeadAccumulator,
     PassOptions,
     frame_of,
+    layer_tables,
     merged_accumulators,
     stat_groups,
-    stats_for_file,
 )
 
 if TYPE_CHECKING:
@@ -51,14 +52,7 @@ def _read_file(path: str, options: PassOptions, errors: str) -> Iterator[pa.Tabl
     import pyarrow as pa
 
     try:
-        yield from stats_for_file(
-            path,
-            options.snapshot,
-            options.keys,
-            options.storage_options,
-            stats=options.stats,
-            jobs=options.threads,
-        )
+        yield from layer_tables(path, options)
     except Exception as exc:
         if errors == "raise":
             raise
@@ -71,20 +65,11 @@ class KVDatasource(Datasource):
     ``errors="collect"`` turns a failing file into one ``(file, error)`` row instead of failing
     the dataset; `ray_stats` separates those rows from the statistics."""
 
-    def __init__(
-        self,
-        paths: list[str],
-        *,
-        snapshot: int = -1,
-        keys: str = "post_rope",
-        stats: str | list[str] | None = None,
-        storage_options: Options | None = None,
-        errors: str = "raise",
-    ) -> None:
+    def __init__(self, paths: list[str], options: PassOptions, errors: str = "raise") -> None:
         if errors not in ("raise", "collect"):
             raise ValueError("errors must be 'raise' or 'collect'")
         self.paths = list(paths)
-        self.options = PassOptions(snapshot, keys, stat_groups(stats), 1, storage_options)
+        self.options = dataclasses.replace(options, threads=1, progress=False)  # Ray schedules the cores
         self.errors = errors
 
     def get_name(self) -> str:
@@ -120,10 +105,12 @@ def read_kv(
     the same rows as `analysis.head_stats`, one read task per file (one thread each: Ray
     schedules the cores)."""
     files = expand_paths([paths] if isinstance(paths, str) else paths, storage_options)
-    source = KVDatasource(
-        files, snapshot=snapshot, keys=keys, stats=stats, storage_options=storage_options, errors=errors
-    )
-    return ray.data.read_datasource(source, override_num_blocks=len(files))
+    options = PassOptions(snapshot, keys, stat_groups(stats), 1, storage_options)
+    return _dataset(files, options, errors)
+
+
+def _dataset(files: list[str], options: PassOptions, errors: str) -> ray.data.Dataset:
+    return ray.data.read_datasource(KVDatasource(files, options, errors), override_num_blocks=len(files))
 
 
 def _connect(address: str | None, num_cpus: int) -> None:
@@ -135,22 +122,15 @@ def _connect(address: str | None, num_cpus: int) -> None:
         ray.init(num_cpus=max(1, num_cpus), include_dashboard=False, log_to_driver=False)
 
 
-def ray_stats(
-    paths: list[str],
-    options: PassOptions,
-    *,
-    address: str | None = None,
-    num_cpus: int = 1,
-    fail_fast: bool = False,
-) -> BatchResult:
+def ray_stats(paths: list[str], options: BatchOptions) -> BatchResult:
     """`analysis.batch.run_stats` on Ray: the same table, the failures collected by file."""
-    _connect(address, num_cpus)
+    _connect(options.address, options.cores)
     context = ray.data.DataContext.get_current()
     preserve = context.execution_options.preserve_order
     context.execution_options.preserve_order = True  # each file's layers in the order of its pass
     try:
         with _unwrapped():
-            return _collect(paths, fail_fast, options)
+            return _collect(paths, options)
     finally:
         context.execution_options.preserve_order = preserve
 
@@ -168,15 +148,9 @@ def _unwrapped() -> Iterator[None]:
         raise
 
 
-def _collect(paths: list[str], fail_fast: bool, options: PassOptions) -> BatchResult:
-    dataset = read_kv(
-        paths,
-        snapshot=options.snapshot,
-        keys=options.keys,
-        stats=sorted(options.stats),
-        storage_options=options.storage_options,
-        errors="raise" if fail_fast else "collect",
-    )
+def _collect(paths: list[str], options: BatchOptions) -> BatchResult:
+    _, pass_options = options.plan(len(paths))
+    dataset = _dataset(paths, pass_options, "raise" if options.fail_fast else "collect")
     tables: list[pa.Table] = []
     failures: list[FileFailure] = []
     for reference in dataset.to_arrow_refs():
@@ -198,19 +172,16 @@ def _accumulators_task(
 
 
 def ray_accumulators(
-    paths: list[str],
-    options: PassOptions,
-    *,
-    address: str | None = None,
-    num_cpus: int = 1,
-    fail_fast: bool = False,
+    paths: list[str], options: BatchOptions
 ) -> Iterator[tuple[str, dict[MergedKey, HeadAccumulator] | FileFailure]]:
     """Each file's mergeable state, computed by Ray tasks, yielded in the order of ``paths`` (so
     merged sums are added in the same order as on the local engine, bit for bit) with at most
     ``2 x cluster CPUs`` tasks in flight, so the driver holds few states at once."""
-    _connect(address, num_cpus)
+    _connect(options.address, options.cores)
     window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
-    one_thread = dataclasses.replace(options, threads=1, progress=False)  # Ray schedules the cores
+    _, pass_options = options.plan(len(paths))
+    one_thread = dataclasses.replace(pass_options, threads=1, progress=False)  # Ray schedules the cores
+    fail_fast = options.fail_fast
     pending: collections.deque[tuple[str, Any]] = collections.deque()
     queue = collections.deque(paths)
     while queue or pending:

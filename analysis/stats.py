@@ -24,6 +24,7 @@ from kvsnap.analysis.catalogue import (
     TOP_K,
     stat_groups,
 )
+from kvsnap.analysis.files import BatchOptions
 from kvsnap.analysis.parallel import local_map
 from kvsnap.analysis.streaming import BACKENDS, Key, PassOptions, accumulate, check_backend, layers
 from kvsnap.analysis.tokens import token_ids, token_pieces
@@ -51,6 +52,7 @@ __all__ = [
     "frame_of",
     "head_stats",
     "head_stats_reader",
+    "layer_tables",
     "local_map",
     "merged_accumulators",
     "outliers",
@@ -111,10 +113,13 @@ def stats_for_file(
     groups (`GROUPS`, all by default), ``jobs`` threads share the file. No global state: a
     process pool or a distributed engine can call it per file."""
     options = PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options, backend=backend)
-    yield from _tables(path, options, progress)
+    yield from layer_tables(path, options, progress)
 
 
-def _tables(path: str | os.PathLike[str], options: PassOptions, progress: bool = False) -> Iterator[pa.Table]:
+def layer_tables(
+    path: str | os.PathLike[str], options: PassOptions, progress: bool = False
+) -> Iterator[pa.Table]:
+    """`stats_for_file` with its options as one `PassOptions` (what the engines call)."""
 
     for name, index, _, accumulators in layers(path, options, progress, finish=True):
         yield _arrow_table(_rows(name, index, accumulators))
@@ -180,7 +185,7 @@ def file_table(path: str | os.PathLike[str], options: PassOptions) -> pa.Table:
     """Every layer's table of one file, concatenated (what the engines call per file)."""
     import pyarrow as pa
 
-    tables = list(_tables(path, options, options.progress))
+    tables = list(layer_tables(path, options, options.progress))
     return pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
 
 
@@ -202,15 +207,9 @@ def file_tables(
     process's): files in parallel processes first, the rest as threads within each file; with
     ``backend="mlx"`` one file after another, on mlx's device. ``progress`` is called with each
     file name as it finishes."""
-    from kvsnap.analysis.parallel import cores, split_jobs
-
     files = _paths(paths)
-    processes, threads = split_jobs(cores() if jobs is None else jobs, len(files))
-    if backend == "mlx":
-        processes = threads = 1
-    options = PassOptions(
-        snapshot, keys, stat_groups(stats), threads, progress=len(files) == 1, backend=backend
-    )
+    batch = BatchOptions(jobs=jobs, snapshot=snapshot, keys=keys, stats=stat_groups(stats), backend=backend)
+    processes, options = batch.plan(len(files))
     for path, table in zip(files, local_map(file_table, files, processes, options), strict=True):
         if progress:
             progress(os.fspath(path))

@@ -76,6 +76,30 @@ def test_processes_give_the_same_table(runs: Path) -> None:
     assert parallel.failures == serial.failures
 
 
+def test_one_options_object_or_its_fields_as_keywords(runs: Path) -> None:
+    from kvsnap.analysis.batch import BatchOptions
+
+    options = BatchOptions(jobs=2, stats="norms", snapshot=-1)
+    assert options.stats == frozenset({"norms"})
+    by_object = run_stats(str(runs / "*.kv"), options)
+    by_keywords = run_stats(str(runs / "*.kv"), jobs=2, stats=["norms"])
+    assert by_object.table.equals(by_keywords.table)
+    assert "norm_mean" in by_object.table.columns and "eigenvalues" not in by_object.table.columns
+    overridden = merged_stats(good_files(runs), options, stats="spectrum").table
+    assert "eigenvalues" in overridden.columns and "norm_mean" not in overridden.columns
+    with pytest.raises(TypeError, match="unknown batch option 'job'; known: engine, jobs"):
+        run_stats(str(runs / "*.kv"), job=2)
+    with pytest.raises(ValueError, match="engine must be 'local' or 'ray', not 'spark'"):
+        merged_stats(str(runs / "*.kv"), engine="spark")
+    with pytest.raises(ValueError, match="jobs must be a positive integer, not 0"):
+        BatchOptions(jobs=0)
+    with pytest.raises(ValueError, match="unknown statistic group 'norm'"):
+        BatchOptions(stats="norm")
+    assert BatchOptions(jobs=8, backend="mlx").plan(3)[0] == 1  # one process drives the device
+    processes, per_file = BatchOptions(jobs=4, keys="pre_rope").plan(2)
+    assert (processes, per_file.threads, per_file.keys, per_file.progress) == (2, 2, "pre_rope", False)
+
+
 SCALARS = ("n_tokens", "norm_mean", "norm_std", "norm_max", "norm_sq_mean", "anisotropy", "effective_rank")
 
 
