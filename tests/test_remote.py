@@ -324,8 +324,8 @@ def test_cli_reads_urls(served: Nginx, s3: S3, capsys: pytest.CaptureFixture[str
 def test_a_head_larger_than_the_cache_is_fetched_once(served: Nginx) -> None:
     """A head in 16 runs scattered between other heads' chunks, 4x the cache: announcing it all
     would evict runs before they are read and fetch them twice; at most half the cache is."""
+    from kvformat.http_range import HTTPRangeReader
     from kvformat.reader import Snapshot, _File
-    from kvformat.remote import HTTPRangeReader
 
     rng = np.random.default_rng(2)
     spec = kvformat.LayerSpec(4, 64, 64, kvformat.FLOAT32)
@@ -345,3 +345,16 @@ def test_a_head_larger_than_the_cache_is_fetched_once(served: Nginx) -> None:
         stored = expected.k.nbytes + expected.v.nbytes
         assert source.bytes_fetched - opened < 1.05 * stored
         assert source._cached <= source.cache_bytes
+
+
+def test_fetch_plan_merges_near_ranges_and_keeps_to_the_budget() -> None:
+    from kvformat.remote import plan_fetches
+
+    # Sorted, merged across gaps up to 10 bytes, overlapping ranges folded into one span.
+    spans = plan_fetches([(100, 10), (0, 10), (15, 5), (105, 20)], gap=10, budget=1000)
+    assert spans == [(0, 20), (100, 125)]
+    assert plan_fetches([(0, 10), (21, 5)], gap=10, budget=1000) == [(0, 10), (21, 26)]
+    # Past the budget the rest is left to be read range by range; the first range always goes.
+    assert plan_fetches([(0, 10), (50, 10), (100, 10)], gap=0, budget=25) == [(0, 10), (50, 60)]
+    assert plan_fetches([(0, 100), (200, 10)], gap=0, budget=25) == [(0, 100)]
+    assert plan_fetches([], gap=10, budget=100) == []
