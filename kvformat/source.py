@@ -6,8 +6,9 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import urllib.parse
 from collections.abc import Sequence
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from kvformat.errors import TruncatedFileError
 
@@ -108,3 +109,40 @@ class FileObjectSource:
 
     def close(self) -> None:
         pass
+
+
+def open_source(
+    file: str | os.PathLike[str] | BinaryIO,
+    *,
+    filesystem: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    timeout: float | None = None,
+) -> Source:
+    """The `Source` for what `kvformat.open` was given: a memory map for a local path (or a
+    ``file://`` URL), a `FileObjectSource` for a file object, a `kvformat.remote.RemoteSource`
+    for any other URL or a path inside ``filesystem``."""
+    from kvformat import remote
+
+    source: Source
+    if filesystem is not None or remote.is_url(file):
+        assert isinstance(file, str | os.PathLike)
+        location = os.fspath(file)
+        if filesystem is None and location.startswith("file://"):
+            source = MmapSource(urllib.parse.unquote(urllib.parse.urlsplit(location).path))
+        else:
+            reader = remote.range_reader(
+                location,
+                filesystem=filesystem,
+                storage_options=storage_options,
+                timeout=remote.DEFAULT_TIMEOUT if timeout is None else timeout,
+            )
+            try:
+                source = remote.RemoteSource(reader)
+            except BaseException:
+                reader.close()
+                raise
+    elif isinstance(file, str | os.PathLike):
+        source = MmapSource(file)
+    else:
+        source = FileObjectSource(file)
+    return source

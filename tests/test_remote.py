@@ -325,7 +325,8 @@ def test_a_head_larger_than_the_cache_is_fetched_once(served: Nginx) -> None:
     """A head in 16 runs scattered between other heads' chunks, 4x the cache: announcing it all
     would evict runs before they are read and fetch them twice; at most half the cache is."""
     from kvformat.http_range import HTTPRangeReader
-    from kvformat.reader import Snapshot, _File
+    from kvformat.reader import Snapshot
+    from kvformat.structure import FileStructure
 
     rng = np.random.default_rng(2)
     spec = kvformat.LayerSpec(4, 64, 64, kvformat.FLOAT32)
@@ -336,7 +337,7 @@ def test_a_head_larger_than_the_cache_is_fetched_once(served: Nginx) -> None:
                 w.append(layer, k, k + 1, np.arange(step * 512, (step + 1) * 512))
         w.snapshot()
     source = RemoteSource(HTTPRangeReader(served.url("runs.kv")), cache_bytes=1 << 20)
-    with Snapshot(_File(source, True), -1) as snap, kvformat.open(served.root / "runs.kv") as local:
+    with Snapshot(FileStructure(source, True), -1) as snap, kvformat.open(served.root / "runs.kv") as local:
         opened = source.bytes_fetched
         head, expected = snap.head(1, 2), local.head(1, 2)  # 16 K and 16 V runs of 128 KB
         assert head is not None and expected is not None

@@ -1,0 +1,172 @@
+"""The parsed structure of one `.kv` file: header, footer, chunk table, manifest and snapshot
+chain, checked against every rule of ``spec/SPEC.md`` section 8 before a size field is trusted;
+and chunk access (payload, CRC, decode) by table index."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvformat import codecs, dtypes
+from kvformat.checksum import crc32c
+from kvformat.codecs import BytesLike
+from kvformat.errors import (
+    ChecksumError,
+    CorruptFileError,
+    ForeignFormatError,
+    KVFormatError,
+    LimitExceededError,
+    TruncatedFileError,
+)
+from kvformat.layout import (
+    ALIGN,
+    DESCRIPTOR_DTYPE,
+    DESCRIPTOR_SIZE,
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    KIND_ARRAY,
+    MAX_CHUNK_COUNT,
+    MAX_JSON_SIZE,
+    TENSOR_NAMES,
+    Descriptor,
+    Footer,
+    check_header,
+)
+from kvformat.manifest import Manifest, loads, parse_manifest
+from kvformat.mlxkv import is_mlxkv
+from kvformat.quantization import Parts, Quantization
+from kvformat.series import APPEND_CHUNKS, Chain, parse_entry
+from kvformat.source import Source
+from kvformat.table_rules import check_table
+
+
+def chunk_label(table: np.ndarray, i: int) -> str:
+    rec = table[i]
+    first = int(rec["position"])
+    return (
+        f"chunk {i} (layer {int(rec['layer'])}, head {int(rec['head'])}, seq {int(rec['seq'])}, "
+        f"{TENSOR_NAMES.get(int(rec['kind']), '?')}, positions {first}..{first + int(rec['rows']) - 1})"
+    )
+
+
+class FileStructure:
+    """Parsed structure of one file: header, footer, chunk table, manifest, snapshot list."""
+
+    def __init__(self, source: Source, check_checksums: bool) -> None:
+        self.source = source
+        self.check_checksums = check_checksums
+        size = source.size
+        header = bytes(source.read(0, min(size, HEADER_SIZE)))  # one read, whatever the size
+        if is_mlxkv(header):
+            raise ForeignFormatError(
+                f"{source.name} is a go-mlx MLXKV001 snapshot, not a kvsnap .kv file; convert it with "
+                f"'kvsnap import-mlxkv {source.name} OUT.kv'"
+            )
+        if size < HEADER_SIZE + FOOTER_SIZE:
+            if size >= 8:
+                check_header(header.ljust(HEADER_SIZE, b"\0"))
+            raise TruncatedFileError(f"{source.name}: {size} bytes is too short for a .kv file")
+        self.version = check_header(header)
+        try:
+            self.footer = Footer.unpack(bytes(source.read(size - FOOTER_SIZE, FOOTER_SIZE)))
+        except CorruptFileError as exc:
+            hint = " (the writer did not finish: try 'kvsnap recover')"
+            raise TruncatedFileError(f"{source.name}: {exc}{hint}") from None
+        f = self.footer
+        if f.minor != self.version[1]:
+            raise CorruptFileError(
+                f"{source.name}: footer says version 1.{f.minor}, the header 1.{self.version[1]}"
+            )
+        if f.chunk_count > MAX_CHUNK_COUNT:
+            raise LimitExceededError(f"chunk count {f.chunk_count} exceeds {MAX_CHUNK_COUNT}")
+        if f.json_size > MAX_JSON_SIZE:
+            raise LimitExceededError(f"index JSON of {f.json_size} bytes exceeds {MAX_JSON_SIZE}")
+        if f.index_offset % ALIGN or f.index_offset < HEADER_SIZE:
+            raise CorruptFileError(f"index offset {f.index_offset} is not a 64-aligned offset")
+        table_size = f.chunk_count * DESCRIPTOR_SIZE
+        if f.index_offset + table_size + f.json_size + FOOTER_SIZE != size:
+            raise TruncatedFileError(
+                f"{source.name}: footer places index at {f.index_offset} with {f.chunk_count} "
+                f"chunks and {f.json_size} JSON bytes, which does not end at file size {size}"
+            )
+        index = source.read(f.index_offset, table_size + f.json_size)
+        if crc32c(index, crc32c(header)) != f.index_crc:
+            raise ChecksumError(f"{source.name}: CRC-32C over header and index does not match")
+        self.table = np.frombuffer(index[:table_size], dtype=DESCRIPTOR_DTYPE)
+        document = loads(index[table_size:], "index JSON")
+        if not isinstance(document, dict):
+            raise CorruptFileError("index JSON must be an object")
+        self.manifest: Manifest = parse_manifest(document.get("manifest"))
+        snapshots = document.get("snapshots")
+        if not isinstance(snapshots, list) or not snapshots:
+            raise CorruptFileError("index JSON must list at least one snapshot")
+        check_table(self.table, self.footer.index_offset, self.manifest)
+        layers, seqs = len(self.manifest.layers), self.manifest.num_seqs
+        self.entries = [parse_entry(entry, i, layers, seqs) for i, entry in enumerate(snapshots)]
+        if APPEND_CHUNKS not in self.manifest.required_features:
+            for i, entry in enumerate(self.entries):
+                if entry.chunk_ranges.size:
+                    raise CorruptFileError(
+                        f"snapshot {i} uses 'append_chunks' but required_features does not list "
+                        f"{APPEND_CHUNKS!r}"
+                    )
+        self.chain = Chain(self.entries, self.table)
+
+    def chunk(self, i: int) -> Descriptor:
+        """The descriptor of table chunk ``i`` (a couple of microseconds: nothing per chunk is
+        built at open, so a table of 300k chunks opens in milliseconds)."""
+        return Descriptor.from_fields(self.table[i].item())
+
+    def prefetch(self, chunks: list[int]) -> None:
+        """Announce chunks about to be read (remote sources fetch them in few requests)."""
+        infos = [self.chunk(i) for i in chunks]
+        self.source.prefetch([(c.offset + DESCRIPTOR_SIZE, c.stored_size) for c in infos])
+
+    def read_payload(self, i: int, info: Descriptor | None = None, checked: bool = False) -> memoryview:
+        """Stored bytes of chunk ``i``, CRC-checked if the file was opened with checks on."""
+        c = self.chunk(i) if info is None else info
+        payload = self.source.read(c.offset + DESCRIPTOR_SIZE, c.stored_size)
+        if self.check_checksums and not checked and crc32c(payload) != c.payload_crc:
+            raise ChecksumError(f"{self.source.name}: {chunk_label(self.table, i)}: payload CRC-32C mismatch")
+        return payload
+
+    def _decoded(self, i: int, c: Descriptor, checked: bool = False) -> BytesLike:
+        dtype = dtypes.from_code(c.dtype)
+        payload = self.read_payload(i, c, checked)
+        try:
+            return codecs.from_code(c.codec).decode(payload, c.decoded_size, dtype.itemsize)
+        except KVFormatError as exc:
+            raise type(exc)(f"{self.source.name}: {chunk_label(self.table, i)}: {exc}") from None
+
+    def _quantization(self, c: Descriptor) -> Quantization | None:
+        if c.kind == KIND_ARRAY:
+            return None
+        return self.manifest.layers[c.layer].quantization
+
+    def chunk_parts(self, i: int) -> Parts:
+        """(packed, scales, biases) of a chunk of a quantized layer, each ``(rows, ...)``."""
+        c = self.chunk(i)
+        quant = self._quantization(c)
+        if quant is None:
+            raise ValueError(f"chunk {i} is not quantized")
+        return self._parts(i, c, quant)
+
+    def _parts(self, i: int, c: Descriptor, quant: Quantization, checked: bool = False) -> Parts:
+        rows = np.frombuffer(self._decoded(i, c, checked), dtype=np.uint8).reshape(c.rows, -1)
+        return quant.split(rows, c.width, dtypes.from_code(c.dtype).numpy)
+
+    def chunk_array(self, i: int, checked: bool = False) -> np.ndarray:
+        """Chunk ``i`` decoded: ``(rows, width)`` (a zero-copy view for raw chunks from mmap);
+        quantized chunks come back dequantized. ``checked``: its CRC was just verified (by
+        `verify`), so it is not computed again."""
+        c = self.chunk(i)
+        dtype = dtypes.from_code(c.dtype)
+        quant = self._quantization(c)
+        if quant is not None:
+            return quant.dequantize(self._parts(i, c, quant, checked), dtype.numpy)
+        return np.frombuffer(self._decoded(i, c, checked), dtype=dtype.numpy).reshape(c.rows, c.width)
+
+
+def check_arrays(file: FileStructure, index: int, arrays: dict[str, int]) -> None:
+    for name, chunk in arrays.items():
+        if chunk >= len(file.table) or int(file.table["kind"][chunk]) != KIND_ARRAY:
+            raise CorruptFileError(f"snapshot {index}: array {name!r} names chunk {chunk}, not an array")

@@ -1,0 +1,165 @@
+"""Verifying a whole file (`Snapshot.verify`): every record from offset 64 to the index, every
+CRC, padding byte and snapshot reference, in bulk where records lie back to back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvformat import codecs
+from kvformat.checksum import crc32c, crc32c_rows, crc32c_slices
+from kvformat.errors import ChecksumError, CorruptFileError, KVFormatError
+from kvformat.layout import (
+    ALIGN,
+    DESCRIPTOR_SIZE,
+    HEADER_SIZE,
+    JSON_KINDS,
+    KIND_MANIFEST,
+    MINOR,
+    TABLE_KINDS,
+    Descriptor,
+    align,
+)
+from kvformat.manifest import loads
+from kvformat.structure import FileStructure, check_arrays, chunk_label
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What `Snapshot.verify` checked: records, tensor chunks, bytes covered by CRCs."""
+
+    records: int
+    chunks: int
+    snapshots: int
+    bytes_checked: int
+
+
+_VERIFY_BATCH_BYTES = 64 << 20  # records checked together in bulk: at most this many bytes
+
+
+def verify(file: FileStructure) -> VerifyReport:
+    """Walk the record stream from offset 64 to the index, checking everything.
+
+    Runs of table chunks laid back to back are checked in bulk (`_verify_chunks`: descriptors
+    against the chunk table, descriptor and payload CRCs, padding), the JSON records between them
+    one by one (`_verify_record`); whatever fails in bulk is checked again one by one, so the
+    error names the record exactly as the one-by-one walk would."""
+    index_offset = file.footer.index_offset
+    table = file.table
+    n = len(table)
+    offsets = table["offset"].astype(np.int64)
+    follows = (
+        (offsets + DESCRIPTOR_SIZE + table["stored_size"].astype(np.int64) + (ALIGN - 1)) // ALIGN * ALIGN
+    )
+    # Chunk i+1 starts where chunk i's record ends: runs of back-to-back chunks end at the breaks.
+    breaks = np.flatnonzero(follows[:-1] != offsets[1:]) if n > 1 else np.empty(0, np.int64)
+    cursor, records, chunk, checked = HEADER_SIZE, 0, 0, 0
+    while cursor < index_offset:
+        if records and chunk < n and int(offsets[chunk]) == cursor:
+            last = (
+                int(breaks[np.searchsorted(breaks, chunk)]) if breaks.size and breaks[-1] >= chunk else n - 1
+            )
+            while chunk <= last:  # in batches of bounded size
+                stop = int(np.searchsorted(offsets, offsets[chunk] + _VERIFY_BATCH_BYTES, side="left"))
+                stop = min(max(stop, chunk + 1), last + 1)
+                size, end = _verify_chunks(file, chunk, stop, int(follows[stop - 1]))
+                if end < 0:  # something is wrong in this batch: walk it one by one for the error
+                    for _ in range(chunk, stop):
+                        cursor, chunk, size = _verify_record(file, cursor, records, chunk)
+                        checked += size
+                        records += 1
+                    raise AssertionError("a batch failed in bulk but passed record by record")
+                checked += size
+                records += stop - chunk
+                chunk, cursor = stop, end
+            continue
+        cursor, chunk, size = _verify_record(file, cursor, records, chunk)
+        checked += size
+        records += 1
+    if chunk != n:
+        raise CorruptFileError(f"index lists {n} chunks, the file holds {chunk}")
+    file.chain.check_all()  # every snapshot, each entry once
+    for i, entry in enumerate(file.entries):
+        check_arrays(file, i, entry.arrays)
+    return VerifyReport(records, chunk, len(file.entries), checked)
+
+
+def _verify_chunks(file: FileStructure, first: int, stop: int, follows: int) -> tuple[int, int]:
+    """Check table chunks ``first .. stop-1``, laid back to back, in bulk. Returns the bytes of
+    their records and the offset after the last one's padding, or ``(0, -1)`` if any check fails."""
+    table = file.table[first:stop]
+    index_offset = file.footer.index_offset
+    base = int(table["offset"][0])
+    end = min(follows, index_offset)
+    span = np.frombuffer(file.source.read(base, end - base), dtype=np.uint8)
+    starts = table["offset"].astype(np.int64) - base
+    stride = int(starts[1]) if len(starts) > 1 else DESCRIPTOR_SIZE
+    if bool(np.all(starts == np.arange(len(starts)) * stride)):  # equal records: a strided view
+        descriptors = np.ndarray((len(starts), DESCRIPTOR_SIZE), np.uint8, buffer=span, strides=(stride, 1))
+    else:
+        descriptors = span[starts[:, None] + np.arange(DESCRIPTOR_SIZE)]
+    if not np.array_equal(descriptors, table.view(np.uint8).reshape(-1, DESCRIPTOR_SIZE)):
+        return 0, -1
+    if not np.array_equal(crc32c_rows(np.ascontiguousarray(descriptors[:, :60])), table["descriptor_crc"]):
+        return 0, -1
+    stored = table["stored_size"].astype(np.int64)
+    crcs = crc32c_slices(span.data, (starts + DESCRIPTOR_SIZE).tolist(), stored.tolist())
+    if not np.array_equal(crcs, table["payload_crc"]):
+        return 0, -1
+    # Padding: from each payload's end to the next record (or the index), all zero.
+    ends = starts + DESCRIPTOR_SIZE + stored
+    nexts = np.append(starts[1:], end - base)
+    lengths = nexts - ends
+    if lengths.sum():
+        where = np.repeat(ends - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
+        if span[where].any():
+            return 0, -1
+    encoded = np.flatnonzero(table["codec"] != codecs.Raw.code)
+    if encoded.size:  # decoding is the check of an encoded payload (raw ones are sized already)
+        try:
+            for i in encoded.tolist():
+                file.chunk_array(first + i, checked=True)
+        except KVFormatError:
+            return 0, -1
+    return int((DESCRIPTOR_SIZE + stored).sum()), end
+
+
+def _verify_record(file: FileStructure, cursor: int, records: int, chunk: int) -> tuple[int, int, int]:
+    """Check the one record at ``cursor`` (the ``records``-th; ``chunk`` table chunks before it).
+    Returns the next record's offset, the chunks seen, and this record's bytes."""
+    source = file.source
+    index_offset = file.footer.index_offset
+    if cursor + DESCRIPTOR_SIZE > index_offset:
+        raise CorruptFileError(f"record at {cursor} overruns the index")
+    raw = source.read(cursor, DESCRIPTOR_SIZE)
+    try:
+        desc = Descriptor.unpack(raw)
+    except KVFormatError as exc:
+        raise type(exc)(f"{source.name}: record at offset {cursor}: {exc}") from None
+    if desc.offset != cursor:
+        raise CorruptFileError(f"record at {cursor} says it lies at {desc.offset}")
+    if desc.end > index_offset:
+        raise CorruptFileError(f"record at {cursor} runs into the index")
+    payload = source.read(desc.payload_offset, desc.stored_size)
+    label = f"record at offset {cursor}"
+    if desc.kind in TABLE_KINDS:
+        if chunk >= len(file.table) or bytes(raw) != file.table[chunk].tobytes():
+            raise CorruptFileError(f"{label}: chunk {chunk} differs from its index copy")
+        label = chunk_label(file.table, chunk)
+    if crc32c(payload) != desc.payload_crc:
+        raise ChecksumError(f"{source.name}: {label}: payload CRC-32C mismatch")
+    if desc.kind in TABLE_KINDS:
+        file.chunk_array(chunk, checked=True)
+        chunk += 1
+    elif desc.kind in JSON_KINDS:
+        loads(payload, label)
+    elif file.version[1] <= MINOR:
+        raise CorruptFileError(f"{label}: unknown record kind {desc.kind}")
+    if (records == 0) != (desc.kind == KIND_MANIFEST):
+        raise CorruptFileError(f"{label}: the manifest must be the first record, and only it")
+    next_record = align(desc.end)
+    padding = source.read(desc.end, min(next_record, index_offset) - desc.end)
+    if any(padding):
+        raise CorruptFileError(f"{label}: non-zero padding after the payload")
+    return next_record, chunk, DESCRIPTOR_SIZE + desc.stored_size
