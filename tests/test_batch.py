@@ -16,6 +16,7 @@ import kvformat
 from kvformat.cli import main
 from kvsnap.analysis.batch import expand_paths, merged_stats, run_stats
 from kvsnap.analysis.stats import head_stats
+from tests.factories import random_file
 from tests.servers import moto_s3, nginx
 
 LAYERS, HEADS, DIM = 3, 2, 16
@@ -23,15 +24,19 @@ LAYERS, HEADS, DIM = 3, 2, 16
 
 def write_run(path: Path, seed: int, tokens: int, seqs: int = 1) -> list[np.ndarray]:
     """A snapshot of ``seqs`` sequences; returns K per (layer, head) with all sequences stacked."""
-    rng = np.random.default_rng(seed)
-    layers, keys = [], []
-    for layer in range(LAYERS):
-        k = rng.standard_normal((seqs, HEADS, tokens, DIM)).astype(np.float32) * (1 + layer)
-        v = rng.standard_normal((seqs, HEADS, tokens, DIM)).astype(np.float32)
-        layers.append(kvformat.Layer(k if seqs > 1 else k[0], v if seqs > 1 else v[0]))
-        keys.extend(np.concatenate(list(k[:, head])) for head in range(HEADS))
-    kvformat.save(path, layers, chunk_bytes=700, metadata={"seed": seed})
-    return keys
+    made = random_file(
+        path,
+        layers=LAYERS,
+        heads=HEADS,
+        tokens=tokens,
+        dim=DIM,
+        seqs=seqs,
+        seed=seed,
+        layer_scale=True,
+        metadata={"seed": seed},
+        chunk_bytes=700,
+    )
+    return made.keys_by_head()
 
 
 @pytest.fixture(scope="module")

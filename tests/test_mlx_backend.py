@@ -13,27 +13,31 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import kvformat
 from kvformat.cli import main
 from kvsnap.analysis import mlx_kernel
 from kvsnap.analysis.batch import merged_stats, run_stats
 from kvsnap.analysis.stats import GROUPS, stats_rows
+from tests import factories
 
 QUANTILES = {"norm_p50", "norm_p99"}
 
 
 def random_file(path: Path, dtype: Any, dim: int, tokens: int, seed: int = 0) -> Path:
-    rng = np.random.default_rng(seed)
-    layers = []
-    for _ in range(2):
-        k = rng.standard_normal((2, tokens, dim)).astype(np.float32) * rng.uniform(0.5, 3, dim)
-        k[:, 0] *= 40  # an attention sink: a massive first row
-        k[:, tokens // 3, 5] = 300.0  # a massive value
-        v = rng.standard_normal((2, tokens, dim)).astype(np.float32) + 0.3
-        layers.append(kvformat.Layer(k.astype(dtype), v.astype(dtype)))
-    rope = {"base": 10000.0, "dims": dim, "pairing": "half", "traditional": False}
-    kvformat.save(path, layers, metadata={"rope": rope})
-    return path
+    """Two layers of two heads: scaled channels, an attention sink, a massive value, RoPE."""
+    made = factories.random_file(
+        path,
+        layers=2,
+        tokens=tokens,
+        dim=dim,
+        seed=seed,
+        dtype=dtype,
+        channel_scales="random",
+        sink=40.0,
+        massive=300.0,
+        v_shift=0.3,
+        rope=True,
+    )
+    return made.path
 
 
 def within(got: np.ndarray, expected: np.ndarray, tolerance: np.ndarray) -> bool:

@@ -13,16 +13,25 @@ import pytest
 import kvformat
 from kvsnap.analysis.rope import Rope, RopeError
 from kvsnap.analysis.stats import GROUPS, head_stats, head_stats_reader, stats_rows, token_table
+from tests.factories import random_file
 
 ROPE = {"rope": {"base": 10000.0, "dims": 16, "pairing": "half", "scaling": None}}
 
 
 def make_file(path: Path, chunk_bytes: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    k = rng.standard_normal((2, 96, 16)).astype(np.float32) * np.linspace(0.5, 3, 16, dtype=np.float32)
-    k[1, 5] *= 40  # a massive-value token at position 5
-    kvformat.save(path, [kvformat.Layer(k, k[:, :, :8].copy())], metadata=ROPE, chunk_bytes=chunk_bytes)
-    return k
+    """K ``(2, 96, 16)`` with scaled channels and a massive-value token at position 5 of head 1."""
+    scales = np.linspace(0.5, 3, 16, dtype=np.float32)
+    made = random_file(
+        path,
+        seed=seed,
+        channel_scales=scales,
+        spike=(1, 5, 40.0),
+        v="k_prefix",
+        v_dim=8,
+        metadata=ROPE,
+        chunk_bytes=chunk_bytes,
+    )
+    return made.k[0]
 
 
 def test_statistics_equal_direct_computation(tmp_path: Path) -> None:
