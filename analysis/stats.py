@@ -74,7 +74,7 @@ def _rows(name: str, index: int, accumulators: dict[Key, HeadAccumulator]) -> li
             "tensor": tensor,
             **acc.row(),
         }
-        for (seq, layer, head, tensor), acc in sorted(accumulators.items())
+        for (layer, seq, head, tensor), acc in sorted(accumulators.items())
     ]
 
 
@@ -172,7 +172,7 @@ def merged_accumulators(
 ) -> dict[tuple[int, int, str], HeadAccumulator]:
     """`file_accumulators` with its options as one `PassOptions` (what the engines call)."""
     merged: dict[tuple[int, int, str], HeadAccumulator] = {}
-    for (_, layer, head, tensor), acc in sorted(accumulate(path, options).items()):
+    for (layer, _, head, tensor), acc in sorted(accumulate(path, options).items()):
         key = (layer, head, tensor)
         if key in merged:
             merged[key].merge(acc)

@@ -1,5 +1,5 @@
 """The streaming pass: one read of a snapshot's chunks, spread over threads (or an mlx device),
-feeding one `HeadAccumulator` per (seq, layer, head, tensor) and handing each layer's
+feeding one `HeadAccumulator` per (layer, seq, head, tensor) and handing each layer's
 accumulators back as soon as the pass is past it."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvsnap.analysis.rope import Rope
 BATCH_BYTES = 8 << 20  # K + V bytes of one head handed to one task
 
 
-Key = tuple[int, int, int, str]  # (seq, layer, head, "k" | "v")
+Key = tuple[int, int, int, str]  # (layer, seq, head, "k" | "v"): the order of series keys
 
 
 @dataclass(frozen=True)
@@ -116,10 +116,10 @@ def fresh_accumulators(
     table: dict[Key, HeadAccumulator] = {}
     for seq in range(snap.num_seqs):
         for head in range(spec.num_heads):
-            table[(seq, layer, head, "k")] = HeadAccumulator(
+            table[(layer, seq, head, "k")] = HeadAccumulator(
                 spec.k_dim, rope, options.stats, backend=options.backend
             )
-            table[(seq, layer, head, "v")] = HeadAccumulator(
+            table[(layer, seq, head, "v")] = HeadAccumulator(
                 spec.v_dim, None, options.stats, backend=options.backend
             )
     return table
@@ -192,10 +192,10 @@ class _Workers:
         """Read and add one batch of one head's segments (K un-rotated by ``rope`` when given)
         on a worker; the reads run there too, so checksums and page faults use every core."""
         first = batch[0]
-        k_acc = accumulators[(first.seq, first.layer, first.head, "k")]
-        v_acc = accumulators[(first.seq, first.layer, first.head, "v")]
+        k_acc = accumulators[(first.layer, first.seq, first.head, "k")]
+        v_acc = accumulators[(first.layer, first.seq, first.head, "v")]
         snap.prefetch(batch)
-        key = (first.seq, first.layer, first.head)
+        key = (first.layer, first.seq, first.head)
         return self.pool.submit(key, _add_segments, snap, batch, k_acc, v_acc, rope, self.pipeline)
 
     def finish_layer(self, accumulators: dict[Key, HeadAccumulator], rows: bool) -> list[Future[Any]]:
