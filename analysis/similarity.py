@@ -82,7 +82,7 @@ def _windows(positions: np.ndarray, size: int) -> Iterator[tuple[int, int]]:
 def _rows_of(
     snap: kvformat.Snapshot, layer: int, head: int, seq: int, tensor: str, window: tuple[int, int], rope: Any
 ) -> tuple[np.ndarray, np.ndarray]:
-    data = snap.head(layer, head, seq, tokens=window)
+    data = snap.head(layer, head, seq, positions=window)
     assert data is not None
     rows = data.k if tensor == "k" else data.v
     if tensor == "k" and rope is not None:

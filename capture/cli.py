@@ -98,7 +98,7 @@ def _capture(args: argparse.Namespace) -> int:
         events.append(event)
         message = (
             f"snapshot {len(events) - 1} after {event.generated} generated tokens "
-            f"({event.tokens} in cache) -> {event.path} ({event.size / 1e6:.2f} MB)"
+            f"({event.cached_tokens} in cache) -> {event.path} ({event.size / 1e6:.2f} MB)"
         )
         if args.echo:
             print(f"\n[{message}]", file=sys.stderr, flush=True)

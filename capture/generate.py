@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,17 +47,23 @@ def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
 
 @dataclass(frozen=True)
 class SnapshotEvent:
-    """A snapshot that was written: ``generated`` tokens generated so far, ``tokens`` in the
-    cache, ``path`` the file it belongs to (a series: the output file, which appears under that
+    """A snapshot that was written: ``generated`` tokens generated so far, ``cached_tokens``
+    tokens in the cache, ``path`` the file it belongs to (a series: the output file, which appears under that
     name when generation ends; until then its bytes are in ``writing``), ``index`` its snapshot
     index there, ``size`` the bytes written so far."""
 
     generated: int
-    tokens: int
+    cached_tokens: int
     path: str
     index: int
     size: int
     writing: str
+
+    @property
+    def tokens(self) -> int:
+        """The former name of ``cached_tokens`` (deprecated)."""
+        warnings.warn("SnapshotEvent.tokens is now cached_tokens", DeprecationWarning, stacklevel=2)
+        return self.cached_tokens
 
 
 class _LogitsRecorder:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -165,19 +166,31 @@ class Snapshot:
         return spec
 
     def head(
-        self, layer: int, head: int, seq: int = 0, tokens: tuple[int, int] | range | None = None
+        self,
+        layer: int,
+        head: int,
+        seq: int = 0,
+        positions: tuple[int, int] | range | None = None,
+        *,
+        tokens: tuple[int, int] | range | None = None,
     ) -> Head | None:
         """K, V and positions of one head, or ``None`` if ``layer`` is absent from the file.
 
-        ``tokens=(start, stop)`` keeps absolute positions ``start <= p < stop``. A single raw
-        chunk comes back as a zero-copy read-only view; anything else is one new array.
+        ``positions=(start, stop)`` (or ``range(start, stop)``) keeps absolute positions
+        ``start <= p < stop``; ``tokens=`` is its former name (deprecated). A single raw chunk
+        comes back as a zero-copy read-only view; anything else is one new array.
         """
+        if tokens is not None:
+            if positions is not None:
+                raise TypeError("give positions=, not both positions= and its former name tokens=")
+            warnings.warn("head(tokens=...) is now head(positions=...)", DeprecationWarning, stacklevel=2)
+            positions = tokens
         spec = self._layer(layer, head, seq)
         if spec is None:
             return None
         assert spec.dtype is not None
         segments = self._segments.of_head(layer, seq, head)
-        start, stop = _token_range(tokens)
+        start, stop = _position_range(positions)
         wanted = [s for s in segments if max(start, s.position) < min(stop, s.position + s.count)]
         self._file.prefetch([c for s in wanted for c in (s.k_chunk, s.v_chunk)])
         k_parts: list[np.ndarray] = []
@@ -349,14 +362,15 @@ def _positions(segments: list[Segment]) -> np.ndarray:
     )
 
 
-def _token_range(tokens: tuple[int, int] | range | None) -> tuple[int, int]:
-    if tokens is None:
+def _position_range(positions: tuple[int, int] | range | None) -> tuple[int, int]:
+    """``[start, stop)`` of absolute positions (everything for None)."""
+    if positions is None:
         return 0, MAX_POSITION
-    if isinstance(tokens, range):
-        if tokens.step != 1:
-            raise ValueError("tokens range must have step 1")
-        return tokens.start, tokens.stop
-    start, stop = tokens
+    if isinstance(positions, range):
+        if positions.step != 1:
+            raise ValueError("a positions range must have step 1")
+        return positions.start, positions.stop
+    start, stop = positions
     return int(start), int(stop)
 
 

@@ -360,7 +360,7 @@ def test_smollm2_keys_are_post_rope_projections(tmp_path: Path, smollm2_dir: Pat
         undo = Rope.from_metadata(snap.metadata, snap.layers[0].attributes, 64)
         pre_rope = np.array(k)[0]
         for head in range(3):
-            got = snap.head(0, head, tokens=(0, len(prompt)))
+            got = snap.head(0, head, positions=(0, len(prompt)))
             assert got is not None
             np.testing.assert_allclose(got.k.astype(np.float32), expected[:, head], rtol=2e-2, atol=2e-2)
             # ...and analysis recovers the pre-RoPE projection from the file alone.

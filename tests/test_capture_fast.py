@@ -4,6 +4,7 @@ takes effect; bad arguments refused before any model loads."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -180,6 +181,39 @@ def test_a_writer_error_stops_generation_and_keeps_a_recoverable_file(
     with kvformat.open(path) as snap:
         assert snap.num_snapshots >= 2
         assert snap.select(1).snapshot_metadata["generated"] == 4
+
+
+def test_snapshot_events_name_the_file_and_count_tokens(tmp_path: Path) -> None:
+    """Each event of a series names the output file (bytes in ``writing`` until the end), its
+    index there, the tokens generated and held; separate files name themselves."""
+    model, tokenizer = tiny_model("qwen3"), _tiny_tokenizer()
+    prompt = list(range(1, 12))
+    events: list[Any] = []
+    path = tmp_path / "series.kv"
+    list(generate(model, tokenizer, prompt, max_tokens=6, output=path, every=2, on_snapshot=events.append))
+    assert [(e.index, e.generated, e.cached_tokens) for e in events] == [(0, 2, 13), (1, 4, 15), (2, 6, 17)]
+    assert {e.path for e in events} == {str(path)} and {e.writing for e in events} == {f"{path}.partial"}
+    assert all(0 < a.size < b.size for a, b in itertools.pairwise(events))  # the partial file grows
+    with kvformat.open(path) as snap:
+        assert snap.num_snapshots == 3 and snap.seq_len == 17
+    with pytest.warns(DeprecationWarning, match="cached_tokens"):
+        assert events[0].tokens == 13
+    separate: list[Any] = []
+    base = tmp_path / "one.kv"
+    list(
+        generate(
+            model,
+            tokenizer,
+            prompt,
+            max_tokens=4,
+            output=base,
+            every=2,
+            separate_files=True,
+            on_snapshot=separate.append,
+        )
+    )
+    assert [Path(e.path).name for e in separate] == ["one-0002.kv", "one-0004.kv"]
+    assert all(e.writing == e.path and e.size == Path(e.path).stat().st_size for e in separate)
 
 
 def test_generation_with_snapshots_equals_plain_generation(tmp_path: Path) -> None:

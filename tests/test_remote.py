@@ -116,7 +116,7 @@ def test_one_head_costs_under_twice_its_size_plus_the_index(served: Nginx) -> No
         sent = served.bytes_sent(opened)
         assert 0.9 * stored <= sent < 2 * stored + index
         assert len(served.log_lines()) - opened <= 4  # K and V runs, coalesced
-        tokens = snap.head(6, 3, tokens=(100, 200))  # a cached head costs nothing more
+        tokens = snap.head(6, 3, positions=(100, 200))  # a cached head costs nothing more
         assert tokens is not None and served.bytes_sent(opened) == sent
 
 

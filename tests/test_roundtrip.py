@@ -119,17 +119,26 @@ def test_raw_single_chunk_is_zero_copy_view(tmp_path: Path) -> None:
         assert np.array_equal(head.k, k[1])
 
 
-def test_token_range_selects_absolute_positions(tmp_path: Path) -> None:
+def test_a_position_range_selects_absolute_positions(tmp_path: Path) -> None:
     k = np.arange(1 * 6 * 2, dtype=np.float32).reshape(1, 6, 2)
     positions = np.array([0, 1, 10, 11, 12, 30])
     path = tmp_path / "r.kv"
     kvformat.save(path, [kvformat.Layer(k, k, positions)], chunk_bytes=8)
     with kvformat.open(path) as snap:
-        head = snap.head(0, 0, tokens=(1, 12))
+        head = snap.head(0, 0, positions=(1, 12))
         assert head is not None
         assert head.positions.tolist() == [1, 10, 11]
         assert np.array_equal(head.k, k[0, 1:4])
-        assert snap.seq_len == 31
+        assert snap.seq_len == 31  # one past the largest position
+        same = snap.head(0, 0, positions=range(1, 12))
+        assert same is not None and same.positions.tolist() == [1, 10, 11]
+        with pytest.warns(DeprecationWarning, match="now head"):
+            old = snap.head(0, 0, tokens=(1, 12))  # the former name still works
+        assert old is not None and old.positions.tolist() == [1, 10, 11]
+        with pytest.raises(TypeError, match="not both"):
+            snap.head(0, 0, positions=(1, 12), tokens=(1, 12))
+        with pytest.raises(ValueError, match="step 1"):
+            snap.head(0, 0, positions=range(0, 12, 2))
 
 
 def test_zero_token_and_one_token_sequences(tmp_path: Path) -> None:
