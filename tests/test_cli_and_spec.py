@@ -47,8 +47,19 @@ def test_info_verify_dump_pack(tmp_path: Path, capsys: pytest.CaptureFixture[str
     np.savez(npz, **arrays)
     out = tmp_path / "out.kv"
     assert main(["pack", str(npz), str(out), "--codec", "zstd", "--chunk-tokens", "2"]) == 0
+    assert str(out) in capsys.readouterr().out
+    with kvformat.open(out) as snap:  # the flags took effect: zstd chunks of at most 2 tokens
+        table = snap._file.table
+        assert set(table["codec"].tolist()) == {kvformat.Zstd().code}
+        assert set(table["rows"].tolist()) == {1, 2}
+        for layer in (0, 2):
+            for head in range(arrays[f"k_L{layer}"].shape[0]):
+                got = snap.head(layer, head)
+                assert got is not None and got.k.dtype == arrays[f"k_L{layer}"].dtype
+                assert np.array_equal(got.k, arrays[f"k_L{layer}"][head])
+                assert np.array_equal(got.v, arrays[f"v_L{layer}"][head])
     assert main(["info", str(out), "--json"]) == 0
-    description = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    description = json.loads(capsys.readouterr().out)
     assert description["num_layers"] == 3
     assert [layer["present"] for layer in description["layers"]] == [True, False, True]
     assert description["layers"][2]["v_dim"] == 6
@@ -69,6 +80,8 @@ def test_errors_are_reported_not_raised(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["verify", str(bad)]) == 2
     assert "CorruptFileError" in capsys.readouterr().err
     assert main(["info", str(tmp_path / "missing.kv")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.kv" in err and "Traceback" not in err
 
 
 def test_recover_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
