@@ -2,8 +2,12 @@
 
 The writer appends to ``PATH.partial``; ``close()`` writes the index and footer, fsyncs and
 renames to ``PATH``. A crash leaves only the ``.partial`` file, which `kvformat.recover` turns into
-a valid snapshot of every complete chunk. Memory use is the index (64 bytes per chunk), never the
-data.
+a valid snapshot of every complete chunk.
+
+Memory: the index (64 bytes per chunk) plus, while an append is being written, its work units in
+flight: up to ``_AHEAD + 2`` units of about `_UNIT_BYTES` each (gathered strided rows in reused
+scratch buffers, encoded chunks for a compressing codec). Contiguous raw input is written straight
+from the caller's arrays, without a copy. The file's data is never held whole.
 """
 
 from __future__ import annotations
