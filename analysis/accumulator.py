@@ -68,7 +68,7 @@ class HeadAccumulator:
     peak_hist: np.ndarray = field(default_factory=lambda: np.zeros(BINS, np.int64))
     power: np.ndarray = field(init=False)  # (4, dim) sums of x, x^2, x^3, x^4
     absmax: np.ndarray = field(init=False)
-    gram: np.ndarray = field(init=False)  # (dim, dim) sum of x x^T
+    gram: np.ndarray = field(init=False)  # (dim, dim) sum of x x^T; (0, 0) without "spectrum"
     unit_sum: np.ndarray = field(init=False)
     band: np.ndarray | None = field(init=False)
     first_norm_sum: float = 0.0  # ||x|| at position 0, summed over the sequences that hold it
@@ -87,7 +87,9 @@ class HeadAccumulator:
         self.groups = stat_groups(self.groups)
         self.power = np.zeros((4, self.dim))
         self.absmax = np.zeros(self.dim)
-        self.gram = np.zeros((self.dim, self.dim))
+        # 128 KiB at 128 channels: allocated only where the spectrum needs it.
+        side = self.dim if "spectrum" in self.groups else 0
+        self.gram = np.zeros((side, side))
         self.unit_sum = np.zeros(self.dim)
         self.band = np.zeros(self.rope.dims // 2) if self.rope is not None else None
 
@@ -241,7 +243,8 @@ class HeadAccumulator:
             self.power[2] += np.einsum("ij,ij->j", x2, x)
             self.power[3] += np.einsum("ij,ij->j", x2, x2)
             del x2
-            self.gram += x.T @ x
+            if "spectrum" in self.groups:
+                self.gram += x.T @ x
             self.unit_sum += (1.0 / np.maximum(norms, 1e-30)) @ x
             if self.band is not None and self.rope is not None:
                 self.band += self.rope.pair_energy(x)

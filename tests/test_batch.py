@@ -90,6 +90,8 @@ def test_one_options_object_or_its_fields_as_keywords(runs: Path) -> None:
     by_keywords = run_stats(str(runs / "*.kv"), jobs=2, stats=["norms"])
     assert by_object.table.equals(by_keywords.table)
     assert "norm_mean" in by_object.table.columns and "eigenvalues" not in by_object.table.columns
+    merged_norms = merged_stats(good_files(runs), options).table  # no Gram matrix held or merged
+    assert set(merged_norms["n_files"].to_list()) == {3} and "eigenvalues" not in merged_norms.columns
     overridden = merged_stats(good_files(runs), options, stats="spectrum").table
     assert "eigenvalues" in overridden.columns and "norm_mean" not in overridden.columns
     with pytest.raises(TypeError, match="unknown batch option 'job'; known: engine, jobs"):
