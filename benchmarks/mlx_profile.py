@@ -1,9 +1,10 @@
 """Where the time of an mlx pass goes, on the machine that runs it: the host memory of mlx alone,
 then one `stats_for_file(..., backend="mlx")` pass with timers around its stages (reading and
-checksumming, stacking a batch, the copy to the device, waiting for the device, folding results,
+checksumming, stacking a batch, the copy to the device (staging buffers, or ``mx.array`` with
+``--no-staging``), waiting for the device, folding results,
 eigenvalues), and mlx's own memory counters.
 
-    python -m benchmarks.mlx_profile FILE [--stats all] [--batch-mib 32] [--cache-limit-mib N]
+    python -m benchmarks.mlx_profile FILE [--stats all] [--batch-mib 32] [--cache-limit-mib N] [--no-staging]
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ def main() -> None:
     parser.add_argument("--batch-mib", type=int, default=None)
     parser.add_argument("--cache-limit-mib", type=int, default=None)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument(
+        "--no-staging", action="store_true", help="mx.array per piece instead of staging buffers"
+    )
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -68,14 +72,15 @@ def main() -> None:
     import kvformat
     from kvsnap.analysis import mlx_kernel, stats
 
-    if args.batch_mib is not None:
+    if args.batch_mib is not None or args.no_staging:
         original = mlx_kernel.Pipeline.__init__
-        limit = args.batch_mib << 20
+        limit = (args.batch_mib or 32) << 20
 
         def init(self: Any, limit_: int = limit) -> None:
-            original(self, limit_)
+            original(self, limit_, staging=not args.no_staging)
 
         mlx_kernel.Pipeline.__init__ = init  # type: ignore[method-assign]
+    report["staging"] = not args.no_staging
 
     # warm: compile the device functions
     with kvformat.open(args.file) as snap:
@@ -88,6 +93,8 @@ def main() -> None:
 
     kvformat.Snapshot.read = _timed("read+crc (worker)", kvformat.Snapshot.read)  # type: ignore[method-assign]
     mlx_kernel._to_device = _timed("to device (mx.array per piece)", mlx_kernel._to_device)
+    staging = mlx_kernel.Staging
+    staging.fill = _timed("to device (staging copy per group)", staging.fill)  # type: ignore[method-assign]
     batch = mlx_kernel._Batch
     batch.__init__ = _timed("batch send (total, driver)", batch.__init__)  # type: ignore[method-assign]
     batch.fetch = _timed("batch fetch (wait + results to host, driver)", batch.fetch)  # type: ignore[method-assign]

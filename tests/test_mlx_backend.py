@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import kvformat
 from kvformat.cli import main
 from kvsnap.analysis import mlx_kernel
 from kvsnap.analysis.batch import merged_stats, run_stats
@@ -137,3 +138,49 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit) as exit_info:  # argparse: one usage line, exit status 2
         main(["stats", str(path), "--backend", "cuda"])
     assert exit_info.value.code == 2 and "--backend" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_staging_buffers_carry_the_rows_and_are_reused(dtype: Any) -> None:
+    """Pieces copied into a device buffer through its memory are what the device reads, in
+    every stored type; a buffer given back is reused (and overwritten) by the next batch."""
+    import mlx.core as mx
+
+    from kvsnap.analysis.mlx_kernel import Staging
+
+    staging = Staging.create()
+    assert staging is not None  # CPU mlx exposes its memory: the fast path is what CI tests
+    rng = np.random.default_rng(4)
+    try:
+        for round_ in range(2):
+            pieces = [rng.standard_normal((300, 24)).astype(dtype) for _ in range(3)]
+            buffer, stacked = staging.fill(pieces)
+            expected = np.stack([p.astype(np.float32) for p in pieces])
+            np.testing.assert_array_equal(np.array(stacked.astype(mx.float32)), expected)
+            if round_ == 0:
+                first = buffer
+                staging.give_back([buffer])
+            else:
+                assert buffer is first  # the same device memory, new rows
+    finally:
+        staging.close()
+
+
+def test_staged_and_copied_batches_give_the_same_sums(tmp_path: Path) -> None:
+    from kvsnap.analysis import accumulator, mlx_kernel
+
+    path = random_file(tmp_path / "r.kv", ml_dtypes.bfloat16, 64, 3000)
+    rows = []
+    for staging in (True, False):
+        accs = []
+        with kvformat.open(path) as snap, mlx_kernel.Pipeline(limit=1 << 20, staging=staging) as pipeline:
+            assert (pipeline._staging is not None) is staging
+            for block in snap.blocks():
+                acc = accumulator.HeadAccumulator(64, backend="mlx")
+                pipeline.add(acc, block.k, block.positions)
+                accs.append(acc)
+            pipeline.finish()
+            rows.append([acc.row() for acc in accs])
+    for staged, copied in zip(*rows, strict=True):
+        for name, value in copied.items():
+            np.testing.assert_array_equal(np.asarray(staged[name]), np.asarray(value), err_msg=name)
