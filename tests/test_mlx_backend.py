@@ -184,3 +184,15 @@ def test_staged_and_copied_batches_give_the_same_sums(tmp_path: Path) -> None:
     for staged, copied in zip(*rows, strict=True):
         for name, value in copied.items():
             np.testing.assert_array_equal(np.asarray(staged[name]), np.asarray(value), err_msg=name)
+
+
+def test_a_corrupt_chunk_stops_the_mlx_pass_with_its_error(tmp_path: Path) -> None:
+    """A checksum error on a reader thread reaches the caller (no hang, no partial table)."""
+    path = random_file(tmp_path / "r.kv", np.float32, 64, 500)
+    with kvformat.open(path) as snap:
+        offset = int(snap._file.table["offset"][5]) + 64 + 100  # inside chunk 5's payload
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(kvformat.ChecksumError, match="chunk 5"):
+        stats_rows(path, backend="mlx")
