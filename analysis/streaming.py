@@ -33,7 +33,7 @@ class PassOptions:
     ``stats``: the statistic groups (`GROUPS`); ``threads``: threads on this file's blocks;
     ``storage_options``: fsspec options for URLs; ``progress``: a bar of layers on stderr;
     ``backend``: ``"cpu"`` (the compiled kernel on ``threads`` threads) or ``"mlx"`` (mlx on its
-    default device, driven by one thread while reader threads checksum the next blocks)."""
+    default device, driven by one thread that reads the next block while the device works)."""
 
     snapshot: int = -1
     keys: str = "post_rope"
@@ -74,21 +74,22 @@ def _add_segments(
     k_acc: HeadAccumulator,
     v_acc: HeadAccumulator,
     rope: Rope | None,
+    pipeline: Any = None,
 ) -> None:
     """Read (CRC, decode), add and release each segment of one head, in order; K is un-rotated
     by ``rope`` when given. Runs on a pass's worker thread: reading there spreads the page faults
-    and checksums of a memory-mapped file over the cores."""
+    and checksums of a memory-mapped file over the cores. With an mlx ``pipeline``
+    (`mlx_kernel.Pipeline`) the rows join its next device batch instead."""
     for segment in segments:
-        block, k = _read(snap, segment, rope)
+        block = snap.read(segment)
+        k = block.k if rope is None else rope.rotate(block.k, block.positions, inverse=True)
+        if pipeline is not None:
+            pipeline.add(k_acc, k, block.positions)
+            pipeline.add(v_acc, block.v, block.positions, after=functools.partial(snap.release, segment))
+            continue
         k_acc.add(k, block.positions)
         v_acc.add(block.v, block.positions)
         snap.release(segment)
-
-
-def _read(snap: kvformat.Snapshot, segment: kvformat.Segment, rope: Rope | None) -> tuple[Any, Any]:
-    """One segment read (CRC, decode) and K un-rotated by ``rope`` when given: ``(block, k)``."""
-    block = snap.read(segment)
-    return block, block.k if rope is None else rope.rotate(block.k, block.positions, inverse=True)
 
 
 def layer_ropes(snap: kvformat.Snapshot, keys: str) -> dict[int, Rope | None]:
@@ -152,22 +153,12 @@ def head_batches(
 class _Workers:
     """The threads of one pass: an `OrderedPool` of ``options.threads`` for the batches (each
     head's batches in order), BLAS on one thread (the Gram's rounding then does not depend on the
-    thread count), and for mlx the device `Pipeline` driven by this thread, with reader threads
-    (checksums and page faults on every core, `window` - 1 batches ahead) and CPU threads for the
-    rows."""
+    thread count), and for mlx the device `Pipeline` plus CPU threads for the rows."""
 
     def __init__(self, options: PassOptions) -> None:
         self.options = options
         self.pipeline: Any = None
         self._stack = contextlib.ExitStack()
-        self._queued: collections.deque[tuple[list[Future[Any]], list[Any], Future[Any]]] = (
-            collections.deque()
-        )
-
-    @property
-    def window(self) -> int:
-        """Batches in flight at most (the pass waits for the oldest beyond it)."""
-        return self.options.threads + 2 if self.pipeline is None else self.readers_count + 2
 
     def __enter__(self) -> _Workers:
         from concurrent.futures import ThreadPoolExecutor
@@ -179,10 +170,6 @@ class _Workers:
                 from kvsnap.analysis.mlx_kernel import Pipeline
 
                 self.pipeline = stack.enter_context(Pipeline())
-                self.readers_count = cores()
-                self.readers = stack.enter_context(
-                    ThreadPoolExecutor(self.readers_count, thread_name_prefix="kvsnap-read")
-                )
             stack.enter_context(single_threaded_blas())
             self.pool = stack.enter_context(OrderedPool(self.options.threads))
             rows_threads = cores() if self.pipeline is not None else 1
@@ -208,39 +195,14 @@ class _Workers:
         k_acc = accumulators[(first.layer, first.seq, first.head, "k")]
         v_acc = accumulators[(first.layer, first.seq, first.head, "v")]
         snap.prefetch(batch)
-        if self.pipeline is not None:
-            reads = [self.readers.submit(_read, snap, segment, rope) for segment in batch]
-            done: Future[Any] = Future()
-            self._queued.append((reads, [snap, batch, k_acc, v_acc], done))
-            while len(self._queued) > self.readers_count:
-                self._send_oldest()
-            return done
         key = (first.layer, first.seq, first.head)
-        return self.pool.submit(key, _add_segments, snap, batch, k_acc, v_acc, rope)
-
-    def _send_oldest(self) -> None:
-        """The oldest batch read ahead, in order, into the device pipeline (this thread drives
-        mlx); its pages are released once copied for the device."""
-        reads, (snap, batch, k_acc, v_acc), done = self._queued.popleft()
-        try:
-            for read, segment in zip(reads, batch, strict=True):
-                block, k = read.result()
-                self.pipeline.add(k_acc, k, block.positions)
-                self.pipeline.add(
-                    v_acc, block.v, block.positions, after=functools.partial(snap.release, segment)
-                )
-        except BaseException as exc:
-            done.set_exception(exc)
-            raise
-        done.set_result(None)
+        return self.pool.submit(key, _add_segments, snap, batch, k_acc, v_acc, rope, self.pipeline)
 
     def finish_layer(self, accumulators: dict[Key, HeadAccumulator], rows: bool) -> list[Future[Any]]:
         """After a layer's last batch: fold what is still on the device (mlx, on this thread,
         the one that drives it) and, with ``rows``, compute each accumulator's row on the
         threads (after its head's batches)."""
         if self.pipeline is not None:
-            while self._queued:
-                self._send_oldest()
             self.pipeline.finish()
             return [self.row_pool.submit(acc.row) for acc in accumulators.values()] if rows else []
         return [self.pool.submit(key[:3], acc.row) for key, acc in accumulators.items()] if rows else []
@@ -308,7 +270,7 @@ def layers(
                 if closes:
                     open_layer.work += workers.finish_layer(open_layer.accumulators, finish)
                     closing.append(layer)
-                while len(in_flight) > workers.window:
+                while len(in_flight) > options.threads + 2:
                     in_flight.popleft().result()
                 yield from finished(wait=False)
             workers.pool.drain()
