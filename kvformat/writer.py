@@ -8,6 +8,10 @@ Memory: the index (64 bytes per chunk) plus, while an append is being written, i
 flight: up to ``_AHEAD + 2`` units of about `_UNIT_BYTES` each (gathered strided rows in reused
 scratch buffers, encoded chunks for a compressing codec). Contiguous raw input is written straight
 from the caller's arrays, without a copy. The file's data is never held whole.
+
+This module holds the writer's state and its I/O; the record layout is `kvformat.records`,
+the checks of appended input `kvformat.write_input`, the closing index section
+`kvformat.index`, and whole-snapshot writes (`save`, `write_snapshot`) `kvformat.saving`.
 """
 
 from __future__ import annotations
@@ -16,21 +20,18 @@ import itertools
 import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 
 from kvformat import codecs, dtypes
-from kvformat.checksum import crc32c, crc32c_many, crc32c_rows
+from kvformat.checksum import crc32c, crc32c_many
 from kvformat.codecs import BytesLike, Codec
-from kvformat.dtypes import DType
 from kvformat.durability import fsync_directory
 from kvformat.errors import OutOfRangeError
 from kvformat.index import index_bytes
 from kvformat.layout import (
     ALIGN,
-    DESCRIPTOR_DTYPE,
     DESCRIPTOR_SIZE,
     KIND_ARRAY,
     KIND_K,
@@ -44,6 +45,7 @@ from kvformat.layout import (
     pack_header,
 )
 from kvformat.manifest import LayerSpec, Manifest, check_head_sequences, dumps
+from kvformat.records import Block, Part, Records, Unit, block_columns, byte_view, crc_of, flat, layout
 from kvformat.series import (
     CHUNK,
     COUNT,
@@ -57,6 +59,7 @@ from kvformat.series import (
     chunk_ranges,
     trim_runs,
 )
+from kvformat.write_input import as_positions, rows_of
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 _ZEROS = bytes(ALIGN)
@@ -67,160 +70,8 @@ _HAS_WRITEV = hasattr(os, "writev")  # not on Windows
 _IOV_MAX = 1024  # buffers per writev call (POSIX guarantees at least 16; Linux and macOS allow 1024)
 
 
-def _as_positions(positions: Any, count: int) -> np.ndarray:
-    array = positions if isinstance(positions, np.ndarray) else np.asarray(positions)
-    if array.shape != (count,):
-        raise ValueError(f"positions must have shape ({count},), got {array.shape}")
-    if not count:
-        return array.astype(np.int64, copy=False)
-    if array.dtype.kind not in "iu":
-        raise TypeError(f"positions must be integers, got {array.dtype}")
-    array = array.astype(np.int64, copy=False)
-    first, last = int(array[0]), int(array[-1])
-    if first < 0 or last >= MAX_POSITION:
-        raise ValueError(f"positions must lie in 0..2**53-1, got {first}..{last}")
-    if count > 1 and not (array[1:] > array[:-1]).all():
-        raise ValueError("positions must be strictly increasing")
-    return array
-
-
-def _byte_view(array: np.ndarray) -> memoryview:
-    """A zero-copy byte view of a C-contiguous array (bfloat16 included)."""
-    return array.reshape(-1).view(np.uint8).data
-
-
-def _flat(buffer: BytesLike) -> memoryview:
-    view = memoryview(buffer)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-@dataclass
-class _Part:
-    """One table chunk to write: ``rows`` ``(n, ...)`` as stored before the codec, maybe strided;
-    ``width`` in elements."""
-
-    kind: int
-    layer: int
-    seq: int
-    head: int
-    position: int
-    rows: np.ndarray
-    width: int
-    dtype: DType
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows.nbytes
-
-
-@dataclass
-class _Block:
-    """Every head of one layer and sequence at once, one chunk per head and kind, stored raw:
-    ``k`` ``(num_heads, n, k_dim)`` and ``v`` ``(num_heads, n, v_dim)``, both C-contiguous, at
-    positions ``position .. position + n - 1``. Its records are laid out with numpy, not per
-    chunk (the common case of a series snapshot: hundreds of small chunks)."""
-
-    layer: int
-    seq: int
-    position: int
-    k: np.ndarray
-    v: np.ndarray
-    dtype: DType
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-
-_Unit = list[_Part | _Block]
-"""Chunks prepared together (on the helper thread when pipelined) and written with one ``writev``."""
-
 # The pending-appends table has the columns of `kvformat.series`' runs (LAYER .. POSITION): one
 # row per K/V chunk run not yet in a snapshot.
-
-
-@dataclass
-class _Records:
-    """Prepared records laid out from file offset ``start``: what to write (descriptor, payload,
-    padding per chunk), the packed descriptors, the chunk columns and the offset just past them."""
-
-    buffers: list[BytesLike]
-    packed: bytes
-    columns: np.ndarray  # (n, 8) int64: layer, seq, head, kind, 0, 0, rows, position
-    start: int
-    end: int
-
-
-def _block_columns(blocks: list[_Block]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Chunk columns (decoded size in the chunk column), widths and dtype codes of consecutive
-    blocks, in record order: block by block, head by head, K before V."""
-    heads = np.array([b.k.shape[0] for b in blocks])
-    per_block = np.array(
-        [
-            (
-                b.layer,
-                b.seq,
-                b.position,
-                b.k.shape[1],
-                b.k.shape[2],
-                b.v.shape[2],
-                b.dtype.code,
-                b.dtype.itemsize,
-            )
-            for b in blocks
-        ],
-        np.int64,
-    )
-    each = np.repeat(per_block, 2 * heads, axis=0)  # one row per chunk
-    n = each.shape[0]
-    is_v = np.tile([False, True], n // 2)
-    head = np.arange(n) // 2 - np.repeat(np.cumsum(heads) - heads, 2 * heads)
-    width = np.where(is_v, each[:, 5], each[:, 4])
-    columns = np.empty((n, 8), np.int64)
-    columns[:, LAYER], columns[:, SEQ], columns[:, HEAD] = each[:, 0], each[:, 1], head
-    columns[:, KIND] = np.where(is_v, KIND_V, KIND_K)
-    columns[:, CHUNK] = each[:, 3] * width * each[:, 7]
-    columns[:, ROW], columns[:, COUNT], columns[:, POSITION] = 0, each[:, 3], each[:, 2]
-    return columns, width, each[:, 6]
-
-
-def _layout(
-    columns: np.ndarray,
-    widths: np.ndarray,
-    dtype_codes: np.ndarray,
-    codec: int,
-    stored: np.ndarray,
-    decoded: np.ndarray,
-    crcs: np.ndarray,
-    start: int,
-) -> tuple[bytes, np.ndarray, int]:
-    """Descriptors of consecutive records from file offset ``start``, built with numpy: the packed
-    descriptors, each record's padding, and the offset after the last."""
-    n = columns.shape[0]
-    spans = DESCRIPTOR_SIZE + stored
-    padded = (spans + (ALIGN - 1)) // ALIGN * ALIGN
-    offsets = np.empty(n, np.int64)
-    offsets[0] = start
-    np.cumsum(padded[:-1], out=offsets[1:])
-    offsets[1:] += start
-    table = np.zeros(n, DESCRIPTOR_DTYPE)
-    table["magic"] = b"KVCK"
-    table["kind"] = columns[:, KIND]
-    table["dtype"] = dtype_codes
-    table["codec"] = codec
-    table["layer"] = columns[:, LAYER]
-    table["head"] = columns[:, HEAD]
-    table["seq"] = columns[:, SEQ]
-    table["position"] = columns[:, POSITION]
-    table["rows"] = columns[:, COUNT]
-    table["width"] = widths
-    table["offset"] = offsets
-    table["stored_size"] = stored
-    table["decoded_size"] = decoded
-    table["payload_crc"] = crcs
-    raw = table.view(np.uint8).reshape(n, DESCRIPTOR_SIZE)
-    table["descriptor_crc"] = crc32c_rows(raw[:, :60])
-    return table.tobytes(), padded - spans, int(start + padded.sum())
 
 
 class Writer:
@@ -305,7 +156,7 @@ class Writer:
         """Write ``buffers`` in order at the end of the file (``writev``, retried on short writes).
         With ``total`` (their size in bytes) they must be flat byte buffers: none is checked."""
         if total is None:
-            views = [view for view in map(_flat, buffers) if view.nbytes]
+            views = [view for view in map(flat, buffers) if view.nbytes]
             total = sum(view.nbytes for view in views)
         else:
             views = cast(list[memoryview], list(buffers))
@@ -349,11 +200,11 @@ class Writer:
         end = self._offset + DESCRIPTOR_SIZE + len(payload)
         self._write_all([descriptor.pack(), payload, _ZEROS[: align(end) - end]])
 
-    def _prepare(self, unit: _Unit, slot: int, offset: int) -> _Records:
+    def _prepare(self, unit: Unit, slot: int, offset: int) -> Records:
         """The records of ``unit``, laid out from file offset ``offset``: gather strided rows (into
         scratch buffer ``slot``), encode, checksum, build descriptors. Runs on the helper thread
         for pipelined appends and touches no writer state but the slot."""
-        strided = sum(p.rows.nbytes for p in unit if isinstance(p, _Part) and not p.rows.flags.c_contiguous)
+        strided = sum(p.rows.nbytes for p in unit if isinstance(p, Part) and not p.rows.flags.c_contiguous)
         if self._scratch[slot].nbytes < strided:
             self._scratch[slot] = np.empty(strided, np.uint8)
         scratch, used = self._scratch[slot], 0
@@ -365,31 +216,31 @@ class Writer:
         i = 0
         while i < len(unit):
             item = unit[i]
-            if isinstance(item, _Block):
+            if isinstance(item, Block):
                 j = i
-                while j < len(unit) and isinstance(unit[j], _Block):
+                while j < len(unit) and isinstance(unit[j], Block):
                     j += 1
-                blocks = cast(list[_Block], unit[i:j])
-                group = _block_columns(blocks)
+                blocks = cast(list[Block], unit[i:j])
+                group = block_columns(blocks)
                 columns.append(group[0])
                 widths.append(group[1])
                 dtype_codes.append(group[2])
                 for block in blocks:
                     k_size, v_size = block.k[0].nbytes, block.v[0].nbytes
-                    k_bytes, v_bytes = _byte_view(block.k), _byte_view(block.v)
+                    k_bytes, v_bytes = byte_view(block.k), byte_view(block.v)
                     for h in range(block.k.shape[0]):
                         payloads.append(k_bytes[h * k_size : (h + 1) * k_size])
                         payloads.append(v_bytes[h * v_size : (h + 1) * v_size])
                 i = j
                 continue
-            part = cast(_Part, item)
+            part = cast(Part, item)
             rows = part.rows
             if not rows.flags.c_contiguous:
                 out = scratch[used : used + rows.nbytes].view(rows.dtype).reshape(rows.shape)
                 np.copyto(out, rows)
                 used += rows.nbytes
                 rows = out
-            data = _byte_view(rows)
+            data = byte_view(rows)
             pieces = self.codec.encode(data, part.dtype.itemsize)
             if len(pieces) != 1:
                 multi[len(payloads)] = pieces
@@ -403,16 +254,16 @@ class Writer:
             columns[-1][0, CHUNK] = data.nbytes
             i += 1
         if not payloads:
-            return _Records([], b"", np.empty((0, 8), np.int64), offset, offset)
+            return Records([], b"", np.empty((0, 8), np.int64), offset, offset)
         table = np.concatenate(columns)
         decoded = table[:, CHUNK].copy()
         raw = self.codec.code == 0
         stored = decoded.copy() if raw else np.array([len(p) for p in payloads], np.int64)
         crcs = crc32c_many(payloads)
         for index, pieces in multi.items():  # CRCs continue across the pieces of one payload
-            crcs[index] = _crc_of(pieces)
+            crcs[index] = crc_of(pieces)
             stored[index] = sum(memoryview(p).nbytes for p in pieces)
-        packed, padding, end = _layout(
+        packed, padding, end = layout(
             table,
             np.concatenate(widths),
             np.concatenate(dtype_codes),
@@ -435,9 +286,9 @@ class Writer:
                 buffers += multi.get(index, [payload])
                 if pad:
                     buffers.append(_ZEROS[:pad])
-        return _Records(buffers, packed, table, offset, end)
+        return Records(buffers, packed, table, offset, end)
 
-    def _commit(self, records: _Records) -> range:
+    def _commit(self, records: Records) -> range:
         """Write prepared records (which must start at the current end of the file); return
         their chunk indices."""
         assert records.start == self._offset
@@ -475,10 +326,10 @@ class Writer:
             heads = runs[a:b, HEAD]
             held[heads] = np.maximum(held[heads], ends[a:b])
 
-    def _run(self, parts: Sequence[_Part | _Block]) -> None:
+    def _run(self, parts: Sequence[Part | Block]) -> None:
         """Prepare and write ``parts`` in order, grouped into units of about `_UNIT_BYTES`;
         pipelined when there is enough to overlap."""
-        units: list[_Unit] = []
+        units: list[Unit] = []
         size = _UNIT_BYTES
         total = 0
         for part in parts:
@@ -495,7 +346,7 @@ class Writer:
         slots = len(self._scratch)  # the unit being written + _AHEAD + 1 being prepared
         end = [self._offset]  # where the next unit starts; only the helper thread moves it
 
-        def prepare(i: int) -> _Records:
+        def prepare(i: int) -> Records:
             records = self._prepare(units[i], i % slots, end[0])
             end[0] = records.end
             return records
@@ -534,7 +385,7 @@ class Writer:
         if array.ndim != 2:
             raise ValueError(f"array {name!r} must be 1-D or 2-D, got shape {array.shape}")
         dtype = dtypes.from_numpy(array.dtype)
-        unit: _Unit = [_Part(KIND_ARRAY, 0, 0, 0, 0, array, array.shape[1], dtype)]
+        unit: Unit = [Part(KIND_ARRAY, 0, 0, 0, 0, array, array.shape[1], dtype)]
         return self._commit(self._prepare(unit, 0, self._offset))[0]
 
     def _check_open(self) -> None:
@@ -576,7 +427,7 @@ class Writer:
         checksumming of one layer overlap the write of the previous one. Every item is checked
         before anything is written: a bad item writes nothing of the call."""
         self._check_open()
-        parts: list[_Part | _Block] = []
+        parts: list[Part | Block] = []
         following: dict[tuple[int, int], int] = {}  # next default position within this call
         for layer, k, v, positions, seq in appends:
             spec = self._layer(layer)
@@ -595,7 +446,7 @@ class Writer:
             heads, count = self._layer_rows(layer, spec, k, v)
             if start is not None:
                 positions = np.arange(count, dtype=np.int64) + start
-            pos = _as_positions(positions, count)  # checked once for every head
+            pos = as_positions(positions, count)  # checked once for every head
             if count:
                 self._check_order(following, layer, seq, int(pos[0]), int(pos[-1]))
             parts += self._parts(spec, layer, seq, heads, pos)
@@ -617,8 +468,8 @@ class Writer:
 
     def _block(
         self, spec: LayerSpec, layer: int, seq: int, k: Any, v: Any, positions: Any, start: int | None
-    ) -> _Block | None:
-        """``k``/``v`` as one `_Block` when they can be stored that way (raw codec, plain dtype,
+    ) -> Block | None:
+        """``k``/``v`` as one `Block` when they can be stored that way (raw codec, plain dtype,
         C-contiguous numpy arrays of the right shape, consecutive positions within one chunk per
         head); None otherwise, and the general path checks and splits them."""
         if (
@@ -643,13 +494,13 @@ class Writer:
         if count * max(spec.row_bytes(KIND_K), spec.row_bytes(KIND_V)) > self.chunk_bytes:
             return None
         if start is None:
-            pos = _as_positions(positions, count)
+            pos = as_positions(positions, count)
             if count and int(pos[-1]) - int(pos[0]) != count - 1:
                 return None  # gaps: one chunk per run, the general path
             start = int(pos[0]) if count else 0
         elif count and not 0 <= start <= MAX_POSITION - count:
             raise ValueError(f"positions must lie in 0..2**53-1, got {start}..{start + count - 1}")
-        return _Block(layer, seq, start, k, v, spec.dtype)
+        return Block(layer, seq, start, k, v, spec.dtype)
 
     def _layer_rows(
         self, layer: int, spec: LayerSpec, k: Any, v: Any
@@ -658,8 +509,8 @@ class Writer:
         ``k``/``v`` ``(num_heads, n_tokens, dim)``, or ``(packed, scales, biases)`` with that
         leading shape for a quantized layer. Checked once for the whole layer."""
         heads = (spec.num_heads,)
-        k_rows = _rows_of(spec, f"layer {layer} k", k, spec.k_dim, heads)
-        v_rows = _rows_of(spec, f"layer {layer} v", v, spec.v_dim, heads)
+        k_rows = rows_of(spec, f"layer {layer} k", k, spec.k_dim, heads)
+        v_rows = rows_of(spec, f"layer {layer} v", v, spec.v_dim, heads)
         count = k_rows[0].shape[0] if spec.num_heads else 0
         if spec.num_heads and v_rows[0].shape[0] != count:
             raise ValueError(f"layer {layer}: k has {count} tokens, v has {v_rows[0].shape[0]}")
@@ -672,7 +523,7 @@ class Writer:
         seq: int,
         heads: list[tuple[int, np.ndarray, np.ndarray]],
         pos: np.ndarray,
-    ) -> list[_Part]:
+    ) -> list[Part]:
         """The chunks for ``heads`` at positions ``pos``: one per head, kind and run of consecutive
         positions (split at ``chunk_bytes``), in record order: head by head, K before V."""
         assert spec.dtype is not None
@@ -694,8 +545,8 @@ class Writer:
             for head, k_rows, v_rows in heads
             for first, last in slices
             for part in (
-                _Part(KIND_K, layer, seq, head, int(pos[first]), k_rows[first:last], spec.k_dim, dtype),
-                _Part(KIND_V, layer, seq, head, int(pos[first]), v_rows[first:last], spec.v_dim, dtype),
+                Part(KIND_K, layer, seq, head, int(pos[first]), k_rows[first:last], spec.k_dim, dtype),
+                Part(KIND_V, layer, seq, head, int(pos[first]), v_rows[first:last], spec.v_dim, dtype),
             )
         ]
 
@@ -708,11 +559,11 @@ class Writer:
         if not isinstance(head, int) or not 0 <= head < spec.num_heads:
             raise OutOfRangeError(f"head {head} out of range 0..{spec.num_heads - 1} in layer {layer}")
         where = f"layer {layer} head {head}"
-        k_rows = _rows_of(spec, f"{where} k", k, spec.k_dim, ())
-        v_rows = _rows_of(spec, f"{where} v", v, spec.v_dim, ())
+        k_rows = rows_of(spec, f"{where} k", k, spec.k_dim, ())
+        v_rows = rows_of(spec, f"{where} v", v, spec.v_dim, ())
         if k_rows.shape[0] != v_rows.shape[0]:
             raise ValueError(f"{where}: k has {k_rows.shape[0]} tokens, v has {v_rows.shape[0]}")
-        pos = _as_positions(positions, k_rows.shape[0])
+        pos = as_positions(positions, k_rows.shape[0])
         if pos.size:
             self._check_after(layer, seq, int(pos[0]), head)
         self._run(self._parts(spec, layer, seq, [(head, k_rows, v_rows)], pos))
@@ -821,46 +672,3 @@ class Writer:
             self._closed = True
             self._file.close()
             self._pool.shutdown()
-
-
-def _rows_of(spec: LayerSpec, where: str, data: Any, dim: int, heads: tuple[int, ...]) -> np.ndarray:
-    """``data`` checked against the layer and returned as the rows stored before the codec,
-    ``(*heads, n_tokens, dim)`` in the layer's dtype (possibly strided: gathered chunk by chunk
-    in `Writer._prepare`), or for a quantized layer, from ``(packed, scales, biases)`` of leading
-    shape ``heads``, the joined rows ``(*heads, n_tokens, row_bytes)`` uint8. ``heads``: ``()``
-    for one head, ``(num_heads,)`` for a layer."""
-    assert spec.dtype is not None
-    leading = " x ".join(["num_heads"] * len(heads) + ["n_tokens"])
-    if spec.quantization is None:
-        array = np.asarray(data)
-        count = array.shape[len(heads)] if array.ndim == len(heads) + 2 else -1
-        if array.shape != (*heads, count, dim):
-            raise ValueError(f"{where} must have shape {(*heads, 'n_tokens', dim)}, got {array.shape}")
-        if array.dtype != spec.dtype.numpy:
-            raise TypeError(f"{where} is {array.dtype} but the layer is {spec.dtype.name}; convert first")
-        return array
-    if not isinstance(data, tuple | list) or len(data) != 3:
-        raise TypeError(f"{where}: a quantized layer takes (packed, scales, biases)")
-    words, groups = spec.quantization.widths(dim)
-    packed, scales, biases = (np.asarray(p) for p in data)
-    count = packed.shape[len(heads)] if packed.ndim == len(heads) + 2 else -1
-    if packed.shape != (*heads, count, words) or packed.dtype != np.uint32:
-        raise ValueError(
-            f"{where}: packed must be uint32 ({leading}, {words}), got {packed.dtype} {packed.shape}"
-        )
-    for name, part in (("scales", scales), ("biases", biases)):
-        if part.shape != (*heads, count, groups) or part.dtype != spec.dtype.numpy:
-            raise ValueError(
-                f"{where}: {name} must be {spec.dtype.name} ({leading}, {groups}), "
-                f"got {part.dtype} {part.shape}"
-            )
-    if not heads:
-        return spec.quantization.join((packed, scales, biases))
-    return np.stack([spec.quantization.join((packed[h], scales[h], biases[h])) for h in range(heads[0])])
-
-
-def _crc_of(pieces: list[BytesLike]) -> int:
-    crc = 0
-    for piece in pieces:
-        crc = crc32c(piece, crc)
-    return crc

@@ -1,0 +1,162 @@
+"""Laying out the records of table chunks (SPEC section 6): what `Writer` prepares and writes.
+
+A `Part` is one chunk of one head (rows maybe strided, any codec); a `Block` is every head of
+one layer and sequence stored raw, laid out with numpy instead of chunk by chunk (the common
+case of a series snapshot: hundreds of small chunks). `layout` builds the descriptors of
+consecutive records in bulk; `Records` is a prepared unit ready to write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvformat.checksum import crc32c, crc32c_rows
+from kvformat.codecs import BytesLike
+from kvformat.dtypes import DType
+from kvformat.layout import ALIGN, DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, KIND_K, KIND_V
+from kvformat.series import CHUNK, COUNT, HEAD, KIND, LAYER, POSITION, ROW, SEQ
+
+
+def byte_view(array: np.ndarray) -> memoryview:
+    """A zero-copy byte view of a C-contiguous array (bfloat16 included)."""
+    return array.reshape(-1).view(np.uint8).data
+
+
+def flat(buffer: BytesLike) -> memoryview:
+    view = memoryview(buffer)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+@dataclass
+class Part:
+    """One table chunk to write: ``rows`` ``(n, ...)`` as stored before the codec, maybe strided;
+    ``width`` in elements."""
+
+    kind: int
+    layer: int
+    seq: int
+    head: int
+    position: int
+    rows: np.ndarray
+    width: int
+    dtype: DType
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
+
+
+@dataclass
+class Block:
+    """Every head of one layer and sequence at once, one chunk per head and kind, stored raw:
+    ``k`` ``(num_heads, n, k_dim)`` and ``v`` ``(num_heads, n, v_dim)``, both C-contiguous, at
+    positions ``position .. position + n - 1``. Its records are laid out with numpy, not per
+    chunk (the common case of a series snapshot: hundreds of small chunks)."""
+
+    layer: int
+    seq: int
+    position: int
+    k: np.ndarray
+    v: np.ndarray
+    dtype: DType
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+Unit = list[Part | Block]
+"""Chunks prepared together (on the helper thread when pipelined) and written with one ``writev``."""
+
+
+@dataclass
+class Records:
+    """Prepared records laid out from file offset ``start``: what to write (descriptor, payload,
+    padding per chunk), the packed descriptors, the chunk columns and the offset just past them."""
+
+    buffers: list[BytesLike]
+    packed: bytes
+    columns: np.ndarray  # (n, 8) int64: layer, seq, head, kind, 0, 0, rows, position
+    start: int
+    end: int
+
+
+def block_columns(blocks: list[Block]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Chunk columns (decoded size in the chunk column), widths and dtype codes of consecutive
+    blocks, in record order: block by block, head by head, K before V."""
+    heads = np.array([b.k.shape[0] for b in blocks])
+    per_block = np.array(
+        [
+            (
+                b.layer,
+                b.seq,
+                b.position,
+                b.k.shape[1],
+                b.k.shape[2],
+                b.v.shape[2],
+                b.dtype.code,
+                b.dtype.itemsize,
+            )
+            for b in blocks
+        ],
+        np.int64,
+    )
+    each = np.repeat(per_block, 2 * heads, axis=0)  # one row per chunk
+    n = each.shape[0]
+    is_v = np.tile([False, True], n // 2)
+    head = np.arange(n) // 2 - np.repeat(np.cumsum(heads) - heads, 2 * heads)
+    width = np.where(is_v, each[:, 5], each[:, 4])
+    columns = np.empty((n, 8), np.int64)
+    columns[:, LAYER], columns[:, SEQ], columns[:, HEAD] = each[:, 0], each[:, 1], head
+    columns[:, KIND] = np.where(is_v, KIND_V, KIND_K)
+    columns[:, CHUNK] = each[:, 3] * width * each[:, 7]
+    columns[:, ROW], columns[:, COUNT], columns[:, POSITION] = 0, each[:, 3], each[:, 2]
+    return columns, width, each[:, 6]
+
+
+def layout(
+    columns: np.ndarray,
+    widths: np.ndarray,
+    dtype_codes: np.ndarray,
+    codec: int,
+    stored: np.ndarray,
+    decoded: np.ndarray,
+    crcs: np.ndarray,
+    start: int,
+) -> tuple[bytes, np.ndarray, int]:
+    """Descriptors of consecutive records from file offset ``start``, built with numpy: the packed
+    descriptors, each record's padding, and the offset after the last."""
+    n = columns.shape[0]
+    spans = DESCRIPTOR_SIZE + stored
+    padded = (spans + (ALIGN - 1)) // ALIGN * ALIGN
+    offsets = np.empty(n, np.int64)
+    offsets[0] = start
+    np.cumsum(padded[:-1], out=offsets[1:])
+    offsets[1:] += start
+    table = np.zeros(n, DESCRIPTOR_DTYPE)
+    table["magic"] = b"KVCK"
+    table["kind"] = columns[:, KIND]
+    table["dtype"] = dtype_codes
+    table["codec"] = codec
+    table["layer"] = columns[:, LAYER]
+    table["head"] = columns[:, HEAD]
+    table["seq"] = columns[:, SEQ]
+    table["position"] = columns[:, POSITION]
+    table["rows"] = columns[:, COUNT]
+    table["width"] = widths
+    table["offset"] = offsets
+    table["stored_size"] = stored
+    table["decoded_size"] = decoded
+    table["payload_crc"] = crcs
+    raw = table.view(np.uint8).reshape(n, DESCRIPTOR_SIZE)
+    table["descriptor_crc"] = crc32c_rows(raw[:, :60])
+    return table.tobytes(), padded - spans, int(start + padded.sum())
+
+
+def crc_of(pieces: list[BytesLike]) -> int:
+    crc = 0
+    for piece in pieces:
+        crc = crc32c(piece, crc)
+    return crc
