@@ -52,6 +52,7 @@ def random_file(
     v: Literal["random", "k_prefix"] = "random",
     v_dim: int | None = None,
     v_shift: float = 0.0,
+    copies: float | None = None,
     rope: bool = False,
     metadata: dict[str, Any] | None = None,
     chunk_bytes: int = 16 << 20,
@@ -66,6 +67,8 @@ def random_file(
       factor)`` one row times ``factor``; ``outlier_head``: ``(head, factor)``;
     - ``v``: ``"random"`` (Gaussian plus ``v_shift``, ``v_dim`` channels, default ``dim``) or
       ``"k_prefix"`` (K's first ``v_dim`` channels);
+    - ``copies``: every layer after the first is the first one's K and V times this (a scaled
+      copy: linear CKA 1 across layers);
     - ``rope``: RoPE metadata over all ``dim`` channels (``"half"`` pairing) merged into
       ``metadata``.
     """
@@ -75,6 +78,12 @@ def random_file(
     written = RandomFile(path)
     saved = []
     for layer in range(layers):
+        if copies is not None and layer:
+            k, values = written.k[0] * np.float32(copies), written.v[0] * np.float32(copies)
+            written.k.append(k)
+            written.v.append(values)
+            saved.append(kvformat.Layer(k.astype(dtype), values.astype(dtype)))
+            continue
         k = rng.standard_normal((*shape, dim)).astype(np.float32)
         if isinstance(channel_scales, str):
             k *= rng.uniform(0.5, 3, dim)

@@ -11,6 +11,7 @@ import pytest
 import kvformat
 from kvformat.cli import main
 from kvsnap.analysis.stats import head_stats, outliers
+from tests.factories import random_file
 
 
 def test_norm_statistics_match_numpy(tmp_path: Path) -> None:
@@ -47,15 +48,25 @@ def test_stats_command(tmp_path: Path, capsys: object) -> None:
 
 
 def make_files(tmp_path: Path, count: int = 3) -> list[str]:
-    rng = np.random.default_rng(5)
-    paths = []
-    for i in range(count):
-        k = rng.standard_normal((4, 30 + i, 8)).astype(np.float32)
-        k[3] *= 8  # an outlier head
-        path = tmp_path / f"f{i}.kv"
-        kvformat.save(path, [kvformat.Layer(k, k[:, :, :4].copy()), kvformat.Layer(k * 0.5, k)])
-        paths.append(str(path))
-    return paths
+    """Files of two layers of four 8-channel heads, head 3 an outlier (K x 8), layer 1 a half-scale
+    copy of layer 0 (CKA 1 across layers)."""
+    return [
+        str(
+            random_file(
+                tmp_path / f"f{i}.kv",
+                layers=2,
+                heads=4,
+                tokens=30 + i,
+                dim=8,
+                seed=5 + i,
+                outlier_head=(3, 8.0),
+                v="k_prefix",
+                v_dim=4,
+                copies=0.5,
+            ).path
+        )
+        for i in range(count)
+    ]
 
 
 def test_jobs_give_the_same_table_as_one_process(tmp_path: Path) -> None:
