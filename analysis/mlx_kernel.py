@@ -22,6 +22,7 @@ to the CPU kernel within `TOLERANCES`.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -272,11 +273,10 @@ class _Batch:
         Idempotent."""
         with self._lock:
             if self._folded is None:
-                results: dict[int, dict[str, np.ndarray]] = {}
-                for members, outputs in self.calls:
-                    host = {name: np.array(value) for name, value in outputs.items()}
-                    for b, i in enumerate(members):
-                        results[i] = {name: value[b] for name, value in host.items()}
+                results = [
+                    (members, {name: np.array(value) for name, value in outputs.items()})
+                    for members, outputs in self.calls
+                ]
                 self.calls = []
                 if self.staging is not None:  # the device has read them: free for the next batch
                     self.staging.give_back(self.buffers)
@@ -284,9 +284,12 @@ class _Batch:
                 self._folded = self.folder.submit(self._fold_all, results)
             return self._folded
 
-    def _fold_all(self, results: dict[int, dict[str, np.ndarray]]) -> None:
-        for i, (acc, x, pos) in enumerate(self.entries):
-            _fold(acc, x, pos, results[i])
+    def _fold_all(self, results: list[tuple[list[int], dict[str, np.ndarray]]]) -> None:
+        # Group by group (pieces of one shape and selection), each group's pieces in order; an
+        # accumulator's pieces all fall in one group (one shape per head), so each accumulator
+        # sums its pieces in the order they were added.
+        for members, host in results:
+            _fold_group([self.entries[i] for i in members], host)
         for acc, _, _ in self.entries:
             if acc._pending is self:
                 acc._pending = None
@@ -472,17 +475,19 @@ class Pipeline:
 
 
 def _raw_powers(shift: np.ndarray, central: np.ndarray, n: int) -> np.ndarray:
-    """``(4, dim)`` float64 sums of x, x^2, x^3, x^4 from sums of ``d = x - shift`` (binomial
-    expansion; ``shift`` is exactly the float32 value the device subtracted)."""
+    """``(..., 4, dim)`` float64 sums of x, x^2, x^3, x^4 from sums of ``d = x - shift``
+    (``central`` ``(..., 4, dim)``; binomial expansion; ``shift`` ``(..., dim)`` is exactly the
+    float32 value the device subtracted)."""
     c = shift.astype(np.float64)
-    s1, s2, s3, s4 = central.astype(np.float64)
+    s1, s2, s3, s4 = np.moveaxis(central.astype(np.float64), -2, 0)
     return np.stack(
         [
             s1 + n * c,
             s2 + 2 * c * s1 + n * c**2,
             s3 + 3 * c * s2 + 3 * c**2 * s1 + n * c**3,
             s4 + 4 * c * s3 + 6 * c**2 * s2 + 4 * c**3 * s1 + n * c**4,
-        ]
+        ],
+        axis=-2,
     )
 
 
@@ -495,66 +500,125 @@ def settle(acc: HeadAccumulator) -> None:
         pending.fold()
         return
     acc._pending = None
-    _fold(acc, pending.rows, pending.positions, {k: np.array(v) for k, v in pending.outputs.items()})
+    host = {k: np.array(v)[None] for k, v in pending.outputs.items()}
+    _fold_group([(acc, pending.rows, pending.positions)], host)
 
 
-def _fold(acc: HeadAccumulator, x: np.ndarray, pos: np.ndarray, out: dict[str, np.ndarray]) -> None:
-    """Add one piece's device results ``out`` (host arrays) to ``acc``; ``x`` the piece as
-    stored, ``pos`` its positions."""
+def _bins_of(positions: np.ndarray) -> np.ndarray:
+    """The norm-by-position bin of each position: 0 for 0, ``floor(log2 p) + 1`` after."""
+    from kvsnap.analysis.catalogue import POSITION_BINS
+
+    bins = np.zeros(positions.shape, np.int64)
+    positive = positions > 0
+    bins[positive] = np.floor(np.log2(positions[positive].astype(np.float64))).astype(np.int64) + 1
+    np.minimum(bins, POSITION_BINS - 1, out=bins)
+    return bins
+
+
+@functools.lru_cache(maxsize=64)
+def _position_bins(start: int, count: int) -> tuple[np.ndarray]:
+    """`_bins_of` for positions ``start .. start + count - 1`` (read-only, cached)."""
+    bins = _bins_of(np.arange(start, start + count, dtype=np.int64))
+    bins.flags.writeable = False
+    return (bins,)
+
+
+def _bincounts(index: np.ndarray, size: int, weights: np.ndarray | None = None) -> np.ndarray:
+    """Per row of ``index`` ``(B, n)``, the counts (or ``weights`` sums) of values ``0..size-1``:
+    ``(B, size)``, in one `np.bincount`."""
+    rows = index.shape[0]
+    flat = (index + np.arange(rows)[:, None] * size).ravel()
+    counted = np.bincount(flat, None if weights is None else weights.ravel(), minlength=rows * size)
+    return counted.reshape(rows, size)
+
+
+def _fold_group(
+    entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]], out: dict[str, np.ndarray]
+) -> None:
+    """Add the device results of pieces of one shape and selection to their accumulators, in
+    order: ``entries`` ``(acc, x, pos)`` (``x`` a piece as stored, ``pos`` its positions),
+    ``out`` host arrays with a leading axis over the entries. The numpy work on ``O(rows)`` values
+    (norms, histograms, position bins, top peaks, power sums) runs once for the group, not once
+    per piece: on the H200 the per-piece calls, under the GIL beside the thread that drives the
+    device, were most of the fold."""
     from kvsnap.analysis import catalogue
     from kvsnap.analysis.accumulator import float32_rows
 
-    groups = acc.groups
-    n = x.shape[0]
+    groups = entries[0][0].groups
+    n = out["sq"].shape[1]
     sq = out["sq"].astype(np.float64)
-    acc.count += n
-    acc.norm_sq_sum += float(sq.sum())
+    square_sums = sq.sum(axis=1)
     if "norms" in groups:
         norms = np.sqrt(sq)
-        acc.norm_sum += float(norms.sum())
-        acc.norm_min = min(acc.norm_min, float(norms.min()))
-        acc.norm_max = max(acc.norm_max, float(norms.max()))
-        acc.norm_hist += np.bincount(catalogue.hist_index(norms), minlength=catalogue.BINS)
-        acc.unit_sum += out["unit"]
-        if pos[0] == 0:
-            acc.first_norm_sum += float(norms[0])
-            acc.first_count += 1
-        bins = np.zeros(n, np.int64)
-        positive = pos > 0
-        bins[positive] = np.floor(np.log2(pos[positive].astype(np.float64))).astype(np.int64) + 1
-        np.minimum(bins, catalogue.POSITION_BINS - 1, out=bins)
-        acc.position_count += np.bincount(bins, minlength=catalogue.POSITION_BINS)
-        acc.position_norm += np.bincount(bins, weights=norms, minlength=catalogue.POSITION_BINS)
+        norm_sums, norm_mins, norm_maxs = norms.sum(axis=1), norms.min(axis=1), norms.max(axis=1)
+        norm_hists = _bincounts(catalogue.hist_index(norms), catalogue.BINS)
+        # Every head of a layer holds the same positions: bins of a run are computed once.
+        binned = [
+            _position_bins(int(p[0]), n) if int(p[-1]) - int(p[0]) == n - 1 else None for _, _, p in entries
+        ]
+        bins = np.stack(
+            [b[0] if b is not None else _bins_of(p) for b, (_, _, p) in zip(binned, entries, strict=True)]
+        )
+        position_counts = _bincounts(bins, catalogue.POSITION_BINS)
+        position_norms = _bincounts(bins, catalogue.POSITION_BINS, norms)
     raw = _raw_powers(out["shift"], out["central"], n) if "central" in out else None
-    if raw is not None and ("channels" in groups or "spectrum" in groups):
-        acc.power[0] += raw[0]
     if "channels" in groups:
-        assert raw is not None
         peaks = out["peaks"]
-        acc.peak_hist += np.bincount(catalogue.hist_index(peaks.astype(np.float64)), minlength=catalogue.BINS)
-        acc.absmax = np.maximum(acc.absmax, out["absmax"])
-        acc.power[1:] += raw[1:]
+        peak_hists = _bincounts(catalogue.hist_index(peaks.astype(np.float64)), catalogue.BINS)
         top_k = catalogue.TOP_K
-        best = np.argpartition(peaks, n - top_k)[n - top_k :] if n > top_k else range(n)
-        acc.top = sorted(acc.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[:top_k]
-    if raw is not None and "rope" in groups and acc.band is not None and acc.rope is not None:
-        first, second = acc.rope.pair_indices()
-        acc.band += raw[1][first] + raw[1][second]
-    if "spectrum" in groups:
-        if "product" not in out:  # a small piece: float64 on the host, as the CPU path does
-            x64 = float32_rows(x).astype(np.float64)
-            acc.gram += x64.T @ x64
-        else:
-            heavy = out["light"] == 0
-            if heavy.any():
-                big = float32_rows(x[heavy]).astype(np.float64)
-                acc.gram += big.T @ big
-            acc.gram += out["product"]
-            m = int(n - heavy.sum())
-            if m:
-                shift = out["center"].astype(np.float64)  # the exact float32 shift the device used
-                sums = out["light_sums"].astype(np.float64)
-                acc.gram += np.outer(shift, sums) + np.outer(sums, shift) - m * np.outer(shift, shift)
+        best = np.argpartition(peaks, n - top_k, axis=1)[:, n - top_k :] if n > top_k else None
+    if "spectrum" in groups and "product" in out:
+        heavy = out["light"] == 0
+        light_rows = n - heavy.sum(axis=1)
+        shift = out["center"].astype(np.float64)  # the exact float32 shift the device used
+        sums = out["light_sums"].astype(np.float64)
+        outer = np.einsum("bi,bj->bij", shift, sums)
+        shift_terms = (
+            outer
+            + outer.transpose(0, 2, 1)
+            - light_rows[:, None, None] * np.einsum("bi,bj->bij", shift, shift)
+        )
     if "quant" in groups:
-        acc.quant_token += out["quant_token"].astype(np.float64).sum(axis=1)
-        acc.quant_channel += out["quant_channel"].astype(np.float64).sum(axis=1)
+        quant_token = out["quant_token"].astype(np.float64).sum(axis=-1)
+        quant_channel = out["quant_channel"].astype(np.float64).sum(axis=-1)
+    for b, (acc, x, p) in enumerate(entries):
+        acc.count += n
+        acc.norm_sq_sum += float(square_sums[b])
+        if "norms" in groups:
+            acc.norm_sum += float(norm_sums[b])
+            acc.norm_min = min(acc.norm_min, float(norm_mins[b]))
+            acc.norm_max = max(acc.norm_max, float(norm_maxs[b]))
+            acc.norm_hist += norm_hists[b]
+            acc.unit_sum += out["unit"][b]
+            if p[0] == 0:
+                acc.first_norm_sum += float(norms[b, 0])
+                acc.first_count += 1
+            acc.position_count += position_counts[b]
+            acc.position_norm += position_norms[b]
+        if raw is not None and ("channels" in groups or "spectrum" in groups):
+            acc.power[0] += raw[b, 0]
+        if "channels" in groups:
+            assert raw is not None
+            acc.peak_hist += peak_hists[b]
+            acc.absmax = np.maximum(acc.absmax, out["absmax"][b])
+            acc.power[1:] += raw[b, 1:]
+            chosen = best[b] if best is not None else range(n)
+            found = [(float(peaks[b, i]), int(p[i])) for i in chosen]
+            acc.top = sorted(acc.top + found, reverse=True)[: catalogue.TOP_K]
+        if raw is not None and "rope" in groups and acc.band is not None and acc.rope is not None:
+            first, second = acc.rope.pair_indices()
+            acc.band += raw[b, 1][first] + raw[b, 1][second]
+        if "spectrum" in acc.groups:
+            if "product" not in out:  # a small piece: float64 on the host, as the CPU path does
+                x64 = float32_rows(x).astype(np.float64)
+                acc.gram += x64.T @ x64
+            else:
+                if heavy[b].any():
+                    big = float32_rows(x[heavy[b]]).astype(np.float64)
+                    acc.gram += big.T @ big
+                acc.gram += out["product"][b]
+                if light_rows[b]:
+                    acc.gram += shift_terms[b]
+        if "quant" in groups:
+            acc.quant_token += quant_token[b]
+            acc.quant_channel += quant_channel[b]

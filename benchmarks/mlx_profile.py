@@ -99,7 +99,7 @@ def main() -> None:
     batch.__init__ = _timed("batch send (total, driver)", batch.__init__)  # type: ignore[method-assign]
     batch.fetch = _timed("batch fetch (wait + results to host, driver)", batch.fetch)  # type: ignore[method-assign]
     batch._fold_all = _timed("fold (fold thread)", batch._fold_all)  # type: ignore[method-assign]
-    mlx_kernel._fold = _timed("fold one piece (host numpy)", mlx_kernel._fold)
+    mlx_kernel._fold_group = _timed("fold one group of pieces (host numpy)", mlx_kernel._fold_group)
     row = stats.HeadAccumulator.row
     stats.HeadAccumulator.row = _timed("row (eigenvalues; threads)", row)  # type: ignore[method-assign]
 

@@ -196,3 +196,19 @@ def test_a_corrupt_chunk_stops_the_mlx_pass_with_its_error(tmp_path: Path) -> No
     path.write_bytes(bytes(data))
     with pytest.raises(kvformat.ChecksumError, match="chunk 5"):
         stats_rows(path, backend="mlx")
+
+
+def test_positions_with_gaps_fold_like_the_cpu_kernel(tmp_path: Path) -> None:
+    """A sliding window that kept its first tokens: positions 0..3 then 5000..5699 (the bins of
+    gapped positions are computed per piece, those of runs once per layer)."""
+    rng = np.random.default_rng(8)
+    positions = np.concatenate([np.arange(4), np.arange(5000, 5700)])
+    k = rng.standard_normal((2, positions.size, 32)).astype(np.float32)
+    path = tmp_path / "window.kv"
+    kvformat.save(
+        path, [kvformat.Layer(k, k * 0.5, positions), kvformat.Layer(k[:, 4:], k[:, 4:], positions[4:])]
+    )
+    got, expected = stats_rows(path, backend="mlx"), stats_rows(path)
+    assert_close(got, expected)
+    assert [len(row["norm_by_position"]) for row in got] == [len(row["norm_by_position"]) for row in expected]
+    assert got[0]["norm_by_position"][1] == pytest.approx(expected[0]["norm_by_position"][1], rel=1e-5)
