@@ -146,15 +146,24 @@ def _target_name(name: str, names: dict[str, str]) -> str:
     raise UnsupportedModelError(f"GGUF tensor {name!r} has no mlx-lm counterpart in this converter")
 
 
-def dequantized_tensors(gguf_path: str | os.PathLike[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of a GGUF file as float32 in numpy (row-major) shape, under its GGUF name."""
+def dequantized_tensors(
+    gguf_path: str | os.PathLike[str], rows: dict[str, slice] | None = None
+) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of a GGUF file as float32 in numpy (row-major) shape, under its GGUF name;
+    ``rows`` names tensors of which only those rows (of the first axis) are wanted, for checking
+    a large tensor by sample (quantized rows are independent: only those are dequantized)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(os.fspath(gguf_path))
     for tensor in reader.tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        array = dequantize(tensor.data, tensor.tensor_type)
+        data = tensor.data
+        wanted = (rows or {}).get(tensor.name)
+        if wanted is not None:
+            data = data.reshape(shape[0], -1)[wanted]
+            shape = (data.shape[0], *shape[1:])
+        array = dequantize(data, tensor.tensor_type)
         yield tensor.name, np.asarray(array, dtype=np.float32).reshape(shape)
 
 
