@@ -25,6 +25,7 @@ from kvsnap.analysis.catalogue import (
     TOP_K,
     hist_index,
     hist_quantile,
+    position_bins,
     quant_error,
     stat_groups,
 )
@@ -251,8 +252,7 @@ class HeadAccumulator:
             if pos.size and pos[0] == 0:
                 self.first_norm_sum += float(norms[0])
                 self.first_count += 1
-            bins = np.where(pos > 0, np.floor(np.log2(np.maximum(pos, 1))).astype(np.int64) + 1, 0)
-            bins = np.clip(bins, 0, POSITION_BINS - 1)
+            bins = position_bins(np.asarray(pos))
             self.position_count += np.bincount(bins, minlength=POSITION_BINS)
             self.position_norm += np.bincount(bins, weights=norms, minlength=POSITION_BINS)
             best = np.argsort(peaks)[-TOP_K:]

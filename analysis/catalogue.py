@@ -18,6 +18,16 @@ POSITION_BINS = 48  # norm by position: [0,1), [1,2), [2,4), ... [2^46, 2^47)
 RANKS = (1, 4, 16)  # rank-r approximation errors
 
 
+def position_bins(positions: np.ndarray) -> np.ndarray:
+    """The norm-by-position bin of each position (int64): 0 for position 0, ``floor(log2 p) + 1``
+    after, the last bin holding everything beyond."""
+    bins = np.zeros(positions.shape, np.int64)
+    positive = positions > 0
+    bins[positive] = np.floor(np.log2(positions[positive].astype(np.float64))).astype(np.int64) + 1
+    np.minimum(bins, POSITION_BINS - 1, out=bins)
+    return bins
+
+
 def hist_index(values: np.ndarray) -> np.ndarray:
     logs = np.log10(np.maximum(values, 10.0**LOG_LOW))
     scaled = (logs - LOG_LOW) / (LOG_HIGH - LOG_LOW) * BINS

@@ -316,7 +316,7 @@ class Staging:
     def __init__(self, threads: int) -> None:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kvsnap-mlx-copy")
         self.threads = threads
-        self.free: dict[tuple[tuple[int, ...], str], list[Any]] = {}
+        self.free: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype name)
 
     @classmethod
     def create(cls) -> Staging | None:
@@ -337,13 +337,13 @@ class Staging:
             return None
         return cls(max(1, min(16, cores())))
 
-    def _take(self, shape: tuple[int, ...], code: str) -> Any:
+    def _take(self, shape: tuple[int, ...], dtype: Any) -> Any:
         import mlx.core as mx
 
-        free = self.free.get((shape, code))
+        free = self.free.get((shape, str(dtype)))
         if free:
             return free.pop()
-        buffer = mx.zeros(shape, dtype=mx.uint16 if code == "u2" else mx.float32)
+        buffer = mx.zeros(shape, dtype=dtype)
         mx.eval(buffer)
         return buffer
 
@@ -356,7 +356,7 @@ class Staging:
         first = pieces[0]
         sixteen = first.dtype.name in ("bfloat16", "float16")
         shape = (len(pieces), *first.shape)
-        buffer = self._take(shape, "u2" if sixteen else "f4")
+        buffer = self._take(shape, mx.uint16 if sixteen else mx.float32)
         target = _host_view(buffer)
         rows = first.shape[0]
         step = max(1, -(-rows * len(pieces) // (self.threads * 2)))  # ~2 tasks per thread
@@ -381,8 +381,7 @@ class Staging:
         """Buffers the device has finished reading: kept for reuse, at most two per shape and
         `KEEP_BYTES` in all (the rest are freed)."""
         for buffer in buffers:
-            key = (tuple(buffer.shape), "u2" if buffer.dtype == _uint16() else "f4")
-            kept = self.free.setdefault(key, [])
+            kept = self.free.setdefault((tuple(buffer.shape), str(buffer.dtype)), [])
             held = sum(b.nbytes for free in self.free.values() for b in free)
             if len(kept) < 2 and held + buffer.nbytes <= self.KEEP_BYTES:
                 kept.append(buffer)
@@ -395,12 +394,6 @@ class Staging:
 def _host_view(array: Any) -> np.ndarray:
     """The memory of an evaluated mlx array as a numpy array (no copy where mlx allows it)."""
     return np.asarray(memoryview(array))
-
-
-def _uint16() -> Any:
-    import mlx.core as mx
-
-    return mx.uint16
 
 
 class Pipeline:
@@ -504,23 +497,25 @@ def settle(acc: HeadAccumulator) -> None:
     _fold_group([(acc, pending.rows, pending.positions)], host)
 
 
-def _bins_of(positions: np.ndarray) -> np.ndarray:
-    """The norm-by-position bin of each position: 0 for 0, ``floor(log2 p) + 1`` after."""
-    from kvsnap.analysis.catalogue import POSITION_BINS
+def _piece_bins(positions: np.ndarray) -> np.ndarray:
+    """`catalogue.position_bins` of a piece's positions; for a run (every head of a layer holds
+    the same ones) computed once and cached."""
+    from kvsnap.analysis.catalogue import position_bins
 
-    bins = np.zeros(positions.shape, np.int64)
-    positive = positions > 0
-    bins[positive] = np.floor(np.log2(positions[positive].astype(np.float64))).astype(np.int64) + 1
-    np.minimum(bins, POSITION_BINS - 1, out=bins)
-    return bins
+    n = positions.size
+    if n and int(positions[-1]) - int(positions[0]) == n - 1:
+        return _position_bins(int(positions[0]), n)
+    return position_bins(positions)
 
 
 @functools.lru_cache(maxsize=64)
-def _position_bins(start: int, count: int) -> tuple[np.ndarray]:
-    """`_bins_of` for positions ``start .. start + count - 1`` (read-only, cached)."""
-    bins = _bins_of(np.arange(start, start + count, dtype=np.int64))
+def _position_bins(start: int, count: int) -> np.ndarray:
+    """`catalogue.position_bins` of positions ``start .. start + count - 1`` (read-only, cached)."""
+    from kvsnap.analysis.catalogue import position_bins
+
+    bins = position_bins(np.arange(start, start + count, dtype=np.int64))
     bins.flags.writeable = False
-    return (bins,)
+    return bins
 
 
 def _bincounts(index: np.ndarray, size: int, weights: np.ndarray | None = None) -> np.ndarray:
@@ -552,13 +547,7 @@ def _fold_group(
         norms = np.sqrt(sq)
         norm_sums, norm_mins, norm_maxs = norms.sum(axis=1), norms.min(axis=1), norms.max(axis=1)
         norm_hists = _bincounts(catalogue.hist_index(norms), catalogue.BINS)
-        # Every head of a layer holds the same positions: bins of a run are computed once.
-        binned = [
-            _position_bins(int(p[0]), n) if int(p[-1]) - int(p[0]) == n - 1 else None for _, _, p in entries
-        ]
-        bins = np.stack(
-            [b[0] if b is not None else _bins_of(p) for b, (_, _, p) in zip(binned, entries, strict=True)]
-        )
+        bins = np.stack([_piece_bins(p) for _, _, p in entries])
         position_counts = _bincounts(bins, catalogue.POSITION_BINS)
         position_norms = _bincounts(bins, catalogue.POSITION_BINS, norms)
     raw = _raw_powers(out["shift"], out["central"], n) if "central" in out else None
