@@ -262,23 +262,28 @@ class Chain:
         self._n = len(table)
         self._cache: tuple[int, list[np.ndarray]] | None = None
 
-    @staticmethod
-    def _stack(table: np.ndarray) -> np.ndarray:
-        """``(n, 6)`` int64 columns layer, seq, head, kind, rows, position of descriptors."""
-        out = np.empty((len(table), 6), np.int64)
-        for column, name in enumerate(("layer", "seq", "head", "kind", "rows", "position")):
-            out[:, column] = table[name]
+    _FIELDS = ("layer", "seq", "head", "kind", "rows", "position")
+
+    def _stack(self, chunks: np.ndarray | None = None) -> np.ndarray:
+        """``(6, n)`` int64: layer, seq, head, kind, rows, position of the descriptors of
+        ``chunks`` (all if None), one contiguous row per field (only those six are read)."""
+        index: np.ndarray | slice = slice(None) if chunks is None else chunks
+        if chunks is not None and chunks.shape[0] and bool(np.all(np.diff(chunks) == 1)):
+            index = slice(int(chunks[0]), int(chunks[-1]) + 1)  # a range: slices, not a gather
+        out = np.empty((6, self._table["kind"][index].shape[0]), np.int64)
+        for column, name in enumerate(self._FIELDS):
+            out[column] = self._table[name][index]
         return out
 
     @functools.cached_property
     def _columns(self) -> np.ndarray:
         """Columns of every chunk (made only when every chunk is needed: `check_all`)."""
-        return self._stack(self._table)
+        return self._stack()
 
     def _columns_of(self, chunks: np.ndarray) -> np.ndarray:
         if "_columns" in self.__dict__:
-            return self._columns[chunks]
-        return self._stack(self._table[chunks])
+            return self._columns[:, chunks]
+        return self._stack(chunks)
 
     def appended(self, index: int) -> np.ndarray:
         """The validated runs snapshot ``index`` appends, ``(n, 8)``: its triples, then every row
@@ -298,23 +303,23 @@ class Chain:
             bad = int(chunk[chunk >= self._n][0])
             raise CorruptFileError(f"snapshot {index} appends chunk {bad}; the file has {self._n}")
         columns = self._columns_of(chunk)
-        kind = columns[:, 3]
+        kind = columns[3]
         tensor = (kind == KIND_K) | (kind == KIND_V)
         if not tensor.all():
             bad = int(chunk[~tensor][0])
             raise CorruptFileError(f"snapshot {index} appends chunk {bad}, which is not K or V")
         row = np.concatenate([triples[:, 1], np.zeros(whole.shape[0], np.int64)])
-        count = np.concatenate([triples[:, 2], columns[triples.shape[0] :, 4]])
-        outside = (count < 1) | (row + count > columns[:, 4])
+        count = np.concatenate([triples[:, 2], columns[4, triples.shape[0] :]])
+        outside = (count < 1) | (row + count > columns[4])
         if outside.any():
             i = int(np.argmax(outside))
             raise CorruptFileError(
                 f"snapshot {index}: rows {int(row[i])}+{int(count[i])} fall outside chunk {int(chunk[i])}"
             )
         runs = np.empty((chunk.shape[0], 8), np.int64)
-        runs[:, :4] = columns[:, :4]
+        runs[:, :4] = columns[:4].T
         runs[:, CHUNK], runs[:, ROW], runs[:, COUNT] = chunk, row, count
-        runs[:, POSITION] = columns[:, 5] + row
+        runs[:, POSITION] = columns[5] + row
         return runs
 
     def _apply(self, state: list[np.ndarray], index: int) -> list[np.ndarray]:
@@ -358,9 +363,62 @@ class Chain:
         return check_runs(self.runs(index), index)
 
     def check_all(self) -> None:
-        """Check every snapshot, each entry once: a snapshot whose parent is the one before is
-        checked from what it adds (its K and V runs pair up, and none starts before the end of
-        what its head holds; if one does, that snapshot is checked whole); any other snapshot is
+        """Check every snapshot, each entry once. Stretches of snapshots that only append to the
+        one before are checked together (`_appends_hold`); a file where that does not settle
+        it (or that is corrupt) is checked snapshot by snapshot (`_check_each`), which also
+        names the first problem."""
+        starts = [i for i, e in enumerate(self.entries) if i == 0 or e.parent != i - 1 or e.drops]
+        stops = [*starts[1:], len(self.entries)]
+        for first, stop in zip(starts, stops, strict=True):
+            base = self.runs(first)
+            check_runs(base, first)
+            if stop - first > 1:
+                new = self._appended_many(first + 1, stop)
+                if new is None or not _appends_hold(base, *new):
+                    self._check_each()
+                    return
+                self._cache = (stop - 1, [base, new[0].T])
+
+    def _appended_many(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """`appended` of snapshots ``first .. stop-1`` at once: their runs transposed, ``(8, n)``
+        (one contiguous row per column), and each run's snapshot ``(n,)``; None if any reference
+        is out of bounds (`appended` says which)."""
+        entries = self.entries[first:stop]
+        triples = [np.asarray(e.appends, dtype=np.int64).reshape(-1, 3) for e in entries]
+        spans = [e.chunk_ranges for e in entries]
+        triple = np.concatenate(triples)
+        span = np.concatenate(spans)
+        whole_counts = span[:, 1] - span[:, 0]
+        whole = ranges(span[:, 0], whole_counts)
+        numbers = np.arange(first, stop, dtype=np.int64)
+        snapshot = np.concatenate(
+            [
+                np.repeat(numbers, [t.shape[0] for t in triples]),
+                np.repeat(np.repeat(numbers, [r.shape[0] for r in spans]), whole_counts),
+            ]
+        )
+        chunk = np.concatenate([triple[:, 0], whole])
+        if chunk.shape[0] and int(chunk.max()) >= self._n:
+            return None
+        columns = self._columns_of(chunk)
+        kind, rows = columns[3], columns[4]
+        row = np.concatenate([triple[:, 1], np.zeros(whole.shape[0], np.int64)])
+        count = np.concatenate([triple[:, 2], rows[triple.shape[0] :]])
+        if bool(np.any(((kind != KIND_K) & (kind != KIND_V)) | (count < 1) | (row + count > rows))):
+            return None
+        runs = np.empty((8, chunk.shape[0]), np.int64)  # column by column: a run per column
+        runs[:4] = columns[:4]
+        runs[CHUNK], runs[ROW], runs[COUNT] = chunk, row, count
+        np.add(columns[5], row, out=runs[POSITION])
+        if triple.shape[0] and whole.shape[0]:  # as `appended` lists them, snapshot by snapshot
+            order = np.argsort(snapshot, kind="stable")
+            runs, snapshot = runs[:, order], snapshot[order]
+        return runs, snapshot
+
+    def _check_each(self) -> None:
+        """`check_all` snapshot by snapshot: a snapshot whose parent is the one before is checked
+        from what it adds (its K and V runs pair up, and none starts before the end of what its
+        head holds; if one does, that snapshot is checked whole); any other snapshot is
         materialized and checked whole."""
         dense = _DenseKeys(self._columns)
         live: list[np.ndarray] | None = None  # runs of the previous snapshot, in blocks
@@ -382,12 +440,58 @@ class Chain:
             self._cache = (index, list(live))
 
 
+def _appends_hold(base: np.ndarray, new: np.ndarray, snapshot: np.ndarray) -> bool:
+    """Whether the snapshots of a stretch are valid, given the first one's validated runs
+    ``base`` ``(m, 8)`` and the runs appended after it, transposed, ``new`` ``(8, n)`` (snapshot
+    ``snapshot`` each, ascending): per head and kind, taken in snapshot order, every run starts
+    at or after the end of the one before (no position twice, nothing before what the head
+    holds), and K and V runs match per snapshot. One stable sort, column by column. False means
+    "not shown": check snapshot by snapshot."""
+    base = base[np.lexsort((base[:, POSITION], _head_keys(base), base[:, KIND]))]
+    runs = np.concatenate([base.T, new], axis=1)  # (8, m + n)
+    step = np.concatenate([np.zeros(base.shape[0], np.int64), snapshot - int(snapshot[0]) + 1])
+    steps = int(step[-1]) + 1
+    is_k = runs[KIND] == KIND_K
+    is_v = ~is_k
+    columns = [LAYER, SEQ, HEAD, POSITION, COUNT]
+    # K and V pair up per snapshot: compared in file order first (a writer puts them in the same
+    # order), in sorted order only if that fails.
+    if int(np.count_nonzero(is_k)) * 2 != runs.shape[1]:
+        return False
+    paired = np.array_equal(step[is_k], step[is_v]) and all(
+        np.array_equal(runs[c][is_k], runs[c][is_v]) for c in columns
+    )
+    # A dense number per (layer, seq, head), by arithmetic where it fits (no sort needed).
+    spans = [int(runs[c].max()) + 1 for c in (LAYER, SEQ, HEAD)]
+    if spans[0] * spans[1] * spans[2] * 2 * steps < 1 << 62:
+        group = (runs[LAYER] * spans[1] + runs[SEQ]) * spans[2] + runs[HEAD]
+    else:
+        group = np.unique(_head_keys(runs.T), return_inverse=True)[1].reshape(-1)
+    group *= 2
+    group += is_v  # per (layer, seq, head, kind)
+    order = np.argsort(group * steps + step, kind="stable")  # file order within a step
+    group, position, count = group[order], runs[POSITION][order], runs[COUNT][order]
+    if bool(np.any((group[1:] == group[:-1]) & (position[1:] < (position + count)[:-1]))):
+        return False
+    if paired:
+        return True
+    is_k = (group & 1) == 0
+    is_v = ~is_k
+    step = step[order]
+    return bool(
+        np.array_equal(group[is_k] + 1, group[is_v])
+        and np.array_equal(position[is_k], position[is_v])
+        and np.array_equal(count[is_k], count[is_v])
+        and np.array_equal(step[is_k], step[is_v])
+    )
+
+
 class _DenseKeys:
     """Numbers the (layer, seq, head, kind) of every chunk 0..size-1 (size <= chunks: bounded by
     the file, whatever its layer, sequence and head counts)."""
 
     def __init__(self, columns: np.ndarray) -> None:
-        keys = (((columns[:, 0] << 20) | columns[:, 1]) << 17) | (columns[:, 2] << 1) | (columns[:, 3] & 1)
+        keys = (((columns[0] << 20) | columns[1]) << 17) | (columns[2] << 1) | (columns[3] & 1)
         unique, self._ids = np.unique(keys, return_inverse=True)
         self.size = max(int(unique.size), 1)
 

@@ -3,12 +3,13 @@ CRC, padding byte and snapshot reference, in bulk where records lie back to back
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvformat import codecs
-from kvformat.checksum import crc32c, crc32c_rows, crc32c_slices
+from kvformat.checksum import crc32c, crc32c_rows, crc32c_slices, linear_crc, records_linear
 from kvformat.errors import ChecksumError, CorruptFileError, KVFormatError
 from kvformat.layout import (
     ALIGN,
@@ -22,6 +23,7 @@ from kvformat.layout import (
     align,
 )
 from kvformat.manifest import loads
+from kvformat.series import ranges
 from kvformat.structure import FileStructure, check_arrays, chunk_label
 
 
@@ -54,13 +56,32 @@ def verify(file: FileStructure) -> VerifyReport:
     )
     # Chunk i+1 starts where chunk i's record ends: runs of back-to-back chunks end at the breaks.
     breaks = np.flatnonzero(follows[:-1] != offsets[1:]) if n > 1 else np.empty(0, np.int64)
+    firsts = np.concatenate(([0], breaks + 1)) if n else np.empty(0, np.int64)
+    lasts = np.append(breaks, n - 1) if n else np.empty(0, np.int64)
+    # The bulk checks of equal runs (mostly one CRC pass over the file, without the GIL) run on a
+    # helper thread while this one checks the snapshots; a snapshot error is raised after the
+    # walk, so the first problem in file order is still the one reported.
+    batches = _equal_run_batches(file, firsts, lasts + 1, offsets, follows)
+    with ThreadPoolExecutor(1, thread_name_prefix="kvformat-verify") as pool:
+        checking = pool.submit(_verify_batches, file, batches, offsets)
+        try:
+            file.chain.check_all()  # every snapshot, each entry once
+            snapshot_error: KVFormatError | None = None
+        except KVFormatError as exc:
+            snapshot_error = exc
+        passed = checking.result()
     cursor, records, chunk, checked = HEADER_SIZE, 0, 0, 0
     while cursor < index_offset:
         if records and chunk < n and int(offsets[chunk]) == cursor:
-            last = (
-                int(breaks[np.searchsorted(breaks, chunk)]) if breaks.size and breaks[-1] >= chunk else n - 1
-            )
+            last = int(lasts[np.searchsorted(lasts, chunk)])
             while chunk <= last:  # in batches of bounded size
+                done = passed.get(chunk)
+                if done is not None:  # checked already, with equal neighbours
+                    stop, size = done
+                    checked += size
+                    records += stop - chunk
+                    chunk, cursor = stop, int(follows[stop - 1])
+                    continue
                 stop = int(np.searchsorted(offsets, offsets[chunk] + _VERIFY_BATCH_BYTES, side="left"))
                 stop = min(max(stop, chunk + 1), last + 1)
                 size, end = _verify_chunks(file, chunk, stop, int(follows[stop - 1]))
@@ -79,10 +100,78 @@ def verify(file: FileStructure) -> VerifyReport:
         records += 1
     if chunk != n:
         raise CorruptFileError(f"index lists {n} chunks, the file holds {chunk}")
-    file.chain.check_all()  # every snapshot, each entry once
+    if snapshot_error is not None:
+        raise snapshot_error
     for i, entry in enumerate(file.entries):
         check_arrays(file, i, entry.arrays)
     return VerifyReport(records, chunk, len(file.entries), checked)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Chunks ``first .. first+count-1``: back-to-back raw records of ``stride`` bytes, each a
+    payload of ``size`` bytes; ``expected`` is the linear part of the CRC-32C of all of them."""
+
+    first: int
+    count: int
+    stride: int
+    size: int
+    expected: int
+
+
+def _equal_run_batches(
+    file: FileStructure, firsts: np.ndarray, stops: np.ndarray, offsets: np.ndarray, follows: np.ndarray
+) -> list[_Batch]:
+    """Runs of back-to-back raw chunks whose payloads all have one size (a series' snapshots
+    append such runs), cut into batches of at most `_VERIFY_BATCH_BYTES`, each with the CRC its
+    bytes must have if every descriptor's and payload's CRC holds and every padding byte is zero
+    (`kvformat.checksum`): a few table lookups per record, no pass over the payloads."""
+    table = file.table
+    n = len(table)
+    if n == 0:
+        return []
+    stored = table["stored_size"].astype(np.int64)
+    # Per record: 1 where it differs from the one before in payload size, or is not raw.
+    odd = np.concatenate(([0], (stored[1:] != stored[:-1]).astype(np.int64)))
+    odd_total = np.cumsum(odd + (table["codec"] != codecs.Raw.code))
+    # One payload size, every record raw, the run's last padding before the index.
+    keep = (table["codec"][firsts] == codecs.Raw.code) & (odd_total[stops - 1] == odd_total[firsts])
+    keep &= follows[stops - 1] <= file.footer.index_offset
+    firsts, stops = firsts[keep], stops[keep]
+    if not firsts.size:
+        return []
+    per_batch = np.maximum(1, _VERIFY_BATCH_BYTES // (follows[firsts] - offsets[firsts]))
+    batches_of_run = -(-(stops - firsts) // per_batch)
+    step = np.repeat(per_batch, batches_of_run)
+    starts = np.repeat(firsts, batches_of_run) + ranges(np.zeros_like(firsts), batches_of_run) * step
+    counts = np.minimum(step, np.repeat(stops, batches_of_run) - starts)
+    sizes = stored[starts]
+    batches: list[_Batch] = []
+    for count, size in {(int(c), int(p)) for c, p in zip(counts, sizes, strict=True)}:
+        group = starts[(counts == count) & (sizes == size)]
+        stride = align(DESCRIPTOR_SIZE + size)
+        crcs = table["payload_crc"][group[:, None] + np.arange(count)]
+        expected = records_linear(crcs, size, stride, DESCRIPTOR_SIZE).tolist()
+        batches += [_Batch(f, count, stride, size, e) for f, e in zip(group.tolist(), expected, strict=True)]
+    return batches
+
+
+def _verify_batches(
+    file: FileStructure, batches: list[_Batch], offsets: np.ndarray
+) -> dict[int, tuple[int, int]]:
+    """One CRC-32C pass over each batch, and its descriptors against the chunk table. Returns
+    ``{first: (stop, bytes)}`` for each batch that passed; the others are left to
+    `_verify_chunks`, which also names what is wrong."""
+    table_bytes = file.table.view(np.uint8).reshape(-1, DESCRIPTOR_SIZE)
+    passed: dict[int, tuple[int, int]] = {}
+    for b in batches:
+        span = file.source.read(int(offsets[b.first]), b.count * b.stride)
+        if linear_crc(span) != b.expected:
+            continue
+        descriptors = np.ndarray((b.count, DESCRIPTOR_SIZE), np.uint8, buffer=span, strides=(b.stride, 1))
+        if np.array_equal(descriptors, table_bytes[b.first : b.first + b.count]):
+            passed[b.first] = (b.first + b.count, b.count * (DESCRIPTOR_SIZE + b.size))
+    return passed
 
 
 def _verify_chunks(file: FileStructure, first: int, stop: int, follows: int) -> tuple[int, int]:

@@ -21,7 +21,16 @@ from mlx_lm.models import cache as cache_module
 from mlx_lm.sample_utils import make_sampler
 
 import kvformat
-from kvformat.checksum import crc32c, crc32c_many, crc32c_rows
+from kvformat.checksum import (
+    crc32c,
+    crc32c_many,
+    crc32c_rows,
+    linear_concatenation,
+    linear_crc,
+    linear_parts,
+    self_checked_linear,
+    zeros_crc,
+)
 from kvsnap.analysis.stats import token_table
 from kvsnap.analysis.tokens import token_ids, token_pieces
 from kvsnap.capture.background import BackgroundWriter, Transfer
@@ -318,3 +327,29 @@ def test_crc32c_in_bulk_equals_one_by_one() -> None:
     assert crc32c_rows(rows).tolist() == [crc32c(bytes(row)) for row in rows]
     buffers = [memoryview(rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for n in (0, 1, 63, 70_000)]
     assert crc32c_many(buffers).tolist() == [crc32c(b) for b in buffers]
+
+
+@pytest.mark.parametrize("size", [1, 3, 64, 576, 1000])
+def test_crc32c_of_a_concatenation_follows_from_the_pieces_crcs(size: int) -> None:
+    """What verify's one pass over a run of records relies on (kvformat.checksum)."""
+    rng = np.random.default_rng(size)
+    for n in range(0, 1100, 37):
+        assert zeros_crc(n) == crc32c(bytes(n))
+    for count in (1, 2, 3, 7, 64, 129):
+        pieces = rng.integers(0, 256, (5, count, size), dtype=np.uint8)
+        crcs = np.array([[crc32c(piece.tobytes()) for piece in row] for row in pieces], np.uint32)
+        joined = linear_concatenation(linear_parts(crcs, size), size)
+        assert joined.tolist() == [linear_crc(row.tobytes()) for row in pieces]
+        assert [int(j) ^ zeros_crc(count * size) for j in joined] == [crc32c(row.tobytes()) for row in pieces]
+        pieces[2, count // 2, size // 2] ^= 4  # one flipped bit in one piece: that row's no longer matches
+        assert [linear_crc(row.tobytes()) == j for row, j in zip(pieces, joined, strict=True)] == [
+            True,
+            True,
+            False,
+            True,
+            True,
+        ]
+    body = rng.integers(0, 256, 60, dtype=np.uint8).tobytes()
+    descriptor = body + crc32c(body).to_bytes(4, "little")
+    assert linear_crc(descriptor) == self_checked_linear(64)
+    assert linear_crc(descriptor[:-1] + bytes([descriptor[-1] ^ 1])) != self_checked_linear(64)
