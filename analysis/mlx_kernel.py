@@ -3,11 +3,13 @@ default device, the Metal GPU of a Mac, an NVIDIA GPU with mlx's CUDA build, or 
 
 Per piece of rows (the CPU path's pieces of `accumulator.PIECE` rows, so quantization groups of tokens
 start at the same rows), one compiled mlx function computes on the device everything that
-touches every element: squared row norms and peaks, channel power sums up to the 4th order,
-channel absmax, the unit-vector sum, the Gram matrix of the rows (less their mean, massive rows
-left out) and the 8/4/2-bit quantization errors. The host gets back a few vectors per piece
-and folds them into the accumulator's float64 sums: histograms, position bins, the top peaks and
-the Gram matrix of massive rows (few, added in float64) are numpy work on ``O(rows)`` values.
+touches every element: row norms (their sums, extremes, sums per position bin and each row's
+histogram bin, the same bin the host would pick in float64), peaks, channel power sums up to
+the 4th order, channel absmax, the unit-vector sum, the Gram matrix of the rows (less their
+mean, massive rows left out) and the 8/4/2-bit quantization errors. The host gets back a few
+vectors per piece and folds them into the accumulator's float64 sums; per row it only counts
+the histogram bins and picks the top peaks, and it adds the Gram matrix of massive rows (few)
+in float64.
 
 Pipelining: `add` converts the piece, starts its computation (``mx.async_eval``) and returns;
 the results are folded in at the accumulator's next `add`, or when its row or a merge needs
@@ -83,8 +85,42 @@ def _piece_function(
         import mlx.core as mx
 
         piece = _piece(norms, channels, rope, mean, gram, quant)
-        function = _COMPILED[key] = mx.compile(mx.vmap(piece) if batched else piece)
+        if not norms:  # one input: the rows
+
+            def piece_of_rows(stored: Any) -> dict[str, Any]:
+                return piece(stored)
+
+            function = piece_of_rows
+        else:  # two: the rows and the position bin of each row, (n,) uint8
+            function = piece
+        function = _COMPILED[key] = mx.compile(mx.vmap(function) if batched else function)
     return function
+
+
+@functools.cache
+def _hist_edges(squared: bool) -> np.ndarray:
+    """``(BINS + 1,)`` float32: ``edges[k]`` is the smallest float32 ``v`` whose host bin,
+    `catalogue.hist_index` in float64 of ``v`` (of ``sqrt(v)`` if ``squared``: a squared norm),
+    is ``k`` or more; ``-inf`` and ``inf`` at the ends. Found by bisection over the float32 bit
+    patterns (ordered like the values for ``v >= 0``), so the device's bins equal the host's."""
+    from kvsnap.analysis.catalogue import BINS, hist_index
+
+    def host_bin(bits: np.ndarray) -> np.ndarray:
+        values = bits.astype(np.uint32).view(np.float32).astype(np.float64)
+        return hist_index(np.sqrt(values) if squared else values)
+
+    wanted = np.arange(1, BINS, dtype=np.int64)
+    low = np.zeros(wanted.size, np.int64)
+    high = np.full(wanted.size, 0x7F7FFFFF, np.int64)  # the largest finite float32
+    while bool(np.any(low < high)):
+        middle = (low + high) // 2
+        reached = host_bin(middle) >= wanted
+        high = np.where(reached, middle, high)
+        low = np.where(reached, low, middle + 1)
+    edges = np.empty(BINS + 1, np.float32)
+    edges[0], edges[-1] = -np.inf, np.inf
+    edges[1:-1] = low.astype(np.uint32).view(np.float32)
+    return edges
 
 
 def _piece(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quant: bool) -> Any:
@@ -92,7 +128,9 @@ def _piece(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quan
     import mlx.core as mx
 
     from kvsnap.analysis.accumulator import HEAVY
-    from kvsnap.analysis.catalogue import QUANT_BITS, QUANT_GROUP
+    from kvsnap.analysis.catalogue import BINS, LOG_HIGH, LOG_LOW, POSITION_BINS, QUANT_BITS, QUANT_GROUP
+
+    square_edges, peak_edges = mx.array(_hist_edges(squared=True)), mx.array(_hist_edges(squared=False))
 
     def column_sums(a: Any) -> Any:
         """Sums over rows in two levels of at most `_SPAN` terms (float32 rounding then grows
@@ -134,13 +172,32 @@ def _piece(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quan
             channel.append(mx.concatenate(parts))
         return mx.stack(token), mx.stack(channel)
 
-    def piece(stored: Any) -> dict[str, Any]:
+    def bin_of(values: Any, logs: Any, edges: Any) -> Any:
+        """`catalogue.hist_index` of ``values`` (``logs``: their log10), exactly as the host
+        computes it in float64: a float32 estimate, then one step down or up against the bin's
+        exact float32 edges (`_hist_edges`)."""
+        scaled = (mx.maximum(logs, LOG_LOW) - LOG_LOW) * (BINS / (LOG_HIGH - LOG_LOW))
+        scaled = mx.where(scaled == scaled, scaled, 0.0)  # NaN rows: bin 0, an index in range
+        estimate = mx.clip(mx.floor(scaled), 0, BINS - 1).astype(mx.int32)
+        lower, upper = mx.take(edges, estimate), mx.take(edges, estimate + 1)
+        exact = estimate - (values < lower).astype(mx.int32) + (values >= upper).astype(mx.int32)
+        return exact.astype(mx.int16)
+
+    def piece(stored: Any, bins: Any = None) -> dict[str, Any]:
         x = stored.astype(mx.float32)  # float16 / bfloat16 cross to the device as stored
         square = x * x
         sq = square.sum(axis=1)
-        out: dict[str, Any] = {"sq": sq}
+        out: dict[str, Any] = {"sq_sum": column_sums(sq)}
         if norms:
-            out["unit"] = column_sums(x / mx.maximum(mx.sqrt(sq), 1e-30)[:, None])
+            # Everything the host needs of the row norms, folded here: sums, extremes, the
+            # histogram bin of each row (exact), the norm of the first row, sums per position bin.
+            norm = mx.sqrt(sq)
+            out["unit"] = column_sums(x / mx.maximum(norm, 1e-30)[:, None])
+            out["norm_sum"] = column_sums(norm)
+            out["norm_min"], out["norm_max"], out["norm_first"] = norm.min(), norm.max(), norm[0]
+            out["norm_bin"] = bin_of(sq, 0.5 * mx.log10(sq), square_edges)
+            by_bin = bins[:, None] == mx.arange(POSITION_BINS).astype(mx.uint8)[None, :]
+            out["position_norm"] = column_sums(mx.where(by_bin, norm[:, None], 0.0))
         if channels or rope or mean:
             # Power sums about the piece's own mean (well conditioned in float32 even for a
             # channel whose mean is many standard deviations); the host expands them to raw
@@ -154,7 +211,9 @@ def _piece(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quan
             )
         if channels:
             magnitude = mx.abs(x)
-            out["peaks"] = magnitude.max(axis=1)
+            peaks = magnitude.max(axis=1)
+            out["peaks"] = peaks  # the host keeps the top ones (with their positions)
+            out["peak_bin"] = bin_of(peaks, mx.log10(peaks), peak_edges)
             out["absmax"] = magnitude.max(axis=0)
         if gram:
             n = x.shape[0]
@@ -221,7 +280,9 @@ def add(acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray) -> None:
     import mlx.core as mx
 
     for x, pos in _pieces(rows, positions):
-        outputs = _piece_function(*_flags(acc, x.shape[0]))(_to_device(x))
+        flags = _flags(acc, x.shape[0])
+        inputs = [_to_device(x)] + ([mx.array(_piece_bins(pos))] if flags[0] else [])
+        outputs = _piece_function(*flags)(*inputs)
         mx.async_eval(outputs)
         settle(acc)
         acc._pending = _Pending(x, pos, outputs)
@@ -232,45 +293,70 @@ class _Batch:
     shape, dtype and selection, one call of the batched function on the pieces stacked on the
     device (each piece is copied to the device once, straight from the file's pages).
 
-    Life: sent (`__init__`, on the driving thread), fetched (`fetch`: the driving thread waits
-    for the device and copies the small results to the host), folded (`_fold_all`, on the
-    pipeline's fold thread, batches in the order they were sent)."""
+    Life: copied (`__init__`, on the driving thread: the copies into staging buffers start on the
+    copy threads and run while the driver reads the next batch), launched (`launch`: waits for
+    the copies, runs ``after`` (releasing the pages copied), starts the device), fetched (`fetch`:
+    the driving thread waits for the device and copies the small results to the host), folded
+    (`_fold_all`, on the pipeline's fold thread, batches in the order they were sent)."""
 
     def __init__(
         self,
         entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]],
         folder: ThreadPoolExecutor,
         staging: Staging | None = None,
+        after: list[Callable[[], None]] | None = None,
     ) -> None:
-        import mlx.core as mx
-
         self.folder = folder
         self.staging = staging
+        self.after = after or []
         groups: dict[tuple[Any, str, Flags], list[int]] = {}
         for i, (acc, x, _) in enumerate(entries):
             groups.setdefault((x.shape, x.dtype.str, _flags(acc, x.shape[0])), []).append(i)
         self.entries = entries
+        self.groups = [(flags, members) for (_, _, flags), members in groups.items()]
+        self.fills = [
+            staging.start_fill([entries[i][1] for i in members]) if staging is not None else None
+            for _, members in self.groups
+        ]
         self.calls: list[tuple[list[int], dict[str, Any]]] = []
         self.buffers: list[Any] = []
-        for (_, _, flags), members in groups.items():
-            pieces = [entries[i][1] for i in members]
-            if staging is not None:
-                buffer, stacked = staging.fill(pieces)
-                self.buffers.append(buffer)
-            else:
-                stacked = mx.stack([_to_device(x) for x in pieces])
-            outputs = _piece_function(*flags, batched=True)(stacked)
-            self.calls.append((members, outputs))
-        mx.async_eval([outputs for _, outputs in self.calls])
+        self._launched = False
         self._lock = threading.Lock()
         self._folded: Future[None] | None = None
         for acc, _, _ in entries:
             acc._pending = self
 
+    def launch(self) -> None:
+        """Wait for the copies, release what they read, start the device (idempotent; on the
+        driving thread)."""
+        import mlx.core as mx
+
+        if self._launched:
+            return
+        self._launched = True
+        entries = self.entries
+        for (flags, members), fill in zip(self.groups, self.fills, strict=True):
+            if fill is not None:
+                buffer, stacked = fill.result()
+                self.buffers.append(buffer)
+            else:
+                stacked = mx.stack([_to_device(entries[i][1]) for i in members])
+            inputs = [stacked]
+            if flags[0]:  # the position bin of every row of every piece, (pieces, n) uint8
+                inputs.append(mx.array(np.stack([_piece_bins(entries[i][2]) for i in members])))
+            outputs = _piece_function(*flags, batched=True)(*inputs)
+            self.calls.append((members, outputs))
+        self.fills = []
+        for after in self.after:
+            after()
+        self.after = []
+        mx.async_eval([outputs for _, outputs in self.calls])
+
     def fetch(self) -> Future[None]:
         """Wait for the device, copy the results to the host and queue the folding on the fold
         thread (after the batches fetched before this one); returns the folding's future.
         Idempotent."""
+        self.launch()
         with self._lock:
             if self._folded is None:
                 results = [
@@ -307,9 +393,9 @@ class Staging:
     buffer protocol (CUDA managed memory, or Apple's unified memory), so the pieces of a batch are
     copied straight into it with ``np.copyto`` on a thread pool (which releases the GIL): 7.2-7.9
     GB/s there on 8-16 threads, the device's reads included. Buffers are reused once the device
-    has read them (`give_back`); at most two per shape are kept. `create` checks once that a
-    write through the buffer is what the device reads, and returns None where it is not (then
-    batches go through ``mx.array``)."""
+    has read them (`give_back`); at most three per shape are kept (a batch copying, one on the
+    device, one being fetched). `create` checks once that a write through the buffer is what the
+    device reads, and returns None where it is not (then batches go through ``mx.array``)."""
 
     KEEP_BYTES = 256 << 20
 
@@ -351,6 +437,10 @@ class Staging:
         """``(buffer, stacked)``: ``pieces`` (same shape and dtype) copied into one device buffer
         ``(len(pieces), *shape)``; ``stacked`` is it in the pieces' type (16-bit types stay 16-bit:
         the device converts)."""
+        return self.start_fill(pieces).result()
+
+    def start_fill(self, pieces: list[np.ndarray]) -> _Fill:
+        """`fill`, started: the copies run on the copy threads; ``.result()`` waits for them."""
         import mlx.core as mx
 
         first = pieces[0]
@@ -369,26 +459,40 @@ class Staging:
                 np.copyto(target[index, start : start + step], source, casting="unsafe")
 
         tasks = [(i, start) for i in range(len(pieces)) for start in range(0, rows, step)]
-        for future in [self.pool.submit(copy, i, start) for i, start in tasks]:
-            future.result()
+        copies = [self.pool.submit(copy, i, start) for i, start in tasks]
         if first.dtype.name == "bfloat16":
-            return buffer, buffer.view(mx.bfloat16)
+            return _Fill(copies, buffer, buffer.view(mx.bfloat16))
         if first.dtype == np.float16:
-            return buffer, buffer.view(mx.float16)
-        return buffer, buffer
+            return _Fill(copies, buffer, buffer.view(mx.float16))
+        return _Fill(copies, buffer, buffer)
 
     def give_back(self, buffers: list[Any]) -> None:
-        """Buffers the device has finished reading: kept for reuse, at most two per shape and
+        """Buffers the device has finished reading: kept for reuse, at most three per shape and
         `KEEP_BYTES` in all (the rest are freed)."""
         for buffer in buffers:
             kept = self.free.setdefault((tuple(buffer.shape), str(buffer.dtype)), [])
             held = sum(b.nbytes for free in self.free.values() for b in free)
-            if len(kept) < 2 and held + buffer.nbytes <= self.KEEP_BYTES:
+            if len(kept) < 3 and held + buffer.nbytes <= self.KEEP_BYTES:
                 kept.append(buffer)
 
     def close(self) -> None:
         self.pool.shutdown()
         self.free.clear()
+
+
+@dataclass
+class _Fill:
+    """Copies into a staging buffer in progress: `result` waits for them (and raises what one of
+    them raised), then gives ``(buffer, stacked)``."""
+
+    copies: list[Future[None]]
+    buffer: Any
+    stacked: Any
+
+    def result(self) -> tuple[Any, Any]:
+        for future in self.copies:
+            future.result()
+        return self.buffer, self.stacked
 
 
 def _host_view(array: Any) -> np.ndarray:
@@ -398,10 +502,11 @@ def _host_view(array: Any) -> np.ndarray:
 
 class Pipeline:
     """Batches the pieces a pass adds into device calls of about ``limit`` bytes (`_Batch`):
-    one batch on the device while the next is read and sent, results folded into the
-    accumulators on one fold thread (in order) while the device works on the next. Device
-    memory: two batches, their float32 copies and outputs; host memory: the results of the
-    batches waiting for the fold thread (a few vectors and a ``dim x dim`` matrix per piece)."""
+    one batch copied into staging buffers (copy threads) while the next is read, the one before
+    it on the device, results folded into the accumulators on one fold thread (in order) while
+    the device works on the next. Device memory: three batches' staging buffers (``3 x limit``),
+    one batch's float32 copies and outputs; host memory: the results of the batches waiting for
+    the fold thread (a few vectors and a ``dim x dim`` matrix per piece)."""
 
     def __init__(self, limit: int = 32 << 20, staging: bool = True) -> None:
         self.limit = limit
@@ -409,7 +514,8 @@ class Pipeline:
         self._entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]] = []
         self._after: list[Callable[[], None]] = []
         self._bytes = 0
-        self._in_flight: _Batch | None = None
+        self._copying: _Batch | None = None  # copies running while the next batch is read
+        self._in_flight: _Batch | None = None  # on the device
         self._folder = ThreadPoolExecutor(1, thread_name_prefix="kvsnap-mlx-fold")
         self._folding: collections.deque[Future[None]] = collections.deque()
 
@@ -431,20 +537,31 @@ class Pipeline:
             self.flush()
 
     def flush(self) -> None:
-        """Send what is queued; fetch the batch sent before it and queue its folding."""
-        batch = _Batch(self._entries, self._folder, self._staging) if self._entries else None
-        for after in self._after:
-            after()
+        """Start copying what is queued; launch the batch copied before it (its copies ran while
+        this one was read); fetch the batch launched before that and queue its folding."""
+        batch = _Batch(self._entries, self._folder, self._staging, self._after) if self._entries else None
+        if batch is None:
+            for after in self._after:
+                after()
         self._entries, self._after, self._bytes = [], [], 0
+        launching, self._copying = self._copying, batch
+        if launching is not None:
+            self._launch(launching)
+        while len(self._folding) > 2:  # bounded host memory: results wait for the fold thread
+            self._folding.popleft().result()
+
+    def _launch(self, batch: _Batch) -> None:
+        batch.launch()
         previous, self._in_flight = self._in_flight, batch
         if previous is not None:
             self._folding.append(previous.fetch())
-        while len(self._folding) > 2:  # bounded host memory: results wait for the fold thread
-            self._folding.popleft().result()
 
     def finish(self) -> None:
         """Send what is queued and fold everything: every accumulator is up to date."""
         self.flush()
+        if self._copying is not None:
+            batch, self._copying = self._copying, None
+            self._launch(batch)
         if self._in_flight is not None:
             self._folding.append(self._in_flight.fetch())
             self._in_flight = None
@@ -498,24 +615,36 @@ def settle(acc: HeadAccumulator) -> None:
 
 
 def _piece_bins(positions: np.ndarray) -> np.ndarray:
-    """`catalogue.position_bins` of a piece's positions; for a run (every head of a layer holds
-    the same ones) computed once and cached."""
+    """`catalogue.position_bins` of a piece's positions as uint8 (the device's input); for a run
+    (every head of a layer holds the same positions) computed once and cached."""
     from kvsnap.analysis.catalogue import position_bins
 
     n = positions.size
     if n and int(positions[-1]) - int(positions[0]) == n - 1:
-        return _position_bins(int(positions[0]), n)
-    return position_bins(positions)
+        return _run_bins(int(positions[0]), n)[0]
+    return position_bins(positions).astype(np.uint8)
+
+
+def _piece_bin_counts(positions: np.ndarray) -> np.ndarray:
+    """How many of a piece's positions fall in each position bin, ``(POSITION_BINS,)`` int64."""
+    from kvsnap.analysis.catalogue import POSITION_BINS
+
+    n = positions.size
+    if n and int(positions[-1]) - int(positions[0]) == n - 1:
+        return _run_bins(int(positions[0]), n)[1]
+    return np.bincount(_piece_bins(positions), minlength=POSITION_BINS)
 
 
 @functools.lru_cache(maxsize=64)
-def _position_bins(start: int, count: int) -> np.ndarray:
-    """`catalogue.position_bins` of positions ``start .. start + count - 1`` (read-only, cached)."""
-    from kvsnap.analysis.catalogue import position_bins
+def _run_bins(start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The uint8 bins of positions ``start .. start + count - 1`` and their counts per bin
+    (read-only, cached)."""
+    from kvsnap.analysis.catalogue import POSITION_BINS, position_bins
 
-    bins = position_bins(np.arange(start, start + count, dtype=np.int64))
-    bins.flags.writeable = False
-    return bins
+    bins = position_bins(np.arange(start, start + count, dtype=np.int64)).astype(np.uint8)
+    counts = np.bincount(bins, minlength=POSITION_BINS)
+    bins.flags.writeable = counts.flags.writeable = False
+    return bins, counts
 
 
 def _bincounts(index: np.ndarray, size: int, weights: np.ndarray | None = None) -> np.ndarray:
@@ -532,28 +661,25 @@ def _fold_group(
 ) -> None:
     """Add the device results of pieces of one shape and selection to their accumulators, in
     order: ``entries`` ``(acc, x, pos)`` (``x`` a piece as stored, ``pos`` its positions),
-    ``out`` host arrays with a leading axis over the entries. The numpy work on ``O(rows)`` values
-    (norms, histograms, position bins, top peaks, power sums) runs once for the group, not once
-    per piece: on the H200 the per-piece calls, under the GIL beside the thread that drives the
-    device, were most of the fold."""
+    ``out`` host arrays with a leading axis over the entries. What is left per row here is
+    counting histogram bins the device chose and picking the top peaks; it runs once for the
+    group, not once per piece: on the H200 the per-piece calls, under the GIL beside the thread
+    that drives the device, were most of the fold."""
     from kvsnap.analysis import catalogue
     from kvsnap.analysis.accumulator import float32_rows
 
     groups = entries[0][0].groups
-    n = out["sq"].shape[1]
-    sq = out["sq"].astype(np.float64)
-    square_sums = sq.sum(axis=1)
+    n = entries[0][1].shape[0]
+    square_sums = out["sq_sum"].astype(np.float64)
     if "norms" in groups:
-        norms = np.sqrt(sq)
-        norm_sums, norm_mins, norm_maxs = norms.sum(axis=1), norms.min(axis=1), norms.max(axis=1)
-        norm_hists = _bincounts(catalogue.hist_index(norms), catalogue.BINS)
-        bins = np.stack([_piece_bins(p) for _, _, p in entries])
-        position_counts = _bincounts(bins, catalogue.POSITION_BINS)
-        position_norms = _bincounts(bins, catalogue.POSITION_BINS, norms)
+        norm_sums = out["norm_sum"].astype(np.float64)
+        norm_mins, norm_maxs, norm_firsts = out["norm_min"], out["norm_max"], out["norm_first"]
+        norm_hists = _bincounts(out["norm_bin"].astype(np.int64), catalogue.BINS)
+        position_norms = out["position_norm"].astype(np.float64)
     raw = _raw_powers(out["shift"], out["central"], n) if "central" in out else None
     if "channels" in groups:
         peaks = out["peaks"]
-        peak_hists = _bincounts(catalogue.hist_index(peaks.astype(np.float64)), catalogue.BINS)
+        peak_hists = _bincounts(out["peak_bin"].astype(np.int64), catalogue.BINS)
         top_k = catalogue.TOP_K
         best = np.argpartition(peaks, n - top_k, axis=1)[:, n - top_k :] if n > top_k else None
     if "spectrum" in groups and "product" in out:
@@ -580,9 +706,9 @@ def _fold_group(
             acc.norm_hist += norm_hists[b]
             acc.unit_sum += out["unit"][b]
             if p[0] == 0:
-                acc.first_norm_sum += float(norms[b, 0])
+                acc.first_norm_sum += float(norm_firsts[b])
                 acc.first_count += 1
-            acc.position_count += position_counts[b]
+            acc.position_count += _piece_bin_counts(p)
             acc.position_norm += position_norms[b]
         if raw is not None and ("channels" in groups or "spectrum" in groups):
             acc.power[0] += raw[b, 0]

@@ -77,13 +77,14 @@ elif mode.startswith("mlx-compute"):  # mlx-compute:DIM:DTYPE: the device work a
     _, dim, dtype = mode.split(":")
     function = mlx_kernel._piece_function(True, True, True, True, True, True)
     x = mx.random.normal((PIECE, int(dim))).astype(getattr(mx, dtype))
-    mx.eval(x)
+    bins = mx.array(mlx_kernel._piece_bins(np.arange(PIECE)))
+    mx.eval(x, bins)
     for _ in range(3):
-        mx.eval(function(x.astype(mx.float32)))
+        mx.eval(function(x.astype(mx.float32), bins))
     start = time.perf_counter()
     repeats = 50
     for _ in range(repeats):
-        mx.eval(function(x.astype(mx.float32)))
+        mx.eval(function(x.astype(mx.float32), bins))
     seconds = (time.perf_counter() - start) / repeats
     device = str(mx.default_device())
     print(json.dumps({"seconds": seconds, "bytes": PIECE * int(dim) * x.itemsize, "device": device}))

@@ -212,3 +212,34 @@ def test_positions_with_gaps_fold_like_the_cpu_kernel(tmp_path: Path) -> None:
     assert_close(got, expected)
     assert [len(row["norm_by_position"]) for row in got] == [len(row["norm_by_position"]) for row in expected]
     assert got[0]["norm_by_position"][1] == pytest.approx(expected[0]["norm_by_position"][1], rel=1e-5)
+
+
+def test_device_histogram_bins_equal_the_hosts_at_the_bin_edges() -> None:
+    """The device picks each row's norm and peak histogram bin in float32, then corrects it
+    against exact edges: on values at and around every sampled edge, its bins are the ones
+    `catalogue.hist_index` gives in float64 (what the CPU path and the old host fold counted)."""
+    import mlx.core as mx
+
+    from kvsnap.analysis.catalogue import hist_index
+
+    rng = np.random.default_rng(0)
+    edges = mlx_kernel._hist_edges(squared=True)[1:-1]
+    picked = np.sqrt(edges[rng.choice(edges.size, 400, replace=False)].astype(np.float64)).astype(np.float32)
+    values = np.concatenate(
+        [
+            picked,
+            np.nextafter(picked, np.float32(0)),
+            np.nextafter(picked, np.float32(np.inf)),
+            [0, 1e-30, 1e18],
+        ]
+    ).astype(np.float32)
+    rows = np.zeros((values.size, 4), np.float32)
+    rows[:, 0] = values  # one non-zero channel: the squared norm is values**2 in float32, exactly
+    function = mlx_kernel._piece_function(True, True, False, False, False, False)
+    out = function(mx.array(rows), mx.array(np.zeros(values.size, np.uint8)))
+    square = values.astype(np.float32) * values.astype(np.float32)
+    expected_norm_bins = hist_index(np.sqrt(square.astype(np.float64)))
+    expected_peak_bins = hist_index(values.astype(np.float64))
+    assert np.array_equal(np.array(out["norm_bin"]), expected_norm_bins)
+    assert np.array_equal(np.array(out["peak_bin"]), expected_peak_bins)
+    assert len(set(expected_norm_bins.tolist())) > 300  # many bins, each around its edge

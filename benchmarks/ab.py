@@ -1,0 +1,58 @@
+"""One `analysis_bench` measurement under two source trees, alternated: ``A B A B ...`` per file,
+so a slow lease or a noisy neighbour slows both alike. Each run is a fresh process started in
+its tree (a tree: a checkout holding ``kvformat/`` and ``kvsnap/``).
+
+    python -m benchmarks.ab --mode stats:all:1:mlx:warm --a OLD_TREE --b NEW_TREE FILE...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.analysis_bench import CHILD
+
+
+def run(mode: str, path: Path, tree: Path) -> float:
+    """Seconds of one ``mode`` run on ``path`` with the code of ``tree``."""
+    tree = tree.resolve()
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(path.resolve())],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])},
+    )
+    return float(json.loads(result.stdout.strip().splitlines()[-1])["seconds"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="stats:all:1:mlx:warm")
+    parser.add_argument("--a", type=Path, required=True, help="the reference tree")
+    parser.add_argument("--b", type=Path, required=True, help="the tree compared with it")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("files", type=Path, nargs="+")
+    args = parser.parse_args()
+    print("| file | mode | A: median (min) | B: median (min) | A / B |\n|---|---|---:|---:|---:|")
+    for path in args.files:
+        times: dict[str, list[float]] = {"a": [], "b": []}
+        for _ in range(args.rounds):
+            for name in ("a", "b"):
+                times[name].append(run(args.mode, path, getattr(args, name)))
+        a, b = statistics.median(times["a"]), statistics.median(times["b"])
+        print(
+            f"| {path.name} | {args.mode} | {a:.2f} s ({min(times['a']):.2f}) "
+            f"| {b:.2f} s ({min(times['b']):.2f}) | {a / b:.2f}x |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
