@@ -63,13 +63,18 @@ def verify(file: FileStructure) -> VerifyReport:
     # walk, so the first problem in file order is still the one reported.
     batches = _equal_run_batches(file, firsts, lasts + 1, offsets, follows)
     with ThreadPoolExecutor(1, thread_name_prefix="kvformat-verify") as pool:
-        checking = pool.submit(_verify_batches, file, batches, offsets)
+        checking = pool.submit(_checksum_batches, file, batches, offsets)
+        expected = _expected_crcs(file, batches)
         try:
             file.chain.check_all()  # every snapshot, each entry once
             snapshot_error: KVFormatError | None = None
         except KVFormatError as exc:
             snapshot_error = exc
-        passed = checking.result()
+        passed = {
+            b.first: (b.first + b.count, b.count * (DESCRIPTOR_SIZE + b.size))
+            for b, want, (crc, same) in zip(batches, expected, checking.result(), strict=True)
+            if same and crc == want
+        }
     cursor, records, chunk, checked = HEADER_SIZE, 0, 0, 0
     while cursor < index_offset:
         if records and chunk < n and int(offsets[chunk]) == cursor:
@@ -110,22 +115,19 @@ def verify(file: FileStructure) -> VerifyReport:
 @dataclass(frozen=True)
 class _Batch:
     """Chunks ``first .. first+count-1``: back-to-back raw records of ``stride`` bytes, each a
-    payload of ``size`` bytes; ``expected`` is the linear part of the CRC-32C of all of them."""
+    payload of ``size`` bytes."""
 
     first: int
     count: int
     stride: int
     size: int
-    expected: int
 
 
 def _equal_run_batches(
     file: FileStructure, firsts: np.ndarray, stops: np.ndarray, offsets: np.ndarray, follows: np.ndarray
 ) -> list[_Batch]:
     """Runs of back-to-back raw chunks whose payloads all have one size (a series' snapshots
-    append such runs), cut into batches of at most `_VERIFY_BATCH_BYTES`, each with the CRC its
-    bytes must have if every descriptor's and payload's CRC holds and every padding byte is zero
-    (`kvformat.checksum`): a few table lookups per record, no pass over the payloads."""
+    append such runs), cut into batches of at most `_VERIFY_BATCH_BYTES`."""
     table = file.table
     n = len(table)
     if n == 0:
@@ -145,33 +147,44 @@ def _equal_run_batches(
     step = np.repeat(per_batch, batches_of_run)
     starts = np.repeat(firsts, batches_of_run) + ranges(np.zeros_like(firsts), batches_of_run) * step
     counts = np.minimum(step, np.repeat(stops, batches_of_run) - starts)
-    sizes = stored[starts]
-    batches: list[_Batch] = []
-    for count, size in {(int(c), int(p)) for c, p in zip(counts, sizes, strict=True)}:
-        group = starts[(counts == count) & (sizes == size)]
-        stride = align(DESCRIPTOR_SIZE + size)
-        crcs = table["payload_crc"][group[:, None] + np.arange(count)]
-        expected = records_linear(crcs, size, stride, DESCRIPTOR_SIZE).tolist()
-        batches += [_Batch(f, count, stride, size, e) for f, e in zip(group.tolist(), expected, strict=True)]
-    return batches
+    return [
+        _Batch(f, c, align(DESCRIPTOR_SIZE + p), p)
+        for f, c, p in zip(starts.tolist(), counts.tolist(), stored[starts].tolist(), strict=True)
+    ]
 
 
-def _verify_batches(
+def _expected_crcs(file: FileStructure, batches: list[_Batch]) -> list[int]:
+    """Per batch, the linear part of the CRC-32C its bytes have if every descriptor's and
+    payload's CRC holds and every padding byte is zero (`kvformat.checksum.records_linear`): a
+    few table lookups per record, from the chunk table alone, batches of one shape together."""
+    expected = [0] * len(batches)
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for i, b in enumerate(batches):
+        shapes.setdefault((b.count, b.size), []).append(i)
+    for (count, size), members in shapes.items():
+        firsts = np.array([batches[i].first for i in members], np.int64)
+        crcs = file.table["payload_crc"][firsts[:, None] + np.arange(count)]
+        values = records_linear(crcs, size, align(DESCRIPTOR_SIZE + size), DESCRIPTOR_SIZE).tolist()
+        for i, value in zip(members, values, strict=True):
+            expected[i] = value
+    return expected
+
+
+def _checksum_batches(
     file: FileStructure, batches: list[_Batch], offsets: np.ndarray
-) -> dict[int, tuple[int, int]]:
-    """One CRC-32C pass over each batch, and its descriptors against the chunk table. Returns
-    ``{first: (stop, bytes)}`` for each batch that passed; the others are left to
-    `_verify_chunks`, which also names what is wrong."""
+) -> list[tuple[int, bool]]:
+    """Per batch, one CRC-32C pass over its bytes (the linear part) and whether its descriptors
+    equal the chunk table byte for byte. A batch whose CRC differs from `_expected_crcs`, or
+    whose descriptors differ, is left to `_verify_chunks`, which also names what is wrong."""
     table_bytes = file.table.view(np.uint8).reshape(-1, DESCRIPTOR_SIZE)
-    passed: dict[int, tuple[int, int]] = {}
+    out = []
     for b in batches:
         span = file.source.read(int(offsets[b.first]), b.count * b.stride)
-        if linear_crc(span) != b.expected:
-            continue
         descriptors = np.ndarray((b.count, DESCRIPTOR_SIZE), np.uint8, buffer=span, strides=(b.stride, 1))
-        if np.array_equal(descriptors, table_bytes[b.first : b.first + b.count]):
-            passed[b.first] = (b.first + b.count, b.count * (DESCRIPTOR_SIZE + b.size))
-    return passed
+        out.append(
+            (linear_crc(span), bool(np.array_equal(descriptors, table_bytes[b.first : b.first + b.count])))
+        )
+    return out
 
 
 def _verify_chunks(file: FileStructure, first: int, stop: int, follows: int) -> tuple[int, int]:
