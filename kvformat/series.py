@@ -374,7 +374,7 @@ class Chain:
             check_runs(base, first)
             if stop - first > 1:
                 new = self._appended_many(first + 1, stop)
-                if new is None or not _appends_hold(base, *new):
+                if new is None or not _appends_hold(base, *new, first):
                     self._check_each()
                     return
                 self._cache = (stop - 1, [base, new[0].T])
@@ -440,16 +440,18 @@ class Chain:
             self._cache = (index, list(live))
 
 
-def _appends_hold(base: np.ndarray, new: np.ndarray, snapshot: np.ndarray) -> bool:
-    """Whether the snapshots of a stretch are valid, given the first one's validated runs
-    ``base`` ``(m, 8)`` and the runs appended after it, transposed, ``new`` ``(8, n)`` (snapshot
-    ``snapshot`` each, ascending): per head and kind, taken in snapshot order, every run starts
-    at or after the end of the one before (no position twice, nothing before what the head
-    holds), and K and V runs match per snapshot. One stable sort, column by column. False means
-    "not shown": check snapshot by snapshot."""
+def _appends_hold(base: np.ndarray, new: np.ndarray, snapshot: np.ndarray, first: int) -> bool:
+    """Whether the snapshots of a stretch are valid, given its first snapshot's (``first``)
+    validated runs ``base`` ``(m, 8)`` and the runs appended after it, transposed, ``new``
+    ``(8, n)`` (snapshot ``snapshot`` each, ascending): per head and kind, taken in snapshot
+    order, every run starts at or after the end of the one before (no position twice, nothing
+    before what the head holds), and K and V runs match per snapshot. One stable sort, column by
+    column. False means "not shown": check snapshot by snapshot."""
+    if not snapshot.size:  # nothing appended: every snapshot holds what the first one holds
+        return True
     base = base[np.lexsort((base[:, POSITION], _head_keys(base), base[:, KIND]))]
     runs = np.concatenate([base.T, new], axis=1)  # (8, m + n)
-    step = np.concatenate([np.zeros(base.shape[0], np.int64), snapshot - int(snapshot[0]) + 1])
+    step = np.concatenate([np.zeros(base.shape[0], np.int64), snapshot - first])
     steps = int(step[-1]) + 1
     is_k = runs[KIND] == KIND_K
     is_v = ~is_k

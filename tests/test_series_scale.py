@@ -319,3 +319,25 @@ def test_check_all_in_bulk_accepts_and_rejects_what_snapshot_by_snapshot_does(
     # later) were left to the snapshot by snapshot check.
     assert outcomes["ok"] > 50 and outcomes["error"] > 50 and outcomes["ok in bulk"] > 10
     assert outcomes["ok, not shown in bulk"] > 3
+
+
+def test_snapshots_that_append_nothing_verify(tmp_path: Path) -> None:
+    """A stretch of snapshots with no new rows (metadata only), after data and before any."""
+    table = _table([(KIND_K, 0, 0, 0, 0), (KIND_V, 0, 0, 0, 0)])
+    empty = np.empty((0, 3), np.int64)
+    Chain(
+        [Entry(None, [], empty), Entry(0, [], empty), Entry(1, [], [(0, 0, 4), (1, 0, 4)])], table
+    ).check_all()
+    Chain(
+        [Entry(None, [], [(0, 0, 4), (1, 0, 4)]), Entry(0, [], empty), Entry(1, [], empty)], table
+    ).check_all()
+    path = tmp_path / "quiet.kv"
+    data = np.ones((2, 3, 4), np.float32)
+    with kvformat.Writer(path, [kvformat.LayerSpec(2, 4, 4, kvformat.FLOAT32)]) as w:
+        w.snapshot({"step": 0})
+        w.append(0, data, data, np.arange(3))
+        for step in range(1, 4):
+            w.snapshot({"step": step})
+    with kvformat.open(path) as snap:
+        assert snap.verify().snapshots == 4
+        assert snap.num_snapshots == 4
