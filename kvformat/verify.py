@@ -174,16 +174,23 @@ def _checksum_batches(
     file: FileStructure, batches: list[_Batch], offsets: np.ndarray
 ) -> list[tuple[int, bool]]:
     """Per batch, one CRC-32C pass over its bytes (the linear part) and whether its descriptors
-    equal the chunk table byte for byte. A batch whose CRC differs from `_expected_crcs`, or
-    whose descriptors differ, is left to `_verify_chunks`, which also names what is wrong."""
+    equal the chunk table byte for byte and its padding is zero (checked directly: the CRC
+    would miss padding that happens to be a multiple of the polynomial). A batch whose CRC
+    differs from `_expected_crcs`, or that fails the rest, is left to `_verify_chunks`, which
+    also names what is wrong."""
     table_bytes = file.table.view(np.uint8).reshape(-1, DESCRIPTOR_SIZE)
     out = []
     for b in batches:
         span = file.source.read(int(offsets[b.first]), b.count * b.stride)
-        descriptors = np.ndarray((b.count, DESCRIPTOR_SIZE), np.uint8, buffer=span, strides=(b.stride, 1))
-        out.append(
-            (linear_crc(span), bool(np.array_equal(descriptors, table_bytes[b.first : b.first + b.count])))
-        )
+        shape, strides = (b.count, DESCRIPTOR_SIZE), (b.stride, 1)
+        descriptors = np.ndarray(shape, np.uint8, buffer=span, strides=strides)
+        good = np.array_equal(descriptors, table_bytes[b.first : b.first + b.count])
+        padding = b.stride - DESCRIPTOR_SIZE - b.size
+        if good and padding:
+            start = DESCRIPTOR_SIZE + b.size
+            pads = np.ndarray((b.count, padding), np.uint8, buffer=span, offset=start, strides=strides)
+            good = not pads.any()
+        out.append((linear_crc(span), bool(good)))
     return out
 
 

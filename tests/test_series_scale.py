@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvformat.checksum import crc32c
+from kvformat.checksum import crc32c, linear_crc
 from kvformat.errors import CorruptFileError
 from kvformat.layout import DESCRIPTOR_DTYPE, KIND_K, KIND_V
 from kvformat.series import Chain, Entry, trim, trim_runs
@@ -210,7 +210,8 @@ _DAMAGES = ["payload", "descriptor", "descriptor CRC", "descriptor rewritten"]
 
 # Records of 576 bytes (no padding), and of 160 bytes with 32 of padding.
 @pytest.mark.parametrize(
-    ("dim", "where"), [(16, w) for w in _DAMAGES] + [(3, w) for w in [*_DAMAGES, "padding"]]
+    ("dim", "where"),
+    [(16, w) for w in _DAMAGES] + [(3, w) for w in [*_DAMAGES, "padding", "padding the CRC cannot see"]],
 )
 def test_verify_checks_runs_of_equal_records_in_one_pass_and_names_the_damage(
     tmp_path: Path, dim: int, where: str, monkeypatch: pytest.MonkeyPatch
@@ -234,6 +235,11 @@ def test_verify_checks_runs_of_equal_records_in_one_pass_and_names_the_damage(
     if where == "descriptor rewritten":  # another position, with a CRC to match: not the index's
         raw[offset + 24] ^= 0x20
         raw[offset + 60 : offset + 64] = crc32c(bytes(raw[offset : offset + 60])).to_bytes(4, "little")
+    elif where == "padding the CRC cannot see":  # 32 bytes whose CRC's linear part is 0
+        start = offset + 64 + payload_size
+        body = bytes(range(1, 29))
+        raw[start : start + 32] = body + linear_crc(body).to_bytes(4, "little")
+        assert linear_crc(bytes(raw[start : start + 32])) == 0
     else:
         raw[offset + shift[where]] ^= 0x20
     path.write_bytes(bytes(raw))
@@ -242,6 +248,7 @@ def test_verify_checks_runs_of_equal_records_in_one_pass_and_names_the_damage(
         "descriptor": (kvformat.ChecksumError, f"record at offset {offset}: descriptor CRC-32C mismatch"),
         "descriptor CRC": (kvformat.ChecksumError, f"record at offset {offset}: descriptor CRC-32C mismatch"),
         "padding": (kvformat.CorruptFileError, r"chunk 30 \(.*non-zero padding"),
+        "padding the CRC cannot see": (kvformat.CorruptFileError, r"chunk 30 \(.*non-zero padding"),
         "descriptor rewritten": (kvformat.CorruptFileError, "chunk 30 differs from its index copy"),
     }[where]
     with kvformat.open(path) as snap, pytest.raises(expected[0], match=expected[1]):
