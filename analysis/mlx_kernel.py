@@ -181,6 +181,8 @@ def _piece(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quan
         estimate = mx.clip(mx.floor(scaled), 0, BINS - 1).astype(mx.int32)
         lower, upper = mx.take(edges, estimate), mx.take(edges, estimate + 1)
         exact = estimate - (values < lower).astype(mx.int32) + (values >= upper).astype(mx.int32)
+        # inf and NaN: bin 0, as on the host and in the CPU kernel (and never out of range)
+        exact = mx.where(values < np.inf, mx.clip(exact, 0, BINS - 1), 0)
         return exact.astype(mx.int16)
 
     def piece(stored: Any, bins: Any = None) -> dict[str, Any]:

@@ -243,3 +243,9 @@ def test_device_histogram_bins_equal_the_hosts_at_the_bin_edges() -> None:
     assert np.array_equal(np.array(out["norm_bin"]), expected_norm_bins)
     assert np.array_equal(np.array(out["peak_bin"]), expected_peak_bins)
     assert len(set(expected_norm_bins.tolist())) > 300  # many bins, each around its edge
+    # Not finite: bin 0, as the host's and the CPU kernel's bins (and never out of range).
+    odd = np.zeros((3, 4), np.float32)
+    odd[:, 0] = [np.inf, np.nan, -np.inf]
+    out = function(mx.array(odd), mx.array(np.zeros(3, np.uint8)))
+    assert np.array(out["norm_bin"]).tolist() == [0, 0, 0]
+    assert np.array(out["peak_bin"]).tolist() == [0, 0, 0]
