@@ -649,13 +649,12 @@ def _run_bins(start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     return bins, counts
 
 
-def _bincounts(index: np.ndarray, size: int, weights: np.ndarray | None = None) -> np.ndarray:
-    """Per row of ``index`` ``(B, n)``, the counts (or ``weights`` sums) of values ``0..size-1``:
+def _bincounts(index: np.ndarray, size: int) -> np.ndarray:
+    """Per row of ``index`` ``(B, n)`` (any integer type), the counts of values ``0..size-1``:
     ``(B, size)``, in one `np.bincount`."""
     rows = index.shape[0]
-    flat = (index + np.arange(rows)[:, None] * size).ravel()
-    counted = np.bincount(flat, None if weights is None else weights.ravel(), minlength=rows * size)
-    return counted.reshape(rows, size)
+    flat = (index.astype(np.int64) + np.arange(rows)[:, None] * size).ravel()
+    return np.bincount(flat, minlength=rows * size).reshape(rows, size)
 
 
 def _fold_group(
@@ -676,12 +675,12 @@ def _fold_group(
     if "norms" in groups:
         norm_sums = out["norm_sum"].astype(np.float64)
         norm_mins, norm_maxs, norm_firsts = out["norm_min"], out["norm_max"], out["norm_first"]
-        norm_hists = _bincounts(out["norm_bin"].astype(np.int64), catalogue.BINS)
+        norm_hists = _bincounts(out["norm_bin"], catalogue.BINS)
         position_norms = out["position_norm"].astype(np.float64)
     raw = _raw_powers(out["shift"], out["central"], n) if "central" in out else None
     if "channels" in groups:
         peaks = out["peaks"]
-        peak_hists = _bincounts(out["peak_bin"].astype(np.int64), catalogue.BINS)
+        peak_hists = _bincounts(out["peak_bin"], catalogue.BINS)
         top_k = catalogue.TOP_K
         best = np.argpartition(peaks, n - top_k, axis=1)[:, n - top_k :] if n > top_k else None
     if "spectrum" in groups and "product" in out:

@@ -197,10 +197,6 @@ def linear_concatenation(parts: np.ndarray, nbytes: int) -> np.ndarray:
     return values[..., 0]
 
 
-DESCRIPTOR_RESIDUE_BYTES = 60
-"""A descriptor is 60 bytes, then the CRC-32C of those 60 bytes (little-endian)."""
-
-
 def self_checked_linear(nbytes: int) -> int:
     """Linear part of any message of ``nbytes`` bytes whose last 4 bytes are the CRC-32C of the
     rest, little-endian (a record descriptor: 60 + 4): the same constant for all of them (the CRC

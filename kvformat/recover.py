@@ -140,11 +140,11 @@ def _complete_run(source: MmapSource, cursor: int) -> tuple[int, int]:
     )
     taken = count if cheap.all() else int(np.argmin(cheap))  # checksums only for that prefix
     end = (taken - 1) * stride + DESCRIPTOR_SIZE + size
-    if taken > 1:  # every CRC and padding byte of the prefix in one pass (`records_linear`)
+    if taken > 1:  # every descriptor and payload CRC of the prefix in one pass (`records_linear`)
         crcs = np.ascontiguousarray(table["payload_crc"][:taken])
         if linear_crc(span[:end].data) == int(records_linear(crcs, size, stride, DESCRIPTOR_SIZE, False)):
             return taken, cursor + end
-    # Something in the prefix is wrong (or non-zero padding): find where, record by record.
+    # A CRC in the prefix is wrong (or its padding is not zero): find where, record by record.
     rows = np.ndarray((taken, 60), np.uint8, buffer=span, strides=(stride, 1))
     crc_good = crc32c_rows(np.ascontiguousarray(rows)) == table["descriptor_crc"][:taken]
     if not crc_good.all():

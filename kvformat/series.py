@@ -288,39 +288,9 @@ class Chain:
     def appended(self, index: int) -> np.ndarray:
         """The validated runs snapshot ``index`` appends, ``(n, 8)``: its triples, then every row
         of each chunk of its ``append_chunks`` ranges."""
-        entry = self.entries[index]
-        triples = np.asarray(entry.appends, dtype=np.int64).reshape(-1, 3)
-        ranges = entry.chunk_ranges
-        if ranges.shape[0]:
-            if int(ranges[:, 1].max()) > self._n:
-                bad = int(ranges[ranges[:, 1] > self._n][0, 1]) - 1
-                raise CorruptFileError(f"snapshot {index} appends chunk {bad}; the file has {self._n}")
-            whole = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges.tolist()])
-        else:
-            whole = np.empty(0, np.int64)
-        chunk = np.concatenate([triples[:, 0], whole])
-        if chunk.shape[0] and int(chunk.max()) >= self._n:
-            bad = int(chunk[chunk >= self._n][0])
-            raise CorruptFileError(f"snapshot {index} appends chunk {bad}; the file has {self._n}")
-        columns = self._columns_of(chunk)
-        kind = columns[3]
-        tensor = (kind == KIND_K) | (kind == KIND_V)
-        if not tensor.all():
-            bad = int(chunk[~tensor][0])
-            raise CorruptFileError(f"snapshot {index} appends chunk {bad}, which is not K or V")
-        row = np.concatenate([triples[:, 1], np.zeros(whole.shape[0], np.int64)])
-        count = np.concatenate([triples[:, 2], columns[4, triples.shape[0] :]])
-        outside = (count < 1) | (row + count > columns[4])
-        if outside.any():
-            i = int(np.argmax(outside))
-            raise CorruptFileError(
-                f"snapshot {index}: rows {int(row[i])}+{int(count[i])} fall outside chunk {int(chunk[i])}"
-            )
-        runs = np.empty((chunk.shape[0], 8), np.int64)
-        runs[:, :4] = columns[:4].T
-        runs[:, CHUNK], runs[:, ROW], runs[:, COUNT] = chunk, row, count
-        runs[:, POSITION] = columns[5] + row
-        return runs
+        found = self._appends(index, index + 1, strict=True)
+        assert found is not None  # strict: a bad reference raised
+        return found[0].T
 
     def _apply(self, state: list[np.ndarray], index: int) -> list[np.ndarray]:
         entry = self.entries[index]
@@ -373,44 +343,65 @@ class Chain:
             base = self.runs(first)
             check_runs(base, first)
             if stop - first > 1:
-                new = self._appended_many(first + 1, stop)
+                new = self._appends(first + 1, stop, strict=False)
                 if new is None or not _appends_hold(base, *new, first):
                     self._check_each()
                     return
                 self._cache = (stop - 1, [base, new[0].T])
 
-    def _appended_many(self, first: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """`appended` of snapshots ``first .. stop-1`` at once: their runs transposed, ``(8, n)``
-        (one contiguous row per column), and each run's snapshot ``(n,)``; None if any reference
-        is out of bounds (`appended` says which)."""
+    def _appends(self, first: int, stop: int, strict: bool) -> tuple[np.ndarray, np.ndarray] | None:
+        """What snapshots ``first .. stop-1`` append, at once: their runs transposed, ``(8, n)``
+        (one contiguous row per column; per snapshot its triples, then every row of each chunk of
+        its ``append_chunks`` ranges), and each run's snapshot ``(n,)``. A reference out of
+        bounds raises `CorruptFileError` naming it (``strict``) or gives None."""
+
+        def bad(message: str) -> None:
+            if strict:
+                raise CorruptFileError(message)
+
+        n = self._n
         entries = self.entries[first:stop]
         triples = [np.asarray(e.appends, dtype=np.int64).reshape(-1, 3) for e in entries]
         spans = [e.chunk_ranges for e in entries]
-        triple = np.concatenate(triples)
-        span = np.concatenate(spans)
+        triple, span = np.concatenate(triples), np.concatenate(spans)
+        numbers = np.arange(first, stop, dtype=np.int64)
+        span_snapshot = np.repeat(numbers, [r.shape[0] for r in spans])
+        if span.shape[0] and int(span[:, 1].max()) > n:  # before making a range that long
+            i = int(np.argmax(span[:, 1] > n))
+            bad(f"snapshot {int(span_snapshot[i])} appends chunk {int(span[i, 1]) - 1}; the file has {n}")
+            return None
         whole_counts = span[:, 1] - span[:, 0]
         whole = ranges(span[:, 0], whole_counts)
-        numbers = np.arange(first, stop, dtype=np.int64)
         snapshot = np.concatenate(
-            [
-                np.repeat(numbers, [t.shape[0] for t in triples]),
-                np.repeat(np.repeat(numbers, [r.shape[0] for r in spans]), whole_counts),
-            ]
+            [np.repeat(numbers, [t.shape[0] for t in triples]), np.repeat(span_snapshot, whole_counts)]
         )
         chunk = np.concatenate([triple[:, 0], whole])
-        if chunk.shape[0] and int(chunk.max()) >= self._n:
+        if chunk.shape[0] and int(chunk.max()) >= n:
+            i = int(np.argmax(chunk >= n))
+            bad(f"snapshot {int(snapshot[i])} appends chunk {int(chunk[i])}; the file has {n}")
             return None
         columns = self._columns_of(chunk)
         kind, rows = columns[3], columns[4]
+        tensor = (kind == KIND_K) | (kind == KIND_V)
+        if not tensor.all():
+            i = int(np.argmin(tensor))
+            bad(f"snapshot {int(snapshot[i])} appends chunk {int(chunk[i])}, which is not K or V")
+            return None
         row = np.concatenate([triple[:, 1], np.zeros(whole.shape[0], np.int64)])
         count = np.concatenate([triple[:, 2], rows[triple.shape[0] :]])
-        if bool(np.any(((kind != KIND_K) & (kind != KIND_V)) | (count < 1) | (row + count > rows))):
+        outside = (count < 1) | (row + count > rows)
+        if outside.any():
+            i = int(np.argmax(outside))
+            bad(
+                f"snapshot {int(snapshot[i])}: rows {int(row[i])}+{int(count[i])} "
+                f"fall outside chunk {int(chunk[i])}"
+            )
             return None
         runs = np.empty((8, chunk.shape[0]), np.int64)  # column by column: a run per column
         runs[:4] = columns[:4]
         runs[CHUNK], runs[ROW], runs[COUNT] = chunk, row, count
         np.add(columns[5], row, out=runs[POSITION])
-        if triple.shape[0] and whole.shape[0]:  # as `appended` lists them, snapshot by snapshot
+        if stop - first > 1 and triple.shape[0] and whole.shape[0]:  # snapshot by snapshot
             order = np.argsort(snapshot, kind="stable")
             runs, snapshot = runs[:, order], snapshot[order]
         return runs, snapshot

@@ -348,3 +348,16 @@ def test_snapshots_that_append_nothing_verify(tmp_path: Path) -> None:
     with kvformat.open(path) as snap:
         assert snap.verify().snapshots == 4
         assert snap.num_snapshots == 4
+
+
+def test_check_all_refuses_a_huge_append_range_before_making_it() -> None:
+    """A damaged ``append_chunks`` range far past the table is an error, not a range of 2^50
+    chunk numbers made first (the bulk check and the per-snapshot one alike)."""
+    table = _table([(KIND_K, 0, 0, 0, 0), (KIND_V, 0, 0, 0, 0)])
+    empty = np.empty((0, 3), np.int64)
+    good = Entry(None, [], empty, chunk_ranges=np.array([[0, 2]], np.int64))
+    huge = Entry(0, [], empty, chunk_ranges=np.array([[0, 2**50]], np.int64))
+    with pytest.raises(CorruptFileError, match=f"snapshot 1 appends chunk {2**50 - 1}; the file has 2"):
+        Chain([good, huge], table).check_all()
+    with pytest.raises(CorruptFileError, match=f"snapshot 1 appends chunk {2**50 - 1}; the file has 2"):
+        Chain([good, huge], table).appended(1)
