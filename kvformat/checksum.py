@@ -127,6 +127,12 @@ class ZeroShift:
         """``Z_n`` of every element of a uint32 array (a new array)."""
         if self.nbytes == 0:
             return values.astype(np.uint32)
+        if values.size >= _WIDE_MINIMUM:  # two lookups in 65536-entry tables: ~3x faster
+            low, high = _wide_tables(self)
+            halves = np.ascontiguousarray(values, np.uint32).view(np.uint16).reshape(*values.shape, 2)
+            wide = np.take(low, halves[..., 0 if _LITTLE else 1])
+            wide ^= np.take(high, halves[..., 1 if _LITTLE else 0])
+            return wide
         t = self.tables
         out = t[0][values & 0xFF]
         out ^= t[1][(values >> 8) & 0xFF]
@@ -140,6 +146,25 @@ class ZeroShift:
 
 
 _SHIFTS: dict[int, ZeroShift] = {}
+
+_WIDE_MINIMUM = 1 << 16  # arrays at least this long are shifted with 16-bit tables
+_LITTLE = np.little_endian
+_WIDE: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # 512 KiB per shift, a few kept
+
+
+def _wide_tables(shift: ZeroShift) -> tuple[np.ndarray, np.ndarray]:
+    """``Z_n``'s contribution of a value's low and high 16 bits, ``(65536,)`` uint32 each (the
+    few shifts of large arrays, cached: a series verify uses about four)."""
+    cached = _WIDE.get(shift.nbytes)
+    if cached is None:
+        every = np.arange(1 << 16, dtype=np.uint32)
+        low_byte, high_byte = every & 0xFF, every >> 8
+        t = shift.tables
+        cached = (t[0][low_byte] ^ t[1][high_byte], t[2][low_byte] ^ t[3][high_byte])
+        if len(_WIDE) >= 16:
+            _WIDE.clear()
+        _WIDE[shift.nbytes] = cached
+    return cached
 
 
 def zero_shift(nbytes: int) -> ZeroShift:

@@ -202,7 +202,7 @@ def loads(data: bytes | memoryview, what: str) -> Any:
     except UnicodeDecodeError as exc:
         raise CorruptFileError(f"{what} is not valid UTF-8: {exc}") from None
     try:
-        value = json.loads(text, parse_constant=_reject_constant)
+        value = _DECODER.decode(text)
     except (ValueError, RecursionError) as exc:
         raise CorruptFileError(f"{what} is not valid JSON: {exc}") from None
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
@@ -232,3 +232,6 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)  # one for all: json.loads makes one per call

@@ -343,11 +343,73 @@ class Chain:
             base = self.runs(first)
             check_runs(base, first)
             if stop - first > 1:
+                if self._regular_appends_hold(base, first, stop):
+                    continue
                 new = self._appends(first + 1, stop, strict=False)
                 if new is None or not _appends_hold(base, *new, first):
                     self._check_each()
                     return
                 self._cache = (stop - 1, [base, new[0].T])
+
+    _REGULAR_BLOCK_CHUNKS = 1 << 15  # chunks compared at a time: small temporaries, reused
+
+    def _regular_appends_hold(self, base: np.ndarray, first: int, stop: int) -> bool:
+        """Whether snapshots ``first + 1 .. stop - 1`` are valid, shown without materializing
+        their runs, for the shape a series writer gives: each snapshot appends one whole-chunk
+        range right after the one before, every range of the same layout (the same (layer,
+        seq, head, kind) in the same order, each once, K and V in pairs). Then snapshot by
+        snapshot is column by column of a ``(snapshots, chunks per snapshot)`` view of the chunk
+        table: K and V at equal positions and rows, each run at or after the end of its head's
+        run one snapshot before (the first after ``base``, the validated runs of ``first``).
+        False means "not shown" (another shape, or a problem): `_appends_hold` decides."""
+        entries = self.entries[first + 1 : stop]
+        if any(len(e.appends) or e.chunk_ranges.shape[0] != 1 for e in entries):
+            return False
+        spans = np.concatenate([e.chunk_ranges for e in entries])
+        start, width = int(spans[0, 0]), int(spans[0, 1] - spans[0, 0])
+        count = spans.shape[0]
+        if not (
+            bool(np.all(spans[:, 1] - spans[:, 0] == width))
+            and np.array_equal(spans[1:, 0], spans[:-1, 1])
+            and start + count * width <= self._n
+        ):
+            return False
+        table = self._table[start : start + count * width]
+        layout = table[:width]
+        keys = list(zip(*(layout[f].tolist() for f in ("layer", "seq", "head", "kind")), strict=True))
+        column = {key: j for j, key in enumerate(keys)}
+        if len(column) != width:  # a head and kind twice in one snapshot
+            return False
+        k_columns = [j for j, key in enumerate(keys) if key[3] == KIND_K]
+        v_columns = [column.get((*key[:3], KIND_V), -1) for key in keys if key[3] == KIND_K]
+        if len(k_columns) * 2 != width or min(v_columns) < 0:  # only K and V, in pairs
+            return False
+        ends = np.full(width, np.iinfo(np.int64).min)  # per column: end of what the head holds
+        held = base[:, POSITION] + base[:, COUNT]
+        for run, end in zip(base[:, [LAYER, SEQ, HEAD, KIND]].tolist(), held.tolist(), strict=True):
+            j = column.get(tuple(run), -1)
+            if j >= 0:
+                ends[j] = max(ends[j], end)
+        k_index, v_index = np.array(k_columns), np.array(v_columns)
+        per_block = max(1, self._REGULAR_BLOCK_CHUNKS // width)
+        for block in range(0, count, per_block):
+            rows = table[block * width : min(count, block + per_block) * width].reshape(-1, width)
+            for name in ("kind", "layer", "seq", "head"):
+                if not bool(np.all(rows[name] == layout[name])):
+                    return False
+            position, size = rows["position"], rows["rows"].astype(np.int64)
+            if int(size.min()) < 1:
+                return False
+            if not (
+                np.array_equal(position[:, k_index], position[:, v_index])
+                and np.array_equal(size[:, k_index], size[:, v_index])
+            ):
+                return False
+            stops = position + size
+            if not (bool(np.all(position[0] >= ends)) and bool(np.all(position[1:] >= stops[:-1]))):
+                return False
+            ends = stops[-1]
+        return True
 
     def _appends(self, first: int, stop: int, strict: bool) -> tuple[np.ndarray, np.ndarray] | None:
         """What snapshots ``first .. stop-1`` append, at once: their runs transposed, ``(8, n)``

@@ -3,6 +3,7 @@ CRC, padding byte and snapshot reference, in bulk where records lie back to back
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -51,30 +52,45 @@ def verify(file: FileStructure) -> VerifyReport:
     table = file.table
     n = len(table)
     offsets = table["offset"].astype(np.int64)
-    follows = (
-        (offsets + DESCRIPTOR_SIZE + table["stored_size"].astype(np.int64) + (ALIGN - 1)) // ALIGN * ALIGN
-    )
+    stored = table["stored_size"].astype(np.int64)
+    follows = offsets + stored  # where each record's padding ends: the next record may start
+    follows += DESCRIPTOR_SIZE + ALIGN - 1
+    follows &= -ALIGN
     # Chunk i+1 starts where chunk i's record ends: runs of back-to-back chunks end at the breaks.
     breaks = np.flatnonzero(follows[:-1] != offsets[1:]) if n > 1 else np.empty(0, np.int64)
     firsts = np.concatenate(([0], breaks + 1)) if n else np.empty(0, np.int64)
     lasts = np.append(breaks, n - 1) if n else np.empty(0, np.int64)
-    # The bulk checks of equal runs (mostly one CRC pass over the file, without the GIL) run on a
-    # helper thread while this one checks the snapshots; a snapshot error is raised after the
-    # walk, so the first problem in file order is still the one reported.
-    batches = _equal_run_batches(file, firsts, lasts + 1, offsets, follows)
+    # The bulk checks of equal runs (mostly one CRC pass over the file, without the GIL) start on
+    # a helper thread while this one builds their expected CRCs, checks the snapshots and the
+    # records between the runs, then takes a share of the batches left. If all of that holds,
+    # the file is valid; if not, the walk below (in file order) names the first problem, and a
+    # snapshot error is raised after it.
+    batches = _equal_run_batches(file, firsts, lasts + 1, offsets, stored, follows)
+    results: list[tuple[int, bool]] = [(0, False)] * len(batches)
+    todo = iter(range(len(batches)))  # shared by both threads: next() is atomic
+    whole = sum(b.count for b in batches) == n  # every chunk in a batch: walk only what is between
     with ThreadPoolExecutor(1, thread_name_prefix="kvformat-verify") as pool:
-        checking = pool.submit(_checksum_batches, file, batches, offsets)
+        helper = pool.submit(_checksum_batches, file, batches, offsets, todo, results)
         expected = _expected_crcs(file, batches)
         try:
             file.chain.check_all()  # every snapshot, each entry once
             snapshot_error: KVFormatError | None = None
         except KVFormatError as exc:
             snapshot_error = exc
-        passed = {
-            b.first: (b.first + b.count, b.count * (DESCRIPTOR_SIZE + b.size))
-            for b, want, (crc, same) in zip(batches, expected, checking.result(), strict=True)
-            if same and crc == want
-        }
+        between = _walk_between(file, follows[lasts], offsets[firsts]) if whole else None
+        _checksum_batches(file, batches, offsets, todo, results)
+        helper.result()
+    passed = {
+        b.first: (b.first + b.count, b.count * (DESCRIPTOR_SIZE + b.size))
+        for b, want, (crc, same) in zip(batches, expected, results, strict=True)
+        if same and crc == want
+    }
+    if between is not None and snapshot_error is None and len(passed) == len(batches):
+        for i, entry in enumerate(file.entries):
+            check_arrays(file, i, entry.arrays)
+        records, nbytes = between
+        chunk_bytes = sum(size for _, size in passed.values())
+        return VerifyReport(records + n, n, len(file.entries), nbytes + chunk_bytes)
     cursor, records, chunk, checked = HEADER_SIZE, 0, 0, 0
     while cursor < index_offset:
         if records and chunk < n and int(offsets[chunk]) == cursor:
@@ -124,7 +140,12 @@ class _Batch:
 
 
 def _equal_run_batches(
-    file: FileStructure, firsts: np.ndarray, stops: np.ndarray, offsets: np.ndarray, follows: np.ndarray
+    file: FileStructure,
+    firsts: np.ndarray,
+    stops: np.ndarray,
+    offsets: np.ndarray,
+    stored: np.ndarray,
+    follows: np.ndarray,
 ) -> list[_Batch]:
     """Runs of back-to-back raw chunks whose payloads all have one size (a series' snapshots
     append such runs), cut into batches of at most `_VERIFY_BATCH_BYTES`."""
@@ -132,13 +153,13 @@ def _equal_run_batches(
     n = len(table)
     if n == 0:
         return []
-    stored = table["stored_size"].astype(np.int64)
-    # Per record: 1 where it differs from the one before in payload size, or is not raw.
-    odd = np.concatenate(([0], (stored[1:] != stored[:-1]).astype(np.int64)))
-    odd_total = np.cumsum(odd + (table["codec"] != codecs.Raw.code))
-    # One payload size, every record raw, the run's last padding before the index.
-    keep = (table["codec"][firsts] == codecs.Raw.code) & (odd_total[stops - 1] == odd_total[firsts])
-    keep &= follows[stops - 1] <= file.footer.index_offset
+    # Records that differ from the one before in payload size, and records not raw: a run keeps
+    # none of the first after its own first record, and none of the second.
+    resized = np.flatnonzero(stored[1:] != stored[:-1]) + 1
+    encoded = np.flatnonzero(table["codec"] != codecs.Raw.code)
+    keep = np.searchsorted(resized, firsts, side="right") == np.searchsorted(resized, stops)
+    keep &= np.searchsorted(encoded, firsts) == np.searchsorted(encoded, stops)
+    keep &= follows[stops - 1] <= file.footer.index_offset  # the last padding before the index
     firsts, stops = firsts[keep], stops[keep]
     if not firsts.size:
         return []
@@ -170,28 +191,64 @@ def _expected_crcs(file: FileStructure, batches: list[_Batch]) -> list[int]:
     return expected
 
 
+_WORDS = DESCRIPTOR_SIZE // 8
+
+
 def _checksum_batches(
-    file: FileStructure, batches: list[_Batch], offsets: np.ndarray
-) -> list[tuple[int, bool]]:
-    """Per batch, one CRC-32C pass over its bytes (the linear part) and whether its descriptors
-    equal the chunk table byte for byte and its padding is zero (checked directly: the CRC
-    would miss padding that happens to be a multiple of the polynomial). A batch whose CRC
-    differs from `_expected_crcs`, or that fails the rest, is left to `_verify_chunks`, which
-    also names what is wrong."""
-    table_bytes = file.table.view(np.uint8).reshape(-1, DESCRIPTOR_SIZE)
-    out = []
-    for b in batches:
+    file: FileStructure,
+    batches: list[_Batch],
+    offsets: np.ndarray,
+    todo: Iterator[int],
+    results: list[tuple[int, bool]],
+) -> None:
+    """For the batches taken from ``todo`` (more than one thread may share it): one CRC-32C pass
+    over each one's bytes (the linear part), and whether its descriptors equal the chunk table
+    byte for byte and its padding is zero (checked directly: the CRC would miss padding that
+    happens to be a multiple of the polynomial), into ``results[i]``. A batch whose CRC differs
+    from `_expected_crcs`, or that fails the rest, is left to `_verify_chunks`, which also names
+    what is wrong."""
+    table_words = file.table.view(np.uint64).reshape(-1, _WORDS)
+    for i in todo:
+        b = batches[i]
         span = file.source.read(int(offsets[b.first]), b.count * b.stride)
-        shape, strides = (b.count, DESCRIPTOR_SIZE), (b.stride, 1)
-        descriptors = np.ndarray(shape, np.uint8, buffer=span, strides=strides)
-        good = np.array_equal(descriptors, table_bytes[b.first : b.first + b.count])
+        crc = linear_crc(span)
+        # Records are 64-aligned (the table's rule): descriptors compared as 8-byte words.
+        words = np.ndarray((b.count, _WORDS), np.uint64, buffer=span, strides=(b.stride, 8))
+        good = np.array_equal(words, table_words[b.first : b.first + b.count])
         padding = b.stride - DESCRIPTOR_SIZE - b.size
         if good and padding:
             start = DESCRIPTOR_SIZE + b.size
-            pads = np.ndarray((b.count, padding), np.uint8, buffer=span, offset=start, strides=strides)
+            pads = np.ndarray((b.count, padding), np.uint8, buffer=span, offset=start, strides=(b.stride, 1))
             good = not pads.any()
-        out.append((linear_crc(span), bool(good)))
-    return out
+        results[i] = (crc, bool(good))
+
+
+def _walk_between(file: FileStructure, starts: np.ndarray, stops: np.ndarray) -> tuple[int, int] | None:
+    """Check the records between runs of chunks one by one (`_verify_record`): from offset 64 to
+    the first run, from the end of each run (``starts``, one per run) to the next one (``stops``,
+    one per run), from the last to the index. Returns the records and their bytes, or None if
+    any check fails or a record is a chunk (the walk in file order names the problem)."""
+    index_offset = file.footer.index_offset
+    n = len(file.table)
+    records, checked = 0, 0
+    gaps = zip([HEADER_SIZE, *starts.tolist()], [*stops.tolist(), index_offset], strict=True)
+    try:
+        for gap, (start, stop) in enumerate(gaps):
+            if gap == 0 and start == stop:  # a chunk first: not the manifest
+                return None
+            cursor = start
+            while cursor < stop:
+                # Only whether a record is the first one matters to `_verify_record`.
+                cursor, chunk, size = _verify_record(file, cursor, records + (gap > 0), n)
+                records += 1
+                checked += size
+                if chunk != n:
+                    return None
+            if cursor != stop:
+                return None
+    except KVFormatError:
+        return None
+    return records, checked
 
 
 def _verify_chunks(file: FileStructure, first: int, stop: int, follows: int) -> tuple[int, int]:

@@ -353,3 +353,22 @@ def test_crc32c_of_a_concatenation_follows_from_the_pieces_crcs(size: int) -> No
     descriptor = body + crc32c(body).to_bytes(4, "little")
     assert linear_crc(descriptor) == self_checked_linear(64)
     assert linear_crc(descriptor[:-1] + bytes([descriptor[-1] ^ 1])) != self_checked_linear(64)
+
+
+@pytest.mark.parametrize("nbytes", [1, 576, 1 << 20])
+def test_a_zero_shift_of_a_large_array_equals_the_byte_table_one(nbytes: int) -> None:
+    """Arrays of 65536 values and more are shifted with 16-bit tables: the same values as the
+    four byte tables give, and as feeding the zero bytes to the C CRC does."""
+    from kvformat.checksum import zero_shift
+
+    rng = np.random.default_rng(nbytes)
+    values = rng.integers(0, 1 << 32, (3, 40_000), dtype=np.uint64).astype(np.uint32)
+    shift = zero_shift(nbytes)
+    wide = shift.apply(values)  # 120,000 values: the 16-bit tables
+    pieces = [row[i : i + 1000] for row in values for i in range(0, 40_000, 1000)]
+    narrow = np.concatenate([shift.apply(piece) for piece in pieces])
+    assert wide.shape == values.shape and wide.dtype == np.uint32
+    assert np.array_equal(wide.reshape(-1), narrow)
+    for value, shifted in zip(values[0, :5].tolist(), wide[0, :5].tolist(), strict=True):
+        # The register ``value`` fed nbytes zero bytes by the C code.
+        assert shifted == crc32c(bytes(nbytes), value ^ 0xFFFFFFFF) ^ 0xFFFFFFFF

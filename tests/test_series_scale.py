@@ -361,3 +361,144 @@ def test_check_all_refuses_a_huge_append_range_before_making_it() -> None:
         Chain([good, huge], table).check_all()
     with pytest.raises(CorruptFileError, match=f"snapshot 1 appends chunk {2**50 - 1}; the file has 2"):
         Chain([good, huge], table).appended(1)
+
+
+def _regular_chain(rng: np.random.Generator) -> tuple[list[Entry], np.ndarray]:
+    """A series writer's shape: every snapshot appends one range of chunks, one per (layer,
+    head, kind) in one fixed order, each at its head's end; now and then a gap (valid), an
+    overlap, a V at another position, another order (valid), a head's K or V missing, a chunk
+    of another layer, or an empty chunk."""
+    heads = [(layer, head) for layer in range(2) for head in range(2)]
+    rows: list[tuple[int, int, int, int, int]] = []
+    sizes: list[int] = []
+    entries: list[Entry] = []
+    ends = dict.fromkeys(heads, 0)
+    damage = rng.random() < 0.5
+    for index in range(int(rng.integers(2, 8))):
+        first = len(rows)
+        order = list(heads)
+        if rng.random() < 0.1:
+            rng.shuffle(order)  # another order: valid, but not the first snapshot's layout
+        for layer, head in order:
+            position = ends[(layer, head)]
+            if rng.random() < 0.1:
+                position += 4  # a gap: valid
+            what = rng.choice(["overlap", "V elsewhere", "other layer", "no V", *["none"] * 60])
+            what = what if damage else "none"
+            if what == "overlap":
+                position = max(position - 2, 0)
+            k_layer = 1 - layer if what == "other layer" else layer
+            rows.append((KIND_K, k_layer, 0, head, position))
+            if what != "no V":
+                rows.append((KIND_V, layer, 0, head, position + (what == "V elsewhere")))
+            ends[(layer, head)] = max(ends[(layer, head)], position + 4)
+        sizes += [0 if damage and rng.random() < 0.01 else 4] * (len(rows) - first)
+        ranges = np.array([[first, len(rows)]], np.int64)
+        parent = index - 1 if index else None
+        entries.append(Entry(parent, [], np.empty((0, 3), np.int64), chunk_ranges=ranges))
+    table = _table(rows)
+    table["rows"] = sizes
+    return entries, table
+
+
+def test_check_all_of_regular_series_accepts_and_rejects_what_snapshot_by_snapshot_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shortcut for a series writer's shape (`Chain._regular_appends_hold`: the chunk table
+    seen as a (snapshots, chunks per snapshot) grid) gives what the snapshot by snapshot check
+    gives, on valid and damaged series; what it cannot show goes the general way."""
+    shown: list[bool] = []
+    regular = Chain._regular_appends_hold
+    monkeypatch.setattr(
+        Chain, "_regular_appends_hold", lambda self, *a: shown.append(regular(self, *a)) or shown[-1]
+    )
+    rng = np.random.default_rng(1)
+    outcomes = {"ok, shown": 0, "ok, not shown": 0, "error": 0}
+    for _ in range(400):
+        entries, table = _regular_chain(rng)
+        shown.clear()
+        try:
+            Chain(entries, table).check_all()
+            bulk = "ok"
+        except CorruptFileError as exc:
+            bulk = str(exc)
+        try:
+            Chain(entries, table)._check_each()
+            each = "ok"
+        except CorruptFileError as exc:
+            each = str(exc)
+        assert bulk == each, (entries, table)
+        if bulk != "ok":
+            assert True not in shown  # a problem is never shown valid
+            outcomes["error"] += 1
+        else:
+            outcomes["ok, shown" if shown == [True] else "ok, not shown"] += 1
+    assert outcomes["ok, shown"] > 100 and outcomes["error"] > 50 and outcomes["ok, not shown"] > 10
+
+
+def test_verify_walks_only_the_records_between_runs_and_names_their_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clean series is verified with one record-by-record step per snapshot record (the chunks
+    go in bulk); damage to a snapshot record, or its padding, is named as the walk in file
+    order names it."""
+    from kvformat import verify as verifying
+
+    path = tmp_path / "s.kv"
+    _equal_runs_series(path, 16)
+    one_by_one = verifying._verify_record
+    calls: list[int] = []
+    monkeypatch.setattr(verifying, "_verify_record", lambda f, c, *a: calls.append(c) or one_by_one(f, c, *a))
+    with kvformat.open(path) as snap:
+        report = snap.verify()
+        table = snap._file.table
+        assert len(calls) == report.records - report.chunks == 6  # the manifest and 5 snapshots
+        after = int(table["offset"][23]) + 64 + int(table["stored_size"][23])  # the first snapshot
+    record = bytes(path.read_bytes()[after : after + 64])
+    stored = int.from_bytes(record[48:56], "little")
+    for shift, error, message in [
+        (64 + 1, kvformat.ChecksumError, f"record at offset {after}: payload CRC-32C mismatch"),
+        (64 + stored, kvformat.CorruptFileError, f"record at offset {after}: non-zero padding"),
+    ]:
+        raw = bytearray(path.read_bytes())
+        raw[after + shift] ^= 0x01
+        damaged = tmp_path / "damaged.kv"
+        damaged.write_bytes(bytes(raw))
+        with kvformat.open(damaged) as snap, pytest.raises(error, match=message):
+            snap.verify()
+
+
+def test_verify_refuses_a_chunk_before_the_manifest(tmp_path: Path) -> None:
+    """The manifest must be the first record: a file whose first record is a chunk (the manifest
+    moved after it, every offset and CRC made to match) fails verify, however fast the path."""
+    from kvformat.layout import align
+    from kvformat.rewrite import rebuild_index
+
+    path = tmp_path / "s.kv"
+    _equal_runs_series(path, 16)
+    data = bytearray(path.read_bytes())
+    with kvformat.open(path) as snap:
+        chunk = int(snap._file.table["offset"][0])
+        chunk_end = align(chunk + 64 + int(snap._file.table["stored_size"][0]))
+    manifest, record = bytes(data[64:chunk]), bytes(data[chunk:chunk_end])
+
+    def moved(descriptor: bytes, offset: int) -> bytes:
+        body = descriptor[:32] + offset.to_bytes(8, "little") + descriptor[40:60]
+        return body + crc32c(body).to_bytes(4, "little")
+
+    record = moved(record[:64], 64) + record[64:]
+    manifest = moved(manifest[:64], 64 + len(record)) + manifest[64:]
+    data[64:chunk_end] = record + manifest
+    swapped = tmp_path / "swapped.kv"
+    swapped.write_bytes(bytes(data))
+    fixed = tmp_path / "fixed.kv"
+
+    def first_at_64(table: np.ndarray) -> None:
+        table["offset"][0] = 64
+
+    rebuild_index(swapped, fixed, edit_table=first_at_64)
+    with (
+        kvformat.open(fixed) as snap,
+        pytest.raises(kvformat.CorruptFileError, match="the manifest must be the first record"),
+    ):
+        snap.verify()
