@@ -231,6 +231,20 @@ def self_checked_linear(nbytes: int) -> int:
     return int(zero_shift(4).apply(np.array([zeros_crc(body)], np.uint32))[0])
 
 
+def repeated_linear(part: int, nbytes: int, count: int) -> int:
+    """Linear part of ``count`` messages of ``nbytes`` bytes each, laid end to end, when every
+    one's linear part is ``part`` (a table of self-checked descriptors): by doubling, about
+    ``log2(count)`` shifts."""
+    result, block, size = 0, part, nbytes  # block: the linear part of 2^j messages, size bytes
+    while count:
+        if count & 1:
+            result = int(zero_shift(size).apply(np.array([result], np.uint32))[0]) ^ block
+        block ^= int(zero_shift(size).apply(np.array([block], np.uint32))[0])
+        size *= 2
+        count >>= 1
+    return result
+
+
 def records_linear(
     payload_crcs: np.ndarray, size: int, stride: int, header: int, padded: bool = True
 ) -> np.ndarray:

@@ -28,12 +28,14 @@ def rebuild_index(
     edit_table: Callable[[np.ndarray], None] | None = None,
     edit_json: Callable[[dict[str, Any]], object] | None = None,
     footer: dict[str, int] | None = None,
+    descriptor_crcs: bool = True,
 ) -> None:
     """Write ``source`` to ``out`` with its index edited: ``edit_table`` changes the chunk table
     (a ``DESCRIPTOR_DTYPE`` array) in place, and every descriptor CRC is recomputed;
     ``edit_json`` changes the index JSON in place or returns a replacement (a document, or raw
     bytes); ``footer`` overrides footer fields (``index_offset``, ``chunk_count``, ``json_size``,
-    ``minor``). The index CRC is recomputed over the result."""
+    ``minor``). The index CRC is recomputed over the result. ``descriptor_crcs=False`` leaves
+    the edited table's descriptor CRCs as they are (a table whose own CRCs are wrong)."""
     data = source.read_bytes()
     f = Footer.unpack(data[-FOOTER_SIZE:])
     table_end = f.index_offset + f.chunk_count * DESCRIPTOR_SIZE
@@ -41,6 +43,7 @@ def rebuild_index(
     document = json.loads(data[table_end:-FOOTER_SIZE])
     if edit_table:
         edit_table(table)
+    if edit_table and descriptor_crcs:
         raw = table.view(np.uint8).reshape(len(table), DESCRIPTOR_SIZE)
         table["descriptor_crc"] = [crc32c(bytes(row[:60])) for row in raw]
     if edit_json:

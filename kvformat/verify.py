@@ -10,7 +10,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvformat import codecs
-from kvformat.checksum import crc32c, crc32c_rows, crc32c_slices, linear_crc, records_linear
+from kvformat.checksum import (
+    crc32c,
+    crc32c_rows,
+    crc32c_slices,
+    linear_crc,
+    records_linear,
+    repeated_linear,
+    self_checked_linear,
+)
 from kvformat.errors import ChecksumError, CorruptFileError, KVFormatError
 from kvformat.layout import (
     ALIGN,
@@ -72,6 +80,7 @@ def verify(file: FileStructure) -> VerifyReport:
     with ThreadPoolExecutor(1, thread_name_prefix="kvformat-verify") as pool:
         helper = pool.submit(_checksum_batches, file, batches, offsets, todo, results)
         expected = _expected_crcs(file, batches)
+        table_holds = _table_self_checked(file)
         try:
             file.chain.check_all()  # every snapshot, each entry once
             snapshot_error: KVFormatError | None = None
@@ -83,7 +92,7 @@ def verify(file: FileStructure) -> VerifyReport:
     passed = {
         b.first: (b.first + b.count, b.count * (DESCRIPTOR_SIZE + b.size))
         for b, want, (crc, same) in zip(batches, expected, results, strict=True)
-        if same and crc == want
+        if same and crc == want and table_holds
     }
     if between is not None and snapshot_error is None and len(passed) == len(batches):
         for i, entry in enumerate(file.entries):
@@ -191,9 +200,6 @@ def _expected_crcs(file: FileStructure, batches: list[_Batch]) -> list[int]:
     return expected
 
 
-_WORDS = DESCRIPTOR_SIZE // 8
-
-
 def _checksum_batches(
     file: FileStructure,
     batches: list[_Batch],
@@ -202,25 +208,35 @@ def _checksum_batches(
     results: list[tuple[int, bool]],
 ) -> None:
     """For the batches taken from ``todo`` (more than one thread may share it): one CRC-32C pass
-    over each one's bytes (the linear part), and whether its descriptors equal the chunk table
-    byte for byte and its padding is zero (checked directly: the CRC would miss padding that
-    happens to be a multiple of the polynomial), into ``results[i]``. A batch whose CRC differs
-    from `_expected_crcs`, or that fails the rest, is left to `_verify_chunks`, which also names
-    what is wrong."""
-    table_words = file.table.view(np.uint64).reshape(-1, _WORDS)
+    over each one's bytes (the linear part), and whether each descriptor's CRC field equals its
+    index copy's and its padding is zero (checked directly: the CRC would miss padding that
+    happens to be a multiple of the polynomial), into ``results[i]``. With the batch's CRC
+    (every descriptor self-checked, `_expected_crcs`) and the table's (`_table_self_checked`),
+    equal CRC fields show each descriptor equal to its index copy (SPEC section 18). A batch
+    that fails any of it is left to `_verify_chunks`, which also names what is wrong."""
+    copies = file.table["descriptor_crc"]
     for i in todo:
         b = batches[i]
         span = file.source.read(int(offsets[b.first]), b.count * b.stride)
         crc = linear_crc(span)
-        # Records are 64-aligned (the table's rule): descriptors compared as 8-byte words.
-        words = np.ndarray((b.count, _WORDS), np.uint64, buffer=span, strides=(b.stride, 8))
-        good = np.array_equal(words, table_words[b.first : b.first + b.count])
+        # Each descriptor's own CRC holds if the batch's CRC does (`_expected_crcs`), so it
+        # equals its index copy if their CRC fields are equal: SPEC section 18.
+        own = np.ndarray((b.count,), np.uint32, buffer=span, offset=DESCRIPTOR_SIZE - 4, strides=(b.stride,))
+        good = np.array_equal(own, copies[b.first : b.first + b.count])
         padding = b.stride - DESCRIPTOR_SIZE - b.size
         if good and padding:
             start = DESCRIPTOR_SIZE + b.size
             pads = np.ndarray((b.count, padding), np.uint8, buffer=span, offset=start, strides=(b.stride, 1))
             good = not pads.any()
         results[i] = (crc, bool(good))
+
+
+def _table_self_checked(file: FileStructure) -> bool:
+    """Whether every descriptor of the chunk table ends with the CRC-32C of its first 60 bytes,
+    from one CRC pass over the table (`kvformat.checksum.repeated_linear`)."""
+    n = len(file.table)
+    table = file.source.read(file.footer.index_offset, n * DESCRIPTOR_SIZE)
+    return linear_crc(table) == repeated_linear(self_checked_linear(DESCRIPTOR_SIZE), DESCRIPTOR_SIZE, n)
 
 
 def _walk_between(file: FileStructure, starts: np.ndarray, stops: np.ndarray) -> tuple[int, int] | None:

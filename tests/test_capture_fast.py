@@ -372,3 +372,18 @@ def test_a_zero_shift_of_a_large_array_equals_the_byte_table_one(nbytes: int) ->
     for value, shifted in zip(values[0, :5].tolist(), wide[0, :5].tolist(), strict=True):
         # The register ``value`` fed nbytes zero bytes by the C code.
         assert shifted == crc32c(bytes(nbytes), value ^ 0xFFFFFFFF) ^ 0xFFFFFFFF
+
+
+def test_the_crc_of_repeated_self_checked_records_follows_from_their_count() -> None:
+    """`repeated_linear`: a table of n valid descriptors has one linear CRC whatever they hold."""
+    from kvformat.checksum import repeated_linear
+
+    rng = np.random.default_rng(5)
+    for count in (0, 1, 2, 3, 5, 8, 37, 300):
+        bodies = rng.integers(0, 256, (count, 60), dtype=np.uint8)
+        table = b"".join(bytes(b) + crc32c(bytes(b)).to_bytes(4, "little") for b in bodies)
+        assert linear_crc(table) == repeated_linear(self_checked_linear(64), 64, count)
+        if count:
+            broken = bytearray(table)
+            broken[64 * (count // 2) + 7] ^= 1
+            assert linear_crc(bytes(broken)) != repeated_linear(self_checked_linear(64), 64, count)

@@ -502,3 +502,32 @@ def test_verify_refuses_a_chunk_before_the_manifest(tmp_path: Path) -> None:
         pytest.raises(kvformat.CorruptFileError, match="the manifest must be the first record"),
     ):
         snap.verify()
+
+
+def test_verify_refuses_a_descriptor_equal_to_a_wrong_index_copy_in_its_crc_only(tmp_path: Path) -> None:
+    """Descriptors are shown equal to their index copies through their CRC fields, which needs
+    the table's own CRCs to hold: a file descriptor rewritten with a valid CRC, and its index
+    copy given that CRC over its old bytes (the index CRC made to match), fails verify."""
+    from kvformat.rewrite import rebuild_index
+
+    path = tmp_path / "s.kv"
+    _equal_runs_series(path, 16)
+    with kvformat.open(path) as snap:
+        offset = int(snap._file.table["offset"][30])
+    raw = bytearray(path.read_bytes())
+    raw[offset + 24] ^= 0x20  # another position, with a CRC to match
+    crc = crc32c(bytes(raw[offset : offset + 60]))
+    raw[offset + 60 : offset + 64] = crc.to_bytes(4, "little")
+    rewritten = tmp_path / "rewritten.kv"
+    rewritten.write_bytes(bytes(raw))
+
+    def same_crc(table: np.ndarray) -> None:
+        table["descriptor_crc"][30] = crc
+
+    damaged = tmp_path / "damaged.kv"
+    rebuild_index(rewritten, damaged, edit_table=same_crc, descriptor_crcs=False)
+    with (
+        kvformat.open(damaged) as snap,
+        pytest.raises(kvformat.CorruptFileError, match="chunk 30 differs from its index copy"),
+    ):
+        snap.verify()
