@@ -5,7 +5,7 @@ Check value: ``crc32c(b"123456789") == 0xE3069283``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import crc32c as _crc32c
 import numpy as np
@@ -140,6 +140,14 @@ class ZeroShift:
         out ^= t[3][values >> 24]
         return out
 
+    def apply_one(self, value: int) -> int:
+        """``Z_n`` of one 32-bit value, with Python ints (no array made)."""
+        lists = self.__dict__.get("_lists")
+        if lists is None:
+            lists = self.__dict__["_lists"] = [t.tolist() for t in self.tables]
+        t0, t1, t2, t3 = lists
+        return t0[value & 0xFF] ^ t1[(value >> 8) & 0xFF] ^ t2[(value >> 16) & 0xFF] ^ t3[value >> 24]
+
     def then(self, other: ZeroShift) -> ZeroShift:
         """``Z_(n+m)``: this shift, then ``other``."""
         return ZeroShift(self.nbytes + other.nbytes, other.apply(self.columns))
@@ -238,11 +246,19 @@ def repeated_linear(part: int, nbytes: int, count: int) -> int:
     result, block, size = 0, part, nbytes  # block: the linear part of 2^j messages, size bytes
     while count:
         if count & 1:
-            result = int(zero_shift(size).apply(np.array([result], np.uint32))[0]) ^ block
-        block ^= int(zero_shift(size).apply(np.array([block], np.uint32))[0])
+            result = zero_shift(size).apply_one(result) ^ block
+        block ^= zero_shift(size).apply_one(block)
         size *= 2
         count >>= 1
     return result
+
+
+def concatenated_linear(pieces: Iterable[tuple[int, int]]) -> int:
+    """Linear part of pieces laid end to end, from each one's ``(nbytes, linear part)``, in order."""
+    value = 0
+    for nbytes, part in pieces:
+        value = zero_shift(nbytes).apply_one(value) ^ part
+    return value
 
 
 def records_linear(

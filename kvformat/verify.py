@@ -11,6 +11,7 @@ import numpy as np
 
 from kvformat import codecs
 from kvformat.checksum import (
+    concatenated_linear,
     crc32c,
     crc32c_rows,
     crc32c_slices,
@@ -52,10 +53,12 @@ _VERIFY_BATCH_BYTES = 64 << 20  # records checked together in bulk: at most this
 def verify(file: FileStructure) -> VerifyReport:
     """Walk the record stream from offset 64 to the index, checking everything.
 
-    Runs of table chunks laid back to back are checked in bulk (`_verify_chunks`: descriptors
-    against the chunk table, descriptor and payload CRCs, padding), the JSON records between them
-    one by one (`_verify_record`); whatever fails in bulk is checked again one by one, so the
-    error names the record exactly as the one-by-one walk would."""
+    A file whose chunks all lie in runs of equal raw records (a series) is checked in one CRC
+    pass over the whole stream (`_verify_in_one_pass`). Otherwise, and whenever that pass finds
+    a problem, runs of table chunks laid back to back are checked in bulk (`_verify_chunks`:
+    descriptors against the chunk table, descriptor and payload CRCs, padding), the JSON records
+    between them one by one (`_verify_record`); whatever fails in bulk is checked again one by
+    one, so the error names the record exactly as the one-by-one walk would."""
     index_offset = file.footer.index_offset
     table = file.table
     n = len(table)
@@ -68,15 +71,19 @@ def verify(file: FileStructure) -> VerifyReport:
     breaks = np.flatnonzero(follows[:-1] != offsets[1:]) if n > 1 else np.empty(0, np.int64)
     firsts = np.concatenate(([0], breaks + 1)) if n else np.empty(0, np.int64)
     lasts = np.append(breaks, n - 1) if n else np.empty(0, np.int64)
-    # The bulk checks of equal runs (mostly one CRC pass over the file, without the GIL) start on
-    # a helper thread while this one builds their expected CRCs, checks the snapshots and the
-    # records between the runs, then takes a share of the batches left. If all of that holds,
-    # the file is valid; if not, the walk below (in file order) names the first problem, and a
-    # snapshot error is raised after it.
     batches = _equal_run_batches(file, firsts, lasts + 1, offsets, stored, follows)
+    if sum(b.count for b in batches) == n:  # every chunk in a run of equal records
+        report = _verify_in_one_pass(file, batches, offsets, follows[lasts], offsets[firsts])
+        if report is not None:
+            for i, entry in enumerate(file.entries):
+                check_arrays(file, i, entry.arrays)
+            return report
+    # The bulk checks of equal runs (mostly one CRC pass over the file, without the GIL) start on
+    # a helper thread while this one builds their expected CRCs and checks the snapshots, then
+    # takes a share of the batches left; a snapshot error is raised after the walk, so the first
+    # problem in file order is still the one reported.
     results: list[tuple[int, bool]] = [(0, False)] * len(batches)
     todo = iter(range(len(batches)))  # shared by both threads: next() is atomic
-    whole = sum(b.count for b in batches) == n  # every chunk in a batch: walk only what is between
     with ThreadPoolExecutor(1, thread_name_prefix="kvformat-verify") as pool:
         helper = pool.submit(_checksum_batches, file, batches, offsets, todo, results)
         expected = _expected_crcs(file, batches)
@@ -86,7 +93,6 @@ def verify(file: FileStructure) -> VerifyReport:
             snapshot_error: KVFormatError | None = None
         except KVFormatError as exc:
             snapshot_error = exc
-        between = _walk_between(file, follows[lasts], offsets[firsts]) if whole else None
         _checksum_batches(file, batches, offsets, todo, results)
         helper.result()
     passed = {
@@ -94,12 +100,6 @@ def verify(file: FileStructure) -> VerifyReport:
         for b, want, (crc, same) in zip(batches, expected, results, strict=True)
         if same and crc == want and table_holds
     }
-    if between is not None and snapshot_error is None and len(passed) == len(batches):
-        for i, entry in enumerate(file.entries):
-            check_arrays(file, i, entry.arrays)
-        records, nbytes = between
-        chunk_bytes = sum(size for _, size in passed.values())
-        return VerifyReport(records + n, n, len(file.entries), nbytes + chunk_bytes)
     cursor, records, chunk, checked = HEADER_SIZE, 0, 0, 0
     while cursor < index_offset:
         if records and chunk < n and int(offsets[chunk]) == cursor:
@@ -239,17 +239,133 @@ def _table_self_checked(file: FileStructure) -> bool:
     return linear_crc(table) == repeated_linear(self_checked_linear(DESCRIPTOR_SIZE), DESCRIPTOR_SIZE, n)
 
 
-def _walk_between(file: FileStructure, starts: np.ndarray, stops: np.ndarray) -> tuple[int, int] | None:
+_SEGMENT_BYTES = 8 << 20  # the one pass checksums the record stream in pieces of this size
+
+
+def _verify_in_one_pass(
+    file: FileStructure,
+    batches: list[_Batch],
+    offsets: np.ndarray,
+    run_ends: np.ndarray,
+    run_starts: np.ndarray,
+) -> VerifyReport | None:
+    """Verify a file whose every chunk lies in a batch of equal raw records (`_equal_run_batches`)
+    with one CRC-32C pass over the record stream, ``[64, index_offset)``, in pieces shared by a
+    helper thread and this one (long C calls: the GIL is rarely needed), while this thread checks
+    everything else: the records between the runs one by one (``run_ends[i]`` to
+    ``run_starts[i + 1]``), the snapshots, each descriptor's CRC field against its index copy,
+    padding. The stream's CRC must equal what those records and the chunk table say it is
+    (`kvformat.checksum`: each run's from the table, each record between from its bytes).
+    Returns None if anything fails: the walk in file order then names the problem."""
+    index_offset = file.footer.index_offset
+    segments = [
+        (a, min(a + _SEGMENT_BYTES, index_offset) - a)
+        for a in range(HEADER_SIZE, index_offset, _SEGMENT_BYTES)
+    ]
+    parts = [0] * len(segments)
+    same = [False] * len(segments)
+    todo = iter(range(len(segments)))  # shared by both threads: next() is atomic
+    copies = file.table["descriptor_crc"]
+    # The chunks whose descriptors lie in each segment (segments and records are 64-aligned).
+    cuts = np.searchsorted(offsets, [a for a, _ in segments] + [index_offset]).tolist()
+
+    def checksum_segments() -> None:
+        for i in todo:
+            span = file.source.read(*segments[i])
+            parts[i] = linear_crc(span)
+            # Each descriptor's own CRC holds if the stream's does, so it equals its index copy if
+            # their CRC fields are equal (SPEC section 18): compared while the bytes are at hand.
+            words = np.frombuffer(span, np.uint32)
+            fields = (offsets[cuts[i] : cuts[i + 1]] - (segments[i][0] - DESCRIPTOR_SIZE + 4)) >> 2
+            same[i] = np.array_equal(words[fields], copies[cuts[i] : cuts[i + 1]])
+
+    checked: tuple[int, int, int] | None = None
+    with ThreadPoolExecutor(1, thread_name_prefix="kvformat-verify") as pool:
+        helper = pool.submit(checksum_segments)
+        try:
+            checked = _check_all_but_the_stream(file, batches, offsets, run_ends, run_starts)
+        finally:
+            if checked is None:
+                for _ in todo:  # nothing more to checksum: the helper stops
+                    pass
+            checksum_segments()
+            helper.result()
+    if checked is None or not all(same) or not _zero_padding(file, batches, offsets):
+        return None
+    records, nbytes, expected = checked
+    if (
+        concatenated_linear(((size, part) for (_, size), part in zip(segments, parts, strict=True)))
+        != expected
+    ):
+        return None
+    n = len(file.table)
+    chunk_bytes = sum(b.count * (DESCRIPTOR_SIZE + b.size) for b in batches)
+    return VerifyReport(records + n, n, len(file.entries), nbytes + chunk_bytes)
+
+
+def _check_all_but_the_stream(
+    file: FileStructure,
+    batches: list[_Batch],
+    offsets: np.ndarray,
+    run_ends: np.ndarray,
+    run_starts: np.ndarray,
+) -> tuple[int, int, int] | None:
+    """`_verify_in_one_pass`'s checks besides the stream's CRC. Returns the records between the
+    runs, their bytes, and the linear CRC the stream must have; None if anything fails."""
+    if not _table_self_checked(file):
+        return None
+    try:
+        file.chain.check_all()
+    except KVFormatError:
+        return None
+    between = _walk_between(file, run_ends, run_starts)
+    if between is None:
+        return None
+    records, nbytes, gaps = between
+    # The pieces in file order: the records before the first run, then each run's batches and
+    # the records after it.
+    expected = _expected_crcs(file, batches)
+    pieces = [gaps[0]]
+    ends = run_ends.tolist()
+    run = 0
+    for b, start, part in zip(batches, offsets[[b.first for b in batches]].tolist(), expected, strict=True):
+        pieces.append((b.count * b.stride, part))
+        if start + b.count * b.stride == ends[run]:  # the run's last batch: then what follows it
+            run += 1
+            pieces.append(gaps[run])
+    if run != len(ends):
+        return None
+    return records, nbytes, concatenated_linear(pieces)
+
+
+def _zero_padding(file: FileStructure, batches: list[_Batch], offsets: np.ndarray) -> bool:
+    """Whether the padding of every record of ``batches`` is zero, checked directly: the CRC
+    would miss padding that is a multiple of the polynomial."""
+    for b in batches:
+        padding = b.stride - DESCRIPTOR_SIZE - b.size
+        if padding:
+            start = int(offsets[b.first]) + DESCRIPTOR_SIZE + b.size
+            span = file.source.read(start, (b.count - 1) * b.stride + padding)
+            if np.ndarray((b.count, padding), np.uint8, buffer=span, strides=(b.stride, 1)).any():
+                return False
+    return True
+
+
+def _walk_between(
+    file: FileStructure, starts: np.ndarray, stops: np.ndarray
+) -> tuple[int, int, list[tuple[int, int]]] | None:
     """Check the records between runs of chunks one by one (`_verify_record`): from offset 64 to
     the first run, from the end of each run (``starts``, one per run) to the next one (``stops``,
-    one per run), from the last to the index. Returns the records and their bytes, or None if
-    any check fails or a record is a chunk (the walk in file order names the problem)."""
+    one per run), from the last to the index. Returns the records, their bytes, and each gap's
+    ``(bytes, linear CRC)``; None if any check fails or a record is a chunk (the walk in file
+    order names the problem)."""
     index_offset = file.footer.index_offset
     n = len(file.table)
     records, checked = 0, 0
-    gaps = zip([HEADER_SIZE, *starts.tolist()], [*stops.tolist(), index_offset], strict=True)
+    gaps: list[tuple[int, int]] = []
+    bounds = zip([HEADER_SIZE, *starts.tolist()], [*stops.tolist(), index_offset], strict=True)
     try:
-        for gap, (start, stop) in enumerate(gaps):
+        for gap, (start, stop) in enumerate(bounds):
             if gap == 0 and start == stop:  # a chunk first: not the manifest
                 return None
             cursor = start
@@ -262,9 +378,10 @@ def _walk_between(file: FileStructure, starts: np.ndarray, stops: np.ndarray) ->
                     return None
             if cursor != stop:
                 return None
+            gaps.append((stop - start, linear_crc(file.source.read(start, stop - start))))
     except KVFormatError:
         return None
-    return records, checked
+    return records, checked, gaps
 
 
 def _verify_chunks(file: FileStructure, first: int, stop: int, follows: int) -> tuple[int, int]:
