@@ -54,30 +54,46 @@ def verify(file: FileStructure) -> VerifyReport:
     """Walk the record stream from offset 64 to the index, checking everything.
 
     A file whose chunks all lie in runs of equal raw records (a series) is checked in one CRC
-    pass over the whole stream (`_verify_in_one_pass`). Otherwise, and whenever that pass finds
-    a problem, runs of table chunks laid back to back are checked in bulk (`_verify_chunks`:
-    descriptors against the chunk table, descriptor and payload CRCs, padding), the JSON records
-    between them one by one (`_verify_record`); whatever fails in bulk is checked again one by
-    one, so the error names the record exactly as the one-by-one walk would."""
+    pass over the whole stream (`_StreamChecksum`, `_check_all_but_the_stream`). Otherwise, and
+    whenever that pass finds a problem, runs of table chunks laid back to back are checked in
+    bulk (`_verify_chunks`: descriptors against the chunk table, descriptor and payload CRCs,
+    padding), the JSON records between them one by one (`_verify_record`); whatever fails in
+    bulk is checked again one by one, so the error names the record exactly as the one-by-one
+    walk would."""
     index_offset = file.footer.index_offset
     table = file.table
     n = len(table)
-    offsets = table["offset"].astype(np.int64)
-    stored = table["stored_size"].astype(np.int64)
-    follows = offsets + stored  # where each record's padding ends: the next record may start
-    follows += DESCRIPTOR_SIZE + ALIGN - 1
-    follows &= -ALIGN
-    # Chunk i+1 starts where chunk i's record ends: runs of back-to-back chunks end at the breaks.
-    breaks = np.flatnonzero(follows[:-1] != offsets[1:]) if n > 1 else np.empty(0, np.int64)
-    firsts = np.concatenate(([0], breaks + 1)) if n else np.empty(0, np.int64)
-    lasts = np.append(breaks, n - 1) if n else np.empty(0, np.int64)
-    batches = _equal_run_batches(file, firsts, lasts + 1, offsets, stored, follows)
-    if sum(b.count for b in batches) == n:  # every chunk in a run of equal records
-        report = _verify_in_one_pass(file, batches, offsets, follows[lasts], offsets[firsts])
-        if report is not None:
+    stream = _StreamChecksum(file)
+    one_pass: tuple[int, int, int] | None = None
+    with ThreadPoolExecutor(1, thread_name_prefix="kvformat-verify") as pool:
+        helper = pool.submit(stream.run)  # at once: a series is verified in this one pass
+        try:
+            offsets = table["offset"].astype(np.int64)
+            stored = table["stored_size"].astype(np.int64)
+            follows = offsets + stored  # where each record's padding ends: the next may start
+            follows += DESCRIPTOR_SIZE + ALIGN - 1
+            follows &= -ALIGN
+            # Chunk i+1 starts where chunk i's record ends: runs of back-to-back chunks end at
+            # the breaks.
+            breaks = np.flatnonzero(follows[:-1] != offsets[1:]) if n > 1 else np.empty(0, np.int64)
+            firsts = np.concatenate(([0], breaks + 1)) if n else np.empty(0, np.int64)
+            lasts = np.append(breaks, n - 1) if n else np.empty(0, np.int64)
+            batches = _equal_run_batches(file, firsts, lasts + 1, offsets, stored, follows)
+            if sum(b.count for b in batches) == n:  # every chunk in a run of equal records
+                stream.compare(offsets)
+                one_pass = _check_all_but_the_stream(file, batches, offsets, follows[lasts], offsets[firsts])
+        finally:
+            if one_pass is None:
+                stream.stop()
+            stream.run()
+            helper.result()
+    if one_pass is not None:
+        between, nbytes, stream_crc = one_pass
+        if stream.result() == stream_crc and _zero_padding(file, batches, offsets):
             for i, entry in enumerate(file.entries):
                 check_arrays(file, i, entry.arrays)
-            return report
+            chunk_bytes = sum(b.count * (DESCRIPTOR_SIZE + b.size) for b in batches)
+            return VerifyReport(between + n, n, len(file.entries), nbytes + chunk_bytes)
     # The bulk checks of equal runs (mostly one CRC pass over the file, without the GIL) start on
     # a helper thread while this one builds their expected CRCs and checks the snapshots, then
     # takes a share of the batches left; a snapshot error is raised after the walk, so the first
@@ -242,65 +258,63 @@ def _table_self_checked(file: FileStructure) -> bool:
 _SEGMENT_BYTES = 8 << 20  # the one pass checksums the record stream in pieces of this size
 
 
-def _verify_in_one_pass(
-    file: FileStructure,
-    batches: list[_Batch],
-    offsets: np.ndarray,
-    run_ends: np.ndarray,
-    run_starts: np.ndarray,
-) -> VerifyReport | None:
-    """Verify a file whose every chunk lies in a batch of equal raw records (`_equal_run_batches`)
-    with one CRC-32C pass over the record stream, ``[64, index_offset)``, in pieces shared by a
-    helper thread and this one (long C calls: the GIL is rarely needed), while this thread checks
-    everything else: the records between the runs one by one (``run_ends[i]`` to
-    ``run_starts[i + 1]``), the snapshots, each descriptor's CRC field against its index copy,
-    padding. The stream's CRC must equal what those records and the chunk table say it is
-    (`kvformat.checksum`: each run's from the table, each record between from its bytes).
-    Returns None if anything fails: the walk in file order then names the problem."""
-    index_offset = file.footer.index_offset
-    segments = [
-        (a, min(a + _SEGMENT_BYTES, index_offset) - a)
-        for a in range(HEADER_SIZE, index_offset, _SEGMENT_BYTES)
-    ]
-    parts = [0] * len(segments)
-    same = [False] * len(segments)
-    todo = iter(range(len(segments)))  # shared by both threads: next() is atomic
-    copies = file.table["descriptor_crc"]
-    # The chunks whose descriptors lie in each segment (segments and records are 64-aligned).
-    cuts = np.searchsorted(offsets, [a for a, _ in segments] + [index_offset]).tolist()
+class _StreamChecksum:
+    """One CRC-32C pass over the record stream, ``[64, index_offset)``, for a series: pieces of
+    `_SEGMENT_BYTES` taken in turn by every thread that calls `run` (long C calls: the GIL is
+    rarely needed). Once `compare` has said where the descriptors lie, each piece also compares
+    its descriptors' CRC fields with their index copies while its bytes are at hand: each
+    descriptor's own CRC holds if the stream's CRC is what `_check_all_but_the_stream` expects,
+    so equal CRC fields show it equal to its index copy (SPEC section 18)."""
 
-    def checksum_segments() -> None:
-        for i in todo:
-            span = file.source.read(*segments[i])
-            parts[i] = linear_crc(span)
-            # Each descriptor's own CRC holds if the stream's does, so it equals its index copy if
-            # their CRC fields are equal (SPEC section 18): compared while the bytes are at hand.
-            words = np.frombuffer(span, np.uint32)
-            fields = (offsets[cuts[i] : cuts[i + 1]] - (segments[i][0] - DESCRIPTOR_SIZE + 4)) >> 2
-            same[i] = np.array_equal(words[fields], copies[cuts[i] : cuts[i + 1]])
+    def __init__(self, file: FileStructure) -> None:
+        self._file = file
+        self._end = end = file.footer.index_offset
+        self._pieces = [
+            (a, min(a + _SEGMENT_BYTES, end) - a) for a in range(HEADER_SIZE, end, _SEGMENT_BYTES)
+        ]
+        self._parts = [0] * len(self._pieces)
+        self._compared = [False] * len(self._pieces)
+        self._same = [True] * len(self._pieces)
+        self._todo = iter(range(len(self._pieces)))  # shared by the threads: next() is atomic
+        self._offsets: np.ndarray | None = None
+        self._cuts: list[int] | None = None
 
-    checked: tuple[int, int, int] | None = None
-    with ThreadPoolExecutor(1, thread_name_prefix="kvformat-verify") as pool:
-        helper = pool.submit(checksum_segments)
-        try:
-            checked = _check_all_but_the_stream(file, batches, offsets, run_ends, run_starts)
-        finally:
-            if checked is None:
-                for _ in todo:  # nothing more to checksum: the helper stops
-                    pass
-            checksum_segments()
-            helper.result()
-    if checked is None or not all(same) or not _zero_padding(file, batches, offsets):
-        return None
-    records, nbytes, expected = checked
-    if (
-        concatenated_linear(((size, part) for (_, size), part in zip(segments, parts, strict=True)))
-        != expected
-    ):
-        return None
-    n = len(file.table)
-    chunk_bytes = sum(b.count * (DESCRIPTOR_SIZE + b.size) for b in batches)
-    return VerifyReport(records + n, n, len(file.entries), nbytes + chunk_bytes)
+    def compare(self, offsets: np.ndarray) -> None:
+        """Compare descriptor CRC fields from now on; ``offsets``: every chunk's, ascending."""
+        self._offsets = offsets
+        self._cuts = np.searchsorted(offsets, [a for a, _ in self._pieces] + [self._end]).tolist()
+
+    def run(self) -> None:
+        for i in self._todo:
+            span = self._file.source.read(*self._pieces[i])
+            self._parts[i] = linear_crc(span)
+            if self._cuts is not None:
+                self._compare(i, span)
+
+    def stop(self) -> None:
+        """Leave the pieces no thread has taken yet."""
+        for _ in self._todo:
+            pass
+
+    def _compare(self, i: int, span: memoryview) -> None:
+        assert self._offsets is not None and self._cuts is not None
+        first, stop = self._cuts[i], self._cuts[i + 1]
+        words = np.frombuffer(span, np.uint32)  # pieces and records are 64-aligned
+        fields = (self._offsets[first:stop] - (self._pieces[i][0] - DESCRIPTOR_SIZE + 4)) >> 2
+        self._same[i] = np.array_equal(words[fields], self._file.table["descriptor_crc"][first:stop])
+        self._compared[i] = True
+
+    def result(self) -> int | None:
+        """Once every `run` has returned: the stream's linear CRC, or None if a descriptor's CRC
+        field differs from its index copy's."""
+        for i, done in enumerate(self._compared):
+            if not done:  # checksummed before `compare`
+                self._compare(i, self._file.source.read(*self._pieces[i]))
+        if not all(self._same):
+            return None
+        return concatenated_linear(
+            (size, part) for (_, size), part in zip(self._pieces, self._parts, strict=True)
+        )
 
 
 def _check_all_but_the_stream(
@@ -310,8 +324,12 @@ def _check_all_but_the_stream(
     run_ends: np.ndarray,
     run_starts: np.ndarray,
 ) -> tuple[int, int, int] | None:
-    """`_verify_in_one_pass`'s checks besides the stream's CRC. Returns the records between the
-    runs, their bytes, and the linear CRC the stream must have; None if anything fails."""
+    """For a file whose every chunk lies in a batch of equal raw records (`_equal_run_batches`),
+    what `_StreamChecksum` does not check: the chunk table's own CRCs, the snapshots, the records
+    between the runs one by one (``run_ends[i]`` to ``run_starts[i + 1]``). Returns those
+    records, their bytes, and the linear CRC the stream must have (each run's from the chunk
+    table, each stretch between runs from its bytes); None if anything fails: the walk in file
+    order then names the problem."""
     if not _table_self_checked(file):
         return None
     try:

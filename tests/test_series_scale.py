@@ -534,27 +534,29 @@ def test_verify_refuses_a_descriptor_equal_to_a_wrong_index_copy_in_its_crc_only
 
 
 @pytest.mark.parametrize("dim", [16, 3])
-def test_verify_in_one_pass_reports_what_the_walk_reports_and_misses_no_flipped_byte(
+def test_verify_of_a_series_in_one_pass_reports_what_the_walk_reports_and_misses_no_flipped_byte(
     tmp_path: Path, dim: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The one CRC pass over a series (`_verify_in_one_pass`) is taken for a clean file and
-    reports what the walk in file order reports; a byte flipped anywhere in the record stream
-    (descriptor, payload, padding, snapshot record) is never passed."""
+    """The one CRC pass over a series (`_StreamChecksum`, `_check_all_but_the_stream`) is taken
+    for a clean file and reports what the walk in file order reports; a byte flipped anywhere in
+    the record stream (descriptor, payload, padding, snapshot record) is never passed."""
     from kvformat import verify as verifying
 
     path = tmp_path / "s.kv"
     _equal_runs_series(path, dim)
-    one_pass = verifying._verify_in_one_pass
-    taken: list[bool] = []
-    monkeypatch.setattr(verifying, "_verify_in_one_pass", lambda *a: taken.append(True) or one_pass(*a))
+    one_pass = verifying._check_all_but_the_stream
+    taken: list[object] = []
+    monkeypatch.setattr(
+        verifying, "_check_all_but_the_stream", lambda *a: taken.append(one_pass(*a)) or taken[-1]
+    )
     with kvformat.open(path) as snap:
         fast = snap.verify()
         end = snap._file.footer.index_offset
-    assert taken
-    monkeypatch.setattr(verifying, "_verify_in_one_pass", lambda *a: None)
+    assert taken and taken[0] is not None
+    monkeypatch.setattr(verifying, "_check_all_but_the_stream", lambda *a: None)
     with kvformat.open(path) as snap:
         assert snap.verify() == fast
-    monkeypatch.setattr(verifying, "_verify_in_one_pass", one_pass)
+    monkeypatch.setattr(verifying, "_check_all_but_the_stream", one_pass)
     clean = path.read_bytes()
     rng = np.random.default_rng(dim)
     damaged = tmp_path / "damaged.kv"
