@@ -23,10 +23,13 @@ from kvformat.checksum import (
 from kvformat.errors import ChecksumError, CorruptFileError, KVFormatError
 from kvformat.layout import (
     ALIGN,
+    DESCRIPTOR_DTYPE,
+    DESCRIPTOR_MAGIC,
     DESCRIPTOR_SIZE,
     HEADER_SIZE,
     JSON_KINDS,
     KIND_MANIFEST,
+    KIND_SNAPSHOT,
     MINOR,
     TABLE_KINDS,
     Descriptor,
@@ -372,34 +375,90 @@ def _zero_padding(file: FileStructure, batches: list[_Batch], offsets: np.ndarra
 def _walk_between(
     file: FileStructure, starts: np.ndarray, stops: np.ndarray
 ) -> tuple[int, int, list[tuple[int, int]]] | None:
-    """Check the records between runs of chunks one by one (`_verify_record`): from offset 64 to
-    the first run, from the end of each run (``starts``, one per run) to the next one (``stops``,
-    one per run), from the last to the index. Returns the records, their bytes, and each gap's
-    ``(bytes, linear CRC)``; None if any check fails or a record is a chunk (the walk in file
-    order names the problem)."""
+    """Check the records between runs of chunks: from offset 64 to the first run, from the end
+    of each run (``starts``, one per run) to the next one (``stops``, one per run), from the last
+    to the index. A stretch holding exactly one JSON record (a series' snapshot records) is
+    checked with the others in bulk (`_single_records_hold`), any other one record by record
+    (`_verify_record`). Returns the records, their bytes, and each stretch's ``(bytes, linear
+    CRC)``; None if any check fails or a record is a chunk (the walk in file order names it)."""
     index_offset = file.footer.index_offset
     n = len(file.table)
-    records, checked = 0, 0
-    gaps: list[tuple[int, int]] = []
-    bounds = zip([HEADER_SIZE, *starts.tolist()], [*stops.tolist(), index_offset], strict=True)
+    lower = np.concatenate(([HEADER_SIZE], starts)).astype(np.int64)
+    upper = np.concatenate((stops, [index_offset])).astype(np.int64)
+    if lower[0] == upper[0]:  # a chunk first: not the manifest
+        return None
+    single = _single_records_hold(file, lower, upper)
+    if single is None:
+        return None
+    records, checked = int(np.count_nonzero(single[0])), int(single[1].sum())
     try:
-        for gap, (start, stop) in enumerate(bounds):
-            if gap == 0 and start == stop:  # a chunk first: not the manifest
-                return None
-            cursor = start
+        for gap in np.flatnonzero(~single[0]).tolist():
+            cursor, stop = int(lower[gap]), int(upper[gap])
             while cursor < stop:
                 # Only whether a record is the first one matters to `_verify_record`.
-                cursor, chunk, size = _verify_record(file, cursor, records + (gap > 0), n)
+                cursor, chunk, size = _verify_record(file, cursor, int(cursor != HEADER_SIZE), n)
                 records += 1
                 checked += size
                 if chunk != n:
                     return None
             if cursor != stop:
                 return None
-            gaps.append((stop - start, linear_crc(file.source.read(start, stop - start))))
     except KVFormatError:
         return None
+    view = file.source.read(0, index_offset)
+    gaps = [(b - a, linear_crc(view[a:b])) for a, b in zip(lower.tolist(), upper.tolist(), strict=True)]
     return records, checked, gaps
+
+
+def _single_records_hold(
+    file: FileStructure, lower: np.ndarray, upper: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Of the stretches ``[lower[i], upper[i])`` (the first at offset 64), which hold exactly one
+    JSON record (a descriptor there whose record, padded, ends at ``upper[i]``), and those
+    records' bytes. Each such record is checked in bulk as `_verify_record` checks it (magic,
+    descriptor CRC, offset, payload CRC, JSON, manifest first and only there, zero padding);
+    None if one fails. Other stretches are left to `_verify_record`."""
+    index_offset = file.footer.index_offset
+    size = np.zeros(lower.shape[0], np.int64)
+    room = upper - lower >= DESCRIPTOR_SIZE
+    if not room.any():
+        return room, size
+    stream = np.frombuffer(file.source.read(0, index_offset), np.uint8)
+    at = lower[room]
+    raw = stream[at[:, None] + np.arange(DESCRIPTOR_SIZE)]
+    fields = raw.view(DESCRIPTOR_DTYPE).reshape(-1)
+    end = at + DESCRIPTOR_SIZE + fields["stored_size"].astype(np.int64)
+    kinds = fields["kind"]
+    # One JSON record that ends the stretch, with its own descriptor: the rest is checked below
+    # (anything else goes the record-by-record way, which names what is wrong).
+    one = (
+        (fields["magic"] == DESCRIPTOR_MAGIC)
+        & (fields["offset"].astype(np.int64) == at)
+        & ((end + ALIGN - 1) & -ALIGN == upper[room])
+        & ((kinds == KIND_MANIFEST) | (kinds == KIND_SNAPSHOT))
+    )
+    one &= crc32c_rows(np.ascontiguousarray(raw[:, :60])) == fields["descriptor_crc"]
+    single = np.zeros(lower.shape[0], bool)
+    single[np.flatnonzero(room)[one]] = True
+    at, end, fields = at[one], end[one], fields[one]
+    if bool(np.any((fields["kind"] == KIND_MANIFEST) != (at == HEADER_SIZE))):
+        return None  # the manifest must be the first record, and only it
+    stored = (end - at - DESCRIPTOR_SIZE).tolist()
+    view = stream.data
+    if not np.array_equal(
+        crc32c_slices(view, (at + DESCRIPTOR_SIZE).tolist(), stored), fields["payload_crc"]
+    ):
+        return None
+    try:
+        for a, length in zip(at.tolist(), stored, strict=True):
+            loads(view[a + DESCRIPTOR_SIZE : a + DESCRIPTOR_SIZE + length], f"record at offset {a}")
+    except KVFormatError:
+        return None
+    pads = upper[single] - end
+    if pads.sum() and stream[ranges(end, pads)].any():
+        return None
+    size[single] = end - at
+    return single, size
 
 
 def _verify_chunks(file: FileStructure, first: int, stop: int, follows: int) -> tuple[int, int]:

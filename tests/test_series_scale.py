@@ -439,9 +439,9 @@ def test_check_all_of_regular_series_accepts_and_rejects_what_snapshot_by_snapsh
 def test_verify_walks_only_the_records_between_runs_and_names_their_damage(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A clean series is verified with one record-by-record step per snapshot record (the chunks
-    go in bulk); damage to a snapshot record, or its padding, is named as the walk in file
-    order names it."""
+    """A clean series is verified without a record-by-record step (its snapshot records, one
+    between each two runs of chunks, are checked in bulk too); damage to a snapshot record, or
+    its padding, is named as the walk in file order names it."""
     from kvformat import verify as verifying
 
     path = tmp_path / "s.kv"
@@ -452,16 +452,33 @@ def test_verify_walks_only_the_records_between_runs_and_names_their_damage(
     with kvformat.open(path) as snap:
         report = snap.verify()
         table = snap._file.table
-        assert len(calls) == report.records - report.chunks == 6  # the manifest and 5 snapshots
+        assert report.records - report.chunks == 6 and not calls  # the manifest and 5 snapshots
         after = int(table["offset"][23]) + 64 + int(table["stored_size"][23])  # the first snapshot
     record = bytes(path.read_bytes()[after : after + 64])
-    stored = int.from_bytes(record[48:56], "little")
+    stored = int.from_bytes(record[40:48], "little")
+
+    def resealed(raw: bytearray) -> None:  # payload and descriptor CRCs made to match
+        payload = bytes(raw[after + 64 : after + 64 + stored])
+        raw[after + 56 : after + 60] = crc32c(payload).to_bytes(4, "little")
+        raw[after + 60 : after + 64] = crc32c(bytes(raw[after : after + 60])).to_bytes(4, "little")
+
     for shift, error, message in [
         (64 + 1, kvformat.ChecksumError, f"record at offset {after}: payload CRC-32C mismatch"),
         (64 + stored, kvformat.CorruptFileError, f"record at offset {after}: non-zero padding"),
+        (30, kvformat.ChecksumError, f"record at offset {after}: descriptor CRC-32C mismatch"),
+        ("not JSON", kvformat.CorruptFileError, f"record at offset {after} is not valid JSON"),
+        ("a manifest", kvformat.CorruptFileError, "the manifest must be the first record"),
     ]:
         raw = bytearray(path.read_bytes())
-        raw[after + shift] ^= 0x01
+        if shift == "not JSON":
+            raw[after + 64] = ord("[")
+            resealed(raw)
+        elif shift == "a manifest":
+            raw[after + 4] = 16  # the record kind
+            resealed(raw)
+        else:
+            assert isinstance(shift, int)
+            raw[after + shift] ^= 0x01
         damaged = tmp_path / "damaged.kv"
         damaged.write_bytes(bytes(raw))
         with kvformat.open(damaged) as snap, pytest.raises(error, match=message):
