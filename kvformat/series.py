@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvformat.errors import CorruptFileError
-from kvformat.layout import KIND_K, KIND_V, MAX_POSITION
+from kvformat.layout import DESCRIPTOR_SIZE, KIND_K, KIND_V, MAX_POSITION
 
 Run = tuple[int, int, int, int]
 Key = tuple[int, int, int, int]  # (layer, seq, head, kind)
@@ -390,23 +390,30 @@ class Chain:
             j = column.get(tuple(run), -1)
             if j >= 0:
                 ends[j] = max(ends[j], end)
-        k_index, v_index = np.array(k_columns), np.array(v_columns)
+        # K and V side by side (a writer's order): compared through slices, not gathers.
+        k_index: slice | np.ndarray = slice(0, None, 2)
+        v_index: slice | np.ndarray = slice(1, None, 2)
+        if k_columns != list(range(0, width, 2)) or v_columns != list(range(1, width, 2)):
+            k_index, v_index = np.array(k_columns), np.array(v_columns)
+        # (layer, head, seq) are descriptor bytes 8..15: one 8-byte word compared for the three.
+        places = table.view(np.uint64).reshape(-1, DESCRIPTOR_SIZE // 8)[:, 1]
         per_block = max(1, self._REGULAR_BLOCK_CHUNKS // width)
         for block in range(0, count, per_block):
-            rows = table[block * width : min(count, block + per_block) * width].reshape(-1, width)
-            for name in ("kind", "layer", "seq", "head"):
-                if not bool(np.all(rows[name] == layout[name])):
-                    return False
-            position, size = rows["position"], rows["rows"].astype(np.int64)
-            if int(size.min()) < 1:
-                return False
+            lo, hi = block * width, min(count, block + per_block) * width
+            rows = table[lo:hi].reshape(-1, width)
             if not (
-                np.array_equal(position[:, k_index], position[:, v_index])
-                and np.array_equal(size[:, k_index], size[:, v_index])
+                bool((places[lo:hi].reshape(-1, width) == places[:width]).all())
+                and bool((rows["kind"] == layout["kind"]).all())
+            ):
+                return False
+            position, size = rows["position"], rows["rows"]
+            if int(size.min()) < 1 or not (
+                bool((position[:, k_index] == position[:, v_index]).all())
+                and bool((size[:, k_index] == size[:, v_index]).all())
             ):
                 return False
             stops = position + size
-            if not (bool(np.all(position[0] >= ends)) and bool(np.all(position[1:] >= stops[:-1]))):
+            if not (bool((position[0] >= ends).all()) and bool((position[1:] >= stops[:-1]).all())):
                 return False
             ends = stops[-1]
         return True

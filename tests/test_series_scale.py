@@ -365,15 +365,16 @@ def test_check_all_refuses_a_huge_append_range_before_making_it() -> None:
 
 def _regular_chain(rng: np.random.Generator) -> tuple[list[Entry], np.ndarray]:
     """A series writer's shape: every snapshot appends one range of chunks, one per (layer,
-    head, kind) in one fixed order, each at its head's end; now and then a gap (valid), an
-    overlap, a V at another position, another order (valid), a head's K or V missing, a chunk
-    of another layer, or an empty chunk."""
+    head, kind) in one fixed order (K and V side by side, or every K first), each at its head's
+    end; now and then a gap (valid), an overlap, a V at another position, another order
+    (valid), a head's K or V missing, a chunk of another layer, or an empty chunk."""
     heads = [(layer, head) for layer in range(2) for head in range(2)]
     rows: list[tuple[int, int, int, int, int]] = []
     sizes: list[int] = []
     entries: list[Entry] = []
     ends = dict.fromkeys(heads, 0)
     damage = rng.random() < 0.5
+    split = rng.random() < 0.3  # every K chunk of a snapshot before its V chunks
     for index in range(int(rng.integers(2, 8))):
         first = len(rows)
         order = list(heads)
@@ -392,6 +393,8 @@ def _regular_chain(rng: np.random.Generator) -> tuple[list[Entry], np.ndarray]:
             if what != "no V":
                 rows.append((KIND_V, layer, 0, head, position + (what == "V elsewhere")))
             ends[(layer, head)] = max(ends[(layer, head)], position + 4)
+        if split:
+            rows[first:] = sorted(rows[first:], key=lambda row: row[0])
         sizes += [0 if damage and rng.random() < 0.01 else 4] * (len(rows) - first)
         ranges = np.array([[first, len(rows)]], np.int64)
         parent = index - 1 if index else None
