@@ -218,12 +218,14 @@ def linear_concatenation(parts: np.ndarray, nbytes: int) -> np.ndarray:
     """Linear parts of concatenations: ``parts`` ``(..., count)`` holds the linear parts of
     ``count`` pieces of ``nbytes`` bytes each; returns ``(...)``, the linear part of each row's
     pieces laid end to end. A balanced tree of shifts: about one table lookup per piece."""
-    values = parts.astype(np.uint32)
+    values = parts.astype(np.uint32, copy=False)
     size = nbytes
     while values.shape[-1] > 1:
         if values.shape[-1] & 1:  # a leading piece of zeros: its linear part is 0, changes nothing
             values = np.concatenate((np.zeros((*values.shape[:-1], 1), np.uint32), values), axis=-1)
-        values = zero_shift(size).apply(values[..., 0::2]) ^ values[..., 1::2]
+        shifted = zero_shift(size).apply(values[..., 0::2])
+        shifted ^= values[..., 1::2]
+        values = shifted
         size *= 2
     if values.shape[-1] == 0:
         return np.zeros(values.shape[:-1], np.uint32)
@@ -270,11 +272,13 @@ def records_linear(
     what `linear_crc` of each run's bytes is if every CRC holds and every padding byte is zero.
     ``padded=False``: each run ends at its last payload's end (a file cut after it)."""
     padding = stride - header - size
-    descriptor = zero_shift(size).apply(np.array([self_checked_linear(header)], np.uint32))[0]
-    payloads = linear_parts(payload_crcs, size)
+    descriptor = zero_shift(size).apply_one(self_checked_linear(header))
+    payloads = payload_crcs.astype(np.uint32)  # a copy, changed in place below
     if padded:
-        records = zero_shift(padding).apply(payloads ^ descriptor)
+        payloads ^= np.uint32(zeros_crc(size) ^ descriptor)  # linear parts, then the descriptor's
+        records = zero_shift(padding).apply(payloads) if padding else payloads
         return linear_concatenation(records, stride)
+    payloads ^= np.uint32(zeros_crc(size))
     records = zero_shift(padding).apply(payloads[..., :-1] ^ descriptor)
     before = zero_shift(header + size).apply(linear_concatenation(records, stride))
     return before ^ payloads[..., -1] ^ descriptor
