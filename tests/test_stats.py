@@ -123,3 +123,34 @@ def test_arrow_reader_and_token_table(tmp_path: Path) -> None:
     assert tokens["token_id"].null_count() == tokens["token_text"].null_count() == 96  # none recorded
     top = tokens.sort("k_norm", descending=True)["position"][0]
     assert top == 5
+
+
+def test_arrow_tables_are_built_as_pyarrow_builds_them() -> None:
+    """`_arrow_table` makes the table from numpy buffers (no ``pa.array``, whose first call
+    imports pandas): the same schema and values as ``pa.Table.from_pylist``, for the column
+    kinds the statistics produce, nulls, empty lists, and what it hands to ``pa.array``."""
+    import pyarrow as pa
+
+    from kvsnap.analysis.stats import _arrow_table
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(1, 6))
+        rows = []
+        for i in range(n):
+            rows.append(
+                {
+                    "file": f"f{i}é",
+                    "layer": int(rng.integers(0, 40)),
+                    "norm_mean": float(rng.standard_normal()),
+                    "maybe": None if rng.random() < 0.4 else float(rng.random()),
+                    "nothing": None,
+                    "channel_mean": [float(x) for x in rng.standard_normal(int(rng.integers(0, 4)))],
+                    "massive_positions": [int(x) for x in rng.integers(0, 100, int(rng.integers(0, 3)))],
+                    "mixed": 1 if i % 2 else 2.5,
+                    "flag": bool(i % 2),
+                }
+            )
+        built, reference = _arrow_table(rows), pa.Table.from_pylist(rows)
+        assert built.schema == reference.schema
+        assert built.equals(reference)
