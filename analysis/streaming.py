@@ -20,6 +20,8 @@ from kvsnap.analysis.catalogue import ALL, stat_groups
 from kvsnap.analysis.rope import Rope
 
 BATCH_BYTES = 8 << 20  # K + V bytes of one head handed to one task
+SMALL_SEGMENT_BYTES = 1 << 20  # segments smaller than this on average are regrouped by head ...
+WINDOW_BYTES = 64 << 20  # ... within windows of this many K + V bytes in file order
 
 
 Key = tuple[int, int, int, str]  # (layer, seq, head, "k" | "v"): the order of series keys
@@ -75,21 +77,45 @@ def _add_segments(
     v_acc: HeadAccumulator,
     rope: Rope | None,
     pipeline: Any = None,
+    release_each: bool = True,
 ) -> None:
     """Read (CRC, decode), add and release each segment of one head, in order; K is un-rotated
     by ``rope`` when given. Runs on a pass's worker thread: reading there spreads the page faults
     and checksums of a memory-mapped file over the cores. With an mlx ``pipeline``
     (`mlx_kernel.Pipeline`) the rows join its next device batch instead."""
-    for segment in segments:
-        block = snap.read(segment)
-        k = block.k if rope is None else rope.rotate(block.k, block.positions, inverse=True)
+    for group in _joined(segments):
+        # Small segments of one head: read and added at once (a copy of a few MiB at most).
+        block = snap.read(group[0]) if len(group) == 1 else snap.read_many(group)
+        block_k, block_v, positions = block.k, block.v, block.positions
+        k = block_k if rope is None else rope.rotate(block_k, positions, inverse=True)
+        # Pages are released as soon as they are added, or with their window (`windows`: small
+        # segments, whose pages hold other heads' records).
+        after = functools.partial(snap.release, group) if release_each else None
         if pipeline is not None:
-            pipeline.add(k_acc, k, block.positions)
-            pipeline.add(v_acc, block.v, block.positions, after=functools.partial(snap.release, segment))
+            pipeline.add(k_acc, k, positions)
+            pipeline.add(v_acc, block_v, positions, after=after)
             continue
-        k_acc.add(k, block.positions)
-        v_acc.add(block.v, block.positions)
-        snap.release(segment)
+        k_acc.add(k, positions)
+        v_acc.add(block_v, positions)
+        if after is not None:
+            after()
+
+
+def _joined(segments: list[kvformat.Segment]) -> Iterator[list[kvformat.Segment]]:
+    """One head's segments in groups added at once: every large segment alone, consecutive
+    small ones together (up to `accumulator.PIECE` rows)."""
+    from kvsnap.analysis.accumulator import PIECE
+
+    group: list[kvformat.Segment] = []
+    rows = 0
+    for segment in segments:
+        if group and (rows + segment.count > PIECE or segment.count >= PIECE):
+            yield group
+            group, rows = [], 0
+        group.append(segment)
+        rows += segment.count
+    if group:
+        yield group
 
 
 def layer_ropes(snap: kvformat.Snapshot, keys: str) -> dict[int, Rope | None]:
@@ -125,29 +151,68 @@ def fresh_accumulators(
     return table
 
 
-def head_batches(
-    snap: kvformat.Snapshot, last: dict[int, int]
-) -> Iterator[tuple[list[kvformat.Segment], bool]]:
-    """The snapshot's segments in file order, grouped into batches of consecutive segments of one
-    head, each up to `BATCH_BYTES` of K and V (or one segment if larger); with each batch, whether
-    it holds its layer's last segment (``last``: layer -> index of that segment)."""
+@dataclass
+class Window:
+    """Segments the pass reads together, in its order; ``release``: whether the window's pages
+    are released as one once all its work is done (small segments)."""
+
+    segments: list[kvformat.Segment]
+    release: bool
+
+
+def windows(snap: kvformat.Snapshot) -> list[Window]:
+    """The snapshot's segments in the order the pass reads them: file order, except where
+    segments are small on average (a series of snapshots, or a capture appended every few
+    tokens, interleaves every head in the file): then the segments of each window of
+    `WINDOW_BYTES` (K + V, in file order) are taken head by head, each head's in file order, so
+    a head's small segments are read and added together."""
+    segments = snap.segments()
     row_bytes = {
         layer: spec.row_bytes(0) + spec.row_bytes(1) for layer, spec in enumerate(snap.layers) if spec.present
     }
-    batch: list[kvformat.Segment] = []
-    size = 0
-    for i, segment in enumerate(snap.segments()):
-        if batch and (
-            (segment.seq, segment.layer, segment.head) != (batch[0].seq, batch[0].layer, batch[0].head)
-            or size >= BATCH_BYTES
-        ):
-            yield batch, False
-            batch, size = [], 0
-        batch.append(segment)
-        size += segment.count * row_bytes[segment.layer]
-        if last[segment.layer] == i:
-            yield batch, True
-            batch, size = [], 0
+    sizes = [segment.count * row_bytes[segment.layer] for segment in segments]
+    if not segments or sum(sizes) >= SMALL_SEGMENT_BYTES * len(segments):
+        return [Window(segments, False)]
+    out: list[Window] = []
+    start, total = 0, 0
+    for i, size in enumerate(sizes):
+        total += size
+        if total >= WINDOW_BYTES or i == len(sizes) - 1:
+            part = segments[start : i + 1]
+            out.append(Window(sorted(part, key=lambda s: (s.layer, s.seq, s.head)), True))
+            start, total = i + 1, 0
+    return out
+
+
+def head_batches(
+    snap: kvformat.Snapshot, order: list[Window], last: dict[int, int]
+) -> Iterator[tuple[list[kvformat.Segment], bool, Window | None]]:
+    """The segments of ``order`` grouped into batches of consecutive segments of one head, each
+    up to `BATCH_BYTES` of K and V (or one segment if larger); with each batch, whether it holds
+    its layer's last segment (``last``: layer -> index of that segment in the pass order), and
+    its window when it is the window's last batch."""
+    row_bytes = {
+        layer: spec.row_bytes(0) + spec.row_bytes(1) for layer, spec in enumerate(snap.layers) if spec.present
+    }
+    index = 0  # of the segment in the pass order
+    for window in order:
+        batch: list[kvformat.Segment] = []
+        size = 0
+        for position, segment in enumerate(window.segments):
+            if batch and (
+                (segment.seq, segment.layer, segment.head) != (batch[0].seq, batch[0].layer, batch[0].head)
+                or size >= BATCH_BYTES
+            ):
+                yield batch, False, None
+                batch, size = [], 0
+            batch.append(segment)
+            size += segment.count * row_bytes[segment.layer]
+            if last[segment.layer] == index:
+                yield batch, True, window if position == len(window.segments) - 1 else None
+                batch, size = [], 0
+            index += 1
+        if batch:
+            yield batch, False, window
 
 
 class _Workers:
@@ -188,6 +253,7 @@ class _Workers:
         batch: list[kvformat.Segment],
         accumulators: dict[Key, HeadAccumulator],
         rope: Rope | None,
+        release_each: bool = True,
     ) -> Future[Any]:
         """Read and add one batch of one head's segments (K un-rotated by ``rope`` when given)
         on a worker; the reads run there too, so checksums and page faults use every core."""
@@ -196,7 +262,9 @@ class _Workers:
         v_acc = accumulators[(first.layer, first.seq, first.head, "v")]
         snap.prefetch(batch)
         key = (first.layer, first.seq, first.head)
-        return self.pool.submit(key, _add_segments, snap, batch, k_acc, v_acc, rope, self.pipeline)
+        return self.pool.submit(
+            key, _add_segments, snap, batch, k_acc, v_acc, rope, self.pipeline, release_each
+        )
 
     def finish_layer(self, accumulators: dict[Key, HeadAccumulator], rows: bool) -> list[Future[Any]]:
         """After a layer's last batch: fold what is still on the device (mlx, on this thread,
@@ -231,14 +299,20 @@ def layers(
     one block if larger) go to T threads as one task, at most T + 2 such batches in flight
     (`analysis.parallel.OrderedPool`): memory is about ``(T + 3) x max(8 MiB, block) + T x 3 x
     8192 x head_dim x 4 bytes (float32 pieces) + the accumulators of the layers in progress``
-    (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``). ``progress`` shows a bar per layer on
+    (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``). Where segments are small (a series
+    of snapshots), the pass takes them head by head within windows of `WINDOW_BYTES` of the file
+    (`windows`) and a head's small segments are read and added together (up to 8192 rows, one
+    copy); a window's mapped pages are released once its work is done, so the resident file
+    pages stay within about two windows. ``progress`` shows a bar per layer on
     stderr when it is a terminal; ``finish`` computes each accumulator's row (eigenvalues and
     all) on the threads, once its layer is read."""
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
         name, index = os.fspath(path), snap.index
         ropes = layer_ropes(snap, options.keys)
         unrotate = options.keys == "pre_rope"
-        last = {seg.layer: i for i, seg in enumerate(snap.segments())}  # the pass goes in this order
+        order = windows(snap)
+        last = {seg.layer: i for i, seg in enumerate(s for w in order for s in w.segments)}
+        regrouped = any(w.release for w in order)  # small segments: released by window
         bar = _layer_bar(name, len(ropes), progress)
         for layer in ropes:
             if layer not in last:  # present but holding no tokens
@@ -258,15 +332,33 @@ def layers(
                 bar.update()
                 yield name, index, layer, done.accumulators
 
+        # Windows of small segments whose pages are released once their work is done.
+        releasing: collections.deque[tuple[Window, list[Future[Any]]]] = collections.deque()
+        window_work: list[Future[Any]] = []
+
+        def release_done(wait: bool) -> None:
+            while releasing and (wait or all(f.done() for f in releasing[0][1])):
+                window, work = releasing.popleft()
+                for future in work:
+                    future.result()
+                snap.release(window.segments)
+
         with _Workers(options) as workers, bar:
-            for batch, closes in head_batches(snap, last):
+            for batch, closes, window_end in head_batches(snap, order, last):
                 layer = batch[0].layer
                 if layer not in started:
                     started[layer] = _OpenLayer(fresh_accumulators(snap, layer, ropes[layer], options))
                 open_layer = started[layer]
-                future = workers.add(snap, batch, open_layer.accumulators, ropes[layer] if unrotate else None)
+                rope = ropes[layer] if unrotate else None
+                future = workers.add(snap, batch, open_layer.accumulators, rope, not regrouped)
                 open_layer.work.append(future)
                 in_flight.append(future)
+                window_work.append(future)
+                if window_end is not None:
+                    if window_end.release:
+                        releasing.append((window_end, window_work))
+                    window_work = []
+                release_done(wait=False)
                 if closes:
                     open_layer.work += workers.finish_layer(open_layer.accumulators, finish)
                     closing.append(layer)
@@ -274,6 +366,7 @@ def layers(
                     in_flight.popleft().result()
                 yield from finished(wait=False)
             workers.pool.drain()
+            release_done(wait=True)
             yield from finished(wait=True)
 
 

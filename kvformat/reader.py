@@ -11,7 +11,7 @@ import collections
 import functools
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -32,6 +32,8 @@ from kvformat.series import Segment, Segments, ranges
 from kvformat.source import open_source
 from kvformat.structure import FileStructure, check_arrays
 from kvformat.verify import VerifyReport, verify
+
+_PAGE = 4096  # chunks this close are released as one range
 
 
 @dataclass(frozen=True)
@@ -311,13 +313,39 @@ class Snapshot:
             np.arange(segment.position, segment.position + segment.count, dtype=np.int64),
         )
 
-    def release(self, segment: Segment) -> None:
-        """Drop the pages of the segment's chunks from this process (views stay valid: the pages
-        fault back in), so a streaming pass keeps a bounded resident set."""
+    def read_many(self, segments: Sequence[Segment]) -> Head:
+        """Consecutive segments of one head (as `segments()` gives them) as one `Head`, their rows
+        concatenated (one copy): what ``read`` gives for each, joined, at a fraction of the cost
+        per segment where segments are many and small (a series of snapshots)."""
+        first = segments[0]
+        if any((s.layer, s.seq, s.head) != (first.layer, first.seq, first.head) for s in segments):
+            raise ValueError("read_many takes segments of one head")
         file = self._file
-        for chunk in (segment.k_chunk, segment.v_chunk):
-            c = file.chunk(chunk)
-            file.source.release(c.offset, DESCRIPTOR_SIZE + c.stored_size)
+        counts = [s.count for s in segments]
+        k = file.chunk_rows([s.k_chunk for s in segments], [s.k_row for s in segments], counts)
+        v = file.chunk_rows([s.v_chunk for s in segments], [s.v_row for s in segments], counts)
+        if k is None or v is None:  # encoded or quantized chunks: one by one
+            heads = [self.read(s) for s in segments]
+            k, v = np.concatenate([h.k for h in heads]), np.concatenate([h.v for h in heads])
+        positions = ranges(np.array([s.position for s in segments]), np.array(counts))
+        return Head(first.layer, first.head, first.seq, k, v, positions)
+
+    def release(self, segment: Segment | Sequence[Segment]) -> None:
+        """Drop the pages of the chunks of ``segment`` (or of several segments) from this process
+        (views stay valid: the pages fault back in), so a streaming pass keeps a bounded resident
+        set. Several segments' chunks are released as few merged ranges (one call for a run of
+        neighbouring chunks)."""
+        file = self._file
+        segments = [segment] if isinstance(segment, Segment) else list(segment)
+        if not segments:
+            return
+        chunks = np.unique([c for s in segments for c in (s.k_chunk, s.v_chunk)])
+        starts = file.table["offset"][chunks].astype(np.int64)
+        ends = starts + DESCRIPTOR_SIZE + file.table["stored_size"][chunks].astype(np.int64)
+        # A range starts where a chunk does not begin within a page of the previous one's end.
+        breaks = np.flatnonzero(starts[1:] > ends[:-1] + _PAGE) + 1
+        for first, last in zip([0, *breaks.tolist()], [*(breaks - 1).tolist(), len(chunks) - 1], strict=True):
+            file.source.release(int(starts[first]), int(ends[last] - starts[first]))
 
     def prefetch(self, segments: list[Segment]) -> None:
         """Announce segments about to be read: a remote source fetches them in few requests (a

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvformat import codecs, dtypes
-from kvformat.checksum import crc32c
+from kvformat.checksum import crc32c, crc32c_many
 from kvformat.codecs import BytesLike
 from kvformat.errors import (
     ChecksumError,
@@ -118,8 +118,9 @@ class FileStructure:
 
     def prefetch(self, chunks: list[int]) -> None:
         """Announce chunks about to be read (remote sources fetch them in few requests)."""
-        infos = [self.chunk(i) for i in chunks]
-        self.source.prefetch([(c.offset + DESCRIPTOR_SIZE, c.stored_size) for c in infos])
+        table = self.table[chunks]
+        starts = (table["offset"].astype(np.int64) + DESCRIPTOR_SIZE).tolist()
+        self.source.prefetch(list(zip(starts, table["stored_size"].tolist(), strict=True)))
 
     def read_payload(self, i: int, info: Descriptor | None = None, checked: bool = False) -> memoryview:
         """Stored bytes of chunk ``i``, CRC-checked if the file was opened with checks on."""
@@ -153,6 +154,47 @@ class FileStructure:
     def _parts(self, i: int, c: Descriptor, quant: Quantization, checked: bool = False) -> Parts:
         rows = np.frombuffer(self._decoded(i, c, checked), dtype=np.uint8).reshape(c.rows, -1)
         return quant.split(rows, c.width, dtypes.from_code(c.dtype).numpy)
+
+    def chunk_rows(self, chunks: list[int], starts: list[int], counts: list[int]) -> np.ndarray | None:
+        """Rows ``starts[j] .. starts[j] + counts[j] - 1`` of chunk ``chunks[j]`` for every j,
+        concatenated: ``(sum(counts), width)`` (one copy, read-only), each payload CRC-checked if the file
+        was opened with checks (one C call per chunk, nothing else per chunk in Python beyond a
+        slice). For raw, unquantized tensor chunks of one dtype and width; None otherwise (read
+        them one by one with `chunk_array`)."""
+        table = self.table[chunks]
+        first = table[0]
+        kinds = table["kind"]
+        if not (
+            bool(np.all(table["codec"] == codecs.Raw.code))
+            and bool(np.all(table["dtype"] == first["dtype"]))
+            and bool(np.all(table["width"] == first["width"]))
+            and not bool(np.any(kinds == KIND_ARRAY))
+            and all(
+                self.manifest.layers[layer].quantization is None for layer in set(table["layer"].tolist())
+            )
+        ):
+            return None
+        dtype = dtypes.from_code(int(first["dtype"])).numpy
+        width = int(first["width"])
+        row_bytes = width * dtype.itemsize
+        stored = table["stored_size"].tolist()
+        if stored != (table["rows"].astype(np.int64) * row_bytes).tolist():
+            return None  # sizes that do not match: `chunk_array` names the problem
+        read = self.source.read
+        places = zip(table["offset"].tolist(), stored, strict=True)
+        payloads = [read(offset + DESCRIPTOR_SIZE, size) for offset, size in places]
+        if self.check_checksums:
+            bad = np.flatnonzero(crc32c_many(payloads) != table["payload_crc"])
+            if bad.size:
+                i = chunks[int(bad[0])]
+                raise ChecksumError(
+                    f"{self.source.name}: {chunk_label(self.table, i)}: payload CRC-32C mismatch"
+                )
+        pieces = [
+            payload[start * row_bytes : (start + count) * row_bytes]
+            for payload, start, count in zip(payloads, starts, counts, strict=True)
+        ]
+        return np.frombuffer(b"".join(pieces), dtype).reshape(-1, width)  # read-only, like a map
 
     def chunk_array(self, i: int, checked: bool = False) -> np.ndarray:
         """Chunk ``i`` decoded: ``(rows, width)`` (a zero-copy view for raw chunks from mmap);

@@ -154,3 +154,83 @@ def test_arrow_tables_are_built_as_pyarrow_builds_them() -> None:
         built, reference = _arrow_table(rows), pa.Table.from_pylist(rows)
         assert built.schema == reference.schema
         assert built.equals(reference)
+
+
+def _series_and_whole(tmp_path: Path, codec: str = "raw") -> tuple[Path, Path]:
+    """The same K/V (3 layers x 2 heads x 96 tokens) written as a series appending 8 tokens
+    per snapshot (every head interleaved in the file: small segments) and all at once."""
+    rng = np.random.default_rng(11)
+    scales = np.linspace(0.5, 3, 16, dtype=np.float32)
+    k = (rng.standard_normal((3, 2, 96, 16)) * scales).astype(np.float32)
+    v = rng.standard_normal((3, 2, 96, 8)).astype(np.float32)
+    specs = [kvformat.LayerSpec(2, 16, 8, kvformat.FLOAT32)] * 3
+    series, whole = tmp_path / "series.kv", tmp_path / "whole.kv"
+    with kvformat.Writer(series, specs, codec=codec, metadata=ROPE) as w:
+        for start in range(0, 96, 8):
+            w.append_many(
+                [
+                    (layer, k[layer, :, start : start + 8], v[layer, :, start : start + 8], None, 0)
+                    for layer in range(3)
+                ]
+            )
+            w.snapshot()
+    with kvformat.Writer(whole, specs, metadata=ROPE) as w:
+        for layer in range(3):
+            w.append(layer, k[layer], v[layer])
+        w.snapshot()
+    return series, whole
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd:1"])
+def test_statistics_of_a_series_snapshot_equal_those_of_the_data_written_at_once(
+    tmp_path: Path, codec: str
+) -> None:
+    """A series' last snapshot has small segments interleaved across heads: the pass regroups
+    them by head (`streaming.windows`) and reads each head's together (`Snapshot.read_many`);
+    the statistics are those of the same K/V written at once."""
+    from kvsnap.analysis.streaming import windows
+
+    series, whole = _series_and_whole(tmp_path, codec)
+    with kvformat.open(series) as snap:
+        order = windows(snap)
+        assert all(w.release for w in order)
+        heads = [(s.layer, s.seq, s.head) for w in order for s in w.segments]
+        assert heads == sorted(heads) and len(heads) == 3 * 2 * 12  # by head, within one window
+    a, b = stats_rows(series), stats_rows(whole)
+    big = tmp_path / "big.kv"  # segments of 2 MiB: read in file order
+    data = np.zeros((2, 4096, 64), np.float32)
+    with kvformat.Writer(big, [kvformat.LayerSpec(2, 64, 64, kvformat.FLOAT32)]) as w:
+        w.append(0, data, data)
+    with kvformat.open(big) as snap:
+        assert [w.release for w in windows(snap)] == [False]
+        assert windows(snap)[0].segments == snap.segments()
+    for x, y in zip(a, b, strict=True):
+        for key, value in y.items():
+            if key in ("file", "snapshot"):
+                continue
+            loose = 1e-5 if key in GROUPS["spectrum"] else None
+            if isinstance(value, float):
+                np.testing.assert_allclose(x[key], value, rtol=loose or 1e-9, err_msg=key)
+            elif isinstance(value, list) and value and isinstance(value[0], float):
+                np.testing.assert_allclose(x[key], value, rtol=loose or 1e-7, atol=1e-12, err_msg=key)
+            else:
+                assert x[key] == value, key
+
+
+def test_read_many_joins_what_read_gives_and_checks_every_crc(tmp_path: Path) -> None:
+    series, _ = _series_and_whole(tmp_path)
+    with kvformat.open(series) as snap:
+        segments = [s for s in snap.segments() if (s.layer, s.head) == (1, 1)]
+        joined = snap.read_many(segments)
+        one_by_one = [snap.read(s) for s in segments]
+        np.testing.assert_array_equal(joined.k, np.concatenate([h.k for h in one_by_one]))
+        np.testing.assert_array_equal(joined.v, np.concatenate([h.v for h in one_by_one]))
+        np.testing.assert_array_equal(joined.positions, np.arange(96))
+        with pytest.raises(ValueError, match="one head"):
+            snap.read_many([segments[0], snap.segments()[0]])
+        offset = int(snap._file.table["offset"][segments[5].v_chunk])
+    raw = bytearray(series.read_bytes())
+    raw[offset + 64 + 3] ^= 1
+    series.write_bytes(bytes(raw))
+    with kvformat.open(series) as snap, pytest.raises(kvformat.ChecksumError, match="payload CRC-32C"):
+        snap.read_many([s for s in snap.segments() if (s.layer, s.head) == (1, 1)])
