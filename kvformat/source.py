@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import mmap
 import os
+import threading
 import urllib.parse
 from collections.abc import Sequence
 from typing import Any, BinaryIO, Protocol
@@ -75,10 +76,13 @@ class MmapSource:
 
 
 class FileObjectSource:
-    """Any seekable binary file object; every ``read`` copies into fresh memory."""
+    """Any seekable binary file object; every ``read`` copies into fresh memory. Thread-safe: a
+    read's seek and reads happen under a lock (verify and the analysis passes read on several
+    threads)."""
 
     def __init__(self, fileobj: BinaryIO, name: str | None = None) -> None:
         self._file = fileobj
+        self._lock = threading.Lock()
         self.name = name or str(getattr(fileobj, "name", "<file object>"))
         try:
             self.size = fileobj.seek(0, io.SEEK_END)
@@ -90,15 +94,16 @@ class FileObjectSource:
             raise TruncatedFileError(
                 f"{self.name}: read of {size} bytes at {offset} passes end of file ({self.size})"
             )
-        self._file.seek(offset)
         buffer = bytearray(size)
         view = memoryview(buffer)
         got = 0
-        while got < size:
-            n = self._file.readinto(view[got:])  # type: ignore[attr-defined]
-            if not n:
-                raise TruncatedFileError(f"{self.name}: file ended at {offset + got} while reading")
-            got += n
+        with self._lock:
+            self._file.seek(offset)
+            while got < size:
+                n = self._file.readinto(view[got:])  # type: ignore[attr-defined]
+                if not n:
+                    raise TruncatedFileError(f"{self.name}: file ended at {offset + got} while reading")
+                got += n
         return view
 
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:

@@ -586,3 +586,48 @@ def test_verify_of_a_series_in_one_pass_reports_what_the_walk_reports_and_misses
         damaged.write_bytes(bytes(raw))
         with kvformat.open(damaged) as snap, pytest.raises(kvformat.KVFormatError):
             snap.verify()
+
+
+def test_verify_of_a_series_from_a_file_object_equals_the_memory_map(tmp_path: Path) -> None:
+    """verify reads on two threads: a file object source (one file position) gives the report
+    and the error the memory map gives."""
+    path = tmp_path / "s.kv"
+    _equal_runs_series(path, 3)
+    with kvformat.open(path) as snap:
+        mapped = snap.verify()
+        offset = int(snap._file.table["offset"][40])
+    for _ in range(5):
+        with open(path, "rb") as f, kvformat.open(f) as snap:
+            assert snap.verify() == mapped
+    raw = bytearray(path.read_bytes())
+    raw[offset + 70] ^= 2
+    path.write_bytes(bytes(raw))
+    with (
+        open(path, "rb") as f,
+        kvformat.open(f) as snap,
+        pytest.raises(kvformat.ChecksumError, match="chunk 40"),
+    ):
+        snap.verify()
+
+
+def test_a_file_object_source_reads_the_right_bytes_from_many_threads(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvformat.source import FileObjectSource
+
+    data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        source = FileObjectSource(f)
+
+        def reads(seed: int) -> bool:
+            rng = np.random.default_rng(seed)
+            for _ in range(300):
+                offset, size = int(rng.integers(0, 1 << 19)), int(rng.integers(1, 1 << 16))
+                if bytes(source.read(offset, size)) != data[offset : offset + size]:
+                    return False
+            return True
+
+        with ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(reads, range(8)))
