@@ -33,6 +33,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvformat.checksum import concatenated_linear, crc32c, linear_crc, zeros_crc
+from kvsnap.analysis.accumulator import PIECE
+
 if TYPE_CHECKING:
     from kvsnap.analysis.accumulator import HeadAccumulator
 
@@ -266,8 +269,6 @@ def _flags(acc: HeadAccumulator, n: int) -> Flags:
 
 def _pieces(rows: np.ndarray, positions: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``rows`` in the CPU path's pieces (quantization groups of tokens start at the same rows)."""
-    from kvsnap.analysis.accumulator import PIECE
-
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     for start in range(0, rows.shape[0], PIECE):
         piece = rows[start : start + PIECE]
@@ -303,7 +304,7 @@ class _Batch:
 
     def __init__(
         self,
-        entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]],
+        entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray, Any]],
         folder: ThreadPoolExecutor,
         staging: Staging | None = None,
         after: list[Callable[[], None]] | None = None,
@@ -312,12 +313,14 @@ class _Batch:
         self.staging = staging
         self.after = after or []
         groups: dict[tuple[Any, str, Flags], list[int]] = {}
-        for i, (acc, x, _) in enumerate(entries):
+        for i, (acc, x, _, _) in enumerate(entries):
             groups.setdefault((x.shape, x.dtype.str, _flags(acc, x.shape[0])), []).append(i)
-        self.entries = entries
+        self.entries = [(acc, x, pos) for acc, x, pos, _ in entries]
         self.groups = [(flags, members) for (_, _, flags), members in groups.items()]
         self.fills = [
-            staging.start_fill([entries[i][1] for i in members]) if staging is not None else None
+            staging.start_fill([entries[i][1] for i in members], [entries[i][3] for i in members])
+            if staging is not None
+            else None
             for _, members in self.groups
         ]
         self.calls: list[tuple[list[int], dict[str, Any]]] = []
@@ -325,7 +328,7 @@ class _Batch:
         self._launched = False
         self._lock = threading.Lock()
         self._folded: Future[None] | None = None
-        for acc, _, _ in entries:
+        for acc, _, _, _ in entries:
             acc._pending = self
 
     def launch(self) -> None:
@@ -441,8 +444,11 @@ class Staging:
         the device converts)."""
         return self.start_fill(pieces).result()
 
-    def start_fill(self, pieces: list[np.ndarray]) -> _Fill:
-        """`fill`, started: the copies run on the copy threads; ``.result()`` waits for them."""
+    def start_fill(self, pieces: list[np.ndarray], checks: list[Any] | None = None) -> _Fill:
+        """`fill`, started: the copies run on the copy threads; ``.result()`` waits for them.
+        ``checks``: per piece, None or a `kvformat.reader.PayloadCheck` its bytes must pass; the
+        copy threads compute the CRC of what they copy (the linear CRC of each task's rows,
+        combined per piece by `kvformat.checksum`), ``.result()`` checks it."""
         import mlx.core as mx
 
         first = pieces[0]
@@ -452,21 +458,25 @@ class Staging:
         target = _host_view(buffer)
         rows = first.shape[0]
         step = max(1, -(-rows * len(pieces) // (self.threads * 2)))  # ~2 tasks per thread
+        checks = checks or [None] * len(pieces)
 
-        def copy(index: int, start: int) -> None:
+        def copy(index: int, start: int) -> int:
             source = pieces[index][start : start + step]
             if sixteen:
                 np.copyto(target[index, start : start + step], source.view(np.uint16))
             else:
                 np.copyto(target[index, start : start + step], source, casting="unsafe")
+            return linear_crc(_bytes_of(source)) if checks[index] is not None else 0
 
         tasks = [(i, start) for i in range(len(pieces)) for start in range(0, rows, step)]
         copies = [self.pool.submit(copy, i, start) for i, start in tasks]
+        task_bytes = [min(step, rows - start) * first[0].nbytes for _, start in tasks]
+        verify = _CopyCheck(checks, [i for i, _ in tasks], task_bytes)
         if first.dtype.name == "bfloat16":
-            return _Fill(copies, buffer, buffer.view(mx.bfloat16))
+            return _Fill(copies, buffer, buffer.view(mx.bfloat16), verify)
         if first.dtype == np.float16:
-            return _Fill(copies, buffer, buffer.view(mx.float16))
-        return _Fill(copies, buffer, buffer)
+            return _Fill(copies, buffer, buffer.view(mx.float16), verify)
+        return _Fill(copies, buffer, buffer, verify)
 
     def give_back(self, buffers: list[Any]) -> None:
         """Buffers the device has finished reading: kept for reuse, at most three per shape and
@@ -483,18 +493,47 @@ class Staging:
 
 
 @dataclass
+class _CopyCheck:
+    """The payload checks of the pieces of one fill: per piece its check (or None); per copy
+    task, its piece and bytes, in order."""
+
+    checks: list[Any]
+    task_piece: list[int]
+    task_bytes: list[int]
+
+    def check(self, parts: list[int]) -> None:
+        """Raise `kvformat.ChecksumError` for the first piece whose tasks' linear CRCs
+        (``parts``, per task) do not combine to its payload's CRC."""
+        pieces: dict[int, list[tuple[int, int]]] = {}
+        for piece, nbytes, part in zip(self.task_piece, self.task_bytes, parts, strict=True):
+            if self.checks[piece] is not None:
+                pieces.setdefault(piece, []).append((nbytes, part))
+        for piece, spans in pieces.items():
+            crc = concatenated_linear(spans) ^ zeros_crc(sum(nbytes for nbytes, _ in spans))
+            self.checks[piece].check(crc)
+
+
+@dataclass
 class _Fill:
     """Copies into a staging buffer in progress: `result` waits for them (and raises what one of
-    them raised), then gives ``(buffer, stacked)``."""
+    them raised, or a payload CRC that does not match), then gives ``(buffer, stacked)``."""
 
-    copies: list[Future[None]]
+    copies: list[Future[int]]
     buffer: Any
     stacked: Any
+    verify: _CopyCheck | None = None
 
     def result(self) -> tuple[Any, Any]:
-        for future in self.copies:
-            future.result()
+        parts = [future.result() for future in self.copies]
+        if self.verify is not None:
+            self.verify.check(parts)
+            self.verify = None
         return self.buffer, self.stacked
+
+
+def _bytes_of(rows: np.ndarray) -> memoryview:
+    """The bytes of ``rows`` (C-contiguous: a chunk's payload or rows of it), for a CRC."""
+    return np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data
 
 
 def _host_view(array: Any) -> np.ndarray:
@@ -513,7 +552,7 @@ class Pipeline:
     def __init__(self, limit: int = 32 << 20, staging: bool = True) -> None:
         self.limit = limit
         self._staging = Staging.create() if staging else None
-        self._entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]] = []
+        self._entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray, Any]] = []
         self._after: list[Callable[[], None]] = []
         self._bytes = 0
         self._copying: _Batch | None = None  # copies running while the next batch is read
@@ -527,11 +566,18 @@ class Pipeline:
         rows: np.ndarray,
         positions: np.ndarray,
         after: Callable[[], None] | None = None,
+        check: Any = None,
     ) -> None:
         """Queue ``rows`` of ``acc``; ``after`` runs once they are copied for the device (e.g.
-        releasing their pages)."""
+        releasing their pages). ``check``: a `kvformat.reader.PayloadCheck` the bytes of
+        ``rows`` (a chunk's whole payload, read unchecked) must pass: the copy threads compute
+        the CRC over what they copy, so the driving thread reads nothing itself (checked here
+        instead when ``rows`` span several pieces or nothing is staged)."""
+        if check is not None and (rows.shape[0] > PIECE or self._staging is None):
+            check.check(crc32c(_bytes_of(rows)))
+            check = None
         for x, pos in _pieces(rows, positions):
-            self._entries.append((acc, x, pos))
+            self._entries.append((acc, x, pos, check))
             self._bytes += x.nbytes
         if after is not None:
             self._after.append(after)
@@ -582,8 +628,14 @@ class Pipeline:
     def __enter__(self) -> Pipeline:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        # A failure (a bad CRC, say): stop without finishing what is queued.
+        self._folder.shutdown()
+        if self._staging is not None:
+            self._staging.close()
 
 
 def _raw_powers(shift: np.ndarray, central: np.ndarray, n: int) -> np.ndarray:

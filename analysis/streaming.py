@@ -84,16 +84,21 @@ def _add_segments(
     and checksums of a memory-mapped file over the cores. With an mlx ``pipeline``
     (`mlx_kernel.Pipeline`) the rows join its next device batch instead."""
     for group in _joined(segments):
-        # Small segments of one head: read and added at once (a copy of a few MiB at most).
-        block = snap.read(group[0]) if len(group) == 1 else snap.read_many(group)
+        k_check = v_check = None
+        if len(group) > 1:  # small segments of one head: read and added at once (one copy)
+            block = snap.read_many(group)
+        elif pipeline is not None and rope is None:  # the copy threads check the CRCs
+            block, k_check, v_check = snap.read_unchecked(group[0])
+        else:
+            block = snap.read(group[0])
         block_k, block_v, positions = block.k, block.v, block.positions
         k = block_k if rope is None else rope.rotate(block_k, positions, inverse=True)
         # Pages are released as soon as they are added, or with their window (`windows`: small
         # segments, whose pages hold other heads' records).
         after = functools.partial(snap.release, group) if release_each else None
         if pipeline is not None:
-            pipeline.add(k_acc, k, positions)
-            pipeline.add(v_acc, block_v, positions, after=after)
+            pipeline.add(k_acc, k, positions, check=k_check)
+            pipeline.add(v_acc, block_v, positions, after=after, check=v_check)
             continue
         k_acc.add(k, positions)
         v_acc.add(block_v, positions)

@@ -17,10 +17,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from kvformat import remote
-from kvformat.errors import (
-    OutOfRangeError,
-)
+from kvformat import codecs, remote
+from kvformat.errors import ChecksumError, OutOfRangeError
 from kvformat.layout import (
     DESCRIPTOR_SIZE,
     MAX_POSITION,
@@ -30,10 +28,24 @@ from kvformat.quantization import Parts
 from kvformat.remote import READ_AHEAD
 from kvformat.series import Segment, Segments, ranges
 from kvformat.source import open_source
-from kvformat.structure import FileStructure, check_arrays
+from kvformat.structure import FileStructure, check_arrays, chunk_label
 from kvformat.verify import VerifyReport, verify
 
 _PAGE = 4096  # chunks this close are released as one range
+
+
+@dataclass(frozen=True)
+class PayloadCheck:
+    """The CRC-32C a chunk's payload must have (`Snapshot.read_unchecked`), and the chunk's
+    name for the error."""
+
+    crc: int
+    label: str
+
+    def check(self, crc: int) -> None:
+        """Raise `ChecksumError` unless ``crc`` (of the payload's bytes) is the expected one."""
+        if crc != self.crc:
+            raise ChecksumError(f"{self.label}: payload CRC-32C mismatch")
 
 
 @dataclass(frozen=True)
@@ -312,6 +324,30 @@ class Snapshot:
             file.chunk_array(segment.v_chunk)[segment.v_row : segment.v_row + segment.count],
             np.arange(segment.position, segment.position + segment.count, dtype=np.int64),
         )
+
+    def read_unchecked(self, segment: Segment) -> tuple[Head, PayloadCheck | None, PayloadCheck | None]:
+        """`read`, leaving to the caller the CRCs of the chunks whose whole payload is K or V as
+        returned (raw chunks the segment covers entirely): a caller that goes over every byte
+        anyway (a copy to a device) checks them there, with `PayloadCheck.check`. Returns the
+        `Head` and K's and V's checks, None for a chunk checked here (as `read` does) or in a
+        file opened without checks."""
+        file = self._file
+        checks: list[PayloadCheck | None] = []
+        arrays = []
+        for chunk, row in ((segment.k_chunk, segment.k_row), (segment.v_chunk, segment.v_row)):
+            c = file.chunk(chunk)
+            whole = row == 0 and segment.count == c.rows and c.codec == codecs.Raw.code
+            if not (whole and file.check_checksums and file.manifest.layers[c.layer].quantization is None):
+                arrays.append(file.chunk_array(chunk)[row : row + segment.count])
+                checks.append(None)
+                continue
+            arrays.append(file.chunk_array(chunk, checked=True))
+            checks.append(
+                PayloadCheck(c.payload_crc, f"{file.source.name}: {chunk_label(file.table, chunk)}")
+            )
+        positions = np.arange(segment.position, segment.position + segment.count, dtype=np.int64)
+        head = Head(segment.layer, segment.head, segment.seq, arrays[0], arrays[1], positions)
+        return head, checks[0], checks[1]
 
     def read_many(self, segments: Sequence[Segment]) -> Head:
         """Consecutive segments of one head (as `segments()` gives them) as one `Head`, their rows

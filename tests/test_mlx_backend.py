@@ -249,3 +249,49 @@ def test_device_histogram_bins_equal_the_hosts_at_the_bin_edges() -> None:
     out = function(mx.array(odd), mx.array(np.zeros(3, np.uint8)))
     assert np.array(out["norm_bin"]).tolist() == [0, 0, 0]
     assert np.array(out["peak_bin"]).tolist() == [0, 0, 0]
+
+
+def test_copy_threads_check_the_payload_crcs_of_what_they_copy() -> None:
+    """`Staging.start_fill` with checks: each piece's CRC is combined from its copy tasks' (several
+    per piece here) and held against the expected one; a wrong one raises with the chunk's name."""
+    from kvformat.checksum import crc32c
+    from kvformat.reader import PayloadCheck
+    from kvsnap.analysis.mlx_kernel import Staging
+
+    staging = Staging.create()
+    assert staging is not None
+    rng = np.random.default_rng(8)
+    try:
+        for dtype in (np.float32, ml_dtypes.bfloat16):
+            pieces = [rng.standard_normal((300, 24)).astype(dtype) for _ in range(2)]
+            checks = [PayloadCheck(crc32c(p.tobytes()), f"chunk {i}") for i, p in enumerate(pieces)]
+            fill = staging.start_fill(pieces, checks)
+            assert len(fill.copies) > len(pieces)  # a piece is copied (and checksummed) in parts
+            buffer, _ = fill.result()
+            staging.give_back([buffer])
+            wrong = [checks[0], PayloadCheck(checks[1].crc ^ 1, "chunk 1")]
+            with pytest.raises(kvformat.ChecksumError, match="chunk 1: payload CRC-32C mismatch"):
+                staging.start_fill(pieces, wrong).result()
+            unchecked = staging.start_fill(pieces, [None, None])
+            unchecked.result()
+    finally:
+        staging.close()
+
+
+@pytest.mark.parametrize("tensor", ["k", "v"])
+def test_a_corrupt_chunk_is_found_by_the_copy_threads(tmp_path: Path, tensor: str) -> None:
+    """Chunks read unchecked (`Snapshot.read_unchecked`) are checked on the copy threads: a
+    damaged K or V chunk stops the pass with its name, as the CPU pass does."""
+    path = random_file(tmp_path / "r.kv", ml_dtypes.bfloat16, 64, 700)
+    with kvformat.open(path) as snap:
+        table = snap._file.table
+        chunk = int(np.flatnonzero(table["kind"] == (0 if tensor == "k" else 1))[3])
+        offset = int(table["offset"][chunk]) + 64 + 37
+        _, k_check, v_check = snap.read_unchecked(snap.segments()[0])
+        assert k_check is not None and v_check is not None  # whole raw chunks: left to the caller
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    for backend in ("mlx", "cpu"):
+        with pytest.raises(kvformat.ChecksumError, match=f"chunk {chunk} .*payload CRC-32C mismatch"):
+            stats_rows(path, backend=backend)
