@@ -92,6 +92,11 @@ def main() -> None:
     report["rss_after_warm_mib"] = _current_rss_mib()
 
     kvformat.Snapshot.read = _timed("read+crc (worker)", kvformat.Snapshot.read)  # type: ignore[method-assign]
+    unchecked = _timed("read, CRCs left to the copy threads (driver)", kvformat.Snapshot.read_unchecked)
+    kvformat.Snapshot.read_unchecked = unchecked  # type: ignore[method-assign]
+    mlx_kernel._Batch.launch = _timed("batch launch (waits for its copies, driver)", mlx_kernel._Batch.launch)  # type: ignore[method-assign]
+    mlx_kernel._Fill.result = _timed("copies waited for (driver)", mlx_kernel._Fill.result)  # type: ignore[method-assign]
+    mlx_kernel.Pipeline.add = _timed("pipeline add (driver)", mlx_kernel.Pipeline.add)  # type: ignore[method-assign]
     mlx_kernel._to_device = _timed("to device (mx.array per piece)", mlx_kernel._to_device)
     staging = mlx_kernel.Staging
     staging.fill = _timed("to device (staging copy per group)", staging.fill)  # type: ignore[method-assign]
