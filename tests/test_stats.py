@@ -67,19 +67,25 @@ def test_statistics_equal_direct_computation(tmp_path: Path) -> None:
 def test_streaming_in_small_chunks_equals_one_chunk(tmp_path: Path) -> None:
     make_file(tmp_path / "one.kv", chunk_bytes=1 << 20)
     make_file(tmp_path / "many.kv", chunk_bytes=32 * 16 * 4)  # 32-token chunks: same quant groups
-    one, many = stats_rows(tmp_path / "one.kv"), stats_rows(tmp_path / "many.kv")
-    for a, b in zip(one, many, strict=True):
-        for key, value in a.items():
-            if key in ("file",):
+    assert_same_statistics(stats_rows(tmp_path / "many.kv"), stats_rows(tmp_path / "one.kv"), ("file",))
+
+
+def assert_same_statistics(
+    rows: list[dict[str, object]], expected: list[dict[str, object]], skip: tuple[str, ...]
+) -> None:
+    """The rows of a pass over the same K/V read in other pieces: equal but for rounding (the
+    Gram runs on float32 pieces whose bounds follow the chunks: 1e-5 relative there)."""
+    for row, reference in zip(rows, expected, strict=True):
+        for key, value in reference.items():
+            if key in skip:
                 continue
-            # the Gram runs on float32 pieces whose bounds follow the chunks: 1e-5 relative there
             loose = 1e-5 if key in GROUPS["spectrum"] else None
             if isinstance(value, float):
-                np.testing.assert_allclose(b[key], value, rtol=loose or 1e-9, err_msg=key)
+                np.testing.assert_allclose(row[key], value, rtol=loose or 1e-9, err_msg=key)
             elif isinstance(value, list) and value and isinstance(value[0], float):
-                np.testing.assert_allclose(b[key], value, rtol=loose or 1e-7, atol=1e-12, err_msg=key)
+                np.testing.assert_allclose(row[key], value, rtol=loose or 1e-7, atol=1e-12, err_msg=key)
             else:
-                assert b[key] == value, key
+                assert row[key] == value, key
 
 
 def test_pre_rope_keys_are_recovered_exactly(tmp_path: Path) -> None:
@@ -204,17 +210,7 @@ def test_statistics_of_a_series_snapshot_equal_those_of_the_data_written_at_once
     with kvformat.open(big) as snap:
         assert [w.release for w in windows(snap)] == [False]
         assert windows(snap)[0].segments == snap.segments()
-    for x, y in zip(a, b, strict=True):
-        for key, value in y.items():
-            if key in ("file", "snapshot"):
-                continue
-            loose = 1e-5 if key in GROUPS["spectrum"] else None
-            if isinstance(value, float):
-                np.testing.assert_allclose(x[key], value, rtol=loose or 1e-9, err_msg=key)
-            elif isinstance(value, list) and value and isinstance(value[0], float):
-                np.testing.assert_allclose(x[key], value, rtol=loose or 1e-7, atol=1e-12, err_msg=key)
-            else:
-                assert x[key] == value, key
+    assert_same_statistics(a, b, ("file", "snapshot"))
 
 
 def test_read_many_joins_what_read_gives_and_checks_every_crc(tmp_path: Path) -> None:
