@@ -37,6 +37,7 @@ from kvformat.layout import (
 )
 from kvformat.manifest import loads
 from kvformat.series import ranges
+from kvformat.source import MmapSource
 from kvformat.structure import FileStructure, check_arrays, chunk_label
 
 
@@ -68,8 +69,12 @@ def verify(file: FileStructure) -> VerifyReport:
     n = len(table)
     stream = _StreamChecksum(file)
     one_pass: tuple[int, int, int] | None = None
+    # A memory map is checksummed from the start (a series is verified in this one pass); a
+    # remote or file-object source only once the file is known to be a series (nothing read
+    # twice).
+    eager = isinstance(file.source, MmapSource)
     with ThreadPoolExecutor(1, thread_name_prefix="kvformat-verify") as pool:
-        helper = pool.submit(stream.run)  # at once: a series is verified in this one pass
+        helper = pool.submit(stream.run) if eager else None
         try:
             offsets = table["offset"].astype(np.int64)
             stored = table["stored_size"].astype(np.int64)
@@ -84,12 +89,15 @@ def verify(file: FileStructure) -> VerifyReport:
             batches = _equal_run_batches(file, firsts, lasts + 1, offsets, stored, follows)
             if sum(b.count for b in batches) == n:  # every chunk in a run of equal records
                 stream.compare(offsets)
+                if helper is None:
+                    helper = pool.submit(stream.run)
                 one_pass = _check_all_but_the_stream(file, batches, offsets, follows[lasts], offsets[firsts])
         finally:
             if one_pass is None:
                 stream.stop()
             stream.run()
-            helper.result()
+            if helper is not None:
+                helper.result()
     if one_pass is not None:
         between, nbytes, stream_crc = one_pass
         if stream.result() == stream_crc and _zero_padding(file, batches, offsets):
