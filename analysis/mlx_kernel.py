@@ -397,10 +397,11 @@ class Staging:
     (`benchmarks/mlx_copy_probe.py`). An evaluated mlx array exposes its memory through the
     buffer protocol (CUDA managed memory, or Apple's unified memory), so the pieces of a batch are
     copied straight into it with ``np.copyto`` on a thread pool (which releases the GIL): 7.2-7.9
-    GB/s there on 8-16 threads, the device's reads included. Buffers are reused once the device
-    has read them (`give_back`); at most three per shape are kept (a batch copying, one on the
-    device, one being fetched). `create` checks once that a write through the buffer is what the
-    device reads, and returns None where it is not (then batches go through ``mx.array``)."""
+    GB/s there on 8-16 threads, the device's reads included (a pass uses `copy_threads`).
+    Buffers are reused once the device has read them (`give_back`); at most three per shape are
+    kept (a batch copying, one on the device, one being fetched). `create` checks once that a
+    write through the buffer is what the device reads, and returns None where it is not (then
+    batches go through ``mx.array``)."""
 
     KEEP_BYTES = 256 << 20
 
@@ -413,8 +414,6 @@ class Staging:
     def create(cls) -> Staging | None:
         import mlx.core as mx
 
-        from kvsnap.analysis.parallel import cores
-
         try:
             probe = mx.zeros((64,), dtype=mx.float32)
             mx.eval(probe)
@@ -426,7 +425,7 @@ class Staging:
                 return None
         except (TypeError, ValueError, BufferError, RuntimeError):
             return None
-        return cls(max(1, min(16, cores())))
+        return cls(copy_threads())
 
     def _take(self, shape: tuple[int, ...], dtype: Any) -> Any:
         import mlx.core as mx
@@ -534,6 +533,24 @@ class _Fill:
 def _bytes_of(rows: np.ndarray) -> memoryview:
     """The bytes of ``rows`` (C-contiguous: a chunk's payload or rows of it), for a CRC."""
     return np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data
+
+
+def copy_threads() -> int:
+    """Threads that copy batches into staging buffers: 3/8 of the cores (6 of 16). More lose:
+    on the H200 machine's 16 cores, beside the driving thread, the fold thread, the row threads
+    (`row_threads`) and mlx's own, a full pass took 5.4 s (fp32, 8.6 GB) with 16 copy threads and
+    3.6-4.2 s with 6 (`benchmarks/RESULTS.md`, session 11)."""
+    from kvsnap.analysis.parallel import cores
+
+    return max(1, min(16, cores() * 3 // 8))
+
+
+def row_threads() -> int:
+    """Threads that compute the rows (eigenvalues and all) of an mlx pass's accumulators as
+    their layers end: a quarter of the cores (see `copy_threads`)."""
+    from kvsnap.analysis.parallel import cores
+
+    return max(1, cores() // 4)
 
 
 def _host_view(array: Any) -> np.ndarray:

@@ -233,16 +233,17 @@ class _Workers:
     def __enter__(self) -> _Workers:
         from concurrent.futures import ThreadPoolExecutor
 
-        from kvsnap.analysis.parallel import OrderedPool, cores, single_threaded_blas
+        from kvsnap.analysis.parallel import OrderedPool, single_threaded_blas
 
         with self._stack as stack:
+            rows_threads = 1
             if self.options.backend == "mlx":
-                from kvsnap.analysis.mlx_kernel import Pipeline
+                from kvsnap.analysis.mlx_kernel import Pipeline, row_threads
 
                 self.pipeline = stack.enter_context(Pipeline())
+                rows_threads = row_threads()
             stack.enter_context(single_threaded_blas())
             self.pool = stack.enter_context(OrderedPool(self.options.threads))
-            rows_threads = cores() if self.pipeline is not None else 1
             self.row_pool = stack.enter_context(
                 ThreadPoolExecutor(rows_threads, thread_name_prefix="kvsnap-rows")
             )
