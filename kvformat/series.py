@@ -375,6 +375,8 @@ class Chain:
         ):
             return False
         table = self._table[start : start + count * width]
+        if not table.flags.c_contiguous:  # viewed as 8-byte words below
+            return False
         layout = table[:width]
         keys = list(zip(*(layout[f].tolist() for f in ("layer", "seq", "head", "kind")), strict=True))
         column = {key: j for j, key in enumerate(keys)}
