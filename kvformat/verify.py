@@ -13,6 +13,7 @@ from kvformat import codecs
 from kvformat.checksum import (
     concatenated_linear,
     crc32c,
+    crc32c_many,
     crc32c_rows,
     crc32c_slices,
     linear_crc,
@@ -416,8 +417,8 @@ def _walk_between(
                 return None
     except KVFormatError:
         return None
-    view = file.source.read(0, index_offset)
-    gaps = [(b - a, linear_crc(view[a:b])) for a, b in zip(lower.tolist(), upper.tolist(), strict=True)]
+    read = file.source.read
+    gaps = [(b - a, linear_crc(read(a, b - a))) for a, b in zip(lower.tolist(), upper.tolist(), strict=True)]
     return records, checked, gaps
 
 
@@ -429,14 +430,14 @@ def _single_records_hold(
     records' bytes. Each such record is checked in bulk as `_verify_record` checks it (magic,
     descriptor CRC, offset, payload CRC, JSON, manifest first and only there, zero padding);
     None if one fails. Other stretches are left to `_verify_record`."""
-    index_offset = file.footer.index_offset
     size = np.zeros(lower.shape[0], np.int64)
     room = upper - lower >= DESCRIPTOR_SIZE
     if not room.any():
         return room, size
-    stream = np.frombuffer(file.source.read(0, index_offset), np.uint8)
+    read = file.source.read  # record by record: a remote or file-object source reads no more
     at = lower[room]
-    raw = stream[at[:, None] + np.arange(DESCRIPTOR_SIZE)]
+    raw = np.frombuffer(b"".join([read(a, DESCRIPTOR_SIZE) for a in at.tolist()]), np.uint8)
+    raw = raw.reshape(-1, DESCRIPTOR_SIZE)
     fields = raw.view(DESCRIPTOR_DTYPE).reshape(-1)
     end = at + DESCRIPTOR_SIZE + fields["stored_size"].astype(np.int64)
     kinds = fields["kind"]
@@ -455,18 +456,16 @@ def _single_records_hold(
     if bool(np.any((fields["kind"] == KIND_MANIFEST) != (at == HEADER_SIZE))):
         return None  # the manifest must be the first record, and only it
     stored = (end - at - DESCRIPTOR_SIZE).tolist()
-    view = stream.data
-    if not np.array_equal(
-        crc32c_slices(view, (at + DESCRIPTOR_SIZE).tolist(), stored), fields["payload_crc"]
-    ):
+    payloads = [read(a + DESCRIPTOR_SIZE, length) for a, length in zip(at.tolist(), stored, strict=True)]
+    if not np.array_equal(crc32c_many(payloads), fields["payload_crc"]):
         return None
     try:
-        for a, length in zip(at.tolist(), stored, strict=True):
-            loads(view[a + DESCRIPTOR_SIZE : a + DESCRIPTOR_SIZE + length], f"record at offset {a}")
+        for a, payload in zip(at.tolist(), payloads, strict=True):
+            loads(payload, f"record at offset {a}")
     except KVFormatError:
         return None
     pads = upper[single] - end
-    if pads.sum() and stream[ranges(end, pads)].any():
+    if any(any(read(a, n)) for a, n in zip(end.tolist(), pads.tolist(), strict=True) if n):
         return None
     size[single] = end - at
     return single, size

@@ -631,3 +631,26 @@ def test_a_file_object_source_reads_the_right_bytes_from_many_threads(tmp_path: 
 
         with ThreadPoolExecutor(8) as pool:
             assert all(pool.map(reads, range(8)))
+
+
+def test_verify_from_a_file_object_reads_the_file_about_once(tmp_path: Path) -> None:
+    """The one pass reads a file-object source's record stream once (plus the records between
+    runs), never the whole stream again to look at a few records."""
+    import io
+
+    path = tmp_path / "s.kv"
+    _equal_runs_series(path, 16)
+    data = path.read_bytes()
+
+    class Counting(io.BytesIO):
+        read_bytes = 0
+
+        def readinto(self, buffer: Any) -> int:
+            n = super().readinto(buffer)
+            Counting.read_bytes += n
+            return n
+
+    with kvformat.open(Counting(data)) as snap:
+        Counting.read_bytes = 0
+        snap.verify()
+    assert len(data) < Counting.read_bytes < 1.3 * len(data)
