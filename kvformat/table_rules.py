@@ -42,9 +42,25 @@ class TableFacts:
         self.manifest = manifest
         self._columns: dict[str, np.ndarray] = {}
 
+    # The fields the rules read, copied out together on first use: block by block, so each
+    # block of the table is read from memory once (one strided copy per field over the whole
+    # table reads all of it again each time: 13.7 instead of 21.5 ms for a 295k-chunk table).
+    _FIELDS = (
+        "kind", "dtype", "codec", "flags", "layer", "head", "seq", "position",
+        "rows", "width", "offset", "stored_size", "decoded_size",
+    )  # fmt: skip
+    _BLOCK = 8192  # records (512 KiB) per block
+
     def __getitem__(self, name: str) -> np.ndarray:
         """A field as a contiguous array (operations on a strided field of 64-byte records cost
         several times more, and the rules reuse them)."""
+        if not self._columns:
+            table, n = self.table, len(self.table)
+            self._columns = {field: np.empty(n, table.dtype[field]) for field in self._FIELDS}
+            for start in range(0, n, self._BLOCK):
+                block = table[start : start + self._BLOCK]
+                for field, copy in self._columns.items():
+                    copy[start : start + self._BLOCK] = block[field]
         column = self._columns.get(name)
         if column is None:
             column = self._columns[name] = np.ascontiguousarray(self.table[name])
