@@ -156,6 +156,13 @@ def fresh_accumulators(
     return table
 
 
+def _row_bytes(snap: kvformat.Snapshot) -> dict[int, int]:
+    """Bytes of one token of K and V, per present layer."""
+    return {
+        layer: spec.row_bytes(0) + spec.row_bytes(1) for layer, spec in enumerate(snap.layers) if spec.present
+    }
+
+
 @dataclass
 class Window:
     """Segments the pass reads together, in its order; ``release``: whether the window's pages
@@ -172,9 +179,7 @@ def windows(snap: kvformat.Snapshot) -> list[Window]:
     `WINDOW_BYTES` (K + V, in file order) are taken head by head, each head's in file order, so
     a head's small segments are read and added together."""
     segments = snap.segments()
-    row_bytes = {
-        layer: spec.row_bytes(0) + spec.row_bytes(1) for layer, spec in enumerate(snap.layers) if spec.present
-    }
+    row_bytes = _row_bytes(snap)
     sizes = [segment.count * row_bytes[segment.layer] for segment in segments]
     if not segments or sum(sizes) >= SMALL_SEGMENT_BYTES * len(segments):
         return [Window(segments, False)]
@@ -196,9 +201,7 @@ def head_batches(
     up to `BATCH_BYTES` of K and V (or one segment if larger); with each batch, whether it holds
     its layer's last segment (``last``: layer -> index of that segment in the pass order), and
     its window when it is the window's last batch."""
-    row_bytes = {
-        layer: spec.row_bytes(0) + spec.row_bytes(1) for layer, spec in enumerate(snap.layers) if spec.present
-    }
+    row_bytes = _row_bytes(snap)
     index = 0  # of the segment in the pass order
     for window in order:
         batch: list[kvformat.Segment] = []

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from kvformat import codecs, remote
-from kvformat.errors import ChecksumError, OutOfRangeError
+from kvformat.errors import OutOfRangeError
 from kvformat.layout import (
     DESCRIPTOR_SIZE,
     MAX_POSITION,
@@ -28,7 +28,7 @@ from kvformat.quantization import Parts
 from kvformat.remote import READ_AHEAD
 from kvformat.series import Segment, Segments, ranges
 from kvformat.source import open_source
-from kvformat.structure import FileStructure, check_arrays, chunk_label
+from kvformat.structure import FileStructure, check_arrays, payload_crc_mismatch
 from kvformat.verify import VerifyReport, verify
 
 _PAGE = 4096  # chunks this close are released as one range
@@ -45,7 +45,7 @@ class PayloadCheck:
     def check(self, crc: int) -> None:
         """Raise `ChecksumError` unless ``crc`` (of the payload's bytes) is the expected one."""
         if crc != self.crc:
-            raise ChecksumError(f"{self.label}: payload CRC-32C mismatch")
+            raise payload_crc_mismatch(self.label)
 
 
 @dataclass(frozen=True)
@@ -342,9 +342,7 @@ class Snapshot:
                 checks.append(None)
                 continue
             arrays.append(file.chunk_array(chunk, checked=True))
-            checks.append(
-                PayloadCheck(c.payload_crc, f"{file.source.name}: {chunk_label(file.table, chunk)}")
-            )
+            checks.append(PayloadCheck(c.payload_crc, file.chunk_name(chunk)))
         positions = np.arange(segment.position, segment.position + segment.count, dtype=np.int64)
         head = Head(segment.layer, segment.head, segment.seq, arrays[0], arrays[1], positions)
         return head, checks[0], checks[1]

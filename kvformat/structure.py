@@ -127,8 +127,16 @@ class FileStructure:
         c = self.chunk(i) if info is None else info
         payload = self.source.read(c.offset + DESCRIPTOR_SIZE, c.stored_size)
         if self.check_checksums and not checked and crc32c(payload) != c.payload_crc:
-            raise ChecksumError(f"{self.source.name}: {chunk_label(self.table, i)}: payload CRC-32C mismatch")
+            raise self.payload_crc_error(i)
         return payload
+
+    def chunk_name(self, i: int) -> str:
+        """The file and chunk ``i`` as error messages name them."""
+        return f"{self.source.name}: {chunk_label(self.table, i)}"
+
+    def payload_crc_error(self, i: int) -> ChecksumError:
+        """The error for chunk ``i``'s payload not matching its CRC-32C."""
+        return payload_crc_mismatch(self.chunk_name(i))
 
     def _decoded(self, i: int, c: Descriptor, checked: bool = False) -> BytesLike:
         dtype = dtypes.from_code(c.dtype)
@@ -136,7 +144,7 @@ class FileStructure:
         try:
             return codecs.from_code(c.codec).decode(payload, c.decoded_size, dtype.itemsize)
         except KVFormatError as exc:
-            raise type(exc)(f"{self.source.name}: {chunk_label(self.table, i)}: {exc}") from None
+            raise type(exc)(f"{self.chunk_name(i)}: {exc}") from None
 
     def _quantization(self, c: Descriptor) -> Quantization | None:
         if c.kind == KIND_ARRAY:
@@ -186,10 +194,7 @@ class FileStructure:
         if self.check_checksums:
             bad = np.flatnonzero(crc32c_many(payloads) != table["payload_crc"])
             if bad.size:
-                i = chunks[int(bad[0])]
-                raise ChecksumError(
-                    f"{self.source.name}: {chunk_label(self.table, i)}: payload CRC-32C mismatch"
-                )
+                raise self.payload_crc_error(chunks[int(bad[0])])
         pieces = [
             payload[start * row_bytes : (start + count) * row_bytes]
             for payload, start, count in zip(payloads, starts, counts, strict=True)
@@ -206,6 +211,11 @@ class FileStructure:
         if quant is not None:
             return quant.dequantize(self._parts(i, c, quant, checked), dtype.numpy)
         return np.frombuffer(self._decoded(i, c, checked), dtype=dtype.numpy).reshape(c.rows, c.width)
+
+
+def payload_crc_mismatch(name: str) -> ChecksumError:
+    """The error for the payload of the chunk named ``name`` not matching its CRC-32C."""
+    return ChecksumError(f"{name}: payload CRC-32C mismatch")
 
 
 def check_arrays(file: FileStructure, index: int, arrays: dict[str, int]) -> None:

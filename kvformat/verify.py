@@ -21,7 +21,7 @@ from kvformat.checksum import (
     repeated_linear,
     self_checked_linear,
 )
-from kvformat.errors import ChecksumError, CorruptFileError, KVFormatError
+from kvformat.errors import CorruptFileError, KVFormatError
 from kvformat.layout import (
     ALIGN,
     DESCRIPTOR_DTYPE,
@@ -39,7 +39,7 @@ from kvformat.layout import (
 from kvformat.manifest import loads
 from kvformat.series import ranges
 from kvformat.source import MmapSource
-from kvformat.structure import FileStructure, check_arrays, chunk_label
+from kvformat.structure import FileStructure, check_arrays, chunk_label, payload_crc_mismatch
 
 
 @dataclass(frozen=True)
@@ -534,7 +534,7 @@ def _verify_record(file: FileStructure, cursor: int, records: int, chunk: int) -
             raise CorruptFileError(f"{label}: chunk {chunk} differs from its index copy")
         label = chunk_label(file.table, chunk)
     if crc32c(payload) != desc.payload_crc:
-        raise ChecksumError(f"{source.name}: {label}: payload CRC-32C mismatch")
+        raise payload_crc_mismatch(f"{source.name}: {label}")
     if desc.kind in TABLE_KINDS:
         file.chunk_array(chunk, checked=True)
         chunk += 1
