@@ -7,7 +7,8 @@ a valid snapshot of every complete chunk.
 Memory: the index (64 bytes per chunk) plus, while an append is being written, its work units in
 flight: up to ``_AHEAD + 2`` units of about `_UNIT_BYTES` each (gathered strided rows in reused
 scratch buffers, encoded chunks for a compressing codec). Contiguous raw input is written straight
-from the caller's arrays, without a copy. The file's data is never held whole.
+from the caller's arrays, without a copy, but for small chunks: those are copied into one buffer
+and written with one call (`kvformat.records.block_records`). The file's data is never held whole.
 
 This module holds the writer's state and its I/O; the record layout is `kvformat.records`,
 the checks of appended input `kvformat.write_input`, the closing index section
@@ -16,7 +17,6 @@ the checks of appended input `kvformat.write_input`, the closing index section
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -45,7 +45,19 @@ from kvformat.layout import (
     pack_header,
 )
 from kvformat.manifest import LayerSpec, Manifest, check_head_sequences, dumps
-from kvformat.records import Block, Part, Records, Unit, block_columns, byte_view, crc_of, flat, layout
+from kvformat.records import (
+    Block,
+    Part,
+    Records,
+    Unit,
+    block_columns,
+    block_records,
+    byte_view,
+    crc_of,
+    flat,
+    layout,
+    small_chunks,
+)
 from kvformat.series import (
     CHUNK,
     COUNT,
@@ -136,8 +148,10 @@ class Writer:
         self._table: list[bytes] = []  # packed descriptors of every table chunk, in chunk order
         self._chunks = 0  # table chunks written
         self._chunk_rows = np.zeros(1024, np.int64)  # rows of table chunk i (capacity doubles)
-        # Per (layer, seq): one past the last position each head holds (0 for none).
-        self._ends: dict[tuple[int, int], np.ndarray] = {}
+        # Row ``layer * num_seqs + seq``: one past the last position each head holds (0 for none),
+        # ``(layers * num_seqs, most heads of a layer)``; one numpy call updates it per append.
+        heads = max((spec.num_heads for spec in specs), default=0)
+        self._ends = np.zeros((len(specs) * num_seqs, heads), np.int64)
         self._pending: list[np.ndarray] = []  # (n, 8) blocks of runs appended since the last snapshot
         self._pending_drops: list[tuple[int, int, int, int]] = []
         self._snapshots: list[Entry] = []
@@ -204,6 +218,9 @@ class Writer:
         """The records of ``unit``, laid out from file offset ``offset``: gather strided rows (into
         scratch buffer ``slot``), encode, checksum, build descriptors. Runs on the helper thread
         for pipelined appends and touches no writer state but the slot."""
+        if all(isinstance(item, Block) for item in unit) and small_chunks(cast(list[Block], unit)):
+            records, self._scratch[slot] = block_records(cast(list[Block], unit), offset, self._scratch[slot])
+            return records
         strided = sum(p.rows.nbytes for p in unit if isinstance(p, Part) and not p.rows.flags.c_contiguous)
         if self._scratch[slot].nbytes < strided:
             self._scratch[slot] = np.empty(strided, np.uint8)
@@ -313,18 +330,14 @@ class Writer:
         return range(first, first + count)
 
     def _advance_ends(self, runs: np.ndarray) -> None:
-        """Record that the heads of ``runs`` now hold positions up to each run's end (runs of
-        one head come in position order, so the last one of a head ends last)."""
-        ends = runs[:, POSITION] + runs[:, COUNT]
-        keys = runs[:, LAYER] * (1 << 24) + runs[:, SEQ]
-        bounds = [0, *(np.flatnonzero(keys[1:] != keys[:-1]) + 1).tolist(), len(keys)]
-        for a, b in itertools.pairwise(bounds):
-            layer, seq = int(runs[a, LAYER]), int(runs[a, SEQ])
-            held = self._ends.get((layer, seq))
-            if held is None:
-                held = self._ends[(layer, seq)] = np.zeros(self.manifest.layers[layer].num_heads, np.int64)
-            heads = runs[a:b, HEAD]
-            held[heads] = np.maximum(held[heads], ends[a:b])
+        """Record that the heads of ``runs`` now hold positions up to each run's end."""
+        rows = runs[:, LAYER] * self.manifest.num_seqs + runs[:, SEQ]
+        np.maximum.at(self._ends, (rows, runs[:, HEAD]), runs[:, POSITION] + runs[:, COUNT])
+
+    def _held(self, layer: int, seq: int) -> np.ndarray:
+        """One past the last position each head of ``layer`` holds for ``seq``, ``(num_heads,)``
+        (a view: writing to it changes the writer's state)."""
+        return self._ends[layer * self.manifest.num_seqs + seq, : self.manifest.layers[layer].num_heads]
 
     def _run(self, parts: Sequence[Part | Block]) -> None:
         """Prepare and write ``parts`` in order, grouped into units of about `_UNIT_BYTES`;
@@ -365,9 +378,7 @@ class Writer:
 
     def _check_after(self, layer: int, seq: int, position: int, head: int | None = None) -> None:
         """Every head of ``layer`` (or only ``head``) holds only positions before ``position``."""
-        held = self._ends.get((layer, seq))
-        if held is None:
-            return
+        held = self._held(layer, seq)
         if head is None:
             head = int(np.argmax(held))
         if position < held[head]:
@@ -407,8 +418,7 @@ class Writer:
     # -- public API ----------------------------------------------------------------------
     def next_position(self, layer: int, seq: int = 0) -> int:
         """One past the last position any head of ``layer`` holds for ``seq`` (0 if empty)."""
-        held = self._ends.get((layer, seq))
-        return int(held.max()) if held is not None else 0
+        return int(self._held(layer, seq).max(initial=0))
 
     def append(self, layer: int, k: Any, v: Any, positions: Any = None, *, seq: int = 0) -> None:
         """Append tokens to every head of ``layer`` for sequence ``seq``.
@@ -429,18 +439,20 @@ class Writer:
         self._check_open()
         parts: list[Part | Block] = []
         following: dict[tuple[int, int], int] = {}  # next default position within this call
+        held = self._ends.max(axis=1, initial=0).tolist()  # `next_position` of every (layer, seq)
+        seqs = self.manifest.num_seqs
         for layer, k, v, positions, seq in appends:
             spec = self._layer(layer)
             self._check_seq(seq)
             start: int | None = None
             if positions is None:
                 start = following.get((layer, seq))
-                start = self.next_position(layer, seq) if start is None else start
+                start = held[layer * seqs + seq] if start is None else start
             block = self._block(spec, layer, seq, k, v, positions, start)
             if block is not None:
                 count, first, last = block.k.shape[1], block.position, block.position + block.k.shape[1] - 1
                 if count:
-                    self._check_order(following, layer, seq, first, last)
+                    self._check_order(following, held, layer, seq, first, last)
                     parts.append(block)
                 continue
             heads, count = self._layer_rows(layer, spec, k, v)
@@ -448,17 +460,25 @@ class Writer:
                 positions = np.arange(count, dtype=np.int64) + start
             pos = as_positions(positions, count)  # checked once for every head
             if count:
-                self._check_order(following, layer, seq, int(pos[0]), int(pos[-1]))
+                self._check_order(following, held, layer, seq, int(pos[0]), int(pos[-1]))
             parts += self._parts(spec, layer, seq, heads, pos)
         self._run(parts)
 
     def _check_order(
-        self, following: dict[tuple[int, int], int], layer: int, seq: int, first: int, last: int
+        self,
+        following: dict[tuple[int, int], int],
+        held: list[int],
+        layer: int,
+        seq: int,
+        first: int,
+        last: int,
     ) -> None:
-        """Positions ``first..last`` come after what the layer holds and what this call appended."""
+        """Positions ``first..last`` come after what the layer holds (``held``: `next_position`
+        of each ``(layer, seq)`` row when the call began) and what this call appended."""
         earlier = following.get((layer, seq))
         if earlier is None:
-            self._check_after(layer, seq, first)
+            if first < held[layer * self.manifest.num_seqs + seq]:
+                self._check_after(layer, seq, first)  # names the head
         elif first < earlier:
             raise ValueError(
                 f"layer {layer} seq {seq}: position {first} is not after the last position "
@@ -583,10 +603,9 @@ class Writer:
         self._check_seq(seq)
         if not (type(start) is int and type(stop) is int and 0 <= start <= stop <= MAX_POSITION):
             raise ValueError(f"drop range must be integers 0 <= start <= stop, got {start}, {stop}")
-        held = self._ends.get((layer, seq))
-        if held is not None:
-            # A head whose last position was dropped may take positions from ``start`` on again.
-            held[(held > start) & (held <= stop)] = start
+        held = self._held(layer, seq)
+        # A head whose last position was dropped may take positions from ``start`` on again.
+        held[(held > start) & (held <= stop)] = start
         if self._pending:
             self._pending = [trim_runs(np.concatenate(self._pending), start, stop, layer, seq)]
         self._pending_drops.append((layer, seq, start, stop))

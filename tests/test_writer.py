@@ -186,3 +186,57 @@ def test_quantized_appends_are_checked_and_write_nothing_when_wrong(
         assert writer.next_position(0) == 0
     with kvformat.open(path) as snap:
         assert snap.seq_len == 0
+
+
+def _write_blocks(path: Path, monkeypatch: pytest.MonkeyPatch, *, small: bool, pipelined: bool) -> None:
+    """Contiguous appends (one `Block` per layer): layers of several shapes and dtypes, K and V
+    of different widths, payloads that need padding, an absent layer, several snapshots."""
+    rng = np.random.default_rng(5)
+    specs = [
+        kvformat.LayerSpec(3, 8, 6, kvformat.FLOAT32),
+        kvformat.LayerSpec(3, 8, 6, kvformat.FLOAT32),
+        kvformat.LayerSpec(2, 16, 16, kvformat.BFLOAT16),
+        None,
+        kvformat.LayerSpec(4, 5, 5, kvformat.FLOAT16),
+        kvformat.LayerSpec(4, 5, 5, kvformat.FLOAT16),
+    ]
+    monkeypatch.setattr(kvformat.records, "SMALL_CHUNK_BYTES", 64 << 10 if small else 0)
+    monkeypatch.setattr(writer_module, "_UNIT_BYTES", 600 if pipelined else 1 << 30)
+    with kvformat.Writer(path, specs) as w:
+        w.pipeline_bytes = 0 if pipelined else 1 << 62
+        for step, tokens in enumerate([7, 1, 16, 3]):
+            items = []
+            for layer, spec in enumerate(specs):
+                if spec is None:
+                    continue
+                assert spec.dtype is not None
+                k = rng.standard_normal((spec.num_heads, tokens, spec.k_dim)).astype(spec.dtype.numpy)
+                v = rng.standard_normal((spec.num_heads, tokens, spec.v_dim)).astype(spec.dtype.numpy)
+                items.append((layer, k, v, None, 0))
+            w.append_many(items)
+            w.snapshot({"step": step})
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_small_blocks_in_one_buffer_equal_the_records_chunk_by_chunk(
+    tmp_path: Path, pipelined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small contiguous chunks are laid out in one buffer with numpy (`block_records`); the bytes
+    are exactly those of the chunk-by-chunk layout, and the file verifies."""
+    laid_out = []
+    real = writer_module.block_records
+
+    def spy(*args: Any) -> Any:
+        laid_out.append(len(args[0]))
+        return real(*args)
+
+    monkeypatch.setattr(writer_module, "block_records", spy)
+    one_buffer, chunk_by_chunk = tmp_path / "one.kv", tmp_path / "each.kv"
+    _write_blocks(one_buffer, monkeypatch, small=True, pipelined=pipelined)
+    assert laid_out and (max(laid_out) > 1 if not pipelined else len(laid_out) > 4)
+    laid_out.clear()
+    _write_blocks(chunk_by_chunk, monkeypatch, small=False, pipelined=pipelined)
+    assert not laid_out
+    assert one_buffer.read_bytes() == chunk_by_chunk.read_bytes()
+    with kvformat.open(one_buffer) as snap:
+        assert snap.verify().snapshots == 4
