@@ -25,6 +25,7 @@ from kvsnap.analysis.catalogue import (
     TOP_K,
     hist_index,
     hist_quantile,
+    hist_quantiles,
     position_bins,
     quant_error,
     stat_groups,
@@ -35,7 +36,7 @@ from kvsnap.analysis.rope import Rope
 PIECE = 1 << 13  # rows per kernel call: bounds the float32 copy of a piece
 _NO_PAIRS = np.empty(0, np.int64)
 _NO_BAND = np.empty(0)
-_GRAM_ROWS = 512  # rows per float32 product: its rounding grows with them
+_GRAM_ROWS = 2048  # rows per float32 product: its rounding grows with them (see `_add_gram`)
 GRAM_FLOAT64_ROWS = 512  # fewer rows than this: the Gram update in float64
 HEAVY = 16.0  # squared norm over the piece's median: a row the Gram adds in float64
 
@@ -170,7 +171,7 @@ class HeadAccumulator:
                 self._add_gram(x, sums, square_norms)
             self.count += n
             if channels:
-                best = np.argpartition(peak_bits, n - TOP_K)[n - TOP_K :] if n > TOP_K else range(n)
+                best = kernel.top_rows(peak_bits, TOP_K).tolist()
                 peaks = peak_bits.view(np.float32)
                 self.top = sorted(self.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[
                     :TOP_K
@@ -207,16 +208,13 @@ class HeadAccumulator:
         if not n:
             return
         center = (sums / n).astype(np.float32)  # the shift; exact shifts are not needed
-        # Few, large numpy calls (each releases the GIL): one shift, one batched product of
-        # every _GRAM_ROWS-row piece, one float64 sum of the partial Gram matrices.
+        # Few, large numpy calls (each releases the GIL): one shift, then one product per
+        # _GRAM_ROWS-row piece written ``piece.T @ piece``, which numpy computes with BLAS's
+        # symmetric rank-k update (syrk: half the multiplications of a general product).
         shifted = x - center
-        full = n - n % _GRAM_ROWS
-        if full:
-            stacked = shifted[:full].reshape(-1, _GRAM_ROWS, x.shape[1])
-            self.gram += np.matmul(stacked.transpose(0, 2, 1), stacked).sum(axis=0, dtype=np.float64)
-        if full < n:
-            rest = shifted[full:]
-            self.gram += rest.T @ rest
+        for start in range(0, n, _GRAM_ROWS):
+            piece = shifted[start : start + _GRAM_ROWS]
+            self.gram += piece.T @ piece
         kernel.add_shift_terms(self.gram, center, sums, n)
 
     def _add_numpy(self, rows: np.ndarray, positions: np.ndarray) -> None:
@@ -255,7 +253,7 @@ class HeadAccumulator:
             bins = position_bins(np.asarray(pos))
             self.position_count += np.bincount(bins, minlength=POSITION_BINS)
             self.position_norm += np.bincount(bins, weights=norms, minlength=POSITION_BINS)
-            best = np.argsort(peaks)[-TOP_K:]
+            best = np.lexsort((np.asarray(pos), peaks))[-TOP_K:]  # among equal peaks, the later positions
             self.top = sorted(self.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[:TOP_K]
             x32 = np.asarray(rows[start : start + PIECE], dtype=np.float32)
             for i, bits in enumerate(QUANT_BITS):
@@ -311,8 +309,15 @@ class HeadAccumulator:
 
     def row(self) -> dict[str, Any]:
         """The statistics of the accumulator's groups, ``n_tokens`` first (see analysis/README.md
-        for each formula); columns of groups not computed are absent. Computed once until the
-        next `add` or `merge` (a pass computes it on its worker threads)."""
+        for each formula); columns of groups not computed are absent; vector columns are lists.
+        Computed once until the next `add` or `merge` (a pass computes it on its worker
+        threads)."""
+        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in self.row_arrays().items()}
+
+    def row_arrays(self) -> dict[str, Any]:
+        """`row` with the vector columns as float64 numpy arrays ``(dim,)`` (``eigenvalues``,
+        ``channel_*``, ``norm_by_position``, ``rope_band_energy``): what the Arrow tables are
+        built from, without a Python float per value."""
         if self._row is None:
             self._row = self._statistics()
         return dict(self._row)
@@ -330,7 +335,7 @@ class HeadAccumulator:
             row.update(self._channels(n, m1))
         if "rope" in self.groups:
             row["rope_band_energy"] = (
-                (self.band / max(float(self.band.sum()), 1e-30)).tolist() if self.band is not None else None
+                self.band / max(float(self.band.sum()), 1e-30) if self.band is not None else None
             )
         if "spectrum" in self.groups:
             row.update(self._spectrum(n, m1))
@@ -342,6 +347,7 @@ class HeadAccumulator:
         return row
 
     def _norms(self, n: int) -> dict[str, Any]:
+        p50, p99 = hist_quantiles(self.norm_hist, (0.5, 0.99))
         mean_norm = self.norm_sum / n
         sq_mean = self.norm_sq_sum / n
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -352,13 +358,13 @@ class HeadAccumulator:
             "norm_std": float(np.sqrt(max(sq_mean - mean_norm**2, 0.0))),
             "norm_min": self.norm_min,
             "norm_max": self.norm_max,
-            "norm_p50": hist_quantile(self.norm_hist, 0.5),
-            "norm_p99": hist_quantile(self.norm_hist, 0.99),
+            "norm_p50": p50,
+            "norm_p99": p99,
             "norm_sq_mean": sq_mean,
             "sink_ratio": self.first_norm_sum / self.first_count / mean_norm
             if self.first_count
             else float("nan"),
-            "norm_by_position": by_position[:last_bin].tolist(),
+            "norm_by_position": by_position[:last_bin],
             "anisotropy": float(np.linalg.norm(self.unit_sum / n)),
         }
 
@@ -370,11 +376,11 @@ class HeadAccumulator:
             kurtosis = np.where(var > 0, central4 / (var * var) - 3.0, np.nan)
         peak_median = hist_quantile(self.peak_hist, 0.5)
         return {
-            "channel_mean": m1.tolist(),
-            "channel_var": var.tolist(),
-            "channel_absmax": self.absmax.tolist(),
+            "channel_mean": m1,
+            "channel_var": var,
+            "channel_absmax": self.absmax.copy(),
             "outlier_channel_ratio": float(self.absmax.max() / max(np.median(self.absmax), 1e-30)),
-            "channel_kurtosis": kurtosis.tolist(),
+            "channel_kurtosis": kurtosis,
             "massive_positions": [p for _, p in self.top],
             "massive_values": [v for v, _ in self.top],
             "massive_ratio": self.top[0][0] / peak_median if self.top and peak_median > 0 else float("nan"),
@@ -390,7 +396,7 @@ class HeadAccumulator:
         probabilities = eig / total if total > 0 else eig
         nonzero = probabilities[probabilities > 0]
         row: dict[str, Any] = {
-            "eigenvalues": eig.tolist(),
+            "eigenvalues": eig,
             "rank_90": int(np.searchsorted(cumulative, 0.9) + 1),
             "effective_rank": float(np.exp(-(nonzero * np.log(nonzero)).sum())) if nonzero.size else 0.0,
         }

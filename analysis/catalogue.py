@@ -35,12 +35,18 @@ def hist_index(values: np.ndarray) -> np.ndarray:
 
 
 def hist_quantile(hist: np.ndarray, q: float) -> float:
-    total = hist.sum()
+    return hist_quantiles(hist, (q,))[0]
+
+
+def hist_quantiles(hist: np.ndarray, qs: tuple[float, ...]) -> list[float]:
+    """The ``qs`` quantiles of the log histogram ``hist`` (`BINS`,): each its bin's center (NaN
+    for an empty histogram); one cumulative sum for all of them."""
+    cumulative = np.cumsum(hist)
+    total = cumulative[-1]
     if not total:
-        return float("nan")
-    index = int(np.searchsorted(np.cumsum(hist), q * total, side="left"))
-    center = LOG_LOW + (index + 0.5) * (LOG_HIGH - LOG_LOW) / BINS
-    return float(10.0**center)
+        return [float("nan")] * len(qs)
+    indices = np.searchsorted(cumulative, np.asarray(qs) * total, side="left")
+    return (10.0 ** (LOG_LOW + (indices + 0.5) * ((LOG_HIGH - LOG_LOW) / BINS))).tolist()
 
 
 def _group_error(groups: np.ndarray, levels: int, axis: int) -> float:

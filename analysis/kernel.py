@@ -343,6 +343,34 @@ def _accumulate(
             peak_hist[_hist_bin(np.float64(peaks[i]))] += 1
 
 
+def _top_rows(peak_bits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``min(k, n)`` rows with the largest peaks, unordered (``peak_bits``
+    ``(n,)``: non-negative float32 bits as int32, which order as the floats do); among equal
+    peaks the later rows, as the catalogue's (value, position) order ranks them. One pass with
+    a running minimum: O(n) for all but adversarial inputs, where it is O(n k)."""
+    n = peak_bits.shape[0]
+    m = min(k, n)
+    best = np.empty(m, np.int64)
+    if m == 0:
+        return best
+    lowest = 0
+    for i in range(m):
+        best[i] = i
+        if peak_bits[i] <= peak_bits[best[lowest]]:
+            lowest = i
+    floor = peak_bits[best[lowest]]
+    for i in range(m, n):
+        if peak_bits[i] >= floor:  # ties: the later row ranks higher
+            best[lowest] = i
+            lowest = 0
+            for s in range(1, m):
+                a, b = peak_bits[best[s]], peak_bits[best[lowest]]
+                if a < b or (a == b and best[s] < best[lowest]):
+                    lowest = s
+            floor = peak_bits[best[lowest]]
+    return best
+
+
 def _add_shift_terms(gram: np.ndarray, center: np.ndarray, sums: np.ndarray, n: int) -> None:
     """``gram += c s^T + s c^T - n c c^T`` (float64; ``c`` = ``center``): what turns the Gram
     matrix of rows less ``c`` into that of the rows, ``s`` their sum."""
@@ -373,8 +401,10 @@ if numba is not None:
     _quant_tile = numba.njit(cache=True, nogil=True, fastmath=_QUANT_FLAGS)(_quant_tile)
     accumulate = numba.njit(cache=True, nogil=True)(_accumulate)
     heavy_rows = numba.njit(cache=True, nogil=True)(_heavy_rows)
+    top_rows = numba.njit(cache=True, nogil=True)(_top_rows)
     add_shift_terms = numba.njit(cache=True, nogil=True)(_add_shift_terms)
 else:  # pragma: no cover
     accumulate = _accumulate
     heavy_rows = _heavy_rows
+    top_rows = _top_rows
     add_shift_terms = _add_shift_terms

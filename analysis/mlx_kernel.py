@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvformat.checksum import concatenated_linear, crc32c, linear_crc, zeros_crc
+from kvsnap.analysis import kernel
 from kvsnap.analysis.accumulator import PIECE
 
 if TYPE_CHECKING:
@@ -751,7 +752,10 @@ def _fold_group(
         peaks = out["peaks"]
         peak_hists = _bincounts(out["peak_bin"], catalogue.BINS)
         top_k = catalogue.TOP_K
-        best = np.argpartition(peaks, n - top_k, axis=1)[:, n - top_k :] if n > top_k else None
+        # The rows the catalogue's (value, position) order ranks first, as the CPU kernel picks
+        # them (`kernel.top_rows`: among equal peaks, the later rows).
+        peak_bits = np.ascontiguousarray(peaks, np.float32).view(np.int32)
+        best = [kernel.top_rows(peak_bits[b], top_k).tolist() for b in range(peak_bits.shape[0])]
     if "spectrum" in groups and "product" in out:
         heavy = out["light"] == 0
         light_rows = n - heavy.sum(axis=1)
@@ -787,7 +791,7 @@ def _fold_group(
             acc.peak_hist += peak_hists[b]
             acc.absmax = np.maximum(acc.absmax, out["absmax"][b])
             acc.power[1:] += raw[b, 1:]
-            chosen = best[b] if best is not None else range(n)
+            chosen = best[b]
             found = [(float(peaks[b, i]), int(p[i])) for i in chosen]
             acc.top = sorted(acc.top + found, reverse=True)[: catalogue.TOP_K]
         if raw is not None and "rope" in groups and acc.band is not None and acc.rope is not None:

@@ -6,6 +6,7 @@ The formulas are in ``analysis/README.md``.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -63,7 +64,11 @@ __all__ = [
 ]
 
 
-def _rows(name: str, index: int, accumulators: dict[Key, HeadAccumulator]) -> list[dict[str, Any]]:
+def _rows(
+    name: str, index: int, accumulators: dict[Key, HeadAccumulator], arrays: bool = False
+) -> list[dict[str, Any]]:
+    """One row per accumulator, within a layer by (seq, head, tensor); vector columns as numpy
+    arrays with ``arrays`` (for `_arrow_table`), else lists."""
     return [
         {
             "file": name,
@@ -72,7 +77,7 @@ def _rows(name: str, index: int, accumulators: dict[Key, HeadAccumulator]) -> li
             "layer": layer,
             "head": head,
             "tensor": tensor,
-            **acc.row(),
+            **(acc.row_arrays() if arrays else acc.row()),
         }
         for (layer, seq, head, tensor), acc in sorted(accumulators.items())
     ]
@@ -122,7 +127,7 @@ def layer_tables(
     """`stats_for_file` with its options as one `PassOptions` (what the engines call)."""
 
     for name, index, _, accumulators in layers(path, options, progress, finish=True):
-        yield _arrow_table(_rows(name, index, accumulators))
+        yield _arrow_table(_rows(name, index, accumulators, arrays=True))
 
 
 def _arrow_table(rows: list[dict[str, Any]]) -> pa.Table:
@@ -139,11 +144,23 @@ def _arrow_table(rows: list[dict[str, Any]]) -> pa.Table:
 def _arrow_column(values: list[Any]) -> pa.Array:
     """What ``pa.array(values)`` gives for a column of ints, floats (None for nulls), strings,
     Nones, or lists of floats or of ints, made from numpy buffers; anything else through
-    ``pa.array``."""
+    ``pa.array``. 1-D float64 or int64 numpy arrays stand for lists of their values."""
     import pyarrow as pa
 
     kinds = set(map(type, values))
     n = len(values)
+    if np.ndarray in kinds:
+        if kinds == {np.ndarray} and len({(v.ndim, v.dtype) for v in values}) == 1:
+            first = values[0]
+            child = {np.dtype(np.float64): pa.float64(), np.dtype(np.int64): pa.int64()}.get(first.dtype)
+            if first.ndim == 1 and child is not None:
+                offsets = np.zeros(n + 1, np.int64)
+                np.cumsum([v.shape[0] for v in values], out=offsets[1:])
+                if offsets[-1] < 2**31:
+                    index = _numeric(pa.int32(), offsets.astype(np.int32), None)
+                    return pa.ListArray.from_arrays(index, _numeric(child, np.concatenate(values), None))
+        values = [v.tolist() if isinstance(v, np.ndarray) else v for v in values]
+        kinds = set(map(type, values))
     if kinds == {int}:
         return _numeric(pa.int64(), np.array(values, np.int64), None)
     if kinds <= {float, type(None)} and float in kinds:
@@ -160,13 +177,13 @@ def _arrow_column(values: list[Any]) -> pa.Array:
             buffers = [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(encoded))]
             return pa.Array.from_buffers(pa.string(), n, buffers)
     if kinds == {list}:
-        items = set(map(type, (x for v in values for x in v)))
+        items = set(map(type, itertools.chain.from_iterable(values)))
         child = {frozenset({float}): pa.float64(), frozenset({int}): pa.int64()}.get(frozenset(items))
         if child is not None:
             offsets = np.zeros(n + 1, np.int64)
             np.cumsum([len(v) for v in values], out=offsets[1:])
             numpy_type = np.float64 if child == pa.float64() else np.int64
-            flat = np.fromiter((x for v in values for x in v), numpy_type, int(offsets[-1]))
+            flat = np.fromiter(itertools.chain.from_iterable(values), numpy_type, int(offsets[-1]))
             if offsets[-1] < 2**31:
                 index = _numeric(pa.int32(), offsets.astype(np.int32), None)
                 return pa.ListArray.from_arrays(index, _numeric(child, flat, None))

@@ -281,8 +281,10 @@ class _Workers:
         threads (after its head's batches)."""
         if self.pipeline is not None:
             self.pipeline.finish()
-            return [self.row_pool.submit(acc.row) for acc in accumulators.values()] if rows else []
-        return [self.pool.submit(key[:3], acc.row) for key, acc in accumulators.items()] if rows else []
+            return [self.row_pool.submit(acc.row_arrays) for acc in accumulators.values()] if rows else []
+        if not rows:
+            return []
+        return [self.pool.submit(key[:3], acc.row_arrays) for key, acc in accumulators.items()]
 
 
 @dataclass

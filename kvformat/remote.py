@@ -87,6 +87,8 @@ class RemoteSource:
     ``bytes_fetched`` and ``requests`` count what went over the wire (for tests and benchmarks).
     """
 
+    prefetches = True
+
     def __init__(
         self,
         reader: RangeReader,

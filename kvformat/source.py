@@ -11,16 +11,20 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any, BinaryIO, Protocol
 
+import numpy as np
+
 from kvformat.errors import TruncatedFileError
 
 
 class Source(Protocol):
     """Random access to the bytes of one file. ``read`` returns exactly ``size`` bytes;
-    ``prefetch`` announces ``(offset, size)`` ranges about to be read; ``release`` says a range
-    is no longer needed."""
+    ``prefetch`` announces ``(offset, size)`` ranges about to be read (``prefetches``: whether
+    that does anything, so callers can skip building the ranges); ``release`` says a range is
+    no longer needed."""
 
     name: str
     size: int
+    prefetches: bool
 
     def read(self, offset: int, size: int) -> memoryview: ...
 
@@ -31,8 +35,28 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
+def _madvise_function() -> Any:
+    """libc's ``madvise`` through ctypes, which lets other threads run during the call (the
+    ``mmap`` module's ``madvise`` holds the GIL while the kernel unmaps the pages); None where
+    it cannot be loaded."""
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - platforms without a C madvise
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+_MADVISE: list[Any] = []  # loaded on first use: [function or None]
+
+
 class MmapSource:
     """A read-only memory map: ``read`` returns zero-copy views of the page cache."""
+
+    prefetches = False  # the page cache serves a local file
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.name = os.fspath(path)
@@ -42,6 +66,11 @@ class MmapSource:
                 mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.size else None
             )
         self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
+        # Where the map starts, for `release` through libc; the lock keeps `close` from
+        # unmapping it while a release is under way (madvise on a range since reused would
+        # discard another mapping's pages).
+        self._address = np.frombuffer(self._map, np.uint8).ctypes.data if self._map is not None else 0
+        self._lock = threading.Lock()
 
     def read(self, offset: int, size: int) -> memoryview:
         if offset < 0 or size < 0 or offset + size > self.size:
@@ -61,24 +90,36 @@ class MmapSource:
             return
         start = offset // mmap.PAGESIZE * mmap.PAGESIZE
         end = min(offset + size, self.size) // mmap.PAGESIZE * mmap.PAGESIZE
-        if end > start:
-            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        if end <= start:
+            return
+        if not _MADVISE:
+            _MADVISE.append(_madvise_function())
+        with self._lock:
+            if self._map is None:
+                return
+            if _MADVISE[0] is not None:
+                _MADVISE[0](self._address + start, end - start, mmap.MADV_DONTNEED)
+            else:  # pragma: no cover
+                self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         """Unmap, unless arrays handed out still view the map (then it goes with the last one)."""
-        try:
-            self._view.release()
-            if self._map is not None:
-                self._map.close()
-        except BufferError:
-            pass
-        self._map = None
+        with self._lock:
+            try:
+                self._view.release()
+                if self._map is not None:
+                    self._map.close()
+            except BufferError:
+                pass
+            self._map = None
 
 
 class FileObjectSource:
     """Any seekable binary file object; every ``read`` copies into fresh memory. Thread-safe: a
     read's seek and reads happen under a lock (verify and the analysis passes read on several
     threads)."""
+
+    prefetches = False
 
     def __init__(self, fileobj: BinaryIO, name: str | None = None) -> None:
         self._file = fileobj

@@ -118,6 +118,8 @@ class FileStructure:
 
     def prefetch(self, chunks: list[int]) -> None:
         """Announce chunks about to be read (remote sources fetch them in few requests)."""
+        if not getattr(self.source, "prefetches", True):
+            return
         table = self.table[chunks]
         starts = (table["offset"].astype(np.int64) + DESCRIPTOR_SIZE).tolist()
         self.source.prefetch(list(zip(starts, table["stored_size"].tolist(), strict=True)))

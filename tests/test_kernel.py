@@ -116,3 +116,16 @@ def test_compiled_eigenvalues_match_lapack(n: int) -> None:
         expected = np.linalg.eigvalsh(a)[::-1]
         np.testing.assert_allclose(eigenvalues(a), expected, rtol=0, atol=1e-12 * expected[0])
     np.testing.assert_array_equal(eigenvalues(np.zeros((n, n))), np.zeros(n))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_top_rows_are_the_largest_peaks_later_rows_first_among_ties(seed: int) -> None:
+    """`kernel.top_rows` picks the rows the catalogue's (value, position) order ranks first,
+    ties included (few distinct values), for fewer rows than k and for none."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 60))
+    distinct = int(rng.integers(1, 6)) if seed % 2 else 1 << 20
+    bits = rng.integers(0, distinct, n).astype(np.int32)
+    expected = sorted(range(n), key=lambda i: (int(bits[i]), i), reverse=True)[:8]
+    got = kernel.top_rows(bits, 8)
+    assert sorted(got.tolist()) == sorted(expected)

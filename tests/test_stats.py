@@ -230,3 +230,21 @@ def test_read_many_joins_what_read_gives_and_checks_every_crc(tmp_path: Path) ->
     series.write_bytes(bytes(raw))
     with kvformat.open(series) as snap, pytest.raises(kvformat.ChecksumError, match="payload CRC-32C"):
         snap.read_many([s for s in snap.segments() if (s.layer, s.head) == (1, 1)])
+
+
+def test_arrow_tables_from_array_rows_equal_those_from_list_rows(tmp_path: Path) -> None:
+    """The pass builds its tables from rows whose vector columns are numpy arrays
+    (`HeadAccumulator.row_arrays`); they equal the tables of the same rows as lists, for every
+    group (RoPE bands present and absent: a null column)."""
+    from kvsnap.analysis.rope import Rope
+    from kvsnap.analysis.stats import HeadAccumulator, _arrow_table
+
+    rng = np.random.default_rng(8)
+    accumulators = [HeadAccumulator(16, Rope(10000.0, 16, "half") if i % 2 else None) for i in range(4)]
+    for acc in accumulators:
+        acc.add(rng.standard_normal((40, 16)).astype(np.float32), np.arange(40))
+    with_arrays = _arrow_table([acc.row_arrays() for acc in accumulators])
+    with_lists = _arrow_table([acc.row() for acc in accumulators])
+    assert any(isinstance(v, np.ndarray) for v in accumulators[0].row_arrays().values())
+    assert with_arrays.schema == with_lists.schema
+    assert with_arrays.equals(with_lists)
