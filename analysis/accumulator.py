@@ -9,6 +9,7 @@ numpy reference, or mlx (`analysis.mlx_kernel`).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,16 +42,42 @@ GRAM_FLOAT64_ROWS = 512  # fewer rows than this: the Gram update in float64
 HEAVY = 16.0  # squared norm over the piece's median: a row the Gram adds in float64
 
 
-def float32_rows(rows: np.ndarray) -> np.ndarray:
-    """``rows`` as a C-contiguous float32 array: a view for float32, else one conversion
-    (bfloat16 by shifting its bits into the high half of a float32)."""
+_BUFFERS = threading.local()  # per thread: reused float32 work buffers (fresh memory costs page faults)
+
+
+def _buffer(name: str, rows: int, dim: int) -> np.ndarray:
+    """This thread's ``(rows, dim)`` float32 work buffer ``name`` (allocated once per shape).
+    A view of it is only valid until the next call for ``name`` on the same thread."""
+    key = (name, dim)
+    found = getattr(_BUFFERS, "by_key", None)
+    if found is None:
+        found = _BUFFERS.by_key = {}
+    buffer = found.get(key)
+    if buffer is None or buffer.shape[0] < rows:
+        buffer = found[key] = np.empty((max(rows, PIECE if name == "rows" else _GRAM_ROWS), dim), np.float32)
+    return buffer[:rows]
+
+
+def float32_rows(rows: np.ndarray, reuse: bool = False) -> np.ndarray:
+    """``rows`` ``(n, dim)`` as a C-contiguous float32 array: a view for float32, else one
+    conversion (bfloat16 by shifting its bits into the high half of a float32); with ``reuse``,
+    into this thread's work buffer (valid until its next ``reuse`` call)."""
     if rows.dtype == np.float32:
         return np.ascontiguousarray(rows)
+    out = _buffer("rows", rows.shape[0], rows.shape[1]) if reuse and rows.ndim == 2 else None
     if rows.dtype.name == "bfloat16":
-        bits = np.ascontiguousarray(rows).view(np.uint16).astype(np.uint32)
-        bits <<= 16
-        return bits.view(np.float32)
-    return np.ascontiguousarray(rows, dtype=np.float32)
+        bits = np.ascontiguousarray(rows).view(np.uint16)
+        if out is None:
+            wide = bits.astype(np.uint32)
+            wide <<= 16
+            return wide.view(np.float32)
+        wide = out.view(np.uint32)
+        np.left_shift(bits, 16, out=wide, dtype=np.uint32)
+        return out
+    if out is None:
+        return np.ascontiguousarray(rows, dtype=np.float32)
+    np.copyto(out, rows, casting="same_kind")
+    return out
 
 
 @dataclass
@@ -136,7 +163,7 @@ class HeadAccumulator:
         sums = np.zeros(self.dim)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
         for start in range(0, rows.shape[0], PIECE):
-            x = float32_rows(rows[start : start + PIECE])
+            x = float32_rows(rows[start : start + PIECE], reuse=True)
             n = x.shape[0]
             if not n:
                 continue
@@ -199,21 +226,26 @@ class HeadAccumulator:
             self.gram += x64.T @ x64
             return
         heavy = kernel.heavy_rows(square_norms, HEAVY)
-        if heavy.any():
+        n = x.shape[0]
+        any_heavy = bool(heavy.any())
+        if any_heavy:
             big = x[heavy].astype(np.float64)
             self.gram += big.T @ big
-            x = x[~heavy]
             sums = sums - big.sum(axis=0)
-        n = x.shape[0]
+            n -= big.shape[0]
         if not n:
             return
         center = (sums / n).astype(np.float32)  # the shift; exact shifts are not needed
-        # Few, large numpy calls (each releases the GIL): one shift, then one product per
-        # _GRAM_ROWS-row piece written ``piece.T @ piece``, which numpy computes with BLAS's
-        # symmetric rank-k update (syrk: half the multiplications of a general product).
-        shifted = x - center
-        for start in range(0, n, _GRAM_ROWS):
-            piece = shifted[start : start + _GRAM_ROWS]
+        # Per _GRAM_ROWS-row piece: the shift into this thread's buffer (heavy rows zeroed:
+        # they were added above), then ``piece.T @ piece``, which numpy computes with BLAS's
+        # symmetric rank-k update (syrk: half the multiplications of a general product). Large
+        # numpy calls release the GIL; the buffer stays in cache and costs no page faults.
+        for start in range(0, x.shape[0], _GRAM_ROWS):
+            rows = x[start : start + _GRAM_ROWS]
+            piece = _buffer("gram", rows.shape[0], rows.shape[1])
+            np.subtract(rows, center, out=piece)
+            if any_heavy:
+                piece[heavy[start : start + _GRAM_ROWS]] = 0.0
             self.gram += piece.T @ piece
         kernel.add_shift_terms(self.gram, center, sums, n)
 
