@@ -9,6 +9,7 @@ consecutive records in bulk; `Records` is a prepared unit ready to write.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -167,55 +168,130 @@ def small_chunks(blocks: list[Block]) -> bool:
     return chunks > 0 and sum(block.nbytes for block in blocks) <= chunks * SMALL_CHUNK_BYTES
 
 
+@dataclass
+class _Plan:
+    """Everything about the records of a sequence of blocks that depends only on their layers,
+    shapes and dtypes (a series repeats the same sequence snapshot after snapshot): chunk columns
+    and descriptors with the positions, offsets and CRCs left to fill in, and the layout."""
+
+    columns: np.ndarray  # (n, 8), POSITION 0
+    repeats: np.ndarray  # chunks per block: a block's position repeated so many times
+    table: np.ndarray  # (n,) DESCRIPTOR_DTYPE; position, offset (from 0) and CRCs to fill in
+    offsets: np.ndarray  # (n,) int64: each record's offset from the first
+    crc_starts: list[int]  # each payload's offset from the first record, for the CRC loop
+    sizes: list[int]  # each payload's size
+    total: int  # bytes of all records
+    uniform: bool  # every record the same size
+    # Per run of equal-shape blocks: (first block, blocks, heads, rows, k_dim, v_dim, first
+    # record, K record bytes, K + V record bytes, offset, K payload end, V payload start, V end).
+    groups: list[tuple[int, int, int, int, int, int, int, int, int, int, int, int, int]]
+
+
+_PLANS: dict[tuple[tuple[Any, ...], ...], _Plan] = {}
+_MAX_PLANS = 64
+
+
+def _plan(blocks: list[Block]) -> _Plan:
+    key = tuple((b.layer, b.seq, b.k.shape, b.v.shape, b.dtype.code) for b in blocks)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    columns, widths, dtype_codes = block_columns(blocks)
+    decoded = columns[:, CHUNK].copy()
+    columns[:, POSITION] = 0
+    padded = (DESCRIPTOR_SIZE + decoded + (ALIGN - 1)) // ALIGN * ALIGN
+    ends = np.cumsum(padded)
+    offsets = ends - padded
+    table = np.frombuffer(
+        layout(columns, widths, dtype_codes, 0, decoded, decoded, np.zeros(len(decoded), np.uint32), 0)[0],
+        DESCRIPTOR_DTYPE,
+    ).copy()
+    groups = []
+    first_block = first = 0
+    for run in _equal_shapes(blocks):
+        count, (heads, rows, k_dim), v_dim = len(run), run[0].k.shape, run[0].v.shape[2]
+        if heads:
+            k_record = int(padded[first])
+            pair = k_record + int(padded[first + 1])
+            k_end = DESCRIPTOR_SIZE + int(decoded[first])
+            v_start = k_record + DESCRIPTOR_SIZE
+            v_end = v_start + int(decoded[first + 1])
+            geometry = (first_block, count, heads, rows, k_dim, v_dim, first, k_record, pair)
+            groups.append((*geometry, int(offsets[first]), k_end, v_start, v_end))
+        first_block += count
+        first += 2 * count * heads
+    plan = _Plan(
+        columns=columns,
+        repeats=np.array([2 * b.k.shape[0] for b in blocks]),
+        table=table,
+        offsets=offsets,
+        crc_starts=(offsets + DESCRIPTOR_SIZE).tolist(),
+        sizes=decoded.tolist(),
+        total=int(ends[-1]),
+        uniform=int(padded.min()) == int(padded.max()),
+        groups=groups,
+    )
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
 def block_records(blocks: list[Block], start: int, scratch: np.ndarray) -> tuple[Records, np.ndarray]:
     """The records of consecutive raw ``blocks`` from file offset ``start``, laid out in one
     contiguous buffer (``scratch`` when it is large enough, else a new one, returned with the
-    records): a block's payloads are copied with two numpy calls, its CRCs taken with one loop
-    of C calls over the buffer and its descriptors placed with numpy. A snapshot of hundreds of
-    small chunks is then one ``write`` with no Python work per chunk but the CRC call."""
-    columns, widths, dtype_codes = block_columns(blocks)
-    decoded = columns[:, CHUNK].copy()
-    n = decoded.shape[0]
-    padded = (DESCRIPTOR_SIZE + decoded + (ALIGN - 1)) // ALIGN * ALIGN
-    ends = np.cumsum(padded)
-    offsets = ends - padded  # of each record, from ``start``
-    total = int(ends[-1])
+    records): each run of equal-shape blocks' payloads copied with two numpy calls, the CRCs
+    taken with one loop of C calls over the buffer and the descriptors filled in from a plan
+    made once per sequence of shapes (`_Plan`). A snapshot of hundreds of small chunks is then
+    one ``write`` with no Python work per chunk but the CRC call."""
+    plan = _plan(blocks)
+    n, total = plan.table.shape[0], plan.total
     if scratch.nbytes < total:
         scratch = np.empty(total, np.uint8)
     out = scratch[:total]
-    groups: list[tuple[np.ndarray, int, int]] = []  # per group: its (blocks, heads, K + V record) view ...
-    first = 0
-    for group in _equal_shapes(blocks):
-        count, (heads, rows, k_dim), v_dim = len(group), group[0].k.shape, group[0].v.shape[2]
-        if not heads:
-            continue
-        k_record = int(padded[first])
-        pair = k_record + int(padded[first + 1])
-        at = int(offsets[first])
+    views: list[tuple[np.ndarray, int, int]] = []  # per run: (records, K + V record) view, K bytes, first
+    for (
+        first_block,
+        count,
+        heads,
+        rows,
+        k_dim,
+        v_dim,
+        first,
+        k_record,
+        pair,
+        at,
+        k_end,
+        v_start,
+        v_end,
+    ) in plan.groups:
+        run = blocks[first_block : first_block + count]
         view = out[at : at + count * heads * pair].reshape(count, heads, pair)
-        k_end = DESCRIPTOR_SIZE + int(decoded[first])
-        v_start = k_record + DESCRIPTOR_SIZE
-        v_end = v_start + int(decoded[first + 1])
-        dtype = group[0].k.dtype
+        dtype = run[0].k.dtype
         k_view = view[:, :, DESCRIPTOR_SIZE:k_end].view(dtype).reshape(count, heads, rows, k_dim)
         v_view = view[:, :, v_start:v_end].view(dtype).reshape(count, heads, rows, v_dim)
-        np.stack([block.k for block in group], out=k_view)
-        np.stack([block.v for block in group], out=v_view)
+        np.stack([block.k for block in run], out=k_view)
+        np.stack([block.v for block in run], out=v_view)
         view[:, :, k_end:k_record] = 0
         view[:, :, v_end:] = 0
-        groups.append((view.reshape(count * heads, pair), k_record, first))  # ... where its descriptors go
-        first += 2 * count * heads
-    crcs = crc32c_slices(out.data, (offsets + DESCRIPTOR_SIZE).tolist(), decoded.tolist())
-    packed, _, end = layout(columns, widths, dtype_codes, 0, decoded, decoded, crcs, start)
-    descriptors = np.frombuffer(packed, np.uint8).reshape(n, DESCRIPTOR_SIZE)
-    if int(padded.min()) == int(padded.max()):  # every record the same size: one copy
-        out.reshape(n, -1)[:, :DESCRIPTOR_SIZE] = descriptors
+        views.append((view.reshape(count * heads, pair), k_record, first))
+    positions = np.repeat(np.array([block.position for block in blocks], np.int64), plan.repeats)
+    table = plan.table.copy()
+    table["position"] = positions
+    table["offset"] = plan.offsets + start
+    table["payload_crc"] = crc32c_slices(out.data, plan.crc_starts, plan.sizes)
+    raw = table.view(np.uint8).reshape(n, DESCRIPTOR_SIZE)
+    table["descriptor_crc"] = crc32c_rows(raw[:, :60])
+    if plan.uniform:  # every record the same size: one copy
+        out.reshape(n, -1)[:, :DESCRIPTOR_SIZE] = raw
     else:
-        for view, k_record, first in groups:
+        for view, k_record, first in views:
             heads = view.shape[0]
-            view[:, :DESCRIPTOR_SIZE] = descriptors[first : first + 2 * heads : 2]
-            view[:, k_record : k_record + DESCRIPTOR_SIZE] = descriptors[first + 1 : first + 2 * heads : 2]
-    return Records([out.data], packed, columns, start, end), scratch
+            view[:, :DESCRIPTOR_SIZE] = raw[first : first + 2 * heads : 2]
+            view[:, k_record : k_record + DESCRIPTOR_SIZE] = raw[first + 1 : first + 2 * heads : 2]
+    columns = plan.columns.copy()
+    columns[:, POSITION] = positions
+    return Records([out.data], table.tobytes(), columns, start, start + total), scratch
 
 
 def _equal_shapes(blocks: list[Block]) -> list[list[Block]]:
