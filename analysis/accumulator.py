@@ -46,15 +46,14 @@ _BUFFERS = threading.local()  # per thread: reused float32 work buffers (fresh m
 
 
 def _buffer(name: str, rows: int, dim: int) -> np.ndarray:
-    """This thread's ``(rows, dim)`` float32 work buffer ``name`` (allocated once per shape).
+    """This thread's ``(rows, dim)`` float32 work buffer ``name`` (grown as needed, then reused).
     A view of it is only valid until the next call for ``name`` on the same thread."""
-    key = (name, dim)
     found = getattr(_BUFFERS, "by_key", None)
     if found is None:
         found = _BUFFERS.by_key = {}
-    buffer = found.get(key)
+    buffer = found.get((name, dim))
     if buffer is None or buffer.shape[0] < rows:
-        buffer = found[key] = np.empty((max(rows, PIECE if name == "rows" else _GRAM_ROWS), dim), np.float32)
+        buffer = found[(name, dim)] = np.empty((rows, dim), np.float32)
     return buffer[:rows]
 
 
@@ -64,19 +63,12 @@ def float32_rows(rows: np.ndarray, reuse: bool = False) -> np.ndarray:
     into this thread's work buffer (valid until its next ``reuse`` call)."""
     if rows.dtype == np.float32:
         return np.ascontiguousarray(rows)
-    out = _buffer("rows", rows.shape[0], rows.shape[1]) if reuse and rows.ndim == 2 else None
+    reused = reuse and rows.ndim == 2
+    out = _buffer("rows", rows.shape[0], rows.shape[1]) if reused else np.empty(rows.shape, np.float32)
     if rows.dtype.name == "bfloat16":
-        bits = np.ascontiguousarray(rows).view(np.uint16)
-        if out is None:
-            wide = bits.astype(np.uint32)
-            wide <<= 16
-            return wide.view(np.float32)
-        wide = out.view(np.uint32)
-        np.left_shift(bits, 16, out=wide, dtype=np.uint32)
-        return out
-    if out is None:
-        return np.ascontiguousarray(rows, dtype=np.float32)
-    np.copyto(out, rows, casting="same_kind")
+        np.left_shift(rows.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+    else:
+        np.copyto(out, rows, casting="same_kind")
     return out
 
 

@@ -154,11 +154,9 @@ def _arrow_column(values: list[Any]) -> pa.Array:
             first = values[0]
             child = {np.dtype(np.float64): pa.float64(), np.dtype(np.int64): pa.int64()}.get(first.dtype)
             if first.ndim == 1 and child is not None:
-                offsets = np.zeros(n + 1, np.int64)
-                np.cumsum([v.shape[0] for v in values], out=offsets[1:])
-                if offsets[-1] < 2**31:
-                    index = _numeric(pa.int32(), offsets.astype(np.int32), None)
-                    return pa.ListArray.from_arrays(index, _numeric(child, np.concatenate(values), None))
+                built = _list_array(child, [v.shape[0] for v in values], lambda: np.concatenate(values))
+                if built is not None:
+                    return built
         values = [v.tolist() if isinstance(v, np.ndarray) else v for v in values]
         kinds = set(map(type, values))
     if kinds == {int}:
@@ -180,14 +178,29 @@ def _arrow_column(values: list[Any]) -> pa.Array:
         items = set(map(type, itertools.chain.from_iterable(values)))
         child = {frozenset({float}): pa.float64(), frozenset({int}): pa.int64()}.get(frozenset(items))
         if child is not None:
-            offsets = np.zeros(n + 1, np.int64)
-            np.cumsum([len(v) for v in values], out=offsets[1:])
             numpy_type = np.float64 if child == pa.float64() else np.int64
-            flat = np.fromiter(itertools.chain.from_iterable(values), numpy_type, int(offsets[-1]))
-            if offsets[-1] < 2**31:
-                index = _numeric(pa.int32(), offsets.astype(np.int32), None)
-                return pa.ListArray.from_arrays(index, _numeric(child, flat, None))
+            lengths = [len(v) for v in values]
+            built = _list_array(
+                child,
+                lengths,
+                lambda: np.fromiter(itertools.chain.from_iterable(values), numpy_type, sum(lengths)),
+            )
+            if built is not None:
+                return built
     return pa.array(values)
+
+
+def _list_array(child: pa.DataType, lengths: list[int], flat: Callable[[], np.ndarray]) -> pa.Array | None:
+    """A list array of ``child`` items, ``lengths`` per row, over the values ``flat()`` makes;
+    None when the values pass 32-bit offsets."""
+    import pyarrow as pa
+
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        return None
+    index = _numeric(pa.int32(), offsets.astype(np.int32), None)
+    return pa.ListArray.from_arrays(index, _numeric(child, flat(), None))
 
 
 def _numeric(kind: pa.DataType, data: np.ndarray, valid: np.ndarray | None) -> pa.Array:

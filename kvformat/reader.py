@@ -384,8 +384,6 @@ class Snapshot:
     def prefetch(self, segments: list[Segment]) -> None:
         """Announce segments about to be read: a remote source fetches them in few requests (a
         no-op on a memory map)."""
-        if not getattr(self._file.source, "prefetches", True):
-            return
         self._file.prefetch([chunk for seg in segments for chunk in (seg.k_chunk, seg.v_chunk)])
 
     def check_snapshots(self) -> None:

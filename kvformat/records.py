@@ -182,9 +182,27 @@ class _Plan:
     sizes: list[int]  # each payload's size
     total: int  # bytes of all records
     uniform: bool  # every record the same size
-    # Per run of equal-shape blocks: (first block, blocks, heads, rows, k_dim, v_dim, first
-    # record, K record bytes, K + V record bytes, offset, K payload end, V payload start, V end).
-    groups: list[tuple[int, int, int, int, int, int, int, int, int, int, int, int, int]]
+    runs: list[_Run]  # the runs of equal-shape blocks that hold heads
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Consecutive blocks of one shape, laid out as ``(blocks, heads, K record + V record)``
+    bytes from ``offset``; byte positions within a K + V record pair."""
+
+    first_block: int
+    blocks: int
+    heads: int
+    rows: int
+    k_dim: int
+    v_dim: int
+    first_record: int
+    offset: int
+    k_record: int  # bytes of a K record (descriptor, payload, padding)
+    pair: int  # bytes of a K record and its V record
+    k_end: int  # where K's payload ends
+    v_start: int  # where V's payload starts
+    v_end: int  # where V's payload ends
 
 
 _PLANS: dict[tuple[tuple[Any, ...], ...], _Plan] = {}
@@ -199,25 +217,35 @@ def _plan(blocks: list[Block]) -> _Plan:
     columns, widths, dtype_codes = block_columns(blocks)
     decoded = columns[:, CHUNK].copy()
     columns[:, POSITION] = 0
-    padded = (DESCRIPTOR_SIZE + decoded + (ALIGN - 1)) // ALIGN * ALIGN
-    ends = np.cumsum(padded)
-    offsets = ends - padded
-    table = np.frombuffer(
-        layout(columns, widths, dtype_codes, 0, decoded, decoded, np.zeros(len(decoded), np.uint32), 0)[0],
-        DESCRIPTOR_DTYPE,
-    ).copy()
-    groups = []
+    crcs = np.zeros(len(decoded), np.uint32)
+    packed, padding, total = layout(columns, widths, dtype_codes, 0, decoded, decoded, crcs, 0)
+    table = np.frombuffer(packed, DESCRIPTOR_DTYPE).copy()
+    offsets = table["offset"].astype(np.int64)
+    padded = DESCRIPTOR_SIZE + decoded + padding
+    runs = []
     first_block = first = 0
     for run in _equal_shapes(blocks):
         count, (heads, rows, k_dim), v_dim = len(run), run[0].k.shape, run[0].v.shape[2]
         if heads:
             k_record = int(padded[first])
-            pair = k_record + int(padded[first + 1])
-            k_end = DESCRIPTOR_SIZE + int(decoded[first])
             v_start = k_record + DESCRIPTOR_SIZE
-            v_end = v_start + int(decoded[first + 1])
-            geometry = (first_block, count, heads, rows, k_dim, v_dim, first, k_record, pair)
-            groups.append((*geometry, int(offsets[first]), k_end, v_start, v_end))
+            runs.append(
+                _Run(
+                    first_block=first_block,
+                    blocks=count,
+                    heads=heads,
+                    rows=rows,
+                    k_dim=k_dim,
+                    v_dim=v_dim,
+                    first_record=first,
+                    offset=int(offsets[first]),
+                    k_record=k_record,
+                    pair=k_record + int(padded[first + 1]),
+                    k_end=DESCRIPTOR_SIZE + int(decoded[first]),
+                    v_start=v_start,
+                    v_end=v_start + int(decoded[first + 1]),
+                )
+            )
         first_block += count
         first += 2 * count * heads
     plan = _Plan(
@@ -227,9 +255,9 @@ def _plan(blocks: list[Block]) -> _Plan:
         offsets=offsets,
         crc_starts=(offsets + DESCRIPTOR_SIZE).tolist(),
         sizes=decoded.tolist(),
-        total=int(ends[-1]),
+        total=total,
         uniform=int(padded.min()) == int(padded.max()),
-        groups=groups,
+        runs=runs,
     )
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
@@ -249,32 +277,18 @@ def block_records(blocks: list[Block], start: int, scratch: np.ndarray) -> tuple
     if scratch.nbytes < total:
         scratch = np.empty(total, np.uint8)
     out = scratch[:total]
-    views: list[tuple[np.ndarray, int, int]] = []  # per run: (records, K + V record) view, K bytes, first
-    for (
-        first_block,
-        count,
-        heads,
-        rows,
-        k_dim,
-        v_dim,
-        first,
-        k_record,
-        pair,
-        at,
-        k_end,
-        v_start,
-        v_end,
-    ) in plan.groups:
-        run = blocks[first_block : first_block + count]
-        view = out[at : at + count * heads * pair].reshape(count, heads, pair)
+    views: list[np.ndarray] = []  # per run: its (blocks x heads, K + V record) bytes
+    for r in plan.runs:
+        run = blocks[r.first_block : r.first_block + r.blocks]
+        view = out[r.offset : r.offset + r.blocks * r.heads * r.pair].reshape(r.blocks, r.heads, r.pair)
         dtype = run[0].k.dtype
-        k_view = view[:, :, DESCRIPTOR_SIZE:k_end].view(dtype).reshape(count, heads, rows, k_dim)
-        v_view = view[:, :, v_start:v_end].view(dtype).reshape(count, heads, rows, v_dim)
-        np.stack([block.k for block in run], out=k_view)
-        np.stack([block.v for block in run], out=v_view)
-        view[:, :, k_end:k_record] = 0
-        view[:, :, v_end:] = 0
-        views.append((view.reshape(count * heads, pair), k_record, first))
+        k_view = view[:, :, DESCRIPTOR_SIZE : r.k_end].view(dtype)
+        v_view = view[:, :, r.v_start : r.v_end].view(dtype)
+        np.stack([block.k for block in run], out=k_view.reshape(r.blocks, r.heads, r.rows, r.k_dim))
+        np.stack([block.v for block in run], out=v_view.reshape(r.blocks, r.heads, r.rows, r.v_dim))
+        view[:, :, r.k_end : r.k_record] = 0
+        view[:, :, r.v_end :] = 0
+        views.append(view.reshape(r.blocks * r.heads, r.pair))
     positions = np.repeat(np.array([block.position for block in blocks], np.int64), plan.repeats)
     table = plan.table.copy()
     table["position"] = positions
@@ -285,10 +299,10 @@ def block_records(blocks: list[Block], start: int, scratch: np.ndarray) -> tuple
     if plan.uniform:  # every record the same size: one copy
         out.reshape(n, -1)[:, :DESCRIPTOR_SIZE] = raw
     else:
-        for view, k_record, first in views:
-            heads = view.shape[0]
-            view[:, :DESCRIPTOR_SIZE] = raw[first : first + 2 * heads : 2]
-            view[:, k_record : k_record + DESCRIPTOR_SIZE] = raw[first + 1 : first + 2 * heads : 2]
+        for r, view in zip(plan.runs, views, strict=True):
+            first, stop = r.first_record, r.first_record + 2 * view.shape[0]
+            view[:, :DESCRIPTOR_SIZE] = raw[first:stop:2]
+            view[:, r.k_record : r.k_record + DESCRIPTOR_SIZE] = raw[first + 1 : stop : 2]
     columns = plan.columns.copy()
     columns[:, POSITION] = positions
     return Records([out.data], table.tobytes(), columns, start, start + total), scratch

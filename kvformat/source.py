@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import mmap
 import os
@@ -35,6 +36,7 @@ class Source(Protocol):
     def close(self) -> None: ...
 
 
+@functools.cache
 def _madvise_function() -> Any:
     """libc's ``madvise`` through ctypes, which lets other threads run during the call (the
     ``mmap`` module's ``madvise`` holds the GIL while the kernel unmaps the pages); None where
@@ -48,9 +50,6 @@ def _madvise_function() -> Any:
     function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     function.restype = ctypes.c_int
     return function
-
-
-_MADVISE: list[Any] = []  # loaded on first use: [function or None]
 
 
 class MmapSource:
@@ -92,13 +91,12 @@ class MmapSource:
         end = min(offset + size, self.size) // mmap.PAGESIZE * mmap.PAGESIZE
         if end <= start:
             return
-        if not _MADVISE:
-            _MADVISE.append(_madvise_function())
+        madvise = _madvise_function()
         with self._lock:
             if self._map is None:
                 return
-            if _MADVISE[0] is not None:
-                _MADVISE[0](self._address + start, end - start, mmap.MADV_DONTNEED)
+            if madvise is not None:
+                madvise(self._address + start, end - start, mmap.MADV_DONTNEED)
             else:  # pragma: no cover
                 self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
