@@ -20,7 +20,7 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def stat_groups_type(text: str) -> frozenset[str]:
     """argparse type: comma-separated statistic groups (``all``, ``norms``, ``channels``, ...)."""
-    from kvsnap.analysis.stats import stat_groups
+    from kvsnap.analysis.catalogue import stat_groups
 
     try:
         return stat_groups(text)
@@ -46,6 +46,13 @@ def _progress(total: int) -> Callable[[str], None]:
 
 def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
     """Statistics of every file or pattern, on the chosen engine; failures reported by file."""
+    from kvsnap.analysis import processes
+    from kvsnap.analysis.parallel import cores
+
+    workers = args.jobs or cores()
+    engine, backend = getattr(args, "engine", "local"), getattr(args, "backend", "cpu")
+    if engine == "local" and len(args.files) == 1 and processes.usable(args.files[0], workers, backend):
+        processes.start(workers)  # one big file: its workers start while the rest is imported
     from kvsnap.analysis.batch import expand_paths, merged_stats, run_stats
 
     options = _storage_options(args)
@@ -56,7 +63,7 @@ def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
     run = merged_stats if merge else run_stats
     result = run(
         files,
-        engine=getattr(args, "engine", "local"),
+        engine=engine,
         jobs=args.jobs,
         address=getattr(args, "address", None),
         fail_fast=getattr(args, "fail_fast", False),
@@ -65,7 +72,7 @@ def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
         stats=getattr(args, "stats", None),
         storage_options=options,
         progress=_progress(len(files)),
-        backend=getattr(args, "backend", "cpu"),
+        backend=backend,
     )
     for failure in result.failures:
         print(f"failed: {failure.file}: {failure.error}", file=sys.stderr)

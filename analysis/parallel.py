@@ -96,6 +96,23 @@ class OrderedPool:
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
+@contextlib.contextmanager
+def one_thread_environment() -> Iterator[None]:
+    """BLAS, OpenMP and numba limited to one thread each in the environment, for the processes
+    started meanwhile (as Ray does for its workers): N processes x a spinning BLAS pool each
+    would oversubscribe the cores."""
+    saved = {name: os.environ.get(name) for name in _THREAD_VARIABLES}
+    os.environ.update(dict.fromkeys(_THREAD_VARIABLES, "1"))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def local_map(function: Callable[..., Any], paths: Sequence[Any], jobs: int, *args: Any) -> Iterator[Any]:
     """``function(path, *args)`` for each path, in order, in ``jobs`` spawned processes."""
     if jobs <= 1 or len(paths) <= 1:
@@ -106,19 +123,10 @@ def local_map(function: Callable[..., Any], paths: Sequence[Any], jobs: int, *ar
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
-    # One BLAS thread per worker (as Ray does): N processes x a spinning BLAS pool each would
-    # oversubscribe the cores. Workers inherit the environment when they are spawned (on submit).
-    saved = {name: os.environ.get(name) for name in _THREAD_VARIABLES}
-    os.environ.update(dict.fromkeys(_THREAD_VARIABLES, "1"))
-    try:
+    # Workers inherit the environment when they are spawned (on submit).
+    with one_thread_environment():
         pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context)
         futures = [pool.submit(function, path, *args) for path in paths]
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     with pool:
         try:
             for future in futures:

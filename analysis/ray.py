@@ -69,7 +69,7 @@ class KVDatasource(Datasource):
         if errors not in ("raise", "collect"):
             raise ValueError("errors must be 'raise' or 'collect'")
         self.paths = list(paths)
-        self.options = dataclasses.replace(options, threads=1, progress=False)  # Ray schedules the cores
+        self.options = dataclasses.replace(options, workers=1, progress=False)  # Ray schedules the cores
         self.errors = errors
 
     def get_name(self) -> str:
@@ -180,7 +180,7 @@ def ray_accumulators(
     _connect(options.address, options.cores)
     window = max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
     _, pass_options = options.plan(len(paths))
-    one_thread = dataclasses.replace(pass_options, threads=1, progress=False)  # Ray schedules the cores
+    one_thread = dataclasses.replace(pass_options, workers=1, progress=False)  # Ray schedules the cores
     fail_fast = options.fail_fast
     pending: collections.deque[tuple[str, Any]] = collections.deque()
     queue = collections.deque(paths)

@@ -29,18 +29,19 @@ Key = tuple[int, int, int, str]  # (layer, seq, head, "k" | "v"): the order of s
 
 @dataclass(frozen=True)
 class PassOptions:
-    """What one streaming pass over a file computes, and with how many threads.
+    """What one streaming pass over a file computes, and with how many workers.
 
     ``snapshot``: index (negative from the end); ``keys``: ``"post_rope"`` or ``"pre_rope"``;
-    ``stats``: the statistic groups (`GROUPS`); ``threads``: threads on this file's blocks;
+    ``stats``: the statistic groups (`GROUPS`); ``workers``: workers on this file's heads
+    (processes for a local file on the CPU backend, `analysis.processes`; threads for a URL);
     ``storage_options``: fsspec options for URLs; ``progress``: a bar of layers on stderr;
-    ``backend``: ``"cpu"`` (the compiled kernel on ``threads`` threads) or ``"mlx"`` (mlx on its
-    default device, driven by one thread that reads the next block while the device works)."""
+    ``backend``: ``"cpu"`` (the compiled kernel) or ``"mlx"`` (mlx on its default device, driven
+    by one thread that reads the next block while the device works)."""
 
     snapshot: int = -1
     keys: str = "post_rope"
     stats: frozenset[str] = ALL
-    threads: int = 1
+    workers: int = 1
     storage_options: dict[str, Any] | None = field(default=None, compare=False)
     progress: bool = field(default=False, compare=False)  # a bar per layer on a terminal's stderr
     backend: str = "cpu"
@@ -48,12 +49,12 @@ class PassOptions:
     def __post_init__(self) -> None:
         if self.keys not in ("post_rope", "pre_rope"):
             raise ValueError("keys must be 'post_rope' or 'pre_rope'")
-        if not isinstance(self.threads, int) or self.threads < 1:
-            raise ValueError(f"threads must be a positive integer, not {self.threads!r}")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be a positive integer, not {self.workers!r}")
         check_backend(self.backend)
         object.__setattr__(self, "stats", stat_groups(self.stats))
         if self.backend == "mlx":  # one thread drives the device; mlx is not used from several
-            object.__setattr__(self, "threads", 1)
+            object.__setattr__(self, "workers", 1)
 
 
 BACKENDS = ("cpu", "mlx")
@@ -224,7 +225,7 @@ def head_batches(
 
 
 class _Workers:
-    """The threads of one pass: an `OrderedPool` of ``options.threads`` for the batches (each
+    """The threads of one pass: an `OrderedPool` of ``options.workers`` threads for the batches (each
     head's batches in order), BLAS on one thread (the Gram's rounding then does not depend on the
     thread count), and for mlx the device `Pipeline` plus CPU threads for the rows."""
 
@@ -246,7 +247,7 @@ class _Workers:
                 self.pipeline = stack.enter_context(Pipeline())
                 rows_threads = row_threads()
             stack.enter_context(single_threaded_blas())
-            self.pool = stack.enter_context(OrderedPool(self.options.threads))
+            self.pool = stack.enter_context(OrderedPool(self.options.workers))
             self.row_pool = stack.enter_context(
                 ThreadPoolExecutor(rows_threads, thread_name_prefix="kvsnap-rows")
             )
@@ -306,8 +307,10 @@ def layers(
     past the layer's last chunk and its work is done, so memory holds the accumulators of the
     layers in progress only (one or two for a layer-major file).
 
-    With ``options.threads`` = T > 1, consecutive blocks of a head (up to 8 MiB of K and V, or
-    one block if larger) go to T threads as one task, at most T + 2 such batches in flight
+    With ``options.workers`` = T > 1, a local file on the CPU backend goes to T worker processes
+    (`analysis.processes`, which reads it in the same batches). Otherwise (a URL) consecutive
+    blocks of a head (up to 8 MiB of K and V, or one block if larger) go to T threads as one
+    task, at most T + 2 such batches in flight
     (`analysis.parallel.OrderedPool`): memory is about ``(T + 3) x max(8 MiB, block) + T x 3 x
     8192 x head_dim x 4 bytes (float32 pieces) + the accumulators of the layers in progress``
     (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``). Where segments are small (a series
@@ -317,6 +320,11 @@ def layers(
     pages stay within about two windows. ``progress`` shows a bar per layer on
     stderr when it is a terminal; ``finish`` computes each accumulator's row (eigenvalues and
     all) on the threads, once its layer is read."""
+    from kvsnap.analysis import processes
+
+    if processes.usable(path, options.workers, options.backend):
+        yield from processes.layers(path, options, progress, finish)
+        return
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
         name, index = os.fspath(path), snap.index
         ropes = layer_ropes(snap, options.keys)
@@ -324,7 +332,7 @@ def layers(
         order = windows(snap)
         last = {seg.layer: i for i, seg in enumerate(s for w in order for s in w.segments)}
         regrouped = any(w.release for w in order)  # small segments: released by window
-        bar = _layer_bar(name, len(ropes), progress)
+        bar = layer_bar(name, len(ropes), progress)
         for layer in ropes:
             if layer not in last:  # present but holding no tokens
                 bar.update()
@@ -373,7 +381,7 @@ def layers(
                 if closes:
                     open_layer.work += workers.finish_layer(open_layer.accumulators, finish)
                     closing.append(layer)
-                while len(in_flight) > options.threads + 2:
+                while len(in_flight) > options.workers + 2:
                     in_flight.popleft().result()
                 yield from finished(wait=False)
             workers.pool.drain()
@@ -381,7 +389,7 @@ def layers(
             yield from finished(wait=True)
 
 
-def _layer_bar(name: str, layers: int, show: bool) -> Any:
+def layer_bar(name: str, layers: int, show: bool) -> Any:
     """A tqdm bar over the layers of one file: on stderr, only when it is a terminal."""
     from tqdm import tqdm
 

@@ -27,38 +27,10 @@ import ml_dtypes
 
 import kvformat
 from benchmarks.analysis_bench import write
+from benchmarks.memory import descendants, rss
 from tests.servers import moto_s3, nginx
 
 LAYERS, HEADS, DIM = 36, 8, 128
-
-
-def descendants(root: int) -> list[int]:
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry))
-    found, stack = [], [root]
-    while stack:
-        pid = stack.pop()
-        found.append(pid)
-        stack.extend(parents.get(pid, []))
-    return found
-
-
-def rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 CHILD = r"""

@@ -104,7 +104,7 @@ def test_one_options_object_or_its_fields_as_keywords(runs: Path) -> None:
         BatchOptions(stats="norm")
     assert BatchOptions(jobs=8, backend="mlx").plan(3)[0] == 1  # one process drives the device
     processes, per_file = BatchOptions(jobs=4, keys="pre_rope").plan(2)
-    assert (processes, per_file.threads, per_file.keys, per_file.progress) == (2, 2, "pre_rope", False)
+    assert (processes, per_file.workers, per_file.keys, per_file.progress) == (2, 2, "pre_rope", False)
 
 
 SCALARS = ("n_tokens", "norm_mean", "norm_std", "norm_max", "norm_sq_mean", "anisotropy", "effective_rank")

@@ -1,0 +1,312 @@
+"""One file's pass over worker processes: the CPU backend's path for a local file and more than
+one worker.
+
+Threads in one process stall each other: between kernel calls each needs the GIL, and page
+faults and page releases of one shared memory map serialize in the kernel. On 16 cores a
+16-thread pass over the 8.6 GB seed file spent 54% of its thread time waiting (GIL, map lock,
+TLB shootdowns), and the full catalogue ran at half the speed of the same arithmetic in memory.
+Processes share the page cache and nothing else: each maps the file itself, reads and releases
+its own pages and never waits for another's Python.
+
+The pass's (seq, head) keys are cut into tasks, each a run of one layer's heads (about
+`TASKS_PER_WORKER` tasks per worker, so that uneven tasks even out). A task reads its heads'
+batches in the pass's own order and grouping (`streaming.windows`, `streaming.head_batches`:
+the same segments joined the same way), adds them to fresh accumulators, computes their rows
+when asked and sends the accumulators back. Each accumulator is filled by one task, in file
+order, exactly as the one-worker pass fills it: the results are identical (tests hold them
+equal). The parent yields a layer once all its tasks are back, layers in the pass's order.
+
+Workers are forked from a fork server (``multiprocessing``'s ``forkserver``: a clean process
+that has imported the kernels and loaded their compiled code, `warm_kernels`), started once per
+process and kept for later passes. They run kvsnap's code only, so they are started without the
+caller's ``__main__`` (``multiprocessing`` would import the script into every worker, and run
+its top level again where it has no ``if __name__ == "__main__":`` guard).
+
+Memory, per worker: the mapped pages of one batch (``max(8 MiB, block)``, released once added),
+three float32 work buffers of 8192 x head_dim and the accumulators of one task; in the parent:
+the accumulators of at most ``2 x workers`` tasks in flight plus the layers waiting for them.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import multiprocessing
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import kvformat
+from kvsnap.analysis.parallel import one_thread_environment
+
+if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
+    from kvsnap.analysis.accumulator import HeadAccumulator
+    from kvsnap.analysis.rope import Rope
+    from kvsnap.analysis.streaming import Key, LayerResult, PassOptions, Window
+
+TASKS_PER_WORKER = 8
+"""Tasks per worker in a pass (about): more even out heads of uneven cost, fewer cost less."""
+
+START_METHOD = "forkserver"
+
+
+def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
+    """Whether a pass over ``path`` with ``workers`` workers on ``backend`` runs on worker
+    processes: the CPU backend, more than one worker, a local file (URLs stay on threads: their
+    reads share one connection pool), and a process allowed to start children (not a daemonic
+    ``multiprocessing`` worker)."""
+    from kvformat import remote
+
+    return (
+        backend == "cpu"
+        and workers > 1
+        and not remote.is_url(path)
+        and START_METHOD in multiprocessing.get_all_start_methods()
+        and not multiprocessing.current_process().daemon
+    )
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """``multiprocessing`` starts the processes created meanwhile without importing ``__main__``
+    (it looks for the module's ``__spec__`` and ``__file__``; both are hidden, then restored)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    spec, file = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__spec__ = spec
+        if file is not None:
+            main.__file__ = file
+
+
+_POOL: tuple[int, ProcessPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> ProcessPoolExecutor:
+    """The process pool of ``workers`` workers, started once and kept (a pool of another size is
+    shut down first). The fork server starts with one BLAS and OpenMP thread (every worker then
+    runs one) and with the kernels loaded (`warm_kernels`)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None and _POOL[0] == workers:
+            return _POOL[1]
+        if _POOL is not None:
+            _POOL[1].shutdown(wait=False, cancel_futures=True)
+            _POOL = None
+        context = multiprocessing.get_context(START_METHOD)
+        context.set_forkserver_preload(["kvsnap.analysis.warm_kernels"])
+        with one_thread_environment(), _main_hidden():
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+        pool = ProcessPoolExecutor(workers, mp_context=context)
+        _POOL = (workers, pool)
+        return pool
+
+
+def _ready() -> None:
+    """Nothing: a first task that makes the pool start a worker."""
+
+
+def start(workers: int) -> None:
+    """Start the fork server and ``workers`` workers now, without waiting for them (the CLI
+    calls it first, so that they start while it imports the rest)."""
+    pool = _pool(workers)
+    with _main_hidden():
+        for _ in range(workers):
+            pool.submit(_ready)
+
+
+def _discard_pool(pool: ProcessPoolExecutor) -> None:
+    """Forget ``pool`` (broken: a worker died), so that the next pass starts a fresh one."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None and _POOL[1] is pool:
+            _POOL = None
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class _Task:
+    """One layer's heads ``(seq, head)``, in the order of the layer's accumulators."""
+
+    layer: int
+    heads: list[tuple[int, int]]
+
+
+def _tasks(snap: kvformat.Snapshot, layers: list[int], workers: int) -> list[_Task]:
+    """The pass's tasks, layer by layer in ``layers`` order: each layer's (seq, head) keys cut
+    into equal runs, about `TASKS_PER_WORKER` x ``workers`` tasks in all."""
+    per_layer = max(1, -(-TASKS_PER_WORKER * workers // max(1, len(layers))))
+    tasks: list[_Task] = []
+    for layer in layers:
+        heads = [(seq, head) for seq in range(snap.num_seqs) for head in range(snap.layers[layer].num_heads)]
+        size = max(1, -(-len(heads) // per_layer))
+        tasks += [_Task(layer, heads[start : start + size]) for start in range(0, len(heads), size)]
+    return tasks
+
+
+def _keys(layer: int, seqs: int, heads: int) -> list[Key]:
+    """A layer's accumulator keys in `fresh_accumulators` order."""
+    return [
+        (layer, seq, head, tensor) for seq in range(seqs) for head in range(heads) for tensor in ("k", "v")
+    ]
+
+
+def layers(
+    path: str | os.PathLike[str], options: PassOptions, progress: bool = False, finish: bool = False
+) -> Iterator[LayerResult]:
+    """`streaming.layers` on ``options.workers`` processes (see the module's docstring): the same
+    layers in the same order with the same accumulators."""
+    from kvsnap.analysis.streaming import fresh_accumulators, layer_bar, layer_ropes, windows
+
+    with kvformat.open(path, options.snapshot) as snap:
+        name, index = os.fspath(path), snap.index
+        ropes = layer_ropes(snap, options.keys)  # a pre_rope error raised here, before any work
+        order = windows(snap)
+        last = {seg.layer: i for i, seg in enumerate(s for w in order for s in w.segments)}
+        empty = {
+            layer: fresh_accumulators(snap, layer, ropes[layer], options)
+            for layer in ropes
+            if layer not in last
+        }
+        closing = sorted(last, key=last.__getitem__)
+        tasks = _tasks(snap, closing, options.workers)
+        key_order = {layer: _keys(layer, snap.num_seqs, snap.layers[layer].num_heads) for layer in closing}
+    bar = layer_bar(name, len(ropes), progress)
+    with bar:
+        for layer, accumulators in empty.items():  # present but holding no tokens
+            bar.update()
+            yield name, index, layer, accumulators
+        pool = _pool(options.workers)
+        pending: collections.deque[tuple[_Task, Future[dict[Key, HeadAccumulator]]]] = collections.deque()
+        next_task = 0
+        done: dict[Key, HeadAccumulator] = {}
+        try:
+            for layer in closing:
+                # Every task of this layer submitted, and up to 2 x workers in flight.
+                while next_task < len(tasks) and (
+                    len(pending) < 2 * options.workers or tasks[next_task].layer == layer
+                ):
+                    task = tasks[next_task]
+                    with _main_hidden():  # the pool starts its workers on submit
+                        future = pool.submit(_run_task, name, index, options, task, finish)
+                    pending.append((task, future))
+                    next_task += 1
+                while pending and pending[0][0].layer == layer:
+                    _, future = pending.popleft()
+                    done.update(future.result())
+                ordered = {key: done.pop(key) for key in key_order.pop(layer)}
+                bar.update()
+                yield name, index, layer, ordered
+        except BrokenProcessPool:
+            _discard_pool(pool)
+            raise
+        finally:
+            for _, future in pending:
+                future.cancel()
+
+
+# --- in the worker processes -------------------------------------------------------------------
+
+
+@dataclass
+class _OpenFile:
+    """A worker's open snapshot with the pass's batches of each (layer, seq, head), kept for the
+    tasks that follow on the same file."""
+
+    identity: tuple[Any, ...]
+    snap: kvformat.Snapshot
+    ropes: dict[int, Rope | None]
+    order: list[Window]
+    regrouped: bool
+    # (layer, seq, head) -> [(batch number in the pass, window index, the batch's segments)]
+    batches: dict[tuple[int, int, int], list[tuple[int, int, list[kvformat.Segment]]]]
+
+
+_OPEN: _OpenFile | None = None
+
+
+def _open_file(path: str, index: int, options: PassOptions) -> _OpenFile:
+    """This worker's `_OpenFile` of snapshot ``index`` of ``path`` (reopened when the file was
+    replaced or another one is asked for)."""
+    from kvsnap.analysis.streaming import head_batches, layer_ropes, windows
+
+    global _OPEN
+    status = os.stat(path)
+    identity = (path, index, options.keys, status.st_dev, status.st_ino, status.st_mtime_ns)
+    if _OPEN is not None and _OPEN.identity == identity:
+        return _OPEN
+    if _OPEN is not None:
+        _OPEN.snap.close()
+        _OPEN = None
+    snap = kvformat.open(path, index)
+    order = windows(snap)
+    last = {seg.layer: i for i, seg in enumerate(s for w in order for s in w.segments)}
+    batches: dict[tuple[int, int, int], list[tuple[int, int, list[kvformat.Segment]]]] = (
+        collections.defaultdict(list)
+    )
+    window = 0
+    for number, (batch, _, window_end) in enumerate(head_batches(snap, order, last)):
+        first = batch[0]
+        batches[(first.layer, first.seq, first.head)].append((number, window, batch))
+        if window_end is not None:
+            window += 1
+    _OPEN = _OpenFile(
+        identity, snap, layer_ropes(snap, options.keys), order, any(w.release for w in order), dict(batches)
+    )
+    return _OPEN
+
+
+def _run_task(
+    path: str, index: int, options: PassOptions, task: _Task, finish: bool
+) -> dict[Key, HeadAccumulator]:
+    """In a worker: the accumulators of ``task``'s heads over the whole snapshot (their rows
+    computed with ``finish``), batches added in the pass's order, pages released as the
+    one-worker pass releases them."""
+    from kvsnap.analysis.accumulator import HeadAccumulator
+    from kvsnap.analysis.parallel import single_threaded_blas
+    from kvsnap.analysis.streaming import _add_segments
+
+    opened = _open_file(path, index, options)
+    snap, layer = opened.snap, task.layer
+    spec = snap.layers[layer]
+    rope = opened.ropes[layer]
+    unrotate = rope if options.keys == "pre_rope" else None
+    accumulators: dict[Key, HeadAccumulator] = {}
+    for seq, head in task.heads:
+        accumulators[(layer, seq, head, "k")] = HeadAccumulator(spec.k_dim, rope, options.stats)
+        accumulators[(layer, seq, head, "v")] = HeadAccumulator(spec.v_dim, None, options.stats)
+    work = sorted(
+        (item for seq, head in task.heads for item in opened.batches.get((layer, seq, head), [])),
+        key=lambda item: item[0],
+    )
+    with single_threaded_blas():
+        for i, (_, window, batch) in enumerate(work):
+            first = batch[0]
+            _add_segments(
+                snap,
+                batch,
+                accumulators[(layer, first.seq, first.head, "k")],
+                accumulators[(layer, first.seq, first.head, "v")],
+                unrotate,
+                release_each=not opened.regrouped,
+            )
+            leaving = i == len(work) - 1 or work[i + 1][1] != window
+            if leaving and opened.order[window].release:
+                snap.release(opened.order[window].segments)
+        if finish:
+            for accumulator in accumulators.values():
+                accumulator.row_arrays()
+    return accumulators

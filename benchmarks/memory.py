@@ -1,0 +1,66 @@
+"""Memory of a process tree (Linux /proc): what a benchmark's child and every process it started
+hold, sampled while it runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(parents.get(pid, []))
+    return found
+
+
+def _field(path: str, name: str) -> int:
+    """A ``kB`` field of a /proc status-like file, in bytes (0 when the process is gone)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(name):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def rss(pid: int) -> int:
+    """Resident set of ``pid``, bytes (pages shared with other processes counted in full)."""
+    return _field(f"/proc/{pid}/status", "VmRSS:")
+
+
+def pss(pid: int) -> int:
+    """Proportional set of ``pid``, bytes: each shared page divided among the processes that map
+    it, so the sum over a tree of forked workers counts their shared libraries once."""
+    return _field(f"/proc/{pid}/smaps_rollup", "Pss:")
+
+
+def run_sampled(
+    command: list[str], env: dict[str, str] | None = None, interval: float = 0.05
+) -> tuple[str, int]:
+    """Run ``command``; its stdout and the peak, over samples every ``interval`` s, of the summed
+    proportional set of it and its descendants (bytes). Raises CalledProcessError on failure."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    peak = 0
+    while process.poll() is None:
+        peak = max(peak, sum(pss(pid) for pid in descendants(process.pid)))
+        time.sleep(interval)
+    stdout, stderr = process.communicate()
+    if process.returncode:
+        raise subprocess.CalledProcessError(process.returncode, command, stdout, stderr)
+    return stdout, peak

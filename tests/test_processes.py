@@ -1,0 +1,158 @@
+"""One file's pass over worker processes (`analysis.processes`): the same tables as one worker,
+in the same order, for every layout the pass reads differently; errors come back by name; a
+script without a ``__main__`` guard is not run again by the workers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import kvformat
+from kvsnap.analysis import processes
+from kvsnap.analysis.stats import head_stats, stats_for_file
+from kvsnap.analysis.streaming import PassOptions, layers, windows
+from tests.factories import random_file
+
+ROPE = {"rope": {"base": 10000.0, "pairing": "half"}}
+
+
+def _table(path: Path | str, jobs: int, **options: object) -> pa.Table:
+    return pa.concat_tables(list(stats_for_file(path, jobs=jobs, **options)))  # type: ignore[arg-type]
+
+
+def _appended(path: Path, step: int, tokens: int = 96, seqs: int = 1) -> None:
+    """Three layers x 3 heads, ``tokens`` tokens appended ``step`` at a time (each head's
+    segments interleaved with every other head's), K with per-channel scales."""
+    rng = np.random.default_rng(step)
+    scales = np.linspace(0.5, 3, 32, dtype=np.float32)
+    specs = [kvformat.LayerSpec(3, 32, 16, kvformat.FLOAT32)] * 3
+    with kvformat.Writer(path, specs, metadata=ROPE, num_seqs=seqs) as writer:
+        for start in range(0, tokens, step):
+            for seq in range(seqs):
+                for layer in range(3):
+                    k = (rng.standard_normal((3, step, 32)) * scales).astype(np.float32)
+                    v = rng.standard_normal((3, step, 16)).astype(np.float32)
+                    writer.append(layer, k, v, seq=seq)
+        writer.snapshot()
+
+
+def test_usable_only_for_local_files_on_the_cpu_with_several_workers(tmp_path: Path) -> None:
+    path = str(tmp_path / "a.kv")
+    assert processes.usable(path, 2, "cpu")
+    assert not processes.usable(path, 1, "cpu")
+    assert not processes.usable(path, 4, "mlx")
+    assert not processes.usable("http://example.com/a.kv", 4, "cpu")
+    assert not processes.usable("file://" + path, 4, "cpu")
+
+
+def test_workers_are_other_processes() -> None:
+    processes.start(2)
+    pids = {processes._pool(2).submit(os.getpid).result() for _ in range(8)}
+    assert os.getpid() not in pids
+
+
+LAYOUTS = {  # layout: whether the pass regroups its segments by head within windows
+    "layer-major, 1 MiB segments": False,
+    "layer-major, small chunks": True,
+    "appended in small steps": True,
+    "appended in large steps": False,
+    "two sequences": True,
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_processes_give_the_one_worker_tables_exactly(tmp_path: Path, layout: str) -> None:
+    """Every column, every row, the row order, for each way the pass groups a file's segments:
+    one head's chunks in file order (released one by one), small segments regrouped by head
+    within windows (released window by window), large interleaved segments read one by one;
+    pre-RoPE keys too."""
+    path = tmp_path / "f.kv"
+    if layout == "layer-major, 1 MiB segments":
+        random_file(path, layers=3, heads=2, tokens=4096, dim=64, chunk_bytes=2048 * 64 * 4, rope=True)
+    elif layout == "layer-major, small chunks":
+        random_file(path, layers=3, heads=4, tokens=700, dim=32, chunk_bytes=100 * 32 * 4, rope=True)
+    elif layout == "appended in small steps":
+        _appended(path, step=8)
+    elif layout == "appended in large steps":
+        _appended(path, step=8192, tokens=16384)
+    else:
+        _appended(path, step=16, seqs=2)
+    with kvformat.open(path) as snap:
+        assert any(w.release for w in windows(snap)) == LAYOUTS[layout]
+    for keys in ("post_rope", "pre_rope"):
+        one = _table(path, 1, keys=keys)
+        assert one.num_rows > 0
+        for jobs in (2, 3):
+            assert _table(path, jobs, keys=keys).equals(one), (keys, jobs)
+
+
+def test_layers_come_back_in_the_one_worker_order_with_equal_accumulators(tmp_path: Path) -> None:
+    path = tmp_path / "f.kv"
+    _appended(path, step=8)
+    one = list(layers(path, PassOptions(workers=1)))
+    many = list(layers(path, PassOptions(workers=3)))
+    assert [(name, index, layer, list(acc)) for name, index, layer, acc in many] == [
+        (name, index, layer, list(acc)) for name, index, layer, acc in one
+    ]
+    for (_, _, _, a), (_, _, _, b) in zip(one, many, strict=True):
+        for key in a:
+            np.testing.assert_array_equal(a[key].gram, b[key].gram)
+            assert a[key].top == b[key].top
+
+
+def test_a_damaged_chunk_stops_the_pass_with_its_name(tmp_path: Path) -> None:
+    path = tmp_path / "f.kv"
+    random_file(path, layers=2, heads=4, tokens=300, dim=16, chunk_bytes=50 * 16 * 4)
+    with kvformat.open(path) as snap:
+        segment = [s for s in snap.segments() if (s.layer, s.head) == (1, 2)][1]
+        offset = int(snap._file.table["offset"][segment.v_chunk])
+    raw = bytearray(path.read_bytes())
+    raw[offset + 64 + 5] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(kvformat.ChecksumError, match="payload CRC-32C"):
+        _table(path, 3)
+
+
+def test_a_pass_stopped_early_leaves_the_pool_usable(tmp_path: Path) -> None:
+    path = tmp_path / "f.kv"
+    random_file(path, layers=4, heads=4, tokens=200, dim=16, chunk_bytes=40 * 16 * 4)
+    tables = stats_for_file(path, jobs=2)
+    first = next(iter(tables))
+    tables.close()  # type: ignore[attr-defined]
+    whole = _table(path, 2)
+    assert whole.slice(0, first.num_rows).equals(first)
+    assert whole.equals(_table(path, 1))
+
+
+def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
+    """``multiprocessing`` imports ``__main__`` into workers it starts; the pass's workers are
+    started without it, so an unguarded script is not run again by each of them."""
+    path = tmp_path / "f.kv"
+    random_file(path, layers=2, heads=2, tokens=64, dim=16)
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            from kvsnap.analysis.stats import head_stats
+            print("rows", head_stats({str(path)!r}, jobs=2).height, flush=True)
+            """
+        )
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["rows", "8"]
+
+
+def test_threads_still_serve_urls(tmp_path: Path) -> None:
+    """A URL's pass stays on threads (`OrderedPool`); a ``file://`` URL maps the same file."""
+    path = tmp_path / "f.kv"
+    random_file(path, layers=3, heads=4, tokens=500, dim=32, chunk_bytes=100 * 32 * 4)
+    url = "file://" + str(path)
+    assert head_stats(url, jobs=3).drop("file").equals(head_stats(path, jobs=1).drop("file"))
