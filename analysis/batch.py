@@ -53,7 +53,7 @@ def run_stats(
     """Per-head statistics of every file the patterns name, one row per (file, seq, layer, head,
     tensor). ``options`` (`BatchOptions`), or its fields as keywords (``jobs=8``,
     ``engine="ray"``, ``stats="norms"``...), say how: the ``"local"`` engine (``jobs`` cores,
-    default all: files in processes, the cores left as threads within each file) or ``"ray"``
+    default all: files in processes, the cores left as each file's workers) or ``"ray"``
     (``address`` of a cluster, or a local one with ``jobs`` CPUs). Same rows, same order, for
     both engines. ``progress`` is called with each file name as it finishes."""
     options = BatchOptions.of(options, settings)

@@ -336,7 +336,7 @@ def _common(p: argparse.ArgumentParser, many: bool = True, engines: bool = True)
     p.add_argument(
         "--jobs",
         type=positive_int,
-        help="cores to use (default: all): files in processes, the cores left as threads within a file",
+        help="cores to use (default: all): files in processes, the cores left as each file's workers",
     )
     p.add_argument(
         "--storage-option",

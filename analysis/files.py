@@ -77,7 +77,7 @@ class BatchOptions:
 
     def plan(self, files: int) -> tuple[int, PassOptions]:
         """Processes for ``files`` files and each file's pass options: files in parallel first,
-        the cores left as threads within each file; with ``backend="mlx"``, one process and one
+        the cores left as each file's workers; with ``backend="mlx"``, one process and one
         thread driving the device."""
         from kvsnap.analysis.parallel import split_jobs
         from kvsnap.analysis.streaming import PassOptions

@@ -1,9 +1,11 @@
-"""Threads for one file's pass: tasks keyed by accumulator, each key's tasks run in order.
+"""Workers for the passes: threads for one file opened by URL (tasks keyed by accumulator, each
+key's tasks run in order), processes across files, and the settings both share.
 
 The statistics kernels (numba ``nogil``), BLAS and numpy's conversions release the GIL, so
-threads scale over cores while sharing the file's memory map. Results stay identical to one
-thread: every accumulator is updated by one task at a time, in the order the blocks were read
-(a task waits for the previous task of its key, which a FIFO pool has already started).
+threads share one memory map. Results stay identical to one thread: every accumulator is
+updated by one task at a time, in the order the blocks were read (a task waits for the previous
+task of its key, which a FIFO pool has already started). A local file's workers are processes
+(`analysis.processes`).
 """
 
 from __future__ import annotations

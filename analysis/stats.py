@@ -92,7 +92,7 @@ def stats_rows(
     jobs: int = 1,
     backend: str = "cpu",
 ) -> list[dict[str, Any]]:
-    """Rows of per-head statistics for one file (one streaming pass, ``jobs`` threads, or mlx
+    """Rows of per-head statistics for one file (one streaming pass on ``jobs`` workers, or mlx
     with ``backend="mlx"``), as dicts: within a layer by (seq, head, tensor)."""
     options = PassOptions(snapshot, keys, stat_groups(stats), jobs, backend=backend)
     return [
@@ -115,8 +115,9 @@ def stats_for_file(
 ) -> Iterator[pa.Table]:
     """The per-head statistics of one file (a path or a URL) as Arrow tables, one per layer, each
     yielded as soon as the streaming pass is past that layer's last chunk; ``stats`` picks the
-    groups (`GROUPS`, all by default), ``jobs`` threads share the file. No global state: a
-    process pool or a distributed engine can call it per file."""
+    groups (`GROUPS`, all by default), ``jobs`` workers share the file (processes; threads for a
+    URL). No global state but the kept worker pool: a process pool or a distributed engine can
+    call it per file."""
     options = PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options, backend=backend)
     yield from layer_tables(path, options, progress)
 
@@ -266,7 +267,7 @@ def file_tables(
     backend: str = "cpu",
 ) -> Iterator[pa.Table]:
     """One Arrow table per file, in the order given, on ``jobs`` cores (default: all of this
-    process's): files in parallel processes first, the rest as threads within each file; with
+    process's): files in parallel processes first, the rest as each file's workers; with
     ``backend="mlx"`` one file after another, on mlx's device. ``progress`` is called with each
     file name as it finishes."""
     files = _paths(paths)

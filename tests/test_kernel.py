@@ -106,15 +106,21 @@ def test_statistics_stream_layer_by_layer(tmp_path: Path, monkeypatch: pytest.Mo
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 128, 256])
 def test_compiled_eigenvalues_match_lapack(n: int) -> None:
     """The compiled symmetric eigensolver (parallel over heads) against LAPACK: full rank with a
-    wide spectrum, rank-deficient, zero."""
-    from kvsnap.analysis.eigen import eigenvalues
+    wide spectrum, rank-deficient, zero; and at scales where the rotations' squares would
+    overflow or underflow without the solver's own scaling."""
+    from kvsnap.analysis.eigen import _eigenvalues, eigenvalues
 
     rng = np.random.default_rng(n)
     for rows in (3 * n + 5, max(1, n // 3)):
         x = rng.standard_normal((rows, n)) * np.exp(rng.normal(0, 2, n))
         a = x.T @ x
         expected = np.linalg.eigvalsh(a)[::-1]
-        np.testing.assert_allclose(eigenvalues(a), expected, rtol=0, atol=1e-12 * expected[0])
+        for factor in (1.0, 1e-250, 1e250):
+            tolerance = 1e-12 * expected[0] * factor
+            np.testing.assert_allclose(eigenvalues(a * factor), expected * factor, rtol=0, atol=tolerance)
+            out = np.empty(n)  # the compiled solver itself, not LAPACK's fallback
+            assert _eigenvalues(a * factor, out)
+            np.testing.assert_allclose(np.sort(out)[::-1], expected * factor, rtol=0, atol=tolerance)
     np.testing.assert_array_equal(eigenvalues(np.zeros((n, n))), np.zeros(n))
 
 

@@ -34,7 +34,7 @@ def _appended(path: Path, step: int, tokens: int = 96, seqs: int = 1) -> None:
     scales = np.linspace(0.5, 3, 32, dtype=np.float32)
     specs = [kvformat.LayerSpec(3, 32, 16, kvformat.FLOAT32)] * 3
     with kvformat.Writer(path, specs, metadata=ROPE, num_seqs=seqs) as writer:
-        for start in range(0, tokens, step):
+        for _ in range(0, tokens, step):
             for seq in range(seqs):
                 for layer in range(3):
                     k = (rng.standard_normal((3, step, 32)) * scales).astype(np.float32)
