@@ -123,20 +123,29 @@ def _ql(d: np.ndarray, e: np.ndarray) -> bool:
     return True
 
 
-def _eigenvalues(matrix: np.ndarray, out: np.ndarray) -> bool:
-    # Scaled by a power of two (exact) so that the largest entry is in [1, 2): the QL step's
-    # ``sqrt(f*f + g*g)`` (3x faster than ``hypot``) then cannot overflow or lose a value.
+def _scaled_copy(matrix: np.ndarray) -> tuple[np.ndarray, float]:
+    """A copy of ``matrix`` scaled by a power of two (exact) so that its largest entry is in
+    [1, 2), and the exponent: the QL step's ``sqrt(f*f + g*g)`` (3x faster than ``hypot``) then
+    cannot overflow or lose a value."""
     a = matrix.copy()
     top = np.max(np.abs(a))
     exponent = 0.0
     if top > 0.0 and np.isfinite(top):
         exponent = min(max(np.floor(np.log2(top)), -1000.0), 1000.0)
         a *= 2.0**-exponent
+    return a, exponent
+
+
+def _eigenvalues(matrix: np.ndarray, out: np.ndarray) -> bool:
+    # Three compiled calls, not one compiled function calling the others: numba's code for a
+    # reassociating callee compiled into its caller differs between a fresh compile and its
+    # cache, and processes must compute the same eigenvalues as the parent.
+    a, exponent = _scaled_copy(matrix)
     e = np.empty(a.shape[0])
     _tridiagonalize(a, out, e)
     converged = _ql(out, e)
     out *= 2.0**exponent
-    return converged
+    return bool(converged)
 
 
 if numba is not None:
@@ -144,7 +153,7 @@ if numba is not None:
         _tridiagonalize
     )
     _ql = numba.njit(cache=True, nogil=True)(_ql)
-    _eigenvalues = numba.njit(cache=True, nogil=True)(_eigenvalues)
+    _scaled_copy = numba.njit(cache=True, nogil=True)(_scaled_copy)
 
 
 def eigenvalues(matrix: np.ndarray) -> np.ndarray:

@@ -135,3 +135,42 @@ def test_top_rows_are_the_largest_peaks_later_rows_first_among_ties(seed: int) -
     expected = sorted(range(n), key=lambda i: (int(bits[i]), i), reverse=True)[:8]
     got = kernel.top_rows(bits, 8)
     assert sorted(got.tolist()) == sorted(expected)
+
+
+FRESH_OR_CACHED = r"""
+import hashlib, numpy as np
+from kvsnap.analysis.accumulator import HeadAccumulator
+from kvsnap.analysis.rope import Rope
+digest = hashlib.sha1()
+rng = np.random.default_rng(0)
+for dim in (16, 80, 128):
+    x = (rng.standard_normal((9000, dim)) * np.exp(rng.normal(0, 1, dim)) + 0.5).astype(np.float32)
+    accumulator = HeadAccumulator(dim, Rope(10000.0, dim, "half"))
+    accumulator.add(x, np.arange(9000))
+    for value in accumulator.row_arrays().values():
+        digest.update(np.asarray(value, dtype=np.float64).tobytes())
+    for value in vars(accumulator).values():
+        if isinstance(value, np.ndarray):
+            digest.update(value.tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_freshly_compiled_and_cached_kernels_give_the_same_bits(tmp_path: Path) -> None:
+    """A pass's worker processes run the kernels as numba loads them from its cache, while the
+    parent (one worker) may run them as it has just compiled them: every sum and statistic must
+    be bit-identical either way (numba's code for a reassociating function compiled into its
+    caller was not: the eigenvalues moved in the last bit)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", FRESH_OR_CACHED], env=env, capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(2)  # the first compiles and writes the cache, the second loads it
+    ]
+    assert any((tmp_path / "numba").rglob("*.nbi"))
+    assert runs[0] == runs[1]
