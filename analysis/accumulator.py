@@ -34,7 +34,9 @@ from kvsnap.analysis.catalogue import (
 from kvsnap.analysis.eigen import eigenvalues
 from kvsnap.analysis.rope import Rope
 
-PIECE = 1 << 13  # rows per kernel call: bounds the float32 copy of a piece
+PIECE = 1 << 13  # rows per piece on the numpy and mlx paths (small segments are joined up to it)
+KERNEL_ROWS = 1 << 12  # rows per compiled-kernel call: the piece (2 MiB of float32 at 128
+# channels) is still in L2 when the Gram update reads it again (7-10% faster than 8192 rows)
 _NO_PAIRS = np.empty(0, np.int64)
 _NO_BAND = np.empty(0)
 _GRAM_ROWS = 2048  # rows per float32 product: its rounding grows with them (see `_add_gram`)
@@ -154,8 +156,8 @@ class HeadAccumulator:
         absmax_bits = np.zeros(self.dim, np.int32)
         sums = np.zeros(self.dim)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
-        for start in range(0, rows.shape[0], PIECE):
-            x = float32_rows(rows[start : start + PIECE], reuse=True)
+        for start in range(0, rows.shape[0], KERNEL_ROWS):
+            x = float32_rows(rows[start : start + KERNEL_ROWS], reuse=True)
             n = x.shape[0]
             if not n:
                 continue

@@ -23,7 +23,7 @@ caller's ``__main__`` (``multiprocessing`` would import the script into every wo
 its top level again where it has no ``if __name__ == "__main__":`` guard).
 
 Memory, per worker: the mapped pages of one batch (``max(8 MiB, block)``, released once added),
-three float32 work buffers of 8192 x head_dim and the accumulators of one task; in the parent:
+float32 work buffers of 6144 x head_dim and the accumulators of one task; in the parent:
 the accumulators of at most ``2 x workers`` tasks in flight plus the layers waiting for them.
 """
 
@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to
     from kvsnap.analysis.rope import Rope
     from kvsnap.analysis.streaming import Key, LayerResult, PassOptions, Window
 
-TASKS_PER_WORKER = 8
+TASKS_PER_WORKER = 16
 """Tasks per worker in a pass (about): more even out heads of uneven cost, fewer cost less."""
 
 START_METHOD = "forkserver"

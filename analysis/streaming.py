@@ -312,7 +312,7 @@ def layers(
     blocks of a head (up to 8 MiB of K and V, or one block if larger) go to T threads as one
     task, at most T + 2 such batches in flight
     (`analysis.parallel.OrderedPool`): memory is about ``(T + 3) x max(8 MiB, block) + T x 3 x
-    8192 x head_dim x 4 bytes (float32 pieces) + the accumulators of the layers in progress``
+    2048 x head_dim x 4 bytes (float32 work buffers) + the accumulators of the layers in progress``
     (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``). Where segments are small (a series
     of snapshots), the pass takes them head by head within windows of `WINDOW_BYTES` of the file
     (`windows`) and a head's small segments are read and added together (up to 8192 rows, one
