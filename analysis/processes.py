@@ -9,12 +9,14 @@ Processes share the page cache and nothing else: each maps the file itself, read
 its own pages and never waits for another's Python.
 
 The pass's (seq, head) keys are cut into tasks, each a run of one layer's heads (about
-`TASKS_PER_WORKER` tasks per worker, so that uneven tasks even out). A task reads its heads'
-batches in the pass's own order and grouping (`streaming.windows`, `streaming.head_batches`:
-the same segments joined the same way), adds them to fresh accumulators, computes their rows
-when asked and sends the accumulators back. Each accumulator is filled by one task, in file
-order, exactly as the one-worker pass fills it: the results are identical (tests hold them
-equal). The parent yields a layer once all its tasks are back, layers in the pass's order.
+`TASKS_PER_WORKER` tasks per worker, so that uneven tasks even out). The parent groups the
+snapshot's segments as the one-worker pass does (`streaming.windows`, `streaming.head_batches`:
+the same segments joined the same way, in the same order) and hands each task its heads'
+batches; the task reads them from its own map of the file, adds them to fresh accumulators,
+computes their rows when asked and sends the accumulators back. Each accumulator is filled by
+one task, in file order, exactly as the one-worker pass fills it: the results are identical
+(tests hold them equal). The parent yields a layer once all its tasks are back, layers in the
+pass's order.
 
 Workers are forked from a fork server (``multiprocessing``'s ``forkserver``: a clean process
 that has imported the kernels and loaded their compiled code, `warm_kernels`), started once per
@@ -22,9 +24,11 @@ process and kept for later passes. They run kvsnap's code only, so they are star
 caller's ``__main__`` (``multiprocessing`` would import the script into every worker, and run
 its top level again where it has no ``if __name__ == "__main__":`` guard).
 
-Memory, per worker: the mapped pages of one batch (``max(8 MiB, block)``, released once added),
-float32 work buffers of 6144 x head_dim and the accumulators of one task; in the parent:
-the accumulators of at most ``2 x workers`` tasks in flight plus the layers waiting for them.
+Memory, per worker: the snapshot's index (as any reader holds it), the mapped pages of one
+batch (``max(8 MiB, block)``, released once added; small segments: of one window), float32
+work buffers of 6144 x head_dim, and one task's segments and accumulators; in the parent: the
+pass's segment list (as the one-worker pass holds it) and the accumulators of at most ``2 x
+workers`` tasks in flight plus the layers waiting for them.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import kvformat
@@ -139,21 +143,47 @@ def _discard_pool(pool: ProcessPoolExecutor) -> None:
 
 @dataclass
 class _Task:
-    """One layer's heads ``(seq, head)``, in the order of the layer's accumulators."""
+    """One layer's heads ``(seq, head)`` (in the order of the layer's accumulators) and their
+    batches: ``(window index, segments)`` in the pass's order; ``releases``: the byte span of
+    each window the task touches whose pages go once its work there is done (small segments:
+    `streaming.windows`); ``release_each``: release each batch's chunks once added instead."""
 
     layer: int
     heads: list[tuple[int, int]]
+    work: list[tuple[int, list[kvformat.Segment]]] = field(default_factory=list)
+    releases: dict[int, tuple[int, int]] = field(default_factory=dict)
+    release_each: bool = True
 
 
-def _tasks(snap: kvformat.Snapshot, layers: list[int], workers: int) -> list[_Task]:
-    """The pass's tasks, layer by layer in ``layers`` order: each layer's (seq, head) keys cut
-    into equal runs, about `TASKS_PER_WORKER` x ``workers`` tasks in all."""
+def _tasks(snap: kvformat.Snapshot, order: list[Window], last: dict[int, int], workers: int) -> list[_Task]:
+    """The pass's tasks, layer by layer in the order the layers close: each layer's (seq, head)
+    keys cut into equal runs, about `TASKS_PER_WORKER` x ``workers`` tasks in all, each given
+    its heads' batches exactly as `streaming.head_batches` groups them for one worker."""
+    from kvsnap.analysis.streaming import head_batches
+
+    layers = sorted(last, key=last.__getitem__)
     per_layer = max(1, -(-TASKS_PER_WORKER * workers // max(1, len(layers))))
+    regrouped = any(window.release for window in order)
     tasks: list[_Task] = []
+    owner: dict[tuple[int, int, int], _Task] = {}
     for layer in layers:
         heads = [(seq, head) for seq in range(snap.num_seqs) for head in range(snap.layers[layer].num_heads)]
         size = max(1, -(-len(heads) // per_layer))
-        tasks += [_Task(layer, heads[start : start + size]) for start in range(0, len(heads), size)]
+        for start in range(0, len(heads), size):
+            task = _Task(layer, heads[start : start + size], release_each=not regrouped)
+            tasks.append(task)
+            owner.update({(layer, seq, head): task for seq, head in task.heads})
+    spans = [snap.byte_span(w.segments) if w.release and w.segments else None for w in order]
+    window = 0
+    for batch, _, window_end in head_batches(snap, order, last):
+        first = batch[0]
+        task = owner[(first.layer, first.seq, first.head)]
+        task.work.append((window, batch))
+        span = spans[window]
+        if span is not None:
+            task.releases[window] = span
+        if window_end is not None:
+            window += 1
     return tasks
 
 
@@ -182,7 +212,7 @@ def layers(
             if layer not in last
         }
         closing = sorted(last, key=last.__getitem__)
-        tasks = _tasks(snap, closing, options.workers)
+        tasks = _tasks(snap, order, last, options.workers)
         key_order = {layer: _keys(layer, snap.num_seqs, snap.layers[layer].num_heads) for layer in closing}
     bar = layer_bar(name, len(ropes), progress)
     with bar:
@@ -223,16 +253,11 @@ def layers(
 
 @dataclass
 class _OpenFile:
-    """A worker's open snapshot with the pass's batches of each (layer, seq, head), kept for the
-    tasks that follow on the same file."""
+    """A worker's open snapshot, kept for the tasks that follow on the same file."""
 
     identity: tuple[Any, ...]
     snap: kvformat.Snapshot
     ropes: dict[int, Rope | None]
-    order: list[Window]
-    regrouped: bool
-    # (layer, seq, head) -> [(batch number in the pass, window index, the batch's segments)]
-    batches: dict[tuple[int, int, int], list[tuple[int, int, list[kvformat.Segment]]]]
 
 
 _OPEN: _OpenFile | None = None
@@ -241,7 +266,7 @@ _OPEN: _OpenFile | None = None
 def _open_file(path: str, index: int, options: PassOptions) -> _OpenFile:
     """This worker's `_OpenFile` of snapshot ``index`` of ``path`` (reopened when the file was
     replaced or another one is asked for)."""
-    from kvsnap.analysis.streaming import head_batches, layer_ropes, windows
+    from kvsnap.analysis.streaming import layer_ropes
 
     global _OPEN
     status = os.stat(path)
@@ -252,20 +277,7 @@ def _open_file(path: str, index: int, options: PassOptions) -> _OpenFile:
         _OPEN.snap.close()
         _OPEN = None
     snap = kvformat.open(path, index)
-    order = windows(snap)
-    last = {seg.layer: i for i, seg in enumerate(s for w in order for s in w.segments)}
-    batches: dict[tuple[int, int, int], list[tuple[int, int, list[kvformat.Segment]]]] = (
-        collections.defaultdict(list)
-    )
-    window = 0
-    for number, (batch, _, window_end) in enumerate(head_batches(snap, order, last)):
-        first = batch[0]
-        batches[(first.layer, first.seq, first.head)].append((number, window, batch))
-        if window_end is not None:
-            window += 1
-    _OPEN = _OpenFile(
-        identity, snap, layer_ropes(snap, options.keys), order, any(w.release for w in order), dict(batches)
-    )
+    _OPEN = _OpenFile(identity, snap, layer_ropes(snap, options.keys))
     return _OPEN
 
 
@@ -273,8 +285,8 @@ def _run_task(
     path: str, index: int, options: PassOptions, task: _Task, finish: bool
 ) -> dict[Key, HeadAccumulator]:
     """In a worker: the accumulators of ``task``'s heads over the whole snapshot (their rows
-    computed with ``finish``), batches added in the pass's order, pages released as the
-    one-worker pass releases them."""
+    computed with ``finish``), its batches added in order, pages released as the one-worker pass
+    releases them."""
     from kvsnap.analysis.accumulator import HeadAccumulator
     from kvsnap.analysis.parallel import single_threaded_blas
     from kvsnap.analysis.streaming import _add_segments
@@ -288,12 +300,8 @@ def _run_task(
     for seq, head in task.heads:
         accumulators[(layer, seq, head, "k")] = HeadAccumulator(spec.k_dim, rope, options.stats)
         accumulators[(layer, seq, head, "v")] = HeadAccumulator(spec.v_dim, None, options.stats)
-    work = sorted(
-        (item for seq, head in task.heads for item in opened.batches.get((layer, seq, head), [])),
-        key=lambda item: item[0],
-    )
     with single_threaded_blas():
-        for i, (_, window, batch) in enumerate(work):
+        for i, (window, batch) in enumerate(task.work):
             first = batch[0]
             _add_segments(
                 snap,
@@ -301,11 +309,11 @@ def _run_task(
                 accumulators[(layer, first.seq, first.head, "k")],
                 accumulators[(layer, first.seq, first.head, "v")],
                 unrotate,
-                release_each=not opened.regrouped,
+                release_each=task.release_each,
             )
-            leaving = i == len(work) - 1 or work[i + 1][1] != window
-            if leaving and opened.order[window].release:
-                snap.release(opened.order[window].segments)
+            leaving = i == len(task.work) - 1 or task.work[i + 1][0] != window
+            if leaving and window in task.releases:
+                snap.release_span(*task.releases[window])
         if finish:
             for accumulator in accumulators.values():
                 accumulator.row_arrays()

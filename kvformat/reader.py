@@ -381,6 +381,21 @@ class Snapshot:
         for first, last in zip([0, *breaks.tolist()], [*(breaks - 1).tolist(), len(chunks) - 1], strict=True):
             file.source.release(int(starts[first]), int(ends[last] - starts[first]))
 
+    def byte_span(self, segments: Sequence[Segment]) -> tuple[int, int]:
+        """``(start, end)``: the file's bytes from the first record to the end of the last record
+        of the chunks of ``segments`` (non-empty), other records between them included."""
+        file = self._file
+        chunks = np.array([c for s in segments for c in (s.k_chunk, s.v_chunk)], np.int64)
+        starts = file.table["offset"][chunks].astype(np.int64)
+        ends = starts + DESCRIPTOR_SIZE + file.table["stored_size"][chunks].astype(np.int64)
+        return int(starts.min()), int(ends.max())
+
+    def release_span(self, start: int, end: int) -> None:
+        """`release` for the file's bytes ``[start, end)`` (a `byte_span`): one call for a run of
+        records whose segments the caller no longer holds."""
+        if end > start:
+            self._file.source.release(start, end - start)
+
     def prefetch(self, segments: list[Segment]) -> None:
         """Announce segments about to be read: a remote source fetches them in few requests (a
         no-op on a memory map)."""
