@@ -58,11 +58,17 @@ TASKS_PER_WORKER = 16
 
 START_METHOD = "forkserver"
 
+PROCESS_MIN_BYTES = 256 << 20
+"""Smaller files stay in one process (on threads) unless the workers are already running:
+starting them (0.6-1.7 s: an interpreter importing numpy and numba) would cost more than they
+save on a file one core analyses in about that time."""
+
 
 def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
     """Whether a pass over ``path`` with ``workers`` workers on ``backend`` runs on worker
     processes: the CPU backend, more than one worker, a local file (URLs stay on threads: their
-    reads share one connection pool), and a process allowed to start children (not a daemonic
+    reads share one connection pool) of at least `PROCESS_MIN_BYTES` or with the workers
+    already running, and a process allowed to start children (not a daemonic
     ``multiprocessing`` worker)."""
     from kvformat import remote
 
@@ -70,9 +76,23 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
         backend == "cpu"
         and workers > 1
         and not remote.is_url(path)
+        and (_running(workers) or _size(path) >= PROCESS_MIN_BYTES)
         and START_METHOD in multiprocessing.get_all_start_methods()
         and not multiprocessing.current_process().daemon
     )
+
+
+def _size(path: str | os.PathLike[str]) -> int:
+    """The file's size in bytes; 0 where it cannot be read (the pass then reports why)."""
+    try:
+        return os.path.getsize(path)
+    except (OSError, ValueError):
+        return 0
+
+
+def _running(workers: int) -> bool:
+    """Whether a pool of ``workers`` workers is already running."""
+    return _POOL is not None and _POOL[0] == workers
 
 
 @contextlib.contextmanager

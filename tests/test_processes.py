@@ -23,6 +23,12 @@ from tests.factories import random_file
 ROPE = {"rope": {"base": 10000.0, "pairing": "half"}}
 
 
+@pytest.fixture(autouse=True)
+def small_files_on_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests' files are small; the pass takes processes for them all the same."""
+    monkeypatch.setattr(processes, "PROCESS_MIN_BYTES", 0)
+
+
 def _table(path: Path | str, jobs: int, **options: object) -> pa.Table:
     return pa.concat_tables(list(stats_for_file(path, jobs=jobs, **options)))  # type: ignore[arg-type]
 
@@ -43,9 +49,18 @@ def _appended(path: Path, step: int, tokens: int = 96, seqs: int = 1) -> None:
         writer.snapshot()
 
 
-def test_usable_only_for_local_files_on_the_cpu_with_several_workers(tmp_path: Path) -> None:
+def test_usable_only_for_local_files_on_the_cpu_with_several_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = str(tmp_path / "a.kv")
+    random_file(Path(path), layers=1, heads=2, tokens=64, dim=16)
     assert processes.usable(path, 2, "cpu")
+    monkeypatch.setattr(processes, "PROCESS_MIN_BYTES", os.path.getsize(path) + 1)
+    assert processes.usable(path, 2, "cpu") == processes._running(2)  # small: only a running pool
+    processes.start(2)
+    assert processes.usable(path, 2, "cpu")
+    assert not processes.usable(path, 5, "cpu")  # another size would start a pool
+    monkeypatch.setattr(processes, "PROCESS_MIN_BYTES", 0)
     assert not processes.usable(path, 1, "cpu")
     assert not processes.usable(path, 4, "mlx")
     assert not processes.usable("http://example.com/a.kv", 4, "cpu")
