@@ -221,6 +221,8 @@ def layers(
     layers in the same order with the same accumulators."""
     from kvsnap.analysis.streaming import fresh_accumulators, layer_bar, layer_ropes, windows
 
+    start(options.workers)  # the fork server and the workers start while the pass is planned
+    pool = _pool(options.workers)
     with kvformat.open(path, options.snapshot) as snap:
         name, index = os.fspath(path), snap.index
         ropes = layer_ropes(snap, options.keys)  # a pre_rope error raised here, before any work
@@ -239,7 +241,6 @@ def layers(
         for layer, accumulators in empty.items():  # present but holding no tokens
             bar.update()
             yield name, index, layer, accumulators
-        pool = _pool(options.workers)
         pending: collections.deque[tuple[_Task, Future[dict[Key, HeadAccumulator]]]] = collections.deque()
         next_task = 0
         done: dict[Key, HeadAccumulator] = {}
