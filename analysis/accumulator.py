@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from kvsnap.analysis import kernel
 from kvsnap.analysis.catalogue import (
     ALL,
     BINS,
@@ -31,7 +31,6 @@ from kvsnap.analysis.catalogue import (
     quant_error,
     stat_groups,
 )
-from kvsnap.analysis.eigen import eigenvalues
 from kvsnap.analysis.rope import Rope
 
 PIECE = 1 << 13  # rows per piece on the numpy and mlx paths (small segments are joined up to it)
@@ -42,6 +41,15 @@ _NO_BAND = np.empty(0)
 _GRAM_ROWS = 2048  # rows per float32 product: its rounding grows with them (see `_add_gram`)
 GRAM_FLOAT64_ROWS = 512  # fewer rows than this: the Gram update in float64
 HEAVY = 16.0  # squared norm over the piece's median: a row the Gram adds in float64
+
+
+def _kernel() -> ModuleType:
+    """`analysis.kernel`, imported on first use: numba takes ~0.2-0.4 s to import, and a process
+    that only merges accumulators or builds tables from them (the parent of a pass on worker
+    processes) never needs it."""
+    from kvsnap.analysis import kernel
+
+    return kernel
 
 
 _BUFFERS = threading.local()  # per thread: reused float32 work buffers (fresh memory costs page faults)
@@ -125,7 +133,7 @@ class HeadAccumulator:
             from kvsnap.analysis import mlx_kernel
 
             mlx_kernel.add(self, rows, positions)
-        elif kernel.AVAILABLE:
+        elif _kernel().AVAILABLE:
             self._add_compiled(rows, positions)
         else:
             self._add_numpy(rows, positions)
@@ -133,6 +141,7 @@ class HeadAccumulator:
     def _flags(self) -> np.ndarray:
         if self._flag_array is not None:
             return self._flag_array
+        kernel = _kernel()
         flags = self._flag_array = np.zeros(kernel.FLAGS, np.int64)
         flags[kernel.NORMS] = "norms" in self.groups
         flags[kernel.CHANNELS] = "channels" in self.groups
@@ -143,6 +152,7 @@ class HeadAccumulator:
 
     def _add_compiled(self, rows: np.ndarray, positions: np.ndarray) -> None:
         # Few Python-level calls per piece: with many threads, what holds the GIL sets the pace.
+        kernel = _kernel()
         if self.band is not None and self.rope is not None:
             first, second = self.rope.pair_indices()
             band = self.band
@@ -219,6 +229,7 @@ class HeadAccumulator:
             x64 = x.astype(np.float64)
             self.gram += x64.T @ x64
             return
+        kernel = _kernel()
         heavy = kernel.heavy_rows(square_norms, HEAVY)
         n = x.shape[0]
         any_heavy = bool(heavy.any())
@@ -415,7 +426,12 @@ class HeadAccumulator:
     def _spectrum(self, n: int, m1: np.ndarray) -> dict[str, Any]:
         covariance = self.gram / n - np.outer(m1, m1)
         # compiled where the kernel is (parallel over heads), LAPACK on the numpy reference path
-        descending = eigenvalues(covariance) if kernel.AVAILABLE else np.linalg.eigvalsh(covariance)[::-1]
+        if _kernel().AVAILABLE:
+            from kvsnap.analysis.eigen import eigenvalues
+
+            descending = eigenvalues(covariance)
+        else:
+            descending = np.linalg.eigvalsh(covariance)[::-1]
         eig = np.clip(descending, 0.0, None)
         total = float(eig.sum())
         cumulative = np.cumsum(eig) / total if total > 0 else np.ones_like(eig)
