@@ -145,11 +145,16 @@ def _ready() -> None:
 
 def start(workers: int) -> None:
     """Start the fork server and ``workers`` workers now, without waiting for them (the CLI
-    calls it first, so that they start while it imports the rest)."""
+    calls it first, so that they start while it imports the rest). A kept pool found broken (a
+    worker died since the last pass) is replaced."""
     pool = _pool(workers)
-    with _main_hidden():
-        for _ in range(workers):
-            pool.submit(_ready)
+    try:
+        with _main_hidden():
+            for _ in range(workers):
+                pool.submit(_ready)
+    except BrokenProcessPool:
+        _discard_pool(pool)
+        start(workers)
 
 
 def _discard_pool(pool: ProcessPoolExecutor) -> None:

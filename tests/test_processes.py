@@ -171,3 +171,25 @@ def test_threads_still_serve_urls(tmp_path: Path) -> None:
     random_file(path, layers=3, heads=4, tokens=500, dim=32, chunk_bytes=100 * 32 * 4)
     url = "file://" + str(path)
     assert head_stats(url, jobs=3).drop("file").equals(head_stats(path, jobs=1).drop("file"))
+
+
+def test_a_worker_killed_between_passes_is_replaced(tmp_path: Path) -> None:
+    """A kept pool whose worker died (killed, out of memory) is replaced by the next pass."""
+    import signal
+    import time
+
+    path = tmp_path / "f.kv"
+    random_file(path, layers=2, heads=4, tokens=100, dim=16)
+    one = _table(path, 1)
+    assert _table(path, 2).equals(one)
+    pool = processes._pool(2)
+    os.kill(pool.submit(os.getpid).result(), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # until the pool has seen it
+        try:
+            pool.submit(os.getpid).result()
+        except Exception:
+            break
+        time.sleep(0.1)
+    assert _table(path, 2).equals(one)
+    assert processes._pool(2) is not pool
