@@ -1,5 +1,6 @@
-"""Workers for the passes: threads for one file opened by URL (tasks keyed by accumulator, each
-key's tasks run in order), processes across files, and the settings both share.
+"""Workers for the passes: threads for one file opened by URL or too small for worker processes
+(tasks keyed by accumulator, each key's tasks run in order), processes across files, and the
+settings both share.
 
 The statistics kernels (numba ``nogil``), BLAS and numpy's conversions release the GIL, so
 threads share one memory map. Results stay identical to one thread: every accumulator is

@@ -33,7 +33,8 @@ class PassOptions:
 
     ``snapshot``: index (negative from the end); ``keys``: ``"post_rope"`` or ``"pre_rope"``;
     ``stats``: the statistic groups (`GROUPS`); ``workers``: workers on this file's heads
-    (processes for a local file on the CPU backend, `analysis.processes`; threads for a URL);
+    (processes for a local file on the CPU backend, `analysis.processes`; threads for a URL or
+    a small file);
     ``storage_options``: fsspec options for URLs; ``progress``: a bar of layers on stderr;
     ``backend``: ``"cpu"`` (the compiled kernel) or ``"mlx"`` (mlx on its default device, driven
     by one thread that reads the next block while the device works)."""
@@ -308,9 +309,9 @@ def layers(
     layers in progress only (one or two for a layer-major file).
 
     With ``options.workers`` = T > 1, a local file on the CPU backend goes to T worker processes
-    (`analysis.processes`, which reads it in the same batches). Otherwise (a URL) consecutive
-    blocks of a head (up to 8 MiB of K and V, or one block if larger) go to T threads as one
-    task, at most T + 2 such batches in flight
+    (`analysis.processes`, which reads it in the same batches). Otherwise (a URL, a small file)
+    consecutive blocks of a head (up to 8 MiB of K and V, or one block if larger) go to T
+    threads as one task, at most T + 2 such batches in flight
     (`analysis.parallel.OrderedPool`): memory is about ``(T + 3) x max(8 MiB, block) + T x 3 x
     2048 x head_dim x 4 bytes (float32 work buffers) + the accumulators of the layers in progress``
     (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``). Where segments are small (a series
