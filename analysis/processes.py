@@ -184,7 +184,7 @@ def _tasks(snap: kvformat.Snapshot, order: list[Window], last: dict[int, int], w
     """The pass's tasks, layer by layer in the order the layers close: each layer's (seq, head)
     keys cut into equal runs, about `TASKS_PER_WORKER` x ``workers`` tasks in all, each given
     its heads' batches exactly as `streaming.head_batches` groups them for one worker."""
-    from kvsnap.analysis.streaming import head_batches
+    from kvsnap.analysis.streaming import head_batches, layer_heads
 
     layers = sorted(last, key=last.__getitem__)
     per_layer = max(1, -(-TASKS_PER_WORKER * workers // max(1, len(layers))))
@@ -192,7 +192,7 @@ def _tasks(snap: kvformat.Snapshot, order: list[Window], last: dict[int, int], w
     tasks: list[_Task] = []
     owner: dict[tuple[int, int, int], _Task] = {}
     for layer in layers:
-        heads = [(seq, head) for seq in range(snap.num_seqs) for head in range(snap.layers[layer].num_heads)]
+        heads = layer_heads(snap, layer)
         size = max(1, -(-len(heads) // per_layer))
         for start in range(0, len(heads), size):
             task = _Task(layer, heads[start : start + size], release_each=not regrouped)
@@ -212,27 +212,19 @@ def _tasks(snap: kvformat.Snapshot, order: list[Window], last: dict[int, int], w
     return tasks
 
 
-def _keys(layer: int, seqs: int, heads: int) -> list[Key]:
-    """A layer's accumulator keys in `fresh_accumulators` order."""
-    return [
-        (layer, seq, head, tensor) for seq in range(seqs) for head in range(heads) for tensor in ("k", "v")
-    ]
-
-
 def layers(
     path: str | os.PathLike[str], options: PassOptions, progress: bool = False, finish: bool = False
 ) -> Iterator[LayerResult]:
     """`streaming.layers` on ``options.workers`` processes (see the module's docstring): the same
     layers in the same order with the same accumulators."""
-    from kvsnap.analysis.streaming import fresh_accumulators, layer_bar, layer_ropes, windows
+    from kvsnap.analysis.streaming import fresh_accumulators, layer_bar, layer_ropes, pass_order
 
     start(options.workers)  # the fork server and the workers start while the pass is planned
     pool = _pool(options.workers)
     with kvformat.open(path, options.snapshot) as snap:
         name, index = os.fspath(path), snap.index
         ropes = layer_ropes(snap, options.keys)  # a pre_rope error raised here, before any work
-        order = windows(snap)
-        last = {seg.layer: i for i, seg in enumerate(s for w in order for s in w.segments)}
+        order, last = pass_order(snap)
         empty = {
             layer: fresh_accumulators(snap, layer, ropes[layer], options)
             for layer in ropes
@@ -240,15 +232,13 @@ def layers(
         }
         closing = sorted(last, key=last.__getitem__)
         tasks = _tasks(snap, order, last, options.workers)
-        key_order = {layer: _keys(layer, snap.num_seqs, snap.layers[layer].num_heads) for layer in closing}
     bar = layer_bar(name, len(ropes), progress)
     with bar:
-        for layer, accumulators in empty.items():  # present but holding no tokens
+        for layer, table in empty.items():  # present but holding no tokens
             bar.update()
-            yield name, index, layer, accumulators
+            yield name, index, layer, table
         pending: collections.deque[tuple[_Task, Future[dict[Key, HeadAccumulator]]]] = collections.deque()
         next_task = 0
-        done: dict[Key, HeadAccumulator] = {}
         try:
             for layer in closing:
                 # Every task of this layer submitted, and up to 2 x workers in flight.
@@ -260,12 +250,12 @@ def layers(
                         future = pool.submit(_run_task, name, index, options, task, finish)
                     pending.append((task, future))
                     next_task += 1
+                # A layer's tasks split its heads in order, so their results join in that order.
+                accumulators: dict[Key, HeadAccumulator] = {}
                 while pending and pending[0][0].layer == layer:
-                    _, future = pending.popleft()
-                    done.update(future.result())
-                ordered = {key: done.pop(key) for key in key_order.pop(layer)}
+                    accumulators.update(pending.popleft()[1].result())
                 bar.update()
-                yield name, index, layer, ordered
+                yield name, index, layer, accumulators
         except BrokenProcessPool:
             _discard_pool(pool)
             raise
@@ -313,19 +303,14 @@ def _run_task(
     """In a worker: the accumulators of ``task``'s heads over the whole snapshot (their rows
     computed with ``finish``), its batches added in order, pages released as the one-worker pass
     releases them."""
-    from kvsnap.analysis.accumulator import HeadAccumulator
     from kvsnap.analysis.parallel import single_threaded_blas
-    from kvsnap.analysis.streaming import _add_segments
+    from kvsnap.analysis.streaming import _add_segments, fresh_accumulators
 
     opened = _open_file(path, index, options)
     snap, layer = opened.snap, task.layer
-    spec = snap.layers[layer]
     rope = opened.ropes[layer]
     unrotate = rope if options.keys == "pre_rope" else None
-    accumulators: dict[Key, HeadAccumulator] = {}
-    for seq, head in task.heads:
-        accumulators[(layer, seq, head, "k")] = HeadAccumulator(spec.k_dim, rope, options.stats)
-        accumulators[(layer, seq, head, "v")] = HeadAccumulator(spec.v_dim, None, options.stats)
+    accumulators = fresh_accumulators(snap, layer, rope, options, task.heads)
     with single_threaded_blas():
         for i, (window, batch) in enumerate(task.work):
             first = batch[0]

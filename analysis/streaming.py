@@ -141,21 +141,38 @@ def layer_ropes(snap: kvformat.Snapshot, keys: str) -> dict[int, Rope | None]:
     return ropes
 
 
+def layer_heads(snap: kvformat.Snapshot, layer: int) -> list[tuple[int, int]]:
+    """The ``(seq, head)`` pairs of ``layer``, in the order of its accumulators and table rows."""
+    return [(seq, head) for seq in range(snap.num_seqs) for head in range(snap.layers[layer].num_heads)]
+
+
 def fresh_accumulators(
-    snap: kvformat.Snapshot, layer: int, rope: Rope | None, options: PassOptions
+    snap: kvformat.Snapshot,
+    layer: int,
+    rope: Rope | None,
+    options: PassOptions,
+    heads: list[tuple[int, int]] | None = None,
 ) -> dict[Key, HeadAccumulator]:
-    """Empty accumulators for every (seq, head, tensor) of ``layer``; K's knows its ``rope``."""
+    """Empty accumulators for every (seq, head, tensor) of ``layer`` (of ``heads`` only, when
+    given: ``(seq, head)`` pairs); K's knows its ``rope``."""
     spec = snap.layers[layer]
     table: dict[Key, HeadAccumulator] = {}
-    for seq in range(snap.num_seqs):
-        for head in range(spec.num_heads):
-            table[(layer, seq, head, "k")] = HeadAccumulator(
-                spec.k_dim, rope, options.stats, backend=options.backend
-            )
-            table[(layer, seq, head, "v")] = HeadAccumulator(
-                spec.v_dim, None, options.stats, backend=options.backend
-            )
+    for seq, head in layer_heads(snap, layer) if heads is None else heads:
+        table[(layer, seq, head, "k")] = HeadAccumulator(
+            spec.k_dim, rope, options.stats, backend=options.backend
+        )
+        table[(layer, seq, head, "v")] = HeadAccumulator(
+            spec.v_dim, None, options.stats, backend=options.backend
+        )
     return table
+
+
+def pass_order(snap: kvformat.Snapshot) -> tuple[list[Window], dict[int, int]]:
+    """The pass's `windows` and, per layer, the index of its last segment in that order (the
+    layer is done once the pass is past it)."""
+    order = windows(snap)
+    last = {seg.layer: i for i, seg in enumerate(s for w in order for s in w.segments)}
+    return order, last
 
 
 def _row_bytes(snap: kvformat.Snapshot) -> dict[int, int]:
@@ -330,8 +347,7 @@ def layers(
         name, index = os.fspath(path), snap.index
         ropes = layer_ropes(snap, options.keys)
         unrotate = options.keys == "pre_rope"
-        order = windows(snap)
-        last = {seg.layer: i for i, seg in enumerate(s for w in order for s in w.segments)}
+        order, last = pass_order(snap)
         regrouped = any(w.release for w in order)  # small segments: released by window
         bar = layer_bar(name, len(ropes), progress)
         for layer in ropes:
