@@ -12,10 +12,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvformat.checksum import crc32c
 from kvsnap.analysis.catalogue import (
     ALL,
     BINS,
@@ -32,6 +33,9 @@ from kvsnap.analysis.catalogue import (
     stat_groups,
 )
 from kvsnap.analysis.rope import Rope
+
+if TYPE_CHECKING:
+    from kvformat.reader import PayloadCheck
 
 PIECE = 1 << 13  # rows per piece on the numpy and mlx paths (small segments are joined up to it)
 KERNEL_ROWS = 1 << 12  # rows per compiled-kernel call: the piece (2 MiB of float32 at 128
@@ -65,6 +69,11 @@ def _buffer(name: str, rows: int, dim: int) -> np.ndarray:
     if buffer is None or buffer.shape[0] < rows:
         buffer = found[(name, dim)] = np.empty((rows, dim), np.float32)
     return buffer[:rows]
+
+
+def bytes_of(rows: np.ndarray) -> memoryview:
+    """The bytes of ``rows`` (C-contiguous: a chunk's payload or rows of it), for a CRC."""
+    return np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data
 
 
 def float32_rows(rows: np.ndarray, reuse: bool = False) -> np.ndarray:
@@ -124,17 +133,26 @@ class HeadAccumulator:
         self.unit_sum = np.zeros(self.dim)
         self.band = np.zeros(self.rope.dims // 2) if self.rope is not None else None
 
-    def add(self, rows: np.ndarray, positions: np.ndarray) -> None:
+    def add(self, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None) -> None:
         """Add ``rows`` ``(n_tokens, dim)`` at absolute ``positions`` ``(n_tokens,)``: the fused
         compiled kernel (`analysis.kernel`) where numba is installed, else numpy; with
-        ``backend="mlx"``, mlx on its default device (`analysis.mlx_kernel`)."""
+        ``backend="mlx"``, mlx on its default device (`analysis.mlx_kernel`).
+
+        ``check``: the CRC ``rows`` (a chunk's whole payload, read unchecked:
+        `kvformat.Snapshot.read_unchecked`) must have. The compiled path checksums each piece
+        just before the kernel reads it, so the kernel finds it in cache instead of reading it
+        from memory a second time; a mismatch raises `kvformat.ChecksumError` once the rows are
+        added, and the accumulator then holds them: it is to be dropped, as the pass does."""
         self._row = None
+        if check is not None and (self.backend == "mlx" or not _kernel().AVAILABLE):
+            check.check(crc32c(bytes_of(rows)))
+            check = None
         if self.backend == "mlx":
             from kvsnap.analysis import mlx_kernel
 
             mlx_kernel.add(self, rows, positions)
         elif _kernel().AVAILABLE:
-            self._add_compiled(rows, positions)
+            self._add_compiled(rows, positions, check)
         else:
             self._add_numpy(rows, positions)
 
@@ -150,7 +168,9 @@ class HeadAccumulator:
         flags[kernel.QUANT] = "quant" in self.groups
         return flags
 
-    def _add_compiled(self, rows: np.ndarray, positions: np.ndarray) -> None:
+    def _add_compiled(
+        self, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
+    ) -> None:
         # Few Python-level calls per piece: with many threads, what holds the GIL sets the pace.
         kernel = _kernel()
         if self.band is not None and self.rope is not None:
@@ -166,7 +186,10 @@ class HeadAccumulator:
         absmax_bits = np.zeros(self.dim, np.int32)
         sums = np.zeros(self.dim)
         positions = np.ascontiguousarray(positions, dtype=np.int64)
+        crc = 0
         for start in range(0, rows.shape[0], KERNEL_ROWS):
+            if check is not None:
+                crc = crc32c(bytes_of(rows[start : start + KERNEL_ROWS]), crc)
             x = float32_rows(rows[start : start + KERNEL_ROWS], reuse=True)
             n = x.shape[0]
             if not n:
@@ -214,6 +237,8 @@ class HeadAccumulator:
         self.norm_min, self.norm_max = float(scalars[kernel.NORM_MIN]), float(scalars[kernel.NORM_MAX])
         self.first_norm_sum += float(scalars[kernel.FIRST_NORM_SUM])
         self.first_count += int(scalars[kernel.FIRST_COUNT])
+        if check is not None:
+            check.check(crc)
 
     def _add_gram(self, x: np.ndarray, sums: np.ndarray, square_norms: np.ndarray) -> None:
         """Add ``x`` ``(n, dim)`` float32 (channel sums ``sums`` float64, row norms squared

@@ -48,6 +48,8 @@ FLAGS = 5
 NORM_SUM, SQUARE_SUM, NORM_MIN, NORM_MAX, FIRST_NORM_SUM, FIRST_COUNT = range(6)
 SCALARS = 6
 
+BLOCK = 4  # rows whose per-channel sums are added together (see `_row_pass`)
+
 
 def _hist_bin(value: float) -> int:
     low = 10.0**LOG_LOW
@@ -77,96 +79,122 @@ def _row_pass(
     square_norms: np.ndarray,
     low_keys: np.ndarray,
     high_keys: np.ndarray,
-    row: np.ndarray,
+    rows: np.ndarray,
     sums: np.ndarray,
 ) -> bool:
     """Rows ``start:stop`` of ``x`` (``bits``: the same memory as int32); with the QUANT flag,
     ``low_keys``/``high_keys`` ``(dim,)`` become these rows' channel minima/maxima as order keys.
-    Returns True when every value was finite.
+    ``rows``: ``(BLOCK, dim)`` float64 scratch. Returns True when every value was finite.
 
-    Maxima and minima are taken branch-free (``w + ((v - w) & -(v > w))``): LLVM vectorizes that
-    form, not a compare-and-select stored back to an array."""
+    Rows go in blocks of `BLOCK`: first what is per row (the float64 copy and squared norm, the
+    peak, the quantization keys, the norm's bins), then each per-channel sum once per block
+    (``p[j] += a + b + c + d``), so the sums are loaded and stored once per block instead of
+    once per row (that traffic, not the arithmetic, set the pace). Maxima and minima are taken
+    branch-free (``w + ((v - w) & -(v > w))``): LLVM vectorizes that form, not a
+    compare-and-select stored back to an array."""
     dim = x.shape[1]
     bins = position_count.shape[0]
     power1, power2, power3 = power[1], power[2], power[3]
+    r0, r1, r2, r3 = rows[0], rows[1], rows[2], rows[3]
+    inverse = rows[BLOCK]
     finite = True
     if flags[QUANT]:
         for j in range(dim):
             key = _order_key(bits[start, j])
             low_keys[j] = key
             high_keys[j] = key
-    for i in range(start, stop):
-        values = x[i]
-        row_bits = bits[i]
-        square_sum = 0.0
-        for j in range(dim):
-            v = np.float64(values[j])
-            row[j] = v
-            square_sum += v * v
-        if not np.isfinite(square_sum):
-            finite = False
-        scalars[SQUARE_SUM] += square_sum
-        square_norms[i] = square_sum
-        if flags[QUANT]:
+    for block in range(start, stop, BLOCK):
+        count = min(BLOCK, stop - block)
+        for k in range(BLOCK):
+            row = rows[k]
+            if k >= count:  # a short last block: zero rows add nothing to any sum
+                for j in range(dim):
+                    row[j] = 0.0
+                inverse[k] = 0.0
+                continue
+            i = block + k
+            values = x[i]
+            row_bits = bits[i]
+            square_sum = 0.0
             for j in range(dim):
-                key = _order_key(row_bits[j])
-                low = low_keys[j]
-                low_keys[j] = low + ((key - low) & -(key < low))
-            for j in range(dim):
-                key = _order_key(row_bits[j])
-                high = high_keys[j]
-                high_keys[j] = high + ((key - high) & -(key > high))
+                v = np.float64(values[j])
+                row[j] = v
+                square_sum += v * v
+            if not np.isfinite(square_sum):
+                finite = False
+            scalars[SQUARE_SUM] += square_sum
+            square_norms[i] = square_sum
+            if flags[QUANT]:
+                for j in range(dim):
+                    key = _order_key(row_bits[j])
+                    low = low_keys[j]
+                    low_keys[j] = low + ((key - low) & -(key < low))
+                for j in range(dim):
+                    key = _order_key(row_bits[j])
+                    high = high_keys[j]
+                    high_keys[j] = high + ((key - high) & -(key > high))
+            if flags[CHANNELS]:
+                peak = 0
+                for j in range(dim):
+                    a = row_bits[j] & ABS_MASK
+                    peak = a if a > peak else peak
+                peak_bits[i] = peak
+            if flags[NORMS]:
+                norm = np.sqrt(square_sum)
+                scalars[NORM_SUM] += norm
+                scalars[NORM_MIN] = min(scalars[NORM_MIN], norm)
+                scalars[NORM_MAX] = max(scalars[NORM_MAX], norm)
+                inverse[k] = 1.0 / max(norm, 1e-30)
+                norm_hist[_hist_bin(norm)] += 1
+                position = positions[i]
+                if position > 0:
+                    slot = int(np.floor(np.log2(np.float64(position)))) + 1
+                    slot = min(slot, bins - 1)
+                else:
+                    slot = 0
+                    if position == 0:
+                        scalars[FIRST_NORM_SUM] += norm
+                        scalars[FIRST_COUNT] += 1.0
+                position_count[slot] += 1
+                position_norm[slot] += norm
+        # Per channel, once per block. One array written per loop: LLVM vectorizes a loop only
+        # when it can check at run time that what it writes does not overlap what it reads.
         if flags[MEAN]:
             for j in range(dim):
-                sums[j] += row[j]
+                sums[j] += (r0[j] + r1[j]) + (r2[j] + r3[j])
         if flags[CHANNELS]:
-            # One array written per loop: LLVM vectorizes a loop only when it can check at run
-            # time that what it writes does not overlap what it reads; with three outputs in one
-            # loop it gave up and ran scalar code (half the speed).
+            last = block + count - 1  # a short block repeats its last row: the same maximum
+            b0, b1 = bits[block], bits[min(block + 1, last)]
+            b2, b3 = bits[min(block + 2, last)], bits[min(block + 3, last)]
             for j in range(dim):
-                v = row[j]
-                power1[j] += v * v
-            for j in range(dim):
-                v = row[j]
-                power2[j] += v * v * v
-            for j in range(dim):
-                v = row[j]
-                v2 = v * v
-                power3[j] += v2 * v2
-            peak = 0
-            for j in range(dim):
-                a = row_bits[j] & ABS_MASK
-                peak = a if a > peak else peak
-            for j in range(dim):
-                a = row_bits[j] & ABS_MASK
+                a = b0[j] & ABS_MASK
+                b = b1[j] & ABS_MASK
+                c = b2[j] & ABS_MASK
+                d = b3[j] & ABS_MASK
+                a = a + ((b - a) & -(b > a))
+                c = c + ((d - c) & -(d > c))
+                a = a + ((c - a) & -(c > a))
                 m = absmax_bits[j]
                 absmax_bits[j] = m + ((a - m) & -(a > m))
-            peak_bits[i] = peak
+            for j in range(dim):
+                a, b, c, d = r0[j], r1[j], r2[j], r3[j]
+                power1[j] += (a * a + b * b) + (c * c + d * d)
+            for j in range(dim):
+                a, b, c, d = r0[j], r1[j], r2[j], r3[j]
+                power2[j] += (a * a * a + b * b * b) + (c * c * c + d * d * d)
+            for j in range(dim):
+                a, b, c, d = r0[j] * r0[j], r1[j] * r1[j], r2[j] * r2[j], r3[j] * r3[j]
+                power3[j] += (a * a + b * b) + (c * c + d * d)
         if flags[ROPE]:
             for p in range(first.shape[0]):
-                a = row[first[p]]
-                b = row[second[p]]
-                band[p] += a * a + b * b
+                f, s = first[p], second[p]
+                band[p] += ((r0[f] * r0[f] + r0[s] * r0[s]) + (r1[f] * r1[f] + r1[s] * r1[s])) + (
+                    (r2[f] * r2[f] + r2[s] * r2[s]) + (r3[f] * r3[f] + r3[s] * r3[s])
+                )
         if flags[NORMS]:
-            norm = np.sqrt(square_sum)
-            scalars[NORM_SUM] += norm
-            scalars[NORM_MIN] = min(scalars[NORM_MIN], norm)
-            scalars[NORM_MAX] = max(scalars[NORM_MAX], norm)
-            inverse = 1.0 / max(norm, 1e-30)
+            i0, i1, i2, i3 = inverse[0], inverse[1], inverse[2], inverse[3]
             for j in range(dim):
-                unit_sum[j] += row[j] * inverse
-            norm_hist[_hist_bin(norm)] += 1
-            position = positions[i]
-            if position > 0:
-                slot = int(np.floor(np.log2(np.float64(position)))) + 1
-                slot = min(slot, bins - 1)
-            else:
-                slot = 0
-                if position == 0:
-                    scalars[FIRST_NORM_SUM] += norm
-                    scalars[FIRST_COUNT] += 1.0
-            position_count[slot] += 1
-            position_norm[slot] += norm
+                unit_sum[j] += (r0[j] * i0 + r1[j] * i1) + (r2[j] * i2 + r3[j] * i3)
     return finite
 
 
@@ -292,7 +320,7 @@ def _accumulate(
         ``square_norms`` ``(n_tokens,)`` float64 receives each row's ||x||^2;
         ``quant_token``, ``quant_channel`` ``(3,)``: the error sums at 8, 4 and 2 bits."""
     n, dim = x.shape
-    row = np.empty(dim, np.float64)
+    rows = np.empty((BLOCK + 1, max(dim, BLOCK)), np.float64)
     low_keys = np.empty(dim, np.int32)
     high_keys = np.empty(dim, np.int32)
     scratch = np.empty((14, dim), np.float32)
@@ -321,7 +349,7 @@ def _accumulate(
             square_norms,
             low_keys,
             high_keys,
-            row,
+            rows,
             sums,
         )
         if flags[QUANT]:

@@ -35,7 +35,7 @@ import numpy as np
 
 from kvformat.checksum import concatenated_linear, crc32c, linear_crc, zeros_crc
 from kvsnap.analysis import kernel
-from kvsnap.analysis.accumulator import PIECE
+from kvsnap.analysis.accumulator import PIECE, bytes_of
 
 if TYPE_CHECKING:
     from kvsnap.analysis.accumulator import HeadAccumulator
@@ -466,7 +466,7 @@ class Staging:
                 np.copyto(target[index, start : start + step], source.view(np.uint16))
             else:
                 np.copyto(target[index, start : start + step], source, casting="unsafe")
-            return linear_crc(_bytes_of(source)) if checks[index] is not None else 0
+            return linear_crc(bytes_of(source)) if checks[index] is not None else 0
 
         tasks = [(i, start) for i in range(len(pieces)) for start in range(0, rows, step)]
         copies = [self.pool.submit(copy, i, start) for i, start in tasks]
@@ -531,11 +531,6 @@ class _Fill:
         return self.buffer, self.stacked
 
 
-def _bytes_of(rows: np.ndarray) -> memoryview:
-    """The bytes of ``rows`` (C-contiguous: a chunk's payload or rows of it), for a CRC."""
-    return np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data
-
-
 def copy_threads() -> int:
     """Threads that copy batches into staging buffers: 3/8 of the cores (6 of 16). More lose:
     on the H200 machine's 16 cores, beside the driving thread, the fold thread, the row threads
@@ -592,7 +587,7 @@ class Pipeline:
         the CRC over what they copy, so the driving thread reads nothing itself (checked here
         instead when ``rows`` span several pieces or nothing is staged)."""
         if check is not None and (rows.shape[0] > PIECE or self._staging is None):
-            check.check(crc32c(_bytes_of(rows)))
+            check.check(crc32c(bytes_of(rows)))
             check = None
         for x, pos in _pieces(rows, positions):
             self._entries.append((acc, x, pos, check))

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvformat
-from kvsnap.analysis.accumulator import HeadAccumulator
+from kvformat.checksum import crc32c
+from kvsnap.analysis.accumulator import HeadAccumulator, bytes_of
 from kvsnap.analysis.catalogue import ALL, stat_groups
 from kvsnap.analysis.rope import Rope
 
@@ -89,12 +90,16 @@ def _add_segments(
         k_check = v_check = None
         if len(group) > 1:  # small segments of one head: read and added at once (one copy)
             block = snap.read_many(group)
-        elif pipeline is not None and rope is None:  # the copy threads check the CRCs
+        else:  # CRCs checked by the copy threads (mlx) or piece by piece as the kernel adds
             block, k_check, v_check = snap.read_unchecked(group[0])
-        else:
-            block = snap.read(group[0])
         block_k, block_v, positions = block.k, block.v, block.positions
-        k = block_k if rope is None else rope.rotate(block_k, positions, inverse=True)
+        if rope is None:
+            k = block_k
+        else:  # K's stored bytes checked before they are rotated
+            if k_check is not None:
+                k_check.check(crc32c(bytes_of(block_k)))
+                k_check = None
+            k = rope.rotate(block_k, positions, inverse=True)
         # Pages are released as soon as they are added, or with their window (`windows`: small
         # segments, whose pages hold other heads' records).
         after = functools.partial(snap.release, group) if release_each else None
@@ -102,8 +107,8 @@ def _add_segments(
             pipeline.add(k_acc, k, positions, check=k_check)
             pipeline.add(v_acc, block_v, positions, after=after, check=v_check)
             continue
-        k_acc.add(k, positions)
-        v_acc.add(block_v, positions)
+        k_acc.add(k, positions, k_check)
+        v_acc.add(block_v, positions, v_check)
         if after is not None:
             after()
 

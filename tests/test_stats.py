@@ -248,3 +248,56 @@ def test_arrow_tables_from_array_rows_equal_those_from_list_rows(tmp_path: Path)
     assert any(isinstance(v, np.ndarray) for v in accumulators[0].row_arrays().values())
     assert with_arrays.schema == with_lists.schema
     assert with_arrays.equals(with_lists)
+
+
+def test_a_payload_check_is_computed_piece_by_piece_as_the_kernel_adds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`HeadAccumulator.add` with a chunk's `PayloadCheck`: the CRC, taken piece by piece as the
+    kernel reads (rows over several kernel pieces), passes for the payload's own CRC (the sums
+    then equal those of an add without a check) and raises `ChecksumError` for any other, on the
+    compiled and the numpy path."""
+    from kvformat.checksum import crc32c
+    from kvformat.reader import PayloadCheck
+    from kvsnap.analysis import accumulator, kernel
+    from kvsnap.analysis.stats import HeadAccumulator
+
+    rows = np.random.default_rng(3).standard_normal((2 * accumulator.KERNEL_ROWS + 77, 16)).astype(np.float32)
+    positions = np.arange(rows.shape[0])
+    crc = crc32c(rows.reshape(-1).view(np.uint8).data)
+    for compiled in (True, False):
+        monkeypatch.setattr(kernel, "AVAILABLE", compiled)
+        checked, plain = HeadAccumulator(16), HeadAccumulator(16)
+        checked.add(rows, positions, PayloadCheck(crc, "chunk 7 (layer 0 K)"))
+        plain.add(rows, positions)
+        np.testing.assert_array_equal(checked.power, plain.power)
+        np.testing.assert_array_equal(checked.gram, plain.gram)
+        assert checked.count == rows.shape[0]
+        for wrong in (crc ^ 1, 0):
+            with pytest.raises(kvformat.ChecksumError, match="chunk 7"):
+                HeadAccumulator(16).add(rows, positions, PayloadCheck(wrong, "chunk 7 (layer 0 K)"))
+
+
+@pytest.mark.parametrize("tensor", ["k", "v"])
+@pytest.mark.parametrize("keys", ["post_rope", "pre_rope"])
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_damaged_byte_in_a_late_piece_of_a_large_chunk_stops_the_pass(
+    tmp_path: Path, tensor: str, keys: str, jobs: int
+) -> None:
+    """Whole raw chunks are read unchecked and checksummed as the kernel adds them: a byte
+    flipped near the end of a K or V chunk (past the first kernel piece) still stops the pass
+    with the chunk's name, on one worker and on threads, with post- and pre-RoPE keys (K is
+    checked before it is rotated back)."""
+    path = tmp_path / "big.kv"
+    random_file(path, heads=2, tokens=9000, metadata=ROPE, chunk_bytes=16 << 20)
+    with kvformat.open(path) as snap:
+        segment = snap.segments()[1]
+        chunk = segment.k_chunk if tensor == "k" else segment.v_chunk
+        assert snap._file.chunk(chunk).rows == 9000  # one chunk holds the head's rows
+        table = snap._file.table
+        offset = int(table["offset"][chunk]) + int(table["stored_size"][chunk]) - 5
+    raw = bytearray(path.read_bytes())
+    raw[offset + 64] ^= 0x40
+    path.write_bytes(bytes(raw))
+    with pytest.raises(kvformat.ChecksumError, match=f"chunk {chunk} .*payload CRC-32C"):
+        stats_rows(path, jobs=jobs, keys=keys)
