@@ -95,22 +95,27 @@ def _running(workers: int) -> bool:
     return _POOL is not None and _POOL[0] == workers
 
 
+_MAIN_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _main_hidden() -> Iterator[None]:
     """``multiprocessing`` starts the processes created meanwhile without importing ``__main__``
-    (it looks for the module's ``__spec__`` and ``__file__``; both are hidden, then restored)."""
-    main = sys.modules.get("__main__")
-    if main is None:
-        yield
-        return
-    spec, file = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__spec__ = spec
-        if file is not None:
-            main.__file__ = file
+    (it looks for the module's ``__spec__`` and ``__file__``; both are hidden, then restored).
+    One thread at a time (a second one would save the hidden values and restore them)."""
+    with _MAIN_LOCK:
+        main = sys.modules.get("__main__")
+        if main is None:
+            yield
+            return
+        spec, file = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+        try:
+            yield
+        finally:
+            main.__spec__ = spec
+            if file is not None:
+                main.__file__ = file
 
 
 _POOL: tuple[int, ProcessPoolExecutor] | None = None
@@ -145,16 +150,44 @@ def _ready() -> None:
 
 def start(workers: int) -> None:
     """Start the fork server and ``workers`` workers now, without waiting for them (the CLI
-    calls it first, so that they start while it imports the rest). A kept pool found broken (a
-    worker died since the last pass) is replaced."""
+    calls it first, so that they start while it imports the rest; a pass, while it plans). A
+    kept pool found broken (a worker died since the last pass) is replaced.
+
+    The first worker of a new pool comes once the fork server has loaded the kernels (0.6-1 s),
+    and ``ProcessPoolExecutor.submit`` waits for it: a new pool's workers are asked for on a
+    helper thread, so the caller goes on meanwhile (its own submits wait for the server then)."""
+    global _HELPER
+    if _HELPER is not None and _HELPER.is_alive() and _running(workers):
+        return  # the workers asked for are on their way
+    if _running(workers):
+        pool = _pool(workers)
+        try:
+            _ask_for_workers(pool, workers)
+        except BrokenProcessPool:
+            _discard_pool(pool)
+            start(workers)
+        return
     pool = _pool(workers)
+    _HELPER = threading.Thread(target=_ask_quietly, args=(pool, workers), name="kvsnap-workers", daemon=True)
+    _HELPER.start()
+
+
+_HELPER: threading.Thread | None = None
+
+
+def _ask_for_workers(pool: ProcessPoolExecutor, workers: int) -> None:
+    with _main_hidden():
+        for _ in range(workers):
+            pool.submit(_ready)
+
+
+def _ask_quietly(pool: ProcessPoolExecutor, workers: int) -> None:
+    """`_ask_for_workers` on the helper thread: a pool that breaks meanwhile is discarded, and
+    the pass that uses it reports the failure."""
     try:
-        with _main_hidden():
-            for _ in range(workers):
-                pool.submit(_ready)
-    except BrokenProcessPool:
+        _ask_for_workers(pool, workers)
+    except (BrokenProcessPool, RuntimeError):  # RuntimeError: shut down meanwhile
         _discard_pool(pool)
-        start(workers)
 
 
 def _discard_pool(pool: ProcessPoolExecutor) -> None:

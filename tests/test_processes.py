@@ -155,14 +155,46 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
     script.write_text(
         textwrap.dedent(
             f"""
+            import sys
+            from kvsnap.analysis import processes
             from kvsnap.analysis.stats import head_stats
+            processes.PROCESS_MIN_BYTES = 0  # a small file, on processes all the same
+            processes.start(2)  # the workers asked for on a helper thread, the pass at once
             print("rows", head_stats({str(path)!r}, jobs=2).height, flush=True)
+            main = sys.modules["__main__"]
+            print(processes._running(2), main.__file__ == {str(script)!r}, main.__spec__ is None)
             """
         )
     )
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["rows", "8"]
+    assert result.stdout.split() == ["rows", "8", "True", "True", "True"]
+
+
+def test_hiding_main_from_several_threads_at_once_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helper thread that asks for workers and a pass's own submits hide ``__main__`` at
+    the same time: one at a time, so the last to leave does not restore the hidden values."""
+    import threading
+    import time
+    import types
+
+    main = types.ModuleType("__main__")
+    spec, file = object(), "/somewhere/script.py"
+    main.__spec__, main.__file__ = spec, file  # type: ignore[assignment]
+    monkeypatch.setitem(sys.modules, "__main__", main)
+
+    def hide(i: int) -> None:
+        for j in range(50):
+            with processes._main_hidden():
+                assert main.__spec__ is None and "__file__" not in main.__dict__
+                time.sleep(0.0001 * ((i + j) % 3))
+
+    threads = [threading.Thread(target=hide, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert main.__spec__ is spec and main.__file__ == file
 
 
 def test_threads_still_serve_urls(tmp_path: Path) -> None:
