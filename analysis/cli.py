@@ -52,7 +52,8 @@ def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
     workers = args.jobs or cores()
     engine, backend = getattr(args, "engine", "local"), getattr(args, "backend", "cpu")
     if engine == "local" and len(args.files) == 1 and processes.usable(args.files[0], workers, backend):
-        processes.start(workers)  # one big file (not a pattern): its workers start while the rest is imported
+        # One big file (not a pattern): its workers start while the rest is imported.
+        processes.start(processes.worker_count(workers, backend))
     from kvsnap.analysis.batch import expand_paths, merged_stats, run_stats
 
     options = _storage_options(args)

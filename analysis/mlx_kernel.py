@@ -412,7 +412,7 @@ class Staging:
         self.free: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype name)
 
     @classmethod
-    def create(cls) -> Staging | None:
+    def create(cls, threads: int | None = None) -> Staging | None:
         import mlx.core as mx
 
         try:
@@ -426,7 +426,7 @@ class Staging:
                 return None
         except (TypeError, ValueError, BufferError, RuntimeError):
             return None
-        return cls(copy_threads())
+        return cls(threads or copy_threads())
 
     def _take(self, shape: tuple[int, ...], dtype: Any) -> Any:
         import mlx.core as mx
@@ -531,22 +531,36 @@ class _Fill:
         return self.buffer, self.stacked
 
 
-def copy_threads() -> int:
-    """Threads that copy batches into staging buffers: 3/8 of the cores (6 of 16). More lose:
-    on the H200 machine's 16 cores, beside the driving thread, the fold thread, the row threads
-    (`row_threads`) and mlx's own, a full pass took 5.4 s (fp32, 8.6 GB) with 16 copy threads and
-    3.6-4.2 s with 6 (`benchmarks/RESULTS.md`, session 11)."""
+PROCESSES = 4
+"""Most worker processes an mlx pass over a local file uses (`analysis.processes`): each drives
+the device with its own pipeline, so the host's work (copies, checksums, folding, rows) runs
+outside one interpreter's lock; each also holds its own mlx and device context (~0.5-0.8 GiB of
+host memory), hence few."""
+
+
+def processes(workers: int) -> int:
+    """Worker processes for an mlx pass asked to use ``workers`` workers."""
+    return max(1, min(workers, PROCESSES))
+
+
+def copy_threads(share: int = 1) -> int:
+    """Threads that copy batches into staging buffers: 3/8 of the cores (6 of 16), divided among
+    ``share`` processes that drive the device. More lose: on the H200 machine's 16 cores, beside
+    the driving thread, the fold thread, the row threads (`row_threads`) and mlx's own, a full
+    pass took 5.4 s (fp32, 8.6 GB) with 16 copy threads and 3.6-4.2 s with 6
+    (`benchmarks/RESULTS.md`, session 11)."""
     from kvsnap.analysis.parallel import cores
 
-    return max(1, min(16, cores() * 3 // 8))
+    return max(1, min(16, cores() * 3 // 8) // share)
 
 
-def row_threads() -> int:
+def row_threads(share: int = 1) -> int:
     """Threads that compute the rows (eigenvalues and all) of an mlx pass's accumulators as
-    their layers end: a quarter of the cores (see `copy_threads`)."""
+    their layers end: a quarter of the cores (see `copy_threads`), divided among ``share``
+    processes."""
     from kvsnap.analysis.parallel import cores
 
-    return max(1, cores() // 4)
+    return max(1, cores() // 4 // share)
 
 
 def _host_view(array: Any) -> np.ndarray:
@@ -562,9 +576,9 @@ class Pipeline:
     one batch's float32 copies and outputs; host memory: the results of the batches waiting for
     the fold thread (a few vectors and a ``dim x dim`` matrix per piece)."""
 
-    def __init__(self, limit: int = 32 << 20, staging: bool = True) -> None:
+    def __init__(self, limit: int = 32 << 20, staging: bool = True, copy_threads: int | None = None) -> None:
         self.limit = limit
-        self._staging = Staging.create() if staging else None
+        self._staging = Staging.create(copy_threads) if staging else None
         self._entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray, Any]] = []
         self._after: list[Callable[[], None]] = []
         self._bytes = 0

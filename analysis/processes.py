@@ -40,7 +40,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,11 +50,15 @@ from kvsnap.analysis.parallel import one_thread_environment
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
     from kvsnap.analysis.accumulator import HeadAccumulator
+    from kvsnap.analysis.mlx_kernel import Pipeline
     from kvsnap.analysis.rope import Rope
     from kvsnap.analysis.streaming import Key, LayerResult, PassOptions, Window
 
 TASKS_PER_WORKER = 16
 """Tasks per worker in a pass (about): more even out heads of uneven cost, fewer cost less."""
+
+MLX_TASKS_PER_WORKER = 4
+"""The same on mlx: a worker's device pipeline drains at the end of each task."""
 
 START_METHOD = "forkserver"
 
@@ -64,19 +68,30 @@ starting them (0.6-1.7 s: an interpreter importing numpy and numba) would cost m
 save on a file one core analyses in about that time."""
 
 
+def worker_count(workers: int, backend: str) -> int:
+    """The worker processes a pass asked to use ``workers`` workers starts: as many on the CPU
+    backend; on mlx at most `mlx_kernel.PROCESSES` (each drives the device)."""
+    if backend == "mlx":
+        from kvsnap.analysis import mlx_kernel
+
+        return mlx_kernel.processes(workers)
+    return workers
+
+
 def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
     """Whether a pass over ``path`` with ``workers`` workers on ``backend`` runs on worker
-    processes: the CPU backend, more than one worker, a local file (URLs stay on threads: their
-    reads share one connection pool) of at least `PROCESS_MIN_BYTES` or with the workers
-    already running, and a process allowed to start children (not a daemonic
+    processes: more than one worker process (`worker_count`), a local file (URLs stay on
+    threads: their reads share one connection pool) of at least `PROCESS_MIN_BYTES` or with the
+    workers already running, and a process allowed to start children (not a daemonic
     ``multiprocessing`` worker)."""
     from kvformat import remote
 
+    count = worker_count(workers, backend)
     return (
-        backend == "cpu"
-        and workers > 1
+        backend in ("cpu", "mlx")
+        and count > 1
         and not remote.is_url(path)
-        and (_running(workers) or _size(path) >= PROCESS_MIN_BYTES)
+        and (_running(count) or _size(path) >= PROCESS_MIN_BYTES)
         and START_METHOD in multiprocessing.get_all_start_methods()
         and not multiprocessing.current_process().daemon
     )
@@ -213,14 +228,20 @@ class _Task:
     release_each: bool = True
 
 
-def _tasks(snap: kvformat.Snapshot, order: list[Window], last: dict[int, int], workers: int) -> list[_Task]:
+def _tasks(
+    snap: kvformat.Snapshot,
+    order: list[Window],
+    last: dict[int, int],
+    workers: int,
+    per_worker: int = TASKS_PER_WORKER,
+) -> list[_Task]:
     """The pass's tasks, layer by layer in the order the layers close: each layer's (seq, head)
-    keys cut into equal runs, about `TASKS_PER_WORKER` x ``workers`` tasks in all, each given
-    its heads' batches exactly as `streaming.head_batches` groups them for one worker."""
+    keys cut into equal runs, about ``per_worker`` x ``workers`` tasks in all, each given its
+    heads' batches exactly as `streaming.head_batches` groups them for one worker."""
     from kvsnap.analysis.streaming import head_batches, layer_heads
 
     layers = sorted(last, key=last.__getitem__)
-    per_layer = max(1, -(-TASKS_PER_WORKER * workers // max(1, len(layers))))
+    per_layer = max(1, -(-per_worker * workers // max(1, len(layers))))
     regrouped = any(window.release for window in order)
     tasks: list[_Task] = []
     owner: dict[tuple[int, int, int], _Task] = {}
@@ -252,8 +273,9 @@ def layers(
     layers in the same order with the same accumulators."""
     from kvsnap.analysis.streaming import fresh_accumulators, layer_bar, layer_ropes, pass_order
 
-    start(options.workers)  # the fork server and the workers start while the pass is planned
-    pool = _pool(options.workers)
+    workers = worker_count(options.workers, options.backend)
+    start(workers)  # the fork server and the workers start while the pass is planned
+    pool = _pool(workers)
     with kvformat.open(path, options.snapshot) as snap:
         name, index = os.fspath(path), snap.index
         ropes = layer_ropes(snap, options.keys)  # a pre_rope error raised here, before any work
@@ -264,7 +286,8 @@ def layers(
             if layer not in last
         }
         closing = sorted(last, key=last.__getitem__)
-        tasks = _tasks(snap, order, last, options.workers)
+        per_worker = MLX_TASKS_PER_WORKER if options.backend == "mlx" else TASKS_PER_WORKER
+        tasks = _tasks(snap, order, last, workers, per_worker)
     bar = layer_bar(name, len(ropes), progress)
     with bar:
         for layer, table in empty.items():  # present but holding no tokens
@@ -276,11 +299,11 @@ def layers(
             for layer in closing:
                 # Every task of this layer submitted, and up to 2 x workers in flight.
                 while next_task < len(tasks) and (
-                    len(pending) < 2 * options.workers or tasks[next_task].layer == layer
+                    len(pending) < 2 * workers or tasks[next_task].layer == layer
                 ):
                     task = tasks[next_task]
                     with _main_hidden():  # the pool starts its workers on submit
-                        future = pool.submit(_run_task, name, index, options, task, finish)
+                        future = pool.submit(_run_task, name, index, options, workers, task, finish)
                     pending.append((task, future))
                     next_task += 1
                 # A layer's tasks split its heads in order, so their results join in that order.
@@ -330,20 +353,69 @@ def _open_file(path: str, index: int, options: PassOptions) -> _OpenFile:
     return _OPEN
 
 
+_DEVICE: tuple[Pipeline, ThreadPoolExecutor] | None = None
+
+
+def _device(workers: int) -> tuple[Pipeline, ThreadPoolExecutor]:
+    """This worker's mlx pipeline and row threads (its share of the machine's, `workers`
+    processes driving the device), made on its first mlx task and kept: staging buffers and
+    compiled device functions serve the tasks that follow."""
+    global _DEVICE
+    if _DEVICE is None:
+        from kvsnap.analysis.mlx_kernel import Pipeline, copy_threads, row_threads
+
+        pipeline = Pipeline(copy_threads=copy_threads(workers))
+        _DEVICE = pipeline, ThreadPoolExecutor(row_threads(workers), thread_name_prefix="kvsnap-rows")
+    return _DEVICE
+
+
 def _run_task(
-    path: str, index: int, options: PassOptions, task: _Task, finish: bool
+    path: str, index: int, options: PassOptions, workers: int, task: _Task, finish: bool
 ) -> dict[Key, HeadAccumulator]:
-    """In a worker: the accumulators of ``task``'s heads over the whole snapshot (their rows
-    computed with ``finish``), its batches added in order, pages released as the one-worker pass
-    releases them."""
-    from kvsnap.analysis.parallel import single_threaded_blas
-    from kvsnap.analysis.streaming import _add_segments, fresh_accumulators
+    """In a worker (one of ``workers``): the accumulators of ``task``'s heads over the whole
+    snapshot (their rows computed with ``finish``), its batches added in order, pages released
+    as the one-worker pass releases them. On mlx the batches go through this worker's device
+    pipeline, drained at the task's end."""
+    from kvsnap.analysis.streaming import fresh_accumulators
 
     opened = _open_file(path, index, options)
     snap, layer = opened.snap, task.layer
     rope = opened.ropes[layer]
     unrotate = rope if options.keys == "pre_rope" else None
     accumulators = fresh_accumulators(snap, layer, rope, options, task.heads)
+    pipeline, rows = _device(workers) if options.backend == "mlx" else (None, None)
+    try:
+        return _add_task(snap, task, accumulators, unrotate, pipeline, rows, finish)
+    except BaseException:
+        if pipeline is not None:  # what the failed task left queued is dropped with its pipeline
+            _drop_device()
+        raise
+
+
+def _drop_device() -> None:
+    global _DEVICE
+    if _DEVICE is not None:
+        pipeline, rows = _DEVICE
+        _DEVICE = None
+        pipeline.__exit__(RuntimeError, None, None)
+        rows.shutdown(wait=False)
+
+
+def _add_task(
+    snap: kvformat.Snapshot,
+    task: _Task,
+    accumulators: dict[Key, HeadAccumulator],
+    unrotate: Rope | None,
+    pipeline: Pipeline | None,
+    rows: ThreadPoolExecutor | None,
+    finish: bool,
+) -> dict[Key, HeadAccumulator]:
+    """`_run_task`'s work: ``task``'s batches added to ``accumulators`` in order (through the
+    device ``pipeline`` on mlx), pages released, rows computed with ``finish``."""
+    from kvsnap.analysis.parallel import single_threaded_blas
+    from kvsnap.analysis.streaming import _add_segments
+
+    layer = task.layer
     with single_threaded_blas():
         for i, (window, batch) in enumerate(task.work):
             first = batch[0]
@@ -353,12 +425,18 @@ def _run_task(
                 accumulators[(layer, first.seq, first.head, "k")],
                 accumulators[(layer, first.seq, first.head, "v")],
                 unrotate,
+                pipeline,
                 release_each=task.release_each,
             )
             leaving = i == len(task.work) - 1 or task.work[i + 1][0] != window
             if leaving and window in task.releases:
                 snap.release_span(*task.releases[window])
-        if finish:
+        if pipeline is not None and rows is not None:
+            pipeline.finish()
+            if finish:
+                for future in [rows.submit(a.row_arrays) for a in accumulators.values()]:
+                    future.result()
+        elif finish:
             for accumulator in accumulators.values():
                 accumulator.row_arrays()
     return accumulators

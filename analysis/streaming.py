@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -55,8 +56,6 @@ class PassOptions:
             raise ValueError(f"workers must be a positive integer, not {self.workers!r}")
         check_backend(self.backend)
         object.__setattr__(self, "stats", stat_groups(self.stats))
-        if self.backend == "mlx":  # one thread drives the device; mlx is not used from several
-            object.__setattr__(self, "workers", 1)
 
 
 BACKENDS = ("cpu", "mlx")
@@ -348,6 +347,8 @@ def layers(
     if processes.usable(path, options.workers, options.backend):
         yield from processes.layers(path, options, progress, finish)
         return
+    if options.backend == "mlx":  # in this process, one thread drives the device
+        options = dataclasses.replace(options, workers=1)
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
         name, index = os.fspath(path), snap.index
         ropes = layer_ropes(snap, options.keys)

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 import kvformat
-from kvsnap.analysis import processes
+from kvsnap.analysis import mlx_kernel, processes
 from kvsnap.analysis.stats import head_stats, stats_for_file
 from kvsnap.analysis.streaming import PassOptions, layers, windows
 from tests.factories import random_file
@@ -49,7 +49,7 @@ def _appended(path: Path, step: int, tokens: int = 96, seqs: int = 1) -> None:
         writer.snapshot()
 
 
-def test_usable_only_for_local_files_on_the_cpu_with_several_workers(
+def test_usable_only_for_local_files_with_several_workers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = str(tmp_path / "a.kv")
@@ -62,7 +62,11 @@ def test_usable_only_for_local_files_on_the_cpu_with_several_workers(
     assert not processes.usable(path, 5, "cpu")  # another size would start a pool
     monkeypatch.setattr(processes, "PROCESS_MIN_BYTES", 0)
     assert not processes.usable(path, 1, "cpu")
-    assert not processes.usable(path, 4, "mlx")
+    assert processes.usable(path, 4, "mlx")  # each worker drives the device
+    assert processes.worker_count(64, "mlx") == mlx_kernel.PROCESSES == 4
+    assert processes.worker_count(64, "cpu") == 64
+    assert not processes.usable(path, 1, "mlx")
+    assert not processes.usable("http://example.com/a.kv", 4, "mlx")
     assert not processes.usable("http://example.com/a.kv", 4, "cpu")
     assert not processes.usable("file://" + path, 4, "cpu")
 
@@ -225,3 +229,45 @@ def test_a_worker_killed_between_passes_is_replaced(tmp_path: Path) -> None:
         time.sleep(0.1)
     assert _table(path, 2).equals(one)
     assert processes._pool(2) is not pool
+
+
+def _make(path: Path, layout: str) -> None:
+    if layout == "layer-major, small chunks":
+        random_file(path, layers=3, heads=4, tokens=2500, dim=32, chunk_bytes=600 * 32 * 4, rope=True)
+    elif layout == "appended in small steps":
+        _appended(path, step=8)
+    else:
+        _appended(path, step=16, seqs=2)
+
+
+@pytest.mark.parametrize("layout", ["layer-major, small chunks", "appended in small steps", "two sequences"])
+def test_mlx_on_worker_processes_gives_the_one_process_table(tmp_path: Path, layout: str) -> None:
+    """On mlx each worker process drives the device with its own pipeline: the table equals the
+    one-process mlx pass's (CPU mlx here: the same pieces and sums; a GPU's reductions may
+    round otherwise, within `mlx_kernel.TOLERANCES` of the CPU kernel), post- and pre-RoPE."""
+    path = tmp_path / "f.kv"
+    _make(path, layout)
+    for keys in ("post_rope", "pre_rope"):
+        one = _table(path, 1, keys=keys, backend="mlx")
+        assert one.num_rows > 0
+        assert _table(path, 3, keys=keys, backend="mlx").equals(one), keys
+    assert processes._running(3)
+
+
+def test_a_damaged_chunk_stops_an_mlx_worker_pass_and_the_next_pass_is_right(tmp_path: Path) -> None:
+    """The copy threads of a worker's pipeline find the damaged chunk; the pass stops with its
+    name; the worker drops what that pipeline held, so a later pass over a sound file gives the
+    one-process table."""
+    sound, damaged = tmp_path / "sound.kv", tmp_path / "damaged.kv"
+    _make(sound, "layer-major, small chunks")
+    raw = bytearray(sound.read_bytes())
+    with kvformat.open(sound) as snap:
+        segment = [s for s in snap.segments() if (s.layer, s.head) == (1, 2)][2]
+        offset = int(snap._file.table["offset"][segment.k_chunk])
+    raw[offset + 64 + 7] ^= 4
+    damaged.write_bytes(bytes(raw))
+    one = _table(sound, 1, backend="mlx")
+    for _ in range(2):
+        with pytest.raises(kvformat.ChecksumError, match=f"chunk {segment.k_chunk} .*payload CRC-32C"):
+            _table(damaged, 2, backend="mlx")
+        assert _table(sound, 2, backend="mlx").equals(one)
