@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 
 
 def descendants(root: int) -> list[int]:
@@ -50,17 +51,27 @@ def pss(pid: int) -> int:
     return _field(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
-def run_sampled(
-    command: list[str], env: dict[str, str] | None = None, interval: float = 0.05
-) -> tuple[str, int]:
-    """Run ``command``; its stdout and the peak, over samples every ``interval`` s, of the summed
-    proportional set of it and its descendants (bytes). Raises CalledProcessError on failure."""
+@dataclass
+class Sampled:
+    """What `run_sampled` saw: the command's stdout, the peak of the summed proportional set of
+    it and its descendants, and the largest resident set of any one of them (bytes)."""
+
+    stdout: str
+    tree_pss: int
+    largest_rss: int
+
+
+def run_sampled(command: list[str], env: dict[str, str] | None = None, interval: float = 0.05) -> Sampled:
+    """Run ``command`` and sample the memory of it and its descendants every ``interval`` s
+    (`Sampled`). Raises CalledProcessError on failure."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    peak = 0
+    tree_pss = largest_rss = 0
     while process.poll() is None:
-        peak = max(peak, sum(pss(pid) for pid in descendants(process.pid)))
+        pids = descendants(process.pid)
+        tree_pss = max(tree_pss, sum(pss(pid) for pid in pids))
+        largest_rss = max([largest_rss] + [rss(pid) for pid in pids])
         time.sleep(interval)
     stdout, stderr = process.communicate()
     if process.returncode:
         raise subprocess.CalledProcessError(process.returncode, command, stdout, stderr)
-    return stdout, peak
+    return Sampled(stdout, tree_pss, largest_rss)
