@@ -78,8 +78,8 @@ class BatchOptions:
     def plan(self, files: int) -> tuple[int, PassOptions]:
         """Processes for ``files`` files and each file's pass options: files in parallel first,
         the cores left as each file's workers; with ``backend="mlx"``, one file after another,
-        each on up to `mlx_kernel.PROCESSES` worker processes that drive the device (a local
-        file; else one thread)."""
+        each on `mlx_kernel.processes` worker processes that drive the device (a local file;
+        else one thread)."""
         from kvsnap.analysis.parallel import split_jobs
         from kvsnap.analysis.streaming import PassOptions
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -531,16 +532,32 @@ class _Fill:
         return self.buffer, self.stacked
 
 
-PROCESSES = 4
-"""Most worker processes an mlx pass over a local file uses (`analysis.processes`): each drives
-the device with its own pipeline, so the host's work (copies, checksums, folding, rows) runs
-outside one interpreter's lock; each also holds its own mlx and device context (~0.5-0.8 GiB of
-host memory), hence few."""
+PROCESS_SHARE = 3 / 4
+"""Worker processes an mlx pass over a local file uses, per worker asked for (`analysis.processes`):
+each drives the device with its own pipeline, so the host's work (copies, checksums, folding,
+rows) runs outside one interpreter's lock. On the H200 machine's 16 cores the full catalogue's
+second pass over the 8.6 GB fp32 file took 3.66 s in one process, 2.65 s on 4 worker processes,
+1.93 s on 10, 1.63-1.65 s on 12 and 2.25 s on 16 (`benchmarks/RESULTS.md`, session 14)."""
+
+PROCESS_MEMORY = 8 << 30
+"""Bytes of the machine's memory per such process, at most: each holds its own mlx and device
+context (on CUDA ~0.9 GiB resident, most of it its own), so a machine with little memory runs
+few."""
 
 
 def processes(workers: int) -> int:
-    """Worker processes for an mlx pass asked to use ``workers`` workers."""
-    return max(1, min(workers, PROCESSES))
+    """Worker processes for an mlx pass asked to use ``workers`` workers: 3/4 of them (12 of 16),
+    at most one per `PROCESS_MEMORY` of physical memory; 1 (the pass stays in this process) on
+    small machines."""
+    return max(1, min(int(workers * PROCESS_SHARE), _physical_memory() // PROCESS_MEMORY))
+
+
+def _physical_memory() -> int:
+    """The machine's physical memory in bytes (Linux and macOS); a large number where unknown."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 1 << 50
 
 
 def copy_threads(share: int = 1) -> int:

@@ -70,7 +70,8 @@ save on a file one core analyses in about that time."""
 
 def worker_count(workers: int, backend: str) -> int:
     """The worker processes a pass asked to use ``workers`` workers starts: as many on the CPU
-    backend; on mlx at most `mlx_kernel.PROCESSES` (each drives the device)."""
+    backend; on mlx `mlx_kernel.processes` (3/4 of them, bounded by memory: each drives the
+    device)."""
     if backend == "mlx":
         from kvsnap.analysis import mlx_kernel
 

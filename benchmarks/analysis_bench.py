@@ -233,7 +233,7 @@ def main() -> None:
 
 def mlx_table(args: argparse.Namespace, tokens: int, directory: Path, n: int) -> None:
     """``--backend mlx``: per file, a sequential read, the mlx backend on every core (up to
-    `mlx_kernel.PROCESSES` worker processes, each driving the device) and in one process (one
+    `mlx_kernel.processes` worker processes, each driving the device) and in one process (one
     thread drives the device), full catalogue and norms,channels ("warm": the second pass of one
     process, device functions compiled by the first; "cold": one pass of a fresh process), the
     device work alone on one resident piece (no reading, no transfers), and the CPU kernel on
