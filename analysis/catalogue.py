@@ -50,11 +50,14 @@ def hist_quantiles(hist: np.ndarray, qs: tuple[float, ...]) -> list[float]:
 
 
 def _group_error(groups: np.ndarray, levels: int, axis: int) -> float:
-    """Squared error of min-max quantizing ``groups`` to ``levels`` steps along ``axis``."""
+    """Squared error of min-max quantizing ``groups`` to ``levels`` steps along ``axis``: the
+    level of ``x`` is ``round((x - low) * (1 / step))`` in float32, the step's reciprocal
+    rounded first (as the compiled kernel computes it: the same float32 operations give the same
+    levels, ties included, where a division could round a value to the other side of a half)."""
     low = groups.min(axis=axis, keepdims=True)
     high = groups.max(axis=axis, keepdims=True)
     step = np.where(high > low, (high - low) / levels, np.float32(1.0))
-    restored = np.round((groups - low) / step) * step + low
+    restored = np.round((groups - low) * (np.float32(1.0) / step)) * step + low
     restored -= groups
     np.square(restored, out=restored)
     return float(restored.sum(dtype=np.float64))

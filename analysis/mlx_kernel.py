@@ -154,7 +154,7 @@ def _piece(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quan
         low = g.min(axis=axis, keepdims=True)
         high = g.max(axis=axis, keepdims=True)
         step = mx.where(high > low, (high - low) / levels, mx.array(1.0, mx.float32))
-        restored = mx.round((g - low) / step) * step + low
+        restored = mx.round((g - low) * (1.0 / step)) * step + low  # the level as defined
         error = mx.square(restored - g)
         return error.reshape(error.shape[0], -1).sum(axis=1)
 

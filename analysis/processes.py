@@ -1,5 +1,6 @@
-"""One file's pass over worker processes: the CPU backend's path for a local file and more than
-one worker.
+"""One file's pass over worker processes: the path of a local file with more than one worker,
+on the CPU backend (a worker per core) and on mlx (`mlx_kernel.processes` workers, each driving
+the device with its own pipeline).
 
 Threads in one process stall each other: between kernel calls each needs the GIL, and page
 faults and page releases of one shared memory map serialize in the kernel. On 16 cores a
@@ -28,7 +29,9 @@ Memory, per worker: the snapshot's index (as any reader holds it), the mapped pa
 batch (``max(8 MiB, block)``, released once added; small segments: of one window), float32
 work buffers of 6144 x head_dim, and one task's segments and accumulators; in the parent: the
 pass's segment list (as the one-worker pass holds it) and the accumulators of at most ``2 x
-workers`` tasks in flight plus the layers waiting for them.
+workers`` tasks in flight plus the layers waiting for them. On mlx a worker also holds its
+device pipeline (`mlx_kernel.Pipeline`: three batches' staging buffers, results waiting to be
+folded) and mlx's own footprint (on CUDA ~0.8 GiB, most of it the process's own).
 """
 
 from __future__ import annotations

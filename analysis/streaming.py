@@ -35,11 +35,11 @@ class PassOptions:
 
     ``snapshot``: index (negative from the end); ``keys``: ``"post_rope"`` or ``"pre_rope"``;
     ``stats``: the statistic groups (`GROUPS`); ``workers``: workers on this file's heads
-    (processes for a local file on the CPU backend, `analysis.processes`; threads for a URL or
-    a small file);
+    (processes for a local file, `analysis.processes`; threads for a URL or a small file);
     ``storage_options``: fsspec options for URLs; ``progress``: a bar of layers on stderr;
-    ``backend``: ``"cpu"`` (the compiled kernel) or ``"mlx"`` (mlx on its default device, driven
-    by one thread that reads the next block while the device works)."""
+    ``backend``: ``"cpu"`` (the compiled kernel) or ``"mlx"`` (mlx on its default device: a local
+    file on `mlx_kernel.processes` worker processes, each driving the device; else one thread
+    that reads the next block while the device works)."""
 
     snapshot: int = -1
     keys: str = "post_rope"
@@ -329,8 +329,9 @@ def layers(
     past the layer's last chunk and its work is done, so memory holds the accumulators of the
     layers in progress only (one or two for a layer-major file).
 
-    With ``options.workers`` = T > 1, a local file on the CPU backend goes to T worker processes
-    (`analysis.processes`, which reads it in the same batches). Otherwise (a URL, a small file)
+    With ``options.workers`` = T > 1, a local file goes to T worker processes on the CPU
+    backend, `mlx_kernel.processes` (T) on mlx (`analysis.processes`, which reads it in the same
+    batches). Otherwise (a URL, a small file; on mlx one thread drives the device)
     consecutive blocks of a head (up to 8 MiB of K and V, or one block if larger) go to T
     threads as one task, at most T + 2 such batches in flight
     (`analysis.parallel.OrderedPool`): memory is about ``(T + 3) x max(8 MiB, block) + T x 3 x

@@ -26,7 +26,8 @@ def token_quant_error(x: np.ndarray, bits: int) -> float:
         g = x[:, start : start + QUANT_GROUP].astype(np.float32)
         low, high = g.min(1, keepdims=True), g.max(1, keepdims=True)
         step = np.where(high > low, (high - low) / levels, np.float32(1.0))
-        total += float((((np.round((g - low) / step) * step + low) - g).astype(np.float64) ** 2).sum())
+        level = np.round((g - low) * (np.float32(1.0) / step))  # the step's reciprocal, as defined
+        total += float((((level * step + low) - g).astype(np.float64) ** 2).sum())
     return total
 
 
