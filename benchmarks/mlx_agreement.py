@@ -1,5 +1,6 @@
 """The mlx backend against the CPU kernel on this machine's mlx device, without pytest (for the
-accelerator machine): the worst relative error per column over random files of three dtypes.
+accelerator machine): the worst relative error per column over random files of three dtypes,
+the mlx pass in one process and on worker processes (every core asked for).
 
     python -m benchmarks.mlx_agreement
 """
@@ -7,6 +8,7 @@ accelerator machine): the worst relative error per column over random files of t
 from __future__ import annotations
 
 import collections
+import itertools
 import tempfile
 from pathlib import Path
 
@@ -35,15 +37,18 @@ def random_file(path: Path, dtype: object, dim: int, tokens: int) -> Path:
 
 
 def main() -> None:
+    from kvsnap.analysis import processes
+    from kvsnap.analysis.parallel import cores
+
     print(f"mlx device: {mlx_kernel.device_name()}")
+    processes.PROCESS_MIN_BYTES = 0  # these small files on worker processes too
     with tempfile.TemporaryDirectory() as tmp:
-        for dtype, dim, tokens in (
-            (np.float32, 128, 700),
-            (np.float16, 80, 300),
-            (ml_dtypes.bfloat16, 128, 20000),
+        for (dtype, dim, tokens), jobs in itertools.product(
+            ((np.float32, 128, 700), (np.float16, 80, 300), (ml_dtypes.bfloat16, 128, 20000)),
+            sorted({1, cores()}),
         ):
             path = random_file(Path(tmp) / "r.kv", dtype, dim, tokens)
-            got, expected = stats_rows(path, backend="mlx"), stats_rows(path)
+            got, expected = stats_rows(path, backend="mlx", jobs=jobs), stats_rows(path)
             worst: dict[str, float] = collections.defaultdict(float)
             for a, b in zip(got, expected, strict=True):
                 for name, value in b.items():
@@ -61,7 +66,14 @@ def main() -> None:
                         error = float(np.nanmax(np.abs(x - y) / scale)) if y.size else 0.0
                     worst[name] = max(worst[name], error)
             top = sorted(worst.items(), key=lambda item: -item[1])[:6]
-            print(np.dtype(dtype).name, dim, tokens, ", ".join(f"{k} {v:.1e}" for k, v in top))
+            workers = processes.worker_count(jobs, "mlx")
+            print(
+                np.dtype(dtype).name,
+                dim,
+                tokens,
+                f"{workers} process(es):",
+                ", ".join(f"{k} {v:.1e}" for k, v in top),
+            )
 
 
 if __name__ == "__main__":
