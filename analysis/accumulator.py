@@ -151,8 +151,13 @@ class HeadAccumulator:
             from kvsnap.analysis import mlx_kernel
 
             mlx_kernel.add(self, rows, positions)
+        elif _kernel().AVAILABLE and check is not None:
+            # Rows whose CRC is still pending: a damaged chunk stops the pass with its
+            # ChecksumError alone, not with numpy's warnings about the garbage it held.
+            with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+                self._add_compiled(rows, positions, check)
         elif _kernel().AVAILABLE:
-            self._add_compiled(rows, positions, check)
+            self._add_compiled(rows, positions)
         else:
             self._add_numpy(rows, positions)
 

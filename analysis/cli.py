@@ -363,7 +363,8 @@ def _stats_option(p: argparse.ArgumentParser, default: str | None = None) -> Non
         "--backend",
         choices=BACKENDS,
         default="cpu",
-        help="cpu: the compiled kernel on --jobs cores; mlx: mlx's device (Metal or CUDA GPU, else CPU)",
+        help="cpu: the compiled kernel on --jobs cores; mlx: mlx's device (Metal or CUDA GPU, else CPU), "
+        "driven by 3/4 of --jobs worker processes for a local file (each holds its own mlx footprint)",
     )
     p.add_argument(
         "--stats",

@@ -278,6 +278,7 @@ def test_a_payload_check_is_computed_piece_by_piece_as_the_kernel_adds(
                 HeadAccumulator(16).add(rows, positions, PayloadCheck(wrong, "chunk 7 (layer 0 K)"))
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the error alone, no warnings about the garbage
 @pytest.mark.parametrize("tensor", ["k", "v"])
 @pytest.mark.parametrize("keys", ["post_rope", "pre_rope"])
 @pytest.mark.parametrize("jobs", [1, 2])
