@@ -364,7 +364,7 @@ def _stats_option(p: argparse.ArgumentParser, default: str | None = None) -> Non
         choices=BACKENDS,
         default="cpu",
         help="cpu: the compiled kernel on --jobs cores; mlx: mlx's device (Metal or CUDA GPU, else CPU), "
-        "driven by 3/4 of --jobs worker processes for a local file (each holds its own mlx footprint)",
+        "driven by 3/4 of --jobs worker processes for a local file on Linux (each with its own mlx)",
     )
     p.add_argument(
         "--stats",

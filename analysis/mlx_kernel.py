@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -548,7 +549,10 @@ few."""
 def processes(workers: int) -> int:
     """Worker processes for an mlx pass asked to use ``workers`` workers: 3/4 of them (12 of 16),
     at most one per `PROCESS_MEMORY` of physical memory; 1 (the pass stays in this process) on
-    small machines."""
+    small machines and off Linux. macOS stays in one process: its workers would start Metal in
+    processes forked from the fork server, which is measured and tested nowhere yet."""
+    if not sys.platform.startswith("linux"):
+        return 1
     return max(1, min(int(workers * PROCESS_SHARE), _physical_memory() // PROCESS_MEMORY))
 
 

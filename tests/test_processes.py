@@ -69,6 +69,10 @@ def test_usable_only_for_local_files_with_several_workers(
     assert processes.worker_count(2, "mlx") == 1  # the pass stays in this process
     monkeypatch.setattr(mlx_kernel, "_physical_memory", lambda: 12 << 30)
     assert processes.worker_count(16, "mlx") == 1
+    monkeypatch.setattr(mlx_kernel, "_physical_memory", lambda: 128 << 30)
+    monkeypatch.setattr(sys, "platform", "darwin")  # Metal in forked workers: untested, so not used
+    assert processes.worker_count(16, "mlx") == 1
+    assert processes.worker_count(16, "cpu") == 16
     monkeypatch.undo()
     monkeypatch.setattr(processes, "PROCESS_MIN_BYTES", 0)
     assert processes.worker_count(64, "cpu") == 64
