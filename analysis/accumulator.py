@@ -9,6 +9,7 @@ numpy reference, or mlx (`analysis.mlx_kernel`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -151,13 +152,12 @@ class HeadAccumulator:
             from kvsnap.analysis import mlx_kernel
 
             mlx_kernel.add(self, rows, positions)
-        elif _kernel().AVAILABLE and check is not None:
+        elif _kernel().AVAILABLE:
             # Rows whose CRC is still pending: a damaged chunk stops the pass with its
             # ChecksumError alone, not with numpy's warnings about the garbage it held.
-            with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            quiet = np.errstate(invalid="ignore", over="ignore", divide="ignore")
+            with quiet if check is not None else contextlib.nullcontext():
                 self._add_compiled(rows, positions, check)
-        elif _kernel().AVAILABLE:
-            self._add_compiled(rows, positions)
         else:
             self._add_numpy(rows, positions)
 

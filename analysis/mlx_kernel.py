@@ -679,8 +679,11 @@ class Pipeline:
     def __exit__(self, kind: object, *exc: object) -> None:
         if kind is None:
             self.close()
-            return
-        # A failure (a bad CRC, say): stop without finishing what is queued.
+        else:  # a failure (a bad CRC, say)
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Stop without finishing what is queued (after a failure)."""
         self._folder.shutdown()
         if self._staging is not None:
             self._staging.close()

@@ -401,7 +401,7 @@ def _drop_device() -> None:
     if _DEVICE is not None:
         pipeline, rows = _DEVICE
         _DEVICE = None
-        pipeline.__exit__(RuntimeError, None, None)
+        pipeline.abandon()
         rows.shutdown(wait=False)
 
 
