@@ -5,6 +5,7 @@ script without a ``__main__`` guard is not run again by the workers."""
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -135,6 +136,29 @@ def test_layers_come_back_in_the_one_worker_order_with_equal_accumulators(tmp_pa
         for key in a:
             np.testing.assert_array_equal(a[key].gram, b[key].gram)
             assert a[key].top == b[key].top
+
+
+def test_finished_layers_come_back_sealed_small_and_with_the_one_worker_rows(tmp_path: Path) -> None:
+    """A pass that wants the rows alone (``finish``) gets them from its workers without the sums:
+    a fraction of the full accumulator's pickle, the same rows, and nothing can be added."""
+    path = tmp_path / "f.kv"
+    random_file(path, layers=2, heads=2, tokens=512, dim=64, rope=True)
+    one = list(layers(path, PassOptions(workers=1), finish=True))
+    many = list(layers(path, PassOptions(workers=2), finish=True))
+    for (_, _, _, a), (_, _, _, b) in zip(one, many, strict=True):
+        assert list(a) == list(b)
+        for key, sealed in b.items():
+            full = pickle.dumps(a[key])
+            assert len(pickle.dumps(sealed)) < len(full) / 4
+            assert sealed.gram is None and a[key].gram.shape == (64, 64)
+            got, want = sealed.row_arrays(), a[key].row_arrays()
+            assert list(got) == list(want)
+            for column, value in want.items():
+                np.testing.assert_array_equal(got[column], value, err_msg=column)
+            with pytest.raises(RuntimeError, match="sealed"):
+                sealed.add(np.ones((2, 64), np.float32), np.arange(2))
+            with pytest.raises(RuntimeError, match="sealed"):
+                a[key].merge(sealed)
 
 
 def test_a_damaged_chunk_stops_the_pass_with_its_name(tmp_path: Path) -> None:
