@@ -92,6 +92,18 @@ def float32_rows(rows: np.ndarray, reuse: bool = False) -> np.ndarray:
     return out
 
 
+def _median(values: np.ndarray) -> float:
+    """``np.median`` of a small 1-d array (~20x faster at 128 values): the middle value, or the
+    mean of the two middle ones, of the sorted values; NaN if any is NaN."""
+    ordered = np.sort(values)
+    if not ordered.size or np.isnan(ordered[-1]):
+        return float("nan")
+    middle = ordered.size // 2
+    if ordered.size % 2:
+        return float(ordered[middle])
+    return float((ordered[middle - 1] + ordered[middle]) / 2.0)
+
+
 _SUMS = (
     "rope", "norm_hist", "peak_hist", "power", "absmax", "gram", "unit_sum", "band",
     "position_count", "position_norm", "top", "quant_token", "quant_channel", "_flag_array",
@@ -443,8 +455,8 @@ class HeadAccumulator:
         p50, p99 = hist_quantiles(self.norm_hist, (0.5, 0.99))
         mean_norm = self.norm_sum / n
         sq_mean = self.norm_sq_sum / n
-        with np.errstate(divide="ignore", invalid="ignore"):
-            by_position = np.where(self.position_count > 0, self.position_norm / self.position_count, np.nan)
+        by_position = np.full(POSITION_BINS, np.nan)
+        np.divide(self.position_norm, self.position_count, out=by_position, where=self.position_count > 0)
         last_bin = int(np.flatnonzero(self.position_count).max()) + 1 if self.position_count.any() else 0
         return {
             "norm_mean": mean_norm,
@@ -465,14 +477,16 @@ class HeadAccumulator:
         _, m2, m3, m4 = self.power / n
         var = np.maximum(m2 - m1 * m1, 0.0)
         central4 = m4 - 4 * m1 * m3 + 6 * m1 * m1 * m2 - 3 * m1**4
-        with np.errstate(divide="ignore", invalid="ignore"):
-            kurtosis = np.where(var > 0, central4 / (var * var) - 3.0, np.nan)
+        positive = var > 0
+        kurtosis = np.full(var.shape, np.nan)
+        np.divide(central4, var * var, out=kurtosis, where=positive)
+        np.subtract(kurtosis, 3.0, out=kurtosis, where=positive)
         peak_median = hist_quantile(self.peak_hist, 0.5)
         return {
             "channel_mean": m1,
             "channel_var": var,
             "channel_absmax": self.absmax.copy(),
-            "outlier_channel_ratio": float(self.absmax.max() / max(np.median(self.absmax), 1e-30)),
+            "outlier_channel_ratio": float(self.absmax.max() / max(_median(self.absmax), 1e-30)),
             "channel_kurtosis": kurtosis,
             "massive_positions": [p for _, p in self.top],
             "massive_values": [v for v, _ in self.top],

@@ -302,3 +302,16 @@ def test_a_damaged_byte_in_a_late_piece_of_a_large_chunk_stops_the_pass(
     path.write_bytes(bytes(raw))
     with pytest.raises(kvformat.ChecksumError, match=f"chunk {chunk} .*payload CRC-32C"):
         stats_rows(path, jobs=jobs, keys=keys)
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 128, 129])
+def test_the_small_median_equals_numpy(size: int) -> None:
+    """`outlier_channel_ratio`'s median (a sort instead of ``np.median``): the same value, NaN
+    for NaN input."""
+    from kvsnap.analysis.accumulator import _median
+
+    rng = np.random.default_rng(size)
+    values = np.abs(rng.standard_normal(size)) * 10.0 ** rng.integers(-3, 3, size)
+    assert _median(values) == float(np.median(values))
+    values[size // 2] = np.nan
+    assert np.isnan(_median(values))
