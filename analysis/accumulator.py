@@ -363,10 +363,10 @@ class HeadAccumulator:
         return state
 
     def seal(self) -> None:
-        """Compute the row and leave it the accumulator's only content: once sealed, the
-        accumulator pickles without its sums (at 128 channels ~6 KB instead of ~180 KB, most of
-        it the Gram matrix and the histograms: what a pass that wants the rows alone sends from
-        its worker processes) and refuses `add` and `merge`."""
+        """Compute the row and seal the accumulator: pickled, it carries the row without its sums
+        (at 128 channels ~6 KB instead of ~180 KB, most of it the Gram matrix and the histograms:
+        what a pass that wants the rows alone sends from its worker processes), and it refuses
+        `add` and `merge`."""
         self.row_arrays()
         self._sealed = True
 
