@@ -68,7 +68,7 @@ def time_selection(dtype: str, groups: str, batch: int, seconds: float = 1.0) ->
         "groups": groups,
         "batch": batch,
         "ms_per_piece": round(per_piece * 1e3, 4),
-        "elements_per_s": round(PIECE * 128 / per_piece / 1e9, 3) * 1e9,
+        "elements_per_s": round(PIECE * 128 / per_piece),
     }
 
 
@@ -105,7 +105,7 @@ def concurrent(dtype: str, batch: int, processes: int, calls: int) -> dict[str, 
         "processes": processes,
         "batch": batch,
         "ms_per_piece_all": round(slowest / pieces * 1e3, 4),
-        "elements_per_s": round(pieces * PIECE * 128 / slowest / 1e9, 3) * 1e9,
+        "elements_per_s": round(pieces * PIECE * 128 / slowest),
     }
 
 

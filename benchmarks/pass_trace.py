@@ -10,7 +10,8 @@ interpreter), so the workers forked from it run wrapped functions (kvsnap itself
 mlx is not imported there, as a CUDA context must not cross a fork). Each process appends
 ``(stage, pid, thread, start, end)`` to its own file; the summary is per pass after the first
 (which compiles): per stage its total over all processes and mean per call; per worker its tasks
-and busy time.
+and busy time. The tracer imports kvsnap's kernels (numba) into every interpreter, the parent's
+too: a fresh process's start is not what it measures.
 """
 
 from __future__ import annotations
