@@ -378,8 +378,8 @@ def _run_task(
     path: str, index: int, options: PassOptions, workers: int, task: _Task, finish: bool
 ) -> dict[Key, HeadAccumulator]:
     """In a worker (one of ``workers``): the accumulators of ``task``'s heads over the whole
-    snapshot (their rows computed and sealed with ``finish``), its batches added in order, pages released
-    as the one-worker pass releases them. On mlx the batches go through this worker's device
+    snapshot (their rows computed and sealed with ``finish``), its batches added in order,
+    pages released as the one-worker pass releases them. On mlx the batches go through this worker's device
     pipeline, drained at the task's end."""
     from kvsnap.analysis.streaming import fresh_accumulators
 
