@@ -379,8 +379,8 @@ def _run_task(
 ) -> dict[Key, HeadAccumulator]:
     """In a worker (one of ``workers``): the accumulators of ``task``'s heads over the whole
     snapshot (their rows computed and sealed with ``finish``), its batches added in order,
-    pages released as the one-worker pass releases them. On mlx the batches go through this worker's device
-    pipeline, drained at the task's end."""
+    pages released as the one-worker pass releases them. On mlx the batches go through this
+    worker's device pipeline, drained at the task's end."""
     from kvsnap.analysis.streaming import fresh_accumulators
 
     opened = _open_file(path, index, options)
