@@ -81,16 +81,25 @@ _COMPILED: dict[tuple[bool, ...], Any] = {}
 
 
 def _piece_function(
-    norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quant: bool, batched: bool = False
+    norms: bool,
+    channels: bool,
+    rope: bool,
+    mean: bool,
+    gram: bool,
+    quant: bool,
+    batched: bool = False,
+    copy: bool = False,
 ) -> Any:
     """The compiled per-piece computation for one selection of groups; ``batched``: over a
-    leading axis of pieces of one shape (``mx.vmap``)."""
-    key = (norms, channels, rope, mean, gram, quant, batched)
+    leading axis of pieces of one shape (``mx.vmap``); ``copy``: float32 rows in host memory
+    (`Staging` placement ``host``) are copied into device memory first, so that the device
+    reads them over the bus once rather than once per statistic."""
+    key = (norms, channels, rope, mean, gram, quant, batched, copy)
     function = _COMPILED.get(key)
     if function is None:
         import mlx.core as mx
 
-        piece = _piece(norms, channels, rope, mean, gram, quant)
+        piece = _piece(norms, channels, rope, mean, gram, quant, copy)
         if not norms:  # one input: the rows
 
             def piece_of_rows(stored: Any) -> dict[str, Any]:
@@ -129,8 +138,11 @@ def _hist_edges(squared: bool) -> np.ndarray:
     return edges
 
 
-def _piece(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quant: bool) -> Any:
-    """The per-piece computation (uncompiled) for one selection of groups."""
+def _piece(
+    norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quant: bool, copy: bool = False
+) -> Any:
+    """The per-piece computation (uncompiled) for one selection of groups (``copy``: see
+    `_piece_function`)."""
     import mlx.core as mx
 
     from kvsnap.analysis.accumulator import HEAVY
@@ -192,7 +204,9 @@ def _piece(norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quan
         return exact.astype(mx.int16)
 
     def piece(stored: Any, bins: Any = None) -> dict[str, Any]:
-        x = stored.astype(mx.float32)  # float16 / bfloat16 cross to the device as stored
+        # float32 rows the device reads over the bus (``copy``): one read into device memory;
+        # float16 / bfloat16 cross as stored, and their conversion is the device's copy
+        x = stored * 1.0 if copy else stored.astype(mx.float32)
         square = x * x
         sq = square.sum(axis=1)
         out: dict[str, Any] = {"sq_sum": column_sums(sq)}
@@ -344,15 +358,17 @@ class _Batch:
         self._launched = True
         entries = self.entries
         for (flags, members), fill in zip(self.groups, self.fills, strict=True):
+            copy = False
             if fill is not None:
                 buffer, stacked = fill.result()
                 self.buffers.append(buffer)
+                copy = fill.remote and stacked.dtype == mx.float32
             else:
                 stacked = mx.stack([_to_device(entries[i][1]) for i in members])
             inputs = [stacked]
             if flags[0]:  # the position bin of every row of every piece, (pieces, n) uint8
                 inputs.append(mx.array(np.stack([_piece_bins(entries[i][2]) for i in members])))
-            outputs = _piece_function(*flags, batched=True)(*inputs)
+            outputs = _piece_function(*flags, batched=True, copy=copy)(*inputs)
             self.calls.append((members, outputs))
         self.fills = []
         for after in self.after:
@@ -393,6 +409,22 @@ class _Batch:
         self.fetch().result()
 
 
+PLACEMENT = "host"
+"""Where staging buffers live on CUDA (`unified_memory.MODES`; ``KVSNAP_MLX_STAGING`` overrides):
+in host memory, the device reading them in place. On the H200 machine, full catalogue, 12
+processes, second passes: bf16 0.36 -> 0.23 s, fp32 1.66 -> 0.92 s against the driver's default
+(``fault``: pages moved on demand, both ways, at each reuse); ``prefetch`` gave 0.29 s on bf16 and
+``mostly`` 0.2-0.7 GB/s in `benchmarks/mlx_copy_probe.py` (`benchmarks/RESULTS.md`, session 16)."""
+
+
+def _on_cuda() -> bool:
+    """Whether mlx computes on a CUDA device here."""
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and bool(cuda.is_available()) and mx.default_device() == mx.gpu
+
+
 class Staging:
     """Device buffers the host writes batches into, on many threads.
 
@@ -404,14 +436,33 @@ class Staging:
     Buffers are reused once the device has read them (`give_back`); at most three per shape are
     kept (a batch copying, one on the device, one being fetched). `create` checks once that a
     write through the buffer is what the device reads, and returns None where it is not (then
-    batches go through ``mx.array``)."""
+    batches go through ``mx.array``).
+
+    On CUDA that memory is managed memory, and by default its pages move on demand: the device
+    faults each batch in (~0.57 GB/s per process), the host faults it back at its next write.
+    ``placement`` (`PLACEMENT`) keeps the buffers in host memory instead, the device reading them
+    in place over the bus (`unified_memory`): 12-14 GB/s for one process in
+    `benchmarks/mlx_copy_probe.py` against 4.8 GB/s by faults. Float32 rows are then copied to
+    device memory once per call (`_piece_function` ``copy``); 16-bit rows already are, by their
+    conversion."""
 
     KEEP_BYTES = 256 << 20
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, placement: str | None = None) -> None:
+        from kvsnap.analysis import unified_memory
+
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kvsnap-mlx-copy")
         self.threads = threads
         self.free: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype name)
+        self.placement = placement or os.environ.get("KVSNAP_MLX_STAGING", PLACEMENT)
+        if self.placement not in unified_memory.MODES:
+            raise ValueError(
+                f"KVSNAP_MLX_STAGING={self.placement!r}: one of {', '.join(unified_memory.MODES)}"
+            )
+        self.memory = (
+            unified_memory.UnifiedMemory.load() if self.placement != "fault" and _on_cuda() else None
+        )
+        self.managed: dict[int, bool] = {}  # buffer address: in managed memory (hints set)
 
     @classmethod
     def create(cls, threads: int | None = None) -> Staging | None:
@@ -438,6 +489,11 @@ class Staging:
             return free.pop()
         buffer = mx.zeros(shape, dtype=dtype)
         mx.eval(buffer)
+        if self.memory is not None:
+            address = _host_view(buffer).ctypes.data
+            managed = self.managed[address] = self.memory.is_managed(address)
+            if managed:
+                self.memory.place(address, buffer.nbytes, self.placement)
         return buffer
 
     def fill(self, pieces: list[np.ndarray]) -> tuple[Any, Any]:
@@ -474,11 +530,16 @@ class Staging:
         copies = [self.pool.submit(copy, i, start) for i, start in tasks]
         task_bytes = [min(step, rows - start) * first[0].nbytes for _, start in tasks]
         verify = _CopyCheck(checks, [i for i, _ in tasks], task_bytes)
+        stacked = buffer
         if first.dtype.name == "bfloat16":
-            return _Fill(copies, buffer, buffer.view(mx.bfloat16), verify)
-        if first.dtype == np.float16:
-            return _Fill(copies, buffer, buffer.view(mx.float16), verify)
-        return _Fill(copies, buffer, buffer, verify)
+            stacked = buffer.view(mx.bfloat16)
+        elif first.dtype == np.float16:
+            stacked = buffer.view(mx.float16)
+        address = target.ctypes.data
+        managed = self.managed.get(address, False)
+        prefetch = self.memory if managed and self.placement in ("prefetch", "mostly") else None
+        remote = managed and self.placement == "host"
+        return _Fill(copies, buffer, stacked, verify, prefetch, address, remote)
 
     def give_back(self, buffers: list[Any]) -> None:
         """Buffers the device has finished reading: kept for reuse, at most three per shape and
@@ -488,9 +549,22 @@ class Staging:
             held = sum(b.nbytes for free in self.free.values() for b in free)
             if len(kept) < 3 and held + buffer.nbytes <= self.KEEP_BYTES:
                 kept.append(buffer)
+            else:
+                self._release(buffer)
+
+    def _release(self, buffer: Any) -> None:
+        """Clear the placement hints of a buffer about to be freed: mlx reuses freed memory for
+        its own arrays, which belong in device memory."""
+        if self.memory is not None:
+            address = _host_view(buffer).ctypes.data
+            if self.managed.pop(address, False):
+                self.memory.unplace(address, buffer.nbytes, self.placement)
 
     def close(self) -> None:
         self.pool.shutdown()
+        for free in self.free.values():
+            for buffer in free:
+                self._release(buffer)
         self.free.clear()
 
 
@@ -524,12 +598,18 @@ class _Fill:
     buffer: Any
     stacked: Any
     verify: _CopyCheck | None = None
+    prefetch: Any = None  # a `unified_memory.UnifiedMemory` that moves the buffer to the device
+    address: int = 0
+    remote: bool = False  # the device reads the buffer in host memory, over the bus
 
     def result(self) -> tuple[Any, Any]:
         parts = [future.result() for future in self.copies]
         if self.verify is not None:
             self.verify.check(parts)
             self.verify = None
+        if self.prefetch is not None:
+            self.prefetch.prefetch(self.address, self.buffer.nbytes)
+            self.prefetch = None
         return self.buffer, self.stacked
 
 

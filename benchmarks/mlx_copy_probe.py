@@ -3,9 +3,11 @@ did through session 8) against copying into the memory of an existing mlx array 
 buffer (``np.copyto`` into ``np.asarray(memoryview(array))``, on 1..N threads), each followed by a
 small device reduction that reads every byte, in a pipeline of two batches like the pass.
 
-    python -m benchmarks.mlx_copy_probe [--gib 2] [--batch-mib 32]
+    python -m benchmarks.mlx_copy_probe [--gib 2] [--batch-mib 32] [--placements fault,host,prefetch,mostly]
 
-Prints GB/s per variant and checks that every variant's device results equal numpy's (a buffer
+``--placements``: the pass's own `Staging` buffers under each CUDA managed-memory placement
+(`analysis.unified_memory`; ``KVSNAP_MLX_STAGING``), the host's copy and the device's read timed
+apart. Prints GB/s per variant and checks that every variant's device results equal numpy's (a buffer
 written behind mlx's back must be what the device reads).
 """
 
@@ -24,6 +26,7 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=2.0)
     parser.add_argument("--batch-mib", type=int, default=32)
     parser.add_argument("--threads", default="1,4,8,16")
+    parser.add_argument("--placements", default="", help="e.g. fault,host,prefetch,mostly")
     args = parser.parse_args()
     rows_per_batch = (args.batch_mib << 20) // (128 * 4)
     batches = int(args.gib * (1 << 30)) // (args.batch_mib << 20)
@@ -79,6 +82,41 @@ def main() -> None:
         name = f"copy into buffer, {threads} threads{', fresh' if fresh else ''}"
         check(name, results, time.perf_counter() - start)
 
+    def run_staging(placement: str) -> None:
+        from kvsnap.analysis.mlx_kernel import Staging
+
+        staging = Staging(4, placement=placement)
+        held: list[list[mx.array]] = [[], []]
+        results: list[np.ndarray] = []
+        copy_seconds = device_seconds = 0.0
+        start = time.perf_counter()
+        for i in range(batches):
+            slot = i % 2
+            if held[slot]:  # one batch on the device while the next is copied, as in a pass
+                tick = time.perf_counter()
+                results.append(np.array(held[slot][1]))
+                device_seconds += time.perf_counter() - tick
+                staging.give_back([held[slot][0]])
+            tick = time.perf_counter()
+            buffer, stacked = staging.fill([source[i]])
+            copy_seconds += time.perf_counter() - tick
+            out = reduce(stacked[0])
+            mx.async_eval(out)
+            held[slot] = [buffer, out]
+        for j in range(batches, batches + 2):
+            if held[j % 2]:
+                results.append(np.array(held[j % 2][1]))
+        seconds = time.perf_counter() - start
+        managed = sum(staging.managed.values())
+        staging.close()
+        name = f"staging, placement {placement} ({managed} managed)"
+        check(name, results, seconds)
+        print(f"{'':40s} copy {copy_seconds:.3f} s, device wait {device_seconds:.3f} s")
+
+    for placement in filter(None, args.placements.split(",")):
+        run_staging(placement)
+        run_staging(placement)
+        run_staging(placement)
     run_mx_array()
     run_mx_array()
     for threads in (int(t) for t in args.threads.split(",")):
