@@ -64,6 +64,7 @@ if os.environ.get("KVSNAP_TRACE_DIR"):
     _wrap(mlx_kernel.Pipeline, "finish", "pipeline drain")
     _wrap(accumulator.HeadAccumulator, "seal", "seal (row)")
     _wrap(streaming, "_add_segments", "read and add")
+    _wrap(processes, "_device", "device start (every task)")
     _wrap(processes, "_run_task", "task", flush=True)
 """
 
@@ -90,9 +91,11 @@ def summarize(directory: Path, spans: list[tuple[float, float]]) -> str:
     ]
     lines = []
     for number, (start, end) in enumerate(spans):
-        if number == 0:
-            continue
         inside = [e for e in events if e[3] >= start and e[4] <= end + 0.01]
+        if number == 0:  # compiles: only which workers it reached
+            tasks = collections.Counter(e[1] for e in inside if e[0] == "task")
+            lines.append(f"pass 0: {end - start:.3f} s; tasks per worker {sorted(tasks.values())}")
+            continue
         lines.append(
             f"\npass {number}: {end - start:.3f} s\n\n| stage | total, all processes | calls | mean |"
         )
@@ -110,9 +113,10 @@ def summarize(directory: Path, spans: list[tuple[float, float]]) -> str:
         workers = sorted({e[1] for e in tasks})
         busy = [sum(e[4] - e[3] for e in tasks if e[1] == pid) for pid in workers]
         if busy:
+            per_worker = sorted(collections.Counter(e[1] for e in tasks).values())
             lines.append(
-                f"\n{len(workers)} workers, {len(tasks)} tasks; busy per worker {min(busy) * 1e3:.0f}-"
-                f"{max(busy) * 1e3:.0f} ms of {(end - start) * 1e3:.0f} ms"
+                f"\n{len(workers)} workers, {len(tasks)} tasks ({per_worker} per worker); busy per worker "
+                f"{min(busy) * 1e3:.0f}-{max(busy) * 1e3:.0f} ms of {(end - start) * 1e3:.0f} ms"
             )
     return "\n".join(lines)
 
