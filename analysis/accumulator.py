@@ -246,6 +246,8 @@ class HeadAccumulator:
                 square_norms=square_norms,
                 quant_token=self.quant_token,
                 quant_channel=self.quant_channel,
+                edges=kernel.hist_edges(),
+                guesses=kernel.hist_guesses(),
             )
             if spectrum:
                 self._add_gram(x, sums, square_norms)

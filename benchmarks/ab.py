@@ -26,14 +26,14 @@ def run(mode: str, path: Path, tree: Path, env: list[str] | None = None) -> floa
     settings added to the environment)."""
     tree = tree.resolve()
     extra = dict(setting.split("=", 1) for setting in env or [])
-    path = os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
+    python_path = os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, "-c", CHILD, mode, str(path.resolve())],
         capture_output=True,
         text=True,
         check=True,
         cwd=tree,
-        env={**os.environ, **extra, "PYTHONPATH": path},
+        env={**os.environ, **extra, "PYTHONPATH": python_path},
     )
     return float(json.loads(result.stdout.strip().splitlines()[-1])["seconds"])
 

@@ -53,6 +53,58 @@ def test_compiled_and_numpy_paths_agree(dtype: type, dim: int, pairing: str | No
     assert compiled.first_count == reference.first_count == 1
 
 
+def test_histogram_bins_without_a_logarithm_are_hist_index() -> None:
+    """`kernel._hist_bins` (a guess from the top bits, stepped against exact edges) counts every
+    value where `catalogue.hist_index` puts it: at each edge and one float64 either side of it,
+    over 20 decades, at 0, subnormals, the clamps at both ends, inf and NaN."""
+    from kvsnap.analysis.catalogue import BINS, hist_index
+
+    edges = kernel.hist_edges()
+    inner = edges[1:-1]
+    assert np.all(np.diff(inner) > 0)
+    rng = np.random.default_rng(7)
+    values = np.concatenate(
+        [
+            inner,
+            np.nextafter(inner, 0),
+            np.nextafter(inner, np.inf),
+            np.abs(rng.standard_normal(50_000)) * 10.0 ** rng.uniform(-10, 10, 50_000),
+            [0.0, 5e-324, 1e-300, 1e-8, 9.99e-9, 1e8, 1e300, 1.7976931348623157e308, np.inf, np.nan],
+        ]
+    )
+    for start in range(0, values.size, 4096):  # each value alone too: its bin, not only the counts
+        part = np.ascontiguousarray(values[start : start + 4096])
+        got = np.zeros(BINS, np.int64)
+        kernel._hist_bins(part, edges, kernel.hist_guesses(), got)
+        with np.errstate(invalid="ignore"):
+            expected = np.bincount(hist_index(part), minlength=BINS)
+        np.testing.assert_array_equal(got, expected)
+    below = float(np.nextafter(inner[0], 0))
+    for value in (0.0, 1e-8, float(inner[0]), below, 3.7, float(inner[-1]), np.inf):
+        got = np.zeros(BINS, np.int64)
+        kernel._hist_bins(np.array([value]), edges, kernel.hist_guesses(), got)
+        with np.errstate(invalid="ignore"):
+            assert int(np.argmax(got)) == int(hist_index(np.array([value]))[0]), value
+
+
+def test_position_bins_from_the_exponent_are_position_bins() -> None:
+    """The kernel's norm-by-position bins (a position's float64 exponent) equal
+    `catalogue.position_bins` (a logarithm) at every power of two and its neighbours, from 0 up
+    to 2^60, and for negative positions."""
+    from kvsnap.analysis.catalogue import position_bins
+
+    powers = np.array([1 << k for k in range(61)], dtype=np.int64)
+    positions = np.unique(np.concatenate([powers - 1, powers, powers + 1, [0, -1, -5, 3, 1000]]))
+    rows = np.ones((positions.size, 8), np.float32)
+    compiled, reference = HeadAccumulator(8, groups=frozenset({"norms"})), HeadAccumulator(8)
+    compiled._add_compiled(rows, positions)
+    expected = np.bincount(position_bins(positions[positions >= 0]), minlength=compiled.position_count.size)
+    expected[0] += int(np.sum(positions < 0))  # negative positions count in bin 0, as before
+    np.testing.assert_array_equal(compiled.position_count, expected)
+    reference._add_numpy(rows, positions)
+    np.testing.assert_array_equal(compiled.position_count, reference.position_count)
+
+
 def test_zero_rows_and_constant_groups() -> None:
     """All-zero rows (norm 0, unit vector guarded) and constant groups (step 1) match too."""
     compiled, reference = HeadAccumulator(32), HeadAccumulator(32)
