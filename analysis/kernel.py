@@ -4,12 +4,16 @@ One call walks a piece of rows ``(n_tokens, dim)`` float32 in tiles of `GROUP` r
 128 channels, so a tile stays in L1) and updates, for the statistic groups asked for, every
 per-element sum of the catalogue in place:
 
-- the row pass (`_row_pass`, float64 sums): squared norms and their histogram, channel power sums
-  up to the 4th order, channel absmax and the per-row peak, the unit-vector sum, RoPE pair
-  energy, norm by position bin;
+- the row pass (`_row_pass`, float64 sums): squared norms, channel power sums up to the 4th
+  order, channel absmax and the per-row peak, the unit-vector sum, RoPE pair energy;
 - the quantization pass (`_quant_tile`, float32 arithmetic as the definition says): min-max
   quantization error at 8/4/2 bits in groups of `GROUP` channels per token and `GROUP` tokens per
   channel, both over the tile the row pass has just read.
+
+After the tiles, per row: the log histogram bins of the norm and of the peak (`_hist_bins`:
+exact edges and a guess from the float's top bits, no logarithm: 4.4 ns a value against 8.8 ns
+for ``log10``, which as a call inside the row pass also spilled its vector registers) and the
+norm-by-position bin (read off the position's float64 exponent).
 
 The Gram matrix stays with BLAS (`analysis.stats`). Every inner loop runs over contiguous
 channels without a loop-carried dependency other than a reduction, so LLVM vectorizes it: the
