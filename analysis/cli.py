@@ -49,8 +49,17 @@ def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
     from kvsnap.analysis import processes
     from kvsnap.analysis.parallel import cores
 
-    workers = args.jobs or cores()
+    jobs = args.jobs
     engine, backend = getattr(args, "engine", "local"), getattr(args, "backend", "cpu")
+    if (
+        backend == "mlx"
+        and engine == "local"
+        and jobs is None
+        and len(args.files) == 1
+        and processes.one_shot_in_process(args.files[0])
+    ):
+        jobs = 1  # one pass, then the command ends: workers would cost more to start than they save
+    workers = jobs or cores()
     if engine == "local" and len(args.files) == 1 and processes.usable(args.files[0], workers, backend):
         # One big file (not a pattern): its workers start while the rest is imported.
         processes.start(processes.worker_count(workers, backend))
@@ -65,7 +74,7 @@ def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
     result = run(
         files,
         engine=engine,
-        jobs=args.jobs,
+        jobs=jobs,
         address=getattr(args, "address", None),
         fail_fast=getattr(args, "fail_fast", False),
         snapshot=args.snapshot,
@@ -364,7 +373,8 @@ def _stats_option(p: argparse.ArgumentParser, default: str | None = None) -> Non
         choices=BACKENDS,
         default="cpu",
         help="cpu: the compiled kernel on --jobs cores; mlx: mlx's device (Metal or CUDA GPU, else CPU), "
-        "driven by 3/4 of --jobs worker processes for a local file on Linux (each with its own mlx)",
+        "driven by 3/4 of --jobs worker processes for a local file on Linux (each with its own mlx; "
+        "one file under 12 GiB without --jobs: one process, which starts faster)",
     )
     p.add_argument(
         "--stats",

@@ -72,6 +72,24 @@ starting them (0.6-1.7 s: an interpreter importing numpy and numba) would cost m
 save on a file one core analyses in about that time."""
 
 
+MLX_ONE_SHOT_BYTES = 12 << 30
+"""A command's one mlx pass (`kvsnap stats FILE --backend mlx`, one local file, no ``--jobs``)
+over a smaller file runs in one process (`one_shot_in_process`): worker processes each start mlx
+and a CUDA context, and those starts queue on the device. Measured on the H200 machine in fresh
+processes (`benchmarks/RESULTS.md`, session 16): the 1.2 GB bf16 file 2.9 s in one process
+against 4.2 s on 12; the 8.6 GB fp32 file 4.9 s against 5.5 s. Once started, 12 processes save
+~0.3 s a GB and their start costs ~3.4 s more: even at ~11 GB. A long-lived process (the API, a
+batch of files) keeps its workers and gains from them from its second pass on."""
+
+
+def one_shot_in_process(path: str | os.PathLike[str]) -> bool:
+    """Whether a command's single mlx pass over ``path`` stays in one process: a local file
+    (not a pattern, not a URL) smaller than `MLX_ONE_SHOT_BYTES`."""
+    from kvformat import remote
+
+    return not remote.is_url(path) and 0 < _size(path) < MLX_ONE_SHOT_BYTES
+
+
 def worker_count(workers: int, backend: str) -> int:
     """The worker processes a pass asked to use ``workers`` workers starts: as many on the CPU
     backend; on mlx `mlx_kernel.processes` (3/4 of them, bounded by memory: each drives the

@@ -140,6 +140,36 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert exit_info.value.code == 2 and "--backend" in capsys.readouterr().err
 
 
+def test_a_one_shot_command_keeps_a_small_file_in_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kvsnap stats FILE --backend mlx` without ``--jobs`` passes ``jobs=1`` for one local file
+    under `processes.MLX_ONE_SHOT_BYTES` (workers cost more to start than they save in one
+    pass); ``--jobs``, several files, the CPU backend and a larger file keep the default."""
+    from kvsnap.analysis import batch, processes
+
+    path = str(random_file(tmp_path / "r.kv", np.float32, 64, 100))
+    other = str(random_file(tmp_path / "s.kv", np.float32, 64, 100, seed=1))
+    asked: list[int | None] = []
+    real = batch.run_stats
+
+    def recording(files: Any, **options: Any) -> Any:
+        asked.append(options.get("jobs"))
+        return real(files, **options)
+
+    monkeypatch.setattr(batch, "run_stats", recording)
+    out = ["-o", str(tmp_path / "t.parquet")]
+    assert main(["stats", path, "--backend", "mlx", *out]) == 0
+    assert main(["stats", path, "--backend", "mlx", "--jobs", "4", *out]) == 0
+    assert main(["stats", path, other, "--backend", "mlx", *out]) == 0
+    assert main(["stats", path, *out]) == 0
+    monkeypatch.setattr(processes, "MLX_ONE_SHOT_BYTES", 100)  # the file is larger than this
+    assert main(["stats", path, "--backend", "mlx", *out]) == 0
+    assert asked == [1, 4, None, None, None]
+    assert not processes.one_shot_in_process(str(tmp_path / "*.kv"))  # a pattern is not a file
+    assert not processes.one_shot_in_process("https://example.com/a.kv")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
 def test_staging_buffers_carry_the_rows_and_are_reused(dtype: Any) -> None:
     """Pieces copied into a device buffer through its memory are what the device reads, in
