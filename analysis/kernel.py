@@ -265,11 +265,17 @@ def _quant_tile(
     token: np.ndarray,
     channel: np.ndarray,
     scratch: np.ndarray,
+    groups: np.ndarray,
 ) -> None:
     """Add the squared min-max quantization errors of rows ``start:stop`` (one group of at most
     `GROUP` tokens; ``low_keys``/``high_keys`` ``(dim,)``: its channel minima and maxima as order
     keys) at the three ``levels`` (float32): per token in groups of `GROUP` channels to ``token``
-    ``(3,)``, per channel to ``channel`` ``(3,)``. ``scratch``: ``(14, dim)`` float32."""
+    ``(3,)``, per channel to ``channel`` ``(3,)``. ``scratch``: ``(14, dim)`` float32;
+    ``groups``: ``(8, GROUP * ceil(dim / GROUP))`` float32.
+
+    The three widths of one value are computed in one loop. The token groups' minima, maxima,
+    steps and reciprocals come first, for every row of the tile (the divisions then run one
+    after another instead of each waiting for its group's minimum), then the errors."""
     dim = x.shape[1]
     one = np.float32(1.0)
     lows = scratch[0]
@@ -294,18 +300,18 @@ def _quant_tile(
     channel_errors[:] = 0
     token_errors = scratch[11:14]
     token_errors[:] = 0
+    s0, s1, s2 = steps[0], steps[1], steps[2]
+    i0, i1, i2 = inverses[0], inverses[1], inverses[2]
+    c0, c1, c2 = channel_errors[0], channel_errors[1], channel_errors[2]
+    t0, t1, t2 = token_errors[0], token_errors[1], token_errors[2]
+    l0, l1, l2 = levels[0], levels[1], levels[2]
     full = dim - dim % GROUP
+    per_row = (dim + GROUP - 1) // GROUP
+    group_low, group_high = groups[0], groups[1]
+    step0, step1, step2 = groups[2], groups[3], groups[4]
+    inverse0, inverse1, inverse2 = groups[5], groups[6], groups[7]
     for i in range(start, stop):
         row = x[i]
-        for b in range(3):
-            step_b = steps[b]
-            inverse_b = inverses[b]
-            error_b = channel_errors[b]
-            for j in range(dim):
-                v = row[j]
-                low = lows[j]
-                e = (np.rint((v - low) * inverse_b[j]) * step_b[j] + low) - v
-                error_b[j] += e * e
         for g in range(0, dim, GROUP):
             size = GROUP if g < full else dim - full
             group = row[g : g + size]
@@ -315,15 +321,50 @@ def _quant_tile(
                 v = group[j]
                 low = v if v < low else low
                 high = v if v > high else high
-            spread = high - low
-            for b in range(3):
-                step = spread / levels[b] if spread > 0 else one
-                inverse = one / step
-                lanes = token_errors[b, g : g + size]
-                for j in range(size):
-                    v = group[j]
-                    e = (np.rint((v - low) * inverse) * step + low) - v
-                    lanes[j] += e * e
+            p = (i - start) * per_row + g // GROUP
+            group_low[p] = low
+            group_high[p] = high
+    for p in range((stop - start) * per_row):
+        spread = group_high[p] - group_low[p]
+        positive = spread > 0
+        step = spread / l0 if positive else one
+        step0[p] = step
+        inverse0[p] = one / step
+        step = spread / l1 if positive else one
+        step1[p] = step
+        inverse1[p] = one / step
+        step = spread / l2 if positive else one
+        step2[p] = step
+        inverse2[p] = one / step
+    for i in range(start, stop):
+        row = x[i]
+        for j in range(dim):
+            v = row[j]
+            low = lows[j]
+            d = v - low
+            e0 = (np.rint(d * i0[j]) * s0[j] + low) - v
+            e1 = (np.rint(d * i1[j]) * s1[j] + low) - v
+            e2 = (np.rint(d * i2[j]) * s2[j] + low) - v
+            c0[j] += e0 * e0
+            c1[j] += e1 * e1
+            c2[j] += e2 * e2
+        for g in range(0, dim, GROUP):
+            size = GROUP if g < full else dim - full
+            group = row[g : g + size]
+            p = (i - start) * per_row + g // GROUP
+            low = group_low[p]
+            st0, st1, st2 = step0[p], step1[p], step2[p]
+            in0, in1, in2 = inverse0[p], inverse1[p], inverse2[p]
+            a0, a1, a2 = t0[g : g + size], t1[g : g + size], t2[g : g + size]
+            for j in range(size):
+                v = group[j]
+                d = v - low
+                e0 = (np.rint(d * in0) * st0 + low) - v
+                e1 = (np.rint(d * in1) * st1 + low) - v
+                e2 = (np.rint(d * in2) * st2 + low) - v
+                a0[j] += e0 * e0
+                a1[j] += e1 * e1
+                a2[j] += e2 * e2
     for b in range(3):
         total = 0.0
         for j in range(dim):
@@ -378,6 +419,7 @@ def _accumulate(
     low_keys = np.empty(dim, np.int32)
     high_keys = np.empty(dim, np.int32)
     scratch = np.empty((14, dim), np.float32)
+    groups = np.empty((8, GROUP * ((dim + GROUP - 1) // GROUP)), np.float32)
     levels32 = levels.astype(np.float32)
     nan = False
     for start in range(0, n, GROUP):
@@ -409,7 +451,7 @@ def _accumulate(
         if flags[QUANT]:
             if finite:
                 _quant_tile(
-                    x, start, stop, low_keys, high_keys, levels32, quant_token, quant_channel, scratch
+                    x, start, stop, low_keys, high_keys, levels32, quant_token, quant_channel, scratch, groups
                 )
             else:
                 nan = True
