@@ -41,6 +41,10 @@ class _Location(ctypes.Structure):
     _fields_: ClassVar = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
 
+_LOADED: dict[int, UnifiedMemory | None] = {}
+_LOCK = threading.Lock()
+
+
 class UnifiedMemoryError(RuntimeError):
     """A CUDA driver call failed (its name and CUresult code in the message)."""
 
@@ -81,7 +85,15 @@ class UnifiedMemory:
 
     @classmethod
     def load(cls, device: int = 0) -> UnifiedMemory | None:
-        """The driver's calls on ``device``, or None where there is no CUDA driver or it fails."""
+        """The driver's calls on ``device``, or None where there is no CUDA driver or it fails;
+        made once per process and device (the primary context is retained once)."""
+        with _LOCK:
+            if device not in _LOADED:
+                _LOADED[device] = cls._load(device)
+            return _LOADED[device]
+
+    @classmethod
+    def _load(cls, device: int) -> UnifiedMemory | None:
         try:
             library = ctypes.CDLL("libcuda.so.1")
         except OSError:

@@ -123,10 +123,26 @@ def test_load_without_a_driver_gives_none(monkeypatch: pytest.MonkeyPatch) -> No
     def missing(name: str) -> ctypes.CDLL:
         raise OSError(f"{name}: cannot open shared object file")
 
+    monkeypatch.setattr(unified_memory, "_LOADED", {})
     monkeypatch.setattr(unified_memory.ctypes, "CDLL", missing)
     assert UnifiedMemory.load() is None
+    monkeypatch.setattr(unified_memory, "_LOADED", {})
     monkeypatch.setattr(unified_memory.ctypes, "CDLL", lambda name: _Driver(failing="cuInit"))
     assert UnifiedMemory.load() is None  # a driver without a usable device
+
+
+def test_load_is_once_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    drivers: list[_Driver] = []
+
+    def opened(name: str) -> _Driver:
+        drivers.append(_Driver())
+        return drivers[-1]
+
+    monkeypatch.setattr(unified_memory, "_LOADED", {})
+    monkeypatch.setattr(unified_memory.ctypes, "CDLL", opened)
+    first = UnifiedMemory.load()
+    assert first is not None and UnifiedMemory.load() is first
+    assert len(drivers) == 1 and len(drivers[0].named("cuDevicePrimaryCtxRetain")) == 1
 
 
 def test_is_managed_reads_the_pointer_attribute() -> None:
