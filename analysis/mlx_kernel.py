@@ -28,6 +28,7 @@ import functools
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvformat.checksum import concatenated_linear, crc32c, linear_crc, zeros_crc
-from kvsnap.analysis import kernel
+from kvsnap.analysis import kernel, unified_memory
 from kvsnap.analysis.accumulator import PIECE, bytes_of
 
 if TYPE_CHECKING:
@@ -449,8 +450,6 @@ class Staging:
     KEEP_BYTES = 256 << 20
 
     def __init__(self, threads: int, placement: str | None = None) -> None:
-        from kvsnap.analysis import unified_memory
-
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="kvsnap-mlx-copy")
         self.threads = threads
         self.free: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype name)
@@ -493,8 +492,17 @@ class Staging:
             address = _host_view(buffer).ctypes.data
             managed = self.managed[address] = self.memory.is_managed(address)
             if managed:
-                self.memory.place(address, buffer.nbytes, self.placement)
+                try:
+                    self.memory.place(address, buffer.nbytes, self.placement)
+                except unified_memory.UnifiedMemoryError as exc:
+                    self._give_up(exc)
         return buffer
+
+    def _give_up(self, error: Exception) -> None:
+        """A placement hint failed: the pass goes on without hints (they only move pages)."""
+        warnings.warn(f"mlx staging placement {self.placement!r} off: {error}", RuntimeWarning, stacklevel=3)
+        self.memory = None
+        self.managed.clear()
 
     def fill(self, pieces: list[np.ndarray]) -> tuple[Any, Any]:
         """``(buffer, stacked)``: ``pieces`` (same shape and dtype) copied into one device buffer
@@ -558,7 +566,10 @@ class Staging:
         if self.memory is not None:
             address = _host_view(buffer).ctypes.data
             if self.managed.pop(address, False):
-                self.memory.unplace(address, buffer.nbytes, self.placement)
+                try:
+                    self.memory.unplace(address, buffer.nbytes, self.placement)
+                except unified_memory.UnifiedMemoryError as exc:
+                    self._give_up(exc)
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -608,7 +619,10 @@ class _Fill:
             self.verify.check(parts)
             self.verify = None
         if self.prefetch is not None:
-            self.prefetch.prefetch(self.address, self.buffer.nbytes)
+            try:
+                self.prefetch.prefetch(self.address, self.buffer.nbytes)
+            except unified_memory.UnifiedMemoryError as exc:  # a hint: the device faults the pages in
+                warnings.warn(f"mlx staging prefetch off: {exc}", RuntimeWarning, stacklevel=2)
             self.prefetch = None
         return self.buffer, self.stacked
 

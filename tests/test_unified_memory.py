@@ -189,3 +189,27 @@ def test_the_float32_copy_changes_no_result() -> None:
     assert plain.keys() == copied.keys()
     for name in plain:
         assert np.array_equal(np.array(plain[name]), np.array(copied[name]), equal_nan=True), name
+
+
+def test_a_failing_hint_turns_the_placement_off_not_the_pass() -> None:
+    """A driver call that fails while placing a staging buffer warns once and leaves the pass
+    to the driver's defaults (hints only move pages): the rows still arrive."""
+    from kvsnap.analysis.mlx_kernel import Staging
+
+    class Refusing:
+        def is_managed(self, address: int) -> bool:
+            return True
+
+        def place(self, address: int, size: int, mode: str) -> None:
+            raise UnifiedMemoryError("cuMemAdvise_v2 failed with CUresult 801")
+
+    staging = Staging(2, placement="host")
+    staging.memory = Refusing()  # type: ignore[assignment]
+    try:
+        rows = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+        with pytest.warns(RuntimeWarning, match="placement 'host' off: cuMemAdvise_v2 failed"):
+            _, stacked = staging.fill([rows])
+        assert staging.memory is None and not staging.managed
+        assert np.array_equal(np.array(stacked)[0], rows)
+    finally:
+        staging.close()
