@@ -179,10 +179,13 @@ def _row_pass(
             values = x[i]
             row_bits = bits[i]
             square_sum = 0.0
-            for j in range(dim):
+            peak = 0
+            for j in range(dim):  # the row's peak in the same loop (a second reduction)
                 v = np.float64(values[j])
                 row[j] = v
                 square_sum += v * v
+                a = row_bits[j] & ABS_MASK
+                peak = a if a > peak else peak
             if not np.isfinite(square_sum):
                 finite = False
             scalars[SQUARE_SUM] += square_sum
@@ -197,10 +200,6 @@ def _row_pass(
                     high = high_keys[j]
                     high_keys[j] = high + ((key - high) & -(key > high))
             if flags[CHANNELS]:
-                peak = 0
-                for j in range(dim):
-                    a = row_bits[j] & ABS_MASK
-                    peak = a if a > peak else peak
                 peak_bits[i] = peak
             if flags[NORMS]:
                 norm = np.sqrt(square_sum)
