@@ -5,6 +5,7 @@ in ``analysis/README.md``."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -32,6 +33,36 @@ def hist_index(values: np.ndarray) -> np.ndarray:
     logs = np.log10(np.maximum(values, 10.0**LOG_LOW))
     scaled = (logs - LOG_LOW) / (LOG_HIGH - LOG_LOW) * BINS
     return np.clip(scaled.astype(np.int64), 0, BINS - 1)
+
+
+@functools.cache
+def hist_edges(float_type: type = np.float64, squared: bool = False) -> np.ndarray:
+    """``(BINS + 1,)`` of ``float_type`` (float32 or float64): ``edges[k]`` is the smallest
+    ``v >= 0`` of that type that `hist_index` (in float64; of ``sqrt(v)`` if ``squared``: a
+    squared norm) puts in bin ``k`` or above; ``-inf`` and ``inf`` at the ends. Found by bisection
+    over the bit patterns of the type's non-negative values (ordered like the values), so a
+    value's bin is the number of inner edges at or below it: exactly `hist_index`'s. Used where
+    a logarithm per value costs too much (the CPU kernel, the mlx device function)."""
+    kind = np.dtype(float_type)
+    unsigned = np.dtype(f"uint{8 * kind.itemsize}")
+    largest = int(np.finfo(kind).max.view(unsigned))
+
+    def host_bin(bits: np.ndarray) -> np.ndarray:
+        values = bits.astype(unsigned).view(kind).astype(np.float64)
+        return hist_index(np.sqrt(values) if squared else values)
+
+    wanted = np.arange(1, BINS, dtype=np.int64)
+    low = np.zeros(wanted.size, np.int64)
+    high = np.full(wanted.size, largest, np.int64)
+    while bool(np.any(low < high)):
+        middle = low + (high - low) // 2
+        reached = host_bin(middle) >= wanted
+        high = np.where(reached, middle, high)
+        low = np.where(reached, low, middle + 1)
+    edges = np.empty(BINS + 1, kind)
+    edges[0], edges[-1] = -np.inf, np.inf
+    edges[1:-1] = low.astype(unsigned).view(kind)
+    return edges
 
 
 def hist_quantile(hist: np.ndarray, q: float) -> float:

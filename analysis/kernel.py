@@ -58,26 +58,11 @@ SCALARS = 6
 BLOCK = 4  # rows whose per-channel sums are added together (see `_row_pass`)
 
 
-@functools.cache
 def hist_edges() -> np.ndarray:
-    """``(BINS + 1,)`` float64: ``edges[k]`` is the smallest float64 ``v >= 0`` that
-    `catalogue.hist_index` puts in bin ``k`` or above; ``-inf`` and ``inf`` at the ends. Found by
-    bisection over the bit patterns of non-negative float64s (ordered like their values), so a
-    value's bin is the number of inner edges at or below it: exactly `hist_index`'s."""
-    from kvsnap.analysis.catalogue import hist_index
+    """``(BINS + 1,)`` float64 bin edges of the log histogram (`catalogue.hist_edges`)."""
+    from kvsnap.analysis.catalogue import hist_edges as edges
 
-    wanted = np.arange(1, BINS, dtype=np.int64)
-    low = np.zeros(wanted.size, np.int64)
-    high = np.full(wanted.size, 0x7FEFFFFFFFFFFFFF, np.int64)  # the largest finite float64
-    while bool(np.any(low < high)):
-        middle = low + (high - low) // 2
-        reached = hist_index(middle.view(np.float64)) >= wanted
-        high = np.where(reached, middle, high)
-        low = np.where(reached, low, middle + 1)
-    edges = np.empty(BINS + 1, np.float64)
-    edges[0], edges[-1] = -np.inf, np.inf
-    edges[1:-1] = low.view(np.float64)
-    return edges
+    return edges(np.float64)
 
 
 GUESS_SHIFT = 45  # a float64's exponent and top 7 mantissa bits: cells of 2^-7 relative width

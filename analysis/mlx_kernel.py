@@ -113,30 +113,13 @@ def _piece_function(
     return function
 
 
-@functools.cache
 def _hist_edges(squared: bool) -> np.ndarray:
-    """``(BINS + 1,)`` float32: ``edges[k]`` is the smallest float32 ``v`` whose host bin,
-    `catalogue.hist_index` in float64 of ``v`` (of ``sqrt(v)`` if ``squared``: a squared norm),
-    is ``k`` or more; ``-inf`` and ``inf`` at the ends. Found by bisection over the float32 bit
-    patterns (ordered like the values for ``v >= 0``), so the device's bins equal the host's."""
-    from kvsnap.analysis.catalogue import BINS, hist_index
+    """``(BINS + 1,)`` float32 bin edges of the log histogram for float32 values (of their square
+    roots if ``squared``: squared norms), so the device's bins equal the host's
+    (`catalogue.hist_edges`)."""
+    from kvsnap.analysis.catalogue import hist_edges
 
-    def host_bin(bits: np.ndarray) -> np.ndarray:
-        values = bits.astype(np.uint32).view(np.float32).astype(np.float64)
-        return hist_index(np.sqrt(values) if squared else values)
-
-    wanted = np.arange(1, BINS, dtype=np.int64)
-    low = np.zeros(wanted.size, np.int64)
-    high = np.full(wanted.size, 0x7F7FFFFF, np.int64)  # the largest finite float32
-    while bool(np.any(low < high)):
-        middle = (low + high) // 2
-        reached = host_bin(middle) >= wanted
-        high = np.where(reached, middle, high)
-        low = np.where(reached, low, middle + 1)
-    edges = np.empty(BINS + 1, np.float32)
-    edges[0], edges[-1] = -np.inf, np.inf
-    edges[1:-1] = low.astype(np.uint32).view(np.float32)
-    return edges
+    return hist_edges(np.float32, squared)
 
 
 def _piece(
