@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvformat.checksum import concatenated_linear, crc32c, linear_crc, zeros_crc
-from kvsnap.analysis import kernel, unified_memory
+from kvsnap.analysis import unified_memory
 from kvsnap.analysis.accumulator import PIECE, bytes_of
 
 if TYPE_CHECKING:
@@ -130,7 +130,15 @@ def _piece(
     import mlx.core as mx
 
     from kvsnap.analysis.accumulator import HEAVY
-    from kvsnap.analysis.catalogue import BINS, LOG_HIGH, LOG_LOW, POSITION_BINS, QUANT_BITS, QUANT_GROUP
+    from kvsnap.analysis.catalogue import (
+        BINS,
+        LOG_HIGH,
+        LOG_LOW,
+        POSITION_BINS,
+        QUANT_BITS,
+        QUANT_GROUP,
+        TOP_K,
+    )
 
     square_edges, peak_edges = mx.array(_hist_edges(squared=True)), mx.array(_hist_edges(squared=False))
 
@@ -184,8 +192,27 @@ def _piece(
         lower, upper = mx.take(edges, estimate), mx.take(edges, estimate + 1)
         exact = estimate - (values < lower).astype(mx.int32) + (values >= upper).astype(mx.int32)
         # inf and NaN: bin 0, as on the host and in the CPU kernel (and never out of range)
-        exact = mx.where(values < np.inf, mx.clip(exact, 0, BINS - 1), 0)
-        return exact.astype(mx.int16)
+        return mx.where(values < np.inf, mx.clip(exact, 0, BINS - 1), 0)
+
+    def histogram(values: Any, logs: Any, edges: Any) -> Any:
+        """``(BINS,)`` int32: how many of ``values`` fall in each bin (`bin_of`)."""
+        index = bin_of(values, logs, edges)
+        return mx.zeros((BINS,), mx.int32).at[index].add(mx.ones(index.shape, mx.int32))
+
+    def top_rows(peaks: Any) -> tuple[Any, Any]:
+        """The rows of the ``k = min(TOP_K, n)`` largest peaks, ties to the later rows (the order
+        of `kernel.top_rows`), as two ``(k,)`` int32 index sets padded with -1: the rows above
+        the k-th largest peak (fewer than k), and the latest k rows at it (the host takes as
+        many as are missing). Non-negative floats order as their bits, NaN above inf, as on
+        the host; with their ``(2, k)`` peaks."""
+        k = min(TOP_K, peaks.shape[0])
+        bits = peaks.view(mx.int32)
+        kth = mx.topk(bits, k).min()
+        index = mx.arange(peaks.shape[0], dtype=mx.int32)
+        above = mx.topk(mx.where(bits > kth, index, -1), k)
+        level = mx.topk(mx.where(bits == kth, index, -1), k)
+        rows = mx.stack([above, level])
+        return rows, mx.take(peaks, mx.maximum(rows, 0))
 
     def piece(stored: Any, bins: Any = None) -> dict[str, Any]:
         # float32 rows the device reads over the bus (``copy``): one read into device memory;
@@ -201,7 +228,7 @@ def _piece(
             out["unit"] = column_sums(x / mx.maximum(norm, 1e-30)[:, None])
             out["norm_sum"] = column_sums(norm)
             out["norm_min"], out["norm_max"], out["norm_first"] = norm.min(), norm.max(), norm[0]
-            out["norm_bin"] = bin_of(sq, 0.5 * mx.log10(sq), square_edges)
+            out["norm_hist"] = histogram(sq, 0.5 * mx.log10(sq), square_edges)
             by_bin = bins[:, None] == mx.arange(POSITION_BINS).astype(mx.uint8)[None, :]
             out["position_norm"] = column_sums(mx.where(by_bin, norm[:, None], 0.0))
         if channels or rope or mean:
@@ -218,8 +245,8 @@ def _piece(
         if channels:
             magnitude = mx.abs(x)
             peaks = magnitude.max(axis=1)
-            out["peaks"] = peaks  # the host keeps the top ones (with their positions)
-            out["peak_bin"] = bin_of(peaks, mx.log10(peaks), peak_edges)
+            out["top_rows"], out["top_peaks"] = top_rows(peaks)
+            out["peak_hist"] = histogram(peaks, mx.log10(peaks), peak_edges)
             out["absmax"] = magnitude.max(axis=0)
         if gram:
             n = x.shape[0]
@@ -230,9 +257,12 @@ def _piece(
             light_sums = column_sums(weighted)
             center = light_sums / mx.maximum(light.sum(), 1.0)
             shifted = (x - center) * light[:, None]
-            out.update(light=light, center=center, light_sums=light_sums, product=shifted.T @ shifted)
+            heavy = n - light.sum().astype(mx.int32)
+            product = shifted.T @ shifted
+            out.update(light=light, heavy=heavy, center=center, light_sums=light_sums, product=product)
         if quant:
-            out["quant_token"], out["quant_channel"] = quant_errors(x)
+            token, out["quant_channel"] = quant_errors(x)
+            out["quant_token"] = column_sums(token.T)  # (bits,): the per-row errors summed
         return out
 
     return piece
@@ -329,6 +359,9 @@ class _Batch:
         self._launched = False
         self._lock = threading.Lock()
         self._folded: Future[None] | None = None
+        self._marks: list[Future[None]] = []  # done once this batch is folded (`Pipeline.mark`)
+        self._settled = False
+        self._error: BaseException | None = None  # why it was not folded
         for acc, _, _, _ in entries:
             acc._pending = self
 
@@ -367,10 +400,7 @@ class _Batch:
         self.launch()
         with self._lock:
             if self._folded is None:
-                results = [
-                    (members, {name: np.array(value) for name, value in outputs.items()})
-                    for members, outputs in self.calls
-                ]
+                results = [(members, _to_host(outputs)) for members, outputs in self.calls]
                 self.calls = []
                 if self.staging is not None:  # the device has read them: free for the next batch
                     self.staging.give_back(self.buffers)
@@ -382,15 +412,51 @@ class _Batch:
         # Group by group (pieces of one shape and selection), each group's pieces in order; an
         # accumulator's pieces all fall in one group (one shape per head), so each accumulator
         # sums its pieces in the order they were added.
-        for members, host in results:
-            _fold_group([self.entries[i] for i in members], host)
-        for acc, _, _ in self.entries:
-            if acc._pending is self:
-                acc._pending = None
+        try:
+            for members, host in results:
+                _fold_group([self.entries[i] for i in members], host)
+            for acc, _, _ in self.entries:
+                if acc._pending is self:
+                    acc._pending = None
+        except BaseException as exc:
+            self.settle_marks(exc)
+            raise
+        self.settle_marks(None)
+
+    def add_mark(self, mark: Future[None]) -> None:
+        """Complete ``mark`` once this batch is folded (at once if it is)."""
+        with self._lock:
+            if not self._settled:
+                self._marks.append(mark)
+                return
+        _complete(mark, self._error)
+
+    def settle_marks(self, error: BaseException | None) -> None:
+        """This batch is folded (``error``: or failed, or was dropped): complete its marks."""
+        with self._lock:
+            if self._settled:
+                return
+            self._settled, self._error = True, error
+            marks, self._marks = self._marks, []
+        for mark in marks:
+            _complete(mark, error)
 
     def fold(self) -> None:
         """Everything of this batch folded in (and so every batch sent before it)."""
         self.fetch().result()
+
+
+class PipelineAbandoned(RuntimeError):
+    """The pipeline stopped (after a failure) before this work was folded in."""
+
+
+def _complete(mark: Future[None], error: BaseException | None) -> None:
+    if mark.done():
+        return
+    if error is None:
+        mark.set_result(None)
+    else:
+        mark.set_exception(error)
 
 
 PLACEMENT = "host"
@@ -684,6 +750,8 @@ class Pipeline:
         self._in_flight: _Batch | None = None  # on the device
         self._folder = ThreadPoolExecutor(1, thread_name_prefix="kvsnap-mlx-fold")
         self._folding: collections.deque[Future[None]] = collections.deque()
+        self._marks: list[Future[None]] = []  # for the batch the queued pieces will form
+        self._newest: _Batch | None = None
 
     def add(
         self,
@@ -716,6 +784,11 @@ class Pipeline:
         if batch is None:
             for after in self._after:
                 after()
+        else:
+            self._newest = batch
+            for mark in self._marks:
+                batch.add_mark(mark)
+            self._marks = []
         self._entries, self._after, self._bytes = [], [], 0
         launching, self._copying = self._copying, batch
         if launching is not None:
@@ -728,6 +801,39 @@ class Pipeline:
         previous, self._in_flight = self._in_flight, batch
         if previous is not None:
             self._folding.append(previous.fetch())
+
+    def mark(self) -> Future[None]:
+        """A future done once everything added so far is folded into its accumulators (its
+        exception: the fold's, or `PipelineAbandoned`). Unlike `finish` nothing waits: the pieces
+        added next are read and copied while these are on the device (a pass marks each layer's
+        end, and computes the layer's rows once its mark is done)."""
+        mark: Future[None] = Future()
+        if self._entries:
+            self._marks.append(mark)
+        elif self._newest is not None:
+            self._newest.add_mark(mark)
+        else:
+            mark.set_result(None)
+        return mark
+
+    def wait(self, mark: Future[None]) -> None:
+        """Until ``mark`` (`mark`) is done, its exception raised: the driving thread moves the
+        batches on, oldest first, only as far as the mark needs (its pieces may still be queued,
+        copying or on the device)."""
+        while not mark.done():
+            if self._folding:
+                self._folding.popleft().result()
+            elif self._in_flight is not None:
+                self._folding.append(self._in_flight.fetch())
+                self._in_flight = None
+            elif self._copying is not None:
+                batch, self._copying = self._copying, None
+                self._launch(batch)
+            elif self._entries:
+                self.flush()
+            else:
+                break
+        mark.result()
 
     def finish(self) -> None:
         """Send what is queued and fold everything: every accumulator is up to date."""
@@ -760,10 +866,27 @@ class Pipeline:
             self.abandon()
 
     def abandon(self) -> None:
-        """Stop without finishing what is queued (after a failure)."""
+        """Stop without finishing what is queued (after a failure); marks not done yet fail with
+        `PipelineAbandoned`."""
         self._folder.shutdown()
         if self._staging is not None:
             self._staging.close()
+        dropped = PipelineAbandoned("the mlx pipeline stopped before this work was folded in")
+        for mark in self._marks:
+            _complete(mark, dropped)
+        self._marks = []
+        for batch in (self._copying, self._in_flight, self._newest):
+            if batch is not None:
+                batch.settle_marks(dropped)
+
+
+def _to_host(outputs: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A call's outputs copied to host memory; the per-row mask ``light`` only when a piece has
+    heavy rows (rare: the host then adds their Gram in float64)."""
+    host = {name: np.array(value) for name, value in outputs.items() if name != "light"}
+    if "light" in outputs and host["heavy"].any():
+        host["light"] = np.array(outputs["light"])
+    return host
 
 
 def _raw_powers(shift: np.ndarray, central: np.ndarray, n: int) -> np.ndarray:
@@ -829,12 +952,18 @@ def _run_bins(start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     return bins, counts
 
 
-def _bincounts(index: np.ndarray, size: int) -> np.ndarray:
-    """Per row of ``index`` ``(B, n)`` (any integer type), the counts of values ``0..size-1``:
-    ``(B, size)``, in one `np.bincount`."""
-    rows = index.shape[0]
-    flat = (index.astype(np.int64) + np.arange(rows)[:, None] * size).ravel()
-    return np.bincount(flat, minlength=rows * size).reshape(rows, size)
+def _top_found(
+    rows: list[list[int]], peaks: list[list[float]], positions: np.ndarray
+) -> list[tuple[float, int]]:
+    """A piece's top peaks as ``(peak, position)`` from the device's `top_rows` index sets
+    (``rows``, ``peaks``: ``(2, k)``): every row above the k-th largest peak, then the latest
+    rows at it until there are k."""
+    (above, level), (above_peaks, level_peaks) = rows, peaks
+    k = len(above)
+    found = [(peak, int(positions[i])) for i, peak in zip(above, above_peaks, strict=True) if i >= 0]
+    at_level = sorted(((i, peak) for i, peak in zip(level, level_peaks, strict=True) if i >= 0), reverse=True)
+    found += [(peak, int(positions[i])) for i, peak in at_level[: k - len(found)]]
+    return found
 
 
 def _fold_group(
@@ -855,20 +984,15 @@ def _fold_group(
     if "norms" in groups:
         norm_sums = out["norm_sum"].astype(np.float64)
         norm_mins, norm_maxs, norm_firsts = out["norm_min"], out["norm_max"], out["norm_first"]
-        norm_hists = _bincounts(out["norm_bin"], catalogue.BINS)
+        norm_hists = out["norm_hist"]
         position_norms = out["position_norm"].astype(np.float64)
     raw = _raw_powers(out["shift"], out["central"], n) if "central" in out else None
     if "channels" in groups:
-        peaks = out["peaks"]
-        peak_hists = _bincounts(out["peak_bin"], catalogue.BINS)
-        top_k = catalogue.TOP_K
-        # The rows the catalogue's (value, position) order ranks first, as the CPU kernel picks
-        # them (`kernel.top_rows`: among equal peaks, the later rows).
-        peak_bits = np.ascontiguousarray(peaks, np.float32).view(np.int32)
-        best = [kernel.top_rows(peak_bits[b], top_k).tolist() for b in range(peak_bits.shape[0])]
+        peak_hists = out["peak_hist"]
+        top_rows, top_peaks = out["top_rows"].tolist(), out["top_peaks"].tolist()
     if "spectrum" in groups and "product" in out:
-        heavy = out["light"] == 0
-        light_rows = n - heavy.sum(axis=1)
+        heavy_rows = out["heavy"]
+        light_rows = n - heavy_rows
         shift = out["center"].astype(np.float64)  # the exact float32 shift the device used
         sums = out["light_sums"].astype(np.float64)
         outer = np.einsum("bi,bj->bij", shift, sums)
@@ -878,7 +1002,7 @@ def _fold_group(
             - light_rows[:, None, None] * np.einsum("bi,bj->bij", shift, shift)
         )
     if "quant" in groups:
-        quant_token = out["quant_token"].astype(np.float64).sum(axis=-1)
+        quant_token = out["quant_token"].astype(np.float64)
         quant_channel = out["quant_channel"].astype(np.float64).sum(axis=-1)
     for b, (acc, x, p) in enumerate(entries):
         acc.count += n
@@ -901,9 +1025,9 @@ def _fold_group(
             acc.peak_hist += peak_hists[b]
             acc.absmax = np.maximum(acc.absmax, out["absmax"][b])
             acc.power[1:] += raw[b, 1:]
-            chosen = best[b]
-            found = [(float(peaks[b, i]), int(p[i])) for i in chosen]
-            acc.top = sorted(acc.top + found, reverse=True)[: catalogue.TOP_K]
+            acc.top = sorted(acc.top + _top_found(top_rows[b], top_peaks[b], p), reverse=True)[
+                : catalogue.TOP_K
+            ]
         if raw is not None and "rope" in groups and acc.band is not None and acc.rope is not None:
             first, second = acc.rope.pair_indices()
             acc.band += raw[b, 1][first] + raw[b, 1][second]
@@ -912,8 +1036,8 @@ def _fold_group(
                 x64 = float32_rows(x).astype(np.float64)
                 acc.gram += x64.T @ x64
             else:
-                if heavy[b].any():
-                    big = float32_rows(x[heavy[b]]).astype(np.float64)
+                if heavy_rows[b]:
+                    big = float32_rows(x[out["light"][b] == 0]).astype(np.float64)
                     acc.gram += big.T @ big
                 acc.gram += out["product"][b]
                 if light_rows[b]:

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +24,9 @@ from kvsnap.analysis.rope import Rope
 BATCH_BYTES = 8 << 20  # K + V bytes of one head handed to one task
 SMALL_SEGMENT_BYTES = 1 << 20  # segments smaller than this on average are regrouped by head ...
 WINDOW_BYTES = 64 << 20  # ... within windows of this many K + V bytes in file order
+CLOSING_LAYERS = 8
+"""Layers past their last chunk whose work (device folds, rows) may still run while the pass reads
+on; at more, it waits for the oldest (their accumulators stay in memory meanwhile)."""
 
 
 Key = tuple[int, int, int, str]  # (layer, seq, head, "k" | "v"): the order of series keys
@@ -262,17 +265,18 @@ class _Workers:
         from kvsnap.analysis.parallel import OrderedPool, single_threaded_blas
 
         with self._stack as stack:
-            rows_threads = 1
-            if self.options.backend == "mlx":
+            mlx = self.options.backend == "mlx"
+            if mlx:
                 from kvsnap.analysis.mlx_kernel import Pipeline, row_threads
-
+            # The row threads stop after the pipeline (exits run in reverse): rows waiting for a
+            # mark the pipeline drops after a failure then end with its error.
+            self.row_pool = stack.enter_context(
+                ThreadPoolExecutor(row_threads() if mlx else 1, thread_name_prefix="kvsnap-rows")
+            )
+            if mlx:
                 self.pipeline = stack.enter_context(Pipeline())
-                rows_threads = row_threads()
             stack.enter_context(single_threaded_blas())
             self.pool = stack.enter_context(OrderedPool(self.options.workers))
-            self.row_pool = stack.enter_context(
-                ThreadPoolExecutor(rows_threads, thread_name_prefix="kvsnap-rows")
-            )
             self._stack = stack.pop_all()
         return self
 
@@ -298,16 +302,41 @@ class _Workers:
             key, _add_segments, snap, batch, k_acc, v_acc, rope, self.pipeline, release_each
         )
 
-    def finish_layer(self, accumulators: dict[Key, HeadAccumulator], rows: bool) -> list[Future[Any]]:
-        """After a layer's last batch: fold what is still on the device (mlx, on this thread,
-        the one that drives it) and, with ``rows``, compute each accumulator's row on the
-        threads (after its head's batches)."""
+    def finish_layer(self, layer: _OpenLayer, rows: bool) -> None:
+        """After a layer's last batch: add the work that completes it to ``layer.work``. On mlx,
+        the device pipeline's mark of the layer's end (``layer.mark``; nothing waits: the next
+        layer is read and copied while this one is on the device) and, with ``rows``, each
+        accumulator's row computed on the row threads once the mark is done. On the CPU, with
+        ``rows``, each row computed on the threads after its head's batches."""
+        accumulators = layer.accumulators
+        if self.pipeline is not None:
+            mark = layer.mark = self.pipeline.mark()
+            layer.work.append(mark)
+            if rows:
+                row = self.row_pool.submit
+                layer.work += [row(_after, mark, a.row_arrays) for a in accumulators.values()]
+        elif rows:
+            layer.work += [self.pool.submit(key[:3], acc.row_arrays) for key, acc in accumulators.items()]
+
+    def wait(self, layer: _OpenLayer) -> None:
+        """Until ``layer``'s work is done (its first exception raised); on mlx, driving the
+        device pipeline as far as the layer's mark needs."""
+        if layer.mark is not None and self.pipeline is not None:
+            self.pipeline.wait(layer.mark)
+        for future in layer.work:
+            future.result()
+
+    def drain(self) -> None:
+        """Every batch added and, on mlx, folded."""
+        self.pool.drain()
         if self.pipeline is not None:
             self.pipeline.finish()
-            return [self.row_pool.submit(acc.row_arrays) for acc in accumulators.values()] if rows else []
-        if not rows:
-            return []
-        return [self.pool.submit(key[:3], acc.row_arrays) for key, acc in accumulators.items()]
+
+
+def _after(mark: Future[Any], function: Callable[[], Any]) -> Any:
+    """``function()`` once ``mark`` is done (its exception raised instead)."""
+    mark.result()
+    return function()
 
 
 @dataclass
@@ -316,6 +345,7 @@ class _OpenLayer:
 
     accumulators: dict[Key, HeadAccumulator]
     work: list[Future[Any]] = field(default_factory=list)
+    mark: Future[None] | None = None  # mlx: done once the device pipeline has folded the layer
 
 
 LayerResult = tuple[str, int, int, dict[Key, HeadAccumulator]]
@@ -365,13 +395,15 @@ def layers(
         closing: collections.deque[int] = collections.deque()
         in_flight: collections.deque[Future[Any]] = collections.deque()
 
-        def finished(wait: bool) -> Iterator[LayerResult]:
-            """The closed layers whose work is done, in order (all of them when ``wait``)."""
-            while closing and (wait or all(f.done() for f in started[closing[0]].work)):
+        def finished(workers: _Workers, keep: int | None) -> Iterator[LayerResult]:
+            """The closed layers whose work is done, in order; with ``keep``, waiting for them
+            until at most ``keep`` closed layers are left."""
+            while closing and (
+                (keep is not None and len(closing) > keep) or all(f.done() for f in started[closing[0]].work)
+            ):
                 layer = closing.popleft()
                 done = started.pop(layer)
-                for future in done.work:
-                    future.result()
+                workers.wait(done)
                 bar.update()
                 yield name, index, layer, done.accumulators
 
@@ -403,14 +435,14 @@ def layers(
                     window_work = []
                 release_done(wait=False)
                 if closes:
-                    open_layer.work += workers.finish_layer(open_layer.accumulators, finish)
+                    workers.finish_layer(open_layer, finish)
                     closing.append(layer)
                 while len(in_flight) > options.workers + 2:
                     in_flight.popleft().result()
-                yield from finished(wait=False)
-            workers.pool.drain()
+                yield from finished(workers, keep=CLOSING_LAYERS)
+            workers.drain()
             release_done(wait=True)
-            yield from finished(wait=True)
+            yield from finished(workers, keep=0)
 
 
 def layer_bar(name: str, layers: int, show: bool) -> Any:

@@ -21,9 +21,9 @@ from pathlib import Path
 from benchmarks.analysis_bench import CHILD
 
 
-def run(mode: str, path: Path, tree: Path, env: list[str] | None = None) -> float:
-    """Seconds of one ``mode`` run on ``path`` with the code of ``tree`` (``env``: ``NAME=VALUE``
-    settings added to the environment)."""
+def run(mode: str, path: Path, tree: Path, env: list[str] | None = None) -> tuple[float, int]:
+    """Seconds and peak resident bytes (that process) of one ``mode`` run on ``path`` with the
+    code of ``tree`` (``env``: ``NAME=VALUE`` settings added to the environment)."""
     tree = tree.resolve()
     extra = dict(setting.split("=", 1) for setting in env or [])
     python_path = os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])
@@ -35,7 +35,8 @@ def run(mode: str, path: Path, tree: Path, env: list[str] | None = None) -> floa
         cwd=tree,
         env={**os.environ, **extra, "PYTHONPATH": python_path},
     )
-    return float(json.loads(result.stdout.strip().splitlines()[-1])["seconds"])
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    return float(measured["seconds"]), int(measured["max_rss"])
 
 
 def main() -> None:
@@ -49,16 +50,23 @@ def main() -> None:
     parser.add_argument("files", type=Path, nargs="+")
     args = parser.parse_args()
     print(f"A: {args.a} {' '.join(args.a_env)}; B: {args.b} {' '.join(args.b_env)}")
-    print("| file | mode | A: median (min) | B: median (min) | A / B |\n|---|---|---:|---:|---:|")
+    print(
+        "| file | mode | A: median (min) | B: median (min) | A / B | peak RSS A / B (median, MiB) |\n"
+        "|---|---|---:|---:|---:|---:|"
+    )
     for path in args.files:
         times: dict[str, list[float]] = {"a": [], "b": []}
+        rss: dict[str, list[int]] = {"a": [], "b": []}
         for _ in range(args.rounds):
             for name in ("a", "b"):
-                times[name].append(run(args.mode, path, getattr(args, name), getattr(args, f"{name}_env")))
+                seconds, peak = run(args.mode, path, getattr(args, name), getattr(args, f"{name}_env"))
+                times[name].append(seconds)
+                rss[name].append(peak)
         a, b = statistics.median(times["a"]), statistics.median(times["b"])
         print(
             f"| {path.name} | {args.mode} | {a:.2f} s ({min(times['a']):.2f}) "
-            f"| {b:.2f} s ({min(times['b']):.2f}) | {a / b:.2f}x |",
+            f"| {b:.2f} s ({min(times['b']):.2f}) | {a / b:.2f}x "
+            f"| {statistics.median(rss['a']) / 2**20:.0f} / {statistics.median(rss['b']) / 2**20:.0f} |",
             flush=True,
         )
 

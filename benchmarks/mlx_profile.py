@@ -47,6 +47,20 @@ def _current_rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def _rss_parts_mib() -> dict[str, float]:
+    """This process's resident set now, by kind (Linux: anonymous, file-backed, shared memory)."""
+    parts: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon", "RssFile", "RssShmem")):
+                    name, value = line.split(":")
+                    parts[name] = int(value.split()[0]) / 1024
+    except OSError:
+        pass
+    return parts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -66,6 +80,7 @@ def main() -> None:
     report: dict[str, Any] = {"device": str(mx.default_device())}
     mx.eval(mx.ones((1024, 1024)) @ mx.ones((1024, 1024)))
     report["rss_after_mlx_init_mib"] = _current_rss_mib()
+    report["rss_after_mlx_init_parts_mib"] = _rss_parts_mib()
     if args.cache_limit_mib is not None:
         mx.set_cache_limit(args.cache_limit_mib << 20)
 
@@ -120,6 +135,7 @@ def main() -> None:
     report["stages_s"] = {k: round(v, 3) for k, v in sorted(_totals.items())}
     report["stage_calls"] = dict(sorted(_counts.items()))
     report["peak_rss_mib"] = _rss_mib()
+    report["rss_at_end_parts_mib"] = _rss_parts_mib()
     report["mlx_peak_mib"] = mx.get_peak_memory() / 2**20
     report["mlx_cache_mib"] = mx.get_cache_memory() / 2**20
     print(json.dumps(report, indent=1))

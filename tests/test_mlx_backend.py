@@ -270,15 +270,47 @@ def test_device_histogram_bins_equal_the_hosts_at_the_bin_edges() -> None:
     square = values.astype(np.float32) * values.astype(np.float32)
     expected_norm_bins = hist_index(np.sqrt(square.astype(np.float64)))
     expected_peak_bins = hist_index(values.astype(np.float64))
-    assert np.array_equal(np.array(out["norm_bin"]), expected_norm_bins)
-    assert np.array_equal(np.array(out["peak_bin"]), expected_peak_bins)
+    bins = mlx_kernel._hist_edges(squared=False).size - 1
+    assert np.array_equal(np.array(out["norm_hist"]), np.bincount(expected_norm_bins, minlength=bins))
+    assert np.array_equal(np.array(out["peak_hist"]), np.bincount(expected_peak_bins, minlength=bins))
     assert len(set(expected_norm_bins.tolist())) > 300  # many bins, each around its edge
     # Not finite: bin 0, as the host's and the CPU kernel's bins (and never out of range).
     odd = np.zeros((3, 4), np.float32)
     odd[:, 0] = [np.inf, np.nan, -np.inf]
     out = function(mx.array(odd), mx.array(np.zeros(3, np.uint8)))
-    assert np.array(out["norm_bin"]).tolist() == [0, 0, 0]
-    assert np.array(out["peak_bin"]).tolist() == [0, 0, 0]
+    assert np.array(out["norm_hist"])[0] == np.array(out["peak_hist"])[0] == 3
+
+
+@pytest.mark.parametrize("k_ties", [0, 1, 3, 8, 12])
+def test_device_top_peaks_break_ties_as_the_cpu_kernel(k_ties: int) -> None:
+    """The device's top rows (`top_rows` on the device, `_top_found` on the host) are the CPU
+    kernel's (`kernel.top_rows`): the largest peaks, among equal ones the later rows, with runs
+    of equal peaks straddling the k-th place, NaN and inf."""
+    import mlx.core as mx
+
+    from kvsnap.analysis import kernel
+    from kvsnap.analysis.catalogue import TOP_K
+
+    rng = np.random.default_rng(k_ties)
+    n = 500
+    peaks = rng.random(n).astype(np.float32)
+    tied = rng.choice(n, size=k_ties, replace=False)
+    peaks[tied] = np.float32(2.0)  # equal peaks, some of them in the top k
+    peaks[rng.choice(n, size=3, replace=False)] = np.float32(3.0)
+    if k_ties >= 8:
+        peaks[7], peaks[400] = np.inf, np.nan
+    rows = np.zeros((n, 4), np.float32)
+    rows[:, 1] = -peaks  # the peak is the largest magnitude of a row
+    function = mlx_kernel._piece_function(False, True, False, True, False, False)
+    out = mlx_kernel._to_host(function(mx.array(rows)))
+    positions = np.arange(n) * 3
+    found = mlx_kernel._top_found(out["top_rows"].tolist(), out["top_peaks"].tolist(), positions)
+    bits = np.abs(rows).max(axis=1).view(np.int32)
+    expected = kernel.top_rows(bits, TOP_K)
+    assert sorted(int(p) // 3 for _, p in found) == sorted(expected.tolist())
+    assert len(found) == TOP_K
+    for peak, position in found:
+        assert np.array_equal(np.float32(peak), np.abs(rows[position // 3]).max(), equal_nan=True)
 
 
 def test_copy_threads_check_the_payload_crcs_of_what_they_copy() -> None:
@@ -327,3 +359,82 @@ def test_a_corrupt_chunk_is_found_by_the_copy_threads(tmp_path: Path, tensor: st
     for backend in ("mlx", "cpu"):
         with pytest.raises(kvformat.ChecksumError, match=f"chunk {chunk} .*payload CRC-32C mismatch"):
             stats_rows(path, backend=backend)
+
+
+def _piece_accumulators(count: int, rows: int = 700, dim: int = 32) -> list[tuple[Any, np.ndarray]]:
+    from kvsnap.analysis import accumulator
+
+    rng = np.random.default_rng(3)
+    return [
+        (accumulator.HeadAccumulator(dim, backend="mlx"), rng.standard_normal((rows, dim)).astype(np.float32))
+        for _ in range(count)
+    ]
+
+
+def test_a_mark_is_done_once_what_came_before_it_is_folded() -> None:
+    """`Pipeline.mark` waits for nothing: the pieces added before it are folded when it is done
+    (its accumulators' sums complete), the pieces added after it need not be."""
+    with mlx_kernel.Pipeline(limit=100 << 10) as pipeline:
+        assert pipeline.mark().result(timeout=0) is None  # nothing added: done at once
+        first = _piece_accumulators(4)
+        for acc, x in first:
+            pipeline.add(acc, x, np.arange(len(x)))
+        mark = pipeline.mark()
+        later = _piece_accumulators(6)
+        for acc, x in later:
+            pipeline.add(acc, x, np.arange(len(x)))
+        mark.result(timeout=60)
+        for acc, x in first:
+            assert acc._pending is None and acc.count == len(x)
+            expected = np.square(x.astype(np.float64)).sum()
+            assert acc.norm_sq_sum == pytest.approx(expected, rel=1e-5)
+        pipeline.finish()
+        again = pipeline.mark()  # everything folded: done at once
+        assert again.done() and all(acc.count == len(x) for acc, x in later)
+
+
+def test_an_abandoned_pipeline_fails_its_marks() -> None:
+    """A mark whose work the pipeline drops (after a failure elsewhere) raises, never hangs."""
+    pipeline = mlx_kernel.Pipeline(limit=1 << 30)  # nothing is sent until `finish`
+    for acc, x in _piece_accumulators(2):
+        pipeline.add(acc, x, np.arange(len(x)))
+    mark = pipeline.mark()
+    assert not mark.done()
+    pipeline.abandon()
+    with pytest.raises(mlx_kernel.PipelineAbandoned):
+        mark.result(timeout=10)
+
+
+def test_a_failed_fold_reaches_the_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: Any) -> None:
+        raise ValueError("fold failed")
+
+    monkeypatch.setattr(mlx_kernel, "_fold_group", broken)
+    pipeline = mlx_kernel.Pipeline(limit=1 << 30)
+    for acc, x in _piece_accumulators(2):
+        pipeline.add(acc, x, np.arange(len(x)))
+    mark = pipeline.mark()
+    with pytest.raises(ValueError, match="fold failed"):
+        pipeline.finish()
+    with pytest.raises(ValueError, match="fold failed"):
+        mark.result(timeout=10)
+    pipeline.abandon()
+
+
+def test_an_mlx_pass_does_not_drain_the_device_at_each_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In one process the pass marks each layer's end (`Pipeline.mark`) and drains the pipeline
+    once, at the end; the table is the CPU kernel's."""
+    path = factories.random_file(tmp_path / "four.kv", layers=4, tokens=300, dim=32, seed=5).path
+    finishes = []
+    original = mlx_kernel.Pipeline.finish
+
+    def counted(self: mlx_kernel.Pipeline) -> None:
+        finishes.append(1)
+        original(self)
+
+    monkeypatch.setattr(mlx_kernel.Pipeline, "finish", counted)
+    got = stats_rows(path, backend="mlx", jobs=1)
+    assert len(finishes) == 2  # the pass's end and the pipeline's close
+    assert_close(got, stats_rows(path, jobs=1))
