@@ -980,51 +980,54 @@ def _fold_group(
 
     groups = entries[0][0].groups
     n = entries[0][1].shape[0]
-    square_sums = out["sq_sum"].astype(np.float64)
+    # Per-piece scalars as Python floats, vectors in float64: whole-group conversions, so the
+    # loop below is a few adds per accumulator.
+    square_sums = out["sq_sum"].astype(np.float64).tolist()
     if "norms" in groups:
-        norm_sums = out["norm_sum"].astype(np.float64)
-        norm_mins, norm_maxs, norm_firsts = out["norm_min"], out["norm_max"], out["norm_first"]
+        norm_sums = out["norm_sum"].astype(np.float64).tolist()
+        norm_mins = out["norm_min"].astype(np.float64).tolist()
+        norm_maxs = out["norm_max"].astype(np.float64).tolist()
+        norm_firsts = out["norm_first"].astype(np.float64).tolist()
         norm_hists = out["norm_hist"]
         position_norms = out["position_norm"].astype(np.float64)
     raw = _raw_powers(out["shift"], out["central"], n) if "central" in out else None
+    powers = None  # what the accumulators' power sums take: x to x^4 (channels), x (spectrum)
+    if raw is not None and ("channels" in groups or "spectrum" in groups):
+        powers = raw if "channels" in groups else raw[:, :1]
     if "channels" in groups:
         peak_hists = out["peak_hist"]
         top_rows, top_peaks = out["top_rows"].tolist(), out["top_peaks"].tolist()
     if "spectrum" in groups and "product" in out:
-        heavy_rows = out["heavy"]
-        light_rows = n - heavy_rows
+        heavy_rows = out["heavy"].tolist()
+        light_rows = n - out["heavy"].astype(np.float64)
         shift = out["center"].astype(np.float64)  # the exact float32 shift the device used
         sums = out["light_sums"].astype(np.float64)
-        outer = np.einsum("bi,bj->bij", shift, sums)
-        shift_terms = (
-            outer
-            + outer.transpose(0, 2, 1)
-            - light_rows[:, None, None] * np.einsum("bi,bj->bij", shift, shift)
-        )
+        outer = shift[:, :, None] * sums[:, None, :]
+        outer += outer.transpose(0, 2, 1)
+        outer -= (light_rows[:, None] * shift)[:, :, None] * shift[:, None, :]
+        gram = outer + out["product"]  # the product about the shift, plus the shift's terms
     if "quant" in groups:
         quant_token = out["quant_token"].astype(np.float64)
         quant_channel = out["quant_channel"].astype(np.float64).sum(axis=-1)
     for b, (acc, x, p) in enumerate(entries):
         acc.count += n
-        acc.norm_sq_sum += float(square_sums[b])
+        acc.norm_sq_sum += square_sums[b]
         if "norms" in groups:
-            acc.norm_sum += float(norm_sums[b])
-            acc.norm_min = min(acc.norm_min, float(norm_mins[b]))
-            acc.norm_max = max(acc.norm_max, float(norm_maxs[b]))
+            acc.norm_sum += norm_sums[b]
+            acc.norm_min = min(acc.norm_min, norm_mins[b])
+            acc.norm_max = max(acc.norm_max, norm_maxs[b])
             acc.norm_hist += norm_hists[b]
             acc.unit_sum += out["unit"][b]
             if p[0] == 0:
-                acc.first_norm_sum += float(norm_firsts[b])
+                acc.first_norm_sum += norm_firsts[b]
                 acc.first_count += 1
             acc.position_count += _piece_bin_counts(p)
             acc.position_norm += position_norms[b]
-        if raw is not None and ("channels" in groups or "spectrum" in groups):
-            acc.power[0] += raw[b, 0]
+        if powers is not None:
+            acc.power[: powers.shape[1]] += powers[b]
         if "channels" in groups:
-            assert raw is not None
             acc.peak_hist += peak_hists[b]
-            acc.absmax = np.maximum(acc.absmax, out["absmax"][b])
-            acc.power[1:] += raw[b, 1:]
+            np.maximum(acc.absmax, out["absmax"][b], out=acc.absmax)
             acc.top = sorted(acc.top + _top_found(top_rows[b], top_peaks[b], p), reverse=True)[
                 : catalogue.TOP_K
             ]
@@ -1039,9 +1042,7 @@ def _fold_group(
                 if heavy_rows[b]:
                     big = float32_rows(x[out["light"][b] == 0]).astype(np.float64)
                     acc.gram += big.T @ big
-                acc.gram += out["product"][b]
-                if light_rows[b]:
-                    acc.gram += shift_terms[b]
+                acc.gram += gram[b]
         if "quant" in groups:
             acc.quant_token += quant_token[b]
             acc.quant_channel += quant_channel[b]

@@ -14,6 +14,7 @@ import collections
 import functools
 import json
 import resource
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -73,7 +74,12 @@ def main() -> None:
     parser.add_argument(
         "--no-staging", action="store_true", help="mx.array per piece instead of staging buffers"
     )
+    parser.add_argument("--row-threads", type=int, default=None, help="instead of mlx_kernel.row_threads()")
+    parser.add_argument("--copy-threads", type=int, default=None, help="instead of mlx_kernel.copy_threads()")
+    parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
 
     import mlx.core as mx
 
@@ -96,6 +102,12 @@ def main() -> None:
 
         mlx_kernel.Pipeline.__init__ = init  # type: ignore[method-assign]
     report["staging"] = not args.no_staging
+    if args.row_threads is not None:
+        mlx_kernel.row_threads = lambda share=1: args.row_threads  # type: ignore[assignment]
+    if args.copy_threads is not None:
+        mlx_kernel.copy_threads = lambda share=1: args.copy_threads  # type: ignore[assignment]
+    report["threads"] = {"rows": mlx_kernel.row_threads(), "copies": mlx_kernel.copy_threads()}
+    report["switch_interval"] = sys.getswitchinterval()
 
     # warm: compile the device functions
     with kvformat.open(args.file) as snap:
@@ -131,6 +143,7 @@ def main() -> None:
         start = time.perf_counter()
         rows = sum(t.num_rows for t in stats.stats_for_file(args.file, stats=args.stats, backend="mlx"))
         report["seconds"].append(round(time.perf_counter() - start, 3))
+        print(f"pass {len(report['seconds'])}: {report['seconds'][-1]} s", file=sys.stderr, flush=True)
         report["rows"] = rows
     report["stages_s"] = {k: round(v, 3) for k, v in sorted(_totals.items())}
     report["stage_calls"] = dict(sorted(_counts.items()))
