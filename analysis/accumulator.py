@@ -24,11 +24,8 @@ from kvsnap.analysis.catalogue import (
     LEVELS,
     POSITION_BINS,
     QUANT_BITS,
-    RANKS,
     TOP_K,
     hist_index,
-    hist_quantile,
-    hist_quantiles,
     position_bins,
     quant_error,
     stat_groups,
@@ -90,18 +87,6 @@ def float32_rows(rows: np.ndarray, reuse: bool = False) -> np.ndarray:
     else:
         np.copyto(out, rows, casting="same_kind")
     return out
-
-
-def _median(values: np.ndarray) -> float:
-    """``np.median`` of a small 1-d array (~20x faster at 128 values): the middle value, or the
-    mean of the two middle ones, of the sorted values; NaN if any is NaN."""
-    ordered = np.sort(values)
-    if not ordered.size or np.isnan(ordered[-1]):
-        return float("nan")
-    middle = ordered.size // 2
-    if ordered.size % 2:
-        return float(ordered[middle])
-    return float((ordered[middle - 1] + ordered[middle]) / 2.0)
 
 
 _SUMS = (
@@ -430,91 +415,7 @@ class HeadAccumulator:
         return dict(self._row)
 
     def _statistics(self) -> dict[str, Any]:
+        from kvsnap.analysis import rows
+
         self.settle()
-        n = self.count
-        row: dict[str, Any] = {"n_tokens": n}
-        if not n:
-            return row
-        m1 = self.power[0] / n
-        if "norms" in self.groups:
-            row.update(self._norms(n))
-        if "channels" in self.groups:
-            row.update(self._channels(n, m1))
-        if "rope" in self.groups:
-            row["rope_band_energy"] = (
-                self.band / max(float(self.band.sum()), 1e-30) if self.band is not None else None
-            )
-        if "spectrum" in self.groups:
-            row.update(self._spectrum(n, m1))
-        if "quant" in self.groups:
-            energy = self.norm_sq_sum
-            for i, bits in enumerate(QUANT_BITS):
-                for axis, sums in (("token", self.quant_token), ("channel", self.quant_channel)):
-                    row[f"quant{bits}_{axis}_error"] = float(sums[i] / energy) if energy else float("nan")
-        return row
-
-    def _norms(self, n: int) -> dict[str, Any]:
-        p50, p99 = hist_quantiles(self.norm_hist, (0.5, 0.99))
-        mean_norm = self.norm_sum / n
-        sq_mean = self.norm_sq_sum / n
-        by_position = np.full(POSITION_BINS, np.nan)
-        np.divide(self.position_norm, self.position_count, out=by_position, where=self.position_count > 0)
-        last_bin = int(np.flatnonzero(self.position_count).max()) + 1 if self.position_count.any() else 0
-        return {
-            "norm_mean": mean_norm,
-            "norm_std": float(np.sqrt(max(sq_mean - mean_norm**2, 0.0))),
-            "norm_min": self.norm_min,
-            "norm_max": self.norm_max,
-            "norm_p50": p50,
-            "norm_p99": p99,
-            "norm_sq_mean": sq_mean,
-            "sink_ratio": self.first_norm_sum / self.first_count / mean_norm
-            if self.first_count
-            else float("nan"),
-            "norm_by_position": by_position[:last_bin],
-            "anisotropy": float(np.linalg.norm(self.unit_sum / n)),
-        }
-
-    def _channels(self, n: int, m1: np.ndarray) -> dict[str, Any]:
-        _, m2, m3, m4 = self.power / n
-        var = np.maximum(m2 - m1 * m1, 0.0)
-        central4 = m4 - 4 * m1 * m3 + 6 * m1 * m1 * m2 - 3 * m1**4
-        positive = var > 0
-        kurtosis = np.full(var.shape, np.nan)
-        np.divide(central4, var * var, out=kurtosis, where=positive)
-        np.subtract(kurtosis, 3.0, out=kurtosis, where=positive)
-        peak_median = hist_quantile(self.peak_hist, 0.5)
-        return {
-            "channel_mean": m1,
-            "channel_var": var,
-            "channel_absmax": self.absmax.copy(),
-            "outlier_channel_ratio": float(self.absmax.max() / max(_median(self.absmax), 1e-30)),
-            "channel_kurtosis": kurtosis,
-            "massive_positions": [p for _, p in self.top],
-            "massive_values": [v for v, _ in self.top],
-            "massive_ratio": self.top[0][0] / peak_median if self.top and peak_median > 0 else float("nan"),
-        }
-
-    def _spectrum(self, n: int, m1: np.ndarray) -> dict[str, Any]:
-        covariance = self.gram / n - np.outer(m1, m1)
-        # compiled where the kernel is (parallel over heads), LAPACK on the numpy reference path
-        if _kernel().AVAILABLE:
-            from kvsnap.analysis.eigen import eigenvalues
-
-            descending = eigenvalues(covariance)
-        else:
-            descending = np.linalg.eigvalsh(covariance)[::-1]
-        eig = np.clip(descending, 0.0, None)
-        total = float(eig.sum())
-        cumulative = np.cumsum(eig) / total if total > 0 else np.ones_like(eig)
-        probabilities = eig / total if total > 0 else eig
-        nonzero = probabilities[probabilities > 0]
-        row: dict[str, Any] = {
-            "eigenvalues": eig,
-            "rank_90": int(np.searchsorted(cumulative, 0.9) + 1),
-            "effective_rank": float(np.exp(-(nonzero * np.log(nonzero)).sum())) if nonzero.size else 0.0,
-        }
-        for r in RANKS:
-            kept = float(eig[:r].sum()) / total if total > 0 else 1.0
-            row[f"rank{r}_error"] = 1.0 - kept
-        return row
+        return rows.statistics([self])[0]

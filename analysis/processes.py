@@ -377,18 +377,20 @@ def _open_file(path: str, index: int, options: PassOptions) -> _OpenFile:
 
 
 _DEVICE: tuple[Pipeline, ThreadPoolExecutor] | None = None
+_ROW_THREADS = 1  # the row threads of `_DEVICE`: a task's rows are computed in as many runs
 
 
 def _device(workers: int) -> tuple[Pipeline, ThreadPoolExecutor]:
     """This worker's mlx pipeline and row threads (its share of the machine's, `workers`
     processes driving the device), made on its first mlx task and kept: staging buffers and
     compiled device functions serve the tasks that follow."""
-    global _DEVICE
+    global _DEVICE, _ROW_THREADS
     if _DEVICE is None:
         from kvsnap.analysis.mlx_kernel import Pipeline, copy_threads, row_threads
 
         pipeline = Pipeline(copy_threads=copy_threads(workers))
-        _DEVICE = pipeline, ThreadPoolExecutor(row_threads(workers), thread_name_prefix="kvsnap-rows")
+        _ROW_THREADS = row_threads(workers)
+        _DEVICE = pipeline, ThreadPoolExecutor(_ROW_THREADS, thread_name_prefix="kvsnap-rows")
     return _DEVICE
 
 
@@ -436,7 +438,8 @@ def _add_task(
     """`_run_task`'s work: ``task``'s batches added to ``accumulators`` in order (through the
     device ``pipeline`` on mlx), pages released, rows computed and sealed with ``finish``."""
     from kvsnap.analysis.parallel import single_threaded_blas
-    from kvsnap.analysis.streaming import _add_segments
+    from kvsnap.analysis.rows import compute as compute_rows
+    from kvsnap.analysis.streaming import _add_segments, row_parts
 
     layer = task.layer
     with single_threaded_blas():
@@ -457,9 +460,12 @@ def _add_task(
         if pipeline is not None and rows is not None:
             pipeline.finish()
             if finish:
-                for future in [rows.submit(a.seal) for a in accumulators.values()]:
+                parts = row_parts(list(accumulators.values()), _ROW_THREADS)
+                for future in [rows.submit(compute_rows, part) for part in parts]:
                     future.result()
         elif finish:
+            compute_rows(list(accumulators.values()))
+        if finish:
             for accumulator in accumulators.values():
                 accumulator.seal()
     return accumulators

@@ -20,6 +20,7 @@ from kvformat.checksum import crc32c
 from kvsnap.analysis.accumulator import HeadAccumulator, bytes_of
 from kvsnap.analysis.catalogue import ALL, stat_groups
 from kvsnap.analysis.rope import Rope
+from kvsnap.analysis.rows import compute as compute_rows
 
 BATCH_BYTES = 8 << 20  # K + V bytes of one head handed to one task
 SMALL_SEGMENT_BYTES = 1 << 20  # segments smaller than this on average are regrouped by head ...
@@ -270,8 +271,9 @@ class _Workers:
                 from kvsnap.analysis.mlx_kernel import Pipeline, row_threads
             # The row threads stop after the pipeline (exits run in reverse): rows waiting for a
             # mark the pipeline drops after a failure then end with its error.
+            self.row_threads = row_threads() if mlx else 1
             self.row_pool = stack.enter_context(
-                ThreadPoolExecutor(row_threads() if mlx else 1, thread_name_prefix="kvsnap-rows")
+                ThreadPoolExecutor(self.row_threads, thread_name_prefix="kvsnap-rows")
             )
             if mlx:
                 self.pipeline = stack.enter_context(Pipeline())
@@ -313,8 +315,10 @@ class _Workers:
             mark = layer.mark = self.pipeline.mark()
             layer.work.append(mark)
             if rows:
-                row = self.row_pool.submit
-                layer.work += [row(_after, mark, a.row_arrays) for a in accumulators.values()]
+                layer.work += [
+                    self.row_pool.submit(_after, mark, compute_rows, part)
+                    for part in row_parts(list(accumulators.values()), self.row_threads)
+                ]
         elif rows:
             layer.work += [self.pool.submit(key[:3], acc.row_arrays) for key, acc in accumulators.items()]
 
@@ -333,10 +337,17 @@ class _Workers:
             self.pipeline.finish()
 
 
-def _after(mark: Future[Any], function: Callable[[], Any]) -> Any:
-    """``function()`` once ``mark`` is done (its exception raised instead)."""
+def _after(mark: Future[Any], function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` once ``mark`` is done (its exception raised instead)."""
     mark.result()
-    return function()
+    return function(*args)
+
+
+def row_parts(accumulators: list[HeadAccumulator], threads: int) -> list[list[HeadAccumulator]]:
+    """``accumulators`` cut into ``threads`` runs (fewer if there are fewer), whose rows are
+    computed together (`rows.compute`), one run per thread."""
+    size = max(1, -(-len(accumulators) // max(1, threads)))
+    return [accumulators[start : start + size] for start in range(0, len(accumulators), size)]
 
 
 @dataclass

@@ -12,7 +12,15 @@ import pytest
 
 import kvformat
 from kvsnap.analysis.rope import Rope, RopeError
-from kvsnap.analysis.stats import GROUPS, head_stats, head_stats_reader, stats_rows, token_table
+from kvsnap.analysis.stats import (
+    GROUPS,
+    HeadAccumulator,
+    head_stats,
+    head_stats_reader,
+    stat_groups,
+    stats_rows,
+    token_table,
+)
 from tests.factories import random_file
 
 ROPE = {"rope": {"base": 10000.0, "dims": 16, "pairing": "half", "scaling": None}}
@@ -306,12 +314,44 @@ def test_a_damaged_byte_in_a_late_piece_of_a_large_chunk_stops_the_pass(
 
 @pytest.mark.parametrize("size", [1, 2, 7, 128, 129])
 def test_the_small_median_equals_numpy(size: int) -> None:
-    """`outlier_channel_ratio`'s median (a sort instead of ``np.median``): the same value, NaN
-    for NaN input."""
-    from kvsnap.analysis.accumulator import _median
+    """`outlier_channel_ratio`'s median (a sort per stacked row instead of ``np.median``): the
+    same value, NaN for NaN input."""
+    from kvsnap.analysis.rows import medians
 
     rng = np.random.default_rng(size)
-    values = np.abs(rng.standard_normal(size)) * 10.0 ** rng.integers(-3, 3, size)
-    assert _median(values) == float(np.median(values))
-    values[size // 2] = np.nan
-    assert np.isnan(_median(values))
+    values = np.abs(rng.standard_normal((3, size))) * 10.0 ** rng.integers(-3, 3, (3, size))
+    assert medians(values).tolist() == np.median(values, axis=-1).tolist()
+    values[1, size // 2] = np.nan
+    got = medians(values)
+    assert np.isnan(got[1]) and got[0] == np.median(values[0]) and got[2] == np.median(values[2])
+
+
+@pytest.mark.parametrize("groups", ["all", "norms", "channels,rope", "spectrum", "quant", "norms,spectrum"])
+def test_rows_computed_in_a_stack_equal_rows_computed_alone(groups: str) -> None:
+    """`rows.compute` stacks the accumulators of one dim and groups; each row equals, bit for
+    bit, the row the accumulator computes alone (also empty ones, and NaN channels)."""
+    from kvsnap.analysis import rows
+    from kvsnap.analysis.rope import Rope
+
+    rng = np.random.default_rng(4)
+    dim = 64
+    rope = Rope(10000.0, dim, "half")
+    made = []
+    for i in range(7):
+        acc = HeadAccumulator(dim, rope, stat_groups(groups))
+        if i != 3:  # one accumulator holds no rows
+            count = 300 + 97 * i
+            x = (rng.standard_normal((count, dim)) * rng.uniform(0.1, 9, dim)).astype(np.float32)
+            if i == 5:
+                x[:, 7] = 0.0  # a channel without variance
+            acc.add(x, np.arange(count) + 13 * i)
+        made.append(acc)
+    alone = [acc.row_arrays() for acc in made]
+    for acc in made:
+        acc._row = None
+    rows.compute(made)
+    for expected, acc in zip(alone, made, strict=True):
+        got = acc.row_arrays()
+        assert got.keys() == expected.keys()
+        for name, value in expected.items():
+            np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(value), err_msg=name)
