@@ -6,10 +6,11 @@ start at the same rows), one compiled mlx function computes on the device everyt
 touches every element: row norms (their sums, extremes, sums per position bin and each row's
 histogram bin, the same bin the host would pick in float64), peaks, channel power sums up to
 the 4th order, channel absmax, the unit-vector sum, the Gram matrix of the rows (less their
-mean, massive rows left out) and the 8/4/2-bit quantization errors. The host gets back a few
-vectors per piece and folds them into the accumulator's float64 sums; per row it only counts
-the histogram bins and picks the top peaks, and it adds the Gram matrix of massive rows (few)
-in float64.
+mean, massive rows left out) and the 8/4/2-bit quantization errors, and per piece the
+histograms of the row norms and peaks and the rows of its top peaks. The host gets back a few
+vectors per piece (nothing per row) and folds them into the accumulator's float64 sums; it adds
+the Gram matrix of massive rows (few; their mask crosses only when a piece has some) in
+float64.
 
 Pipelining: `add` converts the piece, starts its computation (``mx.async_eval``) and returns;
 the results are folded in at the accumulator's next `add`, or when its row or a merge needs
@@ -685,7 +686,7 @@ second pass over the 8.6 GB fp32 file took 3.66 s in one process, 2.65 s on 4 wo
 
 PROCESS_MEMORY = 8 << 30
 """Bytes of the machine's memory per such process, at most: each holds its own mlx and device
-context (on CUDA ~0.9 GiB resident, most of it its own), so a machine with little memory runs
+context (on CUDA 1.1-1.2 GiB resident at its peak, most of it its own), so a machine with little memory runs
 few."""
 
 
@@ -736,7 +737,9 @@ class Pipeline:
     """Batches the pieces a pass adds into device calls of about ``limit`` bytes (`_Batch`):
     one batch copied into staging buffers (copy threads) while the next is read, the one before
     it on the device, results folded into the accumulators on one fold thread (in order) while
-    the device works on the next. Device memory: three batches' staging buffers (``3 x limit``),
+    the device works on the next. A pass marks each layer's end (`mark`) rather than draining
+    the pipeline there: the layer's rows are computed once its mark is done, while the next
+    layers are read, copied and computed. Device memory: three batches' staging buffers (``3 x limit``),
     one batch's float32 copies and outputs; host memory: the results of the batches waiting for
     the fold thread (a few vectors and a ``dim x dim`` matrix per piece)."""
 

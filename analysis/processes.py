@@ -32,7 +32,8 @@ work buffers of 6144 x head_dim, and one task's segments and accumulators; in th
 pass's segment list (as the one-worker pass holds it) and the accumulators of at most ``2 x
 workers`` tasks in flight plus the layers waiting for them. On mlx a worker also holds its
 device pipeline (`mlx_kernel.Pipeline`: three batches' staging buffers, results waiting to be
-folded) and mlx's own footprint (on CUDA ~0.8 GiB, most of it the process's own).
+folded) and mlx's own footprint (on CUDA ~1.1 GiB at its peak, most of it the process's own:
+mlx, its CUDA context and the kernels it compiles).
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ checksumming, stacking a batch, the copy to the device (staging buffers, or ``mx
 eigenvalues), and mlx's own memory counters.
 
     python -m benchmarks.mlx_profile FILE [--stats all] [--batch-mib 32] [--cache-limit-mib N] [--no-staging]
+        [--repeat 2] [--row-threads N] [--copy-threads N] [--switch-interval SECONDS]
+
+Each pass's time goes to stderr as it ends (``pass N: S s``: a profiler can attach after the
+first, which compiles); the report (stdout, JSON) also gives the resident set by kind
+(anonymous, file-backed) after mlx starts and at the end.
 """
 
 from __future__ import annotations
