@@ -307,9 +307,10 @@ class _Workers:
     def finish_layer(self, layer: _OpenLayer, rows: bool) -> None:
         """After a layer's last batch: add the work that completes it to ``layer.work``. On mlx,
         the device pipeline's mark of the layer's end (``layer.mark``; nothing waits: the next
-        layer is read and copied while this one is on the device) and, with ``rows``, each
-        accumulator's row computed on the row threads once the mark is done. On the CPU, with
-        ``rows``, each row computed on the threads after its head's batches."""
+        layer is read and copied while this one is on the device) and, with ``rows``, the
+        layer's rows computed once the mark is done, together in one run per row thread
+        (`rows.compute`). On the CPU, with ``rows``, each row computed on the threads after its
+        head's batches."""
         accumulators = layer.accumulators
         if self.pipeline is not None:
             mark = layer.mark = self.pipeline.mark()
@@ -406,12 +407,10 @@ def layers(
         closing: collections.deque[int] = collections.deque()
         in_flight: collections.deque[Future[Any]] = collections.deque()
 
-        def finished(workers: _Workers, keep: int | None) -> Iterator[LayerResult]:
-            """The closed layers whose work is done, in order; with ``keep``, waiting for them
-            until at most ``keep`` closed layers are left."""
-            while closing and (
-                (keep is not None and len(closing) > keep) or all(f.done() for f in started[closing[0]].work)
-            ):
+        def finished(workers: _Workers, keep: int) -> Iterator[LayerResult]:
+            """The closed layers whose work is done, in order, waiting for the oldest until at
+            most ``keep`` closed layers are left."""
+            while closing and (len(closing) > keep or all(f.done() for f in started[closing[0]].work)):
                 layer = closing.popleft()
                 done = started.pop(layer)
                 workers.wait(done)
