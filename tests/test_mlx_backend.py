@@ -438,3 +438,27 @@ def test_an_mlx_pass_does_not_drain_the_device_at_each_layer(
     got = stats_rows(path, backend="mlx", jobs=1)
     assert len(finishes) == 2  # the pass's end and the pipeline's close
     assert_close(got, stats_rows(path, jobs=1))
+
+
+@pytest.mark.parametrize("closing", [0, 1])
+def test_a_pass_that_waits_for_each_layer_drives_the_pipeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closing: int
+) -> None:
+    """With at most ``closing`` layers left at work, the pass waits for a layer whose pieces are
+    still queued (the batch is not full): `Pipeline.wait` sends and folds them, so the pass
+    neither hangs nor drains at every layer, and the table is the CPU kernel's."""
+    from kvsnap.analysis import streaming
+
+    monkeypatch.setattr(streaming, "CLOSING_LAYERS", closing)
+    path = factories.random_file(tmp_path / "five.kv", layers=5, tokens=200, dim=32, seed=9).path
+    waited = []
+    original = mlx_kernel.Pipeline.wait
+
+    def counted(self: mlx_kernel.Pipeline, mark: Any) -> None:
+        waited.append(mark.done())
+        original(self, mark)
+
+    monkeypatch.setattr(mlx_kernel.Pipeline, "wait", counted)
+    got = stats_rows(path, backend="mlx", jobs=1)
+    assert len(waited) == 5 and not all(waited)  # some marks were waited for before done
+    assert_close(got, stats_rows(path, jobs=1))
