@@ -849,6 +849,7 @@ class Pipeline:
             self._in_flight = None
         while self._folding:
             self._folding.popleft().result()
+        self._newest = None  # folded, its marks done: its pieces (views of mapped files) can go
 
     def close(self) -> None:
         """Finish, then stop the fold thread."""
