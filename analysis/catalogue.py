@@ -65,19 +65,15 @@ def hist_edges(float_type: type = np.float64, squared: bool = False) -> np.ndarr
     return edges
 
 
-def hist_quantile(hist: np.ndarray, q: float) -> float:
-    return hist_quantiles(hist, (q,))[0]
-
-
-def hist_quantiles(hist: np.ndarray, qs: tuple[float, ...]) -> list[float]:
-    """The ``qs`` quantiles of the log histogram ``hist`` (`BINS`,): each its bin's center (NaN
-    for an empty histogram); one cumulative sum for all of them."""
-    cumulative = np.cumsum(hist)
-    total = cumulative[-1]
-    if not total:
-        return [float("nan")] * len(qs)
-    indices = np.searchsorted(cumulative, np.asarray(qs) * total, side="left")
-    return (10.0 ** (LOG_LOW + (indices + 0.5) * ((LOG_HIGH - LOG_LOW) / BINS))).tolist()
+def hist_quantiles(hists: np.ndarray, qs: tuple[float, ...]) -> np.ndarray:
+    """``(B, len(qs))``: the ``qs`` quantiles of each log histogram of ``hists`` ``(B, BINS)``,
+    each its bin's center (NaN for an empty histogram); one cumulative sum per histogram."""
+    cumulative = np.cumsum(hists, axis=-1)
+    total = cumulative[:, -1:]
+    # searchsorted(side="left") of q x total: how many cumulative counts lie below it
+    index = (cumulative[:, None, :] < np.asarray(qs)[None, :, None] * total[:, :, None]).sum(axis=-1)
+    centers = 10.0 ** (LOG_LOW + (index + 0.5) * ((LOG_HIGH - LOG_LOW) / BINS))
+    return np.where(total > 0, centers, np.nan)
 
 
 def _group_error(groups: np.ndarray, levels: int, axis: int) -> float:

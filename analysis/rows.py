@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvsnap.analysis.catalogue import BINS, LOG_HIGH, LOG_LOW, POSITION_BINS, QUANT_BITS, RANKS
+from kvsnap.analysis.catalogue import POSITION_BINS, QUANT_BITS, RANKS, hist_quantiles
 
 if TYPE_CHECKING:
     from kvsnap.analysis.accumulator import HeadAccumulator
@@ -72,17 +72,6 @@ def statistics(accumulators: Sequence[HeadAccumulator]) -> list[dict[str, Any]]:
     return rows
 
 
-def quantiles(hists: np.ndarray, qs: tuple[float, ...]) -> np.ndarray:
-    """``(B, len(qs))``: the ``qs`` quantiles of each log histogram of ``hists`` ``(B, BINS)``,
-    each its bin's center (`catalogue.hist_quantiles`, NaN for an empty histogram)."""
-    cumulative = np.cumsum(hists, axis=-1)
-    total = cumulative[:, -1:]
-    # searchsorted(side="left") of q x total: how many cumulative counts lie below it
-    index = (cumulative[:, None, :] < np.asarray(qs)[None, :, None] * total[:, :, None]).sum(axis=-1)
-    centers = 10.0 ** (LOG_LOW + (index + 0.5) * ((LOG_HIGH - LOG_LOW) / BINS))
-    return np.where(total > 0, centers, np.nan)
-
-
 def medians(values: np.ndarray) -> np.ndarray:
     """``(B,)``: the median of each row of ``values`` ``(B, m)`` (the middle value, or the mean of
     the two middle ones; NaN where a value is NaN)."""
@@ -96,7 +85,7 @@ def medians(values: np.ndarray) -> np.ndarray:
 
 
 def _norms(stack: Sequence[HeadAccumulator], n: np.ndarray) -> list[dict[str, Any]]:
-    p50, p99 = quantiles(np.stack([acc.norm_hist for acc in stack]), (0.5, 0.99)).T.tolist()
+    p50, p99 = hist_quantiles(np.stack([acc.norm_hist for acc in stack]), (0.5, 0.99)).T.tolist()
     counts = np.stack([acc.position_count for acc in stack])
     by_position = np.full(counts.shape, np.nan)
     np.divide(np.stack([acc.position_norm for acc in stack]), counts, out=by_position, where=counts > 0)
@@ -136,7 +125,7 @@ def _channels(stack: Sequence[HeadAccumulator], power: np.ndarray) -> list[dict[
     kurtosis = np.full(var.shape, np.nan)
     np.divide(central4, var * var, out=kurtosis, where=positive)
     np.subtract(kurtosis, 3.0, out=kurtosis, where=positive)
-    peak_medians = quantiles(np.stack([acc.peak_hist for acc in stack]), (0.5,))[:, 0].tolist()
+    peak_medians = hist_quantiles(np.stack([acc.peak_hist for acc in stack]), (0.5,))[:, 0].tolist()
     absmax = np.stack([acc.absmax for acc in stack])
     outlier = (absmax.max(axis=-1) / np.maximum(medians(absmax), 1e-30)).tolist()
     out = []
