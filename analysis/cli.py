@@ -62,7 +62,7 @@ def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
     workers = jobs or cores()
     if engine == "local" and len(args.files) == 1 and processes.usable(args.files[0], workers, backend):
         # One big file (not a pattern): its workers start while the rest is imported.
-        processes.start(processes.worker_count(workers, backend))
+        processes.start(processes.worker_count(workers, backend), backend)
     from kvsnap.analysis.batch import expand_paths, merged_stats, run_stats
 
     options = _storage_options(args)

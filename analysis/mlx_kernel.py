@@ -686,15 +686,15 @@ second pass over the 8.6 GB fp32 file took 3.66 s in one process, 2.65 s on 4 wo
 
 PROCESS_MEMORY = 8 << 30
 """Bytes of the machine's memory per such process, at most: each holds its own mlx and device
-context (on CUDA 1.1-1.2 GiB resident at its peak, most of it its own), so a machine with little memory runs
-few."""
+context (on CUDA 1.0-1.2 GiB resident at its peak, ~1.4 GiB where it compiles the kernels, most
+of it its own), so a machine with little memory runs few."""
 
 
 def processes(workers: int) -> int:
     """Worker processes for an mlx pass asked to use ``workers`` workers: 3/4 of them (12 of 16),
     at most one per `PROCESS_MEMORY` of physical memory; 1 (the pass stays in this process) on
-    small machines and off Linux. macOS stays in one process: its workers would start Metal in
-    processes forked from the fork server, which is measured and tested nowhere yet."""
+    small machines and off Linux. macOS stays in one process: worker processes that each start
+    Metal are measured and tested nowhere yet."""
     if not sys.platform.startswith("linux"):
         return 1
     return max(1, min(int(workers * PROCESS_SHARE), _physical_memory() // PROCESS_MEMORY))

@@ -50,6 +50,16 @@ def single_threaded_blas() -> Iterator[None]:
         yield
 
 
+def limit_blas_threads(threads: int) -> None:
+    """BLAS limited to ``threads`` threads from now on in this process (a no-op where
+    threadpoolctl is not installed)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - threadpoolctl comes with the analysis extra
+        return
+    threadpool_limits(threads, user_api="blas")
+
+
 def _after(previous: Future[Any] | None, function: Callable[..., Any], *args: Any) -> Any:
     if previous is not None:
         previous.result()

@@ -20,11 +20,12 @@ Each accumulator is filled by one task, in file order, exactly as the one-worker
 the results are identical (tests hold them equal). The parent yields a layer once all its
 tasks are back, layers in the pass's order.
 
-Workers are forked from a fork server (``multiprocessing``'s ``forkserver``: a clean process
-that has imported the kernels and loaded their compiled code, `warm_kernels`), started once per
-process and kept for later passes. They run kvsnap's code only, so they are started without the
-caller's ``__main__`` (``multiprocessing`` would import the script into every worker, and run
-its top level again where it has no ``if __name__ == "__main__":`` guard).
+CPU workers are forked from a fork server (``multiprocessing``'s ``forkserver``: a clean process
+that has imported the kernels and loaded their compiled code, `warm_kernels`); mlx workers are
+spawned (`MLX_START_METHOD`), so that they carry no numba. Either pool is started once per
+process and kept for later passes. Workers run kvsnap's code only, so they are started without
+the caller's ``__main__`` (``multiprocessing`` would import the script into every worker, and
+run its top level again where it has no ``if __name__ == "__main__":`` guard).
 
 Memory, per worker: the snapshot's index (as any reader holds it), the mapped pages of one
 batch (``max(8 MiB, block)``, released once added; small segments: of one window), float32
@@ -32,8 +33,10 @@ work buffers of 6144 x head_dim, and one task's segments and accumulators; in th
 pass's segment list (as the one-worker pass holds it) and the accumulators of at most ``2 x
 workers`` tasks in flight plus the layers waiting for them. On mlx a worker also holds its
 device pipeline (`mlx_kernel.Pipeline`: three batches' staging buffers, results waiting to be
-folded) and mlx's own footprint (on CUDA ~1.1 GiB at its peak, most of it the process's own:
-mlx, its CUDA context and the kernels it compiles).
+folded) and mlx's own footprint, most of its memory on CUDA: mlx, its CUDA context and the code
+of every kernel it has loaded (H200, kernels cached from an earlier run: 1039 MiB at its peak
+on the bf16 benchmark file, 1167 MiB on the fp32 one; ~1.4 GiB in a worker that compiles them
+itself, `benchmarks/RESULTS.md`, session 18).
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ MLX_TASKS_PER_WORKER = 4
 """The same on mlx: a worker's device pipeline drains at the end of each task."""
 
 START_METHOD = "forkserver"
+MLX_START_METHOD = "spawn"
+"""mlx workers are spawned, not forked from the fork server: they start mlx and a CUDA context
+of their own either way (a fork cannot share one), and a spawned worker does not carry the fork
+server's numba and compiled kernels (107 MiB shared into each forked worker's resident set; on
+mlx the rows' eigenvalues are LAPACK's, `rows`). On the H200 a worker's peak went from 1080 to
+1039 MiB (`benchmarks/RESULTS.md`, session 18)."""
 
 PROCESS_MIN_BYTES = 256 << 20
 """Smaller files stay in one process (on threads) unless the workers are already running:
@@ -115,7 +124,7 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
         backend in ("cpu", "mlx")
         and count > 1
         and not remote.is_url(path)
-        and (_running(count) or _size(path) >= PROCESS_MIN_BYTES)
+        and (_running(count, backend) or _size(path) >= PROCESS_MIN_BYTES)
         and START_METHOD in multiprocessing.get_all_start_methods()
         and not multiprocessing.current_process().daemon
     )
@@ -129,9 +138,9 @@ def _size(path: str | os.PathLike[str]) -> int:
         return 0
 
 
-def _running(workers: int) -> bool:
-    """Whether a pool of ``workers`` workers is already running."""
-    return _POOL is not None and _POOL[0] == workers
+def _running(workers: int, backend: str = "cpu") -> bool:
+    """Whether a pool of ``workers`` workers for ``backend`` is already running."""
+    return _POOL is not None and _POOL[:2] == (workers, backend)
 
 
 _MAIN_LOCK = threading.RLock()
@@ -157,56 +166,72 @@ def _main_hidden() -> Iterator[None]:
                 main.__file__ = file
 
 
-_POOL: tuple[int, ProcessPoolExecutor] | None = None
+_POOL: tuple[int, str, ProcessPoolExecutor] | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def _pool(workers: int) -> ProcessPoolExecutor:
-    """The process pool of ``workers`` workers, started once and kept (a pool of another size is
-    shut down first). The fork server starts with one BLAS and OpenMP thread (every worker then
-    runs one) and with the kernels loaded (`warm_kernels`)."""
+def _pool(workers: int, backend: str = "cpu") -> ProcessPoolExecutor:
+    """The process pool of ``workers`` workers for ``backend``, started once and kept (another
+    pool is shut down first). Every worker runs one BLAS thread.
+
+    CPU workers are forked from the fork server, which has loaded the kernels (`warm_kernels`).
+    mlx workers are spawned (`MLX_START_METHOD`): nothing on mlx loads numba."""
     global _POOL
     with _POOL_LOCK:
-        if _POOL is not None and _POOL[0] == workers:
-            return _POOL[1]
+        if _POOL is not None and _POOL[:2] == (workers, backend):
+            return _POOL[2]
         if _POOL is not None:
-            _POOL[1].shutdown(wait=False, cancel_futures=True)
+            _POOL[2].shutdown(wait=False, cancel_futures=True)
             _POOL = None
-        context = multiprocessing.get_context(START_METHOD)
-        context.set_forkserver_preload(["kvsnap.analysis.warm_kernels"])
-        with one_thread_environment(), _main_hidden():
-            from multiprocessing import forkserver
+        if backend == "mlx":
+            context = multiprocessing.get_context(MLX_START_METHOD)
+            pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_one_blas_thread)
+        else:
+            context = multiprocessing.get_context(START_METHOD)
+            context.set_forkserver_preload(["kvsnap.analysis.warm_kernels"])
+            with one_thread_environment(), _main_hidden():
+                from multiprocessing import forkserver
 
-            forkserver.ensure_running()
-        pool = ProcessPoolExecutor(workers, mp_context=context)
-        _POOL = (workers, pool)
+                forkserver.ensure_running()
+            pool = ProcessPoolExecutor(workers, mp_context=context)
+        _POOL = (workers, backend, pool)
         return pool
+
+
+def _one_blas_thread() -> None:
+    """A spawned mlx worker's start: BLAS limited to one thread, as the fork server's environment
+    limits the CPU workers' (a spawned process takes its parent's environment as it is, and
+    changing that for each submit would race with the parent's other threads)."""
+    from kvsnap.analysis.parallel import limit_blas_threads
+
+    limit_blas_threads(1)
 
 
 def _ready() -> None:
     """Nothing: a first task that makes the pool start a worker."""
 
 
-def start(workers: int) -> None:
-    """Start the fork server and ``workers`` workers now, without waiting for them (the CLI
-    calls it first, so that they start while it imports the rest; a pass, while it plans). A
-    kept pool found broken (a worker died since the last pass) is replaced.
+def start(workers: int, backend: str = "cpu") -> None:
+    """Start ``workers`` workers for ``backend`` (and the fork server for the CPU backend's) now,
+    without waiting for them (the CLI calls it first, so that they start while it imports the
+    rest; a pass, while it plans). A kept pool found broken (a worker died since the last pass)
+    is replaced.
 
-    The first worker of a new pool comes once the fork server has loaded the kernels (0.6-1 s),
-    and ``ProcessPoolExecutor.submit`` waits for it: a new pool's workers are asked for on a
+    The first worker of a new CPU pool comes once the fork server has loaded the kernels (0.6-1
+    s), and ``ProcessPoolExecutor.submit`` waits for it: a new pool's workers are asked for on a
     helper thread, so the caller goes on meanwhile (its own submits wait for the server then)."""
     global _HELPER
-    if _HELPER is not None and _HELPER.is_alive() and _running(workers):
+    if _HELPER is not None and _HELPER.is_alive() and _running(workers, backend):
         return  # the workers asked for are on their way
-    if _running(workers):
-        pool = _pool(workers)
+    if _running(workers, backend):
+        pool = _pool(workers, backend)
         try:
             _ask_for_workers(pool, workers)
         except BrokenProcessPool:
             _discard_pool(pool)
-            start(workers)
+            start(workers, backend)
         return
-    pool = _pool(workers)
+    pool = _pool(workers, backend)
     _HELPER = threading.Thread(target=_ask_quietly, args=(pool, workers), name="kvsnap-workers", daemon=True)
     _HELPER.start()
 
@@ -233,7 +258,7 @@ def _discard_pool(pool: ProcessPoolExecutor) -> None:
     """Forget ``pool`` (broken: a worker died), so that the next pass starts a fresh one."""
     global _POOL
     with _POOL_LOCK:
-        if _POOL is not None and _POOL[1] is pool:
+        if _POOL is not None and _POOL[2] is pool:
             _POOL = None
     pool.shutdown(wait=False, cancel_futures=True)
 
@@ -298,8 +323,8 @@ def layers(
     from kvsnap.analysis.streaming import fresh_accumulators, layer_bar, layer_ropes, pass_order
 
     workers = worker_count(options.workers, options.backend)
-    start(workers)  # the fork server and the workers start while the pass is planned
-    pool = _pool(workers)
+    start(workers, options.backend)  # the workers start while the pass is planned
+    pool = _pool(workers, options.backend)
     with kvformat.open(path, options.snapshot) as snap:
         name, index = os.fspath(path), snap.index
         ropes = layer_ropes(snap, options.keys)  # a pre_rope error raised here, before any work

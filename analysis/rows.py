@@ -150,9 +150,10 @@ def _spectrum(stack: Sequence[HeadAccumulator], n: np.ndarray, m1: np.ndarray) -
     from kvsnap.analysis.accumulator import _kernel
 
     covariance = np.stack([acc.gram for acc in stack]) / n[:, None, None] - m1[:, :, None] * m1[:, None, :]
-    # compiled where the kernel is (numba, without the interpreter's lock), LAPACK on the numpy
-    # reference path
-    if _kernel().AVAILABLE:
+    # The CPU backend's compiled (numba, without the interpreter's lock) where its kernel is;
+    # LAPACK on the numpy reference path and on mlx, which never loads numba: its worker
+    # processes would carry numba's code and compiled kernels (`processes.MLX_START_METHOD`).
+    if stack[0].backend != "mlx" and _kernel().AVAILABLE:
         from kvsnap.analysis.eigen import eigenvalues
 
         descending = np.stack([eigenvalues(matrix) for matrix in covariance])

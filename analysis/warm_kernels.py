@@ -1,4 +1,4 @@
-"""Imported by the fork server of the analysis worker processes (`analysis.processes`): runs each
+"""Imported by the fork server of the CPU backend's worker processes (`analysis.processes`): runs each
 compiled kernel once on a few rows, so that numba loads their machine code (from its cache, or
 compiles it) in the server, once, and every worker forked from it starts with them loaded
 instead of loading them itself (~0.3 s per worker)."""

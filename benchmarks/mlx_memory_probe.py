@@ -1,38 +1,148 @@
-"""What holds a process's host memory (resident set) when it computes with mlx: the resident
-set by kind (anonymous, file-backed) and mlx's own counters after each step: mlx started, large
-arrays on the device, a few kernels, then the mlx backend's compiled per-piece function
-(`mlx_kernel._piece_function`, batched: 16 bfloat16 pieces of `accumulator.PIECE` rows x 128)
-compiled and run, and run again with mlx's buffer cache cleared and limited to 0.
+"""What holds a process's host memory (resident set) when it computes with mlx.
 
-    python -m benchmarks.mlx_memory_probe
+    python -m benchmarks.mlx_memory_probe                      # steps, one process
+    python -m benchmarks.mlx_memory_probe --pass FILE [--jobs N] [--passes 2]
+    python -m benchmarks.mlx_memory_probe --operations
 
-On the H200 machine (session 17) the device's arrays did not show in the resident set (1 GiB of
-``mx.zeros``: +0 MiB); the kernels mlx compiled at their first use did (the per-piece function:
-+574 MiB anonymous), and neither clearing nor limiting mlx's cache gave any back.
+``--operations``: each mlx operation the backend uses, alone in a fresh process, on 16 pieces of
+`accumulator.PIECE` rows x 128: what its first use adds to the resident set and glibc's heap
+(the kernels' code the first use loads) and to the time.
+
+Steps (one process): the resident set by kind (anonymous, file-backed), glibc's heap (in use and
+free-but-kept, ``mallinfo2``) and mlx's own counters after each step: mlx started, large arrays on
+the device, a few kernels, the mlx backend's compiled per-piece function (`mlx_kernel._piece_function`,
+batched: 16 bfloat16 pieces of `accumulator.PIECE` rows x 128) compiled and run, run again with
+mlx's buffer cache cleared and limited to 0, then ``malloc_trim(0)`` (glibc hands its free pages
+back). Then the largest mappings by resident size (``/proc/self/smaps``, grouped by file; anonymous
+memory as ``[anon]``).
+
+``--pass FILE``: `stats_for_file` over FILE on mlx with ``--jobs`` workers (worker processes where
+`mlx_kernel.processes` gives more than one), ``--passes`` times, then for this process, its
+helpers and every worker: resident and proportional set, peak resident set (``VmHWM``), private
+dirty and anonymous memory (``smaps_rollup``); a summary (the largest worker's peak, the
+workers' proportional sets summed) and the largest mappings of the largest worker.
+
+On the H200 machine (sessions 17-18) the device's arrays did not show in the resident set (1
+GiB of ``mx.zeros``: +0 MiB). The kernels did, as code loaded at their first use: ~760 MiB of
+glibc's heap in use once the per-piece function ran, whether mlx compiled the kernels or found
+them in its PTX cache. Neither clearing nor limiting mlx's cache gave any back, and
+``malloc_trim`` gave back only what the compiler had freed (`benchmarks/RESULTS.md`, session 18).
 """
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import json
+import os
+import re
+import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+MIB = 1 << 20
 
-def resident(label: str) -> None:
-    """Print the resident set by kind (MiB) and mlx's active and cached memory."""
-    import mlx.core as mx
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            *("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks"),
+            *("uordblks", "fordblks", "keepcost"),
+        )
+    ]
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def heap() -> dict[str, int]:
+    """glibc's heap, MiB: ``heap_used`` (allocated), ``heap_free`` (freed, still kept),
+    ``mmapped`` (large blocks, mapped on their own)."""
+    libc = _libc()
+    if libc is None:
+        return {}
+    info = libc.mallinfo2()
+    return {
+        "heap_used": info.uordblks // MIB,
+        "heap_free": info.fordblks // MIB,
+        "mmapped": info.hblkhd // MIB,
+    }
+
+
+def trim() -> None:
+    """Hand glibc's free heap pages back to the system."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def status(pid: int | str = "self") -> dict[str, int]:
+    """``VmRSS``, ``VmHWM``, ``RssAnon``, ``RssFile``, ``RssShmem`` of ``pid``, MiB."""
     parts = {}
-    with open("/proc/self/status") as f:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith(("RssAnon", "RssFile", "VmRSS")):
+            if line.startswith(("RssAnon", "RssFile", "RssShmem", "VmRSS", "VmHWM")):
                 name, value = line.split(":")
                 parts[name] = int(value.split()[0]) // 1024
-    active, cached = mx.get_active_memory() >> 20, mx.get_cache_memory() >> 20
-    print(json.dumps({"step": label, **parts, "mlx_active": active, "mlx_cache": cached}), flush=True)
+    return parts
 
 
-def main() -> None:
+def rollup(pid: int | str = "self") -> dict[str, int]:
+    """``smaps_rollup`` of ``pid``: Rss, Pss, Private_Dirty, Shared_Clean, Shared_Dirty, Anonymous, MiB."""
+    wanted = ("Rss", "Pss", "Private_Dirty", "Private_Clean", "Shared_Clean", "Shared_Dirty", "Anonymous")
+    parts = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in wanted:
+                parts[name] = int(value.split()[0]) // 1024
+    return parts
+
+
+_HEADER = re.compile(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s*(.*)$")
+
+
+def largest_mappings(pid: int | str = "self", count: int = 12) -> list[tuple[str, int, int]]:
+    """The ``count`` largest mappings of ``pid`` by resident size, grouped by name (file name,
+    ``[heap]``, ``[anon]``): ``(name, rss MiB, private dirty MiB)``."""
+    sizes: dict[str, list[int]] = {}
+    name = "[anon]"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            match = _HEADER.match(line)
+            if match:
+                path = match.group(1).strip()
+                name = os.path.basename(path) if path.startswith("/") else (path or "[anon]")
+                sizes.setdefault(name, [0, 0])
+            elif line.startswith("Rss:"):
+                sizes[name][0] += int(line.split()[1])
+            elif line.startswith("Private_Dirty:"):
+                sizes[name][1] += int(line.split()[1])
+    ranked = sorted(sizes.items(), key=lambda item: -item[1][0])[:count]
+    return [(name, rss // 1024, dirty // 1024) for name, (rss, dirty) in ranked]
+
+
+def resident(label: str) -> None:
+    """Print the resident set by kind, glibc's heap and mlx's active and cached memory (MiB)."""
+    import mlx.core as mx
+
+    active, cached = mx.get_active_memory() // MIB, mx.get_cache_memory() // MIB
+    print(
+        json.dumps({"step": label, **status(), **heap(), "mlx_active": active, "mlx_cache": cached}),
+        flush=True,
+    )
+
+
+def steps() -> None:
     import mlx.core as mx
 
     from kvsnap.analysis import mlx_kernel
@@ -69,6 +179,135 @@ def main() -> None:
     for _ in range(5):
         mx.eval(function(pieces, bins))
     resident("cache cleared and limited to 0, run 5 more times")
+    trim()
+    resident("malloc_trim(0)")
+    print(json.dumps({"largest mappings (name, rss, private dirty; MiB)": largest_mappings()}), flush=True)
+
+
+def one_pass(path: str, jobs: int, passes: int) -> None:
+    from benchmarks.memory import descendants
+    from kvsnap.analysis import processes
+    from kvsnap.analysis.stats import stats_for_file
+
+    for index in range(passes):
+        began = time.perf_counter()
+        rows = sum(t.num_rows for t in stats_for_file(path, stats="all", jobs=jobs, backend="mlx"))
+        print(json.dumps({"pass": index, "rows": rows, "seconds": round(time.perf_counter() - began, 3)}))
+    pids = descendants(os.getpid())
+    parents, commands = {}, {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parents[pid] = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                commands[pid] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    shown: list[dict[str, Any]] = []
+    for pid, command in commands.items():
+        # CPU workers are forked from the fork server (and show its command line); mlx workers
+        # are spawned by this process; the resource tracker is a helper
+        if pid == os.getpid():
+            role = "this process"
+        elif "resource_tracker" in command or pid in parents.values():
+            role = "helper"
+        else:
+            role = "worker"
+        try:
+            shown.append({"pid": pid, "role": role, "command": command[:60], **status(pid), **rollup(pid)})
+        except OSError:
+            continue
+    for entry in shown:
+        print(json.dumps(entry))
+    workers = [entry for entry in shown if entry["role"] == "worker"] or shown[:1]
+    print(json.dumps({"processes (mlx workers)": processes.worker_count(jobs, "mlx")}))
+    largest = max(workers, key=lambda entry: entry["VmHWM"])
+    summary = {
+        "computing processes": len(workers),
+        "largest peak resident set (VmHWM), MiB": largest["VmHWM"],
+        "largest resident set now, MiB": max(entry["VmRSS"] for entry in workers),
+        "their proportional sets, summed, MiB": sum(entry["Pss"] for entry in workers),
+    }
+    print(json.dumps(summary))
+    if largest["role"] == "worker":
+        print(json.dumps({"largest worker": largest["pid"], "mappings": largest_mappings(largest["pid"])}))
+    print(json.dumps({"this process": largest_mappings()}))
+
+
+def _piece_function(mx: Any, x: Any) -> None:
+    from kvsnap.analysis import mlx_kernel
+
+    function = mlx_kernel._piece_function(True, True, True, True, True, True, batched=True)
+    bins = mx.array(np.stack([mlx_kernel._piece_bins(np.arange(x.shape[1]))] * x.shape[0]))
+    mx.eval(function(x.astype(mx.bfloat16), bins))
+
+
+OPERATIONS: dict[str, Callable[[Any, Any], None]] = {
+    "sum, max (reductions)": lambda mx, x: mx.eval(x.sum(axis=1), x.max(axis=1)),
+    "elementwise (exp, abs, where)": lambda mx, x: mx.eval(mx.where(x > 0, mx.exp(x), mx.abs(x))),
+    "compiled elementwise": lambda mx, x: mx.eval(mx.compile(lambda a: mx.sqrt(a * a + 1) * 2)(x)),
+    "astype bfloat16": lambda mx, x: mx.eval(x.astype(mx.bfloat16)),
+    "matmul float32": lambda mx, x: mx.eval(x[0].T @ x[0]),
+    "sort": lambda mx, x: mx.eval(mx.sort(x, axis=1)),
+    "topk": lambda mx, x: mx.eval(mx.topk(x[:, :, 0], 64, axis=1)),
+    "take": lambda mx, x: mx.eval(mx.take(x[0, :, 0], mx.arange(100))),
+    "scatter add": lambda mx, x: mx.eval(
+        mx.zeros((256,), mx.int32).at[mx.arange(8192) % 256].add(mx.ones((8192,), mx.int32))
+    ),
+    "argmax": lambda mx, x: mx.eval(mx.argmax(x, axis=1)),
+    "cumsum": lambda mx, x: mx.eval(mx.cumsum(x, axis=1)),
+    "the per-piece function (batched, bfloat16)": _piece_function,
+}
+
+
+def operation(name: str) -> None:
+    """Run one of `OPERATIONS` in this process; print what its first use cost."""
+    import mlx.core as mx
+
+    from kvsnap.analysis.accumulator import PIECE
+
+    x = mx.random.normal((16, PIECE, 128))
+    mx.eval(x)
+    mx.eval(x + 1)
+    before = {**status(), **heap()}
+    began = time.perf_counter()
+    OPERATIONS[name](mx, x)
+    seconds = time.perf_counter() - began
+    after = {**status(), **heap()}
+    added = {key: after[key] - before[key] for key in ("VmRSS", "RssAnon", "heap_used", "mmapped")}
+    print(
+        json.dumps({"operation": name, "first use, s": round(seconds, 3), "added MiB": added, "then": after})
+    )
+
+
+def operations() -> None:
+    import subprocess
+    import sys
+
+    for name in OPERATIONS:
+        subprocess.run(
+            [sys.executable, "-m", "benchmarks.mlx_memory_probe", "--operation", name], check=False
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pass", dest="path", help="a .kv file: measure a full mlx pass over it")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--operations", action="store_true", help="each operation's first-use cost")
+    parser.add_argument("--operation", choices=sorted(OPERATIONS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.operation:
+        operation(args.operation)
+    elif args.operations:
+        operations()
+    elif args.path:
+        one_pass(args.path, args.jobs, args.passes)
+    else:
+        steps()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+import threadpoolctl
 
 import kvformat
 from kvsnap.analysis import mlx_kernel, processes
@@ -286,7 +287,29 @@ def test_mlx_on_worker_processes_gives_the_one_process_table(tmp_path: Path, lay
         one = _table(path, 1, keys=keys, backend="mlx")
         assert one.num_rows > 0
         assert _table(path, 3, keys=keys, backend="mlx").equals(one), keys
-    assert processes.worker_count(3, "mlx") == 2 and processes._running(2)
+    assert processes.worker_count(3, "mlx") == 2 and processes._running(2, "mlx")
+
+
+def test_mlx_workers_are_spawned_without_numba(tmp_path: Path) -> None:
+    """mlx workers are spawned, not forked from the fork server that holds numba, and nothing in
+    an mlx pass loads numba (its rows' eigenvalues are LAPACK's): a worker maps no llvmlite. Its
+    BLAS runs one thread. The pool is kept per backend: a CPU pass after it gets the fork
+    server's workers."""
+    path = tmp_path / "f.kv"
+    _make(path, "layer-major, small chunks")
+    _table(path, 3, backend="mlx")
+    assert processes._running(2, "mlx")
+    pool = processes._pool(2, "mlx")
+    pids = {pool.submit(os.getpid).result() for _ in range(6)}
+    blas = pool.submit(threadpoolctl.threadpool_info).result()
+    assert blas and all(library["num_threads"] == 1 for library in blas if library["user_api"] == "blas")
+    for pid in pids:
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read()
+        assert "libmlx" in maps  # a worker that drove the device
+        assert "llvmlite" not in maps, pid
+    _table(path, 3, backend="cpu")
+    assert processes._running(3, "cpu") and not processes._running(2, "mlx")
 
 
 def test_a_damaged_chunk_stops_an_mlx_worker_pass_and_the_next_pass_is_right(tmp_path: Path) -> None:
