@@ -6,6 +6,7 @@ under and over the float32-Gram threshold and over one piece) and on real captur
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -462,3 +463,19 @@ def test_a_pass_that_waits_for_each_layer_drives_the_pipeline(
     got = stats_rows(path, backend="mlx", jobs=1)
     assert len(waited) == 5 and not all(waited)  # some marks were waited for before done
     assert_close(got, stats_rows(path, jobs=1))
+
+
+@pytest.mark.parametrize("missing", ["mlx", "mlx.core"])
+def test_backend_mlx_without_mlx_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    """mlx is looked for, not imported; where it is missing the pass stops before any work with a
+    ValueError naming the install."""
+    from kvsnap.analysis.streaming import check_backend
+
+    monkeypatch.setitem(sys.modules, missing, None)
+    if missing == "mlx":
+        monkeypatch.delitem(sys.modules, "mlx.core", raising=False)
+    with pytest.raises(ValueError, match="needs mlx: pip install"):
+        check_backend("mlx")
+    check_backend("cpu")

@@ -72,7 +72,7 @@ def test_usable_only_for_local_files_with_several_workers(
     monkeypatch.setattr(mlx_kernel, "_physical_memory", lambda: 12 << 30)
     assert processes.worker_count(16, "mlx") == 1
     monkeypatch.setattr(mlx_kernel, "_physical_memory", lambda: 128 << 30)
-    monkeypatch.setattr(sys, "platform", "darwin")  # Metal in forked workers: untested, so not used
+    monkeypatch.setattr(sys, "platform", "darwin")  # Metal in worker processes: untested, so not used
     assert processes.worker_count(16, "mlx") == 1
     assert processes.worker_count(16, "cpu") == 16
     monkeypatch.undo()
@@ -288,6 +288,27 @@ def test_mlx_on_worker_processes_gives_the_one_process_table(tmp_path: Path, lay
         assert one.num_rows > 0
         assert _table(path, 3, keys=keys, backend="mlx").equals(one), keys
     assert processes.worker_count(3, "mlx") == 2 and processes._running(2, "mlx")
+
+
+def test_the_parent_of_an_mlx_worker_pass_does_not_start_mlx(tmp_path: Path) -> None:
+    """Only the workers drive the device: the parent finds mlx installed and never imports it
+    (on CUDA that would start a context of its own and map the CUDA libraries)."""
+    path = tmp_path / "f.kv"
+    _make(path, "layer-major, small chunks")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from kvsnap.analysis import processes
+        from kvsnap.analysis.stats import stats_for_file
+        processes.PROCESS_MIN_BYTES = 0
+        rows = sum(t.num_rows for t in stats_for_file({str(path)!r}, jobs=3, backend="mlx"))
+        print(rows, processes._running(2, "mlx"), "mlx.core" in sys.modules)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows, on_workers, imported = done.stdout.split()
+    assert int(rows) > 0 and on_workers == "True" and imported == "False"
 
 
 def test_mlx_workers_are_spawned_without_numba(tmp_path: Path) -> None:
