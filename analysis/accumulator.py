@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -89,6 +90,41 @@ def float32_rows(rows: np.ndarray, reuse: bool = False) -> np.ndarray:
     return out
 
 
+STACKED = (
+    "norm_hist", "peak_hist", "power", "absmax", "gram", "unit_sum", "position_norm",
+    "quant_token", "quant_channel",
+)  # fmt: skip
+"""The array sums `stack` lays out in one array each, across accumulators."""
+
+
+@dataclass(eq=False)
+class Stack:
+    """The array sums (`STACKED`) of several accumulators of one dim and selection of groups,
+    one array per sum with the accumulators along its first axis: accumulator ``i``'s sum is a
+    view of row ``i`` (its ``_slot``)."""
+
+    arrays: dict[str, np.ndarray]
+
+
+def stack(accumulators: Sequence[HeadAccumulator]) -> Stack | None:
+    """Lay out the array sums of ``accumulators`` (one dim, one selection of groups) in one array
+    per sum, each accumulator's sums becoming views of its row, their values unchanged: the mlx
+    fold then adds a device batch's results into many accumulators with one numpy call per sum
+    instead of one per accumulator (`mlx_kernel._fold_group`: each such call of more than a few
+    hundred values drops and retakes the interpreter's lock, which the thread driving the device
+    holds most of the time). None, and nothing changed, for fewer than two. Whatever rebinds a
+    sum afterwards (`HeadAccumulator.merge` does) takes that accumulator out of the layout: the
+    fold checks and adds to it alone."""
+    if len(accumulators) < 2 or len({(acc.dim, acc.groups) for acc in accumulators}) > 1:
+        return None
+    shared = Stack({name: np.stack([getattr(acc, name) for acc in accumulators]) for name in STACKED})
+    for slot, acc in enumerate(accumulators):
+        for name in STACKED:
+            setattr(acc, name, shared.arrays[name][slot])
+        acc._stack, acc._slot = shared, slot
+    return shared
+
+
 _SUMS = (
     "rope", "norm_hist", "peak_hist", "power", "absmax", "gram", "unit_sum", "band",
     "position_count", "position_norm", "top", "quant_token", "quant_channel", "_flag_array",
@@ -128,6 +164,8 @@ class HeadAccumulator:
     _row: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
     _flag_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
     _sealed: bool = field(default=False, init=False, repr=False, compare=False)
+    _stack: Stack | None = field(default=None, init=False, repr=False, compare=False)  # see `stack`
+    _slot: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.groups = stat_groups(self.groups)
@@ -345,6 +383,7 @@ class HeadAccumulator:
     def __getstate__(self) -> dict[str, Any]:
         self.settle()  # device arrays do not cross processes; their sums do
         state = dict(self.__dict__)
+        state["_stack"] = None  # its own sums cross (as copies of its rows); the others' stay
         if self._sealed:  # the row alone crosses
             state.update(dict.fromkeys(_SUMS))
         return state

@@ -973,6 +973,33 @@ def _top_found(
     return found
 
 
+def _shared_stack(
+    entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]],
+) -> tuple[dict[str, np.ndarray], slice | np.ndarray] | None:
+    """The stacked sums (`accumulator.stack`) of which every entry's accumulator is a different
+    row, with all its sums still views of them (`HeadAccumulator.merge` rebinds them), and the
+    entries' rows there (a slice where they follow each other); None otherwise (then the group
+    adds one accumulator at a time, in order: e.g. a head with two pieces in one batch)."""
+    from kvsnap.analysis.accumulator import STACKED
+
+    shared = entries[0][0]._stack
+    if shared is None:
+        return None
+    slots = []
+    for acc, _, _ in entries:
+        if acc._stack is not shared:
+            return None
+        if any(getattr(acc, name).base is not shared.arrays[name] for name in STACKED):
+            return None
+        slots.append(acc._slot)
+    if len(set(slots)) < len(slots):
+        return None
+    first = slots[0]
+    if slots == list(range(first, first + len(slots))):
+        return shared.arrays, slice(first, first + len(slots))
+    return shared.arrays, np.array(slots)
+
+
 def _fold_group(
     entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]], out: dict[str, np.ndarray]
 ) -> None:
@@ -1016,6 +1043,21 @@ def _fold_group(
     if "quant" in groups:
         quant_token = out["quant_token"].astype(np.float64)
         quant_channel = out["quant_channel"].astype(np.float64).sum(axis=-1)
+    shared = _shared_stack(entries)
+    if shared is not None:  # one call per sum for the whole group (the same values)
+        arrays, rows = shared
+        if "norms" in groups:
+            arrays["norm_hist"][rows] += norm_hists
+            arrays["unit_sum"][rows] += out["unit"]
+            arrays["position_norm"][rows] += position_norms
+        if powers is not None:
+            arrays["power"][rows, : powers.shape[1]] += powers
+        if "channels" in groups:
+            arrays["peak_hist"][rows] += peak_hists
+            arrays["absmax"][rows] = np.maximum(arrays["absmax"][rows], out["absmax"])
+        if "quant" in groups:
+            arrays["quant_token"][rows] += quant_token
+            arrays["quant_channel"][rows] += quant_channel
     for b, (acc, x, p) in enumerate(entries):
         acc.count += n
         acc.norm_sq_sum += square_sums[b]
@@ -1023,18 +1065,20 @@ def _fold_group(
             acc.norm_sum += norm_sums[b]
             acc.norm_min = min(acc.norm_min, norm_mins[b])
             acc.norm_max = max(acc.norm_max, norm_maxs[b])
-            acc.norm_hist += norm_hists[b]
-            acc.unit_sum += out["unit"][b]
+            if shared is None:
+                acc.norm_hist += norm_hists[b]
+                acc.unit_sum += out["unit"][b]
+                acc.position_norm += position_norms[b]
             if p[0] == 0:
                 acc.first_norm_sum += norm_firsts[b]
                 acc.first_count += 1
             acc.position_count += _piece_bin_counts(p)
-            acc.position_norm += position_norms[b]
-        if powers is not None:
+        if powers is not None and shared is None:
             acc.power[: powers.shape[1]] += powers[b]
         if "channels" in groups:
-            acc.peak_hist += peak_hists[b]
-            np.maximum(acc.absmax, out["absmax"][b], out=acc.absmax)
+            if shared is None:
+                acc.peak_hist += peak_hists[b]
+                np.maximum(acc.absmax, out["absmax"][b], out=acc.absmax)
             acc.top = sorted(acc.top + _top_found(top_rows[b], top_peaks[b], p), reverse=True)[
                 : catalogue.TOP_K
             ]
@@ -1049,7 +1093,10 @@ def _fold_group(
                 if heavy_rows[b]:
                     big = float32_rows(x[out["light"][b] == 0]).astype(np.float64)
                     acc.gram += big.T @ big
-                acc.gram += gram[b]
-        if "quant" in groups:
+                if shared is None:
+                    acc.gram += gram[b]
+        if "quant" in groups and shared is None:
             acc.quant_token += quant_token[b]
             acc.quant_channel += quant_channel[b]
+    if shared is not None and "spectrum" in groups and "product" in out:
+        arrays["gram"][rows] += gram  # after each accumulator's heavy rows, as one by one

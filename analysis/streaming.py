@@ -17,7 +17,7 @@ from typing import Any
 
 import kvformat
 from kvformat.checksum import crc32c
-from kvsnap.analysis.accumulator import HeadAccumulator, bytes_of
+from kvsnap.analysis.accumulator import HeadAccumulator, bytes_of, stack
 from kvsnap.analysis.catalogue import ALL, stat_groups
 from kvsnap.analysis.rope import Rope
 from kvsnap.analysis.rows import compute as compute_rows
@@ -162,7 +162,9 @@ def fresh_accumulators(
     heads: list[tuple[int, int]] | None = None,
 ) -> dict[Key, HeadAccumulator]:
     """Empty accumulators for every (seq, head, tensor) of ``layer`` (of ``heads`` only, when
-    given: ``(seq, head)`` pairs); K's knows its ``rope``."""
+    given: ``(seq, head)`` pairs); K's knows its ``rope``. On mlx those of one dim share one
+    layout of their array sums (`accumulator.stack`: the device's results for a batch of the
+    layer's pieces add in one call per sum)."""
     spec = snap.layers[layer]
     table: dict[Key, HeadAccumulator] = {}
     for seq, head in layer_heads(snap, layer) if heads is None else heads:
@@ -172,6 +174,9 @@ def fresh_accumulators(
         table[(layer, seq, head, "v")] = HeadAccumulator(
             spec.v_dim, None, options.stats, backend=options.backend
         )
+    if options.backend == "mlx":
+        for dim in {spec.k_dim, spec.v_dim}:
+            stack([acc for acc in table.values() if acc.dim == dim])
     return table
 
 

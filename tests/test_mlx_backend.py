@@ -479,3 +479,95 @@ def test_backend_mlx_without_mlx_says_how_to_install_it(
     with pytest.raises(ValueError, match="needs mlx: pip install"):
         check_backend("mlx")
     check_backend("cpu")
+
+
+def _folded(order: list[int], stacked: bool, merged: int | None = None) -> list[Any]:
+    """Four 128-channel accumulators (all groups, K with RoPE) given two batches of device
+    results, entries in ``order`` (indices of accumulators; one twice: a head with two pieces in
+    one batch), their sums stacked or not, accumulator ``merged`` merged into (its sums rebound)
+    before the second batch."""
+    import mlx.core as mx
+
+    from kvsnap.analysis.accumulator import GRAM_FLOAT64_ROWS, HeadAccumulator, stack
+    from kvsnap.analysis.rope import Rope
+
+    rng = np.random.default_rng(3)
+    n = GRAM_FLOAT64_ROWS * 2
+    accs = [HeadAccumulator(128, Rope(10000.0, 128, "half"), backend="mlx") for _ in range(4)]
+    if stacked:
+        assert stack(accs) is not None
+    function = mlx_kernel._piece_function(True, True, True, True, True, True, batched=True)
+    for batch in range(2):
+        if batch == 1 and merged is not None:
+            extra = HeadAccumulator(128, Rope(10000.0, 128, "half"))
+            extra.add(rng.standard_normal((40, 128)).astype(np.float32), np.arange(40))
+            accs[merged].merge(extra)
+        rows = rng.standard_normal((len(order), n, 128)).astype(np.float32)
+        rows[:, 5] *= 40  # a heavy row in each piece: the Gram adds it on the host first
+        positions = [np.arange(n) + batch * n for _ in order]
+        bins = np.stack([mlx_kernel._piece_bins(p) for p in positions])
+        out = mlx_kernel._to_host(function(mx.array(rows), mx.array(bins)))
+        entries = [(accs[i], rows[j], positions[j]) for j, i in enumerate(order)]
+        mlx_kernel._fold_group(entries, out)
+    return accs
+
+
+def _watch_shared_stack(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Per group folded from now on: whether it found its accumulators stacked."""
+    calls: list[bool] = []
+    original = mlx_kernel._shared_stack
+
+    def watched(entries: Any) -> Any:
+        found = original(entries)
+        calls.append(found is not None)
+        return found
+
+    monkeypatch.setattr(mlx_kernel, "_shared_stack", watched)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("order", "merged"),
+    [([0, 1, 2, 3], None), ([1, 2], None), ([3, 0, 2], None), ([0, 1, 1, 2], None), ([0, 1, 2, 3], 2)],
+)
+def test_stacked_sums_fold_to_the_same_bits(
+    order: list[int], merged: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Accumulators whose sums share one layout (`accumulator.stack`) get a group's device
+    results in one call per sum, bit for bit what one accumulator at a time gets: rows that
+    follow each other (a slice), out of order (an index), a head twice in a group and an
+    accumulator merged into meanwhile (those two fall back to one at a time)."""
+    calls = _watch_shared_stack(monkeypatch)
+    one_by_one = _folded(order, stacked=False, merged=merged)
+    assert calls == [False, False]
+    calls.clear()
+    together = _folded(order, stacked=True, merged=merged)
+    twice = len(set(order)) < len(order)
+    assert calls == [not twice, not twice and merged is None]
+    for a, b in zip(one_by_one, together, strict=True):
+        for name in ("norm_hist", "peak_hist", "power", "absmax", "gram", "unit_sum", "position_norm"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        for name in ("quant_token", "quant_channel", "position_count", "band", "top"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), name
+        assert (a.count, a.norm_sum, a.norm_sq_sum, a.first_count) == (
+            b.count,
+            b.norm_sum,
+            b.norm_sq_sum,
+            b.first_count,
+        )
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_an_mlx_pass_folds_stacked_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rope: bool
+) -> None:
+    """A layer's accumulators of one dim are stacked, so a group of its pieces folds in one call
+    per sum: K and V together (their rows follow each other), or K's apart from V's where K has
+    RoPE bands (every other row); the table is the CPU kernel's."""
+    path = factories.random_file(
+        tmp_path / "f.kv", layers=1, heads=4, tokens=1200, dim=64, seed=8, rope=rope
+    ).path
+    calls = _watch_shared_stack(monkeypatch)
+    got = stats_rows(path, backend="mlx", jobs=1)
+    assert calls and all(calls)
+    assert_close(got, stats_rows(path, jobs=1))
