@@ -1043,21 +1043,31 @@ def _fold_group(
     if "quant" in groups:
         quant_token = out["quant_token"].astype(np.float64)
         quant_channel = out["quant_channel"].astype(np.float64).sum(axis=-1)
+    adds: dict[str, np.ndarray] = {}  # per sum, the group's values to add ((B, ...), in order)
+    if "norms" in groups:
+        adds.update(norm_hist=norm_hists, unit_sum=out["unit"], position_norm=position_norms)
+    if "channels" in groups:
+        adds["peak_hist"] = peak_hists
+    if "quant" in groups:
+        adds.update(quant_token=quant_token, quant_channel=quant_channel)
     shared = _shared_stack(entries)
     if shared is not None:  # one call per sum for the whole group (the same values)
         arrays, rows = shared
-        if "norms" in groups:
-            arrays["norm_hist"][rows] += norm_hists
-            arrays["unit_sum"][rows] += out["unit"]
-            arrays["position_norm"][rows] += position_norms
+        for name, values in adds.items():
+            arrays[name][rows] += values
         if powers is not None:
             arrays["power"][rows, : powers.shape[1]] += powers
         if "channels" in groups:
-            arrays["peak_hist"][rows] += peak_hists
             arrays["absmax"][rows] = np.maximum(arrays["absmax"][rows], out["absmax"])
-        if "quant" in groups:
-            arrays["quant_token"][rows] += quant_token
-            arrays["quant_channel"][rows] += quant_channel
+    else:
+        for b, (acc, _, _) in enumerate(entries):
+            for name, values in adds.items():
+                total = getattr(acc, name)
+                total += values[b]
+            if powers is not None:
+                acc.power[: powers.shape[1]] += powers[b]
+            if "channels" in groups:
+                np.maximum(acc.absmax, out["absmax"][b], out=acc.absmax)
     for b, (acc, x, p) in enumerate(entries):
         acc.count += n
         acc.norm_sq_sum += square_sums[b]
@@ -1065,20 +1075,11 @@ def _fold_group(
             acc.norm_sum += norm_sums[b]
             acc.norm_min = min(acc.norm_min, norm_mins[b])
             acc.norm_max = max(acc.norm_max, norm_maxs[b])
-            if shared is None:
-                acc.norm_hist += norm_hists[b]
-                acc.unit_sum += out["unit"][b]
-                acc.position_norm += position_norms[b]
             if p[0] == 0:
                 acc.first_norm_sum += norm_firsts[b]
                 acc.first_count += 1
             acc.position_count += _piece_bin_counts(p)
-        if powers is not None and shared is None:
-            acc.power[: powers.shape[1]] += powers[b]
         if "channels" in groups:
-            if shared is None:
-                acc.peak_hist += peak_hists[b]
-                np.maximum(acc.absmax, out["absmax"][b], out=acc.absmax)
             acc.top = sorted(acc.top + _top_found(top_rows[b], top_peaks[b], p), reverse=True)[
                 : catalogue.TOP_K
             ]
@@ -1095,8 +1096,5 @@ def _fold_group(
                     acc.gram += big.T @ big
                 if shared is None:
                     acc.gram += gram[b]
-        if "quant" in groups and shared is None:
-            acc.quant_token += quant_token[b]
-            acc.quant_channel += quant_channel[b]
     if shared is not None and "spectrum" in groups and "product" in out:
         arrays["gram"][rows] += gram  # after each accumulator's heavy rows, as one by one

@@ -60,7 +60,8 @@ def limit_blas_threads(threads: int) -> None:
     threadpool_limits(threads, user_api="blas")
 
 
-def _after(previous: Future[Any] | None, function: Callable[..., Any], *args: Any) -> Any:
+def after(previous: Future[Any] | None, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` once ``previous`` (if any) is done; its exception raised instead."""
     if previous is not None:
         previous.result()
     return function(*args)
@@ -83,7 +84,7 @@ class OrderedPool:
             future: Future[Any] = Future()
             future.set_result(function(*args))
             return future
-        future = self._executor.submit(_after, self._last.get(key), function, *args)
+        future = self._executor.submit(after, self._last.get(key), function, *args)
         self._last[key] = future
         self._in_flight.append(future)
         return future

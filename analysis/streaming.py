@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +19,7 @@ import kvformat
 from kvformat.checksum import crc32c
 from kvsnap.analysis.accumulator import HeadAccumulator, bytes_of, stack
 from kvsnap.analysis.catalogue import ALL, stat_groups
+from kvsnap.analysis.parallel import after
 from kvsnap.analysis.rope import Rope
 from kvsnap.analysis.rows import compute as compute_rows
 
@@ -322,7 +323,7 @@ class _Workers:
             layer.work.append(mark)
             if rows:
                 layer.work += [
-                    self.row_pool.submit(_after, mark, compute_rows, part)
+                    self.row_pool.submit(after, mark, compute_rows, part)
                     for part in row_parts(list(accumulators.values()), self.row_threads)
                 ]
         elif rows:
@@ -341,12 +342,6 @@ class _Workers:
         self.pool.drain()
         if self.pipeline is not None:
             self.pipeline.finish()
-
-
-def _after(mark: Future[Any], function: Callable[..., Any], *args: Any) -> Any:
-    """``function(*args)`` once ``mark`` is done (its exception raised instead)."""
-    mark.result()
-    return function(*args)
 
 
 def row_parts(accumulators: list[HeadAccumulator], threads: int) -> list[list[HeadAccumulator]]:
