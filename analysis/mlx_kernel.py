@@ -99,12 +99,13 @@ def _piece_function(
     leading axis of pieces of one shape (``mx.vmap``); ``copy``: float32 rows in host memory
     (`Staging` placement ``host``) are copied into device memory first, so that the device
     reads them over the bus once rather than once per statistic."""
-    key = (norms, channels, rope, mean, gram, quant, batched, copy)
+    own_gram = gram and _on_cuda() and _cuda_gram().usable()
+    key = (norms, channels, rope, mean, gram, quant, batched, copy, own_gram)
     function = _COMPILED.get(key)
     if function is None:
         import mlx.core as mx
 
-        piece = _piece(norms, channels, rope, mean, gram, quant, copy)
+        piece = _piece(norms, channels, rope, mean, gram, quant, copy, own_gram)
         if not norms:  # one input: the rows
 
             def piece_of_rows(stored: Any) -> dict[str, Any]:
@@ -113,8 +114,31 @@ def _piece_function(
             function = piece_of_rows
         else:  # two: the rows and the position bin of each row, (n,) uint8
             function = piece
-        function = _COMPILED[key] = mx.compile(mx.vmap(function) if batched else function)
+        function = mx.compile(mx.vmap(function) if batched else function)
+        if own_gram:  # the Gram product by `cuda_gram`, outside the compiled function
+            function = _with_gram_product(function, batched)
+        _COMPILED[key] = function
     return function
+
+
+def _cuda_gram() -> Any:
+    from kvsnap.analysis import cuda_gram
+
+    return cuda_gram
+
+
+def _with_gram_product(function: Callable[..., dict[str, Any]], batched: bool) -> Any:
+    """``function``'s outputs with ``shifted`` replaced by its Gram product
+    (`cuda_gram.gram_product`)."""
+    product = _cuda_gram().gram_product
+
+    def with_product(*inputs: Any) -> dict[str, Any]:
+        out = function(*inputs)
+        shifted = out.pop("shifted")
+        out["product"] = product(shifted) if batched else product(shifted[None])[0]
+        return out
+
+    return with_product
 
 
 def _hist_edges(squared: bool) -> np.ndarray:
@@ -127,10 +151,18 @@ def _hist_edges(squared: bool) -> np.ndarray:
 
 
 def _piece(
-    norms: bool, channels: bool, rope: bool, mean: bool, gram: bool, quant: bool, copy: bool = False
+    norms: bool,
+    channels: bool,
+    rope: bool,
+    mean: bool,
+    gram: bool,
+    quant: bool,
+    copy: bool = False,
+    own_gram: bool = False,
 ) -> Any:
     """The per-piece computation (uncompiled) for one selection of groups (``copy``: see
-    `_piece_function`)."""
+    `_piece_function`; ``own_gram``: return the Gram's rows ``shifted`` ``(n, dim)`` float32
+    in place of their ``product``, which `cuda_gram.gram_product` computes)."""
     import mlx.core as mx
 
     from kvsnap.analysis.accumulator import HEAVY
@@ -262,8 +294,11 @@ def _piece(
             center = light_sums / mx.maximum(light.sum(), 1.0)
             shifted = (x - center) * light[:, None]
             heavy = n - light.sum().astype(mx.int32)
-            product = shifted.T @ shifted
-            out.update(light=light, heavy=heavy, center=center, light_sums=light_sums, product=product)
+            out.update(light=light, heavy=heavy, center=center, light_sums=light_sums)
+            if own_gram:
+                out["shifted"] = shifted
+            else:
+                out["product"] = shifted.T @ shifted
         if quant:
             token, out["quant_channel"] = quant_errors(x)
             out["quant_token"] = column_sums(token.T)  # (bits,): the per-row errors summed

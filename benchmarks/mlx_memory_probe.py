@@ -242,6 +242,12 @@ def _piece_function(mx: Any, x: Any) -> None:
     mx.eval(function(x.astype(mx.bfloat16), bins))
 
 
+def _gram_product(x: Any) -> Any:
+    from kvsnap.analysis import cuda_gram
+
+    return cuda_gram.gram_product(x)
+
+
 OPERATIONS: dict[str, Callable[[Any, Any], None]] = {
     "sum, max (reductions)": lambda mx, x: mx.eval(x.sum(axis=1), x.max(axis=1)),
     "elementwise (exp, abs, where)": lambda mx, x: mx.eval(mx.where(x > 0, mx.exp(x), mx.abs(x))),
@@ -250,6 +256,7 @@ OPERATIONS: dict[str, Callable[[Any, Any], None]] = {
     "matmul float32": lambda mx, x: mx.eval(x[0].T @ x[0]),
     "sort": lambda mx, x: mx.eval(mx.sort(x, axis=1)),
     "topk": lambda mx, x: mx.eval(mx.topk(x[:, :, 0], 64, axis=1)),
+    "Gram kernel (kvsnap's, CUDA)": lambda mx, x: mx.eval(_gram_product(x)),
     "take": lambda mx, x: mx.eval(mx.take(x[0, :, 0], mx.arange(100))),
     "scatter add": lambda mx, x: mx.eval(
         mx.zeros((256,), mx.int32).at[mx.arange(8192) % 256].add(mx.ones((8192,), mx.int32))

