@@ -142,7 +142,7 @@ def compile_binary(source: str, arch: tuple[int, int]) -> bytes:
         "create",
     )
     try:
-        options = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode(), b"-O3"]
+        options = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode()]
         array = (ctypes.c_char_p * len(options))(*options)
         status = nvrtc.nvrtcCompileProgram(program, len(options), array)
         if status:
