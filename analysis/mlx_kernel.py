@@ -6,7 +6,8 @@ start at the same rows), one compiled mlx function computes on the device everyt
 touches every element: row norms (their sums, extremes, sums per position bin and each row's
 histogram bin, the same bin the host would pick in float64), peaks, channel power sums up to
 the 4th order, channel absmax, the unit-vector sum, the Gram matrix of the rows (less their
-mean, massive rows left out) and the 8/4/2-bit quantization errors, and per piece the
+mean, massive rows left out; on CUDA by kvsnap's own kernel, `cuda_gram`) and the 8/4/2-bit
+quantization errors, and per piece the
 histograms of the row norms and peaks and the rows of its top peaks. The host gets back a few
 vectors per piece (nothing per row) and folds them into the accumulator's float64 sums; it adds
 the Gram matrix of massive rows (few; their mask crosses only when a piece has some) in
@@ -724,8 +725,8 @@ second pass over the 8.6 GB fp32 file took 3.66 s in one process, 2.65 s on 4 wo
 
 PROCESS_MEMORY = 8 << 30
 """Bytes of the machine's memory per such process, at most: each holds its own mlx and device
-context (on CUDA 1.0-1.2 GiB resident at its peak, ~1.4 GiB where it compiles the kernels, most
-of it its own), so a machine with little memory runs few."""
+context (on CUDA 0.95-1.1 GiB resident at its peak, ~1.4 GiB where it compiles the kernels,
+most of it its own), so a machine with little memory runs few."""
 
 
 def processes(workers: int) -> int:
