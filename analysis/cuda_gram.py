@@ -13,6 +13,7 @@ process (it is not in mlx's PTX cache): 1.4 s and +170 MiB of compiler memory ea
 NVRTC (the library mlx's CUDA build ships, through ctypes) compiles `SOURCE` once per machine
 for the device's architecture; the binary is kept in `cache_dir` (written atomically) and
 handed to ``mx.fast.precompiled_cuda_kernel``, so later processes only load it.
+``KVSNAP_CUDA_GRAM=0`` turns it off (mlx's matrix product, as on Metal and the CPU).
 
 Layout: ``gram_product(shifted)`` for ``shifted`` ``(B, n, dim)`` float32 returns ``(B, dim,
 dim)`` float32. One thread block per ``(TILE, TILE)`` output tile and chunk of `CHUNK` rows of one
@@ -180,8 +181,11 @@ _PROBLEM: list[str] = []
 
 
 def usable() -> bool:
-    """Whether the kernel can be built here; where it cannot (no NVRTC, a failed compile), warns
-    once with the reason and answers False (`mlx_kernel` then uses mlx's matrix product)."""
+    """Whether to use the kernel: not where ``KVSNAP_CUDA_GRAM=0`` (mlx's matrix product then,
+    as everywhere but CUDA), nor where it cannot be built (no NVRTC, a failed compile: warns once
+    with the reason)."""
+    if os.environ.get("KVSNAP_CUDA_GRAM") == "0":
+        return False
     if _BINARY:
         return True
     if _PROBLEM:

@@ -3,6 +3,13 @@
     python -m benchmarks.mlx_memory_probe                      # steps, one process
     python -m benchmarks.mlx_memory_probe --pass FILE [--jobs N] [--passes 2]
     python -m benchmarks.mlx_memory_probe --operations
+    python -m benchmarks.mlx_memory_probe --selections          # KVSNAP_CUDA_GRAM=0: with cuBLAS
+    python -m benchmarks.mlx_memory_probe --modules 40
+
+``--selections``: the per-piece function of each group selection (`SELECTIONS`), alone in a
+fresh process: what it adds to a started process, and a call's time. ``--modules N``: the
+resident set as one process loads N distinct kernels that mlx compiles (run it twice: the
+second run finds them in mlx's PTX cache).
 
 ``--operations``: each mlx operation the backend uses, alone in a fresh process, on 16 pieces of
 `accumulator.PIECE` rows x 128: what its first use adds to the resident set and glibc's heap
@@ -255,6 +262,8 @@ OPERATIONS: dict[str, Callable[[Any, Any], None]] = {
     "astype bfloat16": lambda mx, x: mx.eval(x.astype(mx.bfloat16)),
     "matmul float32": lambda mx, x: mx.eval(x[0].T @ x[0]),
     "sort": lambda mx, x: mx.eval(mx.sort(x, axis=1)),
+    "sort along the last axis (the median's)": lambda mx, x: mx.eval(mx.sort(x[:, :, 0] * 1, axis=1)),
+    "min along the last axis": lambda mx, x: mx.eval((x[:, :, 0] * 1).min(axis=1)),
     "topk": lambda mx, x: mx.eval(mx.topk(x[:, :, 0], 64, axis=1)),
     "Gram kernel (kvsnap's, CUDA)": lambda mx, x: mx.eval(_gram_product(x)),
     "take": lambda mx, x: mx.eval(mx.take(x[0, :, 0], mx.arange(100))),
@@ -287,14 +296,88 @@ def operation(name: str) -> None:
     )
 
 
-def operations() -> None:
+SELECTIONS = {
+    "norms": (True, False, False, False, False, False),
+    "power sums (channel means)": (False, False, False, True, False, False),
+    "rope": (False, False, True, True, False, False),
+    "channels": (False, True, False, True, False, False),
+    "spectrum": (False, False, False, True, True, False),
+    "quant": (False, False, False, False, False, True),
+    "norms, channels": (True, True, False, True, False, False),
+    "all but spectrum": (True, True, True, True, False, True),
+    "all": (True, True, True, True, True, True),
+}
+"""Group selections of the per-piece function (`mlx_kernel._piece_function`'s flags)."""
+
+
+def selection(name: str) -> None:
+    """The per-piece function of one of `SELECTIONS` in this process (batched: 16 bfloat16 pieces
+    of `accumulator.PIECE` rows x 128): what it adds to a started process, and a call's time."""
+    import mlx.core as mx
+
+    from kvsnap.analysis import mlx_kernel
+    from kvsnap.analysis.accumulator import PIECE
+
+    flags = SELECTIONS[name]
+    mx.eval(mx.ones((4,)) + 1)
+    x = mx.random.normal((16, PIECE, 128)).astype(mx.bfloat16)
+    bins = mx.array(np.stack([mlx_kernel._piece_bins(np.arange(PIECE))] * 16))
+    mx.eval(x, bins)
+    before = status()["VmRSS"]
+    function = mlx_kernel._piece_function(*flags, batched=True)
+    inputs = (x, bins) if flags[0] else (x,)
+    began = time.perf_counter()
+    mx.eval(function(*inputs))
+    first = time.perf_counter() - began
+    added = status()["VmRSS"] - before
+    for _ in range(3):
+        mx.eval(function(*inputs))
+    began = time.perf_counter()
+    for _ in range(10):
+        mx.eval(function(*inputs))
+    call = (time.perf_counter() - began) / 10
+    print(
+        json.dumps(
+            {
+                "selection": name,
+                "added MiB": added,
+                "resident MiB": before + added,
+                "first call, s": round(first, 2),
+                "call, ms": round(call * 1e3, 2),
+                "Gram product": "none"
+                if not flags[4]
+                else "kvsnap's CUDA kernel"
+                if any(key[-1] for key in mlx_kernel._COMPILED)  # the key's ``own_gram``
+                else "mlx's matmul",
+            }
+        ),
+        flush=True,
+    )
+
+
+def modules(count: int) -> None:
+    """Resident set as this process loads ``count`` distinct kernels that mlx compiles (one
+    compiled elementwise function each; run twice: the second run finds them cached)."""
+    import mlx.core as mx
+
+    x = mx.random.normal((1 << 20,))
+    mx.eval(x + 1, x.sum())
+    steps = {"started": status()["VmRSS"]}
+    for k in range(1, count + 1):
+        function = mx.compile(lambda a, k=k: mx.sin(a * k + 0.5) * mx.exp(a - k))
+        mx.eval(function(x))
+        if k in (1, 2, 5, 10, 20, 40, 80) or k == count:
+            steps[str(k)] = status()["VmRSS"]
+    print(json.dumps({"resident MiB after this many compiled kernels": steps, **heap()}), flush=True)
+
+
+def fresh_processes(flag: str, names: list[str]) -> None:
+    """Each of ``names`` by ``flag`` in a fresh process of this module."""
     import subprocess
     import sys
 
-    for name in OPERATIONS:
-        subprocess.run(
-            [sys.executable, "-m", "benchmarks.mlx_memory_probe", "--operation", name], check=False
-        )
+    for name in names:
+        subprocess.run([sys.executable, "-m", "benchmarks.mlx_memory_probe", flag, name], check=False)
 
 
 def main() -> None:
@@ -306,11 +389,22 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--operations", action="store_true", help="each operation's first-use cost")
     parser.add_argument("--operation", choices=sorted(OPERATIONS), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--selections", action="store_true", help="each group selection's per-piece function, fresh"
+    )
+    parser.add_argument("--selection", choices=sorted(SELECTIONS), help=argparse.SUPPRESS)
+    parser.add_argument("--modules", type=int, help="resident set as N compiled kernels load")
     args = parser.parse_args()
     if args.operation:
         operation(args.operation)
+    elif args.selection:
+        selection(args.selection)
+    elif args.selections:
+        fresh_processes("--selection", list(SELECTIONS))
+    elif args.modules:
+        modules(args.modules)
     elif args.operations:
-        operations()
+        fresh_processes("--operation", list(OPERATIONS))
     elif args.path:
         one_pass(args.path, args.jobs, args.passes)
     else:

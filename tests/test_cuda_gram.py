@@ -86,3 +86,10 @@ def test_no_compiler_falls_back_with_a_warning(
 def test_a_missing_library_is_named() -> None:
     with pytest.raises(cuda_gram.CudaGramError, match="libkvsnap-absent not found"):
         cuda_gram._library("libkvsnap-absent", ("libkvsnap-absent.so.1",))
+
+
+def test_turned_off_by_the_environment(fresh: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSNAP_CUDA_GRAM", "0")
+    assert cuda_gram.usable() is False and fresh == []  # nothing compiled, no warning
+    monkeypatch.setenv("KVSNAP_CUDA_GRAM", "1")
+    assert cuda_gram.usable() is True and fresh == [(9, 0)]
