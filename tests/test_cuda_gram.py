@@ -93,3 +93,40 @@ def test_turned_off_by_the_environment(fresh: list[tuple[int, int]], monkeypatch
     assert cuda_gram.usable() is False and fresh == []  # nothing compiled, no warning
     monkeypatch.setenv("KVSNAP_CUDA_GRAM", "1")
     assert cuda_gram.usable() is True and fresh == [(9, 0)]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_per_piece_function_takes_its_product_from_the_kernel(
+    monkeypatch: pytest.MonkeyPatch, batched: bool
+) -> None:
+    """Where the kernel is used (CUDA), the compiled function hands its shifted rows to
+    `gram_product` and returns its result as ``product``: here on CPU mlx with a stand-in
+    kernel (mlx's matmul per piece), the outputs equal the plain function's, batched or not."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kvsnap.analysis import mlx_kernel
+
+    seen: list[tuple[int, ...]] = []
+
+    def product(shifted: mx.array) -> mx.array:
+        seen.append(tuple(shifted.shape))
+        return mx.matmul(shifted.transpose(0, 2, 1), shifted)
+
+    flags = (True, True, False, True, True, False)
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((2, 3000, 48)).astype(np.float32)
+    rows[:, 7] *= 30.0
+    bins = np.zeros((2, 3000), np.uint8)
+    x, b = (mx.array(rows), mx.array(bins)) if batched else (mx.array(rows[0]), mx.array(bins[0]))
+    plain = mlx_kernel._to_host(mlx_kernel._piece_function(*flags, batched=batched)(x, b))
+    monkeypatch.setattr(mlx_kernel, "_on_cuda", lambda: True)
+    monkeypatch.setattr(cuda_gram, "usable", lambda: True)
+    monkeypatch.setattr(cuda_gram, "gram_product", product)
+    monkeypatch.setattr(mlx_kernel, "_COMPILED", {})
+    own = mlx_kernel._to_host(mlx_kernel._piece_function(*flags, batched=batched)(x, b))
+    assert seen == [(2, 3000, 48) if batched else (1, 3000, 48)]
+    assert own.keys() == plain.keys() and "shifted" not in own
+    for name in plain:
+        np.testing.assert_allclose(own[name], plain[name], rtol=1e-6, atol=1e-6, err_msg=name)
+    assert (own["heavy"] == 1).all()
