@@ -7,8 +7,8 @@ touches every element: row norms (their sums, extremes, sums per position bin an
 histogram bin, the same bin the host would pick in float64), peaks, channel power sums up to
 the 4th order, channel absmax, the unit-vector sum, the Gram matrix of the rows (less their
 mean, massive rows left out; on CUDA by kvsnap's own kernel, `cuda_gram`) and the 8/4/2-bit
-quantization errors, and per piece the
-histograms of the row norms and peaks and the rows of its top peaks. The host gets back a few
+quantization errors, and per piece the histograms of the row norms and peaks and the rows of
+its top peaks. The host gets back a few
 vectors per piece (nothing per row) and folds them into the accumulator's float64 sums; it adds
 the Gram matrix of massive rows (few; their mask crosses only when a piece has some) in
 float64.
