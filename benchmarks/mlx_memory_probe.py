@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import mlx_device_probe
+
 MIB = 1 << 20
 
 
@@ -297,17 +299,14 @@ def operation(name: str) -> None:
 
 
 SELECTIONS = {
-    "norms": (True, False, False, False, False, False),
+    **mlx_device_probe.SELECTIONS,
     "power sums (channel means)": (False, False, False, True, False, False),
     "rope": (False, False, True, True, False, False),
-    "channels": (False, True, False, True, False, False),
-    "spectrum": (False, False, False, True, True, False),
-    "quant": (False, False, False, False, False, True),
     "norms, channels": (True, True, False, True, False, False),
     "all but spectrum": (True, True, True, True, False, True),
-    "all": (True, True, True, True, True, True),
 }
-"""Group selections of the per-piece function (`mlx_kernel._piece_function`'s flags)."""
+"""Group selections of the per-piece function (`mlx_kernel._piece_function`'s flags): the device
+probe's, and the combinations session 19 measured."""
 
 
 def selection(name: str) -> None:
@@ -316,13 +315,10 @@ def selection(name: str) -> None:
     import mlx.core as mx
 
     from kvsnap.analysis import mlx_kernel
-    from kvsnap.analysis.accumulator import PIECE
 
     flags = SELECTIONS[name]
     mx.eval(mx.ones((4,)) + 1)
-    x = mx.random.normal((16, PIECE, 128)).astype(mx.bfloat16)
-    bins = mx.array(np.stack([mlx_kernel._piece_bins(np.arange(PIECE))] * 16))
-    mx.eval(x, bins)
+    x, bins = mlx_device_probe._inputs("bfloat16", 16)
     before = status()["VmRSS"]
     function = mlx_kernel._piece_function(*flags, batched=True)
     inputs = (x, bins) if flags[0] else (x,)
