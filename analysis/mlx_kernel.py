@@ -725,7 +725,7 @@ second pass over the 8.6 GB fp32 file took 3.66 s in one process, 2.65 s on 4 wo
 
 PROCESS_MEMORY = 8 << 30
 """Bytes of the machine's memory per such process, at most: each holds its own mlx and device
-context (on CUDA 0.95-1.1 GiB resident at its peak, ~1.4 GiB where it compiles the kernels,
+context (on CUDA 0.95-1.05 GiB resident at its peak, ~1.4 GiB where it compiles the kernels,
 most of it its own), so a machine with little memory runs few."""
 
 
@@ -767,6 +767,29 @@ def row_threads(share: int = 1) -> int:
     return max(1, cores() // 4 // share)
 
 
+BATCH_MIB = 32
+"""Stored rows per device call (`Pipeline`) in a pass that drives the device from one process,
+MiB; ``KVSNAP_MLX_BATCH_MIB`` overrides it and `WORKER_BATCH_MIB`."""
+
+WORKER_BATCH_MIB = 16
+"""The same in each of a pass's worker processes (`analysis.processes`), where a process's host
+memory is what counts (on CUDA the staging buffers live there). H200, 12 processes, fp32 file
+(`benchmarks/RESULTS.md`, session 20): the largest worker 1052 -> 1002 MiB against 32 MiB
+batches, the pass 0.85-0.90 -> 1.02-1.16 s; in one process 16 MiB cost more (fp32 2.91 -> 3.97 s,
+bf16 0.57 -> 0.85 s) and saved nothing that reaches 1 GiB there."""
+
+
+def batch_bytes(worker: bool = False) -> int:
+    """`BATCH_MIB`, or `WORKER_BATCH_MIB` for a ``worker`` process (or ``KVSNAP_MLX_BATCH_MIB``,
+    a whole number of MiB from 1 to 4096), in bytes."""
+    text = os.environ.get("KVSNAP_MLX_BATCH_MIB", "").strip()
+    if not text:
+        return (WORKER_BATCH_MIB if worker else BATCH_MIB) << 20
+    if not text.isdigit() or not 1 <= int(text) <= 4096:
+        raise ValueError(f"KVSNAP_MLX_BATCH_MIB={text!r}: a whole number of MiB from 1 to 4096")
+    return int(text) << 20
+
+
 def _host_view(array: Any) -> np.ndarray:
     """The memory of an evaluated mlx array as a numpy array (no copy where mlx allows it)."""
     return np.asarray(memoryview(array))
@@ -778,12 +801,15 @@ class Pipeline:
     it on the device, results folded into the accumulators on one fold thread (in order) while
     the device works on the next. A pass marks each layer's end (`mark`) rather than draining
     the pipeline there: the layer's rows are computed once its mark is done, while the next
-    layers are read, copied and computed. Device memory: three batches' staging buffers (``3 x limit``),
-    one batch's float32 copies and outputs; host memory: the results of the batches waiting for
-    the fold thread (a few vectors and a ``dim x dim`` matrix per piece)."""
+    layers are read, copied and computed. Device memory: two batches' staging buffers
+    (``2 x limit``, `flush`), one batch's float32 copies and outputs; host memory: the results of
+    the batches waiting for the fold thread (a few vectors and a ``dim x dim`` matrix per
+    piece)."""
 
-    def __init__(self, limit: int = 32 << 20, staging: bool = True, copy_threads: int | None = None) -> None:
-        self.limit = limit
+    def __init__(
+        self, limit: int | None = None, staging: bool = True, copy_threads: int | None = None
+    ) -> None:
+        self.limit = batch_bytes() if limit is None else limit
         self._staging = Staging.create(copy_threads) if staging else None
         self._entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray, Any]] = []
         self._after: list[Callable[[], None]] = []
@@ -820,8 +846,14 @@ class Pipeline:
             self.flush()
 
     def flush(self) -> None:
-        """Start copying what is queued; launch the batch copied before it (its copies ran while
-        this one was read); fetch the batch launched before that and queue its folding."""
+        """Launch the batch copied before (its copies ran while this one was read), fetch the
+        batch launched before that and queue its folding, then start copying what is queued.
+        In that order: the fetched batch's staging buffers are free again and the launched
+        batch's file pages released before this one's copies take a buffer and map pages, so
+        a pass holds two batches' staging buffers and one batch's pages, not three and two."""
+        launching, self._copying = self._copying, None
+        if launching is not None:
+            self._launch(launching)
         batch = _Batch(self._entries, self._folder, self._staging, self._after) if self._entries else None
         if batch is None:
             for after in self._after:
@@ -832,9 +864,7 @@ class Pipeline:
                 batch.add_mark(mark)
             self._marks = []
         self._entries, self._after, self._bytes = [], [], 0
-        launching, self._copying = self._copying, batch
-        if launching is not None:
-            self._launch(launching)
+        self._copying = batch
         while len(self._folding) > 2:  # bounded host memory: results wait for the fold thread
             self._folding.popleft().result()
 

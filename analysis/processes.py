@@ -32,11 +32,11 @@ batch (``max(8 MiB, block)``, released once added; small segments: of one window
 work buffers of 6144 x head_dim, and one task's segments and accumulators; in the parent: the
 pass's segment list (as the one-worker pass holds it) and the accumulators of at most ``2 x
 workers`` tasks in flight plus the layers waiting for them. On mlx a worker also holds its
-device pipeline (`mlx_kernel.Pipeline`: three batches' staging buffers, results waiting to be
-folded) and mlx's own footprint, most of its memory on CUDA: mlx, its CUDA context and the code
-of every kernel it has loaded (H200, kernels cached from an earlier run: 974 MiB at its peak
-on the bf16 benchmark file, 1102 MiB on the fp32 one; ~1.4 GiB in a worker that compiles them
-itself, `benchmarks/RESULTS.md`, session 19).
+device pipeline (`mlx_kernel.Pipeline`: two batches' staging buffers of 16 MiB, results waiting
+to be folded) and mlx's own footprint, most of its memory on CUDA: mlx, its CUDA context and the
+code of every kernel it has loaded (H200, kernels cached from an earlier run: 974 MiB at its
+peak on the bf16 benchmark file, 1002 MiB by its own peak counter and 1041-1054 MiB sampled on
+the fp32 one; ~1.4 GiB in a worker that compiles them itself, `benchmarks/RESULTS.md`, session 20).
 """
 
 from __future__ import annotations
@@ -412,9 +412,9 @@ def _device(workers: int) -> tuple[Pipeline, ThreadPoolExecutor]:
     compiled device functions serve the tasks that follow."""
     global _DEVICE, _ROW_THREADS
     if _DEVICE is None:
-        from kvsnap.analysis.mlx_kernel import Pipeline, copy_threads, row_threads
+        from kvsnap.analysis.mlx_kernel import Pipeline, batch_bytes, copy_threads, row_threads
 
-        pipeline = Pipeline(copy_threads=copy_threads(workers))
+        pipeline = Pipeline(batch_bytes(worker=True), copy_threads=copy_threads(workers))
         _ROW_THREADS = row_threads(workers)
         _DEVICE = pipeline, ThreadPoolExecutor(_ROW_THREADS, thread_name_prefix="kvsnap-rows")
     return _DEVICE

@@ -217,6 +217,51 @@ def test_staged_and_copied_batches_give_the_same_sums(tmp_path: Path) -> None:
             np.testing.assert_array_equal(np.asarray(staged[name]), np.asarray(value), err_msg=name)
 
 
+def test_a_pass_holds_two_batches_of_staging_buffers_and_one_of_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many batches of one shape: a batch's copies start only after the batch before it has
+    been launched (its pages released) and the one before that fetched (its buffers given
+    back), so at most two batches' buffers and one batch's unreleased pages exist at a time;
+    the sums are the unstaged pipeline's."""
+    from kvsnap.analysis import accumulator
+
+    live: list[int] = []
+    taken: list[int] = []
+    unreleased: list[int] = []
+    pages: list[int] = []
+    original_take, original_back = mlx_kernel.Staging._take, mlx_kernel.Staging.give_back
+
+    def take(self: mlx_kernel.Staging, shape: tuple[int, ...], dtype: Any) -> Any:
+        live.append(1)
+        taken.append(len(live))
+        pages.append(len(unreleased))  # batches copied but not released when this one starts
+        unreleased.append(1)
+        return original_take(self, shape, dtype)
+
+    def give_back(self: mlx_kernel.Staging, buffers: list[Any]) -> None:
+        del live[: len(buffers)]
+        original_back(self, buffers)
+
+    monkeypatch.setattr(mlx_kernel.Staging, "_take", take)
+    monkeypatch.setattr(mlx_kernel.Staging, "give_back", give_back)
+    rng = np.random.default_rng(3)
+    pieces = [rng.standard_normal((512, 32)).astype(np.float32) for _ in range(24)]
+    sums = []
+    for staging in (True, False):
+        accs = []
+        with mlx_kernel.Pipeline(limit=2 * pieces[0].nbytes, staging=staging) as pipeline:
+            for i, x in enumerate(pieces):
+                acc = accumulator.HeadAccumulator(32, backend="mlx")
+                after = (lambda: unreleased.pop()) if i % 2 else None  # a batch's last piece
+                pipeline.add(acc, x, np.arange(len(x)), after=after if staging else None)
+                accs.append(acc)
+            pipeline.finish()
+        sums.append([acc.norm_sq_sum for acc in accs])
+    assert len(taken) == 12 and max(taken) == 2 and max(pages) == 0 and not unreleased
+    assert sums[0] == sums[1]
+
+
 def test_a_corrupt_chunk_stops_the_mlx_pass_with_its_error(tmp_path: Path) -> None:
     """A checksum error on a reader thread reaches the caller (no hang, no partial table)."""
     path = random_file(tmp_path / "r.kv", np.float32, 64, 500)
@@ -600,3 +645,19 @@ def test_an_mlx_pass_folds_stacked_groups(
     got = stats_rows(path, backend="mlx", jobs=1)
     assert calls and all(calls)
     assert_close(got, stats_rows(path, jobs=1))
+
+
+def test_batch_bytes_one_process_workers_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """32 MiB per device call in one process, 16 MiB in a worker process (host memory per
+    process is what counts there); ``KVSNAP_MLX_BATCH_MIB`` sets both, and a bad value names it."""
+    monkeypatch.delenv("KVSNAP_MLX_BATCH_MIB", raising=False)
+    assert mlx_kernel.batch_bytes() == 32 << 20
+    assert mlx_kernel.batch_bytes(worker=True) == 16 << 20
+    with mlx_kernel.Pipeline(staging=False) as pipeline:
+        assert pipeline.limit == 32 << 20
+    monkeypatch.setenv("KVSNAP_MLX_BATCH_MIB", "8")
+    assert mlx_kernel.batch_bytes() == mlx_kernel.batch_bytes(worker=True) == 8 << 20
+    for bad in ("0", "-4", "1.5", "lots", "5000"):
+        monkeypatch.setenv("KVSNAP_MLX_BATCH_MIB", bad)
+        with pytest.raises(ValueError, match="KVSNAP_MLX_BATCH_MIB"):
+            mlx_kernel.batch_bytes()
