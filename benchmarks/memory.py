@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def descendants(root: int) -> list[int]:
@@ -75,3 +76,41 @@ def run_sampled(command: list[str], env: dict[str, str] | None = None, interval:
     if process.returncode:
         raise subprocess.CalledProcessError(process.returncode, command, stdout, stderr)
     return Sampled(stdout, tree_pss, largest_rss)
+
+
+@dataclass
+class TreeSampler:
+    """The largest resident set of each process below ``root`` (itself included), sampled every
+    ``interval`` s on a thread while in use (``with TreeSampler(pid) as sampler: ...``), in
+    ``peaks`` (pid: bytes). ``VmHWM`` alone is not enough: on the H200 machine it missed ~50 MiB
+    peaks of mlx workers that these samples caught (`benchmarks/RESULTS.md`, session 20)."""
+
+    root: int
+    interval: float = 0.02
+    peaks: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvsnap-memory-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval):
+                return
+
+    def sample(self) -> None:
+        """One look at every process of the tree."""
+        for pid in descendants(self.root):
+            resident = rss(pid)
+            if resident > self.peaks.get(pid, 0):
+                self.peaks[pid] = resident
+
+    def __enter__(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()

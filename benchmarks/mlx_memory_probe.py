@@ -25,9 +25,11 @@ memory as ``[anon]``).
 
 ``--pass FILE``: `stats_for_file` over FILE on mlx with ``--jobs`` workers (worker processes where
 `mlx_kernel.processes` gives more than one), ``--passes`` times, then for this process, its
-helpers and every worker: resident and proportional set, peak resident set (``VmHWM``), private
-dirty and anonymous memory (``smaps_rollup``); a summary (the largest worker's peak, the
-workers' proportional sets summed) and the largest mappings of the largest worker.
+helpers and every worker: resident and proportional set, peak resident set (``VmHWM``, and
+the largest of samples taken every 20 ms during the passes: ``VmHWM`` missed ~50 MiB peaks of
+mlx workers on the H200, session 20), private dirty and anonymous memory (``smaps_rollup``); a
+summary (the largest worker's peaks, the workers' proportional sets summed) and the largest
+mappings of the largest worker.
 
 On the H200 machine (sessions 17-18) the device's arrays did not show in the resident set (1
 GiB of ``mx.zeros``: +0 MiB). The kernels did, as code loaded at their first use: ~760 MiB of
@@ -194,14 +196,16 @@ def steps() -> None:
 
 
 def one_pass(path: str, jobs: int, passes: int) -> None:
-    from benchmarks.memory import descendants
+    from benchmarks.memory import TreeSampler, descendants
     from kvsnap.analysis import processes
     from kvsnap.analysis.stats import stats_for_file
 
-    for index in range(passes):
-        began = time.perf_counter()
-        rows = sum(t.num_rows for t in stats_for_file(path, stats="all", jobs=jobs, backend="mlx"))
-        print(json.dumps({"pass": index, "rows": rows, "seconds": round(time.perf_counter() - began, 3)}))
+    with TreeSampler(os.getpid()) as sampler:
+        for index in range(passes):
+            began = time.perf_counter()
+            rows = sum(t.num_rows for t in stats_for_file(path, stats="all", jobs=jobs, backend="mlx"))
+            seconds = round(time.perf_counter() - began, 3)
+            print(json.dumps({"pass": index, "rows": rows, "seconds": seconds}), flush=True)
     pids = descendants(os.getpid())
     parents, commands = {}, {}
     for pid in pids:
@@ -223,7 +227,9 @@ def one_pass(path: str, jobs: int, passes: int) -> None:
         else:
             role = "worker"
         try:
-            shown.append({"pid": pid, "role": role, "command": command[:60], **status(pid), **rollup(pid)})
+            entry = {"pid": pid, "role": role, "command": command[:60], **status(pid)}
+            entry["sampled peak"] = sampler.peaks.get(pid, 0) // MIB
+            shown.append({**entry, **rollup(pid)})
         except OSError:
             continue
     for entry in shown:
@@ -234,6 +240,7 @@ def one_pass(path: str, jobs: int, passes: int) -> None:
     summary = {
         "computing processes": len(workers),
         "largest peak resident set (VmHWM), MiB": largest["VmHWM"],
+        "largest resident set sampled every 20 ms, MiB": max(entry["sampled peak"] for entry in workers),
         "largest resident set now, MiB": max(entry["VmRSS"] for entry in workers),
         "their proportional sets, summed, MiB": sum(entry["Pss"] for entry in workers),
     }
