@@ -82,8 +82,8 @@ def run_sampled(command: list[str], env: dict[str, str] | None = None, interval:
 class TreeSampler:
     """The largest resident set of each process below ``root`` (itself included), sampled every
     ``interval`` s on a thread while in use (``with TreeSampler(pid) as sampler: ...``), in
-    ``peaks`` (pid: bytes). ``VmHWM`` alone is not enough: on the H200 machine it missed ~50 MiB
-    peaks of mlx workers that these samples caught (`benchmarks/RESULTS.md`, session 20)."""
+    ``peaks`` (pid: bytes). On the H200 machine samples like these saw mlx workers ~50 MiB above
+    the ``VmHWM`` that another run of the same pass reported (`benchmarks/RESULTS.md`, session 20)."""
 
     root: int
     interval: float = 0.02

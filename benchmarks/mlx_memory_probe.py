@@ -26,10 +26,10 @@ memory as ``[anon]``).
 ``--pass FILE``: `stats_for_file` over FILE on mlx with ``--jobs`` workers (worker processes where
 `mlx_kernel.processes` gives more than one), ``--passes`` times, then for this process, its
 helpers and every worker: resident and proportional set, peak resident set (``VmHWM``, and
-the largest of samples taken every 20 ms during the passes: ``VmHWM`` missed ~50 MiB peaks of
-mlx workers on the H200, session 20), private dirty and anonymous memory (``smaps_rollup``); a
-summary (the largest worker's peaks, the workers' proportional sets summed) and the largest
-mappings of the largest worker.
+the largest of samples taken every 20 ms during the passes: on the H200, session 20, sampled
+runs saw mlx workers ~50 MiB above the ``VmHWM`` of another run), private dirty and anonymous
+memory (``smaps_rollup``); a summary (the largest worker's peaks, the workers' proportional
+sets summed) and the largest mappings of the largest worker.
 
 On the H200 machine (sessions 17-18) the device's arrays did not show in the resident set (1
 GiB of ``mx.zeros``: +0 MiB). The kernels did, as code loaded at their first use: ~760 MiB of

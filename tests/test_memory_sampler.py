@@ -1,5 +1,5 @@
 """`benchmarks.memory.TreeSampler`: the peaks of a process tree's resident sets, sampled on a
-thread (the benchmarks' memory figures; ``VmHWM`` alone missed peaks on the H200 machine)."""
+thread (the benchmarks' memory figures, beside ``VmHWM``)."""
 
 from __future__ import annotations
 
