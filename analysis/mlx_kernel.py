@@ -774,9 +774,9 @@ MiB; ``KVSNAP_MLX_BATCH_MIB`` overrides it and `WORKER_BATCH_MIB`."""
 WORKER_BATCH_MIB = 16
 """The same in each of a pass's worker processes (`analysis.processes`), where a process's host
 memory is what counts (on CUDA the staging buffers live there). H200, 12 processes, fp32 file
-(`benchmarks/RESULTS.md`, session 20): the largest worker 1052 -> 1002 MiB against 32 MiB
-batches, the pass 0.85-0.90 -> 1.02-1.16 s; in one process 16 MiB cost more (fp32 2.91 -> 3.97 s,
-bf16 0.57 -> 0.85 s) and saved nothing that reaches 1 GiB there."""
+(`benchmarks/RESULTS.md`, session 20): the largest worker 1052 -> 1002 MiB (``VmHWM``)
+against 32 MiB batches, the pass 0.85-0.90 -> 1.02-1.16 s; in one process 16 MiB cost more
+(fp32 2.91 -> 3.97 s, bf16 0.57 -> 0.85 s) and saved nothing that reaches 1 GiB there."""
 
 
 def batch_bytes(worker: bool = False) -> int:
