@@ -200,11 +200,13 @@ def _piece(
         error = mx.square(restored - g)
         return error.reshape(error.shape[0], -1).sum(axis=1)
 
-    def quant_errors(x: Any) -> tuple[Any, Any]:
-        """Per bit width: per-row sums of the per-token error ``(bits, n)`` and per-group sums
-        of the per-channel error ``(bits, groups)``."""
+    def quant_errors(x: Any) -> tuple[list[Any], list[list[Any]]]:
+        """Per bit width: per-row sums of the per-token error ``(n,)``, and per-group sums of
+        the per-channel error in one or two parts (whole groups of rows, the rest), to be
+        joined on the host (`_join`)."""
         n, dim = x.shape
-        token, channel = [], []
+        token: list[Any] = []
+        channel: list[list[Any]] = []
         for bits in QUANT_BITS:
             levels = (1 << bits) - 1
             full = dim - dim % QUANT_GROUP
@@ -216,8 +218,8 @@ def _piece(
             if full < n:
                 parts.append(group_error(x[full:][None], levels, 1))
             token.append(t)
-            channel.append(mx.concatenate(parts))
-        return mx.stack(token), mx.stack(channel)
+            channel.append(parts)
+        return token, channel
 
     def bin_of(values: Any, logs: Any, edges: Any) -> Any:
         """`catalogue.hist_index` of ``values`` (``logs``: their log10), exactly as the host
@@ -236,20 +238,25 @@ def _piece(
         index = bin_of(values, logs, edges)
         return mx.zeros((BINS,), mx.int32).at[index].add(mx.ones(index.shape, mx.int32))
 
-    def top_rows(peaks: Any) -> tuple[Any, Any]:
+    def top_rows(peaks: Any) -> tuple[list[Any], list[Any]]:
         """The rows of the ``k = min(TOP_K, n)`` largest peaks, ties to the later rows (the order
         of `kernel.top_rows`), as two ``(k,)`` int32 index sets padded with -1: the rows above
         the k-th largest peak (fewer than k), and the latest k rows at it (the host takes as
         many as are missing). Non-negative floats order as their bits, NaN above inf, as on
-        the host; with their ``(2, k)`` peaks."""
-        k = min(TOP_K, peaks.shape[0])
+        the host; with their peaks. The k-th largest is the partition's element at ``n - k``
+        (no reduction over the partition's strided slice), and the index sets are made
+        contiguous by an elementwise op: on CUDA a reduction, stack or host copy of a strided
+        array runs mlx's general copy kernels, whose code costs a process ~65 MiB or more of
+        host memory (`benchmarks/RESULTS.md`, session 20)."""
+        n = peaks.shape[0]
+        k = min(TOP_K, n)
         bits = peaks.view(mx.int32)
-        kth = mx.topk(bits, k).min()
-        index = mx.arange(peaks.shape[0], dtype=mx.int32)
-        above = mx.topk(mx.where(bits > kth, index, -1), k)
-        level = mx.topk(mx.where(bits == kth, index, -1), k)
-        rows = mx.stack([above, level])
-        return rows, mx.take(peaks, mx.maximum(rows, 0))
+        kth = mx.partition(bits, n - k)[n - k]
+        index = mx.arange(n, dtype=mx.int32)
+        above = mx.topk(mx.where(bits > kth, index, -1), k) + 0  # + 0: a contiguous copy
+        level = mx.topk(mx.where(bits == kth, index, -1), k) + 0
+        rows = [above, level]
+        return rows, [mx.take(peaks, mx.maximum(r, 0)) for r in rows]
 
     def piece(stored: Any, bins: Any = None) -> dict[str, Any]:
         # float32 rows the device reads over the bus (``copy``): one read into device memory;
@@ -264,7 +271,8 @@ def _piece(
             norm = mx.sqrt(sq)
             out["unit"] = column_sums(x / mx.maximum(norm, 1e-30)[:, None])
             out["norm_sum"] = column_sums(norm)
-            out["norm_min"], out["norm_max"], out["norm_first"] = norm.min(), norm.max(), norm[0]
+            out["norm_min"], out["norm_max"] = norm.min(), norm.max()
+            out["norm_first"] = norm[0] + 0.0  # contiguous when batched (see `top_rows`)
             out["norm_hist"] = histogram(sq, 0.5 * mx.log10(sq), square_edges)
             by_bin = bins[:, None] == mx.arange(POSITION_BINS).astype(mx.uint8)[None, :]
             out["position_norm"] = column_sums(mx.where(by_bin, norm[:, None], 0.0))
@@ -276,13 +284,15 @@ def _piece(
             d = x - shift
             d2 = d * d
             out["shift"] = shift
-            out["central"] = mx.stack(
-                [column_sums(d), column_sums(d2), column_sums(d2 * d), column_sums(d2 * d2)]
-            )
+            # in parts, joined on the host (`_join`): no stack on the device (see `top_rows`)
+            for power, term in enumerate((d, d2, d2 * d, d2 * d2)):
+                out[f"central:{power}"] = column_sums(term)
         if channels:
             magnitude = mx.abs(x)
             peaks = magnitude.max(axis=1)
-            out["top_rows"], out["top_peaks"] = top_rows(peaks)
+            rows, row_peaks = top_rows(peaks)
+            for part, (r, p) in enumerate(zip(rows, row_peaks, strict=True)):
+                out[f"top_rows:{part}"], out[f"top_peaks:{part}"] = r, p
             out["peak_hist"] = histogram(peaks, mx.log10(peaks), peak_edges)
             out["absmax"] = magnitude.max(axis=0)
         if gram:
@@ -301,8 +311,11 @@ def _piece(
             else:
                 out["product"] = shifted.T @ shifted
         if quant:
-            token, out["quant_channel"] = quant_errors(x)
-            out["quant_token"] = column_sums(token.T)  # (bits,): the per-row errors summed
+            token, channel = quant_errors(x)
+            for bits, (t, parts) in enumerate(zip(token, channel, strict=True)):
+                out[f"quant_token:{bits}"] = column_sums(t)  # the per-row errors summed
+                for part, groups in enumerate(parts):
+                    out[f"quant_channel:{bits}:{part}"] = groups
         return out
 
     return piece
@@ -954,11 +967,36 @@ class Pipeline:
 
 
 def _to_host(outputs: dict[str, Any]) -> dict[str, np.ndarray]:
-    """A call's outputs copied to host memory; the per-row mask ``light`` only when a piece has
-    heavy rows (rare: the host then adds their Gram in float64)."""
+    """A call's outputs copied to host memory (parts joined, `_join`); the per-row mask
+    ``light`` only when a piece has heavy rows (rare: the host then adds their Gram in
+    float64)."""
     host = {name: np.array(value) for name, value in outputs.items() if name != "light"}
     if "light" in outputs and host["heavy"].any():
         host["light"] = np.array(outputs["light"])
+    return _join(host)
+
+
+def _join(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The outputs the device returns in parts, joined (the device stacks nothing: on CUDA that
+    runs mlx's general copy kernels, `_piece`'s ``top_rows``), batched ``(B, ...)`` or not:
+    ``central`` ``(..., 4, dim)`` from ``central:p``; ``top_rows`` and ``top_peaks``
+    ``(..., 2, k)``; ``quant_token`` ``(..., bits)`` from ``quant_token:b``; ``quant_channel``
+    ``(..., bits, groups)`` from ``quant_channel:b:i`` (a bit width's groups in parts)."""
+    parts: dict[str, dict[tuple[int, ...], np.ndarray]] = {}
+    for key in [key for key in host if ":" in key]:
+        name, *index = key.split(":")
+        parts.setdefault(name, {})[tuple(int(i) for i in index)] = host.pop(key)
+    for name, pieces in parts.items():
+        if name == "quant_channel":
+            widths = sorted({index[0] for index in pieces})
+            joined = [
+                np.concatenate([pieces[i] for i in sorted(i for i in pieces if i[0] == b)], axis=-1)
+                for b in widths
+            ]
+            host[name] = np.stack(joined, axis=-2)
+        else:
+            ordered = [pieces[index] for index in sorted(pieces)]
+            host[name] = np.stack(ordered, axis=-1 if name == "quant_token" else -2)
     return host
 
 
@@ -988,7 +1026,7 @@ def settle(acc: HeadAccumulator) -> None:
         pending.fold()
         return
     acc._pending = None
-    host = {k: np.array(v)[None] for k, v in pending.outputs.items()}
+    host = _join({k: np.array(v)[None] for k, v in pending.outputs.items()})
     _fold_group([(acc, pending.rows, pending.positions)], host)
 
 

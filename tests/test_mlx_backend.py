@@ -661,3 +661,33 @@ def test_batch_bytes_one_process_workers_and_the_environment(monkeypatch: pytest
         monkeypatch.setenv("KVSNAP_MLX_BATCH_MIB", bad)
         with pytest.raises(ValueError, match="KVSNAP_MLX_BATCH_MIB"):
             mlx_kernel.batch_bytes()
+
+
+def test_the_per_piece_function_stacks_nothing_on_the_device(tmp_path: Path) -> None:
+    """The batched per-piece function of every group has no Concatenate in its graph (stacks
+    and concatenations on CUDA run mlx's general copy kernels, whose code costs each process
+    host memory) and its outputs join on the host into the shapes the fold takes."""
+    import mlx.core as mx
+
+    from kvsnap.analysis.accumulator import PIECE
+    from kvsnap.analysis.catalogue import QUANT_BITS, QUANT_GROUP, TOP_K
+
+    n = PIECE - 5  # whole groups of rows and a rest: the channel errors come in two parts
+    rng = np.random.default_rng(2)
+    rows = mx.array(rng.standard_normal((3, n, 64)).astype(np.float32))
+    bins = mx.array(np.stack([mlx_kernel._piece_bins(np.arange(n))] * 3))
+    piece = mlx_kernel._piece(True, True, True, True, True, True)
+    outputs = mx.vmap(piece)(rows, bins)
+    mx.export_to_dot(str(tmp_path / "graph.dot"), *outputs.values())
+    graph = (tmp_path / "graph.dot").read_text()
+    assert 'label ="Sum"' in graph and "Concatenate" not in graph
+    assert "quant_channel:0:1" in outputs
+    host = mlx_kernel._join({name: np.array(value) for name, value in outputs.items()})
+    assert not any(":" in name for name in host)
+    assert host["central"].shape == (3, 4, 64)
+    assert host["top_rows"].shape == host["top_peaks"].shape == (3, 2, TOP_K)
+    assert host["quant_token"].shape == (3, len(QUANT_BITS))
+    assert host["quant_channel"].shape == (3, len(QUANT_BITS), -(-n // QUANT_GROUP))
+    one = mlx_kernel._join({name: np.array(value[0]) for name, value in outputs.items()})
+    for name, value in one.items():
+        np.testing.assert_array_equal(value, host[name][0], err_msg=name)
