@@ -738,7 +738,7 @@ second pass over the 8.6 GB fp32 file took 3.66 s in one process, 2.65 s on 4 wo
 
 PROCESS_MEMORY = 8 << 30
 """Bytes of the machine's memory per such process, at most: each holds its own mlx and device
-context (on CUDA 0.95-1.05 GiB resident at its peak, ~1.4 GiB where it compiles the kernels,
+context (on CUDA 0.90-0.93 GiB resident at its peak, ~1.4 GiB where it compiles the kernels,
 most of it its own), so a machine with little memory runs few."""
 
 
