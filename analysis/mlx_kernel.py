@@ -246,8 +246,8 @@ def _piece(
         the host; with their peaks. The k-th largest is the partition's element at ``n - k``
         (no reduction over the partition's strided slice), and the index sets are made
         contiguous by an elementwise op: on CUDA a reduction, stack or host copy of a strided
-        array runs mlx's general copy kernels, whose code costs a process ~65 MiB or more of
-        host memory (`benchmarks/RESULTS.md`, session 20)."""
+        array runs mlx's general copy kernels, whose code cost each CUDA worker ~100 MiB of
+        host memory (`benchmarks/RESULTS.md`, sessions 20 and 21)."""
         n = peaks.shape[0]
         k = min(TOP_K, n)
         bits = peaks.view(mx.int32)
