@@ -34,9 +34,9 @@ pass's segment list (as the one-worker pass holds it) and the accumulators of at
 workers`` tasks in flight plus the layers waiting for them. On mlx a worker also holds its
 device pipeline (`mlx_kernel.Pipeline`: two batches' staging buffers of 16 MiB, results waiting
 to be folded) and mlx's own footprint, most of its memory on CUDA: mlx, its CUDA context and the
-code of every kernel it has loaded (H200, kernels cached from an earlier run: 974 MiB at its
-peak on the bf16 benchmark file, 1002 MiB by its own peak counter and 1041-1054 MiB sampled on
-the fp32 one; ~1.4 GiB in a worker that compiles them itself, `benchmarks/RESULTS.md`, session 20).
+code of every kernel it has loaded (H200, kernels cached from an earlier run: 932 MiB at its
+peak on the bf16 benchmark file, 899 MiB on the fp32 one, sampled every 50 ms; ~1.4 GiB in a
+worker that compiles them itself, `benchmarks/RESULTS.md`, session 21).
 """
 
 from __future__ import annotations
