@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvformat.checksum import crc32c
+from kvsnap.analysis import finite
 from kvsnap.analysis.catalogue import (
     ALL,
     BINS,
@@ -160,6 +161,8 @@ class HeadAccumulator:
     quant_token: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
     quant_channel: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
     backend: str = "cpu"  # "cpu": the compiled kernel (or numpy); "mlx": mlx on its default device
+    nonfinite_rows: int = 0  # rows left out of every sum: they held inf or NaN (`analysis.finite`)
+    nonfinite_values: int = 0  # the inf and NaN values in those rows
     _pending: Any = field(default=None, init=False, repr=False, compare=False)  # mlx: a piece in flight
     _row: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
     _flag_array: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
@@ -186,12 +189,16 @@ class HeadAccumulator:
         `kvformat.Snapshot.read_unchecked`) must have. The compiled path checksums each piece
         just before the kernel reads it, so the kernel finds it in cache instead of reading it
         from memory a second time; a mismatch raises `kvformat.ChecksumError` once the rows are
-        added, and the accumulator then holds them: it is to be dropped, as the pass does."""
+        added, and the accumulator then holds them: it is to be dropped, as the pass does.
+
+        Rows holding an inf or NaN are left out and counted (`drop_nonfinite`)."""
         self._check_open()
         self._row = None
         if check is not None and (self.backend == "mlx" or not _kernel().AVAILABLE):
             check.check(crc32c(bytes_of(rows)))
             check = None
+        if self.backend == "mlx" or not _kernel().AVAILABLE:
+            rows, positions = self.drop_nonfinite(rows, positions)
         if self.backend == "mlx":
             from kvsnap.analysis import mlx_kernel
 
@@ -204,6 +211,14 @@ class HeadAccumulator:
                 self._add_compiled(rows, positions, check)
         else:
             self._add_numpy(rows, positions)
+
+    def drop_nonfinite(self, rows: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``rows`` ``(n, dim)`` and ``positions`` without the rows that hold inf or NaN, counted
+        in `nonfinite_rows` / `nonfinite_values` (the same arrays when there are none)."""
+        kept, kept_positions, bad_rows, bad_values = finite.split(rows, positions)
+        self.nonfinite_rows += bad_rows
+        self.nonfinite_values += bad_values
+        return kept, kept_positions
 
     def _flags(self) -> np.ndarray:
         if self._flag_array is not None:
@@ -240,10 +255,13 @@ class HeadAccumulator:
             if check is not None:
                 crc = crc32c(bytes_of(rows[start : start + KERNEL_ROWS]), crc)
             x = float32_rows(rows[start : start + KERNEL_ROWS], reuse=True)
+            pos = positions[start : start + x.shape[0]]
+            if finite.any_nonfinite(x):  # cache-hot: the kernel reads the piece next
+                x, pos = self.drop_nonfinite(x, pos)
+                x = np.ascontiguousarray(x)
             n = x.shape[0]
             if not n:
                 continue
-            pos = positions[start : start + n]
             peak_bits = np.empty(n, np.int32)
             square_norms = np.empty(n)
             sums[:] = 0.0
@@ -415,6 +433,8 @@ class HeadAccumulator:
             )
         self._row = None
         self.count += other.count
+        self.nonfinite_rows += other.nonfinite_rows
+        self.nonfinite_values += other.nonfinite_values
         self.norm_sum += other.norm_sum
         self.norm_sq_sum += other.norm_sq_sum
         self.norm_min = min(self.norm_min, other.norm_min)

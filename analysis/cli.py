@@ -10,8 +10,51 @@ from collections.abc import Callable
 from typing import Any
 
 from kvformat.cli import non_negative_int, positive_float, positive_int, storage_options
+from kvformat.outputs import check_output, output_path
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
+
+
+def _inputs(args: argparse.Namespace) -> list[str]:
+    """The local files a command reads (patterns expanded), to keep its outputs off them."""
+    import glob
+
+    names = [getattr(args, name) for name in ("file", "a", "b") if getattr(args, name, None)]
+    names += list(getattr(args, "files", None) or [])
+    found: list[str] = []
+    for name in names:
+        found.append(name)
+        if "://" not in name and glob.has_magic(name):
+            found += glob.glob(name, recursive=True)
+    return found
+
+
+def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Before any work: every output the command will write is allowed (`kvformat.outputs`)."""
+    del parser
+    for option in ("output", "plot"):
+        path = getattr(args, option, None)
+        if path:
+            folder = option == "output" and args.func is _export
+            check_output(path, inputs=_inputs(args), force=args.force, folder=folder)
+    if getattr(args, "output", None) and getattr(args, "plot", None):
+        from kvformat.outputs import same_file
+
+        if same_file(args.output, args.plot):
+            raise ValueError(f"-o and --plot name the same file {args.output}")
+
+
+def _save_parquet(table: Any, path: str, args: argparse.Namespace) -> None:
+    """Write ``table`` to ``path`` through a temporary name; say where."""
+    with output_path(path, inputs=_inputs(args), force=args.force) as temporary:
+        table.write_parquet(temporary)
+    print(f"wrote {path}: {table.height} rows")
+
+
+def _save_figure(figure: Any, path: str, args: argparse.Namespace) -> None:
+    """Save ``figure`` as PNG at exactly ``path`` (matplotlib would add ``.png`` to a bare name)."""
+    with output_path(path, inputs=_inputs(args), force=args.force) as temporary:
+        figure.savefig(temporary, dpi=110, format="png")
 
 
 def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -217,7 +260,7 @@ def _plot(args: argparse.Namespace) -> int:
                 [p for p, _ in shown], [repr(t)[1:-1][:12] for _, t in shown], rotation=90, fontsize=6
             )
     figure.tight_layout()
-    figure.savefig(args.output, dpi=110)
+    _save_figure(figure, args.output, args)
     plt.close(figure)
     print(f"wrote {args.output}: {len(layers)} layers x {heads} heads, {tokens.height} position points")
     return 0
@@ -230,8 +273,7 @@ def _similarity(args: argparse.Namespace) -> int:
 
     table = head_similarity(args.files, args.snapshot, args.keys, args.jobs, _storage_options(args))
     if args.output:
-        table.write_parquet(args.output)
-        print(f"wrote {args.output}: {table.height} rows")
+        _save_parquet(table, args.output, args)
     if table.is_empty():
         print("no head pairs")
         return 0
@@ -255,8 +297,7 @@ def _merged(args: argparse.Namespace) -> int:
     result = _batch(args, merge=True)
     table = result.table
     if args.output and not table.is_empty():
-        table.write_parquet(args.output)
-        print(f"wrote {args.output}: {table.height} rows")
+        _save_parquet(table, args.output, args)
     if table.is_empty():
         raise SystemExit("no statistics: every file failed or every layer is absent")
     import polars as pl
@@ -299,8 +340,7 @@ def _stats(args: argparse.Namespace) -> int:
         return _merged(args)
     table = _table(args)
     if args.output:
-        table.write_parquet(args.output)
-        print(f"wrote {args.output}: {table.height} rows")
+        _save_parquet(table, args.output, args)
     if "norm_mean" not in table.columns:  # --stats without norms: medians of what was computed
         _medians(table)
         return 1 if args.failed else 0
@@ -327,6 +367,10 @@ def _stats(args: argparse.Namespace) -> int:
             )
         )
     return 1 if args.failed else 0
+
+
+def _force_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true", help="replace existing output files (never an input)")
 
 
 def _keys_option(p: argparse.ArgumentParser) -> None:
@@ -400,6 +444,7 @@ def _export(args: argparse.Namespace) -> int:
         keys=args.keys,
         snapshot=args.snapshot,
         storage_options=_storage_options(args),
+        force=args.force,
     )
     for _ in tqdm(paths, unit="head", file=sys.stderr, disable=None, leave=False):
         written += 1
@@ -432,8 +477,7 @@ def _diff(args: argparse.Namespace) -> int:
     for warning in caught:
         print(f"kvsnap: warning: {warning.message}", file=sys.stderr)
     if args.output:
-        table.write_parquet(args.output)
-        print(f"wrote {args.output}: {table.height} rows")
+        _save_parquet(table, args.output, args)
     compared = table.filter(pl.col("n_positions") > 0)
     if compared.is_empty():
         print("the two files hold no position in common")
@@ -493,7 +537,7 @@ def _diff_heatmap(table: Any, args: argparse.Namespace) -> None:
     axes[0].set_yticks(range(len(layers)), [str(layer) for layer in layers])
     figure.colorbar(image, ax=list(axes), label="relative error (Frobenius)")
     figure.suptitle(f"A = {os.path.basename(args.a)}, B = {os.path.basename(args.b)}")
-    figure.savefig(args.plot, dpi=110)
+    _save_figure(figure, args.plot, args)
 
 
 def register(sub: Any) -> None:
@@ -510,7 +554,8 @@ def register(sub: Any) -> None:
         help="one row per (layer, head, tensor) over all files (they must share the model's layout)",
     )
     _stats_option(p)
-    p.set_defaults(func=_stats)
+    _force_option(p)
+    p.set_defaults(func=_stats, check=_check_outputs)
 
     p = sub.add_parser("outliers", help="heads whose statistic exceeds N x the median head")
     _common(p)
@@ -534,20 +579,22 @@ def register(sub: Any) -> None:
         help="label positions with their tokens (if the file records them)",
     )
     _stats_option(p)
-    p.set_defaults(func=_plot)
+    _force_option(p)
+    p.set_defaults(func=_plot, check=_check_outputs)
 
     p = sub.add_parser(
         "export", help="one file per layer and head (L00-H00.csv, as go-mlx probes), streamed head by head"
     )
     p.add_argument("file")
-    p.add_argument("-o", "--output", required=True, help="directory (created)")
+    p.add_argument("-o", "--output", required=True, help="a new folder (created; refused if it exists)")
     p.add_argument("--layer", type=non_negative_int, action="append", help="only this layer (repeatable)")
     p.add_argument("--head", type=non_negative_int, action="append", help="only this head (repeatable)")
     p.add_argument("--format", choices=["csv", "npy", "npz", "parquet"], default="csv")
     p.add_argument("--snapshot", type=int, default=-1)
     _keys_option(p)
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
-    p.set_defaults(func=_export)
+    _force_option(p)
+    p.set_defaults(func=_export, check=_check_outputs)
 
     p = sub.add_parser("diff", help="compare two captures head by head at the positions both hold")
     p.add_argument("a", help="reference capture (A)")
@@ -562,11 +609,13 @@ def register(sub: Any) -> None:
     p.add_argument("--top", type=positive_int, default=10, help="worst heads to print")
     _keys_option(p)
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
-    p.set_defaults(func=_diff)
+    _force_option(p)
+    p.set_defaults(func=_diff, check=_check_outputs)
 
     p = sub.add_parser("similarity", help="cross-head and cross-layer linear CKA and cosine")
     _common(p, engines=False)
     p.add_argument("--tensor", choices=["k", "v"], default="k")
     p.add_argument("--top", type=positive_int, default=5, help="pairs to print per kind")
     p.add_argument("-o", "--output", help="write every pair as Parquet")
-    p.set_defaults(func=_similarity)
+    _force_option(p)
+    p.set_defaults(func=_similarity, check=_check_outputs)

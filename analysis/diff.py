@@ -11,7 +11,9 @@ where they overlap. One row per (`layer`, `head`, `seq`, `tensor`):
   counts 1, against a non-zero row 0);
 - ``norm_ratio``: ``mean ||B_t|| / mean ||A_t||``;
 - ``first_divergent_position``: the first position whose row error ``||B_t - A_t|| / ||A_t||``
-  exceeds ``tolerance``, or null.
+  exceeds ``tolerance`` or whose row holds inf or NaN on one side only, or null;
+- ``nonfinite_positions``: the positions where A's or B's row holds inf or NaN (left out of
+  every other column).
 
 Files whose layouts differ (present layers, heads, dims, sequences) are refused with one line
 naming the difference; files whose recorded token ids differ are compared anyway, with a warning
@@ -67,6 +69,21 @@ def _token_warning(a: kvformat.Snapshot, b: kvformat.Snapshot) -> str | None:
 
 def _metrics(a: np.ndarray, b: np.ndarray, positions: np.ndarray, tolerance: float) -> dict[str, Any]:
     """The diff columns of rows ``a`` and ``b`` ``(n, dim)`` (float64) at ``positions``."""
+    bad_a, bad_b = ~np.isfinite(a).all(axis=1), ~np.isfinite(b).all(axis=1)
+    bad = bad_a | bad_b
+    one_sided = positions[bad_a != bad_b]
+    keep = ~bad
+    found = _finite_metrics(a[keep], b[keep], positions[keep], tolerance)
+    if one_sided.size:
+        first = found["first_divergent_position"]
+        candidate = int(one_sided[0])
+        found["first_divergent_position"] = candidate if first is None else min(first, candidate)
+    found["nonfinite_positions"] = positions[bad].tolist()
+    return found
+
+
+def _finite_metrics(a: np.ndarray, b: np.ndarray, positions: np.ndarray, tolerance: float) -> dict[str, Any]:
+    """`_metrics` of rows that are finite on both sides."""
     n = positions.size
     if not n:
         return {
@@ -160,7 +177,7 @@ def head_diff(
                                 **_metrics(p, q, shared, tolerance),
                             }
                         )
-    schema = {
+    schema: dict[str, Any] = {
         "layer": pl.Int64,
         "head": pl.Int64,
         "seq": pl.Int64,
@@ -171,5 +188,6 @@ def head_diff(
         "cosine_mean": pl.Float64,
         "norm_ratio": pl.Float64,
         "first_divergent_position": pl.Int64,
+        "nonfinite_positions": pl.List(pl.Int64),
     }
     return pl.DataFrame(rows, schema=schema)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 import kvformat
+from kvformat.outputs import check_output, output_path
 from kvsnap.analysis.rope import Rope
 
 FORMATS = ("csv", "npy", "npz", "parquet")
@@ -73,18 +74,27 @@ def export_heads(
     keys: str = "post_rope",
     snapshot: int = -1,
     storage_options: dict[str, Any] | None = None,
+    force: bool = False,
 ) -> Iterator[Path]:
-    """Write one file per (layer, head, sequence) of ``path`` into ``directory`` (created),
-    yielding each path as it is written; absent layers are skipped. ``fmt``: ``"csv"``,
-    ``"npy"`` (``NAME.k.npy``, ``NAME.v.npy``, ``NAME.positions.npy``; the path yielded is
-    ``NAME.npy``'s stem), ``"npz"`` or ``"parquet"``."""
+    """Write one file per (layer, head, sequence) of ``path`` into the new folder ``directory``,
+    yielding each file's final path as it is written; absent layers are skipped. ``fmt``:
+    ``"csv"``, ``"npy"`` (``NAME.k.npy``, ``NAME.v.npy``, ``NAME.positions.npy``; the path
+    yielded is ``NAME.npy``'s stem), ``"npz"`` or ``"parquet"``.
+
+    The files are written into a temporary folder beside ``directory``, renamed to it once every
+    head is written: a failure (or a generator closed early) leaves nothing. An existing
+    ``directory`` is refused unless ``force`` (it is then replaced whole)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     if keys not in ("post_rope", "pre_rope"):
         raise ValueError("keys must be 'post_rope' or 'pre_rope'")
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
+    final = Path(directory)
+    check_output(final, inputs=[path], force=force, folder=True)
+    with (
+        kvformat.open(path, snapshot, storage_options=storage_options) as snap,
+        output_path(final, inputs=[path], force=force, folder=True) as temporary,
+    ):
+        out = Path(temporary)
         for layer in _selection(layers, snap.num_layers, "layer"):
             spec = snap.layers[layer]
             if not spec.present:
@@ -99,6 +109,6 @@ def export_heads(
                     k = np.asarray(data.k, dtype=np.float32)
                     if rope is not None:
                         k = rope.rotate(k, data.positions, inverse=True)
-                    target = out / _file_name(layer, head, seq, snap.num_seqs, fmt)
-                    _write(target, fmt, seq, data.positions, k, np.asarray(data.v, dtype=np.float32))
-                    yield target
+                    name = _file_name(layer, head, seq, snap.num_seqs, fmt)
+                    _write(out / name, fmt, seq, data.positions, k, np.asarray(data.v, dtype=np.float32))
+                    yield final / name

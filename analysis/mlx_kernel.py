@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvformat.checksum import concatenated_linear, crc32c, linear_crc, zeros_crc
-from kvsnap.analysis import unified_memory
+from kvsnap.analysis import finite, unified_memory
 from kvsnap.analysis.accumulator import PIECE, bytes_of
 
 if TYPE_CHECKING:
@@ -850,6 +850,11 @@ class Pipeline:
         if check is not None and (rows.shape[0] > PIECE or self._staging is None):
             check.check(crc32c(bytes_of(rows)))
             check = None
+        if finite.any_nonfinite(rows):  # rare: checked, then the rows with inf or NaN left out
+            if check is not None:
+                check.check(crc32c(bytes_of(rows)))
+                check = None
+            rows, positions = acc.drop_nonfinite(rows, positions)
         for x, pos in _pieces(rows, positions):
             self._entries.append((acc, x, pos, check))
             self._bytes += x.nbytes

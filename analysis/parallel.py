@@ -14,6 +14,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -127,6 +129,29 @@ def one_thread_environment() -> Iterator[None]:
                 os.environ[name] = value
 
 
+_MAIN_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def main_hidden() -> Iterator[None]:
+    """``multiprocessing`` starts the processes created meanwhile without importing ``__main__``
+    (it looks for the module's ``__spec__`` and ``__file__``; both are hidden, then restored).
+    One thread at a time (a second one would save the hidden values and restore them)."""
+    with _MAIN_LOCK:
+        main = sys.modules.get("__main__")
+        if main is None:
+            yield
+            return
+        spec, file = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+        try:
+            yield
+        finally:
+            main.__spec__ = spec
+            if file is not None:
+                main.__file__ = file
+
+
 def local_map(function: Callable[..., Any], paths: Sequence[Any], jobs: int, *args: Any) -> Iterator[Any]:
     """``function(path, *args)`` for each path, in order, in ``jobs`` spawned processes."""
     if jobs <= 1 or len(paths) <= 1:
@@ -138,7 +163,9 @@ def local_map(function: Callable[..., Any], paths: Sequence[Any], jobs: int, *ar
 
     context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
     # Workers inherit the environment when they are spawned (on submit).
-    with one_thread_environment():
+    # Workers run kvsnap's code only: started without the caller's ``__main__``, a script with
+    # no ``if __name__ == "__main__":`` guard is not run again in each of them.
+    with one_thread_environment(), main_hidden():
         pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context)
         futures = [pool.submit(function, path, *args) for path in paths]
     with pool:

@@ -42,10 +42,8 @@ worker that compiles them itself, `benchmarks/RESULTS.md`, session 21).
 from __future__ import annotations
 
 import collections
-import contextlib
 import multiprocessing
 import os
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -54,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import kvformat
+from kvsnap.analysis.parallel import main_hidden as _main_hidden
 from kvsnap.analysis.parallel import one_thread_environment
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
@@ -141,29 +140,6 @@ def _size(path: str | os.PathLike[str]) -> int:
 def _running(workers: int, backend: str = "cpu") -> bool:
     """Whether a pool of ``workers`` workers for ``backend`` is already running."""
     return _POOL is not None and _POOL[:2] == (workers, backend)
-
-
-_MAIN_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _main_hidden() -> Iterator[None]:
-    """``multiprocessing`` starts the processes created meanwhile without importing ``__main__``
-    (it looks for the module's ``__spec__`` and ``__file__``; both are hidden, then restored).
-    One thread at a time (a second one would save the hidden values and restore them)."""
-    with _MAIN_LOCK:
-        main = sys.modules.get("__main__")
-        if main is None:
-            yield
-            return
-        spec, file = getattr(main, "__spec__", None), main.__dict__.pop("__file__", None)
-        main.__spec__ = None
-        try:
-            yield
-        finally:
-            main.__spec__ = spec
-            if file is not None:
-                main.__file__ = file
 
 
 _POOL: tuple[int, str, ProcessPoolExecutor] | None = None

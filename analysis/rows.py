@@ -36,8 +36,17 @@ def compute(accumulators: Sequence[HeadAccumulator]) -> None:
 
 def statistics(accumulators: Sequence[HeadAccumulator]) -> list[dict[str, Any]]:
     """The rows of ``accumulators`` (one dim, one selection of groups, their sums settled):
-    ``n_tokens`` first, then the columns of their groups (see analysis/README.md)."""
-    rows: list[dict[str, Any]] = [{"n_tokens": acc.count} for acc in accumulators]
+    ``n_tokens`` (the rows the statistics are over), ``nonfinite_rows`` and ``nonfinite_values``
+    (rows left out for holding inf or NaN, and those values) first, then the columns of their
+    groups (see analysis/README.md)."""
+    rows: list[dict[str, Any]] = [
+        {
+            "n_tokens": acc.count,
+            "nonfinite_rows": acc.nonfinite_rows,
+            "nonfinite_values": acc.nonfinite_values,
+        }
+        for acc in accumulators
+    ]
     live = [i for i, acc in enumerate(accumulators) if acc.count]
     if not live:
         return rows

@@ -339,8 +339,9 @@ def token_table(
     path: str | os.PathLike[str], snapshot: int = -1, storage_options: dict[str, Any] | None = None
 ) -> pl.LazyFrame:
     """Per-token scalars as a LazyFrame, built chunk by chunk: seq, layer, head, position,
-    k_norm, v_norm, k_absmax, and where the file records them (SPEC 15.3) ``token_id`` and
-    ``token_text`` (the token decoded alone), null where it does not."""
+    k_norm, v_norm, k_absmax, k_nonfinite and v_nonfinite (how many of the row's values are inf
+    or NaN; the row's norms are then null), and where the file records them (SPEC 15.3)
+    ``token_id`` and ``token_text`` (the token decoded alone), null where it does not."""
     import polars as pl
 
     frames = []
@@ -351,9 +352,17 @@ def token_table(
             known = values[seq] if values is not None and seq < len(values) else []
             return [known[p] if p < len(known) else None for p in positions.tolist()]
 
+        def scalar(values: np.ndarray, bad: np.ndarray) -> pl.Series:
+            return pl.Series(np.where(bad > 0, np.nan, values)).fill_nan(None)
+
         for block in snap.blocks():
             k = np.asarray(block.k, dtype=np.float32)
             v = np.asarray(block.v, dtype=np.float32)
+            k_bad = (~np.isfinite(k)).sum(axis=1)
+            v_bad = (~np.isfinite(v)).sum(axis=1)
+            with np.errstate(all="ignore"):
+                k_norm, v_norm = np.linalg.norm(k, axis=1), np.linalg.norm(v, axis=1)
+                k_absmax = np.abs(k).max(axis=1) if k.size else np.empty(0, np.float32)
             frames.append(
                 pl.DataFrame(
                     {
@@ -361,9 +370,11 @@ def token_table(
                         "layer": np.full(block.positions.size, block.layer, np.int32),
                         "head": np.full(block.positions.size, block.head, np.int32),
                         "position": block.positions,
-                        "k_norm": np.linalg.norm(k, axis=1),
-                        "v_norm": np.linalg.norm(v, axis=1),
-                        "k_absmax": np.abs(k).max(axis=1) if k.size else np.empty(0, np.float32),
+                        "k_norm": scalar(k_norm, k_bad),
+                        "v_norm": scalar(v_norm, v_bad),
+                        "k_absmax": scalar(k_absmax, k_bad),
+                        "k_nonfinite": k_bad.astype(np.int32),
+                        "v_nonfinite": v_bad.astype(np.int32),
                         "token_id": pl.Series(label(ids, block.seq, block.positions), dtype=pl.Int64),
                         "token_text": pl.Series(label(pieces, block.seq, block.positions), dtype=pl.Utf8),
                     }
@@ -378,9 +389,11 @@ def outliers(
     table: pl.DataFrame, factor: float = 1.5, stat: str = "norm_mean", tensor: str = "k"
 ) -> pl.DataFrame:
     """The ``tensor`` rows with ``ratio_to_median`` (``stat`` / the median head of its file) and
-    an ``outlier`` flag where it exceeds ``factor``."""
+    an ``outlier`` flag where it exceeds ``factor``. NaN and null values (a head whose every
+    row held inf or NaN) take no part in the median and are never flagged."""
     import polars as pl
 
     rows = table.filter(pl.col("tensor") == tensor)
-    ratio = (pl.col(stat) / pl.col(stat).median().over("file")).alias("ratio_to_median")
+    value = pl.col(stat).cast(pl.Float64).fill_nan(None)
+    ratio = (value / value.median().over("file")).alias("ratio_to_median")
     return rows.with_columns(ratio).with_columns((pl.col("ratio_to_median") > factor).alias("outlier"))

@@ -12,7 +12,7 @@ from kvformat.cli import fraction, non_negative_float, positive_int
 def _convert(args: argparse.Namespace) -> int:
     from kvsnap.capture.convert import convert_gguf
 
-    out = convert_gguf(args.gguf, args.out_dir, args.dtype)
+    out = convert_gguf(args.gguf, args.out_dir, args.dtype, overwrite=args.force)
     print(f"wrote mlx-lm model directory {out}")
     return 0
 
@@ -36,6 +36,7 @@ def register(sub: Any) -> None:
     p.add_argument("gguf")
     p.add_argument("out_dir")
     p.add_argument("--dtype", choices=DTYPES, default="float16")
+    p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("fetch-models", help="download, verify and convert the fixture models (cached)")
@@ -128,6 +129,7 @@ def _capture(args: argparse.Namespace) -> int:
         max_kv_size=args.max_kv_size,
         on_snapshot=report,
         metadata={"prompt": prompt, "generation": sampling},
+        overwrite=args.force,
         **extra,
     ):
         count += 1
@@ -160,16 +162,23 @@ def codec_name(text: str) -> str:
     return text
 
 
-def _check_output(parser: argparse.ArgumentParser, output: str) -> None:
-    """The output's folder exists and is writable, and no unfinished write sits there."""
+def _check_output(parser: argparse.ArgumentParser, output: str, force: bool, inputs: list[str]) -> None:
+    """The output is allowed (`kvformat.outputs`: not existing unless ``force``, not an input),
+    its folder exists and is writable, and no unfinished write sits there."""
     import os
     from pathlib import Path
+
+    from kvformat.outputs import check_output
 
     folder = Path(output).resolve().parent
     if not folder.is_dir():
         parser.error(f"-o {output}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         parser.error(f"-o {output}: folder {folder} is not writable")
+    try:
+        check_output(output, inputs=inputs, force=force)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
     if Path(output + ".partial").exists():
         parser.error(f"-o {output}: {output}.partial exists (an unfinished capture): recover or delete it")
 
@@ -199,12 +208,14 @@ def register_capture(sub: Any) -> None:
     p.add_argument("--seed", type=int, help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--echo", action="store_true", help="print the generated text instead of a progress bar")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_capture, check=_check_capture)
 
 
 def _check_capture(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checks that need no model: run before any weights are read."""
-    _check_output(parser, args.output)
+    inputs = [name for name in (args.model, args.prompt_file) if name]
+    _check_output(parser, args.output, args.force, inputs)
     if args.at:
         try:
             counts = [int(x) for x in args.at.split(",") if x.strip()]

@@ -3,8 +3,11 @@
 Reads metadata and tensors with the ``gguf`` package, dequantizes every quant type to float32,
 and maps names and config for the llama family and gemma3. Known traps handled here:
 
-- llama.cpp permutes llama q/k rows for interleaved RoPE; ``rope_traditional: true`` makes
-  mlx-lm's RoPE match that layout exactly, so the weights are used as stored.
+- llama.cpp permutes llama q/k projection rows (and biases) so that its interleaved RoPE pairs
+  ``(2i, 2i+1)`` line up with the checkpoint's ``(i, i + d/2)``; the permutation is undone here
+  (`unpermute_rows`, as transformers' and mlx-lm's own GGUF loaders do) and the model uses
+  ``rope_traditional: false``, so a converted model's q, K and V are in the checkpoint's channel
+  order: channel ``c`` of a K head is channel ``c`` of the same model loaded from safetensors.
 - llama.cpp's Gemma conversion stores RMSNorm weights with +1 added; mlx-lm adds 1 itself, so
   1 is subtracted here.
 - Gemma-3 GGUF files omit the sliding pattern (every 6th layer global), the local RoPE base
@@ -23,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kvformat.outputs import check_output, output_path
 from kvsnap.capture.errors import UnsupportedModelError
 
 DTYPES = ("float16", "bfloat16", "float32")
@@ -102,7 +106,7 @@ def _llama_config(meta: _Metadata, names: set[str]) -> dict[str, Any]:
         "vocab_size": int(meta.arch("vocab_size", len(meta.get("tokenizer.ggml.tokens")))),
         "max_position_embeddings": int(meta.arch("context_length", 4096)),
         "rope_theta": float(meta.arch("rope.freq_base", 10000.0)),
-        "rope_traditional": True,  # llama.cpp's q/k row permutation = interleaved RoPE pairs
+        "rope_traditional": False,  # q/k rows un-permuted: the checkpoint's (i, i + d/2) pairs
         "tie_word_embeddings": "output.weight" not in names,
     }
 
@@ -135,6 +139,30 @@ _ARCHITECTURES: dict[str, tuple[Callable[[_Metadata, set[str]], dict[str, Any]],
     "llama": (_llama_config, _LLAMA_NAMES, False),
     "gemma3": (_gemma3_config, _GEMMA3_NAMES, True),
 }
+
+
+def unpermute_rows(weights: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (``convert_hf_to_gguf.py``'s ``permute``) of a
+    projection weight ``(heads * head_dim, hidden)`` or bias ``(heads * head_dim,)``: within each
+    head, GGUF row ``2i`` is the checkpoint's row ``i`` and ``2i + 1`` is ``i + head_dim / 2``."""
+    rows = weights.shape[0]
+    if rows % (2 * heads):
+        raise UnsupportedModelError(f"cannot un-permute {rows} rows into {heads} heads of even size")
+    half = rows // heads // 2
+    return np.ascontiguousarray(
+        weights.reshape(heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    )
+
+
+def _unpermute(target: str, array: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """The llama family's q/k projections back in the checkpoint's row order."""
+    if config["model_type"] != "llama":
+        return array
+    if ".self_attn.q_proj." in target:
+        return unpermute_rows(array, int(config["num_attention_heads"]))
+    if ".self_attn.k_proj." in target:
+        return unpermute_rows(array, int(config["num_key_value_heads"]))
+    return array
 
 
 def _target_name(name: str, names: dict[str, str]) -> str:
@@ -227,14 +255,19 @@ def _tokenizer_files(meta: _Metadata, out: Path) -> None:
 
 
 def convert_gguf(
-    gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype: str = "float16"
+    gguf_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    dtype: str = "float16",
+    *,
+    overwrite: bool = False,
 ) -> Path:
-    """Convert a GGUF file to an mlx-lm model directory; return the directory.
+    """Convert a GGUF file to a new mlx-lm model directory ``out_dir``; return it.
 
     ``dtype`` is the weight dtype (``float16``, ``bfloat16`` or ``float32``). Deterministic: the
-    same input gives byte-identical files.
+    same input gives byte-identical files. The directory is written under a temporary name and
+    renamed at the end (a failed conversion leaves nothing); an existing one is refused unless
+    ``overwrite`` (then replaced whole).
     """
-    import mlx.core as mx
     from gguf import GGUFReader
 
     if dtype not in DTYPES:
@@ -249,13 +282,31 @@ def convert_gguf(
     build_config, names, norms_plus_one = _ARCHITECTURES[meta.architecture]
     tensor_names = {t.name for t in reader.tensors}
     config = build_config(meta, tensor_names)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    final = Path(out_dir)
+    check_output(final, inputs=[gguf_path], force=overwrite, folder=True)
+    with output_path(final, inputs=[gguf_path], force=overwrite, folder=True) as temporary:
+        _write_model(gguf_path, meta, config, names, norms_plus_one, dtype, Path(temporary))
+    return final
+
+
+def _write_model(
+    gguf_path: Path,
+    meta: _Metadata,
+    config: dict[str, Any],
+    names: dict[str, str],
+    norms_plus_one: bool,
+    dtype: str,
+    out: Path,
+) -> None:
+    """The files of the mlx-lm directory, into the existing folder ``out``."""
+    import mlx.core as mx
+
     weights: dict[str, mx.array] = {}
     for name, array in dequantized_tensors(gguf_path):
         target = _target_name(name, names)
         if norms_plus_one and target.endswith("norm.weight"):
             array = array - np.float32(1.0)
+        array = _unpermute(target, array, config)
         weights[target] = mx.array(array).astype(getattr(mx, dtype))
     config["kvsnap_source"] = {
         "gguf": gguf_path.name,
@@ -270,4 +321,3 @@ def convert_gguf(
     mx.save_safetensors(str(out / "model.safetensors"), dict(sorted(weights.items())), {"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     _tokenizer_files(meta, out)
-    return out

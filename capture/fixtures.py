@@ -115,7 +115,8 @@ def fetch_model(name: str, dtype: str = "float16") -> Path:
 
 COMPLETE = ".kvsnap-complete"
 """Written last into a converted directory: only a finished conversion has it."""
-CONVERSION = 2  # bumped when conversion output changes (2: GGUF name and architecture recorded)
+CONVERSION = 3  # bumped when conversion output changes (2: GGUF name and architecture recorded;
+# 3: llama q/k rows in the checkpoint's order, rope_traditional false)
 
 
 def _stamp(digest: str) -> str:
@@ -143,14 +144,13 @@ def convert_once(gguf: Path, out: Path, digest: str, dtype: str = "float16") -> 
     stderr where the copy is cached and how big it is."""
     staging = Path(tempfile.mkdtemp(dir=_mkdir(out.parent)))
     try:
-        convert_gguf(gguf, staging, dtype)
-        (staging / COMPLETE).write_text(_stamp(digest) + "\n")
+        model = convert_gguf(gguf, staging / "model", dtype)
+        (model / COMPLETE).write_text(_stamp(digest) + "\n")
         if out.exists():
             shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
+        os.replace(model, out)
+    finally:
         shutil.rmtree(staging, ignore_errors=True)
-        raise
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(
         f"kvsnap: converted {gguf.name} to an mlx-lm model ({size / 1e6:.0f} MB, {dtype}) cached in {out} "

@@ -22,6 +22,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kvformat
+from kvformat.outputs import check_output
 from kvsnap.capture.background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
 from kvsnap.capture.deltas import CacheTracker, layer_specs
 from kvsnap.capture.errors import CaptureError
@@ -96,8 +97,10 @@ class _Snapshots:
         on_snapshot: Callable[[SnapshotEvent], None] | None,
         max_pending: int,
         durable: bool = True,
+        overwrite: bool = False,
     ) -> None:
         self.durable = durable
+        self.overwrite = overwrite
         self.prompt_cache = prompt_cache
         self.model = model
         self.tokenizer = tokenizer
@@ -160,7 +163,13 @@ class _Snapshots:
             annotate_layers([spec.attributes for spec in specs], [spec.present for spec in specs], self.model)
             # Opening writes the header and manifest: small, once, here.
             self.series = SeriesWriter(
-                self.output, self.codec, self.file_metadata, specs, num_seqs, durable=self.durable
+                self.output,
+                self.codec,
+                self.file_metadata,
+                specs,
+                num_seqs,
+                durable=self.durable,
+                overwrite=self.overwrite,
             )
         series = self.series
         index, count = self.taken, len(tokens)
@@ -201,7 +210,7 @@ class _Snapshots:
         codec, count = self.codec, len(tokens)
 
         def write() -> None:
-            snap.save(path, codec, durable=self.durable)
+            snap.save(path, codec, durable=self.durable, overwrite=self.overwrite)
             if self.on_snapshot is not None:
                 self.on_snapshot(
                     SnapshotEvent(generated, count, os.fspath(path), 0, path.stat().st_size, os.fspath(path))
@@ -264,6 +273,7 @@ def generate(
     metadata: dict[str, Any] | None = None,
     max_pending: int = DEFAULT_MAX_PENDING,
     durable: bool = True,
+    overwrite: bool = False,
     **generate_kwargs: Any,
 ) -> Iterator[Any]:
     """Stream generation like `mlx_lm.stream_generate`, taking K/V snapshots along the way.
@@ -275,7 +285,8 @@ def generate(
     cache gained (sliced on the device) and is written by a background thread; at most
     ``max_pending`` snapshots wait for the disk before generation does. ``resume`` continues from
     a snapshot (in memory or read back) instead of a prompt. ``durable=False`` skips the fsyncs
-    (each snapshot's and the file's at close): for scratch captures. Other keyword arguments
+    (each snapshot's and the file's at close): for scratch captures. An existing ``output`` is
+    refused before generation starts unless ``overwrite``. Other keyword arguments
     (``sampler``, ``kv_bits``, ``prefill_step_size``, ...) go to mlx-lm.
     """
     from mlx_lm import stream_generate
@@ -286,6 +297,8 @@ def generate(
     if max_tokens <= 0:
         return
     kvformat.codecs.parse(codec)  # an unknown codec fails now, not at the first snapshot
+    if output is not None and not separate_files:
+        check_output(output, force=overwrite)  # refused now, not at the first snapshot
     sampler = generate_kwargs.pop("sampler", None) or make_sampler(0.0)
     history: list[int]
     first_response: Any = None
@@ -351,6 +364,7 @@ def generate(
         on_snapshot=on_snapshot,
         max_pending=max_pending,
         durable=durable,
+        overwrite=overwrite,
     )
     base_text = tokenizer.decode(processed) if output is not None else ""
     pieces: list[str] = []  # streamed text of the generated tokens

@@ -35,11 +35,18 @@ class SeriesWriter:
         specs: list[kvformat.LayerSpec],
         num_seqs: int,
         durable: bool = True,
+        overwrite: bool = False,
     ) -> None:
         self.path = os.fspath(path)
         self.num_seqs = num_seqs
         self.writer = kvformat.Writer(
-            self.path, specs, num_seqs=num_seqs, metadata=metadata, codec=codec, durable=durable
+            self.path,
+            specs,
+            num_seqs=num_seqs,
+            metadata=metadata,
+            codec=codec,
+            durable=durable,
+            overwrite=overwrite,
         )
 
     def add(

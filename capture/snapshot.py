@@ -70,9 +70,11 @@ class KVSnapshot:
     def layer_specs(self) -> list[kvformat.LayerSpec | None]:
         return [data.spec() for data in self.layers]
 
-    def save(self, path: str | os.PathLike[str], codec: str = "raw", durable: bool = True) -> None:
+    def save(
+        self, path: str | os.PathLike[str], codec: str = "raw", durable: bool = True, overwrite: bool = False
+    ) -> None:
         """Write this snapshot as a one-snapshot `.kv` file (streamed head by head, no copy);
-        ``durable=False`` skips the fsyncs."""
+        ``durable=False`` skips the fsyncs; an existing ``path`` is refused unless ``overwrite``."""
         # One call for the whole cache: strided heads (mlx-lm keeps V as a strided view) are
         # gathered and checksummed on the writer's helper thread while earlier ones are written.
         kvformat.write_snapshot(
@@ -90,6 +92,7 @@ class KVSnapshot:
             arrays={"last_logits": self.last_logits} if self.last_logits is not None else None,
             codec=codec,
             durable=durable,
+            overwrite=overwrite,
         )
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import kvformat
 from kvformat import codecs, dtypes
 from kvformat.errors import KVFormatError, OutOfRangeError
+from kvformat.outputs import check_output, output_path
 
 
 def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
@@ -208,17 +209,29 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _recover(args: argparse.Namespace) -> int:
-    report = kvformat.recover(args.file, args.output, overwrite=args.force)
-    extra = " (plus one rebuilt from chunks after the last snapshot)" if report.recovered_snapshot else ""
+    report = kvformat.recover(args.file, args.output, overwrite=args.force, force=args.force)
+    if report.path is None:
+        print(f"{args.file} is complete and valid: nothing to recover, nothing written")
+        return 0
+    extra = (
+        ", the last rebuilt from chunks written after the last commit" if report.recovered_snapshot else ""
+    )
     print(
-        f"recovered {report.path}: {report.chunks} chunks, {report.snapshots} snapshot(s){extra}; "
-        f"{report.bytes_dropped} incomplete bytes dropped"
+        f"wrote {report.path}: {report.chunks} chunks, {report.snapshots} snapshot(s){extra}; "
+        f"{report.bytes_dropped} incomplete bytes of {args.file} left out ({args.file} unchanged)"
     )
     return 0
 
 
 def _pack(args: argparse.Namespace) -> int:
-    with np.load(args.input, allow_pickle=False) as npz:
+    check_output(args.output, inputs=[args.input], force=args.force)
+    try:
+        npz_file = np.load(args.input, allow_pickle=False)
+    except (ValueError, OSError, EOFError):
+        raise ValueError(f"{args.input}: not an .npz file of arrays (k_L<i>/v_L<i>)") from None
+    if not isinstance(npz_file, np.lib.npyio.NpzFile):
+        raise ValueError(f"{args.input}: a single array, not an .npz of k_L<i>/v_L<i> arrays")
+    with npz_file as npz:
         names = set(npz.files)
         layer_ids = sorted({int(n[3:]) for n in names if n.startswith(("k_L", "v_L")) and n[3:].isdigit()})
         if not layer_ids:
@@ -253,6 +266,7 @@ def _pack(args: argparse.Namespace) -> int:
         codec=args.codec,
         chunk_bytes=chunk_bytes,
         metadata={"source": {"npz": str(args.input)}},
+        overwrite=args.force,
     )
     print(f"wrote {args.output}")
     return 0
@@ -261,6 +275,7 @@ def _pack(args: argparse.Namespace) -> int:
 def _import_mlxkv(args: argparse.Namespace) -> int:
     from kvformat.mlxkv import import_mlxkv
 
+    check_output(args.output, inputs=[args.source], force=args.force)
     report = import_mlxkv(args.source, args.output, codec=args.codec, overwrite=args.force)
     print(
         f"wrote {report.path}: MLXKV001 version {report.version}, {report.layers} layer(s) with K/V, "
@@ -291,13 +306,16 @@ def _conformance(args: argparse.Namespace) -> int:
 
 
 def _dump(args: argparse.Namespace) -> int:
+    check_output(args.output, inputs=[args.file], force=args.force)
     with _open(args, args.snapshot) as snap:
         head = snap.head(args.layer, args.head, args.seq)
         if head is None:
             raise SystemExit(f"{args.file}: layer {args.layer} is absent from this snapshot")
-        np.savez(
-            args.output, k=head.k.astype(np.float32), v=head.v.astype(np.float32), positions=head.positions
-        )
+        with (
+            output_path(args.output, inputs=[args.file], force=args.force) as temporary,
+            open(temporary, "xb") as f,
+        ):  # a file object: numpy adds no ".npz" to the name given
+            np.savez(f, k=head.k.astype(np.float32), v=head.v.astype(np.float32), positions=head.positions)
     print(f"wrote {args.output}: k {head.k.shape}, v {head.v.shape}, float32")
     return 0
 
@@ -330,10 +348,18 @@ def build_parser() -> argparse.ArgumentParser:
     _remote_options(p)
     p.set_defaults(func=_verify)
 
-    p = sub.add_parser("recover", help="rebuild FILE.kv.partial left by a crashed writer")
+    p = sub.add_parser(
+        "recover", help="write a valid copy of FILE.kv.partial left by a crashed writer (FILE is only read)"
+    )
     p.add_argument("file")
-    p.add_argument("-o", "--output", help="output path (default: the name without .partial)")
-    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.add_argument(
+        "-o", "--output", help="output path (default: X.partial -> X; any other X.kv -> X.recovered.kv)"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing output file; recover a .partial that a live writer still holds",
+    )
     p.set_defaults(func=_recover)
 
     p = sub.add_parser("pack", help="convert an .npz of k_L<i>/v_L<i> (heads, tokens, dim) arrays")
@@ -342,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codec", default="raw", help=f"one of {', '.join(codecs.NAMES)} (zstd:LEVEL too)")
     p.add_argument("--chunk-tokens", type=positive_int, default=None, help="tokens per chunk")
     p.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), help="convert arrays to this dtype")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_pack)
 
     p = sub.add_parser("import-mlxkv", help="convert a go-mlx MLXKV001 snapshot (versions 1-6) to .kv")
@@ -368,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", type=non_negative_int, required=True)
     p.add_argument("--seq", type=non_negative_int, default=0)
     p.add_argument("--snapshot", type=int, default=-1)
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output", required=True, help="the .npz file to write (the exact name given)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_dump)
 
     for entry_point in importlib_metadata.entry_points(group="kvsnap.commands"):
@@ -388,9 +416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "func"):
         parser.error(f"'{args.command}' needs packages that are not installed; see README")
     check = getattr(args, "check", None)
-    if check is not None:  # argument checks that need no model or file: before anything loads
-        check(parser, args)
     try:
+        if check is not None:  # argument checks that need no model or file: before anything loads
+            check(parser, args)
         return int(args.func(args) or 0)
     except BrokenPipeError:
         # Output piped into `head` and the like: stop quietly, as Unix tools do.

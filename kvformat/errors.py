@@ -52,3 +52,8 @@ class RemoteNotFoundError(RemoteError):
 class OutOfRangeError(IndexError):
     """A snapshot, layer, head or sequence index outside what the file holds (a usage error, not
     a file problem: the message names the valid range)."""
+
+
+class FileInUseError(OSError):
+    """A ``.partial`` file that a live writer still holds (its advisory lock) was given to a command
+    that would read it as abandoned (`kvformat.recover`)."""

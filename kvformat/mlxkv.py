@@ -27,6 +27,7 @@ Mapping (what lands where in the `.kv` file):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from kvformat.errors import (
 )
 from kvformat.layout import MAX_HEADS, MAX_LAYERS, MAX_SEQS, MAX_WIDTH
 from kvformat.manifest import LayerSpec
+from kvformat.outputs import check_output
 from kvformat.writer import Writer
 
 MAGIC = b"MLXKV001"
@@ -449,9 +451,7 @@ def import_mlxkv(
     `kvformat.KVFormatError` subclass naming the problem and leaves nothing at ``dst``.
     """
     name = os.fspath(src)
-    out = os.fspath(dst)
-    if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--force) to replace it")
+    out = check_output(dst, inputs=[name], force=overwrite)
     size = os.path.getsize(name)
     with open(name, "rb") as file:
         stream = _Stream(file, size, name)
@@ -478,7 +478,7 @@ def import_mlxkv(
                 "token_offset": source.token_offset,
             },
         }
-        writer = Writer(out, specs, num_seqs=seqs, metadata=metadata, codec=codec)
+        writer = Writer(out, specs, num_seqs=seqs, metadata=metadata, codec=codec, overwrite=overwrite)
         try:
             for plan in plans:
                 stream.position = plan.layer.offset
@@ -504,6 +504,8 @@ def import_mlxkv(
             writer.close({"source": {**metadata["source"], "sha256": digest}})
         except BaseException:
             writer.abort()
+            with contextlib.suppress(FileNotFoundError):  # close() failed at the rename
+                os.unlink(writer.partial_path)
             raise
     return ImportReport(out, source.version, len(plans), source.seq_len, digest)
 

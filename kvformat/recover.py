@@ -1,5 +1,8 @@
 """Rebuild a valid file from a ``.partial`` file whose writer never finished.
 
+The input is only read: the complete records are copied to a new file, which gets an index and
+footer, is checked, and is renamed into place (`kvformat.outputs`).
+
 Records are self-describing, so a scan from offset 64 finds every complete one: a record is
 complete when its descriptor CRC holds, it says it lies where it was found, and its payload CRC
 holds. The scan stops at the first record that is not complete. Every snapshot committed before
@@ -17,7 +20,7 @@ import numpy as np
 from kvformat import reader
 from kvformat.checksum import crc32c, crc32c_rows, crc32c_slices, linear_crc, records_linear
 from kvformat.durability import fsync_directory
-from kvformat.errors import KVFormatError, TruncatedFileError
+from kvformat.errors import FileInUseError, KVFormatError, TruncatedFileError
 from kvformat.index import index_bytes
 from kvformat.layout import (
     DESCRIPTOR_DTYPE,
@@ -33,6 +36,7 @@ from kvformat.layout import (
     check_header,
 )
 from kvformat.manifest import Manifest, loads, parse_manifest
+from kvformat.outputs import check_output, in_use, output_path
 from kvformat.series import COUNT, HEAD, LAYER, POSITION, SEQ, Chain, Entry, parse_entry
 from kvformat.source import MmapSource
 
@@ -41,11 +45,11 @@ from kvformat.source import MmapSource
 class RecoverReport:
     """What `recover` kept: the output path, complete chunks, snapshots, and dropped bytes."""
 
-    path: str
+    path: str | None  # None: the input was complete and valid; nothing was written
     chunks: int
-    snapshots: int
-    recovered_snapshot: bool
-    bytes_dropped: int
+    snapshots: int  # in the output, the rebuilt one included
+    recovered_snapshot: bool  # the last of them was rebuilt from chunks after the last commit
+    bytes_dropped: int  # of the input, after its last complete record
 
 
 _BULK = 4096  # records checked together when the next ones are predicted
@@ -198,46 +202,99 @@ def _trailing_snapshot(blocks: list[bytes], snapshots: list[Entry], committed: i
     return Entry(parent, [], appends, {"recovered": True})
 
 
+def default_output(partial_path: str | os.PathLike[str]) -> str:
+    """Where `recover` writes without an output path: ``X.partial`` -> ``X``; any other name
+    ``X.ext`` -> ``X.recovered.ext`` (``run.kv`` -> ``run.recovered.kv``)."""
+    partial = os.fspath(partial_path)
+    if partial.endswith(".partial"):
+        return partial[: -len(".partial")]
+    stem, ext = os.path.splitext(partial)
+    return f"{stem}.recovered{ext or '.kv'}"
+
+
+def _complete(path: str) -> bool:
+    """Whether ``path`` already opens as a complete file (footer, index, every snapshot)."""
+    try:
+        with reader.open(path) as snap:
+            snap.check_snapshots()
+    except KVFormatError:
+        return False
+    return True
+
+
+def _copy_prefix(source: str, target: str, size: int) -> None:
+    """The first ``size`` bytes of ``source`` into the new file ``target`` (in-kernel where the
+    system allows: ``copy_file_range``, else a buffered copy)."""
+    with open(source, "rb") as src, open(target, "xb") as dst:
+        left = size
+        copy_range = getattr(os, "copy_file_range", None)
+        if copy_range is not None:
+            try:
+                while left:
+                    done = copy_range(
+                        src.fileno(), dst.fileno(), min(left, 1 << 30), size - left, size - left
+                    )
+                    if done <= 0:
+                        break
+                    left -= done
+            except OSError:
+                pass  # not across these file systems: the plain copy below finishes it
+        src.seek(size - left)
+        dst.seek(size - left)
+        while left:
+            block = src.read(min(left, 16 << 20))
+            if not block:
+                raise TruncatedFileError(f"{source}: shrank while it was read")
+            dst.write(block)
+            left -= len(block)
+
+
 def recover(
     partial_path: str | os.PathLike[str],
     out_path: str | os.PathLike[str] | None = None,
     *,
     overwrite: bool = False,
+    force: bool = False,
 ) -> RecoverReport:
-    """Turn ``X.kv.partial`` into ``X.kv`` (or ``out_path``) holding every complete chunk.
+    """Write a new, valid file holding every complete chunk of ``partial_path`` (a ``.partial``
+    file a writer left behind, or any truncated `.kv` file) to ``out_path`` (default:
+    `default_output`). The input is only read: it stays byte for byte.
 
-    The partial file is truncated after its last complete record and given an index, in place,
-    then renamed; nothing is copied. Running it again after a crash mid-recovery is safe.
+    A complete, valid input is left alone and nothing is written (``RecoverReport.path`` is
+    None). An input a live writer still holds (its lock, `kvformat.outputs.in_use`) is refused
+    unless ``force`` (what a live writer has written so far is then recovered). An existing
+    output is refused unless ``overwrite``; the output is never the input.
     """
     partial = os.fspath(partial_path)
-    if out_path is None:
-        if not partial.endswith(".partial"):
-            raise ValueError(f"{partial} does not end in .partial; give an output path")
-        out = partial[: -len(".partial")]
-    else:
-        out = os.fspath(out_path)
-    if os.path.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--force) to replace it")
+    out = os.fspath(out_path) if out_path is not None else default_output(partial)
+    check_output(out, inputs=[partial], force=overwrite)
+    if not force and in_use(partial):
+        raise FileInUseError(
+            f"{partial} is being written by a live process (it holds the file's lock); wait for it to "
+            "finish, or pass --force to recover what it has written so far"
+        )
+    if _complete(partial):
+        return RecoverReport(None, 0, 0, False, 0)
     source = MmapSource(partial)
     try:
         good_end, manifest, blocks, snapshots, committed = _scan(source)
+        size = source.size
     finally:
         source.close()
     trailing = _trailing_snapshot(blocks, snapshots, committed)
     if trailing is not None:
         snapshots.append(trailing)
     index_offset = align(good_end)
-    with open(partial, "r+b") as f:
-        dropped = os.fstat(f.fileno()).st_size - good_end
-        f.truncate(good_end)
-        f.seek(good_end)
-        f.write(bytes(index_offset - good_end))
-        f.write(index_bytes(index_offset, blocks, manifest, snapshots))
-        f.flush()
-        os.fsync(f.fileno())
-    with reader.open(partial) as snap:
-        snap.check_snapshots()  # every snapshot materializes (each entry checked once)
-    os.replace(partial, out)
+    with output_path(out, inputs=[partial], force=overwrite) as temporary:
+        _copy_prefix(partial, temporary, good_end)
+        with open(temporary, "r+b") as f:
+            f.seek(good_end)
+            f.write(bytes(index_offset - good_end))
+            f.write(index_bytes(index_offset, blocks, manifest, snapshots))
+            f.flush()
+            os.fsync(f.fileno())
+        with reader.open(temporary) as snap:
+            snap.check_snapshots()  # every snapshot materializes (each entry checked once)
     fsync_directory(out)
     chunks = sum(len(block) for block in blocks) // DESCRIPTOR_SIZE
-    return RecoverReport(out, chunks, len(snapshots), trailing is not None, max(dropped, 0))
+    return RecoverReport(out, chunks, len(snapshots), trailing is not None, max(size - good_end, 0))

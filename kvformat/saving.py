@@ -3,6 +3,7 @@ of appends (what capture uses). Both stream through `Writer`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -47,10 +48,12 @@ def save(
     codec: str | Codec = "raw",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     num_seqs: int | None = None,
+    overwrite: bool = False,
 ) -> None:
     """Write in-memory K/V as a single-snapshot file. ``None`` entries are absent layers.
 
-    ``num_seqs`` defaults to what the arrays show (1 if every layer is absent).
+    ``num_seqs`` defaults to what the arrays show (1 if every layer is absent). An existing
+    ``path`` is refused unless ``overwrite=True``.
     """
     specs: list[LayerSpec | None] = []
     per_layer: list[tuple[list[Any], list[Any], list[Any]] | None] = []
@@ -92,7 +95,14 @@ def save(
         for seq, (k, v, pos) in enumerate(zip(*data, strict=True))
     ]
     write_snapshot(
-        path, specs, appends, num_seqs=num_seqs or 1, metadata=metadata, codec=codec, chunk_bytes=chunk_bytes
+        path,
+        specs,
+        appends,
+        num_seqs=num_seqs or 1,
+        metadata=metadata,
+        codec=codec,
+        chunk_bytes=chunk_bytes,
+        overwrite=overwrite,
     )
 
 
@@ -108,6 +118,7 @@ def write_snapshot(
     codec: str | Codec = "raw",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     durable: bool = True,
+    overwrite: bool = False,
 ) -> None:
     """Write a one-snapshot file in one go: `Writer` over ``layers``, ``appends`` as for
     `Writer.append_many` (one call, so gathering and checksumming overlap the write), one
@@ -121,6 +132,7 @@ def write_snapshot(
         codec=codec,
         chunk_bytes=chunk_bytes,
         durable=durable,
+        overwrite=overwrite,
     )
     try:
         writer.append_many(appends)
@@ -128,4 +140,6 @@ def write_snapshot(
         writer.close()
     except BaseException:
         writer.abort()
+        with contextlib.suppress(FileNotFoundError):  # close() failed at the rename
+            os.unlink(writer.partial_path)
         raise

@@ -45,6 +45,7 @@ from kvformat.layout import (
     pack_header,
 )
 from kvformat.manifest import LayerSpec, Manifest, check_head_sequences, dumps
+from kvformat.outputs import check_output, lock_for_writing, publish
 from kvformat.records import (
     Block,
     Part,
@@ -92,6 +93,9 @@ class Writer:
     ``layers`` declares every layer up front (`LayerSpec`, or ``None`` for an absent layer).
     ``durable=False`` skips the fsyncs at close (the rename stays atomic, but a power loss may
     lose the file); for scratch files on tmpfs or benchmarks against non-syncing peers.
+    An existing ``path`` is refused (`kvformat.outputs.OutputExistsError`, when the writer is
+    made and again at close) unless ``overwrite=True``. The ``.partial`` file is locked
+    (``flock``) while it is written, so `kvformat.recover` can tell a live write from a crash.
     ``append`` adds tokens to a layer, ``drop`` removes positions from the live state (a sliding
     window moving on), ``snapshot`` commits the live state of every layer as one snapshot.
     Chunks already written are shared by later snapshots, so a series costs only what is new.
@@ -114,6 +118,7 @@ class Writer:
         required_features: Sequence[str] = (),
         optional_features: Sequence[str] = (),
         durable: bool = True,
+        overwrite: bool = False,
     ) -> None:
         specs = [layer if layer is not None else LayerSpec.absent() for layer in layers]
         for spec in specs:
@@ -123,9 +128,10 @@ class Writer:
         check_head_sequences(specs, num_seqs, ValueError)
         if not 1 <= chunk_bytes <= MAX_CHUNK_DECODED:
             raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_DECODED}")
-        self.path = os.fspath(path)
+        self.path = check_output(path, force=overwrite)
         self.partial_path = self.path + ".partial"
         self.durable = durable
+        self.overwrite = overwrite
         self.codec = codecs.parse(codec)
         self.chunk_bytes = chunk_bytes
         self.manifest = Manifest(
@@ -144,6 +150,7 @@ class Writer:
                 f"{self.partial_path} exists: an earlier write did not finish. Run "
                 f"'kvsnap recover {self.partial_path}' to keep its data, or delete it."
             ) from None
+        lock_for_writing(self._file.fileno())
         self._offset = 0
         self._table: list[bytes] = []  # packed descriptors of every table chunk, in chunk order
         self._chunks = 0  # table chunks written
@@ -667,7 +674,7 @@ class Writer:
         self._file.close()
         self._pool.shutdown()
         self._closed = True
-        os.replace(self.partial_path, self.path)
+        publish(self.partial_path, self.path, force=self.overwrite)
         if self.durable:
             fsync_directory(self.path)
 

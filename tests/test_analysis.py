@@ -210,7 +210,12 @@ def test_plot_is_labelled_for_a_paper(tmp_path: Path, monkeypatch: pytest.Monkey
         appended = {"tokens_appended": [list(range(20, 30))], "token_pieces_appended": [pieces[20:]]}
         writer.snapshot({"generated": 10, **appended})
     figures: list[matplotlib.figure.Figure] = []
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, *a, **k: figures.append(self))
+
+    def record(self: matplotlib.figure.Figure, path: str, *args: object, **kwargs: object) -> None:
+        figures.append(self)
+        open(path, "wb").close()  # the command renames what it saved into place
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
     png = str(tmp_path / "p.png")
     assert main(["plot", str(path), "--stat", "norm_max", "--token-labels", "-o", png]) == 0
     figure = figures[0]

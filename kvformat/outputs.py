@@ -1,0 +1,193 @@
+"""One rule for every file or folder a command writes.
+
+- An existing output is refused (`OutputExistsError`) unless ``force``/``overwrite`` is given.
+- An output that is one of the command's own inputs is refused even then (`SameAsInputError`).
+- The output's folder must exist (`MissingFolderError`): nothing is created silently above it.
+- The data goes to a temporary name in the output's folder and is renamed to the output path only
+  once it is complete, so an interrupted or failed run leaves nothing (or the old file) there.
+  Without ``force`` the rename does not replace a file that appeared meanwhile (a hard link, then
+  the temporary name removed: no window where another writer's file is lost).
+
+The errors are `OSError`/`ValueError` subclasses, so the command line reports them in one line with
+exit status 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+
+__all__ = [
+    "MissingFolderError",
+    "OutputExistsError",
+    "SameAsInputError",
+    "check_output",
+    "in_use",
+    "lock_for_writing",
+    "output_path",
+    "publish",
+    "same_file",
+]
+
+
+class OutputExistsError(FileExistsError):
+    """The output path exists and ``force`` was not given."""
+
+
+class SameAsInputError(ValueError):
+    """The output path names one of the command's own inputs."""
+
+
+class MissingFolderError(FileNotFoundError):
+    """The output's folder does not exist."""
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether ``a`` and ``b`` name the same file (same resolved path, or the same inode through
+    a hard link or another mount). URLs compare as text."""
+    a, b = os.fspath(a), os.fspath(b)
+    if _is_url(a) or _is_url(b):
+        return a == b
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_output(
+    path: str | os.PathLike[str],
+    *,
+    inputs: Iterable[str | os.PathLike[str]] = (),
+    force: bool = False,
+    folder: bool = False,
+) -> str:
+    """Refuse ``path`` as an output before any work: one of ``inputs`` (even with ``force``), an
+    existing file or folder without ``force``, a folder where a file is wanted (and the reverse),
+    or a missing parent folder. Returns the path as a string."""
+    out = os.fspath(path)
+    for source in inputs:
+        if same_file(out, source):
+            raise SameAsInputError(f"{out} is an input of this command; write the output elsewhere")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise MissingFolderError(errno.ENOENT, f"{out}: folder {parent} does not exist")
+    if os.path.isdir(out) and not folder:
+        raise IsADirectoryError(errno.EISDIR, f"{out} is a folder; give a file name")
+    if os.path.lexists(out):
+        if folder and not os.path.isdir(out):
+            raise NotADirectoryError(errno.ENOTDIR, f"{out} is a file; give a folder name")
+        if not force:
+            raise OutputExistsError(errno.EEXIST, f"{out} exists; pass --force to replace it")
+    return out
+
+
+def publish(temporary: str, path: str, *, force: bool = False) -> None:
+    """Rename the finished ``temporary`` (a file or folder in ``path``'s folder) to ``path``.
+    Without ``force`` an existing ``path`` is never replaced (`OutputExistsError`, ``temporary``
+    left in place for the caller to remove)."""
+    if os.path.isdir(temporary):
+        if os.path.lexists(path):
+            if not force:
+                raise OutputExistsError(errno.EEXIST, f"{path} exists; pass --force to replace it")
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=os.path.dirname(path) or ".")
+            os.rmdir(old)
+            os.rename(path, old)
+            os.rename(temporary, path)
+            if os.path.isdir(old) and not os.path.islink(old):
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.unlink(old)
+            return
+        os.rename(temporary, path)
+        return
+    if force:
+        os.replace(temporary, path)
+        return
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        raise OutputExistsError(errno.EEXIST, f"{path} exists; pass --force to replace it") from None
+    except OSError:  # no hard links here (some network and FAT file systems): check, then rename
+        if os.path.lexists(path):
+            raise OutputExistsError(errno.EEXIST, f"{path} exists; pass --force to replace it") from None
+        os.replace(temporary, path)
+        return
+    os.unlink(temporary)
+
+
+def lock_for_writing(fd: int) -> None:
+    """Take an exclusive advisory lock (``flock``) on a file being written, held until it is
+    closed: `in_use` in another process (or another open of the file) then sees it. A no-op
+    where ``flock`` does not exist (Windows) or the file system refuses it."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def in_use(path: str | os.PathLike[str]) -> bool:
+    """Whether a live writer holds ``path`` (`lock_for_writing`); False where locks do not
+    exist."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return False
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    return False
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@contextlib.contextmanager
+def output_path(
+    path: str | os.PathLike[str],
+    *,
+    inputs: Iterable[str | os.PathLike[str]] = (),
+    force: bool = False,
+    folder: bool = False,
+) -> Iterator[str]:
+    """Check ``path`` (`check_output`), yield a temporary name in its folder to write to (a
+    created empty folder with ``folder``), and on success `publish` it to ``path``; on any error
+    the temporary is removed and ``path`` is untouched.
+
+    The temporary name keeps the output's extension (``.tmp-XXXXXXXX.out.parquet``), so libraries
+    that pick a format by extension write the same bytes."""
+    out = check_output(path, inputs=inputs, force=force, folder=folder)
+    parent = os.path.dirname(os.path.abspath(out))
+    name = os.path.basename(out)
+    # Not created here (but for a folder): the writer creates it, with the usual permissions.
+    temporary = os.path.join(parent, f".tmp-{secrets.token_hex(4)}.{name}")
+    if folder:
+        os.mkdir(temporary)
+    try:
+        yield temporary
+        publish(temporary, out, force=force)
+    except BaseException:
+        _remove(temporary)
+        raise

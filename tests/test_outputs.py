@@ -1,0 +1,282 @@
+"""Nothing a user types loses data (issue 40): every command refuses an existing output without
+``--force`` and its own input even with it, writes through a temporary name (a failure leaves
+nothing), says the exact path it wrote; `recover` only reads its input; an unguarded script runs
+batch statistics once."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvformat
+from kvformat.cli import main
+from kvformat.outputs import OutputExistsError, SameAsInputError
+from tests import factories
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _only(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+@pytest.fixture
+def capture(tmp_path: Path) -> Path:
+    path = tmp_path / "run.kv"
+    factories.random_file(path, layers=2, heads=2, tokens=64, dim=16)
+    return path
+
+
+def _corrupt(source: Path, target: Path) -> Path:
+    """A copy of ``source`` with one payload byte flipped (its CRC then fails)."""
+    data = bytearray(source.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the K/V records (the index is at the end)
+    target.write_bytes(bytes(data))
+    return target
+
+
+def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        code = main(args)
+    except SystemExit as exc:  # what the console script turns into its exit status
+        code = exc.code if isinstance(exc.code, int) else 1
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+COMMANDS = {
+    "stats": lambda f, o: ["stats", f, "-o", o],
+    "diff": lambda f, o: ["diff", f, f, "-o", o],
+    "diff-plot": lambda f, o: ["diff", f, f, "--plot", o],
+    "similarity": lambda f, o: ["similarity", f, "-o", o],
+    "plot": lambda f, o: ["plot", f, "-o", o],
+    "dump": lambda f, o: ["dump", f, "--layer", "0", "--head", "0", "-o", o],
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_existing_output_is_refused_then_replaced_with_force(
+    command: str, capture: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "existing.out"
+    output.write_bytes(b"keep me")
+    code, _, err = _run(COMMANDS[command](str(capture), str(output)), capsys)
+    assert code == 2 and "exists; pass --force" in err and len(err.strip().splitlines()) == 1
+    assert output.read_bytes() == b"keep me"
+    code, out, _ = _run([*COMMANDS[command](str(capture), str(output)), "--force"], capsys)
+    assert code == 0 and output.read_bytes() != b"keep me"
+    assert f"wrote {output}" in out  # the exact path
+    assert _only(tmp_path) == {"run.kv", "existing.out"}  # no temporary left
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_an_input_is_never_an_output_even_with_force(
+    command: str, capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _digest(capture)
+    for extra in ([], ["--force"]):
+        code, _, err = _run([*COMMANDS[command](str(capture), str(capture)), *extra], capsys)
+        assert code == 2 and "is an input of this command" in err
+    assert _digest(capture) == before
+    with kvformat.open(capture) as snap:
+        snap.verify()
+
+
+def test_pack_import_recover_refuse_their_input_and_existing_outputs(
+    tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    npz = tmp_path / "in.npz"
+    rng = np.random.default_rng(0)
+    np.savez(npz, k_L0=rng.standard_normal((2, 8, 4)).astype(np.float32), v_L0=np.zeros((2, 8, 4), np.float32))
+    assert _run(["pack", str(npz), str(npz), "--force"], capsys)[0] == 2
+    assert _run(["pack", str(npz), str(capture)], capsys)[0] == 2
+    assert _run(["pack", str(npz), str(tmp_path / "new.kv")], capsys)[0] == 0
+    text = tmp_path / "notes.kv"
+    text.write_text("hello")
+    code, _, err = _run(["pack", str(text), str(tmp_path / "x.kv")], capsys)
+    assert code == 2 and "pickle" not in err and "not an .npz" in err
+    mlxkv = Path(__file__).parent / "mlxkv" / "v6-slabs-float32.mlxkv"
+    if mlxkv.exists():
+        assert _run(["import-mlxkv", str(mlxkv), str(capture)], capsys)[0] == 2
+    assert _run(["recover", str(capture), "-o", str(capture), "--force"], capsys)[0] == 2
+    assert kvformat.open(capture).verify()
+
+
+def test_dump_writes_the_exact_name_given(tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "foo"
+    code, out, _ = _run(["dump", str(capture), "--layer", "0", "--head", "1", "-o", str(target)], capsys)
+    assert code == 0 and target.exists() and not (tmp_path / "foo.npz").exists()
+    assert f"wrote {target}:" in out
+    with np.load(target) as arrays:
+        assert arrays["k"].shape == (64, 16)
+
+
+def test_plot_into_a_folder_is_refused(tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    code, _, err = _run(["plot", str(capture), "-o", str(folder)], capsys)
+    assert code == 2 and "is a folder" in err
+    assert not (tmp_path / "adir.png").exists()
+
+
+def test_missing_output_folder_is_one_line(tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["stats", str(capture), "-o", str(tmp_path / "nope" / "t.parquet")], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def test_python_api_refuses_to_overwrite(tmp_path: Path, capture: Path) -> None:
+    layer = kvformat.Layer(np.zeros((1, 2, 4), np.float32), np.zeros((1, 2, 4), np.float32))
+    with pytest.raises(OutputExistsError):
+        kvformat.save(capture, [layer])
+    with pytest.raises(OutputExistsError):
+        kvformat.Writer(capture, [kvformat.LayerSpec(1, 4, 4, kvformat.FLOAT32)])
+    kvformat.save(capture, [layer], overwrite=True)
+    with kvformat.open(capture) as snap:
+        assert snap.seq_len == 2
+    with pytest.raises(SameAsInputError):
+        kvformat.import_mlxkv(capture, capture, overwrite=True)
+
+
+def test_a_writer_does_not_replace_a_file_that_appeared_meanwhile(tmp_path: Path) -> None:
+    path = tmp_path / "late.kv"
+    writer = kvformat.Writer(path, [kvformat.LayerSpec(1, 4, 4, kvformat.FLOAT32)])
+    writer.append(0, np.ones((1, 3, 4), np.float32), np.ones((1, 3, 4), np.float32))
+    path.write_bytes(b"someone else's file")
+    with pytest.raises(OutputExistsError):
+        writer.close()
+    assert path.read_bytes() == b"someone else's file"
+    assert Path(writer.partial_path).exists()  # the data is kept for `kvsnap recover -o`
+
+
+# -- failures clean up -------------------------------------------------------------------------
+
+
+def test_failed_commands_leave_nothing(tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = _corrupt(capture, tmp_path / "bad.kv")
+    with kvformat.open(bad) as snap, pytest.raises(kvformat.KVFormatError):
+        snap.verify()
+    before = _only(tmp_path)
+    for args in (
+        ["export", str(bad), "-o", str(tmp_path / "heads")],
+        ["stats", str(bad), "-o", str(tmp_path / "s.parquet")],
+        ["diff", str(capture), str(bad), "-o", str(tmp_path / "d.parquet")],
+    ):
+        code, _, _ = _run(args, capsys)
+        assert code != 0, args
+        assert _only(tmp_path) == before, args
+    truncated = tmp_path / "cut.mlxkv"
+    source = Path(__file__).parent / "mlxkv" / "mixed-tags.mlxkv"
+    truncated.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
+    before = _only(tmp_path)
+    code, _, _ = _run(["import-mlxkv", str(truncated), str(tmp_path / "imp.kv")], capsys)
+    assert code == 2 and _only(tmp_path) == before
+
+
+def test_export_refuses_an_existing_folder(tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "heads"
+    assert _run(["export", str(capture), "-o", str(out)], capsys)[0] == 0
+    assert len(list(out.iterdir())) == 4
+    (out / "mine.txt").write_text("x")
+    assert _run(["export", str(capture), "-o", str(out)], capsys)[0] == 2
+    assert (out / "mine.txt").exists()
+    assert _run(["export", str(capture), "-o", str(out), "--force", "--layer", "0"], capsys)[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == ["L00-H00.csv", "L00-H01.csv"]
+
+
+# -- recover -----------------------------------------------------------------------------------
+
+
+def _partial(tmp_path: Path) -> tuple[Path, kvformat.Writer]:
+    path = tmp_path / "cap.kv"
+    writer = kvformat.Writer(path, [kvformat.LayerSpec(2, 8, 8, kvformat.FLOAT32)])
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        data = rng.standard_normal((2, 5, 8)).astype(np.float32)
+        writer.append(0, data, data)
+        writer.snapshot({"step": step})
+    return Path(writer.partial_path), writer
+
+
+def _crash(writer: kvformat.Writer) -> None:
+    writer._file.close()  # what a killed process leaves: the file, no index, the lock gone
+    writer._pool.shutdown()
+    writer._closed = True
+
+
+def test_recover_leaves_its_input_byte_for_byte(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    partial, writer = _partial(tmp_path)
+    _crash(writer)
+    with open(partial, "ab") as f:
+        f.write(b"\x00" * 100)  # a torn last record
+    before = _digest(partial)
+    elsewhere = tmp_path / "other"
+    elsewhere.mkdir()
+    out = elsewhere / "saved.kv"
+    code, text, _ = _run(["recover", str(partial), "-o", str(out)], capsys)
+    assert code == 0 and f"wrote {out}" in text and "3 snapshot(s)" in text
+    assert _digest(partial) == before
+    with kvformat.open(out) as snap:
+        snap.verify()
+        assert snap.num_snapshots == 3
+    code, text, _ = _run(["recover", str(partial)], capsys)  # default name: without .partial
+    assert code == 0 and (tmp_path / "cap.kv").exists() and partial.exists()
+    assert _run(["recover", str(partial)], capsys)[0] == 2  # cap.kv exists now
+
+
+def test_recover_of_a_complete_file_changes_nothing(
+    tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _digest(capture)
+    code, text, _ = _run(["recover", str(capture)], capsys)
+    assert code == 0 and "complete and valid: nothing to recover" in text
+    assert _digest(capture) == before and _only(tmp_path) == {"run.kv"}
+
+
+def test_recover_refuses_a_live_writers_partial(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    partial, writer = _partial(tmp_path)
+    code, _, err = _run(["recover", str(partial), "-o", str(tmp_path / "r.kv")], capsys)
+    assert code == 2 and "live process" in err
+    code, _, _ = _run(["recover", str(partial), "-o", str(tmp_path / "r.kv"), "--force"], capsys)
+    assert code == 0
+    writer.close()  # the capture goes on and finishes
+    with kvformat.open(tmp_path / "cap.kv") as snap:
+        assert snap.num_snapshots == 3
+
+
+# -- scripts without a __main__ guard ------------------------------------------------------------
+
+
+def test_unguarded_script_runs_batch_statistics_once(tmp_path: Path) -> None:
+    for i in range(2):
+        factories.random_file(tmp_path / f"f{i}.kv", layers=2, heads=2, tokens=48, dim=16, seed=i)
+    marker = tmp_path / "runs.txt"
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import kvsnap
+            with open({str(marker)!r}, "a") as f:
+                f.write("run\\n")
+            table = kvsnap.head_stats([{str(tmp_path / "f0.kv")!r}, {str(tmp_path / "f1.kv")!r}], jobs=2)
+            one = kvsnap.head_stats([{str(tmp_path / "f0.kv")!r}, {str(tmp_path / "f1.kv")!r}], jobs=1)
+            assert table.drop("file").equals(one.drop("file")), "tables differ"
+            print("rows", table.height)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "rows 16" in result.stdout
+    assert marker.read_text().count("run") == 1
