@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install nginx
+.PHONY: demo test lint install nginx reference
 
 # Two stamps: the demo needs only the capture and analysis extras; the tests need everything
 # (Ray, moto, flask, ...). A full install satisfies the demo too.
@@ -52,7 +52,19 @@ nginx:
 		elif command -v brew >/dev/null 2>&1; then brew install nginx; \
 		else echo "install nginx for the remote-reading tests" >&2; exit 1; fi; }
 
+# Hugging Face transformers on a CPU torch, in a Python of its own (never imported by kvsnap): the
+# reference tests/test_reference.py holds captured K/V to. On Linux x86_64 pip takes torch 2.13.0's
+# CPU wheel from the machine's own store; elsewhere it downloads the platform's build.
+REFERENCE := .cache/reference/.installed
+$(REFERENCE): tests/reference/requirements.txt
+	$(PYTHON) -m venv .cache/reference
+	.cache/reference/bin/python -m pip install --quiet --upgrade pip
+	.cache/reference/bin/python -m pip install --quiet -r tests/reference/requirements.txt
+	touch $@
+
+reference: $(REFERENCE)
+
 # Tests marked `cuda` need mlx on an NVIDIA GPU, which CI does not have: run them there with
 # `python -m pytest -m cuda tests` (and tests/test_mlx_backend.py for the whole table).
-test: lint $(KAITAI) nginx
+test: lint $(KAITAI) nginx $(REFERENCE)
 	$(BIN)/python -m pytest -m "not cuda" tests

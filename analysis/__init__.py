@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     )
     from kvsnap.analysis.diff import head_diff
     from kvsnap.analysis.export import export_heads
-    from kvsnap.analysis.rope import Rope, RopeError
+    from kvsnap.analysis.rope import Rope, RopeError, checkpoint_keys
     from kvsnap.analysis.similarity import head_similarity, similarity_for_file
     from kvsnap.analysis.stats import (
         HeadAccumulator,
@@ -46,6 +46,7 @@ _EXPORTS = {
     "export_heads": "export",
     "Rope": "rope",
     "RopeError": "rope",
+    "checkpoint_keys": "rope",
     "head_similarity": "similarity",
     "similarity_for_file": "similarity",
     **dict.fromkeys(
@@ -71,6 +72,7 @@ __all__ = [
     "HeadAccumulator",
     "Rope",
     "RopeError",
+    "checkpoint_keys",
     "expand_paths",
     "export_heads",
     "file_accumulators",

@@ -17,7 +17,11 @@ where they overlap. One row per (`layer`, `head`, `seq`, `tensor`):
 
 Files whose layouts differ (present layers, heads, dims, sequences) are refused with one line
 naming the difference; files whose recorded token ids differ are compared anyway, with a warning
-naming the first differing position. Arithmetic in float64.
+naming the first differing position. Files whose RoPE pairs channels differently (``(2i, 2i+1)``
+against ``(i, i + dims/2)``: a capture from a GGUF conversion that kept llama.cpp's q/k
+permutation against one in the checkpoint's order) are compared with the interleaved file's K
+reordered into the other's order (`rope.interleaved_to_half`), with a warning saying so.
+Arithmetic in float64.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import kvformat
-from kvsnap.analysis.rope import Rope
+from kvsnap.analysis.rope import Rope, interleaved_to_half
 from kvsnap.analysis.tokens import token_ids
 
 if TYPE_CHECKING:
@@ -54,6 +58,18 @@ def _layout_difference(a: kvformat.Snapshot, b: kvformat.Snapshot) -> str | None
                 f"{y.num_heads} heads, k_dim {y.k_dim}, v_dim {y.v_dim} in B"
             )
     return None
+
+
+def _pairing_difference(a: kvformat.Snapshot, b: kvformat.Snapshot) -> int | None:
+    """0 or 1: the file (A or B) whose RoPE pairs channels ``(2i, 2i+1)`` where the other pairs
+    them ``(i, i + dims/2)``; None when both record the same pairing (or either records none)."""
+    pairings = []
+    for snap in (a, b):
+        rope = snap.metadata.get("rope")
+        pairings.append(rope.get("pairing") if isinstance(rope, dict) else None)
+    if None in pairings or pairings[0] == pairings[1]:
+        return None
+    return pairings.index("interleaved") if "interleaved" in pairings else None
 
 
 def _token_warning(a: kvformat.Snapshot, b: kvformat.Snapshot) -> str | None:
@@ -148,12 +164,21 @@ def head_diff(
         message = _token_warning(first, second)
         if message is not None:
             warnings.warn(f"{os.fspath(a)} vs {os.fspath(b)}: {message}", UserWarning, stacklevel=2)
+        reorder = _pairing_difference(first, second)
+        if reorder is not None:
+            which = os.fspath(a) if reorder == 0 else os.fspath(b)
+            warnings.warn(
+                f"{os.fspath(a)} and {os.fspath(b)} pair RoPE channels differently ((2i, 2i+1) in {which}, "
+                f"(i, i + dims/2) in the other): {which}'s K is compared in the other's channel order",
+                UserWarning,
+                stacklevel=2,
+            )
         for layer, spec in enumerate(first.layers):
             if not spec.present:
                 continue
             ropes = [
                 Rope.from_metadata(snap.metadata, snap.layers[layer].attributes, spec.k_dim)
-                if keys == "pre_rope"
+                if keys == "pre_rope" or reorder is not None
                 else None
                 for snap in (first, second)
             ]
@@ -165,9 +190,16 @@ def head_diff(
                     for tensor, left, right in (("k", x.k, y.k), ("v", x.v, y.v)):
                         p = np.asarray(left, dtype=np.float64)[in_x]
                         q = np.asarray(right, dtype=np.float64)[in_y]
-                        if tensor == "k" and ropes[0] is not None and ropes[1] is not None:
+                        if tensor == "k" and keys == "pre_rope" and ropes[0] and ropes[1]:
                             p = ropes[0].rotate(p, shared, inverse=True).astype(np.float64)
                             q = ropes[1].rotate(q, shared, inverse=True).astype(np.float64)
+                        if tensor == "k" and reorder is not None:
+                            rope = ropes[reorder]
+                            assert rope is not None
+                            if reorder == 0:
+                                p = interleaved_to_half(p, rope.dims)
+                            else:
+                                q = interleaved_to_half(q, rope.dims)
                         rows.append(
                             {
                                 "layer": layer,

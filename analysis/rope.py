@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from kvformat.channel_order import gguf_channel_order
+
 
 class RopeError(ValueError):
     """The snapshot does not describe its RoPE well enough to undo it."""
@@ -84,3 +86,25 @@ class Rope:
         first, second = self._pairs()
         xf = np.asarray(x, dtype=np.float64)
         return (xf[:, first] ** 2 + xf[:, second] ** 2).sum(axis=0)
+
+
+def interleaved_to_half(k: np.ndarray, dims: int) -> np.ndarray:
+    """``k`` ``(..., head_dim)`` whose first ``dims`` channels pair RoPE dimensions as
+    ``(2i, 2i+1)`` reordered to pair them as ``(i, i + dims/2)``: channel ``i`` is the old
+    ``2i``, channel ``i + dims/2`` the old ``2i + 1``; channels past ``dims`` stay. For a GGUF
+    conversion that kept llama.cpp's permutation, this is the checkpoint's order. A copy."""
+    order = np.concatenate([np.arange(0, dims, 2), np.arange(1, dims, 2), np.arange(dims, k.shape[-1])])
+    return np.asarray(k)[..., order]
+
+
+def checkpoint_keys(snap: Any, layer: int, head: int, seq: int = 0) -> np.ndarray | None:
+    """K ``(n_tokens, k_dim)`` of one head of an open snapshot in the checkpoint's channel order:
+    reordered (`interleaved_to_half`) for a file in llama.cpp's GGUF order (`gguf_channel_order`),
+    as stored otherwise. None for an absent layer. Positions: ``snap.head(...).positions``."""
+    data = snap.head(layer, head, seq)
+    if data is None:
+        return None
+    if not gguf_channel_order(snap.metadata):
+        return np.asarray(data.k)
+    rope = Rope.from_metadata(snap.metadata, snap.layers[layer].attributes, snap.layers[layer].k_dim)
+    return interleaved_to_half(data.k, rope.dims)

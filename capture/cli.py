@@ -78,7 +78,12 @@ def _capture(args: argparse.Namespace) -> int:
     model_path = _resolve_model(args.model)
     loaded = load(model_path)
     model, tokenizer = loaded[0], loaded[1]
-    if args.chat and getattr(tokenizer, "chat_template", None):
+    if args.chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"--chat: {args.model} has no chat template (its tokenizer config, or the GGUF's "
+            "tokenizer.chat_template, holds none); give the prompt as the model expects it, without --chat"
+        )
+    if args.chat:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )

@@ -232,6 +232,9 @@ class _Snapshots:
         except CaptureError:
             self.failed = True
             raise
+        finally:
+            if self.failed and series is not None:
+                series.leave_partial()  # the file closed (its lock released) for `kvsnap recover`
 
 
 def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list[Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 import kvformat
-from kvformat import codecs, dtypes
+from kvformat import channel_order, codecs, dtypes
 from kvformat.errors import KVFormatError, OutOfRangeError
 from kvformat.outputs import check_output, output_path
 
@@ -133,6 +133,9 @@ def _info(args: argparse.Namespace) -> int:
         source = model.get("gguf", {}) if isinstance(model.get("gguf"), dict) else {}
         origin = f", from GGUF {source['file']}" if source.get("file") else ""
         print(f"  model: {model.get('name', '(unnamed)')} ({model.get('architecture', '?')}{origin})")
+    order = channel_order.describe(meta)
+    if order is not None:
+        print(f"  K channel order: {order}")
     imported = meta.get("source")
     if isinstance(imported, dict) and imported.get("format"):
         digest = str(imported.get("sha256", ""))[:16]

@@ -48,6 +48,7 @@ _EXPORTS: dict[str, str] = {
             "run_stats",
             "merged_stats",
             "export_heads",
+            "checkpoint_keys",
         )
     },
     **{name: "kvsnap.capture" for name in ("generate", "snapshot_kv", "restore", "tokens_of", "text_of")},

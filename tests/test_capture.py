@@ -338,7 +338,8 @@ def test_hybrid_and_latent_models(tmp_path: Path) -> None:
 
 
 def test_smollm2_keys_are_post_rope_projections(tmp_path: Path, smollm2_dir: Path) -> None:
-    """Layer 0 K recomputed independently: rope(k_proj(rmsnorm(embed(x)))), interleaved pairs."""
+    """Layer 0 K recomputed independently: rope(k_proj(rmsnorm(embed(x)))), half-split pairs
+    (the checkpoint's order, issue 41)."""
     model, tokenizer = load(str(smollm2_dir))
     prompt = tokenizer.encode("The capital of France is")
     path = tmp_path / "smol.kv"
@@ -346,7 +347,7 @@ def test_smollm2_keys_are_post_rope_projections(tmp_path: Path, smollm2_dir: Pat
     assert text.strip()
     with kvformat.open(path) as snap:
         rope = snap.metadata["rope"]
-        assert rope["pairing"] == "interleaved" and rope["dims"] == 64
+        assert rope["pairing"] == "half" and rope["dims"] == 64
         layer0 = model.model.layers[0]
         x = layer0.input_layernorm(model.model.embed_tokens(mx.array([prompt])))
         k = layer0.self_attn.k_proj(x).reshape(1, len(prompt), 3, 64).astype(mx.float32)
@@ -354,8 +355,8 @@ def test_smollm2_keys_are_post_rope_projections(tmp_path: Path, smollm2_dir: Pat
         half = mx.arange(0, 64, 2).astype(mx.float32) / 64
         angles = positions[:, None] / (rope["base"] ** half)[None, :]
         cos, sin = mx.cos(angles)[None, :, None, :], mx.sin(angles)[None, :, None, :]
-        even, odd = k[..., 0::2], k[..., 1::2]
-        rotated = mx.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(k.shape)
+        first, second = k[..., :32], k[..., 32:]
+        rotated = mx.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
         expected = np.array(rotated)[0]
         undo = Rope.from_metadata(snap.metadata, snap.layers[0].attributes, 64)
         pre_rope = np.array(k)[0]

@@ -88,7 +88,7 @@ def test_recover_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     spec = kvformat.LayerSpec(1, 2, 2, kvformat.FLOAT32)
     writer = kvformat.Writer(tmp_path / "x.kv", [spec])
     writer.append(0, np.ones((1, 3, 2), np.float32), np.ones((1, 3, 2), np.float32))
-    writer._file.flush()  # simulate a crash: the process dies before close()
+    writer._file.close()  # simulate a crash: the process dies before close() (its lock goes with it)
     partial = tmp_path / "x.kv.partial"
     assert partial.exists() and not (tmp_path / "x.kv").exists()
     assert main(["recover", str(partial)]) == 0

@@ -19,6 +19,13 @@ from kvsnap.capture.fixtures import fetch_gguf
 from tests.conftest import PROSE
 
 
+def reverse_permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """transformers' ``reverse_permute_weights`` (its GGUF loader): llama.cpp's q/k row order back
+    to the checkpoint's, written out here independently of the converter."""
+    dim = weights.shape[0] // heads // 2
+    return weights.reshape(heads, dim, 2, *weights.shape[1:]).swapaxes(2, 1).reshape(weights.shape)
+
+
 def perplexity(model: nn.Module, tokenizer: object, text: str) -> float:
     ids = mx.array([tokenizer.encode(text)])  # type: ignore[attr-defined]
     logits = model(ids[:, :-1]).astype(mx.float32)
@@ -33,9 +40,12 @@ def test_smollm2_answers_paris_and_has_sane_perplexity(smollm2_dir: Path) -> Non
     assert 3 < ppl < 20, ppl  # measured 10.7
 
 
-def test_smollm2_needs_interleaved_rope(smollm2_dir: Path) -> None:
-    """Negative control: with half-split RoPE the permuted q/k weights are wrong, and it shows."""
-    model, _config = load_model(smollm2_dir, model_config={"rope_traditional": False})
+def test_smollm2_needs_the_checkpoints_half_split_rope(smollm2_dir: Path) -> None:
+    """Negative control (issue 41): the q/k rows are back in the checkpoint's order, so the
+    model uses half-split RoPE; with llama.cpp's interleaved pairing it is wrong, and it shows."""
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["rope_traditional"] is False
+    model, _config = load_model(smollm2_dir, model_config={"rope_traditional": True})
     _, tokenizer = load(str(smollm2_dir))
     assert perplexity(model, tokenizer, PROSE) > 40
 
@@ -57,11 +67,15 @@ def test_converted_weights_equal_dequantized_gguf(name: str, smollm2_dir: Path, 
     weights = mx.load(str(directory / "model.safetensors"))
     gemma = name.startswith("gemma")
     names = _ARCHITECTURES["gemma3" if gemma else "llama"][1]
+    config = json.loads((directory / "config.json").read_text())
     seen = set()
     sample = slice(None, None, 97)  # the largest tensor: compare every 97th row
     for gguf_name, array in dequantized_tensors(fetch_gguf(name), {"token_embd.weight": sample}):
         key = _target_name(gguf_name, names)
         expected = array - 1 if gemma and gguf_name.endswith("norm.weight") else array
+        if not gemma and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config["num_attention_heads" if "attn_q" in gguf_name else "num_key_value_heads"]
+            expected = reverse_permute(expected, heads)
         if gguf_name == "token_embd.weight":
             got = np.array(weights[key][sample].astype(mx.float32))
         else:
@@ -107,6 +121,7 @@ def test_a_gguf_is_converted_once_staged_and_named_by_itself(
     monkeypatch.setenv("KVSNAP_CACHE", str(tmp_path / "cache"))
 
     def broken(src: Path, out: Path, dtype: str = "float16") -> Path:
+        Path(out).mkdir()
         (Path(out) / "config.json").write_text("{}")  # what used to pass for a finished conversion
         raise RuntimeError("disk full")
 

@@ -110,9 +110,18 @@ def test_each_group_alone(tmp_path: Path, group: str) -> None:
     path = random_file(tmp_path / "r.kv", np.float32, 64, 600, seed=1)
     got = stats_rows(path, stats=group, backend="mlx")
     assert_close(got, stats_rows(path, stats=group))
-    assert set(got[0]) - {"file", "layer", "head", "seq", "tensor", "snapshot", "n_tokens"} == set(
-        GROUPS[group]
-    )
+    keys = {
+        "file",
+        "layer",
+        "head",
+        "seq",
+        "tensor",
+        "snapshot",
+        "n_tokens",
+        "nonfinite_rows",
+        "nonfinite_values",
+    }
+    assert set(got[0]) - keys == set(GROUPS[group])
 
 
 @pytest.mark.network
@@ -159,7 +168,7 @@ def test_a_one_shot_command_keeps_a_small_file_in_one_process(
         return real(files, **options)
 
     monkeypatch.setattr(batch, "run_stats", recording)
-    out = ["-o", str(tmp_path / "t.parquet")]
+    out = ["-o", str(tmp_path / "t.parquet"), "--force"]
     assert main(["stats", path, "--backend", "mlx", *out]) == 0
     assert main(["stats", path, "--backend", "mlx", "--jobs", "4", *out]) == 0
     assert main(["stats", path, other, "--backend", "mlx", *out]) == 0

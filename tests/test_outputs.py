@@ -96,7 +96,9 @@ def test_pack_import_recover_refuse_their_input_and_existing_outputs(
 ) -> None:
     npz = tmp_path / "in.npz"
     rng = np.random.default_rng(0)
-    np.savez(npz, k_L0=rng.standard_normal((2, 8, 4)).astype(np.float32), v_L0=np.zeros((2, 8, 4), np.float32))
+    np.savez(
+        npz, k_L0=rng.standard_normal((2, 8, 4)).astype(np.float32), v_L0=np.zeros((2, 8, 4), np.float32)
+    )
     assert _run(["pack", str(npz), str(npz), "--force"], capsys)[0] == 2
     assert _run(["pack", str(npz), str(capture)], capsys)[0] == 2
     assert _run(["pack", str(npz), str(tmp_path / "new.kv")], capsys)[0] == 0
@@ -111,7 +113,9 @@ def test_pack_import_recover_refuse_their_input_and_existing_outputs(
     assert kvformat.open(capture).verify()
 
 
-def test_dump_writes_the_exact_name_given(tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dump_writes_the_exact_name_given(
+    tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     target = tmp_path / "foo"
     code, out, _ = _run(["dump", str(capture), "--layer", "0", "--head", "1", "-o", str(target)], capsys)
     assert code == 0 and target.exists() and not (tmp_path / "foo.npz").exists()
@@ -120,7 +124,9 @@ def test_dump_writes_the_exact_name_given(tmp_path: Path, capture: Path, capsys:
         assert arrays["k"].shape == (64, 16)
 
 
-def test_plot_into_a_folder_is_refused(tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plot_into_a_folder_is_refused(
+    tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = tmp_path / "adir"
     folder.mkdir()
     code, _, err = _run(["plot", str(capture), "-o", str(folder)], capsys)
@@ -128,7 +134,9 @@ def test_plot_into_a_folder_is_refused(tmp_path: Path, capture: Path, capsys: py
     assert not (tmp_path / "adir.png").exists()
 
 
-def test_missing_output_folder_is_one_line(tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_output_folder_is_one_line(
+    tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, _, err = _run(["stats", str(capture), "-o", str(tmp_path / "nope" / "t.parquet")], capsys)
     assert code == 2 and "does not exist" in err
 
@@ -160,7 +168,9 @@ def test_a_writer_does_not_replace_a_file_that_appeared_meanwhile(tmp_path: Path
 # -- failures clean up -------------------------------------------------------------------------
 
 
-def test_failed_commands_leave_nothing(tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_failed_commands_leave_nothing(
+    tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = _corrupt(capture, tmp_path / "bad.kv")
     with kvformat.open(bad) as snap, pytest.raises(kvformat.KVFormatError):
         snap.verify()
@@ -181,7 +191,9 @@ def test_failed_commands_leave_nothing(tmp_path: Path, capture: Path, capsys: py
     assert code == 2 and _only(tmp_path) == before
 
 
-def test_export_refuses_an_existing_folder(tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_refuses_an_existing_folder(
+    tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "heads"
     assert _run(["export", str(capture), "-o", str(out)], capsys)[0] == 0
     assert len(list(out.iterdir())) == 4
