@@ -27,7 +27,7 @@ install: $(VENV)/.installed-dev
 # mean ||K|| per layer and head.
 demo: $(VENV)/.installed-demo
 	mkdir -p out
-	$(BIN)/kvsnap capture --model smollm2-135m --chat --max-tokens 48 --every 16 -o out/demo.kv --echo \
+	$(BIN)/kvsnap capture --model smollm2-135m --chat --max-tokens 48 --every 16 -o out/demo.kv --force --echo \
 		--prompt "Explain in two sentences why the sky is blue."
 	$(BIN)/kvsnap info out/demo.kv | head -6
 	$(BIN)/kvsnap stats out/demo.kv
