@@ -9,6 +9,7 @@ logits predict the next one; a snapshot records both, so a resumed run continues
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import warnings
@@ -27,6 +28,7 @@ from kvsnap.capture.background import DEFAULT_MAX_PENDING, BackgroundWriter, Tra
 from kvsnap.capture.deltas import CacheTracker, layer_specs
 from kvsnap.capture.errors import CaptureError
 from kvsnap.capture.model_info import annotate_layers, file_metadata
+from kvsnap.capture.queries import QueryRecorder, QuerySelection
 from kvsnap.capture.restore import last_logits, restore, tokens_of
 from kvsnap.capture.series import SeriesWriter
 from kvsnap.capture.snapshot import KVSnapshot, snapshot_kv
@@ -98,9 +100,11 @@ class _Snapshots:
         max_pending: int,
         durable: bool = True,
         overwrite: bool = False,
+        recorder: QueryRecorder | None = None,
     ) -> None:
         self.durable = durable
         self.overwrite = overwrite
+        self.recorder = recorder
         self.prompt_cache = prompt_cache
         self.model = model
         self.tokenizer = tokenizer
@@ -155,12 +159,16 @@ class _Snapshots:
                 f"cache holds {self.tracker.end()} positions but {len(tokens)} tokens were processed"
             )
         arrays = [array for delta in deltas for array in (*delta.keys, *delta.values)]
+        queries = self.recorder.take() if self.recorder is not None else []
+        arrays += [q for _, q, _ in queries]
         if logits is not None:
             arrays.append(mx.array(logits).astype(mx.float32).reshape(-1, logits.shape[-1]))
         transfer = Transfer(arrays)
         if self.series is None:
             specs, num_seqs = layer_specs(self.prompt_cache)
             annotate_layers([spec.attributes for spec in specs], [spec.present for spec in specs], self.model)
+            if self.recorder is not None:
+                specs = self._with_queries(specs)
             # Opening writes the header and manifest: small, once, here.
             self.series = SeriesWriter(
                 self.output,
@@ -180,6 +188,10 @@ class _Snapshots:
         def write() -> None:
             host = transfer.to_host()
             last = host.pop() if with_logits else None
+            if queries:
+                kept = len(host) - len(queries)
+                host, found = host[:kept], host[kept:]
+                series.add_queries([(layer, q, p) for (layer, _, p), q in zip(queries, found, strict=True)])
             series.add(deltas, host, metadata, last)
             if self.on_snapshot is not None:
                 size = os.path.getsize(event_path) if os.path.exists(event_path) else 0
@@ -188,6 +200,21 @@ class _Snapshots:
         assert self.background is not None
         self.background.submit(write)
         self.taken += 1
+
+    def _with_queries(self, specs: list[kvformat.LayerSpec]) -> list[kvformat.LayerSpec]:
+        """The layer specs with what the query recorder saw each layer's attention do."""
+        assert self.recorder is not None
+        if not self.recorder.layers:
+            raise CaptureError(
+                "--queries: this model's attention does not go through mlx-lm's "
+                "scaled_dot_product_attention, so there are no queries to capture"
+            )
+        return [
+            dataclasses.replace(spec, queries=self.recorder.spec(i, spec.num_heads, spec.attributes))
+            if spec.present
+            else spec
+            for i, spec in enumerate(specs)
+        ]
 
     def _take_file(
         self, generated: int, tokens: list[int], pieces: list[str], base_text: str, logits: Any
@@ -277,6 +304,7 @@ def generate(
     max_pending: int = DEFAULT_MAX_PENDING,
     durable: bool = True,
     overwrite: bool = False,
+    queries: str | QuerySelection = "none",
     **generate_kwargs: Any,
 ) -> Iterator[Any]:
     """Stream generation like `mlx_lm.stream_generate`, taking K/V snapshots along the way.
@@ -289,7 +317,10 @@ def generate(
     ``max_pending`` snapshots wait for the disk before generation does. ``resume`` continues from
     a snapshot (in memory or read back) instead of a prompt. ``durable=False`` skips the fsyncs
     (each snapshot's and the file's at close): for scratch captures. An existing ``output`` is
-    refused before generation starts unless ``overwrite``. Other keyword arguments
+    refused before generation starts unless ``overwrite``. ``queries`` (`QuerySelection`:
+    ``"none"``, ``"decode"``, ``"window:W"``, ``"all"``) also stores the post-RoPE queries of
+    those positions, and how each layer's attention used them (format 1.3), in a series file;
+    generation is unchanged. Other keyword arguments
     (``sampler``, ``kv_bits``, ``prefill_step_size``, ...) go to mlx-lm.
     """
     from mlx_lm import stream_generate
@@ -300,6 +331,9 @@ def generate(
     if max_tokens <= 0:
         return
     kvformat.codecs.parse(codec)  # an unknown codec fails now, not at the first snapshot
+    selection = QuerySelection.parse(queries)
+    if selection.enabled and (output is None or separate_files):
+        raise CaptureError("queries are stored in a series file: give output= (not separate_files)")
     if output is not None and not separate_files:
         check_output(output, force=overwrite)  # refused now, not at the first snapshot
     sampler = generate_kwargs.pop("sampler", None) or make_sampler(0.0)
@@ -339,6 +373,10 @@ def generate(
         history = []
         prompt_cache = make_cache(model, max_kv_size)
         processed = list(prompt_ids)
+    query_recorder = None
+    if selection.enabled:
+        first = len(history) if resume is not None else selection.first_position(len(prompt_ids))
+        query_recorder = QueryRecorder(prompt_cache, first)
     recorder = _LogitsRecorder()
     processors = [*generate_kwargs.pop("logits_processors", []), recorder]
     info = file_metadata(model, model_path, tokenizer)
@@ -346,6 +384,8 @@ def generate(
     info.update(metadata or {})
     info["prompt_tokens"] = len(prompt_ids) if resume is None else 0
     info["resumed_from_tokens"] = len(history)
+    if selection.enabled:
+        info["queries"] = selection.to_json()
     info.setdefault("generation", {}).update(
         {
             "max_tokens": max_tokens,
@@ -368,12 +408,15 @@ def generate(
         max_pending=max_pending,
         durable=durable,
         overwrite=overwrite,
+        recorder=query_recorder,
     )
     base_text = tokenizer.decode(processed) if output is not None else ""
     pieces: list[str] = []  # streamed text of the generated tokens
     generated_tokens: list[int] = []
     finished = False
+    hooks = query_recorder if query_recorder is not None else contextlib.nullcontext()
     try:
+        hooks.__enter__()
         responses: Iterator[Any] = stream_generate(
             model,
             tokenizer,
@@ -405,6 +448,7 @@ def generate(
             yield response
         finished = True
     finally:
+        hooks.__exit__(None, None, None)
         text = tokenizer.decode(generated_tokens) if output is not None else ""
         if finished:
             snapshots.close(text)

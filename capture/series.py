@@ -91,6 +91,13 @@ class SeriesWriter:
             _sync_each(writer.fileno(), SYNC_EACH)
         return index
 
+    def add_queries(self, queries: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        """Write queries (format 1.3) for the next snapshot: ``(layer, q, positions)`` with
+        ``q`` ``(batch, query_heads, n, dim)`` host arrays."""
+        for layer, q, positions in queries:
+            for seq in range(q.shape[0]):
+                self.writer.append_queries(layer, q[seq], positions, seq=seq)
+
     def close(self, metadata: dict[str, Any] | None = None) -> None:
         self.writer.close(metadata)
 

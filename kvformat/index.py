@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from kvformat.checksum import crc32c
 from kvformat.layout import DESCRIPTOR_SIZE, Footer, pack_header
-from kvformat.manifest import Manifest, dumps
+from kvformat.manifest import Manifest, dumps, format_minor
 from kvformat.series import APPEND_CHUNKS, Entry
 
 
@@ -22,6 +22,7 @@ def index_bytes(
     if any(s.chunk_ranges.size for s in snapshots) and APPEND_CHUNKS not in manifest.required_features:
         document["required_features"] = [*manifest.required_features, APPEND_CHUNKS]
     index_json = dumps({"manifest": document, "snapshots": [s.to_json() for s in snapshots]})
-    crc = crc32c(index_json, crc32c(joined, crc32c(pack_header())))
-    footer = Footer(index_offset, len(joined) // DESCRIPTOR_SIZE, len(index_json), crc).pack()
+    minor = format_minor(manifest)
+    crc = crc32c(index_json, crc32c(joined, crc32c(pack_header(minor))))
+    footer = Footer(index_offset, len(joined) // DESCRIPTOR_SIZE, len(index_json), crc, minor).pack()
     return joined + index_json + footer

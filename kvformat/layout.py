@@ -27,7 +27,7 @@ MAGIC = b"\x89KVS\r\n\x1a\n"
 FOOTER_MAGIC = b"KVSINDEX"
 DESCRIPTOR_MAGIC = b"KVCK"
 MAJOR = 1
-MINOR = 2
+MINOR = 3  # what this reader implements; the writer writes 2 unless a file holds queries (1.3)
 ALIGN = 64
 HEADER_SIZE = 64
 DESCRIPTOR_SIZE = 64
@@ -37,12 +37,13 @@ FOOTER_SIZE = 64
 KIND_K = 0
 KIND_V = 1
 KIND_ARRAY = 2
+KIND_Q = 3  # format 1.3: queries (feature "queries")
 KIND_MANIFEST = 16
 KIND_SNAPSHOT = 17
 TENSOR_KINDS = (KIND_K, KIND_V)
-TABLE_KINDS = (KIND_K, KIND_V, KIND_ARRAY)
+TABLE_KINDS = (KIND_K, KIND_V, KIND_ARRAY, KIND_Q)
 JSON_KINDS = (KIND_MANIFEST, KIND_SNAPSHOT)
-TENSOR_NAMES = {KIND_K: "k", KIND_V: "v", KIND_ARRAY: "array"}
+TENSOR_NAMES = {KIND_K: "k", KIND_V: "v", KIND_ARRAY: "array", KIND_Q: "q"}
 
 # Hard limits a reader applies before trusting any size field (spec section 8).
 MAX_JSON_SIZE = 256 * 1024 * 1024

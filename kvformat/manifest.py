@@ -8,6 +8,7 @@ JSON decides how the binary chunk table is interpreted.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,12 +16,119 @@ from typing import Any
 from kvformat import dtypes, quantization
 from kvformat.dtypes import DType
 from kvformat.errors import CorruptFileError, LimitExceededError, UnsupportedFeatureError
-from kvformat.layout import MAX_HEAD_SEQUENCES, MAX_HEADS, MAX_LAYERS, MAX_SEQS, MAX_WIDTH
+from kvformat.layout import MAX_HEAD_SEQUENCES, MAX_HEADS, MAX_LAYERS, MAX_POSITION, MAX_SEQS, MAX_WIDTH
 from kvformat.quantization import Quantization
 
-# Features this implementation understands (SPEC section 14): 1.2 defines "append-chunks"; a
-# file that lists an unknown name under "required_features" is rejected.
-KNOWN_FEATURES: frozenset[str] = frozenset({"append-chunks"})
+# Features this implementation understands (SPEC section 14): 1.2 defines "append-chunks", 1.3
+# "queries"; a file that lists an unknown name under "required_features" is rejected.
+QUERIES = "queries"
+KNOWN_FEATURES: frozenset[str] = frozenset({"append-chunks", QUERIES})
+
+
+@dataclass(frozen=True)
+class QuerySpec:
+    """A layer's queries (format 1.3, SPEC section 10.1) and what attention did with them.
+
+    ``num_heads`` query heads of ``dim`` elements in ``dtype``; query head ``h`` attends KV head
+    ``kv_heads[h]``. Attention logits are ``scale * q.k`` (then ``softcap * tanh(x / softcap)``
+    when ``softcap`` is set), over the keys at positions ``j <= p`` for a query at ``p`` (causal),
+    and with a ``window`` only those with ``p - j < window - keep`` or ``j < keep``. ``sinks``:
+    one logit per query head that joins the softmax's denominator (learned attention sinks), or
+    None."""
+
+    num_heads: int
+    dim: int
+    dtype: DType
+    scale: float
+    kv_heads: tuple[int, ...]
+    window: int | None = None
+    keep: int = 0
+    softcap: float | None = None
+    sinks: tuple[float, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "num_heads": self.num_heads,
+            "dim": self.dim,
+            "dtype": self.dtype.name,
+            "scale": self.scale,
+            "kv_heads": list(self.kv_heads),
+            "window": self.window,
+            "keep": self.keep,
+            "softcap": self.softcap,
+            "sinks": list(self.sinks) if self.sinks is not None else None,
+        }
+
+    def check(self, kv_heads: int) -> None:
+        """Raise ValueError for a description a writer must not declare (``kv_heads``: the
+        layer's KV head count)."""
+        for name, value, limit in (("num_heads", self.num_heads, MAX_HEADS), ("dim", self.dim, MAX_WIDTH)):
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+                raise ValueError(f"queries {name} must be an integer in 1..{limit}, got {value!r}")
+        if not (isinstance(self.scale, float | int) and math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"queries scale must be a finite number above 0, got {self.scale!r}")
+        if len(self.kv_heads) != self.num_heads or not all(
+            isinstance(h, int) and not isinstance(h, bool) and 0 <= h < kv_heads for h in self.kv_heads
+        ):
+            raise ValueError(f"queries kv_heads must name one KV head (0..{kv_heads - 1}) per query head")
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise ValueError(f"queries window must be null or a positive integer, got {self.window!r}")
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 0:
+            raise ValueError(f"queries keep must be an integer >= 0, got {self.keep!r}")
+        if self.window is not None and self.keep >= self.window:
+            raise ValueError(f"queries keep ({self.keep}) must be below the window ({self.window})")
+        if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
+            raise ValueError(f"queries softcap must be null or a finite number above 0, got {self.softcap!r}")
+        if self.sinks is not None and (
+            len(self.sinks) != self.num_heads or not all(math.isfinite(x) for x in self.sinks)
+        ):
+            raise ValueError("queries sinks must be null or one finite number per query head")
+
+
+def parse_queries(obj: Any, where: str, kv_heads: int) -> QuerySpec | None:
+    """A layer's ``queries`` object (SPEC section 10.1), or None when absent."""
+    if obj is None:
+        return None
+    obj = _object(obj, f"{where} queries")
+    name = obj.get("dtype")
+    if not isinstance(name, str):
+        raise CorruptFileError(f"{where} queries: 'dtype' must be a string")
+
+    def number(key: str, optional: bool) -> float | None:
+        value = obj.get(key)
+        if value is None and optional:
+            return None
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise CorruptFileError(f"{where} queries: '{key}' must be a number, got {value!r}")
+        return float(value)
+
+    kv = obj.get("kv_heads")
+    sinks = obj.get("sinks")
+    window = obj.get("window")
+    if not isinstance(kv, list) or (sinks is not None and not isinstance(sinks, list)):
+        raise CorruptFileError(f"{where} queries: 'kv_heads' must be a list, 'sinks' null or a list")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
+        raise CorruptFileError(f"{where} queries: 'window' must be null or an integer")
+    if sinks is not None and not all(isinstance(x, int | float) and not isinstance(x, bool) for x in sinks):
+        raise CorruptFileError(f"{where} queries: 'sinks' must hold numbers")
+    scale = number("scale", False)
+    assert scale is not None
+    spec = QuerySpec(
+        num_heads=_int(obj, "num_heads", 1, MAX_HEADS, f"{where} queries"),
+        dim=_int(obj, "dim", 1, MAX_WIDTH, f"{where} queries"),
+        dtype=dtypes.from_name(name),
+        scale=scale,
+        kv_heads=tuple(kv),
+        window=window,
+        keep=_int(obj, "keep", 0, MAX_POSITION, f"{where} queries") if "keep" in obj else 0,
+        softcap=number("softcap", True),
+        sinks=tuple(float(x) for x in sinks) if sinks is not None else None,
+    )
+    try:
+        spec.check(kv_heads)
+    except ValueError as exc:
+        raise CorruptFileError(f"{where}: {exc}") from None
+    return spec
 
 
 @dataclass(frozen=True)
@@ -38,6 +146,7 @@ class LayerSpec:
     attributes: dict[str, Any] = field(default_factory=dict)
     present: bool = True
     quantization: Quantization | None = None
+    queries: QuerySpec | None = None  # format 1.3: the layer's queries and attention
 
     def row_bytes(self, kind: int) -> int:
         """Stored bytes per token row of K (kind 0) or V (kind 1) before any codec."""
@@ -65,6 +174,8 @@ class LayerSpec:
         }
         if self.quantization is not None:
             document["quantization"] = self.quantization.to_json()
+        if self.queries is not None:
+            document["queries"] = self.queries.to_json()
         return document
 
     def check(self) -> None:
@@ -83,6 +194,8 @@ class LayerSpec:
         if self.quantization is not None:
             self.quantization.check_dim(self.k_dim)
             self.quantization.check_dim(self.v_dim)
+        if self.queries is not None:
+            self.queries.check(self.num_heads)
 
 
 def _int(obj: dict[str, Any], key: str, low: int, high: int, where: str) -> int:
@@ -112,13 +225,15 @@ def parse_layer(obj: Any, index: int) -> LayerSpec:
     name = obj.get("dtype")
     if not isinstance(name, str):
         raise CorruptFileError(f"{where}: 'dtype' must be a string")
+    num_heads = _int(obj, "num_heads", 1, MAX_HEADS, where)
     spec = LayerSpec(
-        num_heads=_int(obj, "num_heads", 1, MAX_HEADS, where),
+        num_heads=num_heads,
         k_dim=_int(obj, "k_dim", 1, MAX_WIDTH, where),
         v_dim=_int(obj, "v_dim", 1, MAX_WIDTH, where),
         dtype=dtypes.from_name(name),
         attributes=attributes,
         quantization=quantization.parse(obj.get("quantization")),
+        queries=parse_queries(obj.get("queries"), where, num_heads),
     )
     try:
         spec.check()
@@ -172,7 +287,15 @@ def parse_manifest(obj: Any) -> Manifest:
         optional_features=_strings(obj.get("optional_features", []), "optional_features"),
     )
     check_head_sequences(manifest.layers, manifest.num_seqs, LimitExceededError)
+    if any(layer.queries is not None for layer in manifest.layers) and QUERIES not in required:
+        raise CorruptFileError("layers declare queries but 'required_features' does not list \"queries\"")
     return manifest
+
+
+def format_minor(manifest: Manifest) -> int:
+    """The minor version a writer writes: 3 for a file with queries (feature ``queries``), else
+    2, so that files without queries stay byte for byte what a 1.2 writer writes."""
+    return 3 if QUERIES in manifest.required_features else 2
 
 
 def check_head_sequences(layers: list[LayerSpec], num_seqs: int, error: type[Exception]) -> None:

@@ -17,7 +17,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from kvformat import codecs, remote
+from kvformat import attention, codecs, remote
+from kvformat.attention import Attention
 from kvformat.errors import OutOfRangeError
 from kvformat.layout import (
     DESCRIPTOR_SIZE,
@@ -25,6 +26,7 @@ from kvformat.layout import (
 )
 from kvformat.manifest import LayerSpec
 from kvformat.quantization import Parts
+from kvformat.queries import Queries, check_all_queries, check_queries, read_queries
 from kvformat.remote import READ_AHEAD
 from kvformat.series import Segment, Segments, ranges
 from kvformat.source import open_source
@@ -235,6 +237,57 @@ class Snapshot:
             layer, head, seq, np.concatenate(k_parts), np.concatenate(v_parts), np.concatenate(pos_parts)
         )
 
+    @functools.cached_property
+    def _query_chunks(self) -> np.ndarray:
+        """This snapshot's Q chunks, checked on first use (format 1.3)."""
+        return check_queries(self._file, self.index)
+
+    def queries(
+        self, layer: int, head: int, seq: int = 0, positions: tuple[int, int] | range | None = None
+    ) -> Queries | None:
+        """The queries of query head ``head`` of ``layer`` (format 1.3): ``q`` ``(n, dim)``
+        post-RoPE as the attention kernel received them, at absolute ``positions``
+        (``(start, stop)`` keeps ``start <= p < stop``). None for an absent layer; ValueError for
+        a layer that holds no queries (captured without ``--queries``)."""
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise OutOfRangeError(f"layer {layer} out of range 0..{self.num_layers - 1}")
+        spec = self.layers[layer]
+        if not spec.present:
+            return None
+        if spec.queries is None:
+            raise ValueError(
+                f"layer {layer} of {self.name} holds no queries: capture with --queries (queries=...)"
+            )
+        if not isinstance(head, int) or not 0 <= head < spec.queries.num_heads:
+            raise OutOfRangeError(f"query head {head} out of range 0..{spec.queries.num_heads - 1}")
+        if not isinstance(seq, int) or not 0 <= seq < self.num_seqs:
+            raise OutOfRangeError(f"seq {seq} out of range 0..{self.num_seqs - 1}")
+        start, stop = _position_range(positions)
+        q, found = read_queries(self._file, self._query_chunks, layer, head, seq, start, stop)
+        return Queries(layer, head, seq, q, found)
+
+    def attention(
+        self,
+        layer: int,
+        head: int,
+        *,
+        queries: tuple[int, int] | range | None = None,
+        keys: tuple[int, int] | range | None = None,
+        seq: int = 0,
+    ) -> Attention:
+        """Softmax attention weights of query head ``head`` of ``layer``, recomputed in float32
+        with the mask, scale, softcap and sinks the file records (`kvformat.attention`):
+        ``weights`` ``(n_queries, n_keys)`` for the queries at ``queries`` positions over the
+        keys this snapshot holds (``keys=(start, stop)``: those columns only)."""
+        return attention.attention(self, layer, head, queries=queries, keys=keys, seq=seq)
+
+    def attention_output(
+        self, layer: int, head: int, *, queries: tuple[int, int] | range | None = None, seq: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(weights @ V, positions)``: what attention returned for query head ``head``,
+        ``(n_queries, v_dim)`` float32, a block of queries at a time."""
+        return attention.attention_output(self, layer, head, queries=queries, seq=seq)
+
     def quantized_head(self, layer: int, head: int, seq: int = 0) -> tuple[Parts, Parts, np.ndarray] | None:
         """K and V of a quantized layer as stored: ``(packed, scales, biases)`` each, plus
         positions; None for an absent layer. Raises ValueError for an unquantized layer."""
@@ -406,6 +459,7 @@ class Snapshot:
         self._file.chain.check_all()
         for i, entry in enumerate(self._file.entries):
             check_arrays(self._file, i, entry.arrays)
+        check_all_queries(self._file)
 
     def verify(self) -> VerifyReport:
         """Check every CRC, every record, padding, the index copy and every snapshot.

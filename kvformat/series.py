@@ -56,6 +56,7 @@ class Entry:
     metadata: dict[str, Any] = field(default_factory=dict)
     arrays: dict[str, int] = field(default_factory=dict)
     chunk_ranges: np.ndarray = field(default_factory=_no_ranges)  # (m, 2) int64: first, stop
+    query_ranges: np.ndarray = field(default_factory=_no_ranges)  # (m, 2): Q chunks added (1.3)
 
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {
@@ -72,6 +73,8 @@ class Entry:
             document["append_chunks"] = self.chunk_ranges.reshape(-1).tolist()
         if self.arrays:
             document["arrays"] = self.arrays
+        if self.query_ranges.size:
+            document["queries"] = self.query_ranges.reshape(-1).tolist()
         return document
 
 
@@ -142,7 +145,13 @@ def parse_entry(obj: Any, index: int, num_layers: int, num_seqs: int) -> Entry:
     arrays = obj.get("arrays", {})
     if not isinstance(arrays, dict) or not all(type(v) is int and v >= 0 for v in arrays.values()):
         raise CorruptFileError(f"{where}: 'arrays' must map names to chunk indices")
-    return Entry(parent, drops, appends.reshape(-1, 3), metadata, arrays, ranges)
+    queries = _int_array(obj.get("queries", []), f"{where} queries")
+    if queries.size % 2:
+        raise CorruptFileError(f"{where}: 'queries' must hold (first, stop) pairs")
+    queries = queries.reshape(-1, 2)
+    if bool(np.any(queries[:, 0] >= queries[:, 1])):
+        raise CorruptFileError(f"{where}: a 'queries' range is empty (first >= stop)")
+    return Entry(parent, drops, appends.reshape(-1, 3), metadata, arrays, ranges, queries)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from kvformat.layout import (
     FOOTER_SIZE,
     HEADER_SIZE,
     KIND_ARRAY,
+    KIND_Q,
     MAX_CHUNK_COUNT,
     MAX_JSON_SIZE,
     TENSOR_NAMES,
@@ -149,7 +150,7 @@ class FileStructure:
             raise type(exc)(f"{self.chunk_name(i)}: {exc}") from None
 
     def _quantization(self, c: Descriptor) -> Quantization | None:
-        if c.kind == KIND_ARRAY:
+        if c.kind in (KIND_ARRAY, KIND_Q):  # queries are stored plain, whatever the layer's K/V
             return None
         return self.manifest.layers[c.layer].quantization
 

@@ -22,6 +22,7 @@ from kvformat.layout import (
     HEADER_SIZE,
     KIND_ARRAY,
     KIND_K,
+    KIND_Q,
     KIND_V,
     MAX_CHUNK_DECODED,
     MAX_POSITION,
@@ -88,14 +89,23 @@ class TableFacts:
         return self["kind"] == KIND_ARRAY
 
     @functools.cached_property
-    def tensor(self) -> np.ndarray:
-        """K or V chunks (not arrays)."""
+    def is_query(self) -> np.ndarray:
+        return self["kind"] == KIND_Q
+
+    @functools.cached_property
+    def located(self) -> np.ndarray:
+        """K, V and Q chunks: those that name a layer, head and sequence (not arrays)."""
         return ~self.is_array
+
+    @functools.cached_property
+    def tensor(self) -> np.ndarray:
+        """K or V chunks (not arrays, not queries)."""
+        return ~self.is_array & ~self.is_query
 
     @functools.cached_property
     def of(self) -> np.ndarray:
         """Each chunk's layer as an index into the per-layer tables (0 for arrays)."""
-        return np.where(self.tensor, self.layer, 0)
+        return np.where(self.located, self.layer, 0)
 
     @functools.cached_property
     def side(self) -> np.ndarray:
@@ -131,9 +141,16 @@ class _LayerTables:
         self.dims = np.zeros((count, 2), np.int64)  # k_dim, v_dim
         self.dtype_codes = np.zeros(count, np.int64)
         self.quantized_row_bytes = np.zeros((count, 2), np.int64)  # 0: not quantized
+        self.query_heads = np.zeros(count, np.int64)  # 0: the layer declares no queries
+        self.query_dims = np.zeros(count, np.int64)
+        self.query_dtype_codes = np.zeros(count, np.int64)
         for index, spec in enumerate(layers):
             if not spec.present:
                 continue
+            if spec.queries is not None:
+                self.query_heads[index] = spec.queries.num_heads
+                self.query_dims[index] = spec.queries.dim
+                self.query_dtype_codes[index] = spec.queries.dtype.code
             assert spec.dtype is not None
             self.present[index], self.heads[index] = True, spec.num_heads
             self.dtype_codes[index] = spec.dtype.code
@@ -157,7 +174,7 @@ def magic(t: TableFacts) -> str | None:
 
 
 def kind(t: TableFacts) -> str | None:
-    unknown = t["kind"] > max(TABLE_KINDS)  # kinds 0, 1, 2
+    unknown = t["kind"] > max(TABLE_KINDS)  # kinds 0, 1, 2, 3
     return f"chunk table entry {_first(unknown)} has an unknown kind" if unknown.any() else None
 
 
@@ -220,7 +237,7 @@ def decoded_limit(t: TableFacts) -> str | None:
 
 
 def declared_layer_and_seq(t: TableFacts) -> str | None:
-    tensor = t.tensor
+    tensor = t.located
     if bool(np.any(t.layer[tensor] >= len(t.manifest.layers))) or bool(
         np.any(t["seq"][tensor] >= t.manifest.num_seqs)
     ):
@@ -250,7 +267,7 @@ def array_fields(t: TableFacts) -> str | None:
 
 
 def present_layer(t: TableFacts) -> str | None:
-    absent = t.tensor & ~t.per_layer.present[t.of]
+    absent = t.located & ~t.per_layer.present[t.of]
     return f"chunk stored for absent layer {int(t.layer[absent][0])}" if absent.any() else None
 
 
@@ -263,6 +280,22 @@ def layer_agreement(t: TableFacts) -> str | None:
     )
     if wrong.any():
         return f"chunk of layer {int(t.layer[wrong][0])} disagrees with the layer's heads, dims or dtype"
+    return None
+
+
+def query_agreement(t: TableFacts) -> str | None:
+    """Q chunks (1.3): the layer declares queries; head, width and dtype are the queries'."""
+    layers, of = t.per_layer, t.of
+    wrong = t.is_query & (
+        (t["head"] >= layers.query_heads[of])
+        | (t.width != layers.query_dims[of])
+        | (t["dtype"] != layers.query_dtype_codes[of])
+    )
+    if wrong.any():
+        return (
+            f"query chunk of layer {int(t.layer[wrong][0])} disagrees with the layer's queries "
+            "(none declared, or their heads, dim or dtype)"
+        )
     return None
 
 
@@ -286,6 +319,7 @@ RULES: list[tuple[type[KVFormatError], Rule]] = [
     (CorruptFileError, array_fields),
     (CorruptFileError, present_layer),
     (CorruptFileError, layer_agreement),
+    (CorruptFileError, query_agreement),
 ]
 """(the error a failing rule raises, the rule), in the order they run."""
 

@@ -37,6 +37,7 @@ from kvformat.layout import (
     align,
 )
 from kvformat.manifest import loads
+from kvformat.queries import check_all_queries
 from kvformat.series import ranges
 from kvformat.source import MmapSource
 from kvformat.structure import FileStructure, check_arrays, chunk_label, payload_crc_mismatch
@@ -104,6 +105,7 @@ def verify(file: FileStructure) -> VerifyReport:
         if stream.result() == stream_crc and _zero_padding(file, batches, offsets):
             for i, entry in enumerate(file.entries):
                 check_arrays(file, i, entry.arrays)
+            check_all_queries(file)
             chunk_bytes = sum(b.count * (DESCRIPTOR_SIZE + b.size) for b in batches)
             return VerifyReport(between + n, n, len(file.entries), nbytes + chunk_bytes)
     # The bulk checks of equal runs (mostly one CRC pass over the file, without the GIL) start on
@@ -162,6 +164,7 @@ def verify(file: FileStructure) -> VerifyReport:
         raise snapshot_error
     for i, entry in enumerate(file.entries):
         check_arrays(file, i, entry.arrays)
+    check_all_queries(file)
     return VerifyReport(records, chunk, len(file.entries), checked)
 
 

@@ -36,6 +36,7 @@ from kvformat.layout import (
     KIND_ARRAY,
     KIND_K,
     KIND_MANIFEST,
+    KIND_Q,
     KIND_SNAPSHOT,
     KIND_V,
     MAX_CHUNK_DECODED,
@@ -44,7 +45,7 @@ from kvformat.layout import (
     align,
     pack_header,
 )
-from kvformat.manifest import LayerSpec, Manifest, check_head_sequences, dumps
+from kvformat.manifest import QUERIES, LayerSpec, Manifest, check_head_sequences, dumps, format_minor
 from kvformat.outputs import check_output, lock_for_writing, publish
 from kvformat.records import (
     Block,
@@ -134,11 +135,14 @@ class Writer:
         self.overwrite = overwrite
         self.codec = codecs.parse(codec)
         self.chunk_bytes = chunk_bytes
+        features = list(required_features)
+        if any(spec.queries is not None for spec in specs) and QUERIES not in features:
+            features.append(QUERIES)  # format 1.3: a 1.2 reader refuses the file, never misreads it
         self.manifest = Manifest(
             layers=specs,
             num_seqs=num_seqs,
             metadata=dict(metadata or {}),
-            required_features=list(required_features),
+            required_features=features,
             optional_features=list(optional_features),
         )
         manifest_json = dumps(self.manifest.to_json())
@@ -161,7 +165,9 @@ class Writer:
         self._ends = np.zeros((len(specs) * num_seqs, heads), np.int64)
         self._pending: list[np.ndarray] = []  # (n, 8) blocks of runs appended since the last snapshot
         self._pending_drops: list[tuple[int, int, int, int]] = []
+        self._pending_queries: list[np.ndarray] = []  # Q chunk indices since the last snapshot
         self._snapshots: list[Entry] = []
+        self._query_ends: dict[tuple[int, int], int] = {}  # (layer, seq) -> one past the last query
         self._dirty = False
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvformat-prepare")
@@ -169,7 +175,7 @@ class Writer:
         # per strided head; mlx-lm keeps V as a strided view).
         self._scratch = [np.empty(0, np.uint8) for _ in range(_AHEAD + 2)]
         self.pipeline_bytes = PIPELINE_BYTES
-        self._write_all([pack_header()])
+        self._write_all([pack_header(format_minor(self.manifest))])
         self._write_json_record(KIND_MANIFEST, manifest_json)
 
     # -- low level -----------------------------------------------------------------------
@@ -329,7 +335,11 @@ class Writer:
                 grown[:first] = self._chunk_rows[:first]
                 self._chunk_rows = grown
             self._chunk_rows[first : first + count] = columns[:, COUNT]
-            tensors = columns[columns[:, KIND] != KIND_ARRAY]
+            queries = columns[:, KIND] == KIND_Q
+            if queries.any():
+                self._pending_queries.append(columns[queries, CHUNK].copy())
+                self._dirty = True
+            tensors = columns[(columns[:, KIND] != KIND_ARRAY) & ~queries]
             if tensors.shape[0]:
                 self._pending.append(tensors)
                 self._dirty = True
@@ -437,6 +447,52 @@ class Writer:
         from `next_position`.
         """
         self.append_many([(layer, k, v, positions, seq)])
+
+    def append_queries(self, layer: int, q: Any, positions: Any, *, seq: int = 0) -> None:
+        """Append queries (format 1.3) to every query head of ``layer`` for sequence ``seq``:
+        ``q`` ``(num_query_heads, n_tokens, dim)`` in the layer's queries dtype, at ``positions``
+        ``(n_tokens,)`` strictly increasing, after the last query position the layer holds. The
+        layer must declare ``queries`` (`QuerySpec`). They join the next snapshot, and every later
+        one (queries are never dropped)."""
+        self._check_open()
+        spec = self._layer(layer)
+        self._check_seq(seq)
+        if spec.queries is None:
+            raise ValueError(f"layer {layer} declares no queries (LayerSpec(queries=QuerySpec(...)))")
+        queries = spec.queries
+        q = np.asarray(q) if not isinstance(q, np.ndarray) else q
+        if q.ndim != 3 or q.shape[0] != queries.num_heads or q.shape[2] != queries.dim:
+            raise ValueError(
+                f"layer {layer}: queries must be (num_query_heads={queries.num_heads}, n_tokens, "
+                f"dim={queries.dim}), got {q.shape}"
+            )
+        if q.dtype != queries.dtype.numpy:
+            raise ValueError(f"layer {layer}: queries must be {queries.dtype.name}, got {q.dtype}")
+        count = q.shape[1]
+        pos = as_positions(positions, count)
+        if not count:
+            return
+        key = (layer, seq)
+        if int(pos[0]) < self._query_ends.get(key, 0):
+            raise ValueError(
+                f"layer {layer} seq {seq}: query position {int(pos[0])} is not after the last one "
+                f"appended ({self._query_ends[key] - 1})"
+            )
+        self._query_ends[key] = int(pos[-1]) + 1
+        parts: list[Part | Block] = []
+        rows_per_chunk = max(1, self.chunk_bytes // (queries.dim * queries.dtype.itemsize))
+        breaks = np.flatnonzero(np.diff(pos) != 1) + 1  # runs of consecutive positions
+        starts = [0, *breaks.tolist()]
+        stops = [*breaks.tolist(), count]
+        for head in range(queries.num_heads):
+            for run_start, run_stop in zip(starts, stops, strict=True):
+                for first in range(run_start, run_stop, rows_per_chunk):
+                    last = min(first + rows_per_chunk, run_stop)
+                    rows = q[head, first:last]
+                    parts.append(
+                        Part(KIND_Q, layer, seq, head, int(pos[first]), rows, queries.dim, queries.dtype)
+                    )
+        self._run(parts)
 
     def append_many(self, appends: Iterable[tuple[int, Any, Any, Any, int]]) -> None:
         """`append` for several layers (and sequences) at once: ``(layer, k, v, positions, seq)``
@@ -634,6 +690,7 @@ class Writer:
         cut = runs[~whole]
         # Sorted by (layer, seq, head, kind), in append order within each: a stable sort.
         cut = cut[np.lexsort((cut[:, KIND], cut[:, HEAD], cut[:, SEQ], cut[:, LAYER]))]
+        queries = np.concatenate(self._pending_queries) if self._pending_queries else np.empty(0, np.int64)
         entry = Entry(
             parent=len(self._snapshots) - 1 if self._snapshots else None,
             drops=self._pending_drops,
@@ -641,10 +698,11 @@ class Writer:
             metadata=dict(metadata or {}),
             arrays=attached,
             chunk_ranges=ranges,
+            query_ranges=chunk_ranges(np.sort(queries)),
         )
         self._write_json_record(KIND_SNAPSHOT, dumps(entry.to_json()))
         self._snapshots.append(entry)
-        self._pending, self._pending_drops = [], []
+        self._pending, self._pending_drops, self._pending_queries = [], [], []
         self._dirty = False
         return len(self._snapshots) - 1
 

@@ -1,0 +1,194 @@
+"""Capturing queries (format 1.3): the post-RoPE queries each layer hands to attention.
+
+mlx-lm's attention modules call ``scaled_dot_product_attention`` (``mlx_lm.models.base``) as each
+model module imports it, with the queries after RoPE, the cache, the scale and (gpt-oss) the sink
+logits. `QueryRecorder` puts a wrapper in its place in every loaded ``mlx_lm.models`` module for
+the length of one generation: it returns exactly what the original returns (generation is
+unchanged) and keeps, per layer, a device slice of the queries at the selected positions (no host
+copy, no synchronisation); `take` hands what accumulated since the previous snapshot to the
+snapshot's background transfer, like the K/V deltas.
+
+Selections (``--queries``): ``none``; ``decode`` (every generated position); ``window:W`` (the last
+``W`` prompt positions, SnapKV's observation window, and every generated one); ``all``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+import kvformat
+from kvformat.manifest import QuerySpec
+from kvsnap.capture.errors import CaptureError
+
+MODES = ("none", "decode", "window", "all")
+
+
+@dataclass(frozen=True)
+class QuerySelection:
+    """Which query positions a capture keeps: ``mode`` one of `MODES`, ``window`` for
+    ``window:W``."""
+
+    mode: str = "none"
+    window: int = 0
+
+    @classmethod
+    def parse(cls, text: str | QuerySelection | None) -> QuerySelection:
+        """``none``, ``decode``, ``window:W`` (W >= 1) or ``all``; ValueError naming the choices."""
+        if isinstance(text, QuerySelection):
+            return text
+        if text is None:
+            return cls()
+        name, _, value = str(text).partition(":")
+        if name == "window":
+            try:
+                size = int(value)
+            except ValueError:
+                size = 0
+            if size < 1:
+                raise ValueError(
+                    f"--queries {text!r}: window:W needs a positive number of prompt positions W"
+                )
+            return cls("window", size)
+        if name not in MODES or value:
+            raise ValueError(f"--queries {text!r}: choose none, decode, window:W or all")
+        return cls(name)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def first_position(self, prompt_tokens: int) -> int:
+        """The first absolute position kept, for a prompt of ``prompt_tokens`` tokens."""
+        if self.mode == "all":
+            return 0
+        if self.mode == "window":
+            return max(0, prompt_tokens - self.window)
+        return prompt_tokens  # decode: the positions of generated tokens
+
+    def to_json(self) -> str:
+        return f"window:{self.window}" if self.mode == "window" else self.mode
+
+
+@dataclass
+class _Layer:
+    """What one layer's attention was seen doing: its scale and sinks, the query shape, and the
+    query slices kept since the last snapshot."""
+
+    scale: float
+    sinks: Any
+    num_heads: int
+    dim: int
+    dtype: Any
+    pending: list[tuple[mx.array, int]]
+
+
+class QueryRecorder:
+    """Keeps the selected queries of every layer of ``prompt_cache`` while installed (a context
+    manager); ``first`` is the first absolute position kept."""
+
+    def __init__(self, prompt_cache: list[Any], first: int) -> None:
+        self._caches = prompt_cache  # mlx-lm may replace entries (--kv-bits quantizes in place)
+        self._layer_of = {id(cache): index for index, cache in enumerate(prompt_cache)}
+        self._first = first
+        self.layers: dict[int, _Layer] = {}
+        self._saved: list[tuple[Any, Callable[..., Any]]] = []
+
+    def __enter__(self) -> QueryRecorder:
+        from mlx_lm.models import base
+
+        original = base.scaled_dot_product_attention
+        wrapper = self._wrap(original)
+        for name, module in list(sys.modules.items()):
+            if (
+                name.startswith("mlx_lm.models.")
+                and getattr(module, "scaled_dot_product_attention", None) is original
+            ):
+                self._saved.append((module, original))
+                setattr(module, "scaled_dot_product_attention", wrapper)  # noqa: B010 - any module
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, original in self._saved:
+            setattr(module, "scaled_dot_product_attention", original)  # noqa: B010
+        self._saved.clear()
+
+    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def scaled_dot_product_attention(
+            queries: mx.array,
+            keys: mx.array,
+            values: mx.array,
+            cache: Any,
+            scale: float,
+            mask: Any,
+            sinks: Any = None,
+        ) -> mx.array:
+            layer = self._layer_of.get(id(cache))
+            if layer is None and cache is not None:  # a cache replaced since: map them again
+                self._layer_of = {id(c): index for index, c in enumerate(self._caches)}
+                layer = self._layer_of.get(id(cache))
+            if layer is not None:
+                self._keep(layer, queries, cache, scale, sinks)
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+        return scaled_dot_product_attention
+
+    def _keep(self, layer: int, queries: mx.array, cache: Any, scale: float, sinks: Any) -> None:
+        count = queries.shape[2]
+        end = getattr(cache, "offset", None)  # after update_and_fetch: one past the last position
+        if not isinstance(end, int):
+            raise CaptureError(
+                f"layer {layer}: queries of a {type(cache).__name__} (per-sequence offsets) are not captured"
+            )
+        start = end - count
+        seen = self.layers.get(layer)
+        if seen is None:
+            seen = self.layers[layer] = _Layer(
+                float(scale), sinks, queries.shape[1], queries.shape[3], queries.dtype, []
+            )
+        first = max(start, self._first)
+        if first < end:
+            seen.pending.append((queries[:, :, first - start :, :], first))
+
+    def take(self) -> list[tuple[int, mx.array, np.ndarray]]:
+        """``(layer, queries (batch, heads, n, dim), positions (n,))`` of every layer, what was
+        kept since the last call (device arrays, not evaluated)."""
+        out = []
+        for layer, seen in sorted(self.layers.items()):
+            if not seen.pending:
+                continue
+            arrays = [array for array, _ in seen.pending]
+            positions = np.concatenate(
+                [np.arange(first, first + array.shape[2], dtype=np.int64) for array, first in seen.pending]
+            )
+            seen.pending = []
+            out.append((layer, arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=2), positions))
+        return out
+
+    def spec(self, layer: int, kv_heads: int, attributes: dict[str, Any]) -> QuerySpec | None:
+        """The layer's `QuerySpec` from what its attention was seen doing and its attributes
+        (a sliding window, a kept prefix); None if its attention never ran through the hook."""
+        seen = self.layers.get(layer)
+        if seen is None:
+            return None
+        group = max(1, seen.num_heads // max(kv_heads, 1))
+        sinks = None
+        if seen.sinks is not None:
+            sinks = tuple(float(x) for x in np.array(seen.sinks.astype(mx.float32)).reshape(-1).tolist())
+        window = attributes.get("window") if attributes.get("kind") == "sliding" else None
+        return QuerySpec(
+            num_heads=seen.num_heads,
+            dim=seen.dim,
+            dtype=kvformat.dtypes.from_name(str(seen.dtype).removeprefix("mlx.core.")),
+            scale=seen.scale,
+            kv_heads=tuple(h // group for h in range(seen.num_heads)),
+            window=int(window) if window else None,
+            keep=int(attributes.get("keep") or 0) if window else 0,
+            softcap=None,
+            sinks=sinks,
+        )
