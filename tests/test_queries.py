@@ -89,6 +89,7 @@ def test_attention_equals_the_definition(tmp_path: Path, changes: dict[str, Any]
             else:
                 assert bool(np.all(sums < 1.0))
             output, positions = snap.attention_output(0, head)
+            np.testing.assert_array_equal(positions, found.query_positions)
             np.testing.assert_allclose(
                 output, expected @ data["v"][spec.queries.kv_heads[head]], rtol=1e-4, atol=1e-5
             )
