@@ -7,13 +7,16 @@ The description of a file is what any reader can compute from `spec/SPEC.md` alo
      "layers": [<layer JSON as in the manifest record>], "metadata": {...},
      "snapshots": [{"metadata": {...}, "arrays": {name: sha256},
                     "heads": [{"layer", "head", "seq", "n_tokens",
-                               "positions": sha256, "k": sha256, "v": sha256}, ...]}, ...]}
+                               "positions": sha256, "k": sha256, "v": sha256}, ...],
+                    "queries": [{"layer", "head", "seq", "n_queries",
+                                 "positions": sha256, "q": sha256}, ...]}, ...]}
 
 Hashes are SHA-256 (hex) of a canonical layout: positions as little-endian int64; K and V as the
 decoded ``(n_tokens, dim)`` rows, C order, little-endian, in the layer's dtype (``float32`` /
 ``float16`` / ``bfloat16``; a quantized layer dequantized to its scale dtype); arrays likewise.
 Heads are listed for every present layer, sequence and head (``n_tokens`` may be 0). A file a
-reader must refuse is described as ``{"error": "<KVFormatError subclass name>"}``.
+reader must refuse is described as ``{"error": "<KVFormatError subclass name>"}``. ``queries``
+(format 1.3) appears only in files with a layer that has queries.
 """
 
 from __future__ import annotations
@@ -55,6 +58,29 @@ def _canonical_nans(values: np.ndarray) -> np.ndarray:
     canonical = BFLOAT16_NAN_BITS if out.dtype.name == "bfloat16" else CANONICAL_NAN_BITS[out.dtype.itemsize]
     bits[nan] = canonical
     return out
+
+
+def _queries(snap: Any) -> list[dict[str, Any]]:
+    """The ``queries`` of a snapshot's description (format 1.3): every layer with queries, then
+    sequence, then query head, with the hashes of its positions and rows."""
+    found = []
+    for layer, spec in enumerate(snap.layers):
+        if not spec.present or spec.queries is None:
+            continue
+        for seq in range(snap.num_seqs):
+            for head in range(spec.queries.num_heads):
+                data = snap.queries(layer, head, seq)
+                found.append(
+                    {
+                        "layer": layer,
+                        "head": head,
+                        "seq": seq,
+                        "n_queries": int(data.positions.size),
+                        "positions": _sha(data.positions.astype("<i8")),
+                        "q": _sha(data.q),
+                    }
+                )
+    return found
 
 
 def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
@@ -99,9 +125,10 @@ def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
                     value = snap.array(name)
                     assert value is not None
                     arrays[name] = _sha(value)
-                description["snapshots"].append(
-                    {"metadata": snap.snapshot_metadata, "arrays": arrays, "heads": heads}
-                )
+                entry: dict[str, Any] = {"metadata": snap.snapshot_metadata, "arrays": arrays, "heads": heads}
+                if any(spec.queries is not None for spec in snap.layers):
+                    entry["queries"] = _queries(snap)
+                description["snapshots"].append(entry)
             first.verify()
         return description
     except KVFormatError as error:

@@ -10,8 +10,8 @@ doc: |
   table (one descriptor per table chunk), the index JSON, and a 64-byte footer at the very end.
   A reader starts from the footer. The grammar describes structure only: CRC-32C checks, codecs,
   the JSON schema and the validation rules of section 13 are in the prose spec. Version 1.2
-  changed only the JSON (the snapshot key `append_chunks`, section 11): the layout below is that
-  of every 1.x version.
+  changed only the JSON (the snapshot key `append_chunks`, section 11); version 1.3 added record
+  kind 3 (Q chunk, queries) and JSON keys: the layout below is that of every 1.x version.
 seq:
   - id: header
     type: header
@@ -131,6 +131,7 @@ enums:
     0: k
     1: v
     2: array
+    3: q
     16: manifest
     17: snapshot
   dtype:

@@ -55,10 +55,10 @@ def test_vectors_are_small_and_cover_the_features() -> None:
     }
     assert listed == on_disk  # every vector file is in the manifest, and only those
     results = run(VECTORS)
-    assert len(results) == len(manifest["vectors"]) == 32
+    assert len(results) == len(manifest["vectors"]) == 37
     assert all(r.passed for r in results), [r for r in results if not r.passed]
     expectations = [entry["expect"] for entry in manifest["vectors"]]
-    assert sum("error" in e for e in expectations) == 18  # hostile vectors, each with its error class
+    assert sum("error" in e for e in expectations) == 22  # hostile vectors, each with its error class
 
 
 def test_series_as_triples_and_as_ranges_describe_alike() -> None:
@@ -71,12 +71,12 @@ def test_series_as_triples_and_as_ranges_describe_alike() -> None:
 def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reader = f"{sys.executable} -m kvformat.cli describe"
     assert main(["conformance", str(VECTORS), "--reader", reader]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("32/32 passed")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("37/37 passed")
     liar = tmp_path / "liar.py"
     liar.write_text("print('{\"version\": [1, 0]}')\n")
     assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {liar}"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL" in out and "/32 passed" in out
+    assert "FAIL" in out and "/37 passed" in out
     # A reader that crashes or refuses everything with a made-up error passes nothing.
     for name, source in (
         ("crash.py", "raise SystemExit(1)\n"),
@@ -84,7 +84,7 @@ def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[s
     ):
         (tmp_path / name).write_text(source)
         assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {tmp_path / name}"]) == 1
-        assert capsys.readouterr().out.splitlines()[-1].startswith("0/32 passed"), name
+        assert capsys.readouterr().out.splitlines()[-1].startswith("0/37 passed"), name
     results = run(VECTORS, "false")
     assert not any(r.passed for r in results) and "no JSON object" in results[0].detail
 

@@ -98,6 +98,13 @@ def test_kaitai_parser_agrees_with_the_manifest(kv: ModuleType, entry: dict) -> 
             pieces[(d.layer, d.seq, d.head, d.kind.value)].append((d.position, d.payload))
     heads = expect["snapshots"][0]["heads"]
     assert heads, entry["file"]
+    queries: dict[tuple[int, int, int], list[tuple[int, bytes]]] = defaultdict(list)
+    for d in table:
+        if d.kind.value == 3:
+            queries[(d.layer, d.seq, d.head)].append((d.position, d.payload))
+    for query in expect["snapshots"][0].get("queries", []):
+        data = b"".join(p for _, p in sorted(queries[(query["layer"], query["seq"], query["head"])]))
+        assert hashlib.sha256(data).hexdigest() == query["q"], (entry["file"], query)
     for head in heads:
         for kind, name in ((0, "k"), (1, "v")):
             data = b"".join(p for _, p in sorted(pieces[(head["layer"], head["seq"], head["head"], kind)]))

@@ -24,6 +24,7 @@ import kvformat
 from kvformat.checksum import crc32c
 from kvformat.conformance import describe
 from kvformat.layout import DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, FOOTER_SIZE, Footer
+from kvformat.manifest import QuerySpec
 from kvformat.quantization import Quantization
 from kvformat.rewrite import as_triples, rebuild_index
 
@@ -137,6 +138,40 @@ def optional_feature(path: Path) -> None:
         writer.append(0, k, v)
 
 
+def queries(path: Path) -> None:
+    """Format 1.3: queries of a layer (GQA 4:2, float16, a window of 6 keeping 1, sink logits)
+    over two snapshots (the second inherits the first's), and a layer without queries."""
+    k, v = _kv(12, 2, 10, 8, 8, np.float16)
+    q = _rng(13).standard_normal((4, 10, 8)).astype(np.float16)
+    spec = kvformat.LayerSpec(
+        2,
+        8,
+        8,
+        kvformat.FLOAT16,
+        queries=QuerySpec(
+            num_heads=4,
+            dim=8,
+            dtype=kvformat.FLOAT16,
+            scale=0.25,
+            kv_heads=(0, 0, 1, 1),
+            window=6,
+            keep=1,
+            softcap=None,
+            sinks=(0.5, -0.25, 1.0, 0.0),
+        ),
+    )
+    plain = kvformat.LayerSpec(1, 8, 8, kvformat.FLOAT16)
+    with kvformat.Writer(path, [spec, plain], metadata={"queries": "window:3"}) as writer:
+        writer.append(0, k[:, :7], v[:, :7])
+        writer.append(1, k[:1, :7], v[:1, :7])
+        writer.append_queries(0, q[:, 4:7], np.arange(4, 7))
+        writer.snapshot({"step": 0})
+        writer.append(0, k[:, 7:], v[:, 7:])
+        writer.append(1, k[:1, 7:], v[:1, 7:])
+        writer.append_queries(0, q[:, 7:], np.arange(7, 10))
+        writer.snapshot({"step": 1})
+
+
 VECTORS: list[tuple[str, str, Callable[[Path], None]]] = [
     ("float32-raw.kv", "float32, raw codec, 4-token chunks", dtype_codec(np.float32, "raw")),
     ("float16-zstd.kv", "float16, zstd codec", dtype_codec(np.float16, "zstd:3")),
@@ -153,6 +188,7 @@ VECTORS: list[tuple[str, str, Callable[[Path], None]]] = [
     ("quantized.kv", "4-bit affine quantized layer (dequantized hashes)", quantized),
     ("series.kv", "three snapshots as deltas, a drop, an array", series),
     ("optional-feature.kv", "unknown optional feature: must read", optional_feature),
+    ("queries.kv", "format 1.3 queries: GQA, window with keep, sinks, two snapshots", queries),
 ]
 
 
@@ -314,7 +350,49 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         "footer chunk count 2^40",
         lambda s, o: rebuild_index(s, o, footer={"chunk_count": 2**40}),
     ),
+    (
+        "queries-undeclared.kv",
+        "a layer with queries, 'queries' missing from required_features",
+        lambda s, o: rebuild_index(
+            _queries_source(o), o, edit_json=lambda d: d["manifest"].__setitem__("required_features", [])
+        ),
+    ),
+    (
+        "queries-not-q-chunks.kv",
+        "a snapshot's 'queries' range names K and V chunks",
+        lambda s, o: rebuild_index(
+            _queries_source(o), o, edit_json=lambda d: d["snapshots"][1].__setitem__("queries", [0, 2])
+        ),
+    ),
+    (
+        "queries-twice.kv",
+        "the second snapshot adds the first one's queries again: positions twice",
+        lambda s, o: rebuild_index(
+            _queries_source(o),
+            o,
+            edit_json=lambda d: d["snapshots"][1].__setitem__(
+                "queries", d["snapshots"][1]["queries"] + d["snapshots"][0]["queries"]
+            ),
+        ),
+    ),
+    (
+        "queries-head-out-of-range.kv",
+        "a Q chunk of query head 4 in a layer of 4 query heads",
+        lambda s, o: rebuild_index(_queries_source(o), o, edit_table=_query_head(4)),
+    ),
 ]
+
+
+def _queries_source(out: Path) -> Path:
+    """The golden ``queries.kv`` beside ``bad/``."""
+    return out.parent.parent / "queries.kv"
+
+
+def _query_head(value: int) -> Callable[[np.ndarray], None]:
+    def edit(table: np.ndarray) -> None:
+        table["head"][np.flatnonzero(table["kind"] == 3)[0]] = value
+
+    return edit
 
 
 def newer_minor(directory: Path) -> Callable[[Path], None]:
@@ -375,7 +453,7 @@ def generate(directory: Path) -> dict[str, object]:
         if "error" not in expect:
             raise AssertionError(f"bad vector {name} reads as valid")
         entries.append({"file": f"bad/{name}", "covers": breaks, "expect": expect})
-    manifest = {"format_version": [1, 2], "hash": "sha256", "vectors": entries}
+    manifest = {"format_version": [1, 3], "hash": "sha256", "vectors": entries}
     (directory / "manifest.json").write_text(
         json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", "utf-8"
     )
