@@ -184,6 +184,8 @@ def _plot(args: argparse.Namespace) -> int:
     import kvformat
     from kvsnap.analysis.stats import token_table
 
+    if args.attention is not None:
+        return _attention_map(args)
     args.files = [args.file]
     table = _table(args).filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
     numeric = [
@@ -540,6 +542,126 @@ def _diff_heatmap(table: Any, args: argparse.Namespace) -> None:
     _save_figure(figure, args.plot, args)
 
 
+def _span(text: str) -> tuple[int, int]:
+    """argparse type: ``A:B`` absolute positions ``A <= p < B`` (either side may be left out)."""
+    low, sep, high = text.partition(":")
+    try:
+        span = (int(low) if low else 0, int(high) if high else 2**53)
+    except ValueError:
+        span = (0, -1)
+    if not sep or span[0] < 0 or span[1] <= span[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positions as A:B with 0 <= A < B")
+    return span
+
+
+def _layer_head(text: str) -> tuple[int, int]:
+    """argparse type: ``L:H`` (a layer and a query head)."""
+    layer, sep, head = text.partition(":")
+    if not sep or not layer.isdigit() or not head.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a layer and a query head as L:H, e.g. 3:1")
+    return int(layer), int(head)
+
+
+def _attention(args: argparse.Namespace) -> int:
+    """One query head's attention weights, recomputed from the file, to .npz or Parquet."""
+    import numpy as np
+
+    import kvformat
+
+    with kvformat.open(args.file, args.snapshot, storage_options=_storage_options(args)) as snap:
+        found = snap.attention(args.layer, args.head, queries=args.queries, keys=args.keys, seq=args.seq)
+    suffix = os.path.splitext(args.output)[1].lower()
+    with output_path(args.output, inputs=_inputs(args), force=args.force) as temporary:
+        if suffix == ".parquet":
+            import polars as pl
+
+            rows, columns = np.nonzero(found.weights)
+            pl.DataFrame(
+                {
+                    "query_position": found.query_positions[rows],
+                    "key_position": found.key_positions[columns],
+                    "weight": found.weights[rows, columns],
+                }
+            ).write_parquet(temporary)
+        else:
+            with open(temporary, "xb") as f:
+                np.savez(
+                    f,
+                    weights=found.weights,
+                    query_positions=found.query_positions,
+                    key_positions=found.key_positions,
+                )
+    form = "non-zero weights, long form" if suffix == ".parquet" else "float32"
+    count, keys = found.weights.shape
+    where = f"layer {args.layer} query head {args.head}"
+    print(f"wrote {args.output}: {where}, {count} queries x {keys} keys ({form})")
+    return 0
+
+
+def _attention_map(args: argparse.Namespace) -> int:
+    """`plot --attention L:H`: one query head's attention map, log colour scale, labelled axes,
+    the prompt|generated boundary marked, token labels on request."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    import kvformat
+    from kvsnap.analysis.tokens import token_pieces
+
+    layer, head = args.attention
+    with kvformat.open(args.file, args.snapshot, storage_options=_storage_options(args)) as snap:
+        found = snap.attention(layer, head)
+        generated = snap.snapshot_metadata.get("generated")
+        seq_len = snap.seq_len
+        pieces = token_pieces(snap)
+        model = snap.metadata.get("model", {})
+        spec = snap.layers[layer].queries
+    weights = np.where(found.weights > 0, found.weights, np.nan)
+    figure, axis = plt.subplots(figsize=(11, max(3.5, min(9, 0.08 * weights.shape[0] + 2.5))))
+    floor = max(float(np.nanmin(weights)) if np.isfinite(weights).any() else 1e-6, 1e-6)
+    image = axis.imshow(
+        weights, aspect="auto", cmap="magma", norm=LogNorm(vmin=floor, vmax=1.0), interpolation="nearest",
+        extent=(found.key_positions[0] - 0.5, found.key_positions[-1] + 0.5,
+                found.query_positions[-1] + 0.5, found.query_positions[0] - 0.5),
+    )  # fmt: skip
+    figure.colorbar(image, ax=axis, label="attention weight (log scale; masked keys blank)")
+    axis.set_xlabel("key position")
+    axis.set_ylabel("query position")
+    name = model.get("name") if isinstance(model, dict) else None
+    window = f", window {spec.window}" if spec is not None and spec.window else ""
+    axis.set_title(
+        f"{os.path.basename(args.file)} | {name or 'model not recorded'} | layer {layer} query head {head} "
+        f"(KV head {spec.kv_heads[head] if spec else '?'}{window}) | snapshot {snap.index}",
+        fontsize=10,
+    )
+    if isinstance(generated, int) and 0 < generated <= seq_len:
+        boundary = seq_len - generated - 0.5
+        axis.axvline(boundary, color="cyan", ls="--", lw=1)
+        axis.axhline(boundary, color="cyan", ls="--", lw=1)
+        axis.annotate("prompt | generated", (boundary, 0), xycoords=("data", "axes fraction"),
+                      color="cyan", ha="center", va="bottom", fontsize=8)  # fmt: skip
+    if args.token_labels and pieces is not None:
+        labels = pieces[0]
+        keys = found.key_positions
+        every = max(1, keys.size // 60)
+        shown = keys[::every]
+        axis.set_xticks(shown, [repr(labels[p])[1:-1][:10] if p < len(labels) else "" for p in shown],
+                        rotation=90, fontsize=6)  # fmt: skip
+        queries = found.query_positions[:: max(1, found.query_positions.size // 40)]
+        axis.set_yticks(queries, [repr(labels[p])[1:-1][:10] if p < len(labels) else "" for p in queries],
+                        fontsize=6)  # fmt: skip
+    figure.tight_layout()
+    _save_figure(figure, args.output, args)
+    plt.close(figure)
+    print(
+        f"wrote {args.output}: layer {layer} query head {head}, {weights.shape[0]} x {weights.shape[1]} map"
+    )
+    return 0
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "stats",
@@ -567,9 +689,33 @@ def register(sub: Any) -> None:
     _stats_option(p)
     p.set_defaults(func=_outliers)
 
+    p = sub.add_parser(
+        "attention",
+        help="one query head's attention weights recomputed from saved queries (.npz or .parquet)",
+    )
+    p.add_argument("file")
+    p.add_argument("--layer", type=non_negative_int, required=True)
+    p.add_argument("--head", type=non_negative_int, required=True, help="query head")
+    p.add_argument("--queries", type=_span, metavar="A:B", help="query positions A <= p < B (default: all)")
+    p.add_argument("--keys", type=_span, metavar="A:B", help="only these key columns (weights over all keys)")
+    p.add_argument("--seq", type=non_negative_int, default=0)
+    p.add_argument("--snapshot", type=int, default=-1, help="which snapshot of a series (default: last)")
+    p.add_argument(
+        "-o", "--output", required=True, help="FILE.npz (the map) or FILE.parquet (non-zero weights)"
+    )
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
+    _force_option(p)
+    p.set_defaults(func=_attention, check=_check_outputs)
+
     p = sub.add_parser("plot", help="PNG: layers x heads heatmap of a statistic, norm by position")
     p.add_argument("file")
     _common(p, many=False)
+    p.add_argument(
+        "--attention",
+        type=_layer_head,
+        metavar="L:H",
+        help="instead: the attention map of layer L, query head H (needs a capture with --queries)",
+    )
     p.add_argument("--stat", default="norm_mean")
     p.add_argument("--tensor", choices=["k", "v"], default="k")
     p.add_argument("-o", "--output", required=True, help="PNG file")

@@ -135,6 +135,7 @@ def _capture(args: argparse.Namespace) -> int:
         on_snapshot=report,
         metadata={"prompt": prompt, "generation": sampling},
         overwrite=args.force,
+        queries=args.queries,
         **extra,
     ):
         count += 1
@@ -165,6 +166,16 @@ def codec_name(text: str) -> str:
     except Exception as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def query_selection(text: str) -> str:
+    """argparse type: a ``--queries`` selection (checked without importing mlx)."""
+    name, _, value = text.partition(":")
+    if name in ("none", "decode", "all") and not value:
+        return text
+    if name == "window" and value.isdigit() and int(value) >= 1:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: choose none, decode, window:W (W >= 1) or all")
 
 
 def _check_output(parser: argparse.ArgumentParser, output: str, force: bool, inputs: list[str]) -> None:
@@ -214,11 +225,21 @@ def register_capture(sub: Any) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--echo", action="store_true", help="print the generated text instead of a progress bar")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.add_argument(
+        "--queries",
+        type=query_selection,
+        default="none",
+        metavar="none|decode|window:W|all",
+        help="also store post-RoPE queries (format 1.3): none (default), decode (generated positions), "
+        "window:W (the last W prompt positions and every generated one), all",
+    )
     p.set_defaults(func=_capture, check=_check_capture)
 
 
 def _check_capture(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checks that need no model: run before any weights are read."""
+    if args.queries != "none" and args.separate_files:
+        parser.error("--queries stores queries in one series file: drop --separate-files")
     inputs = [name for name in (args.model, args.prompt_file) if name]
     _check_output(parser, args.output, args.force, inputs)
     if args.at:
