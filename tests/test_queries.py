@@ -289,3 +289,51 @@ def test_attention_from_the_file_equals_the_models(
     assert worst < (1e-1 if case == "quantized" else 2e-2) and median < (
         1e-2 if case == "quantized" else 2e-3
     )
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_attention_command_and_map(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import polars as pl
+
+    from kvformat.cli import main
+
+    spec = _spec(window=8)
+    data = _write(tmp_path / "q.kv", spec)
+    assert spec.queries is not None
+    out = tmp_path / "att.npz"
+    assert main(["attention", str(tmp_path / "q.kv"), "--layer", "0", "--head", "2", "-o", str(out)]) == 0
+    assert f"wrote {out}: layer 0 query head 2, 20 queries x 40 keys" in capsys.readouterr().out
+    with np.load(out) as saved:
+        expected = _reference(data, spec.queries, 2, saved["query_positions"])
+        np.testing.assert_allclose(saved["weights"], expected, rtol=1e-5, atol=1e-6)
+    table = tmp_path / "att.parquet"
+    args = ["attention", str(tmp_path / "q.kv"), "--layer", "0", "--head", "2", "--queries", "30:32"]
+    assert main([*args, "-o", str(table)]) == 0
+    long = pl.read_parquet(table)
+    assert set(long["query_position"].to_list()) == {30, 31} and long.height == 2 * 8  # the window
+    assert main([*args, "-o", str(table)]) == 2  # exists
+    png = tmp_path / "map.png"
+    assert main(["plot", str(tmp_path / "q.kv"), "--attention", "0:3", "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (
+        main(["attention", str(tmp_path / "q.kv"), "--layer", "0", "--head", "9", "-o", str(out), "--force"])
+        == 2
+    )
+    with pytest.raises(SystemExit) as refused:  # argparse: usage and exit status 2
+        main(
+            [
+                "attention",
+                str(tmp_path / "q.kv"),
+                "--layer",
+                "0",
+                "--head",
+                "0",
+                "--queries",
+                "9:3",
+                "-o",
+                "x",
+            ]
+        )
+    assert refused.value.code == 2
