@@ -105,9 +105,8 @@ def main() -> None:
     print(line("snap.attention on an open file", warm))
     print(line("floor: the same float32 math in memory", floor))
     print(f"open file / floor: {statistics.median(warm) / statistics.median(floor):.2f}x")
-    print(
-        f"peak traced memory of snap.attention: {peak / 2**20:.1f} MiB (map {args.queries * args.keys * 4 / 2**20:.1f} MiB)"
-    )
+    size = args.queries * args.keys * 4 / 2**20
+    print(f"peak traced memory of snap.attention: {peak / 2**20:.1f} MiB (the map itself: {size:.1f} MiB)")
 
 
 if __name__ == "__main__":

@@ -193,6 +193,7 @@ def generation_overhead(
         return logits
 
     prompt = [int(t) for t in np.random.default_rng(3).integers(100, min(vocab, 40000), prompt_len)]
+    sizes: dict[str, int] = {}
 
     def plain() -> None:
         count = sum(
@@ -241,9 +242,11 @@ def generation_overhead(
                 every=every,
                 logits_processors=[restrict],
                 durable=variant != "no-fsync",
+                queries=variant.removeprefix("queries-") if variant.startswith("queries-") else "none",
             )
         )
         assert count == tokens
+        sizes[variant] = out.stat().st_size
 
     for _ in range(2):  # warm up both (the first runs of a process are slow and erratic on CUDA)
         plain()
@@ -261,6 +264,10 @@ def generation_overhead(
         flush=True,
     )
     ratio = float(np.median(ratios))
+    if variant in sizes:
+        held = prompt_len + tokens
+        size = sizes[variant]
+        print(f"    {variant or 'default'}: file {size / 1e6:.1f} MB, {size / held:.0f} B/token")
     return float(np.median(plain_s)), float(np.median(plain_s)) * ratio
 
 
@@ -368,7 +375,14 @@ def one_shot_rows(context: int, lines: list[str], tmp: Path) -> None:
     )
 
 
-def shapes_main(names: list[str], runs: int, every: int, context: int, tokenizer_path: str) -> None:
+def shapes_main(
+    names: list[str],
+    runs: int,
+    every: int,
+    context: int,
+    tokenizer_path: str,
+    queries: list[str] | None = None,
+) -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     print(f"mlx {mx.__version__} on {mx.default_device()}", flush=True)
@@ -380,6 +394,7 @@ def shapes_main(names: list[str], runs: int, every: int, context: int, tokenizer
             spec = SHAPES[shape]
             model = random_model(shape)
             variants = [(every, ""), (None, "")]
+            variants += [(every, f"queries-{selection}") for selection in queries or []]
             if os.environ.get("KVSNAP_BENCH_VARIANTS"):
                 variants = [(every, f"sync-{mode}") for mode in ("writeback", "fdatasync", "none")]
                 variants += [(every, "no-fsync"), (every, "sync-writeback")]
@@ -392,6 +407,8 @@ def shapes_main(names: list[str], runs: int, every: int, context: int, tokenizer
                     label += " (durable=False)"
                 elif variant.startswith("sync-"):
                     label += f" (each snapshot: {variant[5:]})"
+                elif variant.startswith("queries-"):
+                    label += f", --queries {variant.removeprefix('queries-')}"
                 elif variant == "disk-load":
                     label = "plain, beside a thread writing 200 MB with fsyncs (no capture)"
                 lines.append(
@@ -428,11 +445,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--save-context", type=int, default=0)
     parser.add_argument("--tokenizer", help="tokenizer directory (default: the SmolLM2 fixture's)")
+    parser.add_argument(
+        "--queries",
+        nargs="*",
+        metavar="SELECTION",
+        help="with --shapes: also series runs capturing queries (e.g. window:64 all)",
+    )
     args = parser.parse_args()
     if args.accelerator_shapes or args.shapes:
         names = args.shapes or ["smollm2-135m", "qwen3-8b"]
         context = args.save_context or (8192 if args.accelerator_shapes else 0)
-        shapes_main(names, args.runs, args.every, context, args.tokenizer or str(fetch_model("smollm2-135m")))
+        tokenizer = args.tokenizer or str(fetch_model("smollm2-135m"))
+        shapes_main(names, args.runs, args.every, context, tokenizer, args.queries)
         return
     path = str(fetch_model("smollm2-135m"))
     model, tokenizer = load(path)
