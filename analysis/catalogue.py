@@ -135,6 +135,31 @@ GROUPS: dict[str, tuple[str, ...]] = {
 }
 """The statistic groups and their columns (``n_tokens`` is always there)."""
 
+ALWAYS = ("n_tokens", "nonfinite_rows", "nonfinite_values")
+"""The columns every row has, whatever the groups."""
+
+LIST_COLUMNS = frozenset(
+    {"norm_by_position", "channel_mean", "channel_var", "channel_absmax", "channel_kurtosis",
+     "massive_positions", "massive_values", "rope_band_energy", "eigenvalues"}
+)  # fmt: skip
+"""Columns that hold a list per row (the others are one number)."""
+
+
+def check_scalar(name: str, groups: frozenset[str]) -> None:
+    """ValueError unless ``name`` is a one-number statistic the groups ``groups`` compute, naming
+    what is wrong: a misspelling (the choices listed), a list column, or a group left out."""
+    owner = next((group for group, columns in GROUPS.items() if name in columns), None)
+    if name in ALWAYS:
+        return
+    if owner is None:
+        scalars = [c for columns in GROUPS.values() for c in columns if c not in LIST_COLUMNS]
+        raise ValueError(f"--stat {name!r}: no such statistic; one of: {', '.join([*ALWAYS, *scalars])}")
+    if name in LIST_COLUMNS:
+        raise ValueError(f"--stat {name!r} holds a list per head; give a one-number statistic")
+    if owner not in groups:
+        raise ValueError(f"--stat {name!r} is in the {owner!r} group, which --stats leaves out")
+
+
 ALL = frozenset(GROUPS)
 
 

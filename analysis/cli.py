@@ -30,8 +30,16 @@ def _inputs(args: argparse.Namespace) -> list[str]:
 
 
 def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Before any work: every output the command will write is allowed (`kvformat.outputs`)."""
+    """Before any work: every output the command will write is allowed (`kvformat.outputs`), a
+    ``--stat`` names a statistic the selected groups compute, and ``--snapshot`` is inside each
+    local file named (reading only its index)."""
     del parser
+    stat = getattr(args, "stat", None)
+    if stat is not None and getattr(args, "attention", None) is None:
+        from kvsnap.analysis.catalogue import check_scalar, stat_groups
+
+        check_scalar(stat, stat_groups(getattr(args, "stats", None)))
+    _check_snapshot(args)
     for option in ("output", "plot"):
         path = getattr(args, option, None)
         if path:
@@ -42,6 +50,24 @@ def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
         if same_file(args.output, args.plot):
             raise ValueError(f"-o and --plot name the same file {args.output}")
+
+
+def _check_snapshot(args: argparse.Namespace) -> None:
+    """`kvformat.OutOfRangeError` (one line, exit 2) for a ``--snapshot`` outside a local file."""
+    import glob
+
+    import kvformat
+
+    snapshot = getattr(args, "snapshot", None)
+    if snapshot is None or snapshot == -1:
+        return
+    names = [getattr(args, "file", None), *(getattr(args, "files", None) or [])]
+    for name in names:
+        if name and "://" not in name and not glob.has_magic(name) and os.path.isfile(name):
+            try:
+                kvformat.open(name, snapshot).close()
+            except kvformat.KVFormatError:
+                return  # a bad file: the command reports it as it does any other
 
 
 def _save_parquet(table: Any, path: str, args: argparse.Namespace) -> None:
@@ -387,7 +413,12 @@ def _keys_option(p: argparse.ArgumentParser) -> None:
 def _common(p: argparse.ArgumentParser, many: bool = True, engines: bool = True) -> None:
     if many:
         p.add_argument("files", nargs="+")
-    p.add_argument("--snapshot", type=int, default=-1)
+    p.add_argument(
+        "--snapshot",
+        type=int,
+        default=-1,
+        help="which snapshot of a series: 0, 1, ..., or -1 for the last (default)",
+    )
     _keys_option(p)
     p.add_argument(
         "--jobs",
@@ -682,12 +713,12 @@ def register(sub: Any) -> None:
     p = sub.add_parser("outliers", help="heads whose statistic exceeds N x the median head")
     _common(p)
     p.add_argument(
-        "--stat", default="norm_mean", help="a scalar column of 'kvsnap stats' (default norm_mean)"
+        "--stat", default="norm_mean", help="a one-number column of 'kvsnap stats' (default norm_mean)"
     )
     p.add_argument("--tensor", choices=["k", "v"], default="k")
     p.add_argument("--threshold", type=positive_float, default=1.5, help="ratio to the file's median head")
     _stats_option(p)
-    p.set_defaults(func=_outliers)
+    p.set_defaults(func=_outliers, check=_check_outputs)
 
     p = sub.add_parser(
         "attention",
@@ -716,9 +747,13 @@ def register(sub: Any) -> None:
         metavar="L:H",
         help="instead: the attention map of layer L, query head H (needs a capture with --queries)",
     )
-    p.add_argument("--stat", default="norm_mean")
-    p.add_argument("--tensor", choices=["k", "v"], default="k")
-    p.add_argument("-o", "--output", required=True, help="PNG file")
+    p.add_argument(
+        "--stat",
+        default="norm_mean",
+        help="heatmap statistic: a one-number column of 'kvsnap stats' (default norm_mean)",
+    )
+    p.add_argument("--tensor", choices=["k", "v"], default="k", help="K or V (default k)")
+    p.add_argument("-o", "--output", required=True, help="PNG file (written under exactly this name)")
     p.add_argument(
         "--token-labels",
         action="store_true",
@@ -750,9 +785,12 @@ def register(sub: Any) -> None:
     p.add_argument("--snapshot-a", type=int, default=-1, help="snapshot of A (default: last)")
     p.add_argument("--snapshot-b", type=int, default=-1, help="snapshot of B (default: last)")
     p.add_argument(
-        "--tolerance", type=positive_float, default=1e-3, help="row relative error that counts as divergent"
+        "--tolerance",
+        type=positive_float,
+        default=1e-3,
+        help="row relative error ||B_t - A_t|| / ||A_t|| that counts as divergent (default 1e-3)",
     )
-    p.add_argument("--top", type=positive_int, default=10, help="worst heads to print")
+    p.add_argument("--top", type=positive_int, default=10, help="worst heads to print (default 10)")
     _keys_option(p)
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
     _force_option(p)

@@ -394,10 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("dump", help="write one head's K, V (float32) and positions to .npz")
     p.add_argument("file")
     _remote_options(p)
-    p.add_argument("--layer", type=non_negative_int, required=True)
-    p.add_argument("--head", type=non_negative_int, required=True)
-    p.add_argument("--seq", type=non_negative_int, default=0)
-    p.add_argument("--snapshot", type=int, default=-1)
+    p.add_argument("--layer", type=non_negative_int, required=True, help="layer index (0-based)")
+    p.add_argument("--head", type=non_negative_int, required=True, help="KV head index within the layer")
+    p.add_argument("--seq", type=non_negative_int, default=0, help="sequence of a batch (default 0)")
+    p.add_argument(
+        "--snapshot", type=int, default=-1, help="which snapshot of a series (default: -1, the last)"
+    )
     p.add_argument("-o", "--output", required=True, help="the .npz file to write (the exact name given)")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_dump)

@@ -96,12 +96,16 @@ def test_outliers_command_prints_the_flagged_heads(tmp_path: Path, capsys: objec
     rows = [line.split() for line in out.splitlines()[2:]]
     assert {(r[2], r[3]) for r in rows} == {("0", "3"), ("1", "3")}
     assert all(float(r[5]) > 3 for r in rows)
-    try:
-        main(["outliers", paths[0], "--stat", "eigenvalues"])
-    except SystemExit as error:
-        assert "scalar statistic" in str(error)
-    else:
-        raise AssertionError("a list statistic must be refused")
+    # Refused before any pass, in one line with exit status 2 (issue 46 item 3).
+    assert main(["outliers", paths[0], "--stat", "eigenvalues"]) == 2
+    assert "holds a list per head" in capsys.readouterr().err  # type: ignore[attr-defined]
+    assert main(["outliers", paths[0], "--stat", "norm_man"]) == 2
+    assert "no such statistic" in capsys.readouterr().err  # type: ignore[attr-defined]
+    assert main(["plot", paths[0], "--stat", "norm_mean", "--stats", "channels", "-o", "x.png"]) == 2
+    assert "in the 'norms' group, which --stats leaves out" in capsys.readouterr().err  # type: ignore[attr-defined]
+    assert main(["stats", paths[0], "--snapshot", "7"]) == 2
+    err = capsys.readouterr().err  # type: ignore[attr-defined]
+    assert len(err.strip().splitlines()) == 1 and "snapshot 7 out of range" in err
 
 
 def test_plot_and_similarity_commands(tmp_path: Path, capsys: object) -> None:
