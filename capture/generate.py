@@ -159,8 +159,8 @@ class _Snapshots:
                 f"cache holds {self.tracker.end()} positions but {len(tokens)} tokens were processed"
             )
         arrays = [array for delta in deltas for array in (*delta.keys, *delta.values)]
-        queries = self.recorder.take() if self.recorder is not None else []
-        arrays += [q for _, q, _ in queries]
+        queries, layout = self.recorder.take() if self.recorder is not None else ([], [])
+        arrays += queries
         if logits is not None:
             arrays.append(mx.array(logits).astype(mx.float32).reshape(-1, logits.shape[-1]))
         transfer = Transfer(arrays)
@@ -191,7 +191,7 @@ class _Snapshots:
             if queries:
                 kept = len(host) - len(queries)
                 host, found = host[:kept], host[kept:]
-                series.add_queries([(layer, q, p) for (layer, _, p), q in zip(queries, found, strict=True)])
+                series.add_queries(QueryRecorder.on_host(found, layout))
             series.add(deltas, host, metadata, last)
             if self.on_snapshot is not None:
                 size = os.path.getsize(event_path) if os.path.exists(event_path) else 0

@@ -17,6 +17,7 @@ researcher's own ``analysis.py`` or ``capture.py`` in the working folder shadows
 from __future__ import annotations
 
 import importlib
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -65,6 +66,10 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'kvsnap' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
+    if isinstance(value, types.ModuleType):
+        # A submodule of the same name (``kvsnap.capture.generate``), imported before: once it is,
+        # the package attribute is that module; the function is the module's attribute.
+        value = getattr(value, name)
     globals()[name] = value
     return value
 

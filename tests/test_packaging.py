@@ -74,3 +74,14 @@ def test_stage_packages_export_lazily_and_completely() -> None:
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"
+
+
+def test_top_level_names_are_the_functions_whatever_was_imported_first() -> None:
+    """``kvsnap.generate`` is the function even after ``kvsnap.capture.generate`` (the module of
+    the same name) was imported, in a fresh interpreter."""
+    code = (
+        "import kvsnap.capture.generate, kvsnap.capture.snapshot, kvsnap\n"
+        "assert callable(kvsnap.generate) and kvsnap.generate.__name__ == 'generate'\n"
+        "assert callable(kvsnap.snapshot_kv) and callable(kvsnap.restore)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
