@@ -159,7 +159,8 @@ class _Snapshots:
                 f"cache holds {self.tracker.end()} positions but {len(tokens)} tokens were processed"
             )
         arrays = [array for delta in deltas for array in (*delta.keys, *delta.values)]
-        queries = self.recorder.take() if self.recorder is not None else []
+        queries, layout = self.recorder.take() if self.recorder is not None else ([], [])
+        arrays += queries
         if logits is not None:
             arrays.append(mx.array(logits).astype(mx.float32).reshape(-1, logits.shape[-1]))
         transfer = Transfer(arrays)
@@ -188,7 +189,9 @@ class _Snapshots:
             host = transfer.to_host()
             last = host.pop() if with_logits else None
             if queries:
-                series.add_queries(QueryRecorder.on_host(queries))
+                kept = len(host) - len(queries)
+                host, found = host[:kept], host[kept:]
+                series.add_queries(QueryRecorder.on_host(found, layout))
             series.add(deltas, host, metadata, last)
             if self.on_snapshot is not None:
                 size = os.path.getsize(event_path) if os.path.exists(event_path) else 0

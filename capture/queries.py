@@ -24,7 +24,6 @@ import numpy as np
 
 import kvformat
 from kvformat.manifest import QuerySpec
-from kvsnap.capture.caches import to_numpy
 from kvsnap.capture.errors import CaptureError
 
 MODES = ("none", "decode", "window", "all")
@@ -154,47 +153,54 @@ class QueryRecorder:
             )
         first = max(start, self._first)
         if first < end:
-            # Decode steps keep the (batch, heads, 1, dim) array itself, no op at all, except
-            # where the attention function updates it in place (mlx-lm's quantized one:
-            # ``queries *= scale``); a part of a longer prompt chunk is copied compact, so that
-            # the chunk's buffer is not held until the writer thread has read the part.
-            if first == start and not hasattr(cache, "bits"):
-                seen.pending.append((queries, first))
-            else:
-                seen.pending.append((mx.contiguous(queries[:, :, first - start :, :]), first))
+            # Decode steps keep the (batch, heads, 1, dim) array itself, no op, except where the
+            # attention function updates it in place (mlx-lm's quantized one: ``queries *= scale``):
+            # a slice is a node of its own, which the in-place update leaves as it was.
+            whole = first == start and not hasattr(cache, "bits")
+            seen.pending.append((queries if whole else queries[:, :, first - start :, :], first))
 
-    def take(self) -> list[tuple[int, list[mx.array], np.ndarray]]:
-        """What every layer kept since the last call: ``(layer, pieces, positions)``, the pieces
-        ``(batch, heads, n, dim)`` device arrays as the attention calls received them. No device
-        op joins them here: a concatenate costs the generating thread a copy launch per piece
-        (suspected on CUDA: ~5 ms per snapshot at 36 layers x 16 steps, `benchmarks/RESULTS.md`);
-        `on_host` joins their host copies on the writer thread instead."""
-        out = []
+    def take(self) -> tuple[list[mx.array], list[tuple[int, int, int, np.ndarray]]]:
+        """What every layer kept since the last call, as few device arrays as possible (not
+        evaluated): the layers' pieces of one shape joined in one ``mx.concatenate`` along the
+        position axis (one op per snapshot, not one per layer: each op costs the generating
+        thread Python time). Returns those arrays, ``(batch, heads, n, dim)`` each, and per layer
+        ``(layer, array index, first column, positions)``."""
+        groups: dict[tuple[Any, ...], list[mx.array]] = {}
+        widths: dict[tuple[Any, ...], int] = {}
+        placed: list[tuple[int, tuple[Any, ...], int, np.ndarray]] = []
         for layer, seen in sorted(self.layers.items()):
             if not seen.pending:
                 continue
-            pieces = [array for array, _ in seen.pending]
-            positions = np.concatenate(
-                [np.arange(first, first + array.shape[2], dtype=np.int64) for array, first in seen.pending]
+            arrays = [array for array, _ in seen.pending]
+            first, count = seen.pending[0][1], sum(array.shape[2] for array in arrays)
+            contiguous = all(
+                b == a + x.shape[2] for (x, a), (_, b) in zip(seen.pending, seen.pending[1:], strict=False)
+            )
+            positions = (
+                np.arange(first, first + count, dtype=np.int64)
+                if contiguous
+                else np.concatenate([np.arange(a, a + x.shape[2], dtype=np.int64) for x, a in seen.pending])
             )
             seen.pending = []
-            out.append((layer, pieces, positions))
-        # Scheduled on this thread's stream (the writer thread has none of its own); pieces the
-        # step's own evaluation computed already cost nothing here.
-        mx.async_eval([piece for _, pieces, _ in out for piece in pieces])
-        return out
+            shape = arrays[0].shape
+            key = (shape[0], shape[1], shape[3], arrays[0].dtype)
+            groups.setdefault(key, []).extend(arrays)
+            placed.append((layer, key, widths.get(key, 0), positions))
+            widths[key] = widths.get(key, 0) + count
+        index = {key: i for i, key in enumerate(groups)}
+        joined = [parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2) for parts in groups.values()]
+        return joined, [(layer, index[key], column, positions) for layer, key, column, positions in placed]
 
     @staticmethod
     def on_host(
-        taken: list[tuple[int, list[mx.array], np.ndarray]],
+        arrays: list[np.ndarray], layout: list[tuple[int, int, int, np.ndarray]]
     ) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """`take`'s pieces copied to the host (on the writer thread) and joined per layer:
-        ``(layer, queries (batch, heads, n, dim), positions)``."""
-        out = []
-        for layer, pieces, positions in taken:
-            host = [np.array(to_numpy(piece), copy=True) for piece in pieces]
-            out.append((layer, host[0] if len(host) == 1 else np.concatenate(host, axis=2), positions))
-        return out
+        """`take`'s arrays, copied to the host, split back into ``(layer, queries (batch, heads,
+        n, dim), positions)``."""
+        return [
+            (layer, arrays[which][:, :, column : column + positions.size], positions)
+            for layer, which, column, positions in layout
+        ]
 
     def spec(self, layer: int, kv_heads: int, attributes: dict[str, Any]) -> QuerySpec | None:
         """The layer's `QuerySpec` from what its attention was seen doing and its attributes
