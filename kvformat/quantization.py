@@ -77,7 +77,9 @@ class Quantization:
         q = q.reshape(packed.shape[0], -1).astype(dtype)
         scale = np.repeat(scales.astype(dtype, copy=False), self.group_size, axis=1)
         bias = np.repeat(biases.astype(dtype, copy=False), self.group_size, axis=1)
-        return np.asarray(scale * q + bias, dtype=dtype)
+        # An overflowed scale (inf) gives inf, or NaN for inf * 0: data, not a warning to print.
+        with np.errstate(invalid="ignore", over="ignore"):
+            return np.asarray(scale * q + bias, dtype=dtype)
 
 
 def parse(obj: Any) -> Quantization | None:

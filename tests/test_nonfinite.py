@@ -200,3 +200,43 @@ def test_imported_go_mlx_fixture_with_nonfinite_values(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "Warning" not in result.stderr and "LinAlgError" not in result.stderr
     assert "nanx" not in result.stdout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_quantized_layer_with_an_inf_scale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """A quantized layer whose one group scale overflowed: that token's dequantized K row is inf
+    there, left out and counted; the other tokens' statistics are those of the finite rows."""
+    from kvformat.quantization import Quantization
+
+    monkeypatch.setattr(kernel, "AVAILABLE", backend != "numpy")
+    q = Quantization(bits=4, group_size=32)
+    rng = np.random.default_rng(5)
+    words, groups = q.widths(64)
+    parts = [
+        (
+            rng.integers(0, 2**32, (1, 12, words), dtype=np.uint32),
+            rng.uniform(0.1, 1.0, (1, 12, groups)).astype(np.float16),
+            rng.standard_normal((1, 12, groups)).astype(np.float16),
+        )
+        for _ in range(2)
+    ]
+    parts[0][1][0, 7, 1] = np.inf  # token 7, channels 32..63 of K
+    path = tmp_path / "quantized.kv"
+    with kvformat.Writer(path, [kvformat.LayerSpec(1, 64, 64, kvformat.FLOAT16, quantization=q)]) as writer:
+        writer.append(0, parts[0], parts[1])
+    with kvformat.open(path) as snap:
+        data = snap.head(0, 0)
+        assert data is not None
+        k = data.k.astype(np.float32)
+    assert not np.isfinite(k[7]).all() and np.isfinite(np.delete(k, 7, axis=0)).all()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = stats_rows(path, backend="mlx" if backend == "mlx" else "cpu")
+    row = _pick(rows, 0, 0, "k")
+    assert row["nonfinite_rows"] == 1 and row["n_tokens"] == 11
+    assert row["nonfinite_values"] == int((~np.isfinite(k[7])).sum())
+    kept = np.delete(k, 7, axis=0).astype(np.float64)
+    np.testing.assert_allclose(row["norm_mean"], np.linalg.norm(kept, axis=1).mean(), rtol=1e-4)
+    assert _pick(rows, 0, 0, "v")["nonfinite_rows"] == 0
