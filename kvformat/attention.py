@@ -106,6 +106,14 @@ def _inputs(
     return spec, found.q, found.positions, kv.k, kv.v, kv.positions
 
 
+def _within(span: tuple[int, int] | range | None, positions: np.ndarray) -> np.ndarray | slice:
+    """Which of ``positions`` lie in ``span`` (``[start, stop)``; everything for None)."""
+    if span is None:
+        return slice(None)
+    low, high = (span.start, span.stop) if isinstance(span, range) else span
+    return (positions >= int(low)) & (positions < int(high))
+
+
 def blocks(
     snap: Snapshot,
     layer: int,
@@ -118,10 +126,7 @@ def blocks(
 ) -> Iterator[Attention]:
     """`attention` a block of ``block`` queries at a time (memory: one block's map)."""
     spec, q, q_positions, k, _v, k_positions = _inputs(snap, layer, head, seq, queries)
-    columns = slice(None)
-    if keys is not None:
-        low, high = (keys.start, keys.stop) if isinstance(keys, range) else keys
-        columns = (k_positions >= int(low)) & (k_positions < int(high))  # type: ignore[assignment]
+    columns = _within(keys, k_positions)
     for start in range(0, q.shape[0], block):
         rows = slice(start, start + block)
         found = weights(spec, head, q[rows], k, q_positions[rows], k_positions)
@@ -145,9 +150,7 @@ def attention(
         spec = snap.layers[layer].queries
         kv = snap.head(layer, spec.kv_heads[head] if spec else 0, seq)
         positions = kv.positions if kv is not None else np.empty(0, np.int64)
-        if keys is not None:
-            low, high = (keys.start, keys.stop) if isinstance(keys, range) else keys
-            positions = positions[(positions >= int(low)) & (positions < int(high))]
+        positions = positions[_within(keys, positions)]
         empty = np.empty((0, positions.size), np.float32)
         return Attention(layer, head, seq, empty, np.empty(0, np.int64), positions)
     return Attention(
