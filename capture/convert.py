@@ -273,7 +273,10 @@ def convert_gguf(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     gguf_path = Path(gguf_path)
-    reader = GGUFReader(os.fspath(gguf_path))
+    try:
+        reader = GGUFReader(os.fspath(gguf_path))
+    except (ValueError, OSError) as exc:  # gguf's own messages do not name the file
+        raise UnsupportedModelError(f"{gguf_path}: not a readable GGUF file ({exc})") from None
     meta = _Metadata(reader)
     if meta.architecture not in _ARCHITECTURES:
         raise UnsupportedModelError(

@@ -292,3 +292,13 @@ def test_unguarded_script_runs_batch_statistics_once(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert "rows 16" in result.stdout
     assert marker.read_text().count("run") == 1
+
+
+def test_convert_gguf_names_a_bad_file_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("hello")
+    code, _, err = _run(["convert-gguf", str(bad), str(tmp_path / "model")], capsys)
+    assert code == 2 and f"{bad}: not a readable GGUF file" in err
+    assert _only(tmp_path) == {"notes.gguf"}
