@@ -209,7 +209,11 @@ def register_capture(sub: Any) -> None:
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--every", type=positive_int, help="snapshot every N generated tokens")
     p.add_argument("--at", help="snapshot at these generated-token counts, e.g. 1,8,32")
-    p.add_argument("--separate-files", action="store_true", help="one file per snapshot (OUT-NNNN.kv)")
+    p.add_argument(
+        "--separate-files",
+        action="store_true",
+        help="one file per snapshot (OUT-0000.kv, OUT-0001.kv, ...: numbered from 0)",
+    )
     p.add_argument("--codec", type=codec_name, default="raw", help="raw, zstd or byteplane-zstd")
     p.add_argument(
         "--kv-bits", type=int, choices=(2, 4, 8), help="quantize the KV cache (mlx-lm QuantizedKVCache)"

@@ -233,7 +233,8 @@ class _Snapshots:
         }
         assert self.output is not None
         base = Path(self.output)
-        path = base.with_name(f"{base.stem}-{generated:04d}{base.suffix or '.kv'}")
+        # Numbered like snapshots everywhere else: from 0, in the order they are taken.
+        path = base.with_name(f"{base.stem}-{self.taken:04d}{base.suffix or '.kv'}")
         codec, count = self.codec, len(tokens)
 
         def write() -> None:
@@ -312,8 +313,8 @@ def generate(
     Snapshots are taken after ``every`` generated tokens, at the generated-token counts in ``at``,
     whenever ``when(response)`` is true, and at the end (``final``). With ``output`` they are
     appended to one `.kv` series file (shared chunks stored once), or, with ``separate_files``,
-    written to ``output`` with ``-NNNN`` before the suffix. Each snapshot copies only the rows the
-    cache gained (sliced on the device) and is written by a background thread; at most
+    written to ``output`` with ``-NNNN`` (the snapshot's number, from 0) before the suffix. Each
+    snapshot copies only the rows the cache gained (sliced on the device) and is written by a background thread; at most
     ``max_pending`` snapshots wait for the disk before generation does. ``resume`` continues from
     a snapshot (in memory or read back) instead of a prompt. ``durable=False`` skips the fsyncs
     (each snapshot's and the file's at close): for scratch captures. An existing ``output`` is

@@ -221,7 +221,7 @@ def test_snapshot_events_name_the_file_and_count_tokens(tmp_path: Path) -> None:
             on_snapshot=separate.append,
         )
     )
-    assert [Path(e.path).name for e in separate] == ["one-0002.kv", "one-0004.kv"]
+    assert [Path(e.path).name for e in separate] == ["one-0000.kv", "one-0001.kv"]  # numbered from 0
     assert all(e.writing == e.path and e.size == Path(e.path).stat().st_size for e in separate)
 
 
