@@ -315,8 +315,9 @@ def generate(
     appended to one `.kv` series file (shared chunks stored once), or, with ``separate_files``,
     written to ``output`` with ``-NNNN`` (the snapshot's number, from 0) before the suffix. Each
     snapshot copies only the rows the cache gained (sliced on the device) and is written by a
-    background thread; at most ``max_pending`` snapshots wait for the disk before generation does. ``resume`` continues from
-    a snapshot (in memory or read back) instead of a prompt. ``durable=False`` skips the fsyncs
+    background thread; at most ``max_pending`` snapshots wait for the disk before generation
+    does. ``resume`` continues from a snapshot (in memory or read back) instead of a prompt.
+    ``durable=False`` skips the fsyncs
     (each snapshot's and the file's at close): for scratch captures. An existing ``output`` is
     refused before generation starts unless ``overwrite``. ``queries`` (`QuerySelection`:
     ``"none"``, ``"decode"``, ``"window:W"``, ``"all"``) also stores the post-RoPE queries of
