@@ -560,6 +560,8 @@ def _diff_heatmap(table: Any, args: argparse.Namespace) -> None:
             grid[layers.index(row["layer"]), row["head"]] = row["rel_error"]
         grids[tensor] = grid
     top = np.nanmax([np.nanmax(g) for g in grids.values()])
+    if not np.isfinite(top) or top <= 0:
+        top = 1.0  # identical captures: one empty scale for K and V alike
     figure, axes = plt.subplots(1, 2, figsize=(10, max(4, len(layers) * 0.18 + 1.5)), sharey=True)
     for axis, (tensor, grid) in zip(axes, grids.items(), strict=True):
         image = axis.imshow(grid, aspect="auto", cmap="magma", vmin=0, vmax=top, interpolation="nearest")
@@ -569,7 +571,23 @@ def _diff_heatmap(table: Any, args: argparse.Namespace) -> None:
     axes[0].set_ylabel("layer")
     axes[0].set_yticks(range(len(layers)), [str(layer) for layer in layers])
     figure.colorbar(image, ax=list(axes), label="relative error (Frobenius)")
-    figure.suptitle(f"A = {os.path.basename(args.a)}, B = {os.path.basename(args.b)}")
+    import kvformat
+
+    options = _storage_options(args)
+    with (
+        kvformat.open(args.a, args.snapshot_a, storage_options=options) as a,
+        kvformat.open(args.b, args.snapshot_b, storage_options=options) as b,
+    ):
+        which = (
+            f"snapshot {a.index} of 0..{a.num_snapshots - 1}",
+            f"snapshot {b.index} of 0..{b.num_snapshots - 1}",
+        )
+    positions = int(table["n_positions"].max())
+    figure.suptitle(
+        f"A = {os.path.basename(args.a)} ({which[0]}), B = {os.path.basename(args.b)} ({which[1]}); "
+        f"up to {positions} positions compared per head ({args.keys} keys)",
+        fontsize=10,
+    )
     _save_figure(figure, args.plot, args)
 
 
