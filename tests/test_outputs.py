@@ -302,3 +302,21 @@ def test_convert_gguf_names_a_bad_file_and_leaves_nothing(
     code, _, err = _run(["convert-gguf", str(bad), str(tmp_path / "model")], capsys)
     assert code == 2 and f"{bad}: not a readable GGUF file" in err
     assert _only(tmp_path) == {"notes.gguf"}
+
+
+def test_diff_plot_title_names_what_was_compared(
+    tmp_path: Path, capture: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import matplotlib.figure
+
+    titles: list[str] = []
+
+    def record(self: matplotlib.figure.Figure, path: str, *args: object, **kwargs: object) -> None:
+        titles.append(self._suptitle.get_text() if self._suptitle is not None else "")
+        open(path, "wb").close()
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    plot = tmp_path / "d.png"
+    assert _run(["diff", str(capture), str(capture), "--plot", str(plot)], capsys)[0] == 0
+    assert titles == ["A = run.kv (snapshot 0 of 0..0), B = run.kv (snapshot 0 of 0..0); "
+                      "up to 64 positions compared per head (post_rope keys)"]  # fmt: skip
