@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvsnap.capture.errors import CaptureError, UnsupportedModelError
+    from kvsnap.capture.fixtures import fetch_model
     from kvsnap.capture.generate import SnapshotEvent, generate
     from kvsnap.capture.restore import restore, text_of, tokens_of
     from kvsnap.capture.snapshot import KVSnapshot, snapshot_kv
@@ -29,6 +30,7 @@ _EXPORTS = {
     "tokens_of": "restore",
     "KVSnapshot": "snapshot",
     "snapshot_kv": "snapshot",
+    "fetch_model": "fixtures",
 }
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "KVSnapshot",
     "SnapshotEvent",
     "UnsupportedModelError",
+    "fetch_model",
     "generate",
     "restore",
     "snapshot_kv",

@@ -52,7 +52,10 @@ _EXPORTS: dict[str, str] = {
             "checkpoint_keys",
         )
     },
-    **{name: "kvsnap.capture" for name in ("generate", "snapshot_kv", "restore", "tokens_of", "text_of")},
+    **{
+        name: "kvsnap.capture"
+        for name in ("generate", "snapshot_kv", "restore", "tokens_of", "text_of", "fetch_model")
+    },
 }
 _SUBPACKAGES = ("analysis", "capture")
 
