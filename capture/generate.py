@@ -48,6 +48,15 @@ def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
     return [str(tokenizer.decode([int(t)])) for t in ids]
 
 
+def text_in_context(tokenizer: Any, context: Sequence[int], token: int) -> str:
+    """The text ``token`` adds after ``context`` (its last 8 ids): what a streaming detokenizer
+    running since the start prints for it, leading space included (decoding a token alone drops
+    the space of SentencePiece and byte-level tokenizers)."""
+    tail = [int(t) for t in context[-8:]]
+    before, after = tokenizer.decode(tail), tokenizer.decode([*tail, int(token)])
+    return after[len(before) :] if after.startswith(before) else str(tokenizer.decode([int(token)]))
+
+
 @dataclass(frozen=True)
 class SnapshotEvent:
     """A snapshot that was written: ``generated`` tokens generated so far, ``cached_tokens``
@@ -353,7 +362,7 @@ def generate(
         logprobs = logprobs - mx.logsumexp(logprobs, keepdims=True)
         token = int(np.array(sampler(logprobs[None])).reshape(-1)[0])
         first_response = GenerationResponse(
-            text=tokenizer.decode([token]),
+            text=text_in_context(tokenizer, history, token),
             token=token,
             logprobs=logprobs,
             from_draft=False,
@@ -438,7 +447,13 @@ def generate(
             if first_response.finish_reason is not None or max_tokens == 1:
                 finished = True
                 return
+        resumed = resume is not None
         for response in responses:
+            if resumed:  # mlx-lm's detokenizer starts fresh and trims the first token's space
+                resumed = False
+                response = dataclasses.replace(
+                    response, text=text_in_context(tokenizer, processed, int(response.token))
+                )
             snapshots.check()
             generated_tokens.append(int(response.token))
             pieces.append(response.text)

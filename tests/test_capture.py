@@ -385,6 +385,10 @@ def test_real_model_resume_equals_uninterrupted(
         assert early.snapshot_metadata["generated"] == 2
         assert early.array("last_logits") is not None
         assert run(model, tokenizer, [], total - 2, resume=early) == reference[2:]
+        # ...and streams the same text, leading spaces included (issue 46 item 5)
+        texts = [r.text for r in generate(model, tokenizer, prompt, max_tokens=total)]
+        resumed = [r.text for r in generate(model, tokenizer, [], max_tokens=total - 2, resume=early)]
+        assert "".join(resumed) == "".join(texts[2:]), (resumed, texts)
 
 
 @pytest.mark.parametrize("arch", sorted(__import__("kvsnap.capture.tiny", fromlist=["CONFIGS"]).CONFIGS))
