@@ -6,7 +6,8 @@ floor the file path can reach) in the same run; peak traced memory of the call.
 
 The file: a Qwen3-8B-shaped layer (8 KV heads, 32 query heads, head_dim 128, bfloat16), 8192
 positions, queries stored for the last 64 (``--queries window:64``). Reported: median and spread of
-``open + attention`` (what a script pays per head) and of ``attention`` on an open file (per head
+``open + attention`` in a running process, imports done (per file a script opens) and of
+``attention`` on an open file (per head
 in a loop), the in-memory floor, and their ratio.
 """
 
@@ -101,7 +102,7 @@ def main() -> None:
         return f"{name:44s} median {median:7.2f} ms  (min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f})"
 
     print(f"one query head, {args.keys} keys x {args.queries} queries, head_dim {args.dim}, bfloat16 file")
-    print(line("open + snap.attention (what a script pays)", fresh))
+    print(line("open + snap.attention (running process)", fresh))
     print(line("snap.attention on an open file", warm))
     print(line("floor: the same float32 math in memory", floor))
     print(f"open file / floor: {statistics.median(warm) / statistics.median(floor):.2f}x")
