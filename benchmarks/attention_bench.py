@@ -7,8 +7,7 @@ floor the file path can reach) in the same run; peak traced memory of the call.
 The file: a Qwen3-8B-shaped layer (8 KV heads, 32 query heads, head_dim 128, bfloat16), 8192
 positions, queries stored for the last 64 (``--queries window:64``). Reported: median and spread of
 ``open + attention`` in a running process, imports done (per file a script opens) and of
-``attention`` on an open file (per head
-in a loop), the in-memory floor, and their ratio.
+``attention`` on an open file (per head in a loop), the in-memory floor, and their ratio.
 """
 
 from __future__ import annotations
