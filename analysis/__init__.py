@@ -10,11 +10,17 @@ numba, pyarrow or polars.
 
 from __future__ import annotations
 
+if __name__ != "kvsnap.analysis":  # the folder analysis/ installs as kvsnap.analysis, under that name alone
+    raise ImportError(
+        f"analysis/ is the package kvsnap.analysis: import it as kvsnap.analysis, not as {__name__!r} "
+        "(install the repository: pip install -e .)"
+    )
+
 import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvsnap.analysis.batch import (
+    from .batch import (
         BatchOptions,
         BatchResult,
         FileFailure,
@@ -22,11 +28,11 @@ if TYPE_CHECKING:
         merged_stats,
         run_stats,
     )
-    from kvsnap.analysis.diff import head_diff
-    from kvsnap.analysis.export import export_heads
-    from kvsnap.analysis.rope import Rope, RopeError, checkpoint_keys
-    from kvsnap.analysis.similarity import head_similarity, similarity_for_file
-    from kvsnap.analysis.stats import (
+    from .diff import head_diff
+    from .export import export_heads
+    from .rope import Rope, RopeError, checkpoint_keys
+    from .similarity import head_similarity, similarity_for_file
+    from .stats import (
         HeadAccumulator,
         file_accumulators,
         file_tables,

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvformat.checksum import crc32c
-from kvsnap.analysis import finite
-from kvsnap.analysis.catalogue import (
+
+from . import finite
+from .catalogue import (
     ALL,
     BINS,
     LEVELS,
@@ -32,7 +33,7 @@ from kvsnap.analysis.catalogue import (
     quant_error,
     stat_groups,
 )
-from kvsnap.analysis.rope import Rope
+from .rope import Rope
 
 if TYPE_CHECKING:
     from kvformat.reader import PayloadCheck
@@ -51,7 +52,7 @@ def _kernel() -> ModuleType:
     """`analysis.kernel`, imported on first use: numba takes ~0.2-0.4 s to import, and a process
     that only merges accumulators or builds tables from them (the parent of a pass on worker
     processes) never needs it."""
-    from kvsnap.analysis import kernel
+    from . import kernel
 
     return kernel
 
@@ -200,7 +201,7 @@ class HeadAccumulator:
         if self.backend == "mlx" or not _kernel().AVAILABLE:
             rows, positions = self.drop_nonfinite(rows, positions)
         if self.backend == "mlx":
-            from kvsnap.analysis import mlx_kernel
+            from . import mlx_kernel
 
             mlx_kernel.add(self, rows, positions)
         elif _kernel().AVAILABLE:
@@ -394,7 +395,7 @@ class HeadAccumulator:
     def settle(self) -> None:
         """Fold in device work still in flight (``backend="mlx"``; a no-op otherwise)."""
         if self._pending is not None:
-            from kvsnap.analysis import mlx_kernel
+            from . import mlx_kernel
 
             mlx_kernel.settle(self)
 
@@ -474,7 +475,7 @@ class HeadAccumulator:
         return dict(self._row)
 
     def _statistics(self) -> dict[str, Any]:
-        from kvsnap.analysis import rows
+        from . import rows
 
         self.settle()
         return rows.statistics([self])[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from kvsnap.analysis.files import (
+from .files import (
     BatchOptions,
     BatchResult,
     FileFailure,
@@ -20,8 +20,8 @@ from kvsnap.analysis.files import (
     expand_paths,
     file_or_failure,
 )
-from kvsnap.analysis.parallel import local_map
-from kvsnap.analysis.stats import (
+from .parallel import local_map
+from .stats import (
     HeadAccumulator,
     file_table,
     frame_of,
@@ -59,7 +59,7 @@ def run_stats(
     options = BatchOptions.of(options, settings)
     paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, options.storage_options)
     if options.engine == "ray":
-        from kvsnap.analysis.ray import ray_stats
+        from .ray import ray_stats
 
         return ray_stats(paths, options)
     processes, pass_options = options.plan(len(paths))
@@ -130,7 +130,7 @@ def merged_stats(
     merger = Merger()
     failures: list[FileFailure] = []
     if options.engine == "ray":
-        from kvsnap.analysis.ray import ray_accumulators
+        from .ray import ray_accumulators
 
         results: Iterable[tuple[str, Any]] = ray_accumulators(paths, options)
     else:

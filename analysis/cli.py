@@ -36,7 +36,7 @@ def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     del parser
     stat = getattr(args, "stat", None)
     if stat is not None and getattr(args, "attention", None) is None:
-        from kvsnap.analysis.catalogue import check_scalar, stat_groups
+        from .catalogue import check_scalar, stat_groups
 
         check_scalar(stat, stat_groups(getattr(args, "stats", None)))
     _check_snapshot(args)
@@ -89,7 +89,7 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def stat_groups_type(text: str) -> frozenset[str]:
     """argparse type: comma-separated statistic groups (``all``, ``norms``, ``channels``, ...)."""
-    from kvsnap.analysis.catalogue import stat_groups
+    from .catalogue import stat_groups
 
     try:
         return stat_groups(text)
@@ -115,8 +115,8 @@ def _progress(total: int) -> Callable[[str], None]:
 
 def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
     """Statistics of every file or pattern, on the chosen engine; failures reported by file."""
-    from kvsnap.analysis import processes
-    from kvsnap.analysis.parallel import cores
+    from . import processes
+    from .parallel import cores
 
     jobs = args.jobs
     engine, backend = getattr(args, "engine", "local"), getattr(args, "backend", "cpu")
@@ -132,7 +132,7 @@ def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
     if engine == "local" and len(args.files) == 1 and processes.usable(args.files[0], workers, backend):
         # One big file (not a pattern): its workers start while the rest is imported.
         processes.start(processes.worker_count(workers, backend), backend)
-    from kvsnap.analysis.batch import expand_paths, merged_stats, run_stats
+    from .batch import expand_paths, merged_stats, run_stats
 
     options = _storage_options(args)
     try:
@@ -177,7 +177,7 @@ def _outliers(args: argparse.Namespace) -> int:
     if args.stat not in table.columns or table.schema[args.stat] not in (pl.Float64, pl.Int64, pl.Float32):
         scalars = [c for c, t in table.schema.items() if t in (pl.Float64, pl.Int64) and c not in KEYS]
         raise SystemExit(f"--stat must be a scalar statistic, one of: {', '.join(scalars)}")
-    from kvsnap.analysis.stats import outliers
+    from .stats import outliers
 
     flagged = outliers(table, args.threshold, args.stat, args.tensor).filter(pl.col("outlier"))
     flagged = flagged.sort("ratio_to_median", descending=True)
@@ -208,7 +208,8 @@ def _plot(args: argparse.Namespace) -> int:
     from matplotlib.colors import Normalize
 
     import kvformat
-    from kvsnap.analysis.stats import token_table
+
+    from .stats import token_table
 
     if args.attention is not None:
         return _attention_map(args)
@@ -297,7 +298,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _similarity(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from kvsnap.analysis.similarity import head_similarity
+    from .similarity import head_similarity
 
     table = head_similarity(args.files, args.snapshot, args.keys, args.jobs, _storage_options(args))
     if args.output:
@@ -362,7 +363,7 @@ def _medians(table: Any) -> None:
 def _stats(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from kvsnap.analysis.stats import outliers
+    from .stats import outliers
 
     if args.merge:
         return _merged(args)
@@ -443,7 +444,7 @@ def _common(p: argparse.ArgumentParser, many: bool = True, engines: bool = True)
 
 
 def _stats_option(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    from kvsnap.analysis.stats import BACKENDS, GROUPS
+    from .stats import BACKENDS, GROUPS
 
     p.add_argument(
         "--backend",
@@ -465,7 +466,7 @@ def _stats_option(p: argparse.ArgumentParser, default: str | None = None) -> Non
 def _export(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from kvsnap.analysis.export import export_heads
+    from .export import export_heads
 
     written = 0
     paths = export_heads(
@@ -490,7 +491,7 @@ def _diff(args: argparse.Namespace) -> int:
     import numpy as np
     import polars as pl
 
-    from kvsnap.analysis.diff import LayoutMismatchError, head_diff
+    from .diff import LayoutMismatchError, head_diff
 
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -658,7 +659,8 @@ def _attention_map(args: argparse.Namespace) -> int:
     from matplotlib.colors import LogNorm
 
     import kvformat
-    from kvsnap.analysis.tokens import token_pieces
+
+    from .tokens import token_pieces
 
     layer, head = args.attention
     with kvformat.open(args.file, args.snapshot, storage_options=_storage_options(args)) as snap:

@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import kvformat
-from kvsnap.analysis.rope import Rope, interleaved_to_half
-from kvsnap.analysis.tokens import token_ids
+
+from .rope import Rope, interleaved_to_half
+from .tokens import token_ids
 
 if TYPE_CHECKING:
     import polars as pl

@@ -19,7 +19,8 @@ import numpy as np
 
 import kvformat
 from kvformat.outputs import check_output, output_path
-from kvsnap.analysis.rope import Rope
+
+from .rope import Rope
 
 FORMATS = ("csv", "npy", "npz", "parquet")
 

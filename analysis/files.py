@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvformat.remote import expand, is_url
-from kvsnap.analysis.catalogue import ALL, stat_groups
+
+from .catalogue import ALL, stat_groups
 
 if TYPE_CHECKING:
     import polars as pl
 
-    from kvsnap.analysis.streaming import PassOptions
+    from .streaming import PassOptions
 
 Options = dict[str, Any]
 MergedKey = tuple[int, int, str]  # (layer, head, "k" | "v")
@@ -71,7 +72,7 @@ class BatchOptions:
     @property
     def cores(self) -> int:
         """``jobs``, or every core this process may use."""
-        from kvsnap.analysis.parallel import cores
+        from .parallel import cores
 
         return self.jobs or cores()
 
@@ -80,8 +81,8 @@ class BatchOptions:
         the cores left as each file's workers; with ``backend="mlx"``, one file after another,
         each on `mlx_kernel.processes` worker processes that drive the device (a local file;
         else one thread)."""
-        from kvsnap.analysis.parallel import split_jobs
-        from kvsnap.analysis.streaming import PassOptions
+        from .parallel import split_jobs
+        from .streaming import PassOptions
 
         processes, threads = split_jobs(self.cores, files)
         if self.backend == "mlx":

@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvformat.checksum import concatenated_linear, crc32c, linear_crc, zeros_crc
-from kvsnap.analysis import finite, unified_memory
-from kvsnap.analysis.accumulator import PIECE, bytes_of
+
+from . import finite, unified_memory
+from .accumulator import PIECE, bytes_of
 
 if TYPE_CHECKING:
-    from kvsnap.analysis.accumulator import HeadAccumulator
+    from .accumulator import HeadAccumulator
 
 _SPAN = 64  # rows summed together on the device before the next level
 
@@ -123,7 +124,7 @@ def _piece_function(
 
 
 def _cuda_gram() -> Any:
-    from kvsnap.analysis import cuda_gram
+    from . import cuda_gram
 
     return cuda_gram
 
@@ -146,7 +147,7 @@ def _hist_edges(squared: bool) -> np.ndarray:
     """``(BINS + 1,)`` float32 bin edges of the log histogram for float32 values (of their square
     roots if ``squared``: squared norms), so the device's bins equal the host's
     (`catalogue.hist_edges`)."""
-    from kvsnap.analysis.catalogue import hist_edges
+    from .catalogue import hist_edges
 
     return hist_edges(np.float32, squared)
 
@@ -166,8 +167,8 @@ def _piece(
     in place of their ``product``, which `cuda_gram.gram_product` computes)."""
     import mlx.core as mx
 
-    from kvsnap.analysis.accumulator import HEAVY
-    from kvsnap.analysis.catalogue import (
+    from .accumulator import HEAVY
+    from .catalogue import (
         BINS,
         LOG_HIGH,
         LOG_LOW,
@@ -338,7 +339,7 @@ Flags = tuple[bool, bool, bool, bool, bool, bool]
 
 def _flags(acc: HeadAccumulator, n: int) -> Flags:
     """The `_piece_function` selection for a piece of ``n`` rows of ``acc``."""
-    from kvsnap.analysis.accumulator import GRAM_FLOAT64_ROWS
+    from .accumulator import GRAM_FLOAT64_ROWS
 
     groups = acc.groups
     return (
@@ -766,7 +767,7 @@ def copy_threads(share: int = 1) -> int:
     the driving thread, the fold thread, the row threads (`row_threads`) and mlx's own, a full
     pass took 5.4 s (fp32, 8.6 GB) with 16 copy threads and 3.6-4.2 s with 6
     (`benchmarks/RESULTS.md`, session 11)."""
-    from kvsnap.analysis.parallel import cores
+    from .parallel import cores
 
     return max(1, min(16, cores() * 3 // 8) // share)
 
@@ -775,7 +776,7 @@ def row_threads(share: int = 1) -> int:
     """Threads that compute the rows (eigenvalues and all) of an mlx pass's accumulators as
     their layers end: a quarter of the cores (see `copy_threads`), divided among ``share``
     processes."""
-    from kvsnap.analysis.parallel import cores
+    from .parallel import cores
 
     return max(1, cores() // 4 // share)
 
@@ -1038,7 +1039,7 @@ def settle(acc: HeadAccumulator) -> None:
 def _piece_bins(positions: np.ndarray) -> np.ndarray:
     """`catalogue.position_bins` of a piece's positions as uint8 (the device's input); for a run
     (every head of a layer holds the same positions) computed once and cached."""
-    from kvsnap.analysis.catalogue import position_bins
+    from .catalogue import position_bins
 
     n = positions.size
     if n and int(positions[-1]) - int(positions[0]) == n - 1:
@@ -1048,7 +1049,7 @@ def _piece_bins(positions: np.ndarray) -> np.ndarray:
 
 def _piece_bin_counts(positions: np.ndarray) -> np.ndarray:
     """How many of a piece's positions fall in each position bin, ``(POSITION_BINS,)`` int64."""
-    from kvsnap.analysis.catalogue import POSITION_BINS
+    from .catalogue import POSITION_BINS
 
     n = positions.size
     if n and int(positions[-1]) - int(positions[0]) == n - 1:
@@ -1060,7 +1061,7 @@ def _piece_bin_counts(positions: np.ndarray) -> np.ndarray:
 def _run_bins(start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """The uint8 bins of positions ``start .. start + count - 1`` and their counts per bin
     (read-only, cached)."""
-    from kvsnap.analysis.catalogue import POSITION_BINS, position_bins
+    from .catalogue import POSITION_BINS, position_bins
 
     bins = position_bins(np.arange(start, start + count, dtype=np.int64)).astype(np.uint8)
     counts = np.bincount(bins, minlength=POSITION_BINS)
@@ -1089,7 +1090,7 @@ def _shared_stack(
     row, with all its sums still views of them (`HeadAccumulator.merge` rebinds them), and the
     entries' rows there (a slice where they follow each other); None otherwise (then the group
     adds one accumulator at a time, in order: e.g. a head with two pieces in one batch)."""
-    from kvsnap.analysis.accumulator import STACKED
+    from .accumulator import STACKED
 
     shared = entries[0][0]._stack
     if shared is None:
@@ -1118,8 +1119,8 @@ def _fold_group(
     counting histogram bins the device chose and picking the top peaks; it runs once for the
     group, not once per piece: on the H200 the per-piece calls, under the GIL beside the thread
     that drives the device, were most of the fold."""
-    from kvsnap.analysis import catalogue
-    from kvsnap.analysis.accumulator import float32_rows
+    from . import catalogue
+    from .accumulator import float32_rows
 
     groups = entries[0][0].groups
     n = entries[0][1].shape[0]

@@ -52,14 +52,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import kvformat
-from kvsnap.analysis.parallel import main_hidden as _main_hidden
-from kvsnap.analysis.parallel import one_thread_environment
+
+from .parallel import main_hidden as _main_hidden
+from .parallel import one_thread_environment
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
-    from kvsnap.analysis.accumulator import HeadAccumulator
-    from kvsnap.analysis.mlx_kernel import Pipeline
-    from kvsnap.analysis.rope import Rope
-    from kvsnap.analysis.streaming import Key, LayerResult, PassOptions, Window
+    from .accumulator import HeadAccumulator
+    from .mlx_kernel import Pipeline
+    from .rope import Rope
+    from .streaming import Key, LayerResult, PassOptions, Window
 
 TASKS_PER_WORKER = 16
 """Tasks per worker in a pass (about): more even out heads of uneven cost, fewer cost less."""
@@ -104,7 +105,7 @@ def worker_count(workers: int, backend: str) -> int:
     backend; on mlx `mlx_kernel.processes` (3/4 of them, bounded by memory: each drives the
     device)."""
     if backend == "mlx":
-        from kvsnap.analysis import mlx_kernel
+        from . import mlx_kernel
 
         return mlx_kernel.processes(workers)
     return workers
@@ -178,7 +179,7 @@ def _one_blas_thread() -> None:
     """A spawned mlx worker's start: BLAS limited to one thread, as the fork server's environment
     limits the CPU workers' (a spawned process takes its parent's environment as it is, and
     changing that for each submit would race with the parent's other threads)."""
-    from kvsnap.analysis.parallel import limit_blas_threads
+    from .parallel import limit_blas_threads
 
     limit_blas_threads(1)
 
@@ -263,7 +264,7 @@ def _tasks(
     """The pass's tasks, layer by layer in the order the layers close: each layer's (seq, head)
     keys cut into equal runs, about ``per_worker`` x ``workers`` tasks in all, each given its
     heads' batches exactly as `streaming.head_batches` groups them for one worker."""
-    from kvsnap.analysis.streaming import head_batches, layer_heads
+    from .streaming import head_batches, layer_heads
 
     layers = sorted(last, key=last.__getitem__)
     per_layer = max(1, -(-per_worker * workers // max(1, len(layers))))
@@ -296,7 +297,7 @@ def layers(
 ) -> Iterator[LayerResult]:
     """`streaming.layers` on ``options.workers`` processes (see the module's docstring): the same
     layers in the same order with the same accumulators."""
-    from kvsnap.analysis.streaming import fresh_accumulators, layer_bar, layer_ropes, pass_order
+    from .streaming import fresh_accumulators, layer_bar, layer_ropes, pass_order
 
     workers = worker_count(options.workers, options.backend)
     start(workers, options.backend)  # the workers start while the pass is planned
@@ -363,7 +364,7 @@ _OPEN: _OpenFile | None = None
 def _open_file(path: str, index: int, options: PassOptions) -> _OpenFile:
     """This worker's `_OpenFile` of snapshot ``index`` of ``path`` (reopened when the file was
     replaced or another one is asked for)."""
-    from kvsnap.analysis.streaming import layer_ropes
+    from .streaming import layer_ropes
 
     global _OPEN
     status = os.stat(path)
@@ -388,7 +389,7 @@ def _device(workers: int) -> tuple[Pipeline, ThreadPoolExecutor]:
     compiled device functions serve the tasks that follow."""
     global _DEVICE, _ROW_THREADS
     if _DEVICE is None:
-        from kvsnap.analysis.mlx_kernel import Pipeline, batch_bytes, copy_threads, row_threads
+        from .mlx_kernel import Pipeline, batch_bytes, copy_threads, row_threads
 
         pipeline = Pipeline(batch_bytes(worker=True), copy_threads=copy_threads(workers))
         _ROW_THREADS = row_threads(workers)
@@ -403,7 +404,7 @@ def _run_task(
     snapshot (their rows computed and sealed with ``finish``), its batches added in order,
     pages released as the one-worker pass releases them. On mlx the batches go through this
     worker's device pipeline, drained at the task's end."""
-    from kvsnap.analysis.streaming import fresh_accumulators
+    from .streaming import fresh_accumulators
 
     opened = _open_file(path, index, options)
     snap, layer = opened.snap, task.layer
@@ -439,9 +440,9 @@ def _add_task(
 ) -> dict[Key, HeadAccumulator]:
     """`_run_task`'s work: ``task``'s batches added to ``accumulators`` in order (through the
     device ``pipeline`` on mlx), pages released, rows computed and sealed with ``finish``."""
-    from kvsnap.analysis.parallel import single_threaded_blas
-    from kvsnap.analysis.rows import compute as compute_rows
-    from kvsnap.analysis.streaming import _add_segments, row_parts
+    from .parallel import single_threaded_blas
+    from .rows import compute as compute_rows
+    from .streaming import _add_segments, row_parts
 
     layer = task.layer
     with single_threaded_blas():

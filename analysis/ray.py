@@ -22,7 +22,7 @@ import ray
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from kvsnap.analysis.files import (
+from .files import (
     BatchOptions,
     BatchResult,
     FileFailure,
@@ -33,7 +33,7 @@ from kvsnap.analysis.files import (
     file_or_failure,
     sort_like,
 )
-from kvsnap.analysis.stats import (
+from .stats import (
     HeadAccumulator,
     PassOptions,
     frame_of,

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvsnap.analysis.catalogue import POSITION_BINS, QUANT_BITS, RANKS, hist_quantiles
+from .catalogue import POSITION_BINS, QUANT_BITS, RANKS, hist_quantiles
 
 if TYPE_CHECKING:
-    from kvsnap.analysis.accumulator import HeadAccumulator
+    from .accumulator import HeadAccumulator
 
 
 def compute(accumulators: Sequence[HeadAccumulator]) -> None:
@@ -156,14 +156,14 @@ def _channels(stack: Sequence[HeadAccumulator], power: np.ndarray) -> list[dict[
 
 
 def _spectrum(stack: Sequence[HeadAccumulator], n: np.ndarray, m1: np.ndarray) -> list[dict[str, Any]]:
-    from kvsnap.analysis.accumulator import _kernel
+    from .accumulator import _kernel
 
     covariance = np.stack([acc.gram for acc in stack]) / n[:, None, None] - m1[:, :, None] * m1[:, None, :]
     # The CPU backend's compiled (numba, without the interpreter's lock) where its kernel is;
     # LAPACK on the numpy reference path and on mlx, which never loads numba: its worker
     # processes would carry numba's code and compiled kernels (`processes.MLX_START_METHOD`).
     if stack[0].backend != "mlx" and _kernel().AVAILABLE:
-        from kvsnap.analysis.eigen import eigenvalues
+        from .eigen import eigenvalues
 
         descending = np.stack([eigenvalues(matrix) for matrix in covariance])
     else:

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import kvformat
-from kvsnap.analysis.rope import Rope
+
+from .rope import Rope
 
 if TYPE_CHECKING:
     import polars as pl
@@ -222,7 +223,7 @@ def head_similarity(
     every core)."""
     import polars as pl
 
-    from kvsnap.analysis.parallel import cores, local_map
+    from .parallel import cores, local_map
 
     files = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     processes = min(cores() if jobs is None else jobs, len(files))

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import kvformat
-from kvsnap.analysis.accumulator import HeadAccumulator
-from kvsnap.analysis.catalogue import (
+
+from .accumulator import HeadAccumulator
+from .catalogue import (
     ALL,
     GROUPS,
     POSITION_BINS,
@@ -25,10 +26,10 @@ from kvsnap.analysis.catalogue import (
     TOP_K,
     stat_groups,
 )
-from kvsnap.analysis.files import BatchOptions
-from kvsnap.analysis.parallel import local_map
-from kvsnap.analysis.streaming import BACKENDS, Key, PassOptions, accumulate, check_backend, layers
-from kvsnap.analysis.tokens import token_ids, token_pieces
+from .files import BatchOptions
+from .parallel import local_map
+from .streaming import BACKENDS, Key, PassOptions, accumulate, check_backend, layers
+from .tokens import token_ids, token_pieces
 
 if TYPE_CHECKING:
     import polars as pl

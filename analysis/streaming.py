@@ -17,11 +17,12 @@ from typing import Any
 
 import kvformat
 from kvformat.checksum import crc32c
-from kvsnap.analysis.accumulator import HeadAccumulator, bytes_of, stack
-from kvsnap.analysis.catalogue import ALL, stat_groups
-from kvsnap.analysis.parallel import after
-from kvsnap.analysis.rope import Rope
-from kvsnap.analysis.rows import compute as compute_rows
+
+from .accumulator import HeadAccumulator, bytes_of, stack
+from .catalogue import ALL, stat_groups
+from .parallel import after
+from .rope import Rope
+from .rows import compute as compute_rows
 
 BATCH_BYTES = 8 << 20  # K + V bytes of one head handed to one task
 SMALL_SEGMENT_BYTES = 1 << 20  # segments smaller than this on average are regrouped by head ...
@@ -71,7 +72,7 @@ def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if backend == "mlx":
-        from kvsnap.analysis import mlx_kernel
+        from . import mlx_kernel
 
         if not mlx_kernel.available():
             raise ValueError("backend 'mlx' needs mlx: pip install 'kvsnap[capture]' (or mlx-cuda, mlx[cpu])")
@@ -120,7 +121,7 @@ def _add_segments(
 def _joined(segments: list[kvformat.Segment]) -> Iterator[list[kvformat.Segment]]:
     """One head's segments in groups added at once: every large segment alone, consecutive
     small ones together (up to `accumulator.PIECE` rows)."""
-    from kvsnap.analysis.accumulator import PIECE
+    from .accumulator import PIECE
 
     group: list[kvformat.Segment] = []
     rows = 0
@@ -269,12 +270,12 @@ class _Workers:
     def __enter__(self) -> _Workers:
         from concurrent.futures import ThreadPoolExecutor
 
-        from kvsnap.analysis.parallel import OrderedPool, single_threaded_blas
+        from .parallel import OrderedPool, single_threaded_blas
 
         with self._stack as stack:
             mlx = self.options.backend == "mlx"
             if mlx:
-                from kvsnap.analysis.mlx_kernel import Pipeline, row_threads
+                from .mlx_kernel import Pipeline, row_threads
             # The row threads stop after the pipeline (exits run in reverse): rows waiting for a
             # mark the pipeline drops after a failure then end with its error.
             self.row_threads = row_threads() if mlx else 1
@@ -385,7 +386,7 @@ def layers(
     pages stay within about two windows. ``progress`` shows a bar per layer on
     stderr when it is a terminal; ``finish`` computes each accumulator's row (eigenvalues and
     all) on the threads, once its layer is read."""
-    from kvsnap.analysis import processes
+    from . import processes
 
     if processes.usable(path, options.workers, options.backend):
         yield from processes.layers(path, options, progress, finish)

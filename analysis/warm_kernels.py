@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvsnap.analysis.accumulator import GRAM_FLOAT64_ROWS, HeadAccumulator
-from kvsnap.analysis.catalogue import ALL
-from kvsnap.analysis.rope import Rope
+from .accumulator import GRAM_FLOAT64_ROWS, HeadAccumulator
+from .catalogue import ALL
+from .rope import Rope
 
 
 def warm() -> None:

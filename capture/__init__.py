@@ -10,15 +10,21 @@ Names load on first use (PEP 562): importing a submodule, such as the CLI's, doe
 
 from __future__ import annotations
 
+if __name__ != "kvsnap.capture":  # the folder capture/ installs as kvsnap.capture, under that name alone
+    raise ImportError(
+        f"capture/ is the package kvsnap.capture: import it as kvsnap.capture, not as {__name__!r} "
+        "(install the repository: pip install -e .)"
+    )
+
 import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvsnap.capture.errors import CaptureError, UnsupportedModelError
-    from kvsnap.capture.fixtures import fetch_model
-    from kvsnap.capture.generate import SnapshotEvent, generate
-    from kvsnap.capture.restore import restore, text_of, tokens_of
-    from kvsnap.capture.snapshot import KVSnapshot, snapshot_kv
+    from .errors import CaptureError, UnsupportedModelError
+    from .fixtures import fetch_model
+    from .generate import SnapshotEvent, generate
+    from .restore import restore, text_of, tokens_of
+    from .snapshot import KVSnapshot, snapshot_kv
 
 _EXPORTS = {
     "CaptureError": "errors",

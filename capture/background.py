@@ -18,8 +18,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvsnap.capture.caches import to_numpy
-from kvsnap.capture.errors import CaptureError
+from .caches import to_numpy
+from .errors import CaptureError
 
 DEFAULT_MAX_PENDING = 4
 

@@ -19,7 +19,8 @@ from kvformat import dtypes
 from kvformat.manifest import LayerSpec
 from kvformat.quantization import BITS as QUANT_BITS
 from kvformat.quantization import Quantization
-from kvsnap.capture.errors import UnsupportedModelError
+
+from .errors import UnsupportedModelError
 
 
 @dataclass

@@ -10,7 +10,7 @@ from kvformat.cli import fraction, non_negative_float, positive_int
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from kvsnap.capture.convert import convert_gguf
+    from .convert import convert_gguf
 
     out = convert_gguf(args.gguf, args.out_dir, args.dtype, overwrite=args.force)
     print(f"wrote mlx-lm model directory {out}")
@@ -18,7 +18,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _fetch(args: argparse.Namespace) -> int:
-    from kvsnap.capture.fixtures import MODELS, cache_dir, fetch_model
+    from .fixtures import MODELS, cache_dir, fetch_model
 
     for name in args.names or list(MODELS):
         path = fetch_model(name, args.dtype)
@@ -29,8 +29,8 @@ def _fetch(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     """Add the capture commands to the ``kvsnap`` argument parser."""
-    from kvsnap.capture.convert import DTYPES
-    from kvsnap.capture.fixtures import MODELS
+    from .convert import DTYPES
+    from .fixtures import MODELS
 
     p = sub.add_parser("convert-gguf", help="convert a GGUF model (llama, gemma3) to an mlx-lm directory")
     p.add_argument("gguf")
@@ -51,7 +51,7 @@ def _resolve_model(spec: str) -> str:
     """A fixture name, a GGUF file (converted once into the cache) or an mlx-lm directory."""
     from pathlib import Path
 
-    from kvsnap.capture.fixtures import MODELS, converted_gguf, fetch_model
+    from .fixtures import MODELS, converted_gguf, fetch_model
 
     if spec in MODELS:
         return str(fetch_model(spec))
@@ -72,7 +72,7 @@ def _capture(args: argparse.Namespace) -> int:
 
     from mlx_lm import load
 
-    from kvsnap.capture.generate import SnapshotEvent, generate
+    from .generate import SnapshotEvent, generate
 
     prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
     model_path = _resolve_model(args.model)

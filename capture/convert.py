@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from kvformat.outputs import check_output, output_path
-from kvsnap.capture.errors import UnsupportedModelError
+
+from .errors import UnsupportedModelError
 
 DTYPES = ("float16", "bfloat16", "float32")
 

@@ -18,8 +18,9 @@ import numpy as np
 import kvformat
 from kvformat.quantization import BITS as QUANT_BITS
 from kvformat.quantization import Quantization
-from kvsnap.capture.caches import read_layer, to_numpy
-from kvsnap.capture.errors import CaptureError, UnsupportedModelError
+
+from .caches import read_layer, to_numpy
+from .errors import CaptureError, UnsupportedModelError
 
 _INCREMENTAL = frozenset(
     {"KVCache", "ConcatenateKVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache"}

@@ -16,8 +16,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvsnap.capture.convert import convert_gguf, sha256_of
-from kvsnap.capture.errors import CaptureError
+from .convert import convert_gguf, sha256_of
+from .errors import CaptureError
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,16 @@ import numpy as np
 
 import kvformat
 from kvformat.outputs import check_output
-from kvsnap.capture.background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
-from kvsnap.capture.deltas import CacheTracker, layer_specs
-from kvsnap.capture.errors import CaptureError
-from kvsnap.capture.model_info import annotate_layers, file_metadata
-from kvsnap.capture.queries import QueryRecorder, QuerySelection
-from kvsnap.capture.restore import last_logits, restore, tokens_of
-from kvsnap.capture.series import SeriesWriter
-from kvsnap.capture.snapshot import KVSnapshot, snapshot_kv
-from kvsnap.capture.triggers import Triggers
+
+from .background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
+from .deltas import CacheTracker, layer_specs
+from .errors import CaptureError
+from .model_info import annotate_layers, file_metadata
+from .queries import QueryRecorder, QuerySelection
+from .restore import last_logits, restore, tokens_of
+from .series import SeriesWriter
+from .snapshot import KVSnapshot, snapshot_kv
+from .triggers import Triggers
 
 
 def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:

@@ -24,7 +24,8 @@ import numpy as np
 
 import kvformat
 from kvformat.manifest import QuerySpec
-from kvsnap.capture.errors import CaptureError
+
+from .errors import CaptureError
 
 MODES = ("none", "decode", "window", "all")
 

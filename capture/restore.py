@@ -7,8 +7,9 @@ from typing import Any
 import numpy as np
 
 import kvformat
-from kvsnap.capture.caches import LayerKV, build_cache
-from kvsnap.capture.snapshot import KVSnapshot
+
+from .caches import LayerKV, build_cache
+from .snapshot import KVSnapshot
 
 
 def layers_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[LayerKV]:

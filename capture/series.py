@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 import kvformat
-from kvsnap.capture.deltas import LayerDelta
+
+from .deltas import LayerDelta
 
 SYNC_EACH = "writeback"
 """What each snapshot does for durability while generation goes on: ``"writeback"`` starts the

@@ -11,8 +11,9 @@ import mlx.nn as nn
 import numpy as np
 
 import kvformat
-from kvsnap.capture.caches import LayerKV, read_layer
-from kvsnap.capture.model_info import annotate_layers, file_metadata
+
+from .caches import LayerKV, read_layer
+from .model_info import annotate_layers, file_metadata
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ def snapshot_kv(
     if last_logits is not None:
         import mlx.core as mx
 
-        from kvsnap.capture.caches import to_numpy
+        from .caches import to_numpy
 
         array = mx.array(last_logits).astype(mx.float32)
         logits = to_numpy(array.reshape(-1, array.shape[-1]))

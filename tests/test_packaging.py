@@ -85,3 +85,73 @@ def test_top_level_names_are_the_functions_whatever_was_imported_first() -> None
         "assert callable(kvsnap.snapshot_kv) and callable(kvsnap.restore)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def test_the_editable_install_maps_the_stage_folders_without_links() -> None:
+    """``capture/`` and ``analysis/`` are ``kvsnap.capture`` / ``kvsnap.analysis`` through the build's
+    package-directory mapping: no link in the tree, and the modules load from the folders."""
+    import kvsnap.analysis
+    import kvsnap.capture
+
+    assert not any(path.is_symlink() for path in (REPOSITORY / "kvsnap").iterdir())
+    assert Path(kvsnap.analysis.__file__).parent == REPOSITORY / "analysis"
+    assert Path(kvsnap.capture.__file__).parent == REPOSITORY / "capture"
+
+
+def test_no_module_is_importable_under_two_names() -> None:
+    """From the repository's root, where ``analysis/`` is on the path as a folder, importing it as
+    ``analysis`` fails with a message naming the right name, so no file runs as two modules."""
+    for stage in ("analysis", "capture"):
+        done = subprocess.run(
+            [sys.executable, "-c", f"import {stage}"], cwd=REPOSITORY, capture_output=True, text=True
+        )
+        assert done.returncode != 0
+        assert f"import it as kvsnap.{stage}" in done.stderr.splitlines()[-1]
+    code = (
+        "import sys, pkgutil, importlib, kvsnap.analysis, kvsnap.capture, kvformat\n"
+        "for package in (kvsnap.analysis, kvsnap.capture, kvformat):\n"
+        "    for info in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+        "        if not info.name.endswith(('.ray', '.cuda_gram', '.unified_memory')):\n"
+        "            importlib.import_module(info.name)\n"
+        "files = [m.__file__ for m in list(sys.modules.values()) if getattr(m, '__file__', None)]\n"
+        "ours = [f for f in files if f.startswith(sys.argv[1])]\n"
+        "print(len(ours), len(set(ours)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(REPOSITORY)], cwd=REPOSITORY, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    loaded, distinct = map(int, done.stdout.split())
+    assert loaded > 60 and loaded == distinct
+
+
+def test_the_wheel_installs_the_stages_under_kvsnap(tmp_path: Path) -> None:
+    """A wheel built from the tree holds ``kvsnap/analysis`` and ``kvsnap/capture`` (and no top-level
+    ``analysis`` or ``capture``), and, unpacked alone on the path, imports from there."""
+    import zipfile
+
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(REPOSITORY)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("kvsnap-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert {"kvsnap", "kvformat"} <= tops and not {"analysis", "capture"} & tops
+    assert "kvsnap/analysis/stats.py" in names and "kvsnap/capture/generate.py" in names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    out = run_python(
+        f"import sys; sys.path.insert(0, {str(site)!r})\n"
+        "import kvsnap.analysis.stats, kvsnap.capture.cli, kvformat\n"
+        "print(kvsnap.analysis.stats.__file__); print(kvsnap.capture.cli.__file__)",
+        tmp_path,
+    )
+    for line in out.split():
+        assert line.startswith(str(site)), out
