@@ -21,7 +21,7 @@ from .catalogue import ALL, stat_groups
 if TYPE_CHECKING:
     import polars as pl
 
-    from .streaming import PassOptions
+    from .plan import PassOptions
 
 Options = dict[str, Any]
 MergedKey = tuple[int, int, str]  # (layer, head, "k" | "v")
@@ -79,10 +79,10 @@ class BatchOptions:
     def plan(self, files: int) -> tuple[int, PassOptions]:
         """Processes for ``files`` files and each file's pass options: files in parallel first,
         the cores left as each file's workers; with ``backend="mlx"``, one file after another,
-        each on `mlx_kernel.processes` worker processes that drive the device (a local file;
+        each on `backends.mlx.processes` worker processes that drive the device (a local file;
         else one thread)."""
         from .parallel import split_jobs
-        from .streaming import PassOptions
+        from .plan import PassOptions
 
         processes, threads = split_jobs(self.cores, files)
         if self.backend == "mlx":

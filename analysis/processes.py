@@ -1,5 +1,5 @@
 """One file's pass over worker processes: the path of a local file with more than one worker,
-on the CPU backend (a worker per core) and on mlx (`mlx_kernel.processes` workers, each driving
+on the CPU backend (a worker per core) and on mlx (`backends.mlx.processes` workers, each driving
 the device with its own pipeline).
 
 Threads in one process stall each other: between kernel calls each needs the GIL, and page
@@ -11,7 +11,7 @@ its own pages and never waits for another's Python.
 
 The pass's (seq, head) keys are cut into tasks, each a run of one layer's heads (about
 `TASKS_PER_WORKER` tasks per worker, so that uneven tasks even out). The parent groups the
-snapshot's segments as the one-worker pass does (`streaming.windows`, `streaming.head_batches`:
+snapshot's segments as the one-worker pass does (`plan.windows`, `plan.head_batches`:
 the same segments joined the same way, in the same order) and hands each task its heads'
 batches; the task reads them from its own map of the file, adds them to fresh accumulators,
 computes their rows when asked and sends the accumulators back (sealed once their rows are
@@ -32,7 +32,7 @@ batch (``max(8 MiB, block)``, released once added; small segments: of one window
 work buffers of 6144 x head_dim, and one task's segments and accumulators; in the parent: the
 pass's segment list (as the one-worker pass holds it) and the accumulators of at most ``2 x
 workers`` tasks in flight plus the layers waiting for them. On mlx a worker also holds its
-device pipeline (`mlx_kernel.Pipeline`: two batches' staging buffers of 16 MiB, results waiting
+device pipeline (`backends.mlx.Pipeline`: two batches' staging buffers of 16 MiB, results waiting
 to be folded) and mlx's own footprint, most of its memory on CUDA: mlx, its CUDA context and the
 code of every kernel it has loaded (H200, kernels cached from an earlier run: 932 MiB at its
 peak on the bf16 benchmark file, 899 MiB on the fp32 one, sampled every 50 ms; ~1.4 GiB in a
@@ -58,9 +58,9 @@ from .parallel import one_thread_environment
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
     from .accumulator import HeadAccumulator
-    from .mlx_kernel import Pipeline
+    from .backends.mlx import Pipeline
+    from .plan import Key, LayerResult, PassOptions, Window
     from .rope import Rope
-    from .streaming import Key, LayerResult, PassOptions, Window
 
 TASKS_PER_WORKER = 16
 """Tasks per worker in a pass (about): more even out heads of uneven cost, fewer cost less."""
@@ -102,12 +102,12 @@ def one_shot_in_process(path: str | os.PathLike[str]) -> bool:
 
 def worker_count(workers: int, backend: str) -> int:
     """The worker processes a pass asked to use ``workers`` workers starts: as many on the CPU
-    backend; on mlx `mlx_kernel.processes` (3/4 of them, bounded by memory: each drives the
+    backend; on mlx `backends.mlx.processes` (3/4 of them, bounded by memory: each drives the
     device)."""
     if backend == "mlx":
-        from . import mlx_kernel
+        from .backends import mlx as mlx_backend
 
-        return mlx_kernel.processes(workers)
+        return mlx_backend.processes(workers)
     return workers
 
 
@@ -245,7 +245,7 @@ class _Task:
     """One layer's heads ``(seq, head)`` (in the order of the layer's accumulators) and their
     batches: ``(window index, segments)`` in the pass's order; ``releases``: the byte span of
     each window the task touches whose pages go once its work there is done (small segments:
-    `streaming.windows`); ``release_each``: release each batch's chunks once added instead."""
+    `plan.windows`); ``release_each``: release each batch's chunks once added instead."""
 
     layer: int
     heads: list[tuple[int, int]]
@@ -263,8 +263,8 @@ def _tasks(
 ) -> list[_Task]:
     """The pass's tasks, layer by layer in the order the layers close: each layer's (seq, head)
     keys cut into equal runs, about ``per_worker`` x ``workers`` tasks in all, each given its
-    heads' batches exactly as `streaming.head_batches` groups them for one worker."""
-    from .streaming import head_batches, layer_heads
+    heads' batches exactly as `plan.head_batches` groups them for one worker."""
+    from .plan import head_batches, layer_heads
 
     layers = sorted(last, key=last.__getitem__)
     per_layer = max(1, -(-per_worker * workers // max(1, len(layers))))
@@ -297,7 +297,7 @@ def layers(
 ) -> Iterator[LayerResult]:
     """`streaming.layers` on ``options.workers`` processes (see the module's docstring): the same
     layers in the same order with the same accumulators."""
-    from .streaming import fresh_accumulators, layer_bar, layer_ropes, pass_order
+    from .plan import fresh_accumulators, layer_bar, layer_ropes, pass_order
 
     workers = worker_count(options.workers, options.backend)
     start(workers, options.backend)  # the workers start while the pass is planned
@@ -364,7 +364,7 @@ _OPEN: _OpenFile | None = None
 def _open_file(path: str, index: int, options: PassOptions) -> _OpenFile:
     """This worker's `_OpenFile` of snapshot ``index`` of ``path`` (reopened when the file was
     replaced or another one is asked for)."""
-    from .streaming import layer_ropes
+    from .plan import layer_ropes
 
     global _OPEN
     status = os.stat(path)
@@ -389,7 +389,7 @@ def _device(workers: int) -> tuple[Pipeline, ThreadPoolExecutor]:
     compiled device functions serve the tasks that follow."""
     global _DEVICE, _ROW_THREADS
     if _DEVICE is None:
-        from .mlx_kernel import Pipeline, batch_bytes, copy_threads, row_threads
+        from .backends.mlx import Pipeline, batch_bytes, copy_threads, row_threads
 
         pipeline = Pipeline(batch_bytes(worker=True), copy_threads=copy_threads(workers))
         _ROW_THREADS = row_threads(workers)
@@ -404,7 +404,7 @@ def _run_task(
     snapshot (their rows computed and sealed with ``finish``), its batches added in order,
     pages released as the one-worker pass releases them. On mlx the batches go through this
     worker's device pipeline, drained at the task's end."""
-    from .streaming import fresh_accumulators
+    from .plan import fresh_accumulators
 
     opened = _open_file(path, index, options)
     snap, layer = opened.snap, task.layer
@@ -441,14 +441,14 @@ def _add_task(
     """`_run_task`'s work: ``task``'s batches added to ``accumulators`` in order (through the
     device ``pipeline`` on mlx), pages released, rows computed and sealed with ``finish``."""
     from .parallel import single_threaded_blas
+    from .plan import add_segments, row_parts
     from .rows import compute as compute_rows
-    from .streaming import _add_segments, row_parts
 
     layer = task.layer
     with single_threaded_blas():
         for i, (window, batch) in enumerate(task.work):
             first = batch[0]
-            _add_segments(
+            add_segments(
                 snap,
                 batch,
                 accumulators[(layer, first.seq, first.head, "k")],

@@ -27,11 +27,11 @@ def compute(accumulators: Sequence[HeadAccumulator]) -> None:
     stacks: dict[tuple[int, frozenset[str]], list[HeadAccumulator]] = {}
     for acc in accumulators:
         acc.settle()
-        if acc._row is None:
+        if acc.computed_row is None:
             stacks.setdefault((acc.dim, acc.groups), []).append(acc)
     for stack in stacks.values():
         for acc, row in zip(stack, statistics(stack), strict=True):
-            acc._row = row
+            acc.computed_row = row
 
 
 def statistics(accumulators: Sequence[HeadAccumulator]) -> list[dict[str, Any]]:
@@ -155,14 +155,18 @@ def _channels(stack: Sequence[HeadAccumulator], power: np.ndarray) -> list[dict[
     return out
 
 
-def _spectrum(stack: Sequence[HeadAccumulator], n: np.ndarray, m1: np.ndarray) -> list[dict[str, Any]]:
-    from .accumulator import _kernel
+def _numba_installed() -> bool:
+    from .backends import kernel  # loads numba: only for the CPU backend
 
+    return bool(kernel.AVAILABLE)
+
+
+def _spectrum(stack: Sequence[HeadAccumulator], n: np.ndarray, m1: np.ndarray) -> list[dict[str, Any]]:
     covariance = np.stack([acc.gram for acc in stack]) / n[:, None, None] - m1[:, :, None] * m1[:, None, :]
     # The CPU backend's compiled (numba, without the interpreter's lock) where its kernel is;
     # LAPACK on the numpy reference path and on mlx, which never loads numba: its worker
     # processes would carry numba's code and compiled kernels (`processes.MLX_START_METHOD`).
-    if stack[0].backend != "mlx" and _kernel().AVAILABLE:
+    if stack[0].backend == "cpu" and _numba_installed():
         from .eigen import eigenvalues
 
         descending = np.stack([eigenvalues(matrix) for matrix in covariance])

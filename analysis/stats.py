@@ -28,7 +28,8 @@ from .catalogue import (
 )
 from .files import BatchOptions
 from .parallel import local_map
-from .streaming import BACKENDS, Key, PassOptions, accumulate, check_backend, layers
+from .plan import BACKENDS, Key, PassOptions, check_backend
+from .streaming import accumulate, layers
 from .tokens import token_ids, token_pieces
 
 if TYPE_CHECKING:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .accumulator import GRAM_FLOAT64_ROWS, HeadAccumulator
+from .accumulator import HeadAccumulator
+from .arrays import GRAM_FLOAT64_ROWS
 from .catalogue import ALL
 from .rope import Rope
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from kvsnap.analysis.backends import mlx as mlx_backend
+from kvsnap.analysis.stats import stats_rows
 
 import kvformat
-from kvsnap.analysis import mlx_kernel
-from kvsnap.analysis.stats import stats_rows
 
 SKIP = {"file", "layer", "head", "seq", "tensor", "snapshot", "massive_positions"}
 
@@ -40,7 +40,7 @@ def main() -> None:
     from kvsnap.analysis import processes
     from kvsnap.analysis.parallel import cores
 
-    print(f"mlx device: {mlx_kernel.device_name()}")
+    print(f"mlx device: {mlx_backend.device_name()}")
     processes.PROCESS_MIN_BYTES = 0  # these small files on worker processes too
     with tempfile.TemporaryDirectory() as tmp:
         for (dtype, dim, tokens), jobs in itertools.product(

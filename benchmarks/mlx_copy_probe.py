@@ -1,4 +1,4 @@
-"""How fast host rows reach mlx's device: ``mx.array`` of each piece (what `analysis.mlx_kernel`
+"""How fast host rows reach mlx's device: ``mx.array`` of each piece (what `analysis.mlx_backend`
 did through session 8) against copying into the memory of an existing mlx array through its
 buffer (``np.copyto`` into ``np.asarray(memoryview(array))``, on 1..N threads), each followed by a
 small device reduction that reads every byte, in a pipeline of two batches like the pass.
@@ -83,7 +83,7 @@ def main() -> None:
         check(name, results, time.perf_counter() - start)
 
     def run_staging(placement: str) -> None:
-        from kvsnap.analysis.mlx_kernel import Staging
+        from kvsnap.analysis.backends.mlx import Staging
 
         staging = Staging(4, placement=placement)
         held: list[list[mx.array]] = [[], []]

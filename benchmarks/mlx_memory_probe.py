@@ -12,19 +12,19 @@ resident set as one process loads N distinct kernels that mlx compiles (run it t
 second run finds them in mlx's PTX cache).
 
 ``--operations``: each mlx operation the backend uses, alone in a fresh process, on 16 pieces of
-`accumulator.PIECE` rows x 128: what its first use adds to the resident set and glibc's heap
+`arrays.PIECE` rows x 128: what its first use adds to the resident set and glibc's heap
 (the kernels' code the first use loads) and to the time.
 
 Steps (one process): the resident set by kind (anonymous, file-backed), glibc's heap (in use and
 free-but-kept, ``mallinfo2``) and mlx's own counters after each step: mlx started, large arrays on
-the device, a few kernels, the mlx backend's compiled per-piece function (`mlx_kernel._piece_function`,
-batched: 16 bfloat16 pieces of `accumulator.PIECE` rows x 128) compiled and run, run again with
+the device, a few kernels, the mlx backend's compiled per-piece function (`mlx_backend._piece_function`,
+batched: 16 bfloat16 pieces of `arrays.PIECE` rows x 128) compiled and run, run again with
 mlx's buffer cache cleared and limited to 0, then ``malloc_trim(0)`` (glibc hands its free pages
 back). Then the largest mappings by resident size (``/proc/self/smaps``, grouped by file; anonymous
 memory as ``[anon]``).
 
 ``--pass FILE``: `stats_for_file` over FILE on mlx with ``--jobs`` workers (worker processes where
-`mlx_kernel.processes` gives more than one), ``--passes`` times, then for this process, its
+`mlx_backend.processes` gives more than one), ``--passes`` times, then for this process, its
 helpers and every worker: resident and proportional set, peak resident set (``VmHWM``, and
 the largest of samples taken every 20 ms during the passes: on the H200, session 20, sampled
 runs saw mlx workers ~50 MiB above the ``VmHWM`` of another run), private dirty and anonymous
@@ -155,9 +155,8 @@ def resident(label: str) -> None:
 
 def steps() -> None:
     import mlx.core as mx
-
-    from kvsnap.analysis import mlx_kernel
-    from kvsnap.analysis.accumulator import PIECE
+    from kvsnap.analysis.arrays import PIECE
+    from kvsnap.analysis.backends import mlx as mlx_backend
 
     resident("imported")
     mx.eval(mx.ones((16,)) + 1)
@@ -176,8 +175,8 @@ def steps() -> None:
     for _ in range(3):
         mx.eval((mx.sort(x * 1.0, axis=1) + mx.exp(x)).sum())
     resident("sort, exp, sum on 64 MiB")
-    function = mlx_kernel._piece_function(True, True, True, True, True, True, batched=True)
-    bins = mx.array(np.stack([mlx_kernel._piece_bins(np.arange(PIECE))] * 16))
+    function = mlx_backend._piece_function(True, True, True, True, True, True, batched=True)
+    bins = mx.array(np.stack([mlx_backend._piece_bins(np.arange(PIECE))] * 16))
     pieces = x.astype(mx.bfloat16)
     mx.eval(pieces, bins)
     mx.eval(function(pieces, bins))
@@ -196,9 +195,10 @@ def steps() -> None:
 
 
 def one_pass(path: str, jobs: int, passes: int) -> None:
-    from benchmarks.memory import TreeSampler, descendants
     from kvsnap.analysis import processes
     from kvsnap.analysis.stats import stats_for_file
+
+    from benchmarks.memory import TreeSampler, descendants
 
     with TreeSampler(os.getpid()) as sampler:
         for index in range(passes):
@@ -251,15 +251,15 @@ def one_pass(path: str, jobs: int, passes: int) -> None:
 
 
 def _piece_function(mx: Any, x: Any) -> None:
-    from kvsnap.analysis import mlx_kernel
+    from kvsnap.analysis.backends import mlx as mlx_backend
 
-    function = mlx_kernel._piece_function(True, True, True, True, True, True, batched=True)
-    bins = mx.array(np.stack([mlx_kernel._piece_bins(np.arange(x.shape[1]))] * x.shape[0]))
+    function = mlx_backend._piece_function(True, True, True, True, True, True, batched=True)
+    bins = mx.array(np.stack([mlx_backend._piece_bins(np.arange(x.shape[1]))] * x.shape[0]))
     mx.eval(function(x.astype(mx.bfloat16), bins))
 
 
 def _gram_product(x: Any) -> Any:
-    from kvsnap.analysis import cuda_gram
+    from kvsnap.analysis.backends import cuda_gram
 
     return cuda_gram.gram_product(x)
 
@@ -288,8 +288,7 @@ OPERATIONS: dict[str, Callable[[Any, Any], None]] = {
 def operation(name: str) -> None:
     """Run one of `OPERATIONS` in this process; print what its first use cost."""
     import mlx.core as mx
-
-    from kvsnap.analysis.accumulator import PIECE
+    from kvsnap.analysis.arrays import PIECE
 
     x = mx.random.normal((16, PIECE, 128))
     mx.eval(x)
@@ -312,22 +311,21 @@ SELECTIONS = {
     "norms, channels": (True, True, False, True, False, False),
     "all but spectrum": (True, True, True, True, False, True),
 }
-"""Group selections of the per-piece function (`mlx_kernel._piece_function`'s flags): the device
+"""Group selections of the per-piece function (`mlx_backend._piece_function`'s flags): the device
 probe's, and the combinations session 19 measured."""
 
 
 def selection(name: str) -> None:
     """The per-piece function of one of `SELECTIONS` in this process (batched: 16 bfloat16 pieces
-    of `accumulator.PIECE` rows x 128): what it adds to a started process, and a call's time."""
+    of `arrays.PIECE` rows x 128): what it adds to a started process, and a call's time."""
     import mlx.core as mx
-
-    from kvsnap.analysis import mlx_kernel
+    from kvsnap.analysis.backends import mlx as mlx_backend
 
     flags = SELECTIONS[name]
     mx.eval(mx.ones((4,)) + 1)
     x, bins = mlx_device_probe._inputs("bfloat16", 16)
     before = status()["VmRSS"]
-    function = mlx_kernel._piece_function(*flags, batched=True)
+    function = mlx_backend._piece_function(*flags, batched=True)
     inputs = (x, bins) if flags[0] else (x,)
     began = time.perf_counter()
     mx.eval(function(*inputs))
@@ -350,7 +348,7 @@ def selection(name: str) -> None:
                 "Gram product": "none"
                 if not flags[4]
                 else "kvsnap's CUDA kernel"
-                if any(key[-1] for key in mlx_kernel._COMPILED)  # the key's ``own_gram``
+                if any(key[-1] for key in mlx_backend._COMPILED)  # the key's ``own_gram``
                 else "mlx's matmul",
             }
         ),

@@ -79,8 +79,8 @@ def main() -> None:
     parser.add_argument(
         "--no-staging", action="store_true", help="mx.array per piece instead of staging buffers"
     )
-    parser.add_argument("--row-threads", type=int, default=None, help="instead of mlx_kernel.row_threads()")
-    parser.add_argument("--copy-threads", type=int, default=None, help="instead of mlx_kernel.copy_threads()")
+    parser.add_argument("--row-threads", type=int, default=None, help="instead of row_threads()")
+    parser.add_argument("--copy-threads", type=int, default=None, help="instead of copy_threads()")
     parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
     args = parser.parse_args()
     if args.switch_interval is not None:
@@ -95,23 +95,25 @@ def main() -> None:
     if args.cache_limit_mib is not None:
         mx.set_cache_limit(args.cache_limit_mib << 20)
 
+    from kvsnap.analysis import stats
+    from kvsnap.analysis.backends import mlx as mlx_backend
+
     import kvformat
-    from kvsnap.analysis import mlx_kernel, stats
 
     if args.batch_mib is not None or args.no_staging:
-        original = mlx_kernel.Pipeline.__init__
+        original = mlx_backend.Pipeline.__init__
         limit = (args.batch_mib or 32) << 20
 
         def init(self: Any, limit_: int = limit) -> None:
             original(self, limit_, staging=not args.no_staging)
 
-        mlx_kernel.Pipeline.__init__ = init  # type: ignore[method-assign]
+        mlx_backend.Pipeline.__init__ = init  # type: ignore[method-assign]
     report["staging"] = not args.no_staging
     if args.row_threads is not None:
-        mlx_kernel.row_threads = lambda share=1: args.row_threads  # type: ignore[assignment]
+        mlx_backend.row_threads = lambda share=1: args.row_threads  # type: ignore[assignment]
     if args.copy_threads is not None:
-        mlx_kernel.copy_threads = lambda share=1: args.copy_threads  # type: ignore[assignment]
-    report["threads"] = {"rows": mlx_kernel.row_threads(), "copies": mlx_kernel.copy_threads()}
+        mlx_backend.copy_threads = lambda share=1: args.copy_threads  # type: ignore[assignment]
+    report["threads"] = {"rows": mlx_backend.row_threads(), "copies": mlx_backend.copy_threads()}
     report["switch_interval"] = sys.getswitchinterval()
 
     # warm: compile the device functions
@@ -126,17 +128,19 @@ def main() -> None:
     kvformat.Snapshot.read = _timed("read+crc (worker)", kvformat.Snapshot.read)  # type: ignore[method-assign]
     unchecked = _timed("read, CRCs left to the copy threads (driver)", kvformat.Snapshot.read_unchecked)
     kvformat.Snapshot.read_unchecked = unchecked  # type: ignore[method-assign]
-    mlx_kernel._Batch.launch = _timed("batch launch (waits for its copies, driver)", mlx_kernel._Batch.launch)  # type: ignore[method-assign]
-    mlx_kernel._Fill.result = _timed("copies waited for (driver)", mlx_kernel._Fill.result)  # type: ignore[method-assign]
-    mlx_kernel.Pipeline.add = _timed("pipeline add (driver)", mlx_kernel.Pipeline.add)  # type: ignore[method-assign]
-    mlx_kernel._to_device = _timed("to device (mx.array per piece)", mlx_kernel._to_device)
-    staging = mlx_kernel.Staging
+    mlx_backend._Batch.launch = _timed(
+        "batch launch (waits for its copies, driver)", mlx_backend._Batch.launch
+    )  # type: ignore[method-assign]
+    mlx_backend._Fill.result = _timed("copies waited for (driver)", mlx_backend._Fill.result)  # type: ignore[method-assign]
+    mlx_backend.Pipeline.add = _timed("pipeline add (driver)", mlx_backend.Pipeline.add)  # type: ignore[method-assign]
+    mlx_backend._to_device = _timed("to device (mx.array per piece)", mlx_backend._to_device)
+    staging = mlx_backend.Staging
     staging.fill = _timed("to device (staging copy per group)", staging.fill)  # type: ignore[method-assign]
-    batch = mlx_kernel._Batch
+    batch = mlx_backend._Batch
     batch.__init__ = _timed("batch send (total, driver)", batch.__init__)  # type: ignore[method-assign]
     batch.fetch = _timed("batch fetch (wait + results to host, driver)", batch.fetch)  # type: ignore[method-assign]
     batch._fold_all = _timed("fold (fold thread)", batch._fold_all)  # type: ignore[method-assign]
-    mlx_kernel._fold_group = _timed("fold one group of pieces (host numpy)", mlx_kernel._fold_group)
+    mlx_backend._fold_group = _timed("fold one group of pieces (host numpy)", mlx_backend._fold_group)
     row = stats.HeadAccumulator.row
     stats.HeadAccumulator.row = _timed("row (eigenvalues; threads)", row)  # type: ignore[method-assign]
 

@@ -11,7 +11,8 @@ import time
 import urllib.parse
 
 from kvformat.errors import RemoteError, RemoteNotFoundError, TruncatedFileError
-from kvformat.remote import DEFAULT_TIMEOUT
+
+DEFAULT_TIMEOUT = 30.0  # seconds a remote read waits for an answer before it fails
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 

@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from kvformat.errors import TruncatedFileError
+from kvformat.http_range import DEFAULT_TIMEOUT
 
 TAIL_BYTES = 64 * 1024
-DEFAULT_TIMEOUT = 30.0
 DEFAULT_GAP = 16 * 1024
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 DEFAULT_CONCURRENCY = 4

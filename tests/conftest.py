@@ -52,11 +52,11 @@ def _ray() -> str | None:
 
 
 def _cuda() -> str | None:
-    from kvsnap.analysis import mlx_kernel
+    from kvsnap.analysis.backends import mlx as mlx_backend
 
-    if not mlx_kernel.available():
+    if not mlx_backend.available():
         return "mlx is not installed"
-    if not mlx_kernel._on_cuda():
+    if not mlx_backend._on_cuda():
         return "mlx does not compute on a CUDA device here (CI has no accelerator)"
     return None
 
@@ -208,10 +208,9 @@ def real_capture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     """A one-snapshot capture of each fixture model after a 320-token prefill of `PROSE` (real
     K/V for the analysis tests; made once per session)."""
     import mlx.core as mx
+    from kvsnap.capture.snapshot import snapshot_kv
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
-
-    from kvsnap.capture.snapshot import snapshot_kv
 
     model, tokenizer = load(str(request.getfixturevalue(request.param)))
     tokens = (tokenizer.encode(PROSE) * 12)[:REAL_TOKENS]

@@ -9,8 +9,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-
-from kvsnap.analysis import kernel
+from kvsnap.analysis.backends import compiled as compiled_backend
+from kvsnap.analysis.backends import kernel
+from kvsnap.analysis.backends import reference as reference_backend
 from kvsnap.analysis.rope import Rope
 from kvsnap.analysis.stats import GROUPS, HeadAccumulator
 
@@ -34,8 +35,8 @@ def test_compiled_and_numpy_paths_agree(dtype: type, dim: int, pairing: str | No
         rows = (rng.standard_normal((n, dim)) * scale).astype(dtype)
         rows[rng.integers(0, n), rng.integers(0, dim)] = 0  # ties and zeros
         positions = np.arange(start, start + n) if start or n > 1 else np.array([0])
-        compiled._add_compiled(rows, positions)
-        reference._add_numpy(rows, positions)
+        compiled_backend.add(compiled, rows, positions)
+        reference_backend.add(reference, rows, positions)
         start += n + int(rng.integers(0, 300))  # gaps, as in sliding windows
     got, expected = compiled.row(), reference.row()
     assert got.keys() == expected.keys()
@@ -97,11 +98,11 @@ def test_position_bins_from_the_exponent_are_position_bins() -> None:
     positions = np.unique(np.concatenate([powers - 1, powers, powers + 1, [0, -1, -5, 3, 1000]]))
     rows = np.ones((positions.size, 8), np.float32)
     compiled, reference = HeadAccumulator(8, groups=frozenset({"norms"})), HeadAccumulator(8)
-    compiled._add_compiled(rows, positions)
+    compiled_backend.add(compiled, rows, positions)
     expected = np.bincount(position_bins(positions[positions >= 0]), minlength=compiled.position_count.size)
     expected[0] += int(np.sum(positions < 0))  # negative positions count in bin 0, as before
     np.testing.assert_array_equal(compiled.position_count, expected)
-    reference._add_numpy(rows, positions)
+    reference_backend.add(reference, rows, positions)
     np.testing.assert_array_equal(compiled.position_count, reference.position_count)
 
 
@@ -110,8 +111,8 @@ def test_zero_rows_and_constant_groups() -> None:
     compiled, reference = HeadAccumulator(32), HeadAccumulator(32)
     rows = np.zeros((40, 32), np.float32)
     rows[5:] = 3.0
-    compiled._add_compiled(rows, np.arange(40))
-    reference._add_numpy(rows, np.arange(40))
+    compiled_backend.add(compiled, rows, np.arange(40))
+    reference_backend.add(reference, rows, np.arange(40))
     got, expected = compiled.row(), reference.row()
     for name in ("norm_mean", "norm_min", "anisotropy"):
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-12, err_msg=name)
@@ -122,8 +123,9 @@ def test_zero_rows_and_constant_groups() -> None:
 def test_statistics_stream_layer_by_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """stats_for_file yields a layer's table once the pass is past its last chunk, having made
     accumulators for that layer only; a series file (layers interleaved) gives the same rows."""
+    from kvsnap.analysis import plan, stats
+
     import kvformat
-    from kvsnap.analysis import stats, streaming
     from tests.conftest import write_series
 
     rng = np.random.default_rng(3)
@@ -136,7 +138,7 @@ def test_statistics_stream_layer_by_layer(tmp_path: Path, monkeypatch: pytest.Mo
             made.append(self)
             super().__post_init__()
 
-    monkeypatch.setattr(streaming, "HeadAccumulator", Counting)
+    monkeypatch.setattr(plan, "HeadAccumulator", Counting)
     tables = stats.stats_for_file(tmp_path / "layers.kv")
     first = next(tables)
     assert set(first["layer"].to_pylist()) == {0} and len(made) == 2 * 2  # 2 heads x K/V

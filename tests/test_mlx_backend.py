@@ -1,6 +1,6 @@
 """``backend="mlx"`` (issue 19): the statistics as mlx array operations on mlx's default device
 (CPU mlx here; Metal or CUDA where the user has them) equal the CPU kernel's table within
-`mlx_kernel.TOLERANCES`, for every column and statistic group, on random K/V (massive rows,
+`mlx_backend.TOLERANCES`, for every column and statistic group, on random K/V (massive rows,
 float32/float16/bfloat16, head dims that are not a multiple of the quantization group, pieces
 under and over the float32-Gram threshold and over one piece) and on real captured K/V."""
 
@@ -13,12 +13,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from kvsnap.analysis.backends import mlx as mlx_backend
+from kvsnap.analysis.batch import merged_stats, run_stats
+from kvsnap.analysis.stats import GROUPS, stats_rows
 
 import kvformat
 from kvformat.cli import main
-from kvsnap.analysis import mlx_kernel
-from kvsnap.analysis.batch import merged_stats, run_stats
-from kvsnap.analysis.stats import GROUPS, stats_rows
 from tests import factories
 
 QUANTILES = {"norm_p50", "norm_p99"}
@@ -53,7 +53,7 @@ def assert_close(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> f
     error seen outside the quantiles."""
     assert len(got) == len(expected) > 0
     worst = 0.0
-    default = mlx_kernel.TOLERANCES["default"]
+    default = mlx_backend.TOLERANCES["default"]
     for a, b in zip(got, expected, strict=True):
         assert a.keys() == b.keys()
         where = f"layer {b['layer']} head {b['head']} {b['tensor']}"
@@ -71,7 +71,7 @@ def assert_close(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> f
                 continue
             if name in QUANTILES:
                 np.testing.assert_allclose(
-                    other, value, rtol=mlx_kernel.TOLERANCES["quantile"], err_msg=where
+                    other, value, rtol=mlx_backend.TOLERANCES["quantile"], err_msg=where
                 )
                 continue
             if name == "channel_mean":  # relative to the channel's spread: means near zero
@@ -102,7 +102,7 @@ def assert_close(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> f
 def test_random_files_match_the_cpu_kernel(tmp_path: Path, dtype: Any, dim: int, tokens: int) -> None:
     path = random_file(tmp_path / "r.kv", dtype, dim, tokens)
     worst = assert_close(stats_rows(path, backend="mlx"), stats_rows(path))
-    print(f"{mlx_kernel.device_name()}: worst relative error {worst:.2e}")
+    print(f"{mlx_backend.device_name()}: worst relative error {worst:.2e}")
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
@@ -185,8 +185,7 @@ def test_staging_buffers_carry_the_rows_and_are_reused(dtype: Any) -> None:
     """Pieces copied into a device buffer through its memory are what the device reads, in
     every stored type; a buffer given back is reused (and overwritten) by the next batch."""
     import mlx.core as mx
-
-    from kvsnap.analysis.mlx_kernel import Staging
+    from kvsnap.analysis.backends.mlx import Staging
 
     staging = Staging.create()
     assert staging is not None  # CPU mlx exposes its memory: the fast path is what CI tests
@@ -207,13 +206,14 @@ def test_staging_buffers_carry_the_rows_and_are_reused(dtype: Any) -> None:
 
 
 def test_staged_and_copied_batches_give_the_same_sums(tmp_path: Path) -> None:
-    from kvsnap.analysis import accumulator, mlx_kernel
+    from kvsnap.analysis import accumulator
+    from kvsnap.analysis.backends import mlx as mlx_backend
 
     path = random_file(tmp_path / "r.kv", ml_dtypes.bfloat16, 64, 3000)
     rows = []
     for staging in (True, False):
         accs = []
-        with kvformat.open(path) as snap, mlx_kernel.Pipeline(limit=1 << 20, staging=staging) as pipeline:
+        with kvformat.open(path) as snap, mlx_backend.Pipeline(limit=1 << 20, staging=staging) as pipeline:
             assert (pipeline._staging is not None) is staging
             for block in snap.blocks():
                 acc = accumulator.HeadAccumulator(64, backend="mlx")
@@ -239,27 +239,27 @@ def test_a_pass_holds_two_batches_of_staging_buffers_and_one_of_pages(
     taken: list[int] = []
     unreleased: list[int] = []
     pages: list[int] = []
-    original_take, original_back = mlx_kernel.Staging._take, mlx_kernel.Staging.give_back
+    original_take, original_back = mlx_backend.Staging._take, mlx_backend.Staging.give_back
 
-    def take(self: mlx_kernel.Staging, shape: tuple[int, ...], dtype: Any) -> Any:
+    def take(self: mlx_backend.Staging, shape: tuple[int, ...], dtype: Any) -> Any:
         live.append(1)
         taken.append(len(live))
         pages.append(len(unreleased))  # batches copied but not released when this one starts
         unreleased.append(1)
         return original_take(self, shape, dtype)
 
-    def give_back(self: mlx_kernel.Staging, buffers: list[Any]) -> None:
+    def give_back(self: mlx_backend.Staging, buffers: list[Any]) -> None:
         del live[: len(buffers)]
         original_back(self, buffers)
 
-    monkeypatch.setattr(mlx_kernel.Staging, "_take", take)
-    monkeypatch.setattr(mlx_kernel.Staging, "give_back", give_back)
+    monkeypatch.setattr(mlx_backend.Staging, "_take", take)
+    monkeypatch.setattr(mlx_backend.Staging, "give_back", give_back)
     rng = np.random.default_rng(3)
     pieces = [rng.standard_normal((512, 32)).astype(np.float32) for _ in range(24)]
     sums = []
     for staging in (True, False):
         accs = []
-        with mlx_kernel.Pipeline(limit=2 * pieces[0].nbytes, staging=staging) as pipeline:
+        with mlx_backend.Pipeline(limit=2 * pieces[0].nbytes, staging=staging) as pipeline:
             for i, x in enumerate(pieces):
                 acc = accumulator.HeadAccumulator(32, backend="mlx")
                 after = (lambda: unreleased.pop()) if i % 2 else None  # a batch's last piece
@@ -304,11 +304,10 @@ def test_device_histogram_bins_equal_the_hosts_at_the_bin_edges() -> None:
     against exact edges: on values at and around every sampled edge, its bins are the ones
     `catalogue.hist_index` gives in float64 (what the CPU path and the old host fold counted)."""
     import mlx.core as mx
-
     from kvsnap.analysis.catalogue import hist_index
 
     rng = np.random.default_rng(0)
-    edges = mlx_kernel._hist_edges(squared=True)[1:-1]
+    edges = mlx_backend._hist_edges(squared=True)[1:-1]
     picked = np.sqrt(edges[rng.choice(edges.size, 400, replace=False)].astype(np.float64)).astype(np.float32)
     values = np.concatenate(
         [
@@ -320,12 +319,12 @@ def test_device_histogram_bins_equal_the_hosts_at_the_bin_edges() -> None:
     ).astype(np.float32)
     rows = np.zeros((values.size, 4), np.float32)
     rows[:, 0] = values  # one non-zero channel: the squared norm is values**2 in float32, exactly
-    function = mlx_kernel._piece_function(True, True, False, False, False, False)
+    function = mlx_backend._piece_function(True, True, False, False, False, False)
     out = function(mx.array(rows), mx.array(np.zeros(values.size, np.uint8)))
     square = values.astype(np.float32) * values.astype(np.float32)
     expected_norm_bins = hist_index(np.sqrt(square.astype(np.float64)))
     expected_peak_bins = hist_index(values.astype(np.float64))
-    bins = mlx_kernel._hist_edges(squared=False).size - 1
+    bins = mlx_backend._hist_edges(squared=False).size - 1
     assert np.array_equal(np.array(out["norm_hist"]), np.bincount(expected_norm_bins, minlength=bins))
     assert np.array_equal(np.array(out["peak_hist"]), np.bincount(expected_peak_bins, minlength=bins))
     assert len(set(expected_norm_bins.tolist())) > 300  # many bins, each around its edge
@@ -340,16 +339,15 @@ def test_massive_rows_go_to_the_host_by_the_median() -> None:
     """The piece's heavy rows (squared norm over `HEAVY` times the median) are the CPU kernel's
     (`kernel.heavy_rows` on `np.median`), and the device's Gram plus theirs is the whole Gram."""
     import mlx.core as mx
-
-    from kvsnap.analysis import kernel
-    from kvsnap.analysis.accumulator import HEAVY
+    from kvsnap.analysis.arrays import HEAVY
+    from kvsnap.analysis.backends import kernel
 
     rng = np.random.default_rng(3)
     rows = rng.standard_normal((2048, 32)).astype(np.float32)
     rows[[5, 700, 701]] *= 50.0  # massive rows
     rows[900] *= 3.9  # large (15x its squared norm), but under 16x the median: light
-    function = mlx_kernel._piece_function(False, False, False, False, True, False)
-    out = mlx_kernel._to_host(function(mx.array(rows)))
+    function = mlx_backend._piece_function(False, False, False, False, True, False)
+    out = mlx_backend._to_host(function(mx.array(rows)))
     square = (rows.astype(np.float64) ** 2).sum(axis=1)
     heavy = kernel.heavy_rows(square, HEAVY)
     assert heavy.sum() == 3 and int(out["heavy"]) == 3
@@ -371,8 +369,7 @@ def test_device_top_peaks_break_ties_as_the_cpu_kernel(k_ties: int) -> None:
     kernel's (`kernel.top_rows`): the largest peaks, among equal ones the later rows, with runs
     of equal peaks straddling the k-th place, NaN and inf."""
     import mlx.core as mx
-
-    from kvsnap.analysis import kernel
+    from kvsnap.analysis.backends import kernel
     from kvsnap.analysis.catalogue import TOP_K
 
     rng = np.random.default_rng(k_ties)
@@ -385,10 +382,10 @@ def test_device_top_peaks_break_ties_as_the_cpu_kernel(k_ties: int) -> None:
         peaks[7], peaks[400] = np.inf, np.nan
     rows = np.zeros((n, 4), np.float32)
     rows[:, 1] = -peaks  # the peak is the largest magnitude of a row
-    function = mlx_kernel._piece_function(False, True, False, True, False, False)
-    out = mlx_kernel._to_host(function(mx.array(rows)))
+    function = mlx_backend._piece_function(False, True, False, True, False, False)
+    out = mlx_backend._to_host(function(mx.array(rows)))
     positions = np.arange(n) * 3
-    found = mlx_kernel._top_found(out["top_rows"].tolist(), out["top_peaks"].tolist(), positions)
+    found = mlx_backend._top_found(out["top_rows"].tolist(), out["top_peaks"].tolist(), positions)
     bits = np.abs(rows).max(axis=1).view(np.int32)
     expected = kernel.top_rows(bits, TOP_K)
     assert sorted(int(p) // 3 for _, p in found) == sorted(expected.tolist())
@@ -400,9 +397,10 @@ def test_device_top_peaks_break_ties_as_the_cpu_kernel(k_ties: int) -> None:
 def test_copy_threads_check_the_payload_crcs_of_what_they_copy() -> None:
     """`Staging.start_fill` with checks: each piece's CRC is combined from its copy tasks' (several
     per piece here) and held against the expected one; a wrong one raises with the chunk's name."""
+    from kvsnap.analysis.backends.mlx import Staging
+
     from kvformat.checksum import crc32c
     from kvformat.reader import PayloadCheck
-    from kvsnap.analysis.mlx_kernel import Staging
 
     probe = Staging.create()
     assert probe is not None  # CPU mlx exposes its memory: the copy threads are used
@@ -458,7 +456,7 @@ def _piece_accumulators(count: int, rows: int = 700, dim: int = 32) -> list[tupl
 def test_a_mark_is_done_once_what_came_before_it_is_folded() -> None:
     """`Pipeline.mark` waits for nothing: the pieces added before it are folded when it is done
     (its accumulators' sums complete), the pieces added after it need not be."""
-    with mlx_kernel.Pipeline(limit=100 << 10) as pipeline:
+    with mlx_backend.Pipeline(limit=100 << 10) as pipeline:
         assert pipeline.mark().result(timeout=0) is None  # nothing added: done at once
         first = _piece_accumulators(4)
         for acc, x in first:
@@ -469,7 +467,7 @@ def test_a_mark_is_done_once_what_came_before_it_is_folded() -> None:
             pipeline.add(acc, x, np.arange(len(x)))
         mark.result(timeout=60)
         for acc, x in first:
-            assert acc._pending is None and acc.count == len(x)
+            assert acc.pending is None and acc.count == len(x)
             expected = np.square(x.astype(np.float64)).sum()
             assert acc.norm_sq_sum == pytest.approx(expected, rel=1e-5)
         pipeline.finish()
@@ -479,13 +477,13 @@ def test_a_mark_is_done_once_what_came_before_it_is_folded() -> None:
 
 def test_an_abandoned_pipeline_fails_its_marks() -> None:
     """A mark whose work the pipeline drops (after a failure elsewhere) raises, never hangs."""
-    pipeline = mlx_kernel.Pipeline(limit=1 << 30)  # nothing is sent until `finish`
+    pipeline = mlx_backend.Pipeline(limit=1 << 30)  # nothing is sent until `finish`
     for acc, x in _piece_accumulators(2):
         pipeline.add(acc, x, np.arange(len(x)))
     mark = pipeline.mark()
     assert not mark.done()
     pipeline.abandon()
-    with pytest.raises(mlx_kernel.PipelineAbandoned):
+    with pytest.raises(mlx_backend.PipelineAbandoned):
         mark.result(timeout=10)
 
 
@@ -493,8 +491,8 @@ def test_a_failed_fold_reaches_the_mark(monkeypatch: pytest.MonkeyPatch) -> None
     def broken(*_: Any) -> None:
         raise ValueError("fold failed")
 
-    monkeypatch.setattr(mlx_kernel, "_fold_group", broken)
-    pipeline = mlx_kernel.Pipeline(limit=1 << 30)
+    monkeypatch.setattr(mlx_backend, "_fold_group", broken)
+    pipeline = mlx_backend.Pipeline(limit=1 << 30)
     for acc, x in _piece_accumulators(2):
         pipeline.add(acc, x, np.arange(len(x)))
     mark = pipeline.mark()
@@ -512,13 +510,13 @@ def test_an_mlx_pass_does_not_drain_the_device_at_each_layer(
     once, at the end; the table is the CPU kernel's."""
     path = factories.random_file(tmp_path / "four.kv", layers=4, tokens=300, dim=32, seed=5).path
     finishes = []
-    original = mlx_kernel.Pipeline.finish
+    original = mlx_backend.Pipeline.finish
 
-    def counted(self: mlx_kernel.Pipeline) -> None:
+    def counted(self: mlx_backend.Pipeline) -> None:
         finishes.append(1)
         original(self)
 
-    monkeypatch.setattr(mlx_kernel.Pipeline, "finish", counted)
+    monkeypatch.setattr(mlx_backend.Pipeline, "finish", counted)
     got = stats_rows(path, backend="mlx", jobs=1)
     assert len(finishes) == 2  # the pass's end and the pipeline's close
     assert_close(got, stats_rows(path, jobs=1))
@@ -536,13 +534,13 @@ def test_a_pass_that_waits_for_each_layer_drives_the_pipeline(
     monkeypatch.setattr(streaming, "CLOSING_LAYERS", closing)
     path = factories.random_file(tmp_path / "five.kv", layers=5, tokens=200, dim=32, seed=9).path
     waited = []
-    original = mlx_kernel.Pipeline.wait
+    original = mlx_backend.Pipeline.wait
 
-    def counted(self: mlx_kernel.Pipeline, mark: Any) -> None:
+    def counted(self: mlx_backend.Pipeline, mark: Any) -> None:
         waited.append(mark.done())
         original(self, mark)
 
-    monkeypatch.setattr(mlx_kernel.Pipeline, "wait", counted)
+    monkeypatch.setattr(mlx_backend.Pipeline, "wait", counted)
     got = stats_rows(path, backend="mlx", jobs=1)
     assert len(waited) == 5 and not all(waited)  # some marks were waited for before done
     assert_close(got, stats_rows(path, jobs=1))
@@ -554,7 +552,7 @@ def test_backend_mlx_without_mlx_says_how_to_install_it(
 ) -> None:
     """mlx is looked for, not imported; where it is missing the pass stops before any work with a
     ValueError naming the install."""
-    from kvsnap.analysis.streaming import check_backend
+    from kvsnap.analysis.plan import check_backend
 
     monkeypatch.setitem(sys.modules, missing, None)
     if missing == "mlx":
@@ -570,8 +568,8 @@ def _folded(order: list[int], stacked: bool, merged: int | None = None) -> list[
     one batch), their sums stacked or not, accumulator ``merged`` merged into (its sums rebound)
     before the second batch."""
     import mlx.core as mx
-
-    from kvsnap.analysis.accumulator import GRAM_FLOAT64_ROWS, HeadAccumulator, stack
+    from kvsnap.analysis.accumulator import HeadAccumulator, stack
+    from kvsnap.analysis.arrays import GRAM_FLOAT64_ROWS
     from kvsnap.analysis.rope import Rope
 
     rng = np.random.default_rng(3)
@@ -579,7 +577,7 @@ def _folded(order: list[int], stacked: bool, merged: int | None = None) -> list[
     accs = [HeadAccumulator(128, Rope(10000.0, 128, "half"), backend="mlx") for _ in range(4)]
     if stacked:
         assert stack(accs) is not None
-    function = mlx_kernel._piece_function(True, True, True, True, True, True, batched=True)
+    function = mlx_backend._piece_function(True, True, True, True, True, True, batched=True)
     for batch in range(2):
         if batch == 1 and merged is not None:
             extra = HeadAccumulator(128, Rope(10000.0, 128, "half"))
@@ -588,24 +586,24 @@ def _folded(order: list[int], stacked: bool, merged: int | None = None) -> list[
         rows = rng.standard_normal((len(order), n, 128)).astype(np.float32)
         rows[:, 5] *= 40  # a heavy row in each piece: the Gram adds it on the host first
         positions = [np.arange(n) + batch * n for _ in order]
-        bins = np.stack([mlx_kernel._piece_bins(p) for p in positions])
-        out = mlx_kernel._to_host(function(mx.array(rows), mx.array(bins)))
+        bins = np.stack([mlx_backend._piece_bins(p) for p in positions])
+        out = mlx_backend._to_host(function(mx.array(rows), mx.array(bins)))
         entries = [(accs[i], rows[j], positions[j]) for j, i in enumerate(order)]
-        mlx_kernel._fold_group(entries, out)
+        mlx_backend._fold_group(entries, out)
     return accs
 
 
 def _watch_shared_stack(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Per group folded from now on: whether it found its accumulators stacked."""
     calls: list[bool] = []
-    original = mlx_kernel._shared_stack
+    original = mlx_backend._shared_stack
 
     def watched(entries: Any) -> Any:
         found = original(entries)
         calls.append(found is not None)
         return found
 
-    monkeypatch.setattr(mlx_kernel, "_shared_stack", watched)
+    monkeypatch.setattr(mlx_backend, "_shared_stack", watched)
     return calls
 
 
@@ -660,16 +658,16 @@ def test_batch_bytes_one_process_workers_and_the_environment(monkeypatch: pytest
     """32 MiB per device call in one process, 16 MiB in a worker process (host memory per
     process is what counts there); ``KVSNAP_MLX_BATCH_MIB`` sets both, and a bad value names it."""
     monkeypatch.delenv("KVSNAP_MLX_BATCH_MIB", raising=False)
-    assert mlx_kernel.batch_bytes() == 32 << 20
-    assert mlx_kernel.batch_bytes(worker=True) == 16 << 20
-    with mlx_kernel.Pipeline(staging=False) as pipeline:
+    assert mlx_backend.batch_bytes() == 32 << 20
+    assert mlx_backend.batch_bytes(worker=True) == 16 << 20
+    with mlx_backend.Pipeline(staging=False) as pipeline:
         assert pipeline.limit == 32 << 20
     monkeypatch.setenv("KVSNAP_MLX_BATCH_MIB", "8")
-    assert mlx_kernel.batch_bytes() == mlx_kernel.batch_bytes(worker=True) == 8 << 20
+    assert mlx_backend.batch_bytes() == mlx_backend.batch_bytes(worker=True) == 8 << 20
     for bad in ("0", "-4", "1.5", "lots", "5000"):
         monkeypatch.setenv("KVSNAP_MLX_BATCH_MIB", bad)
         with pytest.raises(ValueError, match="KVSNAP_MLX_BATCH_MIB"):
-            mlx_kernel.batch_bytes()
+            mlx_backend.batch_bytes()
 
 
 def test_the_per_piece_function_stacks_nothing_on_the_device(tmp_path: Path) -> None:
@@ -677,26 +675,25 @@ def test_the_per_piece_function_stacks_nothing_on_the_device(tmp_path: Path) -> 
     and concatenations on CUDA run mlx's general copy kernels, whose code costs each process
     host memory) and its outputs join on the host into the shapes the fold takes."""
     import mlx.core as mx
-
-    from kvsnap.analysis.accumulator import PIECE
+    from kvsnap.analysis.arrays import PIECE
     from kvsnap.analysis.catalogue import QUANT_BITS, QUANT_GROUP, TOP_K
 
     n = PIECE - 5  # whole groups of rows and a rest: the channel errors come in two parts
     rng = np.random.default_rng(2)
     rows = mx.array(rng.standard_normal((3, n, 64)).astype(np.float32))
-    bins = mx.array(np.stack([mlx_kernel._piece_bins(np.arange(n))] * 3))
-    piece = mlx_kernel._piece(True, True, True, True, True, True)
+    bins = mx.array(np.stack([mlx_backend._piece_bins(np.arange(n))] * 3))
+    piece = mlx_backend._piece(True, True, True, True, True, True)
     outputs = mx.vmap(piece)(rows, bins)
     mx.export_to_dot(str(tmp_path / "graph.dot"), *outputs.values())
     graph = (tmp_path / "graph.dot").read_text()
     assert 'label ="Sum"' in graph and "Concatenate" not in graph
     assert "quant_channel:0:1" in outputs
-    host = mlx_kernel._join({name: np.array(value) for name, value in outputs.items()})
+    host = mlx_backend._join({name: np.array(value) for name, value in outputs.items()})
     assert not any(":" in name for name in host)
     assert host["central"].shape == (3, 4, 64)
     assert host["top_rows"].shape == host["top_peaks"].shape == (3, 2, TOP_K)
     assert host["quant_token"].shape == (3, len(QUANT_BITS))
     assert host["quant_channel"].shape == (3, len(QUANT_BITS), -(-n // QUANT_GROUP))
-    one = mlx_kernel._join({name: np.array(value[0]) for name, value in outputs.items()})
+    one = mlx_backend._join({name: np.array(value[0]) for name, value in outputs.items()})
     for name, value in one.items():
         np.testing.assert_array_equal(value, host[name][0], err_msg=name)

@@ -14,11 +14,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from kvsnap.analysis import finite
+from kvsnap.analysis.backends import kernel
+from kvsnap.analysis.backends import mlx as mlx_backend
+from kvsnap.analysis.stats import head_stats, stats_rows, token_table
 
 import kvformat
 from kvformat.cli import main
-from kvsnap.analysis import finite, kernel, mlx_kernel
-from kvsnap.analysis.stats import head_stats, stats_rows, token_table
 
 TOKENS, DIM = 200, 16
 PLACES = {
@@ -88,7 +90,7 @@ def _same(got: dict[str, Any], expected: dict[str, Any], rtol: float) -> None:
         )
 
 
-BACKENDS = ["compiled", "numpy"] + (["mlx"] if mlx_kernel.available() else [])
+BACKENDS = ["compiled", "numpy"] + (["mlx"] if mlx_backend.available() else [])
 
 
 @pytest.mark.filterwarnings("error")  # no numpy warning reaches the user
@@ -103,7 +105,7 @@ def test_rows_with_nonfinite_values_are_left_out_and_counted(
     chosen = "mlx" if backend == "mlx" else "cpu"
     got = stats_rows(path, backend=chosen)
     expected = stats_rows(reference, backend=chosen)
-    rtol = mlx_kernel.TOLERANCES["quantile"] if backend == "mlx" else 1e-9
+    rtol = mlx_backend.TOLERANCES["quantile"] if backend == "mlx" else 1e-9
     for head, tensor, ref_layer in ((1, "k", 1), (0, "v", 2)):
         row = _pick(got, 0, head, tensor)
         assert row["nonfinite_rows"] == len(bad)

@@ -15,11 +15,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import threadpoolctl
+from kvsnap.analysis import processes
+from kvsnap.analysis.backends import mlx as mlx_backend
+from kvsnap.analysis.plan import PassOptions, windows
+from kvsnap.analysis.stats import head_stats, stats_for_file
+from kvsnap.analysis.streaming import layers
 
 import kvformat
-from kvsnap.analysis import mlx_kernel, processes
-from kvsnap.analysis.stats import head_stats, stats_for_file
-from kvsnap.analysis.streaming import PassOptions, layers, windows
 from tests.factories import random_file
 
 ROPE = {"rope": {"base": 10000.0, "pairing": "half"}}
@@ -65,13 +67,13 @@ def test_usable_only_for_local_files_with_several_workers(
     monkeypatch.setattr(processes, "PROCESS_MIN_BYTES", 0)
     assert not processes.usable(path, 1, "cpu")
     assert processes.usable(path, 4, "mlx")  # each worker drives the device
-    monkeypatch.setattr(mlx_kernel, "_physical_memory", lambda: 128 << 30)
+    monkeypatch.setattr(mlx_backend, "_physical_memory", lambda: 128 << 30)
     assert processes.worker_count(16, "mlx") == 12  # 3/4 of them
     assert processes.worker_count(64, "mlx") == 16  # one per 8 GiB of memory
     assert processes.worker_count(2, "mlx") == 1  # the pass stays in this process
-    monkeypatch.setattr(mlx_kernel, "_physical_memory", lambda: 12 << 30)
+    monkeypatch.setattr(mlx_backend, "_physical_memory", lambda: 12 << 30)
     assert processes.worker_count(16, "mlx") == 1
-    monkeypatch.setattr(mlx_kernel, "_physical_memory", lambda: 128 << 30)
+    monkeypatch.setattr(mlx_backend, "_physical_memory", lambda: 128 << 30)
     monkeypatch.setattr(sys, "platform", "darwin")  # Metal in worker processes: untested, so not used
     assert processes.worker_count(16, "mlx") == 1
     assert processes.worker_count(16, "cpu") == 16
@@ -280,7 +282,7 @@ def _make(path: Path, layout: str) -> None:
 def test_mlx_on_worker_processes_gives_the_one_process_table(tmp_path: Path, layout: str) -> None:
     """On mlx each worker process drives the device with its own pipeline: the table equals the
     one-process mlx pass's (CPU mlx here: the same pieces and sums; a GPU's reductions may
-    round otherwise, within `mlx_kernel.TOLERANCES` of the CPU kernel), post- and pre-RoPE."""
+    round otherwise, within `mlx_backend.TOLERANCES` of the CPU kernel), post- and pre-RoPE."""
     path = tmp_path / "f.kv"
     _make(path, layout)
     for keys in ("post_rope", "pre_rope"):

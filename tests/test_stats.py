@@ -9,8 +9,6 @@ import mlx.core as mx
 import numpy as np
 import polars as pl
 import pytest
-
-import kvformat
 from kvsnap.analysis.rope import Rope, RopeError
 from kvsnap.analysis.stats import (
     GROUPS,
@@ -21,6 +19,8 @@ from kvsnap.analysis.stats import (
     stats_rows,
     token_table,
 )
+
+import kvformat
 from tests.factories import random_file
 
 ROPE = {"rope": {"base": 10000.0, "dims": 16, "pairing": "half", "scaling": None}}
@@ -144,7 +144,6 @@ def test_arrow_tables_are_built_as_pyarrow_builds_them() -> None:
     imports pandas): the same schema and values as ``pa.Table.from_pylist``, for the column
     kinds the statistics produce, nulls, empty lists, and what it hands to ``pa.array``."""
     import pyarrow as pa
-
     from kvsnap.analysis.stats import _arrow_table
 
     rng = np.random.default_rng(3)
@@ -200,9 +199,9 @@ def test_statistics_of_a_series_snapshot_equal_those_of_the_data_written_at_once
     tmp_path: Path, codec: str
 ) -> None:
     """A series' last snapshot has small segments interleaved across heads: the pass regroups
-    them by head (`streaming.windows`) and reads each head's together (`Snapshot.read_many`);
+    them by head (`plan.windows`) and reads each head's together (`Snapshot.read_many`);
     the statistics are those of the same K/V written at once."""
-    from kvsnap.analysis.streaming import windows
+    from kvsnap.analysis.plan import windows
 
     series, whole = _series_and_whole(tmp_path, codec)
     with kvformat.open(series) as snap:
@@ -265,12 +264,14 @@ def test_a_payload_check_is_computed_piece_by_piece_as_the_kernel_adds(
     kernel reads (rows over several kernel pieces), passes for the payload's own CRC (the sums
     then equal those of an add without a check) and raises `ChecksumError` for any other, on the
     compiled and the numpy path."""
-    from kvformat.checksum import crc32c
-    from kvformat.reader import PayloadCheck
-    from kvsnap.analysis import accumulator, kernel
+    from kvsnap.analysis import arrays
+    from kvsnap.analysis.backends import kernel
     from kvsnap.analysis.stats import HeadAccumulator
 
-    rows = np.random.default_rng(3).standard_normal((2 * accumulator.KERNEL_ROWS + 77, 16)).astype(np.float32)
+    from kvformat.checksum import crc32c
+    from kvformat.reader import PayloadCheck
+
+    rows = np.random.default_rng(3).standard_normal((2 * arrays.KERNEL_ROWS + 77, 16)).astype(np.float32)
     positions = np.arange(rows.shape[0])
     crc = crc32c(rows.reshape(-1).view(np.uint8).data)
     for compiled in (True, False):
@@ -348,7 +349,7 @@ def test_rows_computed_in_a_stack_equal_rows_computed_alone(groups: str) -> None
         made.append(acc)
     alone = [acc.row_arrays() for acc in made]
     for acc in made:
-        acc._row = None
+        acc.computed_row = None
     rows.compute(made)
     for expected, acc in zip(alone, made, strict=True):
         got = acc.row_arrays()

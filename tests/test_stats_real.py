@@ -8,8 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from kvsnap.analysis import accumulator, kernel
+from kvsnap.analysis import arrays
+from kvsnap.analysis.backends import compiled as compiled_backend
+from kvsnap.analysis.backends import kernel
+from kvsnap.analysis.backends import reference as reference_backend
 from kvsnap.analysis.stats import GROUPS, stats_rows
 
 pytestmark = pytest.mark.network  # both fixture models
@@ -19,7 +21,7 @@ def test_fused_kernel_is_within_1e_5_of_the_float64_reference(
     real_capture: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert kernel.AVAILABLE
-    monkeypatch.setattr(accumulator, "GRAM_FLOAT64_ROWS", 64)  # the float32 Gram on every head
+    monkeypatch.setattr(compiled_backend, "GRAM_FLOAT64_ROWS", 64)  # the float32 Gram on every head
     compiled = stats_rows(real_capture)
     monkeypatch.setattr(kernel, "AVAILABLE", False)
     reference = stats_rows(real_capture)
@@ -64,8 +66,9 @@ def test_float32_gram_pieces_hold_1e_5_on_long_real_sequences(real_capture: Path
     real rows, layer after layer, make one sequence of up to 8192 rows (several full pieces of
     `_GRAM_ROWS`, mixed scales), and the spectrum and every other column still lie within 1e-5
     of the float64 reference."""
-    import kvformat
     from kvsnap.analysis.stats import HeadAccumulator
+
+    import kvformat
 
     with kvformat.open(real_capture) as snap:
         parts = []
@@ -76,11 +79,11 @@ def test_float32_gram_pieces_hold_1e_5_on_long_real_sequences(real_capture: Path
                     parts.append(np.asarray(getattr(data, tensor), np.float32))
     dim = parts[0].shape[1]
     rows = np.concatenate([p for p in parts if p.shape[1] == dim])[:8192]
-    assert rows.shape[0] >= 2 * accumulator._GRAM_ROWS
+    assert rows.shape[0] >= 2 * arrays.GRAM_ROWS
     positions = np.arange(rows.shape[0])
     compiled, reference = HeadAccumulator(dim), HeadAccumulator(dim)
-    compiled._add_compiled(rows, positions)
-    reference._add_numpy(rows, positions)
+    compiled_backend.add(compiled, rows, positions)
+    reference_backend.add(reference, rows, positions)
     got, expected = compiled.row(), reference.row()
     for name in GROUPS["spectrum"]:
         value, other = np.asarray(expected[name], float), np.asarray(got[name], float)

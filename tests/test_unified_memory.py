@@ -1,19 +1,17 @@
 """`analysis.unified_memory` against a recording stand-in for the CUDA driver (this machine has no
-GPU), and `mlx_kernel.Staging`'s placement setting. The real driver is exercised on the H200
+GPU), and `mlx_backend.Staging`'s placement setting. The real driver is exercised on the H200
 machine by `benchmarks/mlx_copy_probe.py --placements` (every placement's device results
 checked against numpy)."""
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
-
-from kvsnap.analysis import unified_memory
-from kvsnap.analysis.unified_memory import UnifiedMemory, UnifiedMemoryError
+from kvsnap.analysis.backends import unified_memory
+from kvsnap.analysis.backends.unified_memory import UnifiedMemory, UnifiedMemoryError
 
 
 class _Function:
@@ -120,14 +118,11 @@ def test_a_failing_driver_call_is_named() -> None:
 
 
 def test_load_without_a_driver_gives_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    def missing(name: str) -> ctypes.CDLL:
-        raise OSError(f"{name}: cannot open shared object file")
-
     monkeypatch.setattr(unified_memory, "_LOADED", {})
-    monkeypatch.setattr(unified_memory.ctypes, "CDLL", missing)
+    monkeypatch.setattr(unified_memory.cuda_driver, "driver", lambda: None)
     assert UnifiedMemory.load() is None
     monkeypatch.setattr(unified_memory, "_LOADED", {})
-    monkeypatch.setattr(unified_memory.ctypes, "CDLL", lambda name: _Driver(failing="cuInit"))
+    monkeypatch.setattr(unified_memory.cuda_driver, "driver", lambda: _Driver(failing="cuInit"))
     assert UnifiedMemory.load() is None  # a driver without a usable device
 
 
@@ -139,7 +134,7 @@ def test_load_is_once_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
         return drivers[-1]
 
     monkeypatch.setattr(unified_memory, "_LOADED", {})
-    monkeypatch.setattr(unified_memory.ctypes, "CDLL", opened)
+    monkeypatch.setattr(unified_memory.cuda_driver, "driver", lambda: opened("libcuda.so.1"))
     first = UnifiedMemory.load()
     assert first is not None and UnifiedMemory.load() is first
     assert len(drivers) == 1 and len(drivers[0].named("cuDevicePrimaryCtxRetain")) == 1
@@ -154,7 +149,7 @@ def test_is_managed_reads_the_pointer_attribute() -> None:
 
 
 def test_staging_refuses_an_unknown_placement(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvsnap.analysis.mlx_kernel import Staging
+    from kvsnap.analysis.backends.mlx import Staging
 
     monkeypatch.setenv("KVSNAP_MLX_STAGING", "pinned")
     with pytest.raises(ValueError, match="KVSNAP_MLX_STAGING='pinned': one of fault, host, prefetch, mostly"):
@@ -162,7 +157,7 @@ def test_staging_refuses_an_unknown_placement(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_staging_off_cuda_sets_no_hints() -> None:
-    from kvsnap.analysis.mlx_kernel import Staging
+    from kvsnap.analysis.backends.mlx import Staging
 
     staging = Staging(2, placement="host")
     try:
@@ -176,16 +171,16 @@ def test_staging_off_cuda_sets_no_hints() -> None:
 
 def test_the_float32_copy_changes_no_result() -> None:
     """``copy`` (float32 rows read over the bus) computes what the plain path computes."""
-    from kvsnap.analysis import mlx_kernel
-    from kvsnap.analysis.accumulator import PIECE
+    from kvsnap.analysis.arrays import PIECE
+    from kvsnap.analysis.backends import mlx as mlx_backend
 
     rng = np.random.default_rng(3)
     rows = (rng.standard_normal((2, PIECE, 64)) * np.linspace(0.1, 4, 64)).astype(np.float32)
     rows[0, 5, 7] = 900.0  # a massive row: the Gram leaves it out
-    bins = mx.array(np.stack([mlx_kernel._piece_bins(np.arange(PIECE))] * 2))
+    bins = mx.array(np.stack([mlx_backend._piece_bins(np.arange(PIECE))] * 2))
     flags = (True, True, False, True, True, True)
-    plain = mlx_kernel._piece_function(*flags, batched=True)(mx.array(rows), bins)
-    copied = mlx_kernel._piece_function(*flags, batched=True, copy=True)(mx.array(rows), bins)
+    plain = mlx_backend._piece_function(*flags, batched=True)(mx.array(rows), bins)
+    copied = mlx_backend._piece_function(*flags, batched=True, copy=True)(mx.array(rows), bins)
     assert plain.keys() == copied.keys()
     for name in plain:
         assert np.array_equal(np.array(plain[name]), np.array(copied[name]), equal_nan=True), name
@@ -194,7 +189,7 @@ def test_the_float32_copy_changes_no_result() -> None:
 def test_a_failing_hint_turns_the_placement_off_not_the_pass() -> None:
     """A driver call that fails while placing a staging buffer warns once and leaves the pass
     to the driver's defaults (hints only move pages): the rows still arrive."""
-    from kvsnap.analysis.mlx_kernel import Staging
+    from kvsnap.analysis.backends.mlx import Staging
 
     class Refusing:
         def is_managed(self, address: int) -> bool:

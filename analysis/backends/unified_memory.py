@@ -22,6 +22,8 @@ import ctypes
 import threading
 from typing import ClassVar
 
+from . import cuda_driver
+
 MODES = ("fault", "host", "prefetch", "mostly")
 """``fault``: the driver's default (no hint); the others as in the module's docstring."""
 
@@ -94,9 +96,8 @@ class UnifiedMemory:
 
     @classmethod
     def _load(cls, device: int) -> UnifiedMemory | None:
-        try:
-            library = ctypes.CDLL("libcuda.so.1")
-        except OSError:
+        library = cuda_driver.driver()
+        if library is None:
             return None
         try:
             return cls(library, device)

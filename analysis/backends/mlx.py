@@ -40,11 +40,14 @@ import numpy as np
 
 from kvformat.checksum import concatenated_linear, crc32c, linear_crc, zeros_crc
 
-from . import finite, unified_memory
-from .accumulator import PIECE, bytes_of
+from .. import finite
+from ..arrays import PIECE, bytes_of
+from . import unified_memory
 
 if TYPE_CHECKING:
-    from .accumulator import HeadAccumulator
+    from kvformat.reader import PayloadCheck
+
+    from ..accumulator import HeadAccumulator
 
 _SPAN = 64  # rows summed together on the device before the next level
 
@@ -77,11 +80,17 @@ def device_name() -> str:
 
 @dataclass
 class _Pending:
-    """A piece whose device results are not folded in yet."""
+    """A piece of one accumulator whose device results are not folded in yet."""
 
+    acc: HeadAccumulator
     rows: np.ndarray  # (n, dim) as stored (a view): heavy rows of the Gram are added from it
     positions: np.ndarray
     outputs: dict[str, Any]
+
+    def settle(self) -> None:
+        self.acc.pending = None
+        host = _join({k: np.array(v)[None] for k, v in self.outputs.items()})
+        _fold_group([(self.acc, self.rows, self.positions)], host)
 
 
 _COMPILED: dict[tuple[bool, ...], Any] = {}
@@ -147,7 +156,7 @@ def _hist_edges(squared: bool) -> np.ndarray:
     """``(BINS + 1,)`` float32 bin edges of the log histogram for float32 values (of their square
     roots if ``squared``: squared norms), so the device's bins equal the host's
     (`catalogue.hist_edges`)."""
-    from .catalogue import hist_edges
+    from ..catalogue import hist_edges
 
     return hist_edges(np.float32, squared)
 
@@ -167,8 +176,8 @@ def _piece(
     in place of their ``product``, which `cuda_gram.gram_product` computes)."""
     import mlx.core as mx
 
-    from .accumulator import HEAVY
-    from .catalogue import (
+    from ..arrays import HEAVY
+    from ..catalogue import (
         BINS,
         LOG_HIGH,
         LOG_LOW,
@@ -339,7 +348,7 @@ Flags = tuple[bool, bool, bool, bool, bool, bool]
 
 def _flags(acc: HeadAccumulator, n: int) -> Flags:
     """The `_piece_function` selection for a piece of ``n`` rows of ``acc``."""
-    from .accumulator import GRAM_FLOAT64_ROWS
+    from ..arrays import GRAM_FLOAT64_ROWS
 
     groups = acc.groups
     return (
@@ -361,19 +370,28 @@ def _pieces(rows: np.ndarray, positions: np.ndarray) -> Iterator[tuple[np.ndarra
             yield piece, positions[start : start + piece.shape[0]]
 
 
-def add(acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray) -> None:
+NAME = "mlx"
+
+
+def add(
+    acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
+) -> None:
     """Start the device computation of ``rows`` ``(n, dim)`` at ``positions``, piece by piece,
     folding in what an earlier `add` left in flight (one accumulator on its own; a pass batches
-    many with `Pipeline`)."""
+    many with `Pipeline`). ``check``: the CRC ``rows`` must have, checked first."""
     import mlx.core as mx
 
+    acc.prepare_add()
+    if check is not None:
+        check.check(crc32c(bytes_of(rows)))
+    rows, positions = acc.drop_nonfinite(rows, positions)
     for x, pos in _pieces(rows, positions):
         flags = _flags(acc, x.shape[0])
         inputs = [_to_device(x)] + ([mx.array(_piece_bins(pos))] if flags[0] else [])
         outputs = _piece_function(*flags)(*inputs)
         mx.async_eval(outputs)
         settle(acc)
-        acc._pending = _Pending(x, pos, outputs)
+        acc.pending = _Pending(acc, x, pos, outputs)
 
 
 class _Batch:
@@ -417,7 +435,7 @@ class _Batch:
         self._settled = False
         self._error: BaseException | None = None  # why it was not folded
         for acc, _, _, _ in entries:
-            acc._pending = self
+            acc.pending = self
 
     def launch(self) -> None:
         """Wait for the copies, release what they read, start the device (idempotent; on the
@@ -470,8 +488,8 @@ class _Batch:
             for members, host in results:
                 _fold_group([self.entries[i] for i in members], host)
             for acc, _, _ in self.entries:
-                if acc._pending is self:
-                    acc._pending = None
+                if acc.pending is self:
+                    acc.pending = None
         except BaseException as exc:
             self.settle_marks(exc)
             raise
@@ -498,6 +516,8 @@ class _Batch:
     def fold(self) -> None:
         """Everything of this batch folded in (and so every batch sent before it)."""
         self.fetch().result()
+
+    settle = fold  # an accumulator's `Pending`
 
 
 class PipelineAbandoned(RuntimeError):
@@ -767,7 +787,7 @@ def copy_threads(share: int = 1) -> int:
     the driving thread, the fold thread, the row threads (`row_threads`) and mlx's own, a full
     pass took 5.4 s (fp32, 8.6 GB) with 16 copy threads and 3.6-4.2 s with 6
     (`benchmarks/RESULTS.md`, session 11)."""
-    from .parallel import cores
+    from ..parallel import cores
 
     return max(1, min(16, cores() * 3 // 8) // share)
 
@@ -776,7 +796,7 @@ def row_threads(share: int = 1) -> int:
     """Threads that compute the rows (eigenvalues and all) of an mlx pass's accumulators as
     their layers end: a quarter of the cores (see `copy_threads`), divided among ``share``
     processes."""
-    from .parallel import cores
+    from ..parallel import cores
 
     return max(1, cores() // 4 // share)
 
@@ -848,6 +868,7 @@ class Pipeline:
         ``rows`` (a chunk's whole payload, read unchecked) must pass: the copy threads compute
         the CRC over what they copy, so the driving thread reads nothing itself (checked here
         instead when ``rows`` span several pieces or nothing is staged)."""
+        acc.prepare_add()
         if check is not None and (rows.shape[0] > PIECE or self._staging is None):
             check.check(crc32c(bytes_of(rows)))
             check = None
@@ -1025,21 +1046,14 @@ def _raw_powers(shift: np.ndarray, central: np.ndarray, n: int) -> np.ndarray:
 
 def settle(acc: HeadAccumulator) -> None:
     """Fold the work in flight (if any) into the accumulator's float64 sums."""
-    pending = acc._pending
-    if pending is None:
-        return
-    if isinstance(pending, _Batch):
-        pending.fold()
-        return
-    acc._pending = None
-    host = _join({k: np.array(v)[None] for k, v in pending.outputs.items()})
-    _fold_group([(acc, pending.rows, pending.positions)], host)
+    if acc.pending is not None:
+        acc.pending.settle()
 
 
 def _piece_bins(positions: np.ndarray) -> np.ndarray:
     """`catalogue.position_bins` of a piece's positions as uint8 (the device's input); for a run
     (every head of a layer holds the same positions) computed once and cached."""
-    from .catalogue import position_bins
+    from ..catalogue import position_bins
 
     n = positions.size
     if n and int(positions[-1]) - int(positions[0]) == n - 1:
@@ -1049,7 +1063,7 @@ def _piece_bins(positions: np.ndarray) -> np.ndarray:
 
 def _piece_bin_counts(positions: np.ndarray) -> np.ndarray:
     """How many of a piece's positions fall in each position bin, ``(POSITION_BINS,)`` int64."""
-    from .catalogue import POSITION_BINS
+    from ..catalogue import POSITION_BINS
 
     n = positions.size
     if n and int(positions[-1]) - int(positions[0]) == n - 1:
@@ -1061,7 +1075,7 @@ def _piece_bin_counts(positions: np.ndarray) -> np.ndarray:
 def _run_bins(start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """The uint8 bins of positions ``start .. start + count - 1`` and their counts per bin
     (read-only, cached)."""
-    from .catalogue import POSITION_BINS, position_bins
+    from ..catalogue import POSITION_BINS, position_bins
 
     bins = position_bins(np.arange(start, start + count, dtype=np.int64)).astype(np.uint8)
     counts = np.bincount(bins, minlength=POSITION_BINS)
@@ -1090,18 +1104,18 @@ def _shared_stack(
     row, with all its sums still views of them (`HeadAccumulator.merge` rebinds them), and the
     entries' rows there (a slice where they follow each other); None otherwise (then the group
     adds one accumulator at a time, in order: e.g. a head with two pieces in one batch)."""
-    from .accumulator import STACKED
+    from ..accumulator import STACKED
 
-    shared = entries[0][0]._stack
+    shared = entries[0][0].layout
     if shared is None:
         return None
     slots = []
     for acc, _, _ in entries:
-        if acc._stack is not shared:
+        if acc.layout is not shared:
             return None
         if any(getattr(acc, name).base is not shared.arrays[name] for name in STACKED):
             return None
-        slots.append(acc._slot)
+        slots.append(acc.slot)
     if len(set(slots)) < len(slots):
         return None
     first = slots[0]
@@ -1119,8 +1133,8 @@ def _fold_group(
     counting histogram bins the device chose and picking the top peaks; it runs once for the
     group, not once per piece: on the H200 the per-piece calls, under the GIL beside the thread
     that drives the device, were most of the fold."""
-    from . import catalogue
-    from .accumulator import float32_rows
+    from .. import catalogue
+    from ..arrays import float32_rows
 
     groups = entries[0][0].groups
     n = entries[0][1].shape[0]

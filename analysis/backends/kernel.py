@@ -35,8 +35,8 @@ import os
 
 import numpy as np
 
-from .catalogue import BINS
-from .catalogue import QUANT_GROUP as GROUP
+from ..catalogue import BINS
+from ..catalogue import QUANT_GROUP as GROUP
 
 try:
     import numba
@@ -60,7 +60,7 @@ BLOCK = 4  # rows whose per-channel sums are added together (see `_row_pass`)
 
 def hist_edges() -> np.ndarray:
     """``(BINS + 1,)`` float64 bin edges of the log histogram (`catalogue.hist_edges`)."""
-    from .catalogue import hist_edges as edges
+    from ..catalogue import hist_edges as edges
 
     return edges(np.float64)
 
@@ -74,7 +74,7 @@ def hist_guesses() -> np.ndarray:
     float64s from `hist_edges()[1]` to ``[-2]`` (a cell: the values sharing their bits above bit
     `GUESS_SHIFT`, 0.8% relative width against a bin's 1.8%), index 0 the cell of
     `hist_edges()[1]`: a value's first guess, within a bin of its own (`_hist_bins`)."""
-    from .catalogue import hist_index
+    from ..catalogue import hist_index
 
     edges = hist_edges()
     first = int(edges[1:2].view(np.int64)[0]) >> GUESS_SHIFT

@@ -31,6 +31,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from . import cuda_driver
+
 TILE = 64  # output tile of one thread block: (TILE, TILE) entries
 CHUNK = 1024  # rows one thread block sums
 NAME = "kvsnap_gram"
@@ -94,22 +96,10 @@ def cache_dir() -> Path:
 
 
 def _library(prefix: str, names: tuple[str, ...]) -> ctypes.CDLL:
-    """A CUDA library this process has loaded already (mlx's CUDA build links it), found in
-    ``/proc/self/maps``, else by its usual names."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1]
-                if os.path.basename(path).startswith(prefix + ".so"):
-                    return ctypes.CDLL(path)
-    except OSError:
-        pass
-    for name in names:
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise CudaGramError(f"{prefix} not found (mlx's CUDA build installs it)")
+    found = cuda_driver.library(prefix, names)
+    if found is None:
+        raise CudaGramError(f"{prefix} not found (mlx's CUDA build installs it)")
+    return found
 
 
 def architecture() -> tuple[int, int]:

@@ -1,0 +1,52 @@
+"""Backends fill a `HeadAccumulator` from rows; each implements the same small interface
+(`Backend`), and a pass picks one by name, once (`of`):
+
+- ``"cpu"``: `compiled`, the fused numba kernel plus BLAS (the default where numba is installed);
+- ``"numpy"``: `reference`, every sum written out plainly (``"cpu"`` without numba);
+- ``"mlx"``: `mlx`, the statistics as mlx array operations on mlx's default device, with a
+  pipeline that batches many accumulators per device call (`mlx_pipeline`).
+
+A backend writes only the accumulator's public sums (`accumulator.SUMS`); work it leaves in
+flight it hands to the accumulator as a `accumulator.Pending`, which `settle` folds in.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvformat.reader import PayloadCheck
+
+    from ..accumulator import HeadAccumulator
+
+NAMES = ("cpu", "numpy", "mlx")
+_MODULES = {"cpu": "compiled", "numpy": "reference", "mlx": "mlx"}
+
+
+class Backend(Protocol):
+    """What a pass calls: ``add`` rows ``(n_tokens, dim)`` at ``positions`` ``(n_tokens,)`` into an
+    accumulator, checking ``check`` (the CRC the rows must have: `kvformat.ChecksumError` when they
+    do not, the accumulator then to be dropped). Rows holding inf or NaN are left out and counted
+    (`HeadAccumulator.drop_nonfinite`)."""
+
+    NAME: str
+
+    def available(self) -> bool: ...
+
+    def add(
+        self, acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
+    ) -> None: ...
+
+
+def of(name: str) -> Backend:
+    """The backend called ``name`` (`NAMES`): ``"cpu"`` is the compiled kernel where numba is
+    installed, else the numpy reference. Raises ValueError for another name."""
+    if name not in _MODULES:
+        raise ValueError(f"unknown backend {name!r}: one of {', '.join(NAMES)}")
+    module: Backend = importlib.import_module(f"{__name__}.{_MODULES[name]}")
+    if name == "cpu" and not module.available():
+        return of("numpy")
+    return module
