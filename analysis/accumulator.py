@@ -50,7 +50,7 @@ def stack(accumulators: Sequence[HeadAccumulator]) -> Stack | None:
     """Lay out the array sums of ``accumulators`` (one dim, one selection of groups) in one array
     per sum, each accumulator's sums becoming views of its row, their values unchanged: the mlx
     fold then adds a device batch's results into many accumulators with one numpy call per sum
-    instead of one per accumulator (`backends.mlx._fold_group`: each such call of more than a few
+    instead of one per accumulator (`backends.mlx_fold.fold_group`: each such call of more than a few
     hundred values drops and retakes the interpreter's lock, which the thread driving the device
     holds most of the time). None, and nothing changed, for fewer than two. Whatever rebinds a
     sum afterwards (`HeadAccumulator.merge` does) takes that accumulator out of the layout: the

@@ -79,7 +79,7 @@ class BatchOptions:
     def plan(self, files: int) -> tuple[int, PassOptions]:
         """Processes for ``files`` files and each file's pass options: files in parallel first,
         the cores left as each file's workers; with ``backend="mlx"``, one file after another,
-        each on `backends.mlx.processes` worker processes that drive the device (a local file;
+        each on `backends.mlx_sizing.processes` worker processes that drive the device (a local file;
         else one thread)."""
         from .parallel import split_jobs
         from .plan import PassOptions

@@ -1,5 +1,5 @@
 """One file's pass over worker processes: the path of a local file with more than one worker,
-on the CPU backend (a worker per core) and on mlx (`backends.mlx.processes` workers, each driving
+on the CPU backend (a worker per core) and on mlx (`backends.mlx_sizing.processes` workers, each driving
 the device with its own pipeline).
 
 Threads in one process stall each other: between kernel calls each needs the GIL, and page
@@ -32,7 +32,7 @@ batch (``max(8 MiB, block)``, released once added; small segments: of one window
 work buffers of 6144 x head_dim, and one task's segments and accumulators; in the parent: the
 pass's segment list (as the one-worker pass holds it) and the accumulators of at most ``2 x
 workers`` tasks in flight plus the layers waiting for them. On mlx a worker also holds its
-device pipeline (`backends.mlx.Pipeline`: two batches' staging buffers of 16 MiB, results waiting
+device pipeline (`backends.mlx_pipeline.Pipeline`: two batches' staging buffers of 16 MiB, results waiting
 to be folded) and mlx's own footprint, most of its memory on CUDA: mlx, its CUDA context and the
 code of every kernel it has loaded (H200, kernels cached from an earlier run: 932 MiB at its
 peak on the bf16 benchmark file, 899 MiB on the fp32 one, sampled every 50 ms; ~1.4 GiB in a
@@ -58,7 +58,7 @@ from .parallel import one_thread_environment
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
     from .accumulator import HeadAccumulator
-    from .backends.mlx import Pipeline
+    from .backends.mlx_pipeline import Pipeline
     from .plan import Key, LayerResult, PassOptions, Window
     from .rope import Rope
 
@@ -102,12 +102,12 @@ def one_shot_in_process(path: str | os.PathLike[str]) -> bool:
 
 def worker_count(workers: int, backend: str) -> int:
     """The worker processes a pass asked to use ``workers`` workers starts: as many on the CPU
-    backend; on mlx `backends.mlx.processes` (3/4 of them, bounded by memory: each drives the
+    backend; on mlx `backends.mlx_sizing.processes` (3/4 of them, bounded by memory: each drives the
     device)."""
     if backend == "mlx":
-        from .backends import mlx as mlx_backend
+        from .backends import mlx_sizing
 
-        return mlx_backend.processes(workers)
+        return mlx_sizing.processes(workers)
     return workers
 
 
@@ -389,7 +389,8 @@ def _device(workers: int) -> tuple[Pipeline, ThreadPoolExecutor]:
     compiled device functions serve the tasks that follow."""
     global _DEVICE, _ROW_THREADS
     if _DEVICE is None:
-        from .backends.mlx import Pipeline, batch_bytes, copy_threads, row_threads
+        from .backends.mlx_pipeline import Pipeline
+        from .backends.mlx_sizing import batch_bytes, copy_threads, row_threads
 
         pipeline = Pipeline(batch_bytes(worker=True), copy_threads=copy_threads(workers))
         _ROW_THREADS = row_threads(workers)

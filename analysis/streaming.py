@@ -53,7 +53,8 @@ class _Workers:
         with self._stack as stack:
             mlx = self.options.backend == "mlx"
             if mlx:
-                from .backends.mlx import Pipeline, row_threads
+                from .backends.mlx_pipeline import Pipeline
+                from .backends.mlx_sizing import row_threads
             # The row threads stop after the pipeline (exits run in reverse): rows waiting for a
             # mark the pipeline drops after a failure then end with its error.
             self.row_threads = row_threads() if mlx else 1
@@ -140,7 +141,7 @@ def layers(
     layers in progress only (one or two for a layer-major file).
 
     With ``options.workers`` = T > 1, a local file goes to T worker processes on the CPU
-    backend, `backends.mlx.processes` (T) on mlx (`analysis.processes`, which reads it in the same
+    backend, `backends.mlx_sizing.processes` (T) on mlx (`analysis.processes`, which reads it in the same
     batches). Otherwise (a URL, a small file; on mlx one thread drives the device)
     consecutive blocks of a head (up to 8 MiB of K and V, or one block if larger) go to T
     threads as one task, at most T + 2 such batches in flight

@@ -92,11 +92,12 @@ elif mode.startswith("stats"):  # stats:GROUPS:JOBS[:BACKEND[:warm]]
 elif mode.startswith("mlx-compute"):  # mlx-compute:DIM:DTYPE: the device work alone, on one piece
     import mlx.core as mx
     from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.backends import mlx_fold, mlx_sizing
     from kvsnap.analysis.arrays import PIECE
     _, dim, dtype = mode.split(":")
-    function = mlx_backend._piece_function(True, True, True, True, True, True)
+    function = mlx_backend.piece_function(True, True, True, True, True, True)
     x = mx.random.normal((PIECE, int(dim))).astype(getattr(mx, dtype))
-    bins = mx.array(mlx_backend._piece_bins(np.arange(PIECE)))
+    bins = mx.array(mlx_fold.piece_bins(np.arange(PIECE)))
     mx.eval(x, bins)
     for _ in range(3):
         mx.eval(function(x.astype(mx.float32), bins))
@@ -245,14 +246,14 @@ def main() -> None:
 
 def mlx_table(args: argparse.Namespace, tokens: int, directory: Path, n: int) -> None:
     """``--backend mlx``: per file, a sequential read, the mlx backend on every core (up to
-    `mlx_backend.processes` worker processes, each driving the device) and in one process (one
+    `mlx_sizing.processes` worker processes, each driving the device) and in one process (one
     thread drives the device), full catalogue and norms,channels ("warm": the second pass of one
     process, device functions compiled by the first; "cold": one pass of a fresh process), the
     device work alone on one resident piece (no reading, no transfers), and the CPU kernel on
     every core (warm too), all in this run."""
-    from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.backends import mlx_sizing
 
-    workers = mlx_backend.processes(n)
+    workers = mlx_sizing.processes(n)
     lines = [
         f"| file | size | sequential read | mlx, all, {workers} processes | all / read "
         f"| mlx, all, 1 process | / read | mlx, all, {workers} processes, cold "

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 SELECTIONS: dict[str, tuple[bool, bool, bool, bool, bool, bool]] = {
-    # (norms, channels, rope, mean, gram, quant), as `mlx_backend._flags` gives them
+    # (norms, channels, rope, mean, gram, quant), as `mlx_backend.piece_flags` gives them
     "all": (True, True, True, True, True, True),
     "norms": (True, False, False, False, False, False),
     "channels": (False, True, False, True, False, False),
@@ -34,11 +34,11 @@ SELECTIONS: dict[str, tuple[bool, bool, bool, bool, bool, bool]] = {
 def _inputs(dtype: str, batch: int, seed: int = 0) -> tuple[Any, Any]:
     import mlx.core as mx
     from kvsnap.analysis.arrays import PIECE
-    from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.backends import mlx_fold
 
     mx.random.seed(seed)
     x = mx.random.normal((batch, PIECE, 128)).astype(getattr(mx, dtype))
-    bins = mx.array(np.stack([mlx_backend._piece_bins(np.arange(PIECE))] * batch))
+    bins = mx.array(np.stack([mlx_fold.piece_bins(np.arange(PIECE))] * batch))
     mx.eval(x, bins)
     return x, bins
 
@@ -50,7 +50,7 @@ def time_selection(dtype: str, groups: str, batch: int, seconds: float = 1.0) ->
     from kvsnap.analysis.backends import mlx as mlx_backend
 
     flags = SELECTIONS[groups]
-    function = mlx_backend._piece_function(*flags, batched=True)
+    function = mlx_backend.piece_function(*flags, batched=True)
     x, bins = _inputs(dtype, batch)
     inputs = (x, bins) if flags[0] else (x,)
     for _ in range(3):
@@ -75,7 +75,7 @@ def _worker(args: tuple[str, int, int, Any]) -> float:
     import mlx.core as mx
     from kvsnap.analysis.backends import mlx as mlx_backend
 
-    function = mlx_backend._piece_function(*SELECTIONS["all"], batched=True)
+    function = mlx_backend.piece_function(*SELECTIONS["all"], batched=True)
     x, bins = _inputs(dtype, batch)
     for _ in range(3):
         mx.eval(function(x, bins))

@@ -17,14 +17,14 @@ second run finds them in mlx's PTX cache).
 
 Steps (one process): the resident set by kind (anonymous, file-backed), glibc's heap (in use and
 free-but-kept, ``mallinfo2``) and mlx's own counters after each step: mlx started, large arrays on
-the device, a few kernels, the mlx backend's compiled per-piece function (`mlx_backend._piece_function`,
+the device, a few kernels, the mlx backend's compiled per-piece function (`mlx_backend.piece_function`,
 batched: 16 bfloat16 pieces of `arrays.PIECE` rows x 128) compiled and run, run again with
 mlx's buffer cache cleared and limited to 0, then ``malloc_trim(0)`` (glibc hands its free pages
 back). Then the largest mappings by resident size (``/proc/self/smaps``, grouped by file; anonymous
 memory as ``[anon]``).
 
 ``--pass FILE``: `stats_for_file` over FILE on mlx with ``--jobs`` workers (worker processes where
-`mlx_backend.processes` gives more than one), ``--passes`` times, then for this process, its
+`mlx_sizing.processes` gives more than one), ``--passes`` times, then for this process, its
 helpers and every worker: resident and proportional set, peak resident set (``VmHWM``, and
 the largest of samples taken every 20 ms during the passes: on the H200, session 20, sampled
 runs saw mlx workers ~50 MiB above the ``VmHWM`` of another run), private dirty and anonymous
@@ -157,6 +157,7 @@ def steps() -> None:
     import mlx.core as mx
     from kvsnap.analysis.arrays import PIECE
     from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.backends import mlx_fold
 
     resident("imported")
     mx.eval(mx.ones((16,)) + 1)
@@ -175,8 +176,8 @@ def steps() -> None:
     for _ in range(3):
         mx.eval((mx.sort(x * 1.0, axis=1) + mx.exp(x)).sum())
     resident("sort, exp, sum on 64 MiB")
-    function = mlx_backend._piece_function(True, True, True, True, True, True, batched=True)
-    bins = mx.array(np.stack([mlx_backend._piece_bins(np.arange(PIECE))] * 16))
+    function = mlx_backend.piece_function(True, True, True, True, True, True, batched=True)
+    bins = mx.array(np.stack([mlx_fold.piece_bins(np.arange(PIECE))] * 16))
     pieces = x.astype(mx.bfloat16)
     mx.eval(pieces, bins)
     mx.eval(function(pieces, bins))
@@ -252,9 +253,10 @@ def one_pass(path: str, jobs: int, passes: int) -> None:
 
 def _piece_function(mx: Any, x: Any) -> None:
     from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.backends import mlx_fold
 
-    function = mlx_backend._piece_function(True, True, True, True, True, True, batched=True)
-    bins = mx.array(np.stack([mlx_backend._piece_bins(np.arange(x.shape[1]))] * x.shape[0]))
+    function = mlx_backend.piece_function(True, True, True, True, True, True, batched=True)
+    bins = mx.array(np.stack([mlx_fold.piece_bins(np.arange(x.shape[1]))] * x.shape[0]))
     mx.eval(function(x.astype(mx.bfloat16), bins))
 
 
@@ -311,7 +313,7 @@ SELECTIONS = {
     "norms, channels": (True, True, False, True, False, False),
     "all but spectrum": (True, True, True, True, False, True),
 }
-"""Group selections of the per-piece function (`mlx_backend._piece_function`'s flags): the device
+"""Group selections of the per-piece function (`mlx_backend.piece_function`'s flags): the device
 probe's, and the combinations session 19 measured."""
 
 
@@ -325,7 +327,7 @@ def selection(name: str) -> None:
     mx.eval(mx.ones((4,)) + 1)
     x, bins = mlx_device_probe._inputs("bfloat16", 16)
     before = status()["VmRSS"]
-    function = mlx_backend._piece_function(*flags, batched=True)
+    function = mlx_backend.piece_function(*flags, batched=True)
     inputs = (x, bins) if flags[0] else (x,)
     began = time.perf_counter()
     mx.eval(function(*inputs))

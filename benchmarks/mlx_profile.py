@@ -97,23 +97,24 @@ def main() -> None:
 
     from kvsnap.analysis import stats
     from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.backends import mlx_fold, mlx_pipeline, mlx_sizing, mlx_staging
 
     import kvformat
 
     if args.batch_mib is not None or args.no_staging:
-        original = mlx_backend.Pipeline.__init__
+        original = mlx_pipeline.Pipeline.__init__
         limit = (args.batch_mib or 32) << 20
 
         def init(self: Any, limit_: int = limit) -> None:
             original(self, limit_, staging=not args.no_staging)
 
-        mlx_backend.Pipeline.__init__ = init  # type: ignore[method-assign]
+        mlx_pipeline.Pipeline.__init__ = init  # type: ignore[method-assign]
     report["staging"] = not args.no_staging
     if args.row_threads is not None:
-        mlx_backend.row_threads = lambda share=1: args.row_threads  # type: ignore[assignment]
+        mlx_sizing.row_threads = lambda share=1: args.row_threads  # type: ignore[assignment]
     if args.copy_threads is not None:
-        mlx_backend.copy_threads = lambda share=1: args.copy_threads  # type: ignore[assignment]
-    report["threads"] = {"rows": mlx_backend.row_threads(), "copies": mlx_backend.copy_threads()}
+        mlx_sizing.copy_threads = lambda share=1: args.copy_threads  # type: ignore[assignment]
+    report["threads"] = {"rows": mlx_sizing.row_threads(), "copies": mlx_sizing.copy_threads()}
     report["switch_interval"] = sys.getswitchinterval()
 
     # warm: compile the device functions
@@ -128,19 +129,19 @@ def main() -> None:
     kvformat.Snapshot.read = _timed("read+crc (worker)", kvformat.Snapshot.read)  # type: ignore[method-assign]
     unchecked = _timed("read, CRCs left to the copy threads (driver)", kvformat.Snapshot.read_unchecked)
     kvformat.Snapshot.read_unchecked = unchecked  # type: ignore[method-assign]
-    mlx_backend._Batch.launch = _timed(
-        "batch launch (waits for its copies, driver)", mlx_backend._Batch.launch
+    mlx_pipeline._Batch.launch = _timed(
+        "batch launch (waits for its copies, driver)", mlx_pipeline._Batch.launch
     )  # type: ignore[method-assign]
-    mlx_backend._Fill.result = _timed("copies waited for (driver)", mlx_backend._Fill.result)  # type: ignore[method-assign]
-    mlx_backend.Pipeline.add = _timed("pipeline add (driver)", mlx_backend.Pipeline.add)  # type: ignore[method-assign]
-    mlx_backend._to_device = _timed("to device (mx.array per piece)", mlx_backend._to_device)
-    staging = mlx_backend.Staging
+    mlx_staging._Fill.result = _timed("copies waited for (driver)", mlx_staging._Fill.result)  # type: ignore[method-assign]
+    mlx_pipeline.Pipeline.add = _timed("pipeline add (driver)", mlx_pipeline.Pipeline.add)  # type: ignore[method-assign]
+    mlx_backend.to_device = _timed("to device (mx.array per piece)", mlx_backend.to_device)
+    staging = mlx_staging.Staging
     staging.fill = _timed("to device (staging copy per group)", staging.fill)  # type: ignore[method-assign]
-    batch = mlx_backend._Batch
+    batch = mlx_pipeline._Batch
     batch.__init__ = _timed("batch send (total, driver)", batch.__init__)  # type: ignore[method-assign]
     batch.fetch = _timed("batch fetch (wait + results to host, driver)", batch.fetch)  # type: ignore[method-assign]
     batch._fold_all = _timed("fold (fold thread)", batch._fold_all)  # type: ignore[method-assign]
-    mlx_backend._fold_group = _timed("fold one group of pieces (host numpy)", mlx_backend._fold_group)
+    mlx_fold.fold_group = _timed("fold one group of pieces (host numpy)", mlx_fold.fold_group)
     row = stats.HeadAccumulator.row
     stats.HeadAccumulator.row = _timed("row (eigenvalues; threads)", row)  # type: ignore[method-assign]
 

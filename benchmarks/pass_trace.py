@@ -55,14 +55,16 @@ if os.environ.get("KVSNAP_TRACE_DIR"):
         setattr(owner, name, timed)
 
     from kvsnap.analysis.backends import mlx as mlx_backend
+
+    from kvsnap.analysis.backends import mlx_pipeline, mlx_staging
     from kvsnap.analysis import accumulator, processes, streaming
 
-    _wrap(mlx_backend.Staging, "start_fill", "copy started")
-    _wrap(mlx_backend._Fill, "result", "copy wait")
-    _wrap(mlx_backend._Batch, "launch", "launch (copy wait included)")
-    _wrap(mlx_backend._Batch, "fetch", "device wait and fetch")
-    _wrap(mlx_backend._Batch, "_fold_all", "fold")
-    _wrap(mlx_backend.Pipeline, "finish", "pipeline drain")
+    _wrap(mlx_staging.Staging, "start_fill", "copy started")
+    _wrap(mlx_staging._Fill, "result", "copy wait")
+    _wrap(mlx_pipeline._Batch, "launch", "launch (copy wait included)")
+    _wrap(mlx_pipeline._Batch, "fetch", "device wait and fetch")
+    _wrap(mlx_pipeline._Batch, "_fold_all", "fold")
+    _wrap(mlx_pipeline.Pipeline, "finish", "pipeline drain")
     _wrap(accumulator.HeadAccumulator, "seal", "seal (row)")
     _wrap(streaming, "_add_segments", "read and add")
     _wrap(processes, "_device", "device start (every task)")

@@ -53,10 +53,11 @@ def _ray() -> str | None:
 
 def _cuda() -> str | None:
     from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.backends import mlx_staging
 
     if not mlx_backend.available():
         return "mlx is not installed"
-    if not mlx_backend._on_cuda():
+    if not mlx_staging.on_cuda():
         return "mlx does not compute on a CUDA device here (CI has no accelerator)"
     return None
 

@@ -104,6 +104,7 @@ def test_the_per_piece_function_takes_its_product_from_the_kernel(
     import mlx.core as mx
     import numpy as np
     from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.backends import mlx_fold, mlx_staging
 
     seen: list[tuple[int, ...]] = []
 
@@ -117,12 +118,12 @@ def test_the_per_piece_function_takes_its_product_from_the_kernel(
     rows[:, 7] *= 30.0
     bins = np.zeros((2, 3000), np.uint8)
     x, b = (mx.array(rows), mx.array(bins)) if batched else (mx.array(rows[0]), mx.array(bins[0]))
-    plain = mlx_backend._to_host(mlx_backend._piece_function(*flags, batched=batched)(x, b))
-    monkeypatch.setattr(mlx_backend, "_on_cuda", lambda: True)
+    plain = mlx_fold.to_host(mlx_backend.piece_function(*flags, batched=batched)(x, b))
+    monkeypatch.setattr(mlx_staging, "on_cuda", lambda: True)
     monkeypatch.setattr(cuda_gram, "usable", lambda: True)
     monkeypatch.setattr(cuda_gram, "gram_product", product)
     monkeypatch.setattr(mlx_backend, "_COMPILED", {})
-    own = mlx_backend._to_host(mlx_backend._piece_function(*flags, batched=batched)(x, b))
+    own = mlx_fold.to_host(mlx_backend.piece_function(*flags, batched=batched)(x, b))
     assert seen == [(2, 3000, 48) if batched else (1, 3000, 48)]
     assert own.keys() == plain.keys() and "shifted" not in own
     for name in plain:

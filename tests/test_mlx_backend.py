@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from kvsnap.analysis.backends import mlx as mlx_backend
+from kvsnap.analysis.backends import mlx_fold, mlx_pipeline, mlx_sizing, mlx_staging
 from kvsnap.analysis.batch import merged_stats, run_stats
 from kvsnap.analysis.stats import GROUPS, stats_rows
 
@@ -185,7 +186,7 @@ def test_staging_buffers_carry_the_rows_and_are_reused(dtype: Any) -> None:
     """Pieces copied into a device buffer through its memory are what the device reads, in
     every stored type; a buffer given back is reused (and overwritten) by the next batch."""
     import mlx.core as mx
-    from kvsnap.analysis.backends.mlx import Staging
+    from kvsnap.analysis.backends.mlx_staging import Staging
 
     staging = Staging.create()
     assert staging is not None  # CPU mlx exposes its memory: the fast path is what CI tests
@@ -207,13 +208,13 @@ def test_staging_buffers_carry_the_rows_and_are_reused(dtype: Any) -> None:
 
 def test_staged_and_copied_batches_give_the_same_sums(tmp_path: Path) -> None:
     from kvsnap.analysis import accumulator
-    from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.backends import mlx_pipeline
 
     path = random_file(tmp_path / "r.kv", ml_dtypes.bfloat16, 64, 3000)
     rows = []
     for staging in (True, False):
         accs = []
-        with kvformat.open(path) as snap, mlx_backend.Pipeline(limit=1 << 20, staging=staging) as pipeline:
+        with kvformat.open(path) as snap, mlx_pipeline.Pipeline(limit=1 << 20, staging=staging) as pipeline:
             assert (pipeline._staging is not None) is staging
             for block in snap.blocks():
                 acc = accumulator.HeadAccumulator(64, backend="mlx")
@@ -239,27 +240,27 @@ def test_a_pass_holds_two_batches_of_staging_buffers_and_one_of_pages(
     taken: list[int] = []
     unreleased: list[int] = []
     pages: list[int] = []
-    original_take, original_back = mlx_backend.Staging._take, mlx_backend.Staging.give_back
+    original_take, original_back = mlx_staging.Staging._take, mlx_staging.Staging.give_back
 
-    def take(self: mlx_backend.Staging, shape: tuple[int, ...], dtype: Any) -> Any:
+    def take(self: mlx_staging.Staging, shape: tuple[int, ...], dtype: Any) -> Any:
         live.append(1)
         taken.append(len(live))
         pages.append(len(unreleased))  # batches copied but not released when this one starts
         unreleased.append(1)
         return original_take(self, shape, dtype)
 
-    def give_back(self: mlx_backend.Staging, buffers: list[Any]) -> None:
+    def give_back(self: mlx_staging.Staging, buffers: list[Any]) -> None:
         del live[: len(buffers)]
         original_back(self, buffers)
 
-    monkeypatch.setattr(mlx_backend.Staging, "_take", take)
-    monkeypatch.setattr(mlx_backend.Staging, "give_back", give_back)
+    monkeypatch.setattr(mlx_staging.Staging, "_take", take)
+    monkeypatch.setattr(mlx_staging.Staging, "give_back", give_back)
     rng = np.random.default_rng(3)
     pieces = [rng.standard_normal((512, 32)).astype(np.float32) for _ in range(24)]
     sums = []
     for staging in (True, False):
         accs = []
-        with mlx_backend.Pipeline(limit=2 * pieces[0].nbytes, staging=staging) as pipeline:
+        with mlx_pipeline.Pipeline(limit=2 * pieces[0].nbytes, staging=staging) as pipeline:
             for i, x in enumerate(pieces):
                 acc = accumulator.HeadAccumulator(32, backend="mlx")
                 after = (lambda: unreleased.pop()) if i % 2 else None  # a batch's last piece
@@ -307,7 +308,7 @@ def test_device_histogram_bins_equal_the_hosts_at_the_bin_edges() -> None:
     from kvsnap.analysis.catalogue import hist_index
 
     rng = np.random.default_rng(0)
-    edges = mlx_backend._hist_edges(squared=True)[1:-1]
+    edges = mlx_backend.device_hist_edges(squared=True)[1:-1]
     picked = np.sqrt(edges[rng.choice(edges.size, 400, replace=False)].astype(np.float64)).astype(np.float32)
     values = np.concatenate(
         [
@@ -319,12 +320,12 @@ def test_device_histogram_bins_equal_the_hosts_at_the_bin_edges() -> None:
     ).astype(np.float32)
     rows = np.zeros((values.size, 4), np.float32)
     rows[:, 0] = values  # one non-zero channel: the squared norm is values**2 in float32, exactly
-    function = mlx_backend._piece_function(True, True, False, False, False, False)
+    function = mlx_backend.piece_function(True, True, False, False, False, False)
     out = function(mx.array(rows), mx.array(np.zeros(values.size, np.uint8)))
     square = values.astype(np.float32) * values.astype(np.float32)
     expected_norm_bins = hist_index(np.sqrt(square.astype(np.float64)))
     expected_peak_bins = hist_index(values.astype(np.float64))
-    bins = mlx_backend._hist_edges(squared=False).size - 1
+    bins = mlx_backend.device_hist_edges(squared=False).size - 1
     assert np.array_equal(np.array(out["norm_hist"]), np.bincount(expected_norm_bins, minlength=bins))
     assert np.array_equal(np.array(out["peak_hist"]), np.bincount(expected_peak_bins, minlength=bins))
     assert len(set(expected_norm_bins.tolist())) > 300  # many bins, each around its edge
@@ -346,8 +347,8 @@ def test_massive_rows_go_to_the_host_by_the_median() -> None:
     rows = rng.standard_normal((2048, 32)).astype(np.float32)
     rows[[5, 700, 701]] *= 50.0  # massive rows
     rows[900] *= 3.9  # large (15x its squared norm), but under 16x the median: light
-    function = mlx_backend._piece_function(False, False, False, False, True, False)
-    out = mlx_backend._to_host(function(mx.array(rows)))
+    function = mlx_backend.piece_function(False, False, False, False, True, False)
+    out = mlx_fold.to_host(function(mx.array(rows)))
     square = (rows.astype(np.float64) ** 2).sum(axis=1)
     heavy = kernel.heavy_rows(square, HEAVY)
     assert heavy.sum() == 3 and int(out["heavy"]) == 3
@@ -382,10 +383,10 @@ def test_device_top_peaks_break_ties_as_the_cpu_kernel(k_ties: int) -> None:
         peaks[7], peaks[400] = np.inf, np.nan
     rows = np.zeros((n, 4), np.float32)
     rows[:, 1] = -peaks  # the peak is the largest magnitude of a row
-    function = mlx_backend._piece_function(False, True, False, True, False, False)
-    out = mlx_backend._to_host(function(mx.array(rows)))
+    function = mlx_backend.piece_function(False, True, False, True, False, False)
+    out = mlx_fold.to_host(function(mx.array(rows)))
     positions = np.arange(n) * 3
-    found = mlx_backend._top_found(out["top_rows"].tolist(), out["top_peaks"].tolist(), positions)
+    found = mlx_fold.top_found(out["top_rows"].tolist(), out["top_peaks"].tolist(), positions)
     bits = np.abs(rows).max(axis=1).view(np.int32)
     expected = kernel.top_rows(bits, TOP_K)
     assert sorted(int(p) // 3 for _, p in found) == sorted(expected.tolist())
@@ -397,7 +398,7 @@ def test_device_top_peaks_break_ties_as_the_cpu_kernel(k_ties: int) -> None:
 def test_copy_threads_check_the_payload_crcs_of_what_they_copy() -> None:
     """`Staging.start_fill` with checks: each piece's CRC is combined from its copy tasks' (several
     per piece here) and held against the expected one; a wrong one raises with the chunk's name."""
-    from kvsnap.analysis.backends.mlx import Staging
+    from kvsnap.analysis.backends.mlx_staging import Staging
 
     from kvformat.checksum import crc32c
     from kvformat.reader import PayloadCheck
@@ -456,7 +457,7 @@ def _piece_accumulators(count: int, rows: int = 700, dim: int = 32) -> list[tupl
 def test_a_mark_is_done_once_what_came_before_it_is_folded() -> None:
     """`Pipeline.mark` waits for nothing: the pieces added before it are folded when it is done
     (its accumulators' sums complete), the pieces added after it need not be."""
-    with mlx_backend.Pipeline(limit=100 << 10) as pipeline:
+    with mlx_pipeline.Pipeline(limit=100 << 10) as pipeline:
         assert pipeline.mark().result(timeout=0) is None  # nothing added: done at once
         first = _piece_accumulators(4)
         for acc, x in first:
@@ -477,13 +478,13 @@ def test_a_mark_is_done_once_what_came_before_it_is_folded() -> None:
 
 def test_an_abandoned_pipeline_fails_its_marks() -> None:
     """A mark whose work the pipeline drops (after a failure elsewhere) raises, never hangs."""
-    pipeline = mlx_backend.Pipeline(limit=1 << 30)  # nothing is sent until `finish`
+    pipeline = mlx_pipeline.Pipeline(limit=1 << 30)  # nothing is sent until `finish`
     for acc, x in _piece_accumulators(2):
         pipeline.add(acc, x, np.arange(len(x)))
     mark = pipeline.mark()
     assert not mark.done()
     pipeline.abandon()
-    with pytest.raises(mlx_backend.PipelineAbandoned):
+    with pytest.raises(mlx_pipeline.PipelineAbandoned):
         mark.result(timeout=10)
 
 
@@ -491,8 +492,8 @@ def test_a_failed_fold_reaches_the_mark(monkeypatch: pytest.MonkeyPatch) -> None
     def broken(*_: Any) -> None:
         raise ValueError("fold failed")
 
-    monkeypatch.setattr(mlx_backend, "_fold_group", broken)
-    pipeline = mlx_backend.Pipeline(limit=1 << 30)
+    monkeypatch.setattr(mlx_fold, "fold_group", broken)
+    pipeline = mlx_pipeline.Pipeline(limit=1 << 30)
     for acc, x in _piece_accumulators(2):
         pipeline.add(acc, x, np.arange(len(x)))
     mark = pipeline.mark()
@@ -510,13 +511,13 @@ def test_an_mlx_pass_does_not_drain_the_device_at_each_layer(
     once, at the end; the table is the CPU kernel's."""
     path = factories.random_file(tmp_path / "four.kv", layers=4, tokens=300, dim=32, seed=5).path
     finishes = []
-    original = mlx_backend.Pipeline.finish
+    original = mlx_pipeline.Pipeline.finish
 
-    def counted(self: mlx_backend.Pipeline) -> None:
+    def counted(self: mlx_pipeline.Pipeline) -> None:
         finishes.append(1)
         original(self)
 
-    monkeypatch.setattr(mlx_backend.Pipeline, "finish", counted)
+    monkeypatch.setattr(mlx_pipeline.Pipeline, "finish", counted)
     got = stats_rows(path, backend="mlx", jobs=1)
     assert len(finishes) == 2  # the pass's end and the pipeline's close
     assert_close(got, stats_rows(path, jobs=1))
@@ -534,13 +535,13 @@ def test_a_pass_that_waits_for_each_layer_drives_the_pipeline(
     monkeypatch.setattr(streaming, "CLOSING_LAYERS", closing)
     path = factories.random_file(tmp_path / "five.kv", layers=5, tokens=200, dim=32, seed=9).path
     waited = []
-    original = mlx_backend.Pipeline.wait
+    original = mlx_pipeline.Pipeline.wait
 
-    def counted(self: mlx_backend.Pipeline, mark: Any) -> None:
+    def counted(self: mlx_pipeline.Pipeline, mark: Any) -> None:
         waited.append(mark.done())
         original(self, mark)
 
-    monkeypatch.setattr(mlx_backend.Pipeline, "wait", counted)
+    monkeypatch.setattr(mlx_pipeline.Pipeline, "wait", counted)
     got = stats_rows(path, backend="mlx", jobs=1)
     assert len(waited) == 5 and not all(waited)  # some marks were waited for before done
     assert_close(got, stats_rows(path, jobs=1))
@@ -577,7 +578,7 @@ def _folded(order: list[int], stacked: bool, merged: int | None = None) -> list[
     accs = [HeadAccumulator(128, Rope(10000.0, 128, "half"), backend="mlx") for _ in range(4)]
     if stacked:
         assert stack(accs) is not None
-    function = mlx_backend._piece_function(True, True, True, True, True, True, batched=True)
+    function = mlx_backend.piece_function(True, True, True, True, True, True, batched=True)
     for batch in range(2):
         if batch == 1 and merged is not None:
             extra = HeadAccumulator(128, Rope(10000.0, 128, "half"))
@@ -586,24 +587,24 @@ def _folded(order: list[int], stacked: bool, merged: int | None = None) -> list[
         rows = rng.standard_normal((len(order), n, 128)).astype(np.float32)
         rows[:, 5] *= 40  # a heavy row in each piece: the Gram adds it on the host first
         positions = [np.arange(n) + batch * n for _ in order]
-        bins = np.stack([mlx_backend._piece_bins(p) for p in positions])
-        out = mlx_backend._to_host(function(mx.array(rows), mx.array(bins)))
+        bins = np.stack([mlx_fold.piece_bins(p) for p in positions])
+        out = mlx_fold.to_host(function(mx.array(rows), mx.array(bins)))
         entries = [(accs[i], rows[j], positions[j]) for j, i in enumerate(order)]
-        mlx_backend._fold_group(entries, out)
+        mlx_fold.fold_group(entries, out)
     return accs
 
 
 def _watch_shared_stack(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Per group folded from now on: whether it found its accumulators stacked."""
     calls: list[bool] = []
-    original = mlx_backend._shared_stack
+    original = mlx_fold.shared_stack
 
     def watched(entries: Any) -> Any:
         found = original(entries)
         calls.append(found is not None)
         return found
 
-    monkeypatch.setattr(mlx_backend, "_shared_stack", watched)
+    monkeypatch.setattr(mlx_fold, "shared_stack", watched)
     return calls
 
 
@@ -658,16 +659,16 @@ def test_batch_bytes_one_process_workers_and_the_environment(monkeypatch: pytest
     """32 MiB per device call in one process, 16 MiB in a worker process (host memory per
     process is what counts there); ``KVSNAP_MLX_BATCH_MIB`` sets both, and a bad value names it."""
     monkeypatch.delenv("KVSNAP_MLX_BATCH_MIB", raising=False)
-    assert mlx_backend.batch_bytes() == 32 << 20
-    assert mlx_backend.batch_bytes(worker=True) == 16 << 20
-    with mlx_backend.Pipeline(staging=False) as pipeline:
+    assert mlx_sizing.batch_bytes() == 32 << 20
+    assert mlx_sizing.batch_bytes(worker=True) == 16 << 20
+    with mlx_pipeline.Pipeline(staging=False) as pipeline:
         assert pipeline.limit == 32 << 20
     monkeypatch.setenv("KVSNAP_MLX_BATCH_MIB", "8")
-    assert mlx_backend.batch_bytes() == mlx_backend.batch_bytes(worker=True) == 8 << 20
+    assert mlx_sizing.batch_bytes() == mlx_sizing.batch_bytes(worker=True) == 8 << 20
     for bad in ("0", "-4", "1.5", "lots", "5000"):
         monkeypatch.setenv("KVSNAP_MLX_BATCH_MIB", bad)
         with pytest.raises(ValueError, match="KVSNAP_MLX_BATCH_MIB"):
-            mlx_backend.batch_bytes()
+            mlx_sizing.batch_bytes()
 
 
 def test_the_per_piece_function_stacks_nothing_on_the_device(tmp_path: Path) -> None:
@@ -681,19 +682,19 @@ def test_the_per_piece_function_stacks_nothing_on_the_device(tmp_path: Path) -> 
     n = PIECE - 5  # whole groups of rows and a rest: the channel errors come in two parts
     rng = np.random.default_rng(2)
     rows = mx.array(rng.standard_normal((3, n, 64)).astype(np.float32))
-    bins = mx.array(np.stack([mlx_backend._piece_bins(np.arange(n))] * 3))
+    bins = mx.array(np.stack([mlx_fold.piece_bins(np.arange(n))] * 3))
     piece = mlx_backend._piece(True, True, True, True, True, True)
     outputs = mx.vmap(piece)(rows, bins)
     mx.export_to_dot(str(tmp_path / "graph.dot"), *outputs.values())
     graph = (tmp_path / "graph.dot").read_text()
     assert 'label ="Sum"' in graph and "Concatenate" not in graph
     assert "quant_channel:0:1" in outputs
-    host = mlx_backend._join({name: np.array(value) for name, value in outputs.items()})
+    host = mlx_fold.join_results({name: np.array(value) for name, value in outputs.items()})
     assert not any(":" in name for name in host)
     assert host["central"].shape == (3, 4, 64)
     assert host["top_rows"].shape == host["top_peaks"].shape == (3, 2, TOP_K)
     assert host["quant_token"].shape == (3, len(QUANT_BITS))
     assert host["quant_channel"].shape == (3, len(QUANT_BITS), -(-n // QUANT_GROUP))
-    one = mlx_backend._join({name: np.array(value[0]) for name, value in outputs.items()})
+    one = mlx_fold.join_results({name: np.array(value[0]) for name, value in outputs.items()})
     for name, value in one.items():
         np.testing.assert_array_equal(value, host[name][0], err_msg=name)

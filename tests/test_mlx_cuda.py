@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvsnap.analysis.backends import cuda_gram
+from kvsnap.analysis.backends import cuda_gram, mlx_fold, mlx_staging
 from kvsnap.analysis.backends import mlx as mlx_backend
 
 pytestmark = pytest.mark.cuda
@@ -45,12 +45,12 @@ def test_the_piece_function_uses_it_on_cuda() -> None:
     less their center, within float32 rounding of float64; the massive row left to the host."""
     import mlx.core as mx
 
-    assert mlx_backend._on_cuda() and cuda_gram.usable()
+    assert mlx_staging.on_cuda() and cuda_gram.usable()
     rng = np.random.default_rng(0)
     pieces = rng.standard_normal((4, 8192, 128)).astype(np.float32) + 0.5
     pieces[:, 17] *= 40.0  # a massive row in each piece: left to the host
     flags = (False, False, False, False, True, False)
-    out = mlx_backend._to_host(mlx_backend._piece_function(*flags, batched=True)(mx.array(pieces)))
+    out = mlx_fold.to_host(mlx_backend.piece_function(*flags, batched=True)(mx.array(pieces)))
     assert (out["heavy"] == 1).all() and (out["light"][:, 17] == 0).all()
     for b in range(4):
         light = np.delete(pieces[b], 17, axis=0).astype(np.float64) - out["center"][b]

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 import threadpoolctl
 from kvsnap.analysis import processes
-from kvsnap.analysis.backends import mlx as mlx_backend
+from kvsnap.analysis.backends import mlx_sizing
 from kvsnap.analysis.plan import PassOptions, windows
 from kvsnap.analysis.stats import head_stats, stats_for_file
 from kvsnap.analysis.streaming import layers
@@ -67,13 +67,13 @@ def test_usable_only_for_local_files_with_several_workers(
     monkeypatch.setattr(processes, "PROCESS_MIN_BYTES", 0)
     assert not processes.usable(path, 1, "cpu")
     assert processes.usable(path, 4, "mlx")  # each worker drives the device
-    monkeypatch.setattr(mlx_backend, "_physical_memory", lambda: 128 << 30)
+    monkeypatch.setattr(mlx_sizing, "_physical_memory", lambda: 128 << 30)
     assert processes.worker_count(16, "mlx") == 12  # 3/4 of them
     assert processes.worker_count(64, "mlx") == 16  # one per 8 GiB of memory
     assert processes.worker_count(2, "mlx") == 1  # the pass stays in this process
-    monkeypatch.setattr(mlx_backend, "_physical_memory", lambda: 12 << 30)
+    monkeypatch.setattr(mlx_sizing, "_physical_memory", lambda: 12 << 30)
     assert processes.worker_count(16, "mlx") == 1
-    monkeypatch.setattr(mlx_backend, "_physical_memory", lambda: 128 << 30)
+    monkeypatch.setattr(mlx_sizing, "_physical_memory", lambda: 128 << 30)
     monkeypatch.setattr(sys, "platform", "darwin")  # Metal in worker processes: untested, so not used
     assert processes.worker_count(16, "mlx") == 1
     assert processes.worker_count(16, "cpu") == 16

@@ -1,5 +1,5 @@
 """`analysis.unified_memory` against a recording stand-in for the CUDA driver (this machine has no
-GPU), and `mlx_backend.Staging`'s placement setting. The real driver is exercised on the H200
+GPU), and `mlx_staging.Staging`'s placement setting. The real driver is exercised on the H200
 machine by `benchmarks/mlx_copy_probe.py --placements` (every placement's device results
 checked against numpy)."""
 
@@ -149,7 +149,7 @@ def test_is_managed_reads_the_pointer_attribute() -> None:
 
 
 def test_staging_refuses_an_unknown_placement(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvsnap.analysis.backends.mlx import Staging
+    from kvsnap.analysis.backends.mlx_staging import Staging
 
     monkeypatch.setenv("KVSNAP_MLX_STAGING", "pinned")
     with pytest.raises(ValueError, match="KVSNAP_MLX_STAGING='pinned': one of fault, host, prefetch, mostly"):
@@ -157,7 +157,7 @@ def test_staging_refuses_an_unknown_placement(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_staging_off_cuda_sets_no_hints() -> None:
-    from kvsnap.analysis.backends.mlx import Staging
+    from kvsnap.analysis.backends.mlx_staging import Staging
 
     staging = Staging(2, placement="host")
     try:
@@ -173,14 +173,15 @@ def test_the_float32_copy_changes_no_result() -> None:
     """``copy`` (float32 rows read over the bus) computes what the plain path computes."""
     from kvsnap.analysis.arrays import PIECE
     from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.backends import mlx_fold
 
     rng = np.random.default_rng(3)
     rows = (rng.standard_normal((2, PIECE, 64)) * np.linspace(0.1, 4, 64)).astype(np.float32)
     rows[0, 5, 7] = 900.0  # a massive row: the Gram leaves it out
-    bins = mx.array(np.stack([mlx_backend._piece_bins(np.arange(PIECE))] * 2))
+    bins = mx.array(np.stack([mlx_fold.piece_bins(np.arange(PIECE))] * 2))
     flags = (True, True, False, True, True, True)
-    plain = mlx_backend._piece_function(*flags, batched=True)(mx.array(rows), bins)
-    copied = mlx_backend._piece_function(*flags, batched=True, copy=True)(mx.array(rows), bins)
+    plain = mlx_backend.piece_function(*flags, batched=True)(mx.array(rows), bins)
+    copied = mlx_backend.piece_function(*flags, batched=True, copy=True)(mx.array(rows), bins)
     assert plain.keys() == copied.keys()
     for name in plain:
         assert np.array_equal(np.array(plain[name]), np.array(copied[name]), equal_nan=True), name
@@ -189,7 +190,7 @@ def test_the_float32_copy_changes_no_result() -> None:
 def test_a_failing_hint_turns_the_placement_off_not_the_pass() -> None:
     """A driver call that fails while placing a staging buffer warns once and leaves the pass
     to the driver's defaults (hints only move pages): the rows still arrive."""
-    from kvsnap.analysis.backends.mlx import Staging
+    from kvsnap.analysis.backends.mlx_staging import Staging
 
     class Refusing:
         def is_managed(self, address: int) -> bool:

@@ -1,0 +1,87 @@
+"""How much the mlx backend asks of a machine: worker processes (bounded by memory), copy and row
+threads, and the bytes of one device batch."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    pass
+
+
+PROCESS_SHARE = 3 / 4
+"""Worker processes an mlx pass over a local file uses, per worker asked for (`analysis.processes`):
+each drives the device with its own pipeline, so the host's work (copies, checksums, folding,
+rows) runs outside one interpreter's lock. On the H200 machine's 16 cores the full catalogue's
+second pass over the 8.6 GB fp32 file took 3.66 s in one process, 2.65 s on 4 worker processes,
+1.93 s on 10, 1.63-1.65 s on 12 and 2.25 s on 16 (`benchmarks/RESULTS.md`, session 14)."""
+
+
+PROCESS_MEMORY = 8 << 30
+"""Bytes of the machine's memory per such process, at most: each holds its own mlx and device
+context (on CUDA 0.90-0.93 GiB resident at its peak, ~1.4 GiB where it compiles the kernels,
+most of it its own), so a machine with little memory runs few."""
+
+
+def processes(workers: int) -> int:
+    """Worker processes for an mlx pass asked to use ``workers`` workers: 3/4 of them (12 of 16),
+    at most one per `PROCESS_MEMORY` of physical memory; 1 (the pass stays in this process) on
+    small machines and off Linux. macOS stays in one process: worker processes that each start
+    Metal are measured and tested nowhere yet."""
+    if not sys.platform.startswith("linux"):
+        return 1
+    return max(1, min(int(workers * PROCESS_SHARE), _physical_memory() // PROCESS_MEMORY))
+
+
+def _physical_memory() -> int:
+    """The machine's physical memory in bytes (Linux and macOS); a large number where unknown."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 1 << 50
+
+
+def copy_threads(share: int = 1) -> int:
+    """Threads that copy batches into staging buffers: 3/8 of the cores (6 of 16), divided among
+    ``share`` processes that drive the device. More lose: on the H200 machine's 16 cores, beside
+    the driving thread, the fold thread, the row threads (`row_threads`) and mlx's own, a full
+    pass took 5.4 s (fp32, 8.6 GB) with 16 copy threads and 3.6-4.2 s with 6
+    (`benchmarks/RESULTS.md`, session 11)."""
+    from ..parallel import cores
+
+    return max(1, min(16, cores() * 3 // 8) // share)
+
+
+def row_threads(share: int = 1) -> int:
+    """Threads that compute the rows (eigenvalues and all) of an mlx pass's accumulators as
+    their layers end: a quarter of the cores (see `copy_threads`), divided among ``share``
+    processes."""
+    from ..parallel import cores
+
+    return max(1, cores() // 4 // share)
+
+
+BATCH_MIB = 32
+"""Stored rows per device call (`Pipeline`) in a pass that drives the device from one process,
+MiB; ``KVSNAP_MLX_BATCH_MIB`` overrides it and `WORKER_BATCH_MIB`."""
+
+
+WORKER_BATCH_MIB = 16
+"""The same in each of a pass's worker processes (`analysis.processes`), where a process's host
+memory is what counts (on CUDA the staging buffers live there). H200, 12 processes, fp32 file
+(`benchmarks/RESULTS.md`, session 20): the largest worker 1052 -> 1002 MiB (``VmHWM``)
+against 32 MiB batches, the pass 0.85-0.90 -> 1.02-1.16 s; in one process 16 MiB cost more
+(fp32 2.91 -> 3.97 s, bf16 0.57 -> 0.85 s) and saved nothing that reaches 1 GiB there."""
+
+
+def batch_bytes(worker: bool = False) -> int:
+    """`BATCH_MIB`, or `WORKER_BATCH_MIB` for a ``worker`` process (or ``KVSNAP_MLX_BATCH_MIB``,
+    a whole number of MiB from 1 to 4096), in bytes."""
+    text = os.environ.get("KVSNAP_MLX_BATCH_MIB", "").strip()
+    if not text:
+        return (WORKER_BATCH_MIB if worker else BATCH_MIB) << 20
+    if not text.isdigit() or not 1 <= int(text) <= 4096:
+        raise ValueError(f"KVSNAP_MLX_BATCH_MIB={text!r}: a whole number of MiB from 1 to 4096")
+    return int(text) << 20
