@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from kvformat.cli import non_negative_int, positive_float, positive_int, storage_options
+from kvformat.arguments import non_negative_int, positive_float, positive_int, storage_options
 from kvformat.outputs import check_output, output_path
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvformat.cli import fraction, non_negative_float, positive_int
+from kvformat.arguments import fraction, non_negative_float, positive_int
 
 
 def _convert(args: argparse.Namespace) -> int:

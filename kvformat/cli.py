@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from importlib import metadata as importlib_metadata
 from typing import Any
 
@@ -17,6 +17,7 @@ import numpy as np
 
 import kvformat
 from kvformat import channel_order, codecs, dtypes
+from kvformat.arguments import non_negative_int, positive_int, remote_options, storage_options
 from kvformat.errors import KVFormatError, OutOfRangeError
 from kvformat.outputs import check_output, output_path
 
@@ -47,66 +48,6 @@ def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
         "snapshot_metadata": snap.snapshot_metadata,
         "layers": layers,
     }
-
-
-def _integer(text: str, minimum: int, rule: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
-    return value
-
-
-def _number(text: str, valid: Callable[[float], bool], rule: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not np.isfinite(value) or not valid(value):
-        raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    return _integer(text, 1, "at least 1")
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    return _integer(text, 0, "0 or more")
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    return _number(text, lambda value: value > 0, "a number above 0")
-
-
-def non_negative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    return _number(text, lambda value: value >= 0, "0 or more")
-
-
-def fraction(text: str) -> float:
-    """argparse type: a number in [0, 1]."""
-    return _number(text, lambda value: 0 <= value <= 1, "in 0..1")
-
-
-def storage_options(items: Sequence[str] | None) -> dict[str, Any] | None:
-    """``KEY=VALUE`` strings (``--storage-option``) as fsspec options; VALUE is parsed as JSON
-    when it is JSON (``anon=true``, ``client_kwargs={"region_name": "eu-west-1"}``)."""
-    options: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--storage-option wants KEY=VALUE, not {item!r}")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    return options or None
 
 
 def _open(args: argparse.Namespace, snapshot: int = -1) -> kvformat.Snapshot:
@@ -323,15 +264,6 @@ def _dump(args: argparse.Namespace) -> int:
     return 0
 
 
-def _remote_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--storage-option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="for a URL: fsspec option (endpoint_url=..., anon=true) or headers={...} for HTTP; repeatable",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvsnap", description="KV-cache snapshots: capture, inspect, analyse."
@@ -341,14 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="describe a .kv file (reads only its index)")
     p.add_argument("file")
-    _remote_options(p)
+    remote_options(p)
     p.add_argument("--snapshot", type=int, default=-1, help="which snapshot of a series (default: last)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_info)
 
     p = sub.add_parser("verify", help="check every checksum and rule of a .kv file")
     p.add_argument("file")
-    _remote_options(p)
+    remote_options(p)
     p.set_defaults(func=_verify)
 
     p = sub.add_parser(
@@ -383,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("describe", help="the conformance description of a file (JSON; see spec/vectors)")
     p.add_argument("file")
-    _remote_options(p)
+    remote_options(p)
     p.set_defaults(func=_describe_command)
 
     p = sub.add_parser("conformance", help="check a reader against spec/vectors/manifest.json")
@@ -393,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("dump", help="write one head's K, V (float32) and positions to .npz")
     p.add_argument("file")
-    _remote_options(p)
+    remote_options(p)
     p.add_argument("--layer", type=non_negative_int, required=True, help="layer index (0-based)")
     p.add_argument("--head", type=non_negative_int, required=True, help="KV head index within the layer")
     p.add_argument("--seq", type=non_negative_int, default=0, help="sequence of a batch (default 0)")

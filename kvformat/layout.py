@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from kvformat import sniff
 from kvformat.checksum import crc32c
 from kvformat.errors import ChecksumError, CorruptFileError, UnsupportedVersionError
 
-MAGIC = b"\x89KVS\r\n\x1a\n"
+MAGIC = sniff.KV
 FOOTER_MAGIC = b"KVSINDEX"
 DESCRIPTOR_MAGIC = b"KVCK"
 MAJOR = 1
@@ -58,29 +59,32 @@ MAX_HEAD_SEQUENCES = 1 << 24  # sum of num_heads over present layers, times num_
 MAX_POSITION = 1 << 53
 
 _HEADER = struct.Struct("<8sHHI44sI")
-_DESCRIPTOR = struct.Struct("<4sBBBBHHIqIIQQQII")
 _FOOTER = struct.Struct("<8sQQQIHH20sI")
 
-DESCRIPTOR_DTYPE = np.dtype(
-    [
-        ("magic", "S4"),
-        ("kind", "u1"),
-        ("dtype", "u1"),
-        ("codec", "u1"),
-        ("flags", "u1"),
-        ("layer", "<u2"),
-        ("head", "<u2"),
-        ("seq", "<u4"),
-        ("position", "<i8"),
-        ("rows", "<u4"),
-        ("width", "<u4"),
-        ("offset", "<u8"),
-        ("stored_size", "<u8"),
-        ("decoded_size", "<u8"),
-        ("payload_crc", "<u4"),
-        ("descriptor_crc", "<u4"),
-    ]
+DESCRIPTOR_FIELDS = (
+    ("magic", "S4"),
+    ("kind", "u1"),
+    ("dtype", "u1"),
+    ("codec", "u1"),
+    ("flags", "u1"),
+    ("layer", "<u2"),
+    ("head", "<u2"),
+    ("seq", "<u4"),
+    ("position", "<i8"),
+    ("rows", "<u4"),
+    ("width", "<u4"),
+    ("offset", "<u8"),
+    ("stored_size", "<u8"),
+    ("decoded_size", "<u8"),
+    ("payload_crc", "<u4"),
+    ("descriptor_crc", "<u4"),
 )
+"""The 64-byte record descriptor (SPEC section 5), field by field, little-endian: declared here
+once; the numpy record type, the struct format and `Descriptor` are derived from it."""
+DESCRIPTOR_DTYPE = np.dtype(list(DESCRIPTOR_FIELDS))
+_STRUCT_CODES = {"S4": "4s", "u1": "B", "<u2": "H", "<u4": "I", "<i8": "q", "<u8": "Q"}
+_DESCRIPTOR = struct.Struct("<" + "".join(_STRUCT_CODES[code] for _, code in DESCRIPTOR_FIELDS))
+_VALUES = tuple(name for name, _ in DESCRIPTOR_FIELDS[1:-1])  # what `Descriptor` holds, in order
 assert DESCRIPTOR_DTYPE.itemsize == DESCRIPTOR_SIZE == _DESCRIPTOR.size
 assert _HEADER.size == HEADER_SIZE and _FOOTER.size == FOOTER_SIZE
 
@@ -139,51 +143,14 @@ class Descriptor:
         return self.offset + DESCRIPTOR_SIZE + self.stored_size
 
     def pack(self) -> bytes:
-        body = _DESCRIPTOR.pack(
-            DESCRIPTOR_MAGIC,
-            self.kind,
-            self.dtype,
-            self.codec,
-            self.flags,
-            self.layer,
-            self.head,
-            self.seq,
-            self.position,
-            self.rows,
-            self.width,
-            self.offset,
-            self.stored_size,
-            self.decoded_size,
-            self.payload_crc,
-            0,
-        )[:60]
+        body = _DESCRIPTOR.pack(DESCRIPTOR_MAGIC, *(getattr(self, name) for name in _VALUES), 0)[:60]
         return body + struct.pack("<I", crc32c(body))
 
     @classmethod
     def from_fields(cls, fields: tuple[Any, ...]) -> Descriptor:
         """From one `DESCRIPTOR_DTYPE` record as a tuple (``table[i].item()``), unchecked: a
         chunk-table entry, which the index CRC already covers."""
-        (
-            _,
-            kind,
-            dtype,
-            codec,
-            flags,
-            layer,
-            head,
-            seq,
-            position,
-            rows,
-            width,
-            offset,
-            stored,
-            decoded,
-            crc,
-            _,
-        ) = fields
-        return cls(
-            kind, dtype, codec, layer, head, seq, position, rows, width, offset, stored, decoded, crc, flags
-        )
+        return cls(**dict(zip(_VALUES, fields[1:-1], strict=True)))
 
     @classmethod
     def unpack(cls, data: bytes | memoryview) -> Descriptor:

@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from kvformat import dtypes
+from kvformat import dtypes, sniff
 from kvformat.codecs import Codec
 from kvformat.dtypes import DType
 from kvformat.errors import (
@@ -50,7 +50,7 @@ from kvformat.manifest import LayerSpec
 from kvformat.outputs import check_output
 from kvformat.writer import Writer
 
-MAGIC = b"MLXKV001"
+MAGIC = sniff.MLXKV
 VERSIONS = range(1, 7)
 TAG_FLOAT32, TAG_Q8, TAG_NATIVE = 0, 1, 2
 NATIVE_NAMES: dict[str, DType] = {
@@ -65,11 +65,6 @@ MAX_STRING = 1 << 20  # architecture, dtype and cache-mode names: far below this
 MAX_PAYLOADS = 1 << 16  # opaque per-layer payloads (turboquant): a handful in practice
 MAX_SEQ_LEN = 1 << 31
 _HASH_BLOCK = 1 << 20
-
-
-def is_mlxkv(prefix: bytes) -> bool:
-    """Whether a file starting with ``prefix`` (its first 8 bytes or more) is an MLXKV001 file."""
-    return prefix[: len(MAGIC)] == MAGIC
 
 
 class _Stream:

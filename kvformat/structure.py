@@ -33,9 +33,9 @@ from kvformat.layout import (
     check_header,
 )
 from kvformat.manifest import Manifest, loads, parse_manifest
-from kvformat.mlxkv import is_mlxkv
 from kvformat.quantization import Parts, Quantization
 from kvformat.series import APPEND_CHUNKS, Chain, parse_entry
+from kvformat.sniff import is_mlxkv
 from kvformat.source import Source
 from kvformat.table_rules import check_table
 
