@@ -20,7 +20,7 @@ from .catalogue import ALL, BINS, POSITION_BINS, QUANT_BITS, TOP_K, stat_groups
 from .rope import Rope
 
 if TYPE_CHECKING:
-    from kvformat.reader import PayloadCheck
+    from kvformat.pages import PayloadCheck
 
 
 class Pending(Protocol):

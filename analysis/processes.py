@@ -278,7 +278,7 @@ def _tasks(
             task = _Task(layer, heads[start : start + size], release_each=not regrouped)
             tasks.append(task)
             owner.update({(layer, seq, head): task for seq, head in task.heads})
-    spans = [snap.byte_span(w.segments) if w.release and w.segments else None for w in order]
+    spans = [snap.pages.byte_span(w.segments) if w.release and w.segments else None for w in order]
     window = 0
     for batch, _, window_end in head_batches(snap, order, last):
         first = batch[0]
@@ -460,7 +460,7 @@ def _add_task(
             )
             leaving = i == len(task.work) - 1 or task.work[i + 1][0] != window
             if leaving and window in task.releases:
-                snap.release_span(*task.releases[window])
+                snap.pages.release_span(*task.releases[window])
         if pipeline is not None and rows is not None:
             pipeline.finish()
             if finish:

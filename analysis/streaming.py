@@ -84,7 +84,7 @@ class _Workers:
         first = batch[0]
         k_acc = accumulators[(first.layer, first.seq, first.head, "k")]
         v_acc = accumulators[(first.layer, first.seq, first.head, "v")]
-        snap.prefetch(batch)
+        snap.pages.prefetch(batch)
         key = (first.layer, first.seq, first.head)
         return self.pool.submit(
             key, add_segments, snap, batch, k_acc, v_acc, rope, self.pipeline, release_each
@@ -195,7 +195,7 @@ def layers(
                 window, work = releasing.popleft()
                 for future in work:
                     future.result()
-                snap.release(window.segments)
+                snap.pages.release(window.segments)
 
         with _Workers(options) as workers, bar:
             for batch, closes, window_end in head_batches(snap, order, last):

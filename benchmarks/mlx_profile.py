@@ -127,8 +127,10 @@ def main() -> None:
     report["rss_after_warm_mib"] = _current_rss_mib()
 
     kvformat.Snapshot.read = _timed("read+crc (worker)", kvformat.Snapshot.read)  # type: ignore[method-assign]
-    unchecked = _timed("read, CRCs left to the copy threads (driver)", kvformat.Snapshot.read_unchecked)
-    kvformat.Snapshot.read_unchecked = unchecked  # type: ignore[method-assign]
+    from kvformat.pages import Pages
+
+    unchecked = _timed("read, CRCs left to the copy threads (driver)", Pages.read_unchecked)
+    Pages.read_unchecked = unchecked  # type: ignore[method-assign]
     mlx_pipeline._Batch.launch = _timed(
         "batch launch (waits for its copies, driver)", mlx_pipeline._Batch.launch
     )  # type: ignore[method-assign]

@@ -401,7 +401,7 @@ def test_copy_threads_check_the_payload_crcs_of_what_they_copy() -> None:
     from kvsnap.analysis.backends.mlx_staging import Staging
 
     from kvformat.checksum import crc32c
-    from kvformat.reader import PayloadCheck
+    from kvformat.pages import PayloadCheck
 
     probe = Staging.create()
     assert probe is not None  # CPU mlx exposes its memory: the copy threads are used
@@ -427,14 +427,14 @@ def test_copy_threads_check_the_payload_crcs_of_what_they_copy() -> None:
 
 @pytest.mark.parametrize("tensor", ["k", "v"])
 def test_a_corrupt_chunk_is_found_by_the_copy_threads(tmp_path: Path, tensor: str) -> None:
-    """Chunks read unchecked (`Snapshot.read_unchecked`) are checked on the copy threads: a
+    """Chunks read unchecked (`Pages.read_unchecked`) are checked on the copy threads: a
     damaged K or V chunk stops the pass with its name, as the CPU pass does."""
     path = random_file(tmp_path / "r.kv", ml_dtypes.bfloat16, 64, 700)
     with kvformat.open(path) as snap:
         table = snap._file.table
         chunk = int(np.flatnonzero(table["kind"] == (0 if tensor == "k" else 1))[3])
         offset = int(table["offset"][chunk]) + 64 + 37
-        _, k_check, v_check = snap.read_unchecked(snap.segments()[0])
+        _, k_check, v_check = snap.pages.read_unchecked(snap.segments()[0])
         assert k_check is not None and v_check is not None  # whole raw chunks: left to the caller
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x10

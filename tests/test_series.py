@@ -143,10 +143,10 @@ def test_positions_dropped_from_the_end_may_be_appended_again(tmp_path: Path) ->
 
 
 def test_byte_span_covers_the_chunks_of_segments_and_release_span_keeps_views_valid(tmp_path: Path) -> None:
-    """`Snapshot.byte_span` runs from the first record of the segments' chunks to the end of
+    """`Pages.byte_span` runs from the first record of the segments' chunks to the end of
     the last; releasing it (`release_span`: the pass's workers drop a window's pages) leaves
     every view handed out reading the same values (the pages fault back in)."""
-    from kvformat.reader import DESCRIPTOR_SIZE
+    from kvformat.layout import DESCRIPTOR_SIZE
 
     path = tmp_path / "series.kv"
     write_series(path)
@@ -156,12 +156,12 @@ def test_byte_span_covers_the_chunks_of_segments_and_release_span_keeps_views_va
         chunks = [c for s in segments for c in (s.k_chunk, s.v_chunk)]
         starts = table["offset"][chunks].astype(np.int64)
         ends = starts + DESCRIPTOR_SIZE + table["stored_size"][chunks].astype(np.int64)
-        assert snap.byte_span(segments) == (int(starts.min()), int(ends.max()))
-        assert snap.byte_span(segments[1:2]) == (int(starts[2:4].min()), int(ends[2:4].max()))
+        assert snap.pages.byte_span(segments) == (int(starts.min()), int(ends.max()))
+        assert snap.pages.byte_span(segments[1:2]) == (int(starts[2:4].min()), int(ends[2:4].max()))
         heads = [snap.read(s) for s in segments]
         copies = [(h.k.copy(), h.v.copy()) for h in heads]
-        snap.release_span(*snap.byte_span(segments))
-        snap.release_span(10, 10)  # empty: nothing to do
+        snap.pages.release_span(*snap.pages.byte_span(segments))
+        snap.pages.release_span(10, 10)  # empty: nothing to do
         for head, (k, v) in zip(heads, copies, strict=True):
             np.testing.assert_array_equal(head.k, k)
             np.testing.assert_array_equal(head.v, v)

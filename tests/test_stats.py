@@ -199,7 +199,7 @@ def test_statistics_of_a_series_snapshot_equal_those_of_the_data_written_at_once
     tmp_path: Path, codec: str
 ) -> None:
     """A series' last snapshot has small segments interleaved across heads: the pass regroups
-    them by head (`plan.windows`) and reads each head's together (`Snapshot.read_many`);
+    them by head (`plan.windows`) and reads each head's together (`Pages.read_many`);
     the statistics are those of the same K/V written at once."""
     from kvsnap.analysis.plan import windows
 
@@ -224,19 +224,19 @@ def test_read_many_joins_what_read_gives_and_checks_every_crc(tmp_path: Path) ->
     series, _ = _series_and_whole(tmp_path)
     with kvformat.open(series) as snap:
         segments = [s for s in snap.segments() if (s.layer, s.head) == (1, 1)]
-        joined = snap.read_many(segments)
+        joined = snap.pages.read_many(segments)
         one_by_one = [snap.read(s) for s in segments]
         np.testing.assert_array_equal(joined.k, np.concatenate([h.k for h in one_by_one]))
         np.testing.assert_array_equal(joined.v, np.concatenate([h.v for h in one_by_one]))
         np.testing.assert_array_equal(joined.positions, np.arange(96))
         with pytest.raises(ValueError, match="one head"):
-            snap.read_many([segments[0], snap.segments()[0]])
+            snap.pages.read_many([segments[0], snap.segments()[0]])
         offset = int(snap._file.table["offset"][segments[5].v_chunk])
     raw = bytearray(series.read_bytes())
     raw[offset + 64 + 3] ^= 1
     series.write_bytes(bytes(raw))
     with kvformat.open(series) as snap, pytest.raises(kvformat.ChecksumError, match="payload CRC-32C"):
-        snap.read_many([s for s in snap.segments() if (s.layer, s.head) == (1, 1)])
+        snap.pages.read_many([s for s in snap.segments() if (s.layer, s.head) == (1, 1)])
 
 
 def test_arrow_tables_from_array_rows_equal_those_from_list_rows(tmp_path: Path) -> None:
@@ -269,7 +269,7 @@ def test_a_payload_check_is_computed_piece_by_piece_as_the_kernel_adds(
     from kvsnap.analysis.stats import HeadAccumulator
 
     from kvformat.checksum import crc32c
-    from kvformat.reader import PayloadCheck
+    from kvformat.pages import PayloadCheck
 
     rows = np.random.default_rng(3).standard_normal((2 * arrays.KERNEL_ROWS + 77, 16)).astype(np.float32)
     positions = np.arange(rows.shape[0])

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import numpy as np
 
-    from kvformat.reader import PayloadCheck
+    from kvformat.pages import PayloadCheck
 
     from ..accumulator import HeadAccumulator
 

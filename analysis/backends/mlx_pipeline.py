@@ -199,7 +199,7 @@ class Pipeline:
         check: Any = None,
     ) -> None:
         """Queue ``rows`` of ``acc``; ``after`` runs once they are copied for the device (e.g.
-        releasing their pages). ``check``: a `kvformat.reader.PayloadCheck` the bytes of
+        releasing their pages). ``check``: a `kvformat.pages.PayloadCheck` the bytes of
         ``rows`` (a chunk's whole payload, read unchecked) must pass: the copy threads compute
         the CRC over what they copy, so the driving thread reads nothing itself (checked here
         instead when ``rows`` span several pieces or nothing is staged)."""
