@@ -141,7 +141,7 @@ def file_or_failure(
     path: str, work: Callable[[str, PassOptions], Any], options: PassOptions, fail_fast: bool
 ) -> Any:
     """``work(path, options)``, or the `FileFailure` it raised (raised again with
-    ``fail_fast``). ``path`` first, as `analysis.stats.local_map` calls it."""
+    ``fail_fast``). ``path`` first, as `parallel.local_map` calls it."""
     try:
         return work(path, options)
     except Exception as exc:

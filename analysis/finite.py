@@ -8,8 +8,8 @@ statistics are over.
 
 Finding nothing is the common case and must cost little beside the statistics: `any_nonfinite`
 is one pass at memory speed (float32: the BLAS dot product of the values with themselves, which
-is non-finite when a value is, 11 GB/s on one core here; float16/bfloat16: the largest magnitude
-bits, 6.6 GB/s). Only when it fires are the rows tested exactly, on the exponent bits of the
+is non-finite when a value is; float16/bfloat16: the largest magnitude bits; rates in
+`benchmarks/RESULTS.md`). Only when it fires are the rows tested exactly, on the exponent bits of the
 stored dtype (all ones: inf or NaN); `split` copies only then.
 """
 

@@ -34,9 +34,7 @@ pass's segment list (as the one-worker pass holds it) and the accumulators of at
 workers`` tasks in flight plus the layers waiting for them. On mlx a worker also holds its
 device pipeline (`backends.mlx_pipeline.Pipeline`: two batches' staging buffers of 16 MiB, results waiting
 to be folded) and mlx's own footprint, most of its memory on CUDA: mlx, its CUDA context and the
-code of every kernel it has loaded (H200, kernels cached from an earlier run: 932 MiB at its
-peak on the bf16 benchmark file, 899 MiB on the fp32 one, sampled every 50 ms; ~1.4 GiB in a
-worker that compiles them itself, `benchmarks/RESULTS.md`, session 21).
+code of every kernel it has loaded (measured per worker in `benchmarks/RESULTS.md`).
 """
 
 from __future__ import annotations
@@ -72,24 +70,21 @@ START_METHOD = "forkserver"
 MLX_START_METHOD = "spawn"
 """mlx workers are spawned, not forked from the fork server: they start mlx and a CUDA context
 of their own either way (a fork cannot share one), and a spawned worker does not carry the fork
-server's numba and compiled kernels (107 MiB shared into each forked worker's resident set; on
-mlx the rows' eigenvalues are LAPACK's, `rows`). On the H200 a worker's peak went from 1080 to
-1039 MiB (`benchmarks/RESULTS.md`, session 18)."""
+server's numba and compiled kernels, which would count in each worker's resident set (on mlx the
+rows' eigenvalues are LAPACK's, `rows`)."""
 
 PROCESS_MIN_BYTES = 256 << 20
 """Smaller files stay in one process (on threads) unless the workers are already running:
-starting them (0.6-1.7 s: an interpreter importing numpy and numba) would cost more than they
+starting them (an interpreter importing numpy and numba each) would cost more than they
 save on a file one core analyses in about that time."""
 
 
 MLX_ONE_SHOT_BYTES = 12 << 30
 """A command's one mlx pass (`kvsnap stats FILE --backend mlx`, one local file, no ``--jobs``)
 over a smaller file runs in one process (`one_shot_in_process`): worker processes each start mlx
-and a CUDA context, and those starts queue on the device. Measured on the H200 machine in fresh
-processes (`benchmarks/RESULTS.md`, session 16): the 1.2 GB bf16 file 2.9 s in one process
-against 4.2 s on 12; the 8.6 GB fp32 file 4.9 s against 5.5 s. Once started, 12 processes save
-~0.3 s a GB and their start costs ~3.4 s more: even at ~11 GB. A long-lived process (the API, a
-batch of files) keeps its workers and gains from them from its second pass on."""
+and a CUDA context, and those starts queue on the device, so below this size a fresh command is
+faster in one process (the break-even measured in `benchmarks/RESULTS.md`). A long-lived process
+(the API, a batch of files) keeps its workers and gains from them from its second pass on."""
 
 
 def one_shot_in_process(path: str | os.PathLike[str]) -> bool:

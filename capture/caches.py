@@ -115,8 +115,8 @@ def unified_memory() -> bool:
 
 def _host_ready(array: mx.array) -> mx.array:
     """``array`` as the host should read it: as it is with unified memory; otherwise copied into a
-    contiguous buffer on the device first (one device pass, 2 ms for an 8B model's 8k-token
-    cache on an H200), so the host copies only those bytes, not the pages of the whole cache."""
+    contiguous buffer on the device first (one device pass, a few ms for an 8B model's 8k-token
+    cache), so the host copies only those bytes, not the pages of the whole cache."""
     return array if unified_memory() else mx.contiguous(array)
 
 

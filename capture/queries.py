@@ -165,8 +165,8 @@ class QueryRecorder:
         evaluated): the layers' pieces of one shape joined in one ``mx.concatenate`` along the
         position axis, so the snapshot's transfer carries one array for them. Returns those
         arrays, ``(batch, heads, n, dim)`` each, and per layer ``(layer, array index, first
-        column, positions)``. What this costs the generating thread on CUDA (~5 ms a snapshot at
-        36 layers x 16 steps) is in `benchmarks/RESULTS.md`."""
+        column, positions)``. What this costs the generating thread on CUDA is in
+        `benchmarks/RESULTS.md`."""
         groups: dict[tuple[Any, ...], list[mx.array]] = {}
         widths: dict[tuple[Any, ...], int] = {}
         placed: list[tuple[int, tuple[Any, ...], int, np.ndarray]] = []

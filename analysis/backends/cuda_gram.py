@@ -1,10 +1,9 @@
 """The Gram product of a batch of pieces on a CUDA device, by kvsnap's own kernel, for the mlx
-backend (`mlx_kernel`) where mlx computes on CUDA.
+backend (`mlx`) where mlx computes on CUDA.
 
 Why not mlx's matrix product: on CUDA that is cuBLAS, whose first use loads its kernel module
-into each process's host memory (a worker of a full pass on the H200 peaked 65 MiB higher with
-it: `benchmarks/RESULTS.md`, session 19). This kernel is one small module (a 12 KiB cubin)
-summing in float32 FMAs: within 2e-5 of the largest entry of float64's product in
+into each process's host memory. This kernel is one small module (a 12 KiB cubin) summing in
+float32 FMAs: within 2e-5 of the largest entry of float64's product in
 `tests/test_mlx_cuda.py`, where cuBLAS's float32 product on the same 8192-row pieces was 7e-5
 off this kernel's.
 

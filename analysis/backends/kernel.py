@@ -15,7 +15,7 @@ exact edges and a guess from the float's top bits, no logarithm: 4.4 ns a value 
 for ``log10``, which as a call inside the row pass also spilled its vector registers) and the
 norm-by-position bin (read off the position's float64 exponent).
 
-The Gram matrix stays with BLAS (`analysis.stats`). Every inner loop runs over contiguous
+The Gram matrix stays with BLAS (`compiled`). Every inner loop runs over contiguous
 channels without a loop-carried dependency other than a reduction, so LLVM vectorizes it: the
 float64 sums are reassociated (``fastmath`` reassoc), the absolute maxima are taken on the float
 bits as integers (an exact, vectorizable max for non-negative floats), and the quantization pass,

@@ -52,7 +52,7 @@ the log histogram, as a norm computed in float32 may fall in the next bin)."""
 def available() -> bool:
     """Whether mlx is installed here: found, not imported. Importing it starts its device, which
     the parent of a pass on worker processes never uses (on CUDA a context of its own, and the
-    CUDA libraries mapped: 241 of the 408 MiB resident in such a parent in session 18's probe)."""
+    CUDA libraries mapped: most of such a parent's resident memory)."""
     import importlib.util
 
     try:

@@ -144,8 +144,8 @@ def fold_group(
     order: ``entries`` ``(acc, x, pos)`` (``x`` a piece as stored, ``pos`` its positions),
     ``out`` host arrays with a leading axis over the entries. What is left per row here is
     counting histogram bins the device chose and picking the top peaks; it runs once for the
-    group, not once per piece: on the H200 the per-piece calls, under the GIL beside the thread
-    that drives the device, were most of the fold."""
+    group, not once per piece: per-piece calls, under the GIL beside the thread that drives the
+    device, would be most of the fold."""
     from .. import catalogue
     from ..arrays import float32_rows
 

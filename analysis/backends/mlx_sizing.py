@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    pass
-
 
 PROCESS_SHARE = 3 / 4
 """Worker processes an mlx pass over a local file uses, per worker asked for (`analysis.processes`):
 each drives the device with its own pipeline, so the host's work (copies, checksums, folding,
-rows) runs outside one interpreter's lock. On the H200 machine's 16 cores the full catalogue's
-second pass over the 8.6 GB fp32 file took 3.66 s in one process, 2.65 s on 4 worker processes,
-1.93 s on 10, 1.63-1.65 s on 12 and 2.25 s on 16 (`benchmarks/RESULTS.md`, session 14)."""
+rows) runs outside one interpreter's lock; past 3/4 of the cores, the processes' own threads
+compete (the scaling measured in `benchmarks/RESULTS.md`)."""
 
 
 PROCESS_MEMORY = 8 << 30
 """Bytes of the machine's memory per such process, at most: each holds its own mlx and device
-context (on CUDA 0.90-0.93 GiB resident at its peak, ~1.4 GiB where it compiles the kernels,
-most of it its own), so a machine with little memory runs few."""
+context (on CUDA about 1 GiB resident at its peak, more where it compiles the kernels), so a
+machine with little memory runs few."""
 
 
 def processes(workers: int) -> int:
@@ -45,10 +39,8 @@ def _physical_memory() -> int:
 
 def copy_threads(share: int = 1) -> int:
     """Threads that copy batches into staging buffers: 3/8 of the cores (6 of 16), divided among
-    ``share`` processes that drive the device. More lose: on the H200 machine's 16 cores, beside
-    the driving thread, the fold thread, the row threads (`row_threads`) and mlx's own, a full
-    pass took 5.4 s (fp32, 8.6 GB) with 16 copy threads and 3.6-4.2 s with 6
-    (`benchmarks/RESULTS.md`, session 11)."""
+    ``share`` processes that drive the device. More lose: they compete with the driving thread,
+    the fold thread, the row threads (`row_threads`) and mlx's own."""
     from ..parallel import cores
 
     return max(1, min(16, cores() * 3 // 8) // share)
@@ -70,10 +62,8 @@ MiB; ``KVSNAP_MLX_BATCH_MIB`` overrides it and `WORKER_BATCH_MIB`."""
 
 WORKER_BATCH_MIB = 16
 """The same in each of a pass's worker processes (`analysis.processes`), where a process's host
-memory is what counts (on CUDA the staging buffers live there). H200, 12 processes, fp32 file
-(`benchmarks/RESULTS.md`, session 20): the largest worker 1052 -> 1002 MiB (``VmHWM``)
-against 32 MiB batches, the pass 0.85-0.90 -> 1.02-1.16 s; in one process 16 MiB cost more
-(fp32 2.91 -> 3.97 s, bf16 0.57 -> 0.85 s) and saved nothing that reaches 1 GiB there."""
+memory is what counts (on CUDA the staging buffers live there): smaller batches keep each
+worker under 1 GiB at a small cost in speed; in one process they would only cost."""
 
 
 def batch_bytes(worker: bool = False) -> int:

@@ -8,7 +8,7 @@ import os
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -16,17 +16,13 @@ from kvformat.checksum import concatenated_linear, linear_crc, zeros_crc
 
 from ..arrays import bytes_of
 from . import unified_memory
-
-if TYPE_CHECKING:
-    pass
 from .mlx_sizing import copy_threads
 
 PLACEMENT = "host"
 """Where staging buffers live on CUDA (`unified_memory.MODES`; ``KVSNAP_MLX_STAGING`` overrides):
-in host memory, the device reading them in place. On the H200 machine, full catalogue, 12
-processes, second passes: bf16 0.36 -> 0.23 s, fp32 1.66 -> 0.92 s against the driver's default
-(``fault``: pages moved on demand, both ways, at each reuse); ``prefetch`` gave 0.29 s on bf16 and
-``mostly`` 0.2-0.7 GB/s in `benchmarks/mlx_copy_probe.py` (`benchmarks/RESULTS.md`, session 16)."""
+in host memory, the device reading them in place: faster than the driver's default (``fault``:
+pages moved on demand, both ways, at each reuse) and than ``prefetch`` or ``mostly``
+(`benchmarks/probes/mlx_copy_probe.py`; figures in `benchmarks/RESULTS.md`)."""
 
 
 def on_cuda() -> bool:
@@ -40,23 +36,21 @@ def on_cuda() -> bool:
 class Staging:
     """Device buffers the host writes batches into, on many threads.
 
-    ``mx.array(rows)`` copies on one thread, holding the GIL: 2.5 GB/s on the H200 machine
-    (`benchmarks/mlx_copy_probe.py`). An evaluated mlx array exposes its memory through the
-    buffer protocol (CUDA managed memory, or Apple's unified memory), so the pieces of a batch are
-    copied straight into it with ``np.copyto`` on a thread pool (which releases the GIL): 7.2-7.9
-    GB/s there on 8-16 threads, the device's reads included (a pass uses `copy_threads`).
+    ``mx.array(rows)`` copies on one thread, holding the GIL. An evaluated mlx array exposes its
+    memory through the buffer protocol (CUDA managed memory, or Apple's unified memory), so the
+    pieces of a batch are copied straight into it with ``np.copyto`` on a thread pool (which
+    releases the GIL; a pass uses `copy_threads`).
     Buffers are reused once the device has read them (`give_back`); at most three per shape are
     kept (a batch copying, one on the device, one being fetched). `create` checks once that a
     write through the buffer is what the device reads, and returns None where it is not (then
     batches go through ``mx.array``).
 
     On CUDA that memory is managed memory, and by default its pages move on demand: the device
-    faults each batch in (~0.57 GB/s per process), the host faults it back at its next write.
-    ``placement`` (`PLACEMENT`) keeps the buffers in host memory instead, the device reading them
-    in place over the bus (`unified_memory`): 12-14 GB/s for one process in
-    `benchmarks/mlx_copy_probe.py` against 4.8 GB/s by faults. Float32 rows are then copied to
-    device memory once per call (`piece_function` ``copy``); 16-bit rows already are, by their
-    conversion."""
+    faults each batch in, the host faults it back at its next write. ``placement`` (`PLACEMENT`)
+    keeps the buffers in host memory instead, the device reading them in place over the bus
+    (`unified_memory`; both measured by `benchmarks/probes/mlx_copy_probe.py`). Float32 rows are
+    then copied to device memory once per call (`piece_function` ``copy``); 16-bit rows already
+    are, by their conversion."""
 
     KEEP_BYTES = 256 << 20
 

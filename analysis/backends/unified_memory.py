@@ -1,7 +1,7 @@
 """Placement hints for CUDA managed memory, through the CUDA driver (``libcuda``) with ctypes.
 
 mlx's CUDA backend gives an array whose memory the host touches (the buffer protocol, as
-`mlx_kernel.Staging` uses) CUDA managed memory. By default its pages move on demand, one fault at
+`mlx_staging.Staging` uses) CUDA managed memory. By default its pages move on demand, one fault at
 a time: the device faults the rows the host just wrote in, the host faults them back at its next
 write into the same buffer. This module tells the driver where such a buffer should live instead:
 

@@ -2,7 +2,7 @@
 them (copies into staging buffers, device launches, waits for the device, folds, sealing rows),
 timed in every process, then summed per pass.
 
-    python -m benchmarks.pass_trace FILE [--backend mlx] [--jobs 16] [--passes 3] [--stats all]
+    python -m benchmarks.probes.pass_trace FILE [--backend mlx] [--jobs 16] [--passes 3] [--stats all]
 
 The pass runs in a child process whose ``PYTHONPATH`` starts with a generated
 ``sitecustomize.py``: every interpreter of the pass imports it, the fork server too (a fresh

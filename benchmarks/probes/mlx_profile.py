@@ -4,7 +4,7 @@ checksumming, stacking a batch, the copy to the device (staging buffers, or ``mx
 ``--no-staging``), waiting for the device, folding results,
 eigenvalues), and mlx's own memory counters.
 
-    python -m benchmarks.mlx_profile FILE [--stats all] [--batch-mib 32] [--cache-limit-mib N] [--no-staging]
+    python -m benchmarks.probes.mlx_profile FILE [--stats all] [--batch-mib 32] [--cache-limit-mib N] [--no-staging]
         [--repeat 2] [--row-threads N] [--copy-threads N] [--switch-interval SECONDS]
 
 Each pass's time goes to stderr as it ends (``pass N: S s``: a profiler can attach after the

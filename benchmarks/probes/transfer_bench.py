@@ -5,7 +5,7 @@ What a snapshot pays before any byte reaches the file, on a Qwen3-8B-shaped cach
 view), a contiguous device copy of every layer, the new tokens of a series snapshot only, and
 whether ``np.asarray`` of an mlx array is a view of mlx's memory or a copy.
 
-    python -m benchmarks.transfer_bench [--context 8192] [--layers 36]
+    python -m benchmarks.probes.transfer_bench [--context 8192] [--layers 36]
 """
 
 from __future__ import annotations

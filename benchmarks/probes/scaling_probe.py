@@ -4,8 +4,8 @@ group), and the read paths a pass can take over a file on 1..N threads (``pread`
 buffer, a memory map, a memory map whose pages are released after each 8 MiB as the pass
 releases them), each with a CRC-32C of what it read.
 
-    python -m benchmarks.scaling_probe memory
-    python -m benchmarks.scaling_probe read FILE
+    python -m benchmarks.probes.scaling_probe memory
+    python -m benchmarks.probes.scaling_probe read FILE
 
 BLAS is limited to one thread; each thread works on its own 64 MiB array (memory) or on
 8 MiB ranges of the file handed out in order (read).

@@ -2,7 +2,7 @@
 file, no host work): which part of the per-piece computation sets the pace of an mlx pass, and
 how its time grows with the pieces stacked into one call and with processes sharing the device.
 
-    python -m benchmarks.mlx_device_probe [--dtypes bfloat16,float32] [--batches 1,8,16]
+    python -m benchmarks.probes.mlx_device_probe [--dtypes bfloat16,float32] [--batches 1,8,16]
         [--processes 1,4,12]
 
 Prints one JSON object per line: ``{"dtype", "groups", "batch", "ms_per_piece", "elements_per_s"}``

@@ -1,6 +1,6 @@
 """Do BLAS and the numpy pieces of the Gram update scale over threads on this machine?
 
-    python -m benchmarks.blas_probe [--jobs 1,4,8,16]
+    python -m benchmarks.probes.blas_probe [--jobs 1,4,8,16]
 
 For each thread count: float32 ``x.T @ x`` on (512, 128) pieces under a one-thread BLAS, the
 same with BLAS's own threads, ``np.median`` of 8192 floats, and the spectrum-only accumulator.

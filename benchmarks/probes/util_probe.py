@@ -2,7 +2,7 @@
 group and thread count, on the file and on the same arithmetic without any file (in-memory rows,
 one accumulator per thread).
 
-    python -m benchmarks.util_probe FILE [--jobs 16,8,4] [--groups all,norms,spectrum,quant]
+    python -m benchmarks.probes.util_probe FILE [--jobs 16,8,4] [--groups all,norms,spectrum,quant]
 """
 
 from __future__ import annotations

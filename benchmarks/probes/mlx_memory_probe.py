@@ -1,10 +1,10 @@
 """What holds a process's host memory (resident set) when it computes with mlx.
 
-    python -m benchmarks.mlx_memory_probe                      # steps, one process
-    python -m benchmarks.mlx_memory_probe --pass FILE [--jobs N] [--passes 2]
-    python -m benchmarks.mlx_memory_probe --operations
-    python -m benchmarks.mlx_memory_probe --selections          # KVSNAP_CUDA_GRAM=0: with cuBLAS
-    python -m benchmarks.mlx_memory_probe --modules 40
+    python -m benchmarks.probes.mlx_memory_probe                      # steps, one process
+    python -m benchmarks.probes.mlx_memory_probe --pass FILE [--jobs N] [--passes 2]
+    python -m benchmarks.probes.mlx_memory_probe --operations
+    python -m benchmarks.probes.mlx_memory_probe --selections          # KVSNAP_CUDA_GRAM=0: with cuBLAS
+    python -m benchmarks.probes.mlx_memory_probe --modules 40
 
 ``--selections``: the per-piece function of each group selection (`SELECTIONS`), alone in a
 fresh process: what it adds to a started process, and a call's time. ``--modules N``: the
@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import mlx_device_probe
+from benchmarks.probes import mlx_device_probe
 
 MIB = 1 << 20
 
@@ -380,7 +380,7 @@ def fresh_processes(flag: str, names: list[str]) -> None:
     import sys
 
     for name in names:
-        subprocess.run([sys.executable, "-m", "benchmarks.mlx_memory_probe", flag, name], check=False)
+        subprocess.run([sys.executable, "-m", "benchmarks.probes.mlx_memory_probe", flag, name], check=False)
 
 
 def main() -> None:
