@@ -131,10 +131,24 @@ def test_no_module_is_importable_under_two_names() -> None:
 def test_the_wheel_installs_the_stages_under_kvsnap(tmp_path: Path) -> None:
     """A wheel built from the tree holds ``kvsnap/analysis`` and ``kvsnap/capture`` (and no top-level
     ``analysis`` or ``capture``), and, unpacked alone on the path, imports from there."""
+    import shutil
     import zipfile
 
+    # From a copy of the files git knows (tracked, or new and not ignored): a build in the tree
+    # would leave build/ there, and reuse a stale one (modules since deleted) in the wheel.
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPOSITORY,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    source = tmp_path / "source"
+    for name in filter(None, (entry.decode() for entry in listed)):
+        if (REPOSITORY / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPOSITORY / name, source / name)
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(REPOSITORY)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), str(source)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -145,6 +159,7 @@ def test_the_wheel_installs_the_stages_under_kvsnap(tmp_path: Path) -> None:
     tops = {name.split("/")[0] for name in names}
     assert {"kvsnap", "kvformat"} <= tops and not {"analysis", "capture"} & tops
     assert "kvsnap/analysis/stats.py" in names and "kvsnap/capture/generate.py" in names
+    assert "kvsnap/analysis/backends/mlx_fold.py" in names  # subpackages of the stages too
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     out = run_python(
