@@ -146,92 +146,131 @@ def fold_group(
     counting histogram bins the device chose and picking the top peaks; it runs once for the
     group, not once per piece: per-piece calls, under the GIL beside the thread that drives the
     device, would be most of the fold."""
-    from .. import catalogue
-    from ..arrays import float32_rows
-
     groups = entries[0][0].groups
     n = entries[0][1].shape[0]
-    # Per-piece scalars as Python floats, vectors in float64: whole-group conversions, so the
-    # loop below is a few adds per accumulator.
-    square_sums = out["sq_sum"].astype(np.float64).tolist()
-    if "norms" in groups:
-        norm_sums = out["norm_sum"].astype(np.float64).tolist()
-        norm_mins = out["norm_min"].astype(np.float64).tolist()
-        norm_maxs = out["norm_max"].astype(np.float64).tolist()
-        norm_firsts = out["norm_first"].astype(np.float64).tolist()
-        norm_hists = out["norm_hist"]
-        position_norms = out["position_norm"].astype(np.float64)
     raw = _raw_powers(out["shift"], out["central"], n) if "central" in out else None
     powers = None  # what the accumulators' power sums take: x to x^4 (channels), x (spectrum)
     if raw is not None and ("channels" in groups or "spectrum" in groups):
         powers = raw if "channels" in groups else raw[:, :1]
-    if "channels" in groups:
-        peak_hists = out["peak_hist"]
-        top_rows, top_peaks = out["top_rows"].tolist(), out["top_peaks"].tolist()
-    if "spectrum" in groups and "product" in out:
-        heavy_rows = out["heavy"].tolist()
-        light_rows = n - out["heavy"].astype(np.float64)
-        shift = out["center"].astype(np.float64)  # the exact float32 shift the device used
-        sums = out["light_sums"].astype(np.float64)
-        outer = shift[:, :, None] * sums[:, None, :]
-        outer += outer.transpose(0, 2, 1)
-        outer -= (light_rows[:, None] * shift)[:, :, None] * shift[:, None, :]
-        gram = outer + out["product"]  # the product about the shift, plus the shift's terms
-    if "quant" in groups:
-        quant_token = out["quant_token"].astype(np.float64)
-        quant_channel = out["quant_channel"].astype(np.float64).sum(axis=-1)
-    adds: dict[str, np.ndarray] = {}  # per sum, the group's values to add ((B, ...), in order)
-    if "norms" in groups:
-        adds.update(norm_hist=norm_hists, unit_sum=out["unit"], position_norm=position_norms)
-    if "channels" in groups:
-        adds["peak_hist"] = peak_hists
-    if "quant" in groups:
-        adds.update(quant_token=quant_token, quant_channel=quant_channel)
+    gram = _gram_of(out, n) if "spectrum" in groups and "product" in out else None
     shared = shared_stack(entries)
-    if shared is not None:  # one call per sum for the whole group (the same values)
+    _add_arrays(entries, shared, _array_adds(out, groups), powers, out)
+    scalars = _Scalars(out, groups)
+    for b, (acc, x, p) in enumerate(entries):
+        scalars.add(acc, b, n, p)
+        if raw is not None and "rope" in groups and acc.band is not None and acc.rope is not None:
+            first, second = acc.rope.pair_indices()
+            acc.band += raw[b, 1][first] + raw[b, 1][second]
+        if "spectrum" in groups:
+            _add_gram(acc, x, out, b, None if shared is not None or gram is None else gram[b])
+    if shared is not None and gram is not None:
+        arrays, rows = shared
+        arrays["gram"][rows] += gram  # after each accumulator's heavy rows, as one by one
+
+
+def _array_adds(out: dict[str, np.ndarray], groups: frozenset[str]) -> dict[str, np.ndarray]:
+    """Per array sum, the group's values to add (``(B, ...)``, in order)."""
+    adds: dict[str, np.ndarray] = {}
+    if "norms" in groups:
+        adds.update(
+            norm_hist=out["norm_hist"],
+            unit_sum=out["unit"],
+            position_norm=out["position_norm"].astype(np.float64),
+        )
+    if "channels" in groups:
+        adds["peak_hist"] = out["peak_hist"]
+    if "quant" in groups:
+        adds["quant_token"] = out["quant_token"].astype(np.float64)
+        adds["quant_channel"] = out["quant_channel"].astype(np.float64).sum(axis=-1)
+    return adds
+
+
+def _gram_of(out: dict[str, np.ndarray], n: int) -> np.ndarray:
+    """The Gram matrices ``(B, dim, dim)`` of the pieces' light rows: the device's product about
+    its shift ``c`` plus the shift's terms ``c s^T + s c^T - n c c^T``."""
+    light_rows = n - out["heavy"].astype(np.float64)
+    shift = out["center"].astype(np.float64)  # the exact float32 shift the device used
+    sums = out["light_sums"].astype(np.float64)
+    outer = shift[:, :, None] * sums[:, None, :]
+    outer += outer.transpose(0, 2, 1)
+    outer -= (light_rows[:, None] * shift)[:, :, None] * shift[:, None, :]
+    return outer + out["product"]
+
+
+def _add_arrays(
+    entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]],
+    shared: tuple[dict[str, np.ndarray], slice | np.ndarray] | None,
+    adds: dict[str, np.ndarray],
+    powers: np.ndarray | None,
+    out: dict[str, np.ndarray],
+) -> None:
+    """Add the array sums: one call per sum for a stacked group, else accumulator by accumulator."""
+    channels = "channels" in entries[0][0].groups
+    if shared is not None:
         arrays, rows = shared
         for name, values in adds.items():
             arrays[name][rows] += values
         if powers is not None:
             arrays["power"][rows, : powers.shape[1]] += powers
-        if "channels" in groups:
+        if channels:
             arrays["absmax"][rows] = np.maximum(arrays["absmax"][rows], out["absmax"])
-    else:
-        for b, (acc, _, _) in enumerate(entries):
-            for name, values in adds.items():
-                total = getattr(acc, name)
-                total += values[b]
-            if powers is not None:
-                acc.power[: powers.shape[1]] += powers[b]
-            if "channels" in groups:
-                np.maximum(acc.absmax, out["absmax"][b], out=acc.absmax)
-    for b, (acc, x, p) in enumerate(entries):
-        acc.count += n
-        acc.norm_sq_sum += square_sums[b]
+        return
+    for b, (acc, _, _) in enumerate(entries):
+        for name, values in adds.items():
+            total = getattr(acc, name)
+            total += values[b]
+        if powers is not None:
+            acc.power[: powers.shape[1]] += powers[b]
+        if channels:
+            np.maximum(acc.absmax, out["absmax"][b], out=acc.absmax)
+
+
+class _Scalars:
+    """The pieces' scalar results as Python floats (whole-group conversions), added per accumulator."""
+
+    def __init__(self, out: dict[str, np.ndarray], groups: frozenset[str]) -> None:
+        self.groups = groups
+        self.square_sums = out["sq_sum"].astype(np.float64).tolist()
         if "norms" in groups:
-            acc.norm_sum += norm_sums[b]
-            acc.norm_min = min(acc.norm_min, norm_mins[b])
-            acc.norm_max = max(acc.norm_max, norm_maxs[b])
-            if p[0] == 0:
-                acc.first_norm_sum += norm_firsts[b]
-                acc.first_count += 1
-            acc.position_count += _piece_bin_counts(p)
+            self.norm_sums = out["norm_sum"].astype(np.float64).tolist()
+            self.norm_mins = out["norm_min"].astype(np.float64).tolist()
+            self.norm_maxs = out["norm_max"].astype(np.float64).tolist()
+            self.norm_firsts = out["norm_first"].astype(np.float64).tolist()
         if "channels" in groups:
-            acc.top = sorted(acc.top + top_found(top_rows[b], top_peaks[b], p), reverse=True)[
-                : catalogue.TOP_K
-            ]
-        if raw is not None and "rope" in groups and acc.band is not None and acc.rope is not None:
-            first, second = acc.rope.pair_indices()
-            acc.band += raw[b, 1][first] + raw[b, 1][second]
-        if "spectrum" in acc.groups:
-            if "product" not in out:  # a small piece: float64 on the host, as the CPU path does
-                x64 = float32_rows(x).astype(np.float64)
-                acc.gram += x64.T @ x64
-            else:
-                if heavy_rows[b]:
-                    big = float32_rows(x[out["light"][b] == 0]).astype(np.float64)
-                    acc.gram += big.T @ big
-                if shared is None:
-                    acc.gram += gram[b]
-    if shared is not None and "spectrum" in groups and "product" in out:
-        arrays["gram"][rows] += gram  # after each accumulator's heavy rows, as one by one
+            self.top_rows, self.top_peaks = out["top_rows"].tolist(), out["top_peaks"].tolist()
+
+    def add(self, acc: HeadAccumulator, b: int, n: int, positions: np.ndarray) -> None:
+        from ..catalogue import TOP_K
+
+        acc.count += n
+        acc.norm_sq_sum += self.square_sums[b]
+        if "norms" in self.groups:
+            acc.norm_sum += self.norm_sums[b]
+            acc.norm_min = min(acc.norm_min, self.norm_mins[b])
+            acc.norm_max = max(acc.norm_max, self.norm_maxs[b])
+            if positions[0] == 0:
+                acc.first_norm_sum += self.norm_firsts[b]
+                acc.first_count += 1
+            acc.position_count += _piece_bin_counts(positions)
+        if "channels" in self.groups:
+            found = top_found(self.top_rows[b], self.top_peaks[b], positions)
+            acc.top = sorted(acc.top + found, reverse=True)[:TOP_K]
+
+
+def _add_gram(
+    acc: HeadAccumulator, x: np.ndarray, out: dict[str, np.ndarray], b: int, light: np.ndarray | None
+) -> None:
+    """Add piece ``b``'s Gram terms the host computes: all of a small piece (float64, as the CPU
+    path does), else its heavy rows (float64), and ``light`` (its light rows' Gram, unless a
+    stacked group adds those in one call)."""
+    from ..arrays import float32_rows
+
+    if "product" not in out:
+        x64 = float32_rows(x).astype(np.float64)
+        acc.gram += x64.T @ x64
+        return
+    if out["heavy"][b]:
+        big = float32_rows(x[out["light"][b] == 0]).astype(np.float64)
+        acc.gram += big.T @ big
+    if light is not None:
+        acc.gram += light
