@@ -66,9 +66,43 @@ def verify(file: FileStructure) -> VerifyReport:
     padding), the JSON records between them one by one (`_verify_record`); whatever fails in
     bulk is checked again one by one, so the error names the record exactly as the one-by-one
     walk would."""
-    index_offset = file.footer.index_offset
-    table = file.table
-    n = len(table)
+    runs = _Runs(file.table)
+    report, batches = _verify_in_one_pass(file, runs)
+    if report is not None:
+        return report
+    passed, snapshot_error = _check_batches(file, batches, runs.offsets)
+    records, chunk, checked = _walk(file, runs, passed)
+    if chunk != runs.n:
+        raise CorruptFileError(f"index lists {runs.n} chunks, the file holds {chunk}")
+    if snapshot_error is not None:
+        raise snapshot_error
+    for i, entry in enumerate(file.entries):
+        check_arrays(file, i, entry.arrays)
+    check_all_queries(file)
+    return VerifyReport(records, chunk, len(file.entries), checked)
+
+
+class _Runs:
+    """The chunk table's records as runs of back-to-back chunks (chunk i+1 starts where chunk i's
+    record ends): ``offsets``, ``follows`` (where each record's padding ends), and per run its
+    ``firsts`` and ``lasts`` chunk."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.n = n = len(table)
+        self.offsets = table["offset"].astype(np.int64)
+        self.stored = table["stored_size"].astype(np.int64)
+        follows = self.offsets + self.stored
+        follows += DESCRIPTOR_SIZE + ALIGN - 1
+        follows &= -ALIGN
+        self.follows = follows
+        breaks = np.flatnonzero(follows[:-1] != self.offsets[1:]) if n > 1 else np.empty(0, np.int64)
+        self.firsts = np.concatenate(([0], breaks + 1)) if n else np.empty(0, np.int64)
+        self.lasts = np.append(breaks, n - 1) if n else np.empty(0, np.int64)
+
+
+def _verify_in_one_pass(file: FileStructure, runs: _Runs) -> tuple[VerifyReport | None, list[_Batch]]:
+    """The one-CRC-pass check of a file whose chunks all lie in runs of equal records: its report
+    when everything holds, else None (and the equal-record batches, for the bulk checks)."""
     stream = _StreamChecksum(file)
     one_pass: tuple[int, int, int] | None = None
     # A memory map is checksummed from the start (a series is verified in this one pass); a
@@ -78,40 +112,42 @@ def verify(file: FileStructure) -> VerifyReport:
     with ThreadPoolExecutor(1, thread_name_prefix="kvformat-verify") as pool:
         helper = pool.submit(stream.run) if eager else None
         try:
-            offsets = table["offset"].astype(np.int64)
-            stored = table["stored_size"].astype(np.int64)
-            follows = offsets + stored  # where each record's padding ends: the next may start
-            follows += DESCRIPTOR_SIZE + ALIGN - 1
-            follows &= -ALIGN
-            # Chunk i+1 starts where chunk i's record ends: runs of back-to-back chunks end at
-            # the breaks.
-            breaks = np.flatnonzero(follows[:-1] != offsets[1:]) if n > 1 else np.empty(0, np.int64)
-            firsts = np.concatenate(([0], breaks + 1)) if n else np.empty(0, np.int64)
-            lasts = np.append(breaks, n - 1) if n else np.empty(0, np.int64)
-            batches = _equal_run_batches(file, firsts, lasts + 1, offsets, stored, follows)
-            if sum(b.count for b in batches) == n:  # every chunk in a run of equal records
-                stream.compare(offsets)
+            batches = _equal_run_batches(
+                file, runs.firsts, runs.lasts + 1, runs.offsets, runs.stored, runs.follows
+            )
+            if sum(b.count for b in batches) == runs.n:  # every chunk in a run of equal records
+                stream.compare(runs.offsets)
                 if helper is None:
                     helper = pool.submit(stream.run)
-                one_pass = _check_all_but_the_stream(file, batches, offsets, follows[lasts], offsets[firsts])
+                one_pass = _check_all_but_the_stream(
+                    file, batches, runs.offsets, runs.follows[runs.lasts], runs.offsets[runs.firsts]
+                )
         finally:
             if one_pass is None:
                 stream.stop()
             stream.run()
             if helper is not None:
                 helper.result()
-    if one_pass is not None:
-        between, nbytes, stream_crc = one_pass
-        if stream.result() == stream_crc and _zero_padding(file, batches, offsets):
-            for i, entry in enumerate(file.entries):
-                check_arrays(file, i, entry.arrays)
-            check_all_queries(file)
-            chunk_bytes = sum(b.count * (DESCRIPTOR_SIZE + b.size) for b in batches)
-            return VerifyReport(between + n, n, len(file.entries), nbytes + chunk_bytes)
-    # The bulk checks of equal runs (mostly one CRC pass over the file, without the GIL) start on
-    # a helper thread while this one builds their expected CRCs and checks the snapshots, then
-    # takes a share of the batches left; a snapshot error is raised after the walk, so the first
-    # problem in file order is still the one reported.
+    if one_pass is None:
+        return None, batches
+    between, nbytes, stream_crc = one_pass
+    if stream.result() != stream_crc or not _zero_padding(file, batches, runs.offsets):
+        return None, batches
+    for i, entry in enumerate(file.entries):
+        check_arrays(file, i, entry.arrays)
+    check_all_queries(file)
+    chunk_bytes = sum(b.count * (DESCRIPTOR_SIZE + b.size) for b in batches)
+    return VerifyReport(between + runs.n, runs.n, len(file.entries), nbytes + chunk_bytes), batches
+
+
+def _check_batches(
+    file: FileStructure, batches: list[_Batch], offsets: np.ndarray
+) -> tuple[dict[int, tuple[int, int]], KVFormatError | None]:
+    """The bulk checks of equal runs: ``{first chunk: (stop, bytes)}`` of the batches that hold,
+    and the snapshots' error (raised after the walk, so the first problem in file order is the
+    one reported). The CRC pass (mostly one call without the GIL) starts on a helper thread
+    while this one builds the expected CRCs and checks the snapshots, then takes a share of the
+    batches left."""
     results: list[tuple[int, bool]] = [(0, False)] * len(batches)
     todo = iter(range(len(batches)))  # shared by both threads: next() is atomic
     with ThreadPoolExecutor(1, thread_name_prefix="kvformat-verify") as pool:
@@ -130,27 +166,18 @@ def verify(file: FileStructure) -> VerifyReport:
         for b, want, (crc, same) in zip(batches, expected, results, strict=True)
         if same and crc == want and table_holds
     }
+    return passed, snapshot_error
+
+
+def _walk(file: FileStructure, runs: _Runs, passed: dict[int, tuple[int, int]]) -> tuple[int, int, int]:
+    """Walk the record stream: runs of table chunks in bulk (those in ``passed`` already checked),
+    the records between them one by one. Returns ``(records, chunks, bytes checked)``."""
     cursor, records, chunk, checked = HEADER_SIZE, 0, 0, 0
-    while cursor < index_offset:
-        if records and chunk < n and int(offsets[chunk]) == cursor:
-            last = int(lasts[np.searchsorted(lasts, chunk)])
+    while cursor < file.footer.index_offset:
+        if records and chunk < runs.n and int(runs.offsets[chunk]) == cursor:
+            last = int(runs.lasts[np.searchsorted(runs.lasts, chunk)])
             while chunk <= last:  # in batches of bounded size
-                done = passed.get(chunk)
-                if done is not None:  # checked already, with equal neighbours
-                    stop, size = done
-                    checked += size
-                    records += stop - chunk
-                    chunk, cursor = stop, int(follows[stop - 1])
-                    continue
-                stop = int(np.searchsorted(offsets, offsets[chunk] + _VERIFY_BATCH_BYTES, side="left"))
-                stop = min(max(stop, chunk + 1), last + 1)
-                size, end = _verify_chunks(file, chunk, stop, int(follows[stop - 1]))
-                if end < 0:  # something is wrong in this batch: walk it one by one for the error
-                    for _ in range(chunk, stop):
-                        cursor, chunk, size = _verify_record(file, cursor, records, chunk)
-                        checked += size
-                        records += 1
-                    raise AssertionError("a batch failed in bulk but passed record by record")
+                stop, size, end = _run_batch(file, runs, passed, chunk, last, cursor, records)
                 checked += size
                 records += stop - chunk
                 chunk, cursor = stop, end
@@ -158,14 +185,33 @@ def verify(file: FileStructure) -> VerifyReport:
         cursor, chunk, size = _verify_record(file, cursor, records, chunk)
         checked += size
         records += 1
-    if chunk != n:
-        raise CorruptFileError(f"index lists {n} chunks, the file holds {chunk}")
-    if snapshot_error is not None:
-        raise snapshot_error
-    for i, entry in enumerate(file.entries):
-        check_arrays(file, i, entry.arrays)
-    check_all_queries(file)
-    return VerifyReport(records, chunk, len(file.entries), checked)
+    return records, chunk, checked
+
+
+def _run_batch(
+    file: FileStructure,
+    runs: _Runs,
+    passed: dict[int, tuple[int, int]],
+    chunk: int,
+    last: int,
+    cursor: int,
+    records: int,
+) -> tuple[int, int, int]:
+    """Check the chunks from ``chunk`` on (at most `_VERIFY_BATCH_BYTES`, within the run ending at
+    ``last``): ``(stop, bytes, end offset)``. A batch that fails in bulk is walked one by one,
+    which raises the error naming the record."""
+    done = passed.get(chunk)
+    if done is not None:  # checked already, with equal neighbours
+        stop, size = done
+        return stop, size, int(runs.follows[stop - 1])
+    stop = int(np.searchsorted(runs.offsets, runs.offsets[chunk] + _VERIFY_BATCH_BYTES, side="left"))
+    stop = min(max(stop, chunk + 1), last + 1)
+    size, end = _verify_chunks(file, chunk, stop, int(runs.follows[stop - 1]))
+    if end < 0:  # something is wrong in this batch: walk it one by one for the error
+        for step in range(chunk, stop):
+            cursor, _, _ = _verify_record(file, cursor, records + step - chunk, step)
+        raise AssertionError("a batch failed in bulk but passed record by record")
+    return stop, size, end
 
 
 @dataclass(frozen=True)
