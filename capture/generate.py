@@ -336,7 +336,6 @@ def generate(
     (``sampler``, ``kv_bits``, ``prefill_step_size``, ...) go to mlx-lm.
     """
     from mlx_lm import stream_generate
-    from mlx_lm.generate import GenerationResponse
     from mlx_lm.sample_utils import make_sampler
 
     triggers = Triggers.of(every, at, when, final)
@@ -349,53 +348,23 @@ def generate(
     if output is not None and not separate_files:
         check_output(output, force=overwrite)  # refused now, not at the first snapshot
     sampler = generate_kwargs.pop("sampler", None) or make_sampler(0.0)
-    history: list[int]
-    first_response: Any = None
     if resume is not None:
-        history = (tokens_of(resume) or [[]])[0]
-        logits = last_logits(resume)
-        if logits is None:
-            raise CaptureError("the snapshot has no last logits; capture with save_logits=True to resume")
-        if resume.seq_len and resume.seq_len != len(history):
-            raise CaptureError("snapshot tokens and K/V disagree; cannot resume")
-        prompt_cache = restore(resume)
-        logprobs = mx.array(logits[0])
-        logprobs = logprobs - mx.logsumexp(logprobs, keepdims=True)
-        token = int(np.array(sampler(logprobs[None])).reshape(-1)[0])
-        first_response = GenerationResponse(
-            text=text_in_context(tokenizer, history, token),
-            token=token,
-            logprobs=logprobs,
-            from_draft=False,
-            prompt_tokens=0,
-            prompt_tps=0.0,
-            generation_tokens=1,
-            generation_tps=0.0,
-            peak_memory=0.0,
-            finish_reason="length" if max_tokens == 1 else None,
-        )
-        if token in getattr(tokenizer, "eos_token_ids", ()):
-            first_response.finish_reason = "stop"
-        prompt_ids = [token]
-        processed = list(history)
+        start = _resume_start(resume, tokenizer, sampler, max_tokens)
+    elif prompt is None:
+        raise ValueError("give a prompt or a snapshot to resume from")
     else:
-        if prompt is None:
-            raise ValueError("give a prompt or a snapshot to resume from")
-        prompt_ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
-        history = []
-        prompt_cache = make_cache(model, max_kv_size)
-        processed = list(prompt_ids)
+        start = _prompt_start(model, tokenizer, prompt, max_kv_size)
+    history, prompt_cache, first_response = start.history, start.cache, start.first_response
+    prompt_ids, processed = start.prompt_ids, start.processed
     query_recorder = None
     if selection.enabled:
         first = len(history) if resume is not None else selection.first_position(len(prompt_ids))
         query_recorder = QueryRecorder(prompt_cache, first)
     recorder = _LogitsRecorder()
     processors = [*generate_kwargs.pop("logits_processors", []), recorder]
-    info = file_metadata(model, model_path, tokenizer)
-    info["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    info.update(metadata or {})
-    info["prompt_tokens"] = len(prompt_ids) if resume is None else 0
-    info["resumed_from_tokens"] = len(history)
+    info = _file_info(
+        model, model_path, tokenizer, metadata, len(prompt_ids) if resume is None else 0, len(history)
+    )
     if selection.enabled:
         info["queries"] = selection.to_json()
     info.setdefault("generation", {}).update(
@@ -473,3 +442,72 @@ def generate(
         else:  # an error, or the caller stopped early: still finish what was written
             with contextlib.suppress(CaptureError):
                 snapshots.close(text)
+
+
+@dataclasses.dataclass
+class _Start:
+    """Where generation starts: the tokens already in the cache (``history``, a resumed
+    snapshot's), the cache, the first response (a resumed snapshot's next token, sampled from its
+    saved logits), the ids mlx-lm is handed, and every token processed so far."""
+
+    history: list[int]
+    cache: list[Any]
+    first_response: Any
+    prompt_ids: list[int]
+    processed: list[int]
+
+
+def _prompt_start(
+    model: nn.Module, tokenizer: Any, prompt: str | Sequence[int], max_kv_size: int | None
+) -> _Start:
+    ids = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
+    return _Start([], make_cache(model, max_kv_size), None, ids, list(ids))
+
+
+def _resume_start(
+    resume: KVSnapshot | kvformat.Snapshot, tokenizer: Any, sampler: Callable[..., Any], max_tokens: int
+) -> _Start:
+    from mlx_lm.generate import GenerationResponse
+
+    history = (tokens_of(resume) or [[]])[0]
+    logits = last_logits(resume)
+    if logits is None:
+        raise CaptureError("the snapshot has no last logits; capture with save_logits=True to resume")
+    if resume.seq_len and resume.seq_len != len(history):
+        raise CaptureError("snapshot tokens and K/V disagree; cannot resume")
+    cache = restore(resume)
+    logprobs = mx.array(logits[0])
+    logprobs = logprobs - mx.logsumexp(logprobs, keepdims=True)
+    token = int(np.array(sampler(logprobs[None])).reshape(-1)[0])
+    first = GenerationResponse(
+        text=text_in_context(tokenizer, history, token),
+        token=token,
+        logprobs=logprobs,
+        from_draft=False,
+        prompt_tokens=0,
+        prompt_tps=0.0,
+        generation_tokens=1,
+        generation_tps=0.0,
+        peak_memory=0.0,
+        finish_reason="length" if max_tokens == 1 else None,
+    )
+    if token in getattr(tokenizer, "eos_token_ids", ()):
+        first.finish_reason = "stop"
+    return _Start(history, cache, first, [token], list(history))
+
+
+def _file_info(
+    model: nn.Module,
+    model_path: str | None,
+    tokenizer: Any,
+    metadata: dict[str, Any] | None,
+    prompt_tokens: int,
+    resumed_from: int,
+) -> dict[str, Any]:
+    """The file metadata of a capture: the model's, the time, the caller's, the token counts."""
+    info = file_metadata(model, model_path, tokenizer)
+    info["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    info.update(metadata or {})
+    info["prompt_tokens"] = prompt_tokens
+    info["resumed_from_tokens"] = resumed_from
+    return info
