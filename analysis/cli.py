@@ -91,6 +91,14 @@ def stat_groups_type(text: str) -> frozenset[str]:
     """argparse type: comma-separated statistic groups (``all``, ``norms``, ``channels``, ...)."""
     from .catalogue import stat_groups
 
+    named = {name.strip() for name in text.split(",")}
+    if "attention" in named:
+        if named != {"attention"}:
+            raise argparse.ArgumentTypeError(
+                "attention rows are per query head, the other groups' per KV head: "
+                "ask for --stats attention on its own"
+            )
+        return frozenset({"attention"})
     try:
         return stat_groups(text)
     except ValueError as exc:
@@ -365,6 +373,8 @@ def _stats(args: argparse.Namespace) -> int:
 
     from .stats import outliers
 
+    if args.stats == frozenset({"attention"}):
+        return _attention_stats(args)
     if args.merge:
         return _merged(args)
     table = _table(args)
@@ -396,6 +406,105 @@ def _stats(args: argparse.Namespace) -> int:
             )
         )
     return 1 if args.failed else 0
+
+
+def _attention_stats(args: argparse.Namespace) -> int:
+    """``stats --stats attention``: per (layer, query head) scores from saved queries."""
+    import polars as pl
+
+    from .head_importance import attention_stats
+
+    table = attention_stats(
+        args.files,
+        args.snapshot,
+        window=args.window,
+        needle=args.needle,
+        storage_options=_storage_options(args),
+    )
+    if args.output:
+        _save_parquet(table, args.output, args)
+    print(
+        f"attention of {table.height} query heads (per layer and query head; {args.window}-position window)"
+    )
+    for column, label in (
+        ("sink_mass", "sink mass"),
+        ("retrieval_score", "retrieval score"),
+        ("streaming_error", "streaming error"),
+    ):
+        ranked = table.filter(pl.col(column).is_not_nan()).sort(column, descending=True).head(5)
+        cells = ", ".join(f"L{r['layer']}.H{r['head']}={r[column]:.3f}" for r in ranked.iter_rows(named=True))
+        print(f"  highest {label}: {cells or 'none (no events)'}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """``simulate``: attention-output error per (method, budget, layer, head) under compression."""
+    from .simulate import METHODS, simulate
+
+    table = simulate(
+        args.file,
+        args.method or METHODS,
+        args.budget,
+        args.snapshot,
+        window=args.window,
+        seed=args.seed,
+        storage_options=_storage_options(args),
+    )
+    _save_parquet(table, args.output, args)
+    import polars as pl
+
+    means = (
+        table.group_by(["method", "budget"], maintain_order=True)
+        .agg(pl.col("relative_error").mean().alias("error"), pl.col("top1_agreement").mean().alias("top1"))
+        .sort(["method", "budget"])
+    )
+    print("mean over heads: method, budget -> relative error of the attention output, top-1 agreement")
+    for row in means.iter_rows(named=True):
+        print(f"  {row['method']:>9} {row['budget']:5.3f} -> {row['error']:.4f}  {row['top1']:.3f}")
+    if args.plot:
+        _simulate_plot(means, args)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _simulate_plot(means: Any, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    for method in means["method"].unique(maintain_order=True).to_list():
+        rows = means.filter(means["method"] == method).sort("budget")
+        axis.plot(rows["budget"].to_list(), rows["error"].to_list(), marker="o", label=method)
+    axis.set_xlabel("budget (fraction of prompt keys kept; bits/16 for quantization)")
+    axis.set_ylabel("relative error of the attention output")
+    axis.set_yscale("log")
+    axis.set_title(f"{args.file}: KV compression what-ifs (mean over heads)", fontsize=9)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    _save_figure(figure, args.plot, args)
+    plt.close(figure)
+
+
+def _method(text: str) -> str:
+    """argparse type: a `simulate` method."""
+    from .simulate import METHODS
+
+    if text not in METHODS:
+        raise argparse.ArgumentTypeError(f"unknown method {text!r}: one of {', '.join(METHODS)}")
+    return text
+
+
+def _budget(text: str) -> float:
+    """argparse type: a budget in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"budget {text} is not in (0, 1]")
+    return value
 
 
 def _force_option(p: argparse.ArgumentParser) -> None:
@@ -727,8 +836,52 @@ def register(sub: Any) -> None:
         help="one row per (layer, head, tensor) over all files (they must share the model's layout)",
     )
     _stats_option(p)
+    p.add_argument(
+        "--window",
+        type=positive_int,
+        default=256,
+        help="--stats attention: the recent positions streaming_error keeps beside 4 sinks (default 256)",
+    )
+    p.add_argument(
+        "--needle",
+        type=_span,
+        metavar="A:B",
+        help="--stats attention: retrieval_score only for tokens copied from positions A..B-1",
+    )
     _force_option(p)
     p.set_defaults(func=_stats, check=_check_outputs)
+
+    p = sub.add_parser(
+        "simulate",
+        help="attention-output error per head if the cache had been compressed (needs --queries)",
+    )
+    p.add_argument("file")
+    p.add_argument("--snapshot", type=int, default=-1, help="which snapshot of a series (default: the last)")
+    p.add_argument(
+        "--method",
+        type=_method,
+        nargs="+",
+        default=None,
+        help="streaming, snapkv, h2o, random, kivi2, kivi4, token2, token4 (default: all)",
+    )
+    p.add_argument(
+        "--budget",
+        type=_budget,
+        nargs="+",
+        default=[0.1, 0.25, 0.5],
+        help="fractions of the prompt's keys kept (default 0.1 0.25 0.5)",
+    )
+    p.add_argument("--window", type=positive_int, default=32, help="SnapKV's observation window, queries")
+    p.add_argument("--seed", type=int, default=0, help="the random method's sample")
+    p.add_argument(
+        "-o", "--output", required=True, help="Parquet table, one row per (method, budget, layer, head)"
+    )
+    p.add_argument("--plot", help="PNG: error against budget per method")
+    p.add_argument(
+        "--storage-option", action="append", metavar="KEY=VALUE", help="for a URL: fsspec option; repeatable"
+    )
+    _force_option(p)
+    p.set_defaults(func=_simulate, check=_check_outputs)
 
     p = sub.add_parser("outliers", help="heads whose statistic exceeds N x the median head")
     _common(p)

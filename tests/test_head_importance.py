@@ -1,0 +1,225 @@
+"""Head importance from saved attention (issue 44): every score of `--stats attention` equals a
+direct numpy computation from the attention weights written out in float64 from the definition
+(SPEC 10.1), and `simulate`'s errors equal recomputing attention with the evicted keys removed.
+On a synthetic file (GQA 4:2, a sliding window and sinks) and on a real SmolLM2 capture."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from kvsnap.analysis import head_importance, simulate
+from kvsnap.analysis.catalogue import POSITION_BINS, position_bins
+
+import kvformat
+from kvformat.manifest import QuerySpec
+
+POSITIONS = 48
+PROMPT = 36  # positions 0..35 are the prompt; queries at 24..47
+
+
+def _write(path: Path, spec: QuerySpec, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((2, POSITIONS, 8)).astype(np.float32)
+    k[:, 0] *= 6.0  # a strong first key: an attention sink
+    v = rng.standard_normal((2, POSITIONS, 8)).astype(np.float32)
+    q = rng.standard_normal((4, POSITIONS, 8)).astype(np.float32)
+    q[0] = k[0, 0] / 2  # query head 0 looks at its first key: a sink head
+    tokens = rng.integers(0, 6, POSITIONS).tolist()  # a small vocabulary: many copies
+    layer = kvformat.LayerSpec(2, 8, 8, kvformat.FLOAT32, queries=spec)
+    with kvformat.Writer(path, [layer], metadata={"prompt_tokens": PROMPT}) as writer:
+        writer.append(0, k, v)
+        writer.append_queries(0, q[:, 24:], np.arange(24, POSITIONS))
+        writer.snapshot(metadata={"tokens": [tokens]})
+    return {"k": k, "v": v, "q": q, "tokens": tokens}
+
+
+def _weights(
+    data: dict[str, Any], spec: QuerySpec, head: int, positions: np.ndarray, keys: np.ndarray
+) -> np.ndarray:
+    """Softmax weights in float64 from the definition, over the keys at ``keys`` only."""
+    q = data["q"][head, positions].astype(np.float64)
+    k = data["k"][spec.kv_heads[head], keys].astype(np.float64)
+    logits = spec.scale * q @ k.T
+    p, j = positions[:, None], keys[None, :]
+    mask = j <= p
+    if spec.window is not None:
+        mask &= (p - j < spec.window - spec.keep) | (j < spec.keep)
+    logits = np.where(mask, logits, -np.inf)
+    top = logits.max(axis=1, keepdims=True)
+    if spec.sinks is not None:
+        top = np.maximum(top, spec.sinks[head])
+    e = np.exp(logits - top)
+    total = e.sum(axis=1, keepdims=True)
+    if spec.sinks is not None:
+        total = total + np.exp(spec.sinks[head] - top)
+    return e / total
+
+
+SPECS = {
+    "causal": QuerySpec(num_heads=4, dim=8, dtype=kvformat.FLOAT32, scale=8**-0.5, kv_heads=(0, 0, 1, 1)),
+    "window-sinks": QuerySpec(
+        num_heads=4,
+        dim=8,
+        dtype=kvformat.FLOAT32,
+        scale=8**-0.5,
+        kv_heads=(0, 0, 1, 1),
+        window=20,
+        sinks=(0.5, -1.0, 2.0, 0.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_every_score_equals_the_definition(tmp_path: Path, name: str) -> None:
+    spec = SPECS[name]
+    data = _write(tmp_path / "a.kv", spec)
+    rows = list(head_importance.attention_rows(tmp_path / "a.kv", window=8, needle=(0, 30)))
+    assert [(r["layer"], r["head"], r["kv_head"]) for r in rows] == [
+        (0, h, spec.kv_heads[h]) for h in range(4)
+    ]
+    positions, keys = np.arange(24, POSITIONS), np.arange(POSITIONS)
+    tokens = np.array(data["tokens"])
+    for row in rows:
+        w = _weights(data, spec, row["head"], positions, keys)
+        seen = w > 0
+        back = positions[:, None] - keys[None, :]
+        assert row["n_queries"] == len(positions)
+        assert row["sink_mass"] == pytest.approx(w[:, :4].sum(axis=1).mean(), rel=1e-5)
+        assert row["local_mass"] == pytest.approx((w * (back < 64) * seen).sum(axis=1).mean(), rel=1e-5)
+        entropy = -(np.where(seen, w * np.log(np.where(seen, w, 1)), 0)).sum(axis=1)
+        assert row["entropy"] == pytest.approx(entropy.mean(), rel=1e-4, abs=1e-5)
+        assert row["entropy_normalized"] == pytest.approx(
+            (entropy / np.log(seen.sum(axis=1))).mean(), rel=1e-4, abs=1e-5
+        )
+        assert row["mean_distance"] == pytest.approx((w * back).sum(axis=1).mean(), rel=1e-4)
+        top = keys[np.argmax(w, axis=1)]
+        expected_hist = np.bincount(position_bins(top), minlength=POSITION_BINS)
+        assert row["top1_position_histogram"] == expected_hist.tolist()
+        # Retrieval (Wu et al. 2024) within the needle [0, 30): the query at p produces token p + 1.
+        events = hits = 0
+        for i, p in enumerate(positions.tolist()):
+            if p + 1 >= POSITIONS or tokens[p + 1] not in tokens[0 : min(30, p + 1)]:
+                continue
+            events += 1
+            hits += int(top[i] < 30 and tokens[top[i]] == tokens[p + 1])
+        assert events > 0 and row["retrieval_events"] == events
+        assert row["retrieval_score"] == pytest.approx(hits / events)
+        # Streaming: sinks + the last 8 positions, renormalized (a layer's own sinks keep their share).
+        v = data["v"][spec.kv_heads[row["head"]]].astype(np.float64)
+        keep = (keys[None, :] < 4) | (back < 8)
+        full = w @ v
+        kept = w * keep
+        streamed = (kept @ v) / (kept.sum(axis=1) + (1 - w.sum(axis=1)))[:, None]
+        error = np.sqrt(((streamed - full) ** 2).sum() / (full**2).sum())
+        assert row["streaming_error"] == pytest.approx(error, rel=1e-4, abs=1e-5)
+    if spec.window is None:  # query head 0 points at key 0; a 20-position window no longer sees it
+        assert rows[0]["sink_mass"] > 0.9 > max(r["sink_mass"] for r in rows[1:])
+    else:
+        assert all(r["sink_mass"] == 0 for r in rows)
+
+
+def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path) -> None:
+    spec = SPECS["window-sinks"]
+    data = _write(tmp_path / "a.kv", spec)
+    table = simulate.simulate(tmp_path / "a.kv", budgets=(0.25, 1.0), window=6)
+    assert set(table["method"].to_list()) == set(simulate.METHODS)
+    full_budget = table.filter(table["budget"] == 1.0)
+    assert full_budget.height == 4 * 4 and (full_budget["relative_error"] == 0).all()  # every key kept
+    assert (full_budget["top1_agreement"] == 1).all()
+    decode = np.arange(PROMPT, POSITIONS)
+    keys = np.arange(POSITIONS)
+    with kvformat.open(tmp_path / "a.kv") as snap:
+        scores = {}
+        for kv_head in (0, 1):
+            heads = [h for h in range(4) if spec.kv_heads[h] == kv_head]
+            prompt_queries = np.arange(24, PROMPT)
+            together = sum(_weights(data, spec, h, prompt_queries, keys) for h in heads)
+            scores[kv_head] = {
+                "h2o": together.sum(axis=0),
+                "snapkv": together[prompt_queries >= PROMPT - 6].sum(axis=0),
+            }
+        for row in table.filter(table["budget"] == 0.25).iter_rows(named=True):
+            head = row["head"]
+            if row["method"] not in simulate.EVICTION or row["method"] == "random":
+                continue  # its sample is the generator's; checked by the budget-1 rows and its count
+            keep = simulate.kept_keys(
+                row["method"], 0.25, keys, PROMPT, scores[spec.kv_heads[head]], np.random.default_rng(0), 6
+            )
+            assert keep[PROMPT:].all() and keep[:PROMPT].sum() == 9  # 25% of 36 prompt keys
+            if row["method"] == "streaming":
+                assert keep[:4].all() and keep[PROMPT - 5 : PROMPT].all() and not keep[4 : PROMPT - 5].any()
+            v = data["v"][spec.kv_heads[head]].astype(np.float64)
+            full = _weights(data, spec, head, decode, keys) @ v
+            kept = np.flatnonzero(keep)
+            compressed = _weights(data, spec, head, decode, kept) @ v[kept]
+            error = np.sqrt(((compressed - full) ** 2).sum() / (full**2).sum())
+            assert row["relative_error"] == pytest.approx(error, rel=1e-3, abs=1e-6), row
+        del snap
+    quantized = table.filter(table["method"] == "kivi2")
+    assert (quantized["budget"] == 2 / 16).all() and (quantized["relative_error"] > 0).all()
+    kivi4 = table.filter(table["method"] == "kivi4")["relative_error"].mean()
+    assert kivi4 < quantized["relative_error"].mean()  # more bits, less error
+
+
+def test_quantize_matches_a_plain_min_max_quantizer() -> None:
+    x = np.random.default_rng(1).standard_normal((70, 8)).astype(np.float32)
+    got = simulate.quantize(x, 2, axis=1)
+    low, high = x.min(axis=1, keepdims=True), x.max(axis=1, keepdims=True)
+    scale = (high - low) / 3
+    np.testing.assert_allclose(got, np.round((x - low) / scale) * scale + low, rtol=1e-6)
+    per_channel = simulate.quantize(x, 4, axis=0, group=32)
+    part = x[32:64]
+    low, high = part.min(axis=0), part.max(axis=0)
+    np.testing.assert_allclose(
+        per_channel[32:64],
+        np.round((part - low) / ((high - low) / 15)) * ((high - low) / 15) + low,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_without_queries_the_error_names_the_option(tmp_path: Path) -> None:
+    from kvformat.cli import main
+
+    rng = np.random.default_rng(0)
+    kvformat.save(
+        tmp_path / "plain.kv", [kvformat.Layer(*(rng.standard_normal((2, 10, 8), np.float32),) * 2)]
+    )
+    with pytest.raises(head_importance.NoQueriesError, match="--queries"):
+        list(head_importance.attention_rows(tmp_path / "plain.kv"))
+    assert main(["stats", str(tmp_path / "plain.kv"), "--stats", "attention"]) == 2
+    assert main(["simulate", str(tmp_path / "plain.kv"), "-o", str(tmp_path / "s.parquet")]) == 2
+    assert not (tmp_path / "s.parquet").exists()
+
+
+def test_cli_attention_stats_and_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import polars as pl
+
+    from kvformat.cli import main
+
+    _write(tmp_path / "a.kv", SPECS["causal"])
+    out = tmp_path / "att.parquet"
+    assert main(["stats", str(tmp_path / "a.kv"), "--stats", "attention", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "highest sink mass: L0.H0=" in printed  # query head 0 is the sink head
+    table = pl.read_parquet(out)
+    assert table.height == 4 and math.isfinite(table["entropy"][0])
+    with pytest.raises(SystemExit) as refused:  # argparse: one line, exit 2
+        main(["stats", str(tmp_path / "a.kv"), "--stats", "attention,norms"])
+    assert refused.value.code == 2
+    sim = tmp_path / "sim.parquet"
+    png = tmp_path / "sim.png"
+    args = ["simulate", str(tmp_path / "a.kv"), "--method", "streaming", "kivi4", "--budget", "0.1", "0.5"]
+    assert main([*args, "-o", str(sim), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = pl.read_parquet(sim)
+    assert sorted(set(result["method"].to_list())) == ["kivi4", "streaming"]
+    assert result.filter(pl.col("method") == "streaming").height == 2 * 4
+    assert main([*args, "-o", str(sim)]) == 2  # exists: refused without --force
+    with pytest.raises(SystemExit) as refused:
+        main(["simulate", str(tmp_path / "a.kv"), "--method", "nope", "-o", str(tmp_path / "x.parquet")])
+    assert refused.value.code == 2
