@@ -28,8 +28,10 @@ if TYPE_CHECKING:
         merged_stats,
         run_stats,
     )
+    from .compression import simulate
     from .diff import head_diff
     from .export import export_heads
+    from .head_importance import attention_stats
     from .rope import Rope, RopeError, checkpoint_keys
     from .similarity import head_similarity, similarity_for_file
     from .stats import (
@@ -50,6 +52,8 @@ _EXPORTS = {
     ),
     "head_diff": "diff",
     "export_heads": "export",
+    "attention_stats": "head_importance",
+    "simulate": "compression",
     "Rope": "rope",
     "RopeError": "rope",
     "checkpoint_keys": "rope",
@@ -78,6 +82,7 @@ __all__ = [
     "HeadAccumulator",
     "Rope",
     "RopeError",
+    "attention_stats",
     "checkpoint_keys",
     "expand_paths",
     "export_heads",
@@ -91,6 +96,7 @@ __all__ = [
     "outliers",
     "run_stats",
     "similarity_for_file",
+    "simulate",
     "stats_for_file",
     "stats_rows",
     "token_table",

@@ -439,7 +439,7 @@ def _attention_stats(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     """``simulate``: attention-output error per (method, budget, layer, head) under compression."""
-    from .simulate import METHODS, simulate
+    from .compression import METHODS, simulate
 
     table = simulate(
         args.file,
@@ -489,7 +489,7 @@ def _simulate_plot(means: Any, args: argparse.Namespace) -> None:
 
 def _method(text: str) -> str:
     """argparse type: a `simulate` method."""
-    from .simulate import METHODS
+    from .compression import METHODS
 
     if text not in METHODS:
         raise argparse.ArgumentTypeError(f"unknown method {text!r}: one of {', '.join(METHODS)}")

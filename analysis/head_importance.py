@@ -104,21 +104,21 @@ def head_scores(
     seq: int = 0,
     window: int = WINDOW,
     needle: tuple[int, int] | None = None,
-    tokens: list[int] | None = None,
+    tokens: list[int] | Copies | None = None,
 ) -> dict[str, Any]:
     """The scores of query head ``head`` of ``layer`` (see the module's docstring), over every query
     the snapshot holds for it. ``tokens``: the sequence's token ids (position ``p`` holds
-    ``tokens[p]``), needed for ``retrieval_score`` (NaN without them)."""
+    ``tokens[p]``; or their `copy_events`), needed for ``retrieval_score`` (NaN without them)."""
     spec = snap.layers[layer].queries
     if spec is None:
         raise NoQueriesError(f"layer {layer} holds no queries")
     kv = snap.head(layer, spec.kv_heads[head], seq)
     assert kv is not None
-    values = np.asarray(kv.v, np.float64)
-    ids = np.asarray(tokens, np.int64) if tokens is not None else None
+    values = np.asarray(kv.v, np.float32)
+    copies = tokens if isinstance(tokens, Copies) or tokens is None else copy_events(tokens, needle)
     sums = _Sums()
     for block in attention_math.blocks(snap, layer, head, seq=seq):
-        _add_block(sums, spec, block, values, window, ids, needle)
+        _add_block(sums, spec, block, values, window, copies)
     n = sums.queries
     mean = (lambda total: total / n) if n else (lambda total: math.nan)
     return {
@@ -135,66 +135,82 @@ def head_scores(
     }
 
 
+@dataclass(frozen=True)
+class Copies:
+    """Per position ``p`` of a sequence: whether the token at ``p + 1`` (what the query at ``p``
+    produced) copies a token present at or before ``p`` within the needle span (``event``), and
+    the token ids, to check where the top-1 key landed."""
+
+    event: np.ndarray  # (n,) bool
+    ids: np.ndarray  # (n,) int64
+    low: int
+    high: int
+
+
+def copy_events(tokens: list[int], needle: tuple[int, int] | None = None) -> Copies:
+    """`Copies` of a token sequence, for the whole context or the ``needle`` span ``[low, high)``."""
+    ids = np.asarray(tokens, np.int64)
+    low, high = needle if needle is not None else (0, len(ids))
+    first: dict[int, int] = {}
+    for position in range(max(low, 0), min(high, len(ids))):
+        first.setdefault(int(ids[position]), position)
+    event = np.zeros(len(ids), bool)
+    for p in range(len(ids) - 1):
+        seen = first.get(int(ids[p + 1]))
+        event[p] = seen is not None and seen <= p
+    return Copies(event, ids, low, high)
+
+
 def _add_block(
     sums: _Sums,
     spec: Any,
     block: attention_math.Attention,
     values: np.ndarray,
     window: int,
-    ids: np.ndarray | None,
-    needle: tuple[int, int] | None,
+    copies: Copies | None,
 ) -> None:
-    w = block.weights.astype(np.float64)
+    w = block.weights  # float32; sums below in float64
     p, j = block.query_positions, block.key_positions
     seen = attention_math.visible(spec, p, j)
-    back = p[:, None] - j[None, :]
+    back = (p[:, None] - j[None, :]).astype(np.float32)
     sums.queries += w.shape[0]
-    sums.sink += float(w[:, j < SINKS].sum())
-    sums.local += float((w * (seen & (back < LOCAL))).sum())
-    entropy = _entropy(w)
+    sums.sink += float(w[:, j < SINKS].sum(dtype=np.float64))
+    sums.local += float(np.sum(w, where=seen & (back < LOCAL), dtype=np.float64))
+    logs = np.log(w, where=w > 0, out=np.zeros_like(w))
+    entropy = -np.einsum("ij,ij->i", w, logs, dtype=np.float64)
     sums.entropy += float(entropy.sum())
     count = seen.sum(axis=1)
     normalized = np.where(count > 1, entropy / np.log(np.maximum(count, 2)), 0.0)
     sums.entropy_normalized += float(normalized.sum())
-    sums.distance += float((w * back).sum())
+    sums.distance += float(np.einsum("ij,ij->", w, back, dtype=np.float64))
     attends = count > 0
     top = j[np.argmax(w, axis=1)]
     sums.histogram += np.bincount(position_bins(top[attends]), minlength=POSITION_BINS)
     # Streaming: the same logits over sinks + recent keys only; a layer's own sinks (the
     # denominator's extra term) keep their share, 1 - sum(w).
-    keep = (j[None, :] < SINKS) | (back < window)
-    full = w @ values
-    kept = w * keep
-    denominator = kept.sum(axis=1) + np.clip(1.0 - w.sum(axis=1), 0.0, None)
+    kept = np.where((j[None, :] < SINKS) | (back < window), w, np.float32(0))
+    full = (w @ values).astype(np.float64)
+    denominator = kept.sum(axis=1, dtype=np.float64) + np.clip(
+        1.0 - w.sum(axis=1, dtype=np.float64), 0.0, None
+    )
     streamed = (kept @ values) / np.where(denominator > 0, denominator, 1.0)[:, None]
     sums.error_sq += float(((streamed - full) ** 2).sum())
     sums.output_sq += float((full**2).sum())
-    if ids is not None:
-        _add_retrieval(sums, ids, p, top, attends, needle)
-
-
-def _add_retrieval(
-    sums: _Sums,
-    ids: np.ndarray,
-    positions: np.ndarray,
-    top: np.ndarray,
-    attends: np.ndarray,
-    needle: tuple[int, int] | None,
-) -> None:
-    """Copy events and hits of a block's queries (Wu et al. 2024): the query at position ``p``
-    produces the token at ``p + 1``; it is a copy when that token occurs in the context before it
-    (within ``needle``), a hit when the top-1 key holds it (within ``needle``)."""
-    low, high = needle if needle is not None else (0, len(ids))
-    for i, p in enumerate(positions.tolist()):
-        if p + 1 >= len(ids) or not attends[i]:
-            continue
-        produced = ids[p + 1]
-        context = ids[max(low, 0) : min(high, p + 1)]
-        if not (context == produced).any():
-            continue
-        sums.events += 1
-        where = int(top[i])
-        sums.hits += int(low <= where < high and where <= p and ids[where] == produced)
+    if copies is not None:
+        inside = p < len(copies.event)
+        event = np.zeros(len(p), bool)
+        event[inside] = copies.event[p[inside]] & attends[inside]
+        if event.any():
+            at, where = p[event], top[event]
+            produced = copies.ids[at + 1]
+            hit = (
+                (where >= copies.low)
+                & (where < copies.high)
+                & (where <= at)
+                & (copies.ids[where] == produced)
+            )
+            sums.events += int(event.sum())
+            sums.hits += int(hit.sum())
 
 
 def attention_rows(
@@ -211,7 +227,7 @@ def attention_rows(
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
         layers = layers_with_queries(snap)
         ids = token_ids(snap)
-        tokens = ids[seq] if ids is not None and seq < len(ids) else None
+        tokens = copy_events(ids[seq], needle) if ids is not None and seq < len(ids) else None
         for layer in layers:
             spec = snap.layers[layer].queries
             assert spec is not None

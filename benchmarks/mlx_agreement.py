@@ -14,10 +14,10 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from kvsnap.analysis.backends import mlx as mlx_backend
-from kvsnap.analysis.stats import stats_rows
 
 import kvformat
+from kvsnap.analysis.backends import mlx as mlx_backend
+from kvsnap.analysis.stats import stats_rows
 
 SKIP = {"file", "layer", "head", "seq", "tensor", "snapshot", "massive_positions"}
 

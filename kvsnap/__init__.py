@@ -50,6 +50,8 @@ _EXPORTS: dict[str, str] = {
             "merged_stats",
             "export_heads",
             "checkpoint_keys",
+            "attention_stats",
+            "simulate",
         )
     },
     **{

@@ -209,9 +209,10 @@ def real_capture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     """A one-snapshot capture of each fixture model after a 320-token prefill of `PROSE` (real
     K/V for the analysis tests; made once per session)."""
     import mlx.core as mx
-    from kvsnap.capture.snapshot import snapshot_kv
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
+
+    from kvsnap.capture.snapshot import snapshot_kv
 
     model, tokenizer = load(str(request.getfixturevalue(request.param)))
     tokens = (tokenizer.encode(PROSE) * 12)[:REAL_TOKENS]

@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-from kvsnap.analysis.stats import head_stats, outliers
 
 import kvformat
 from kvformat.cli import main
+from kvsnap.analysis.stats import head_stats, outliers
 from tests.factories import random_file
 
 
@@ -79,6 +79,7 @@ def test_jobs_give_the_same_table_as_one_process(tmp_path: Path) -> None:
 
 def test_stats_for_file_yields_arrow_tables(tmp_path: Path) -> None:
     import pyarrow as pa
+
     from kvsnap.analysis.stats import stats_for_file, stats_rows
 
     path = make_files(tmp_path, 1)[0]

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-from kvsnap.analysis.batch import expand_paths, merged_stats, run_stats
-from kvsnap.analysis.stats import head_stats
 
 import kvformat
 from kvformat.cli import main
+from kvsnap.analysis.batch import expand_paths, merged_stats, run_stats
+from kvsnap.analysis.stats import head_stats
 from tests.factories import random_file
 from tests.servers import moto_s3, nginx
 
@@ -175,6 +175,7 @@ def test_ray_engine_gives_the_local_table(runs: Path, local_ray: None) -> None:
 
 def test_read_kv_is_a_ray_dataset_of_statistic_rows(runs: Path, local_ray: None) -> None:
     import ray
+
     from kvsnap.analysis.ray import read_kv
 
     dataset = read_kv(good_files(runs))

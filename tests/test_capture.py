@@ -9,6 +9,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm import load, stream_generate
+from mlx_lm.models import cache as cache_module
+from mlx_lm.sample_utils import make_sampler
+
+import kvformat
+from kvformat.quantization import Quantization
 from kvsnap.analysis.rope import Rope
 from kvsnap.capture.caches import build_cache, read_layer, to_numpy, unified_memory
 from kvsnap.capture.errors import UnsupportedModelError
@@ -17,12 +23,6 @@ from kvsnap.capture.restore import layers_of as restore_layers
 from kvsnap.capture.restore import restore, text_of, tokens_of
 from kvsnap.capture.snapshot import snapshot_kv
 from kvsnap.capture.tiny import tiny_model
-from mlx_lm import load, stream_generate
-from mlx_lm.models import cache as cache_module
-from mlx_lm.sample_utils import make_sampler
-
-import kvformat
-from kvformat.quantization import Quantization
 
 H, D = 2, 8
 

@@ -16,15 +16,6 @@ import mlx.core as mx
 import numpy as np
 import polars as pl
 import pytest
-from kvsnap.analysis.stats import token_table
-from kvsnap.analysis.tokens import token_ids, token_pieces
-from kvsnap.capture.background import BackgroundWriter, Transfer
-from kvsnap.capture.caches import read_layer, to_numpy
-from kvsnap.capture.deltas import CacheTracker
-from kvsnap.capture.errors import CaptureError
-from kvsnap.capture.generate import generate, make_cache
-from kvsnap.capture.series import SeriesWriter
-from kvsnap.capture.tiny import tiny_model
 from mlx_lm import load
 from mlx_lm.models import cache as cache_module
 from mlx_lm.sample_utils import make_sampler
@@ -40,6 +31,15 @@ from kvformat.checksum import (
     self_checked_linear,
     zeros_crc,
 )
+from kvsnap.analysis.stats import token_table
+from kvsnap.analysis.tokens import token_ids, token_pieces
+from kvsnap.capture.background import BackgroundWriter, Transfer
+from kvsnap.capture.caches import read_layer, to_numpy
+from kvsnap.capture.deltas import CacheTracker
+from kvsnap.capture.errors import CaptureError
+from kvsnap.capture.generate import generate, make_cache
+from kvsnap.capture.series import SeriesWriter
+from kvsnap.capture.tiny import tiny_model
 
 from .test_capture import _tiny_tokenizer
 

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvsnap.analysis import checkpoint_keys
-from kvsnap.analysis.diff import head_diff
-from kvsnap.analysis.rope import Rope, interleaved_to_half
 
 import kvformat
 from kvformat.cli import main
+from kvsnap.analysis import checkpoint_keys
+from kvsnap.analysis.diff import head_diff
+from kvsnap.analysis.rope import Rope, interleaved_to_half
 
 DIM, TOKENS, HEADS = 16, 24, 2
 

@@ -10,12 +10,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from kvsnap.capture.convert import _ARCHITECTURES, _target_name, convert_gguf, dequantized_tensors
-from kvsnap.capture.errors import UnsupportedModelError
-from kvsnap.capture.fixtures import fetch_gguf
 from mlx_lm import generate, load
 from mlx_lm.utils import load_model
 
+from kvsnap.capture.convert import _ARCHITECTURES, _target_name, convert_gguf, dequantized_tensors
+from kvsnap.capture.errors import UnsupportedModelError
+from kvsnap.capture.fixtures import fetch_gguf
 from tests.conftest import PROSE
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvsnap.analysis.backends import cuda_gram
 
 FAKE = b"\x7fELF fake cubin"
@@ -103,6 +104,7 @@ def test_the_per_piece_function_takes_its_product_from_the_kernel(
     kernel (mlx's matmul per piece), the outputs equal the plain function's, batched or not."""
     import mlx.core as mx
     import numpy as np
+
     from kvsnap.analysis.backends import mlx as mlx_backend
     from kvsnap.analysis.backends import mlx_fold, mlx_staging
 

@@ -11,11 +11,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvsnap.analysis import head_importance, simulate
-from kvsnap.analysis.catalogue import POSITION_BINS, position_bins
 
 import kvformat
 from kvformat.manifest import QuerySpec
+from kvsnap.analysis import compression as simulate
+from kvsnap.analysis import head_importance
+from kvsnap.analysis.catalogue import POSITION_BINS, position_bins
 
 POSITIONS = 48
 PROMPT = 36  # positions 0..35 are the prompt; queries at 24..47
@@ -223,3 +224,55 @@ def test_cli_attention_stats_and_simulate(tmp_path: Path, capsys: pytest.Capture
     with pytest.raises(SystemExit) as refused:
         main(["simulate", str(tmp_path / "a.kv"), "--method", "nope", "-o", str(tmp_path / "x.parquet")])
     assert refused.value.code == 2
+
+
+def test_scores_on_a_real_capture_equal_numpy_over_the_recomputed_attention(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    """SmolLM2-135M (GQA 9:3), queries of the last 8 prompt positions and every generated one:
+    each head's scores equal numpy over `snap.attention`'s weights and the file's V; `simulate`
+    keeps every key at budget 1 (error 0)."""
+    from mlx_lm import load
+
+    import kvsnap
+
+    model, tokenizer = load(str(smollm2_dir))
+    prompt = tokenizer.encode("The bridge was built in 1820 and the bridge still stands; the bridge")
+    path = tmp_path / "run.kv"
+    list(kvsnap.generate(model, tokenizer, prompt, max_tokens=8, output=path, queries="window:8"))
+    rows = list(head_importance.attention_rows(path, window=6))
+    assert len(rows) == 30 * 9 and {r["kv_head"] for r in rows if r["layer"] == 0} == {0, 1, 2}
+    with kvformat.open(path) as snap:
+        tokens = np.array(snap.snapshot_metadata["tokens"][0])
+        for row in rows[::37]:  # a spread of layers and heads
+            found = snap.attention(row["layer"], row["head"])
+            w = found.weights.astype(np.float64)
+            p, j = found.query_positions, found.key_positions
+            assert row["n_queries"] == len(p) >= 8 + 7  # the window, then the generated tokens' queries
+            assert row["sink_mass"] == pytest.approx(w[:, j < 4].sum(axis=1).mean(), rel=1e-5, abs=1e-7)
+            seen = w > 0
+            entropy = -(np.where(seen, w * np.log(np.where(seen, w, 1)), 0)).sum(axis=1)
+            assert row["entropy"] == pytest.approx(entropy.mean(), rel=1e-4, abs=1e-5)
+            back = p[:, None] - j[None, :]
+            assert row["mean_distance"] == pytest.approx((w * back).sum(axis=1).mean(), rel=1e-4, abs=1e-4)
+            v = np.asarray(snap.head(row["layer"], row["kv_head"]).v, np.float64)  # type: ignore[union-attr]
+            keep = (j[None, :] < 4) | (back < 6)
+            full, kept = w @ v, w * keep
+            streamed = (kept @ v) / kept.sum(axis=1)[:, None]
+            error = np.sqrt(((streamed - full) ** 2).sum() / (full**2).sum())
+            assert row["streaming_error"] == pytest.approx(error, rel=1e-3, abs=1e-5)
+            top = j[np.argmax(w, axis=1)]
+            events = [
+                (i, q)
+                for i, q in enumerate(p.tolist())
+                if q + 1 < len(tokens) and tokens[q + 1] in tokens[: q + 1]
+            ]
+            assert row["retrieval_events"] == len(events)
+            hits = sum(int(tokens[top[i]] == tokens[q + 1]) for i, q in events)
+            assert (
+                row["retrieval_score"] == pytest.approx(hits / len(events))
+                if events
+                else math.isnan(row["retrieval_score"])
+            )
+    table = simulate.simulate(path, methods=["streaming", "snapkv"], budgets=(1.0,), window=4)
+    assert table.height == 2 * 30 * 9 and (table["relative_error"] == 0).all()

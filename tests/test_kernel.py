@@ -9,6 +9,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+
 from kvsnap.analysis.backends import compiled as compiled_backend
 from kvsnap.analysis.backends import kernel
 from kvsnap.analysis.backends import reference as reference_backend
@@ -123,9 +124,8 @@ def test_zero_rows_and_constant_groups() -> None:
 def test_statistics_stream_layer_by_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """stats_for_file yields a layer's table once the pass is past its last chunk, having made
     accumulators for that layer only; a series file (layers interleaved) gives the same rows."""
-    from kvsnap.analysis import plan, stats
-
     import kvformat
+    from kvsnap.analysis import plan, stats
     from tests.conftest import write_series
 
     rng = np.random.default_rng(3)

@@ -13,13 +13,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+
+import kvformat
+from kvformat.cli import main
 from kvsnap.analysis.backends import mlx as mlx_backend
 from kvsnap.analysis.backends import mlx_fold, mlx_pipeline, mlx_sizing, mlx_staging
 from kvsnap.analysis.batch import merged_stats, run_stats
 from kvsnap.analysis.stats import GROUPS, stats_rows
-
-import kvformat
-from kvformat.cli import main
 from tests import factories
 
 QUANTILES = {"norm_p50", "norm_p99"}
@@ -186,6 +186,7 @@ def test_staging_buffers_carry_the_rows_and_are_reused(dtype: Any) -> None:
     """Pieces copied into a device buffer through its memory are what the device reads, in
     every stored type; a buffer given back is reused (and overwritten) by the next batch."""
     import mlx.core as mx
+
     from kvsnap.analysis.backends.mlx_staging import Staging
 
     staging = Staging.create()
@@ -305,6 +306,7 @@ def test_device_histogram_bins_equal_the_hosts_at_the_bin_edges() -> None:
     against exact edges: on values at and around every sampled edge, its bins are the ones
     `catalogue.hist_index` gives in float64 (what the CPU path and the old host fold counted)."""
     import mlx.core as mx
+
     from kvsnap.analysis.catalogue import hist_index
 
     rng = np.random.default_rng(0)
@@ -340,6 +342,7 @@ def test_massive_rows_go_to_the_host_by_the_median() -> None:
     """The piece's heavy rows (squared norm over `HEAVY` times the median) are the CPU kernel's
     (`kernel.heavy_rows` on `np.median`), and the device's Gram plus theirs is the whole Gram."""
     import mlx.core as mx
+
     from kvsnap.analysis.arrays import HEAVY
     from kvsnap.analysis.backends import kernel
 
@@ -370,6 +373,7 @@ def test_device_top_peaks_break_ties_as_the_cpu_kernel(k_ties: int) -> None:
     kernel's (`kernel.top_rows`): the largest peaks, among equal ones the later rows, with runs
     of equal peaks straddling the k-th place, NaN and inf."""
     import mlx.core as mx
+
     from kvsnap.analysis.backends import kernel
     from kvsnap.analysis.catalogue import TOP_K
 
@@ -398,10 +402,9 @@ def test_device_top_peaks_break_ties_as_the_cpu_kernel(k_ties: int) -> None:
 def test_copy_threads_check_the_payload_crcs_of_what_they_copy() -> None:
     """`Staging.start_fill` with checks: each piece's CRC is combined from its copy tasks' (several
     per piece here) and held against the expected one; a wrong one raises with the chunk's name."""
-    from kvsnap.analysis.backends.mlx_staging import Staging
-
     from kvformat.checksum import crc32c
     from kvformat.pages import PayloadCheck
+    from kvsnap.analysis.backends.mlx_staging import Staging
 
     probe = Staging.create()
     assert probe is not None  # CPU mlx exposes its memory: the copy threads are used
@@ -569,6 +572,7 @@ def _folded(order: list[int], stacked: bool, merged: int | None = None) -> list[
     one batch), their sums stacked or not, accumulator ``merged`` merged into (its sums rebound)
     before the second batch."""
     import mlx.core as mx
+
     from kvsnap.analysis.accumulator import HeadAccumulator, stack
     from kvsnap.analysis.arrays import GRAM_FLOAT64_ROWS
     from kvsnap.analysis.rope import Rope
@@ -676,6 +680,7 @@ def test_the_per_piece_function_stacks_nothing_on_the_device(tmp_path: Path) -> 
     and concatenations on CUDA run mlx's general copy kernels, whose code costs each process
     host memory) and its outputs join on the host into the shapes the fold takes."""
     import mlx.core as mx
+
     from kvsnap.analysis.arrays import PIECE
     from kvsnap.analysis.catalogue import QUANT_BITS, QUANT_GROUP, TOP_K
 

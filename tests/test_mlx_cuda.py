@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvsnap.analysis.backends import cuda_gram, mlx_fold, mlx_staging
 from kvsnap.analysis.backends import mlx as mlx_backend
 

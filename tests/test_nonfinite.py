@@ -14,13 +14,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+
+import kvformat
+from kvformat.cli import main
 from kvsnap.analysis import finite
 from kvsnap.analysis.backends import kernel
 from kvsnap.analysis.backends import mlx as mlx_backend
 from kvsnap.analysis.stats import head_stats, stats_rows, token_table
-
-import kvformat
-from kvformat.cli import main
 
 TOKENS, DIM = 200, 16
 PLACES = {

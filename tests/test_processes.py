@@ -15,13 +15,13 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import threadpoolctl
+
+import kvformat
 from kvsnap.analysis import processes
 from kvsnap.analysis.backends import mlx_sizing
 from kvsnap.analysis.plan import PassOptions, windows
 from kvsnap.analysis.stats import head_stats, stats_for_file
 from kvsnap.analysis.streaming import layers
-
-import kvformat
 from tests.factories import random_file
 
 ROPE = {"rope": {"base": 10000.0, "pairing": "half"}}

@@ -11,12 +11,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from kvsnap.capture.queries import QuerySelection
 
 import kvformat
 from kvformat import attention
 from kvformat.manifest import QuerySpec
 from kvformat.rewrite import rebuild_index
+from kvsnap.capture.queries import QuerySelection
 
 # -- the format ------------------------------------------------------------------------------
 

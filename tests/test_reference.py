@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from kvsnap.analysis.rope import Rope
 
 import kvformat
+from kvsnap.analysis.rope import Rope
 from tests.conftest import PROSE, ROOT
 
 TOKENS = 96
@@ -30,9 +30,10 @@ TOKENS = 96
 def _capture(model_dir: Path, path: Path) -> list[int]:
     """Prefill ``TOKENS`` tokens of `PROSE` and snapshot the cache (kvsnap's capture path)."""
     import mlx.core as mx
-    from kvsnap.capture.snapshot import snapshot_kv
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
+
+    from kvsnap.capture.snapshot import snapshot_kv
 
     model, tokenizer = load(str(model_dir))
     tokens = list(tokenizer.encode(PROSE * 2))[:TOKENS]

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvsnap.analysis import similarity
-from kvsnap.analysis.similarity import head_similarity, similarity_for_file, similarity_rows
 
 import kvformat
+from kvsnap.analysis import similarity
+from kvsnap.analysis.similarity import head_similarity, similarity_for_file, similarity_rows
 
 
 def reference(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:

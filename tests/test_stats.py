@@ -9,6 +9,8 @@ import mlx.core as mx
 import numpy as np
 import polars as pl
 import pytest
+
+import kvformat
 from kvsnap.analysis.rope import Rope, RopeError
 from kvsnap.analysis.stats import (
     GROUPS,
@@ -19,8 +21,6 @@ from kvsnap.analysis.stats import (
     stats_rows,
     token_table,
 )
-
-import kvformat
 from tests.factories import random_file
 
 ROPE = {"rope": {"base": 10000.0, "dims": 16, "pairing": "half", "scaling": None}}
@@ -144,6 +144,7 @@ def test_arrow_tables_are_built_as_pyarrow_builds_them() -> None:
     imports pandas): the same schema and values as ``pa.Table.from_pylist``, for the column
     kinds the statistics produce, nulls, empty lists, and what it hands to ``pa.array``."""
     import pyarrow as pa
+
     from kvsnap.analysis.stats import _arrow_table
 
     rng = np.random.default_rng(3)
@@ -264,12 +265,11 @@ def test_a_payload_check_is_computed_piece_by_piece_as_the_kernel_adds(
     kernel reads (rows over several kernel pieces), passes for the payload's own CRC (the sums
     then equal those of an add without a check) and raises `ChecksumError` for any other, on the
     compiled and the numpy path."""
+    from kvformat.checksum import crc32c
+    from kvformat.pages import PayloadCheck
     from kvsnap.analysis import arrays
     from kvsnap.analysis.backends import kernel
     from kvsnap.analysis.stats import HeadAccumulator
-
-    from kvformat.checksum import crc32c
-    from kvformat.pages import PayloadCheck
 
     rows = np.random.default_rng(3).standard_normal((2 * arrays.KERNEL_ROWS + 77, 16)).astype(np.float32)
     positions = np.arange(rows.shape[0])

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvsnap.analysis.stats import QUANT_BITS, QUANT_GROUP, RANKS, stats_rows
 
 import kvformat
+from kvsnap.analysis.stats import QUANT_BITS, QUANT_GROUP, RANKS, stats_rows
 
 ROPE = {"rope": {"base": 10000.0, "dims": 8, "pairing": "interleaved", "scaling": None}}
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvsnap.analysis import arrays
 from kvsnap.analysis.backends import compiled as compiled_backend
 from kvsnap.analysis.backends import kernel
@@ -66,9 +67,8 @@ def test_float32_gram_pieces_hold_1e_5_on_long_real_sequences(real_capture: Path
     real rows, layer after layer, make one sequence of up to 8192 rows (several full pieces of
     `_GRAM_ROWS`, mixed scales), and the spectrum and every other column still lie within 1e-5
     of the float64 reference."""
-    from kvsnap.analysis.stats import HeadAccumulator
-
     import kvformat
+    from kvsnap.analysis.stats import HeadAccumulator
 
     with kvformat.open(real_capture) as snap:
         parts = []

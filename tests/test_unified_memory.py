@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+
 from kvsnap.analysis.backends import unified_memory
 from kvsnap.analysis.backends.unified_memory import UnifiedMemory, UnifiedMemoryError
 

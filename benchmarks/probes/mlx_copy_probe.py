@@ -3,7 +3,8 @@ did through session 8) against copying into the memory of an existing mlx array 
 buffer (``np.copyto`` into ``np.asarray(memoryview(array))``, on 1..N threads), each followed by a
 small device reduction that reads every byte, in a pipeline of two batches like the pass.
 
-    python -m benchmarks.probes.mlx_copy_probe [--gib 2] [--batch-mib 32] [--placements fault,host,prefetch,mostly]
+    python -m benchmarks.probes.mlx_copy_probe [--gib 2] [--batch-mib 32]
+        [--placements fault,host,prefetch,mostly]
 
 ``--placements``: the pass's own `Staging` buffers under each CUDA managed-memory placement
 (`analysis.unified_memory`; ``KVSNAP_MLX_STAGING``), the host's copy and the device's read timed

@@ -33,6 +33,7 @@ SELECTIONS: dict[str, tuple[bool, bool, bool, bool, bool, bool]] = {
 
 def _inputs(dtype: str, batch: int, seed: int = 0) -> tuple[Any, Any]:
     import mlx.core as mx
+
     from kvsnap.analysis.arrays import PIECE
     from kvsnap.analysis.backends import mlx_fold
 
@@ -46,6 +47,7 @@ def _inputs(dtype: str, batch: int, seed: int = 0) -> tuple[Any, Any]:
 def time_selection(dtype: str, groups: str, batch: int, seconds: float = 1.0) -> dict[str, Any]:
     """Milliseconds per piece of the compiled, batched device function for ``groups``."""
     import mlx.core as mx
+
     from kvsnap.analysis.arrays import PIECE
     from kvsnap.analysis.backends import mlx as mlx_backend
 
@@ -73,6 +75,7 @@ def time_selection(dtype: str, groups: str, batch: int, seconds: float = 1.0) ->
 def _worker(args: tuple[str, int, int, Any]) -> float:
     dtype, batch, calls, barrier = args
     import mlx.core as mx
+
     from kvsnap.analysis.backends import mlx as mlx_backend
 
     function = mlx_backend.piece_function(*SELECTIONS["all"], batched=True)

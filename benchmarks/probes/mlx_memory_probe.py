@@ -155,6 +155,7 @@ def resident(label: str) -> None:
 
 def steps() -> None:
     import mlx.core as mx
+
     from kvsnap.analysis.arrays import PIECE
     from kvsnap.analysis.backends import mlx as mlx_backend
     from kvsnap.analysis.backends import mlx_fold
@@ -196,10 +197,9 @@ def steps() -> None:
 
 
 def one_pass(path: str, jobs: int, passes: int) -> None:
+    from benchmarks.memory import TreeSampler, descendants
     from kvsnap.analysis import processes
     from kvsnap.analysis.stats import stats_for_file
-
-    from benchmarks.memory import TreeSampler, descendants
 
     with TreeSampler(os.getpid()) as sampler:
         for index in range(passes):
@@ -290,6 +290,7 @@ OPERATIONS: dict[str, Callable[[Any, Any], None]] = {
 def operation(name: str) -> None:
     """Run one of `OPERATIONS` in this process; print what its first use cost."""
     import mlx.core as mx
+
     from kvsnap.analysis.arrays import PIECE
 
     x = mx.random.normal((16, PIECE, 128))
@@ -321,6 +322,7 @@ def selection(name: str) -> None:
     """The per-piece function of one of `SELECTIONS` in this process (batched: 16 bfloat16 pieces
     of `arrays.PIECE` rows x 128): what it adds to a started process, and a call's time."""
     import mlx.core as mx
+
     from kvsnap.analysis.backends import mlx as mlx_backend
 
     flags = SELECTIONS[name]

@@ -4,7 +4,8 @@ checksumming, stacking a batch, the copy to the device (staging buffers, or ``mx
 ``--no-staging``), waiting for the device, folding results,
 eigenvalues), and mlx's own memory counters.
 
-    python -m benchmarks.probes.mlx_profile FILE [--stats all] [--batch-mib 32] [--cache-limit-mib N] [--no-staging]
+    python -m benchmarks.probes.mlx_profile FILE [--stats all] [--batch-mib 32] [--cache-limit-mib N]
+        [--no-staging]
         [--repeat 2] [--row-threads N] [--copy-threads N] [--switch-interval SECONDS]
 
 Each pass's time goes to stderr as it ends (``pass N: S s``: a profiler can attach after the
@@ -95,11 +96,10 @@ def main() -> None:
     if args.cache_limit_mib is not None:
         mx.set_cache_limit(args.cache_limit_mib << 20)
 
+    import kvformat
     from kvsnap.analysis import stats
     from kvsnap.analysis.backends import mlx as mlx_backend
     from kvsnap.analysis.backends import mlx_fold, mlx_pipeline, mlx_sizing, mlx_staging
-
-    import kvformat
 
     if args.batch_mib is not None or args.no_staging:
         original = mlx_pipeline.Pipeline.__init__
