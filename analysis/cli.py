@@ -35,7 +35,10 @@ def _check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     local file named (reading only its index)."""
     del parser
     stat = getattr(args, "stat", None)
-    if stat is not None and getattr(args, "attention", None) is None:
+    from .head_importance import SCALARS
+
+    attention_heatmap = args.func is _plot and stat in SCALARS  # from saved queries, checked there
+    if stat is not None and getattr(args, "attention", None) is None and not attention_heatmap:
         from .catalogue import check_scalar, stat_groups
 
         check_scalar(stat, stat_groups(getattr(args, "stats", None)))
@@ -221,6 +224,10 @@ def _plot(args: argparse.Namespace) -> int:
 
     if args.attention is not None:
         return _attention_map(args)
+    from .head_importance import SCALARS
+
+    if args.stat in SCALARS:
+        return _attention_stat_plot(args)
     args.files = [args.file]
     table = _table(args).filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
     numeric = [
@@ -300,6 +307,39 @@ def _plot(args: argparse.Namespace) -> int:
     _save_figure(figure, args.output, args)
     plt.close(figure)
     print(f"wrote {args.output}: {len(layers)} layers x {heads} heads, {tokens.height} position points")
+    return 0
+
+
+def _attention_stat_plot(args: argparse.Namespace) -> int:
+    """``plot --stat sink_mass`` (or another `--stats attention` column): a layers x query heads
+    heatmap from the file's saved queries."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .head_importance import attention_stats
+
+    table = attention_stats(args.file, args.snapshot, storage_options=_storage_options(args))
+    layers = sorted(set(table["layer"].to_list()))
+    heads = max(table["head"].to_list()) + 1
+    grid = np.full((len(layers), heads), np.nan)
+    for row in table.iter_rows(named=True):
+        grid[layers.index(row["layer"]), row["head"]] = row[args.stat]
+    figure, axis = plt.subplots(figsize=(1.2 + 0.45 * heads, 1.5 + 0.22 * len(layers)))
+    image = axis.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+    axis.set_xlabel("query head")
+    axis.set_xticks(range(heads))
+    axis.set_ylabel("layer")
+    step = max(1, len(layers) // 16)
+    axis.set_yticks(range(0, len(layers), step), [str(layer) for layer in layers[::step]])
+    axis.set_title(f"{os.path.basename(args.file)}: {args.stat} per layer and query head", fontsize=9)
+    figure.colorbar(image, ax=axis, label=args.stat)
+    figure.tight_layout()
+    _save_figure(figure, args.output, args)
+    plt.close(figure)
+    print(f"wrote {args.output}: {len(layers)} layers x {heads} query heads of {args.stat}")
     return 0
 
 
@@ -923,7 +963,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--stat",
         default="norm_mean",
-        help="heatmap statistic: a one-number column of 'kvsnap stats' (default norm_mean)",
+        help="heatmap statistic: a one-number column of 'kvsnap stats' (default norm_mean), or of "
+        "'--stats attention' (sink_mass, retrieval_score, ...: per query head, needs saved queries)",
     )
     p.add_argument("--tensor", choices=["k", "v"], default="k", help="K or V (default k)")
     p.add_argument("-o", "--output", required=True, help="PNG file (written under exactly this name)")

@@ -221,6 +221,10 @@ def test_cli_attention_stats_and_simulate(tmp_path: Path, capsys: pytest.Capture
     assert sorted(set(result["method"].to_list())) == ["kivi4", "streaming"]
     assert result.filter(pl.col("method") == "streaming").height == 2 * 4
     assert main([*args, "-o", str(sim)]) == 2  # exists: refused without --force
+    heatmap = tmp_path / "sinks.png"
+    assert main(["plot", str(tmp_path / "a.kv"), "--stat", "sink_mass", "-o", str(heatmap)]) == 0
+    assert heatmap.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "1 layers x 4 query heads of sink_mass" in capsys.readouterr().out
     with pytest.raises(SystemExit) as refused:
         main(["simulate", str(tmp_path / "a.kv"), "--method", "nope", "-o", str(tmp_path / "x.parquet")])
     assert refused.value.code == 2
