@@ -254,6 +254,7 @@ def _plot(args: argparse.Namespace) -> int:
         .sort("layer", "position")
         .collect()
     )
+    curves, width = _binned_positions(tokens, f"{args.tensor}_norm")
     name = f"{args.tensor.upper()} {args.stat}"
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
     figure.suptitle(
@@ -272,7 +273,7 @@ def _plot(args: argparse.Namespace) -> int:
     colors = plt.get_cmap("viridis")
     scale = Normalize(min(layers), max(layers)) if layers else Normalize(0, 1)
     for layer in layers:
-        part = tokens.filter(pl.col("layer") == layer)
+        part = curves.filter(pl.col("layer") == layer)
         right.plot(part["position"], part[f"{args.tensor}_norm"], color=colors(scale(layer)), lw=0.8)
     figure.colorbar(ScalarMappable(scale, colors), ax=right, label="layer")
     if isinstance(generated, int) and 0 < generated <= seq_len:
@@ -289,7 +290,8 @@ def _plot(args: argparse.Namespace) -> int:
         )
     right.set_xlabel("position")
     right.set_ylabel(f"mean ||{args.tensor.upper()}|| over heads")
-    right.set_title(f"||{args.tensor.upper()}|| by position, one line per layer", pad=14)
+    binned = f", mean of {width} positions per point" if width > 1 else ""
+    right.set_title(f"||{args.tensor.upper()}|| by position, one line per layer{binned}", pad=14)
     if args.token_labels:
         first = tokens.filter(pl.col("layer") == layers[0]) if layers else tokens
         labelled = [
@@ -306,8 +308,31 @@ def _plot(args: argparse.Namespace) -> int:
     figure.tight_layout()
     _save_figure(figure, args.output, args)
     plt.close(figure)
-    print(f"wrote {args.output}: {len(layers)} layers x {heads} heads, {tokens.height} position points")
+    print(f"wrote {args.output}: {len(layers)} layers x {heads} heads, {curves.height} position points")
     return 0
+
+
+CURVE_POINTS = 256
+"""Points per layer of the norm-by-position panel: longer sequences are averaged in equal bins,
+so 4096 positions x 16 layers stay readable."""
+
+
+def _binned_positions(tokens: Any, column: str) -> tuple[Any, int]:
+    """``tokens`` (``layer``, ``position``, ``column``) averaged in bins of ``width`` consecutive
+    positions, at most `CURVE_POINTS` per layer; ``(table, width)`` (width 1: unchanged)."""
+    import polars as pl
+
+    span = int(tokens["position"].max()) + 1 if tokens.height else 0
+    width = max(1, -(-span // CURVE_POINTS))
+    if width == 1:
+        return tokens, 1
+    binned = (
+        tokens.with_columns((pl.col("position") // width).alias("bin"))
+        .group_by("layer", "bin")
+        .agg(pl.col("position").mean(), pl.col(column).mean())
+        .sort("layer", "bin")
+    )
+    return binned, width
 
 
 def _attention_stat_plot(args: argparse.Namespace) -> int:
@@ -608,7 +633,9 @@ def _stats_option(p: argparse.ArgumentParser, default: str | None = None) -> Non
         type=stat_groups_type,
         default=None if default is None else stat_groups_type(default),
         metavar="GROUPS",
-        help=f"statistic groups to compute, comma-separated: all (default), {', '.join(GROUPS)}",
+        help=f"statistic groups to compute, comma-separated: all (default), {', '.join(GROUPS)}; "
+        "or attention (per query head, from saved queries). quant*_error and rank*_error are fractions "
+        "of squared error (energy lost); their square root is a relative error like diff's rel_error",
     )
 
 

@@ -216,3 +216,29 @@ def test_lone_surrogates_are_refused_by_writer_and_every_command(
         assert "unpaired UTF-16 surrogate" in capsys.readouterr().err
     assert main(["describe", str(bad)]) == 0
     assert capsys.readouterr().out.strip() == '{"error": "CorruptFileError"}'
+
+
+def test_plot_bins_long_sequences_into_readable_curves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 46 item 10: 2000 positions x 3 layers are drawn as at most 256 points per layer (means
+    of equal bins), and the panel says so; a short file keeps one point per position."""
+    import numpy as np
+
+    import kvformat
+
+    rng = np.random.default_rng(0)
+    layers = [kvformat.Layer(*(rng.standard_normal((2, 2000, 8), np.float32),) * 2) for _ in range(3)]
+    kvformat.save(tmp_path / "long.kv", layers)
+    assert (
+        main(["plot", str(tmp_path / "long.kv"), "--stat", "norm_mean", "-o", str(tmp_path / "a.png")]) == 0
+    )
+    out = capsys.readouterr().out
+    points = int(out.split(" heads, ")[1].split(" position points")[0])
+    assert 3 * 200 <= points <= 3 * 256
+    short = [kvformat.Layer(*(rng.standard_normal((2, 40, 8), np.float32),) * 2) for _ in range(3)]
+    kvformat.save(tmp_path / "short.kv", short)
+    assert (
+        main(["plot", str(tmp_path / "short.kv"), "--stat", "norm_mean", "-o", str(tmp_path / "b.png")]) == 0
+    )
+    assert "3 layers x 2 heads, 120 position points" in capsys.readouterr().out
