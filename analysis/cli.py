@@ -451,10 +451,10 @@ def _stats(args: argparse.Namespace) -> int:
     flagged = outliers(table, args.factor)
     for name in flagged["file"].unique(maintain_order=True).to_list():
         rows = flagged.filter(pl.col("file") == name)
-        print(
-            f"{name}: mean ||K|| per layer and KV head ({max(rows['n_tokens'].to_list())} tokens; "
-            f"* = above {args.factor}x the median head)"
-        )
+        counts = rows.filter(pl.col("tensor") == "k")["n_tokens"].to_list()
+        low, high = min(counts), max(counts)
+        held = f"{high} tokens" if low == high else f"{high} tokens; uneven: heads hold {low} to {high}"
+        print(f"{name}: mean ||K|| per layer and KV head ({held}; * = above {args.factor}x the median head)")
         layers = sorted(set(rows["layer"].to_list()))
         for layer in layers:
             cells = []

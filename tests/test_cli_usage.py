@@ -242,3 +242,18 @@ def test_plot_bins_long_sequences_into_readable_curves(
         main(["plot", str(tmp_path / "short.kv"), "--stat", "norm_mean", "-o", str(tmp_path / "b.png")]) == 0
     )
     assert "3 layers x 2 heads, 120 position points" in capsys.readouterr().out
+
+
+def test_stats_says_when_layers_hold_different_token_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 46 item 7: a file whose layers hold 28 and 20 tokens (uneven after a crash) is
+    reported as such, not as "28 tokens"."""
+    rng = np.random.default_rng(0)
+    layers = [kvformat.Layer(*(rng.standard_normal((2, n, 8), np.float32),) * 2) for n in (28, 20)]
+    kvformat.save(tmp_path / "uneven.kv", layers)
+    assert main(["stats", str(tmp_path / "uneven.kv")]) == 0
+    assert "(28 tokens; uneven: heads hold 20 to 28;" in capsys.readouterr().out
+    kvformat.save(tmp_path / "even.kv", layers[:1])
+    assert main(["stats", str(tmp_path / "even.kv")]) == 0
+    assert "(28 tokens; * = above" in capsys.readouterr().out
