@@ -213,7 +213,6 @@ def _plot(args: argparse.Namespace) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
     import polars as pl
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
@@ -235,11 +234,8 @@ def _plot(args: argparse.Namespace) -> int:
     ]
     if args.stat not in numeric:
         raise SystemExit(f"unknown statistic {args.stat!r}; one of: {', '.join(numeric)}")
-    layers = sorted(set(table["layer"].to_list()))
-    heads = max(table["head"].to_list()) + 1
-    grid = np.full((len(layers), heads), np.nan)
-    for row in table.iter_rows(named=True):
-        grid[layers.index(row["layer"]), row["head"]] = row[args.stat]
+    layers, grid = _layer_head_grid(table, args.stat)
+    heads = grid.shape[1]
     options = _storage_options(args)
     with kvformat.open(args.file, args.snapshot, storage_options=options) as snap:
         index, count, seq_len = snap.index, snap.num_snapshots, snap.seq_len
@@ -312,6 +308,17 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layer_head_grid(table: Any, stat: str) -> tuple[list[int], Any]:
+    """The layers of ``table`` and its ``stat`` as a ``(layers, heads)`` array (NaN where absent)."""
+    import numpy as np
+
+    layers = sorted(set(table["layer"].to_list()))
+    grid = np.full((len(layers), max(table["head"].to_list()) + 1), np.nan)
+    for row in table.iter_rows(named=True):
+        grid[layers.index(row["layer"]), row["head"]] = row[stat]
+    return layers, grid
+
+
 CURVE_POINTS = 256
 """Points per layer of the norm-by-position panel: longer sequences are averaged in equal bins,
 so 4096 positions x 16 layers stay readable."""
@@ -342,16 +349,12 @@ def _attention_stat_plot(args: argparse.Namespace) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     from .head_importance import attention_stats
 
     table = attention_stats(args.file, args.snapshot, storage_options=_storage_options(args))
-    layers = sorted(set(table["layer"].to_list()))
-    heads = max(table["head"].to_list()) + 1
-    grid = np.full((len(layers), heads), np.nan)
-    for row in table.iter_rows(named=True):
-        grid[layers.index(row["layer"]), row["head"]] = row[args.stat]
+    layers, grid = _layer_head_grid(table, args.stat)
+    heads = grid.shape[1]
     figure, axis = plt.subplots(figsize=(1.2 + 0.45 * heads, 1.5 + 0.22 * len(layers)))
     image = axis.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
     axis.set_xlabel("query head")

@@ -159,9 +159,7 @@ def quantize(x: np.ndarray, bits: int, axis: int, group: int | None = None) -> n
     return out
 
 
-def _group_scores(
-    snap: kvformat.Snapshot, layer: int, kv_head: int, heads: Sequence[_Head], end: int, window: int
-) -> dict[str, np.ndarray]:
+def _group_scores(heads: Sequence[_Head], end: int, window: int) -> dict[str, np.ndarray]:
     """Per key of ``kv_head``: SnapKV's score (attention of the last ``window`` prompt queries)
     and H2O's (attention accumulated over every prompt query), summed over the query heads that
     read this KV head."""
@@ -242,16 +240,16 @@ def _layer_rows(
     for kv_head in sorted(set(spec.kv_heads)):
         kv = snap.head(layer, kv_head, seq)
         assert kv is not None
+        k, v = np.asarray(kv.k, np.float32), np.asarray(kv.v, np.float32)
         heads = []
         for head in (h for h in range(spec.num_heads) if spec.kv_heads[h] == kv_head):
             found = snap.queries(layer, head, seq)
             assert found is not None
-            k, v = np.asarray(kv.k, np.float32), np.asarray(kv.v, np.float32)
             heads.append(
                 _Head(spec, head, np.asarray(found.q, np.float32), found.positions, k, v, kv.positions)
             )
         stop = end if end is not None else int(heads[0].q_positions.min(initial=0))
-        scores = _group_scores(snap, layer, kv_head, heads, stop, window)
+        scores = _group_scores(heads, stop, window)
         for h in heads:
             rows += _head_rows(h, layer, kv_head, methods, budgets, stop, window, scores, rng)
     return rows

@@ -11,8 +11,7 @@ import time
 import urllib.parse
 
 from kvformat.errors import RemoteError, RemoteNotFoundError, TruncatedFileError
-
-DEFAULT_TIMEOUT = 30.0  # seconds a remote read waits for an answer before it fails
+from kvformat.remote import DEFAULT_TIMEOUT
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 

@@ -10,8 +10,8 @@ A `RemoteSource` serves the reader's ``read(offset, size)`` calls from byte-rang
 - fetched spans are kept in a small LRU cache (``cache_bytes``) and dropped once the reader
   releases them.
 
-Backends (`range_reader` picks one): ``http://`` and ``https://`` with the standard library only
-(`kvformat.http_range`) (keep-alive connection per
+Backends (`kvformat.source.range_reader` picks one): ``http://`` and ``https://`` with the
+standard library only (`kvformat.http_range`) (keep-alive connection per
 thread, timeouts, redirects, retries of 429/5xx answers, extra request headers from
 ``storage_options={"headers": {...}}``, the file's ETag pinned with ``If-Match`` so a file
 replaced mid-read is an error, not a mix of two files); any other ``scheme://`` through fsspec
@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from kvformat.errors import TruncatedFileError
-from kvformat.http_range import DEFAULT_TIMEOUT
 
 TAIL_BYTES = 64 * 1024
+DEFAULT_TIMEOUT = 30.0  # seconds a remote read waits for an answer before it fails
 DEFAULT_GAP = 16 * 1024
 DEFAULT_CACHE_BYTES = 64 * 1024 * 1024
 DEFAULT_CONCURRENCY = 4
@@ -194,37 +194,6 @@ class RemoteSource:
             self._spans.clear()
             self._cached = 0
         self.reader.close()
-
-
-def range_reader(
-    path: str,
-    *,
-    filesystem: Any = None,
-    storage_options: dict[str, Any] | None = None,
-    timeout: float = DEFAULT_TIMEOUT,
-) -> RangeReader:
-    """The `RangeReader` for a URL, or for a path inside ``filesystem`` (fsspec or pyarrow)."""
-    from kvformat.filesystems import ArrowRangeReader, FsspecRangeReader, remote_errors
-
-    if filesystem is not None:
-        if hasattr(filesystem, "open_input_file"):
-            return ArrowRangeReader(filesystem, path)
-        if hasattr(filesystem, "cat_file"):
-            return FsspecRangeReader(filesystem, path)
-        raise TypeError(f"{type(filesystem).__name__} is neither an fsspec nor a pyarrow filesystem")
-    scheme = path.split("://", 1)[0].lower()
-    if scheme in ("http", "https") and set(storage_options or {}) <= {"headers"}:
-        from kvformat.http_range import HTTPRangeReader
-
-        return HTTPRangeReader(path, timeout=timeout, headers=(storage_options or {}).get("headers"))
-    try:
-        import fsspec
-    except ImportError:
-        raise ModuleNotFoundError(
-            f"reading {scheme}:// needs fsspec and its {scheme} backend: pip install 'kvsnap[remote]'"
-        ) from None
-    fs, inner = remote_errors(path, lambda: fsspec.core.url_to_fs(path, **(storage_options or {})))
-    return FsspecRangeReader(fs, inner, name=path)
 
 
 def expand(pattern: str, *, storage_options: dict[str, Any] | None = None) -> list[str]:

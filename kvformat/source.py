@@ -10,11 +10,14 @@ import os
 import threading
 import urllib.parse
 from collections.abc import Sequence
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import numpy as np
 
 from kvformat.errors import TruncatedFileError
+
+if TYPE_CHECKING:
+    from kvformat.remote import RangeReader
 
 
 class Source(Protocol):
@@ -174,7 +177,7 @@ def open_source(
         if filesystem is None and location.startswith("file://"):
             source = MmapSource(urllib.parse.unquote(urllib.parse.urlsplit(location).path))
         else:
-            reader = remote.range_reader(
+            reader = range_reader(
                 location,
                 filesystem=filesystem,
                 storage_options=storage_options,
@@ -190,3 +193,34 @@ def open_source(
     else:
         source = FileObjectSource(file)
     return source
+
+
+def range_reader(
+    path: str,
+    *,
+    filesystem: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    timeout: float,
+) -> RangeReader:
+    """The `RangeReader` for a URL, or for a path inside ``filesystem`` (fsspec or pyarrow)."""
+    from kvformat.filesystems import ArrowRangeReader, FsspecRangeReader, remote_errors
+
+    if filesystem is not None:
+        if hasattr(filesystem, "open_input_file"):
+            return ArrowRangeReader(filesystem, path)
+        if hasattr(filesystem, "cat_file"):
+            return FsspecRangeReader(filesystem, path)
+        raise TypeError(f"{type(filesystem).__name__} is neither an fsspec nor a pyarrow filesystem")
+    scheme = path.split("://", 1)[0].lower()
+    if scheme in ("http", "https") and set(storage_options or {}) <= {"headers"}:
+        from kvformat.http_range import HTTPRangeReader
+
+        return HTTPRangeReader(path, timeout=timeout, headers=(storage_options or {}).get("headers"))
+    try:
+        import fsspec
+    except ImportError:
+        raise ModuleNotFoundError(
+            f"reading {scheme}:// needs fsspec and its {scheme} backend: pip install 'kvsnap[remote]'"
+        ) from None
+    fs, inner = remote_errors(path, lambda: fsspec.core.url_to_fs(path, **(storage_options or {})))
+    return FsspecRangeReader(fs, inner, name=path)

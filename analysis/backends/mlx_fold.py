@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..arrays import float32_rows
+from ..catalogue import TOP_K
+
 if TYPE_CHECKING:
     from ..accumulator import HeadAccumulator
 
@@ -240,8 +243,6 @@ class _Scalars:
             self.top_rows, self.top_peaks = out["top_rows"].tolist(), out["top_peaks"].tolist()
 
     def add(self, acc: HeadAccumulator, b: int, n: int, positions: np.ndarray) -> None:
-        from ..catalogue import TOP_K
-
         acc.count += n
         acc.norm_sq_sum += self.square_sums[b]
         if "norms" in self.groups:
@@ -263,8 +264,6 @@ def _add_gram(
     """Add piece ``b``'s Gram terms the host computes: all of a small piece (float64, as the CPU
     path does), else its heavy rows (float64), and ``light`` (its light rows' Gram, unless a
     stacked group adds those in one call)."""
-    from ..arrays import float32_rows
-
     if "product" not in out:
         x64 = float32_rows(x).astype(np.float64)
         acc.gram += x64.T @ x64
