@@ -1,0 +1,1 @@
+"""The analysis commands, one module per kind of work; `analysis.cli` declares their arguments."""

@@ -1,0 +1,213 @@
+"""What the analysis commands share: argument types and options, output checks, saving tables and figures."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from kvformat.arguments import positive_int, storage_options
+from kvformat.outputs import check_output, output_path
+
+KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
+
+
+def inputs(args: argparse.Namespace) -> list[str]:
+    """The local files a command reads (patterns expanded), to keep its outputs off them."""
+    import glob
+
+    names = [getattr(args, name) for name in ("file", "a", "b") if getattr(args, name, None)]
+    names += list(getattr(args, "files", None) or [])
+    found: list[str] = []
+    for name in names:
+        found.append(name)
+        if "://" not in name and glob.has_magic(name):
+            found += glob.glob(name, recursive=True)
+    return found
+
+
+def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Before any work: every output the command will write is allowed (`kvformat.outputs`), a
+    ``--stat`` names a statistic the selected groups compute, and ``--snapshot`` is inside each
+    local file named (reading only its index)."""
+    del parser
+    stat = getattr(args, "stat", None)
+    from ..head_importance import SCALARS
+
+    # `plot --stat sink_mass`: a per-query-head statistic from saved queries, checked there
+    attention_heatmap = getattr(args, "heatmap_from_queries", False) and stat in SCALARS
+    if stat is not None and getattr(args, "attention", None) is None and not attention_heatmap:
+        from ..catalogue import check_scalar, stat_groups
+
+        check_scalar(stat, stat_groups(getattr(args, "stats", None)))
+    check_snapshot(args)
+    for option in ("output", "plot"):
+        path = getattr(args, option, None)
+        if path:
+            folder = option == "output" and getattr(args, "output_folder", False)
+            check_output(path, inputs=inputs(args), force=args.force, folder=folder)
+    if getattr(args, "output", None) and getattr(args, "plot", None):
+        from kvformat.outputs import same_file
+
+        if same_file(args.output, args.plot):
+            raise ValueError(f"-o and --plot name the same file {args.output}")
+
+
+def check_snapshot(args: argparse.Namespace) -> None:
+    """`kvformat.OutOfRangeError` (one line, exit 2) for a ``--snapshot`` outside a local file."""
+    import glob
+
+    import kvformat
+
+    snapshot = getattr(args, "snapshot", None)
+    if snapshot is None or snapshot == -1:
+        return
+    names = [getattr(args, "file", None), *(getattr(args, "files", None) or [])]
+    for name in names:
+        if name and "://" not in name and not glob.has_magic(name) and os.path.isfile(name):
+            try:
+                kvformat.open(name, snapshot).close()
+            except kvformat.KVFormatError:
+                return  # a bad file: the command reports it as it does any other
+
+
+def save_parquet(table: Any, path: str, args: argparse.Namespace) -> None:
+    """Write ``table`` to ``path`` through a temporary name; say where."""
+    with output_path(path, inputs=inputs(args), force=args.force) as temporary:
+        table.write_parquet(temporary)
+    print(f"wrote {path}: {table.height} rows")
+
+
+def save_figure(figure: Any, path: str, args: argparse.Namespace) -> None:
+    """Save ``figure`` as PNG at exactly ``path`` (matplotlib would add ``.png`` to a bare name)."""
+    with output_path(path, inputs=inputs(args), force=args.force) as temporary:
+        figure.savefig(temporary, dpi=110, format="png")
+
+
+def url_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    return storage_options(getattr(args, "storage_option", None))
+
+
+def stat_groups_type(text: str) -> frozenset[str]:
+    """argparse type: comma-separated statistic groups (``all``, ``norms``, ``channels``, ...)."""
+    from ..catalogue import stat_groups
+
+    named = {name.strip() for name in text.split(",")}
+    if "attention" in named:
+        if named != {"attention"}:
+            raise argparse.ArgumentTypeError(
+                "attention rows are per query head, the other groups' per KV head: "
+                "ask for --stats attention on its own"
+            )
+        return frozenset({"attention"})
+    try:
+        return stat_groups(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def span(text: str) -> tuple[int, int]:
+    """argparse type: ``A:B`` absolute positions ``A <= p < B`` (either side may be left out)."""
+    low, sep, high = text.partition(":")
+    try:
+        span = (int(low) if low else 0, int(high) if high else 2**53)
+    except ValueError:
+        span = (0, -1)
+    if not sep or span[0] < 0 or span[1] <= span[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positions as A:B with 0 <= A < B")
+    return span
+
+
+def layer_head(text: str) -> tuple[int, int]:
+    """argparse type: ``L:H`` (a layer and a query head)."""
+    layer, sep, head = text.partition(":")
+    if not sep or not layer.isdigit() or not head.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give a layer and a query head as L:H, e.g. 3:1")
+    return int(layer), int(head)
+
+
+def method(text: str) -> str:
+    """argparse type: a `simulate` method."""
+    from ..compression import METHODS
+
+    if text not in METHODS:
+        raise argparse.ArgumentTypeError(f"unknown method {text!r}: one of {', '.join(METHODS)}")
+    return text
+
+
+def budget(text: str) -> float:
+    """argparse type: a budget in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"budget {text} is not in (0, 1]")
+    return value
+
+
+def force_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--force", action="store_true", help="replace existing output files (never an input)")
+
+
+def keys_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--keys",
+        choices=["post_rope", "pre_rope"],
+        default="post_rope",
+        help="pre_rope: un-rotate K with the RoPE the snapshot records",
+    )
+
+
+def common_options(p: argparse.ArgumentParser, many: bool = True, engines: bool = True) -> None:
+    if many:
+        p.add_argument("files", nargs="+")
+    p.add_argument(
+        "--snapshot",
+        type=int,
+        default=-1,
+        help="which snapshot of a series: 0, 1, ..., or -1 for the last (default)",
+    )
+    keys_option(p)
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        help="cores to use (default: all): files in processes, the cores left as each file's workers",
+    )
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec option for URLs (e.g. endpoint_url=http://host:9000); repeatable",
+    )
+    if many and engines:
+        p.add_argument(
+            "--engine",
+            choices=["local", "ray"],
+            default="local",
+            help="local: --jobs processes; ray: a Ray cluster (--address) or local Ray with --jobs CPUs",
+        )
+        p.add_argument("--address", help="Ray cluster address for --engine ray")
+        p.add_argument("--fail-fast", action="store_true", help="stop at the first file that fails")
+
+
+def stats_option(p: argparse.ArgumentParser, default: str | None = None) -> None:
+    from ..stats import BACKENDS, GROUPS
+
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="cpu",
+        help="cpu: the compiled kernel on --jobs cores; mlx: mlx's device (Metal or CUDA GPU, else CPU), "
+        "driven by 3/4 of --jobs worker processes for a local file on Linux (each with its own mlx; "
+        "one file under 12 GiB without --jobs: one process, which starts faster)",
+    )
+    p.add_argument(
+        "--stats",
+        type=stat_groups_type,
+        default=None if default is None else stat_groups_type(default),
+        metavar="GROUPS",
+        help=f"statistic groups to compute, comma-separated: all (default), {', '.join(GROUPS)}; "
+        "or attention (per query head, from saved queries). quant*_error and rank*_error are fractions "
+        "of squared error (energy lost); their square root is a relative error like diff's rel_error",
+    )

@@ -1,0 +1,255 @@
+"""`kvsnap plot`: a statistic's layers x heads heatmap beside norm-by-position curves, or an attention map."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from .common import save_figure, url_options
+from .statistics import statistics_table
+
+
+def plot_command(args: argparse.Namespace) -> int:
+    """A layers x heads heatmap of one statistic and per-position norm curves, as one PNG: a title
+    naming file, model, snapshot and statistic; labelled colour scales; the prompt/generation
+    boundary; token labels on request. ``--attention`` and per-query-head statistics go to their
+    own figures."""
+    from ..head_importance import SCALARS
+
+    if args.attention is not None:
+        return _attention_map(args)
+    if args.stat in SCALARS:
+        return _attention_stat_plot(args)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import polars as pl
+
+    import kvformat
+
+    args.files = [args.file]
+    table = statistics_table(args).filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
+    numeric = [
+        c for c, t in table.schema.items() if t.is_numeric() and c not in ("seq", "layer", "head", "snapshot")
+    ]
+    if args.stat not in numeric:
+        raise SystemExit(f"unknown statistic {args.stat!r}; one of: {', '.join(numeric)}")
+    layers, grid = _layer_head_grid(table, args.stat)
+    with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
+        index, count, seq_len = snap.index, snap.num_snapshots, snap.seq_len
+        generated = snap.snapshot_metadata.get("generated")
+        model = snap.metadata.get("model", {})
+    model_name = model.get("name") if isinstance(model, dict) else None
+    name = f"{args.tensor.upper()} {args.stat}"
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
+    figure.suptitle(
+        f"{os.path.basename(args.file)}  |  model {model_name or '(not recorded)'}  |  "
+        f"snapshot {index} (of 0..{count - 1})  |  {name}",
+        fontsize=11,
+    )
+    _heatmap(figure, left, grid, layers, name, "KV head")
+    left.set_title(f"{name} per layer and head")
+    points = _norm_curves(figure, right, layers, args)
+    if isinstance(generated, int) and 0 < generated <= seq_len:
+        _mark_boundary(right, seq_len - generated)
+    figure.tight_layout()
+    save_figure(figure, args.output, args)
+    plt.close(figure)
+    print(f"wrote {args.output}: {len(layers)} layers x {grid.shape[1]} heads, {points} position points")
+    return 0
+
+
+def _heatmap(figure: Any, axis: Any, grid: Any, layers: list[int], name: str, heads: str) -> None:
+    """``grid`` ``(layers, heads)`` as an image on ``axis``, rows labelled by layer, with a colour bar."""
+    image = axis.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest")
+    axis.set_xlabel(heads)
+    axis.set_xticks(range(grid.shape[1]))
+    axis.set_ylabel("layer")
+    step = max(1, len(layers) // 16)
+    axis.set_yticks(range(0, len(layers), step), [str(layer) for layer in layers[::step]])
+    figure.colorbar(image, ax=axis, label=name)
+
+
+def _norm_curves(figure: Any, axis: Any, layers: list[int], args: argparse.Namespace) -> int:
+    """Mean norm over heads by position, one line per layer (binned past `CURVE_POINTS`), token
+    labels on request; the number of points per line."""
+    import matplotlib.pyplot as plt
+    import polars as pl
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    from ..stats import token_table
+
+    column = f"{args.tensor}_norm"
+    tokens = (
+        token_table(args.file, args.snapshot, url_options(args))
+        .filter(pl.col("seq") == 0)
+        .group_by("layer", "position")
+        .agg(pl.col(column).mean(), pl.col("token_text").first())
+        .sort("layer", "position")
+        .collect()
+    )
+    curves, width = _binned_positions(tokens, column)
+    colors = plt.get_cmap("viridis")
+    scale = Normalize(min(layers), max(layers)) if layers else Normalize(0, 1)
+    for layer in layers:
+        part = curves.filter(pl.col("layer") == layer)
+        axis.plot(part["position"], part[column], color=colors(scale(layer)), lw=0.8)
+    figure.colorbar(ScalarMappable(scale, colors), ax=axis, label="layer")
+    axis.set_xlabel("position")
+    axis.set_ylabel(f"mean ||{args.tensor.upper()}|| over heads")
+    binned = f", mean of {width} positions per point" if width > 1 else ""
+    axis.set_title(f"||{args.tensor.upper()}|| by position, one line per layer{binned}", pad=14)
+    if args.token_labels:
+        _token_ticks(axis, tokens.filter(pl.col("layer") == layers[0]) if layers else tokens)
+    return int(curves.height)
+
+
+def _mark_boundary(axis: Any, boundary: int) -> None:
+    """A dashed line before position ``boundary``, the first generated token."""
+    axis.axvline(boundary - 0.5, color="crimson", ls="--", lw=1)
+    axis.annotate(
+        "prompt | generated",
+        (boundary - 0.5, 1.0),
+        xycoords=("data", "axes fraction"),
+        ha="center",
+        va="bottom",
+        color="crimson",
+        fontsize=8,
+    )
+
+
+def _token_ticks(axis: Any, tokens: Any) -> None:
+    """Label up to 60 positions of ``axis`` with their token text (a note when none is recorded)."""
+    pairs = zip(tokens["position"], tokens["token_text"], strict=True)
+    labelled = [(p, t) for p, t in pairs if t is not None]
+    if not labelled:
+        print("note: the file records no token text; plotting without token labels", file=sys.stderr)
+        return
+    shown = labelled[:: max(1, len(labelled) // 60)]
+    axis.set_xticks([p for p, _ in shown], [repr(t)[1:-1][:12] for _, t in shown], rotation=90, fontsize=6)
+
+
+def _layer_head_grid(table: Any, stat: str) -> tuple[list[int], Any]:
+    """The layers of ``table`` and its ``stat`` as a ``(layers, heads)`` array (NaN where absent)."""
+    import numpy as np
+
+    layers = sorted(set(table["layer"].to_list()))
+    grid = np.full((len(layers), max(table["head"].to_list()) + 1), np.nan)
+    for row in table.iter_rows(named=True):
+        grid[layers.index(row["layer"]), row["head"]] = row[stat]
+    return layers, grid
+
+
+CURVE_POINTS = 256
+"""Points per layer of the norm-by-position panel: longer sequences are averaged in equal bins,
+so 4096 positions x 16 layers stay readable."""
+
+
+def _binned_positions(tokens: Any, column: str) -> tuple[Any, int]:
+    """``tokens`` (``layer``, ``position``, ``column``) averaged in bins of ``width`` consecutive
+    positions, at most `CURVE_POINTS` per layer; ``(table, width)`` (width 1: unchanged)."""
+    import polars as pl
+
+    span = int(tokens["position"].max()) + 1 if tokens.height else 0
+    width = max(1, -(-span // CURVE_POINTS))
+    if width == 1:
+        return tokens, 1
+    binned = (
+        tokens.with_columns((pl.col("position") // width).alias("bin"))
+        .group_by("layer", "bin")
+        .agg(pl.col("position").mean(), pl.col(column).mean())
+        .sort("layer", "bin")
+    )
+    return binned, width
+
+
+def _attention_stat_plot(args: argparse.Namespace) -> int:
+    """``plot --stat sink_mass`` (or another `--stats attention` column): a layers x query heads
+    heatmap from the file's saved queries."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..head_importance import attention_stats
+
+    table = attention_stats(args.file, args.snapshot, storage_options=url_options(args))
+    layers, grid = _layer_head_grid(table, args.stat)
+    heads = grid.shape[1]
+    figure, axis = plt.subplots(figsize=(1.2 + 0.45 * heads, 1.5 + 0.22 * len(layers)))
+    _heatmap(figure, axis, grid, layers, args.stat, "query head")
+    axis.set_title(f"{os.path.basename(args.file)}: {args.stat} per layer and query head", fontsize=9)
+    figure.tight_layout()
+    save_figure(figure, args.output, args)
+    plt.close(figure)
+    print(f"wrote {args.output}: {len(layers)} layers x {heads} query heads of {args.stat}")
+    return 0
+
+
+def _attention_map(args: argparse.Namespace) -> int:
+    """`plot --attention L:H`: one query head's attention map, log colour scale, labelled axes,
+    the prompt|generated boundary marked, token labels on request."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    import kvformat
+
+    from ..tokens import token_pieces
+
+    layer, head = args.attention
+    with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
+        found = snap.attention(layer, head)
+        generated = snap.snapshot_metadata.get("generated")
+        seq_len = snap.seq_len
+        pieces = token_pieces(snap)
+        model = snap.metadata.get("model", {})
+        spec = snap.layers[layer].queries
+    weights = np.where(found.weights > 0, found.weights, np.nan)
+    figure, axis = plt.subplots(figsize=(11, max(3.5, min(9, 0.08 * weights.shape[0] + 2.5))))
+    floor = max(float(np.nanmin(weights)) if np.isfinite(weights).any() else 1e-6, 1e-6)
+    image = axis.imshow(
+        weights, aspect="auto", cmap="magma", norm=LogNorm(vmin=floor, vmax=1.0), interpolation="nearest",
+        extent=(found.key_positions[0] - 0.5, found.key_positions[-1] + 0.5,
+                found.query_positions[-1] + 0.5, found.query_positions[0] - 0.5),
+    )  # fmt: skip
+    figure.colorbar(image, ax=axis, label="attention weight (log scale; masked keys blank)")
+    axis.set_xlabel("key position")
+    axis.set_ylabel("query position")
+    name = model.get("name") if isinstance(model, dict) else None
+    window = f", window {spec.window}" if spec is not None and spec.window else ""
+    axis.set_title(
+        f"{os.path.basename(args.file)} | {name or 'model not recorded'} | layer {layer} query head {head} "
+        f"(KV head {spec.kv_heads[head] if spec else '?'}{window}) | snapshot {snap.index}",
+        fontsize=10,
+    )
+    if isinstance(generated, int) and 0 < generated <= seq_len:
+        boundary = seq_len - generated - 0.5
+        axis.axvline(boundary, color="cyan", ls="--", lw=1)
+        axis.axhline(boundary, color="cyan", ls="--", lw=1)
+        axis.annotate("prompt | generated", (boundary, 0), xycoords=("data", "axes fraction"),
+                      color="cyan", ha="center", va="bottom", fontsize=8)  # fmt: skip
+    if args.token_labels and pieces is not None:
+        labels = pieces[0]
+        keys = found.key_positions
+        every = max(1, keys.size // 60)
+        shown = keys[::every]
+        axis.set_xticks(shown, [repr(labels[p])[1:-1][:10] if p < len(labels) else "" for p in shown],
+                        rotation=90, fontsize=6)  # fmt: skip
+        queries = found.query_positions[:: max(1, found.query_positions.size // 40)]
+        axis.set_yticks(queries, [repr(labels[p])[1:-1][:10] if p < len(labels) else "" for p in queries],
+                        fontsize=6)  # fmt: skip
+    figure.tight_layout()
+    save_figure(figure, args.output, args)
+    plt.close(figure)
+    print(
+        f"wrote {args.output}: layer {layer} query head {head}, {weights.shape[0]} x {weights.shape[1]} map"
+    )
+    return 0

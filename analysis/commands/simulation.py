@@ -1,0 +1,58 @@
+"""`kvsnap simulate`: attention-output error per head had the cache been compressed, table and plot."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .common import save_figure, save_parquet, url_options
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    """``simulate``: attention-output error per (method, budget, layer, head) under compression."""
+    from ..compression import METHODS, simulate
+
+    table = simulate(
+        args.file,
+        args.method or METHODS,
+        args.budget,
+        args.snapshot,
+        window=args.window,
+        seed=args.seed,
+        storage_options=url_options(args),
+    )
+    save_parquet(table, args.output, args)
+    import polars as pl
+
+    means = (
+        table.group_by(["method", "budget"], maintain_order=True)
+        .agg(pl.col("relative_error").mean().alias("error"), pl.col("top1_agreement").mean().alias("top1"))
+        .sort(["method", "budget"])
+    )
+    print("mean over heads: method, budget -> relative error of the attention output, top-1 agreement")
+    for row in means.iter_rows(named=True):
+        print(f"  {row['method']:>9} {row['budget']:5.3f} -> {row['error']:.4f}  {row['top1']:.3f}")
+    if args.plot:
+        _simulate_plot(means, args)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _simulate_plot(means: Any, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    for method in means["method"].unique(maintain_order=True).to_list():
+        rows = means.filter(means["method"] == method).sort("budget")
+        axis.plot(rows["budget"].to_list(), rows["error"].to_list(), marker="o", label=method)
+    axis.set_xlabel("budget (fraction of prompt keys kept; bits/16 for quantization)")
+    axis.set_ylabel("relative error of the attention output")
+    axis.set_yscale("log")
+    axis.set_title(f"{args.file}: KV compression what-ifs (mean over heads)", fontsize=9)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    save_figure(figure, args.plot, args)
+    plt.close(figure)
