@@ -68,40 +68,61 @@ def _info(args: argparse.Namespace) -> int:
         f"  {d['num_layers']} layers, {d['num_heads']} KV heads, head_dim {d['head_dim']}, "
         f"{d['num_seqs']} sequence(s), seq_len {d['seq_len']}, {d['num_chunks']} chunks"
     )
-    meta = d["metadata"]
-    model = meta.get("model", {})
-    if isinstance(model, dict) and (model.get("name") or model.get("architecture")):
-        source = model.get("gguf", {}) if isinstance(model.get("gguf"), dict) else {}
-        origin = f", from GGUF {source['file']}" if source.get("file") else ""
-        print(f"  model: {model.get('name', '(unnamed)')} ({model.get('architecture', '?')}{origin})")
-    order = channel_order.describe(meta)
-    if order is not None:
-        print(f"  K channel order: {order}")
-    imported = meta.get("source")
-    if isinstance(imported, dict) and imported.get("format"):
-        digest = str(imported.get("sha256", ""))[:16]
-        print(
-            f"  imported from: {imported.get('file', '?')} ({imported['format']} version "
-            f"{imported.get('version', '?')}, {imported.get('bytes', '?')} bytes, sha256 {digest}...)"
-        )
-    generation = meta.get("generation")
-    if isinstance(generation, dict):
-        settings = ", ".join(f"{k} {v}" for k, v in generation.items() if v not in (None, [], ""))
-        print(f"  generation: {settings}")
-    for label, text in (("prompt", meta.get("prompt")), ("generated", meta.get("generated_text"))):
-        if isinstance(text, str) and text:
-            print(f"  {label}: {_shorten(text)}")
-    for key, value in d["snapshot_metadata"].items():
-        if key in ("tokens", "tokens_appended"):
-            continue
-        shown = _shorten(
-            " ".join(value) if isinstance(value, list) and all(isinstance(v, str) for v in value) else value
-        )
-        print(f"  this snapshot: {key} {shown}")
+    for line in _metadata_lines(d["metadata"]) + _snapshot_lines(d["snapshot_metadata"]):
+        print(f"  {line}")
     for first, last, layer in _layer_runs(d["layers"]):
         which = f"layer {first:3d}" if first == last else f"layers {first}-{last}"
         print(f"  {which}: {_layer_line(layer)}")
     return 0
+
+
+def _metadata_lines(meta: dict[str, Any]) -> list[str]:
+    """`info`'s lines for the file's metadata: model, K channel order, import source, generation
+    settings, prompt and generated text (each only when recorded)."""
+    order = channel_order.describe(meta)
+    found = (_model_line(meta), order and f"K channel order: {order}", _source_line(meta))
+    lines = [line for line in found if line]
+    generation = meta.get("generation")
+    if isinstance(generation, dict):
+        settings = ", ".join(f"{k} {v}" for k, v in generation.items() if v not in (None, [], ""))
+        lines.append(f"generation: {settings}")
+    for label, text in (("prompt", meta.get("prompt")), ("generated", meta.get("generated_text"))):
+        if isinstance(text, str) and text:
+            lines.append(f"{label}: {_shorten(text)}")
+    return lines
+
+
+def _model_line(meta: dict[str, Any]) -> str | None:
+    """`info`'s model line: name, architecture, the GGUF file it came from."""
+    model = meta.get("model", {})
+    if not isinstance(model, dict) or not (model.get("name") or model.get("architecture")):
+        return None
+    source = model.get("gguf", {}) if isinstance(model.get("gguf"), dict) else {}
+    origin = f", from GGUF {source['file']}" if source.get("file") else ""
+    return f"model: {model.get('name', '(unnamed)')} ({model.get('architecture', '?')}{origin})"
+
+
+def _source_line(meta: dict[str, Any]) -> str | None:
+    """`info`'s line for an imported file: the foreign file, format, version, size and digest."""
+    imported = meta.get("source")
+    if not isinstance(imported, dict) or not imported.get("format"):
+        return None
+    digest = str(imported.get("sha256", ""))[:16]
+    return (
+        f"imported from: {imported.get('file', '?')} ({imported['format']} version "
+        f"{imported.get('version', '?')}, {imported.get('bytes', '?')} bytes, sha256 {digest}...)"
+    )
+
+
+def _snapshot_lines(meta: dict[str, Any]) -> list[str]:
+    """`info`'s lines for the snapshot's own metadata (token id lists left out: `dump` has them)."""
+    lines = []
+    for key, value in meta.items():
+        if key in ("tokens", "tokens_appended"):
+            continue
+        words = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        lines.append(f"this snapshot: {key} {_shorten(' '.join(value) if words else value)}")
+    return lines
 
 
 def _shorten(value: Any, width: int = 100) -> str:
@@ -169,39 +190,12 @@ def _recover(args: argparse.Namespace) -> int:
 
 def _pack(args: argparse.Namespace) -> int:
     check_output(args.output, inputs=[args.input], force=args.force)
-    try:
-        npz_file = np.load(args.input, allow_pickle=False)
-    except (ValueError, OSError, EOFError):
-        raise ValueError(f"{args.input}: not an .npz file of arrays (k_L<i>/v_L<i>)") from None
-    if not isinstance(npz_file, np.lib.npyio.NpzFile):
-        raise ValueError(f"{args.input}: a single array, not an .npz of k_L<i>/v_L<i> arrays")
-    with npz_file as npz:
+    with _open_npz(args.input) as npz:
         names = set(npz.files)
         layer_ids = sorted({int(n[3:]) for n in names if n.startswith(("k_L", "v_L")) and n[3:].isdigit()})
         if not layer_ids:
             raise SystemExit(f"{args.input}: no arrays named k_L<layer> / v_L<layer>")
-        layers: list[kvformat.Layer | None] = []
-        for layer in range(layer_ids[-1] + 1):
-            if f"k_L{layer}" not in names and f"v_L{layer}" not in names:
-                layers.append(None)
-                continue
-            if f"k_L{layer}" not in names or f"v_L{layer}" not in names:
-                raise SystemExit(f"{args.input}: layer {layer} needs both k_L{layer} and v_L{layer}")
-            k, v = npz[f"k_L{layer}"], npz[f"v_L{layer}"]
-            stored = {np.dtype(d.numpy) for d in dtypes.BY_NAME.values()} | {np.dtype(np.uint16)}
-            if not args.dtype and (k.dtype not in stored or v.dtype not in stored):
-                raise SystemExit(
-                    f"{args.input}: layer {layer} arrays are {k.dtype}/{v.dtype}, which .kv does not store: "
-                    f"pass --dtype {' or '.join(sorted(dtypes.BY_NAME))} to convert"
-                )
-            if k.dtype == np.uint16 or args.dtype:
-                target = dtypes.from_name(args.dtype or "bfloat16").numpy
-                k = k.view(target) if k.dtype == np.uint16 else k.astype(target)
-                v = v.view(target) if v.dtype == np.uint16 else v.astype(target)
-            if k.ndim != 3 or v.ndim != 3:
-                raise SystemExit(f"{args.input}: layer {layer} arrays must be (heads, tokens, head_dim)")
-            positions = npz[f"positions_L{layer}"] if f"positions_L{layer}" in names else None
-            layers.append(kvformat.Layer(k, v, positions))
+        layers = [_npz_layer(npz, layer, args) for layer in range(layer_ids[-1] + 1)]
     row_bytes = max(max(l.k.shape[2], l.v.shape[2]) * l.k.dtype.itemsize for l in layers if l)
     chunk_bytes = args.chunk_tokens * row_bytes if args.chunk_tokens else kvformat.writer.DEFAULT_CHUNK_BYTES
     kvformat.save(
@@ -214,6 +208,48 @@ def _pack(args: argparse.Namespace) -> int:
     )
     print(f"wrote {args.output}")
     return 0
+
+
+def _stored(array: np.ndarray, layer: int, args: argparse.Namespace) -> np.ndarray:
+    """`pack`'s ``array`` in a dtype .kv stores: uint16 read as bfloat16 bits, ``--dtype`` converts,
+    any other dtype is refused naming the layer."""
+    stored = {np.dtype(d.numpy) for d in dtypes.BY_NAME.values()} | {np.dtype(np.uint16)}
+    if not args.dtype and array.dtype not in stored:
+        raise SystemExit(
+            f"{args.input}: layer {layer} arrays are {array.dtype}, which .kv does not store: "
+            f"pass --dtype {' or '.join(sorted(dtypes.BY_NAME))} to convert"
+        )
+    if array.dtype != np.uint16 and not args.dtype:
+        return array
+    target = dtypes.from_name(args.dtype or "bfloat16").numpy
+    return array.view(target) if array.dtype == np.uint16 else array.astype(target)
+
+
+def _open_npz(path: str) -> Any:
+    """``path`` as an open `numpy.lib.npyio.NpzFile` (no pickles), or a ValueError naming it."""
+    try:
+        npz_file = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError):
+        raise ValueError(f"{path}: not an .npz file of arrays (k_L<i>/v_L<i>)") from None
+    if not isinstance(npz_file, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: a single array, not an .npz of k_L<i>/v_L<i> arrays")
+    return npz_file
+
+
+def _npz_layer(npz: Any, layer: int, args: argparse.Namespace) -> kvformat.Layer | None:
+    """Layer ``layer`` of `pack`'s input: ``k_L<i>``/``v_L<i>`` ``(heads, tokens, head_dim)``
+    (uint16 read as bfloat16 bits, other dtypes only with ``--dtype``), ``positions_L<i>`` if
+    present; None when neither array is there."""
+    names = set(npz.files)
+    if f"k_L{layer}" not in names and f"v_L{layer}" not in names:
+        return None
+    if f"k_L{layer}" not in names or f"v_L{layer}" not in names:
+        raise SystemExit(f"{args.input}: layer {layer} needs both k_L{layer} and v_L{layer}")
+    k, v = (_stored(npz[f"{name}_L{layer}"], layer, args) for name in ("k", "v"))
+    if k.ndim != 3 or v.ndim != 3:
+        raise SystemExit(f"{args.input}: layer {layer} arrays must be (heads, tokens, head_dim)")
+    positions = npz[f"positions_L{layer}"] if f"positions_L{layer}" in names else None
+    return kvformat.Layer(k, v, positions)
 
 
 def _import_mlxkv(args: argparse.Namespace) -> int:

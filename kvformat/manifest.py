@@ -63,26 +63,55 @@ class QuerySpec:
         """Raise ValueError for a description a writer must not declare (``kv_heads``: the
         layer's KV head count)."""
         for name, value, limit in (("num_heads", self.num_heads, MAX_HEADS), ("dim", self.dim, MAX_WIDTH)):
-            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+            if not _is_int(value) or not 1 <= value <= limit:
                 raise ValueError(f"queries {name} must be an integer in 1..{limit}, got {value!r}")
-        if not (isinstance(self.scale, float | int) and math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"queries scale must be a finite number above 0, got {self.scale!r}")
         if len(self.kv_heads) != self.num_heads or not all(
-            isinstance(h, int) and not isinstance(h, bool) and 0 <= h < kv_heads for h in self.kv_heads
+            _is_int(h) and 0 <= h < kv_heads for h in self.kv_heads
         ):
             raise ValueError(f"queries kv_heads must name one KV head (0..{kv_heads - 1}) per query head")
-        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
-            raise ValueError(f"queries window must be null or a positive integer, got {self.window!r}")
-        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 0:
-            raise ValueError(f"queries keep must be an integer >= 0, got {self.keep!r}")
-        if self.window is not None and self.keep >= self.window:
-            raise ValueError(f"queries keep ({self.keep}) must be below the window ({self.window})")
+        self._check_mask()
+        self._check_logits()
+
+    def _check_logits(self) -> None:
+        """``scale`` finite and positive, ``softcap`` null or so, ``sinks`` null or one finite
+        number per query head."""
+        if not (isinstance(self.scale, float | int) and math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"queries scale must be a finite number above 0, got {self.scale!r}")
         if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
             raise ValueError(f"queries softcap must be null or a finite number above 0, got {self.softcap!r}")
         if self.sinks is not None and (
             len(self.sinks) != self.num_heads or not all(math.isfinite(x) for x in self.sinks)
         ):
             raise ValueError("queries sinks must be null or one finite number per query head")
+
+    def _check_mask(self) -> None:
+        """``window`` null or positive, ``keep`` an integer >= 0 and below the window."""
+        if self.window is not None and (not _is_int(self.window) or self.window < 1):
+            raise ValueError(f"queries window must be null or a positive integer, got {self.window!r}")
+        if not _is_int(self.keep) or self.keep < 0:
+            raise ValueError(f"queries keep must be an integer >= 0, got {self.keep!r}")
+        if self.window is not None and self.keep >= self.window:
+            raise ValueError(f"queries keep ({self.keep}) must be below the window ({self.window})")
+
+
+def _is_int(value: Any) -> bool:
+    """An integer, not a bool (JSON's true is no head count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _query_lists(obj: dict[str, Any], where: str) -> tuple[list[Any], list[Any] | None, int | None]:
+    """A ``queries`` object's ``kv_heads`` (a list), ``sinks`` (null or numbers) and ``window``
+    (null or an integer), type-checked; values are `QuerySpec.check`'s."""
+    kv = obj.get("kv_heads")
+    sinks = obj.get("sinks")
+    window = obj.get("window")
+    if not isinstance(kv, list) or (sinks is not None and not isinstance(sinks, list)):
+        raise CorruptFileError(f"{where} queries: 'kv_heads' must be a list, 'sinks' null or a list")
+    if window is not None and not _is_int(window):
+        raise CorruptFileError(f"{where} queries: 'window' must be null or an integer")
+    if sinks is not None and not all(isinstance(x, int | float) and not isinstance(x, bool) for x in sinks):
+        raise CorruptFileError(f"{where} queries: 'sinks' must hold numbers")
+    return kv, sinks, window
 
 
 def parse_queries(obj: Any, where: str, kv_heads: int) -> QuerySpec | None:
@@ -102,15 +131,7 @@ def parse_queries(obj: Any, where: str, kv_heads: int) -> QuerySpec | None:
             raise CorruptFileError(f"{where} queries: '{key}' must be a number, got {value!r}")
         return float(value)
 
-    kv = obj.get("kv_heads")
-    sinks = obj.get("sinks")
-    window = obj.get("window")
-    if not isinstance(kv, list) or (sinks is not None and not isinstance(sinks, list)):
-        raise CorruptFileError(f"{where} queries: 'kv_heads' must be a list, 'sinks' null or a list")
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
-        raise CorruptFileError(f"{where} queries: 'window' must be null or an integer")
-    if sinks is not None and not all(isinstance(x, int | float) and not isinstance(x, bool) for x in sinks):
-        raise CorruptFileError(f"{where} queries: 'sinks' must hold numbers")
+    kv, sinks, window = _query_lists(obj, where)
     scale = number("scale", False)
     assert scale is not None
     spec = QuerySpec(

@@ -10,9 +10,10 @@ scratch buffers, encoded chunks for a compressing codec). Contiguous raw input i
 from the caller's arrays, without a copy, but for small chunks: those are copied into one buffer
 and written with one call (`kvformat.records.block_records`). The file's data is never held whole.
 
-This module holds the writer's state and its I/O; the record layout is `kvformat.records`,
-the checks of appended input `kvformat.write_input`, the closing index section
-`kvformat.index`, and whole-snapshot writes (`save`, `write_snapshot`) `kvformat.saving`.
+This module holds the writer's state and its I/O; the record layout is `kvformat.records`, units
+of chunks become records in `kvformat.encode`, the checks of appended input are
+`kvformat.write_input`, the closing index section `kvformat.index`, and whole-snapshot writes
+(`save`, `write_snapshot`) `kvformat.saving`.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from typing import Any, cast
 import numpy as np
 
 from kvformat import codecs, dtypes
-from kvformat.checksum import crc32c, crc32c_many
+from kvformat.checksum import crc32c
 from kvformat.codecs import BytesLike, Codec
 from kvformat.durability import fsync_directory
+from kvformat.encode import ZEROS, prepare
 from kvformat.errors import OutOfRangeError
 from kvformat.index import index_bytes
 from kvformat.layout import (
-    ALIGN,
     DESCRIPTOR_SIZE,
     KIND_ARRAY,
     KIND_K,
@@ -52,13 +53,7 @@ from kvformat.records import (
     Part,
     Records,
     Unit,
-    block_columns,
-    block_records,
-    byte_view,
-    crc_of,
     flat,
-    layout,
-    small_chunks,
 )
 from kvformat.series import (
     CHUNK,
@@ -76,7 +71,6 @@ from kvformat.series import (
 from kvformat.write_input import as_positions, rows_of
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
-_ZEROS = bytes(ALIGN)
 PIPELINE_BYTES = 2 << 20  # appends this large are prepared on a helper thread while being written
 _UNIT_BYTES = 4 << 20  # chunks are prepared and written in units of about this many bytes
 _AHEAD = 2  # work units prepared ahead of the one being written
@@ -225,98 +219,14 @@ class Writer:
             payload_crc=crc32c(payload),
         )
         end = self._offset + DESCRIPTOR_SIZE + len(payload)
-        self._write_all([descriptor.pack(), payload, _ZEROS[: align(end) - end]])
+        self._write_all([descriptor.pack(), payload, ZEROS[: align(end) - end]])
 
     def _prepare(self, unit: Unit, slot: int, offset: int) -> Records:
-        """The records of ``unit``, laid out from file offset ``offset``: gather strided rows (into
-        scratch buffer ``slot``), encode, checksum, build descriptors. Runs on the helper thread
-        for pipelined appends and touches no writer state but the slot."""
-        if all(isinstance(item, Block) for item in unit) and small_chunks(cast(list[Block], unit)):
-            records, self._scratch[slot] = block_records(cast(list[Block], unit), offset, self._scratch[slot])
-            return records
-        strided = sum(p.rows.nbytes for p in unit if isinstance(p, Part) and not p.rows.flags.c_contiguous)
-        if self._scratch[slot].nbytes < strided:
-            self._scratch[slot] = np.empty(strided, np.uint8)
-        scratch, used = self._scratch[slot], 0
-        columns: list[np.ndarray] = []  # per group of chunks: (n, 8) columns, widths, dtype codes
-        widths: list[np.ndarray] = []
-        dtype_codes: list[np.ndarray] = []
-        payloads: list[BytesLike] = []  # one buffer per chunk ...
-        multi: dict[int, list[BytesLike]] = {}  # ... or, for codecs of several pieces, these
-        i = 0
-        while i < len(unit):
-            item = unit[i]
-            if isinstance(item, Block):
-                j = i
-                while j < len(unit) and isinstance(unit[j], Block):
-                    j += 1
-                blocks = cast(list[Block], unit[i:j])
-                group = block_columns(blocks)
-                columns.append(group[0])
-                widths.append(group[1])
-                dtype_codes.append(group[2])
-                for block in blocks:
-                    k_size, v_size = block.k[0].nbytes, block.v[0].nbytes
-                    k_bytes, v_bytes = byte_view(block.k), byte_view(block.v)
-                    for h in range(block.k.shape[0]):
-                        payloads.append(k_bytes[h * k_size : (h + 1) * k_size])
-                        payloads.append(v_bytes[h * v_size : (h + 1) * v_size])
-                i = j
-                continue
-            part = cast(Part, item)
-            rows = part.rows
-            if not rows.flags.c_contiguous:
-                out = scratch[used : used + rows.nbytes].view(rows.dtype).reshape(rows.shape)
-                np.copyto(out, rows)
-                used += rows.nbytes
-                rows = out
-            data = byte_view(rows)
-            pieces = self.codec.encode(data, part.dtype.itemsize)
-            if len(pieces) != 1:
-                multi[len(payloads)] = pieces
-            payloads.append(pieces[0] if len(pieces) == 1 else data)
-            columns.append(
-                np.array([[part.layer, part.seq, part.head, part.kind, 0, 0, rows.shape[0], part.position]])
-            )
-            widths.append(np.array([part.width]))
-            dtype_codes.append(np.array([part.dtype.code]))
-            # The decoded size rides in the CHUNK column until the chunk index is known.
-            columns[-1][0, CHUNK] = data.nbytes
-            i += 1
-        if not payloads:
-            return Records([], b"", np.empty((0, 8), np.int64), offset, offset)
-        table = np.concatenate(columns)
-        decoded = table[:, CHUNK].copy()
-        raw = self.codec.code == 0
-        stored = decoded.copy() if raw else np.array([len(p) for p in payloads], np.int64)
-        crcs = crc32c_many(payloads)
-        for index, pieces in multi.items():  # CRCs continue across the pieces of one payload
-            crcs[index] = crc_of(pieces)
-            stored[index] = sum(memoryview(p).nbytes for p in pieces)
-        packed, padding, end = layout(
-            table,
-            np.concatenate(widths),
-            np.concatenate(dtype_codes),
-            self.codec.code,
-            stored,
-            decoded,
-            crcs,
-            offset,
-        )
-        descriptors = memoryview(packed)
-        n = len(payloads)
-        if not multi and not padding.any():  # the usual raw case: descriptor, payload, ...
-            buffers: list[BytesLike] = [b""] * (2 * n)
-            buffers[0::2] = [descriptors[d : d + DESCRIPTOR_SIZE] for d in range(0, n * DESCRIPTOR_SIZE, 64)]
-            buffers[1::2] = payloads
-        else:
-            buffers = []
-            for index, (payload, pad) in enumerate(zip(payloads, padding.tolist(), strict=True)):
-                buffers.append(descriptors[index * DESCRIPTOR_SIZE : (index + 1) * DESCRIPTOR_SIZE])
-                buffers += multi.get(index, [payload])
-                if pad:
-                    buffers.append(_ZEROS[:pad])
-        return Records(buffers, packed, table, offset, end)
+        """The records of ``unit``, laid out from file offset ``offset`` (`kvformat.encode`), with
+        scratch buffer ``slot``. Runs on the helper thread for pipelined appends and touches no
+        writer state but the slot."""
+        records, self._scratch[slot] = prepare(unit, self.codec, self._scratch[slot], offset)
+        return records
 
     def _commit(self, records: Records) -> range:
         """Write prepared records (which must start at the current end of the file); return
@@ -555,24 +465,9 @@ class Writer:
         """``k``/``v`` as one `Block` when they can be stored that way (raw codec, plain dtype,
         C-contiguous numpy arrays of the right shape, consecutive positions within one chunk per
         head); None otherwise, and the general path checks and splits them."""
-        if (
-            self.codec.code != 0
-            or spec.quantization is not None
-            or type(k) is not np.ndarray
-            or type(v) is not np.ndarray
-            or not (k.flags.c_contiguous and v.flags.c_contiguous)
-        ):
+        if self.codec.code != 0 or not _plain_arrays(spec, k, v):
             return None
         assert spec.dtype is not None
-        if (
-            k.ndim != 3
-            or v.ndim != 3
-            or k.shape != (spec.num_heads, k.shape[1], spec.k_dim)
-            or v.shape != (spec.num_heads, k.shape[1], spec.v_dim)
-            or k.dtype != spec.dtype.numpy
-            or v.dtype != spec.dtype.numpy
-        ):
-            return None
         count = k.shape[1]
         if count * max(spec.row_bytes(KIND_K), spec.row_bytes(KIND_V)) > self.chunk_bytes:
             return None
@@ -756,3 +651,21 @@ class Writer:
             self._closed = True
             self._file.close()
             self._pool.shutdown()
+
+
+def _plain_arrays(spec: LayerSpec, k: Any, v: Any) -> bool:
+    """``k`` and ``v`` are C-contiguous numpy arrays ``(num_heads, n, dim)`` of the layer's
+    unquantized dtype: storable as they are."""
+    if spec.quantization is not None or spec.dtype is None:
+        return False
+    if type(k) is not np.ndarray or type(v) is not np.ndarray:
+        return False
+    if not (k.flags.c_contiguous and v.flags.c_contiguous) or k.ndim != 3 or v.ndim != 3:
+        return False
+    dtype = spec.dtype.numpy
+    return (
+        k.shape == (spec.num_heads, k.shape[1], spec.k_dim)
+        and v.shape == (spec.num_heads, k.shape[1], spec.v_dim)
+        and k.dtype == dtype
+        and v.dtype == dtype
+    )

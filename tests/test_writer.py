@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import kvformat
+import kvformat.encode
 from kvformat import writer as writer_module
 
 
@@ -224,13 +225,13 @@ def test_small_blocks_in_one_buffer_equal_the_records_chunk_by_chunk(
     """Small contiguous chunks are laid out in one buffer with numpy (`block_records`); the bytes
     are exactly those of the chunk-by-chunk layout, and the file verifies."""
     laid_out = []
-    real = writer_module.block_records
+    real = kvformat.encode.block_records
 
     def spy(*args: Any) -> Any:
         laid_out.append(len(args[0]))
         return real(*args)
 
-    monkeypatch.setattr(writer_module, "block_records", spy)
+    monkeypatch.setattr(kvformat.encode, "block_records", spy)
     one_buffer, chunk_by_chunk = tmp_path / "one.kv", tmp_path / "each.kv"
     _write_blocks(one_buffer, monkeypatch, small=True, pipelined=pipelined)
     assert laid_out and (max(laid_out) > 1 if not pipelined else len(laid_out) > 4)
