@@ -28,7 +28,7 @@ from kvformat.records import (
     layout,
     small_chunks,
 )
-from kvformat.series import CHUNK
+from kvformat.runs import CHUNK
 
 ZEROS = bytes(ALIGN)
 """Padding source: records end on `kvformat.layout.ALIGN`-byte boundaries."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvformat import codecs
 from kvformat.layout import DESCRIPTOR_SIZE
-from kvformat.series import Segment, ranges
+from kvformat.runs import Segment, ranges
 from kvformat.structure import FileStructure, payload_crc_mismatch
 
 _PAGE = 4096  # chunks this close are released as one range

@@ -16,7 +16,8 @@ import numpy as np
 
 from kvformat.errors import CorruptFileError
 from kvformat.layout import KIND_Q
-from kvformat.series import Entry, ranges
+from kvformat.runs import ranges
+from kvformat.series import Entry
 
 if TYPE_CHECKING:
     from kvformat.structure import FileStructure

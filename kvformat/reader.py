@@ -25,7 +25,7 @@ from kvformat.pages import Head, Pages
 from kvformat.quantization import Parts
 from kvformat.queries import Queries, check_all_queries, check_queries, read_queries
 from kvformat.remote import READ_AHEAD
-from kvformat.series import Segment, Segments, ranges
+from kvformat.runs import Segment, Segments, ranges
 from kvformat.source import open_source
 from kvformat.structure import FileStructure, check_arrays
 from kvformat.verify import VerifyReport, verify

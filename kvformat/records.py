@@ -17,7 +17,7 @@ from kvformat.checksum import crc32c, crc32c_rows, crc32c_slices
 from kvformat.codecs import BytesLike
 from kvformat.dtypes import DType
 from kvformat.layout import ALIGN, DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, KIND_K, KIND_V
-from kvformat.series import CHUNK, COUNT, HEAD, KIND, LAYER, POSITION, ROW, SEQ
+from kvformat.runs import CHUNK, COUNT, HEAD, KIND, LAYER, POSITION, ROW, SEQ
 
 
 def byte_view(array: np.ndarray) -> memoryview:

@@ -37,7 +37,8 @@ from kvformat.layout import (
 )
 from kvformat.manifest import Manifest, loads, parse_manifest
 from kvformat.outputs import check_output, in_use, output_path
-from kvformat.series import COUNT, HEAD, LAYER, POSITION, SEQ, Chain, Entry, parse_entry
+from kvformat.runs import COUNT, HEAD, LAYER, POSITION, SEQ
+from kvformat.series import Chain, Entry, parse_entry
 from kvformat.source import MmapSource
 
 

@@ -17,6 +17,21 @@ import numpy as np
 
 from kvformat.errors import CorruptFileError
 from kvformat.layout import DESCRIPTOR_SIZE, KIND_K, KIND_V, MAX_POSITION
+from kvformat.runs import (
+    CHUNK,
+    COUNT,
+    HEAD,
+    KIND,
+    LAYER,
+    POSITION,
+    ROW,
+    SEQ,
+    Segments,
+    check_runs,
+    head_keys,
+    ranges,
+    trim_runs,
+)
 
 Run = tuple[int, int, int, int]
 Key = tuple[int, int, int, int]  # (layer, seq, head, kind)
@@ -118,11 +133,28 @@ def parse_entry(obj: Any, index: int, num_layers: int, num_seqs: int) -> Entry:
     parent = obj.get("parent")
     if parent is not None and (type(parent) is not int or not 0 <= parent < index):
         raise CorruptFileError(f"{where}: parent must be null or an earlier snapshot, got {parent!r}")
-    drop_json = obj.get("drop", [])
-    if not isinstance(drop_json, list):
+    drops = _drops(obj.get("drop", []), where, num_layers, num_seqs)
+    appends = _int_array(obj.get("append", []), f"{where} append")
+    if appends.size % 3:
+        raise CorruptFileError(f"{where}: 'append' must hold (chunk, row, count) triples")
+    metadata = obj.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise CorruptFileError(f"{where}: metadata must be an object")
+    arrays = obj.get("arrays", {})
+    if not isinstance(arrays, dict) or not all(type(v) is int and v >= 0 for v in arrays.values()):
+        raise CorruptFileError(f"{where}: 'arrays' must map names to chunk indices")
+    ranges = _chunk_ranges(obj.get("append_chunks", []), where, "append_chunks")
+    queries = _chunk_ranges(obj.get("queries", []), where, "queries")
+    return Entry(parent, drops, appends.reshape(-1, 3), metadata, arrays, ranges, queries)
+
+
+def _drops(value: Any, where: str, num_layers: int, num_seqs: int) -> list[tuple[int, int, int, int]]:
+    """A snapshot's ``drop`` list: ``[layer, seq, start, stop]`` items naming a layer, a sequence
+    and a range ``start <= stop``."""
+    if not isinstance(value, list):
         raise CorruptFileError(f"{where}: 'drop' must be a list")
     drops = []
-    for item in drop_json:
+    for item in value:
         values = _ints(item, f"{where} drop")
         if len(values) != 4:
             raise CorruptFileError(f"{where}: a drop is [layer, seq, start, stop]")
@@ -130,134 +162,20 @@ def parse_entry(obj: Any, index: int, num_layers: int, num_seqs: int) -> Entry:
         if layer >= num_layers or seq >= num_seqs or start > stop:
             raise CorruptFileError(f"{where}: drop {values} names no valid layer, sequence or range")
         drops.append((layer, seq, start, stop))
-    appends = _int_array(obj.get("append", []), f"{where} append")
-    if appends.size % 3:
-        raise CorruptFileError(f"{where}: 'append' must hold (chunk, row, count) triples")
-    ranges = _int_array(obj.get("append_chunks", []), f"{where} append_chunks")
+    return drops
+
+
+def _chunk_ranges(value: Any, where: str, key: str) -> np.ndarray:
+    """A snapshot's list of ``(first, stop)`` chunk ranges under ``key`` (``append_chunks``,
+    ``queries``) as an ``(n, 2)`` int64 array; each range non-empty."""
+    ranges = _int_array(value, f"{where} {key}")
     if ranges.size % 2:
-        raise CorruptFileError(f"{where}: 'append_chunks' must hold (first, stop) pairs")
+        raise CorruptFileError(f"{where}: '{key}' must hold (first, stop) pairs")
     ranges = ranges.reshape(-1, 2)
     if bool(np.any(ranges[:, 0] >= ranges[:, 1])):
-        raise CorruptFileError(f"{where}: an 'append_chunks' range is empty (first >= stop)")
-    metadata = obj.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise CorruptFileError(f"{where}: metadata must be an object")
-    arrays = obj.get("arrays", {})
-    if not isinstance(arrays, dict) or not all(type(v) is int and v >= 0 for v in arrays.values()):
-        raise CorruptFileError(f"{where}: 'arrays' must map names to chunk indices")
-    queries = _int_array(obj.get("queries", []), f"{where} queries")
-    if queries.size % 2:
-        raise CorruptFileError(f"{where}: 'queries' must hold (first, stop) pairs")
-    queries = queries.reshape(-1, 2)
-    if bool(np.any(queries[:, 0] >= queries[:, 1])):
-        raise CorruptFileError(f"{where}: a 'queries' range is empty (first >= stop)")
-    return Entry(parent, drops, appends.reshape(-1, 3), metadata, arrays, ranges, queries)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A run of contiguous positions of one head: rows of one K chunk and one V chunk."""
-
-    layer: int
-    head: int
-    seq: int
-    k_chunk: int
-    k_row: int
-    v_chunk: int
-    v_row: int
-    count: int
-    position: int
-
-
-# Columns of a runs array ``(n, 8)`` int64: one row per run of rows of one K or V chunk.
-LAYER, SEQ, HEAD, KIND, CHUNK, ROW, COUNT, POSITION = range(8)
-
-
-def trim_runs(
-    runs: np.ndarray, start: int, stop: int, layer: int | None = None, seq: int | None = None
-) -> np.ndarray:
-    """``runs`` with positions ``[start, stop)`` removed (of ``layer``/``seq`` only, if given): a
-    run straddling the range keeps its pieces, in place and in order (as `trim`)."""
-    position, count = runs[:, POSITION], runs[:, COUNT]
-    end = position + count
-    hit = (end > start) & (position < stop)
-    if layer is not None:
-        hit &= (runs[:, LAYER] == layer) & (runs[:, SEQ] == seq)
-    if not hit.any():
-        return runs
-    left = hit & (position < start)
-    right = hit & (end > stop)
-    copies = np.where(hit, left.astype(np.int64) + right, 1)
-    out = np.repeat(runs, copies, axis=0)
-    first = np.cumsum(copies) - copies  # where each input row's first copy lands
-    at = first[left]
-    out[at, COUNT] = start - position[left]
-    at = first[right] + left[right]
-    out[at, ROW] += stop - position[right]
-    out[at, COUNT] = end[right] - stop
-    out[at, POSITION] = stop
-    return out
-
-
-def _head_keys(runs: np.ndarray) -> np.ndarray:
-    """One int64 per run naming its (layer, seq, head): layer < 2^16, seq < 2^20, head < 2^16."""
-    return (runs[:, LAYER] << 36) | (runs[:, SEQ] << 16) | runs[:, HEAD]
-
-
-def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])`` as int64, in bulk."""
-    counts = np.asarray(counts, np.int64)
-    total = int(counts.sum())
-    if total == 0:
-        return np.empty(0, np.int64)
-    # Each element is its run's start plus its index within the run.
-    run_of = np.repeat(np.arange(counts.size), counts)
-    offsets = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    return np.asarray(starts, np.int64)[run_of] + offsets
-
-
-class Segments:
-    """The validated K/V run pairs of one snapshot as arrays, sorted by (layer, seq, head,
-    position); `Segment` objects are made only for what is asked."""
-
-    def __init__(self, k: np.ndarray, v: np.ndarray) -> None:
-        self._k, self._v = k, v  # matching rows: K runs and V runs
-        self._keys = _head_keys(k)
-
-    def __len__(self) -> int:
-        return int(self._k.shape[0])
-
-    def _build(self, rows: np.ndarray) -> list[Segment]:
-        k, v = self._k[rows].tolist(), self._v[rows].tolist()
-        return [
-            Segment(a[LAYER], a[HEAD], a[SEQ], a[CHUNK], a[ROW], b[CHUNK], b[ROW], a[COUNT], a[POSITION])
-            for a, b in zip(k, v, strict=True)
-        ]
-
-    def _head_rows(self, layer: int, seq: int, head: int) -> np.ndarray:
-        key = (layer << 36) | (seq << 16) | head
-        first, last = np.searchsorted(self._keys, [key, key + 1])
-        return np.arange(first, last)
-
-    def of_head(self, layer: int, seq: int, head: int) -> list[Segment]:
-        """One head's segments in position order."""
-        return self._build(self._head_rows(layer, seq, head))
-
-    def positions_of_head(self, layer: int, seq: int, head: int) -> np.ndarray:
-        """The absolute positions ``(n_tokens,)`` int64 one head holds, in order, from its runs
-        in bulk (no `Segment` per run: a head of a long series has one run per snapshot)."""
-        runs = self._k[self._head_rows(layer, seq, head)]
-        return ranges(runs[:, POSITION], runs[:, COUNT])
-
-    def in_file_order(self) -> list[Segment]:
-        """Every segment, in file order of its K chunk."""
-        return self._build(np.argsort(self._k[:, CHUNK], kind="stable"))
-
-    def end(self) -> int:
-        """One past the largest position held (0 if none)."""
-        if not len(self):
-            return 0
-        return int((self._k[:, POSITION] + self._k[:, COUNT]).max())
+        article = "an" if key[0] in "aeiou" else "a"
+        raise CorruptFileError(f"{where}: {article} '{key}' range is empty (first >= stop)")
+    return ranges
 
 
 class Chain:
@@ -371,41 +289,26 @@ class Chain:
         table: K and V at equal positions and rows, each run at or after the end of its head's
         run one snapshot before (the first after ``base``, the validated runs of ``first``).
         False means "not shown" (another shape, or a problem): `_appends_hold` decides."""
-        entries = self.entries[first + 1 : stop]
-        if any(len(e.appends) or e.chunk_ranges.shape[0] != 1 for e in entries):
+        span = _regular_span(self.entries[first + 1 : stop])
+        if span is None or span[0] + span[2] * span[1] > self._n:
             return False
-        spans = np.concatenate([e.chunk_ranges for e in entries])
-        start, width = int(spans[0, 0]), int(spans[0, 1] - spans[0, 0])
-        count = spans.shape[0]
-        if not (
-            bool(np.all(spans[:, 1] - spans[:, 0] == width))
-            and np.array_equal(spans[1:, 0], spans[:-1, 1])
-            and start + count * width <= self._n
-        ):
-            return False
+        start, width, count = span
         table = self._table[start : start + count * width]
         if not table.flags.c_contiguous:  # viewed as 8-byte words below
             return False
         layout = table[:width]
         keys = list(zip(*(layout[f].tolist() for f in ("layer", "seq", "head", "kind")), strict=True))
+        pairs = _kv_pairs(keys)
+        if pairs is None:
+            return False
+        k_index, v_index = pairs
         column = {key: j for j, key in enumerate(keys)}
-        if len(column) != width:  # a head and kind twice in one snapshot
-            return False
-        k_columns = [j for j, key in enumerate(keys) if key[3] == KIND_K]
-        v_columns = [column.get((*key[:3], KIND_V), -1) for key in keys if key[3] == KIND_K]
-        if len(k_columns) * 2 != width or min(v_columns) < 0:  # only K and V, in pairs
-            return False
         ends = np.full(width, np.iinfo(np.int64).min)  # per column: end of what the head holds
         held = base[:, POSITION] + base[:, COUNT]
         for run, end in zip(base[:, [LAYER, SEQ, HEAD, KIND]].tolist(), held.tolist(), strict=True):
             j = column.get(tuple(run), -1)
             if j >= 0:
                 ends[j] = max(ends[j], end)
-        # K and V side by side (a writer's order): compared through slices, not gathers.
-        k_index: slice | np.ndarray = slice(0, None, 2)
-        v_index: slice | np.ndarray = slice(1, None, 2)
-        if k_columns != list(range(0, width, 2)) or v_columns != list(range(1, width, 2)):
-            k_index, v_index = np.array(k_columns), np.array(v_columns)
         # (layer, head, seq) are descriptor bytes 8..15: one 8-byte word compared for the three.
         places = table.view(np.uint64).reshape(-1, DESCRIPTOR_SIZE // 8)[:, 1]
         per_block = max(1, self._REGULAR_BLOCK_CHUNKS // width)
@@ -417,16 +320,10 @@ class Chain:
                 and bool((rows["kind"] == layout["kind"]).all())
             ):
                 return False
-            position, size = rows["position"], rows["rows"]
-            if int(size.min()) < 1 or not (
-                bool((position[:, k_index] == position[:, v_index]).all())
-                and bool((size[:, k_index] == size[:, v_index]).all())
-            ):
+            following = _runs_follow(rows["position"], rows["rows"], ends, k_index, v_index)
+            if following is None:
                 return False
-            stops = position + size
-            if not (bool((position[0] >= ends).all()) and bool((position[1:] >= stops[:-1]).all())):
-                return False
-            ends = stops[-1]
+            ends = following
         return True
 
     def _appends(self, first: int, stop: int, strict: bool) -> tuple[np.ndarray, np.ndarray] | None:
@@ -520,7 +417,7 @@ def _appends_hold(base: np.ndarray, new: np.ndarray, snapshot: np.ndarray, first
     column. False means "not shown": check snapshot by snapshot."""
     if not snapshot.size:  # nothing appended: every snapshot holds what the first one holds
         return True
-    base = base[np.lexsort((base[:, POSITION], _head_keys(base), base[:, KIND]))]
+    base = base[np.lexsort((base[:, POSITION], head_keys(base), base[:, KIND]))]
     runs = np.concatenate([base.T, new], axis=1)  # (8, m + n)
     step = np.concatenate([np.zeros(base.shape[0], np.int64), snapshot - first])
     steps = int(step[-1]) + 1
@@ -539,7 +436,7 @@ def _appends_hold(base: np.ndarray, new: np.ndarray, snapshot: np.ndarray, first
     if spans[0] * spans[1] * spans[2] * 2 * steps < 1 << 62:
         group = (runs[LAYER] * spans[1] + runs[SEQ]) * spans[2] + runs[HEAD]
     else:
-        group = np.unique(_head_keys(runs.T), return_inverse=True)[1].reshape(-1)
+        group = np.unique(head_keys(runs.T), return_inverse=True)[1].reshape(-1)
     group *= 2
     group += is_v  # per (layer, seq, head, kind)
     order = np.argsort(group * steps + step, kind="stable")  # file order within a step
@@ -575,40 +472,51 @@ class _DenseKeys:
         return self._ids[runs[:, CHUNK]]
 
 
-def check_runs(runs: np.ndarray, index: int) -> Segments:
-    """Section 11's rules for a materialized snapshot: per head, K runs and V runs cover the same
-    (position, count) list, and no position appears twice. Returns the pairs as `Segments`."""
-    k = runs[runs[:, KIND] == KIND_K]
-    v = runs[runs[:, KIND] == KIND_V]
-    k = k[np.lexsort((k[:, POSITION], _head_keys(k)))]
-    v = v[np.lexsort((v[:, POSITION], _head_keys(v)))]
-    same = k.shape == v.shape
-    if same:
-        columns = [LAYER, SEQ, HEAD, POSITION, COUNT]
-        differ = np.any(k[:, columns] != v[:, columns], axis=1)
-        same = not differ.any()
-    if not same:
-        first = _first_mismatch(k, v)
-        raise CorruptFileError(
-            f"snapshot {index}: K and V of layer {first[0]} head {first[2]} seq {first[1]} "
-            "do not cover the same positions"
-        )
-    if k.shape[0] > 1:
-        keys = _head_keys(k)
-        twice = (keys[1:] == keys[:-1]) & (k[1:, POSITION] < k[:-1, POSITION] + k[:-1, COUNT])
-        if twice.any():
-            i = int(np.argmax(twice)) + 1
-            raise CorruptFileError(
-                f"snapshot {index}: layer {int(k[i, LAYER])} head {int(k[i, HEAD])} seq {int(k[i, SEQ])} "
-                f"holds position {int(k[i, POSITION])} twice"
-            )
-    return Segments(k, v)
+def _regular_span(entries: list[Entry]) -> tuple[int, int, int] | None:
+    """``(start, width, count)`` when ``entries`` each append exactly one chunk range of ``width``
+    chunks, right after the one before, from chunk ``start``; None for any other shape."""
+    if any(len(e.appends) or e.chunk_ranges.shape[0] != 1 for e in entries):
+        return None
+    spans = np.concatenate([e.chunk_ranges for e in entries])
+    width = int(spans[0, 1] - spans[0, 0])
+    if not (bool(np.all(spans[:, 1] - spans[:, 0] == width)) and np.array_equal(spans[1:, 0], spans[:-1, 1])):
+        return None
+    return int(spans[0, 0]), width, spans.shape[0]
 
 
-def _first_mismatch(k: np.ndarray, v: np.ndarray) -> tuple[int, int, int]:
-    """(layer, seq, head) of the first head whose K and V runs differ."""
-    n = min(k.shape[0], v.shape[0])
-    columns = [LAYER, SEQ, HEAD, POSITION, COUNT]
-    differ = np.flatnonzero(np.any(k[:n][:, columns] != v[:n][:, columns], axis=1))
-    row = k[differ[0]] if differ.size else (k[n] if k.shape[0] > n else v[n])
-    return int(row[LAYER]), int(row[SEQ]), int(row[HEAD])
+def _kv_pairs(keys: list[tuple[int, ...]]) -> tuple[slice | np.ndarray, slice | np.ndarray] | None:
+    """The K columns and their V columns of a snapshot's chunk layout (``(layer, seq, head,
+    kind)`` per column): slices when K and V alternate (a writer's order), index arrays otherwise;
+    None unless every column is a K or V, each once, in pairs."""
+    width = len(keys)
+    column = {key: j for j, key in enumerate(keys)}
+    if len(column) != width:  # a head and kind twice in one snapshot
+        return None
+    k_columns = [j for j, key in enumerate(keys) if key[3] == KIND_K]
+    v_columns = [column.get((*key[:3], KIND_V), -1) for key in keys if key[3] == KIND_K]
+    if len(k_columns) * 2 != width or min(v_columns) < 0:  # only K and V, in pairs
+        return None
+    if k_columns == list(range(0, width, 2)) and v_columns == list(range(1, width, 2)):
+        return slice(0, None, 2), slice(1, None, 2)  # compared through slices, not gathers
+    return np.array(k_columns), np.array(v_columns)
+
+
+def _runs_follow(
+    position: np.ndarray,
+    size: np.ndarray,
+    ends: np.ndarray,
+    k_index: slice | np.ndarray,
+    v_index: slice | np.ndarray,
+) -> np.ndarray | None:
+    """For a block of snapshots ``(snapshots, columns)`` of run positions and sizes: every run
+    non-empty, K and V at equal positions and sizes, each at or after the end of its column's run
+    one snapshot before (``ends`` for the first). The ends after the block, or None."""
+    if int(size.min()) < 1 or not (
+        bool((position[:, k_index] == position[:, v_index]).all())
+        and bool((size[:, k_index] == size[:, v_index]).all())
+    ):
+        return None
+    stops = position + size
+    if not (bool((position[0] >= ends).all()) and bool((position[1:] >= stops[:-1]).all())):
+        return None
+    return stops[-1]

@@ -38,7 +38,7 @@ from kvformat.layout import (
 )
 from kvformat.manifest import loads
 from kvformat.queries import check_all_queries
-from kvformat.series import ranges
+from kvformat.runs import ranges
 from kvformat.source import MmapSource
 from kvformat.structure import FileStructure, check_arrays, chunk_label, payload_crc_mismatch
 

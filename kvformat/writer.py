@@ -55,19 +55,8 @@ from kvformat.records import (
     Unit,
     flat,
 )
-from kvformat.series import (
-    CHUNK,
-    COUNT,
-    HEAD,
-    KIND,
-    LAYER,
-    POSITION,
-    ROW,
-    SEQ,
-    Entry,
-    chunk_ranges,
-    trim_runs,
-)
+from kvformat.runs import CHUNK, COUNT, HEAD, KIND, LAYER, POSITION, ROW, SEQ, trim_runs
+from kvformat.series import Entry, chunk_ranges
 from kvformat.write_input import as_positions, rows_of
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024

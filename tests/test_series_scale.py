@@ -14,7 +14,8 @@ import kvformat
 from kvformat.checksum import crc32c, linear_crc
 from kvformat.errors import CorruptFileError
 from kvformat.layout import DESCRIPTOR_DTYPE, KIND_K, KIND_V
-from kvformat.series import Chain, Entry, trim, trim_runs
+from kvformat.runs import trim_runs
+from kvformat.series import Chain, Entry, trim
 
 
 def reference(entries: list[Entry], table: np.ndarray, index: int) -> dict[tuple[int, int, int], list[Any]]:
