@@ -135,6 +135,45 @@ def _finite_metrics(a: np.ndarray, b: np.ndarray, positions: np.ndarray, toleran
     }
 
 
+def _check_pair(first: kvformat.Snapshot, second: kvformat.Snapshot, a: str, b: str) -> int | None:
+    """`LayoutMismatchError` unless the two layouts match; warnings for differing token ids and
+    RoPE channel pairings. Which file's K is reordered (0 or 1), or None."""
+    difference = _layout_difference(first, second)
+    if difference is not None:
+        raise LayoutMismatchError(f"{a} and {b} differ: {difference}")
+    message = _token_warning(first, second)
+    if message is not None:
+        warnings.warn(f"{a} vs {b}: {message}", UserWarning, stacklevel=3)
+    reorder = _pairing_difference(first, second)
+    if reorder is not None:
+        which = a if reorder == 0 else b
+        warnings.warn(
+            f"{a} and {b} pair RoPE channels differently ((2i, 2i+1) in {which}, "
+            f"(i, i + dims/2) in the other): {which}'s K is compared in the other's channel order",
+            UserWarning,
+            stacklevel=3,
+        )
+    return reorder
+
+
+def _comparable_keys(
+    p: np.ndarray, q: np.ndarray, shared: np.ndarray, ropes: list[Rope | None], keys: str, reorder: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """K rows ``(n, k_dim)`` of both files at positions ``shared``, un-rotated for
+    ``keys="pre_rope"`` and in one channel order when the files pair RoPE channels differently."""
+    if keys == "pre_rope" and ropes[0] and ropes[1]:
+        p = ropes[0].rotate(p, shared, inverse=True).astype(np.float64)
+        q = ropes[1].rotate(q, shared, inverse=True).astype(np.float64)
+    if reorder is not None:
+        rope = ropes[reorder]
+        assert rope is not None
+        if reorder == 0:
+            p = interleaved_to_half(p, rope.dims)
+        else:
+            q = interleaved_to_half(q, rope.dims)
+    return p, q
+
+
 def head_diff(
     a: str | os.PathLike[str],
     b: str | os.PathLike[str],
@@ -159,21 +198,7 @@ def head_diff(
         kvformat.open(a, snapshot_a, storage_options=storage_options) as first,
         kvformat.open(b, snapshot_b, storage_options=storage_options) as second,
     ):
-        difference = _layout_difference(first, second)
-        if difference is not None:
-            raise LayoutMismatchError(f"{os.fspath(a)} and {os.fspath(b)} differ: {difference}")
-        message = _token_warning(first, second)
-        if message is not None:
-            warnings.warn(f"{os.fspath(a)} vs {os.fspath(b)}: {message}", UserWarning, stacklevel=2)
-        reorder = _pairing_difference(first, second)
-        if reorder is not None:
-            which = os.fspath(a) if reorder == 0 else os.fspath(b)
-            warnings.warn(
-                f"{os.fspath(a)} and {os.fspath(b)} pair RoPE channels differently ((2i, 2i+1) in {which}, "
-                f"(i, i + dims/2) in the other): {which}'s K is compared in the other's channel order",
-                UserWarning,
-                stacklevel=2,
-            )
+        reorder = _check_pair(first, second, os.fspath(a), os.fspath(b))
         for layer, spec in enumerate(first.layers):
             if not spec.present:
                 continue
@@ -191,25 +216,10 @@ def head_diff(
                     for tensor, left, right in (("k", x.k, y.k), ("v", x.v, y.v)):
                         p = np.asarray(left, dtype=np.float64)[in_x]
                         q = np.asarray(right, dtype=np.float64)[in_y]
-                        if tensor == "k" and keys == "pre_rope" and ropes[0] and ropes[1]:
-                            p = ropes[0].rotate(p, shared, inverse=True).astype(np.float64)
-                            q = ropes[1].rotate(q, shared, inverse=True).astype(np.float64)
-                        if tensor == "k" and reorder is not None:
-                            rope = ropes[reorder]
-                            assert rope is not None
-                            if reorder == 0:
-                                p = interleaved_to_half(p, rope.dims)
-                            else:
-                                q = interleaved_to_half(q, rope.dims)
-                        rows.append(
-                            {
-                                "layer": layer,
-                                "head": head,
-                                "seq": seq,
-                                "tensor": tensor,
-                                **_metrics(p, q, shared, tolerance),
-                            }
-                        )
+                        if tensor == "k":
+                            p, q = _comparable_keys(p, q, shared, ropes, keys, reorder)
+                        where = {"layer": layer, "head": head, "seq": seq, "tensor": tensor}
+                        rows.append({**where, **_metrics(p, q, shared, tolerance)})
     schema: dict[str, Any] = {
         "layer": pl.Int64,
         "head": pl.Int64,

@@ -6,7 +6,6 @@ The formulas are in ``analysis/README.md``.
 
 from __future__ import annotations
 
-import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ import numpy as np
 import kvformat
 
 from .accumulator import HeadAccumulator
+from .arrow import arrow_table
 from .catalogue import (
     ALL,
     GROUPS,
@@ -130,90 +130,7 @@ def layer_tables(
     """`stats_for_file` with its options as one `PassOptions` (what the engines call)."""
 
     for name, index, _, accumulators in layers(path, options, progress, finish=True):
-        yield _arrow_table(_rows(name, index, accumulators, arrays=True))
-
-
-def _arrow_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """``pa.Table.from_pylist(rows)``, built column by column from numpy buffers (6x faster: lists
-    of floats go in as one flat array and offsets; and ``pa.array`` is not called for the usual
-    columns, whose first call imports pandas where it is installed: ~0.4 s of every ``kvsnap
-    stats``). Columns: every key of every row, in first-seen order."""
-    import pyarrow as pa
-
-    names = list(dict.fromkeys(key for row in rows for key in row))
-    return pa.table({name: _arrow_column([row.get(name) for row in rows]) for name in names})
-
-
-def _arrow_column(values: list[Any]) -> pa.Array:
-    """What ``pa.array(values)`` gives for a column of ints, floats (None for nulls), strings,
-    Nones, or lists of floats or of ints, made from numpy buffers; anything else through
-    ``pa.array``. 1-D float64 or int64 numpy arrays stand for lists of their values."""
-    import pyarrow as pa
-
-    kinds = set(map(type, values))
-    n = len(values)
-    if np.ndarray in kinds:
-        if kinds == {np.ndarray} and len({(v.ndim, v.dtype) for v in values}) == 1:
-            first = values[0]
-            child = {np.dtype(np.float64): pa.float64(), np.dtype(np.int64): pa.int64()}.get(first.dtype)
-            if first.ndim == 1 and child is not None:
-                built = _list_array(child, [v.shape[0] for v in values], lambda: np.concatenate(values))
-                if built is not None:
-                    return built
-        values = [v.tolist() if isinstance(v, np.ndarray) else v for v in values]
-        kinds = set(map(type, values))
-    if kinds == {int}:
-        return _numeric(pa.int64(), np.array(values, np.int64), None)
-    if kinds <= {float, type(None)} and float in kinds:
-        valid = np.array([v is not None for v in values])
-        data = np.array([v if v is not None else 0.0 for v in values], np.float64)
-        return _numeric(pa.float64(), data, None if valid.all() else valid)
-    if kinds == {type(None)}:
-        return pa.nulls(n)
-    if kinds == {str}:
-        encoded = [v.encode() for v in values]
-        offsets = np.zeros(n + 1, np.int64)
-        np.cumsum([len(e) for e in encoded], out=offsets[1:])
-        if offsets[-1] < 2**31:
-            buffers = [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(encoded))]
-            return pa.Array.from_buffers(pa.string(), n, buffers)
-    if kinds == {list}:
-        items = set(map(type, itertools.chain.from_iterable(values)))
-        child = {frozenset({float}): pa.float64(), frozenset({int}): pa.int64()}.get(frozenset(items))
-        if child is not None:
-            numpy_type = np.float64 if child == pa.float64() else np.int64
-            lengths = [len(v) for v in values]
-            built = _list_array(
-                child,
-                lengths,
-                lambda: np.fromiter(itertools.chain.from_iterable(values), numpy_type, sum(lengths)),
-            )
-            if built is not None:
-                return built
-    return pa.array(values)
-
-
-def _list_array(child: pa.DataType, lengths: list[int], flat: Callable[[], np.ndarray]) -> pa.Array | None:
-    """A list array of ``child`` items, ``lengths`` per row, over the values ``flat()`` makes;
-    None when the values pass 32-bit offsets."""
-    import pyarrow as pa
-
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] >= 2**31:
-        return None
-    index = _numeric(pa.int32(), offsets.astype(np.int32), None)
-    return pa.ListArray.from_arrays(index, _numeric(child, flat(), None))
-
-
-def _numeric(kind: pa.DataType, data: np.ndarray, valid: np.ndarray | None) -> pa.Array:
-    """An Arrow array of ``kind`` over ``data`` (contiguous, that type's width), nulls where
-    ``valid`` is False."""
-    import pyarrow as pa
-
-    bitmap = None if valid is None else pa.py_buffer(np.packbits(valid, bitorder="little"))
-    nulls = 0 if valid is None else int(np.count_nonzero(~valid))
-    return pa.Array.from_buffers(kind, data.shape[0], [bitmap, pa.py_buffer(data)], null_count=nulls)
+        yield arrow_table(_rows(name, index, accumulators, arrays=True))
 
 
 def file_accumulators(

@@ -140,57 +140,13 @@ class CacheTracker:
         if offset < held.end:  # trimmed (e.g. a rejected draft): positions from offset on are gone
             delta.drops.append((offset, held.end))
             held.end = offset
-        pieces: list[tuple[int, int, list[mx.array], list[mx.array]]] = []  # (first position, count, K, V)
         if inner_name == "RotatingKVCache":
-            window = min(int(keys.shape[2]), offset)
-            keep = int(inner.keep)
-            first = 0 if window >= offset else offset - (window - keep)
-            if first > held.first:
-                lost = (max(keep, held.first), min(first, held.end))
-                if lost[0] < lost[1]:
-                    delta.drops.append(lost)
-                held.first = first
-            if first > keep and held.end < keep:  # the kept prefix ("sinks"), not yet written
-                a = held.end
-                pieces.append((a, keep - a, [inner.keys[..., a:keep, :]], [inner.values[..., a:keep, :]]))
-            new_from = max(held.end, first)
-            count = offset - new_from
-            if count > 0:
-                pieces.append(
-                    (new_from, count, [_tail(inner.keys, inner, count)], [_tail(inner.values, inner, count)])
-                )
+            pieces = _rotating_pieces(inner, held, delta, offset)
         elif inner_name == "ChunkedKVCache":
-            first = int(inner.start_position)
-            if first > held.first:
-                lost = (held.first, min(first, held.end))
-                if lost[0] < lost[1]:
-                    delta.drops.append(lost)
-                held.first = first
-            new_from = max(held.end, first)
-            count = offset - new_from
-            if count > 0:
-                a, b = new_from - first, offset - first
-                pieces.append((new_from, count, [inner.keys[..., a:b, :]], [inner.values[..., a:b, :]]))
+            pieces = _chunked_pieces(inner, held, delta, offset)
         else:  # KVCache, ConcatenateKVCache, QuantizedKVCache: row p holds position p
-            new_from = held.end
-            count = offset - new_from
-            if count > 0:
-                if inner_name == "QuantizedKVCache":
-                    k_parts = [x[..., new_from:offset, :] for x in inner.keys]
-                    v_parts = [x[..., new_from:offset, :] for x in inner.values]
-                    pieces.append((new_from, count, k_parts, v_parts))
-                else:
-                    k_new, v_new = inner.keys[..., new_from:offset, :], inner.values[..., new_from:offset, :]
-                    pieces.append((new_from, count, [k_new], [v_new]))
-        if len(pieces) == 1:
-            delta.keys, delta.values = pieces[0][2], pieces[0][3]
-        elif pieces:
-            delta.keys = [mx.concatenate([p[2][i] for p in pieces], axis=2) for i in range(len(pieces[0][2]))]
-            delta.values = [
-                mx.concatenate([p[3][i] for p in pieces], axis=2) for i in range(len(pieces[0][3]))
-            ]
-        if pieces:
-            delta.positions = np.concatenate([np.arange(p[0], p[0] + p[1], dtype=np.int64) for p in pieces])
+            pieces = _plain_pieces(inner, held.end, offset)
+        _join(delta, pieces)
         held.end = max(held.end, offset)
         return delta
 
@@ -287,3 +243,74 @@ def layer_specs(prompt_cache: list[Any]) -> tuple[list[kvformat.LayerSpec], int]
             )
         )
     return specs, batch
+
+
+Piece = tuple[int, int, list[Any], list[Any]]
+"""New rows of a layer: (first position, count, K arrays, V arrays); several arrays for a
+quantized cache (packed, scales, biases)."""
+
+
+def _rotating_pieces(inner: Any, held: _Held, delta: LayerDelta, offset: int) -> list[Piece]:
+    """A `RotatingKVCache`'s new rows: the kept prefix (sinks) if not yet written, then the
+    window's rows past what is held; positions that left the window are dropped in ``delta``."""
+    pieces: list[Piece] = []
+    window = min(int(inner.keys.shape[2]), offset)
+    keep = int(inner.keep)
+    first = 0 if window >= offset else offset - (window - keep)
+    if first > held.first:
+        lost = (max(keep, held.first), min(first, held.end))
+        if lost[0] < lost[1]:
+            delta.drops.append(lost)
+        held.first = first
+    if first > keep and held.end < keep:  # the kept prefix ("sinks"), not yet written
+        a = held.end
+        pieces.append((a, keep - a, [inner.keys[..., a:keep, :]], [inner.values[..., a:keep, :]]))
+    new_from = max(held.end, first)
+    count = offset - new_from
+    if count > 0:
+        pieces.append(
+            (new_from, count, [_tail(inner.keys, inner, count)], [_tail(inner.values, inner, count)])
+        )
+    return pieces
+
+
+def _chunked_pieces(inner: Any, held: _Held, delta: LayerDelta, offset: int) -> list[Piece]:
+    """A `ChunkedKVCache`'s new rows (row 0 holds ``start_position``); positions before its start
+    are dropped in ``delta``."""
+    first = int(inner.start_position)
+    if first > held.first:
+        lost = (held.first, min(first, held.end))
+        if lost[0] < lost[1]:
+            delta.drops.append(lost)
+        held.first = first
+    new_from = max(held.end, first)
+    count = offset - new_from
+    if count <= 0:
+        return []
+    a, b = new_from - first, offset - first
+    return [(new_from, count, [inner.keys[..., a:b, :]], [inner.values[..., a:b, :]])]
+
+
+def _plain_pieces(inner: Any, new_from: int, offset: int) -> list[Piece]:
+    """Rows ``new_from .. offset - 1`` of a cache whose row p holds position p (quantized: each
+    of packed, scales, biases)."""
+    if offset <= new_from:
+        return []
+    count = offset - new_from
+    if type(inner).__name__ == "QuantizedKVCache":
+        k_parts = [x[..., new_from:offset, :] for x in inner.keys]
+        v_parts = [x[..., new_from:offset, :] for x in inner.values]
+        return [(new_from, count, k_parts, v_parts)]
+    return [(new_from, count, [inner.keys[..., new_from:offset, :]], [inner.values[..., new_from:offset, :]])]
+
+
+def _join(delta: LayerDelta, pieces: list[Piece]) -> None:
+    """``delta``'s keys, values and positions from ``pieces`` (concatenated along positions)."""
+    if not pieces:
+        return
+    if len(pieces) == 1:
+        delta.keys, delta.values = pieces[0][2], pieces[0][3]
+    else:
+        delta.keys = [mx.concatenate([p[2][i] for p in pieces], axis=2) for i in range(len(pieces[0][2]))]
+        delta.values = [mx.concatenate([p[3][i] for p in pieces], axis=2) for i in range(len(pieces[0][3]))]
+    delta.positions = np.concatenate([np.arange(p[0], p[0] + p[1], dtype=np.int64) for p in pieces])

@@ -140,12 +140,12 @@ def test_arrow_reader_and_token_table(tmp_path: Path) -> None:
 
 
 def test_arrow_tables_are_built_as_pyarrow_builds_them() -> None:
-    """`_arrow_table` makes the table from numpy buffers (no ``pa.array``, whose first call
+    """`arrow_table` makes the table from numpy buffers (no ``pa.array``, whose first call
     imports pandas): the same schema and values as ``pa.Table.from_pylist``, for the column
     kinds the statistics produce, nulls, empty lists, and what it hands to ``pa.array``."""
     import pyarrow as pa
 
-    from kvsnap.analysis.stats import _arrow_table
+    from kvsnap.analysis.arrow import arrow_table
 
     rng = np.random.default_rng(3)
     for _ in range(50):
@@ -165,7 +165,7 @@ def test_arrow_tables_are_built_as_pyarrow_builds_them() -> None:
                     "flag": bool(i % 2),
                 }
             )
-        built, reference = _arrow_table(rows), pa.Table.from_pylist(rows)
+        built, reference = arrow_table(rows), pa.Table.from_pylist(rows)
         assert built.schema == reference.schema
         assert built.equals(reference)
 
@@ -244,15 +244,16 @@ def test_arrow_tables_from_array_rows_equal_those_from_list_rows(tmp_path: Path)
     """The pass builds its tables from rows whose vector columns are numpy arrays
     (`HeadAccumulator.row_arrays`); they equal the tables of the same rows as lists, for every
     group (RoPE bands present and absent: a null column)."""
+    from kvsnap.analysis.arrow import arrow_table
     from kvsnap.analysis.rope import Rope
-    from kvsnap.analysis.stats import HeadAccumulator, _arrow_table
+    from kvsnap.analysis.stats import HeadAccumulator
 
     rng = np.random.default_rng(8)
     accumulators = [HeadAccumulator(16, Rope(10000.0, 16, "half") if i % 2 else None) for i in range(4)]
     for acc in accumulators:
         acc.add(rng.standard_normal((40, 16)).astype(np.float32), np.arange(40))
-    with_arrays = _arrow_table([acc.row_arrays() for acc in accumulators])
-    with_lists = _arrow_table([acc.row() for acc in accumulators])
+    with_arrays = arrow_table([acc.row_arrays() for acc in accumulators])
+    with_lists = arrow_table([acc.row() for acc in accumulators])
     assert any(isinstance(v, np.ndarray) for v in accumulators[0].row_arrays().values())
     assert with_arrays.schema == with_lists.schema
     assert with_arrays.equals(with_lists)
