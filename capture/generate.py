@@ -335,18 +335,12 @@ def generate(
     generation is unchanged. Other keyword arguments
     (``sampler``, ``kv_bits``, ``prefill_step_size``, ...) go to mlx-lm.
     """
-    from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     triggers = Triggers.of(every, at, when, final)
     if max_tokens <= 0:
         return
-    kvformat.codecs.parse(codec)  # an unknown codec fails now, not at the first snapshot
-    selection = QuerySelection.parse(queries)
-    if selection.enabled and (output is None or separate_files):
-        raise CaptureError("queries are stored in a series file: give output= (not separate_files)")
-    if output is not None and not separate_files:
-        check_output(output, force=overwrite)  # refused now, not at the first snapshot
+    selection = _check_arguments(codec, queries, output, separate_files, overwrite)
     sampler = generate_kwargs.pop("sampler", None) or make_sampler(0.0)
     if resume is not None:
         start = _resume_start(resume, tokenizer, sampler, max_tokens)
@@ -354,30 +348,23 @@ def generate(
         raise ValueError("give a prompt or a snapshot to resume from")
     else:
         start = _prompt_start(model, tokenizer, prompt, max_kv_size)
-    history, prompt_cache, first_response = start.history, start.cache, start.first_response
-    prompt_ids, processed = start.prompt_ids, start.processed
     query_recorder = None
     if selection.enabled:
-        first = len(history) if resume is not None else selection.first_position(len(prompt_ids))
-        query_recorder = QueryRecorder(prompt_cache, first)
+        first = len(start.history) if resume is not None else selection.first_position(len(start.prompt_ids))
+        query_recorder = QueryRecorder(start.cache, first)
     recorder = _LogitsRecorder()
-    processors = [*generate_kwargs.pop("logits_processors", []), recorder]
-    info = _file_info(
-        model, model_path, tokenizer, metadata, len(prompt_ids) if resume is None else 0, len(history)
-    )
+    generate_kwargs["logits_processors"] = [*generate_kwargs.pop("logits_processors", []), recorder]
+    prompt_tokens = len(start.prompt_ids) if resume is None else 0
+    info = _file_info(model, model_path, tokenizer, metadata, prompt_tokens, len(start.history))
     if selection.enabled:
         info["queries"] = selection.to_json()
+    settings = {k: v for k, v in generate_kwargs.items() if isinstance(v, int | float | str | None)}
     info.setdefault("generation", {}).update(
-        {
-            "max_tokens": max_tokens,
-            "every": every,
-            "at": sorted(triggers.at),
-            "max_kv_size": max_kv_size,
-            **{k: v for k, v in generate_kwargs.items() if isinstance(v, int | float | str | None)},
-        }
+        {"max_tokens": max_tokens, "every": every, "at": sorted(triggers.at), "max_kv_size": max_kv_size}
+        | settings
     )
     snapshots = _Snapshots(
-        prompt_cache,
+        start.cache,
         model,
         tokenizer,
         output=output,
@@ -391,57 +378,102 @@ def generate(
         overwrite=overwrite,
         recorder=query_recorder,
     )
-    base_text = tokenizer.decode(processed) if output is not None else ""
-    pieces: list[str] = []  # streamed text of the generated tokens
-    generated_tokens: list[int] = []
-    finished = False
-    hooks = query_recorder if query_recorder is not None else contextlib.nullcontext()
-    try:
-        hooks.__enter__()
-        responses: Iterator[Any] = stream_generate(
-            model,
-            tokenizer,
-            mx.array(prompt_ids),
-            max_tokens=max_tokens - (first_response is not None),
-            sampler=sampler,
-            logits_processors=processors,
-            prompt_cache=prompt_cache,
-            **generate_kwargs,
-        )
-        if first_response is not None:
-            # The resumed token is yielded first; its K/V enter the cache with the next step.
-            pieces.append(first_response.text)
-            generated_tokens.append(first_response.token)
-            processed.append(first_response.token)
-            yield first_response
-            if first_response.finish_reason is not None or max_tokens == 1:
-                finished = True
-                return
-        resumed = resume is not None
+    run = _Run(
+        model, tokenizer, start, snapshots, triggers, recorder if save_logits else None, resume is not None
+    )
+    yield from run.stream(query_recorder, max_tokens, sampler, output is not None, generate_kwargs)
+
+
+def _check_arguments(
+    codec: str, queries: str | QuerySelection, output: Any, separate_files: bool, overwrite: bool
+) -> QuerySelection:
+    """`generate`'s checks that must fail before the model runs: the codec, the query selection
+    (stored in a series file only), an existing output. The parsed selection."""
+    kvformat.codecs.parse(codec)  # an unknown codec fails now, not at the first snapshot
+    selection = QuerySelection.parse(queries)
+    if selection.enabled and (output is None or separate_files):
+        raise CaptureError("queries are stored in a series file: give output= (not separate_files)")
+    if output is not None and not separate_files:
+        check_output(output, force=overwrite)  # refused now, not at the first snapshot
+    return selection
+
+
+@dataclasses.dataclass
+class _Run:
+    """One generation's streaming loop: mlx-lm's responses, the resumed first token, snapshots
+    when the triggers say, and the series closed however the loop ends."""
+
+    model: nn.Module
+    tokenizer: Any
+    start: _Start
+    snapshots: _Snapshots
+    triggers: Triggers
+    logits: _LogitsRecorder | None  # None: snapshots without the last logits
+    resumed: bool
+
+    def stream(
+        self, hooks: Any, max_tokens: int, sampler: Any, record_text: bool, generate_kwargs: dict[str, Any]
+    ) -> Iterator[Any]:
+        """Yield mlx-lm's responses (the resumed token first), taking snapshots; ``hooks`` (the
+        query recorder, or None) are installed for the run."""
+        from mlx_lm import stream_generate
+
+        first_response, processed = self.start.first_response, self.start.processed
+        base_text = self.tokenizer.decode(processed) if record_text else ""
+        pieces: list[str] = []  # streamed text of the generated tokens
+        generated_tokens: list[int] = []
+        finished = False
+        hooks = hooks if hooks is not None else contextlib.nullcontext()
+        try:
+            hooks.__enter__()
+            responses: Iterator[Any] = stream_generate(
+                self.model,
+                self.tokenizer,
+                mx.array(self.start.prompt_ids),
+                max_tokens=max_tokens - (first_response is not None),
+                sampler=sampler,
+                prompt_cache=self.start.cache,
+                **generate_kwargs,
+            )
+            if first_response is not None:
+                # The resumed token is yielded first; its K/V enter the cache with the next step.
+                pieces.append(first_response.text)
+                generated_tokens.append(first_response.token)
+                processed.append(first_response.token)
+                yield first_response
+                if first_response.finish_reason is not None or max_tokens == 1:
+                    finished = True
+                    return
+            for response in self._responses(responses, processed):
+                self.snapshots.check()
+                generated_tokens.append(int(response.token))
+                pieces.append(response.text)
+                processed.append(int(response.token))
+                generated = len(generated_tokens)
+                if self.triggers.due(generated, response, response.finish_reason is not None):
+                    latest = self.logits.logits if self.logits is not None else None
+                    self.snapshots.take(generated, processed, pieces, base_text, latest)
+                yield response
+            finished = True
+        finally:
+            hooks.__exit__(None, None, None)
+            text = self.tokenizer.decode(generated_tokens) if record_text else ""
+            if finished:
+                self.snapshots.close(text)
+            else:  # an error, or the caller stopped early: still finish what was written
+                with contextlib.suppress(CaptureError):
+                    self.snapshots.close(text)
+
+    def _responses(self, responses: Iterator[Any], processed: list[int]) -> Iterator[Any]:
+        """mlx-lm's responses; after a resume the first one's text is decoded in context (mlx-lm's
+        detokenizer starts fresh and trims the first token's space)."""
+        first = self.resumed
         for response in responses:
-            if resumed:  # mlx-lm's detokenizer starts fresh and trims the first token's space
-                resumed = False
-                response = dataclasses.replace(
-                    response, text=text_in_context(tokenizer, processed, int(response.token))
-                )
-            snapshots.check()
-            generated_tokens.append(int(response.token))
-            pieces.append(response.text)
-            processed.append(int(response.token))
-            generated = len(generated_tokens)
-            if triggers.due(generated, response, response.finish_reason is not None):
-                latest = recorder.logits if save_logits else None
-                snapshots.take(generated, processed, pieces, base_text, latest)
+            if first:
+                first = False
+                text = text_in_context(self.tokenizer, processed, int(response.token))
+                response = dataclasses.replace(response, text=text)
             yield response
-        finished = True
-    finally:
-        hooks.__exit__(None, None, None)
-        text = tokenizer.decode(generated_tokens) if output is not None else ""
-        if finished:
-            snapshots.close(text)
-        else:  # an error, or the caller stopped early: still finish what was written
-            with contextlib.suppress(CaptureError):
-                snapshots.close(text)
 
 
 @dataclasses.dataclass
