@@ -249,6 +249,15 @@ class _Task:
     release_each: bool = True
 
 
+def _layer_tasks(layer: int, heads: list[tuple[int, int]], count: int, release_each: bool) -> list[_Task]:
+    """One layer's ``(seq, head)`` keys cut into about ``count`` equal runs, a task each."""
+    size = max(1, -(-len(heads) // count))
+    return [
+        _Task(layer, heads[start : start + size], release_each=release_each)
+        for start in range(0, len(heads), size)
+    ]
+
+
 def _tasks(
     snap: kvformat.Snapshot,
     order: list[Window],
@@ -264,15 +273,12 @@ def _tasks(
     layers = sorted(last, key=last.__getitem__)
     per_layer = max(1, -(-per_worker * workers // max(1, len(layers))))
     regrouped = any(window.release for window in order)
-    tasks: list[_Task] = []
-    owner: dict[tuple[int, int, int], _Task] = {}
-    for layer in layers:
-        heads = layer_heads(snap, layer)
-        size = max(1, -(-len(heads) // per_layer))
-        for start in range(0, len(heads), size):
-            task = _Task(layer, heads[start : start + size], release_each=not regrouped)
-            tasks.append(task)
-            owner.update({(layer, seq, head): task for seq, head in task.heads})
+    tasks = [
+        task
+        for layer in layers
+        for task in _layer_tasks(layer, layer_heads(snap, layer), per_layer, not regrouped)
+    ]
+    owner = {(task.layer, seq, head): task for task in tasks for seq, head in task.heads}
     spans = [snap.pages.byte_span(w.segments) if w.release and w.segments else None for w in order]
     window = 0
     for batch, _, window_end in head_batches(snap, order, last):

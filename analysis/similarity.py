@@ -104,18 +104,21 @@ def similarity_rows(
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
         name, index = os.fspath(path), snap.index
         present = [i for i, spec in enumerate(snap.layers) if spec.present and spec.num_heads > 0]
-        ropes = {
-            layer: Rope.from_metadata(snap.metadata, snap.layers[layer].attributes, snap.layers[layer].k_dim)
-            if keys == "pre_rope"
-            else None
-            for layer in present
-        }
+        ropes = _ropes(snap, present) if keys == "pre_rope" else dict.fromkeys(present)
         for seq in range(snap.num_seqs):
             for tensor in ("k", "v"):
                 for layer in present:
                     yield from _cross_head(snap, name, index, seq, tensor, layer, ropes[layer])
                 for layer, other in itertools.pairwise(present):
                     yield from _cross_layer(snap, name, index, seq, tensor, layer, other, ropes)
+
+
+def _ropes(snap: kvformat.Snapshot, layers: list[int]) -> dict[int, Rope | None]:
+    """Each layer's recorded RoPE, to un-rotate K (``keys="pre_rope"``)."""
+    return {
+        layer: Rope.from_metadata(snap.metadata, snap.layers[layer].attributes, snap.layers[layer].k_dim)
+        for layer in layers
+    }
 
 
 def _base(name: str, index: int, seq: int, tensor: str) -> dict[str, Any]:

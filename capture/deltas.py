@@ -162,17 +162,23 @@ class CacheTracker:
             if positions.size >= old.size and np.array_equal(positions[: old.size], old):
                 first_new = old.size  # the usual case: the cache only grew
             else:
-                last = int(old[-1]) if old.size else -1
-                for start, stop in _ranges(old[~np.isin(old, positions)]):
-                    delta.host_drops.append((seq, start, stop))
-                new = positions > last
-                if not np.array_equal(positions[~new], old[np.isin(old, positions)]):
-                    raise CaptureError(f"layer {index}: cache positions are not append-only")
-                first_new = int(np.argmax(new)) if new.any() else positions.size
+                first_new = _changed(delta, index, seq, old, positions)
             k, v = layer.tokens_from(seq, first_new)
             delta.host.append((k, v, positions[first_new:]))
             held.positions[seq] = positions
         return delta
+
+
+def _changed(delta: LayerDelta, index: int, seq: int, old: np.ndarray, positions: np.ndarray) -> int:
+    """For a sequence whose held positions ``old`` are not a prefix of ``positions``: record the
+    dropped ranges in ``delta``, check the rest is append-only, return the first new row."""
+    last = int(old[-1]) if old.size else -1
+    for start, stop in _ranges(old[~np.isin(old, positions)]):
+        delta.host_drops.append((seq, start, stop))
+    new = positions > last
+    if not np.array_equal(positions[~new], old[np.isin(old, positions)]):
+        raise CaptureError(f"layer {index}: cache positions are not append-only")
+    return int(np.argmax(new)) if new.any() else int(positions.size)
 
 
 def _ranges(positions: np.ndarray) -> list[tuple[int, int]]:

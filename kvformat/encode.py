@@ -125,17 +125,28 @@ def _records(chunks: _Chunks, codec: Codec, offset: int) -> Records:
         crcs,
         offset,
     )
-    descriptors = memoryview(packed)
+    buffers = _buffers(memoryview(packed), payloads, multi, padding)
+    return Records(buffers, packed, table, offset, end)
+
+
+def _buffers(
+    descriptors: memoryview,
+    payloads: list[BytesLike],
+    pieces: dict[int, list[BytesLike]],
+    padding: np.ndarray,
+) -> list[BytesLike]:
+    """What to write, in order: per chunk its descriptor, its payload (or the pieces of it), and
+    its padding to the next record."""
     n = len(payloads)
-    if not multi and not padding.any():  # the usual raw case: descriptor, payload, ...
+    if not pieces and not padding.any():  # the usual raw case: descriptor, payload, ...
         buffers: list[BytesLike] = [b""] * (2 * n)
         buffers[0::2] = [descriptors[d : d + DESCRIPTOR_SIZE] for d in range(0, n * DESCRIPTOR_SIZE, 64)]
         buffers[1::2] = payloads
-    else:
-        buffers = []
-        for index, (payload, pad) in enumerate(zip(payloads, padding.tolist(), strict=True)):
-            buffers.append(descriptors[index * DESCRIPTOR_SIZE : (index + 1) * DESCRIPTOR_SIZE])
-            buffers += multi.get(index, [payload])
-            if pad:
-                buffers.append(ZEROS[:pad])
-    return Records(buffers, packed, table, offset, end)
+        return buffers
+    buffers = []
+    for index, (payload, pad) in enumerate(zip(payloads, padding.tolist(), strict=True)):
+        buffers.append(descriptors[index * DESCRIPTOR_SIZE : (index + 1) * DESCRIPTOR_SIZE])
+        buffers += pieces.get(index, [payload])
+        if pad:
+            buffers.append(ZEROS[:pad])
+    return buffers

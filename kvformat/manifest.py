@@ -79,9 +79,7 @@ class QuerySpec:
             raise ValueError(f"queries scale must be a finite number above 0, got {self.scale!r}")
         if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
             raise ValueError(f"queries softcap must be null or a finite number above 0, got {self.softcap!r}")
-        if self.sinks is not None and (
-            len(self.sinks) != self.num_heads or not all(math.isfinite(x) for x in self.sinks)
-        ):
+        if self.sinks is not None and (len(self.sinks) != self.num_heads or not _finite(self.sinks)):
             raise ValueError("queries sinks must be null or one finite number per query head")
 
     def _check_mask(self) -> None:
@@ -92,6 +90,10 @@ class QuerySpec:
             raise ValueError(f"queries keep must be an integer >= 0, got {self.keep!r}")
         if self.window is not None and self.keep >= self.window:
             raise ValueError(f"queries keep ({self.keep}) must be below the window ({self.window})")
+
+
+def _finite(values: tuple[float, ...]) -> bool:
+    return all(math.isfinite(x) for x in values)
 
 
 def _is_int(value: Any) -> bool:

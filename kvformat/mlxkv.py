@@ -376,31 +376,45 @@ def _plan(name: str, source: _Source, layer: _Layer) -> _Plan | None:
             raise CorruptFileError(f"{where}: slab batch size {seqs} out of range 1..{MAX_SEQS}")
     else:
         form, seqs, heads, k_dim, v_dim = "heads", 1, len(layer.heads), source.head_dim, source.head_dim
-        for h, (k, v) in enumerate(layer.heads):
-            if k.count % source.head_dim or v.count % source.head_dim:
-                raise CorruptFileError(
-                    f"{where} head {h}: {k.count} key / {v.count} value elements are not rows of "
-                    f"head_dim {source.head_dim}"
-                )
-            if k.count != v.count:
-                raise CorruptFileError(
-                    f"{where} head {h}: key holds {k.count // source.head_dim} tokens, "
-                    f"value {v.count // source.head_dim}"
-                )
-            rows.append(k.count // source.head_dim)
+        rows = _head_rows(where, source, layer)
     if heads == 0:
         return None  # a layer record without K/V: the layer stays absent
+    _check_geometry(where, source, heads, rows, k_dim, v_dim)
+    sliding = layer.max_size > 0 or any(r < source.seq_len for r in rows)
+    attributes["kind"] = "sliding" if sliding else "full"
+    if layer.max_size:
+        attributes["window"] = layer.max_size
+    return _Plan(layer, LayerSpec(heads, k_dim, v_dim, dtype, attributes), seqs, form)
+
+
+def _head_rows(where: str, source: _Source, layer: _Layer) -> list[int]:
+    """Tokens per head of a layer stored head by head: each head's K and V whole rows of
+    ``head_dim``, equally many."""
+    rows = []
+    for h, (k, v) in enumerate(layer.heads):
+        if k.count % source.head_dim or v.count % source.head_dim:
+            raise CorruptFileError(
+                f"{where} head {h}: {k.count} key / {v.count} value elements are not rows of "
+                f"head_dim {source.head_dim}"
+            )
+        if k.count != v.count:
+            raise CorruptFileError(
+                f"{where} head {h}: key holds {k.count // source.head_dim} tokens, "
+                f"value {v.count // source.head_dim}"
+            )
+        rows.append(k.count // source.head_dim)
+    return rows
+
+
+def _check_geometry(where: str, source: _Source, heads: int, rows: list[int], k_dim: int, v_dim: int) -> None:
+    """A layer's head count, tokens per head and head dims within the `.kv` limits and the
+    snapshot's ``seq_len``."""
     if heads > MAX_HEADS:
         raise LimitExceededError(f"{where}: {heads} heads (limit {MAX_HEADS})")
     if max(rows, default=0) > source.seq_len:
         raise CorruptFileError(f"{where}: holds {max(rows)} tokens, more than seq_len {source.seq_len}")
     if not (1 <= k_dim <= MAX_WIDTH and 1 <= v_dim <= MAX_WIDTH):
         raise CorruptFileError(f"{where}: head dims {k_dim} / {v_dim} out of range 1..{MAX_WIDTH}")
-    sliding = layer.max_size > 0 or any(r < source.seq_len for r in rows)
-    attributes["kind"] = "sliding" if sliding else "full"
-    if layer.max_size:
-        attributes["window"] = layer.max_size
-    return _Plan(layer, LayerSpec(heads, k_dim, v_dim, dtype, attributes), seqs, form)
 
 
 def _decode(file: BinaryIO, tensor: _Tensor) -> np.ndarray:

@@ -97,19 +97,7 @@ def publish(temporary: str, path: str, *, force: bool = False) -> None:
     Without ``force`` an existing ``path`` is never replaced (`OutputExistsError`, ``temporary``
     left in place for the caller to remove)."""
     if os.path.isdir(temporary):
-        if os.path.lexists(path):
-            if not force:
-                raise OutputExistsError(errno.EEXIST, f"{path} exists; pass --force to replace it")
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=os.path.dirname(path) or ".")
-            os.rmdir(old)
-            os.rename(path, old)
-            os.rename(temporary, path)
-            if os.path.isdir(old) and not os.path.islink(old):
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.unlink(old)
-            return
-        os.rename(temporary, path)
+        _publish_folder(temporary, path, force)
         return
     if force:
         os.replace(temporary, path)
@@ -124,6 +112,24 @@ def publish(temporary: str, path: str, *, force: bool = False) -> None:
         os.replace(temporary, path)
         return
     os.unlink(temporary)
+
+
+def _publish_folder(temporary: str, path: str, force: bool) -> None:
+    """`publish` for a folder: an existing ``path`` (with ``force``) is moved aside first, then
+    removed once ``temporary`` has taken its name."""
+    if not os.path.lexists(path):
+        os.rename(temporary, path)
+        return
+    if not force:
+        raise OutputExistsError(errno.EEXIST, f"{path} exists; pass --force to replace it")
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=os.path.dirname(path) or ".")
+    os.rmdir(old)
+    os.rename(path, old)
+    os.rename(temporary, path)
+    if os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.unlink(old)
 
 
 def lock_for_writing(fd: int) -> None:

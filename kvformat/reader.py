@@ -308,26 +308,31 @@ class Snapshot:
         if not callable(hold) and (not isinstance(hold, int) or hold < 0):
             raise ValueError(f"hold must be a non-negative integer, not {hold!r}")
         holding = hold if callable(hold) else (lambda: hold)
-        file = self._file
         segments = self.segments()
         announced = 0
         held: collections.deque[Segment] = collections.deque()
         for i, seg in enumerate(segments):
             if i == announced:  # read-ahead for remote sources (a no-op on a memory map)
-                budget, ahead = READ_AHEAD, list[Segment]()
-                while announced < len(segments) and (budget > 0 or not ahead):
-                    ahead.append(segments[announced])
-                    budget -= (
-                        file.chunk(segments[announced].k_chunk).stored_size
-                        + file.chunk(segments[announced].v_chunk).stored_size
-                    )
-                    announced += 1
-                self.pages.prefetch(ahead)
+                announced = self._read_ahead(segments, announced)
             yield self.read(seg)
             held.append(seg)
             keep = holding()
             while len(held) > keep:
                 self.pages.release(held.popleft())
+
+    def _read_ahead(self, segments: list[Segment], first: int) -> int:
+        """Announce segments from ``first`` on, about `READ_AHEAD` bytes of them (at least one),
+        to the page source; the index of the first one not announced."""
+        budget, ahead, stop = READ_AHEAD, list[Segment](), first
+        while stop < len(segments) and (budget > 0 or not ahead):
+            segment = segments[stop]
+            ahead.append(segment)
+            budget -= (
+                self._file.chunk(segment.k_chunk).stored_size + self._file.chunk(segment.v_chunk).stored_size
+            )
+            stop += 1
+        self.pages.prefetch(ahead)
+        return stop
 
     def read(self, segment: Segment) -> Head:
         """One segment of `segments()` as a `Head`: its K and V rows decoded (CRC-checked when

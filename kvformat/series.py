@@ -137,15 +137,21 @@ def parse_entry(obj: Any, index: int, num_layers: int, num_seqs: int) -> Entry:
     appends = _int_array(obj.get("append", []), f"{where} append")
     if appends.size % 3:
         raise CorruptFileError(f"{where}: 'append' must hold (chunk, row, count) triples")
+    metadata, arrays = _entry_objects(obj, where)
+    ranges = _chunk_ranges(obj.get("append_chunks", []), where, "append_chunks")
+    queries = _chunk_ranges(obj.get("queries", []), where, "queries")
+    return Entry(parent, drops, appends.reshape(-1, 3), metadata, arrays, ranges, queries)
+
+
+def _entry_objects(obj: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, int]]:
+    """A snapshot's ``metadata`` (an object) and ``arrays`` (names to chunk indices)."""
     metadata = obj.get("metadata", {})
     if not isinstance(metadata, dict):
         raise CorruptFileError(f"{where}: metadata must be an object")
     arrays = obj.get("arrays", {})
     if not isinstance(arrays, dict) or not all(type(v) is int and v >= 0 for v in arrays.values()):
         raise CorruptFileError(f"{where}: 'arrays' must map names to chunk indices")
-    ranges = _chunk_ranges(obj.get("append_chunks", []), where, "append_chunks")
-    queries = _chunk_ranges(obj.get("queries", []), where, "queries")
-    return Entry(parent, drops, appends.reshape(-1, 3), metadata, arrays, ranges, queries)
+    return metadata, arrays
 
 
 def _drops(value: Any, where: str, num_layers: int, num_seqs: int) -> list[tuple[int, int, int, int]]:

@@ -3,7 +3,7 @@ CRC, padding byte and snapshot reference, in bulk where records lie back to back
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -504,20 +504,29 @@ def _single_records_hold(
     at, end, fields = at[one], end[one], fields[one]
     if bool(np.any((fields["kind"] == KIND_MANIFEST) != (at == HEADER_SIZE))):
         return None  # the manifest must be the first record, and only it
-    stored = (end - at - DESCRIPTOR_SIZE).tolist()
-    payloads = [read(a + DESCRIPTOR_SIZE, length) for a, length in zip(at.tolist(), stored, strict=True)]
-    if not np.array_equal(crc32c_many(payloads), fields["payload_crc"]):
-        return None
-    try:
-        for a, payload in zip(at.tolist(), payloads, strict=True):
-            loads(payload, f"record at offset {a}")
-    except KVFormatError:
+    if not _json_payloads_hold(read, at, end, fields["payload_crc"]):
         return None
     pads = upper[single] - end
     if any(any(read(a, n)) for a, n in zip(end.tolist(), pads.tolist(), strict=True) if n):
         return None
     size[single] = end - at
     return single, size
+
+
+def _json_payloads_hold(
+    read: Callable[[int, int], memoryview], at: np.ndarray, end: np.ndarray, crcs: np.ndarray
+) -> bool:
+    """The JSON records at offsets ``at`` (payloads up to ``end``) match their CRCs and parse."""
+    stored = (end - at - DESCRIPTOR_SIZE).tolist()
+    payloads = [read(a + DESCRIPTOR_SIZE, length) for a, length in zip(at.tolist(), stored, strict=True)]
+    if not np.array_equal(crc32c_many(payloads), crcs):
+        return False
+    try:
+        for a, payload in zip(at.tolist(), payloads, strict=True):
+            loads(payload, f"record at offset {a}")
+    except KVFormatError:
+        return False
+    return True
 
 
 def _verify_chunks(file: FileStructure, first: int, stop: int, follows: int) -> tuple[int, int]:
@@ -529,14 +538,7 @@ def _verify_chunks(file: FileStructure, first: int, stop: int, follows: int) -> 
     end = min(follows, index_offset)
     span = np.frombuffer(file.source.read(base, end - base), dtype=np.uint8)
     starts = table["offset"].astype(np.int64) - base
-    stride = int(starts[1]) if len(starts) > 1 else DESCRIPTOR_SIZE
-    if bool(np.all(starts == np.arange(len(starts)) * stride)):  # equal records: a strided view
-        descriptors = np.ndarray((len(starts), DESCRIPTOR_SIZE), np.uint8, buffer=span, strides=(stride, 1))
-    else:
-        descriptors = span[starts[:, None] + np.arange(DESCRIPTOR_SIZE)]
-    if not np.array_equal(descriptors, table.view(np.uint8).reshape(-1, DESCRIPTOR_SIZE)):
-        return 0, -1
-    if not np.array_equal(crc32c_rows(np.ascontiguousarray(descriptors[:, :60])), table["descriptor_crc"]):
+    if not _descriptors_hold(span, starts, table):
         return 0, -1
     stored = table["stored_size"].astype(np.int64)
     crcs = crc32c_slices(span.data, (starts + DESCRIPTOR_SIZE).tolist(), stored.tolist())
@@ -544,8 +546,7 @@ def _verify_chunks(file: FileStructure, first: int, stop: int, follows: int) -> 
         return 0, -1
     # Padding: from each payload's end to the next record (or the index), all zero.
     ends = starts + DESCRIPTOR_SIZE + stored
-    nexts = np.append(starts[1:], end - base)
-    lengths = nexts - ends
+    lengths = np.append(starts[1:], end - base) - ends
     if lengths.sum():
         where = np.repeat(ends - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
         if span[where].any():
@@ -558,6 +559,19 @@ def _verify_chunks(file: FileStructure, first: int, stop: int, follows: int) -> 
         except KVFormatError:
             return 0, -1
     return int((DESCRIPTOR_SIZE + stored).sum()), end
+
+
+def _descriptors_hold(span: np.ndarray, starts: np.ndarray, table: np.ndarray) -> bool:
+    """The descriptors at offsets ``starts`` of ``span`` equal the index's ``table`` rows and carry
+    their own CRCs."""
+    stride = int(starts[1]) if len(starts) > 1 else DESCRIPTOR_SIZE
+    if bool(np.all(starts == np.arange(len(starts)) * stride)):  # equal records: a strided view
+        descriptors = np.ndarray((len(starts), DESCRIPTOR_SIZE), np.uint8, buffer=span, strides=(stride, 1))
+    else:
+        descriptors = span[starts[:, None] + np.arange(DESCRIPTOR_SIZE)]
+    if not np.array_equal(descriptors, table.view(np.uint8).reshape(-1, DESCRIPTOR_SIZE)):
+        return False
+    return np.array_equal(crc32c_rows(np.ascontiguousarray(descriptors[:, :60])), table["descriptor_crc"])
 
 
 def _verify_record(file: FileStructure, cursor: int, records: int, chunk: int) -> tuple[int, int, int]:

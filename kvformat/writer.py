@@ -651,10 +651,9 @@ def _plain_arrays(spec: LayerSpec, k: Any, v: Any) -> bool:
         return False
     if not (k.flags.c_contiguous and v.flags.c_contiguous) or k.ndim != 3 or v.ndim != 3:
         return False
-    dtype = spec.dtype.numpy
-    return (
-        k.shape == (spec.num_heads, k.shape[1], spec.k_dim)
-        and v.shape == (spec.num_heads, k.shape[1], spec.v_dim)
-        and k.dtype == dtype
-        and v.dtype == dtype
+    tokens = k.shape[1]
+    shapes = (k.shape, v.shape) == (
+        (spec.num_heads, tokens, spec.k_dim),
+        (spec.num_heads, tokens, spec.v_dim),
     )
+    return shapes and k.dtype == v.dtype == spec.dtype.numpy

@@ -31,15 +31,7 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     ``--stat`` names a statistic the selected groups compute, and ``--snapshot`` is inside each
     local file named (reading only its index)."""
     del parser
-    stat = getattr(args, "stat", None)
-    from ..head_importance import SCALARS
-
-    # `plot --stat sink_mass`: a per-query-head statistic from saved queries, checked there
-    attention_heatmap = getattr(args, "heatmap_from_queries", False) and stat in SCALARS
-    if stat is not None and getattr(args, "attention", None) is None and not attention_heatmap:
-        from ..catalogue import check_scalar, stat_groups
-
-        check_scalar(stat, stat_groups(getattr(args, "stats", None)))
+    _check_stat(args)
     check_snapshot(args)
     for option in ("output", "plot"):
         path = getattr(args, option, None)
@@ -51,6 +43,21 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
         if same_file(args.output, args.plot):
             raise ValueError(f"-o and --plot name the same file {args.output}")
+
+
+def _check_stat(args: argparse.Namespace) -> None:
+    """A ``--stat`` the selected ``--stats`` groups compute (`plot --attention` has none; `plot
+    --stat sink_mass` and other per-query-head statistics come from saved queries, checked there)."""
+    from ..head_importance import SCALARS
+
+    stat = getattr(args, "stat", None)
+    if stat is None or getattr(args, "attention", None) is not None:
+        return
+    if getattr(args, "heatmap_from_queries", False) and stat in SCALARS:
+        return
+    from ..catalogue import check_scalar, stat_groups
+
+    check_scalar(stat, stat_groups(getattr(args, "stats", None)))
 
 
 def check_snapshot(args: argparse.Namespace) -> None:

@@ -26,18 +26,10 @@ def plot_command(args: argparse.Namespace) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import polars as pl
 
     import kvformat
 
-    args.files = [args.file]
-    table = statistics_table(args).filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
-    numeric = [
-        c for c, t in table.schema.items() if t.is_numeric() and c not in ("seq", "layer", "head", "snapshot")
-    ]
-    if args.stat not in numeric:
-        raise SystemExit(f"unknown statistic {args.stat!r}; one of: {', '.join(numeric)}")
-    layers, grid = _layer_head_grid(table, args.stat)
+    layers, grid = _statistic_grid(args)
     with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
         index, count, seq_len = snap.index, snap.num_snapshots, snap.seq_len
         generated = snap.snapshot_metadata.get("generated")
@@ -60,6 +52,19 @@ def plot_command(args: argparse.Namespace) -> int:
     plt.close(figure)
     print(f"wrote {args.output}: {len(layers)} layers x {grid.shape[1]} heads, {points} position points")
     return 0
+
+
+def _statistic_grid(args: argparse.Namespace) -> tuple[list[int], Any]:
+    """The file's layers and ``--stat`` of ``--tensor`` as a ``(layers, heads)`` grid (sequence 0)."""
+    import polars as pl
+
+    args.files = [args.file]
+    table = statistics_table(args).filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
+    keys = ("seq", "layer", "head", "snapshot")
+    numeric = [c for c, t in table.schema.items() if t.is_numeric() and c not in keys]
+    if args.stat not in numeric:
+        raise SystemExit(f"unknown statistic {args.stat!r}; one of: {', '.join(numeric)}")
+    return _layer_head_grid(table, args.stat)
 
 
 def _heatmap(figure: Any, axis: Any, grid: Any, layers: list[int], name: str, heads: str) -> None:
