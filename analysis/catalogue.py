@@ -163,13 +163,19 @@ def check_scalar(name: str, groups: frozenset[str]) -> None:
 ALL = frozenset(GROUPS)
 
 
+def _names(stats: str | Iterable[str]) -> list[str]:
+    """The names in a comma-separated string or an iterable, stripped."""
+    return (
+        [s.strip() for s in stats.split(",")] if isinstance(stats, str) else [str(s).strip() for s in stats]
+    )
+
+
 def stat_groups(stats: str | Iterable[str] | None = None) -> frozenset[str]:
     """The groups named by ``stats``: ``None`` or ``"all"`` for every group, else names from
     `GROUPS` (a comma-separated string or an iterable); ValueError naming an unknown group."""
     if stats is None:
         return ALL
-    names = [s.strip() for s in stats.split(",")] if isinstance(stats, str) else [str(s) for s in stats]
-    names = [n for n in names if n]
+    names = [n for n in _names(stats) if n]
     if not names:
         raise ValueError(f"no statistic group named; choose from all, {', '.join(GROUPS)}")
     if "all" in names:

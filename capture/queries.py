@@ -14,6 +14,7 @@ Selections (``--queries``): ``none``; ``decode`` (every generated position); ``w
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -174,15 +175,8 @@ class QueryRecorder:
             if not seen.pending:
                 continue
             arrays = [array for array, _ in seen.pending]
-            first, count = seen.pending[0][1], sum(array.shape[2] for array in arrays)
-            contiguous = all(
-                b == a + x.shape[2] for (x, a), (_, b) in zip(seen.pending, seen.pending[1:], strict=False)
-            )
-            positions = (
-                np.arange(first, first + count, dtype=np.int64)
-                if contiguous
-                else np.concatenate([np.arange(a, a + x.shape[2], dtype=np.int64) for x, a in seen.pending])
-            )
+            positions = _positions(seen.pending)
+            count = positions.size
             seen.pending = []
             shape = arrays[0].shape
             key = (shape[0], shape[1], shape[3], arrays[0].dtype)
@@ -226,3 +220,12 @@ class QueryRecorder:
             softcap=None,
             sinks=sinks,
         )
+
+
+def _positions(pending: list[tuple[mx.array, int]]) -> np.ndarray:
+    """The positions ``(n,)`` int64 of a layer's pending query pieces ``(array, first position)``,
+    each ``(batch, heads, count, dim)``, in order."""
+    first, count = pending[0][1], sum(array.shape[2] for array, _ in pending)
+    if all(b == a + x.shape[2] for (x, a), (_, b) in itertools.pairwise(pending)):
+        return np.arange(first, first + count, dtype=np.int64)
+    return np.concatenate([np.arange(a, a + x.shape[2], dtype=np.int64) for x, a in pending])

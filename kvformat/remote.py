@@ -163,11 +163,7 @@ class RemoteSource:
     def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Fetch ``(offset, size)`` ranges the reader will ask for next (`plan_fetches`: the
         uncached ones, merged when less than ``gap`` bytes apart), several requests at once."""
-        wanted = [
-            (o, s)
-            for o, s in ranges
-            if o >= 0 and s > 0 and o + s <= self.size and self._lookup(o, s) is None
-        ]
+        wanted = [(o, s) for o, s in ranges if self._fetchable(o, s)]
         spans = plan_fetches(wanted, self.gap, self.cache_bytes // 2)
         if len(spans) <= 1 or self.concurrency == 1:
             for start, end in spans:
@@ -178,6 +174,10 @@ class RemoteSource:
         futures = [(start, self._pool.submit(self._fetch, start, end - start)) for start, end in spans]
         for start, future in futures:
             self._store(start, future.result())
+
+    def _fetchable(self, offset: int, size: int) -> bool:
+        """A non-empty range inside the file, not cached."""
+        return offset >= 0 and size > 0 and offset + size <= self.size and self._lookup(offset, size) is None
 
     def release(self, offset: int, size: int) -> None:
         """The reader is done with everything before ``offset + size``: drop those spans."""

@@ -174,16 +174,7 @@ class FileStructure:
         them one by one with `chunk_array`)."""
         table = self.table[chunks]
         first = table[0]
-        kinds = table["kind"]
-        if not (
-            bool(np.all(table["codec"] == codecs.Raw.code))
-            and bool(np.all(table["dtype"] == first["dtype"]))
-            and bool(np.all(table["width"] == first["width"]))
-            and not bool(np.any(kinds == KIND_ARRAY))
-            and all(
-                self.manifest.layers[layer].quantization is None for layer in set(table["layer"].tolist())
-            )
-        ):
+        if not self._plain_rows(table):
             return None
         dtype = dtypes.from_code(int(first["dtype"])).numpy
         width = int(first["width"])
@@ -203,6 +194,20 @@ class FileStructure:
             for payload, start, count in zip(payloads, starts, counts, strict=True)
         ]
         return np.frombuffer(b"".join(pieces), dtype).reshape(-1, width)  # read-only, like a map
+
+    def _plain_rows(self, table: np.ndarray) -> bool:
+        """The chunks of ``table`` are raw, unquantized tensor chunks of one dtype and width."""
+        first = table[0]
+        same = bool(np.all(table["dtype"] == first["dtype"])) and bool(
+            np.all(table["width"] == first["width"])
+        )
+        if (
+            not same
+            or not bool(np.all(table["codec"] == codecs.Raw.code))
+            or bool(np.any(table["kind"] == KIND_ARRAY))
+        ):
+            return False
+        return all(self.manifest.layers[layer].quantization is None for layer in set(table["layer"].tolist()))
 
     def chunk_array(self, i: int, checked: bool = False) -> np.ndarray:
         """Chunk ``i`` decoded: ``(rows, width)`` (a zero-copy view for raw chunks from mmap);
