@@ -220,6 +220,23 @@ class _Source:
     logits: _Tensor | None
 
 
+def _cache_mode(stream: _Stream, where: str) -> str:
+    """A version 5+ layer's cache mode; its opaque payloads skipped (a turboquant cache, which
+    holds nothing but those, is refused)."""
+    cache_mode = stream.string(f"{where} cache_mode")
+    payloads = stream.u32(f"{where} payload count")
+    if payloads > MAX_PAYLOADS:
+        raise LimitExceededError(f"{stream.name}: MLXKV001 {where} lists {payloads} payloads")
+    for i in range(payloads):
+        stream.skip(stream.u32(f"{where} payload {i} length"), f"{where} payload {i}")
+    if cache_mode == "turboquant":
+        raise UnsupportedFeatureError(
+            f"{stream.name}: MLXKV001 {where} is a turboquant cache (opaque payloads); "
+            "only plain K/V tensors can be imported"
+        )
+    return cache_mode
+
+
 def _layer(stream: _Stream, version: int, number: int, head: _Source) -> _Layer:
     where = f"layer record {number}"
     offset = stream.position
@@ -233,19 +250,7 @@ def _layer(stream: _Stream, version: int, number: int, head: _Source) -> _Layer:
     head_count = stream.u32(f"{where} head_count")
     if head_count > MAX_HEADS:
         raise LimitExceededError(f"{stream.name}: MLXKV001 {where} declares {head_count} heads")
-    cache_mode = ""
-    if version >= 5:
-        cache_mode = stream.string(f"{where} cache_mode")
-        payloads = stream.u32(f"{where} payload count")
-        if payloads > MAX_PAYLOADS:
-            raise LimitExceededError(f"{stream.name}: MLXKV001 {where} lists {payloads} payloads")
-        for i in range(payloads):
-            stream.skip(stream.u32(f"{where} payload {i} length"), f"{where} payload {i}")
-        if cache_mode == "turboquant":
-            raise UnsupportedFeatureError(
-                f"{stream.name}: MLXKV001 {where} is a turboquant cache (opaque payloads); "
-                "only plain K/V tensors can be imported"
-            )
+    cache_mode = _cache_mode(stream, where) if version >= 5 else ""
     max_size = stream.u32(f"{where} max_size") if version >= 6 else 0
     layer = _Layer(offset, index, cache_index, cache_mode, max_size, [])
     if version >= 4:
@@ -500,14 +505,8 @@ def import_mlxkv(
                 snapshot_metadata["generated_ids"] = [source.generated]
             arrays = {}
             if source.logits is not None:
-                logits = _decode(file, source.logits).astype(np.float32)
-                shape = source.logit_shape
-                if int(np.prod(shape, dtype=np.int64)) != logits.size or not shape:
-                    raise CorruptFileError(
-                        f"{name}: MLXKV001 logit_shape {shape} does not hold {logits.size} logits"
-                    )
-                arrays["last_logits"] = logits.reshape(-1, shape[-1]) if shape[-1] else logits.reshape(1, -1)
-                snapshot_metadata["last_logits_shape"] = shape
+                arrays["last_logits"] = _last_logits(file, source, name)
+                snapshot_metadata["last_logits_shape"] = source.logit_shape
             writer.snapshot(snapshot_metadata, arrays=arrays)
             digest = sha256_of(name)
             writer.close({"source": {**metadata["source"], "sha256": digest}})
@@ -517,6 +516,16 @@ def import_mlxkv(
                 os.unlink(writer.partial_path)
             raise
     return ImportReport(out, source.version, len(plans), source.seq_len, digest)
+
+
+def _last_logits(file: BinaryIO, source: _Source, name: str) -> np.ndarray:
+    """The snapshot's last logits as float32 ``(rows, vocab)``, checked against ``logit_shape``."""
+    assert source.logits is not None
+    logits = _decode(file, source.logits).astype(np.float32)
+    shape = source.logit_shape
+    if int(np.prod(shape, dtype=np.int64)) != logits.size or not shape:
+        raise CorruptFileError(f"{name}: MLXKV001 logit_shape {shape} does not hold {logits.size} logits")
+    return logits.reshape(-1, shape[-1]) if shape[-1] else logits.reshape(1, -1)
 
 
 def _write_layer(writer: Writer, file: BinaryIO, plan: _Plan, layer: _Layer, seq_len: int) -> None:

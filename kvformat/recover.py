@@ -150,17 +150,25 @@ def _complete_run(source: MmapSource, cursor: int) -> tuple[int, int]:
         if linear_crc(span[:end].data) == int(records_linear(crcs, size, stride, DESCRIPTOR_SIZE, False)):
             return taken, cursor + end
     # A CRC in the prefix is wrong (or its padding is not zero): find where, record by record.
+    taken = _checked_prefix(span, table, taken, stride, size)
+    if taken == 0:
+        return 0, cursor
+    return taken, cursor + (taken - 1) * stride + DESCRIPTOR_SIZE + size
+
+
+def _checked_prefix(span: np.ndarray, table: np.ndarray, taken: int, stride: int, size: int) -> int:
+    """How many of the first ``taken`` records (every ``stride`` bytes of ``span``, payloads of
+    ``size`` bytes) have good descriptor and payload CRCs, from the first."""
     rows = np.ndarray((taken, 60), np.uint8, buffer=span, strides=(stride, 1))
     crc_good = crc32c_rows(np.ascontiguousarray(rows)) == table["descriptor_crc"][:taken]
     if not crc_good.all():
         taken = int(np.argmin(crc_good))
     if taken == 0:
-        return 0, cursor
-    crcs = crc32c_slices(span.data, (starts[:taken] + DESCRIPTOR_SIZE).tolist(), [size] * taken)
+        return 0
+    starts = np.arange(taken) * stride
+    crcs = crc32c_slices(span.data, (starts + DESCRIPTOR_SIZE).tolist(), [size] * taken)
     crc_good = crcs == table["payload_crc"][:taken]
-    if not crc_good.all():
-        taken = int(np.argmin(crc_good))
-    return taken, cursor + (taken - 1) * stride + DESCRIPTOR_SIZE + size
+    return int(np.argmin(crc_good)) if not crc_good.all() else taken
 
 
 def _trailing_snapshot(blocks: list[bytes], snapshots: list[Entry], committed: int) -> Entry | None:

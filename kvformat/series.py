@@ -437,23 +437,32 @@ def _appends_hold(base: np.ndarray, new: np.ndarray, snapshot: np.ndarray, first
     paired = np.array_equal(step[is_k], step[is_v]) and all(
         np.array_equal(runs[c][is_k], runs[c][is_v]) for c in columns
     )
-    # A dense number per (layer, seq, head), by arithmetic where it fits (no sort needed).
+    group = _dense_groups(runs, is_v, steps)
+    order = np.argsort(group * steps + step, kind="stable")  # file order within a step
+    group, position, count = group[order], runs[POSITION][order], runs[COUNT][order]
+    if bool(np.any((group[1:] == group[:-1]) & (position[1:] < (position + count)[:-1]))):
+        return False
+    return paired or _paired_when_sorted(group, position, count, step[order])
+
+
+def _dense_groups(runs: np.ndarray, is_v: np.ndarray, steps: int) -> np.ndarray:
+    """A dense number per (layer, seq, head, kind) of runs ``(8, n)``, V odd, by arithmetic
+    where it fits in int64 with ``steps`` snapshots (no sort needed), else by `np.unique`."""
     spans = [int(runs[c].max()) + 1 for c in (LAYER, SEQ, HEAD)]
     if spans[0] * spans[1] * spans[2] * 2 * steps < 1 << 62:
         group = (runs[LAYER] * spans[1] + runs[SEQ]) * spans[2] + runs[HEAD]
     else:
         group = np.unique(head_keys(runs.T), return_inverse=True)[1].reshape(-1)
     group *= 2
-    group += is_v  # per (layer, seq, head, kind)
-    order = np.argsort(group * steps + step, kind="stable")  # file order within a step
-    group, position, count = group[order], runs[POSITION][order], runs[COUNT][order]
-    if bool(np.any((group[1:] == group[:-1]) & (position[1:] < (position + count)[:-1]))):
-        return False
-    if paired:
-        return True
+    group += is_v
+    return group
+
+
+def _paired_when_sorted(group: np.ndarray, position: np.ndarray, count: np.ndarray, step: np.ndarray) -> bool:
+    """Runs sorted by (group, step): each K run has a V run of its head at the same position,
+    count and snapshot."""
     is_k = (group & 1) == 0
     is_v = ~is_k
-    step = step[order]
     return bool(
         np.array_equal(group[is_k] + 1, group[is_v])
         and np.array_equal(position[is_k], position[is_v])

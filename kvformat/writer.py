@@ -46,7 +46,15 @@ from kvformat.layout import (
     align,
     pack_header,
 )
-from kvformat.manifest import QUERIES, LayerSpec, Manifest, check_head_sequences, dumps, format_minor
+from kvformat.manifest import (
+    QUERIES,
+    LayerSpec,
+    Manifest,
+    QuerySpec,
+    check_head_sequences,
+    dumps,
+    format_minor,
+)
 from kvformat.outputs import check_output, lock_for_writing, publish
 from kvformat.records import (
     Block,
@@ -378,20 +386,31 @@ class Writer:
                 f"appended ({self._query_ends[key] - 1})"
             )
         self._query_ends[key] = int(pos[-1]) + 1
-        parts: list[Part | Block] = []
+        self._run(self._query_parts(layer, seq, queries, q, pos))
+
+    def _query_parts(
+        self, layer: int, seq: int, queries: QuerySpec, q: np.ndarray, pos: np.ndarray
+    ) -> list[Part | Block]:
+        """The chunks of ``q`` ``(num_query_heads, n, dim)`` at positions ``pos``: per query head,
+        per run of consecutive positions, split at ``chunk_bytes``."""
         rows_per_chunk = max(1, self.chunk_bytes // (queries.dim * queries.dtype.itemsize))
         breaks = np.flatnonzero(np.diff(pos) != 1) + 1  # runs of consecutive positions
-        starts = [0, *breaks.tolist()]
-        stops = [*breaks.tolist(), count]
-        for head in range(queries.num_heads):
-            for run_start, run_stop in zip(starts, stops, strict=True):
-                for first in range(run_start, run_stop, rows_per_chunk):
-                    last = min(first + rows_per_chunk, run_stop)
-                    rows = q[head, first:last]
-                    parts.append(
-                        Part(KIND_Q, layer, seq, head, int(pos[first]), rows, queries.dim, queries.dtype)
-                    )
-        self._run(parts)
+        runs = list(zip([0, *breaks.tolist()], [*breaks.tolist(), pos.shape[0]], strict=True))
+        return [
+            Part(
+                KIND_Q,
+                layer,
+                seq,
+                head,
+                int(pos[first]),
+                q[head, first : min(first + rows_per_chunk, stop)],
+                queries.dim,
+                queries.dtype,
+            )
+            for head in range(queries.num_heads)
+            for start, stop in runs
+            for first in range(start, stop, rows_per_chunk)
+        ]
 
     def append_many(self, appends: Iterable[tuple[int, Any, Any, Any, int]]) -> None:
         """`append` for several layers (and sequences) at once: ``(layer, k, v, positions, seq)``
