@@ -240,6 +240,16 @@ def register_capture(sub: Any) -> None:
     p.set_defaults(func=_capture, check=_check_capture)
 
 
+def _check_at(parser: argparse.ArgumentParser, at: str) -> None:
+    """``--at``: comma-separated generated-token counts, each at least 1."""
+    try:
+        counts = [int(x) for x in at.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--at {at!r}: give generated-token counts like 1,8,32")
+    if any(n < 1 for n in counts):
+        parser.error(f"--at {at!r}: counts must be at least 1")
+
+
 def _check_capture(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checks that need no model: run before any weights are read."""
     if args.queries != "none" and args.separate_files:
@@ -247,12 +257,7 @@ def _check_capture(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     inputs = [name for name in (args.model, args.prompt_file) if name]
     _check_output(parser, args.output, args.force, inputs)
     if args.at:
-        try:
-            counts = [int(x) for x in args.at.split(",") if x.strip()]
-        except ValueError:
-            parser.error(f"--at {args.at!r}: give generated-token counts like 1,8,32")
-        if any(n < 1 for n in counts):
-            parser.error(f"--at {args.at!r}: counts must be at least 1")
+        _check_at(parser, args.at)
     if args.prompt_file is not None:
         from pathlib import Path
 

@@ -204,39 +204,12 @@ def layer_specs(prompt_cache: list[Any]) -> tuple[list[kvformat.LayerSpec], int]
             batch = max(batch, len(layer.k))
             continue
         inner = _kv_cache(cache)
-        inner_name = type(inner).__name__
-        attributes: dict[str, Any] = {"cache_class": inner_name, "kind": "full"}
-        if inner_name == "RotatingKVCache":
-            attributes.update(kind="sliding", window=int(inner.max_size), keep=int(inner.keep))
-        elif inner_name == "ChunkedKVCache":
-            attributes.update(kind="chunked", chunk_size=int(inner.chunk_size))
-        if name == "CacheList":
-            names = [type(c).__name__ for c in cache.caches]
-            position = names.index(inner_name)
-            attributes.update(
-                cache_class="CacheList",
-                sub_caches=names,
-                kv_sub_cache=position,
-                inner_cache_class=inner_name,
-                not_stored=[c for i, c in enumerate(names) if i != position],
-            )
+        attributes = _cache_attributes(cache, inner)
         keys = getattr(inner, "keys", None)
         if keys is None:
             specs.append(kvformat.LayerSpec.absent(attributes))
             continue
-        quant = None
-        if inner_name == "QuantizedKVCache":
-            quant = Quantization(int(inner.bits), int(inner.group_size))
-            if quant.bits not in QUANT_BITS:
-                raise UnsupportedModelError(
-                    f"QuantizedKVCache with {quant.bits} bits; supported: {QUANT_BITS}"
-                )
-            per_word = 32 // quant.bits
-            shape, dtype = keys[0].shape, keys[1].dtype
-            k_dim, v_dim = int(shape[3]) * per_word, int(inner.values[0].shape[3]) * per_word
-        else:
-            shape, dtype = keys.shape, keys.dtype
-            k_dim, v_dim = int(shape[3]), int(inner.values.shape[3])
+        quant, shape, dtype, k_dim, v_dim = _geometry(inner)
         batch = max(batch, int(shape[0]))
         specs.append(
             kvformat.LayerSpec(
@@ -249,6 +222,42 @@ def layer_specs(prompt_cache: list[Any]) -> tuple[list[kvformat.LayerSpec], int]
             )
         )
     return specs, batch
+
+
+def _cache_attributes(cache: Any, inner: Any) -> dict[str, Any]:
+    """A layer's attributes from its cache: class, kind (full, sliding with window and keep,
+    chunked), and for a `CacheList` its sub-caches and which one holds K/V."""
+    inner_name = type(inner).__name__
+    attributes: dict[str, Any] = {"cache_class": inner_name, "kind": "full"}
+    if inner_name == "RotatingKVCache":
+        attributes.update(kind="sliding", window=int(inner.max_size), keep=int(inner.keep))
+    elif inner_name == "ChunkedKVCache":
+        attributes.update(kind="chunked", chunk_size=int(inner.chunk_size))
+    if type(cache).__name__ == "CacheList":
+        names = [type(c).__name__ for c in cache.caches]
+        position = names.index(inner_name)
+        attributes.update(
+            cache_class="CacheList",
+            sub_caches=names,
+            kv_sub_cache=position,
+            inner_cache_class=inner_name,
+            not_stored=[c for i, c in enumerate(names) if i != position],
+        )
+    return attributes
+
+
+def _geometry(inner: Any) -> tuple[Quantization | None, Any, Any, int, int]:
+    """A cache's quantization (or None), K array shape ``(batch, heads, rows, stored dim)``, stored
+    dtype, and K and V head dims in elements (a quantized cache packs ``32 / bits`` per word)."""
+    keys = inner.keys
+    if type(inner).__name__ != "QuantizedKVCache":
+        return None, keys.shape, keys.dtype, int(keys.shape[3]), int(inner.values.shape[3])
+    quant = Quantization(int(inner.bits), int(inner.group_size))
+    if quant.bits not in QUANT_BITS:
+        raise UnsupportedModelError(f"QuantizedKVCache with {quant.bits} bits; supported: {QUANT_BITS}")
+    per_word = 32 // quant.bits
+    shape = keys[0].shape
+    return quant, shape, keys[1].dtype, int(shape[3]) * per_word, int(inner.values[0].shape[3]) * per_word
 
 
 Piece = tuple[int, int, list[Any], list[Any]]

@@ -22,23 +22,35 @@ def layers_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[LayerKV]:
             layers.append(LayerKV(attributes=dict(spec.attributes), present=False))
             continue
         data = LayerKV(attributes=dict(spec.attributes), quantization=spec.quantization)
-        if spec.quantization is not None:
-            for seq in range(snapshot.num_seqs):
-                stored = [snapshot.quantized_head(index, head, seq) for head in range(spec.num_heads)]
-                parts = [s for s in stored if s is not None]
-                data.k.append(tuple(np.stack([p[0][j] for p in parts]) for j in range(3)))
-                data.v.append(tuple(np.stack([p[1][j] for p in parts]) for j in range(3)))
-                data.positions.append(parts[0][2])
-            layers.append(data)
-            continue
+        read = _read_quantized if spec.quantization is not None else _read_plain
         for seq in range(snapshot.num_seqs):
-            heads = [snapshot.head(index, head, seq) for head in range(spec.num_heads)]
-            data.k.append(np.stack([h.k for h in heads if h is not None]))
-            data.v.append(np.stack([h.v for h in heads if h is not None]))
-            first = heads[0]
-            data.positions.append(first.positions if first is not None else np.empty(0, np.int64))
+            k, v, positions = read(snapshot, index, spec.num_heads, seq)
+            data.k.append(k)
+            data.v.append(v)
+            data.positions.append(positions)
         layers.append(data)
     return layers
+
+
+def _read_quantized(
+    snapshot: kvformat.Snapshot, layer: int, heads: int, seq: int
+) -> tuple[Any, Any, np.ndarray]:
+    """One sequence of a quantized layer: K and V as ``(packed, scales, biases)`` stacked over
+    heads, and the positions."""
+    stored = [snapshot.quantized_head(layer, head, seq) for head in range(heads)]
+    parts = [s for s in stored if s is not None]
+    k = tuple(np.stack([p[0][j] for p in parts]) for j in range(3))
+    v = tuple(np.stack([p[1][j] for p in parts]) for j in range(3))
+    return k, v, parts[0][2]
+
+
+def _read_plain(snapshot: kvformat.Snapshot, layer: int, heads: int, seq: int) -> tuple[Any, Any, np.ndarray]:
+    """One sequence of a layer: K and V ``(heads, n, dim)`` and the positions."""
+    read = [snapshot.head(layer, head, seq) for head in range(heads)]
+    k = np.stack([h.k for h in read if h is not None])
+    v = np.stack([h.v for h in read if h is not None])
+    first = read[0]
+    return k, v, first.positions if first is not None else np.empty(0, np.int64)
 
 
 def restore(snapshot: KVSnapshot | kvformat.Snapshot) -> list[Any]:

@@ -210,13 +210,13 @@ def _pack(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stored(array: np.ndarray, layer: int, args: argparse.Namespace) -> np.ndarray:
+def _stored(array: np.ndarray, name: str, args: argparse.Namespace) -> np.ndarray:
     """`pack`'s ``array`` in a dtype .kv stores: uint16 read as bfloat16 bits, ``--dtype`` converts,
-    any other dtype is refused naming the layer."""
+    any other dtype is refused naming the array."""
     stored = {np.dtype(d.numpy) for d in dtypes.BY_NAME.values()} | {np.dtype(np.uint16)}
     if not args.dtype and array.dtype not in stored:
         raise SystemExit(
-            f"{args.input}: layer {layer} arrays are {array.dtype}, which .kv does not store: "
+            f"{args.input}: {name} is {array.dtype}, which .kv does not store: "
             f"pass --dtype {' or '.join(sorted(dtypes.BY_NAME))} to convert"
         )
     if array.dtype != np.uint16 and not args.dtype:
@@ -245,7 +245,7 @@ def _npz_layer(npz: Any, layer: int, args: argparse.Namespace) -> kvformat.Layer
         return None
     if f"k_L{layer}" not in names or f"v_L{layer}" not in names:
         raise SystemExit(f"{args.input}: layer {layer} needs both k_L{layer} and v_L{layer}")
-    k, v = (_stored(npz[f"{name}_L{layer}"], layer, args) for name in ("k", "v"))
+    k, v = (_stored(npz[f"{name}_L{layer}"], f"{name}_L{layer}", args) for name in ("k", "v"))
     if k.ndim != 3 or v.ndim != 3:
         raise SystemExit(f"{args.input}: layer {layer} arrays must be (heads, tokens, head_dim)")
     positions = npz[f"positions_L{layer}"] if f"positions_L{layer}" in names else None

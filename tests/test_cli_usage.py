@@ -108,7 +108,7 @@ def test_numeric_flags_are_checked_when_parsed(
 def test_pack_of_float64_arrays_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     k = np.random.default_rng(0).standard_normal((2, 5, 4))  # float64, numpy's default
     np.savez(tmp_path / "in.npz", k_L0=k, v_L0=k)
-    with pytest.raises(SystemExit, match=r"float64/float64, which \.kv does not store: pass --dtype"):
+    with pytest.raises(SystemExit, match=r"k_L0 is float64, which \.kv does not store: pass --dtype"):
         main(["pack", str(tmp_path / "in.npz"), str(tmp_path / "out.kv")])
     assert main(["pack", str(tmp_path / "in.npz"), str(tmp_path / "out.kv"), "--dtype", "float32"]) == 0
     with kvformat.open(tmp_path / "out.kv") as snap:
