@@ -372,20 +372,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_dump)
 
-    for entry_point in importlib_metadata.entry_points(group="kvsnap.commands"):
+    parser.set_defaults(stages_missing=_add_stages(sub))
+    return parser
+
+
+STAGES = {"capture": "kvsnap.capture.cli:register", "analysis": "kvsnap.analysis.cli:register"}
+"""The stages' command modules, as pyproject's ``kvsnap.commands`` entry points name them: used
+directly when no installed metadata declares them (a source tree on ``sys.path``)."""
+
+
+def _add_stages(sub: Any) -> list[tuple[str, str]]:
+    """Add the stages' commands (entry points, else `STAGES` by module name); the stages that
+    could not be loaded, each with the module that was missing (their commands are unknown to
+    this parser)."""
+    declared = {entry.name: entry for entry in importlib_metadata.entry_points(group="kvsnap.commands")}
+    missing = []
+    for name in sorted(set(declared) | set(STAGES)):
+        entry = declared.get(name) or importlib_metadata.EntryPoint(name, STAGES[name], "kvsnap.commands")
         try:
-            register = entry_point.load()
+            register = entry.load()
         except ImportError as exc:
-            missing = getattr(exc, "name", None) or str(exc)
-            sub.add_parser(entry_point.name, help=f"(unavailable: {missing} is not installed)")
+            missing.append((name, getattr(exc, "name", None) or str(exc)))
             continue
         register(sub)
-    return parser
+    return missing
+
+
+def _not_installed(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """One line for a command this parser lacks because its stage could not be loaded, or None."""
+    missing = parser.get_default("stages_missing")
+    command = next((a for a in argv if not a.startswith("-")), None)
+    choices = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if not missing or command is None or command in choices:
+        return None
+    stages = " and ".join(f"kvsnap.{name}" for name, _ in missing)
+    return (
+        f"kvsnap: error: {command!r} is not a format command, and the commands of {stages} are not "
+        f"available ({missing[0][1]} cannot be imported); in a source tree: "
+        "pip install -e '.[capture,analysis]'"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    message = _not_installed(parser, arguments)
+    if message is not None:
+        print(message, file=sys.stderr)
+        return 2
+    args = parser.parse_args(arguments)
     if not hasattr(args, "func"):
         parser.error(f"'{args.command}' needs packages that are not installed; see README")
     check = getattr(args, "check", None)

@@ -4,7 +4,9 @@ one line on stderr and exit status 2."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -257,3 +259,44 @@ def test_stats_says_when_layers_hold_different_token_counts(
     kvformat.save(tmp_path / "even.kv", layers[:1])
     assert main(["stats", str(tmp_path / "even.kv")]) == 0
     assert "(28 tokens; * = above" in capsys.readouterr().out
+
+
+def test_stage_commands_are_found_without_installed_metadata(
+    series: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``kvsnap.commands`` entry points (kvsnap on ``sys.path``, not installed): the stages'
+    commands are still there when their modules import."""
+    from importlib import metadata
+
+    real = metadata.entry_points
+
+    def without_ours(**selection: Any) -> Any:
+        found = real(**selection)
+        return [] if selection.get("group") == "kvsnap.commands" else found
+
+    monkeypatch.setattr(metadata, "entry_points", without_ours)
+    assert main(["stats", str(series), "--stats", "norms"]) == 0
+    assert "mean ||K|| per layer and KV head" in capsys.readouterr().out
+
+
+def test_a_source_tree_without_an_install_says_how_to_install(series: Path) -> None:
+    """From a checkout on ``sys.path`` with the dependencies but no kvsnap install (no editable
+    finder: ``python -S``), a stage command gets one line naming the install command, exit 2;
+    format commands still run."""
+    import site
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = "import sys; from kvformat.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    env = {"PYTHONPATH": os.pathsep.join(site.getsitepackages()), "PATH": os.environ.get("PATH", "")}
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-S", "-c", code, *argv]
+        return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+    missing = run("stats", str(series))
+    assert missing.returncode == 2, missing.stderr
+    (line,) = missing.stderr.strip().splitlines()
+    assert "'stats' is not a format command" in line and "pip install -e" in line
+    assert run("info", str(series)).returncode == 0
