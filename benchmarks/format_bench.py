@@ -202,6 +202,40 @@ def series_rows(snapshots: int, every: int, dim: int, tmp: Path) -> list[str]:
     return rows
 
 
+def append_rows(snapshots: int, tmp: Path) -> list[str]:
+    """The README's writing path against the bulk call, alternated in one run: per snapshot, 36
+    layers (Qwen3-8B: 8 KV heads, head_dim 128, bfloat16) of 16 new tokens each, written as
+    ``w.append(layer, k, v)`` per layer then ``w.snapshot()``, or as one ``w.append_many`` then
+    ``w.snapshot()``. Default writer settings; the time in the calls (the writer thread's)."""
+    layers, heads, every, dim = 36, 8, 16, 128
+    specs = [kvformat.LayerSpec(heads, dim, dim, kvformat.BFLOAT16)] * layers
+    rng = np.random.default_rng(0)
+    block = rng.standard_normal((layers, heads, every, dim)).astype(kvformat.BFLOAT16.numpy)
+    times: dict[str, list[float]] = {"append per layer": [], "append_many": []}
+    with (
+        kvformat.Writer(tmp / "per-layer.kv", specs) as one,
+        kvformat.Writer(tmp / "many.kv", specs) as many,
+    ):
+        for step in range(snapshots):
+            start = time.perf_counter()
+            for layer in range(layers):
+                one.append(layer, block[layer], block[layer])
+            one.snapshot({"generated": step * every})
+            times["append per layer"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            many.append_many([(layer, block[layer], block[layer], None, 0) for layer in range(layers)])
+            many.snapshot({"generated": step * every})
+            times["append_many"].append(time.perf_counter() - start)
+    rows = []
+    for name, values in times.items():
+        ms = np.array(values[1:]) * 1e3  # the first snapshot opens pages of a fresh file
+        low, median, high = np.percentile(ms, [10, 50, 90])
+        rows.append(f"| {name} | {median:.2f} ms | {low:.2f}-{high:.2f} ms | |")
+    ratio = np.median(times["append per layer"][1:]) / np.median(times["append_many"][1:])
+    rows.append(f"| per layer / append_many | | | {ratio:.2f}x |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gib", type=float, default=2.0, help="size of the big file")
@@ -213,7 +247,18 @@ def main() -> None:
         help="only the series case: 512 and 64 snapshots of 16 tokens, Qwen3-8B layout, head_dim 16",
     )
     parser.add_argument("--snapshots", type=int, nargs="*", default=[64, 512])
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="only Writer.append per layer vs append_many: 36 layers x 16 tokens per snapshot, 200 snapshots",
+    )
     args = parser.parse_args()
+    if args.append:
+        lines = ["| 36 layers x 16 tokens per snapshot | median | p10-p90 | ratio |", "|---|---:|---:|---:|"]
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            lines += append_rows(200, Path(tmp))
+        print("\n".join(lines))
+        return
     if args.series:
         lines = ["| measurement | kvformat | machine limit | ratio |", "|---|---:|---:|---:|"]
         with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

@@ -18,6 +18,7 @@ of chunks become records in `kvformat.encode`, the checks of appended input are
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -71,6 +72,9 @@ DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 PIPELINE_BYTES = 2 << 20  # appends this large are prepared on a helper thread while being written
 _UNIT_BYTES = 4 << 20  # chunks are prepared and written in units of about this many bytes
 _AHEAD = 2  # work units prepared ahead of the one being written
+GATHER_BYTES = 16 << 20
+"""`Writer.append` gathers (copies of) items up to this size and writes them together at the next
+snapshot, or once this many bytes wait: one bulk write per snapshot, as `Writer.append_many`."""
 _HAS_WRITEV = hasattr(os, "writev")  # not on Windows
 _IOV_MAX = 1024  # buffers per writev call (POSIX guarantees at least 16; Linux and macOS allow 1024)
 
@@ -161,6 +165,12 @@ class Writer:
         self._query_ends: dict[tuple[int, int], int] = {}  # (layer, seq) -> one past the last query
         self._dirty = False
         self._closed = False
+        # `append`'s small items, checked and copied, written together at the next snapshot (or
+        # any other write, or past `GATHER_BYTES`); ``_following``: one past the last position
+        # each gathered (layer, seq) takes.
+        self._gathered: list[Part | Block] = []
+        self._gathered_bytes = 0
+        self._following: dict[tuple[int, int], int] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvformat-prepare")
         # Reused gather buffers, one per work unit in flight (no allocation, so no page faults,
         # per strided head; mlx-lm keeps V as a strided view).
@@ -342,7 +352,14 @@ class Writer:
     # -- public API ----------------------------------------------------------------------
     def next_position(self, layer: int, seq: int = 0) -> int:
         """One past the last position any head of ``layer`` holds for ``seq`` (0 if empty)."""
+        self._flush()
         return int(self._held(layer, seq).max(initial=0))
+
+    def _flush(self) -> None:
+        """Write what `append` gathered."""
+        if self._gathered:
+            parts, self._gathered, self._gathered_bytes, self._following = self._gathered, [], 0, {}
+            self._run(parts)
 
     def append(self, layer: int, k: Any, v: Any, positions: Any = None, *, seq: int = 0) -> None:
         """Append tokens to every head of ``layer`` for sequence ``seq``.
@@ -352,8 +369,20 @@ class Writer:
         scales, biases)`` of ``(num_heads, n_tokens, ...)`` arrays. ``positions``: ``(n_tokens,)``
         strictly increasing absolute positions after what the layer holds; default: continue
         from `next_position`.
+
+        Items up to `GATHER_BYTES` are checked and copied now and written with the next snapshot
+        (one bulk write, as `append_many`); larger ones are written at once.
         """
-        self.append_many([(layer, k, v, positions, seq)])
+        size = _nbytes(k) + _nbytes(v)
+        if size > GATHER_BYTES:
+            self.append_many([(layer, k, v, positions, seq)])
+            return
+        self._check_open()
+        parts = self._checked_parts([(layer, _copy(k), _copy(v), positions, seq)], self._following)
+        self._gathered += parts
+        self._gathered_bytes += size
+        if self._gathered_bytes > GATHER_BYTES:
+            self._flush()
 
     def append_queries(self, layer: int, q: Any, positions: Any, *, seq: int = 0) -> None:
         """Append queries (format 1.3) to every query head of ``layer`` for sequence ``seq``:
@@ -362,6 +391,7 @@ class Writer:
         layer must declare ``queries`` (`QuerySpec`). They join the next snapshot, and every later
         one (queries are never dropped)."""
         self._check_open()
+        self._flush()
         spec = self._layer(layer)
         self._check_seq(seq)
         if spec.queries is None:
@@ -418,8 +448,16 @@ class Writer:
         checksumming of one layer overlap the write of the previous one. Every item is checked
         before anything is written: a bad item writes nothing of the call."""
         self._check_open()
+        self._flush()
+        self._run(self._checked_parts(appends, {}))
+
+    def _checked_parts(
+        self, appends: Iterable[tuple[int, Any, Any, Any, int]], following: dict[tuple[int, int], int]
+    ) -> list[Part | Block]:
+        """The chunks of ``appends``, every item checked (shapes, dtypes, positions after what
+        is written and after ``following``: the next default position of each (layer, seq) not
+        yet written, updated)."""
         parts: list[Part | Block] = []
-        following: dict[tuple[int, int], int] = {}  # next default position within this call
         held = self._ends.max(axis=1, initial=0).tolist()  # `next_position` of every (layer, seq)
         seqs = self.manifest.num_seqs
         for layer, k, v, positions, seq in appends:
@@ -443,7 +481,7 @@ class Writer:
             if count:
                 self._check_order(following, held, layer, seq, int(pos[0]), int(pos[-1]))
             parts += self._parts(spec, layer, seq, heads, pos)
-        self._run(parts)
+        return parts
 
     def _check_order(
         self,
@@ -540,6 +578,7 @@ class Writer:
         """Append tokens to one head: ``k`` ``(n_tokens, k_dim)``, ``v`` ``(n_tokens, v_dim)``
         (for a quantized layer, ``(packed, scales, biases)`` tuples)."""
         self._check_open()
+        self._flush()
         spec = self._layer(layer)
         self._check_seq(seq)
         if not isinstance(head, int) or not 0 <= head < spec.num_heads:
@@ -565,6 +604,7 @@ class Writer:
         section 11 materializes it: the drop removes the old rows, the append adds the new ones.
         """
         self._check_open()
+        self._flush()
         self._layer(layer)
         self._check_seq(seq)
         if not (type(start) is int and type(stop) is int and 0 <= start <= stop <= MAX_POSITION):
@@ -584,6 +624,7 @@ class Writer:
         ``(num_seqs, vocab)`` float32), each stored as one array chunk.
         """
         self._check_open()
+        self._flush()
         attached = {name: self._write_array(name, value) for name, value in (arrays or {}).items()}
         runs = np.concatenate(self._pending) if self._pending else np.empty((0, 8), np.int64)
         # Chunks appended whole (not trimmed by a drop since) go in as ranges of chunk indices
@@ -626,6 +667,7 @@ class Writer:
             return
         if metadata:
             self.manifest.metadata.update(metadata)
+        self._flush()
         if self._dirty or not self._snapshots:
             self.snapshot()
         self._write_all([index_bytes(self._offset, self._table, self.manifest, self._snapshots)])
@@ -655,7 +697,9 @@ class Writer:
         if exc_type is None:
             self.close()
         elif not self._closed:
-            # Keep what was written: `kvsnap recover` can rebuild it.
+            # Keep what was written, and what was gathered: `kvsnap recover` can rebuild it.
+            with contextlib.suppress(Exception):
+                self._flush()
             self._closed = True
             self._file.close()
             self._pool.shutdown()
@@ -676,3 +720,18 @@ def _plain_arrays(spec: LayerSpec, k: Any, v: Any) -> bool:
         (spec.num_heads, tokens, spec.v_dim),
     )
     return shapes and k.dtype == v.dtype == spec.dtype.numpy
+
+
+def _nbytes(array: Any) -> int:
+    """Bytes of an appended array, or of a quantized ``(packed, scales, biases)`` tuple."""
+    if isinstance(array, tuple):
+        return sum(_nbytes(part) for part in array)
+    return int(getattr(array, "nbytes", 0))
+
+
+def _copy(array: Any) -> Any:
+    """A copy `append` may keep until it writes (the caller may reuse its buffer at once);
+    C-contiguous, so small chunks are gathered into one buffer later."""
+    if isinstance(array, tuple):
+        return tuple(_copy(part) for part in array)
+    return np.array(array, copy=True, order="C") if isinstance(array, np.ndarray) else array

@@ -241,3 +241,85 @@ def test_small_blocks_in_one_buffer_equal_the_records_chunk_by_chunk(
     assert one_buffer.read_bytes() == chunk_by_chunk.read_bytes()
     with kvformat.open(one_buffer) as snap:
         assert snap.verify().snapshots == 6
+
+
+def _appended_series(path: Path, *, per_layer: bool, reuse: bool = False) -> np.ndarray:
+    """Six snapshots of 3 layers, 2 heads, 5 tokens each (a strided V among them), written with
+    `append` per layer or one `append_many`; with ``reuse`` the caller overwrites its buffer
+    after each call. Returns what was appended, ``(snapshots, layers, 2, heads, 5, dim)``."""
+    specs = [kvformat.LayerSpec(2, 8, 8, kvformat.FLOAT16)] * 3
+    rng = np.random.default_rng(4)
+    data = rng.standard_normal((6, 3, 2, 2, 5, 8)).astype(np.float16)
+    buffer = np.empty((2, 2, 5, 8), np.float16)
+    with kvformat.Writer(path, specs) as w:
+        for step in range(6):
+            items = []
+            for layer in range(3):
+                buffer[...] = data[step, layer]
+                k, v = (buffer[0].copy(), buffer[1].copy()) if not reuse else (buffer[0], buffer[1])
+                if layer == 1:  # a strided view, as mlx-lm keeps V
+                    v = np.ascontiguousarray(np.swapaxes(v, 0, 1)).swapaxes(0, 1)
+                if per_layer:
+                    w.append(layer, k, v)
+                    if reuse:
+                        buffer[...] = 0  # the caller's next use of its buffer
+                else:
+                    items.append((layer, k, v, None, 0))
+            if items:
+                w.append_many(items)
+            w.snapshot({"step": step})
+    return data
+
+
+def test_append_per_layer_writes_the_bytes_of_append_many(tmp_path: Path) -> None:
+    """`append` gathers small items until the snapshot: the file is byte for byte the one
+    `append_many` writes, and reads back the data."""
+    data = _appended_series(tmp_path / "per-layer.kv", per_layer=True)
+    _appended_series(tmp_path / "many.kv", per_layer=False)
+    assert (tmp_path / "per-layer.kv").read_bytes() == (tmp_path / "many.kv").read_bytes()
+    with kvformat.open(tmp_path / "per-layer.kv", 5) as snap:
+        head = snap.head(1, 1)
+        assert head is not None
+        np.testing.assert_array_equal(head.k, data[:, 1, 0, 1].reshape(-1, 8))
+        np.testing.assert_array_equal(head.v, data[:, 1, 1, 1].reshape(-1, 8))
+
+
+def test_append_keeps_what_the_buffer_held_when_called(tmp_path: Path) -> None:
+    """A caller that reuses its arrays right after `append` returns: the file holds the values
+    at the call (gathered items are copies)."""
+    data = _appended_series(tmp_path / "reused.kv", per_layer=True, reuse=True)
+    with kvformat.open(tmp_path / "reused.kv") as snap:
+        for layer in range(3):
+            head = snap.head(layer, 0)
+            assert head is not None
+            np.testing.assert_array_equal(head.k, data[:, layer, 0, 0].reshape(-1, 8))
+
+
+def test_gathered_appends_are_written_past_the_bound_and_kept_on_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `GATHER_BYTES` gathered appends are written at once; an error inside ``with`` still
+    writes what was gathered, so `recover` rebuilds it."""
+    monkeypatch.setattr(writer_module, "GATHER_BYTES", 1000)
+    specs = [kvformat.LayerSpec(2, 8, 8, kvformat.FLOAT32)] * 2
+    k = np.ones((2, 4, 8), np.float32)  # 256 bytes: gathered
+    path = tmp_path / "crash.kv"
+    with pytest.raises(RuntimeError), kvformat.Writer(path, specs) as w:
+        partial = Path(w.partial_path)
+        size = partial.stat().st_size
+        w.append(0, k, k)
+        assert partial.stat().st_size == size  # gathered, not written
+        w.append(1, k, k)
+        w.append(0, k * 2, k * 2)
+        w.append(1, k * 2, k * 2)  # 1024 bytes wait: past the bound, written
+        assert partial.stat().st_size > size
+        size = partial.stat().st_size
+        w.append(0, k * 3, k * 3)
+        assert partial.stat().st_size == size
+        raise RuntimeError("the caller fails before the snapshot")
+    report = kvformat.recover(partial, tmp_path / "recovered.kv")
+    assert report.recovered_snapshot
+    with kvformat.open(tmp_path / "recovered.kv") as snap:
+        head = snap.head(0, 1)
+        assert head is not None
+        np.testing.assert_array_equal(head.k[:, 0], [1] * 4 + [2] * 4 + [3] * 4)
