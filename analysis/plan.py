@@ -14,6 +14,7 @@ from typing import Any
 
 import kvformat
 from kvformat.checksum import crc32c
+from kvformat.layout import KIND_K, KIND_V
 
 from .accumulator import HeadAccumulator, stack
 from .arrays import bytes_of
@@ -63,9 +64,25 @@ class PassOptions:
 BACKENDS = ("cpu", "mlx")
 
 
+SMALL_PASS_BYTES = 8 << 20
+"""A pass over less K/V than this on the ``"cpu"`` backend runs on the numpy reference: the
+compiled kernel's import and load (about a second in a fresh process) would cost more than
+the numpy work it saves."""
+
+
+def pass_backend(snap: kvformat.Snapshot, backend: str) -> str:
+    """The backend a pass over ``snap`` uses when asked for ``backend``: ``"numpy"`` for a
+    ``"cpu"`` pass over under `SMALL_PASS_BYTES` of K/V, else ``backend``."""
+    if backend != "cpu":
+        return backend
+    rows = sum(spec.row_bytes(KIND_K) + spec.row_bytes(KIND_V) for spec in snap.layers if spec.present)
+    return "numpy" if rows * snap.seq_len * snap.num_seqs < SMALL_PASS_BYTES else backend
+
+
 def check_backend(backend: str) -> None:
-    """ValueError for an unknown backend, or ``"mlx"`` where mlx is not installed."""
-    if backend not in BACKENDS:
+    """ValueError for an unknown backend, or ``"mlx"`` where mlx is not installed. ``"numpy"``
+    (the reference) is accepted too: `pass_backend` picks it for small passes."""
+    if backend not in (*BACKENDS, "numpy"):
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if backend == "mlx":
         from .backends import mlx as mlx_backend

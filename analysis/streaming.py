@@ -28,6 +28,7 @@ from .plan import (
     head_batches,
     layer_bar,
     layer_ropes,
+    pass_backend,
     pass_order,
     row_parts,
 )
@@ -162,6 +163,7 @@ def layers(
     if options.backend == "mlx":  # in this process, one thread drives the device
         options = dataclasses.replace(options, workers=1)
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
+        options = dataclasses.replace(options, backend=pass_backend(snap, options.backend))
         name, index = os.fspath(path), snap.index
         ropes = layer_ropes(snap, options.keys)
         unrotate = options.keys == "pre_rope"

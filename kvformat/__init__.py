@@ -14,6 +14,8 @@ Depends only on numpy, zstandard, ml-dtypes and crc32c (fsspec, optional, for s3
 stores; HTTP uses the standard library).
 """
 
+from typing import TYPE_CHECKING
+
 from kvformat.codecs import BytePlaneZstd, Raw, Zstd
 from kvformat.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from kvformat.errors import (
@@ -31,11 +33,13 @@ from kvformat.errors import (
 )
 from kvformat.layout import MAJOR, MINOR
 from kvformat.manifest import LayerSpec
-from kvformat.mlxkv import ImportReport, import_mlxkv
 from kvformat.reader import Head, Segment, Snapshot, VerifyReport, open
 from kvformat.recover import RecoverReport, recover
 from kvformat.saving import Layer, save, write_snapshot
 from kvformat.writer import Writer
+
+if TYPE_CHECKING:  # imported on first use (`__getattr__`)
+    from kvformat.mlxkv import ImportReport, import_mlxkv
 
 __version__ = "0.1.0"
 FORMAT_VERSION = (MAJOR, MINOR)
@@ -75,3 +79,12 @@ __all__ = [
     "save",
     "write_snapshot",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The go-mlx importer on first use (most programs never import a foreign file)."""
+    if name in ("ImportReport", "import_mlxkv"):
+        from kvformat import mlxkv
+
+        return getattr(mlxkv, name)
+    raise AttributeError(f"module 'kvformat' has no attribute {name!r}")

@@ -357,3 +357,40 @@ def test_rows_computed_in_a_stack_equal_rows_computed_alone(groups: str) -> None
         assert got.keys() == expected.keys()
         for name, value in expected.items():
             np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(value), err_msg=name)
+
+
+def test_small_passes_run_on_numpy_and_agree_with_the_compiled_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``"cpu"`` pass over less than `SMALL_PASS_BYTES` of K/V runs on the numpy reference (no
+    numba import in a fresh process: about a second) and gives the compiled kernel's table."""
+    import subprocess
+    import sys
+
+    from kvsnap.analysis import plan
+    from kvsnap.analysis.stats import head_stats
+
+    rng = np.random.default_rng(3)
+    k, v = (rng.standard_normal((2, 40, 16)).astype(np.float32) for _ in range(2))
+    path = tmp_path / "small.kv"
+    kvformat.save(path, [kvformat.Layer(k, v), kvformat.Layer(v, k)])
+    compiled = head_stats(path)
+    monkeypatch.setattr(plan, "SMALL_PASS_BYTES", 8 << 20)
+    with kvformat.open(path) as snap:
+        assert plan.pass_backend(snap, "cpu") == "numpy" and plan.pass_backend(snap, "mlx") == "mlx"
+    small = head_stats(path)
+    assert small.columns == compiled.columns and small.height == compiled.height
+    for column in compiled.columns:
+        if compiled[column].dtype.is_float():
+            np.testing.assert_allclose(small[column], compiled[column], rtol=1e-5, atol=1e-9, err_msg=column)
+        elif compiled[column].dtype.is_numeric() or compiled[column].dtype == pl.String:
+            assert small[column].to_list() == compiled[column].to_list(), column
+    code = (
+        "import sys; from kvformat.cli import main; main(['stats', sys.argv[1]]); "
+        "print('numba' in sys.modules)"
+    )
+    fresh = subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert fresh.returncode == 0, fresh.stderr
+    assert fresh.stdout.strip().splitlines()[-1] == "False"
