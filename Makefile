@@ -68,5 +68,6 @@ reference: $(REFERENCE)
 
 # Tests marked `cuda` need mlx on an NVIDIA GPU, which CI does not have: run them there with
 # `python -m pytest -m cuda tests` (and tests/test_mlx_backend.py for the whole table).
+# pytest-xdist: one worker per core; work stealing evens out the slow real-model tests.
 test: lint $(KAITAI) nginx $(REFERENCE)
-	$(BIN)/python -m pytest -m "not cuda" tests
+	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal tests
