@@ -205,14 +205,28 @@ def sha256_of(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
+def _gguf_tokenizer_mapping() -> tuple[Any, Any]:
+    """transformers' GGUF tokenizer mapping and converter, imported without its "PyTorch was not
+    found" advice (only its tokenizer code is used: torch is never needed here)."""
+    quiet = "TRANSFORMERS_NO_ADVISORY_WARNINGS" not in os.environ
+    if quiet:
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+    finally:
+        if quiet:
+            del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+    return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+
 def _tokenizer_files(meta: _Metadata, out: Path) -> None:
     """tokenizer.json (built from the GGUF vocabulary) and tokenizer_config.json."""
     from tokenizers import pre_tokenizers, processors
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        GGUF_TOKENIZER_MAPPING,
-        convert_gguf_tokenizer,
-    )
 
+    GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer = _gguf_tokenizer_mapping()
     fields = {
         name: meta.get(f"tokenizer.{key}")
         for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()

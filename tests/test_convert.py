@@ -141,3 +141,23 @@ def test_a_gguf_is_converted_once_staged_and_named_by_itself(
     assert meta["name"] == "Smollm2 135M 8k Lc100K Mix1 Ep2" and meta["architecture"] == "llama"
     assert meta["gguf"]["sha256"] == digest and meta["gguf"]["file"] == gguf.name
     assert meta["gguf"]["size_label"] == "135M" and meta["path"] == str(out)
+
+
+def test_conversion_imports_transformers_without_its_torch_advice() -> None:
+    """convert-gguf and fetch-models use transformers' tokenizer code only: its "PyTorch was not
+    found" advice is not printed, and the environment is left as it was."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; from kvsnap.capture.convert import _gguf_tokenizer_mapping; "
+        "mapping, convert = _gguf_tokenizer_mapping(); assert 'tokenizer' in mapping; "
+        "print('TRANSFORMERS_NO_ADVISORY_WARNINGS' in os.environ)"
+    )
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}  # mlx_lm sets it
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "PyTorch was not found" not in run.stderr
+    assert run.stdout.strip() == "False"
