@@ -423,6 +423,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(arguments)
     if not hasattr(args, "func"):
         parser.error(f"'{args.command}' needs packages that are not installed; see README")
+    return _run(parser, args)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run a parsed command: its argument checks first, then the command; known errors as one
+    line and exit 2."""
     check = getattr(args, "check", None)
     try:
         if check is not None:  # argument checks that need no model or file: before anything loads

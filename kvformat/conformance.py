@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvformat.errors import KVFormatError
+from kvformat.reader import Snapshot
 from kvformat.reader import open as open_kv
 
 
@@ -97,42 +98,44 @@ def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
                 "snapshots": [],
             }
             for index in range(first.num_snapshots):
-                snap = first.select(index)
-                heads = []
-                for layer, spec in enumerate(snap.layers):
-                    if not spec.present:
-                        continue
-                    for seq in range(snap.num_seqs):
-                        for head in range(spec.num_heads):
-                            data = snap.head(layer, head, seq)
-                            assert data is not None
-                            k, v = data.k, data.v
-                            if spec.quantization is not None:
-                                k, v = _canonical_nans(k), _canonical_nans(v)
-                            heads.append(
-                                {
-                                    "layer": layer,
-                                    "head": head,
-                                    "seq": seq,
-                                    "n_tokens": int(data.positions.size),
-                                    "positions": _sha(data.positions.astype("<i8")),
-                                    "k": _sha(k),
-                                    "v": _sha(v),
-                                }
-                            )
-                arrays = {}
-                for name in snap.array_names:
-                    value = snap.array(name)
-                    assert value is not None
-                    arrays[name] = _sha(value)
-                entry: dict[str, Any] = {"metadata": snap.snapshot_metadata, "arrays": arrays, "heads": heads}
-                if any(spec.queries is not None for spec in snap.layers):
-                    entry["queries"] = _queries(snap)
-                description["snapshots"].append(entry)
+                description["snapshots"].append(_snapshot_entry(first.select(index)))
             first.verify()
         return description
     except KVFormatError as error:
         return {"error": type(error).__name__}
+
+
+def _head_entry(snap: Snapshot, layer: int, head: int, seq: int) -> dict[str, Any]:
+    """One head's description: token count, SHA-256 of positions, K and V (quantized parts with
+    NaNs made canonical)."""
+    data = snap.head(layer, head, seq)
+    assert data is not None
+    k, v = data.k, data.v
+    if snap.layers[layer].quantization is not None:
+        k, v = _canonical_nans(k), _canonical_nans(v)
+    where = {"layer": layer, "head": head, "seq": seq, "n_tokens": int(data.positions.size)}
+    return {**where, "positions": _sha(data.positions.astype("<i8")), "k": _sha(k), "v": _sha(v)}
+
+
+def _snapshot_entry(snap: Snapshot) -> dict[str, Any]:
+    """One snapshot's description: its metadata, SHA-256 of each array, each head's positions,
+    K and V (quantized parts with NaNs made canonical), and the queries where the file has them."""
+    heads = [
+        _head_entry(snap, layer, head, seq)
+        for layer, spec in enumerate(snap.layers)
+        if spec.present
+        for seq in range(snap.num_seqs)
+        for head in range(spec.num_heads)
+    ]
+    arrays = {}
+    for name in snap.array_names:
+        value = snap.array(name)
+        assert value is not None
+        arrays[name] = _sha(value)
+    entry: dict[str, Any] = {"metadata": snap.snapshot_metadata, "arrays": arrays, "heads": heads}
+    if any(spec.queries is not None for spec in snap.layers):
+        entry["queries"] = _queries(snap)
+    return entry
 
 
 @dataclass
@@ -145,16 +148,9 @@ class Result:
 
 
 def _first_difference(expected: Any, actual: Any, where: str = "") -> str:
+    """Where ``actual`` first differs from ``expected`` (a JSON path and what was found), or ""."""
     if isinstance(expected, dict) and isinstance(actual, dict):
-        for key in sorted(set(expected) | set(actual)):
-            if key not in actual:
-                return f"{where}.{key}: missing"
-            if key not in expected:
-                return f"{where}.{key}: unexpected"
-            found = _first_difference(expected[key], actual[key], f"{where}.{key}")
-            if found:
-                return found
-        return ""
+        return _dict_difference(expected, actual, where)
     if isinstance(expected, list) and isinstance(actual, list):
         if len(expected) != len(actual):
             return f"{where}: {len(actual)} items, expected {len(expected)}"
@@ -164,6 +160,18 @@ def _first_difference(expected: Any, actual: Any, where: str = "") -> str:
                 return found
         return ""
     return "" if expected == actual else f"{where}: {actual!r}, expected {expected!r}"
+
+
+def _dict_difference(expected: dict[str, Any], actual: dict[str, Any], where: str) -> str:
+    for key in sorted(set(expected) | set(actual)):
+        if key not in actual:
+            return f"{where}.{key}: missing"
+        if key not in expected:
+            return f"{where}.{key}: unexpected"
+        found = _first_difference(expected[key], actual[key], f"{where}.{key}")
+        if found:
+            return found
+    return ""
 
 
 def run(directory: str | Path, reader: str | None = None) -> list[Result]:

@@ -198,15 +198,7 @@ class Writer:
             remaining -= written
             if _HAS_WRITEV and i + len(batch) == len(views) and remaining == 0:
                 break  # the usual case: everything went out in one call
-            while written:
-                view = views[i]
-                size = len(view)
-                if written >= size:
-                    written -= size
-                    i += 1
-                else:
-                    views[i] = view[written:]
-                    written = 0
+            i = _skip_written(views, i, written)
         self._offset += total
 
     def _write_json_record(self, kind: int, payload: bytes) -> None:
@@ -517,14 +509,8 @@ class Writer:
         count = k.shape[1]
         if count * max(spec.row_bytes(KIND_K), spec.row_bytes(KIND_V)) > self.chunk_bytes:
             return None
-        if start is None:
-            pos = as_positions(positions, count)
-            if count and int(pos[-1]) - int(pos[0]) != count - 1:
-                return None  # gaps: one chunk per run, the general path
-            start = int(pos[0]) if count else 0
-        elif count and not 0 <= start <= MAX_POSITION - count:
-            raise ValueError(f"positions must lie in 0..2**53-1, got {start}..{start + count - 1}")
-        return Block(layer, seq, start, k, v, spec.dtype)
+        start = _block_start(positions, count, start)
+        return None if start is None else Block(layer, seq, start, k, v, spec.dtype)
 
     def _layer_rows(
         self, layer: int, spec: LayerSpec, k: Any, v: Any
@@ -703,6 +689,33 @@ class Writer:
             self._closed = True
             self._file.close()
             self._pool.shutdown()
+
+
+def _skip_written(views: list[memoryview], i: int, written: int) -> int:
+    """After a write of ``written`` bytes from ``views[i:]``: the index of the first view not
+    written whole, that view trimmed to what is left of it."""
+    while written:
+        size = len(views[i])
+        if written >= size:
+            written -= size
+            i += 1
+        else:
+            views[i] = views[i][written:]
+            written = 0
+    return i
+
+
+def _block_start(positions: Any, count: int, start: int | None) -> int | None:
+    """The first position of ``count`` consecutive rows: ``start`` (checked against the position
+    limit) or the first of ``positions``; None when ``positions`` has gaps (one chunk per run)."""
+    if start is not None:
+        if count and not 0 <= start <= MAX_POSITION - count:
+            raise ValueError(f"positions must lie in 0..2**53-1, got {start}..{start + count - 1}")
+        return start
+    pos = as_positions(positions, count)
+    if count and int(pos[-1]) - int(pos[0]) != count - 1:
+        return None
+    return int(pos[0]) if count else 0
 
 
 def _plain_arrays(spec: LayerSpec, k: Any, v: Any) -> bool:

@@ -87,7 +87,8 @@ def test_errors_are_reported_not_raised(tmp_path: Path, capsys: pytest.CaptureFi
 def test_recover_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     spec = kvformat.LayerSpec(1, 2, 2, kvformat.FLOAT32)
     writer = kvformat.Writer(tmp_path / "x.kv", [spec])
-    writer.append(0, np.ones((1, 3, 2), np.float32), np.ones((1, 3, 2), np.float32))
+    # append_many writes at once (`append` would gather until the snapshot)
+    writer.append_many([(0, np.ones((1, 3, 2), np.float32), np.ones((1, 3, 2), np.float32), None, 0)])
     writer._file.close()  # simulate a crash: the process dies before close() (its lock goes with it)
     partial = tmp_path / "x.kv.partial"
     assert partial.exists() and not (tmp_path / "x.kv").exists()

@@ -162,27 +162,30 @@ def stats_command(args: argparse.Namespace) -> int:
         return 1 if args.failed else 0
     flagged = outliers(table, args.factor)
     for name in flagged["file"].unique(maintain_order=True).to_list():
-        rows = flagged.filter(pl.col("file") == name)
-        counts = rows.filter(pl.col("tensor") == "k")["n_tokens"].to_list()
-        low, high = min(counts), max(counts)
-        held = f"{high} tokens" if low == high else f"{high} tokens; uneven: heads hold {low} to {high}"
-        print(f"{name}: mean ||K|| per layer and KV head ({held}; * = above {args.factor}x the median head)")
-        layers = sorted(set(rows["layer"].to_list()))
-        for layer in layers:
-            cells = []
-            for row in rows.filter((pl.col("layer") == layer) & (pl.col("seq") == 0)).iter_rows(named=True):
-                mark = "*" if row["outlier"] else " "
-                cells.append(f"h{row['head']}={row['norm_mean']:7.2f}{mark}")
-            print(f"  layer {layer:3d}: " + "  ".join(cells))
-        top = rows.sort("ratio_to_median", descending=True).head(3)
-        print(
-            "  largest: "
-            + ", ".join(
-                f"layer {r['layer']} head {r['head']} ({r['ratio_to_median']:.2f}x median)"
-                for r in top.iter_rows(named=True)
-            )
-        )
+        _print_norms(name, flagged.filter(pl.col("file") == name), args.factor)
     return 1 if args.failed else 0
+
+
+def _print_norms(name: str, rows: Any, factor: float) -> None:
+    """One file's mean ||K|| per layer and head, outliers starred, and its three largest heads."""
+    import polars as pl
+
+    counts = rows.filter(pl.col("tensor") == "k")["n_tokens"].to_list()
+    low, high = min(counts), max(counts)
+    held = f"{high} tokens" if low == high else f"{high} tokens; uneven: heads hold {low} to {high}"
+    print(f"{name}: mean ||K|| per layer and KV head ({held}; * = above {factor}x the median head)")
+    for layer in sorted(set(rows["layer"].to_list())):
+        cells = [
+            f"h{row['head']}={row['norm_mean']:7.2f}{'*' if row['outlier'] else ' '}"
+            for row in rows.filter((pl.col("layer") == layer) & (pl.col("seq") == 0)).iter_rows(named=True)
+        ]
+        print(f"  layer {layer:3d}: " + "  ".join(cells))
+    top = rows.sort("ratio_to_median", descending=True).head(3)
+    largest = ", ".join(
+        f"layer {r['layer']} head {r['head']} ({r['ratio_to_median']:.2f}x median)"
+        for r in top.iter_rows(named=True)
+    )
+    print(f"  largest: {largest}")
 
 
 def _attention_stats(args: argparse.Namespace) -> int:
