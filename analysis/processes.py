@@ -43,7 +43,7 @@ import collections
 import multiprocessing
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -278,10 +278,22 @@ def _tasks(
         for layer in layers
         for task in _layer_tasks(layer, layer_heads(snap, layer), per_layer, not regrouped)
     ]
+    _deal(snap, tasks, order, head_batches(snap, order, last))
+    return tasks
+
+
+def _deal(
+    snap: kvformat.Snapshot,
+    tasks: list[_Task],
+    order: list[Window],
+    batches: Iterable[tuple[list[kvformat.Segment], Any, Any]],
+) -> None:
+    """Give each batch to the task that owns its head, with its window's index, and the byte
+    span of each released window the task touches."""
     owner = {(task.layer, seq, head): task for task in tasks for seq, head in task.heads}
     spans = [snap.pages.byte_span(w.segments) if w.release and w.segments else None for w in order]
     window = 0
-    for batch, _, window_end in head_batches(snap, order, last):
+    for batch, _, window_end in batches:
         first = batch[0]
         task = owner[(first.layer, first.seq, first.head)]
         task.work.append((window, batch))
@@ -290,7 +302,6 @@ def _tasks(
             task.releases[window] = span
         if window_end is not None:
             window += 1
-    return tasks
 
 
 def layers(
@@ -443,8 +454,7 @@ def _add_task(
     """`_run_task`'s work: ``task``'s batches added to ``accumulators`` in order (through the
     device ``pipeline`` on mlx), pages released, rows computed and sealed with ``finish``."""
     from .parallel import single_threaded_blas
-    from .plan import add_segments, row_parts
-    from .rows import compute as compute_rows
+    from .plan import add_segments
 
     layer = task.layer
     with single_threaded_blas():
@@ -462,15 +472,22 @@ def _add_task(
             leaving = i == len(task.work) - 1 or task.work[i + 1][0] != window
             if leaving and window in task.releases:
                 snap.pages.release_span(*task.releases[window])
-        if pipeline is not None and rows is not None:
+        if pipeline is not None:
             pipeline.finish()
-            if finish:
-                parts = row_parts(list(accumulators.values()), _ROW_THREADS)
-                for future in [rows.submit(compute_rows, part) for part in parts]:
-                    future.result()
-        elif finish:
-            compute_rows(list(accumulators.values()))
         if finish:
-            for accumulator in accumulators.values():
-                accumulator.seal()
+            _finish_rows(list(accumulators.values()), rows if pipeline is not None else None)
     return accumulators
+
+
+def _finish_rows(accumulators: list[HeadAccumulator], rows: ThreadPoolExecutor | None) -> None:
+    """Compute every accumulator's row (on the ``rows`` threads when given) and seal them."""
+    from .plan import row_parts
+    from .rows import compute as compute_rows
+
+    if rows is None:
+        compute_rows(accumulators)
+    else:
+        for future in [rows.submit(compute_rows, part) for part in row_parts(accumulators, _ROW_THREADS)]:
+            future.result()
+    for accumulator in accumulators:
+        accumulator.seal()

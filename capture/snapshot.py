@@ -117,18 +117,26 @@ def snapshot_kv(
     annotate_layers([data.attributes for data in layers], [data.present for data in layers], model)
     info["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     info.update(metadata or {})
-    snapshot_meta: dict[str, Any] = {}
-    if tokens is not None:
-        per_seq: list[Any] = list(tokens) if tokens and isinstance(tokens[0], list) else [tokens]
-        snapshot_meta["tokens"] = [[int(t) for t in seq] for seq in per_seq]
-        if tokenizer is not None:
-            snapshot_meta["text"] = [tokenizer.decode(seq) for seq in snapshot_meta["tokens"]]
-    logits = None
-    if last_logits is not None:
-        import mlx.core as mx
+    snapshot_meta = _token_metadata(tokens, tokenizer) if tokens is not None else {}
+    return KVSnapshot(layers, info, snapshot_meta, _host_logits(last_logits))
 
-        from .caches import to_numpy
 
-        array = mx.array(last_logits).astype(mx.float32)
-        logits = to_numpy(array.reshape(-1, array.shape[-1]))
-    return KVSnapshot(layers, info, snapshot_meta, logits)
+def _token_metadata(tokens: list[int] | list[list[int]], tokenizer: Any) -> dict[str, Any]:
+    """``tokens`` (one list, or one per sequence) and, with a tokenizer, their text."""
+    per_seq: list[Any] = list(tokens) if tokens and isinstance(tokens[0], list) else [tokens]
+    meta: dict[str, Any] = {"tokens": [[int(t) for t in seq] for seq in per_seq]}
+    if tokenizer is not None:
+        meta["text"] = [tokenizer.decode(seq) for seq in meta["tokens"]]
+    return meta
+
+
+def _host_logits(last_logits: Any) -> np.ndarray | None:
+    """The last logits as float32 ``(num_seqs, vocab)`` on the host, or None."""
+    if last_logits is None:
+        return None
+    import mlx.core as mx
+
+    from .caches import to_numpy
+
+    array = mx.array(last_logits).astype(mx.float32)
+    return to_numpy(array.reshape(-1, array.shape[-1]))

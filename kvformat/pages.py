@@ -93,7 +93,7 @@ class Pages:
         concatenated (one copy): what ``read`` gives for each, joined, at a fraction of the cost
         per segment where segments are many and small (a series of snapshots)."""
         first = segments[0]
-        if any((s.layer, s.seq, s.head) != (first.layer, first.seq, first.head) for s in segments):
+        if len({(s.layer, s.seq, s.head) for s in segments}) != 1:
             raise ValueError("read_many takes segments of one head")
         file = self.file
         counts = [s.count for s in segments]

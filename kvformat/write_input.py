@@ -3,12 +3,13 @@ or quantized), before anything is written. Errors name the layer, head and argum
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from kvformat.layout import MAX_POSITION
-from kvformat.manifest import LayerSpec
+from kvformat.layout import MAX_CHUNK_DECODED, MAX_POSITION
+from kvformat.manifest import LayerSpec, check_head_sequences
 
 
 def as_positions(positions: Any, count: int) -> np.ndarray:
@@ -62,3 +63,62 @@ def rows_of(spec: LayerSpec, where: str, data: Any, dim: int, heads: tuple[int, 
     if not heads:
         return spec.quantization.join((packed, scales, biases))
     return np.stack([spec.quantization.join((packed[h], scales[h], biases[h])) for h in range(heads[0])])
+
+
+def checked_layout(layers: Sequence[LayerSpec | None], num_seqs: int, chunk_bytes: int) -> list[LayerSpec]:
+    """The writer's layer specs (None: an absent layer), each checked, with the sequence count
+    and chunk size a writer may declare."""
+    specs = [layer if layer is not None else LayerSpec.absent() for layer in layers]
+    for spec in specs:
+        spec.check()
+    if not isinstance(num_seqs, int) or num_seqs < 1:
+        raise ValueError(f"num_seqs must be a positive integer, got {num_seqs!r}")
+    check_head_sequences(specs, num_seqs, ValueError)
+    if not 1 <= chunk_bytes <= MAX_CHUNK_DECODED:
+        raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_DECODED}")
+    return specs
+
+
+def block_start(positions: Any, count: int, start: int | None) -> int | None:
+    """The first position of ``count`` consecutive rows: ``start`` (checked against the position
+    limit) or the first of ``positions``; None when ``positions`` has gaps (one chunk per run)."""
+    if start is not None:
+        if count and not 0 <= start <= MAX_POSITION - count:
+            raise ValueError(f"positions must lie in 0..2**53-1, got {start}..{start + count - 1}")
+        return start
+    pos = as_positions(positions, count)
+    if count and int(pos[-1]) - int(pos[0]) != count - 1:
+        return None
+    return int(pos[0]) if count else 0
+
+
+def plain_arrays(spec: LayerSpec, k: Any, v: Any) -> bool:
+    """``k`` and ``v`` are C-contiguous numpy arrays ``(num_heads, n, dim)`` of the layer's
+    unquantized dtype: storable as they are."""
+    if spec.quantization is not None or spec.dtype is None:
+        return False
+    if type(k) is not np.ndarray or type(v) is not np.ndarray:
+        return False
+    if not (k.flags.c_contiguous and v.flags.c_contiguous) or k.ndim != 3 or v.ndim != 3:
+        return False
+    tokens = k.shape[1]
+    shapes = (k.shape, v.shape) == (
+        (spec.num_heads, tokens, spec.k_dim),
+        (spec.num_heads, tokens, spec.v_dim),
+    )
+    return shapes and k.dtype == v.dtype == spec.dtype.numpy
+
+
+def input_bytes(array: Any) -> int:
+    """Bytes of an appended array, or of a quantized ``(packed, scales, biases)`` tuple."""
+    if isinstance(array, tuple):
+        return sum(input_bytes(part) for part in array)
+    return int(getattr(array, "nbytes", 0))
+
+
+def owned_copy(array: Any) -> Any:
+    """A copy `append` may keep until it writes (the caller may reuse its buffer at once);
+    C-contiguous, so small chunks are gathered into one buffer later."""
+    if isinstance(array, tuple):
+        return tuple(owned_copy(part) for part in array)
+    return np.array(array, copy=True, order="C") if isinstance(array, np.ndarray) else array

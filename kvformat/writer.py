@@ -41,7 +41,6 @@ from kvformat.layout import (
     KIND_Q,
     KIND_SNAPSHOT,
     KIND_V,
-    MAX_CHUNK_DECODED,
     MAX_POSITION,
     Descriptor,
     align,
@@ -52,7 +51,6 @@ from kvformat.manifest import (
     LayerSpec,
     Manifest,
     QuerySpec,
-    check_head_sequences,
     dumps,
     format_minor,
 )
@@ -66,7 +64,15 @@ from kvformat.records import (
 )
 from kvformat.runs import CHUNK, COUNT, HEAD, KIND, LAYER, POSITION, ROW, SEQ, trim_runs
 from kvformat.series import Entry, chunk_ranges
-from kvformat.write_input import as_positions, rows_of
+from kvformat.write_input import (
+    as_positions,
+    block_start,
+    checked_layout,
+    input_bytes,
+    owned_copy,
+    plain_arrays,
+    rows_of,
+)
 
 DEFAULT_CHUNK_BYTES = 16 * 1024 * 1024
 PIPELINE_BYTES = 2 << 20  # appends this large are prepared on a helper thread while being written
@@ -116,14 +122,7 @@ class Writer:
         durable: bool = True,
         overwrite: bool = False,
     ) -> None:
-        specs = [layer if layer is not None else LayerSpec.absent() for layer in layers]
-        for spec in specs:
-            spec.check()
-        if not isinstance(num_seqs, int) or num_seqs < 1:
-            raise ValueError(f"num_seqs must be a positive integer, got {num_seqs!r}")
-        check_head_sequences(specs, num_seqs, ValueError)
-        if not 1 <= chunk_bytes <= MAX_CHUNK_DECODED:
-            raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_DECODED}")
+        specs = checked_layout(layers, num_seqs, chunk_bytes)
         self.path = check_output(path, force=overwrite)
         self.partial_path = self.path + ".partial"
         self.durable = durable
@@ -133,13 +132,7 @@ class Writer:
         features = list(required_features)
         if any(spec.queries is not None for spec in specs) and QUERIES not in features:
             features.append(QUERIES)  # format 1.3: a 1.2 reader refuses the file, never misreads it
-        self.manifest = Manifest(
-            layers=specs,
-            num_seqs=num_seqs,
-            metadata=dict(metadata or {}),
-            required_features=features,
-            optional_features=list(optional_features),
-        )
+        self.manifest = Manifest(specs, num_seqs, dict(metadata or {}), features, list(optional_features))
         manifest_json = dumps(self.manifest.to_json())
         try:
             # Unbuffered: records go out in one writev each, straight from the caller's arrays.
@@ -365,12 +358,12 @@ class Writer:
         Items up to `GATHER_BYTES` are checked and copied now and written with the next snapshot
         (one bulk write, as `append_many`); larger ones are written at once.
         """
-        size = _nbytes(k) + _nbytes(v)
+        size = input_bytes(k) + input_bytes(v)
         if size > GATHER_BYTES:
             self.append_many([(layer, k, v, positions, seq)])
             return
         self._check_open()
-        parts = self._checked_parts([(layer, _copy(k), _copy(v), positions, seq)], self._following)
+        parts = self._checked_parts([(layer, owned_copy(k), owned_copy(v), positions, seq)], self._following)
         self._gathered += parts
         self._gathered_bytes += size
         if self._gathered_bytes > GATHER_BYTES:
@@ -503,13 +496,13 @@ class Writer:
         """``k``/``v`` as one `Block` when they can be stored that way (raw codec, plain dtype,
         C-contiguous numpy arrays of the right shape, consecutive positions within one chunk per
         head); None otherwise, and the general path checks and splits them."""
-        if self.codec.code != 0 or not _plain_arrays(spec, k, v):
+        if self.codec.code != 0 or not plain_arrays(spec, k, v):
             return None
         assert spec.dtype is not None
         count = k.shape[1]
         if count * max(spec.row_bytes(KIND_K), spec.row_bytes(KIND_V)) > self.chunk_bytes:
             return None
-        start = _block_start(positions, count, start)
+        start = block_start(positions, count, start)
         return None if start is None else Block(layer, seq, start, k, v, spec.dtype)
 
     def _layer_rows(
@@ -703,48 +696,3 @@ def _skip_written(views: list[memoryview], i: int, written: int) -> int:
             views[i] = views[i][written:]
             written = 0
     return i
-
-
-def _block_start(positions: Any, count: int, start: int | None) -> int | None:
-    """The first position of ``count`` consecutive rows: ``start`` (checked against the position
-    limit) or the first of ``positions``; None when ``positions`` has gaps (one chunk per run)."""
-    if start is not None:
-        if count and not 0 <= start <= MAX_POSITION - count:
-            raise ValueError(f"positions must lie in 0..2**53-1, got {start}..{start + count - 1}")
-        return start
-    pos = as_positions(positions, count)
-    if count and int(pos[-1]) - int(pos[0]) != count - 1:
-        return None
-    return int(pos[0]) if count else 0
-
-
-def _plain_arrays(spec: LayerSpec, k: Any, v: Any) -> bool:
-    """``k`` and ``v`` are C-contiguous numpy arrays ``(num_heads, n, dim)`` of the layer's
-    unquantized dtype: storable as they are."""
-    if spec.quantization is not None or spec.dtype is None:
-        return False
-    if type(k) is not np.ndarray or type(v) is not np.ndarray:
-        return False
-    if not (k.flags.c_contiguous and v.flags.c_contiguous) or k.ndim != 3 or v.ndim != 3:
-        return False
-    tokens = k.shape[1]
-    shapes = (k.shape, v.shape) == (
-        (spec.num_heads, tokens, spec.k_dim),
-        (spec.num_heads, tokens, spec.v_dim),
-    )
-    return shapes and k.dtype == v.dtype == spec.dtype.numpy
-
-
-def _nbytes(array: Any) -> int:
-    """Bytes of an appended array, or of a quantized ``(packed, scales, biases)`` tuple."""
-    if isinstance(array, tuple):
-        return sum(_nbytes(part) for part in array)
-    return int(getattr(array, "nbytes", 0))
-
-
-def _copy(array: Any) -> Any:
-    """A copy `append` may keep until it writes (the caller may reuse its buffer at once);
-    C-contiguous, so small chunks are gathered into one buffer later."""
-    if isinstance(array, tuple):
-        return tuple(_copy(part) for part in array)
-    return np.array(array, copy=True, order="C") if isinstance(array, np.ndarray) else array

@@ -242,15 +242,7 @@ def _attention_map(args: argparse.Namespace) -> int:
         axis.annotate("prompt | generated", (boundary, 0), xycoords=("data", "axes fraction"),
                       color="cyan", ha="center", va="bottom", fontsize=8)  # fmt: skip
     if args.token_labels and pieces is not None:
-        labels = pieces[0]
-        keys = found.key_positions
-        every = max(1, keys.size // 60)
-        shown = keys[::every]
-        axis.set_xticks(shown, [repr(labels[p])[1:-1][:10] if p < len(labels) else "" for p in shown],
-                        rotation=90, fontsize=6)  # fmt: skip
-        queries = found.query_positions[:: max(1, found.query_positions.size // 40)]
-        axis.set_yticks(queries, [repr(labels[p])[1:-1][:10] if p < len(labels) else "" for p in queries],
-                        fontsize=6)  # fmt: skip
+        _map_token_ticks(axis, pieces[0], found.key_positions, found.query_positions)
     figure.tight_layout()
     save_figure(figure, args.output, args)
     plt.close(figure)
@@ -258,3 +250,15 @@ def _attention_map(args: argparse.Namespace) -> int:
         f"wrote {args.output}: layer {layer} query head {head}, {weights.shape[0]} x {weights.shape[1]} map"
     )
     return 0
+
+
+def _map_token_ticks(axis: Any, labels: list[str], keys: Any, queries: Any) -> None:
+    """Token text on an attention map's axes: up to 60 key positions, 40 query positions."""
+
+    def text(positions: Any) -> list[str]:
+        return [repr(labels[p])[1:-1][:10] if p < len(labels) else "" for p in positions]
+
+    shown = keys[:: max(1, keys.size // 60)]
+    axis.set_xticks(shown, text(shown), rotation=90, fontsize=6)
+    rows = queries[:: max(1, queries.size // 40)]
+    axis.set_yticks(rows, text(rows), fontsize=6)

@@ -26,21 +26,24 @@ def _progress(total: int) -> Callable[[str], None]:
     return progress
 
 
+def _jobs(args: argparse.Namespace, engine: str, backend: str) -> int | None:
+    """``--jobs``, or 1 for one local file on mlx that one process reads in one pass (workers
+    would cost more to start than they save), or None: every core."""
+    from .. import processes
+
+    one_file = engine == "local" and args.jobs is None and len(args.files) == 1
+    if backend == "mlx" and one_file and processes.one_shot_in_process(args.files[0]):
+        return 1
+    return args.jobs
+
+
 def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
     """Statistics of every file or pattern, on the chosen engine; failures reported by file."""
     from .. import processes
     from ..parallel import cores
 
-    jobs = args.jobs
     engine, backend = getattr(args, "engine", "local"), getattr(args, "backend", "cpu")
-    if (
-        backend == "mlx"
-        and engine == "local"
-        and jobs is None
-        and len(args.files) == 1
-        and processes.one_shot_in_process(args.files[0])
-    ):
-        jobs = 1  # one pass, then the command ends: workers would cost more to start than they save
+    jobs = _jobs(args, engine, backend)
     workers = jobs or cores()
     if engine == "local" and len(args.files) == 1 and processes.usable(args.files[0], workers, backend):
         # One big file (not a pattern): its workers start while the rest is imported.
