@@ -178,6 +178,49 @@ def _group_scores(heads: Sequence[_Head], end: int, window: int) -> dict[str, np
     return {"snapkv": snapkv, "h2o": h2o}
 
 
+def snapkv_scores(
+    snap: kvformat.Snapshot, window: int = OBSERVATION
+) -> dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]]:
+    """SnapKV's score of every prompt key, per ``(seq, layer, kv_head)`` of the layers that hold
+    queries: the attention of the last ``window`` prompt queries to the key, summed over them and
+    over the query heads that read the KV head, max-pooled over `POOL` neighbouring keys (what
+    ``simulate --method snapkv`` ranks keys by). Values ``(key positions, scores)``, NaN for
+    keys after the prompt. Empty when the file holds no queries or no prompt queries."""
+    found = [i for i, spec in enumerate(snap.layers) if spec.present and spec.queries is not None]
+    end = prompt_end(snap)
+    out: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+    for seq in range(snap.num_seqs):
+        for layer in found:
+            spec = snap.layers[layer].queries
+            assert spec is not None
+            for kv_head in sorted(set(spec.kv_heads)):
+                heads = _group_heads(snap, layer, kv_head, seq)
+                stop = end if end is not None else int(heads[0].q_positions.min(initial=0))
+                if not (heads[0].q_positions < stop).any():
+                    continue
+                prompt = heads[0].k_positions < stop
+                scores = _pool(_group_scores(heads, stop, window)["snapkv"][prompt])
+                full = np.full(prompt.shape, np.nan)
+                full[prompt] = scores
+                out[(seq, layer, kv_head)] = (heads[0].k_positions, full)
+    return out
+
+
+def _group_heads(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) -> list[_Head]:
+    """The query heads of ``layer`` that read ``kv_head``, each with that KV head's K and V."""
+    spec = snap.layers[layer].queries
+    assert spec is not None
+    kv = snap.head(layer, kv_head, seq)
+    assert kv is not None
+    k, v = np.asarray(kv.k, np.float32), np.asarray(kv.v, np.float32)
+    heads = []
+    for head in (h for h in range(spec.num_heads) if spec.kv_heads[h] == kv_head):
+        found = snap.queries(layer, head, seq)
+        assert found is not None
+        heads.append(_Head(spec, head, np.asarray(found.q, np.float32), found.positions, k, v, kv.positions))
+    return heads
+
+
 def _error(
     h: _Head,
     rows: np.ndarray,
@@ -238,16 +281,7 @@ def _layer_rows(
     assert spec is not None
     rows: list[dict[str, Any]] = []
     for kv_head in sorted(set(spec.kv_heads)):
-        kv = snap.head(layer, kv_head, seq)
-        assert kv is not None
-        k, v = np.asarray(kv.k, np.float32), np.asarray(kv.v, np.float32)
-        heads = []
-        for head in (h for h in range(spec.num_heads) if spec.kv_heads[h] == kv_head):
-            found = snap.queries(layer, head, seq)
-            assert found is not None
-            heads.append(
-                _Head(spec, head, np.asarray(found.q, np.float32), found.positions, k, v, kv.positions)
-            )
+        heads = _group_heads(snap, layer, kv_head, seq)
         stop = end if end is not None else int(heads[0].q_positions.min(initial=0))
         scores = _group_scores(heads, stop, window)
         for h in heads:

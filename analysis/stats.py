@@ -260,12 +260,18 @@ def token_table(
     """Per-token scalars as a LazyFrame, built chunk by chunk: seq, layer, head, position,
     k_norm, v_norm, k_absmax, k_nonfinite and v_nonfinite (how many of the row's values are inf
     or NaN; the row's norms are then null), and where the file records them (SPEC 15.3)
-    ``token_id`` and ``token_text`` (the token decoded alone), null where it does not."""
+    ``token_id`` and ``token_text`` (the token decoded alone), null where it does not; and for a
+    file with queries ``snapkv_score``: SnapKV's score of each prompt key (the attention of the last
+    32 prompt queries, summed over them and the query heads of the KV head, max-pooled over 5 keys;
+    `analysis.compression.snapkv_scores`), null elsewhere."""
     import polars as pl
+
+    from .compression import snapkv_scores
 
     frames = []
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
         ids, pieces = token_ids(snap), token_pieces(snap)
+        snapkv = snapkv_scores(snap)
 
         def label(values: list[list[Any]] | None, seq: int, positions: np.ndarray) -> list[Any]:
             known = values[seq] if values is not None and seq < len(values) else []
@@ -275,6 +281,7 @@ def token_table(
             return pl.Series(np.where(bad > 0, np.nan, values)).fill_nan(None)
 
         for block in snap.blocks():
+            where = (block.seq, block.layer, block.head)
             k = np.asarray(block.k, dtype=np.float32)
             v = np.asarray(block.v, dtype=np.float32)
             k_bad = (~np.isfinite(k)).sum(axis=1)
@@ -296,12 +303,27 @@ def token_table(
                         "v_nonfinite": v_bad.astype(np.int32),
                         "token_id": pl.Series(label(ids, block.seq, block.positions), dtype=pl.Int64),
                         "token_text": pl.Series(label(pieces, block.seq, block.positions), dtype=pl.Utf8),
+                        "snapkv_score": _scores_at(snapkv.get(where), block.positions),
                     }
                 )
             )
     if not frames:
         return pl.LazyFrame()
     return pl.concat(frames).lazy()
+
+
+def _scores_at(scores: tuple[np.ndarray, np.ndarray] | None, positions: np.ndarray) -> pl.Series:
+    """Per-key scores ``(key positions, values)`` at ``positions`` (a Float64 column; null where
+    there is none or it is NaN)."""
+    import polars as pl
+
+    if scores is None:
+        return pl.Series([None] * positions.size, dtype=pl.Float64)
+    keys, values = scores
+    at = np.searchsorted(keys, positions)
+    inside = (at < keys.size) & (keys[np.minimum(at, keys.size - 1)] == positions)
+    found = np.where(inside, values[np.minimum(at, keys.size - 1)], np.nan)
+    return pl.Series(found, dtype=pl.Float64).fill_nan(None)
 
 
 def outliers(

@@ -280,3 +280,30 @@ def test_scores_on_a_real_capture_equal_numpy_over_the_recomputed_attention(
             )
     table = simulate.simulate(path, methods=["streaming", "snapkv"], budgets=(1.0,), window=4)
     assert table.height == 2 * 30 * 9 and (table["relative_error"] == 0).all()
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_token_table_snapkv_score_equals_the_definition(tmp_path: Path, name: str) -> None:
+    """``token_table``'s ``snapkv_score``: per KV head and prompt key, the attention of the last 32
+    prompt queries summed over them and the KV head's query heads, max-pooled over 5 keys (edges
+    repeated), from the float64 definition; null after the prompt and in a file without queries."""
+    from kvsnap.analysis.stats import token_table
+
+    spec = SPECS[name]
+    data = _write(tmp_path / "a.kv", spec)
+    table = token_table(tmp_path / "a.kv").collect()
+    keys = np.arange(POSITIONS)
+    window = np.arange(max(0, PROMPT - 32), PROMPT)
+    window = window[window >= 24]  # the file holds queries from position 24 on
+    for kv_head in (0, 1):
+        heads = [h for h in range(4) if spec.kv_heads[h] == kv_head]
+        raw = sum(_weights(data, spec, h, window, keys) for h in heads).sum(axis=0)[:PROMPT]
+        padded = np.pad(raw, 2, mode="edge")
+        pooled = np.array([padded[i : i + 5].max() for i in range(PROMPT)])
+        rows = table.filter((table["layer"] == 0) & (table["head"] == kv_head)).sort("position")
+        got = rows["snapkv_score"].to_numpy()
+        np.testing.assert_allclose(got[:PROMPT], pooled, rtol=1e-5)
+        assert rows["snapkv_score"][PROMPT:].null_count() == POSITIONS - PROMPT
+    k = np.ones((2, 4, 8), np.float32)
+    kvformat.save(tmp_path / "plain.kv", [kvformat.Layer(k, k)])
+    assert token_table(tmp_path / "plain.kv").collect()["snapkv_score"].null_count() == 8
