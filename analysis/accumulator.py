@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from . import finite
-from .catalogue import ALL, BINS, POSITION_BINS, QUANT_BITS, TOP_K, stat_groups
+from .catalogue import ALL, SUMS, allocate, merged, stat_groups
 from .rope import Rope
 
 if TYPE_CHECKING:
@@ -65,17 +65,17 @@ def stack(accumulators: Sequence[HeadAccumulator]) -> Stack | None:
     return shared
 
 
-_SUMS = (
-    "rope", "norm_hist", "peak_hist", "power", "absmax", "gram", "unit_sum", "band",
-    "position_count", "position_norm", "top", "quant_token", "quant_channel",
-)  # fmt: skip
-"""What `HeadAccumulator.seal` leaves out of the pickled state: what only `add` and `merge` use."""
+_SUMS = ("rope", *(total.name for total in SUMS if total.shape or total.merge == "top"))
+"""What `HeadAccumulator.seal` leaves out of the pickled state: what only `add` and `merge` use
+(the sums' arrays; the numbers are small)."""
 
 
 @dataclass
 class HeadAccumulator:
     """Mergeable sums for one (sequence, layer, head, tensor) over vectors of ``dim`` channels,
-    for the statistic ``groups`` (see `GROUPS`; all by default)."""
+    for the statistic ``groups`` (see `GROUPS`; all by default). Each sum is declared once in
+    `catalogue.SUMS` (shape, merge rule, the groups that read it): allocated and merged from
+    there; a backend adds rows into them."""
 
     dim: int
     rope: Rope | None = None
@@ -85,8 +85,8 @@ class HeadAccumulator:
     norm_sq_sum: float = 0.0
     norm_min: float = float("inf")
     norm_max: float = float("-inf")
-    norm_hist: np.ndarray = field(default_factory=lambda: np.zeros(BINS, np.int64))
-    peak_hist: np.ndarray = field(default_factory=lambda: np.zeros(BINS, np.int64))
+    norm_hist: np.ndarray = field(init=False)
+    peak_hist: np.ndarray = field(init=False)
     power: np.ndarray = field(init=False)  # (4, dim) sums of x, x^2, x^3, x^4
     absmax: np.ndarray = field(init=False)
     gram: np.ndarray = field(init=False)  # (dim, dim) sum of x x^T; (0, 0) without "spectrum"
@@ -94,11 +94,11 @@ class HeadAccumulator:
     band: np.ndarray | None = field(init=False)
     first_norm_sum: float = 0.0  # ||x|| at position 0, summed over the sequences that hold it
     first_count: int = 0
-    position_count: np.ndarray = field(default_factory=lambda: np.zeros(POSITION_BINS, np.int64))
-    position_norm: np.ndarray = field(default_factory=lambda: np.zeros(POSITION_BINS))
+    position_count: np.ndarray = field(init=False)
+    position_norm: np.ndarray = field(init=False)
     top: list[tuple[float, int]] = field(default_factory=list)
-    quant_token: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
-    quant_channel: np.ndarray = field(default_factory=lambda: np.zeros(len(QUANT_BITS)))
+    quant_token: np.ndarray = field(init=False)
+    quant_channel: np.ndarray = field(init=False)
     backend: str = "cpu"  # the `backends` name: "cpu" (compiled, or numpy without numba), "numpy", "mlx"
     nonfinite_rows: int = 0  # rows left out of every sum: they held inf or NaN (`analysis.finite`)
     nonfinite_values: int = 0  # the inf and NaN values in those rows
@@ -110,13 +110,10 @@ class HeadAccumulator:
 
     def __post_init__(self) -> None:
         self.groups = stat_groups(self.groups)
-        self.power = np.zeros((4, self.dim))
-        self.absmax = np.zeros(self.dim)
-        # 128 KiB at 128 channels: allocated only where the spectrum needs it.
-        side = self.dim if "spectrum" in self.groups else 0
-        self.gram = np.zeros((side, side))
-        self.unit_sum = np.zeros(self.dim)
-        self.band = np.zeros(self.rope.dims // 2) if self.rope is not None else None
+        band = self.rope.dims // 2 if self.rope is not None else None
+        for total in SUMS:
+            if total.shape:
+                setattr(self, total.name, allocate(total, self.dim, band, self.groups))
 
     def add(self, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None) -> None:
         """Add ``rows`` ``(n_tokens, dim)`` at absolute ``positions`` ``(n_tokens,)`` with this
@@ -180,31 +177,8 @@ class HeadAccumulator:
                 f"cannot merge statistics of groups {sorted(other.groups)} into {sorted(self.groups)}"
             )
         self.computed_row = None
-        self.count += other.count
-        self.nonfinite_rows += other.nonfinite_rows
-        self.nonfinite_values += other.nonfinite_values
-        self.norm_sum += other.norm_sum
-        self.norm_sq_sum += other.norm_sq_sum
-        self.norm_min = min(self.norm_min, other.norm_min)
-        self.norm_max = max(self.norm_max, other.norm_max)
-        for name in (
-            "norm_hist",
-            "peak_hist",
-            "power",
-            "gram",
-            "unit_sum",
-            "position_count",
-            "position_norm",
-            "quant_token",
-            "quant_channel",
-        ):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.absmax = np.maximum(self.absmax, other.absmax)
-        if self.band is not None and other.band is not None:
-            self.band = self.band + other.band
-        self.first_norm_sum += other.first_norm_sum
-        self.first_count += other.first_count
-        self.top = sorted(self.top + other.top, reverse=True)[:TOP_K]
+        for total in SUMS:
+            setattr(self, total.name, merged(total, getattr(self, total.name), getattr(other, total.name)))
 
     def row(self) -> dict[str, Any]:
         """The statistics of the accumulator's groups, ``n_tokens`` first (see analysis/README.md

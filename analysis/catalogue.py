@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -134,6 +136,86 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "quant": tuple(f"quant{b}_{axis}_error" for b in QUANT_BITS for axis in ("token", "channel")),
 }
 """The statistic groups and their columns (``n_tokens`` is always there)."""
+
+
+@dataclass(frozen=True)
+class Sum:
+    """One sum a head's accumulator keeps: its ``shape`` (``()``: a number; else named axes:
+    ``dim`` channels, ``bins`` of the log histogram, ``positions`` bins, ``quant`` bit widths,
+    ``band`` RoPE frequency pairs), its ``dtype``, how two accumulators' values combine
+    (``merge``: ``add``, ``min``, ``max``, or ``top``: the `TOP_K` largest ``(value, position)``
+    pairs), and the groups whose columns read it (empty: every row). A backend's kernel adds rows
+    into these; `HeadAccumulator` allocates and merges them from this list."""
+
+    name: str
+    merge: str
+    groups: frozenset[str]
+    shape: tuple[str, ...] = ()
+    dtype: str = "float64"
+
+
+def _sum(name: str, merge: str, groups: str, shape: tuple[str, ...] = (), dtype: str = "float64") -> Sum:
+    return Sum(name, merge, frozenset(groups.split()), shape, dtype)
+
+
+SUMS: tuple[Sum, ...] = (
+    _sum("count", "add", "", dtype="int64"),
+    _sum("nonfinite_rows", "add", "", dtype="int64"),
+    _sum("nonfinite_values", "add", "", dtype="int64"),
+    _sum("norm_sum", "add", "norms"),
+    _sum("norm_sq_sum", "add", "norms quant"),  # quant: the energy its errors are fractions of
+    _sum("norm_min", "min", "norms"),
+    _sum("norm_max", "max", "norms"),
+    _sum("norm_hist", "add", "norms", ("bins",), "int64"),
+    _sum("peak_hist", "add", "channels", ("bins",), "int64"),
+    _sum("power", "add", "channels spectrum", ("4", "dim")),  # sums of x, x^2, x^3, x^4
+    _sum("absmax", "max", "channels", ("dim",)),
+    _sum("gram", "add", "spectrum", ("dim", "dim")),  # (0, 0) without the spectrum group
+    _sum("unit_sum", "add", "norms", ("dim",)),
+    _sum("band", "add", "rope", ("band",)),  # None without a RoPE
+    _sum("first_norm_sum", "add", "norms"),
+    _sum("first_count", "add", "norms", dtype="int64"),
+    _sum("position_count", "add", "norms", ("positions",), "int64"),
+    _sum("position_norm", "add", "norms", ("positions",)),
+    _sum("top", "top", "channels"),
+    _sum("quant_token", "add", "quant", ("quant",)),
+    _sum("quant_channel", "add", "quant", ("quant",)),
+)
+"""Every accumulated sum, declared once (see `Sum`)."""
+
+
+def allocate(total: Sum, dim: int, band: int | None, groups: frozenset[str]) -> Any:
+    """A fresh (zero) value of ``total`` for ``dim`` channels, ``band`` RoPE pairs (None: no RoPE)
+    and the statistic ``groups``: an array of its shape, or None (``band`` without a RoPE)."""
+    if total.name == "band" and band is None:
+        return None
+    sizes = {
+        "dim": dim,
+        "bins": BINS,
+        "positions": POSITION_BINS,
+        "quant": len(QUANT_BITS),
+        "band": band,
+        "4": 4,
+    }
+    shape = tuple(int(sizes[axis] or 0) for axis in total.shape)
+    if total.name == "gram" and "spectrum" not in groups:
+        shape = (0, 0)  # 128 KiB at 128 channels: allocated only where the spectrum needs it
+    return np.zeros(shape, total.dtype)
+
+
+def merged(total: Sum, mine: Any, theirs: Any) -> Any:
+    """Two accumulators' values of ``total`` combined by its merge rule (new objects; a ``band``
+    absent on either side stays as ``mine``)."""
+    if mine is None or theirs is None:
+        return mine
+    if total.merge == "add":
+        return mine + theirs
+    if total.merge == "top":
+        return sorted(mine + theirs, reverse=True)[:TOP_K]
+    if isinstance(mine, np.ndarray):
+        return np.minimum(mine, theirs) if total.merge == "min" else np.maximum(mine, theirs)
+    return min(mine, theirs) if total.merge == "min" else max(mine, theirs)
+
 
 ALWAYS = ("n_tokens", "nonfinite_rows", "nonfinite_values")
 """The columns every row has, whatever the groups."""

@@ -394,3 +394,35 @@ def test_small_passes_run_on_numpy_and_agree_with_the_compiled_kernel(
     )
     assert fresh.returncode == 0, fresh.stderr
     assert fresh.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_every_sum_of_an_accumulator_is_declared_once_in_the_catalogue() -> None:
+    """`catalogue.SUMS` names every sum a `HeadAccumulator` keeps (each once, with a known merge
+    rule and groups), and merging follows each declared rule."""
+    from dataclasses import fields
+
+    from kvsnap.analysis.catalogue import GROUPS, SUMS
+    from kvsnap.analysis.stats import HeadAccumulator
+
+    names = [total.name for total in SUMS]
+    assert len(names) == len(set(names))
+    state = {"dim", "rope", "groups", "backend", "pending", "computed_row", "layout", "slot", "_sealed"}
+    assert {f.name for f in fields(HeadAccumulator)} - state == set(names)
+    for total in SUMS:
+        assert total.merge in ("add", "min", "max", "top") and total.groups <= set(GROUPS), total
+    rng = np.random.default_rng(5)
+    a, b, both = HeadAccumulator(8), HeadAccumulator(8), HeadAccumulator(8)
+    rows = rng.standard_normal((30, 8)).astype(np.float32) * 3
+    a.add(rows[:12], np.arange(12))
+    b.add(rows[12:], np.arange(12, 30))
+    both.add(rows, np.arange(30))
+    quant = {name: getattr(a, name) + getattr(b, name) for name in ("quant_token", "quant_channel")}
+    a.merge(b)
+    for total in SUMS:
+        mine, whole = getattr(a, total.name), getattr(both, total.name)
+        if total.name in quant:  # groups of 32 tokens: a split file's groups are its own; they add
+            np.testing.assert_array_equal(mine, quant[total.name])
+        elif total.merge == "top":
+            assert mine == whole
+        else:
+            np.testing.assert_allclose(np.asarray(mine, np.float64), np.asarray(whole, np.float64), rtol=1e-6)
