@@ -441,6 +441,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except KVFormatError as exc:
         print(f"kvsnap: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:  # an extra not installed (polars, matplotlib, mlx, ...)
+        missing = exc.name or str(exc)
+        print(
+            f"kvsnap: error: {args.command} needs {missing}, which is not installed: "
+            "pip install 'kvsnap[capture,analysis]'",
+            file=sys.stderr,
+        )
+        return 2
     except OutOfRangeError as exc:  # --snapshot, --layer, --head, --seq outside the file's range
         print(f"kvsnap: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2

@@ -300,3 +300,16 @@ def test_a_source_tree_without_an_install_says_how_to_install(series: Path) -> N
     (line,) = missing.stderr.strip().splitlines()
     assert "'stats' is not a format command" in line and "pip install -e" in line
     assert run("info", str(series)).returncode == 0
+
+
+def test_a_missing_extra_is_one_line(
+    series: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command whose optional dependency is not installed says which one and how to install
+    it, exit 2 (no traceback)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "polars", None)
+    assert main(["stats", str(series)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("kvsnap: error: stats needs polars") and "pip install" in line
