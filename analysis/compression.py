@@ -39,7 +39,7 @@ import numpy as np
 import kvformat
 from kvformat.attention import weights as attention_weights
 
-from .head_importance import layers_with_queries
+from .head_importance import layers_with_queries, query_layers
 
 EVICTION = ("streaming", "snapkv", "h2o", "random")
 QUANTIZATION = {
@@ -186,7 +186,7 @@ def snapkv_scores(
     over the query heads that read the KV head, max-pooled over `POOL` neighbouring keys (what
     ``simulate --method snapkv`` ranks keys by). Values ``(key positions, scores)``, NaN for
     keys after the prompt. Empty when the file holds no queries or no prompt queries."""
-    found = [i for i, spec in enumerate(snap.layers) if spec.present and spec.queries is not None]
+    found = query_layers(snap)
     end = prompt_end(snap)
     out: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
     for seq in range(snap.num_seqs):

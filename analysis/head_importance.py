@@ -71,9 +71,14 @@ class NoQueriesError(ValueError):
     """The file holds no queries: the attention statistics need a capture with ``--queries``."""
 
 
+def query_layers(snap: kvformat.Snapshot) -> list[int]:
+    """The layers of ``snap`` that hold queries (maybe none)."""
+    return [i for i, spec in enumerate(snap.layers) if spec.present and spec.queries is not None]
+
+
 def layers_with_queries(snap: kvformat.Snapshot) -> list[int]:
     """The layers of ``snap`` that hold queries; raises `NoQueriesError` when none does."""
-    found = [i for i, spec in enumerate(snap.layers) if spec.present and spec.queries is not None]
+    found = query_layers(snap)
     if not found:
         raise NoQueriesError(
             f"{snap.name} holds no queries: capture with --queries decode|window:W|all "

@@ -372,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_dump)
 
-    parser.set_defaults(stages_missing=_add_stages(sub))
+    missing = _add_stages(sub)
+    parser.set_defaults(stages_missing=missing, commands=frozenset(sub.choices))
     return parser
 
 
@@ -402,8 +403,7 @@ def _not_installed(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str 
     """One line for a command this parser lacks because its stage could not be loaded, or None."""
     missing = parser.get_default("stages_missing")
     command = next((a for a in argv if not a.startswith("-")), None)
-    choices = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if not missing or command is None or command in choices:
+    if not missing or command is None or command in parser.get_default("commands"):
         return None
     stages = " and ".join(f"kvsnap.{name}" for name, _ in missing)
     return (
