@@ -9,7 +9,8 @@ Reading::
                                            # byte-range reads of the index and the chunks used
 
 Writing: `save` for in-memory arrays, `Writer` to stream layers and token ranges as they come.
-Importing: `import_mlxkv` converts a go-mlx MLXKV001 snapshot into a `.kv` file.
+Importing: `import_mlxkv` converts a go-mlx MLXKV001 snapshot into a `.kv` file, `import_bundles`
+a go-mlx State log, KVST container or bundle manifest into a series (one snapshot per bundle).
 Depends only on numpy, zstandard, ml-dtypes and crc32c (fsspec, optional, for s3:// and other object
 stores; HTTP uses the standard library).
 """
@@ -39,6 +40,7 @@ from kvformat.saving import Layer, save, write_snapshot
 from kvformat.writer import Writer
 
 if TYPE_CHECKING:  # imported on first use (`__getattr__`)
+    from kvformat.bundles import BundleReport, import_bundles
     from kvformat.mlxkv import ImportReport, import_mlxkv
 
 __version__ = "0.1.0"
@@ -49,6 +51,7 @@ __all__ = [
     "FLOAT16",
     "FLOAT32",
     "FORMAT_VERSION",
+    "BundleReport",
     "BytePlaneZstd",
     "ChecksumError",
     "CorruptFileError",
@@ -73,6 +76,7 @@ __all__ = [
     "VerifyReport",
     "Writer",
     "Zstd",
+    "import_bundles",
     "import_mlxkv",
     "open",
     "recover",
@@ -87,4 +91,8 @@ def __getattr__(name: str) -> object:
         from kvformat import mlxkv
 
         return getattr(mlxkv, name)
+    if name in ("BundleReport", "import_bundles"):
+        from kvformat import bundles
+
+        return getattr(bundles, name)
     raise AttributeError(f"module 'kvformat' has no attribute {name!r}")

@@ -107,11 +107,16 @@ def _source_line(meta: dict[str, Any]) -> str | None:
     imported = meta.get("source")
     if not isinstance(imported, dict) or not imported.get("format"):
         return None
-    digest = str(imported.get("sha256", ""))[:16]
-    return (
-        f"imported from: {imported.get('file', '?')} ({imported['format']} version "
-        f"{imported.get('version', '?')}, {imported.get('bytes', '?')} bytes, sha256 {digest}...)"
-    )
+    parts = [f"{imported['format']}"]
+    if "version" in imported:
+        parts[0] += f" version {imported['version']}"
+    if "bundles" in imported:
+        version = imported.get("block_version", "?")
+        parts.append(f"{len(imported['bundles'])} bundle(s), blocks of MLXKV001 version {version}")
+    parts.append(f"{imported.get('bytes', '?')} bytes")
+    if imported.get("sha256"):
+        parts.append(f"sha256 {str(imported['sha256'])[:16]}...")
+    return f"imported from: {imported.get('file', '?')} ({', '.join(parts)})"
 
 
 def _snapshot_lines(meta: dict[str, Any]) -> list[str]:
@@ -253,13 +258,41 @@ def _npz_layer(npz: Any, layer: int, args: argparse.Namespace) -> kvformat.Layer
 
 
 def _import_mlxkv(args: argparse.Namespace) -> int:
+    from kvformat import bundles, sniff
     from kvformat.mlxkv import import_mlxkv
 
+    with open(args.source, "rb") as f:
+        single = sniff.kind(f.read(sniff.PREFIX_BYTES)) == "mlxkv"
+    if args.list:
+        if single:
+            raise SystemExit(f"{args.source}: a single MLXKV001 snapshot holds no bundles to list")
+        rows = bundles.list_bundles(args.source)
+        print(f"{args.source}: {len(rows)} bundle(s), in write order")
+        for row in rows:
+            print(
+                f"  {row['uri'] or '(no uri)'}  chunk {row['chunk_id']}: {row['tokens']} tokens, "
+                f"{row['blocks']} blocks ({row['reused_blocks']} reused per its manifest, "
+                f"{row['shared_with_earlier']} shared with an earlier bundle), "
+                f"{row['kv_encoding'] or 'encoding unstated'}"
+            )
+        return 0
+    if args.output is None:
+        raise SystemExit("import-mlxkv: give the output .kv file (or --list to print the bundles)")
     check_output(args.output, inputs=[args.source], force=args.force)
-    report = import_mlxkv(args.source, args.output, codec=args.codec, overwrite=args.force)
+    if single:
+        if args.bundle is not None:
+            raise SystemExit(f"{args.source}: --bundle applies to a State log, container or manifest")
+        report = import_mlxkv(args.source, args.output, codec=args.codec, overwrite=args.force)
+        print(
+            f"wrote {report.path}: MLXKV001 version {report.version}, {report.layers} layer(s) with K/V, "
+            f"seq_len {report.seq_len}, source sha256 {report.sha256[:16]}..."
+        )
+        return 0
+    done = bundles.import_bundles(args.source, args.output, bundle=args.bundle, codec=args.codec,
+                                  overwrite=args.force)  # fmt: skip
     print(
-        f"wrote {report.path}: MLXKV001 version {report.version}, {report.layers} layer(s) with K/V, "
-        f"seq_len {report.seq_len}, source sha256 {report.sha256[:16]}..."
+        f"wrote {done.path}: {done.bundles} bundle(s) of a {done.kind} as {done.bundles} snapshot(s); "
+        f"{done.blocks} block ref(s), {done.stored_blocks} block(s) stored; last bundle {done.tokens} tokens"
     )
     return 0
 
@@ -342,9 +375,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_pack)
 
-    p = sub.add_parser("import-mlxkv", help="convert a go-mlx MLXKV001 snapshot (versions 1-6) to .kv")
-    p.add_argument("source", help="the MLXKV001 file (go-mlx snap.Save)")
-    p.add_argument("output", help="the .kv file to write")
+    p = sub.add_parser(
+        "import-mlxkv",
+        help="convert go-mlx KV snapshots to .kv: an MLXKV001 file (versions 1-6), a State log (.mvlog), "
+        "a KVST container or a bundle manifest",
+    )
+    p.add_argument("source", help="MLXKV001 file, .mvlog State log, KVST container, or bundle manifest JSON")
+    p.add_argument(
+        "output", nargs="?", help="the .kv file to write (one snapshot per bundle, in write order)"
+    )
+    p.add_argument("--bundle", metavar="URI", help="import only this bundle (the last one with this URI)")
+    p.add_argument(
+        "--list", action="store_true", help="print the bundles (URI, tokens, blocks) and write nothing"
+    )
     p.add_argument("--codec", default="raw", help=f"one of {', '.join(codecs.NAMES)} (zstd:LEVEL too)")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_import_mlxkv)

@@ -126,7 +126,7 @@ class _Stream:
         return np.frombuffer(self.take(4 * n, f"{n} int32 of {what}"), "<i4").astype(np.int64)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Tensor:
     """Where a tensor's payload lies and how to decode it (nothing read yet)."""
 
@@ -250,6 +250,11 @@ def _layer(stream: _Stream, version: int, number: int, head: _Source) -> _Layer:
     head_count = stream.u32(f"{where} head_count")
     if head_count > MAX_HEADS:
         raise LimitExceededError(f"{stream.name}: MLXKV001 {where} declares {head_count} heads")
+    if head_count not in (0, head.num_kv_heads):
+        raise CorruptFileError(
+            f"{stream.name}: MLXKV001 {where} declares {head_count} heads; go-mlx writes 0 (no K/V in "
+            f"this snapshot) or num_kv_heads ({head.num_kv_heads})"
+        )
     cache_mode = _cache_mode(stream, where) if version >= 5 else ""
     max_size = stream.u32(f"{where} max_size") if version >= 6 else 0
     layer = _Layer(offset, index, cache_index, cache_mode, max_size, [])
@@ -267,8 +272,10 @@ def _layer(stream: _Stream, version: int, number: int, head: _Source) -> _Layer:
     return layer
 
 
-def read_layout(stream: _Stream) -> _Source:
-    """Parse everything but tensor payloads (pass 1)."""
+def read_layout(stream: _Stream, keep_heads: bool = False) -> _Source:
+    """Parse everything but tensor payloads (pass 1). ``keep_heads``: keep each layer's per-head
+    tensor list in its plan (a block of a bundle, parsed from memory), else drop it (one layer's
+    tensors at a time; pass 2 parses them again)."""
     magic = stream.take(len(MAGIC), "magic") if stream.size >= len(MAGIC) else b""
     if magic != MAGIC:
         raise CorruptFileError(f"{stream.name}: not an MLXKV001 file (magic {magic[:8]!r})")
@@ -307,7 +314,8 @@ def read_layout(stream: _Stream) -> _Source:
             raise CorruptFileError(f"{stream.name}: MLXKV001 lists layer {layer.index} twice")
         seen.add(layer.index)
         plan = _plan(stream.name, source, layer)
-        layer.heads = []  # memory: one layer's tensors at a time (pass 2 parses them again)
+        if not keep_heads:
+            layer.heads = []
         if plan is not None:
             source.plans.append(plan)
     batch = {p.seqs for p in source.plans}
@@ -528,8 +536,11 @@ def _last_logits(file: BinaryIO, source: _Source, name: str) -> np.ndarray:
     return logits.reshape(-1, shape[-1]) if shape[-1] else logits.reshape(1, -1)
 
 
-def _write_layer(writer: Writer, file: BinaryIO, plan: _Plan, layer: _Layer, seq_len: int) -> None:
-    """Read one source layer and append it (one layer in memory)."""
+def _write_layer(
+    writer: Writer, file: BinaryIO, plan: _Plan, layer: _Layer, seq_len: int, start: int = 0
+) -> None:
+    """Read one source layer and append it (one layer in memory); its positions are
+    ``start + seq_len - rows .. start + seq_len - 1`` (``start``: a block's first token)."""
     spec = plan.spec
     assert spec.dtype is not None
     target = spec.dtype.numpy
@@ -540,7 +551,9 @@ def _write_layer(writer: Writer, file: BinaryIO, plan: _Plan, layer: _Layer, seq
                 continue
             head_k = _decode(file, k_tensor).astype(target, copy=False).reshape(rows, spec.k_dim)
             head_v = _decode(file, v_tensor).astype(target, copy=False).reshape(rows, spec.v_dim)
-            writer.append_head(layer.index, h, head_k, head_v, np.arange(seq_len - rows, seq_len))
+            writer.append_head(
+                layer.index, h, head_k, head_v, np.arange(start + seq_len - rows, start + seq_len)
+            )
         return
     assert layer.key_slab is not None and layer.value_slab is not None
     k_flat = _decode(file, layer.key_slab).astype(target, copy=False)
@@ -556,4 +569,6 @@ def _write_layer(writer: Writer, file: BinaryIO, plan: _Plan, layer: _Layer, seq
     if rows == 0:
         return
     for seq in range(plan.seqs):
-        writer.append(layer.index, k[seq], v[seq], np.arange(seq_len - rows, seq_len), seq=seq)
+        writer.append(
+            layer.index, k[seq], v[seq], np.arange(start + seq_len - rows, start + seq_len), seq=seq
+        )

@@ -1,20 +1,24 @@
-"""What a file is, from its first bytes: a kvsnap ``.kv`` file, a go-mlx MLXKV001 snapshot, a GGUF
-model, a zip (``.npz``) archive, or none of these. Nothing is parsed beyond the magic."""
+"""What a file is, from its first bytes: a kvsnap ``.kv`` file, a go-mlx MLXKV001 snapshot, a go-mlx
+State log or ``KVST`` container, a GGUF model, a zip (``.npz``) archive, or none of these. Nothing is
+parsed beyond the magic."""
 
 from __future__ import annotations
 
 KV = b"\x89KVS\r\n\x1a\n"  # kvsnap .kv (SPEC section 3)
 MLXKV = b"MLXKV001"  # go-mlx snapshot (kvformat.mlxkv)
+KVST = b"KVST"  # go-mlx state-pack container (kvformat.statelog); also named *.kv
+STATE_LOGS = (b"go-inference-state-file-log-v1\n", b"go-mlx-memvid-file-log-v1\n")  # *.mvlog
 GGUF = b"GGUF"
 ZIP = b"PK\x03\x04"  # numpy's .npz
 
-MAGICS = {"kv": KV, "mlxkv": MLXKV, "gguf": GGUF, "npz": ZIP}
+MAGICS = {"kv": KV, "mlxkv": MLXKV, "kvst": KVST, "statelog": STATE_LOGS[0], "statelog-legacy": STATE_LOGS[1]}
+MAGICS |= {"gguf": GGUF, "npz": ZIP}
 PREFIX_BYTES = max(len(magic) for magic in MAGICS.values())
 
 
 def kind(prefix: bytes) -> str | None:
-    """``"kv"``, ``"mlxkv"``, ``"gguf"`` or ``"npz"`` for a file starting with ``prefix`` (at least
-    `PREFIX_BYTES` of it, where the file has them), else None."""
+    """The name in `MAGICS` of a file starting with ``prefix`` (at least `PREFIX_BYTES` of it,
+    where the file has them), else None."""
     for name, magic in MAGICS.items():
         if prefix[: len(magic)] == magic:
             return name
@@ -24,3 +28,9 @@ def kind(prefix: bytes) -> str | None:
 def is_mlxkv(prefix: bytes) -> bool:
     """Whether a file starting with ``prefix`` (its first 8 bytes or more) is an MLXKV001 file."""
     return kind(prefix) == "mlxkv"
+
+
+def is_go_mlx(prefix: bytes) -> bool:
+    """Whether a file starting with ``prefix`` is anything ``kvsnap import-mlxkv`` reads: an MLXKV001
+    snapshot, a State log or a ``KVST`` container."""
+    return kind(prefix) in ("mlxkv", "kvst", "statelog", "statelog-legacy")

@@ -35,7 +35,7 @@ from kvformat.layout import (
 from kvformat.manifest import Manifest, loads, parse_manifest
 from kvformat.quantization import Parts, Quantization
 from kvformat.series import APPEND_CHUNKS, Chain, parse_entry
-from kvformat.sniff import is_mlxkv
+from kvformat.sniff import is_go_mlx, kind
 from kvformat.source import Source
 from kvformat.table_rules import check_table
 
@@ -57,9 +57,12 @@ class FileStructure:
         self.check_checksums = check_checksums
         size = source.size
         header = bytes(source.read(0, min(size, HEADER_SIZE)))  # one read, whatever the size
-        if is_mlxkv(header):
+        if is_go_mlx(header):
+            what = {"mlxkv": "MLXKV001 snapshot", "kvst": "KVST container"}.get(
+                kind(header) or "", "State log"
+            )
             raise ForeignFormatError(
-                f"{source.name} is a go-mlx MLXKV001 snapshot, not a kvsnap .kv file; convert it with "
+                f"{source.name} is a go-mlx {what}, not a kvsnap .kv file; convert it with "
                 f"'kvsnap import-mlxkv {source.name} OUT.kv'"
             )
         if size < HEADER_SIZE + FOOTER_SIZE:

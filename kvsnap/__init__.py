@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
             "save",
             "recover",
             "import_mlxkv",
+            "import_bundles",
             "Writer",
             "Layer",
             "LayerSpec",

@@ -45,7 +45,7 @@ def test_stages_import_only_what_they_need(tmp_path: Path) -> None:
         "heavy = {'mlx', 'mlx_lm', 'pyarrow', 'polars'}\n"
         "def top(): return sorted({m.split('.')[0] for m in sys.modules} & heavy)\n"
         "import kvsnap; a = top(); loaded = [m for m in sys.modules if m.startswith('kvsnap.')]\n"
-        "import kvformat, kvformat.cli, kvformat.mlxkv; b = top()\n"
+        "import kvformat, kvformat.cli, kvformat.mlxkv, kvformat.bundles; b = top()\n"
         "import kvsnap.analysis, kvsnap.analysis.cli; c = top()\n"
         "capture = sorted(m for m in sys.modules if m.startswith('kvsnap.capture'))\n"
         "print(json.dumps([a, loaded, b, c, capture]))"
