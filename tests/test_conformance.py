@@ -4,6 +4,7 @@ and a structure-aware fuzzer over the vectors finds only KVFormatError."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -21,6 +22,7 @@ from kvformat.cli import main
 from kvformat.conformance import describe, run
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
+GOLD = VECTORS / "gold"
 
 
 def load_generator():  # type: ignore[no-untyped-def]
@@ -32,7 +34,10 @@ def load_generator():  # type: ignore[no-untyped-def]
 
 
 def committed_files() -> list[Path]:
-    return sorted(p for p in VECTORS.rglob("*") if p.is_file() and p.suffix in (".kv", ".json"))
+    """The current version's vectors (the frozen copies under ``gold/`` are not regenerated)."""
+    return sorted(
+        p for p in VECTORS.rglob("*") if p.is_file() and p.suffix in (".kv", ".json") and GOLD not in p.parents
+    )
 
 
 def test_generator_reproduces_the_committed_vectors(tmp_path: Path) -> None:
@@ -172,3 +177,35 @@ def test_head_sequence_limit_is_enforced_by_writer(tmp_path: Path) -> None:
     spec = kvformat.LayerSpec(65536, 1, 1, kvformat.dtypes.from_numpy(np.dtype(np.float32)))
     with pytest.raises(ValueError, match=r"triples declared; the limit is 16777216 \(2\^24\)"):
         kvformat.Writer(tmp_path / "big.kv", [spec] * 300)
+
+
+GOLD_VERSIONS = sorted(p.name for p in GOLD.iterdir() if p.is_dir())
+
+
+@pytest.mark.parametrize("version", GOLD_VERSIONS)
+def test_gold_files_of_every_released_version_still_read_as_they_did(version: str) -> None:
+    """Each released version's vectors, byte for byte as released: every golden file gives the
+    description it gave then, every hostile one the same error category."""
+    manifest = json.loads((GOLD / version / "manifest.json").read_text("utf-8"))
+    results = run(GOLD / version)
+    assert len(results) == len(manifest["vectors"]) > 20
+    assert all(r.passed for r in results), [r for r in results if not r.passed]
+
+
+def test_gold_files_are_never_rewritten() -> None:
+    """Every gold file matches the SHA-256 recorded when it was frozen, none is missing, none added
+    without a line; the current minor version has its folder."""
+    sums = {}
+    for line in (GOLD / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split(maxsplit=1)
+        sums[name.removeprefix("./")] = digest
+    on_disk = {
+        p.relative_to(GOLD).as_posix(): p
+        for p in GOLD.rglob("*")
+        if p.is_file() and p.name not in ("SHA256SUMS", "README.md")
+    }
+    assert sorted(on_disk) == sorted(sums)
+    for name, path in on_disk.items():
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == sums[name], f"gold file {name} was rewritten"
+    assert GOLD_VERSIONS == ["1.0", "1.1", "1.2", "1.3"]
+    assert f"{kvformat.FORMAT_VERSION[0]}.{kvformat.FORMAT_VERSION[1]}" in GOLD_VERSIONS
