@@ -89,6 +89,7 @@ def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
     ``open_options`` go to `kvformat.open` (e.g. ``storage_options`` for a URL)."""
     try:
         with open_kv(path, snapshot=0, **open_options) as first:
+            first.verify()  # SPEC 13.1: the whole file (steps 7-9) before any snapshot's data
             description: dict[str, Any] = {
                 "version": list(first.version),
                 "num_seqs": first.num_seqs,
@@ -99,7 +100,6 @@ def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
             }
             for index in range(first.num_snapshots):
                 description["snapshots"].append(_snapshot_entry(first.select(index)))
-            first.verify()
         return description
     except KVFormatError as error:
         return {"error": type(error).__name__}

@@ -380,4 +380,28 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)  # one for all: json.loads makes one per call
+def _json_float(text: str) -> float:
+    """A JSON number with a fraction or exponent: refused when no double holds it (``1e400``:
+    valid JSON text, but no reader can keep its value; SPEC section 2)."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text} is out of the range of a double")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose names are unique (SPEC section 2: a duplicate name is an error, not "the
+    last one wins", which readers in other languages do not agree on)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise ValueError(f"object holds the name {name!r} twice")
+            seen.add(name)
+    return value
+
+
+_DECODER = json.JSONDecoder(
+    parse_constant=_reject_constant, parse_float=_json_float, object_pairs_hook=_unique_keys
+)  # one for all: json.loads makes one per call

@@ -25,6 +25,7 @@ from kvformat.layout import (
     HEADER_SIZE,
     KIND_ARRAY,
     KIND_Q,
+    MAGIC,
     MAX_CHUNK_COUNT,
     MAX_JSON_SIZE,
     TENSOR_NAMES,
@@ -65,9 +66,9 @@ class FileStructure:
                 f"{source.name} is a go-mlx {what}, not a kvsnap .kv file; convert it with "
                 f"'kvsnap import-mlxkv {source.name} OUT.kv'"
             )
-        if size < HEADER_SIZE + FOOTER_SIZE:
-            if size >= 8:
-                check_header(header.ljust(HEADER_SIZE, b"\0"))
+        if size < HEADER_SIZE + FOOTER_SIZE:  # R1: the magic where the file has it, then the size
+            if size >= len(MAGIC) and header[: len(MAGIC)] != MAGIC:
+                raise CorruptFileError(f"{source.name}: not a .kv file (magic {header[:8]!r})")
             raise TruncatedFileError(f"{source.name}: {size} bytes is too short for a .kv file")
         self.version = check_header(header)
         try:

@@ -497,6 +497,9 @@ def _single_records_hold(
         & (fields["offset"].astype(np.int64) == at)
         & ((end + ALIGN - 1) & -ALIGN == upper[room])
         & ((kinds == KIND_MANIFEST) | (kinds == KIND_SNAPSHOT))
+        & (fields["dtype"] == 0)
+        & (fields["codec"] == 0)
+        & (fields["flags"] == 0)
     )
     one &= crc32c_rows(np.ascontiguousarray(raw[:, :60])) == fields["descriptor_crc"]
     single = np.zeros(lower.shape[0], bool)
@@ -602,6 +605,8 @@ def _verify_record(file: FileStructure, cursor: int, records: int, chunk: int) -
         file.chunk_array(chunk, checked=True)
         chunk += 1
     elif desc.kind in JSON_KINDS:
+        if desc.dtype or desc.codec or desc.flags:
+            raise CorruptFileError(f"{label}: a JSON record's dtype, codec and flags must be 0")
         loads(payload, label)
     elif file.version[1] <= MINOR:
         raise CorruptFileError(f"{label}: unknown record kind {desc.kind}")

@@ -36,7 +36,9 @@ def load_generator():  # type: ignore[no-untyped-def]
 def committed_files() -> list[Path]:
     """The current version's vectors (the frozen copies under ``gold/`` are not regenerated)."""
     return sorted(
-        p for p in VECTORS.rglob("*") if p.is_file() and p.suffix in (".kv", ".json") and GOLD not in p.parents
+        p
+        for p in VECTORS.rglob("*")
+        if p.is_file() and p.suffix in (".kv", ".json") and GOLD not in p.parents
     )
 
 
@@ -60,10 +62,10 @@ def test_vectors_are_small_and_cover_the_features() -> None:
     }
     assert listed == on_disk  # every vector file is in the manifest, and only those
     results = run(VECTORS)
-    assert len(results) == len(manifest["vectors"]) == 37
+    assert len(results) == len(manifest["vectors"]) == 47
     assert all(r.passed for r in results), [r for r in results if not r.passed]
     expectations = [entry["expect"] for entry in manifest["vectors"]]
-    assert sum("error" in e for e in expectations) == 22  # hostile vectors, each with its error class
+    assert sum("error" in e for e in expectations) == 32  # hostile vectors, each with its error class
 
 
 def test_series_as_triples_and_as_ranges_describe_alike() -> None:
@@ -76,12 +78,12 @@ def test_series_as_triples_and_as_ranges_describe_alike() -> None:
 def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reader = f"{sys.executable} -m kvformat.cli describe"
     assert main(["conformance", str(VECTORS), "--reader", reader]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("37/37 passed")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("47/47 passed")
     liar = tmp_path / "liar.py"
     liar.write_text("print('{\"version\": [1, 0]}')\n")
     assert main(["conformance", str(VECTORS), "--reader", f"{sys.executable} {liar}"]) == 1
     out = capsys.readouterr().out
-    assert "FAIL" in out and "/37 passed" in out
+    assert "FAIL" in out and "/47 passed" in out
     # A reader that crashes or refuses everything with a made-up error passes nothing.
     for name, source in (
         ("crash.py", "raise SystemExit(1)\n"),

@@ -23,7 +23,7 @@ import numpy as np
 import kvformat
 from kvformat.checksum import crc32c
 from kvformat.conformance import describe
-from kvformat.layout import DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, FOOTER_SIZE, Footer
+from kvformat.layout import DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, FOOTER_SIZE, KIND_SNAPSHOT, Footer
 from kvformat.manifest import QuerySpec
 from kvformat.quantization import Quantization
 from kvformat.rewrite import as_triples, rebuild_index
@@ -232,6 +232,56 @@ def _first_payload(path: Path) -> int:
     return int(table["offset"][0]) + DESCRIPTOR_SIZE
 
 
+def _with_metadata(text: str) -> Callable[[dict[str, Any]], bytes]:
+    """An index JSON edit that puts raw JSON ``text`` as the file metadata (what json.dumps cannot
+    write: repeated names, out-of-range numbers)."""
+
+    def edit(document: dict[str, Any]) -> bytes:
+        document["manifest"]["metadata"] = {"placeholder": 0}
+        return json.dumps(document).replace('{"placeholder": 0}', text).encode()
+
+    return edit
+
+
+def _layer_key(key: str, value: object) -> Callable[[dict[str, Any]], None]:
+    def edit(document: dict[str, Any]) -> None:
+        document["manifest"]["layers"][0][key] = value
+
+    return edit
+
+
+def _json_record_flags(source: Path, out: Path) -> None:
+    """The first snapshot record of the stream (kind 17) with ``flags`` 1 and its descriptor CRC
+    recomputed: only a verification's check of JSON records can refuse it."""
+    data = bytearray(source.read_bytes())
+    f = Footer.unpack(bytes(data[-FOOTER_SIZE:]))
+    offset = 64
+    while offset < f.index_offset:
+        descriptor = np.frombuffer(bytes(data[offset : offset + DESCRIPTOR_SIZE]), DESCRIPTOR_DTYPE)[0]
+        if int(descriptor["kind"]) == KIND_SNAPSHOT:
+            data[offset + 7] = 1
+            data[offset + 60 : offset + 64] = struct.pack("<I", crc32c(bytes(data[offset : offset + 60])))
+            out.write_bytes(bytes(data))
+            return
+        end = offset + DESCRIPTOR_SIZE + int(descriptor["stored_size"])
+        offset = (end + 63) // 64 * 64
+    raise AssertionError("no snapshot record")
+
+
+def _two_faults(source: Path, out: Path, table_fault: Callable[[np.ndarray], None] | None) -> None:
+    """A snapshot that names a chunk past the table (R13, found at step 8 of SPEC section 13.1)
+    plus an earlier fault: a chunk table limit (step 5) when ``table_fault`` is given, else a
+    flipped payload byte (step 7)."""
+    rebuild_index(
+        source,
+        out,
+        edit_table=table_fault,
+        edit_json=lambda d: d["snapshots"][0].__setitem__("append", [10**6, 0, 1]),
+    )
+    if table_fault is None:
+        _patched(out, out, _first_payload(out), bytes([out.read_bytes()[_first_payload(out)] ^ 0x10]))
+
+
 BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
     (
         "truncated-footer.kv",
@@ -379,6 +429,59 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         "queries-head-out-of-range.kv",
         "a Q chunk of query head 4 in a layer of 4 query heads",
         lambda s, o: rebuild_index(_queries_source(o), o, edit_table=_query_head(4)),
+    ),
+    # Readings that could go either way (SPEC 1.3 clarifications): one vector each.
+    (
+        "short-bad-magic.kv",
+        "100 bytes that do not start with the magic: the magic is checked before the size",
+        lambda s, o: o.write_bytes(b"not a kv file, " + s.read_bytes()[15:100]),
+    ),
+    (
+        "short-good-magic.kv",
+        "the first 40 bytes of a file: magic right, too short",
+        lambda s, o: o.write_bytes(s.read_bytes()[:40]),
+    ),
+    (
+        "duplicate-name.kv",
+        "file metadata holding the name 'note' twice",
+        lambda s, o: rebuild_index(s, o, edit_json=_with_metadata('{"note": 1, "note": 2}')),
+    ),
+    (
+        "number-overflow.kv",
+        "file metadata holding 1e400, a number no double holds",
+        lambda s, o: rebuild_index(s, o, edit_json=_with_metadata('{"scale": 1e400}')),
+    ),
+    (
+        "unknown-quantization-mode.kv",
+        "a layer quantized with mode 'nf4'",
+        lambda s, o: rebuild_index(
+            s, o, edit_json=_layer_key("quantization", {"mode": "nf4", "bits": 4, "group_size": 32})
+        ),
+    ),
+    (
+        "unknown-dtype-name.kv",
+        "a layer of dtype 'float8'",
+        lambda s, o: rebuild_index(s, o, edit_json=_layer_key("dtype", "float8")),
+    ),
+    (
+        "zero-heads.kv",
+        "a present layer of 0 heads (below the range)",
+        lambda s, o: rebuild_index(s, o, edit_json=_layer_key("num_heads", 0)),
+    ),
+    (
+        "json-record-flags.kv",
+        "a snapshot record in the stream with flags 1 (its descriptor CRC valid)",
+        _json_record_flags,
+    ),
+    (
+        "table-and-snapshot-faults.kv",
+        "a chunk of 2^32-1 rows (limit, step 5) and a snapshot naming a chunk past the table (step 8)",
+        lambda s, o: _two_faults(s, o, _set("rows", 0, 2**32 - 1)),
+    ),
+    (
+        "record-and-snapshot-faults.kv",
+        "a flipped payload byte (checksum, step 7) and a snapshot naming a chunk past the table (step 8)",
+        lambda s, o: _two_faults(s, o, None),
     ),
 ]
 
