@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install nginx reference
+.PHONY: demo test lint install nginx reference conformance
 
 # Two stamps: the demo needs only the capture and analysis extras; the tests need everything
 # (Ray, moto, flask, ...). A full install satisfies the demo too.
@@ -44,6 +44,24 @@ KAITAI := .cache/kaitai/node_modules/kaitai-struct-compiler
 $(KAITAI):
 	npm install --silent --no-audit --no-fund --prefix .cache/kaitai kaitai-struct-compiler@0.11.0
 
+# The JavaScript reader (spec/js, issue 48): its npm packages exactly as the lock file pins them
+# (npm ci; offline from npm's cache after the first install). Node.js itself: Debian or Homebrew.
+JS_READER := spec/js/node_modules/.package-lock.json
+$(JS_READER): spec/js/package-lock.json
+	@command -v node >/dev/null 2>&1 || { \
+		if command -v apt-get >/dev/null 2>&1; then \
+			$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq nodejs npm >/dev/null; \
+		elif command -v brew >/dev/null 2>&1; then brew install node; \
+		else echo "install Node.js for the JavaScript reader's tests" >&2; exit 1; fi; }
+	npm ci --silent --no-audit --no-fund --prefix spec/js
+
+# Every conformance folder through both readers: the pass counts of the README's table.
+conformance: install $(JS_READER)
+	@for folder in spec/vectors spec/vectors/gold/1.0 spec/vectors/gold/1.1 spec/vectors/gold/1.2 spec/vectors/gold/1.3; do \
+		$(BIN)/kvsnap conformance $$folder | tail -1 | sed "s|^|$$folder: |"; \
+		$(BIN)/kvsnap conformance $$folder --reader "node spec/js/describe.js" | tail -1 | sed "s|^|$$folder: |"; \
+	done
+
 # nginx serves snapshots over HTTP range requests to tests/test_remote.py and tests/test_batch.py
 # (started on loopback by tests/servers.py). Installed from Debian's packages or Homebrew.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -69,5 +87,5 @@ reference: $(REFERENCE)
 # Tests marked `cuda` need mlx on an NVIDIA GPU, which CI does not have: run them there with
 # `python -m pytest -m cuda tests` (and tests/test_mlx_backend.py for the whole table).
 # pytest-xdist: one worker per core; work stealing evens out the slow real-model tests.
-test: lint $(KAITAI) nginx $(REFERENCE)
+test: lint $(KAITAI) $(JS_READER) nginx $(REFERENCE) conformance
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal tests
