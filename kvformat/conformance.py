@@ -147,7 +147,7 @@ class Result:
     detail: str
 
 
-def _first_difference(expected: Any, actual: Any, where: str = "") -> str:
+def first_difference(expected: Any, actual: Any, where: str = "") -> str:
     """Where ``actual`` first differs from ``expected`` (a JSON path and what was found), or ""."""
     if isinstance(expected, dict) and isinstance(actual, dict):
         return _dict_difference(expected, actual, where)
@@ -155,7 +155,7 @@ def _first_difference(expected: Any, actual: Any, where: str = "") -> str:
         if len(expected) != len(actual):
             return f"{where}: {len(actual)} items, expected {len(expected)}"
         for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
-            found = _first_difference(a, b, f"{where}[{i}]")
+            found = first_difference(a, b, f"{where}[{i}]")
             if found:
                 return found
         return ""
@@ -168,7 +168,7 @@ def _dict_difference(expected: dict[str, Any], actual: dict[str, Any], where: st
             return f"{where}.{key}: missing"
         if key not in expected:
             return f"{where}.{key}: unexpected"
-        found = _first_difference(expected[key], actual[key], f"{where}.{key}")
+        found = first_difference(expected[key], actual[key], f"{where}.{key}")
         if found:
             return found
     return ""
@@ -209,7 +209,7 @@ def run(directory: str | Path, reader: str | None = None) -> list[Result]:
             ok = actual.get("error") == expected["error"]
             detail = "" if ok else f"expected error {expected['error']}, got {actual.get('error', 'a read')}"
         else:
-            detail = _first_difference(expected, actual)
+            detail = first_difference(expected, actual)
             ok = not detail
         results.append(Result(entry["file"], ok, detail))
     return results

@@ -23,6 +23,7 @@ from kvformat.conformance import describe, run
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 GOLD = VECTORS / "gold"
+FUZZ = VECTORS / "fuzz"
 
 
 def load_generator():  # type: ignore[no-untyped-def]
@@ -38,7 +39,7 @@ def committed_files() -> list[Path]:
     return sorted(
         p
         for p in VECTORS.rglob("*")
-        if p.is_file() and p.suffix in (".kv", ".json") and GOLD not in p.parents
+        if p.is_file() and p.suffix in (".kv", ".json") and not {GOLD, FUZZ} & set(p.parents)
     )
 
 
@@ -191,6 +192,16 @@ def test_gold_files_of_every_released_version_still_read_as_they_did(version: st
     manifest = json.loads((GOLD / version / "manifest.json").read_text("utf-8"))
     results = run(GOLD / version)
     assert len(results) == len(manifest["vectors"]) > 20
+    assert all(r.passed for r in results), [r for r in results if not r.passed]
+
+
+def test_the_fuzz_corpus_replays() -> None:
+    """Every input a fuzzer found (spec/vectors/fuzz/, each listed with what it must produce)
+    still gives it; tests/test_js_reader.py replays them with the JavaScript reader."""
+    manifest = json.loads((FUZZ / "manifest.json").read_text("utf-8"))
+    assert sorted(e["file"] for e in manifest["vectors"]) == sorted(p.name for p in FUZZ.glob("*.kv"))
+    results = run(FUZZ)
+    assert len(results) == len(manifest["vectors"]) >= 3
     assert all(r.passed for r in results), [r for r in results if not r.passed]
 
 

@@ -321,7 +321,7 @@ function parseManifest(obj) {
   const layers = layersJson.map(parseLayer);
   const manifest = {
     layers,
-    num_seqs: integer(obj, "num_seqs", 1, MAX_SEQS, "manifest", 1n),
+    num_seqs: integer(obj, "num_seqs", 1, MAX_SEQS, "manifest"),
     metadata: object(get(obj, "metadata", new Map()), "metadata"),
     required,
     optional: strings(get(obj, "optional_features", []), "optional_features"),
