@@ -24,8 +24,6 @@ were reused; ``last_logits`` is attached as for a single MLXKV001 file.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import hashlib
 import io
@@ -39,203 +37,15 @@ from typing import Any
 import numpy as np
 
 from kvformat import dtypes
+from kvformat.bundle_manifest import Block, Bundle, bundles_of, parse_bundle, unwrap
 from kvformat.checksum import crc32c
 from kvformat.codecs import Codec
-from kvformat.errors import CorruptFileError, KVFormatError, UnsupportedFeatureError, UnsupportedVersionError
+from kvformat.errors import CorruptFileError, KVFormatError
 from kvformat.manifest import LayerSpec
 from kvformat.mlxkv import TAG_Q8, _last_logits, _Plan, _Source, _Stream, _Tensor, read_layout
 from kvformat.outputs import check_output
 from kvformat.statelog import BUNDLE_KIND, MAX_JSON, Log, Record, open_log, parse_json
 from kvformat.writer import Writer
-
-BLOCK_KIND = "go-mlx/kv-snapshot-block"
-BUNDLE_VERSION = 1
-FILE_LOG_CODECS = ("state/file-log", "memvid/file-log", "")
-ENCODINGS = ("raw", "json-base64", "")
-
-
-@dataclass(frozen=True)
-class Block:
-    """One ref of a bundle manifest: tokens ``[token_start, token_start + token_count)``."""
-
-    index: int
-    token_start: int
-    token_count: int
-    kv_hash: str
-    payload_encoding: str
-    byte_count: int
-    chunk_id: int
-    frame_offset: int | None
-
-    @property
-    def identity(self) -> tuple[int, int, str]:
-        """What makes two refs the same block (go-mlx's reuse rule: range and content)."""
-        return self.token_start, self.token_count, self.kv_hash
-
-    @property
-    def place(self) -> tuple[int, int | None]:
-        return self.chunk_id, self.frame_offset
-
-
-@dataclass
-class Bundle:
-    """A checked bundle manifest and the record that holds it."""
-
-    uri: str
-    record: Record
-    manifest: dict[str, Any]
-    blocks: list[Block]
-
-    @property
-    def token_count(self) -> int:
-        return int(self.manifest["token_count"])
-
-    def describe(self) -> str:
-        return f"{self.uri or '(no uri)'} (chunk {self.record.chunk_id})"
-
-
-def _integer(manifest: dict[str, Any], key: str, what: str, default: int | None = 0) -> int:
-    value = manifest.get(key, default)
-    if type(value) is not int or value < 0:
-        raise CorruptFileError(f"{what}: {key} {value!r} is not a non-negative integer")
-    return value
-
-
-def _ref(raw: dict[str, Any], what: str) -> tuple[int, int | None]:
-    """``(chunk_id, frame_offset or None)`` of a block ref: ``state`` unless it is absent or all
-    zero, then the deprecated ``memvid``; refs that are not file-log records are refused."""
-    ref = raw.get("state")
-    if not isinstance(ref, dict) or not any(ref.values()):
-        ref = raw.get("memvid")
-    if not isinstance(ref, dict) or not any(ref.values()):
-        raise CorruptFileError(f"{what} has no chunk ref ('state' or 'memvid')")
-    codec = ref.get("codec", "")
-    if codec not in FILE_LOG_CODECS:
-        raise UnsupportedFeatureError(
-            f"{what} is stored with codec {codec!r} (e.g. a QR-video or in-memory store); only "
-            "State log records ('state/file-log') can be imported"
-        )
-    chunk_id = _integer(ref, "chunk_id", what)
-    has_offset = ref.get("has_frame_offset", False) or bool(ref.get("frame_offset"))
-    return chunk_id, _integer(ref, "frame_offset", what) if has_offset else None
-
-
-def parse_bundle(log: Log, record: Record) -> Bundle:
-    """Check a bundle manifest record by the rules of section 3 (before any block is read)."""
-    uri = str(record.meta.get("uri", ""))
-    what = f"{log.name}: bundle {uri or '(no uri)'} (chunk {record.chunk_id})"
-    manifest = log.json_payload(record, what)
-    version = manifest.get("version")
-    if version != BUNDLE_VERSION:
-        raise UnsupportedVersionError(f"{what} is version {version!r}; this importer reads version 1")
-    if manifest.get("kind") != BUNDLE_KIND:
-        raise CorruptFileError(f"{what} has kind {manifest.get('kind')!r}, not {BUNDLE_KIND!r}")
-    token_count = _integer(manifest, "token_count", what)
-    raw_blocks = manifest.get("blocks")
-    if token_count == 0 or not isinstance(raw_blocks, list) or not raw_blocks:
-        raise CorruptFileError(f"{what} holds no tokens or no blocks")
-    blocks, start = [], 0
-    for i, raw in enumerate(raw_blocks):
-        where = f"{what} block {i}"
-        if not isinstance(raw, dict):
-            raise CorruptFileError(f"{where} is not a JSON object")
-        if raw.get("index", 0) != i:
-            raise CorruptFileError(
-                f"{where} has index {raw.get('index')!r}; blocks must be listed in index order"
-            )
-        first, count = _integer(raw, "token_start", where), _integer(raw, "token_count", where)
-        if first != start or count == 0:
-            raise CorruptFileError(
-                f"{where} covers tokens {first}..{first + count - 1}; blocks must be non-empty and "
-                f"contiguous from 0 (expected a start of {start})"
-            )
-        encoding = raw.get("payload_encoding", "")
-        if encoding not in ENCODINGS:
-            raise UnsupportedFeatureError(
-                f"{where} has payload_encoding {encoding!r}; known: raw, json-base64"
-            )
-        kv_hash = raw.get("kv_hash", "")
-        if not isinstance(kv_hash, str) or (kv_hash and len(kv_hash) != 64):
-            raise CorruptFileError(f"{where} has kv_hash {kv_hash!r}, not a hex SHA-256")
-        chunk_id, offset = _ref(raw, where)
-        blocks.append(
-            Block(
-                i,
-                first,
-                count,
-                kv_hash.lower(),
-                encoding or "raw",
-                _integer(raw, "payload_byte_count", where),
-                chunk_id,
-                offset,
-            )
-        )
-        start += count
-    if start != token_count:
-        raise CorruptFileError(f"{what}: its blocks hold {start} tokens, token_count says {token_count}")
-    _check_snapshot_hash(manifest, blocks, what)
-    return Bundle(uri, record, manifest, blocks)
-
-
-def snapshot_hash(manifest: dict[str, Any], blocks: list[Block]) -> str:
-    """go-mlx's ``kvSnapshotStateBlockBundleHash``: SHA-256 of ``architecture|kv_encoding|
-    token_count|token_offset|block_size`` then ``|kv_hash`` per block."""
-    fields = [manifest.get(k, "") for k in ("architecture", "kv_encoding")]
-    fields += [manifest.get(k, 0) for k in ("token_count", "token_offset", "block_size")]
-    text = "|".join(str(f) for f in fields) + "".join(f"|{b.kv_hash}" for b in blocks)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _check_snapshot_hash(manifest: dict[str, Any], blocks: list[Block], what: str) -> None:
-    stated = manifest.get("snapshot_hash", "")
-    if stated and stated.lower() != snapshot_hash(manifest, blocks):
-        raise CorruptFileError(
-            f"{what}: snapshot_hash {stated} does not match its fields and block hashes "
-            f"({snapshot_hash(manifest, blocks)})"
-        )
-
-
-def bundles_of(log: Log) -> list[Bundle]:
-    """Every bundle manifest of the log, in write order."""
-    return [parse_bundle(log, r) for r in log.records if r.meta.get("kind") == BUNDLE_KIND]
-
-
-def _unwrap(log: Log, record: Record, block: Block, what: str) -> bytes:
-    """A ``json-base64`` envelope's MLXKV001 bytes (padded or unpadded base64)."""
-    envelope = log.json_payload(record, f"{what} envelope")
-    expected = {"version": 1, "kind": BLOCK_KIND, "binary_encoding": "base64"}
-    for key, value in expected.items():
-        if envelope.get(key) != value:
-            raise CorruptFileError(f"{what}: envelope {key} is {envelope.get(key)!r}, expected {value!r}")
-    for key, value in (
-        ("block_index", block.index),
-        ("token_start", block.token_start),
-        ("token_count", block.token_count),
-    ):
-        if envelope.get(key, value) != value:
-            raise CorruptFileError(
-                f"{what}: envelope {key} {envelope.get(key)!r} differs from the manifest ({value})"
-            )
-    stated = str(envelope.get("kv_hash", "")).lower()
-    if block.kv_hash and stated != block.kv_hash:
-        raise CorruptFileError(
-            f"{what}: envelope kv_hash {stated} differs from the manifest's {block.kv_hash}"
-        )
-    text = envelope.get("data")
-    if not isinstance(text, str):
-        raise CorruptFileError(f"{what}: envelope has no base64 'data'")
-    try:
-        data = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        raise CorruptFileError(f"{what}: envelope data is not base64") from None
-    if stated and hashlib.sha256(data).hexdigest() != stated:
-        raise CorruptFileError(f"{what}: SHA-256 of the envelope's data does not match its kv_hash")
-    count = envelope.get("payload_byte_count", 0)
-    if count and count != len(data):
-        raise CorruptFileError(
-            f"{what}: envelope holds {len(data)} bytes, its payload_byte_count says {count}"
-        )
-    return data
 
 
 def parse_block(data: bytes | memoryview, block: Block, what: str) -> _Source:
@@ -323,6 +133,17 @@ def _manifest_file(log: Log, path: str) -> Bundle:
     return Bundle(bundle.uri, record, bundle.manifest, bundle.blocks)
 
 
+def _segments(manifest: dict[str, Any]) -> set[str]:
+    """The log paths (``segment``) a manifest's block refs name."""
+    refs = [
+        ref
+        for raw in manifest.get("blocks", [])
+        if isinstance(raw, dict)
+        for ref in (raw.get("state"), raw.get("memvid"))
+    ]
+    return {str(ref["segment"]) for ref in refs if isinstance(ref, dict) and ref.get("segment")}
+
+
 def _log_beside(manifest_path: str) -> str:
     """The log a manifest JSON file's refs name (their ``segment``), found at that path or beside
     the manifest; else the only ``*.mvlog`` beside it."""
@@ -332,13 +153,7 @@ def _log_beside(manifest_path: str) -> str:
     with open(manifest_path, "rb") as f:
         manifest = parse_json(f.read(), manifest_path)
     folder = os.path.dirname(os.path.abspath(manifest_path))
-    segments = {
-        str(ref.get("segment"))
-        for raw in manifest.get("blocks", [])
-        if isinstance(raw, dict)
-        for ref in (raw.get("state"), raw.get("memvid"))
-        if isinstance(ref, dict) and ref.get("segment")
-    }
+    segments = _segments(manifest)
     for segment in sorted(segments):
         for candidate in (segment, os.path.join(folder, os.path.basename(segment))):
             if os.path.isfile(candidate):
@@ -398,7 +213,7 @@ class _Import:
         record = self.locate(bundle, block)
         what = self._what(bundle, block)
         if block.payload_encoding == "json-base64":
-            return _unwrap(self.log, record, block, what)
+            return unwrap(self.log, record, block, what)
         if len(self.buffer) < record.size:
             self.buffer = bytearray(record.size)  # a new one: views of the old may still be held
         return self.log.read_into(record.start, record.size, self.buffer, what)
@@ -456,19 +271,11 @@ class _Import:
         previous: list[Block] = []
         stored = 0
         for bundle in self.bundles:
-            keep = 0
-            while (
-                keep < min(len(previous), len(bundle.blocks))
-                and bundle.blocks[keep].kv_hash
-                and previous[keep].identity == bundle.blocks[keep].identity
-            ):
-                keep += 1
+            keep = _kept(previous, bundle.blocks)
             start = bundle.blocks[keep].token_start if keep < len(bundle.blocks) else bundle.token_count
             end = previous[-1].token_start + previous[-1].token_count if previous else 0
             if end > start:
-                for layer, spec in enumerate(writer.manifest.layers):
-                    for seq in range(seqs if spec.present else 0):
-                        writer.drop(layer, start, end, seq=seq)
+                _drop_all(writer, seqs, start, end)
             last: bytes | memoryview = b""
             for block in bundle.blocks[keep:]:
                 last, check = self.checked(bundle, block)
@@ -483,6 +290,19 @@ class _Import:
             previous = bundle.blocks
         return stored
 
+    def _described(self, bundle: Bundle, kept: int) -> dict[str, Any]:
+        """Snapshot metadata ``bundle``: where the snapshot came from."""
+        keys = ("snapshot_hash", "kv_encoding", "token_count", "token_offset", "block_size", "reused_blocks")
+        return {
+            "uri": bundle.uri,
+            "chunk_id": bundle.record.chunk_id,
+            **{k: bundle.manifest[k] for k in keys if k in bundle.manifest},
+            "blocks": [[b.token_start, b.token_count] for b in bundle.blocks],
+            "block_hashes": [b.kv_hash for b in bundle.blocks],
+            "kept_from_previous_snapshot": kept,
+            "blocks_seen_before": [b.index for b in bundle.blocks if b.place in self.places],
+        }
+
     def _snapshot_metadata(
         self, bundle: Bundle, kept: int, data: bytes | memoryview, seqs: int
     ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -495,27 +315,7 @@ class _Import:
                 f"{self.log.name}: bundle {bundle.uri}: its last block's token_offset {info.token_offset} "
                 f"differs from the manifest's {stated}"
             )
-        described: dict[str, Any] = {
-            "uri": bundle.uri,
-            "chunk_id": bundle.record.chunk_id,
-            **{
-                k: manifest[k]
-                for k in (
-                    "snapshot_hash",
-                    "kv_encoding",
-                    "token_count",
-                    "token_offset",
-                    "block_size",
-                    "reused_blocks",
-                )
-                if k in manifest
-            },
-            "blocks": [[b.token_start, b.token_count] for b in bundle.blocks],
-            "block_hashes": [b.kv_hash for b in bundle.blocks],
-            "kept_from_previous_snapshot": kept,
-            "blocks_seen_before": [b.index for b in bundle.blocks if b.place in self.places],
-        }
-        metadata: dict[str, Any] = {"generated": len(info.generated), "bundle": described}
+        metadata: dict[str, Any] = {"generated": len(info.generated), "bundle": self._described(bundle, kept)}
         if seqs == 1:
             metadata["tokens"] = [tokens]
             metadata["generated_ids"] = [info.generated]
@@ -524,6 +324,25 @@ class _Import:
             arrays["last_logits"] = _last_logits(_MemoryFile(data), info.source, self.log.name)  # type: ignore[arg-type]
             metadata["last_logits_shape"] = info.source.logit_shape
         return metadata, arrays
+
+
+def _kept(previous: list[Block], blocks: list[Block]) -> int:
+    """How many first blocks ``blocks`` shares with ``previous`` (same range, same SHA-256)."""
+    keep = 0
+    while (
+        keep < min(len(previous), len(blocks))
+        and blocks[keep].kv_hash
+        and previous[keep].identity == blocks[keep].identity
+    ):
+        keep += 1
+    return keep
+
+
+def _drop_all(writer: Writer, seqs: int, start: int, end: int) -> None:
+    """Drop positions ``[start, end)`` from every present layer and sequence."""
+    for layer, spec in enumerate(writer.manifest.layers):
+        for seq in range(seqs if spec.present else 0):
+            writer.drop(layer, start, end, seq=seq)
 
 
 class _BufferStream(_Stream):
@@ -602,38 +421,48 @@ def _heads(data: bytes | memoryview, tensors: list[_Tensor], target: np.dtype[An
     return np.stack([_tensor_view(data, t, target).reshape(rows, dim) for t in tensors])
 
 
+Append = tuple[int, Any, Any, Any, int]  # (layer, k, v, positions, seq) of `Writer.append_many`
+
+
 def _append_block(writer: Writer, data: bytes | memoryview, source: _Source, start: int) -> None:
     """Append every layer of a block (positions from ``start``) in one `Writer.append_many`,
     written before it returns, from views of ``data`` where possible."""
-    appends: list[tuple[int, Any, Any, Any, int]] = []
+    appends: list[Append] = []
     end = start + source.seq_len
     for plan in source.plans:
-        spec, layer = plan.spec, plan.layer
-        assert spec.dtype is not None
-        target = np.dtype(spec.dtype.numpy)
-        if plan.form == "heads":
-            if layer.heads and layer.heads[0][0].count:
-                k = _heads(data, [pair[0] for pair in layer.heads], target, spec.k_dim)
-                v = _heads(data, [pair[1] for pair in layer.heads], target, spec.v_dim)
-                appends.append((layer.index, k, v, np.arange(end - k.shape[1], end), 0))
-            continue
-        assert layer.key_slab is not None and layer.value_slab is not None
-        k_flat, v_flat = (
-            _tensor_view(data, layer.key_slab, target),
-            _tensor_view(data, layer.value_slab, target),
-        )
-        if plan.form == "slab-bhld":
-            k = k_flat.reshape(plan.seqs, spec.num_heads, -1, spec.k_dim)
-            v = v_flat.reshape(plan.seqs, spec.num_heads, -1, spec.v_dim)
-        else:  # [L, H, D]: token-major
-            k = k_flat.reshape(1, -1, spec.num_heads, spec.k_dim).transpose(0, 2, 1, 3)
-            v = v_flat.reshape(1, -1, spec.num_heads, spec.v_dim).transpose(0, 2, 1, 3)
-        rows = int(k.shape[2])
-        appends += [
-            (layer.index, k[seq], v[seq], np.arange(end - rows, end), seq)
-            for seq in range(plan.seqs if rows else 0)
-        ]
+        appends += _head_appends(data, plan, end) if plan.form == "heads" else _slab_appends(data, plan, end)
     writer.append_many(appends)
+
+
+def _head_appends(data: bytes | memoryview, plan: _Plan, end: int) -> list[Append]:
+    """A layer stored head by head: ``(heads, rows, dim)`` K and V ending at position ``end``."""
+    spec, layer = plan.spec, plan.layer
+    assert spec.dtype is not None
+    target = np.dtype(spec.dtype.numpy)
+    if not layer.heads or not layer.heads[0][0].count:
+        return []
+    k = _heads(data, [pair[0] for pair in layer.heads], target, spec.k_dim)
+    v = _heads(data, [pair[1] for pair in layer.heads], target, spec.v_dim)
+    return [(layer.index, k, v, np.arange(end - k.shape[1], end), 0)]
+
+
+def _slab_appends(data: bytes | memoryview, plan: _Plan, end: int) -> list[Append]:
+    """A layer stored as one slab, ``[B, H, L, D]`` or ``[L, H, D]``: one append per sequence."""
+    spec, layer = plan.spec, plan.layer
+    assert spec.dtype is not None and layer.key_slab is not None and layer.value_slab is not None
+    target = np.dtype(spec.dtype.numpy)
+    k_flat, v_flat = _tensor_view(data, layer.key_slab, target), _tensor_view(data, layer.value_slab, target)
+    if plan.form == "slab-bhld":
+        k = k_flat.reshape(plan.seqs, spec.num_heads, -1, spec.k_dim)
+        v = v_flat.reshape(plan.seqs, spec.num_heads, -1, spec.v_dim)
+    else:  # [L, H, D]: token-major
+        k = k_flat.reshape(1, -1, spec.num_heads, spec.k_dim).transpose(0, 2, 1, 3)
+        v = v_flat.reshape(1, -1, spec.num_heads, spec.v_dim).transpose(0, 2, 1, 3)
+    rows = int(k.shape[2])
+    return [
+        (layer.index, k[seq], v[seq], np.arange(end - rows, end), seq)
+        for seq in range(plan.seqs if rows else 0)
+    ]
 
 
 def _merge(spec: LayerSpec | None, plan: _Plan, name: str) -> LayerSpec:

@@ -205,6 +205,12 @@ def _container(log: Log) -> None:
         break
     if header is None:
         raise CorruptFileError(problem)
+    _check_container_header(log, header)
+    log.container, log.container_version = header, version
+
+
+def _check_container_header(log: Log, header: dict[str, Any]) -> None:
+    """go-mlx's checks of a container header: kind and content type, payload size, index URI."""
     kind, content_type = header.get("kind"), header.get("content_type")
     if kind not in CONTAINER_KINDS or content_type != CONTAINER_KINDS[kind]:
         raise UnsupportedFeatureError(
@@ -221,7 +227,6 @@ def _container(log: Log) -> None:
         )
     if not header.get("index_uri"):
         raise CorruptFileError(f"{log.name}: KVST header has no index_uri")
-    log.container, log.container_version = header, version
 
 
 def _scan(log: Log, offset: int) -> None:

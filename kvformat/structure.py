@@ -50,6 +50,36 @@ def chunk_label(table: np.ndarray, i: int) -> str:
     )
 
 
+def _checked_header(name: str, header: bytes, size: int) -> tuple[int, int]:
+    """SPEC 13.1 step 1 (R1, R2): a go-mlx file named as such; the magic where the file has it,
+    then the size, then the header's own checks. Returns ``(major, minor)``."""
+    if is_go_mlx(header):
+        what = {"mlxkv": "MLXKV001 snapshot", "kvst": "KVST container"}.get(kind(header) or "", "State log")
+        raise ForeignFormatError(
+            f"{name} is a go-mlx {what}, not a kvsnap .kv file; convert it with "
+            f"'kvsnap import-mlxkv {name} OUT.kv'"
+        )
+    if size < HEADER_SIZE + FOOTER_SIZE:
+        if size >= len(MAGIC) and header[: len(MAGIC)] != MAGIC:
+            raise CorruptFileError(f"{name}: not a .kv file (magic {header[:8]!r})")
+        raise TruncatedFileError(f"{name}: {size} bytes is too short for a .kv file")
+    return check_header(header)
+
+
+def _checked_footer(source: Source, version: tuple[int, int]) -> Footer:
+    """SPEC 13.1 step 2 (R3): the footer, its version equal to the header's."""
+    try:
+        footer = Footer.unpack(bytes(source.read(source.size - FOOTER_SIZE, FOOTER_SIZE)))
+    except CorruptFileError as exc:
+        hint = " (the writer did not finish: try 'kvsnap recover')"
+        raise TruncatedFileError(f"{source.name}: {exc}{hint}") from None
+    if footer.minor != version[1]:
+        raise CorruptFileError(
+            f"{source.name}: footer says version 1.{footer.minor}, the header 1.{version[1]}"
+        )
+    return footer
+
+
 class FileStructure:
     """Parsed structure of one file: header, footer, chunk table, manifest, snapshot list."""
 
@@ -58,29 +88,8 @@ class FileStructure:
         self.check_checksums = check_checksums
         size = source.size
         header = bytes(source.read(0, min(size, HEADER_SIZE)))  # one read, whatever the size
-        if is_go_mlx(header):
-            what = {"mlxkv": "MLXKV001 snapshot", "kvst": "KVST container"}.get(
-                kind(header) or "", "State log"
-            )
-            raise ForeignFormatError(
-                f"{source.name} is a go-mlx {what}, not a kvsnap .kv file; convert it with "
-                f"'kvsnap import-mlxkv {source.name} OUT.kv'"
-            )
-        if size < HEADER_SIZE + FOOTER_SIZE:  # R1: the magic where the file has it, then the size
-            if size >= len(MAGIC) and header[: len(MAGIC)] != MAGIC:
-                raise CorruptFileError(f"{source.name}: not a .kv file (magic {header[:8]!r})")
-            raise TruncatedFileError(f"{source.name}: {size} bytes is too short for a .kv file")
-        self.version = check_header(header)
-        try:
-            self.footer = Footer.unpack(bytes(source.read(size - FOOTER_SIZE, FOOTER_SIZE)))
-        except CorruptFileError as exc:
-            hint = " (the writer did not finish: try 'kvsnap recover')"
-            raise TruncatedFileError(f"{source.name}: {exc}{hint}") from None
-        f = self.footer
-        if f.minor != self.version[1]:
-            raise CorruptFileError(
-                f"{source.name}: footer says version 1.{f.minor}, the header 1.{self.version[1]}"
-            )
+        self.version = _checked_header(source.name, header, size)
+        self.footer = f = _checked_footer(source, self.version)
         if f.chunk_count > MAX_CHUNK_COUNT:
             raise LimitExceededError(f"chunk count {f.chunk_count} exceeds {MAX_CHUNK_COUNT}")
         if f.json_size > MAX_JSON_SIZE:
