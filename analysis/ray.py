@@ -15,6 +15,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -114,12 +115,16 @@ def _dataset(files: list[str], options: PassOptions, errors: str) -> ray.data.Da
 
 
 def _connect(address: str | None, num_cpus: int) -> None:
+    """Join the cluster at ``address`` or start local Ray; Ray's and Ray Data's INFO lines (start,
+    execution plan, progress) kept off the terminal: the command prints its own result."""
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     if ray.is_initialized():
         return
+    quiet = logging.WARNING
     if address:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, logging_level=quiet)
     else:
-        ray.init(num_cpus=max(1, num_cpus), include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=max(1, num_cpus), include_dashboard=False, log_to_driver=False, logging_level=quiet)
 
 
 def ray_stats(paths: list[str], options: BatchOptions) -> BatchResult:

@@ -38,6 +38,13 @@ def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], message:
     assert "Traceback" not in "\n".join(err)
 
 
+def test_a_ray_address_without_the_ray_engine_is_refused(
+    series: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`stats --address` used to be ignored silently without `--engine ray` (issue 46 item 6)."""
+    one_line_error(capsys, ["stats", str(series), "--address", "ray://head:10001"], "add --engine ray")
+
+
 def test_snapshots_are_numbered_from_0_as_typed(series: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["info", str(series), "--snapshot", "0"]) == 0
     assert "snapshot 0 of 3 (numbered 0..2)" in capsys.readouterr().out

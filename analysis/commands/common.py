@@ -31,6 +31,8 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     ``--stat`` names a statistic the selected groups compute, and ``--snapshot`` is inside each
     local file named (reading only its index)."""
     del parser
+    if getattr(args, "address", None) and getattr(args, "engine", "local") != "ray":
+        raise ValueError(f"--address {args.address} names a Ray cluster: add --engine ray, or drop --address")
     _check_stat(args)
     check_snapshot(args)
     for option in ("output", "plot"):
