@@ -55,9 +55,6 @@ class Bundle:
     def token_count(self) -> int:
         return int(self.manifest["token_count"])
 
-    def describe(self) -> str:
-        return f"{self.uri or '(no uri)'} (chunk {self.record.chunk_id})"
-
 
 def _integer(manifest: dict[str, Any], key: str, what: str, default: int | None = 0) -> int:
     value = manifest.get(key, default)

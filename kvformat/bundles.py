@@ -76,7 +76,7 @@ class BundleReport:
 def list_bundles(src: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """One row per bundle of a log, container or manifest: URI, chunk, tokens, blocks, reused
     blocks (as the manifest counts them, and blocks shared with an earlier bundle)."""
-    with _opened(src) as (log, bundles):
+    with _opened(src) as (_, bundles):
         rows: list[dict[str, Any]] = []
         seen: set[tuple[int, int | None]] = set()
         for b in bundles:
@@ -93,7 +93,6 @@ def list_bundles(src: str | os.PathLike[str]) -> list[dict[str, Any]]:
                     "kv_encoding": b.manifest.get("kv_encoding", ""),
                 }
             )
-        del log
         return rows
 
 
@@ -102,13 +101,14 @@ def _opened(src: str | os.PathLike[str], bundle: str | None = None) -> Iterator[
     """The log of ``src`` (a log, a container or a manifest JSON beside its log) and the bundles
     to import (all, in write order, or the last one with URI ``bundle``)."""
     name = os.fspath(src)
-    manifest_path = None
+    manifest: tuple[str, bytes] | None = None
     with open(name, "rb") as probe:
         if probe.read(1) == b"{":
-            manifest_path, name = name, _log_beside(name)
+            manifest = (name, _manifest_bytes(name))
+            name = _log_beside(name, parse_json(manifest[1], name))
     with open(name, "rb") as file:
         log = open_log(file, name)
-        bundles = bundles_of(log) if manifest_path is None else [_manifest_file(log, manifest_path)]
+        bundles = bundles_of(log) if manifest is None else [_manifest_file(*manifest)]
         if bundle is not None:
             chosen = [b for b in bundles if b.uri == bundle]
             if not chosen:
@@ -120,17 +120,19 @@ def _opened(src: str | os.PathLike[str], bundle: str | None = None) -> Iterator[
         yield log, bundles
 
 
-def _manifest_file(log: Log, path: str) -> Bundle:
-    """A bundle manifest kept as a JSON file: checked like a record's."""
+def _manifest_bytes(path: str) -> bytes:
+    """A bundle manifest kept as a JSON file (at most `MAX_JSON` bytes)."""
     size = os.path.getsize(path)
     if size > MAX_JSON:
         raise CorruptFileError(f"{path}: a {size}-byte manifest (limit {MAX_JSON})")
     with open(path, "rb") as f:
-        data = f.read()
+        return f.read()
+
+
+def _manifest_file(path: str, data: bytes) -> Bundle:
+    """A manifest file's bundle, checked like a record's (the file is its one record)."""
     record = Record(0, -1, 0, len(data), {"uri": os.path.basename(path), "kind": BUNDLE_KIND})
-    fake = Log(path, io.BytesIO(data), len(data), 0, len(data), b"")  # its one "record" is the file
-    bundle = parse_bundle(fake, record)
-    return Bundle(bundle.uri, record, bundle.manifest, bundle.blocks)
+    return parse_bundle(Log(path, io.BytesIO(data), len(data), 0, len(data), b""), record)
 
 
 def _segments(manifest: dict[str, Any]) -> set[str]:
@@ -144,14 +146,9 @@ def _segments(manifest: dict[str, Any]) -> set[str]:
     return {str(ref["segment"]) for ref in refs if isinstance(ref, dict) and ref.get("segment")}
 
 
-def _log_beside(manifest_path: str) -> str:
+def _log_beside(manifest_path: str, manifest: dict[str, Any]) -> str:
     """The log a manifest JSON file's refs name (their ``segment``), found at that path or beside
     the manifest; else the only ``*.mvlog`` beside it."""
-    size = os.path.getsize(manifest_path)
-    if size > MAX_JSON:
-        raise CorruptFileError(f"{manifest_path}: a {size}-byte manifest (limit {MAX_JSON})")
-    with open(manifest_path, "rb") as f:
-        manifest = parse_json(f.read(), manifest_path)
     folder = os.path.dirname(os.path.abspath(manifest_path))
     segments = _segments(manifest)
     for segment in sorted(segments):

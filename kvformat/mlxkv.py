@@ -536,11 +536,8 @@ def _last_logits(file: BinaryIO, source: _Source, name: str) -> np.ndarray:
     return logits.reshape(-1, shape[-1]) if shape[-1] else logits.reshape(1, -1)
 
 
-def _write_layer(
-    writer: Writer, file: BinaryIO, plan: _Plan, layer: _Layer, seq_len: int, start: int = 0
-) -> None:
-    """Read one source layer and append it (one layer in memory); its positions are
-    ``start + seq_len - rows .. start + seq_len - 1`` (``start``: a block's first token)."""
+def _write_layer(writer: Writer, file: BinaryIO, plan: _Plan, layer: _Layer, seq_len: int) -> None:
+    """Read one source layer and append it (one layer in memory)."""
     spec = plan.spec
     assert spec.dtype is not None
     target = spec.dtype.numpy
@@ -551,9 +548,7 @@ def _write_layer(
                 continue
             head_k = _decode(file, k_tensor).astype(target, copy=False).reshape(rows, spec.k_dim)
             head_v = _decode(file, v_tensor).astype(target, copy=False).reshape(rows, spec.v_dim)
-            writer.append_head(
-                layer.index, h, head_k, head_v, np.arange(start + seq_len - rows, start + seq_len)
-            )
+            writer.append_head(layer.index, h, head_k, head_v, np.arange(seq_len - rows, seq_len))
         return
     assert layer.key_slab is not None and layer.value_slab is not None
     k_flat = _decode(file, layer.key_slab).astype(target, copy=False)
@@ -569,6 +564,4 @@ def _write_layer(
     if rows == 0:
         return
     for seq in range(plan.seqs):
-        writer.append(
-            layer.index, k[seq], v[seq], np.arange(start + seq_len - rows, start + seq_len), seq=seq
-        )
+        writer.append(layer.index, k[seq], v[seq], np.arange(seq_len - rows, seq_len), seq=seq)

@@ -25,11 +25,6 @@ def kind(prefix: bytes) -> str | None:
     return None
 
 
-def is_mlxkv(prefix: bytes) -> bool:
-    """Whether a file starting with ``prefix`` (its first 8 bytes or more) is an MLXKV001 file."""
-    return kind(prefix) == "mlxkv"
-
-
 def is_go_mlx(prefix: bytes) -> bool:
     """Whether a file starting with ``prefix`` is anything ``kvsnap import-mlxkv`` reads: an MLXKV001
     snapshot, a State log or a ``KVST`` container."""

@@ -71,12 +71,15 @@ class Log:
         """``what``, prefixed with the file's name unless it already names it."""
         return what if what.startswith(self.name) else f"{self.name}: {what}"
 
-    def read(self, start: int, size: int, what: str) -> bytes:
-        """``size`` bytes at log offset ``start`` (checked to lie inside the log)."""
+    def _check_span(self, start: int, size: int, what: str) -> None:
         if start < 0 or size < 0 or self.base + start + size > self.end:
             raise TruncatedFileError(
                 f"{self.label(what)} ({size} bytes at log offset {start}) runs past the end of the log"
             )
+
+    def read(self, start: int, size: int, what: str) -> bytes:
+        """``size`` bytes at log offset ``start`` (checked to lie inside the log)."""
+        self._check_span(start, size, what)
         self.file.seek(self.base + start)
         data = self.file.read(size)
         if len(data) != size:
@@ -86,10 +89,7 @@ class Log:
     def read_into(self, start: int, size: int, buffer: bytearray, what: str) -> memoryview:
         """`read` into ``buffer`` (at least ``size`` bytes; reused between calls, it spares a fresh
         allocation and its page faults per block); returns a view of the ``size`` bytes read."""
-        if start < 0 or size < 0 or self.base + start + size > self.end:
-            raise TruncatedFileError(
-                f"{self.label(what)} ({size} bytes at log offset {start}) runs past the end of the log"
-            )
+        self._check_span(start, size, what)
         view = memoryview(buffer)[:size]
         self.file.seek(self.base + start)
         if self.file.readinto(view) != size:  # type: ignore[attr-defined]

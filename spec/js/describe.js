@@ -582,7 +582,7 @@ function walk(file) {
 
 // -- materializing (section 11, 11.1; 13.1 step 8) ----------------------------------------------
 function materialize(file) {
-  const { entries, table, manifest } = file;
+  const { entries, table } = file;
   const states = [];
   entries.forEach((entry, index) => {
     const where = `snapshot ${index}`;
@@ -633,7 +633,6 @@ function materialize(file) {
     }
     states.push({ runs, queries, heads: checkRuns(runs, where), queryHeads: checkQueries(queries, table, where) });
   });
-  void manifest;
   return states;
 }
 
@@ -762,7 +761,7 @@ function positionsHash(list) {
   list.forEach((p, i) => out.writeBigInt64LE(BigInt(p), 8 * i));
   return sha(out);
 }
-function rowsOf(decoded, table, runs, bytesPerRow) {
+function rowsOf(decoded, runs, bytesPerRow) {
   return Buffer.concat(runs.map((r) => decoded[r[4]].subarray(r[5] * bytesPerRow(r[4]), (r[5] + r[6]) * bytesPerRow(r[4]))));
 }
 function layerJson(layer) {
@@ -805,11 +804,11 @@ function describe(data) {
           for (const r of kRuns) for (let p = 0; p < r[6]; p++) positions.push(r[7] + p);
           let k, v;
           if (layer.quantization) {
-            k = dequantize(rowsOf(decoded, table, kRuns, () => rowBytes(layer, K)), layer, K);
-            v = dequantize(rowsOf(decoded, table, vRuns, () => rowBytes(layer, V)), layer, V);
+            k = dequantize(rowsOf(decoded, kRuns, () => rowBytes(layer, K)), layer, K);
+            v = dequantize(rowsOf(decoded, vRuns, () => rowBytes(layer, V)), layer, V);
           } else {
-            k = rowsOf(decoded, table, kRuns, plainRow);
-            v = rowsOf(decoded, table, vRuns, plainRow);
+            k = rowsOf(decoded, kRuns, plainRow);
+            v = rowsOf(decoded, vRuns, plainRow);
           }
           heads.push({ layer: l, head: h, seq: s, n_tokens: positions.length, positions: positionsHash(positions), k: sha(k), v: sha(v) });
         }
