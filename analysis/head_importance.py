@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +35,14 @@ import numpy as np
 import kvformat
 from kvformat import attention as attention_math
 
+from . import attention_kernel, parallel
 from .catalogue import POSITION_BINS, position_bins
 from .tokens import token_ids
 
 SINKS = 4  # key positions counted as sinks
 LOCAL = 64  # positions back that count as local
 WINDOW = 256  # default recent window of `streaming_error`
+FINITE = 1e30  # a bound on |logit| under which the compiled pass may assume finite logits
 
 COLUMNS = (
     "n_queries",
@@ -129,13 +132,54 @@ def head_scores(
     spec = snap.layers[layer].queries
     if spec is None:
         raise NoQueriesError(f"layer {layer} holds no queries")
-    kv = snap.head(layer, spec.kv_heads[head], seq)
-    assert kv is not None
-    values = np.asarray(kv.v, np.float32)
     copies = tokens if isinstance(tokens, Copies) or tokens is None else copy_events(tokens, needle)
+    return _scores(snap, layer, head, _keys(snap, layer, spec.kv_heads[head], seq), seq, window, copies)
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """One KV head's keys and values as float32 ``(n_keys, dim)``, their positions, and whether
+    those increase (as caches hold them; a rotating cache may not)."""
+
+    k: np.ndarray
+    v: np.ndarray
+    positions: np.ndarray
+    ordered: bool
+    largest: float  # the largest |k| (NaN when a key holds one)
+
+
+def _keys(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) -> _Keys:
+    kv = snap.head(layer, kv_head, seq)
+    assert kv is not None
+    positions = np.ascontiguousarray(kv.positions, np.int64)
+    return _Keys(
+        np.ascontiguousarray(kv.k, np.float32),
+        np.ascontiguousarray(kv.v, np.float32),
+        positions,
+        bool(np.all(positions[1:] > positions[:-1])),
+        float(np.abs(kv.k).max(initial=0.0)),
+    )
+
+
+def _scores(
+    snap: kvformat.Snapshot,
+    layer: int,
+    head: int,
+    keys: _Keys,
+    seq: int,
+    window: int,
+    copies: Copies | None,
+) -> dict[str, Any]:
+    spec = snap.layers[layer].queries
+    assert spec is not None
     sums = _Sums()
-    for block in attention_math.blocks(snap, layer, head, seq=seq):
-        _add_block(sums, spec, block, values, window, copies)
+    found = snap.queries(layer, head, seq)
+    assert found is not None
+    q = np.asarray(found.q, np.float32)
+    add = _add_compiled if attention_kernel.AVAILABLE else _add_block
+    for start in range(0, q.shape[0], attention_math.BLOCK):
+        rows = slice(start, start + attention_math.BLOCK)
+        add(sums, spec, head, q[rows], found.positions[rows], keys, window, copies)
     n = sums.queries
     mean = (lambda total: total / n) if n else (lambda total: math.nan)
     return {
@@ -178,16 +222,112 @@ def copy_events(tokens: list[int], needle: tuple[int, int] | None = None) -> Cop
     return Copies(event, ids, low, high)
 
 
-def _add_block(
+def _add_compiled(
     sums: _Sums,
     spec: Any,
-    block: attention_math.Attention,
-    values: np.ndarray,
+    head: int,
+    q: np.ndarray,
+    p: np.ndarray,
+    keys: _Keys,
     window: int,
     copies: Copies | None,
 ) -> None:
-    w = block.weights  # float32; sums below in float64
-    p, j = block.query_positions, block.key_positions
+    """`_add_block` through `attention_kernel.block_scores`: one pass over the block's logits.
+    Only the columns a query of the block can see are multiplied, and the streaming output only
+    over the columns it keeps. Keys out of position order (a rotating cache may hold them so), or
+    logits that could overflow or hold a NaN, take the numpy path."""
+    bound = float(np.abs(q).max(initial=0.0)) * keys.largest * q.shape[1] * float(spec.scale)
+    if not (keys.ordered and bound < FINITE):  # keys out of order; NaN, inf or overflow possible
+        _add_block(sums, spec, head, q, p, keys, window, copies)
+        return
+    positions = keys.positions
+    end = int(np.searchsorted(positions, p.max(), "right"))
+    weights = q @ keys.k[:end].T  # (n, end) float32: the raw products, the weights after the call
+    rows = np.empty((len(p), attention_kernel.ROW_FIELDS))
+    sink = spec.sinks[head] if spec.sinks is not None else 0.0
+    attention_kernel.block_scores(
+        weights,
+        rows,
+        np.ascontiguousarray(p, np.int64),
+        np.ascontiguousarray(positions[:end], np.int64),
+        float(spec.scale),
+        float(spec.softcap or 0.0),
+        -1 if spec.window is None else int(spec.window),
+        int(spec.keep),
+        float(sink),
+        spec.sinks is not None,
+        SINKS,
+        LOCAL,
+        int(window),
+    )
+    k = attention_kernel
+    sums.queries += len(p)
+    sums.sink += float(rows[:, k.SINK].sum())
+    sums.local += float(rows[:, k.LOCAL].sum())
+    entropy, count = rows[:, k.ENTROPY], rows[:, k.VISIBLE]
+    sums.entropy += float(entropy.sum())
+    sums.entropy_normalized += float(np.where(count > 1, entropy / np.log(np.maximum(count, 2)), 0.0).sum())
+    sums.distance += float(rows[:, k.DISTANCE].sum())
+    full = (weights @ keys.v[:end]).astype(np.float64)
+    kept = np.zeros(full.shape)
+    for low, high in _kept_columns(positions[:end], int(p.min()), window):
+        j = positions[low:high]
+        mask = (j[None, :] < SINKS) | (p[:, None] - j[None, :] < window)
+        kept += np.where(mask, weights[:, low:high], np.float32(0)) @ keys.v[low:high]
+    denominator = rows[:, k.KEPT] + rows[:, k.SINK_SHARE]
+    _add_streaming(sums, full, kept, denominator)
+    _add_top(sums, p, positions[rows[:, k.TOP].astype(np.int64)], count > 0, copies)
+
+
+def _kept_columns(positions: np.ndarray, first_query: int, window: int) -> list[tuple[int, int]]:
+    """Column ranges ``[low, high)`` of ``positions`` (increasing) holding every key a streaming
+    head keeps for queries at ``first_query`` or later: the sinks and the recent window."""
+    sinks = int(np.searchsorted(positions, SINKS, "left"))
+    recent = int(np.searchsorted(positions, first_query - window, "right"))
+    if recent <= sinks:
+        return [(0, len(positions))]
+    return [(0, sinks), (recent, len(positions))]
+
+
+def _add_streaming(sums: _Sums, full: np.ndarray, kept: np.ndarray, denominator: np.ndarray) -> None:
+    """The streaming error's sums: the attention output ``full`` ``(n, dim)`` against the output
+    over the kept weights, ``kept`` ``(n, dim)``, renormalized by ``denominator`` ``(n,)``."""
+    streamed = kept / np.where(denominator > 0, denominator, 1.0)[:, None]
+    sums.error_sq += float(((streamed - full) ** 2).sum())
+    sums.output_sq += float((full**2).sum())
+
+
+def _add_top(sums: _Sums, p: np.ndarray, top: np.ndarray, attends: np.ndarray, copies: Copies | None) -> None:
+    """The top-1 histogram and the retrieval events and hits of queries at ``p`` whose most
+    attended key positions are ``top`` (counted where ``attends``)."""
+    sums.histogram += np.bincount(position_bins(top[attends]), minlength=POSITION_BINS)
+    if copies is None:
+        return
+    inside = p < len(copies.event)
+    event = np.zeros(len(p), bool)
+    event[inside] = copies.event[p[inside]] & attends[inside]
+    if event.any():
+        at, where = p[event], top[event]
+        produced = copies.ids[at + 1]
+        hit = (where >= copies.low) & (where < copies.high) & (where <= at) & (copies.ids[where] == produced)
+        sums.events += int(event.sum())
+        sums.hits += int(hit.sum())
+
+
+def _add_block(
+    sums: _Sums,
+    spec: Any,
+    head: int,
+    q: np.ndarray,
+    p: np.ndarray,
+    keys: _Keys,
+    window: int,
+    copies: Copies | None,
+) -> None:
+    """The numpy path (no numba): the scores of queries ``q`` at ``p`` from
+    `kvformat.attention.weights`."""
+    j = keys.positions
+    w = attention_math.weights(spec, head, q, keys.k, p, j)  # float32; sums below in float64
     seen = attention_math.visible(spec, p, j)
     back = (p[:, None] - j[None, :]).astype(np.float32)
     sums.queries += w.shape[0]
@@ -200,34 +340,30 @@ def _add_block(
     normalized = np.where(count > 1, entropy / np.log(np.maximum(count, 2)), 0.0)
     sums.entropy_normalized += float(normalized.sum())
     sums.distance += float(np.einsum("ij,ij->", w, back, dtype=np.float64))
-    attends = count > 0
-    top = j[np.argmax(w, axis=1)]
-    sums.histogram += np.bincount(position_bins(top[attends]), minlength=POSITION_BINS)
-    # Streaming: the same logits over sinks + recent keys only; a layer's own sinks (the
-    # denominator's extra term) keep their share, 1 - sum(w).
+    # Streaming: the same logits over sinks + recent keys only; a layer's own sinks keep their
+    # share of the denominator.
     kept = np.where((j[None, :] < SINKS) | (back < window), w, np.float32(0))
-    full = (w @ values).astype(np.float64)
-    denominator = kept.sum(axis=1, dtype=np.float64) + np.clip(
-        1.0 - w.sum(axis=1, dtype=np.float64), 0.0, None
-    )
-    streamed = (kept @ values) / np.where(denominator > 0, denominator, 1.0)[:, None]
-    sums.error_sq += float(((streamed - full) ** 2).sum())
-    sums.output_sq += float((full**2).sum())
-    if copies is not None:
-        inside = p < len(copies.event)
-        event = np.zeros(len(p), bool)
-        event[inside] = copies.event[p[inside]] & attends[inside]
-        if event.any():
-            at, where = p[event], top[event]
-            produced = copies.ids[at + 1]
-            hit = (
-                (where >= copies.low)
-                & (where < copies.high)
-                & (where <= at)
-                & (copies.ids[where] == produced)
-            )
-            sums.events += int(event.sum())
-            sums.hits += int(hit.sum())
+    denominator = kept.sum(axis=1, dtype=np.float64) + _sink_share(spec, head, q, keys.k, p, j)
+    _add_streaming(sums, (w @ keys.v).astype(np.float64), kept @ keys.v, denominator)
+    _add_top(sums, p, j[np.argmax(w, axis=1)], count > 0, copies)
+
+
+def _sink_share(
+    spec: Any, head: int, q: np.ndarray, k: np.ndarray, p: np.ndarray, j: np.ndarray
+) -> np.ndarray:
+    """``(n,)`` float64: the weight of the layer's own sink, ``exp(sink - m) / T`` in SPEC 10.1's
+    terms (0 without sinks). Not ``1 - sum(w)``: that is float32 rounding where the share is small."""
+    if spec.sinks is None:
+        return np.zeros(len(p))
+    logits = (np.asarray(q, np.float64) @ np.asarray(k, np.float64).T) * spec.scale
+    if spec.softcap is not None:
+        logits = spec.softcap * np.tanh(logits / spec.softcap)
+    logits = np.where(attention_math.visible(spec, p, j), logits, -np.inf)
+    sink = float(spec.sinks[head])
+    top = np.maximum(logits.max(axis=1, initial=-np.inf), sink)
+    with np.errstate(invalid="ignore"):
+        share = np.exp(sink - top) / (np.exp(logits - top[:, None]).sum(axis=1) + np.exp(sink - top))
+    return np.where(np.isfinite(share), share, 0.0)
 
 
 def attention_rows(
@@ -240,24 +376,43 @@ def attention_rows(
     storage_options: dict[str, Any] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """One row per (layer, query head) of a file with queries: ``file``, ``snapshot``, ``layer``,
-    ``head`` (the query head), ``kv_head``, then `COLUMNS`."""
+    ``head`` (the query head), ``kv_head``, then `COLUMNS`. Layers are scored on threads (one per
+    core, BLAS single-threaded; the results do not depend on the thread count), rows in order."""
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
         layers = layers_with_queries(snap)
         ids = token_ids(snap)
         tokens = copy_events(ids[seq], needle) if ids is not None and seq < len(ids) else None
-        for layer in layers:
+
+        def layer_rows(layer: int) -> list[dict[str, Any]]:
             spec = snap.layers[layer].queries
             assert spec is not None
+            keys: dict[int, _Keys] = {}  # a layer's KV heads, read once for their query heads
+            rows = []
             for head in range(spec.num_heads):
-                scores = head_scores(snap, layer, head, seq=seq, window=window, needle=needle, tokens=tokens)
-                yield {
-                    "file": os.fspath(path),
-                    "snapshot": snap.index,
-                    "layer": layer,
-                    "head": head,
-                    "kv_head": spec.kv_heads[head],
-                    **scores,
-                }
+                kv_head = spec.kv_heads[head]
+                if kv_head not in keys:
+                    keys = {kv_head: _keys(snap, layer, kv_head, seq)}
+                scores = _scores(snap, layer, head, keys[kv_head], seq, window, tokens)
+                rows.append(
+                    {
+                        "file": os.fspath(path),
+                        "snapshot": snap.index,
+                        "layer": layer,
+                        "head": head,
+                        "kv_head": kv_head,
+                        **scores,
+                    }
+                )
+            return rows
+
+        threads = min(parallel.cores(), len(layers))
+        if threads <= 1:
+            for layer in layers:
+                yield from layer_rows(layer)
+            return
+        with parallel.single_threaded_blas(), ThreadPoolExecutor(threads) as pool:
+            for rows in pool.map(layer_rows, layers):
+                yield from rows
 
 
 def attention_stats(

@@ -5,7 +5,9 @@ positions) and ``sink_mass``, and what each KV-compression method would have cos
 0.1 / 0.25 / 0.5 (`kvsnap simulate`). Also times the ``attention`` group against the ``spectrum``
 group on the same file, in the same run.
 
-    python -m benchmarks.needle [--out DIR] [--filler N]
+    python -m benchmarks.needle [--out DIR] [--filler N] [--queries all|window:W]
+
+``--filler 110 --queries window:64`` gives the issue's 8192-token case (about 8,100 prompt tokens).
 
 Writes DIR/needle.kv, DIR/attention.parquet, DIR/simulate.parquet and DIR/simulate.png.
 """
@@ -35,6 +37,9 @@ def main() -> None:
     parser.add_argument("--out", default="out/needle", help="folder for the files written")
     parser.add_argument("--filler", type=int, default=12, help="filler paragraphs on each side of the needle")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--queries", default="all", help="queries to capture: all (default), decode or window:W"
+    )
     args = parser.parse_args()
 
     from mlx_lm import load
@@ -60,7 +65,14 @@ def main() -> None:
     text = "".join(
         r.text
         for r in kvsnap.generate(
-            model, tokenizer, ids, max_tokens=12, output=path, overwrite=True, queries="all", final=True
+            model,
+            tokenizer,
+            ids,
+            max_tokens=12,
+            output=path,
+            overwrite=True,
+            queries=args.queries,
+            final=True,
         )
     )
     print(f"prompt {len(ids)} tokens, the number {number} at positions {needle[0]}..{needle[1] - 1}")

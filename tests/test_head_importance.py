@@ -307,3 +307,80 @@ def test_token_table_snapkv_score_equals_the_definition(tmp_path: Path, name: st
     k = np.ones((2, 4, 8), np.float32)
     kvformat.save(tmp_path / "plain.kv", [kvformat.Layer(k, k)])
     assert token_table(tmp_path / "plain.kv").collect()["snapkv_score"].null_count() == 8
+
+
+KERNEL_SPECS = {
+    **SPECS,
+    "softcap": QuerySpec(
+        num_heads=4, dim=8, dtype=kvformat.FLOAT32, scale=0.5, kv_heads=(0, 0, 1, 1), softcap=3.0
+    ),
+    "window-keep": QuerySpec(
+        num_heads=4, dim=8, dtype=kvformat.FLOAT32, scale=0.4, kv_heads=(0, 0, 1, 1), window=9, keep=2
+    ),
+}
+
+
+@pytest.mark.skipif(
+    not head_importance.attention_kernel.AVAILABLE,
+    reason="compiled kernel off (numba missing or KVSNAP_KERNEL=numpy)",
+)
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("name", list(KERNEL_SPECS))
+def test_compiled_pass_equals_the_numpy_path(name: str, ordered: bool) -> None:
+    """The compiled per-block pass (`attention_kernel`) gives the numpy path's sums over
+    `kvformat.attention.weights`: strong and flat logits, a query that sees no key (position
+    before the keys), a block with a NaN (it takes the numpy path: the query's weights all 0, its
+    row still counted), keys
+    in order (only the columns a block sees are multiplied) and out of order, every mask, scale,
+    softcap and sink setting of SPEC 10.1."""
+    spec = KERNEL_SPECS[name]
+    rng = np.random.default_rng(3)
+    keys_at = np.arange(0, 40) if ordered else rng.permutation(np.arange(5, 45))
+    k = (rng.standard_normal((40, 8)) * 2).astype(np.float32)
+    v = rng.standard_normal((40, 8)).astype(np.float32)
+    q = (rng.standard_normal((20, 8)) * 3).astype(np.float32)
+    q[3] = 0.0  # flat: every visible key the same weight
+    nan = q.copy()
+    nan[5, 2] = np.nan  # a block the compiled pass hands to the numpy path
+    p = np.concatenate([[2], np.arange(26, 45)]).astype(np.int64)  # position 2 sees no key
+    copies = head_importance.copy_events(rng.integers(0, 5, 50).tolist(), (0, 30))
+    keys = head_importance._Keys(k, v, keys_at, ordered, float(np.abs(k).max()))
+    for head, q in [(h, q) for h in range(4)] + [(1, nan)]:
+        compiled, reference = head_importance._Sums(), head_importance._Sums()
+        head_importance._add_compiled(compiled, spec, head, q, p, keys, 7, copies)
+        head_importance._add_block(reference, spec, head, q, p, keys, 7, copies)
+        for field in ("sink", "local", "entropy", "entropy_normalized", "distance", "error_sq", "output_sq"):
+            expected = getattr(reference, field)
+            assert getattr(compiled, field) == pytest.approx(expected, rel=2e-5, abs=1e-5), field
+        assert (compiled.queries, compiled.events, compiled.hits) == (
+            reference.queries,
+            reference.events,
+            reference.hits,
+        )
+        assert compiled.histogram.tolist() == reference.histogram.tolist()
+
+
+@pytest.mark.skipif(
+    not head_importance.attention_kernel.AVAILABLE,
+    reason="compiled kernel off (numba missing or KVSNAP_KERNEL=numpy)",
+)
+def test_compiled_exp_is_within_one_ulp() -> None:
+    """The compiled pass's own float32 ``exp`` (a polynomial, so its loops vectorize) against
+    float64 ``exp`` over two million points of the range it serves, ``[-87.3, 0]``; 0 below."""
+    import numba
+
+    exp = head_importance.attention_kernel._exp
+
+    @numba.njit
+    def apply(d: np.ndarray, out: np.ndarray) -> None:
+        for i in range(d.shape[0]):
+            out[i] = exp(d[i])
+
+    d = np.linspace(-87.3, 0, 2_000_001).astype(np.float32)
+    out = np.empty_like(d)
+    apply(d, out)
+    true = np.exp(d.astype(np.float64))
+    ulp = np.spacing(true.astype(np.float32)).astype(np.float64)
+    assert (np.abs(out - true) / ulp).max() <= 1.0
+    apply(np.array([-88.0, -100.0, -1e30], np.float32), out[:3])
+    assert out[:3].tolist() == [0.0, 0.0, 0.0]

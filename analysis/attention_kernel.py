@@ -1,0 +1,218 @@
+"""The compiled pass behind the ``attention`` statistics group (numba): one walk over a block of
+queries' logits that applies SPEC 10.1's scale, softcap, mask and sinks, takes the softmax, and
+adds up every per-query score `head_importance` reports, with no ``(n_queries, n_keys)``
+temporaries beyond the weights themselves.
+
+`block_scores` takes the raw products ``q . k`` of a block (BLAS, float32) and overwrites them
+with the softmax weights (float32, exactly 0 where masked) and fills ``rows``
+``(n_queries, ROW_FIELDS)`` float64 per query:
+
+- ``SINK``, ``LOCAL``: the weight on key positions ``< sinks`` and on visible keys less than
+  ``local`` positions back;
+- ``ENTROPY`` (nats) from the identity ``log w_j = (x_j - m) - log T`` (``x`` the logit, ``m``
+  the row's maximum, ``T`` the softmax denominator): no logarithm per key;
+- ``VISIBLE``: how many keys the query sees; ``DISTANCE``: ``sum w_j (p - j)``;
+- ``TOP``: the column of the largest weight (the first one on ties; 0 when every weight is 0);
+- ``KEPT``: the sum of the weights a streaming head keeps (key positions ``< sinks`` or less
+  than ``stream_window`` back); ``SINK_SHARE``: the share of the layer's own sink
+  (``exp(sink - m) / T``, 0 without sinks): a streaming head keeps it too.
+
+The keys must be in position order (as caches hold them), so that what a query sees is at most
+two column ranges found by binary search, and every masked sum is a sum over ranges. The
+arithmetic per key is float32 as the attention kernels compute it (the sums in float64), in
+loops over those ranges that LLVM vectorizes: the scaled logits and their maximum, the
+exponentials (`_exp`, a polynomial within 1 ulp) with their sums, and the division. It agrees
+with `kvformat.attention.weights` to float32 rounding, which the tests hold it to; the largest
+weight is taken as the largest logit (they differ only where two weights round to one float32).
+The passes assume finite logits: the caller sends blocks whose keys are out of order, or whose
+logits could overflow or hold a NaN or inf, down the numpy path. Without numba (`AVAILABLE`
+false) only the numpy path runs. Measured in `benchmarks/RESULTS.md` (the needle runs).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+try:
+    import numba
+except ImportError:  # pragma: no cover - exercised where numba is absent
+    numba = None  # type: ignore[assignment]
+
+AVAILABLE = numba is not None and os.environ.get("KVSNAP_KERNEL", "compiled") != "numpy"
+
+SINK, LOCAL, ENTROPY, VISIBLE, DISTANCE, TOP, KEPT, SINK_SHARE = range(8)
+ROW_FIELDS = 8
+
+
+def _exp(d: np.float32) -> np.float32:
+    """``exp(d)`` in float32 for ``d <= 0`` (Cephes ``expf``: range reduction by ln 2, a degree-6
+    polynomial, the power of two built from its bits; within 1 ulp of the true value), 0 below
+    float32's normal range. Plain arithmetic, so a loop calling it vectorizes."""
+    x = np.float32(max(d, np.float32(-87.33654)))
+    n = np.rint(x * np.float32(1.442695041))
+    r = x - n * np.float32(0.693359375) - n * np.float32(-2.12194440e-4)
+    poly = np.float32(1.9875691500e-4)
+    poly = poly * r + np.float32(1.3981999507e-3)
+    poly = poly * r + np.float32(8.3334519073e-3)
+    poly = poly * r + np.float32(4.1665795894e-2)
+    poly = poly * r + np.float32(1.6666665459e-1)
+    poly = poly * r + np.float32(5.0000001201e-1)
+    value = poly * r * r + r + np.float32(1.0)
+    scale = np.int32((np.int32(n) + np.int32(127)) << np.int32(23)).view(np.float32)
+    return value * scale if d >= np.float32(-87.33654) else np.float32(0.0)
+
+
+# The helpers below take a range of a row as a slice and loop from 0: with a loop start numba
+# cannot prove non-negative, every index gets a negative-index check and nothing vectorizes.
+
+
+def _largest(values: np.ndarray, top: np.float32) -> np.float32:
+    """The largest of ``top`` and ``values`` (finite float32), taken on the floats' bits as
+    order-preserving integers: an integer max vectorizes where a float one does not."""
+    bits = values.view(np.int32)
+    shift, magnitude = np.int32(31), np.int32(0x7FFFFFFF)
+    start = np.float32(top).view(np.int32)
+    best = np.int32(start ^ ((start >> shift) & magnitude))
+    for c in range(bits.shape[0]):
+        v = bits[c]
+        best = np.int32(max(best, np.int32(v ^ ((v >> shift) & magnitude))))
+    return np.int32(best ^ ((best >> shift) & magnitude)).view(np.float32)
+
+
+def _first(values: np.ndarray, value: np.float32) -> int:
+    """The index of the first of ``values`` equal to ``value``, else -1."""
+    for c in range(values.shape[0]):
+        if values[c] == value:
+            return c
+    return -1
+
+
+def _exponentials(values: np.ndarray, top: np.float32, positions: np.ndarray) -> tuple[float, float, float]:
+    """``values`` (logits) become ``exp(logit - top)``; returns the sums of ``e``, of ``e (logit -
+    top)`` and of ``e j`` (``positions``: the keys' positions as float64)."""
+    total = 0.0
+    weighted = 0.0
+    moment = 0.0
+    for c in range(values.shape[0]):
+        d = values[c] - top
+        e = _exp(d)
+        values[c] = e
+        e64 = np.float64(e)
+        total += e64
+        weighted += e64 * np.float64(d)
+        moment += e64 * positions[c]
+    return total, weighted, moment
+
+
+def _sum(values: np.ndarray) -> float:
+    total = 0.0
+    for c in range(values.shape[0]):
+        total += np.float64(values[c])
+    return total
+
+
+def _scale(values: np.ndarray, scale: float, softcap: float) -> None:
+    """``values`` (raw products) become logits: times ``scale``, then capped when ``softcap > 0``."""
+    scale32 = np.float32(scale)
+    for c in range(values.shape[0]):
+        values[c] *= scale32
+    if softcap > 0:
+        cap = np.float32(softcap)
+        for c in range(values.shape[0]):
+            values[c] = cap * np.float32(math.tanh(values[c] / cap))
+
+
+def _divide(values: np.ndarray, total: np.float32) -> None:
+    for c in range(values.shape[0]):
+        values[c] = values[c] / total
+
+
+def _block_scores(
+    logits: np.ndarray,
+    rows: np.ndarray,
+    query_positions: np.ndarray,
+    key_positions: np.ndarray,
+    scale: float,
+    softcap: float,
+    window: int,
+    keep: int,
+    sink: float,
+    has_sink: bool,
+    sinks: int,
+    local: int,
+    stream_window: int,
+) -> None:
+    """See the module docstring. ``logits`` ``(n, m)`` float32, finite; ``rows`` ``(n,
+    ROW_FIELDS)`` float64; ``key_positions`` ``(m,)`` int64, increasing; ``softcap`` 0 for none;
+    ``window`` -1 for no sliding window.
+
+    The keys being in order, what a query at ``p`` sees is at most two column ranges, ``[0,
+    early)`` and ``[late, end)`` (``end``: keys at ``j <= p``; with a window, ``early``: keys at
+    ``j < keep``, ``late``: keys less than ``window - keep`` back), found by binary search; every
+    sum over a mask of SPEC 10.1 or of the scores is a sum over such ranges."""
+    n = logits.shape[0]
+    as_float = key_positions.astype(np.float64)
+    sink_end = np.searchsorted(key_positions, sinks, "left")
+    for i in range(n):
+        p = query_positions[i]
+        row = logits[i]
+        out = rows[i]
+        out[:] = 0.0
+        end = np.searchsorted(key_positions, p, "right")
+        early, late = end, end
+        if window >= 0:
+            early = min(np.searchsorted(key_positions, keep, "left"), end)
+            late = max(np.searchsorted(key_positions, p - (window - keep), "right"), early)
+        row[early:late] = 0.0
+        row[end:] = 0.0
+        first, second = row[:early], row[late:end]  # what the query sees
+        _scale(first, scale, softcap)
+        _scale(second, scale, softcap)
+        visible = early + (end - late)
+        out[VISIBLE] = visible
+        top = _largest(second, _largest(first, MASKED))
+        best = _first(first, top)
+        out[TOP] = best if best >= 0 else max(late + _first(second, top), 0)
+        if has_sink:
+            top = max(top, np.float32(sink))
+        if not visible and not has_sink:
+            continue
+        total, weighted, moment = _exponentials(first, top, as_float[:early])
+        more = _exponentials(second, top, as_float[late:end])
+        total, weighted, moment = total + more[0], weighted + more[1], moment + more[2]
+        share = np.float64(_exp(np.float32(sink) - top)) if has_sink else 0.0
+        total32 = np.float32(total + share)
+        _divide(first, total32)
+        _divide(second, total32)
+        inverse = 1.0 / np.float64(total32)
+        recent = max(np.searchsorted(key_positions, p - stream_window, "right"), min(sink_end, end))
+        near = np.searchsorted(key_positions, p - local, "right")
+        out[SINK] = _sum(row[: min(sink_end, end)])
+        out[LOCAL] = _sum(row[near:end])
+        out[KEPT] = out[SINK] + _sum(row[recent:end])
+        out[DISTANCE] = (p * total - moment) * inverse
+        # -sum w log w with log w = (x - top) - log T: no logarithm per key.
+        out[ENTROPY] = -weighted * inverse + math.log(np.float64(total32)) * total * inverse
+        out[SINK_SHARE] = share * inverse
+
+
+MASKED = np.float32(-3.0e38)
+"""Below every logit the pass sees (they are finite and bounded by the caller)."""
+
+# The logits are finite (`block_scores`' caller bounds them), so the passes may take the
+# fast-math liberties that let LLVM vectorize their float64 sums.
+_FLAGS = {"nnan", "ninf", "nsz", "reassoc", "contract"}
+if numba is not None:
+    _exp = numba.njit(cache=True, nogil=True, fastmath=_FLAGS, inline="always")(_exp)
+    _largest = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_largest)
+    _first = numba.njit(cache=True, nogil=True)(_first)
+    _exponentials = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_exponentials)
+    _sum = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_sum)
+    _scale = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_scale)
+    _divide = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_divide)
+    block_scores = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_block_scores)
+else:  # pragma: no cover
+    block_scores = _block_scores
