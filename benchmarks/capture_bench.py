@@ -251,12 +251,18 @@ def generation_overhead(
     for _ in range(2):  # warm up both (the first runs of a process are slow and erratic on CUDA)
         plain()
         captured()
-    if os.environ.get("KVSNAP_BENCH_PROFILE"):
-        print(f"    generating thread, one captured run: {profile_snapshots(captured)}", flush=True)
     plain_s, captured_s = [], []
     for _ in range(runs):
         plain_s.append(best_of(1, plain))
         captured_s.append(best_of(1, captured))
+    if os.environ.get("KVSNAP_BENCH_PROFILE"):
+        snapshots = tokens // every if every else 1
+        print(f"    one captured run: {profile_snapshots(captured)}", flush=True)
+        for _ in range(2):
+            line = profile_snapshots(
+                captured, snapshots, float(np.median(plain_s)) / tokens * (every or tokens)
+            )
+            print(f"    per snapshot: {line}", flush=True)
     ratios = np.array(captured_s) / np.array(plain_s)
     print(
         f"    {variant or 'default'} every={every}: pair overheads "
@@ -271,18 +277,36 @@ def generation_overhead(
     return float(np.median(plain_s)), float(np.median(plain_s)) * ratio
 
 
-def profile_snapshots(run: Any) -> str:
+def profile_snapshots(run: Any, snapshots: int = 0, decode_between: float = 0.0) -> str:
     """Where one captured run's snapshot time goes: in the generating thread (taking snapshots,
-    waiting for a full queue, closing) and on the writer thread (jobs)."""
+    and within that reading the cache's deltas, taking the queries and starting the transfer;
+    the query hook at every attention call; waiting for a full queue; closing) and on the writer
+    thread (jobs). Returns one line; the generating thread's total is ``take + query hook +
+    queue wait + close`` (``take`` includes its parts and the queue wait). With ``snapshots``
+    and ``decode_between`` (plain decode seconds between two snapshots): the generating thread's
+    time per snapshot while generating (``take + query hook``, not the close) and its share of
+    ``decode_between``."""
     import sys
 
     import kvsnap.capture.background as background
+    import kvsnap.capture.deltas as deltas
+    import kvsnap.capture.queries as queries
 
     generate_module = sys.modules["kvsnap.capture.generate"]  # the package exports a function of that name
 
-    spent: dict[str, float] = {"take": 0.0, "queue wait": 0.0, "close": 0.0, "writer jobs": 0.0}
-    snapshots_class, writer_class = generate_module._Snapshots, background.BackgroundWriter
-    originals = (snapshots_class.take, snapshots_class.close, writer_class.submit)
+    spent: dict[str, float] = dict.fromkeys(
+        ("take", "deltas", "queries", "transfer", "query hook", "queue wait", "close", "writer jobs"), 0.0
+    )
+    patched = [
+        (generate_module._Snapshots, "take", "take"),
+        (generate_module._Snapshots, "close", "close"),
+        (deltas.CacheTracker, "read", "deltas"),
+        (queries.QueryRecorder, "take", "queries"),
+        (queries.QueryRecorder, "_keep", "query hook"),
+        (background.Transfer, "__init__", "transfer"),
+    ]
+    originals = [getattr(owner, attribute) for owner, attribute, _ in patched]
+    submit_original = background.BackgroundWriter.submit
 
     def timed(name: str, fn: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -295,18 +319,34 @@ def profile_snapshots(run: Any) -> str:
         return wrapper
 
     def submit(self: Any, job: Any) -> None:
-        originals[2](self, timed("writer jobs", job))
+        submit_original(self, timed("writer jobs", job))
 
-    snapshots_class.take = timed("take", originals[0])  # type: ignore[method-assign]
-    snapshots_class.close = timed("close", originals[1])  # type: ignore[method-assign]
-    writer_class.submit = timed("queue wait", submit)  # type: ignore[method-assign]
+    for (owner, attribute, name), original in zip(patched, originals, strict=True):
+        setattr(owner, attribute, timed(name, original))
+    background.BackgroundWriter.submit = timed("queue wait", submit)  # type: ignore[method-assign]
     start = time.perf_counter()
     try:
         run()
     finally:
-        snapshots_class.take, snapshots_class.close, writer_class.submit = originals  # type: ignore[method-assign]
+        for (owner, attribute, _), original in zip(patched, originals, strict=True):
+            setattr(owner, attribute, original)
+        background.BackgroundWriter.submit = submit_original  # type: ignore[method-assign]
     total = time.perf_counter() - start
-    return f"run {total:.3f} s; " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in spent.items())
+    if snapshots:
+        each = (spent["take"] + spent["query hook"]) / snapshots
+        writer = spent["writer jobs"] / snapshots
+        return (
+            f"generating thread {each * 1e3:.2f} ms = {100 * each / decode_between:.2f}% of the "
+            f"{decode_between * 1e3:.1f} ms decode between snapshots (take "
+            f"{spent['take'] / snapshots * 1e3:.2f}, "
+            f"query hook {spent['query hook'] / snapshots * 1e3:.2f}); "
+            f"writer thread {writer * 1e3:.2f} ms; close {spent['close'] * 1e3:.1f} ms once"
+        )
+    thread = spent["take"] + spent["query hook"] + spent["close"]
+    return (
+        f"run {total:.3f} s; generating thread {thread * 1e3:.0f} ms ({100 * thread / total:.1f}%): "
+        + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in spent.items())
+    )
 
 
 def one_shot_rows(context: int, lines: list[str], tmp: Path) -> None:

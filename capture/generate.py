@@ -154,13 +154,14 @@ class _Snapshots:
             self._take_file(generated, tokens, pieces, base_text, logits)
             return
         metadata: dict[str, Any] = {"generated": generated}
+        # Token ids are copied here; their pieces are decoded on the writer thread.
         if self.series is None and self.taken == 0:
-            metadata["tokens"] = [list(tokens)]
-            metadata["token_pieces"] = [token_pieces(self.tokenizer, tokens)]
+            new_tokens, pieces_key = list(tokens), "token_pieces"
+            metadata["tokens"] = [new_tokens]
             metadata["text"] = [base_text + "".join(pieces)]
         else:  # SPEC 15.3: what was added since the previous snapshot
-            metadata["tokens_appended"] = [tokens[self._tokens_written :]]
-            metadata["token_pieces_appended"] = [token_pieces(self.tokenizer, tokens[self._tokens_written :])]
+            new_tokens, pieces_key = tokens[self._tokens_written :], "token_pieces_appended"
+            metadata["tokens_appended"] = [new_tokens]
             metadata["text_appended"] = ["".join(pieces[self._text_written :])]
         self._tokens_written, self._text_written = len(tokens), len(pieces)
         deltas = self.tracker.read(self.prompt_cache)
@@ -196,6 +197,7 @@ class _Snapshots:
         with_logits = logits is not None
 
         def write() -> None:
+            metadata[pieces_key] = [token_pieces(self.tokenizer, new_tokens)]
             host = transfer.to_host()
             last = host.pop() if with_logits else None
             if queries:
