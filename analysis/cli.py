@@ -12,6 +12,7 @@ from .commands.common import (
     check_outputs,
     common_options,
     force_option,
+    kept,
     keys_option,
     layer_head,
     method,
@@ -135,6 +136,13 @@ def register(sub: Any) -> None:
         "--token-labels",
         action="store_true",
         help="label positions with their tokens (if the file records them)",
+    )
+    p.add_argument(
+        "--kept",
+        type=kept,
+        metavar="METHOD:BUDGET",
+        help="with --attention: shade the keys an eviction method (streaming, snapkv, h2o, random) "
+        "would evict at that budget, as 'kvsnap simulate' chooses them, e.g. snapkv:0.25",
     )
     stats_option(p)
     force_option(p)

@@ -39,7 +39,7 @@ import numpy as np
 import kvformat
 from kvformat.attention import weights as attention_weights
 
-from .head_importance import layers_with_queries, query_layers
+from .head_importance import NoQueriesError, layers_with_queries, query_layers
 
 EVICTION = ("streaming", "snapkv", "h2o", "random")
 QUANTIZATION = {
@@ -204,6 +204,38 @@ def snapkv_scores(
                 full[prompt] = scores
                 out[(seq, layer, kv_head)] = (heads[0].k_positions, full)
     return out
+
+
+def kept_mask(
+    snap: kvformat.Snapshot,
+    layer: int,
+    head: int,
+    method: str,
+    budget: float,
+    *,
+    seq: int = 0,
+    window: int = OBSERVATION,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The keys of query head ``head``'s KV head that eviction ``method`` keeps at ``budget``, as
+    `simulate` chooses them: ``(key positions (n_keys,), kept (n_keys,) bool)``. ``random``
+    draws from ``default_rng(seed)`` for this head alone (`simulate` draws once per file)."""
+    if method not in EVICTION:
+        raise ValueError(f"{method!r} is not an eviction method: one of {', '.join(EVICTION)}")
+    if not 0 < budget <= 1:
+        raise ValueError(f"budget {budget} is not in (0, 1]")
+    spec = snap.layers[layer].queries
+    if spec is None:
+        raise NoQueriesError(f"layer {layer} holds no queries")
+    if not 0 <= head < spec.num_heads:
+        raise ValueError(f"query head {head} is not in layer {layer} (it has {spec.num_heads})")
+    heads = _group_heads(snap, layer, spec.kv_heads[head], seq)
+    end = prompt_end(snap)
+    stop = end if end is not None else int(heads[0].q_positions.min(initial=0))
+    scores = _group_scores(heads, stop, window) if method in ("snapkv", "h2o") else {}
+    rng = np.random.default_rng(seed)
+    positions = heads[0].k_positions
+    return positions, kept_keys(method, budget, positions, stop, scores, rng, window)
 
 
 def _group_heads(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) -> list[_Head]:

@@ -384,3 +384,36 @@ def test_compiled_exp_is_within_one_ulp() -> None:
     assert (np.abs(out - true) / ulp).max() <= 1.0
     apply(np.array([-88.0, -100.0, -1e30], np.float32), out[:3])
     assert out[:3].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_kept_keys_overlay_on_the_attention_map(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``plot --attention L:H --kept METHOD:BUDGET``: `compression.kept_mask` is what `simulate`
+    keeps (streaming at 0.25 of 36 prompt keys: the 4 sinks and the last 5 prompt keys, every
+    generated key; at budget 1 every key; snapkv keeps exactly ``round(budget * 36)`` prompt
+    keys); the PNG is written; ``--kept`` without ``--attention`` and a bad value are one-line
+    errors, exit 2."""
+    from kvformat.cli import main
+    from kvsnap.analysis.compression import kept_mask
+
+    path = tmp_path / "a.kv"
+    _write(path, SPECS["causal"])
+    with kvformat.open(path) as snap:
+        positions, keep = kept_mask(snap, 0, 1, "streaming", 0.25)
+        expected = (
+            (positions < 4) | ((positions >= PROMPT - 5) & (positions < PROMPT)) | (positions >= PROMPT)
+        )
+        assert positions.tolist() == list(range(POSITIONS)) and keep.tolist() == expected.tolist()
+        assert kept_mask(snap, 0, 1, "h2o", 1.0)[1].all()
+        snapkv = kept_mask(snap, 0, 2, "snapkv", 0.25)[1]
+        assert snapkv[:PROMPT].sum() == round(0.25 * PROMPT) and snapkv[PROMPT:].all()
+        with pytest.raises(ValueError, match="eviction method"):
+            kept_mask(snap, 0, 1, "kivi4", 0.5)
+    png = tmp_path / "map.png"
+    assert main(["plot", str(path), "--attention", "0:1", "--kept", "streaming:0.25", "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", str(path), "--kept", "streaming:0.25", "-o", str(tmp_path / "b.png")]) == 2
+    assert "--kept shades an attention map" in capsys.readouterr().err
+    for bad in ("streaming", "kivi4:0.5", "snapkv:0", "snapkv:x"):
+        with pytest.raises(SystemExit) as refused:
+            main(["plot", str(path), "--attention", "0:1", "--kept", bad, "-o", str(tmp_path / "c.png")])
+        assert refused.value.code == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any
 
@@ -133,6 +134,23 @@ def layer_head(text: str) -> tuple[int, int]:
     if not sep or not layer.isdigit() or not head.isdigit():
         raise argparse.ArgumentTypeError(f"{text!r}: give a layer and a query head as L:H, e.g. 3:1")
     return int(layer), int(head)
+
+
+def kept(text: str) -> tuple[str, float]:
+    """argparse type: ``METHOD:BUDGET``, an eviction method of `simulate` and a fraction in (0, 1]."""
+    from ..compression import EVICTION
+
+    name, sep, budget = text.partition(":")
+    try:
+        fraction = float(budget)
+    except ValueError:
+        fraction = math.nan
+    if not sep or name not in EVICTION or not 0 < fraction <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give an eviction method ({', '.join(EVICTION)}) and a budget in (0, 1], "
+            "e.g. snapkv:0.25"
+        )
+    return name, fraction
 
 
 def method(text: str) -> str:

@@ -20,6 +20,9 @@ def plot_command(args: argparse.Namespace) -> int:
 
     if args.attention is not None:
         return _attention_map(args)
+    if getattr(args, "kept", None) is not None:
+        print("kvsnap: error: --kept shades an attention map: give it with --attention L:H", file=sys.stderr)
+        return 2
     if args.stat in SCALARS:
         return _attention_stat_plot(args)
     import matplotlib
@@ -212,6 +215,11 @@ def _attention_map(args: argparse.Namespace) -> int:
     layer, head = args.attention
     with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
         found = snap.attention(layer, head)
+        evicted = None
+        if args.kept is not None:
+            from ..compression import kept_mask
+
+            evicted = kept_mask(snap, layer, head, *args.kept)
         generated = snap.snapshot_metadata.get("generated")
         seq_len = snap.seq_len
         pieces = token_pieces(snap)
@@ -241,6 +249,16 @@ def _attention_map(args: argparse.Namespace) -> int:
         axis.axhline(boundary, color="cyan", ls="--", lw=1)
         axis.annotate("prompt | generated", (boundary, 0), xycoords=("data", "axes fraction"),
                       color="cyan", ha="center", va="bottom", fontsize=8)  # fmt: skip
+    if evicted is not None:
+        method, fraction = args.kept
+        key_positions, keep = evicted
+        _kept_strip(axis, key_positions, keep)
+        axis.set_title(
+            axis.get_title() + f"\nstrip above: the {int(keep.sum())} of {keep.size} keys {method} keeps at "
+            f"budget {fraction:g} (light), evicted (dark)",
+            fontsize=10,
+            pad=18,
+        )
     if args.token_labels and pieces is not None:
         _map_token_ticks(axis, pieces[0], found.key_positions, found.query_positions)
     figure.tight_layout()
@@ -250,6 +268,21 @@ def _attention_map(args: argparse.Namespace) -> int:
         f"wrote {args.output}: layer {layer} query head {head}, {weights.shape[0]} x {weights.shape[1]} map"
     )
     return 0
+
+
+def _kept_strip(axis: Any, positions: Any, keep: Any) -> None:
+    """A strip above the map over the same key axis: kept keys light, evicted keys dark (the map
+    itself stays unshaded, readable at any budget)."""
+    import numpy as np
+
+    low, high = int(positions.min()), int(positions.max())
+    row = np.full(high - low + 1, np.nan)
+    row[positions - low] = keep.astype(float)
+    strip = axis.inset_axes((0.0, 1.01, 1.0, 0.035), sharex=axis)
+    strip.imshow(row[None, :], aspect="auto", cmap="Greys_r", vmin=-0.4, vmax=1.0,
+                 interpolation="nearest", extent=(low - 0.5, high + 0.5, 0, 1))  # fmt: skip
+    strip.set_yticks([])
+    strip.tick_params(axis="x", labelbottom=False, bottom=False)
 
 
 def _map_token_ticks(axis: Any, labels: list[str], keys: Any, queries: Any) -> None:
