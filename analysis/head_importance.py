@@ -35,7 +35,7 @@ import numpy as np
 import kvformat
 from kvformat import attention as attention_math
 
-from . import attention_kernel, parallel
+from . import parallel
 from .catalogue import POSITION_BINS, position_bins
 from .tokens import token_ids
 
@@ -176,7 +176,7 @@ def _scores(
     found = snap.queries(layer, head, seq)
     assert found is not None
     q = np.asarray(found.q, np.float32)
-    add = _add_compiled if attention_kernel.AVAILABLE else _add_block
+    add = _add_compiled if _compiled_available() else _add_block
     for start in range(0, q.shape[0], attention_math.BLOCK):
         rows = slice(start, start + attention_math.BLOCK)
         add(sums, spec, head, q[rows], found.positions[rows], keys, window, copies)
@@ -222,6 +222,14 @@ def copy_events(tokens: list[int], needle: tuple[int, int] | None = None) -> Cop
     return Copies(event, ids, low, high)
 
 
+def _compiled_available() -> bool:
+    """Whether the compiled pass can run (imports numba: only once attention is computed, so a
+    ``kvsnap stats`` that never scores attention does not pay for it)."""
+    from . import attention_kernel
+
+    return bool(attention_kernel.AVAILABLE)
+
+
 def _add_compiled(
     sums: _Sums,
     spec: Any,
@@ -243,6 +251,8 @@ def _add_compiled(
     positions = keys.positions
     end = int(np.searchsorted(positions, p.max(), "right"))
     weights = q @ keys.k[:end].T  # (n, end) float32: the raw products, the weights after the call
+    from . import attention_kernel  # numba: imported only when attention is computed
+
     rows = np.empty((len(p), attention_kernel.ROW_FIELDS))
     sink = spec.sinks[head] if spec.sinks is not None else 0.0
     attention_kernel.block_scores(

@@ -14,8 +14,8 @@ import pytest
 
 import kvformat
 from kvformat.manifest import QuerySpec
+from kvsnap.analysis import attention_kernel, head_importance
 from kvsnap.analysis import compression as simulate
-from kvsnap.analysis import head_importance
 from kvsnap.analysis.catalogue import POSITION_BINS, position_bins
 
 POSITIONS = 48
@@ -321,7 +321,7 @@ KERNEL_SPECS = {
 
 
 @pytest.mark.skipif(
-    not head_importance.attention_kernel.AVAILABLE,
+    not attention_kernel.AVAILABLE,
     reason="compiled kernel off (numba missing or KVSNAP_KERNEL=numpy)",
 )
 @pytest.mark.parametrize("ordered", [True, False])
@@ -361,7 +361,7 @@ def test_compiled_pass_equals_the_numpy_path(name: str, ordered: bool) -> None:
 
 
 @pytest.mark.skipif(
-    not head_importance.attention_kernel.AVAILABLE,
+    not attention_kernel.AVAILABLE,
     reason="compiled kernel off (numba missing or KVSNAP_KERNEL=numpy)",
 )
 def test_compiled_exp_is_within_one_ulp() -> None:
@@ -369,7 +369,7 @@ def test_compiled_exp_is_within_one_ulp() -> None:
     float64 ``exp`` over two million points of the range it serves, ``[-87.3, 0]``; 0 below."""
     import numba
 
-    exp = head_importance.attention_kernel._exp
+    exp = attention_kernel._exp
 
     @numba.njit
     def apply(d: np.ndarray, out: np.ndarray) -> None:

@@ -386,14 +386,15 @@ def test_small_passes_run_on_numpy_and_agree_with_the_compiled_kernel(
         elif compiled[column].dtype.is_numeric() or compiled[column].dtype == pl.String:
             assert small[column].to_list() == compiled[column].to_list(), column
     code = (
-        "import sys; from kvformat.cli import main; main(['stats', sys.argv[1]]); "
+        "import sys; from kvformat.cli import main; main(['stats', *sys.argv[1:]]); "
         "print('numba' in sys.modules)"
     )
-    fresh = subprocess.run(
-        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=300
-    )
-    assert fresh.returncode == 0, fresh.stderr
-    assert fresh.stdout.strip().splitlines()[-1] == "False"
+    for extra in ([], ["-o", str(tmp_path / "out.parquet")]):  # -o checks --stat names first
+        fresh = subprocess.run(
+            [sys.executable, "-c", code, str(path), *extra], capture_output=True, text=True, timeout=300
+        )
+        assert fresh.returncode == 0, fresh.stderr
+        assert fresh.stdout.strip().splitlines()[-1] == "False", extra
 
 
 def test_every_sum_of_an_accumulator_is_declared_once_in_the_catalogue() -> None:
