@@ -58,8 +58,27 @@ def main() -> None:
             mx.eval(joined)
             launch.append(middle - start)
             wait.append(time.perf_counter() - middle)
+        # The pieces as generation makes them: on mlx-lm's own stream, then joined on the default
+        # stream (a cross-stream dependency per piece) or on that same stream.
+        other = mx.new_stream(mx.default_device())
+        with mx.stream(other):
+            made = [piece * 1 for piece in pieces]
+        mx.eval(made)
+        cross = []
+        for stream in (mx.default_stream(mx.default_device()), other):
+            times = []
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                with mx.stream(stream):
+                    joined_there = mx.concatenate(made, axis=2)
+                    mx.async_eval(joined_there)
+                times.append(time.perf_counter() - start)
+                mx.eval(joined_there)
+            cross.append(statistics.median(times))
         line = (
-            f"N={count:4d} concatenate: build+launch {statistics.median(launch) * 1e3:.3f} ms "
+            f"N={count:4d} pieces from another stream, joined on the default stream "
+            f"{cross[0] * 1e3:.3f} ms, on theirs {cross[1] * 1e3:.3f} ms; "
+            f"concatenate: build+launch {statistics.median(launch) * 1e3:.3f} ms "
             f"(per piece {statistics.median(launch) / count * 1e6:.1f} us), "
             f"wait {statistics.median(wait) * 1e3:.3f} ms"
         )
