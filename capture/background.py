@@ -26,23 +26,36 @@ DEFAULT_MAX_PENDING = 4
 
 class Transfer:
     """mlx arrays copied on the device into one flat buffer per dtype and evaluated without
-    waiting; `to_host` returns numpy copies of the original shapes (in the original order)."""
+    waiting; `to_host` returns numpy copies of the original shapes (in the original order).
+
+    Arrays of one shape (a snapshot's K/V deltas: every layer's ``(batch, heads, new, dim)``)
+    are joined by one ``mx.concatenate`` along their first axis, which reads strided slices of
+    the cache directly; flattening each first would copy every strided slice once more. On CUDA
+    every input is a copy kernel launched from the generating thread (`benchmarks/RESULTS.md`),
+    so the launches are what this saves."""
 
     def __init__(self, arrays: list[mx.array]) -> None:
-        groups: dict[Any, list[int]] = {}
+        groups: dict[Any, dict[tuple[int, ...], list[int]]] = {}
         for index, array in enumerate(arrays):
-            groups.setdefault(array.dtype, []).append(index)
+            groups.setdefault(array.dtype, {}).setdefault(tuple(array.shape), []).append(index)
         self._places: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, ())] * len(arrays)
         self._flats: list[mx.array] = []
-        for members in groups.values():
-            parts = [arrays[i].reshape(-1) for i in members]
+        for by_shape in groups.values():
+            parts: list[mx.array] = []
+            offset = 0
+            for shape, members in by_shape.items():
+                size = arrays[members[0]].size
+                if len(members) == 1 or not shape:
+                    parts.extend(arrays[i].reshape(-1) for i in members)
+                else:  # one after another along the first axis: contiguous, the flat view is free
+                    parts.append(mx.concatenate([arrays[i] for i in members], axis=0).reshape(-1))
+                for i in members:
+                    self._places[i] = (len(self._flats), offset, shape)
+                    offset += size
             # Always a new buffer (a lone part might otherwise be a view of the cache, whose
             # rotating slots are overwritten later).
-            parts.append(mx.zeros((0,), arrays[members[0]].dtype))
-            offset = 0
-            for i in members:
-                self._places[i] = (len(self._flats), offset, tuple(arrays[i].shape))
-                offset += arrays[i].size
+            dtype = arrays[next(iter(by_shape.values()))[0]].dtype
+            parts.append(mx.zeros((0,), dtype))
             self._flats.append(mx.concatenate(parts))
         mx.async_eval(self._flats)
         self.nbytes = sum(f.nbytes for f in self._flats)

@@ -128,6 +128,13 @@ def test_transfer_keeps_shapes_order_and_dtypes() -> None:
         mx.arange(6).astype(mx.bfloat16).reshape(1, 1, 3, 2),
         mx.arange(4, dtype=mx.uint32).reshape(1, 1, 2, 2),
         mx.arange(8, dtype=mx.float32).reshape(2, 4)[:, 1:3],  # a strided view
+        # Several of one shape (joined along their first axis), strided slices among them, and
+        # a scalar; interleaved with the others so the original order must be restored.
+        mx.arange(48, dtype=mx.float32).reshape(1, 2, 6, 4)[:, :, 2:5, 1:3],
+        mx.arange(12, dtype=mx.float32).reshape(1, 2, 3, 2) + 100,
+        mx.array(7.5, dtype=mx.float32),
+        mx.arange(60, dtype=mx.float32).reshape(1, 2, 5, 6)[:, :, 1:4, ::3],
+        mx.arange(6).astype(mx.bfloat16).reshape(1, 1, 3, 2) * 2,
     ]
     host = Transfer(arrays).to_host()
     for got, array in zip(host, arrays, strict=True):
