@@ -1,9 +1,11 @@
 """Head importance from saved attention (format 1.3 files with queries): per (layer, query head),
 the quantities the KV-compression literature reports, recomputed offline from the file.
 
-Every score is a function of the attention weights `kvformat.attention` recomputes (float32, the
-layer's recorded mask, scale, softcap and sinks), taken a block of queries at a time, so memory
-is one block's ``(BLOCK, n_keys)`` map plus the head's K and V:
+Every score is a function of the attention weights SPEC 10.1 defines (`kvformat.attention`:
+float32, the layer's recorded mask, scale, softcap and sinks), taken a block of queries at a time,
+so memory is one block's ``(BLOCK, n_keys)`` map plus the head's K and V. The weights and scores
+come from the compiled pass of `attention_kernel` (numba), or from `kvformat.attention.weights`
+and numpy where numba is missing, the keys are out of position order, or a block could overflow:
 
 - ``sink_mass``: mean over queries of the weight on key positions ``< SINKS`` (StreamingLLM's
   attention sinks); ``local_mass``: on the visible keys less than ``LOCAL`` positions back.
