@@ -111,13 +111,6 @@ class _Sums:
         self.histogram = np.zeros(POSITION_BINS, np.int64)
 
 
-def _entropy(weights: np.ndarray) -> np.ndarray:
-    """``-sum w log w`` per row (nats), 0 log 0 = 0."""
-    positive = weights > 0
-    logs = np.log(np.where(positive, weights, 1.0))
-    return -(weights * logs).sum(axis=1)
-
-
 def head_scores(
     snap: kvformat.Snapshot,
     layer: int,
@@ -277,8 +270,7 @@ def _add_compiled(
     sums.sink += float(rows[:, k.SINK].sum())
     sums.local += float(rows[:, k.LOCAL].sum())
     entropy, count = rows[:, k.ENTROPY], rows[:, k.VISIBLE]
-    sums.entropy += float(entropy.sum())
-    sums.entropy_normalized += float(np.where(count > 1, entropy / np.log(np.maximum(count, 2)), 0.0).sum())
+    _add_entropy(sums, entropy, count)
     sums.distance += float(rows[:, k.DISTANCE].sum())
     full = (weights @ keys.v[:end]).astype(np.float64)
     kept = np.zeros(full.shape)
@@ -299,6 +291,13 @@ def _kept_columns(positions: np.ndarray, first_query: int, window: int) -> list[
     if recent <= sinks:
         return [(0, len(positions))]
     return [(0, sinks), (recent, len(positions))]
+
+
+def _add_entropy(sums: _Sums, entropy: np.ndarray, count: np.ndarray) -> None:
+    """Per-query entropies ``(n,)`` (nats) and the visible key counts: the entropy sums, the
+    normalized one divided by ``log(count)`` (0 for a query that sees at most one key)."""
+    sums.entropy += float(entropy.sum())
+    sums.entropy_normalized += float(np.where(count > 1, entropy / np.log(np.maximum(count, 2)), 0.0).sum())
 
 
 def _add_streaming(sums: _Sums, full: np.ndarray, kept: np.ndarray, denominator: np.ndarray) -> None:
@@ -336,8 +335,8 @@ def _add_block(
     window: int,
     copies: Copies | None,
 ) -> None:
-    """The numpy path (no numba): the scores of queries ``q`` at ``p`` from
-    `kvformat.attention.weights`."""
+    """The numpy path (numba missing, keys out of position order, or logits that could overflow):
+    the scores of queries ``q`` at ``p`` from `kvformat.attention.weights`."""
     j = keys.positions
     w = attention_math.weights(spec, head, q, keys.k, p, j)  # float32; sums below in float64
     seen = attention_math.visible(spec, p, j)
@@ -347,10 +346,8 @@ def _add_block(
     sums.local += float(np.sum(w, where=seen & (back < LOCAL), dtype=np.float64))
     logs = np.log(w, where=w > 0, out=np.zeros_like(w))
     entropy = -np.einsum("ij,ij->i", w, logs, dtype=np.float64)
-    sums.entropy += float(entropy.sum())
     count = seen.sum(axis=1)
-    normalized = np.where(count > 1, entropy / np.log(np.maximum(count, 2)), 0.0)
-    sums.entropy_normalized += float(normalized.sum())
+    _add_entropy(sums, entropy, count)
     sums.distance += float(np.einsum("ij,ij->", w, back, dtype=np.float64))
     # Streaming: the same logits over sinks + recent keys only; a layer's own sinks keep their
     # share of the denominator.

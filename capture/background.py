@@ -40,7 +40,7 @@ class Transfer:
             groups.setdefault(array.dtype, {}).setdefault(tuple(array.shape), []).append(index)
         self._places: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, ())] * len(arrays)
         self._flats: list[mx.array] = []
-        for by_shape in groups.values():
+        for dtype, by_shape in groups.items():
             parts: list[mx.array] = []
             offset = 0
             for shape, members in by_shape.items():
@@ -54,7 +54,6 @@ class Transfer:
                     offset += size
             # Always a new buffer (a lone part might otherwise be a view of the cache, whose
             # rotating slots are overwritten later).
-            dtype = arrays[next(iter(by_shape.values()))[0]].dtype
             parts.append(mx.zeros((0,), dtype))
             self._flats.append(mx.concatenate(parts))
         mx.async_eval(self._flats)
