@@ -230,25 +230,32 @@ def test_cli_attention_stats_and_simulate(tmp_path: Path, capsys: pytest.Capture
     assert refused.value.code == 2
 
 
+REAL_MODELS = {"smollm2": ("smollm2_dir", 30, 9, 3), "gemma3": ("gemma3_dir", 18, 4, 1)}
+
+
+@pytest.mark.parametrize("name", list(REAL_MODELS))
 def test_scores_on_a_real_capture_equal_numpy_over_the_recomputed_attention(
-    tmp_path: Path, smollm2_dir: Path
+    tmp_path: Path, name: str, request: pytest.FixtureRequest
 ) -> None:
-    """SmolLM2-135M (GQA 9:3), queries of the last 8 prompt positions and every generated one:
-    each head's scores equal numpy over `snap.attention`'s weights and the file's V; `simulate`
-    keeps every key at budget 1 (error 0)."""
+    """SmolLM2-135M (GQA 9:3) and Gemma-3-270m (4:1, scale from ``query_pre_attn_scalar``,
+    sliding-window and global layers), queries of the last 8 prompt positions and every generated
+    one: each head's scores equal numpy over `snap.attention`'s weights and the file's V;
+    `simulate` keeps every key at budget 1 (error 0)."""
     from mlx_lm import load
 
     import kvsnap
 
-    model, tokenizer = load(str(smollm2_dir))
+    fixture, layers, heads, kv_heads = REAL_MODELS[name]
+    model, tokenizer = load(str(request.getfixturevalue(fixture)))
     prompt = tokenizer.encode("The bridge was built in 1820 and the bridge still stands; the bridge")
     path = tmp_path / "run.kv"
     list(kvsnap.generate(model, tokenizer, prompt, max_tokens=8, output=path, queries="window:8"))
     rows = list(head_importance.attention_rows(path, window=6))
-    assert len(rows) == 30 * 9 and {r["kv_head"] for r in rows if r["layer"] == 0} == {0, 1, 2}
+    assert len(rows) == layers * heads
+    assert {r["kv_head"] for r in rows if r["layer"] == 0} == set(range(kv_heads))
     with kvformat.open(path) as snap:
         tokens = np.array(snap.snapshot_metadata["tokens"][0])
-        for row in rows[::37]:  # a spread of layers and heads
+        for row in rows[:: len(rows) // 7]:  # a spread of layers and heads
             found = snap.attention(row["layer"], row["head"])
             w = found.weights.astype(np.float64)
             p, j = found.query_positions, found.key_positions
@@ -279,7 +286,7 @@ def test_scores_on_a_real_capture_equal_numpy_over_the_recomputed_attention(
                 else math.isnan(row["retrieval_score"])
             )
     table = simulate.simulate(path, methods=["streaming", "snapkv"], budgets=(1.0,), window=4)
-    assert table.height == 2 * 30 * 9 and (table["relative_error"] == 0).all()
+    assert table.height == 2 * layers * heads and (table["relative_error"] == 0).all()
 
 
 @pytest.mark.parametrize("name", list(SPECS))
