@@ -123,25 +123,34 @@ def _ql(d: np.ndarray, e: np.ndarray) -> bool:
     return True
 
 
-def _scaled_copy(matrix: np.ndarray) -> tuple[np.ndarray, float]:
-    """A copy of ``matrix`` scaled by a power of two (exact) so that its largest entry is in
-    [1, 2), and the exponent: the QL step's ``sqrt(f*f + g*g)`` (3x faster than ``hypot``) then
-    cannot overflow or lose a value."""
-    a = matrix.copy()
-    top = np.max(np.abs(a))
+def _scale_into(matrix: np.ndarray, a: np.ndarray) -> float:
+    """``matrix`` scaled by a power of two (exact) into ``a`` (same shape) so that its largest
+    entry is in [1, 2); returns the exponent. The QL step's ``sqrt(f*f + g*g)`` (3x faster than
+    ``hypot``) then cannot overflow or lose a value."""
+    top = 0.0
+    n = matrix.shape[0]
+    for i in range(n):
+        for j in range(n):
+            x = abs(matrix[i, j])
+            if x > top or x != x:  # a NaN stays: no scaling then, as for an infinity
+                top = x
     exponent = 0.0
     if top > 0.0 and np.isfinite(top):
         exponent = min(max(np.floor(np.log2(top)), -1000.0), 1000.0)
-        a *= 2.0**-exponent
-    return a, exponent
+    factor = 2.0**-exponent
+    for i in range(n):
+        for j in range(n):
+            a[i, j] = matrix[i, j] * factor
+    return exponent
 
 
-def _eigenvalues(matrix: np.ndarray, out: np.ndarray) -> bool:
+def _eigenvalues(matrix: np.ndarray, out: np.ndarray, a: np.ndarray, e: np.ndarray) -> bool:
     # Three compiled calls, not one compiled function calling the others: numba's code for a
     # reassociating callee compiled into its caller differs between a fresh compile and its
-    # cache, and processes must compute the same eigenvalues as the parent.
-    a, exponent = _scaled_copy(matrix)
-    e = np.empty(a.shape[0])
+    # cache, and processes must compute the same eigenvalues as the parent. ``a`` (n, n) and
+    # ``e`` (n,) are work space, reused across matrices: a fresh 128 x 128 float64 buffer is
+    # above malloc's mmap threshold, and its page faults cost as much as the reduction.
+    exponent = _scale_into(matrix, a)
     _tridiagonalize(a, out, e)
     converged = _ql(out, e)
     out *= 2.0**exponent
@@ -153,16 +162,27 @@ if numba is not None:
         _tridiagonalize
     )
     _ql = numba.njit(cache=True, nogil=True)(_ql)
-    _scaled_copy = numba.njit(cache=True, nogil=True)(_scaled_copy)
+    _scale_into = numba.njit(cache=True, nogil=True)(_scale_into)
 
 
 def eigenvalues(matrix: np.ndarray) -> np.ndarray:
     """The eigenvalues of symmetric ``matrix`` ``(n, n)`` float64, in descending order."""
     matrix = np.ascontiguousarray(matrix, dtype=np.float64)
-    n = matrix.shape[0]
+    return eigenvalues_of(matrix[None])[0]
+
+
+def eigenvalues_of(matrices: np.ndarray) -> np.ndarray:
+    """The eigenvalues of each symmetric matrix of ``matrices`` ``(b, n, n)`` float64, each row
+    of the result ``(b, n)`` in descending order."""
+    matrices = np.ascontiguousarray(matrices, dtype=np.float64)
+    count, n = matrices.shape[0], matrices.shape[-1]
+    result = np.empty((count, n))
     if n == 0:
-        return np.empty(0)
-    out = np.empty(n)
-    if numba is None or not _eigenvalues(matrix, out):
-        return np.linalg.eigvalsh(matrix)[::-1].copy()  # numba missing, or no convergence
-    return np.sort(out)[::-1].copy()
+        return result
+    work, e, out = np.empty((n, n)), np.empty(n), np.empty(n)
+    for b in range(count):
+        if numba is None or not _eigenvalues(matrices[b], out, work, e):
+            result[b] = np.linalg.eigvalsh(matrices[b])[::-1]  # numba missing, or no convergence
+        else:
+            result[b] = np.sort(out)[::-1]
+    return result

@@ -75,8 +75,9 @@ def pass_backend(snap: kvformat.Snapshot, backend: str) -> str:
     ``"cpu"`` pass over under `SMALL_PASS_BYTES` of K/V, else ``backend``."""
     if backend != "cpu":
         return backend
-    rows = sum(spec.row_bytes(KIND_K) + spec.row_bytes(KIND_V) for spec in snap.layers if spec.present)
-    return "numpy" if rows * snap.seq_len * snap.num_seqs < SMALL_PASS_BYTES else backend
+    present = [spec for spec in snap.layers if spec.present]
+    row = sum(spec.num_heads * (spec.row_bytes(KIND_K) + spec.row_bytes(KIND_V)) for spec in present)
+    return "numpy" if row * snap.seq_len * snap.num_seqs < SMALL_PASS_BYTES else backend
 
 
 def check_backend(backend: str) -> None:

@@ -167,9 +167,9 @@ def _spectrum(stack: Sequence[HeadAccumulator], n: np.ndarray, m1: np.ndarray) -
     # LAPACK on the numpy reference path and on mlx, which never loads numba: its worker
     # processes would carry numba's code and compiled kernels (`processes.MLX_START_METHOD`).
     if stack[0].backend == "cpu" and _numba_installed():
-        from .eigen import eigenvalues
+        from .eigen import eigenvalues_of
 
-        descending = np.stack([eigenvalues(matrix) for matrix in covariance])
+        descending = eigenvalues_of(covariance)
     else:
         descending = np.linalg.eigvalsh(covariance)[:, ::-1]
     eig = np.clip(descending, 0.0, None)

@@ -6,6 +6,12 @@ pass of one process, as in a batch job), and the ``norms,channels`` selection on
 
     python -m benchmarks.analysis_bench [--dir /tmp] [--tokens 8192] [--quick] [--cases seed-fp32]
         [--rounds 3]
+    python -m benchmarks.analysis_bench --batch 50 [--tokens 1024] [--backends cpu,mlx]
+
+``--batch N``: ``kvsnap stats 'DIR/*.kv' -o out.parquet`` as a user types it (a fresh process,
+default settings) over N Qwen3-8B-shaped bfloat16 files against the same command over the first
+file alone and a sequential read of all N, in one run; "after the first file" is the marginal
+rate ``(N - 1) x size / (T(N) - T(1))``, the rate a batch runs at once its workers are up.
 
 ``--rounds R`` runs every CPU contender R times, each after a sequential read, and keeps the
 fastest of each and of the reads: ratios between fastest runs (this machine's speed drifts).
@@ -166,6 +172,73 @@ def fastest(mode: str, path: Path, rounds: int, reads: list[float]) -> dict[str,
     return best
 
 
+def batch_table(args: argparse.Namespace, directory: Path) -> None:
+    """``--batch N``: one file written, copied to N distinct files (the page cache holds each);
+    per backend, the median of ``--rounds`` fresh runs over 1 file and over N."""
+    import shutil
+    import statistics
+
+    from kvsnap.analysis.parallel import cores
+
+    layers, heads, dim, dtype = SHAPES["qwen3-8b-bf16"]
+    tokens = args.tokens if args.tokens != 8192 else 1024
+    folder = directory / f"batch-{args.batch}x{tokens}"
+    folder.mkdir(parents=True, exist_ok=True)
+    first = folder / "run-000.kv"
+    write(first, layers, heads, dim, tokens, dtype, "raw")
+    paths = [first] + [folder / f"run-{i:03d}.kv" for i in range(1, args.batch)]
+    for path in paths[1:]:
+        if not path.exists():
+            shutil.copyfile(first, path)
+    size = first.stat().st_size
+    total = size * len(paths)
+    one_folder = directory / f"batch-1x{tokens}"
+    one_folder.mkdir(exist_ok=True)
+    if not (one_folder / "run-000.kv").exists():
+        shutil.copyfile(first, one_folder / "run-000.kv")
+    reads = []
+    for _ in range(3):  # the page cache warm; the fastest of three reads of all N files
+        reads.append(sum(measure("read", path)["seconds"] for path in paths))
+    read = min(reads)
+    out = directory / "batch-out.parquet"
+    lines = [
+        f"| backend | 1 file ({size / 1e6:.0f} MB): median (range) | {len(paths)} files "
+        f"({total / 1e9:.2f} GB): median (range) | end to end / read | after the first file "
+        "| / read | largest RSS | PSS of all |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for backend in args.backends.split(","):
+        timing: dict[int, list[float]] = {1: [], len(paths): []}
+        largest = tree = 0
+        for _ in range(args.rounds):
+            for count, folder_of in ((1, one_folder), (len(paths), folder)):
+                command = [sys.executable, "-m", "kvformat.cli", "stats", str(folder_of / "*.kv")]
+                command += ["-o", str(out), "--force", "--backend", backend]
+                start = time.perf_counter()
+                sampled = run_sampled(command)
+                timing[count].append(time.perf_counter() - start)
+                if count > 1:
+                    largest, tree = max(largest, sampled.largest_rss), max(tree, sampled.tree_pss)
+        t1, tn = statistics.median(timing[1]), statistics.median(timing[len(paths)])
+        marginal = (len(paths) - 1) * size / max(tn - t1, 1e-9)
+
+        def spread(values: list[float]) -> str:
+            return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
+
+        lines.append(
+            f"| {backend} | {spread(timing[1])} | {spread(timing[len(paths)])} "
+            f"| {read / tn:.3f}x | {marginal / 1e9:.2f} GB/s | **{marginal / (total / read):.3f}x** "
+            f"| {largest / 2**20:.0f} MiB | {tree / 2**20:.0f} MiB |"
+        )
+        print(lines[-1], file=sys.stderr, flush=True)
+    print(
+        f"machine: {os.cpu_count()} CPUs ({cores()} usable); {len(paths)} files of {tokens} tokens in "
+        f"{folder}; read of all: {total / read / 1e9:.2f} GB/s ({read:.2f} s, page cache warm); "
+        f"{args.rounds} fresh runs each"
+    )
+    print("\n".join(lines))
+
+
 def main() -> None:
     from kvsnap.analysis.parallel import cores
 
@@ -184,10 +257,17 @@ def main() -> None:
         default="cpu",
         help="mlx: the mlx backend (full catalogue and norms,channels) against a read and the CPU kernel",
     )
+    parser.add_argument("--batch", type=int, default=0, help="N files: kvsnap stats over N files (see above)")
+    parser.add_argument("--backends", default="cpu,mlx", help="--batch: the backends to run")
     args = parser.parse_args()
     tokens = args.tokens // 8 if args.quick else args.tokens
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
+    if args.batch:
+        if args.batch < 2:
+            parser.error("--batch needs at least 2 files")
+        batch_table(args, directory)
+        return
     n = cores()
     if args.backend == "mlx":
         mlx_table(args, tokens, directory, n)

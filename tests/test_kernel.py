@@ -162,7 +162,7 @@ def test_compiled_eigenvalues_match_lapack(n: int) -> None:
     """The compiled symmetric eigensolver (parallel over heads) against LAPACK: full rank with a
     wide spectrum, rank-deficient, zero; and at scales where the rotations' squares would
     overflow or underflow without the solver's own scaling."""
-    from kvsnap.analysis.eigen import _eigenvalues, eigenvalues
+    from kvsnap.analysis.eigen import _eigenvalues, eigenvalues, eigenvalues_of
 
     rng = np.random.default_rng(n)
     for rows in (3 * n + 5, max(1, n // 3)):
@@ -173,9 +173,13 @@ def test_compiled_eigenvalues_match_lapack(n: int) -> None:
             tolerance = 1e-12 * expected[0] * factor
             np.testing.assert_allclose(eigenvalues(a * factor), expected * factor, rtol=0, atol=tolerance)
             out = np.empty(n)  # the compiled solver itself, not LAPACK's fallback
-            assert _eigenvalues(a * factor, out)
+            assert _eigenvalues(a * factor, out, np.full((n, n), np.nan), np.full(n, np.nan))
             np.testing.assert_allclose(np.sort(out)[::-1], expected * factor, rtol=0, atol=tolerance)
     np.testing.assert_array_equal(eigenvalues(np.zeros((n, n))), np.zeros(n))
+    # several matrices through one work space: each as if alone
+    stack = np.stack([a, np.zeros((n, n)), a * 1e250, a[::-1, ::-1].copy()])
+    alone = [eigenvalues(matrix) for matrix in stack]
+    np.testing.assert_array_equal(eigenvalues_of(stack), np.stack(alone))
 
 
 @pytest.mark.parametrize("seed", range(40))

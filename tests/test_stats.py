@@ -378,6 +378,12 @@ def test_small_passes_run_on_numpy_and_agree_with_the_compiled_kernel(
     monkeypatch.setattr(plan, "SMALL_PASS_BYTES", 8 << 20)
     with kvformat.open(path) as snap:
         assert plan.pass_backend(snap, "cpu") == "numpy" and plan.pass_backend(snap, "mlx") == "mlx"
+        # the bound counts every head's K and V: 2 layers x 2 heads x 40 tokens x 2 x 16 float32
+        monkeypatch.setattr(plan, "SMALL_PASS_BYTES", 2 * 2 * 40 * 2 * 16 * 4)
+        assert plan.pass_backend(snap, "cpu") == "cpu"
+        monkeypatch.setattr(plan, "SMALL_PASS_BYTES", 2 * 2 * 40 * 2 * 16 * 4 + 1)
+        assert plan.pass_backend(snap, "cpu") == "numpy"
+    monkeypatch.setattr(plan, "SMALL_PASS_BYTES", 8 << 20)
     small = head_stats(path)
     assert small.columns == compiled.columns and small.height == compiled.height
     for column in compiled.columns:
