@@ -27,6 +27,7 @@ import kvformat
 from kvformat.manifest import QuerySpec
 
 from .errors import CaptureError
+from .gather import join
 
 MODES = ("none", "decode", "window", "all")
 
@@ -163,10 +164,10 @@ class QueryRecorder:
 
     def take(self) -> tuple[list[mx.array], list[tuple[int, int, int, np.ndarray]]]:
         """What every layer kept since the last call, as few device arrays as possible (not
-        evaluated): the layers' pieces of one shape joined in one ``mx.concatenate`` along the
-        position axis, so the snapshot's transfer carries one array for them. Returns those
-        arrays, ``(batch, heads, n, dim)`` each, and per layer ``(layer, array index, first
-        column, positions)``. What this costs the generating thread on CUDA is in
+        evaluated): the layers' pieces of one shape joined along the position axis (`gather.join`:
+        on CUDA 64 decode pieces a launch), so the snapshot's transfer carries one array for
+        them. Returns those arrays, ``(batch, heads, n, dim)`` each, and per layer ``(layer,
+        array index, first column, positions)``. What this costs the generating thread on CUDA is in
         `benchmarks/RESULTS.md`."""
         groups: dict[tuple[Any, ...], list[mx.array]] = {}
         widths: dict[tuple[Any, ...], int] = {}
@@ -184,7 +185,7 @@ class QueryRecorder:
             placed.append((layer, key, widths.get(key, 0), positions))
             widths[key] = widths.get(key, 0) + count
         index = {key: i for i, key in enumerate(groups)}
-        joined = [parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2) for parts in groups.values()]
+        joined = [join(parts) for parts in groups.values()]
         return joined, [(layer, index[key], column, positions) for layer, key, column, positions in placed]
 
     @staticmethod

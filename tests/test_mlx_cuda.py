@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -79,3 +80,51 @@ def test_the_compiled_kernel_is_kept_for_the_next_process(tmp_path: Path) -> Non
         assert done.stdout.strip() == "100.0"
     (kept,) = (tmp_path / "cuda").glob("kvsnap_gram-sm*.cubin")
     assert kept.read_bytes().startswith(b"\x7fELF")
+
+
+def test_query_gather_equals_concatenate() -> None:
+    """`capture.gather.join` on CUDA (64 one-position pieces a launch) gives what
+    ``mx.concatenate`` gives: runs shorter and longer than a launch, other pieces between them,
+    three dtypes."""
+    import mlx.core as mx
+
+    from kvsnap.capture import gather
+
+    assert gather.on_cuda()
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        window = mx.random.normal((1, 6, 5, 48)).astype(dtype)
+        singles = [mx.random.normal((1, 6, 1, 48)).astype(dtype) for _ in range(150)]
+        for parts in ([window, *singles], singles[:3], [*singles[:70], window, *singles[70:]]):
+            expected = mx.concatenate(parts, axis=2)
+            joined = gather.join(parts, gather=True)
+            assert joined.shape == expected.shape and bool(mx.array_equal(joined, expected).item())
+
+
+def test_captured_queries_on_cuda_equal_the_concatenated_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tiny Qwen3 generating on CUDA with every query captured: the file's queries are the same
+    with the gather kernel and with ``mx.concatenate``, and the tokens are those of a run without
+    capture."""
+    import kvformat
+    from kvsnap.capture import gather
+    from kvsnap.capture.generate import generate
+    from kvsnap.capture.tiny import tiny_model
+    from tests.test_capture import _tiny_tokenizer
+
+    model, tokenizer = tiny_model("qwen3"), _tiny_tokenizer()
+    prompt = list(range(1, 40))
+    plain = [r.token for r in generate(model, tokenizer, prompt, max_tokens=40)]
+    found: dict[bool, list[Any]] = {}
+    for use in (True, False):
+        monkeypatch.setattr(gather, "on_cuda", lambda use=use: use)
+        path = tmp_path / f"run-{use}.kv"
+        run = generate(model, tokenizer, prompt, max_tokens=40, output=path, every=8, queries="all")
+        tokens = [r.token for r in run]
+        assert tokens == plain
+        with kvformat.open(path) as snap:
+            found[use] = [snap.queries(layer, 1) for layer in range(len(snap.layers))]
+    for with_kernel, without in zip(found[True], found[False], strict=True):
+        assert with_kernel is not None and without is not None
+        np.testing.assert_array_equal(with_kernel.positions, without.positions)
+        np.testing.assert_array_equal(np.asarray(with_kernel.q), np.asarray(without.q))
