@@ -1,9 +1,9 @@
 """Why a snapshot with queries costs the generating thread ~5 ms more on CUDA (issue 42/45): one
 snapshot every 16 tokens of a 36-layer model joins 36 x 16 = 576 query pieces ``(1, heads, 1,
 dim)``. Times, in the calling thread, building and launching (``async_eval``) the join of N
-pieces with ``mx.concatenate`` (one copy kernel per piece) and with one custom gather kernel
-(``mx.fast.cuda_kernel``, N inputs, one launch; first call = compilation), and the wait for the
-result. Needs mlx's CUDA backend.
+pieces with ``mx.concatenate`` (one copy kernel per piece) and with `capture.gather.join` (one
+custom kernel launch per 64 pieces; its first call compiles, or loads mlx's on-disk cache), and
+the wait for the result. Needs mlx's CUDA backend.
 
     python -m benchmarks.probes.query_join_probe [--heads 32] [--dim 128] [--rounds 20]
 """
@@ -16,27 +16,7 @@ import time
 
 import mlx.core as mx
 
-
-def gather_kernel(count: int) -> object:
-    """One kernel copying ``count`` equal ``(1, H, 1, D)`` inputs into ``(1, H, count, D)``."""
-    cases = "\n".join(f"        case {i}: src = p{i}; break;" for i in range(count))
-    source = f"""
-    auto e = cooperative_groups::this_grid().thread_rank();
-    int per = H * D;
-    if (e >= {count} * per) return;
-    int i = e / per, r = e % per, h = r / D, d = r % D;
-    const T* src = p0;
-    switch (i) {{
-{cases}
-    }}
-    out[(h * {count} + i) * D + d] = src[r];
-    """
-    return mx.fast.cuda_kernel(
-        name=f"kvsnap_gather_{count}",
-        input_names=[f"p{i}" for i in range(count)],
-        output_names=["out"],
-        source=source,
-    )
+from kvsnap.capture import gather
 
 
 def main() -> None:
@@ -82,32 +62,19 @@ def main() -> None:
             f"(per piece {statistics.median(launch) / count * 1e6:.1f} us), "
             f"wait {statistics.median(wait) * 1e3:.3f} ms"
         )
-        try:
-            kernel = gather_kernel(count)
-            times = []
-            for round_ in range(args.rounds + 1):
-                start = time.perf_counter()
-                (out,) = kernel(  # type: ignore[operator]
-                    inputs=pieces,
-                    template=[("T", mx.bfloat16), ("H", args.heads), ("D", args.dim)],
-                    grid=(count * args.heads * args.dim, 1, 1),
-                    threadgroup=(256, 1, 1),
-                    output_shapes=[(1, args.heads, count, args.dim)],
-                    output_dtypes=[mx.bfloat16],
-                )
-                mx.async_eval(out)
-                elapsed = time.perf_counter() - start
-                mx.eval(out)
-                if round_ == 0:
-                    first = elapsed
-                    assert mx.array_equal(out, joined).item(), "gather kernel differs from concatenate"
-                else:
-                    times.append(elapsed)
-            line += (
-                f"; gather kernel: first {first * 1e3:.1f} ms, then {statistics.median(times) * 1e3:.3f} ms"
-            )
-        except Exception as exc:  # a probe reports what failed
-            line += f"; gather kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
+        times = []
+        for round_ in range(args.rounds + 1):
+            start = time.perf_counter()
+            out = gather.join(pieces, gather=True)
+            mx.async_eval(out)
+            elapsed = time.perf_counter() - start
+            mx.eval(out)
+            if round_ == 0:
+                first = elapsed
+                assert mx.array_equal(out, joined).item(), "gather kernel differs from concatenate"
+            else:
+                times.append(elapsed)
+        line += f"; gather.join: first {first * 1e3:.1f} ms, then {statistics.median(times) * 1e3:.3f} ms"
         print(line, flush=True)
 
 
