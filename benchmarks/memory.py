@@ -65,14 +65,21 @@ class Sampled:
 def run_sampled(command: list[str], env: dict[str, str] | None = None, interval: float = 0.05) -> Sampled:
     """Run ``command`` and sample the memory of it and its descendants every ``interval`` s
     (`Sampled`). Raises CalledProcessError on failure."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    tree_pss = largest_rss = 0
-    while process.poll() is None:
-        pids = descendants(process.pid)
-        tree_pss = max(tree_pss, sum(pss(pid) for pid in pids))
-        largest_rss = max([largest_rss] + [rss(pid) for pid in pids])
-        time.sleep(interval)
-    stdout, stderr = process.communicate()
+    import tempfile
+
+    # Output to files, not pipes: a command printing more than a pipe holds (64 KiB) would wait
+    # for a reader while this loop waits for it to end.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env)
+        tree_pss = largest_rss = 0
+        while process.poll() is None:
+            pids = descendants(process.pid)
+            tree_pss = max(tree_pss, sum(pss(pid) for pid in pids))
+            largest_rss = max([largest_rss] + [rss(pid) for pid in pids])
+            time.sleep(interval)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if process.returncode:
         raise subprocess.CalledProcessError(process.returncode, command, stdout, stderr)
     return Sampled(stdout, tree_pss, largest_rss)

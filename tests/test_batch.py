@@ -230,3 +230,22 @@ def test_cli_over_http_and_s3_equals_local(runs: Path, tmp_path: Path) -> None:
             f"s3://{s3.bucket}/runs/run{i}.kv" for i in range(3)
         ]
         assert table.drop("file").equals(expected)
+
+
+def test_stats_over_several_files_prints_one_line_each(
+    runs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A per-layer grid for each of 50 files would be 1,850 lines: several files get one line
+    each (tokens, median mean ||K||, heads above the factor, the largest), agreeing with the
+    table; one file keeps its grid."""
+    assert main(["stats", *good_files(runs), "-o", str(runs / "several.parquet")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = pl.read_parquet(runs / "several.parquet")
+    assert lines[0].startswith("wrote ") and len(lines) == 1 + 3
+    for line, path, tokens in zip(lines[1:], good_files(runs), (40, 57, 33), strict=True):
+        keys = table.filter((pl.col("file") == path) & (pl.col("tensor") == "k"))
+        assert line.startswith(
+            f"{path}: {tokens} tokens, mean ||K|| median {keys['norm_mean'].median():.2f}, "
+        )
+    assert main(["stats", good_files(runs)[0]]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1 + LAYERS + 1  # title, layers, largest

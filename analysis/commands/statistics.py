@@ -164,9 +164,28 @@ def stats_command(args: argparse.Namespace) -> int:
         _medians(table)
         return 1 if args.failed else 0
     flagged = outliers(table, args.factor)
-    for name in flagged["file"].unique(maintain_order=True).to_list():
-        _print_norms(name, flagged.filter(pl.col("file") == name), args.factor)
+    names = flagged["file"].unique(maintain_order=True).to_list()
+    for name in names:
+        rows = flagged.filter(pl.col("file") == name)
+        if len(names) == 1:
+            _print_norms(name, rows, args.factor)
+        else:
+            _print_file_line(name, rows, args.factor)
     return 1 if args.failed else 0
+
+
+def _print_file_line(name: str, rows: Any, factor: float) -> None:
+    """One file of several in one line: its tokens, the median over heads of mean ||K||, how
+    many heads are above ``factor`` x that median, and the largest."""
+    import polars as pl
+
+    keys = rows.filter(pl.col("tensor") == "k")
+    top = rows.sort("ratio_to_median", descending=True).row(0, named=True)
+    print(
+        f"{name}: {keys['n_tokens'].max()} tokens, mean ||K|| median {keys['norm_mean'].median():.2f}, "
+        f"{int(rows['outlier'].sum())} heads above {factor}x, largest layer {top['layer']} head "
+        f"{top['head']} ({top['ratio_to_median']:.2f}x)"
+    )
 
 
 def _print_norms(name: str, rows: Any, factor: float) -> None:
