@@ -174,6 +174,37 @@ def _comparable_keys(
     return p, q
 
 
+def _ropes(snaps: tuple[Any, Any], layer: int, needed: bool) -> list[Rope | None]:
+    """Each file's RoPE of ``layer`` where keys must be un-rotated or reordered, else None."""
+    return [
+        Rope.from_metadata(snap.metadata, snap.layers[layer].attributes, snap.layers[layer].k_dim)
+        if needed
+        else None
+        for snap in snaps
+    ]
+
+
+def _head_rows(
+    where: dict[str, Any],
+    x: Any,
+    y: Any,
+    ropes: list[Rope | None],
+    keys: str,
+    reorder: int | None,
+    tolerance: float,
+) -> list[dict[str, Any]]:
+    """The K and V rows of one head: ``y`` against ``x`` over the positions both hold."""
+    shared, in_x, in_y = np.intersect1d(x.positions, y.positions, return_indices=True)
+    rows = []
+    for tensor, left, right in (("k", x.k, y.k), ("v", x.v, y.v)):
+        p = np.asarray(left, dtype=np.float64)[in_x]
+        q = np.asarray(right, dtype=np.float64)[in_y]
+        if tensor == "k":
+            p, q = _comparable_keys(p, q, shared, ropes, keys, reorder)
+        rows.append({**where, "tensor": tensor, **_metrics(p, q, shared, tolerance)})
+    return rows
+
+
 def head_diff(
     a: str | os.PathLike[str],
     b: str | os.PathLike[str],
@@ -202,24 +233,13 @@ def head_diff(
         for layer, spec in enumerate(first.layers):
             if not spec.present:
                 continue
-            ropes = [
-                Rope.from_metadata(snap.metadata, snap.layers[layer].attributes, spec.k_dim)
-                if keys == "pre_rope" or reorder is not None
-                else None
-                for snap in (first, second)
-            ]
+            ropes = _ropes((first, second), layer, keys == "pre_rope" or reorder is not None)
             for seq in range(first.num_seqs):
                 for head in range(spec.num_heads):
                     x, y = first.head(layer, head, seq), second.head(layer, head, seq)
                     assert x is not None and y is not None
-                    shared, in_x, in_y = np.intersect1d(x.positions, y.positions, return_indices=True)
-                    for tensor, left, right in (("k", x.k, y.k), ("v", x.v, y.v)):
-                        p = np.asarray(left, dtype=np.float64)[in_x]
-                        q = np.asarray(right, dtype=np.float64)[in_y]
-                        if tensor == "k":
-                            p, q = _comparable_keys(p, q, shared, ropes, keys, reorder)
-                        where = {"layer": layer, "head": head, "seq": seq, "tensor": tensor}
-                        rows.append({**where, **_metrics(p, q, shared, tolerance)})
+                    where = {"layer": layer, "head": head, "seq": seq}
+                    rows.extend(_head_rows(where, x, y, ropes, keys, reorder, tolerance))
     schema: dict[str, Any] = {
         "layer": pl.Int64,
         "head": pl.Int64,

@@ -13,6 +13,7 @@ it. Elsewhere (CPU, Metal) `join` is ``mx.concatenate``.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import mlx.core as mx
@@ -65,29 +66,23 @@ def _gather(pieces: list[mx.array]) -> mx.array:
     return out if count == ARITY else out[:, :, :count]
 
 
+def _one_position(part: mx.array) -> bool:
+    return part.shape[0] == 1 and part.shape[2] == 1
+
+
 def join(parts: list[mx.array], gather: bool | None = None) -> mx.array:
     """``parts`` ``(batch, heads, n_i, dim)`` of one dtype joined along axis 2 (not evaluated).
     With ``gather`` (default: `on_cuda`), runs of one-position pieces of batch 1 are copied
     `ARITY` at a time by one kernel launch each."""
     if len(parts) == 1:
         return parts[0]
-    if gather is None:
-        gather = on_cuda()
-    if not gather:
+    if not (on_cuda() if gather is None else gather):
         return mx.concatenate(parts, axis=2)
     joined: list[mx.array] = []
-    run: list[mx.array] = []
-    for part in parts:
-        if part.shape[0] == 1 and part.shape[2] == 1:
-            run.append(part)
-            if len(run) == ARITY:
-                joined.append(_gather(run))
-                run = []
-            continue
-        if run:
-            joined.append(_gather(run))
-            run = []
-        joined.append(part)
-    if run:
-        joined.append(_gather(run))
+    for single, group in itertools.groupby(parts, key=_one_position):
+        run = list(group)
+        if single:
+            joined.extend(_gather(run[i : i + ARITY]) for i in range(0, len(run), ARITY))
+        else:
+            joined.extend(run)
     return joined[0] if len(joined) == 1 else mx.concatenate(joined, axis=2)

@@ -243,12 +243,7 @@ def _attention_map(args: argparse.Namespace) -> int:
         f"(KV head {spec.kv_heads[head] if spec else '?'}{window}) | snapshot {snap.index}",
         fontsize=10,
     )
-    if isinstance(generated, int) and 0 < generated <= seq_len:
-        boundary = seq_len - generated - 0.5
-        axis.axvline(boundary, color="cyan", ls="--", lw=1)
-        axis.axhline(boundary, color="cyan", ls="--", lw=1)
-        axis.annotate("prompt | generated", (boundary, 0), xycoords=("data", "axes fraction"),
-                      color="cyan", ha="center", va="bottom", fontsize=8)  # fmt: skip
+    _mark_prompt_end(axis, generated, seq_len)
     if evicted is not None:
         method, fraction = args.kept
         key_positions, keep = evicted
@@ -268,6 +263,17 @@ def _attention_map(args: argparse.Namespace) -> int:
         f"wrote {args.output}: layer {layer} query head {head}, {weights.shape[0]} x {weights.shape[1]} map"
     )
     return 0
+
+
+def _mark_prompt_end(axis: Any, generated: Any, seq_len: int) -> None:
+    """Dashed lines between the prompt's positions and the generated ones, where recorded."""
+    if not (isinstance(generated, int) and 0 < generated <= seq_len):
+        return
+    boundary = seq_len - generated - 0.5
+    axis.axvline(boundary, color="cyan", ls="--", lw=1)
+    axis.axhline(boundary, color="cyan", ls="--", lw=1)
+    axis.annotate("prompt | generated", (boundary, 0), xycoords=("data", "axes fraction"),
+                  color="cyan", ha="center", va="bottom", fontsize=8)  # fmt: skip
 
 
 def _kept_strip(axis: Any, positions: Any, keep: Any) -> None:
