@@ -66,6 +66,28 @@ def _gather(pieces: list[mx.array]) -> mx.array:
     return out if count == ARITY else out[:, :, :count]
 
 
+_WORKS: dict[tuple[Any, int, int], bool] = {}
+"""Per (dtype, heads, dim): whether the kernel compiled, ran and matched ``mx.concatenate``."""
+
+
+def _gather_checked(pieces: list[mx.array]) -> mx.array:
+    """`_gather`, tried once per dtype and shape (compiled, run, compared with
+    ``mx.concatenate``) before it is trusted; where that fails (no NVRTC, no CUDA headers, an mlx
+    without ``mx.fast.cuda_kernel``), ``mx.concatenate`` from then on. A failure found only
+    later, in the snapshot's asynchronous evaluation, would fail the capture."""
+    _, heads, _, dim = pieces[0].shape
+    key = (pieces[0].dtype, heads, dim)
+    works = _WORKS.get(key)
+    if works is None:
+        try:
+            out = _gather(pieces)
+            works = bool(mx.array_equal(out, mx.concatenate(pieces, axis=2)).item())
+        except Exception:  # any failure to build or run the kernel: the plain join instead
+            works = False
+        _WORKS[key] = works
+    return _gather(pieces) if works else mx.concatenate(pieces, axis=2)
+
+
 def _one_position(part: mx.array) -> bool:
     return part.shape[0] == 1 and part.shape[2] == 1
 
@@ -82,7 +104,7 @@ def join(parts: list[mx.array], gather: bool | None = None) -> mx.array:
     for single, group in itertools.groupby(parts, key=_one_position):
         run = list(group)
         if single:
-            joined.extend(_gather(run[i : i + ARITY]) for i in range(0, len(run), ARITY))
+            joined.extend(_gather_checked(run[i : i + ARITY]) for i in range(0, len(run), ARITY))
         else:
             joined.extend(run)
     return joined[0] if len(joined) == 1 else mx.concatenate(joined, axis=2)

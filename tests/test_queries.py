@@ -337,3 +337,19 @@ def test_attention_command_and_map(tmp_path: Path, capsys: pytest.CaptureFixture
             ]
         )
     assert refused.value.code == 2
+
+
+def test_query_join_falls_back_where_the_gather_kernel_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`capture.gather.join` with the kernel asked for where it cannot run (this CPU build has no
+    CUDA): each shape is tried once, found unusable, and joined by ``mx.concatenate``, so a capture
+    never fails on it; runs longer than one launch and other pieces between them keep their order."""
+    from kvsnap.capture import gather
+
+    monkeypatch.setattr(gather, "_WORKS", {})
+    window = mx.random.normal((1, 3, 5, 8))
+    singles = [mx.random.normal((1, 3, 1, 8)) for _ in range(150)]
+    for parts in ([window, *singles], singles[:3], [*singles[:70], window, *singles[70:]]):
+        joined = gather.join(parts, gather=True)
+        assert bool(mx.array_equal(joined, mx.concatenate(parts, axis=2)).item())
+    assert dict(gather._WORKS) == {(mx.float32, 3, 8): False}
+    assert gather.join([window]) is window
