@@ -86,6 +86,7 @@ reference: $(REFERENCE)
 
 # Tests marked `cuda` need mlx on an NVIDIA GPU, which CI does not have: run them there with
 # `python -m pytest -m cuda tests` (and tests/test_mlx_backend.py for the whole table).
-# pytest-xdist: one worker per core; work stealing evens out the slow real-model tests.
+# pytest-xdist: one worker per core; work stealing evens out the slow real-model tests; the 15
+# slowest tests are listed at the end (where the suite's time goes).
 test: lint $(KAITAI) $(JS_READER) nginx $(REFERENCE) conformance
-	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal tests
+	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15 tests
