@@ -258,6 +258,21 @@ def _copy_prefix(source: str, target: str, size: int) -> None:
             left -= len(block)
 
 
+def _finish_complete(partial: str, out: str, overwrite: bool) -> RecoverReport:
+    """A ``.partial`` file that is already complete: its writer stopped between the last fsync
+    and the rename. A durable copy at ``out`` finishes that step (the input is only read)."""
+    size = os.path.getsize(partial)
+    with output_path(out, inputs=[partial], force=overwrite) as temporary:
+        _copy_prefix(partial, temporary, size)
+        with open(temporary, "r+b") as f:
+            os.fsync(f.fileno())
+        with reader.open(temporary) as snap:
+            snap.check_snapshots()
+            chunks, snapshots = snap.num_chunks, snap.num_snapshots
+    fsync_directory(out)
+    return RecoverReport(out, chunks, snapshots, False, 0)
+
+
 def recover(
     partial_path: str | os.PathLike[str],
     out_path: str | os.PathLike[str] | None = None,
@@ -269,10 +284,12 @@ def recover(
     file a writer left behind, or any truncated `.kv` file) to ``out_path`` (default:
     `default_output`). The input is only read: it stays byte for byte.
 
-    A complete, valid input is left alone and nothing is written (``RecoverReport.path`` is
-    None). An input a live writer still holds (its lock, `kvformat.outputs.in_use`) is refused
-    unless ``force`` (what a live writer has written so far is then recovered). An existing
-    output is refused unless ``overwrite``; the output is never the input.
+    A complete ``.partial`` (its writer stopped between the last fsync and the rename) is copied
+    to the output whole; any other complete, valid input is left alone and nothing is written
+    (``RecoverReport.path`` is None). An input a live writer still holds (its lock,
+    `kvformat.outputs.in_use`) is refused unless ``force`` (what a live writer has written so far
+    is then recovered). An existing output is refused unless ``overwrite``; the output is never
+    the input.
     """
     partial = os.fspath(partial_path)
     out = os.fspath(out_path) if out_path is not None else default_output(partial)
@@ -283,6 +300,8 @@ def recover(
             "finish, or pass --force to recover what it has written so far"
         )
     if _complete(partial):
+        if partial.endswith(".partial"):
+            return _finish_complete(partial, out, overwrite)
         return RecoverReport(None, 0, 0, False, 0)
     source = MmapSource(partial)
     try:

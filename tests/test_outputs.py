@@ -253,6 +253,25 @@ def test_recover_of_a_complete_file_changes_nothing(
     assert _digest(capture) == before and _only(tmp_path) == {"run.kv"}
 
 
+def test_recover_of_a_complete_partial_finishes_the_rename(
+    tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A writer stopped between its last fsync and the rename leaves a complete ``X.partial``
+    (the crash test's kills land there now and then): `recover` writes ``X``, a copy, and reads
+    its input only."""
+    partial = tmp_path / "done.kv.partial"
+    partial.write_bytes(capture.read_bytes())
+    before = _digest(partial)
+    code, text, _ = _run(["recover", str(partial)], capsys)
+    out = tmp_path / "done.kv"
+    assert code == 0 and f"wrote {out}" in text and _digest(partial) == before
+    assert out.read_bytes() == capture.read_bytes()
+    report = kvformat.recover(partial, tmp_path / "again.kv")
+    with kvformat.open(capture) as snap:
+        assert (report.chunks, report.snapshots) == (snap.num_chunks, snap.num_snapshots)
+    assert report.bytes_dropped == 0 and not report.recovered_snapshot
+
+
 def test_recover_refuses_a_live_writers_partial(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     partial, writer = _partial(tmp_path)
     code, _, err = _run(["recover", str(partial), "-o", str(tmp_path / "r.kv")], capsys)
