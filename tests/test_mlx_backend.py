@@ -703,3 +703,32 @@ def test_the_per_piece_function_stacks_nothing_on_the_device(tmp_path: Path) -> 
     one = mlx_fold.join_results({name: np.array(value[0]) for name, value in outputs.items()})
     for name, value in one.items():
         np.testing.assert_array_equal(value, host[name][0], err_msg=name)
+
+
+def test_fused_and_plain_piece_functions_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVSNAP_MLX_COMPILE``: the piece function fused by ``mx.compile`` (1) and as plain
+    operations (0, the default off Metal: no kernels compiled at run time) give the same
+    outputs for every group, batched too; another value is refused by name."""
+    import mlx.core as mx
+
+    from kvsnap.analysis.arrays import PIECE
+
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((2, PIECE - 3, 64)).astype(np.float32)
+    rows[:, 7] *= 30.0
+    bins = np.stack([mlx_fold.piece_bins(np.arange(PIECE - 3))] * 2)
+    flags = (True, True, True, True, True, True)
+    found = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("KVSNAP_MLX_COMPILE", setting)
+        assert mlx_backend.compiles() is (setting == "1")
+        function = mlx_backend.piece_function(*flags, batched=True)
+        found[setting] = mlx_fold.to_host(function(mx.array(rows), mx.array(bins)))
+    assert found["1"].keys() == found["0"].keys()
+    for name in found["1"]:
+        np.testing.assert_allclose(found["0"][name], found["1"][name], rtol=1e-5, atol=1e-5, err_msg=name)
+    monkeypatch.delenv("KVSNAP_MLX_COMPILE")
+    assert mlx_backend.compiles() is False  # CPU mlx here: plain operations
+    monkeypatch.setenv("KVSNAP_MLX_COMPILE", "yes")
+    with pytest.raises(ValueError, match="KVSNAP_MLX_COMPILE"):
+        mlx_backend.compiles()

@@ -2,12 +2,12 @@
 on mlx's default device (the Metal GPU of a Mac, an NVIDIA GPU with mlx's CUDA build, or the CPU).
 
 Per piece (`arrays.PIECE` rows, so quantization groups of tokens start at the same rows as on the
-CPU), one compiled mlx function (`piece_function`) computes everything that touches every
-element: row norms (sums, extremes, sums per position bin, histogram bins), peaks, channel power
-sums up to the 4th order, channel absmax, the unit-vector sum, the Gram matrix of the rows less
-their mean (massive rows left out; on CUDA by kvsnap's own kernel, `cuda_gram`), the 8/4/2-bit
-quantization errors, and the rows of its top peaks. The host gets back a few vectors per piece
-and folds them into the accumulator's float64 sums (`mlx_fold`).
+CPU), one mlx function (`piece_function`; fused by ``mx.compile`` on Metal, `compiles`) computes
+everything that touches every element: row norms (sums, extremes, sums per position bin,
+histogram bins), peaks, channel power sums up to the 4th order, channel absmax, the unit-vector
+sum, the Gram matrix of the rows less their mean (massive rows left out; on CUDA by kvsnap's own
+kernel, `cuda_gram`), the 8/4/2-bit quantization errors, and the rows of its top peaks. The host
+gets back a few vectors per piece and folds them into the accumulator's float64 sums (`mlx_fold`).
 
 The backend's other jobs live beside it: `mlx_pipeline` (many accumulators per device call),
 `mlx_staging` (host-to-device copy buffers), `mlx_sizing` (processes, threads, batch bytes).
@@ -85,6 +85,25 @@ class _Pending:
 _COMPILED: dict[tuple[bool, ...], Any] = {}
 
 
+def compiles() -> bool:
+    """Whether `piece_function` fuses its operations with ``mx.compile``: ``KVSNAP_MLX_COMPILE``
+    (``1`` or ``0``), else only on a Metal GPU. Fusion compiles device kernels at run time, one
+    per fused group, shape and dtype: on CUDA (NVRTC) that made a fresh machine's first
+    ``kvsnap stats --backend mlx`` take 78 s, on the CPU build 7 s, each cached afterwards; the
+    plain operations use kernels mlx ships compiled, give the same bits, and on the CPU build
+    run faster (`benchmarks/RESULTS.md`). Metal compiles its fused kernels in milliseconds."""
+    import os
+
+    setting = os.environ.get("KVSNAP_MLX_COMPILE", "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"KVSNAP_MLX_COMPILE must be 0 or 1, not {setting!r}")
+    if setting:
+        return setting == "1"
+    import mlx.core as mx
+
+    return bool(mx.metal.is_available()) and mx.default_device() == mx.gpu
+
+
 def piece_function(
     norms: bool,
     channels: bool,
@@ -95,12 +114,13 @@ def piece_function(
     batched: bool = False,
     copy: bool = False,
 ) -> Any:
-    """The compiled per-piece computation for one selection of groups; ``batched``: over a
-    leading axis of pieces of one shape (``mx.vmap``); ``copy``: float32 rows in host memory
-    (`Staging` placement ``host``) are copied into device memory first, so that the device
-    reads them over the bus once rather than once per statistic."""
+    """The per-piece computation for one selection of groups (fused where `compiles`);
+    ``batched``: over a leading axis of pieces of one shape (``mx.vmap``); ``copy``: float32 rows
+    in host memory (`Staging` placement ``host``) are copied into device memory first, so that
+    the device reads them over the bus once rather than once per statistic."""
     own_gram = gram and mlx_staging.on_cuda() and _cuda_gram().usable()
-    key = (norms, channels, rope, mean, gram, quant, batched, copy, own_gram)
+    fuse = compiles()
+    key = (norms, channels, rope, mean, gram, quant, batched, copy, own_gram, fuse)
     function = _COMPILED.get(key)
     if function is None:
         import mlx.core as mx
@@ -114,7 +134,9 @@ def piece_function(
             function = piece_of_rows
         else:  # two: the rows and the position bin of each row, (n,) uint8
             function = piece
-        function = mx.compile(mx.vmap(function) if batched else function)
+        function = mx.vmap(function) if batched else function
+        if fuse:
+            function = mx.compile(function)
         if own_gram:  # the Gram product by `cuda_gram`, outside the compiled function
             function = _with_gram_product(function, batched)
         _COMPILED[key] = function
