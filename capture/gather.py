@@ -7,7 +7,8 @@ from the calling thread, the generating one: about 4 us a launch on CUDA, 2.5 ms
 one small custom kernel instead (``mx.fast.cuda_kernel``): one source for every count, so mlx
 compiles it once per dtype and shape and keeps the binary in its on-disk cache
 (``$TMPDIR/mlx/<version>/ptx``, or ``MLX_PTX_CACHE_DIR``); a process that finds it there loads
-it. Elsewhere (CPU, Metal) `join` is ``mx.concatenate``.
+it. Elsewhere (CPU, Metal), and wherever the kernel cannot be built or run, `join` is
+``mx.concatenate``.
 """
 
 from __future__ import annotations
