@@ -29,6 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -175,9 +178,6 @@ def fastest(mode: str, path: Path, rounds: int, reads: list[float]) -> dict[str,
 def batch_table(args: argparse.Namespace, directory: Path) -> None:
     """``--batch N``: one file written, copied to N distinct files (the page cache holds each);
     per backend, the median of ``--rounds`` fresh runs over 1 file and over N."""
-    import shutil
-    import statistics
-
     from kvsnap.analysis.parallel import cores
 
     layers, heads, dim, dtype = SHAPES["qwen3-8b-bf16"]
@@ -196,8 +196,6 @@ def batch_table(args: argparse.Namespace, directory: Path) -> None:
     one_folder.mkdir(exist_ok=True)
     if not (one_folder / "run-000.kv").exists():
         shutil.copyfile(first, one_folder / "run-000.kv")
-    import subprocess
-
     reads = []
     for _ in range(3):  # the page cache warm; the fastest of three reads of all N files by one `cat`
         start = time.perf_counter()
@@ -225,7 +223,8 @@ def batch_table(args: argparse.Namespace, directory: Path) -> None:
                 if count > 1:
                     largest, tree = max(largest, sampled.largest_rss), max(tree, sampled.tree_pss)
         t1, tn = statistics.median(timing[1]), statistics.median(timing[len(paths)])
-        marginal = (len(paths) - 1) * size / max(tn - t1, 1e-9)
+        # Under the runs' spread (tiny files), the difference says nothing: no rate then.
+        marginal = (len(paths) - 1) * size / (tn - t1) if tn > t1 else float("nan")
 
         def spread(values: list[float]) -> str:
             return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"

@@ -86,6 +86,8 @@ def _gather_checked(pieces: list[mx.array]) -> mx.array:
         except Exception:  # any failure to build or run the kernel: the plain join instead
             works = False
         _WORKS[key] = works
+        if works:
+            return out  # the checked result itself, not a second launch
     return _gather(pieces) if works else mx.concatenate(pieces, axis=2)
 
 
