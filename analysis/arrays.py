@@ -4,6 +4,7 @@ float32, and per-thread work buffers. No statistic is computed here."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -33,16 +34,27 @@ def bytes_of(rows: np.ndarray) -> memoryview:
     return np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data
 
 
-def float32_rows(rows: np.ndarray, reuse: bool = False) -> np.ndarray:
+def float32_rows(rows: np.ndarray, reuse: bool = False, compiled: bool = False) -> np.ndarray:
     """``rows`` ``(n, dim)`` as a C-contiguous float32 array: a view for float32, else one
-    conversion (bfloat16 by shifting its bits into the high half of a float32); with ``reuse``,
-    into this thread's work buffer (valid until its next ``reuse`` call)."""
+    conversion (bfloat16 by shifting its bits into the high half of a float32; float16 with
+    ``compiled`` by `halves`, numba's, where numba is installed); with ``reuse``, into this
+    thread's work buffer (valid until its next ``reuse`` call)."""
     if rows.dtype == np.float32:
         return np.ascontiguousarray(rows)
     reused = reuse and rows.ndim == 2
     out = work_buffer("rows", rows.shape[0], rows.shape[1]) if reused else np.empty(rows.shape, np.float32)
     if rows.dtype.name == "bfloat16":
         np.left_shift(rows.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+    elif compiled and rows.dtype == np.float16 and rows.flags.c_contiguous and _halves() is not None:
+        _halves().to_float32(rows, out)
     else:
         np.copyto(out, rows, casting="same_kind")
     return out
+
+
+def _halves() -> Any:
+    """`analysis.halves` where numba is installed, else None (imported on first use: the mlx
+    backend never loads numba)."""
+    from . import halves
+
+    return halves if halves.AVAILABLE else None

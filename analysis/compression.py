@@ -39,6 +39,7 @@ import numpy as np
 import kvformat
 from kvformat.attention import weights as attention_weights
 
+from .arrays import float32_rows
 from .head_importance import NoQueriesError, layers_with_queries, query_layers
 
 EVICTION = ("streaming", "snapkv", "h2o", "random")
@@ -244,7 +245,7 @@ def _group_heads(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) ->
     assert spec is not None
     kv = snap.head(layer, kv_head, seq)
     assert kv is not None
-    k, v = np.asarray(kv.k, np.float32), np.asarray(kv.v, np.float32)
+    k, v = float32_rows(kv.k, compiled=True), float32_rows(kv.v, compiled=True)
     heads = []
     for head in (h for h in range(spec.num_heads) if spec.kv_heads[h] == kv_head):
         found = snap.queries(layer, head, seq)

@@ -38,6 +38,7 @@ import kvformat
 from kvformat import attention as attention_math
 
 from . import parallel
+from .arrays import float32_rows
 from .catalogue import POSITION_BINS, position_bins
 from .tokens import token_ids
 
@@ -147,12 +148,13 @@ def _keys(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) -> _Keys:
     kv = snap.head(layer, kv_head, seq)
     assert kv is not None
     positions = np.ascontiguousarray(kv.positions, np.int64)
+    k = float32_rows(kv.k, compiled=True)
     return _Keys(
-        np.ascontiguousarray(kv.k, np.float32),
-        np.ascontiguousarray(kv.v, np.float32),
+        k,
+        float32_rows(kv.v, compiled=True),
         positions,
         bool(np.all(positions[1:] > positions[:-1])),
-        float(np.abs(kv.k).max(initial=0.0)),
+        float(np.maximum(k.max(initial=0.0), -k.min(initial=0.0))),  # NaN stays NaN
     )
 
 

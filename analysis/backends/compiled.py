@@ -82,7 +82,7 @@ def _add(
     for start in range(0, rows.shape[0], KERNEL_ROWS):
         if check is not None:
             crc = crc32c(bytes_of(rows[start : start + KERNEL_ROWS]), crc)
-        x = float32_rows(rows[start : start + KERNEL_ROWS], reuse=True)
+        x = float32_rows(rows[start : start + KERNEL_ROWS], reuse=True, compiled=True)
         pos = positions[start : start + x.shape[0]]
         if finite.any_nonfinite(x):  # cache-hot: the kernel reads the piece next
             x, pos = acc.drop_nonfinite(x, pos)
