@@ -22,8 +22,27 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
+def _read_once() -> None:
+    """transformers opens the GGUF twice with ``gguf.GGUFReader`` (its config, then its weights),
+    and each parse of the tokenizer's vocabulary (262k strings for Gemma-3) takes ~17 s here: the
+    second open gets the first reader, which holds the same file's same fields."""
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[str, object] = {}
+
+    def reader(path: object, *args: object, **kwargs: object) -> object:
+        key = str(Path(str(path)).resolve())
+        if args or kwargs or key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = reader  # type: ignore[assignment]
+
+
 def main(gguf: str, ids_path: str, out: str) -> None:
     path = Path(gguf)
+    _read_once()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     config = model.config
