@@ -70,6 +70,15 @@ class Gguf:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         return np.asarray(dequantize(t.data, t.tensor_type), np.float64).reshape(shape)
 
+    def rows(self, name: str, indices: list[int]) -> np.ndarray:
+        """Rows ``indices`` of a 2-D tensor (an embedding's tokens), dequantizing only those: a
+        tensor's data holds one quantized row per row (262k x 640 for Gemma-3's embedding)."""
+        from gguf.quants import dequantize
+
+        t = self.tensors[name]
+        width = int(t.shape[0])
+        return np.asarray(dequantize(t.data[indices], t.tensor_type), np.float64).reshape(len(indices), width)
+
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """transformers' ``reverse_permute_weights``: llama.cpp's q/k rows in the checkpoint's order."""
@@ -114,7 +123,7 @@ def llama_reference(
     """(K post-RoPE, K pre-RoPE, V) ``(kv_heads, n, head_dim)`` of the first ``layers`` layers."""
     heads, kv = gguf.value("llama.attention.head_count"), gguf.value("llama.attention.head_count_kv")
     eps, base = gguf.value("llama.attention.layer_norm_rms_epsilon"), gguf.value("llama.rope.freq_base")
-    h = gguf.tensor("token_embd.weight")[tokens]
+    h = gguf.rows("token_embd.weight", tokens)
     n = len(tokens)
     out = []
     for layer in range(layers):
@@ -149,7 +158,7 @@ def gemma3_first_layer(gguf: Gguf, tokens: list[int]) -> tuple[np.ndarray, np.nd
     kv = gguf.value("gemma3.attention.head_count_kv")
     eps = gguf.value("gemma3.attention.layer_norm_rms_epsilon")
     scale = float(np.float32(np.sqrt(hidden)).astype(ml_dtypes.bfloat16))
-    h = gguf.tensor("token_embd.weight")[tokens] * scale
+    h = gguf.rows("token_embd.weight", tokens) * scale
     x = _rms(h, gguf.tensor("blk.0.attn_norm.weight"), eps)
     pre = _rms(
         _heads(x @ gguf.tensor("blk.0.attn_k.weight").T, kv), gguf.tensor("blk.0.attn_k_norm.weight"), eps
