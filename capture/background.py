@@ -42,6 +42,7 @@ class Transfer:
         self._flats: list[mx.array] = []
         for dtype, by_shape in groups.items():
             parts: list[mx.array] = []
+            joined = False  # parts is one array just made by mx.concatenate (a buffer of its own)
             offset = 0
             for shape, members in by_shape.items():
                 size = arrays[members[0]].size
@@ -49,9 +50,13 @@ class Transfer:
                     parts.extend(arrays[i].reshape(-1) for i in members)
                 else:  # one after another along the first axis: contiguous, the flat view is free
                     parts.append(mx.concatenate([arrays[i] for i in members], axis=0).reshape(-1))
+                    joined = len(parts) == 1
                 for i in members:
                     self._places[i] = (len(self._flats), offset, shape)
                     offset += size
+            if joined and len(parts) == 1:  # a series snapshot's K/V: already a new buffer
+                self._flats.append(parts[0])
+                continue
             # Always a new buffer (a lone part might otherwise be a view of the cache, whose
             # rotating slots are overwritten later).
             parts.append(mx.zeros((0,), dtype))

@@ -9,6 +9,7 @@ incrementally (the batch caches) are read whole and compared on the host, as bef
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,13 +76,13 @@ def _tail(buffer: mx.array, cache: Any, count: int) -> mx.array:
     """The last ``count`` rows, in temporal order, of a `RotatingKVCache` buffer."""
     idx, size, keep = int(cache._idx), int(buffer.shape[2]), int(cache.keep)
     if idx == size or idx >= int(cache.offset):  # temporal order already (prefill or not yet full)
-        return buffer[..., idx - count : idx, :]
+        return buffer[:, :, idx - count : idx]
     # Rotated: temporal order is [0, keep), [idx, size), [keep, idx).
     recent = idx - keep
     if count <= recent:
-        return buffer[..., idx - count : idx, :]
+        return buffer[:, :, idx - count : idx]
     older = count - recent
-    return mx.concatenate([buffer[..., size - older :, :], buffer[..., keep:idx, :]], axis=2)
+    return mx.concatenate([buffer[:, :, size - older :], buffer[:, :, keep:idx]], axis=2)
 
 
 class CacheTracker:
@@ -279,7 +280,7 @@ def _rotating_pieces(inner: Any, held: _Held, delta: LayerDelta, offset: int) ->
         held.first = first
     if first > keep and held.end < keep:  # the kept prefix ("sinks"), not yet written
         a = held.end
-        pieces.append((a, keep - a, [inner.keys[..., a:keep, :]], [inner.values[..., a:keep, :]]))
+        pieces.append((a, keep - a, [inner.keys[:, :, a:keep]], [inner.values[:, :, a:keep]]))
     new_from = max(held.end, first)
     count = offset - new_from
     if count > 0:
@@ -303,7 +304,7 @@ def _chunked_pieces(inner: Any, held: _Held, delta: LayerDelta, offset: int) -> 
     if count <= 0:
         return []
     a, b = new_from - first, offset - first
-    return [(new_from, count, [inner.keys[..., a:b, :]], [inner.values[..., a:b, :]])]
+    return [(new_from, count, [inner.keys[:, :, a:b]], [inner.values[:, :, a:b]])]
 
 
 def _plain_pieces(inner: Any, new_from: int, offset: int) -> list[Piece]:
@@ -313,10 +314,10 @@ def _plain_pieces(inner: Any, new_from: int, offset: int) -> list[Piece]:
         return []
     count = offset - new_from
     if type(inner).__name__ == "QuantizedKVCache":
-        k_parts = [x[..., new_from:offset, :] for x in inner.keys]
-        v_parts = [x[..., new_from:offset, :] for x in inner.values]
+        k_parts = [x[:, :, new_from:offset] for x in inner.keys]
+        v_parts = [x[:, :, new_from:offset] for x in inner.values]
         return [(new_from, count, k_parts, v_parts)]
-    return [(new_from, count, [inner.keys[..., new_from:offset, :]], [inner.values[..., new_from:offset, :]])]
+    return [(new_from, count, [inner.keys[:, :, new_from:offset]], [inner.values[:, :, new_from:offset]])]
 
 
 def _join(delta: LayerDelta, pieces: list[Piece]) -> None:
@@ -328,4 +329,16 @@ def _join(delta: LayerDelta, pieces: list[Piece]) -> None:
     else:
         delta.keys = [mx.concatenate([p[2][i] for p in pieces], axis=2) for i in range(len(pieces[0][2]))]
         delta.values = [mx.concatenate([p[3][i] for p in pieces], axis=2) for i in range(len(pieces[0][3]))]
-    delta.positions = np.concatenate([np.arange(p[0], p[0] + p[1], dtype=np.int64) for p in pieces])
+    if len(pieces) == 1:
+        delta.positions = _positions(pieces[0][0], pieces[0][1])
+    else:
+        delta.positions = np.concatenate([_positions(p[0], p[1]) for p in pieces])
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(start: int, count: int) -> np.ndarray:
+    """Positions ``start .. start + count - 1`` (int64, read-only): every layer of a snapshot
+    usually adds the same ones, so they are made once."""
+    positions = np.arange(start, start + count, dtype=np.int64)
+    positions.flags.writeable = False
+    return positions
