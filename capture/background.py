@@ -41,28 +41,32 @@ class Transfer:
         self._places: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, ())] * len(arrays)
         self._flats: list[mx.array] = []
         for dtype, by_shape in groups.items():
-            parts: list[mx.array] = []
-            joined = False  # parts is one array just made by mx.concatenate (a buffer of its own)
-            offset = 0
-            for shape, members in by_shape.items():
-                size = arrays[members[0]].size
-                if len(members) == 1 or not shape:
-                    parts.extend(arrays[i].reshape(-1) for i in members)
-                else:  # one after another along the first axis: contiguous, the flat view is free
-                    parts.append(mx.concatenate([arrays[i] for i in members], axis=0).reshape(-1))
-                    joined = len(parts) == 1
-                for i in members:
-                    self._places[i] = (len(self._flats), offset, shape)
-                    offset += size
-            if joined and len(parts) == 1:  # a series snapshot's K/V: already a new buffer
-                self._flats.append(parts[0])
-                continue
-            # Always a new buffer (a lone part might otherwise be a view of the cache, whose
-            # rotating slots are overwritten later).
-            parts.append(mx.zeros((0,), dtype))
-            self._flats.append(mx.concatenate(parts))
+            self._flats.append(self._pack(arrays, dtype, by_shape))
         mx.async_eval(self._flats)
         self.nbytes = sum(f.nbytes for f in self._flats)
+
+    def _pack(
+        self, arrays: list[mx.array], dtype: Any, by_shape: dict[tuple[int, ...], list[int]]
+    ) -> mx.array:
+        """The flat buffer of one dtype's arrays (grouped by shape), recording where each lands."""
+        parts: list[mx.array] = []
+        joined = False  # parts is one array just made by mx.concatenate (a buffer of its own)
+        offset = 0
+        for shape, members in by_shape.items():
+            size = arrays[members[0]].size
+            if len(members) == 1 or not shape:
+                parts.extend(arrays[i].reshape(-1) for i in members)
+            else:  # one after another along the first axis: contiguous, the flat view is free
+                parts.append(mx.concatenate([arrays[i] for i in members], axis=0).reshape(-1))
+                joined = len(parts) == 1
+            for i in members:
+                self._places[i] = (len(self._flats), offset, shape)
+                offset += size
+        if joined and len(parts) == 1:  # a series snapshot's K/V: already a new buffer
+            return parts[0]
+        # Always a new buffer (a lone part might otherwise be a view of the cache, whose
+        # rotating slots are overwritten later).
+        return mx.concatenate([*parts, mx.zeros((0,), dtype)])
 
     def to_host(self) -> list[np.ndarray]:
         """Host copies (numpy copies release the GIL; on CUDA they fault mlx's managed pages in
