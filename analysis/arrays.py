@@ -45,8 +45,8 @@ def float32_rows(rows: np.ndarray, reuse: bool = False, compiled: bool = False) 
     out = work_buffer("rows", rows.shape[0], rows.shape[1]) if reused else np.empty(rows.shape, np.float32)
     if rows.dtype.name == "bfloat16":
         np.left_shift(rows.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
-    elif compiled and rows.dtype == np.float16 and rows.flags.c_contiguous and _halves() is not None:
-        _halves().to_float32(rows, out)
+    elif compiled and rows.dtype == np.float16 and rows.flags.c_contiguous and (compiler := _halves()):
+        compiler.to_float32(rows, out)
     else:
         np.copyto(out, rows, casting="same_kind")
     return out
