@@ -41,6 +41,7 @@ import numpy as np
 
 import kvformat
 from benchmarks.memory import run_sampled
+from benchmarks.timing import blas_line
 
 SHAPES = {
     "seed-fp32": (32, 32, 128, np.float32),
@@ -264,6 +265,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=0, help="N files: kvsnap stats over N files (see above)")
     parser.add_argument("--backends", default="cpu,mlx", help="--batch: the backends to run")
     args = parser.parse_args()
+    print(blas_line())
     tokens = args.tokens // 8 if args.quick else args.tokens
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)

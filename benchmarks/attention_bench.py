@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 import kvformat
+from benchmarks.timing import blas_line
 from kvformat import attention
 from kvformat.manifest import QuerySpec
 
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
+    print(blas_line())
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "attention.kv"
         build(path, args.keys, args.queries, args.dim)

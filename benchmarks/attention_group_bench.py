@@ -17,6 +17,8 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks.timing import blas_line
+
 _CHILD = """
 import sys, time
 import kvsnap
@@ -37,6 +39,7 @@ def main() -> None:
     parser.add_argument("file")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
+    print(blas_line())
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.runs):
         for order in (("attention", "spectrum"), ("spectrum", "attention")):

@@ -26,6 +26,7 @@ import numpy as np
 import kvformat
 from benchmarks.analysis_bench import SHAPES, write
 from benchmarks.memory import run_sampled
+from benchmarks.timing import blas_line
 
 COMMAND = "import sys; from kvformat.cli import main; raise SystemExit(main(sys.argv[1:]))"
 """What the ``kvsnap`` console script runs."""
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--backends", default="cpu,mlx")
     args = parser.parse_args()
+    print(blas_line())
     directory = Path(args.dir)
     print("| file | backend | fresh `kvsnap stats -o`: median (range) | read | read / cmd | peak RSS | PSS |")
     print("|---|---|---:|---:|---:|---:|---:|")
