@@ -78,15 +78,24 @@ class BatchOptions:
 
     def plan(self, files: int) -> tuple[int, PassOptions]:
         """Processes for ``files`` files and each file's pass options: files in parallel first,
-        the cores left as each file's workers; with ``backend="mlx"``, one file after another,
-        each on `backends.mlx_sizing.processes` worker processes that drive the device (a local file;
-        else one thread)."""
+        the cores left as each file's workers. With ``backend="mlx"`` the device is driven by
+        `backends.mlx_sizing.processes` processes (12 of 16 cores): with at least as many files,
+        each drives it with whole files, one after another (one file's pass in each, its copy and
+        row threads a share of the machine's); with fewer, one file after another, each on that
+        many worker processes (a local file; else one thread)."""
         from .parallel import split_jobs
         from .plan import PassOptions
 
         processes, threads = split_jobs(self.cores, files)
+        share = 1
         if self.backend == "mlx":
-            processes, threads = 1, self.cores
+            from .backends.mlx_sizing import processes as device_processes
+
+            share = device_processes(self.cores)
+            if files >= share > 1:
+                processes, threads = share, 1
+            else:
+                processes, threads, share = 1, self.cores, 1
         options = PassOptions(
             self.snapshot,
             self.keys,
@@ -95,6 +104,7 @@ class BatchOptions:
             self.storage_options,
             progress=files == 1,
             backend=self.backend,
+            device_share=share,
         )
         return processes, options
 

@@ -42,7 +42,9 @@ class PassOptions:
     ``storage_options``: fsspec options for URLs; ``progress``: a bar of layers on stderr;
     ``backend``: ``"cpu"`` (the compiled kernel) or ``"mlx"`` (mlx on its default device: a local
     file on `backends.mlx.processes` worker processes, each driving the device; else one thread
-    that reads the next block while the device works)."""
+    that reads the next block while the device works); ``device_share``: how many processes
+    drive the device at once with passes like this one (a batch's files in parallel), among
+    which an mlx pass divides the machine's copy and row threads (`backends.mlx_sizing`)."""
 
     snapshot: int = -1
     keys: str = "post_rope"
@@ -51,6 +53,7 @@ class PassOptions:
     storage_options: dict[str, Any] | None = field(default=None, compare=False)
     progress: bool = field(default=False, compare=False)  # a bar per layer on a terminal's stderr
     backend: str = "cpu"
+    device_share: int = field(default=1, compare=False)
 
     def __post_init__(self) -> None:
         if self.keys not in ("post_rope", "pre_rope"):

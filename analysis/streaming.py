@@ -55,15 +55,18 @@ class _Workers:
             mlx = self.options.backend == "mlx"
             if mlx:
                 from .backends.mlx_pipeline import Pipeline
-                from .backends.mlx_sizing import row_threads
+                from .backends.mlx_sizing import batch_bytes, copy_threads, row_threads
             # The row threads stop after the pipeline (exits run in reverse): rows waiting for a
             # mark the pipeline drops after a failure then end with its error.
-            self.row_threads = row_threads() if mlx else 1
+            share = self.options.device_share  # processes driving the device with passes like this
+            self.row_threads = row_threads(share) if mlx else 1
             self.row_pool = stack.enter_context(
                 ThreadPoolExecutor(self.row_threads, thread_name_prefix="kvsnap-rows")
             )
             if mlx:
-                self.pipeline = stack.enter_context(Pipeline())
+                self.pipeline = stack.enter_context(
+                    Pipeline(batch_bytes(worker=share > 1), copy_threads=copy_threads(share))
+                )
             stack.enter_context(single_threaded_blas())
             self.pool = stack.enter_context(OrderedPool(self.options.workers))
             self._stack = stack.pop_all()

@@ -102,9 +102,40 @@ def test_one_options_object_or_its_fields_as_keywords(runs: Path) -> None:
         BatchOptions(jobs=0)
     with pytest.raises(ValueError, match="unknown statistic group 'norm'"):
         BatchOptions(stats="norm")
-    assert BatchOptions(jobs=8, backend="mlx").plan(3)[0] == 1  # one process drives the device
     processes, per_file = BatchOptions(jobs=4, keys="pre_rope").plan(2)
     assert (processes, per_file.workers, per_file.keys, per_file.progress) == (2, 2, "pre_rope", False)
+
+
+def test_mlx_batches_give_each_device_process_whole_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On mlx, a batch with at least as many files as device processes runs files in parallel, a
+    whole file in each process, its pass's copy and row threads a share of the machine's; with
+    fewer files, one file after another, each on every worker."""
+    from kvsnap.analysis.backends import mlx_sizing
+    from kvsnap.analysis.batch import BatchOptions
+
+    monkeypatch.setattr(mlx_sizing, "processes", lambda workers: workers * 3 // 4)
+    processes, per_file = BatchOptions(jobs=16, backend="mlx").plan(50)
+    assert (processes, per_file.workers, per_file.device_share) == (12, 1, 12)
+    processes, per_file = BatchOptions(jobs=16, backend="mlx").plan(11)
+    assert (processes, per_file.workers, per_file.device_share) == (1, 16, 1)
+    processes, per_file = BatchOptions(jobs=1, backend="mlx").plan(50)  # one device process
+    assert (processes, per_file.workers, per_file.device_share) == (1, 1, 1)
+    assert mlx_sizing.copy_threads(12) == 1 and mlx_sizing.row_threads(12) == 1
+
+
+def test_mlx_batch_in_device_processes_gives_the_one_process_table(
+    runs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three files over three processes that each drive mlx with whole files: the table of the
+    same batch in one process, file for file."""
+    pytest.importorskip("mlx.core")
+    from kvsnap.analysis.backends import mlx_sizing
+
+    monkeypatch.setattr(mlx_sizing, "processes", lambda workers: min(workers, 3))
+    serial = run_stats(good_files(runs), jobs=1, backend="mlx")
+    spread = run_stats(good_files(runs), jobs=3, backend="mlx")
+    assert not serial.failures and not spread.failures
+    assert spread.table.equals(serial.table)
 
 
 SCALARS = ("n_tokens", "norm_mean", "norm_std", "norm_max", "norm_sq_mean", "anisotropy", "effective_rank")
