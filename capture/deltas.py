@@ -98,7 +98,24 @@ class CacheTracker:
         if len(prompt_cache) != len(self._held):
             raise CaptureError(f"the cache has {len(prompt_cache)} layers, it had {len(self._held)}")
         deltas = []
+        held_layers = self._held
         for index, cache in enumerate(prompt_cache):
+            held = held_layers[index]
+            # The common case first (every layer of most models, at every snapshot): a plain
+            # KVCache read before, grown since; what `_read_layer` does for it, without the walk.
+            if held is not None and held.cache_class == "KVCache" and type(cache).__name__ == "KVCache":
+                offset, start = int(cache.offset), held.end
+                if offset > start and cache.keys is not None:
+                    deltas.append(
+                        LayerDelta(
+                            index,
+                            keys=[cache.keys[:, :, start:offset]],
+                            values=[cache.values[:, :, start:offset]],
+                            positions=_positions(start, offset - start),
+                        )
+                    )
+                    held.end = offset
+                    continue
             delta = self._read_layer(index, cache)
             if delta is not None:
                 deltas.append(delta)
