@@ -60,6 +60,8 @@ class PassOptions:
             raise ValueError("keys must be 'post_rope' or 'pre_rope'")
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be a positive integer, not {self.workers!r}")
+        if not isinstance(self.device_share, int) or self.device_share < 1:
+            raise ValueError(f"device_share must be a positive integer, not {self.device_share!r}")
         check_backend(self.backend)
         object.__setattr__(self, "stats", stat_groups(self.stats))
 

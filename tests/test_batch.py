@@ -121,6 +121,10 @@ def test_mlx_batches_give_each_device_process_whole_files(monkeypatch: pytest.Mo
     processes, per_file = BatchOptions(jobs=1, backend="mlx").plan(50)  # one device process
     assert (processes, per_file.workers, per_file.device_share) == (1, 1, 1)
     assert mlx_sizing.copy_threads(12) == 1 and mlx_sizing.row_threads(12) == 1
+    from kvsnap.analysis.plan import PassOptions
+
+    with pytest.raises(ValueError, match="device_share must be a positive integer, not 0"):
+        PassOptions(backend="mlx", device_share=0)
 
 
 def test_mlx_batch_in_device_processes_gives_the_one_process_table(
