@@ -223,20 +223,28 @@ def reference_python() -> Path:
     return Path(os.environ.get("KVSNAP_REFERENCE_PYTHON") or ROOT / ".cache" / "reference" / "bin" / "python")
 
 
-def _transformers(gguf: Path, tokens: list[int], tmp_path: Path) -> dict[str, np.ndarray]:
+def _transformers(gguf: Path, tokens: list[int], tmp_path: Path) -> subprocess.Popen[str]:
+    """The reference run started (it takes ~20 s; `_reference` waits for it)."""
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps(tokens))
-    out = tmp_path / "reference.npz"
     script = ROOT / "tests" / "reference" / "transformers_kv.py"
-    result = subprocess.run(
-        [str(reference_python()), str(script), str(gguf), str(ids), str(out)],
-        capture_output=True,
+    return subprocess.Popen(
+        [str(reference_python()), str(script), str(gguf), str(ids), str(tmp_path / "reference.npz")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=900,
-        check=False,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    with np.load(out) as arrays:
+
+
+def _reference(run: subprocess.Popen[str], tmp_path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a `_transformers` run, once it has finished."""
+    try:
+        _, stderr = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, stderr[-3000:]
+    with np.load(tmp_path / "reference.npz") as arrays:
         return dict(arrays)
 
 
@@ -254,15 +262,18 @@ TARGETS = {
 @pytest.mark.reference
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
 def test_kv_equals_transformers_past_key_values(model: str, tmp_path: Path) -> None:
+    from mlx_lm.utils import load_tokenizer
+
     from kvsnap.capture.fixtures import fetch_gguf, fetch_model
 
+    tokens = list(load_tokenizer(fetch_model(model, "float16")).encode(PROSE * 2))[:TOKENS]
+    run = _transformers(fetch_gguf(model), tokens, tmp_path)  # runs while kvsnap captures
     captures = {}
-    tokens: list[int] = []
     for dtype in ("float16", "float32"):
         path = tmp_path / f"{dtype}.kv"
-        tokens = _capture(fetch_model(model, dtype), path)
+        assert _capture(fetch_model(model, dtype), path) == tokens
         captures[dtype] = path
-    reference = _transformers(fetch_gguf(model), tokens, tmp_path)
+    reference = _reference(run, tmp_path)
     for dtype, path in captures.items():
         target, layers = TARGETS[(model, dtype)]
         worst = 0.0
