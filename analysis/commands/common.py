@@ -227,7 +227,8 @@ def stats_option(p: argparse.ArgumentParser, default: str | None = None) -> None
         default="cpu",
         help="cpu: the compiled kernel on --jobs cores; mlx: mlx's device (Metal or CUDA GPU, else CPU), "
         "driven by 3/4 of --jobs worker processes for a local file on Linux (each with its own mlx; "
-        "one file under 12 GiB without --jobs: one process, which starts faster)",
+        "one file under 12 GiB without --jobs: one process, which starts faster; at least as many "
+        "files as those processes: each process takes whole files)",
     )
     p.add_argument(
         "--stats",
