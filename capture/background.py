@@ -50,19 +50,19 @@ class Transfer:
     ) -> mx.array:
         """The flat buffer of one dtype's arrays (grouped by shape), recording where each lands."""
         parts: list[mx.array] = []
-        joined = False  # parts is one array just made by mx.concatenate (a buffer of its own)
+        joined: list[mx.array] = []  # parts made by mx.concatenate (buffers of their own)
         offset = 0
         for shape, members in by_shape.items():
             size = arrays[members[0]].size
             if len(members) == 1 or not shape:
                 parts.extend(arrays[i].reshape(-1) for i in members)
             else:  # one after another along the first axis: contiguous, the flat view is free
-                parts.append(mx.concatenate([arrays[i] for i in members], axis=0).reshape(-1))
-                joined = len(parts) == 1
+                joined.append(mx.concatenate([arrays[i] for i in members], axis=0).reshape(-1))
+                parts.append(joined[-1])
             for i in members:
                 self._places[i] = (len(self._flats), offset, shape)
                 offset += size
-        if joined and len(parts) == 1:  # a series snapshot's K/V: already a new buffer
+        if len(parts) == 1 and joined:  # a series snapshot's K/V: already a new buffer
             return parts[0]
         # Always a new buffer (a lone part might otherwise be a view of the cache, whose
         # rotating slots are overwritten later).

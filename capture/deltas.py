@@ -98,25 +98,8 @@ class CacheTracker:
         if len(prompt_cache) != len(self._held):
             raise CaptureError(f"the cache has {len(prompt_cache)} layers, it had {len(self._held)}")
         deltas = []
-        held_layers = self._held
         for index, cache in enumerate(prompt_cache):
-            held = held_layers[index]
-            # The common case first (every layer of most models, at every snapshot): a plain
-            # KVCache read before, grown since; what `_read_layer` does for it, without the walk.
-            if held is not None and held.cache_class == "KVCache" and type(cache).__name__ == "KVCache":
-                offset, start = int(cache.offset), held.end
-                if offset > start and cache.keys is not None:
-                    deltas.append(
-                        LayerDelta(
-                            index,
-                            keys=[cache.keys[:, :, start:offset]],
-                            values=[cache.values[:, :, start:offset]],
-                            positions=_positions(start, offset - start),
-                        )
-                    )
-                    held.end = offset
-                    continue
-            delta = self._read_layer(index, cache)
+            delta = _grown_rows(index, cache, self._held[index]) or self._read_layer(index, cache)
             if delta is not None:
                 deltas.append(delta)
         return deltas
@@ -337,18 +320,33 @@ def _plain_pieces(inner: Any, new_from: int, offset: int) -> list[Piece]:
     return [(new_from, count, [inner.keys[:, :, new_from:offset]], [inner.values[:, :, new_from:offset]])]
 
 
+def _grown_rows(index: int, cache: Any, held: _Held | None) -> LayerDelta | None:
+    """The common case, kept short (every layer of most models, at every snapshot): a plain
+    `KVCache` read before that only grew since. Its new rows, as `_read_layer` gives them through
+    `_plain_pieces` and `_join`; None for anything else (another class, a first read, nothing
+    new, trimmed), which `_read_layer` then reads."""
+    if held is None or held.cache_class != "KVCache" or type(cache).__name__ != "KVCache":
+        return None
+    offset, start = int(cache.offset), held.end
+    if offset <= start or cache.keys is None:
+        return None
+    held.end = offset
+    return LayerDelta(
+        index,
+        keys=[cache.keys[:, :, start:offset]],
+        values=[cache.values[:, :, start:offset]],
+        positions=_positions(start, offset - start),
+    )
+
+
 def _join(delta: LayerDelta, pieces: list[Piece]) -> None:
     """``delta``'s keys, values and positions from ``pieces`` (concatenated along positions)."""
-    if not pieces:
-        return
     if len(pieces) == 1:
-        delta.keys, delta.values = pieces[0][2], pieces[0][3]
-    else:
+        (start, count, delta.keys, delta.values) = pieces[0]
+        delta.positions = _positions(start, count)
+    elif pieces:
         delta.keys = [mx.concatenate([p[2][i] for p in pieces], axis=2) for i in range(len(pieces[0][2]))]
         delta.values = [mx.concatenate([p[3][i] for p in pieces], axis=2) for i in range(len(pieces[0][3]))]
-    if len(pieces) == 1:
-        delta.positions = _positions(pieces[0][0], pieces[0][1])
-    else:
         delta.positions = np.concatenate([_positions(p[0], p[1]) for p in pieces])
 
 
