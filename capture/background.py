@@ -18,26 +18,31 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from . import gather
 from .caches import to_numpy
 from .errors import CaptureError
+from .gather import Rows
 
 DEFAULT_MAX_PENDING = 4
 
 
 class Transfer:
-    """mlx arrays copied on the device into one flat buffer per dtype and evaluated without
-    waiting; `to_host` returns numpy copies of the original shapes (in the original order).
+    """mlx arrays (or `gather.Rows` of cache buffers) copied on the device into one flat buffer per
+    dtype and evaluated without waiting; `to_host` returns numpy copies of the original shapes (in
+    the original order).
 
     Arrays of one shape (a snapshot's K/V deltas: every layer's ``(batch, heads, new, dim)``)
     are joined by one ``mx.concatenate`` along their first axis, which reads strided slices of
     the cache directly; flattening each first would copy every strided slice once more. On CUDA
-    every input is a copy kernel launched from the generating thread (`benchmarks/RESULTS.md`),
-    so the launches are what this saves."""
+    every input of a concatenation is a copy kernel launched from the generating thread
+    (`benchmarks/RESULTS.md`); `Rows` of one buffer shape and span are instead copied by
+    `gather.rows`, 64 buffers a launch."""
 
-    def __init__(self, arrays: list[mx.array]) -> None:
-        groups: dict[Any, dict[tuple[int, ...], list[int]]] = {}
+    def __init__(self, arrays: list[mx.array | Rows]) -> None:
+        groups: dict[Any, dict[tuple[Any, ...], list[int]]] = {}
         for index, array in enumerate(arrays):
-            groups.setdefault(array.dtype, {}).setdefault(tuple(array.shape), []).append(index)
+            key = _group(array)
+            groups.setdefault(array.dtype, {}).setdefault(key, []).append(index)
         self._places: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, ())] * len(arrays)
         self._flats: list[mx.array] = []
         for dtype, by_shape in groups.items():
@@ -46,22 +51,27 @@ class Transfer:
         self.nbytes = sum(f.nbytes for f in self._flats)
 
     def _pack(
-        self, arrays: list[mx.array], dtype: Any, by_shape: dict[tuple[int, ...], list[int]]
+        self, arrays: list[mx.array | Rows], dtype: Any, by_shape: dict[tuple[Any, ...], list[int]]
     ) -> mx.array:
         """The flat buffer of one dtype's arrays (grouped by shape), recording where each lands."""
         parts: list[mx.array] = []
-        joined: list[mx.array] = []  # parts made by mx.concatenate (buffers of their own)
+        joined: list[mx.array] = []  # parts made by a join (buffers of their own)
         offset = 0
-        for shape, members in by_shape.items():
-            size = arrays[members[0]].size
+        for members in by_shape.values():
+            first = arrays[members[0]]
+            shape = tuple(first.shape)
             if len(members) == 1 or not shape:
-                parts.extend(arrays[i].reshape(-1) for i in members)
+                parts.extend(_array(arrays[i]).reshape(-1) for i in members)
+            elif isinstance(first, Rows):  # one launch per 64 buffers on CUDA
+                buffers = [arrays[i].buffer for i in members]  # type: ignore[union-attr]
+                joined.append(gather.rows(buffers, first.start, first.count).reshape(-1))
+                parts.append(joined[-1])
             else:  # one after another along the first axis: contiguous, the flat view is free
-                joined.append(mx.concatenate([arrays[i] for i in members], axis=0).reshape(-1))
+                joined.append(mx.concatenate([_array(arrays[i]) for i in members], axis=0).reshape(-1))
                 parts.append(joined[-1])
             for i in members:
                 self._places[i] = (len(self._flats), offset, shape)
-                offset += size
+                offset += first.size
         if len(parts) == 1 and joined:  # a series snapshot's K/V: already a new buffer
             return parts[0]
         # Always a new buffer (a lone part might otherwise be a view of the cache, whose
@@ -77,6 +87,17 @@ class Transfer:
             hosts[group][offset : offset + int(np.prod(shape))].reshape(shape)
             for group, offset, shape in self._places
         ]
+
+
+def _group(array: mx.array | Rows) -> tuple[Any, ...]:
+    """What `Transfer` joins by: an array's shape; rows' buffer shape and span."""
+    if isinstance(array, Rows):
+        return ("rows", tuple(array.buffer.shape), array.start, array.count)
+    return tuple(array.shape)
+
+
+def _array(array: mx.array | Rows) -> mx.array:
+    return array.array() if isinstance(array, Rows) else array
 
 
 class BackgroundWriter:

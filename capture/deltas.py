@@ -22,6 +22,7 @@ from kvformat.quantization import Quantization
 
 from .caches import read_layer, to_numpy
 from .errors import CaptureError, UnsupportedModelError
+from .gather import Rows
 
 _INCREMENTAL = frozenset(
     {"KVCache", "ConcatenateKVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache"}
@@ -33,7 +34,8 @@ class LayerDelta:
     """What one layer adds to the next snapshot.
 
     ``drops``: position ranges ``[start, stop)`` no longer held (every sequence). New rows: on the
-    device path, ``keys`` / ``values`` are mlx arrays ``(B, H, count, D)`` (a quantized layer: 3
+    device path, ``keys`` / ``values`` are mlx arrays (or `gather.Rows` of the cache buffers)
+    ``(B, H, count, D)`` (a quantized layer: 3
     arrays each, packed / scales / biases) at positions ``start .. start + count - 1`` for every
     sequence at ``positions`` (int64, increasing: the new tokens only, so O(new) to build); on the
     host path, ``host`` holds per sequence ``(k, v, positions)`` numpy data.
@@ -41,8 +43,8 @@ class LayerDelta:
 
     layer: int
     drops: list[tuple[int, int]] = field(default_factory=list)
-    keys: list[mx.array] = field(default_factory=list)
-    values: list[mx.array] = field(default_factory=list)
+    keys: list[mx.array | Rows] = field(default_factory=list)
+    values: list[mx.array | Rows] = field(default_factory=list)
     positions: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     host: list[tuple[Any, Any, np.ndarray]] | None = None
     host_drops: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, start, stop)
@@ -323,7 +325,8 @@ def _plain_pieces(inner: Any, new_from: int, offset: int) -> list[Piece]:
 def _grown_rows(index: int, cache: Any, held: _Held | None) -> LayerDelta | None:
     """The common case, kept short (every layer of most models, at every snapshot): a plain
     `KVCache` read before that only grew since. Its new rows, as `_read_layer` gives them through
-    `_plain_pieces` and `_join`; None for anything else (another class, a first read, nothing
+    `_plain_pieces` and `_join` but as `Rows`, not slices (`Transfer` copies them many
+    buffers a launch on CUDA); None for anything else (another class, a first read, nothing
     new, trimmed), which `_read_layer` then reads."""
     if held is None or held.cache_class != "KVCache" or type(cache).__name__ != "KVCache":
         return None
@@ -331,11 +334,12 @@ def _grown_rows(index: int, cache: Any, held: _Held | None) -> LayerDelta | None
     if offset <= start or cache.keys is None:
         return None
     held.end = offset
+    count = offset - start
     return LayerDelta(
         index,
-        keys=[cache.keys[:, :, start:offset]],
-        values=[cache.values[:, :, start:offset]],
-        positions=_positions(start, offset - start),
+        keys=[Rows(cache.keys, start, count)],
+        values=[Rows(cache.values, start, count)],
+        positions=_positions(start, count),
     )
 
 

@@ -1,4 +1,5 @@
-"""Joining many one-position query pieces on the device with few kernel launches (CUDA).
+"""Joining many small device arrays with few kernel launches (CUDA): a snapshot's query pieces
+(`join`) and its layers' new K/V rows (`rows`).
 
 A snapshot every 16 tokens of a 36-layer model holds 36 x 16 = 576 decode query pieces
 ``(1, heads, 1, dim)``. ``mx.concatenate`` copies each input with a kernel of its own, launched
@@ -9,12 +10,18 @@ compiles it once per dtype and shape and keeps the binary in its on-disk cache
 (``$TMPDIR/mlx/<version>/ptx``, or ``MLX_PTX_CACHE_DIR``); a process that finds it there loads
 it. Elsewhere (CPU, Metal), and wherever the kernel cannot be built or run, `join` is
 ``mx.concatenate``.
+
+The same holds for K/V: the 36 layers' new rows are 72 strided slices of the cache buffers, one
+copy kernel each through ``mx.concatenate``. `rows` reads the rows out of up to `ARITY` whole
+buffers per launch instead, where they lie, with the first row and the count given at run time
+(so one binary serves every snapshot, whatever its position or size).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -111,3 +118,106 @@ def join(parts: list[mx.array], gather: bool | None = None) -> mx.array:
         else:
             joined.extend(run)
     return joined[0] if len(joined) == 1 else mx.concatenate(joined, axis=2)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows ``start .. start + count - 1`` (axis 2) of a cache buffer ``(batch, heads, capacity,
+    dim)``, not sliced yet: `rows` copies many of them in one launch."""
+
+    buffer: mx.array
+    start: int
+    count: int
+
+    @property
+    def dtype(self) -> Any:
+        return self.buffer.dtype
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(batch, heads, count, dim)``."""
+        batch, heads, _, dim = self.buffer.shape
+        return (batch, heads, self.count, dim)
+
+    @property
+    def size(self) -> int:
+        batch, heads, _, dim = self.buffer.shape
+        return batch * heads * self.count * dim
+
+    def array(self) -> mx.array:
+        """The rows as a lazy slice of the buffer."""
+        return self.buffer[:, :, self.start : self.start + self.count]
+
+
+@functools.cache
+def _rows_kernel() -> Any:
+    cases = "\n".join(f"        case {i}: src = p{i}; break;" for i in range(1, ARITY))
+    source = f"""
+    long long e = cooperative_groups::this_grid().thread_rank();
+    long long start = span[0], count = span[1], used = span[2];
+    long long heads = p0_shape[1], capacity = p0_shape[2], dim = p0_shape[3];
+    long long per = p0_shape[0] * heads * count * dim;
+    if (e >= used * per) return;
+    long long i = e / per, r = e % per;
+    long long sequence_head = r / (count * dim), row = (r / dim) % count, d = r % dim;
+    const T* src = p0;
+    switch (i) {{
+{cases}
+    }}
+    out[e] = src[(sequence_head * capacity + start + row) * dim + d];
+    """
+    return mx.fast.cuda_kernel(
+        name="kvsnap_rows_gather",
+        input_names=["span"] + [f"p{i}" for i in range(ARITY)],
+        output_names=["out"],
+        source=source,
+    )
+
+
+def _rows_launch(buffers: list[mx.array], start: int, count: int) -> mx.array:
+    """Up to `ARITY` buffers of one shape and dtype -> their rows joined along axis 0."""
+    used = len(buffers)
+    batch, heads, _, dim = buffers[0].shape
+    inputs = [mx.array([start, count, used], dtype=mx.int32), *buffers]
+    inputs += [buffers[-1]] * (ARITY + 1 - len(inputs))
+    (out,) = _rows_kernel()(
+        inputs=inputs,
+        template=[("T", buffers[0].dtype)],
+        grid=(used * batch * heads * count * dim, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(used * batch, heads, count, dim)],
+        output_dtypes=[buffers[0].dtype],
+    )
+    return out
+
+
+def _sliced(buffers: list[mx.array], start: int, count: int) -> mx.array:
+    return mx.concatenate([b[:, :, start : start + count] for b in buffers], axis=0)
+
+
+_ROWS_WORK: dict[tuple[Any, int, int, int], bool] = {}
+"""Per (dtype, batch, heads, dim): whether the rows kernel compiled, ran and matched slicing."""
+
+
+def rows(buffers: list[mx.array], start: int, count: int, gather: bool | None = None) -> mx.array:
+    """Rows ``start .. start + count - 1`` (axis 2) of each of ``buffers`` ``(batch, heads,
+    capacity, dim)`` (one shape and dtype), joined along axis 0: ``(len(buffers) * batch, heads,
+    count, dim)``, not evaluated (a new buffer, except one buffer's rows off CUDA: a slice). With
+    ``gather`` (default: `on_cuda`), `ARITY` buffers a launch; checked once per dtype and
+    geometry against slicing (as `join` is), which it falls back to where the kernel fails."""
+    if not (on_cuda() if gather is None else gather):
+        return _sliced(buffers, start, count)
+    batch, heads, _, dim = buffers[0].shape
+    key = (buffers[0].dtype, batch, heads, dim)
+    works = _ROWS_WORK.get(key)
+    if works is None:
+        try:
+            out = _rows_launch(buffers[:ARITY], start, count)
+            works = bool(mx.array_equal(out, _sliced(buffers[:ARITY], start, count)).item())
+        except Exception:  # any failure to build or run the kernel: slicing instead
+            works = False
+        _ROWS_WORK[key] = works
+    if not works:
+        return _sliced(buffers, start, count)
+    parts = [_rows_launch(buffers[i : i + ARITY], start, count) for i in range(0, len(buffers), ARITY)]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)

@@ -33,10 +33,12 @@ from kvformat.checksum import (
 )
 from kvsnap.analysis.stats import token_table
 from kvsnap.analysis.tokens import token_ids, token_pieces
+from kvsnap.capture import gather
 from kvsnap.capture.background import BackgroundWriter, Transfer
 from kvsnap.capture.caches import read_layer, to_numpy
 from kvsnap.capture.deltas import CacheTracker
 from kvsnap.capture.errors import CaptureError
+from kvsnap.capture.gather import Rows
 from kvsnap.capture.generate import generate, make_cache
 from kvsnap.capture.series import SeriesWriter
 from kvsnap.capture.tiny import tiny_model
@@ -140,6 +142,48 @@ def test_transfer_keeps_shapes_order_and_dtypes() -> None:
     for got, array in zip(host, arrays, strict=True):
         np.testing.assert_array_equal(got, to_numpy(array))
         assert got.shape == tuple(array.shape) and got.flags.c_contiguous
+
+
+def test_transfer_takes_rows_of_cache_buffers() -> None:
+    """`Rows` (unsliced spans of cache buffers, as the tracker gives a grown `KVCache`) among
+    arrays: grouped by buffer shape and span, each comes back as its slice, in order; a span or
+    buffer shape of its own is a group of its own. `gather.rows` off the kernel is that slicing."""
+    buffers = [mx.arange(2 * 3 * 10 * 4, dtype=mx.float32).reshape(2, 3, 10, 4) * (i + 1) for i in range(5)]
+    wide = mx.arange(1 * 3 * 12 * 4, dtype=mx.float32).reshape(1, 3, 12, 4)
+    items: list[Any] = [
+        Rows(buffers[0], 4, 3),
+        mx.arange(6, dtype=mx.float32).reshape(1, 2, 3),
+        Rows(buffers[1], 4, 3),
+        Rows(buffers[2], 0, 3),  # another span
+        Rows(buffers[3], 4, 3),
+        Rows(wide, 4, 3),  # another buffer shape
+        Rows(buffers[4], 9, 1),
+    ]
+    host = Transfer(items).to_host()
+    for got, item in zip(host, items, strict=True):
+        expected = to_numpy(item.array() if isinstance(item, Rows) else item)
+        np.testing.assert_array_equal(got, expected)
+        assert got.shape == tuple(item.shape)
+    joined = gather.rows(buffers[:3], 2, 5, gather=False)
+    np.testing.assert_array_equal(
+        to_numpy(joined), np.concatenate([to_numpy(b)[:, :, 2:7] for b in buffers[:3]], axis=0)
+    )
+
+
+def test_tracker_gives_a_grown_cache_as_rows() -> None:
+    """A plain `KVCache` that only grew since the last read comes back as `Rows` of its buffers,
+    the new span only; anything else (the first read) as arrays."""
+    cache = cache_module.KVCache()
+    _steps(cache, [20])
+    tracker = CacheTracker()
+    (first,) = tracker.read([cache])
+    assert not isinstance(first.keys[0], Rows)
+    _steps(cache, [1, 1])
+    (grown,) = tracker.read([cache])
+    key, value = grown.keys[0], grown.values[0]
+    assert isinstance(key, Rows) and isinstance(value, Rows)
+    assert (key.start, key.count, value.start, value.count) == (20, 2, 20, 2)
+    np.testing.assert_array_equal(to_numpy(key.array()), to_numpy(cache.keys[:, :, 20:22]))
 
 
 def test_background_writer_bounds_the_queue_and_raises_errors() -> None:

@@ -102,12 +102,34 @@ def test_query_gather_equals_concatenate() -> None:
     assert all(gather._WORKS[(dtype, 6, 48)] for dtype in (mx.bfloat16, mx.float16, mx.float32))
 
 
+@pytest.mark.parametrize(
+    "buffers,batch,start,count", [(72, 1, 48, 16), (3, 2, 0, 130), (64, 1, 255, 1), (1, 1, 5, 7)]
+)
+def test_rows_gather_equals_slicing(buffers: int, batch: int, start: int, count: int) -> None:
+    """`capture.gather.rows` on CUDA (64 cache buffers a launch, first row and count given at
+    run time) gives what slicing and ``mx.concatenate`` give, for three dtypes; then the same
+    binary serves another span without a second check."""
+    import mlx.core as mx
+
+    from kvsnap.capture import gather
+
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        held = [mx.random.normal((batch, 3, 256, 40)).astype(dtype) for _ in range(buffers)]
+        mx.eval(held)
+        for first, n in ((start, count), (start // 2, max(1, count // 3))):
+            expected = mx.concatenate([b[:, :, first : first + n] for b in held], axis=0)
+            found = gather.rows(held, first, n, gather=True)
+            assert found.shape == expected.shape == (buffers * batch, 3, n, 40)
+            assert bool(mx.array_equal(found, expected).item())
+        assert gather._ROWS_WORK[(dtype, batch, 3, 40)]  # the kernel ran: no silent fallback
+
+
 def test_captured_queries_on_cuda_equal_the_concatenated_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A tiny Qwen3 generating on CUDA with every query captured: the file's queries are the same
-    with the gather kernel and with ``mx.concatenate``, and the tokens are those of a run without
-    capture."""
+    """A tiny Qwen3 generating on CUDA with every query captured: the file's queries and every
+    snapshot's K are the same with the gather kernels and with ``mx.concatenate``, and the
+    tokens are those of a run without capture."""
     import kvformat
     from kvsnap.capture import gather
     from kvsnap.capture.generate import generate
@@ -118,6 +140,7 @@ def test_captured_queries_on_cuda_equal_the_concatenated_ones(
     prompt = list(range(1, 40))
     plain = [r.token for r in generate(model, tokenizer, prompt, max_tokens=40)]
     found: dict[bool, list[Any]] = {}
+    rows: dict[bool, list[Any]] = {}
     for use in (True, False):
         monkeypatch.setattr(gather, "on_cuda", lambda use=use: use)
         path = tmp_path / f"run-{use}.kv"
@@ -126,6 +149,16 @@ def test_captured_queries_on_cuda_equal_the_concatenated_ones(
         assert tokens == plain
         with kvformat.open(path) as snap:
             found[use] = [snap.queries(layer, 1) for layer in range(len(snap.layers))]
+            rows[use] = [
+                np.asarray(snap.select(index).head(layer, head).k)
+                for index in range(snap.num_snapshots)
+                for layer in range(snap.num_layers)
+                for head in range(snap.layers[layer].num_heads)
+            ]
+    # the K/V rows the snapshots gathered (`gather.rows` against slicing), every snapshot
+    assert len(rows[True]) == len(rows[False]) > 0
+    for with_kernel, without in zip(rows[True], rows[False], strict=True):
+        np.testing.assert_array_equal(with_kernel, without)
     for with_kernel, without in zip(found[True], found[False], strict=True):
         assert with_kernel is not None and without is not None
         np.testing.assert_array_equal(with_kernel.positions, without.positions)
