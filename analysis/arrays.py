@@ -29,6 +29,19 @@ def work_buffer(name: str, rows: int, dim: int) -> np.ndarray:
     return buffer[:rows]
 
 
+def work_matrix(name: str, rows: int, columns: int) -> np.ndarray:
+    """This thread's float32 work buffer ``name`` as a C-contiguous ``(rows, columns)`` matrix:
+    one flat buffer per name, grown as needed, whatever the shapes asked of it. A view of it is
+    only valid until the next call for ``name`` on the same thread."""
+    found = getattr(_BUFFERS, "flat", None)
+    if found is None:
+        found = _BUFFERS.flat = {}
+    buffer = found.get(name)
+    if buffer is None or buffer.size < rows * columns:
+        buffer = found[name] = np.empty(rows * columns, np.float32)
+    return buffer[: rows * columns].reshape(rows, columns)
+
+
 def bytes_of(rows: np.ndarray) -> memoryview:
     """The bytes of ``rows`` (C-contiguous: a chunk's payload or rows of it), for a CRC."""
     return np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data

@@ -38,7 +38,7 @@ import kvformat
 from kvformat import attention as attention_math
 
 from . import parallel
-from .arrays import float32_rows
+from .arrays import float32_rows, work_matrix
 from .catalogue import POSITION_BINS, position_bins
 from .tokens import token_ids
 
@@ -247,7 +247,9 @@ def _add_compiled(
         return
     positions = keys.positions
     end = int(np.searchsorted(positions, p.max(), "right"))
-    weights = q @ keys.k[:end].T  # (n, end) float32: the raw products, the weights after the call
+    # (n, end) float32: the raw products, the weights after the call. In a buffer the thread
+    # reuses: a fresh 2 MB a query head costs page faults, which threads take one at a time.
+    weights = np.matmul(q, keys.k[:end].T, out=work_matrix("attention weights", len(p), end))
     from . import attention_kernel  # numba: imported only when attention is computed
 
     rows = np.empty((len(p), attention_kernel.ROW_FIELDS))

@@ -6,6 +6,11 @@ the same group after the other one in that process.
 
     python -m benchmarks.attention_group_bench FILE [--runs 5]
 
+It also times, in the same run, the products neither group can skip, bare numpy on float32
+arrays already in memory (BLAS on every core, the fastest form): attention's ``q k^T`` and
+``w v`` for every query head (its floor: every score needs the first, ``streaming_error`` the
+second) and spectrum's Gram matrices ``k^T k``, ``v^T v`` for every KV head.
+
 FILE: a capture with queries, e.g. ``python -m benchmarks.needle --filler 110 --queries
 window:64`` (about 7,800 tokens of SmolLM2-135M) writes ``out/needle/needle.kv``.
 """
@@ -31,6 +36,32 @@ for name in order:
     start = time.perf_counter()
     calls[name]()
     print(name, time.perf_counter() - start)
+"""
+
+_FLOOR = """
+import sys, time
+import numpy as np
+import kvformat
+attention = gram = 0.0
+with kvformat.open(sys.argv[1]) as snap:
+    for layer, spec in enumerate(snap.layers):
+        if spec.queries is None:
+            continue
+        heads = {}
+        for kv in sorted(set(spec.queries.kv_heads)):
+            head = snap.head(layer, kv)
+            heads[kv] = (np.asarray(head.k, np.float32), np.asarray(head.v, np.float32))
+        queries = [np.asarray(snap.queries(layer, h).q, np.float32) for h in range(spec.queries.num_heads)]
+        start = time.perf_counter()
+        for h, q in enumerate(queries):
+            k, v = heads[spec.queries.kv_heads[h]]
+            (q @ k.T) @ v
+        attention += time.perf_counter() - start
+        start = time.perf_counter()
+        for k, v in heads.values():
+            k.T @ k, v.T @ v
+        gram += time.perf_counter() - start
+print(attention, gram)
 """
 
 
@@ -64,6 +95,22 @@ def main() -> None:
     for place in ("first", "then"):
         ratio = statistics.median(times[("attention", place)]) / statistics.median(times[("spectrum", place)])
         print(f"attention / spectrum, {place}: {ratio:.2f}x")
+    floors = [
+        [
+            float(x)
+            for x in subprocess.run(
+                [sys.executable, "-c", _FLOOR, args.file], check=True, capture_output=True, text=True
+            ).stdout.split()
+        ]
+        for _ in range(args.runs)
+    ]
+    products, grams = min(f[0] for f in floors), min(f[1] for f in floors)
+    spectrum = statistics.median(times[("spectrum", "then")])
+    print(
+        f"bare products on arrays in memory (fastest of {args.runs}): attention's q k^T + w v "
+        f"{products:.3f} s = {products / spectrum:.2f}x spectrum's whole group after the other "
+        f"({spectrum:.2f} s); spectrum's k^T k + v^T v {grams:.3f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -47,3 +49,20 @@ def test_other_dtypes_and_strided_rows_keep_their_paths() -> None:
     h = x.astype(np.float16)[:, ::2]
     np.testing.assert_array_equal(float32_rows(h, compiled=True), h.astype(np.float32))
     assert halves.AVAILABLE
+
+
+def test_work_matrix_grows_and_is_reused_per_thread() -> None:
+    """One flat buffer per name and thread, whatever the shapes asked of it: a smaller matrix is a
+    view of the same memory (no fresh pages), a larger one a new buffer; another thread's is its own."""
+    from kvsnap.analysis.arrays import work_matrix
+
+    big = work_matrix("test matrix", 4, 6)
+    small = work_matrix("test matrix", 3, 5)
+    assert big.shape == (4, 6) and small.shape == (3, 5) and small.flags.c_contiguous
+    assert np.shares_memory(big, small)
+    assert not np.shares_memory(small, work_matrix("test matrix", 5, 6))  # grown
+    found: list[np.ndarray] = []
+    thread = threading.Thread(target=lambda: found.append(work_matrix("test matrix", 3, 5)))
+    thread.start()
+    thread.join()
+    assert not np.shares_memory(found[0], work_matrix("test matrix", 3, 5))
