@@ -47,15 +47,17 @@ def bytes_of(rows: np.ndarray) -> memoryview:
     return np.ascontiguousarray(rows).reshape(-1).view(np.uint8).data
 
 
-def float32_rows(rows: np.ndarray, reuse: bool = False, compiled: bool = False) -> np.ndarray:
+def float32_rows(
+    rows: np.ndarray, reuse: bool = False, compiled: bool = False, buffer: str = "rows"
+) -> np.ndarray:
     """``rows`` ``(n, dim)`` as a C-contiguous float32 array: a view for float32, else one
     conversion (bfloat16 by shifting its bits into the high half of a float32; float16 with
     ``compiled`` by `halves`, numba's, where numba is installed); with ``reuse``, into this
-    thread's work buffer (valid until its next ``reuse`` call)."""
+    thread's work buffer ``buffer`` (valid until its next ``reuse`` call for that name)."""
     if rows.dtype == np.float32:
         return np.ascontiguousarray(rows)
     reused = reuse and rows.ndim == 2
-    out = work_buffer("rows", rows.shape[0], rows.shape[1]) if reused else np.empty(rows.shape, np.float32)
+    out = work_buffer(buffer, rows.shape[0], rows.shape[1]) if reused else np.empty(rows.shape, np.float32)
     if rows.dtype.name == "bfloat16":
         np.left_shift(rows.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
     elif compiled and rows.dtype == np.float16 and rows.flags.c_contiguous and (compiler := _halves()):

@@ -134,8 +134,9 @@ def head_scores(
 
 @dataclass(frozen=True)
 class _Keys:
-    """One KV head's keys and values as float32 ``(n_keys, dim)``, their positions, and whether
-    those increase (as caches hold them; a rotating cache may not)."""
+    """One KV head's keys and values as float32 ``(n_keys, dim)`` (views of the thread's work
+    buffers for float16 and bfloat16: valid until the thread's next `_keys`), their positions,
+    and whether those increase (as caches hold them; a rotating cache may not)."""
 
     k: np.ndarray
     v: np.ndarray
@@ -148,10 +149,12 @@ def _keys(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) -> _Keys:
     kv = snap.head(layer, kv_head, seq)
     assert kv is not None
     positions = np.ascontiguousarray(kv.positions, np.int64)
-    k = float32_rows(kv.k, compiled=True)
+    # Into buffers the thread reuses (valid until its next `_keys`): fresh pages for every head
+    # cost a new process ~0.07 s of page faults on the needle file (`benchmarks/RESULTS.md`).
+    k = float32_rows(kv.k, reuse=True, compiled=True, buffer="attention keys")
     return _Keys(
         k,
-        float32_rows(kv.v, compiled=True),
+        float32_rows(kv.v, reuse=True, compiled=True, buffer="attention values"),
         positions,
         bool(np.all(positions[1:] > positions[:-1])),
         float(np.maximum(k.max(initial=0.0), -k.min(initial=0.0))),  # NaN stays NaN
