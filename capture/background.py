@@ -63,7 +63,8 @@ class Transfer:
             if len(members) == 1 or not shape:
                 parts.extend(_array(arrays[i]).reshape(-1) for i in members)
             elif isinstance(first, Rows):  # one launch per 64 buffers on CUDA
-                buffers = [arrays[i].buffer for i in members]  # type: ignore[union-attr]
+                spans = [arrays[i] for i in members]
+                buffers = [span.buffer for span in spans if isinstance(span, Rows)]
                 joined.append(gather.rows(buffers, first.start, first.count).reshape(-1))
                 parts.append(joined[-1])
             else:  # one after another along the first axis: contiguous, the flat view is free
