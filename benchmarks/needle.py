@@ -7,7 +7,8 @@ group on the same file, in the same run.
 
     python -m benchmarks.needle [--out DIR] [--filler N] [--queries all|window:W]
 
-``--filler 110 --queries window:64`` gives the issue's 8192-token case (about 8,100 prompt tokens).
+``--filler 116 --queries window:64`` gives the issue's 8192-token case (an 8,175-token prompt;
+``--filler 110``: 7,755 tokens).
 
 Writes DIR/needle.kv, DIR/attention.parquet, DIR/simulate.parquet and DIR/simulate.png.
 """
