@@ -62,13 +62,8 @@ class Transfer:
             shape = tuple(first.shape)
             if len(members) == 1 or not shape:
                 parts.extend(_array(arrays[i]).reshape(-1) for i in members)
-            elif isinstance(first, Rows):  # one launch per 64 buffers on CUDA
-                spans = [arrays[i] for i in members]
-                buffers = [span.buffer for span in spans if isinstance(span, Rows)]
-                joined.append(gather.rows(buffers, first.start, first.count).reshape(-1))
-                parts.append(joined[-1])
-            else:  # one after another along the first axis: contiguous, the flat view is free
-                joined.append(mx.concatenate([_array(arrays[i]) for i in members], axis=0).reshape(-1))
+            else:
+                joined.append(_join([arrays[i] for i in members]))
                 parts.append(joined[-1])
             for i in members:
                 self._places[i] = (len(self._flats), offset, shape)
@@ -95,6 +90,16 @@ def _group(array: mx.array | Rows) -> tuple[Any, ...]:
     if isinstance(array, Rows):
         return ("rows", tuple(array.buffer.shape), array.start, array.count)
     return tuple(array.shape)
+
+
+def _join(group: list[mx.array | Rows]) -> mx.array:
+    """Items of one shape (`_group`) one after another along their first axis, flat, in a buffer of
+    their own: `Rows` of one span by `gather.rows` (one launch per 64 buffers on CUDA), arrays by
+    one ``mx.concatenate`` (contiguous, so the flat view is free)."""
+    spans = [item for item in group if isinstance(item, Rows)]
+    if len(spans) == len(group):
+        return gather.rows([span.buffer for span in spans], spans[0].start, spans[0].count).reshape(-1)
+    return mx.concatenate([_array(item) for item in group], axis=0).reshape(-1)
 
 
 def _array(array: mx.array | Rows) -> mx.array:
