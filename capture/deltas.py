@@ -35,10 +35,10 @@ class LayerDelta:
 
     ``drops``: position ranges ``[start, stop)`` no longer held (every sequence). New rows: on the
     device path, ``keys`` / ``values`` are mlx arrays (or `gather.Rows` of the cache buffers)
-    ``(B, H, count, D)`` (a quantized layer: 3
-    arrays each, packed / scales / biases) at positions ``start .. start + count - 1`` for every
-    sequence at ``positions`` (int64, increasing: the new tokens only, so O(new) to build); on the
-    host path, ``host`` holds per sequence ``(k, v, positions)`` numpy data.
+    ``(B, H, count, D)`` (a quantized layer: 3 arrays each, packed / scales / biases) at
+    positions ``start .. start + count - 1`` for every sequence at ``positions`` (int64,
+    increasing: the new tokens only, so O(new) to build); on the host path, ``host`` holds per
+    sequence ``(k, v, positions)`` numpy data.
     """
 
     layer: int

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,8 +142,7 @@ class Rows:
 
     @property
     def size(self) -> int:
-        batch, heads, _, dim = self.buffer.shape
-        return batch * heads * self.count * dim
+        return math.prod(self.shape)
 
     def array(self) -> mx.array:
         """The rows as a lazy slice of the buffer."""
@@ -210,6 +210,7 @@ def rows(buffers: list[mx.array], start: int, count: int, gather: bool | None = 
     batch, heads, _, dim = buffers[0].shape
     key = (buffers[0].dtype, batch, heads, dim)
     works = _ROWS_WORK.get(key)
+    parts: list[mx.array] = []
     if works is None:
         try:
             out = _rows_launch(buffers[:ARITY], start, count)
@@ -217,7 +218,10 @@ def rows(buffers: list[mx.array], start: int, count: int, gather: bool | None = 
         except Exception:  # any failure to build or run the kernel: slicing instead
             works = False
         _ROWS_WORK[key] = works
+        if works:
+            parts.append(out)  # the checked result itself, not a second launch
     if not works:
         return _sliced(buffers, start, count)
-    parts = [_rows_launch(buffers[i : i + ARITY], start, count) for i in range(0, len(buffers), ARITY)]
+    for i in range(len(parts) * ARITY, len(buffers), ARITY):
+        parts.append(_rows_launch(buffers[i : i + ARITY], start, count))
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
