@@ -4,8 +4,10 @@ adds up every per-query score `head_importance` reports, with no ``(n_queries, n
 temporaries beyond the weights themselves.
 
 `block_scores` takes the raw products ``q . k`` of a block (BLAS, float32) and overwrites them
-with the softmax weights (float32, exactly 0 where masked) and fills ``rows``
-``(n_queries, ROW_FIELDS)`` float64 per query:
+with each row's unnormalized softmax numerators ``e_j = exp(x_j - m)`` (float32, exactly 0 where
+masked; the weights are ``e_j * INVERSE``, so that the caller normalizes its ``(n, dim)``
+products instead of dividing ``(n, n_keys)`` weights) and fills ``rows`` ``(n_queries,
+ROW_FIELDS)`` float64 per query:
 
 - ``SINK``, ``LOCAL``: the weight on key positions ``< sinks`` and on visible keys less than
   ``local`` positions back;
@@ -15,18 +17,23 @@ with the softmax weights (float32, exactly 0 where masked) and fills ``rows``
 - ``TOP``: the column of the largest weight (the first one on ties; 0 when every weight is 0);
 - ``KEPT``: the sum of the weights a streaming head keeps (key positions ``< sinks`` or less
   than ``stream_window`` back); ``SINK_SHARE``: the share of the layer's own sink
-  (``exp(sink - m) / T``, 0 without sinks): a streaming head keeps it too.
+  (``exp(sink - m) / T``, 0 without sinks): a streaming head keeps it too;
+- ``INVERSE``: ``1 / T`` (``T`` rounded to float32, as the attention kernels divide by it).
 
 The keys must be in position order (as caches hold them), so that what a query sees is at most
 two column ranges found by binary search, and every masked sum is a sum over ranges. The
-arithmetic per key is float32 as the attention kernels compute it (the sums in float64), in
-loops over those ranges that LLVM vectorizes: the scaled logits and their maximum, the
-exponentials (`_exp`, a polynomial within 1 ulp) with their sums, and the division. It agrees
-with `kvformat.attention.weights` to float32 rounding, which the tests hold it to; the largest
-weight is taken as the largest logit (they differ only where two weights round to one float32).
-The passes assume finite logits: the caller sends blocks whose keys are out of order, or whose
-logits could overflow or hold a NaN or inf, down the numpy path. Without numba (`AVAILABLE`
-false) only the numpy path runs. Measured in `benchmarks/RESULTS.md` (the needle runs).
+arithmetic per key is float32 as the attention kernels compute it, in loops over those ranges
+that LLVM vectorizes: the logits' maximum (on the raw products: ``scale > 0`` keeps the order),
+the search for its first column, and the exponentials (`_exp`, a polynomial within 1 ulp) of
+``products * scale - m`` with their sums. Those sums are float32 within each `CHUNK` of keys (at
+the float32 vector width) and float64 across chunks; the distance sums ``p - j`` directly (key
+positions from the first key's, in float32: exact below 2**24 positions of span), not ``p T -
+sum e_j j``, which cancels. It agrees with `kvformat.attention.weights` to float32 rounding,
+which the tests hold it to; the largest weight is taken as the largest logit (they differ only
+where two weights round to one float32). The passes assume finite logits: the caller sends blocks
+whose keys are out of order, or whose logits could overflow or hold a NaN or inf, down the numpy
+path. Without numba (`AVAILABLE` false) only the numpy path runs. Measured in
+`benchmarks/RESULTS.md` (the needle runs).
 """
 
 from __future__ import annotations
@@ -43,8 +50,9 @@ except ImportError:  # pragma: no cover - exercised where numba is absent
 
 AVAILABLE = numba is not None and os.environ.get("KVSNAP_KERNEL", "compiled") != "numpy"
 
-SINK, LOCAL, ENTROPY, VISIBLE, DISTANCE, TOP, KEPT, SINK_SHARE = range(8)
-ROW_FIELDS = 8
+SINK, LOCAL, ENTROPY, VISIBLE, DISTANCE, TOP, KEPT, SINK_SHARE, INVERSE = range(9)
+ROW_FIELDS = 9
+CHUNK = 512  # keys per float32 partial sum (its rounding grows with it), and per search step
 
 
 def _exp(d: np.float32) -> np.float32:
@@ -83,27 +91,45 @@ def _largest(values: np.ndarray, top: np.float32) -> np.float32:
 
 
 def _first(values: np.ndarray, value: np.float32) -> int:
-    """The index of the first of ``values`` equal to ``value``, else -1."""
-    for c in range(values.shape[0]):
-        if values[c] == value:
-            return c
+    """The index of the first of ``values`` equal to ``value``, else -1: a count per `CHUNK`
+    (which vectorizes), then a scan of the chunk that holds it."""
+    for start in range(0, values.shape[0], CHUNK):
+        chunk = values[start : start + CHUNK]
+        hits = 0
+        for c in range(chunk.shape[0]):
+            hits += chunk[c] == value
+        if hits:
+            for c in range(chunk.shape[0]):
+                if chunk[c] == value:
+                    return start + c
     return -1
 
 
-def _exponentials(values: np.ndarray, top: np.float32, positions: np.ndarray) -> tuple[float, float, float]:
-    """``values`` (logits) become ``exp(logit - top)``; returns the sums of ``e``, of ``e (logit -
-    top)`` and of ``e j`` (``positions``: the keys' positions as float64)."""
+def _exponentials(
+    values: np.ndarray, scale: np.float32, top: np.float32, back: np.float32, positions: np.ndarray
+) -> tuple[float, float, float]:
+    """``values`` (products) become ``exp(logit - top)``, the logit ``values * scale``; returns
+    the sums of ``e``, of ``e (logit - top)`` and of ``e (back - positions)`` (``positions``
+    float32, ``back`` the query's position on the same scale). Each `CHUNK` is summed in float32
+    (vectorized at the float32 width), the chunks in float64."""
     total = 0.0
     weighted = 0.0
     moment = 0.0
-    for c in range(values.shape[0]):
-        d = values[c] - top
-        e = _exp(d)
-        values[c] = e
-        e64 = np.float64(e)
-        total += e64
-        weighted += e64 * np.float64(d)
-        moment += e64 * positions[c]
+    for start in range(0, values.shape[0], CHUNK):
+        chunk, at = values[start : start + CHUNK], positions[start : start + CHUNK]
+        chunk_total = np.float32(0.0)
+        chunk_weighted = np.float32(0.0)
+        chunk_moment = np.float32(0.0)
+        for c in range(chunk.shape[0]):
+            d = chunk[c] * scale - top
+            e = _exp(d)
+            chunk[c] = e
+            chunk_total += e
+            chunk_weighted += e * d
+            chunk_moment += e * (back - at[c])
+        total += np.float64(chunk_total)
+        weighted += np.float64(chunk_weighted)
+        moment += np.float64(chunk_moment)
     return total, weighted, moment
 
 
@@ -114,20 +140,11 @@ def _sum(values: np.ndarray) -> float:
     return total
 
 
-def _scale(values: np.ndarray, scale: float, softcap: float) -> None:
-    """``values`` (raw products) become logits: times ``scale``, then capped when ``softcap > 0``."""
-    scale32 = np.float32(scale)
+def _cap(values: np.ndarray, scale: float, softcap: float) -> None:
+    """``values`` (raw products) become capped logits: ``softcap * tanh(values * scale / softcap)``."""
+    scale32, cap = np.float32(scale), np.float32(softcap)
     for c in range(values.shape[0]):
-        values[c] *= scale32
-    if softcap > 0:
-        cap = np.float32(softcap)
-        for c in range(values.shape[0]):
-            values[c] = cap * np.float32(math.tanh(values[c] / cap))
-
-
-def _divide(values: np.ndarray, total: np.float32) -> None:
-    for c in range(values.shape[0]):
-        values[c] = values[c] / total
+        values[c] = cap * np.float32(math.tanh(values[c] * scale32 / cap))
 
 
 def _block_scores(
@@ -154,7 +171,9 @@ def _block_scores(
     ``j < keep``, ``late``: keys less than ``window - keep`` back), found by binary search; every
     sum over a mask of SPEC 10.1 or of the scores is a sum over such ranges."""
     n = logits.shape[0]
-    as_float = key_positions.astype(np.float64)
+    # Positions from the first key's, in float32 (exact below 2**24 tokens of span).
+    base = key_positions[0] if key_positions.shape[0] else 0
+    as_float = (key_positions - base).astype(np.float32)
     sink_end = np.searchsorted(key_positions, sinks, "left")
     for i in range(n):
         p = query_positions[i]
@@ -169,31 +188,37 @@ def _block_scores(
         row[early:late] = 0.0
         row[end:] = 0.0
         first, second = row[:early], row[late:end]  # what the query sees
-        _scale(first, scale, softcap)
-        _scale(second, scale, softcap)
+        # The logits are ``values * scale`` (after the cap, if any); the scale is applied in
+        # the exponentials' pass, and ``scale > 0`` keeps the largest product the largest logit.
+        factor = np.float32(scale)
+        if softcap > 0:
+            _cap(first, scale, softcap)
+            _cap(second, scale, softcap)
+            factor = np.float32(1.0)
         visible = early + (end - late)
         out[VISIBLE] = visible
         top = _largest(second, _largest(first, MASKED))
         best = _first(first, top)
         out[TOP] = best if best >= 0 else max(late + _first(second, top), 0)
+        top = top * factor if visible else MASKED
         if has_sink:
             top = max(top, np.float32(sink))
         if not visible and not has_sink:
             continue
-        total, weighted, moment = _exponentials(first, top, as_float[:early])
-        more = _exponentials(second, top, as_float[late:end])
+        back = np.float32(p - base)
+        total, weighted, moment = _exponentials(first, factor, top, back, as_float[:early])
+        more = _exponentials(second, factor, top, back, as_float[late:end])
         total, weighted, moment = total + more[0], weighted + more[1], moment + more[2]
         share = np.float64(_exp(np.float32(sink) - top)) if has_sink else 0.0
         total32 = np.float32(total + share)
-        _divide(first, total32)
-        _divide(second, total32)
         inverse = 1.0 / np.float64(total32)
+        out[INVERSE] = inverse
         recent = max(np.searchsorted(key_positions, p - stream_window, "right"), min(sink_end, end))
         near = np.searchsorted(key_positions, p - local, "right")
-        out[SINK] = _sum(row[: min(sink_end, end)])
-        out[LOCAL] = _sum(row[near:end])
-        out[KEPT] = out[SINK] + _sum(row[recent:end])
-        out[DISTANCE] = (p * total - moment) * inverse
+        out[SINK] = _sum(row[: min(sink_end, end)]) * inverse
+        out[LOCAL] = _sum(row[near:end]) * inverse
+        out[KEPT] = out[SINK] + _sum(row[recent:end]) * inverse
+        out[DISTANCE] = moment * inverse
         # -sum w log w with log w = (x - top) - log T: no logarithm per key.
         out[ENTROPY] = -weighted * inverse + math.log(np.float64(total32)) * total * inverse
         out[SINK_SHARE] = share * inverse
@@ -211,8 +236,7 @@ if numba is not None:
     _first = numba.njit(cache=True, nogil=True)(_first)
     _exponentials = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_exponentials)
     _sum = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_sum)
-    _scale = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_scale)
-    _divide = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_divide)
+    _cap = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_cap)
     block_scores = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_block_scores)
 else:  # pragma: no cover
     block_scores = _block_scores

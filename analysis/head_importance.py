@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -129,7 +129,7 @@ def head_scores(
     if spec is None:
         raise NoQueriesError(f"layer {layer} holds no queries")
     copies = tokens if isinstance(tokens, Copies) or tokens is None else copy_events(tokens, needle)
-    return _scores(snap, layer, head, _keys(snap, layer, spec.kv_heads[head], seq), seq, window, copies)
+    return _scores(snap, layer, [head], _keys(snap, layer, spec.kv_heads[head], seq), seq, window, copies)[0]
 
 
 @dataclass(frozen=True)
@@ -164,22 +164,45 @@ def _keys(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) -> _Keys:
 def _scores(
     snap: kvformat.Snapshot,
     layer: int,
-    head: int,
+    heads: Sequence[int],
     keys: _Keys,
     seq: int,
     window: int,
     copies: Copies | None,
-) -> dict[str, Any]:
+) -> list[dict[str, Any]]:
+    """The scores of query heads ``heads`` (all of one KV head, whose `_Keys` are ``keys``), in
+    that order. Where the heads' queries share their positions (as a capture saves them), the
+    compiled pass takes their blocks stacked: one product per block for every head of the group."""
     spec = snap.layers[layer].queries
     assert spec is not None
-    sums = _Sums()
-    found = snap.queries(layer, head, seq)
-    assert found is not None
-    q = np.asarray(found.q, np.float32)
-    add = _add_compiled if _compiled_available() else _add_block
-    for start in range(0, q.shape[0], attention_math.BLOCK):
-        rows = slice(start, start + attention_math.BLOCK)
-        add(sums, spec, head, q[rows], found.positions[rows], keys, window, copies)
+    found = [snap.queries(layer, head, seq) for head in heads]
+    assert all(f is not None for f in found)
+    queries = [(np.asarray(f.q, np.float32), f.positions) for f in found if f is not None]
+    sums = [_Sums() for _ in heads]
+    compiled = _compiled_available()
+    first = queries[0][1]
+    if compiled and all(np.array_equal(at, first) for _, at in queries[1:]):
+        step = max(1, attention_math.BLOCK // len(heads))  # a block's rows, all heads: <= BLOCK
+        dim = queries[0][0].shape[1]
+        for start in range(0, len(first), step):
+            at = first[start : start + step]
+            stacked = work_matrix("attention queries", len(heads) * len(at), dim)
+            for i, (q, _) in enumerate(queries):
+                stacked[i * len(at) : (i + 1) * len(at)] = q[start : start + step]
+            _add_compiled(sums, spec, heads, stacked, at, keys, window, copies)
+    else:
+        for head_sums, head, (q, at) in zip(sums, heads, queries, strict=True):
+            for start in range(0, q.shape[0], attention_math.BLOCK):
+                rows = slice(start, start + attention_math.BLOCK)
+                if compiled:
+                    _add_compiled([head_sums], spec, [head], q[rows], at[rows], keys, window, copies)
+                else:
+                    _add_block(head_sums, spec, head, q[rows], at[rows], keys, window, copies)
+    return [_columns(head_sums) for head_sums in sums]
+
+
+def _columns(sums: _Sums) -> dict[str, Any]:
+    """A head's `COLUMNS` from its sums."""
     n = sums.queries
     mean = (lambda total: total / n) if n else (lambda total: math.nan)
     return {
@@ -231,62 +254,89 @@ def _compiled_available() -> bool:
 
 
 def _add_compiled(
-    sums: _Sums,
+    sums: Sequence[_Sums],
     spec: Any,
-    head: int,
+    heads: Sequence[int],
     q: np.ndarray,
     p: np.ndarray,
     keys: _Keys,
     window: int,
     copies: Copies | None,
 ) -> None:
-    """`_add_block` through `attention_kernel.block_scores`: one pass over the block's logits.
-    Only the columns a query of the block can see are multiplied, and the streaming output only
-    over the columns it keeps. Keys out of position order (a rotating cache may hold them so), or
-    logits that could overflow or hold a NaN, take the numpy path."""
+    """`_add_block` through `attention_kernel.block_scores` for the query heads ``heads`` of one
+    KV head at once: ``q`` ``(len(heads) * n, dim)`` is their blocks at positions ``p`` ``(n,)``,
+    stacked, so that each product is one call for the group; ``sums`` one per head. One pass over
+    each row's logits. Only the columns a query of the block can see are multiplied, and the
+    streaming output only over the columns it keeps. Keys out of position order (a rotating cache
+    may hold them so), or logits that could overflow or hold a NaN, take the numpy path."""
+    n = len(p)
     bound = float(np.abs(q).max(initial=0.0)) * keys.largest * q.shape[1] * float(spec.scale)
     if not (keys.ordered and bound < FINITE):  # keys out of order; NaN, inf or overflow possible
-        _add_block(sums, spec, head, q, p, keys, window, copies)
+        for i, (head_sums, head) in enumerate(zip(sums, heads, strict=True)):
+            _add_block(head_sums, spec, head, q[i * n : (i + 1) * n], p, keys, window, copies)
         return
     positions = keys.positions
     end = int(np.searchsorted(positions, p.max(), "right"))
-    # (n, end) float32: the raw products, the weights after the call. In a buffer the thread
-    # reuses: a fresh 2 MB a query head costs page faults, which threads take one at a time.
-    weights = np.matmul(q, keys.k[:end].T, out=work_matrix("attention weights", len(p), end))
-    from . import attention_kernel  # numba: imported only when attention is computed
+    # (len(q), end) float32: the raw products, each row's exponentials after the kernel. In a
+    # buffer the thread reuses: fresh pages for every block cost page faults, which threads take
+    # one at a time.
+    weights = np.matmul(q, keys.k[:end].T, out=work_matrix("attention weights", len(q), end))
+    from . import attention_kernel as k  # numba: imported only when attention is computed
 
-    rows = np.empty((len(p), attention_kernel.ROW_FIELDS))
-    sink = spec.sinks[head] if spec.sinks is not None else 0.0
-    attention_kernel.block_scores(
-        weights,
-        rows,
-        np.ascontiguousarray(p, np.int64),
-        np.ascontiguousarray(positions[:end], np.int64),
-        float(spec.scale),
-        float(spec.softcap or 0.0),
-        -1 if spec.window is None else int(spec.window),
-        int(spec.keep),
-        float(sink),
-        spec.sinks is not None,
-        SINKS,
-        LOCAL,
-        int(window),
-    )
-    k = attention_kernel
+    rows = np.empty((len(q), k.ROW_FIELDS))
+    query_positions = np.ascontiguousarray(p, np.int64)
+    key_positions = np.ascontiguousarray(positions[:end], np.int64)
+    for i, head in enumerate(heads):
+        k.block_scores(
+            weights[i * n : (i + 1) * n],
+            rows[i * n : (i + 1) * n],
+            query_positions,
+            key_positions,
+            float(spec.scale),
+            float(spec.softcap or 0.0),
+            -1 if spec.window is None else int(spec.window),
+            int(spec.keep),
+            float(spec.sinks[head]) if spec.sinks is not None else 0.0,
+            spec.sinks is not None,
+            SINKS,
+            LOCAL,
+            int(window),
+        )
+    # The outputs are normalized after the products (``weights`` holds exponentials).
+    inverse = rows[:, k.INVERSE, None]
+    full = (weights @ keys.v[:end]) * inverse
+    kept = np.zeros(full.shape)
+    for low, high in _kept_columns(positions[:end], int(p.min()), window):
+        j = positions[low:high]
+        mask = np.tile((j[None, :] < SINKS) | (p[:, None] - j[None, :] < window), (len(heads), 1))
+        kept += np.where(mask, weights[:, low:high], np.float32(0)) @ keys.v[low:high]
+    kept *= inverse
+    for i, head_sums in enumerate(sums):
+        block = slice(i * n, (i + 1) * n)
+        _add_rows(head_sums, rows[block], full[block], kept[block], p, positions, copies)
+
+
+def _add_rows(
+    sums: _Sums,
+    rows: np.ndarray,
+    full: np.ndarray,
+    kept: np.ndarray,
+    p: np.ndarray,
+    positions: np.ndarray,
+    copies: Copies | None,
+) -> None:
+    """One head's block into ``sums``: the kernel's ``rows`` ``(n, ROW_FIELDS)``, its attention
+    output ``full`` and streaming output ``kept`` ``(n, dim)`` (both normalized by the full
+    denominator), queries at ``p`` over keys at ``positions``."""
+    from . import attention_kernel as k
+
     sums.queries += len(p)
     sums.sink += float(rows[:, k.SINK].sum())
     sums.local += float(rows[:, k.LOCAL].sum())
     entropy, count = rows[:, k.ENTROPY], rows[:, k.VISIBLE]
     _add_entropy(sums, entropy, count)
     sums.distance += float(rows[:, k.DISTANCE].sum())
-    full = (weights @ keys.v[:end]).astype(np.float64)
-    kept = np.zeros(full.shape)
-    for low, high in _kept_columns(positions[:end], int(p.min()), window):
-        j = positions[low:high]
-        mask = (j[None, :] < SINKS) | (p[:, None] - j[None, :] < window)
-        kept += np.where(mask, weights[:, low:high], np.float32(0)) @ keys.v[low:high]
-    denominator = rows[:, k.KEPT] + rows[:, k.SINK_SHARE]
-    _add_streaming(sums, full, kept, denominator)
+    _add_streaming(sums, full, kept, rows[:, k.KEPT] + rows[:, k.SINK_SHARE])
     _add_top(sums, p, positions[rows[:, k.TOP].astype(np.int64)], count > 0, copies)
 
 
@@ -402,15 +452,14 @@ def attention_rows(
         def layer_rows(layer: int) -> list[dict[str, Any]]:
             spec = snap.layers[layer].queries
             assert spec is not None
-            keys: dict[int, _Keys] = {}  # a layer's KV heads, read once for their query heads
-            rows = []
-            for head in range(spec.num_heads):
-                kv_head = spec.kv_heads[head]
-                if kv_head not in keys:
-                    keys = {kv_head: _keys(snap, layer, kv_head, seq)}
-                scores = _scores(snap, layer, head, keys[kv_head], seq, window, tokens)
-                rows.append(
-                    {
+            rows: dict[int, dict[str, Any]] = {}
+            for kv_head in dict.fromkeys(spec.kv_heads):  # a KV head's keys read once for its group
+                group = [head for head in range(spec.num_heads) if spec.kv_heads[head] == kv_head]
+                keys = _keys(snap, layer, kv_head, seq)
+                for head, scores in zip(
+                    group, _scores(snap, layer, group, keys, seq, window, tokens), strict=True
+                ):
+                    rows[head] = {
                         "file": os.fspath(path),
                         "snapshot": snap.index,
                         "layer": layer,
@@ -418,8 +467,7 @@ def attention_rows(
                         "kv_head": kv_head,
                         **scores,
                     }
-                )
-            return rows
+            return [rows[head] for head in sorted(rows)]
 
         threads = min(parallel.cores(), len(layers))
         if threads <= 1:

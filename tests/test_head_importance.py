@@ -354,7 +354,7 @@ def test_compiled_pass_equals_the_numpy_path(name: str, ordered: bool) -> None:
     keys = head_importance._Keys(k, v, keys_at, ordered, float(np.abs(k).max()))
     for head, q in [(h, q) for h in range(4)] + [(1, nan)]:
         compiled, reference = head_importance._Sums(), head_importance._Sums()
-        head_importance._add_compiled(compiled, spec, head, q, p, keys, 7, copies)
+        head_importance._add_compiled([compiled], spec, [head], q, p, keys, 7, copies)
         head_importance._add_block(reference, spec, head, q, p, keys, 7, copies)
         for field in ("sink", "local", "entropy", "entropy_normalized", "distance", "error_sq", "output_sq"):
             expected = getattr(reference, field)
@@ -365,6 +365,34 @@ def test_compiled_pass_equals_the_numpy_path(name: str, ordered: bool) -> None:
             reference.hits,
         )
         assert compiled.histogram.tolist() == reference.histogram.tolist()
+
+
+@pytest.mark.skipif(
+    not attention_kernel.AVAILABLE,
+    reason="compiled kernel off (numba missing or KVSNAP_KERNEL=numpy)",
+)
+@pytest.mark.parametrize("name", list(KERNEL_SPECS))
+def test_stacked_query_heads_score_as_each_head_alone(name: str) -> None:
+    """The compiled pass given a KV head's query heads stacked (one product for the group, each
+    head's own sink) gives each head the numpy path's sums for that head alone."""
+    spec = KERNEL_SPECS[name]
+    rng = np.random.default_rng(5)
+    k = (rng.standard_normal((40, 8)) * 2).astype(np.float32)
+    v = rng.standard_normal((40, 8)).astype(np.float32)
+    p = np.concatenate([[2], np.arange(26, 45)]).astype(np.int64)
+    q = [(rng.standard_normal((20, 8)) * s).astype(np.float32) for s in (3.0, 0.5, 2.0, 1.0)]
+    copies = head_importance.copy_events(rng.integers(0, 5, 50).tolist(), (0, 30))
+    keys = head_importance._Keys(k, v, np.arange(40), True, float(np.abs(k).max()))
+    stacked = [head_importance._Sums() for _ in range(4)]
+    head_importance._add_compiled(stacked, spec, [0, 1, 2, 3], np.concatenate(q), p, keys, 7, copies)
+    for head in range(4):
+        reference = head_importance._Sums()
+        head_importance._add_block(reference, spec, head, q[head], p, keys, 7, copies)
+        for field in ("sink", "local", "entropy", "entropy_normalized", "distance", "error_sq", "output_sq"):
+            expected = getattr(reference, field)
+            assert getattr(stacked[head], field) == pytest.approx(expected, rel=2e-5, abs=1e-5), (head, field)
+        assert stacked[head].histogram.tolist() == reference.histogram.tolist()
+        assert (stacked[head].queries, stacked[head].hits) == (reference.queries, reference.hits)
 
 
 @pytest.mark.skipif(
