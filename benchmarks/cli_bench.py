@@ -4,12 +4,13 @@ machine's own sequential read of the same file in the same run.
 
     python -m benchmarks.cli_bench [--dir /tmp/kvsnap-cli-bench] [--runs 5] [--backends cpu,mlx]
 
-Files (written once, then reused): a tiny one (2 layers x 2 heads x 40 tokens: the fixed cost)
-and the Qwen3-8B-shaped bfloat16 one of `benchmarks.analysis_bench` (36 x 8 x 128 x 8192 tokens,
-1.2 GB). Each row: median and range over ``--runs`` fresh runs, the largest resident set of any
-process of the run and the PSS of the whole process tree (`benchmarks.memory`), and the ratio of
-the read's time to the command's (1.0x: as fast as reading the file once; higher is faster).
-The page cache is warm: each file is read once before its runs.
+Files (written once, then reused): two tiny ones (2 layers x 2 heads x 40 tokens, float32 and
+bfloat16: the fixed cost, the second with ml_dtypes' import) and the Qwen3-8B-shaped bfloat16 one
+of `benchmarks.analysis_bench` (36 x 8 x 128 x 8192 tokens, 1.2 GB). Each row: median and range
+over ``--runs`` fresh runs, the largest resident set of any process of the run and the PSS of the
+whole process tree (`benchmarks.memory`), and the ratio of the read's time to the command's (1.0x:
+as fast as reading the file once; higher is faster). The page cache is warm: each file is read
+once before its runs.
 """
 
 from __future__ import annotations
@@ -35,16 +36,22 @@ COMMAND = "import sys; from kvformat.cli import main; raise SystemExit(main(sys.
 def files(directory: Path) -> dict[str, Path]:
     """The benchmark's files, written if missing."""
     directory.mkdir(parents=True, exist_ok=True)
-    tiny = directory / "tiny.kv"
-    if not tiny.exists():
-        rng = np.random.default_rng(0)
-        k, v = (rng.standard_normal((2, 40, 16)).astype(np.float32) for _ in range(2))
-        kvformat.save(tiny, [kvformat.Layer(k, v), kvformat.Layer(v, k)])
+    tiny, tiny_bf16 = directory / "tiny.kv", directory / "tiny-bf16.kv"
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((2, 40, 16)).astype(np.float32) for _ in range(2))
+    for path, dtype in ((tiny, np.float32), (tiny_bf16, SHAPES["qwen3-8b-bf16"][3])):
+        if not path.exists():
+            k16, v16 = k.astype(dtype), v.astype(dtype)
+            kvformat.save(path, [kvformat.Layer(k16, v16), kvformat.Layer(v16, k16)])
     big = directory / "qwen3-8b-bf16.kv"
     if not big.exists():
         layers, heads, dim, dtype = SHAPES["qwen3-8b-bf16"]
         write(big, layers, heads, dim, 8192, dtype, "raw")
-    return {"tiny (2 x 2 x 40 float32)": tiny, "Qwen3-8B bf16, 8192 tokens": big}
+    return {
+        "tiny (2 x 2 x 40 float32)": tiny,
+        "tiny (2 x 2 x 40 bfloat16)": tiny_bf16,
+        "Qwen3-8B bf16, 8192 tokens": big,
+    }
 
 
 def read_seconds(path: Path) -> float:
