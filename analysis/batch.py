@@ -24,8 +24,8 @@ from .parallel import local_map
 from .stats import (
     HeadAccumulator,
     file_table,
-    frame_of,
     merged_accumulators,
+    rows_of,
 )
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def run_stats(
             tables.append(result)
         if progress:
             progress(path)
-    return BatchResult(frame_of(tables), failures, len(paths))
+    return BatchResult(rows_of(tables), failures, len(paths))
 
 
 class Merger:
@@ -149,4 +149,4 @@ def merged_stats(
                 failures.append(FileFailure(path, describe_error(exc)))
         if progress:
             progress(path)
-    return BatchResult(merger.table(), failures, len(paths))
+    return BatchResult(merger.table().to_arrow(), failures, len(paths))

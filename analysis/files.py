@@ -9,6 +9,7 @@ dependencies run one way: batch -> ray -> files, stats.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from .catalogue import ALL, stat_groups
 
 if TYPE_CHECKING:
     import polars as pl
+    import pyarrow as pa
 
     from .plan import PassOptions
 
@@ -119,11 +121,22 @@ class FileFailure:
 
 @dataclass
 class BatchResult:
-    """The statistics table of the files that worked and the failures of those that did not."""
+    """The statistics of the files that worked, as an Arrow table (``rows``; `table`: the same as
+    a Polars DataFrame), and the failures of those that did not."""
 
-    table: pl.DataFrame
+    rows: pa.Table
     failures: list[FileFailure] = field(default_factory=list)
     files: int = 0
+
+    @functools.cached_property
+    def table(self) -> pl.DataFrame:
+        """``rows`` as a Polars DataFrame (polars imported here, on first use: ``kvsnap stats``
+        prints and saves ``rows`` without it)."""
+        import polars as pl
+
+        frame = pl.from_arrow(self.rows)
+        assert isinstance(frame, pl.DataFrame)
+        return frame
 
 
 def expand_paths(patterns: Iterable[str], storage_options: Options | None = None) -> list[str]:

@@ -166,7 +166,7 @@ def _collect(paths: list[str], options: BatchOptions) -> BatchResult:
             tables.append(table)
     order = {path: i for i, path in enumerate(paths)}
     failures.sort(key=lambda failure: order.get(failure.file, len(paths)))
-    return BatchResult(sort_like(frame_of(tables), paths), failures, len(paths))
+    return BatchResult(sort_like(frame_of(tables), paths).to_arrow(), failures, len(paths))
 
 
 @ray.remote

@@ -219,14 +219,21 @@ def head_stats(
 def frame_of(tables: list[pa.Table]) -> pl.DataFrame:
     """One Polars DataFrame of Arrow tables (columns unified, empty tables dropped)."""
     import polars as pl
+
+    frame = pl.from_arrow(rows_of(tables))
+    assert isinstance(frame, pl.DataFrame)
+    return frame
+
+
+def rows_of(tables: list[pa.Table]) -> pa.Table:
+    """One Arrow table of ``tables`` (columns unified, empty tables dropped; no columns if none
+    is left)."""
     import pyarrow as pa
 
     tables = [t for t in tables if t.num_rows]
     if not tables:
-        return pl.DataFrame()
-    frame = pl.from_arrow(pa.concat_tables(tables, promote_options="default"))
-    assert isinstance(frame, pl.DataFrame)
-    return frame
+        return pa.table({})
+    return pa.concat_tables(tables, promote_options="default")
 
 
 def head_stats_reader(

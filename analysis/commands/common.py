@@ -82,10 +82,16 @@ def check_snapshot(args: argparse.Namespace) -> None:
 
 
 def save_parquet(table: Any, path: str, args: argparse.Namespace) -> None:
-    """Write ``table`` to ``path`` through a temporary name; say where."""
+    """Write ``table`` (a Polars DataFrame or an Arrow table) to ``path`` through a temporary
+    name; say where."""
     with output_path(path, inputs=inputs(args), force=args.force) as temporary:
-        table.write_parquet(temporary)
-    print(f"wrote {path}: {table.height} rows")
+        if hasattr(table, "write_parquet"):  # a Polars DataFrame
+            table.write_parquet(temporary)
+        else:  # an Arrow table, compressed as polars would
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, temporary, compression="zstd")
+    print(f"wrote {path}: {len(table)} rows")
 
 
 def save_figure(figure: Any, path: str, args: argparse.Namespace) -> None:
