@@ -5,6 +5,8 @@ one line on stderr and exit status 2."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -314,8 +316,6 @@ def test_a_missing_extra_is_one_line(
 ) -> None:
     """A command whose optional dependency is not installed says which one and how to install
     it, exit 2 (no traceback)."""
-    import sys
-
     monkeypatch.setitem(sys.modules, "polars", None)
     assert main(["outliers", str(series)]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
@@ -332,8 +332,6 @@ def test_stats_prints_and_saves_without_polars(
     """``kvsnap stats FILE -o out.parquet`` neither needs nor imports polars (its import is a
     third of a fresh command's time on a 16-core machine): the same printout and the same
     Parquet rows as `head_stats` gives."""
-    import sys
-
     import polars as pl
 
     from kvsnap.analysis import head_stats
@@ -350,3 +348,12 @@ def test_stats_prints_and_saves_without_polars(
     top = keys.sort("norm_mean", descending=True).row(0, named=True)
     ratio = top["norm_mean"] / median
     assert f"largest: layer {top['layer']} head {top['head']} ({ratio:.2f}x median)" in printed
+    # A fresh process, as a user runs it: neither polars nor pandas (which pyarrow.compute would
+    # import) is loaded.
+    script = (
+        "import sys; from kvformat.cli import main; "
+        f"main(['stats', {str(series)!r}, '-o', {str(tmp_path / 'again.parquet')!r}]); "
+        "print(sorted(m for m in ('polars', 'pandas') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"

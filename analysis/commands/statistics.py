@@ -149,18 +149,18 @@ def _medians(rows: Any) -> None:
     """Per file of the Arrow table ``rows``: the median over heads of each scalar statistic (NaN
     and null left out), for K and V."""
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     numeric = (pa.types.is_integer, pa.types.is_floating)
     scalars = [f.name for f in rows.schema if any(t(f.type) for t in numeric) and f.name not in KEYS]
-    for name in list(dict.fromkeys(rows["file"].to_pylist())):
-        of_file = rows.filter(pc.equal(rows["file"], name))
-        print(f"{name}: {of_file.num_rows} head rows; median over heads")
+    table = rows.select(["file", "tensor", *scalars]).to_pylist()
+    for name in dict.fromkeys(row["file"] for row in table):
+        of_file = [row for row in table if row["file"] == name]
+        print(f"{name}: {len(of_file)} head rows; median over heads")
         for tensor in ("k", "v"):
-            part = of_file.filter(pc.equal(of_file["tensor"], tensor))
+            part = [row for row in of_file if row["tensor"] == tensor]
             cells = []
             for column in scalars:
-                values = [v for value in part[column].to_pylist() if (v := _number(value)) is not None]
+                values = [v for row in part if (v := _number(row[column])) is not None]
                 cells.append(f"{column}={_median(values):.4g}")
             print(f"  {tensor.upper()}: " + "  ".join(cells))
 
@@ -194,10 +194,9 @@ def key_rows(rows: Any, factor: float) -> list[dict[str, Any]]:
     ``n_tokens``, ``norm_mean``) with ``ratio_to_median`` (``norm_mean`` over the median K head of
     its file; None where either is NaN or null) and ``outlier`` (the ratio above ``factor``): what
     `analysis.stats.outliers` computes, without polars."""
-    import pyarrow.compute as pc
-
-    columns = ["file", "seq", "layer", "head", "n_tokens", "norm_mean"]
-    keys = rows.filter(pc.equal(rows["tensor"], "k")).select(columns).to_pylist()
+    columns = ["file", "seq", "layer", "head", "n_tokens", "norm_mean", "tensor"]
+    # Filtered in Python: pyarrow.compute's first call imports pandas (0.17 s) where it is there.
+    keys = [row for row in rows.select(columns).to_pylist() if row["tensor"] == "k"]
     medians: dict[str, float] = {}
     for name in dict.fromkeys(row["file"] for row in keys):
         values = [_number(row["norm_mean"]) for row in keys if row["file"] == name]
