@@ -1,0 +1,57 @@
+"""Where a fresh ``kvsnap stats FILE`` spends its time, one process, in order: the imports, the
+worker pool's start (fork server, kernels, workers), the first pass over the file and a second
+pass in the same process (the warm figure), each as a wall-clock delta.
+
+    python -m benchmarks.probes.fresh_probe FILE [--jobs 16] [--backend cpu]
+
+Run it after byte-compiling the sources (``python -m compileall -q kvformat analysis capture``),
+as a ``pip install`` leaves them.
+"""
+
+from __future__ import annotations
+
+import time
+
+START = time.perf_counter()
+
+import argparse  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("file")
+    parser.add_argument("--jobs", type=int, default=16)
+    parser.add_argument("--backend", default="cpu")
+    args = parser.parse_args()
+    marks: list[tuple[str, float]] = []
+
+    def mark(label: str) -> None:
+        marks.append((label, time.perf_counter()))
+
+    import numpy  # noqa: F401
+
+    import kvformat  # noqa: F401
+
+    mark("import numpy, kvformat")
+    from kvsnap.analysis import processes
+    from kvsnap.analysis.batch import run_stats
+
+    mark("import the analysis")
+    workers = processes.worker_count(args.jobs, args.backend)
+    processes.start(workers, args.backend)
+    pool = processes._pool(workers, args.backend)
+    for future in [pool.submit(processes._ready) for _ in range(workers)]:
+        future.result()
+    mark(f"{workers} workers ready")
+    rows = run_stats(args.file, jobs=args.jobs, backend=args.backend).rows
+    mark(f"first pass ({rows.num_rows} rows)")
+    run_stats(args.file, jobs=args.jobs, backend=args.backend)
+    mark("second pass")
+    last = START
+    for label, at in marks:
+        print(f"{label:32s} +{at - last:6.3f} s  (at {at - START:6.3f} s)")
+        last = at
+
+
+if __name__ == "__main__":
+    main()
