@@ -3,6 +3,7 @@ worker pool's start (fork server, kernels, workers), the first pass over the fil
 pass in the same process (the warm figure), each as a wall-clock delta.
 
     python -m benchmarks.probes.fresh_probe FILE [--jobs 16] [--backend cpu]
+    python -m benchmarks.probes.fresh_probe FILE --jobs 1 --backend mlx   # the command's mlx pass
 
 Run it after byte-compiling the sources (``python -m compileall -q kvformat analysis capture``),
 as a ``pip install`` leaves them.
@@ -37,12 +38,18 @@ def main() -> None:
     from kvsnap.analysis.batch import run_stats
 
     mark("import the analysis")
-    workers = processes.worker_count(args.jobs, args.backend)
-    processes.start(workers, args.backend)
-    pool = processes._pool(workers, args.backend)
-    for future in [pool.submit(processes._ready) for _ in range(workers)]:
-        future.result()
-    mark(f"{workers} workers ready")
+    if args.backend == "mlx" and args.jobs == 1:  # the command's one mlx pass in its own process
+        import mlx.core as mx
+
+        mx.eval(mx.zeros(1) + 1)
+        mark(f"mlx and {mx.default_device()} started")
+    elif args.jobs > 1:
+        workers = processes.worker_count(args.jobs, args.backend)
+        processes.start(workers, args.backend)
+        pool = processes._pool(workers, args.backend)
+        for future in [pool.submit(processes._ready) for _ in range(workers)]:
+            future.result()
+        mark(f"{workers} workers ready")
     rows = run_stats(args.file, jobs=args.jobs, backend=args.backend).rows
     mark(f"first pass ({rows.num_rows} rows)")
     run_stats(args.file, jobs=args.jobs, backend=args.backend)
