@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING, Any
 
 import kvformat
 
+from . import fork_server
+from .fork_server import PROCESS_MIN_BYTES, START_METHOD
 from .parallel import main_hidden as _main_hidden
-from .parallel import one_thread_environment
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
     from .accumulator import HeadAccumulator
@@ -66,17 +67,11 @@ TASKS_PER_WORKER = 16
 MLX_TASKS_PER_WORKER = 4
 """The same on mlx: a worker's device pipeline drains at the end of each task."""
 
-START_METHOD = "forkserver"
 MLX_START_METHOD = "spawn"
 """mlx workers are spawned, not forked from the fork server: they start mlx and a CUDA context
 of their own either way (a fork cannot share one), and a spawned worker does not carry the fork
 server's numba and compiled kernels, which would count in each worker's resident set (on mlx the
 rows' eigenvalues are LAPACK's, `rows`)."""
-
-PROCESS_MIN_BYTES = 256 << 20
-"""Smaller files stay in one process (on threads) unless the workers are already running:
-starting them (an interpreter importing numpy and numba each) would cost more than they
-save on a file one core analyses in about that time."""
 
 
 MLX_ONE_SHOT_BYTES = 12 << 30
@@ -159,13 +154,8 @@ def _pool(workers: int, backend: str = "cpu") -> ProcessPoolExecutor:
             context = multiprocessing.get_context(MLX_START_METHOD)
             pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_one_blas_thread)
         else:
-            context = multiprocessing.get_context(START_METHOD)
-            context.set_forkserver_preload(["kvsnap.analysis.warm_kernels"])
-            with one_thread_environment(), _main_hidden():
-                from multiprocessing import forkserver
-
-                forkserver.ensure_running()
-            pool = ProcessPoolExecutor(workers, mp_context=context)
+            fork_server.ensure_running()  # running already where `kvsnap` started it early
+            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(START_METHOD))
         _POOL = (workers, backend, pool)
         return pool
 

@@ -31,7 +31,7 @@ from benchmarks.analysis_bench import SHAPES, write
 from benchmarks.memory import run_sampled
 from benchmarks.timing import blas_line
 
-COMMAND = "import sys; from kvformat.cli import main; raise SystemExit(main(sys.argv[1:]))"
+COMMAND = "import sys; from kvsnap.launch import main; raise SystemExit(main(sys.argv[1:]))"
 """What the ``kvsnap`` console script runs."""
 
 

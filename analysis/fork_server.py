@@ -1,0 +1,91 @@
+"""The CPU backend's fork server (`analysis.processes`), startable before anything heavy is
+imported: this module needs the standard library and `analysis.parallel` only.
+
+On the accelerator machine's 16 cores a fresh ``kvsnap stats FILE`` of a 1.2 GB file spent
+1.5-1.7 s waiting for its workers: the fork server imports numpy and numba and loads the
+kernels' compiled code (`warm_kernels`) before it forks the first worker, and it was started only
+once the command had imported numpy, built its parser and read its arguments (~0.5 s in).
+`start_early` starts it as the ``kvsnap`` process begins, for the command that will want it (the
+default ``kvsnap stats`` of one big local file); `processes` then finds it running."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Sequence
+
+from .parallel import cores, main_hidden, one_thread_environment
+
+START_METHOD = "forkserver"
+PRELOAD = ["kvsnap.analysis.warm_kernels"]
+"""What the fork server imports before it forks a worker: the kernels, their code loaded."""
+
+PROCESS_MIN_BYTES = 256 << 20
+"""Smaller files stay in one process (on threads) unless the workers are already running:
+starting them (an interpreter importing numpy and numba each) would cost more than they
+save on a file one core analyses in about that time."""
+
+_DEFAULTS_CHANGED = ("--backend", "--engine", "--jobs", "--merge", "--address", "--stats")
+"""Options after which `start_early` leaves the decision to the command (which may not start
+CPU workers at all)."""
+
+_WITH_VALUE = (
+    "-o",
+    "--output",
+    "--factor",
+    "--snapshot",
+    "--keys",
+    "--window",
+    "--needle",
+    "--storage-option",
+)
+
+
+def ensure_running() -> None:
+    """Start the fork server now unless it runs: BLAS and numba limited to one thread in its
+    environment (its workers inherit it), ``__main__`` hidden from it."""
+    context = multiprocessing.get_context(START_METHOD)
+    context.set_forkserver_preload(PRELOAD)
+    with one_thread_environment(), main_hidden():
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def wanted(argv: Sequence[str]) -> bool:
+    """Whether ``kvsnap`` run with ``argv`` is the default ``kvsnap stats FILE`` of one local
+    file of at least `PROCESS_MIN_BYTES`, on a machine with more than one core: the command that
+    starts CPU workers. Read from the tokens alone (a misread costs an idle server, not a wrong
+    result: the command decides for itself)."""
+    if len(argv) < 2 or argv[0] != "stats" or cores() < 2:
+        return False
+    if START_METHOD not in multiprocessing.get_all_start_methods():
+        return False
+    files = []
+    skip = False
+    for token in argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if token.split("=", 1)[0] in _DEFAULTS_CHANGED:
+            return False
+        if token in _WITH_VALUE:
+            skip = True
+        elif not token.startswith("-"):
+            files.append(token)
+    if len(files) != 1 or "://" in files[0]:
+        return False
+    try:
+        return os.stat(files[0]).st_size >= PROCESS_MIN_BYTES
+    except OSError:
+        return False
+
+
+def start_early(argv: Sequence[str]) -> None:
+    """`ensure_running` when `wanted` says the command will use the fork server; never raises
+    (the command then starts it itself, or reports what is wrong)."""
+    try:
+        if wanted(argv):
+            ensure_running()
+    except Exception:
+        pass

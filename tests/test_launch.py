@@ -1,0 +1,89 @@
+"""The ``kvsnap`` entry point (`kvsnap.launch`): it starts the CPU workers' fork server before
+anything heavy is imported, for the default ``kvsnap stats`` of one big local file only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvformat
+from kvsnap.analysis import fork_server
+from kvsnap.launch import main
+
+
+@pytest.fixture
+def big(tmp_path: Path) -> Path:
+    """A sparse file of `PROCESS_MIN_BYTES` (the decision reads its size only)."""
+    path = tmp_path / "big.kv"
+    with open(path, "wb") as f:
+        f.truncate(fork_server.PROCESS_MIN_BYTES)
+    return path
+
+
+def test_the_default_stats_of_one_big_local_file_wants_the_fork_server(
+    big: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fork_server, "cores", lambda: 16)
+    small = tmp_path / "small.kv"
+    small.write_bytes(b"x")
+    file = str(big)
+    assert fork_server.wanted(["stats", file])
+    assert fork_server.wanted(["stats", file, "-o", str(tmp_path / "out.parquet"), "--force"])
+    assert fork_server.wanted(["stats", "--factor", "2", file])
+    # The command may start no CPU workers: it decides for itself.
+    for other in (
+        ["stats", file, "--backend", "mlx"],
+        ["stats", file, "--backend=cpu"],
+        ["stats", file, "--jobs", "4"],
+        ["stats", file, "--engine", "ray"],
+        ["stats", file, "--merge"],
+        ["stats", file, "--stats", "attention"],
+        ["stats", file, file],  # two files: the batch plans its processes
+        ["stats", str(small)],
+        ["stats", "-o", file, str(small)],  # the big one is the output
+        ["stats", "https://example.com/big.kv"],
+        ["stats", str(tmp_path / "missing.kv")],
+        ["info", file],
+        ["stats"],
+    ):
+        assert not fork_server.wanted(other), other
+    monkeypatch.setattr(fork_server, "cores", lambda: 1)
+    assert not fork_server.wanted(["stats", file])
+
+
+def test_start_early_starts_the_server_the_pool_then_uses(big: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh process: `start_early` leaves the fork server running with the kernels preloaded
+    and BLAS at one thread in its environment; the pool's own start finds it (same pid)."""
+    script = (
+        "import sys; from multiprocessing import forkserver; from kvsnap.analysis import fork_server\n"
+        f"fork_server.start_early(['stats', {str(big)!r}])\n"
+        "first = forkserver._forkserver._forkserver_pid\n"
+        "from kvsnap.analysis import processes\n"
+        "processes._pool(2, 'cpu')\n"
+        "print(first is not None and first == forkserver._forkserver._forkserver_pid)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip().splitlines()[-1] == ("True" if fork_server.cores() > 1 else "False")
+
+
+def test_start_early_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(argv: object) -> bool:
+        raise OSError("no")
+
+    monkeypatch.setattr(fork_server, "wanted", broken)
+    fork_server.start_early(["stats", "x.kv"])
+
+
+def test_the_entry_point_runs_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    k = np.ones((2, 8, 4), np.float32)
+    kvformat.save(tmp_path / "a.kv", [kvformat.Layer(k, k)])
+    assert main(["stats", str(tmp_path / "a.kv")]) == 0
+    assert "mean ||K|| per layer and KV head" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "a.kv")]) == 0
+    assert main(["info", str(tmp_path / "missing.kv")]) == 2
