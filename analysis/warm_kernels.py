@@ -1,16 +1,25 @@
 """Imported by the fork server of the CPU backend's worker processes (`analysis.processes`): runs each
 compiled kernel once on a few rows, so that numba loads their machine code (from its cache, or
 compiles it) in the server, once, and every worker forked from it starts with them loaded
-instead of loading them itself (~0.3 s per worker)."""
+instead of loading them itself (~0.3 s per worker). It also imports what every worker's first
+task would import on its own: the pass's planning module, ml-dtypes (bfloat16 files) and
+threadpoolctl (one BLAS thread per worker)."""
 
 from __future__ import annotations
 
+import contextlib
+
+import ml_dtypes  # noqa: F401  (bfloat16 files: kvformat imports it on first use)
 import numpy as np
 
+from . import plan, processes  # noqa: F401  (a task's own modules)
 from .accumulator import HeadAccumulator
 from .arrays import GRAM_FLOAT64_ROWS
 from .catalogue import ALL
 from .rope import Rope
+
+with contextlib.suppress(ImportError):  # comes with the analysis extra
+    import threadpoolctl  # noqa: F401
 
 
 def warm() -> None:
