@@ -57,7 +57,7 @@ if os.environ.get("KVSNAP_TRACE_DIR"):
     from kvsnap.analysis.backends import mlx as mlx_backend
 
     from kvsnap.analysis.backends import mlx_pipeline, mlx_staging
-    from kvsnap.analysis import accumulator, processes, streaming
+    from kvsnap.analysis import accumulator, plan, processes
 
     _wrap(mlx_staging.Staging, "start_fill", "copy started")
     _wrap(mlx_staging._Fill, "result", "copy wait")
@@ -66,7 +66,7 @@ if os.environ.get("KVSNAP_TRACE_DIR"):
     _wrap(mlx_pipeline._Batch, "_fold_all", "fold")
     _wrap(mlx_pipeline.Pipeline, "finish", "pipeline drain")
     _wrap(accumulator.HeadAccumulator, "seal", "seal (row)")
-    _wrap(streaming, "_add_segments", "read and add")
+    _wrap(plan, "add_segments", "read and add")
     _wrap(processes, "_device", "device start (every task)")
     _wrap(processes, "_run_task", "task", flush=True)
 """
