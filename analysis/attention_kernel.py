@@ -147,6 +147,17 @@ def _cap(values: np.ndarray, scale: float, softcap: float) -> None:
         values[c] = cap * np.float32(math.tanh(values[c] * scale32 / cap))
 
 
+def _logit_factor(first: np.ndarray, second: np.ndarray, scale: float, softcap: float) -> np.float32:
+    """What the values of ``first`` and ``second`` are multiplied by to give logits: ``scale``
+    (applied in the exponentials' pass; ``scale > 0`` keeps the largest product the largest
+    logit), or 1 once a ``softcap > 0`` has made them capped logits here."""
+    if softcap > 0:
+        _cap(first, scale, softcap)
+        _cap(second, scale, softcap)
+        return np.float32(1.0)
+    return np.float32(scale)
+
+
 def _block_scores(
     logits: np.ndarray,
     rows: np.ndarray,
@@ -188,13 +199,7 @@ def _block_scores(
         row[early:late] = 0.0
         row[end:] = 0.0
         first, second = row[:early], row[late:end]  # what the query sees
-        # The logits are ``values * scale`` (after the cap, if any); the scale is applied in
-        # the exponentials' pass, and ``scale > 0`` keeps the largest product the largest logit.
-        factor = np.float32(scale)
-        if softcap > 0:
-            _cap(first, scale, softcap)
-            _cap(second, scale, softcap)
-            factor = np.float32(1.0)
+        factor = _logit_factor(first, second, scale, softcap)
         visible = early + (end - late)
         out[VISIBLE] = visible
         top = _largest(second, _largest(first, MASKED))
@@ -237,6 +242,7 @@ if numba is not None:
     _exponentials = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_exponentials)
     _sum = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_sum)
     _cap = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_cap)
+    _logit_factor = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_logit_factor)
     block_scores = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_block_scores)
 else:  # pragma: no cover
     block_scores = _block_scores

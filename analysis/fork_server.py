@@ -61,24 +61,30 @@ def wanted(argv: Sequence[str]) -> bool:
         return False
     if START_METHOD not in multiprocessing.get_all_start_methods():
         return False
+    file = _only_file(argv[1:])
+    if file is None or "://" in file:
+        return False
+    try:
+        return os.stat(file).st_size >= PROCESS_MIN_BYTES
+    except OSError:
+        return False
+
+
+def _only_file(tokens: Sequence[str]) -> str | None:
+    """The one positional argument of ``tokens``; None for none, several, or an option that
+    changes the defaults (`_DEFAULTS_CHANGED`)."""
     files = []
     skip = False
-    for token in argv[1:]:
+    for token in tokens:
         if skip:
             skip = False
-            continue
-        if token.split("=", 1)[0] in _DEFAULTS_CHANGED:
-            return False
-        if token in _WITH_VALUE:
+        elif token.split("=", 1)[0] in _DEFAULTS_CHANGED:
+            return None
+        elif token in _WITH_VALUE:
             skip = True
         elif not token.startswith("-"):
             files.append(token)
-    if len(files) != 1 or "://" in files[0]:
-        return False
-    try:
-        return os.stat(files[0]).st_size >= PROCESS_MIN_BYTES
-    except OSError:
-        return False
+    return files[0] if len(files) == 1 else None
 
 
 def start_early(argv: Sequence[str]) -> None:

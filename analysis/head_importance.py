@@ -175,30 +175,66 @@ def _scores(
     compiled pass takes their blocks stacked: one product per block for every head of the group."""
     spec = snap.layers[layer].queries
     assert spec is not None
-    found = [snap.queries(layer, head, seq) for head in heads]
-    assert all(f is not None for f in found)
-    queries = [(np.asarray(f.q, np.float32), f.positions) for f in found if f is not None]
+    queries = [_queries(snap, layer, head, seq) for head in heads]
     sums = [_Sums() for _ in heads]
     compiled = _compiled_available()
-    first = queries[0][1]
-    if compiled and all(np.array_equal(at, first) for _, at in queries[1:]):
-        step = max(1, attention_math.BLOCK // len(heads))  # a block's rows, all heads: <= BLOCK
-        dim = queries[0][0].shape[1]
-        for start in range(0, len(first), step):
-            at = first[start : start + step]
-            stacked = work_matrix("attention queries", len(heads) * len(at), dim)
-            for i, (q, _) in enumerate(queries):
-                stacked[i * len(at) : (i + 1) * len(at)] = q[start : start + step]
-            _add_compiled(sums, spec, heads, stacked, at, keys, window, copies)
+    if compiled and all(np.array_equal(at, queries[0][1]) for _, at in queries[1:]):
+        _add_stacked(sums, spec, heads, queries, keys, window, copies)
     else:
         for head_sums, head, (q, at) in zip(sums, heads, queries, strict=True):
-            for start in range(0, q.shape[0], attention_math.BLOCK):
-                rows = slice(start, start + attention_math.BLOCK)
-                if compiled:
-                    _add_compiled([head_sums], spec, [head], q[rows], at[rows], keys, window, copies)
-                else:
-                    _add_block(head_sums, spec, head, q[rows], at[rows], keys, window, copies)
+            _add_head(head_sums, spec, head, q, at, keys, window, copies, compiled)
     return [_columns(head_sums) for head_sums in sums]
+
+
+def _queries(snap: kvformat.Snapshot, layer: int, head: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """Query head ``head``'s queries as float32 ``(n, dim)`` and their positions ``(n,)``."""
+    found = snap.queries(layer, head, seq)
+    assert found is not None
+    return np.asarray(found.q, np.float32), found.positions
+
+
+def _add_head(
+    sums: _Sums,
+    spec: Any,
+    head: int,
+    q: np.ndarray,
+    positions: np.ndarray,
+    keys: _Keys,
+    window: int,
+    copies: Copies | None,
+    compiled: bool,
+) -> None:
+    """One head's queries ``q`` at ``positions``, a block at a time, alone: the compiled pass,
+    or the numpy path where numba is missing."""
+    for start in range(0, q.shape[0], attention_math.BLOCK):
+        rows = slice(start, start + attention_math.BLOCK)
+        if compiled:
+            _add_compiled([sums], spec, [head], q[rows], positions[rows], keys, window, copies)
+        else:
+            _add_block(sums, spec, head, q[rows], positions[rows], keys, window, copies)
+
+
+def _add_stacked(
+    sums: list[_Sums],
+    spec: Any,
+    heads: Sequence[int],
+    queries: list[tuple[np.ndarray, np.ndarray]],
+    keys: _Keys,
+    window: int,
+    copies: Copies | None,
+) -> None:
+    """The heads' queries (``(q, positions)`` each, the same positions) through `_add_compiled`
+    a block at a time, their rows stacked into this thread's work buffer: at most ``BLOCK``
+    rows a block over all heads."""
+    positions = queries[0][1]
+    step = max(1, attention_math.BLOCK // len(heads))
+    dim = queries[0][0].shape[1]
+    for start in range(0, len(positions), step):
+        at = positions[start : start + step]
+        stacked = work_matrix("attention queries", len(heads) * len(at), dim)
+        for i, (q, _) in enumerate(queries):
+            stacked[i * len(at) : (i + 1) * len(at)] = q[start : start + step]
+        _add_compiled(sums, spec, heads, stacked, at, keys, window, copies)
 
 
 def _columns(sums: _Sums) -> dict[str, Any]:

@@ -148,21 +148,31 @@ def _merged(args: argparse.Namespace) -> int:
 def _medians(rows: Any) -> None:
     """Per file of the Arrow table ``rows``: the median over heads of each scalar statistic (NaN
     and null left out), for K and V."""
-    import pyarrow as pa
-
-    numeric = (pa.types.is_integer, pa.types.is_floating)
-    scalars = [f.name for f in rows.schema if any(t(f.type) for t in numeric) and f.name not in KEYS]
+    scalars = _scalar_columns(rows.schema)
     table = rows.select(["file", "tensor", *scalars]).to_pylist()
     for name in dict.fromkeys(row["file"] for row in table):
         of_file = [row for row in table if row["file"] == name]
         print(f"{name}: {len(of_file)} head rows; median over heads")
         for tensor in ("k", "v"):
             part = [row for row in of_file if row["tensor"] == tensor]
-            cells = []
-            for column in scalars:
-                values = [v for row in part if (v := _number(row[column])) is not None]
-                cells.append(f"{column}={_median(values):.4g}")
-            print(f"  {tensor.upper()}: " + "  ".join(cells))
+            print(f"  {tensor.upper()}: " + "  ".join(_median_cells(part, scalars)))
+
+
+def _scalar_columns(schema: Any) -> list[str]:
+    """The numeric columns of an Arrow ``schema`` that are statistics (not `KEYS`)."""
+    import pyarrow as pa
+
+    numeric = (pa.types.is_integer, pa.types.is_floating)
+    return [f.name for f in schema if any(t(f.type) for t in numeric) and f.name not in KEYS]
+
+
+def _median_cells(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
+    """``column=median`` of each of ``columns`` over ``rows`` (NaN and null left out)."""
+    cells = []
+    for column in columns:
+        values = [v for row in rows if (v := _number(row[column])) is not None]
+        cells.append(f"{column}={_median(values):.4g}")
+    return cells
 
 
 def stats_command(args: argparse.Namespace) -> int:
@@ -177,16 +187,20 @@ def stats_command(args: argparse.Namespace) -> int:
         save_parquet(rows, args.output, args)
     if "norm_mean" not in rows.column_names:  # --stats without norms: medians of what was computed
         _medians(rows)
-        return 1 if args.failed else 0
-    keys = key_rows(rows, args.factor)
+    else:
+        _print_files(key_rows(rows, args.factor), args.factor)
+    return 1 if args.failed else 0
+
+
+def _print_files(keys: list[dict[str, Any]], factor: float) -> None:
+    """Each file's K rows (`key_rows`): one file's heads in full, several files a line each."""
     names = list(dict.fromkeys(row["file"] for row in keys))
     for name in names:
         of_file = [row for row in keys if row["file"] == name]
         if len(names) == 1:
-            _print_norms(name, of_file, args.factor)
+            _print_norms(name, of_file, factor)
         else:
-            _print_file_line(name, of_file, args.factor)
-    return 1 if args.failed else 0
+            _print_file_line(name, of_file, factor)
 
 
 def key_rows(rows: Any, factor: float) -> list[dict[str, Any]]:
@@ -197,16 +211,24 @@ def key_rows(rows: Any, factor: float) -> list[dict[str, Any]]:
     columns = ["file", "seq", "layer", "head", "n_tokens", "norm_mean", "tensor"]
     # Filtered in Python: pyarrow.compute's first call imports pandas (0.17 s) where it is there.
     keys = [row for row in rows.select(columns).to_pylist() if row["tensor"] == "k"]
-    medians: dict[str, float] = {}
-    for name in dict.fromkeys(row["file"] for row in keys):
-        values = [_number(row["norm_mean"]) for row in keys if row["file"] == name]
-        medians[name] = _median([v for v in values if v is not None])
+    medians = _file_medians(keys)
     for row in keys:
         value, median = _number(row["norm_mean"]), medians[row["file"]]
         ratio = None if value is None or math.isnan(median) else _divide(value, median)
         row["ratio_to_median"] = ratio
         row["outlier"] = ratio is not None and ratio > factor
     return keys
+
+
+def _file_medians(keys: list[dict[str, Any]]) -> dict[str, float]:
+    """Per file, the median ``norm_mean`` of its rows (NaN and null left out; NaN if none)."""
+    values: dict[str, list[float]] = {}
+    for row in keys:
+        value = _number(row["norm_mean"])
+        found = values.setdefault(row["file"], [])
+        if value is not None:
+            found.append(value)
+    return {name: _median(found) for name, found in values.items()}
 
 
 def _number(value: Any) -> float | None:
