@@ -3,12 +3,13 @@ decompose in parallel: LAPACK's ``syevd`` as numpy ships it (OpenBLAS) runs one 
 whatever the number of threads calling it, which made the spectra of a 2048-head file a serial
 ~2 s tail.
 
-Householder reduction to tridiagonal form, then implicit QL with Wilkinson shifts (the
-eigenvalue-only paths of ``tred2``/``tqli``, Numerical Recipes 11.2-11.3), on the full symmetric
-matrix so that every inner loop runs over a contiguous row, the matrix scaled by a power of two
-first so that the rotations' ``sqrt(f*f + g*g)`` needs no ``hypot``. Both steps are backward stable: each
-eigenvalue is within ~n eps ||A|| of LAPACK's (`tests/test_kernel.py` holds them to 1e-10 of the
-largest).
+Householder reduction to tridiagonal form (the eigenvalue-only path of ``tred2``, Numerical
+Recipes 11.2, on the full symmetric matrix so that every inner loop runs over a contiguous row),
+then the root-free QL iteration with Wilkinson shifts of LAPACK's ``dsterf`` (two divisions a
+rotation, no square root: 1.5x faster than ``tqli``'s implicit QL on 128 x 128 Gram matrices),
+the matrix scaled by a power of two first so that no square can overflow or underflow. Both
+steps are backward stable: each eigenvalue is within ~n eps ||A|| of LAPACK's
+(`tests/test_kernel.py` holds them to 1e-12 of the largest).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ try:
 except ImportError:  # pragma: no cover
     numba = None  # type: ignore[assignment]
 
-MAX_SWEEPS = 60  # QL iterations per eigenvalue before giving up on a (pathological) matrix
+MAX_SWEEPS = 30  # QL iterations per eigenvalue (on average) before giving up, as dsterf does
+EPSILON_SQUARED = (2.0**-53) ** 2  # LAPACK's eps (half a unit in the last place), squared
+SMALLEST = 2.2250738585072014e-308  # the smallest normal float64 (LAPACK's safmin)
 
 
 def _tridiagonalize(a: np.ndarray, d: np.ndarray, e: np.ndarray) -> None:
@@ -68,58 +71,75 @@ def _tridiagonalize(a: np.ndarray, d: np.ndarray, e: np.ndarray) -> None:
         d[i] = a[i, i]
 
 
+def _pair(a: float, b: float, c: float) -> tuple[float, float]:
+    """The eigenvalues of the 2 x 2 symmetric ``[[a, b], [b, c]]`` (LAPACK's ``dlae2``)."""
+    total, difference = a + c, abs(a - c)
+    twice = abs(b + b)
+    large, small = (a, c) if abs(a) > abs(c) else (c, a)
+    if difference > twice:
+        root = difference * np.sqrt(1.0 + (twice / difference) ** 2)
+    elif difference < twice:
+        root = twice * np.sqrt(1.0 + (difference / twice) ** 2)
+    else:
+        root = twice * np.sqrt(2.0)
+    if total == 0.0:
+        return 0.5 * root, -0.5 * root
+    first = 0.5 * (total - root) if total < 0.0 else 0.5 * (total + root)
+    return first, (large / first) * small - (b / first) * b
+
+
 def _ql(d: np.ndarray, e: np.ndarray) -> bool:
     """Eigenvalues of the tridiagonal (``d``, ``e[1:]``) into ``d`` (``e`` destroyed); False if
-    an eigenvalue did not converge in `MAX_SWEEPS` iterations."""
+    they took more than `MAX_SWEEPS` per eigenvalue in all. The root-free QL iteration of
+    LAPACK's ``dsterf`` (Pal-Walker-Kahan): it runs on the squared off-diagonal, so a rotation
+    takes two divisions and no square root; a 2 x 2 block that splits off is solved directly."""
     n = d.shape[0]
-    for i in range(1, n):
-        e[i - 1] = e[i]
+    for i in range(n - 1):  # e[i] := the square of the off-diagonal between d[i] and d[i + 1]
+        e[i] = e[i + 1] * e[i + 1]
     e[n - 1] = 0.0
-    for low in range(n):
-        sweeps = 0
-        while True:
-            m = low
-            while m < n - 1:
-                dd = abs(d[m]) + abs(d[m + 1])
-                if abs(e[m]) + dd == dd:
-                    break
-                m += 1
-            if m == low:
-                break
-            sweeps += 1
-            if sweeps > MAX_SWEEPS:
-                return False
-            g = (d[low + 1] - d[low]) / (2.0 * e[low])
-            r = np.sqrt(g * g + 1.0)
-            g = d[m] - d[low] + e[low] / (g + (r if g >= 0.0 else -r))
-            s = 1.0
-            c = 1.0
-            p = 0.0
-            i = m - 1
-            deflated = False
-            while i >= low:
-                f = s * e[i]
-                b = c * e[i]
-                r = np.sqrt(f * f + g * g)
-                e[i + 1] = r
-                if r == 0.0:
-                    d[i + 1] -= p
-                    e[m] = 0.0
-                    deflated = True
-                    break
-                s = f / r
-                c = g / r
-                g = d[i + 1] - p
-                r = (d[i] - g) * s + 2.0 * c * b
-                p = s * r
-                d[i + 1] = g + p
-                g = c * r - b
-                i -= 1
-            if deflated:
-                continue
-            d[low] -= p
-            e[low] = g
+    sweeps = 0
+    low = 0
+    while low < n:
+        m = low
+        while m < n - 1 and e[m] > EPSILON_SQUARED * abs(d[m]) * abs(d[m + 1]) + SMALLEST:
+            m += 1
+        if m < n - 1:
             e[m] = 0.0
+        if m == low:  # d[low] is an eigenvalue
+            low += 1
+            continue
+        if m == low + 1:
+            d[low], d[low + 1] = _pair(d[low], np.sqrt(e[low]), d[low + 1])
+            e[low] = 0.0
+            low += 2
+            continue
+        sweeps += 1
+        if sweeps > MAX_SWEEPS * n:
+            return False
+        # The shift: the eigenvalue of the leading 2 x 2 nearer d[low] (Wilkinson's).
+        root = np.sqrt(e[low])
+        sigma = (d[low + 1] - d[low]) / (2.0 * root)
+        r = np.sqrt(sigma * sigma + 1.0)
+        sigma = d[low] - root / (sigma + (r if sigma >= 0.0 else -r))
+        c = 1.0
+        s = 0.0
+        gamma = d[m] - sigma
+        p = gamma * gamma
+        for i in range(m - 1, low - 1, -1):
+            squared = e[i]
+            r = p + squared
+            if i != m - 1:
+                e[i + 1] = s * r
+            previous_c = c
+            c = p / r
+            s = squared / r
+            previous_gamma = gamma
+            alpha = d[i]
+            gamma = c * (alpha - sigma) - s * previous_gamma
+            d[i + 1] = previous_gamma + (alpha - gamma)
+            p = (gamma * gamma) / c if c != 0.0 else previous_c * squared
+        e[low] = s * p
+        d[low] = sigma + gamma
     return True
 
 
@@ -161,6 +181,7 @@ if numba is not None:
     _tridiagonalize = numba.njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})(
         _tridiagonalize
     )
+    _pair = numba.njit(cache=True, nogil=True)(_pair)
     _ql = numba.njit(cache=True, nogil=True)(_ql)
     _scale_into = numba.njit(cache=True, nogil=True)(_scale_into)
 
