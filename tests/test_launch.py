@@ -87,3 +87,13 @@ def test_the_entry_point_runs_the_command(tmp_path: Path, capsys: pytest.Capture
     assert "mean ||K|| per layer and KV head" in capsys.readouterr().out
     assert main(["info", str(tmp_path / "a.kv")]) == 0
     assert main(["info", str(tmp_path / "missing.kv")]) == 2
+
+
+def test_python_dash_m_kvsnap_is_the_command(tmp_path: Path) -> None:
+    k = np.ones((2, 8, 4), np.float32)
+    kvformat.save(tmp_path / "a.kv", [kvformat.Layer(k, k)])
+    done = subprocess.run(
+        [sys.executable, "-m", "kvsnap", "stats", str(tmp_path / "a.kv")], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "mean ||K|| per layer and KV head" in done.stdout

@@ -1,0 +1,5 @@
+"""``python -m kvsnap ...``: the ``kvsnap`` command (`kvsnap.launch`)."""
+
+from kvsnap.launch import main
+
+raise SystemExit(main())
