@@ -150,6 +150,37 @@ def test_cli_stats_and_outliers_on_a_file_with_nan(
     assert "nan" not in capsys.readouterr().out.lower()
 
 
+def test_cli_stats_prints_a_whole_nan_head_as_null_and_ranks_it_last(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The printout (built from Arrow rows, `key_rows`) gives every K head the ratio
+    `stats.outliers` (polars) gives it; the head with nothing finite prints as null, its ratio as
+    n/a, ranked after every finite one."""
+    import polars as pl
+
+    from kvsnap.analysis.commands.statistics import key_rows
+    from kvsnap.analysis.stats import outliers, rows_of
+
+    path, _, _ = _files(tmp_path, "whole_head", np.nan, np.float32)
+    assert main(["stats", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "null" in printed and "nan" not in printed.lower()
+    largest = printed.split("largest:")[1]  # head 1's K is all NaN: ranked after head 0
+    assert "layer 0 head 0 (1.00x median)" in largest and "layer 0 head 1 (n/a median)" in largest
+    assert largest.index("head 0") < largest.index("head 1")
+    table = head_stats(path)
+    expected = {
+        (r["layer"], r["head"]): r["ratio_to_median"] for r in outliers(table, 1.5).iter_rows(named=True)
+    }
+    got = {(r["layer"], r["head"]): r["ratio_to_median"] for r in key_rows(rows_of([table.to_arrow()]), 1.5)}
+    assert got.keys() == expected.keys()
+    for key, ratio in expected.items():
+        assert (got[key] is None) == (ratio is None), key
+        if ratio is not None:
+            assert got[key] == pytest.approx(ratio, rel=1e-12)
+    assert pl.Series([v for v in got.values() if v is not None]).is_finite().all()
+
+
 def test_a_whole_nan_head_does_not_poison_the_outlier_medians(tmp_path: Path) -> None:
     from kvsnap.analysis.stats import outliers
 
