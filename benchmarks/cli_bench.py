@@ -73,7 +73,8 @@ def byte_compile() -> None:
 
     for package in ("kvformat", "kvsnap", "kvsnap.analysis", "kvsnap.capture"):
         spec = importlib.util.find_spec(package)
-        for folder in spec.submodule_search_locations or [] if spec else []:
+        folders = spec.submodule_search_locations if spec is not None else None
+        for folder in folders or []:
             compileall.compile_dir(folder, quiet=1)
 
 

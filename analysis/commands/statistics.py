@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -149,9 +150,7 @@ def _medians(rows: Any) -> None:
     """Per file of the Arrow table ``rows``: the median over heads of each scalar statistic (NaN
     and null left out), for K and V."""
     scalars = _scalar_columns(rows.schema)
-    table = rows.select(["file", "tensor", *scalars]).to_pylist()
-    for name in dict.fromkeys(row["file"] for row in table):
-        of_file = [row for row in table if row["file"] == name]
+    for name, of_file in _by_file(rows.select(["file", "tensor", *scalars]).to_pylist()).items():
         print(f"{name}: {len(of_file)} head rows; median over heads")
         for tensor in ("k", "v"):
             part = [row for row in of_file if row["tensor"] == tensor]
@@ -168,11 +167,7 @@ def _scalar_columns(schema: Any) -> list[str]:
 
 def _median_cells(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
     """``column=median`` of each of ``columns`` over ``rows`` (NaN and null left out)."""
-    cells = []
-    for column in columns:
-        values = [v for row in rows if (v := _number(row[column])) is not None]
-        cells.append(f"{column}={_median(values):.4g}")
-    return cells
+    return [f"{column}={_median_of(rows, column):.4g}" for column in columns]
 
 
 def stats_command(args: argparse.Namespace) -> int:
@@ -194,10 +189,9 @@ def stats_command(args: argparse.Namespace) -> int:
 
 def _print_files(keys: list[dict[str, Any]], factor: float) -> None:
     """Each file's K rows (`key_rows`): one file's heads in full, several files a line each."""
-    names = list(dict.fromkeys(row["file"] for row in keys))
-    for name in names:
-        of_file = [row for row in keys if row["file"] == name]
-        if len(names) == 1:
+    files = _by_file(keys)
+    for name, of_file in files.items():
+        if len(files) == 1:
             _print_norms(name, of_file, factor)
         else:
             _print_file_line(name, of_file, factor)
@@ -211,7 +205,7 @@ def key_rows(rows: Any, factor: float) -> list[dict[str, Any]]:
     columns = ["file", "seq", "layer", "head", "n_tokens", "norm_mean", "tensor"]
     # Filtered in Python: pyarrow.compute's first call imports pandas (0.17 s) where it is there.
     keys = [row for row in rows.select(columns).to_pylist() if row["tensor"] == "k"]
-    medians = _file_medians(keys)
+    medians = {name: _median_of(of_file, "norm_mean") for name, of_file in _by_file(keys).items()}
     for row in keys:
         value, median = _number(row["norm_mean"]), medians[row["file"]]
         ratio = None if value is None or math.isnan(median) else _divide(value, median)
@@ -220,15 +214,12 @@ def key_rows(rows: Any, factor: float) -> list[dict[str, Any]]:
     return keys
 
 
-def _file_medians(keys: list[dict[str, Any]]) -> dict[str, float]:
-    """Per file, the median ``norm_mean`` of its rows (NaN and null left out; NaN if none)."""
-    values: dict[str, list[float]] = {}
-    for row in keys:
-        value = _number(row["norm_mean"])
-        found = values.setdefault(row["file"], [])
-        if value is not None:
-            found.append(value)
-    return {name: _median(found) for name, found in values.items()}
+def _by_file(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """``rows`` grouped by their ``file``, files and rows in the order given."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        found.setdefault(row["file"], []).append(row)
+    return found
 
 
 def _number(value: Any) -> float | None:
@@ -236,13 +227,10 @@ def _number(value: Any) -> float | None:
     return None if value is None or math.isnan(value) else float(value)
 
 
-def _median(values: list[float]) -> float:
-    """The median of ``values`` (NaN when there are none)."""
-    ordered = sorted(values)
-    n = len(ordered)
-    if not n:
-        return math.nan
-    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+def _median_of(rows: list[dict[str, Any]], column: str) -> float:
+    """The median of ``column`` over ``rows``, NaN and null left out (NaN when none is left)."""
+    values = [v for row in rows if (v := _number(row[column])) is not None]
+    return statistics.median(values) if values else math.nan
 
 
 def _divide(value: float, median: float) -> float:
@@ -266,7 +254,7 @@ def _print_file_line(name: str, rows: list[dict[str, Any]], factor: float) -> No
     """One file of several in one line: its tokens, the median over heads of mean ||K||, how
     many heads are above ``factor`` x that median, and the largest."""
     top = _by_ratio(rows)[0]
-    median = _median([v for row in rows if (v := _number(row["norm_mean"])) is not None])
+    median = _median_of(rows, "norm_mean")
     print(
         f"{name}: {max(row['n_tokens'] for row in rows)} tokens, mean ||K|| median {median:.2f}, "
         f"{sum(row['outlier'] for row in rows)} heads above {factor}x, largest layer {top['layer']} head "
