@@ -25,7 +25,7 @@ PROCESS_MIN_BYTES = 256 << 20
 starting them (an interpreter importing numpy and numba each) would cost more than they
 save on a file one core analyses in about that time."""
 
-_DEFAULTS_CHANGED = ("--backend", "--engine", "--jobs", "--merge", "--address", "--stats")
+_DEFAULTS_CHANGED = ("--engine", "--jobs", "--merge", "--address", "--stats")
 """Options after which `start_early` leaves the decision to the command (which may not start
 CPU workers at all)."""
 
@@ -61,30 +61,38 @@ def wanted(argv: Sequence[str]) -> bool:
         return False
     if START_METHOD not in multiprocessing.get_all_start_methods():
         return False
-    file = _only_file(argv[1:])
-    if file is None or "://" in file:
-        return False
-    try:
-        return os.stat(file).st_size >= PROCESS_MIN_BYTES
-    except OSError:
-        return False
+    return _local_size(_only_file(argv[1:])) >= PROCESS_MIN_BYTES
 
 
 def _only_file(tokens: Sequence[str]) -> str | None:
-    """The one positional argument of ``tokens``; None for none, several, or an option that
-    changes the defaults (`_DEFAULTS_CHANGED`)."""
+    """The one positional argument of ``tokens`` when they leave the backend the CPU (the
+    default, or ``--backend cpu`` spelled out) and every other default as it is; None for no
+    file, several, another backend or an option that changes the defaults
+    (`_DEFAULTS_CHANGED`)."""
     files = []
-    skip = False
-    for token in tokens:
-        if skip:
-            skip = False
-        elif token.split("=", 1)[0] in _DEFAULTS_CHANGED:
+    chosen = "cpu"
+    rest = iter(tokens)
+    for token in rest:
+        name, equals, value = token.partition("=")
+        if name == "--backend":
+            chosen = value if equals else next(rest, "")
+        elif name in _DEFAULTS_CHANGED:
             return None
         elif token in _WITH_VALUE:
-            skip = True
+            next(rest, None)
         elif not token.startswith("-"):
             files.append(token)
-    return files[0] if len(files) == 1 else None
+    return files[0] if len(files) == 1 and chosen == "cpu" else None
+
+
+def _local_size(file: str | None) -> int:
+    """The size of local ``file`` in bytes; 0 for None, a URL or a file that cannot be read."""
+    if file is None or "://" in file:
+        return 0
+    try:
+        return os.stat(file).st_size
+    except OSError:
+        return 0
 
 
 def start_early(argv: Sequence[str]) -> None:

@@ -3,10 +3,15 @@ settings, end to end (interpreter, imports, workers, the pass, the Parquet file)
 machine's own sequential read of the same file in the same run.
 
     python -m benchmarks.cli_bench [--dir /tmp/kvsnap-cli-bench] [--runs 5] [--backends cpu,mlx]
+        [--files tiny,tiny-bf16,bf16] [--variant KVSNAP_MLX_WARM=0]
 
-Files (written once, then reused): two tiny ones (2 layers x 2 heads x 40 tokens, float32 and
-bfloat16: the fixed cost, the second with ml_dtypes' import) and the Qwen3-8B-shaped bfloat16 one
-of `benchmarks.analysis_bench` (36 x 8 x 128 x 8192 tokens, 1.2 GB). Each row: median and range
+Files (written once, then reused; ``--files`` picks them): two tiny ones (``tiny``, ``tiny-bf16``:
+2 layers x 2 heads x 40 tokens, float32 and bfloat16: the fixed cost, the second with ml_dtypes'
+import), the Qwen3-8B-shaped bfloat16 one of `benchmarks.analysis_bench` (``bf16``: 36 x 8 x 128
+x 8192 tokens, 1.2 GB) and its seed-shaped float32 one (``fp32``: 32 x 32 x 128 x 8192 tokens,
+8.59 GB; not in the default set). ``--variant NAME=VALUE`` (repeatable) adds a row per setting:
+the same command with that variable set, its runs alternated with the plain ones (A B A B), so
+that a slow spell of a shared machine slows both alike. Each row: median and range
 over ``--runs`` fresh runs, the largest resident set of any process of the run and the PSS of the
 whole process tree (`benchmarks.memory`), and the ratio of the read's time to the command's (1.0x:
 as fast as reading the file once; higher is faster). The page cache is warm: each file is read
@@ -18,6 +23,7 @@ would otherwise compile them from source: 0.13 s and more of each run there).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -35,8 +41,11 @@ COMMAND = "import sys; from kvsnap.launch import main; raise SystemExit(main(sys
 """What the ``kvsnap`` console script runs."""
 
 
-def files(directory: Path) -> dict[str, Path]:
-    """The benchmark's files, written if missing."""
+FILES = ("tiny", "tiny-bf16", "bf16", "fp32")
+
+
+def files(directory: Path, names: tuple[str, ...] = FILES[:3]) -> dict[str, Path]:
+    """The benchmark's files ``names`` (of `FILES`), written if missing, by label."""
     directory.mkdir(parents=True, exist_ok=True)
     tiny, tiny_bf16 = directory / "tiny.kv", directory / "tiny-bf16.kv"
     rng = np.random.default_rng(0)
@@ -45,15 +54,21 @@ def files(directory: Path) -> dict[str, Path]:
         if not path.exists():
             k16, v16 = k.astype(dtype), v.astype(dtype)
             kvformat.save(path, [kvformat.Layer(k16, v16), kvformat.Layer(v16, k16)])
-    big = directory / "qwen3-8b-bf16.kv"
-    if not big.exists():
-        layers, heads, dim, dtype = SHAPES["qwen3-8b-bf16"]
-        write(big, layers, heads, dim, 8192, dtype, "raw")
-    return {
-        "tiny (2 x 2 x 40 float32)": tiny,
-        "tiny (2 x 2 x 40 bfloat16)": tiny_bf16,
-        "Qwen3-8B bf16, 8192 tokens": big,
-    }
+    chosen = {}
+    for name, label, path in (
+        ("tiny", "tiny (2 x 2 x 40 float32)", tiny),
+        ("tiny-bf16", "tiny (2 x 2 x 40 bfloat16)", tiny_bf16),
+        ("bf16", "Qwen3-8B bf16, 8192 tokens", directory / "qwen3-8b-bf16.kv"),
+        ("fp32", "seed fp32, 8192 tokens", directory / "seed-fp32.kv"),
+    ):
+        if name not in names:
+            continue
+        if not path.exists():  # the big ones; `write` is a no-op for an existing file
+            shape = {"bf16": "qwen3-8b-bf16", "fp32": "seed-fp32"}[name]
+            layers, heads, dim, dtype = SHAPES[shape]
+            write(path, layers, heads, dim, 8192, dtype, "raw")
+        chosen[label] = path
+    return chosen
 
 
 def read_seconds(path: Path) -> float:
@@ -83,36 +98,56 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/kvsnap-cli-bench")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--backends", default="cpu,mlx")
+    parser.add_argument("--files", default="tiny,tiny-bf16,bf16", help=f"of {','.join(FILES)}")
+    parser.add_argument("--variant", action="append", default=[], help="NAME=VALUE: a row with it set")
     args = parser.parse_args()
+    names = tuple(args.files.split(","))
+    if unknown := set(names) - set(FILES):
+        parser.error(f"--files: unknown {', '.join(sorted(unknown))}; choose from {', '.join(FILES)}")
+    if bad := [v for v in args.variant if "=" not in v]:
+        parser.error(f"--variant wants NAME=VALUE, not {bad[0]!r}")
     print(blas_line())
     byte_compile()
     directory = Path(args.dir)
     print("| file | backend | fresh `kvsnap stats -o`: median (range) | read | read / cmd | peak RSS | PSS |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    for label, path in files(directory).items():
+    settings: list[str | None] = [None, *args.variant]
+    for label, path in files(directory, names).items():
         read = read_seconds(path)
         for backend in args.backends.split(","):
-            times, rss, tree = [], 0, 0
+            times: dict[str | None, list[float]] = {s: [] for s in settings}
+            rss = dict.fromkeys(settings, 0)
+            tree = dict.fromkeys(settings, 0)
+            failed: dict[str | None, str] = {}
             for _ in range(args.runs):
-                out = directory / "out.parquet"
-                command = [sys.executable, "-c", COMMAND, "stats", str(path), "-o", str(out), "--force"]
-                command += ["--backend", backend]
-                start = time.perf_counter()
-                try:
-                    sampled = run_sampled(command)
-                except subprocess.CalledProcessError as error:
-                    print(f"| {label} | {backend} | failed: {error.stderr.strip()[-200:]} | | | | |")
-                    break
-                times.append(time.perf_counter() - start)
-                rss, tree = max(rss, sampled.largest_rss), max(tree, sampled.tree_pss)
-            if not times:
-                continue
-            median = statistics.median(times)
-            print(
-                f"| {label} | {backend} | {median:.2f} s ({min(times):.2f}-{max(times):.2f}) | {read:.3f} s "
-                f"| {read / median:.3f}x | {rss / 2**20:.0f} MiB | {tree / 2**20:.0f} MiB |",
-                flush=True,
-            )
+                for setting in settings:
+                    if setting in failed:
+                        continue
+                    out = directory / "out.parquet"
+                    command = [sys.executable, "-c", COMMAND, "stats", str(path), "-o", str(out), "--force"]
+                    command += ["--backend", backend]
+                    env = dict(os.environ, **dict([setting.split("=", 1)])) if setting else None
+                    start = time.perf_counter()
+                    try:
+                        sampled = run_sampled(command, env=env)
+                    except subprocess.CalledProcessError as error:
+                        failed[setting] = error.stderr.strip()[-200:]
+                        continue
+                    times[setting].append(time.perf_counter() - start)
+                    rss[setting] = max(rss[setting], sampled.largest_rss)
+                    tree[setting] = max(tree[setting], sampled.tree_pss)
+            for setting in settings:
+                shown = backend + (f", {setting}" if setting else "")
+                if setting in failed:
+                    print(f"| {label} | {shown} | failed: {failed[setting]} | | | | |")
+                    continue
+                median = statistics.median(times[setting])
+                print(
+                    f"| {label} | {shown} | {median:.2f} s ({min(times[setting]):.2f}-"
+                    f"{max(times[setting]):.2f}) | {read:.3f} s | {read / median:.3f}x "
+                    f"| {rss[setting] / 2**20:.0f} MiB | {tree[setting] / 2**20:.0f} MiB |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

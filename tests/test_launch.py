@@ -34,10 +34,12 @@ def test_the_default_stats_of_one_big_local_file_wants_the_fork_server(
     assert fork_server.wanted(["stats", file])
     assert fork_server.wanted(["stats", file, "-o", str(tmp_path / "out.parquet"), "--force"])
     assert fork_server.wanted(["stats", "--factor", "2", file])
+    assert fork_server.wanted(["stats", file, "--backend=cpu"])  # the default, spelled out
+    assert fork_server.wanted(["stats", "--backend", "cpu", file])
     # The command may start no CPU workers: it decides for itself.
     for other in (
         ["stats", file, "--backend", "mlx"],
-        ["stats", file, "--backend=cpu"],
+        ["stats", file, "--backend=mlx"],
         ["stats", file, "--jobs", "4"],
         ["stats", file, "--engine", "ray"],
         ["stats", file, "--merge"],
