@@ -273,6 +273,48 @@ def test_a_pass_holds_two_batches_of_staging_buffers_and_one_of_pages(
     assert sums[0] == sums[1]
 
 
+def test_the_pipeline_checks_finiteness_on_the_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driving thread never scans rows for inf or NaN (`mlx_fold.fold_checked`): a piece
+    whose device sum of squares is finite is folded as it is; one holding a NaN, and one whose
+    finite values square beyond float32's range, are added on the host in float64 instead, the
+    NaN's row left out and counted, the huge row kept, as the CPU kernel does."""
+    from kvsnap.analysis import finite
+
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((2, 3, 700, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 3, 700, 64)).astype(np.float32)
+    k[0, 1, 5, 3] = np.nan  # layer 0 head 1 K: one row left out
+    v[1, 2, 9] = 1e30  # layer 1 head 2 V: a finite row whose squares overflow float32
+    path = tmp_path / "r.kv"
+    kvformat.save(path, [kvformat.Layer(k[i], v[i]) for i in range(2)])
+
+    import threading
+
+    real_scan = finite.any_nonfinite
+
+    def scanned(rows: np.ndarray) -> bool:
+        assert threading.current_thread() is not threading.main_thread(), "the driving thread scanned rows"
+        return real_scan(rows)
+
+    folded: list[int] = []
+    real = mlx_fold.fold_group
+    monkeypatch.setattr(
+        mlx_fold, "fold_group", lambda entries, out: (folded.append(len(entries)), real(entries, out))
+    )
+    monkeypatch.setattr(finite, "any_nonfinite", scanned)
+    got = stats_rows(path, backend="mlx")
+    monkeypatch.undo()
+    expected = stats_rows(path)
+    assert sum(folded) == 2 * 2 * 3 - 2  # every piece but the two from the device
+    assert_close(got, expected)
+    by_key = {(r["layer"], r["head"], r["tensor"]): r for r in got}
+    assert by_key[(0, 1, "k")]["nonfinite_rows"] == 1 and by_key[(0, 1, "k")]["n_tokens"] == 699
+    assert by_key[(1, 2, "v")]["nonfinite_rows"] == 0 and by_key[(1, 2, "v")]["n_tokens"] == 700
+    assert by_key[(1, 2, "v")]["norm_max"] == pytest.approx(1e30 * 8, rel=1e-6)
+
+
 def test_a_corrupt_chunk_stops_the_mlx_pass_with_its_error(tmp_path: Path) -> None:
     """A checksum error on a reader thread reaches the caller (no hang, no partial table)."""
     path = random_file(tmp_path / "r.kv", np.float32, 64, 500)

@@ -13,7 +13,6 @@ import numpy as np
 
 from kvformat.checksum import crc32c
 
-from .. import finite
 from ..arrays import PIECE, bytes_of
 
 if TYPE_CHECKING:
@@ -117,7 +116,7 @@ class _Batch:
         # sums its pieces in the order they were added.
         try:
             for members, host in results:
-                mlx_fold.fold_group([self.entries[i] for i in members], host)
+                mlx_fold.fold_checked([self.entries[i] for i in members], host)
             for acc, _, _ in self.entries:
                 if acc.pending is self:
                     acc.pending = None
@@ -207,11 +206,6 @@ class Pipeline:
         if check is not None and (rows.shape[0] > PIECE or self._staging is None):
             check.check(crc32c(bytes_of(rows)))
             check = None
-        if finite.any_nonfinite(rows):  # rare: checked, then the rows with inf or NaN left out
-            if check is not None:
-                check.check(crc32c(bytes_of(rows)))
-                check = None
-            rows, positions = acc.drop_nonfinite(rows, positions)
         for x, pos in split_pieces(rows, positions):
             self._entries.append((acc, x, pos, check))
             self._bytes += x.nbytes
