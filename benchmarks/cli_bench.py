@@ -37,7 +37,7 @@ from benchmarks.analysis_bench import SHAPES, write
 from benchmarks.memory import run_sampled
 from benchmarks.timing import blas_line
 
-COMMAND = "import sys; from kvsnap.launch import main; raise SystemExit(main(sys.argv[1:]))"
+COMMAND = 'import sys; sys.argv[0] = "kvsnap"; from kvsnap.launch import console; console()'
 """What the ``kvsnap`` console script runs."""
 
 

@@ -1,5 +1,5 @@
 """``python -m kvsnap ...``: the ``kvsnap`` command (`kvsnap.launch`)."""
 
-from kvsnap.launch import main
+from kvsnap.launch import console
 
-raise SystemExit(main())
+console()

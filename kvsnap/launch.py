@@ -4,7 +4,9 @@ workers' fork server, `kvsnap.analysis.fork_server`) before importing anything h
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -21,3 +23,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvformat.cli import main as run
 
     return run(args)
+
+
+def console() -> None:
+    """The console script (and ``python -m kvsnap``): `main`, then the process's end.
+
+    A command that drove mlx's device ends the process at once (`os._exit`) once its output is
+    written and flushed: at interpreter exit mlx frees its cached device buffers and its CUDA
+    context one by one, 0.15 s of a 2.1 s fresh ``kvsnap stats FILE --backend mlx`` on the
+    accelerator machine (0.20 s from the command's return to the process's end, against 0.05 s
+    on the CPU backend), all of which the operating system frees anyway. Not where a child
+    process is still alive (its cleanup stays the interpreter's), and never for `main` called
+    in a process that goes on."""
+    code = main()
+    if "mlx.core" in sys.modules:
+        _end_now(code)
+    raise SystemExit(code)
+
+
+def _end_now(code: int) -> None:
+    """`os._exit` with ``code`` after flushing the standard streams and logging, unless a child
+    process is alive."""
+    import multiprocessing
+
+    if multiprocessing.active_children():
+        return
+    if "logging" in sys.modules:
+        import logging
+
+        logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to write there
+            stream.flush()
+    os._exit(code)

@@ -99,3 +99,39 @@ def test_python_dash_m_kvsnap_is_the_command(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "mean ||K|| per layer and KV head" in done.stdout
+
+
+@pytest.mark.parametrize("backend", ["cpu", "mlx"])
+def test_the_console_script_ends_at_once_after_driving_mlx(tmp_path: Path, backend: str) -> None:
+    """`console` ends the process with `os._exit` after a command that imported mlx (its CUDA
+    teardown is slow), once the output is written and flushed: the table is whole, the
+    printout complete, the status kept, and the interpreter's exit handlers skipped; on the CPU
+    backend the process ends normally."""
+    pytest.importorskip("mlx.core")
+    import pyarrow.parquet as pq
+
+    k = np.random.default_rng(0).standard_normal((2, 300, 16)).astype(np.float32)
+    kvformat.save(tmp_path / "a.kv", [kvformat.Layer(k, k), kvformat.Layer(k, k)])
+    out = tmp_path / "out.parquet"
+    script = (
+        "import atexit, sys; atexit.register(lambda: print('exit handlers ran'))\n"
+        "sys.argv = ['kvsnap', *sys.argv[1:]]\n"
+        "from kvsnap.launch import console; console()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "stats", str(tmp_path / "a.kv"), "--backend", backend, "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "mean ||K|| per layer and KV head" in done.stdout
+    assert ("exit handlers ran" in done.stdout) == (backend == "cpu")
+    assert pq.read_table(out).num_rows == 2 * 2 * 2
+    failed = subprocess.run(
+        [sys.executable, "-c", script, "stats", str(tmp_path / "missing.kv"), "--backend", backend],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert failed.returncode != 0 and "missing.kv" in failed.stderr

@@ -54,10 +54,13 @@ if os.environ.get("KVSNAP_TRACE_DIR"):
 
         setattr(owner, name, timed)
 
+    import atexit
+    atexit.register(_flush)  # a pass in this process (one process on mlx) flushes at its end
+
     from kvsnap.analysis.backends import mlx as mlx_backend
 
-    from kvsnap.analysis.backends import mlx_pipeline, mlx_staging
-    from kvsnap.analysis import accumulator, plan, processes
+    from kvsnap.analysis.backends import mlx_fold, mlx_pipeline, mlx_staging
+    from kvsnap.analysis import accumulator, plan, processes, rows
 
     _wrap(mlx_staging.Staging, "start_fill", "copy started")
     _wrap(mlx_staging._Fill, "result", "copy wait")
@@ -66,6 +69,8 @@ if os.environ.get("KVSNAP_TRACE_DIR"):
     _wrap(mlx_pipeline._Batch, "_fold_all", "fold")
     _wrap(mlx_pipeline.Pipeline, "finish", "pipeline drain")
     _wrap(accumulator.HeadAccumulator, "seal", "seal (row)")
+    _wrap(rows, "compute", "rows (a layer's, stacked)")
+    _wrap(mlx_pipeline, "to_host", "results to host")
     _wrap(plan, "add_segments", "read and add")
     _wrap(processes, "_device", "device start (every task)")
     _wrap(processes, "_run_task", "task", flush=True)
