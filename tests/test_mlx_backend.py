@@ -261,7 +261,8 @@ def test_a_pass_holds_two_batches_of_staging_buffers_and_one_of_pages(
     sums = []
     for staging in (True, False):
         accs = []
-        with mlx_pipeline.Pipeline(limit=2 * pieces[0].nbytes, staging=staging) as pipeline:
+        # two pieces a batch: the limit counts 16-bit values (float32 rows batch as many values)
+        with mlx_pipeline.Pipeline(limit=2 * 2 * pieces[0].size, staging=staging) as pipeline:
             for i, x in enumerate(pieces):
                 acc = accumulator.HeadAccumulator(32, backend="mlx")
                 after = (lambda: unreleased.pop()) if i % 2 else None  # a batch's last piece
@@ -502,7 +503,7 @@ def _piece_accumulators(count: int, rows: int = 700, dim: int = 32) -> list[tupl
 def test_a_mark_is_done_once_what_came_before_it_is_folded() -> None:
     """`Pipeline.mark` waits for nothing: the pieces added before it are folded when it is done
     (its accumulators' sums complete), the pieces added after it need not be."""
-    with mlx_pipeline.Pipeline(limit=100 << 10) as pipeline:
+    with mlx_pipeline.Pipeline(limit=50 << 10) as pipeline:  # two pieces a batch
         assert pipeline.mark().result(timeout=0) is None  # nothing added: done at once
         first = _piece_accumulators(4)
         for acc, x in first:

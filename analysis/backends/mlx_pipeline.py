@@ -164,15 +164,16 @@ def complete_mark(mark: Future[None], error: BaseException | None) -> None:
 
 
 class Pipeline:
-    """Batches the pieces a pass adds into device calls of about ``limit`` bytes (`_Batch`):
+    """Batches the pieces a pass adds into device calls of about ``limit`` bytes of 16-bit values
+    (`mlx_sizing.BATCH_MIB`; float32 rows: twice the bytes) (`_Batch`):
     one batch copied into staging buffers (copy threads) while the next is read, the one before
     it on the device, results folded into the accumulators on one fold thread (in order) while
     the device works on the next. A pass marks each layer's end (`mark`) rather than draining
     the pipeline there: the layer's rows are computed once its mark is done, while the next
     layers are read, copied and computed. Device memory: two batches' staging buffers
-    (``2 x limit``, `flush`), one batch's float32 copies and outputs; host memory: the results of
-    the batches waiting for the fold thread (a few vectors and a ``dim x dim`` matrix per
-    piece)."""
+    (``2 x limit``, twice that for float32 rows; `flush`), one batch's float32 copies and
+    outputs; host memory: the results of the batches waiting for the fold thread (a few vectors
+    and a ``dim x dim`` matrix per piece)."""
 
     def __init__(
         self, limit: int | None = None, staging: bool = True, copy_threads: int | None = None
@@ -208,7 +209,7 @@ class Pipeline:
             check = None
         for x, pos in split_pieces(rows, positions):
             self._entries.append((acc, x, pos, check))
-            self._bytes += x.nbytes
+            self._bytes += 2 * x.size  # as 16-bit values: float32 batches as many (`BATCH_MIB`)
         if after is not None:
             self._after.append(after)
         if self._bytes >= self.limit:

@@ -56,8 +56,12 @@ def row_threads(share: int = 1) -> int:
 
 
 BATCH_MIB = 32
-"""Stored rows per device call (`Pipeline`) in a pass that drives the device from one process,
-MiB; ``KVSNAP_MLX_BATCH_MIB`` overrides it and `WORKER_BATCH_MIB`."""
+"""Rows per device call (`Pipeline`) in a pass that drives the device from one process, in MiB
+of 16-bit values: float32 rows batch as many values, twice the bytes. The device's cost goes
+with the calls and pieces, not the bytes: a 8.59 GB float32 file's one-process pass took 1.34x
+longer fresh (1.32x warm) in 32 MiB batches of its stored bytes than in 64 MiB ones on the
+accelerator machine, while 64 MiB batches of bfloat16 gained nothing (`benchmarks/RESULTS.md`).
+``KVSNAP_MLX_BATCH_MIB`` overrides it and `WORKER_BATCH_MIB`."""
 
 
 WORKER_BATCH_MIB = 16
@@ -68,7 +72,7 @@ worker under 1 GiB at a small cost in speed; in one process they would only cost
 
 def batch_bytes(worker: bool = False) -> int:
     """`BATCH_MIB`, or `WORKER_BATCH_MIB` for a ``worker`` process (or ``KVSNAP_MLX_BATCH_MIB``,
-    a whole number of MiB from 1 to 4096), in bytes."""
+    a whole number of MiB from 1 to 4096), in bytes of 16-bit values."""
     text = os.environ.get("KVSNAP_MLX_BATCH_MIB", "").strip()
     if not text:
         return (WORKER_BATCH_MIB if worker else BATCH_MIB) << 20
