@@ -33,8 +33,8 @@ def console() -> None:
     context one by one, 0.15 s of a 2.1 s fresh ``kvsnap stats FILE --backend mlx`` on the
     accelerator machine (0.20 s from the command's return to the process's end, against 0.05 s
     on the CPU backend), all of which the operating system frees anyway. Not where a child
-    process is still alive (its cleanup stays the interpreter's), and never for `main` called
-    in a process that goes on."""
+    process or a thread the interpreter would wait for is still alive, and never for `main`
+    called in a process that goes on."""
     code = main()
     if "mlx.core" in sys.modules:
         _end_now(code)
@@ -43,10 +43,15 @@ def console() -> None:
 
 def _end_now(code: int) -> None:
     """`os._exit` with ``code`` after flushing the standard streams and logging, unless a child
-    process is alive."""
+    process or a thread the interpreter would wait for (not a daemon) is alive: their work
+    stays the interpreter's to finish."""
     import multiprocessing
+    import threading
 
     if multiprocessing.active_children():
+        return
+    main = threading.main_thread()
+    if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
         return
     if "logging" in sys.modules:
         import logging

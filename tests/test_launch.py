@@ -135,3 +135,25 @@ def test_the_console_script_ends_at_once_after_driving_mlx(tmp_path: Path, backe
         timeout=300,
     )
     assert failed.returncode != 0 and "missing.kv" in failed.stderr
+
+
+def test_the_console_script_lets_running_threads_finish(tmp_path: Path) -> None:
+    """After mlx, a thread the interpreter would wait for (not a daemon) still finishes its
+    work: the console script then ends the process the ordinary way."""
+    pytest.importorskip("mlx.core")
+    k = np.ones((2, 8, 4), np.float32)
+    kvformat.save(tmp_path / "a.kv", [kvformat.Layer(k, k)])
+    script = (
+        "import sys, threading, time; import mlx.core\n"
+        "threading.Thread(target=lambda: (time.sleep(1.5), print('thread finished'))).start()\n"
+        "sys.argv = ['kvsnap', *sys.argv[1:]]\n"
+        "from kvsnap.launch import console; console()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "info", str(tmp_path / "a.kv")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "thread finished" in done.stdout
