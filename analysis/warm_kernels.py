@@ -23,17 +23,11 @@ with contextlib.suppress(ImportError):  # comes with the analysis extra
 
 
 def warm() -> None:
-    """One accumulator of every group over enough rows to take the float32 Gram path, from
-    writable and from read-only rows (two signatures of the compiled kernel), and its row
-    (eigenvalues)."""
+    """One accumulator of every group over enough rows to take the float32 Gram path, and its
+    row (eigenvalues)."""
     rows = GRAM_FLOAT64_ROWS + 8
     x = np.random.default_rng(0).standard_normal((rows, 8)).astype(np.float32)
     accumulator = HeadAccumulator(8, Rope(10000.0, 8, "half"), ALL)
-    accumulator.add(x, np.arange(rows))
-    # Read-only rows too: a float32 file's rows reach the kernel as views of its read-only map,
-    # which numba compiles (and caches) as another signature; without this each worker loaded
-    # it at its first task.
-    x.flags.writeable = False
     accumulator.add(x, np.arange(rows))
     accumulator.row_arrays()
 

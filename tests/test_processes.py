@@ -352,28 +352,3 @@ def test_a_damaged_chunk_stops_an_mlx_worker_pass_and_the_next_pass_is_right(tmp
         with pytest.raises(kvformat.ChecksumError, match=f"chunk {segment.k_chunk} .*payload CRC-32C"):
             _table(damaged, 3, backend="mlx")
         assert _table(sound, 3, backend="mlx").equals(one)
-
-
-def test_the_fork_server_preloads_every_kernel_signature_a_pass_uses(tmp_path: Path) -> None:
-    """`warm_kernels` (the fork server's preload) leaves the compiled kernel loaded for each
-    signature a pass calls it with, read-only rows of a float32 file's map included: a worker
-    forked from it then loads (or, with no cache, compiles) nothing at its first task."""
-    path = tmp_path / "f.kv"
-    rng = np.random.default_rng(0)
-    # 12 MiB of K/V: above `plan.SMALL_PASS_BYTES`, so the compiled kernel runs (not numpy)
-    layer = kvformat.Layer(*(rng.standard_normal((4, 6144, 32), dtype=np.float32),) * 2)
-    kvformat.save(path, [layer, layer])
-    script = (
-        "import sys\n"
-        "from kvsnap.analysis import warm_kernels\n"
-        "from kvsnap.analysis.backends import kernel\n"
-        "from kvsnap.analysis.stats import stats_rows\n"
-        "before = set(kernel.accumulate.signatures)\n"
-        "stats_rows(sys.argv[1], backend='cpu')\n"
-        "print(len(before), len(set(kernel.accumulate.signatures) - before))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True, timeout=300
-    )
-    preloaded, new = map(int, done.stdout.split())
-    assert preloaded >= 2 and new == 0
