@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -288,14 +287,8 @@ LayerResult = tuple[str, int, int, dict[Key, HeadAccumulator]]
 
 
 def layer_bar(name: str, layers: int, show: bool) -> Any:
-    """A tqdm bar over the layers of one file: on stderr, only when it is a terminal."""
-    from tqdm import tqdm
+    """A bar over the layers of one file (`progress.bar`): on stderr, only when it is a
+    terminal and ``show``."""
+    from .progress import bar
 
-    return tqdm(
-        total=layers,
-        desc=os.path.basename(name) or name,
-        unit="layer",
-        file=sys.stderr,
-        disable=None if show else True,  # None: off when stderr is not a terminal
-        leave=False,
-    )
+    return bar(layers, show, desc=os.path.basename(name) or name, unit="layer")

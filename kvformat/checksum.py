@@ -6,9 +6,39 @@ Check value: ``crc32c(b"123456789") == 0xE3069283``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from types import ModuleType
+from typing import Any
 
-import crc32c as _crc32c
 import numpy as np
+
+
+def _crc32c_module() -> Any:
+    """The crc32c package's compiled module, loaded without running the package's
+    ``__init__``, which looks up its own version in the installed packages' metadata (importing
+    ``importlib.metadata``: ~25 ms of every fresh process here, more where many packages are
+    installed) and builds its command-line tool. A plain ``import crc32c`` where the package's
+    layout is not the expected one."""
+    import importlib.machinery
+    import importlib.util
+
+    try:
+        package = importlib.util.find_spec("crc32c")  # a top-level name: found, not imported
+        for folder in (package.submodule_search_locations or []) if package is not None else []:
+            loader = (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES)
+            spec = importlib.machinery.FileFinder(folder, loader).find_spec("crc32c._crc32c")
+            if spec is not None and spec.loader is not None:
+                module: ModuleType = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                if callable(getattr(module, "crc32c", None)):
+                    return module
+    except (ImportError, OSError):
+        pass
+    import crc32c
+
+    return crc32c
+
+
+_crc32c = _crc32c_module()
 
 RELEASE_GIL_BYTES = 64 * 1024
 """Buffers this large are checksummed without holding the GIL, so the writer's helper thread

@@ -372,6 +372,26 @@ def test_bad_arguments_fail_before_the_model_loads(tmp_path: Path, flags: list[s
     assert "wrote" not in result.stdout
 
 
+def test_the_crc32c_module_loads_alone_or_through_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvformat.checksum` loads crc32c's compiled module without its package's ``__init__``
+    (which reads installed packages' metadata for its version), and falls back to the package
+    where that module is not found: both give the check value, ``0xE3069283``, and take the
+    GIL-release argument."""
+    import importlib.util
+
+    from kvformat import checksum
+
+    alone = checksum._crc32c_module()
+    assert alone.__name__ == "crc32c._crc32c"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None)
+    package = checksum._crc32c_module()
+    assert package.__name__ == "crc32c"
+    for module in (alone, package):
+        assert module.crc32c(b"123456789") == 0xE3069283
+        assert module.crc32c(b"56789", module.crc32c(b"1234"), gil_release_mode=1) == 0xE3069283
+    assert checksum.crc32c(b"123456789") == 0xE3069283
+
+
 def test_crc32c_in_bulk_equals_one_by_one() -> None:
     rng = np.random.default_rng(0)
     rows = rng.integers(0, 256, (300, 60), dtype=np.uint8)

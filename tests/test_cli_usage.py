@@ -288,6 +288,59 @@ def test_stage_commands_are_found_without_installed_metadata(
     assert "mean ||K|| per layer and KV head" in capsys.readouterr().out
 
 
+def test_installed_stages_are_scanned_only_for_a_command_the_built_in_ones_lack(
+    series: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command of the format or of the built-in stages parses without reading the installed
+    packages' entry points (`kvformat.cli.main`: ~30 ms of a fresh command where many packages
+    are installed); any other command (or none: help) brings in the stages other packages
+    declare as ``kvsnap.commands`` entry points."""
+    import types
+    from importlib import metadata
+
+    plugin = types.ModuleType("kvsnap_test_plugin")
+
+    def register(sub: Any) -> None:
+        command = sub.add_parser("hello", help="a plugin's command")
+        command.set_defaults(func=lambda args: print("hello from a plugin") or 0)
+
+    plugin.register = register  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "kvsnap_test_plugin", plugin)
+    scans: list[str] = []
+    real = metadata.entry_points
+
+    def entry_points(**selection: Any) -> Any:
+        if selection.get("group") == "kvsnap.commands":
+            scans.append("scan")
+            ours = list(real(**selection))
+            return [*ours, metadata.EntryPoint("plugin", "kvsnap_test_plugin:register", "kvsnap.commands")]
+        return real(**selection)
+
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
+    assert main(["info", str(series)]) == 0
+    assert main(["stats", str(series), "--stats", "norms"]) == 0
+    assert not scans
+    assert main(["hello"]) == 0
+    assert "hello from a plugin" in capsys.readouterr().out
+    assert scans == ["scan"]
+
+
+def test_a_fresh_stats_command_imports_no_package_metadata(series: Path, tmp_path: Path) -> None:
+    """A fresh ``kvsnap stats FILE -o out.parquet`` (its output piped, as in a script) reads no
+    installed package's metadata: not for the stages' commands, not for crc32c's version
+    (`kvformat.checksum` loads its compiled module alone), not for a progress bar nobody sees
+    (`analysis.progress`)."""
+    code = (
+        "import sys; from kvsnap.launch import main; code = main(sys.argv[1:]);"
+        "print('imported:', sorted(m for m in ('importlib.metadata', 'tqdm') if m in sys.modules))"
+    )
+    out = tmp_path / "out.parquet"
+    command = [sys.executable, "-c", code, "stats", str(series), "-o", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "imported: []" in done.stdout and out.exists()
+
+
 def test_a_source_tree_without_an_install_says_how_to_install(series: Path) -> None:
     """From a checkout on ``sys.path`` with the dependencies but no kvsnap install (no editable
     finder: ``python -S``), a stage command gets one line naming the install command, exit 2;

@@ -13,11 +13,11 @@ from .common import KEYS, save_parquet, url_options
 
 
 def _progress(total: int) -> Callable[[str], None]:
-    """A bar over the files (tqdm, on stderr, off when stderr is not a terminal or for one file,
-    whose pass shows its layers instead)."""
-    from tqdm import tqdm
+    """A bar over the files (`progress.bar`, on stderr, off when stderr is not a terminal or for
+    one file, whose pass shows its layers instead)."""
+    from ..progress import bar as progress_bar
 
-    bar = tqdm(total=total, unit="file", file=sys.stderr, disable=None if total > 1 else True, leave=False)
+    bar = progress_bar(total, total > 1, unit="file")
 
     def progress(name: str) -> None:
         bar.set_postfix_str(name[-40:], refresh=False)
