@@ -114,7 +114,10 @@ class Pages:
         segments = [segment] if isinstance(segment, Segment) else list(segment)
         if not segments:
             return
-        chunks = np.unique([c for s in segments for c in (s.k_chunk, s.v_chunk)])
+        # Sorted and distinct without `np.unique`, whose first call imports numpy.ma (~8 ms of a
+        # fresh command).
+        chunks = np.sort(np.array([c for s in segments for c in (s.k_chunk, s.v_chunk)], np.int64))
+        chunks = chunks[np.concatenate(([True], chunks[1:] != chunks[:-1]))]
         starts = file.table["offset"][chunks].astype(np.int64)
         ends = starts + DESCRIPTOR_SIZE + file.table["stored_size"][chunks].astype(np.int64)
         # A range starts where a chunk does not begin within a page of the previous one's end.

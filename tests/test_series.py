@@ -165,3 +165,31 @@ def test_byte_span_covers_the_chunks_of_segments_and_release_span_keeps_views_va
         for head, (k, v) in zip(heads, copies, strict=True):
             np.testing.assert_array_equal(head.k, k)
             np.testing.assert_array_equal(head.v, v)
+
+
+def test_release_merges_the_chunks_of_segments_given_in_any_order(tmp_path: Path) -> None:
+    """`Pages.release` drops each distinct chunk of the segments once, neighbouring chunks in one
+    range, whatever the segments' order and repeats (the same ranges as from the sorted set)."""
+    from kvformat.layout import DESCRIPTOR_SIZE
+
+    path = tmp_path / "series.kv"
+    write_series(path)
+    with kvformat.open(path) as snap:
+        segments = snap.segments()
+        table = snap._file.table
+        released: list[tuple[int, int]] = []
+        snap._file.source.release = lambda offset, size: released.append((offset, size))  # type: ignore[method-assign]
+        snap.pages.release(list(reversed(segments)) + segments[:2])
+        chunks = sorted({c for s in segments for c in (s.k_chunk, s.v_chunk)})
+        starts = table["offset"][chunks].astype(np.int64)
+        ends = starts + DESCRIPTOR_SIZE + table["stored_size"][chunks].astype(np.int64)
+        assert released and released[0][0] == int(starts[0])
+        assert sum(size for _, size in released) <= int(ends[-1] - starts[0])
+        assert released[-1][0] + released[-1][1] == int(ends[-1])
+        covered = [(start, start + size) for start, size in released]
+        for start, end in zip(starts.tolist(), ends.tolist(), strict=True):  # every chunk inside one range
+            assert any(low <= start and end <= high for low, high in covered)
+        released.clear()
+        snap.pages.release(segments[0])
+        first = min(segments[0].k_chunk, segments[0].v_chunk)
+        assert released[0][0] == int(table["offset"][first])
