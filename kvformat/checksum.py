@@ -21,10 +21,11 @@ def _crc32c_module() -> Any:
     import importlib.machinery
     import importlib.util
 
+    loader = (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES)
     try:
         package = importlib.util.find_spec("crc32c")  # a top-level name: found, not imported
-        for folder in (package.submodule_search_locations or []) if package is not None else []:
-            loader = (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES)
+        folders = package.submodule_search_locations if package is not None else None
+        for folder in folders or []:
             spec = importlib.machinery.FileFinder(folder, loader).find_spec("crc32c._crc32c")
             if spec is not None and spec.loader is not None:
                 module: ModuleType = importlib.util.module_from_spec(spec)

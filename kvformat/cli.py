@@ -423,8 +423,9 @@ def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
 
 
 STAGES = {"capture": "kvsnap.capture.cli:register", "analysis": "kvsnap.analysis.cli:register"}
-"""The stages' command modules, as pyproject's ``kvsnap.commands`` entry points name them: used
-directly when no installed metadata declares them (a source tree on ``sys.path``)."""
+"""The stages' command modules, as pyproject's ``kvsnap.commands`` entry points name them:
+loaded by module name, so a source tree on ``sys.path`` needs no installed metadata; an
+installed entry point of the same name replaces one when the parser scans them (`main`)."""
 
 
 def _add_stages(sub: Any, plugins: bool = True) -> list[tuple[str, str]]:

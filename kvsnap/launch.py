@@ -50,8 +50,8 @@ def _end_now(code: int) -> None:
 
     if multiprocessing.active_children():
         return
-    main = threading.main_thread()
-    if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
+    first = threading.main_thread()
+    if any(t is not first and not t.daemon and t.is_alive() for t in threading.enumerate()):
         return
     if "logging" in sys.modules:
         import logging
