@@ -10,7 +10,6 @@ default ``kvsnap stats`` of one big local file); `processes` then finds it runni
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from collections.abc import Sequence
 
@@ -44,6 +43,8 @@ _WITH_VALUE = (
 def ensure_running() -> None:
     """Start the fork server now unless it runs: BLAS and numba limited to one thread in its
     environment (its workers inherit it), ``__main__`` hidden from it."""
+    import multiprocessing
+
     context = multiprocessing.get_context(START_METHOD)
     context.set_forkserver_preload(PRELOAD)
     with one_thread_environment(), main_hidden():
@@ -59,9 +60,11 @@ def wanted(argv: Sequence[str]) -> bool:
     result: the command decides for itself)."""
     if len(argv) < 2 or argv[0] != "stats" or cores() < 2:
         return False
-    if START_METHOD not in multiprocessing.get_all_start_methods():
+    if _local_size(_only_file(argv[1:])) < PROCESS_MIN_BYTES:
         return False
-    return _local_size(_only_file(argv[1:])) >= PROCESS_MIN_BYTES
+    import multiprocessing  # not for a small file's command: ~8 ms of a fresh start
+
+    return START_METHOD in multiprocessing.get_all_start_methods()
 
 
 def _only_file(tokens: Sequence[str]) -> str | None:

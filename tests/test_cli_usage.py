@@ -325,14 +325,28 @@ def test_installed_stages_are_scanned_only_for_a_command_the_built_in_ones_lack(
     assert scans == ["scan"]
 
 
+UNUSED_BY_A_SMALL_STATS = (
+    "importlib.metadata",  # the stages' commands, crc32c's version
+    "tqdm",  # a progress bar nobody sees
+    "multiprocessing",  # the worker pool of a file too small for one
+    "concurrent.futures.process",
+    "secrets",  # an output's temporary name
+    "statistics",  # the printed median
+    "subprocess",  # fetch-models' download
+    "zipfile",
+    "hashlib",  # a GGUF's checksum
+)
+
+
 def test_a_fresh_stats_command_imports_no_package_metadata(series: Path, tmp_path: Path) -> None:
-    """A fresh ``kvsnap stats FILE -o out.parquet`` (its output piped, as in a script) reads no
-    installed package's metadata: not for the stages' commands, not for crc32c's version
-    (`kvformat.checksum` loads its compiled module alone), not for a progress bar nobody sees
-    (`analysis.progress`)."""
+    """A fresh ``kvsnap stats FILE -o out.parquet`` of a small file (its output piped, as in a
+    script) reads no installed package's metadata: not for the stages' commands, not for
+    crc32c's version (`kvformat.checksum` loads its compiled module alone), not for a progress
+    bar nobody sees (`analysis.progress`); nor does it import what only other commands or a pass
+    on worker processes use (`UNUSED_BY_A_SMALL_STATS`)."""
     code = (
         "import sys; from kvsnap.launch import main; code = main(sys.argv[1:]);"
-        "print('imported:', sorted(m for m in ('importlib.metadata', 'tqdm') if m in sys.modules))"
+        f"print('imported:', sorted(m for m in {UNUSED_BY_A_SMALL_STATS!r} if m in sys.modules))"
     )
     out = tmp_path / "out.parquet"
     command = [sys.executable, "-c", code, "stats", str(series), "-o", str(out)]

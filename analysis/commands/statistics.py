@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -229,8 +228,10 @@ def _number(value: Any) -> float | None:
 
 def _median_of(rows: list[dict[str, Any]], column: str) -> float:
     """The median of ``column`` over ``rows``, NaN and null left out (NaN when none is left)."""
+    import numpy as np  # loaded already (statistics.median's module costs a fresh command 3 ms)
+
     values = [v for row in rows if (v := _number(row[column])) is not None]
-    return statistics.median(values) if values else math.nan
+    return float(np.median(values)) if values else math.nan
 
 
 def _divide(value: float, median: float) -> float:

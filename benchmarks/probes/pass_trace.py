@@ -8,9 +8,10 @@ The pass runs in a child process whose ``PYTHONPATH`` starts with a generated
 ``sitecustomize.py``: every interpreter of the pass imports it, the fork server too (a fresh
 interpreter), so the workers forked from it run wrapped functions (kvsnap itself is unchanged;
 mlx is not imported there, as a CUDA context must not cross a fork). Each process appends
-``(stage, pid, thread, start, end)`` to its own file; the summary is per pass after the first
-(which compiles): per stage its total over all processes and mean per call; per worker its tasks
-and busy time. The tracer imports kvsnap's kernels (numba) into every interpreter, the parent's
+``(stage, pid, thread, start, end)`` to its own file; the summary is per pass: per stage its
+total over all processes and mean per call; per worker its tasks and busy time; for the first
+pass (which starts the workers and loads or compiles what later passes reuse) also when the
+workers' first tasks began. The tracer imports kvsnap's kernels (numba) into every interpreter, the parent's
 too: a fresh process's start is not what it measures.
 """
 
@@ -91,7 +92,8 @@ json.dump(spans, open(marks, "w"))
 
 
 def summarize(directory: Path, spans: list[tuple[float, float]]) -> str:
-    """A markdown summary per pass after the first."""
+    """A markdown summary per pass (the first one loads or compiles what the later ones reuse;
+    its table also gives when each worker's first task began, after the pass's start)."""
     events = [
         json.loads(line)
         for file in sorted(directory.glob("*.jsonl"))
@@ -100,10 +102,17 @@ def summarize(directory: Path, spans: list[tuple[float, float]]) -> str:
     lines = []
     for number, (start, end) in enumerate(spans):
         inside = [e for e in events if e[3] >= start and e[4] <= end + 0.01]
-        if number == 0:  # compiles: only which workers it reached
-            tasks = collections.Counter(e[1] for e in inside if e[0] == "task")
-            lines.append(f"pass 0: {end - start:.3f} s; tasks per worker {sorted(tasks.values())}")
-            continue
+        if number == 0:
+            begun: dict[int, float] = {}
+            for e in inside:
+                if e[0] == "task":
+                    begun[e[1]] = min(begun.get(e[1], e[3]), e[3])
+            offsets = sorted(t - start for t in begun.values())
+            if offsets:
+                lines.append(
+                    f"pass 0: first tasks began {offsets[0] * 1e3:.0f}-{offsets[-1] * 1e3:.0f} ms "
+                    "after its start"
+                )
         lines.append(
             f"\npass {number}: {end - start:.3f} s\n\n| stage | total, all processes | calls | mean |"
         )
