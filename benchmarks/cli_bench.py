@@ -3,7 +3,7 @@ settings, end to end (interpreter, imports, workers, the pass, the Parquet file)
 machine's own sequential read of the same file in the same run.
 
     python -m benchmarks.cli_bench [--dir /tmp/kvsnap-cli-bench] [--runs 5] [--backends cpu,mlx]
-        [--files tiny,tiny-bf16,bf16] [--variant KVSNAP_MLX_WARM=0]
+        [--files tiny,tiny-bf16,bf16] [--variant KVSNAP_MLX_WARM=0] [--tree OLD_TREE]
 
 Files (written once, then reused; ``--files`` picks them): two tiny ones (``tiny``, ``tiny-bf16``:
 2 layers x 2 heads x 40 tokens, float32 and bfloat16: the fixed cost, the second with ml_dtypes'
@@ -11,7 +11,10 @@ import), the Qwen3-8B-shaped bfloat16 one of `benchmarks.analysis_bench` (``bf16
 x 8192 tokens, 1.2 GB) and its seed-shaped float32 one (``fp32``: 32 x 32 x 128 x 8192 tokens,
 8.59 GB; not in the default set). ``--variant NAME=VALUE`` (repeatable) adds a row per setting:
 the same command with that variable set, its runs alternated with the plain ones (A B A B), so
-that a slow spell of a shared machine slows both alike. Each row: median and range
+that a slow spell of a shared machine slows both alike. ``--tree PATH`` (repeatable) adds a row
+the same way for the code of another source tree (a checkout holding ``kvformat/`` and
+``kvsnap/``, its ``kvsnap/analysis`` and ``kvsnap/capture`` linked to the stages' folders, as an
+install maps them), run from that tree. Each row: median and range
 over ``--runs`` fresh runs, the largest resident set of any process of the run and the PSS of the
 whole process tree (`benchmarks.memory`), and the ratio of the read's time to the command's (1.0x:
 as fast as reading the file once; higher is faster). The page cache is warm: each file is read
@@ -93,6 +96,19 @@ def byte_compile() -> None:
             compileall.compile_dir(folder, quiet=1)
 
 
+def _environment(setting: str | None) -> tuple[dict[str, str] | None, str | None]:
+    """The environment and working folder of a run with ``setting``: None for the plain row,
+    ``NAME=VALUE`` for a variant, ``tree=PATH`` for another tree's code (its folder first on the
+    path: a ``-c`` command imports from its working folder first)."""
+    if setting is None:
+        return None, None
+    name, value = setting.split("=", 1)
+    if name == "tree":
+        path = os.pathsep.join([value, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+        return dict(os.environ, PYTHONPATH=path), value
+    return dict(os.environ, **{name: value}), None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="/tmp/kvsnap-cli-bench")
@@ -100,18 +116,26 @@ def main() -> None:
     parser.add_argument("--backends", default="cpu,mlx")
     parser.add_argument("--files", default="tiny,tiny-bf16,bf16", help=f"of {','.join(FILES)}")
     parser.add_argument("--variant", action="append", default=[], help="NAME=VALUE: a row with it set")
+    parser.add_argument("--tree", action="append", default=[], help="another source tree's row")
     args = parser.parse_args()
     names = tuple(args.files.split(","))
     if unknown := set(names) - set(FILES):
         parser.error(f"--files: unknown {', '.join(sorted(unknown))}; choose from {', '.join(FILES)}")
     if bad := [v for v in args.variant if "=" not in v]:
         parser.error(f"--variant wants NAME=VALUE, not {bad[0]!r}")
+    trees = [str(Path(tree).resolve()) for tree in args.tree]
+    if missing := [tree for tree in trees if not Path(tree, "kvsnap", "analysis").is_dir()]:
+        parser.error(f"--tree: {missing[0]} has no kvsnap/analysis (link it to the analysis/ folder)")
     print(blas_line())
     byte_compile()
-    directory = Path(args.dir)
+    for tree in trees:
+        import compileall
+
+        compileall.compile_dir(tree, quiet=1)
+    directory = Path(args.dir).resolve()
     print("| file | backend | fresh `kvsnap stats -o`: median (range) | read | read / cmd | peak RSS | PSS |")
     print("|---|---|---:|---:|---:|---:|---:|")
-    settings: list[str | None] = [None, *args.variant]
+    settings: list[str | None] = [None, *args.variant, *(f"tree={tree}" for tree in trees)]
     for label, path in files(directory, names).items():
         read = read_seconds(path)
         for backend in args.backends.split(","):
@@ -126,10 +150,10 @@ def main() -> None:
                     out = directory / "out.parquet"
                     command = [sys.executable, "-c", COMMAND, "stats", str(path), "-o", str(out), "--force"]
                     command += ["--backend", backend]
-                    env = dict(os.environ, **dict([setting.split("=", 1)])) if setting else None
+                    env, cwd = _environment(setting)
                     start = time.perf_counter()
                     try:
-                        sampled = run_sampled(command, env=env)
+                        sampled = run_sampled(command, env=env, cwd=cwd)
                     except subprocess.CalledProcessError as error:
                         failed[setting] = error.stderr.strip()[-200:]
                         continue

@@ -62,15 +62,17 @@ class Sampled:
     largest_rss: int
 
 
-def run_sampled(command: list[str], env: dict[str, str] | None = None, interval: float = 0.05) -> Sampled:
-    """Run ``command`` and sample the memory of it and its descendants every ``interval`` s
-    (`Sampled`). Raises CalledProcessError on failure."""
+def run_sampled(
+    command: list[str], env: dict[str, str] | None = None, interval: float = 0.05, cwd: str | None = None
+) -> Sampled:
+    """Run ``command`` (in ``cwd``) and sample the memory of it and its descendants every
+    ``interval`` s (`Sampled`). Raises CalledProcessError on failure."""
     import tempfile
 
     # Output to files, not pipes: a command printing more than a pipe holds (64 KiB) would wait
     # for a reader while this loop waits for it to end.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env)
+        process = subprocess.Popen(command, stdout=out, stderr=err, text=True, env=env, cwd=cwd)
         tree_pss = largest_rss = 0
         while process.poll() is None:
             pids = descendants(process.pid)

@@ -114,17 +114,23 @@ def summarize(directory: Path, spans: list[tuple[float, float]]) -> str:
                     "after its start"
                 )
         lines.append(
-            f"\npass {number}: {end - start:.3f} s\n\n| stage | total, all processes | calls | mean |"
+            f"\npass {number}: {end - start:.3f} s\n\n"
+            "| stage | total, all processes | calls | mean | first start, last end (ms into the pass) |"
         )
-        lines.append("|---|---:|---:|---:|")
+        lines.append("|---|---:|---:|---:|---:|")
         totals: dict[str, float] = collections.defaultdict(float)
         calls: collections.Counter[str] = collections.Counter()
+        spans: dict[str, tuple[float, float]] = {}
         for stage, _, _, t0, t1 in inside:
             totals[stage] += t1 - t0
             calls[stage] += 1
+            first, last = spans.get(stage, (t0, t1))
+            spans[stage] = (min(first, t0), max(last, t1))
         for stage, total in sorted(totals.items(), key=lambda item: -item[1]):
+            first, last = spans[stage]
             lines.append(
-                f"| {stage} | {total:.3f} s | {calls[stage]} | {total / calls[stage] * 1e3:.2f} ms |"
+                f"| {stage} | {total:.3f} s | {calls[stage]} | {total / calls[stage] * 1e3:.2f} ms "
+                f"| {(first - start) * 1e3:.0f}, {(last - start) * 1e3:.0f} |"
             )
         tasks = [e for e in inside if e[0] == "task"]
         workers = sorted({e[1] for e in tasks})
