@@ -39,10 +39,12 @@ from .rows import compute as compute_rows
 class _Workers:
     """The threads of one pass: an `OrderedPool` of ``options.workers`` threads for the batches (each
     head's batches in order), BLAS on one thread (the Gram's rounding then does not depend on the
-    thread count), and for mlx the device `Pipeline` plus CPU threads for the rows."""
+    thread count), and for mlx the device `Pipeline` plus CPU threads for the rows (``layers``:
+    the layers the pass will close)."""
 
-    def __init__(self, options: PassOptions) -> None:
+    def __init__(self, options: PassOptions, layers: int = 1) -> None:
         self.options = options
+        self.layers = layers
         self.pipeline: Any = None
         self._stack = contextlib.ExitStack()
 
@@ -98,17 +100,23 @@ class _Workers:
         """After a layer's last batch: add the work that completes it to ``layer.work``. On mlx,
         the device pipeline's mark of the layer's end (``layer.mark``; nothing waits: the next
         layer is read and copied while this one is on the device) and, with ``rows``, the
-        layer's rows computed once the mark is done, together in one run per row thread
-        (`rows.compute`). On the CPU, with ``rows``, each row computed on the threads after its
-        head's batches."""
+        layer's rows computed once the mark is done, stacked in one run (`rows.compute`), the
+        layers spread over the row threads; a layer is cut into runs only where the pass has
+        fewer layers than row threads. Most of a row thread's time goes to waiting for the
+        interpreter's lock between numpy calls (LAPACK runs without it), and a whole layer's
+        stack makes a quarter of the calls of four quarter-layer runs: on the accelerator
+        machine's bf16 file the warm one-process pass took 1.12-1.23x less time so
+        (`benchmarks/RESULTS.md`). On the CPU, with ``rows``, each row computed on the threads
+        after its head's batches."""
         accumulators = layer.accumulators
         if self.pipeline is not None:
             mark = layer.mark = self.pipeline.mark()
             layer.work.append(mark)
             if rows:
+                runs = -(-self.row_threads // max(1, self.layers))
                 layer.work += [
                     self.row_pool.submit(after, mark, compute_rows, part)
-                    for part in row_parts(list(accumulators.values()), self.row_threads)
+                    for part in row_parts(list(accumulators.values()), runs)
                 ]
         elif rows:
             layer.work += [self.pool.submit(key[:3], acc.row_arrays) for key, acc in accumulators.items()]
@@ -202,7 +210,7 @@ def layers(
                     future.result()
                 snap.pages.release(window.segments)
 
-        with _Workers(options) as workers, bar:
+        with _Workers(options, len(last)) as workers, bar:
             for batch, closes, window_end in head_batches(snap, order, last):
                 layer = batch[0].layer
                 if layer not in started:

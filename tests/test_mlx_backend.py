@@ -569,6 +569,31 @@ def test_an_mlx_pass_does_not_drain_the_device_at_each_layer(
     assert_close(got, stats_rows(path, jobs=1))
 
 
+@pytest.mark.parametrize(("layers", "runs"), [(4, 1), (2, 2), (1, 4)])
+def test_an_mlx_pass_stacks_a_layers_rows_in_one_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layers: int, runs: int
+) -> None:
+    """With 4 row threads, a layer's rows are computed in one stacked run when the file has at
+    least as many layers (fewer calls, each waiting for the interpreter's lock), cut into runs
+    over the threads only when it has fewer; the table is the CPU kernel's either way."""
+    from kvsnap.analysis import streaming
+
+    path = factories.random_file(tmp_path / "f.kv", layers=layers, heads=4, tokens=64, dim=16, seed=3).path
+    monkeypatch.setattr(mlx_sizing, "row_threads", lambda share=1: 4)
+    sizes: list[int] = []
+    original = streaming.compute_rows
+
+    def recorded(accumulators: list[Any]) -> None:
+        sizes.append(len(accumulators))
+        original(accumulators)
+
+    monkeypatch.setattr(streaming, "compute_rows", recorded)
+    got = stats_rows(path, backend="mlx", jobs=1)
+    per_layer = 8  # 4 heads, K and V
+    assert sorted(sizes) == sorted([-(-per_layer // runs)] * runs * layers)
+    assert_close(got, stats_rows(path, jobs=1))
+
+
 @pytest.mark.parametrize("closing", [0, 1])
 def test_a_pass_that_waits_for_each_layer_drives_the_pipeline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closing: int
