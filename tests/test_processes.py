@@ -352,3 +352,21 @@ def test_a_damaged_chunk_stops_an_mlx_worker_pass_and_the_next_pass_is_right(tmp
         with pytest.raises(kvformat.ChecksumError, match=f"chunk {segment.k_chunk} .*payload CRC-32C"):
             _table(damaged, 3, backend="mlx")
         assert _table(sound, 3, backend="mlx").equals(one)
+
+
+def test_the_kept_pool_is_dropped_at_exit_while_modules_are_whole() -> None:
+    """The pool a process keeps for its passes is shut down and forgotten by an exit handler,
+    before the modules' teardown would collect it (its callback then finds
+    ``concurrent.futures.process`` cleared and prints an ignored AttributeError)."""
+    code = (
+        "import atexit\n"
+        "from kvsnap.analysis import processes\n"
+        "atexit.register(lambda: print('kept at exit:', processes._POOL is not None))\n"
+        "pool = processes._pool(2, 'cpu')\n"
+        "pool.submit(processes._ready).result()\n"
+        "del pool\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "kept at exit: False" in done.stdout
+    assert "Exception ignored" not in done.stderr
