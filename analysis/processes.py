@@ -39,6 +39,7 @@ code of every kernel it has loaded (measured per worker in `benchmarks/RESULTS.m
 
 from __future__ import annotations
 
+import atexit
 import collections
 import os
 import threading
@@ -163,33 +164,21 @@ def _pool(workers: int, backend: str = "cpu") -> ProcessPoolExecutor:
         else:
             fork_server.ensure_running()  # running already where `kvsnap` started it early
             pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(START_METHOD))
-        if not _POOL_FORGOTTEN_AT_EXIT:
-            _forget_pool_at_exit()
         _POOL = (workers, backend, pool)
         return pool
 
 
-_POOL_FORGOTTEN_AT_EXIT = False
-
-
-def _forget_pool_at_exit() -> None:
-    """Drop the kept pool at interpreter exit (after ``concurrent.futures`` has joined its
-    workers), while every module is still whole: collected later, in the modules' teardown, its
-    callback finds ``concurrent.futures.process``'s globals cleared and prints an ignored
-    ``AttributeError`` (seen once at the end of a test worker)."""
-    import atexit
-
-    global _POOL_FORGOTTEN_AT_EXIT
-
-    def forget() -> None:
-        global _POOL
-        with _POOL_LOCK:
-            kept, _POOL = _POOL, None
-        if kept is not None:
-            kept[2].shutdown(wait=False, cancel_futures=True)
-
-    atexit.register(forget)
-    _POOL_FORGOTTEN_AT_EXIT = True
+@atexit.register
+def _forget_pool() -> None:
+    """At interpreter exit (after ``concurrent.futures`` has joined its workers), shut down and
+    drop the kept pool while every module is still whole: collected later, in the modules'
+    teardown, its callback finds ``concurrent.futures.process``'s globals cleared and prints an
+    ignored ``AttributeError`` (seen once at the end of a test worker)."""
+    global _POOL
+    with _POOL_LOCK:
+        kept, _POOL = _POOL, None
+    if kept is not None:
+        kept[2].shutdown(wait=False, cancel_futures=True)
 
 
 def _one_blas_thread() -> None:

@@ -26,6 +26,7 @@ would otherwise compile them from source: 0.13 s and more of each run there).
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import statistics
 import subprocess
@@ -86,7 +87,6 @@ def read_seconds(path: Path) -> float:
 
 def byte_compile() -> None:
     """kvsnap's packages byte-compiled where they are (a no-op for an installed wheel's)."""
-    import compileall
     import importlib.util
 
     for package in ("kvformat", "kvsnap", "kvsnap.analysis", "kvsnap.capture"):
@@ -129,8 +129,6 @@ def main() -> None:
     print(blas_line())
     byte_compile()
     for tree in trees:
-        import compileall
-
         compileall.compile_dir(tree, quiet=1)
     directory = Path(args.dir).resolve()
     print("| file | backend | fresh `kvsnap stats -o`: median (range) | read | read / cmd | peak RSS | PSS |")
