@@ -165,10 +165,11 @@ def _pool(workers: int, backend: str = "cpu") -> ProcessPoolExecutor:
             fork_server.ensure_running()  # running already where `kvsnap` started it early
             pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(START_METHOD))
         _POOL = (workers, backend, pool)
+        atexit.unregister(_forget_pool)  # once, and after the exit handlers registered before it
+        atexit.register(_forget_pool)
         return pool
 
 
-@atexit.register
 def _forget_pool() -> None:
     """At interpreter exit (after ``concurrent.futures`` has joined its workers), shut down and
     drop the kept pool while every module is still whole: collected later, in the modules'
