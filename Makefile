@@ -8,13 +8,13 @@ BIN := $(VENV)/bin
 
 # Two stamps: the demo needs only the capture and analysis extras; the tests need everything
 # (Ray, moto, flask, ...). A full install satisfies the demo too.
-$(VENV)/.installed-dev: pyproject.toml
+$(VENV)/.installed-dev: pyproject.toml setup.py analysis/kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@ $(VENV)/.installed-demo
 
-$(VENV)/.installed-demo: pyproject.toml
+$(VENV)/.installed-demo: pyproject.toml setup.py analysis/kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[capture,analysis]"
@@ -33,7 +33,7 @@ demo: $(VENV)/.installed-demo
 	$(BIN)/kvsnap stats out/demo.kv
 
 # The project's own folders only: a scratch script in the checkout is the user's business.
-LINTED := kvformat capture analysis kvsnap tests benchmarks spec
+LINTED := kvformat capture analysis kvsnap tests benchmarks spec setup.py
 lint: install
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
@@ -90,3 +90,5 @@ reference: $(REFERENCE)
 # slowest tests are listed at the end (where the suite's time goes).
 test: lint $(KAITAI) $(JS_READER) nginx $(REFERENCE) conformance
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15 tests
+	# The kernels' numba twins (where no C compiler built analysis/kernels.c) against numpy too.
+	KVSNAP_KERNEL=numba $(BIN)/python -m pytest -q -n auto tests/test_kernel.py tests/test_arrays.py

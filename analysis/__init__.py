@@ -5,7 +5,7 @@ or URLs). `kvsnap.analysis.batch` runs many files on local processes or Ray
 (`kvsnap.analysis.ray`, imported only when asked for).
 
 Names load on first use (PEP 562): importing a submodule, such as the CLI's, does not load
-numba, pyarrow or polars.
+the compiled kernels, pyarrow or polars.
 """
 
 from __future__ import annotations

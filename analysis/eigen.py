@@ -1,7 +1,7 @@
-"""Eigenvalues of a symmetric matrix, compiled (numba ``nogil``), so that the heads of a file
-decompose in parallel: LAPACK's ``syevd`` as numpy ships it (OpenBLAS) runs one call at a time
-whatever the number of threads calling it, which made the spectra of a 2048-head file a serial
-~2 s tail.
+"""Eigenvalues of a symmetric matrix, compiled (C where built, `native`; else numba ``nogil``), so
+that the heads of a file decompose in parallel: LAPACK's ``syevd`` as numpy ships it (OpenBLAS)
+runs one call at a time whatever the number of threads calling it, which made the spectra of a
+2048-head file a serial ~2 s tail.
 
 Householder reduction to tridiagonal form (the eigenvalue-only path of ``tred2``, Numerical
 Recipes 11.2, on the full symmetric matrix so that every inner loop runs over a contiguous row),
@@ -14,12 +14,18 @@ steps are backward stable: each eigenvalue is within ~n eps ||A|| of LAPACK's
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-try:
-    import numba
-except ImportError:  # pragma: no cover
-    numba = None  # type: ignore[assignment]
+from . import native
+
+numba: Any = None
+if not native.AVAILABLE:  # (KVSNAP_KERNEL=numpy keeps this: it selects the accumulator's path)
+    try:
+        import numba
+    except ImportError:  # pragma: no cover
+        numba = None
 
 MAX_SWEEPS = 30  # QL iterations per eigenvalue (on average) before giving up, as dsterf does
 EPSILON_SQUARED = (2.0**-53) ** 2  # LAPACK's eps (half a unit in the last place), squared
@@ -184,6 +190,10 @@ if numba is not None:
     _pair = numba.njit(cache=True, nogil=True)(_pair)
     _ql = numba.njit(cache=True, nogil=True)(_ql)
     _scale_into = numba.njit(cache=True, nogil=True)(_scale_into)
+elif native.AVAILABLE:
+    _eigenvalues = native.eigenvalues
+
+COMPILED = native.AVAILABLE or numba is not None
 
 
 def eigenvalues(matrix: np.ndarray) -> np.ndarray:
@@ -202,7 +212,7 @@ def eigenvalues_of(matrices: np.ndarray) -> np.ndarray:
         return result
     work, e, out = np.empty((n, n)), np.empty(n), np.empty(n)
     for b in range(count):
-        if numba is None or not _eigenvalues(matrices[b], out, work, e):
+        if not COMPILED or not _eigenvalues(matrices[b], out, work, e):
             result[b] = np.linalg.eigvalsh(matrices[b])[::-1]  # numba missing, or no convergence
         else:
             result[b] = np.sort(out)[::-1]

@@ -2,8 +2,9 @@
 imported: this module needs the standard library and `analysis.parallel` only.
 
 On the accelerator machine's 16 cores a fresh ``kvsnap stats FILE`` of a 1.2 GB file spent
-1.5-1.7 s waiting for its workers: the fork server imports numpy and numba and loads the
-kernels' compiled code (`warm_kernels`) before it forks the first worker, and it was started only
+1.5-1.7 s waiting for its workers: the fork server imports numpy and the kernels (`warm_kernels`;
+numba and its compiled code, about 1.0 s of it, where the C kernels of `native` are not built)
+before it forks the first worker, and it was started only
 once the command had imported numpy, built its parser and read its arguments (~0.5 s in).
 `start_early` starts it as the ``kvsnap`` process begins, for the command that will want it (the
 default ``kvsnap stats`` of one big local file); `processes` then finds it running."""
@@ -21,7 +22,7 @@ PRELOAD = ["kvsnap.analysis.warm_kernels"]
 
 PROCESS_MIN_BYTES = 256 << 20
 """Smaller files stay in one process (on threads) unless the workers are already running:
-starting them (an interpreter importing numpy and numba each) would cost more than they
+starting them (the fork server importing numpy and the kernels) would cost more than they
 save on a file one core analyses in about that time."""
 
 _DEFAULTS_CHANGED = ("--engine", "--jobs", "--merge", "--address", "--stats")

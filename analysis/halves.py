@@ -1,5 +1,6 @@
-"""float16 rows to float32, compiled (numba ``nogil``): numpy's ``astype`` converts one value at a
-time (~1.6 GB/s of float16 here); this loop vectorizes the common cases, about 3x faster.
+"""float16 rows to float32, compiled (C where built, `native`; else numba ``nogil``): numpy's
+``astype`` converts one value at a time (~1.6 GB/s of float16 here); this loop vectorizes the
+common cases, about 3x faster (the C build 1.4x faster again: `benchmarks/kernel_bench.py`).
 
 A normal half moves its exponent and mantissa into place with integer operations (exponent bias
 15 -> 127: add ``112 << 23``); an infinity or NaN keeps its payload with an all-ones exponent;
@@ -10,12 +11,18 @@ the 65,536 halves converts to the bits numpy gives (`tests/test_arrays.py`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-try:
-    import numba
-except ImportError:  # pragma: no cover
-    numba = None  # type: ignore[assignment]
+from . import native
+
+numba: Any = None
+if not native.AVAILABLE:  # (KVSNAP_KERNEL=numpy keeps this: it selects the accumulator's path)
+    try:
+        import numba
+    except ImportError:  # pragma: no cover
+        numba = None
 
 
 def _convert(bits: np.ndarray, out_bits: np.ndarray, out: np.ndarray) -> None:
@@ -49,10 +56,13 @@ def _convert(bits: np.ndarray, out_bits: np.ndarray, out: np.ndarray) -> None:
 if numba is not None:
     _convert = numba.njit(cache=True, nogil=True)(_convert)
 
-AVAILABLE = numba is not None
+AVAILABLE = native.AVAILABLE or numba is not None
 
 
 def to_float32(rows: np.ndarray, out: np.ndarray) -> None:
     """C-contiguous float16 ``rows`` into C-contiguous float32 ``out`` of the same shape."""
     flat = out.reshape(-1)
-    _convert(rows.reshape(-1).view(np.uint16), flat.view(np.uint32), flat)
+    if native.AVAILABLE:
+        native.halves_to_float32(rows.reshape(-1).view(np.uint16), flat)
+    else:
+        _convert(rows.reshape(-1).view(np.uint16), flat.view(np.uint32), flat)

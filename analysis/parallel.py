@@ -2,8 +2,8 @@
 (tasks keyed by accumulator, each key's tasks run in order), processes across files, and the
 settings both share.
 
-The statistics kernels (numba ``nogil``), BLAS and numpy's conversions release the GIL, so
-threads share one memory map. Results stay identical to one thread: every accumulator is
+The statistics kernels (C through ctypes, or numba ``nogil``), BLAS and numpy's conversions
+release the GIL, so threads share one memory map. Results stay identical to one thread: every accumulator is
 updated by one task at a time, in the order the blocks were read (a task waits for the previous
 task of its key, which a FIFO pool has already started). A local file's workers are processes
 (`analysis.processes`).

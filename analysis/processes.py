@@ -22,10 +22,11 @@ tasks are back, layers in the pass's order.
 
 CPU workers are forked from a fork server (``multiprocessing``'s ``forkserver``: a clean process
 that has imported the kernels and loaded their compiled code, `warm_kernels`); mlx workers are
-spawned (`MLX_START_METHOD`), so that they carry no numba. Either pool is started once per
-process and kept for later passes. Workers run kvsnap's code only, so they are started without
-the caller's ``__main__`` (``multiprocessing`` would import the script into every worker, and
-run its top level again where it has no ``if __name__ == "__main__":`` guard).
+spawned (`MLX_START_METHOD`), so that they carry no CPU kernels (numba's where C's are not
+built). Either pool is started once per process and kept for later passes. Workers run kvsnap's
+code only, so they are started without the caller's ``__main__`` (``multiprocessing`` would
+import the script into every worker, and run its top level again where it has no
+``if __name__ == "__main__":`` guard).
 
 Memory, per worker: the snapshot's index (as any reader holds it), the mapped pages of one
 batch (``max(8 MiB, block)``, released once added; small segments: of one window), float32

@@ -155,18 +155,18 @@ def _channels(stack: Sequence[HeadAccumulator], power: np.ndarray) -> list[dict[
     return out
 
 
-def _numba_installed() -> bool:
-    from .backends import kernel  # loads numba: only for the CPU backend
+def _compiled_installed() -> bool:
+    from .backends import kernel  # loads the C kernels (or numba): only for the CPU backend
 
     return bool(kernel.AVAILABLE)
 
 
 def _spectrum(stack: Sequence[HeadAccumulator], n: np.ndarray, m1: np.ndarray) -> list[dict[str, Any]]:
     covariance = np.stack([acc.gram for acc in stack]) / n[:, None, None] - m1[:, :, None] * m1[:, None, :]
-    # The CPU backend's compiled (numba, without the interpreter's lock) where its kernel is;
-    # LAPACK on the numpy reference path and on mlx, which never loads numba: its worker
-    # processes would carry numba's code and compiled kernels (`processes.MLX_START_METHOD`).
-    if stack[0].backend == "cpu" and _numba_installed():
+    # The CPU backend's compiled solver (C or numba, without the interpreter's lock) where its
+    # kernel is; LAPACK on the numpy reference path and on mlx, which never loads the CPU
+    # kernels (`processes.MLX_START_METHOD`).
+    if stack[0].backend == "cpu" and _compiled_installed():
         from .eigen import eigenvalues_of
 
         descending = eigenvalues_of(covariance)

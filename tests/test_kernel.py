@@ -223,7 +223,7 @@ def test_freshly_compiled_and_cached_kernels_give_the_same_bits(tmp_path: Path) 
     import subprocess
     import sys
 
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "KVSNAP_KERNEL": "numba"}
     runs = [
         subprocess.run(
             [sys.executable, "-c", FRESH_OR_CACHED], env=env, capture_output=True, text=True, check=True

@@ -1,8 +1,9 @@
 """Backends fill a `HeadAccumulator` from rows; each implements the same small interface
 (`Backend`), and a pass picks one by name, once (`of`):
 
-- ``"cpu"``: `compiled`, the fused numba kernel plus BLAS (the default where numba is installed);
-- ``"numpy"``: `reference`, every sum written out plainly (``"cpu"`` without numba);
+- ``"cpu"``: `compiled`, the fused compiled kernel (C, `analysis.native`, where the install built
+  it; else numba) plus BLAS (the default where either is there);
+- ``"numpy"``: `reference`, every sum written out plainly (``"cpu"`` without a compiled kernel);
 - ``"mlx"``: `mlx`, the statistics as mlx array operations on mlx's default device, with a
   pipeline that batches many accumulators per device call (`mlx_pipeline`).
 
@@ -42,8 +43,8 @@ class Backend(Protocol):
 
 
 def of(name: str) -> Backend:
-    """The backend called ``name`` (`NAMES`): ``"cpu"`` is the compiled kernel where numba is
-    installed, else the numpy reference. Raises ValueError for another name."""
+    """The backend called ``name`` (`NAMES`): ``"cpu"`` is the compiled kernel where C's or
+    numba's is installed, else the numpy reference. Raises ValueError for another name."""
     if name not in _MODULES:
         raise ValueError(f"unknown backend {name!r}: one of {', '.join(NAMES)}")
     module: Backend = importlib.import_module(f"{__name__}.{_MODULES[name]}")

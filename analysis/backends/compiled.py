@@ -1,6 +1,6 @@
-"""The CPU backend: the fused compiled kernel (numba, `kernel`), a few calls per piece of
-`KERNEL_ROWS` rows, plus the Gram matrix through BLAS. Chosen by ``backend="cpu"`` where numba is
-installed (`reference` otherwise)."""
+"""The CPU backend: the fused compiled kernel (`kernel`: C where built, else numba), a few calls per
+piece of `KERNEL_ROWS` rows, plus the Gram matrix through BLAS. Chosen by ``backend="cpu"`` where
+either is installed (`reference` otherwise)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ _NO_BAND = np.empty(0)
 
 
 def available() -> bool:
-    """Whether numba (and so this backend) is installed here."""
+    """Whether a compiled kernel, C's or numba's (and so this backend), is installed here."""
     return bool(kernel.AVAILABLE)
 
 

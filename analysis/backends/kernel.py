@@ -1,4 +1,4 @@
-"""The fused compiled kernel behind `HeadAccumulator.add` (numba).
+"""The fused compiled kernel behind `HeadAccumulator.add` (C where built, else numba).
 
 One call walks a piece of rows ``(n_tokens, dim)`` float32 in tiles of `GROUP` rows (16 KiB for
 128 channels, so a tile stays in L1) and updates, for the statistic groups asked for, every
@@ -25,25 +25,32 @@ tile makes the quantization errors NaN, as the numpy reference would). A value's
 definition (`catalogue.quant_error`) takes it: the levels equal the reference's, ties
 included; the sums agree with it to ~1e-8 relative (their order differs).
 
-``KVSNAP_KERNEL=numpy`` in the environment, or numba missing, selects the numpy path.
+Where the C build of these functions is installed (`analysis.native`), it stands in for them and
+numba is not imported. ``KVSNAP_KERNEL=numba`` in the environment keeps numba; ``numpy``, or
+neither installed, selects the numpy path.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import Any
 
 import numpy as np
 
+from .. import native
 from ..catalogue import BINS
 from ..catalogue import QUANT_GROUP as GROUP
 
-try:
-    import numba
-except ImportError:  # pragma: no cover - exercised where numba is absent
-    numba = None  # type: ignore[assignment]
+SELECTED = os.environ.get("KVSNAP_KERNEL", "compiled")  # compiled (C, else numba), numba, numpy
+numba: Any = None
+if SELECTED == "numba" or (SELECTED == "compiled" and not native.AVAILABLE):
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - exercised where numba is absent
+        numba = None
 
-AVAILABLE = numba is not None and os.environ.get("KVSNAP_KERNEL", "compiled") != "numpy"
+AVAILABLE = SELECTED != "numpy" and (native.AVAILABLE or numba is not None)
 
 ABS_MASK = np.int32(0x7FFFFFFF)
 
@@ -534,6 +541,11 @@ if numba is not None:
     heavy_rows = numba.njit(cache=True, nogil=True)(_heavy_rows)
     top_rows = numba.njit(cache=True, nogil=True)(_top_rows)
     add_shift_terms = numba.njit(cache=True, nogil=True)(_add_shift_terms)
+elif native.AVAILABLE:
+    accumulate = native.accumulate
+    heavy_rows = _heavy_rows  # numpy's median: nothing to compile
+    top_rows = native.top_rows
+    add_shift_terms = native.add_shift_terms
 else:  # pragma: no cover
     accumulate = _accumulate
     heavy_rows = _heavy_rows

@@ -1,0 +1,676 @@
+/* The CPU backend's kernels, compiled ahead of time: the same computations as the numba
+ * functions of analysis/backends/kernel.py, analysis/eigen.py and analysis/halves.py (each
+ * function below names its twin; the docstrings there are the definitions), built at install
+ * time so that a process that uses them loads a small shared library instead of importing numba
+ * (about 0.45 s here, 1.0 s on a 16-core host, paid by every fresh `kvsnap stats` and by the
+ * fork server its workers start from).
+ *
+ * Plain C99 with no Python API in the kernels: the wrapper (analysis/native.py) calls them
+ * through ctypes, which releases the interpreter's lock for the call as numba's ``nogil`` does.
+ * Arrays are C-contiguous; the wrapper checks their types and shapes.
+ *
+ * Floating point, as the numba versions take it:
+ * - float64 sums (row pass, Gram reduction): reductions over channels vectorize through
+ *   ``#pragma omp simd reduction`` (built with -fopenmp-simd, no OpenMP runtime): lanes of
+ *   partial sums, as numba's ``reassoc`` gives; results move by ~1e-15 relative.
+ * - the quantization pass: float32 arithmetic in the definition's order, no contraction into
+ *   fused multiply-adds (built with -ffp-contract=off), so its errors equal numba's and the
+ *   numpy definition's level for level.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Flags and scalar slots: analysis/backends/kernel.py's NORMS ... QUANT and NORM_SUM ... */
+enum { NORMS, CHANNELS, ROPE, MEAN, QUANT };
+enum { NORM_SUM, SQUARE_SUM, NORM_MIN, NORM_MAX, FIRST_NORM_SUM, FIRST_COUNT };
+
+#define BLOCK 4
+#define GUESS_SHIFT 45
+#define ABS_MASK 0x7FFFFFFF
+
+#if defined(_MSC_VER)
+#define RESTRICT __restrict
+#define EXPORT __declspec(dllexport)
+#else
+#define RESTRICT __restrict__
+#define EXPORT __attribute__((visibility("default")))
+#endif
+
+/* Each exported kernel is compiled for the baseline and for x86-64-v3 (AVX2) and v4 (AVX-512),
+ * picked once at load by the CPU (an ELF ifunc), with every helper inlined into each clone
+ * (`flatten`): the baseline's 16-byte vectors run the row pass at half numba's speed, which
+ * compiles for the host. A library built here still runs on any x86-64 (and on arm64: NEON is
+ * its baseline). */
+#if defined(__x86_64__) && defined(__ELF__) && \
+    ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && __GNUC__ >= 12))
+#define KERNEL EXPORT __attribute__((flatten, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__GNUC__)
+#define KERNEL EXPORT __attribute__((flatten))
+#else
+#define KERNEL EXPORT
+#endif
+
+#define PRAGMA(x) _Pragma(#x)
+#define SIMD_REDUCE(op, var) PRAGMA(omp simd reduction(op : var))
+
+static inline int64_t bits_of_double(double v) {
+    int64_t b;
+    memcpy(&b, &v, sizeof b);
+    return b;
+}
+
+/* kernel._order_key: an int32 key of a float32's bits that orders as the float does. */
+static inline int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
+
+/* rint for 0 <= x < 2^22 (and NaN, inf kept), round half to even under the default rounding
+ * mode, as ``np.rint``: adding 1.5 * 2^23 leaves no fraction bits. A level ``d * (1/step)`` is
+ * in [0, 2^bits] (or NaN/inf when a step underflows): inside that range. Unlike ``rintf`` it
+ * needs no SSE4.1 to vectorize. volatile-free: without -ffast-math the compiler keeps it. */
+static inline float round_level(float x) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    return (x + magic) - magic;
+}
+
+/* kernel._hist_bins */
+static void hist_bins(const double *RESTRICT values, int64_t n, const double *RESTRICT edges,
+                      const int64_t *RESTRICT guesses, int64_t cells, int64_t bins,
+                      int64_t *RESTRICT hist) {
+    int64_t first = bits_of_double(edges[1]) >> GUESS_SHIFT;
+    for (int64_t i = 0; i < n; i++) {
+        double v = values[i];
+        if (!(v < INFINITY)) { /* NaN, inf */
+            hist[0] += 1;
+            continue;
+        }
+        int64_t cell = (bits_of_double(v) >> GUESS_SHIFT) - first;
+        int64_t k = guesses[cell < 0 ? 0 : (cell >= cells ? cells - 1 : cell)];
+        k += (v >= edges[k + 1]);
+        while (k > 0 && v < edges[k]) k--;
+        while (k < bins - 1 && v >= edges[k + 1]) k++;
+        hist[k] += 1;
+    }
+}
+
+typedef struct {
+    const float *x;
+    const int32_t *bits;
+    int64_t dim;
+    const int64_t *first;
+    const int64_t *second;
+    int64_t pairs;
+    const int64_t *flags;
+    double *scalars;
+    double *power; /* (4, dim) */
+    int32_t *absmax_bits;
+    double *unit_sum;
+    double *band;
+    int32_t *peak_bits;
+    double *square_norms;
+    int32_t *low_keys;
+    int32_t *high_keys;
+    double *rows; /* (BLOCK + 1, max(dim, BLOCK)) */
+    double *sums;
+} RowPass;
+
+/* kernel._row_pass: rows start:stop; returns 1 when every value was finite. */
+static int row_pass(const RowPass *p, int64_t start, int64_t stop) {
+    const int64_t dim = p->dim;
+    const int64_t width = dim > BLOCK ? dim : BLOCK;
+    double *RESTRICT power1 = p->power + dim;
+    double *RESTRICT power2 = p->power + 2 * dim;
+    double *RESTRICT power3 = p->power + 3 * dim;
+    double *RESTRICT r0 = p->rows;
+    double *RESTRICT r1 = p->rows + width;
+    double *RESTRICT r2 = p->rows + 2 * width;
+    double *RESTRICT r3 = p->rows + 3 * width;
+    double *RESTRICT inverse = p->rows + BLOCK * width;
+    int32_t *RESTRICT low_keys = p->low_keys;
+    int32_t *RESTRICT high_keys = p->high_keys;
+    const int64_t *flags = p->flags;
+    double *scalars = p->scalars;
+    int finite = 1;
+    if (flags[QUANT]) {
+        const int32_t *RESTRICT b = p->bits + start * dim;
+        for (int64_t j = 0; j < dim; j++) {
+            int32_t key = order_key(b[j]);
+            low_keys[j] = key;
+            high_keys[j] = key;
+        }
+    }
+    for (int64_t block = start; block < stop; block += BLOCK) {
+        int64_t count = stop - block < BLOCK ? stop - block : BLOCK;
+        for (int64_t k = 0; k < BLOCK; k++) {
+            double *RESTRICT row = p->rows + k * width;
+            if (k >= count) { /* a short last block: zero rows add nothing to any sum */
+                for (int64_t j = 0; j < dim; j++) row[j] = 0.0;
+                inverse[k] = 0.0;
+                continue;
+            }
+            int64_t i = block + k;
+            const float *RESTRICT values = p->x + i * dim;
+            const int32_t *RESTRICT row_bits = p->bits + i * dim;
+            double square_sum = 0.0;
+            int32_t peak = 0;
+            SIMD_REDUCE(+, square_sum)
+            for (int64_t j = 0; j < dim; j++) {
+                double v = (double)values[j];
+                row[j] = v;
+                square_sum += v * v;
+            }
+            SIMD_REDUCE(max, peak)
+            for (int64_t j = 0; j < dim; j++) {
+                int32_t a = row_bits[j] & ABS_MASK;
+                peak = a > peak ? a : peak;
+            }
+            if (!isfinite(square_sum)) finite = 0;
+            scalars[SQUARE_SUM] += square_sum;
+            p->square_norms[i] = square_sum;
+            if (flags[QUANT]) {
+                for (int64_t j = 0; j < dim; j++) {
+                    int32_t key = order_key(row_bits[j]);
+                    int32_t low = low_keys[j];
+                    low_keys[j] = key < low ? key : low;
+                }
+                for (int64_t j = 0; j < dim; j++) {
+                    int32_t key = order_key(row_bits[j]);
+                    int32_t high = high_keys[j];
+                    high_keys[j] = key > high ? key : high;
+                }
+            }
+            if (flags[CHANNELS]) p->peak_bits[i] = peak;
+            if (flags[NORMS]) {
+                double norm = sqrt(square_sum);
+                scalars[NORM_SUM] += norm;
+                scalars[NORM_MIN] = norm < scalars[NORM_MIN] ? norm : scalars[NORM_MIN];
+                scalars[NORM_MAX] = norm > scalars[NORM_MAX] ? norm : scalars[NORM_MAX];
+                inverse[k] = 1.0 / (1e-30 > norm ? 1e-30 : norm); /* Python's max(norm, 1e-30) */
+            }
+        }
+        if (flags[MEAN]) {
+            double *RESTRICT sums = p->sums;
+            for (int64_t j = 0; j < dim; j++) sums[j] += (r0[j] + r1[j]) + (r2[j] + r3[j]);
+        }
+        if (flags[CHANNELS]) {
+            int64_t last = block + count - 1; /* a short block repeats its last row */
+            const int32_t *RESTRICT b0 = p->bits + block * dim;
+            const int32_t *RESTRICT b1 = p->bits + (block + 1 < last ? block + 1 : last) * dim;
+            const int32_t *RESTRICT b2 = p->bits + (block + 2 < last ? block + 2 : last) * dim;
+            const int32_t *RESTRICT b3 = p->bits + (block + 3 < last ? block + 3 : last) * dim;
+            int32_t *RESTRICT absmax = p->absmax_bits;
+            for (int64_t j = 0; j < dim; j++) {
+                int32_t a = b0[j] & ABS_MASK, b = b1[j] & ABS_MASK;
+                int32_t c = b2[j] & ABS_MASK, d = b3[j] & ABS_MASK;
+                a = b > a ? b : a;
+                c = d > c ? d : c;
+                a = c > a ? c : a;
+                int32_t m = absmax[j];
+                absmax[j] = a > m ? a : m;
+            }
+            for (int64_t j = 0; j < dim; j++) {
+                double a = r0[j], b = r1[j], c = r2[j], d = r3[j];
+                power1[j] += (a * a + b * b) + (c * c + d * d);
+            }
+            for (int64_t j = 0; j < dim; j++) {
+                double a = r0[j], b = r1[j], c = r2[j], d = r3[j];
+                power2[j] += (a * a * a + b * b * b) + (c * c * c + d * d * d);
+            }
+            for (int64_t j = 0; j < dim; j++) {
+                double a = r0[j] * r0[j], b = r1[j] * r1[j], c = r2[j] * r2[j], d = r3[j] * r3[j];
+                power3[j] += (a * a + b * b) + (c * c + d * d);
+            }
+        }
+        if (flags[ROPE]) {
+            for (int64_t q = 0; q < p->pairs; q++) {
+                int64_t f = p->first[q], s = p->second[q];
+                p->band[q] += ((r0[f] * r0[f] + r0[s] * r0[s]) + (r1[f] * r1[f] + r1[s] * r1[s])) +
+                              ((r2[f] * r2[f] + r2[s] * r2[s]) + (r3[f] * r3[f] + r3[s] * r3[s]));
+            }
+        }
+        if (flags[NORMS]) {
+            double i0 = inverse[0], i1 = inverse[1], i2 = inverse[2], i3 = inverse[3];
+            double *RESTRICT unit_sum = p->unit_sum;
+            for (int64_t j = 0; j < dim; j++)
+                unit_sum[j] += (r0[j] * i0 + r1[j] * i1) + (r2[j] * i2 + r3[j] * i3);
+        }
+    }
+    return finite;
+}
+
+/* One row's squared errors at the three widths, per channel (each channel its own low, steps and
+ * reciprocals) into c0..c2 (dim,). A function of its own: with its arguments `restrict`, the
+ * compiler vectorizes the loop. */
+static void channel_errors_of(const float *RESTRICT row, int64_t dim, const float *RESTRICT lows,
+                              const float *RESTRICT s0, const float *RESTRICT s1,
+                              const float *RESTRICT s2, const float *RESTRICT i0,
+                              const float *RESTRICT i1, const float *RESTRICT i2,
+                              float *RESTRICT c0, float *RESTRICT c1, float *RESTRICT c2) {
+    for (int64_t j = 0; j < dim; j++) {
+        float v = row[j], low = lows[j];
+        float d = v - low;
+        float e0 = (round_level(d * i0[j]) * s0[j] + low) - v;
+        float e1 = (round_level(d * i1[j]) * s1[j] + low) - v;
+        float e2 = (round_level(d * i2[j]) * s2[j] + low) - v;
+        c0[j] += e0 * e0;
+        c1[j] += e1 * e1;
+        c2[j] += e2 * e2;
+    }
+}
+
+/* One token group's squared errors (size values sharing one low, steps and reciprocals) into
+ * a0..a2 (size,). */
+static void token_errors_of(const float *RESTRICT values, int64_t size, float low, float st0,
+                            float st1, float st2, float in0, float in1, float in2,
+                            float *RESTRICT a0, float *RESTRICT a1, float *RESTRICT a2) {
+    for (int64_t j = 0; j < size; j++) {
+        float v = values[j];
+        float d = v - low;
+        float e0 = (round_level(d * in0) * st0 + low) - v;
+        float e1 = (round_level(d * in1) * st1 + low) - v;
+        float e2 = (round_level(d * in2) * st2 + low) - v;
+        a0[j] += e0 * e0;
+        a1[j] += e1 * e1;
+        a2[j] += e2 * e2;
+    }
+}
+
+/* kernel._quant_tile. scratch: (14, dim) float32; groups: (8, group * ceil(dim / group)). */
+static void quant_tile(const float *RESTRICT x, int64_t dim, int64_t group, int64_t start,
+                       int64_t stop, const int32_t *RESTRICT low_keys,
+                       const int32_t *RESTRICT high_keys, const float *levels,
+                       double *RESTRICT token, double *RESTRICT channel, float *RESTRICT scratch,
+                       float *RESTRICT groups, int64_t groups_width) {
+    const float one = 1.0f;
+    float *RESTRICT lows = scratch;
+    float *RESTRICT highs = scratch + dim;
+    for (int64_t j = 0; j < dim; j++) {
+        int32_t low = order_key(low_keys[j]), high = order_key(high_keys[j]);
+        memcpy(lows + j, &low, sizeof low);
+        memcpy(highs + j, &high, sizeof high);
+    }
+    float *steps = scratch + 2 * dim;    /* (3, dim) */
+    float *inverses = scratch + 5 * dim; /* (3, dim) */
+    float *channel_errors = scratch + 8 * dim;
+    float *token_errors = scratch + 11 * dim;
+    for (int b = 0; b < 3; b++) {
+        float level = levels[b];
+        float *RESTRICT step_b = steps + b * dim;
+        float *RESTRICT inverse_b = inverses + b * dim;
+        for (int64_t j = 0; j < dim; j++) {
+            float spread = highs[j] - lows[j];
+            float step = spread / level; /* unconditional: a select, not a branch, vectorizes */
+            step = spread > 0 ? step : one;
+            step_b[j] = step;
+            inverse_b[j] = one / step;
+        }
+    }
+    memset(channel_errors, 0, 3 * dim * sizeof(float));
+    memset(token_errors, 0, 3 * dim * sizeof(float));
+    const float *RESTRICT s0 = steps, *RESTRICT s1 = steps + dim, *RESTRICT s2 = steps + 2 * dim;
+    const float *RESTRICT i0 = inverses, *RESTRICT i1 = inverses + dim,
+                *RESTRICT i2 = inverses + 2 * dim;
+    float *RESTRICT c0 = channel_errors, *RESTRICT c1 = channel_errors + dim,
+          *RESTRICT c2 = channel_errors + 2 * dim;
+    float *RESTRICT t0 = token_errors, *RESTRICT t1 = token_errors + dim,
+          *RESTRICT t2 = token_errors + 2 * dim;
+    const float l0 = levels[0], l1 = levels[1], l2 = levels[2];
+    const int64_t full = dim - dim % group;
+    const int64_t per_row = (dim + group - 1) / group;
+    float *RESTRICT group_low = groups, *RESTRICT group_high = groups + groups_width;
+    float *RESTRICT step0 = groups + 2 * groups_width, *RESTRICT step1 = groups + 3 * groups_width,
+          *RESTRICT step2 = groups + 4 * groups_width;
+    float *RESTRICT inverse0 = groups + 5 * groups_width,
+          *RESTRICT inverse1 = groups + 6 * groups_width,
+          *RESTRICT inverse2 = groups + 7 * groups_width;
+    for (int64_t i = start; i < stop; i++) {
+        const float *RESTRICT row = x + i * dim;
+        for (int64_t g = 0; g < dim; g += group) {
+            int64_t size = g < full ? group : dim - full;
+            const float *RESTRICT values = row + g;
+            float low = values[0], high = values[0];
+            /* finite values only (the tile passed the row pass): min and max in any order */
+            SIMD_REDUCE(min, low)
+            for (int64_t j = 0; j < size; j++) low = values[j] < low ? values[j] : low;
+            SIMD_REDUCE(max, high)
+            for (int64_t j = 0; j < size; j++) high = values[j] > high ? values[j] : high;
+            int64_t q = (i - start) * per_row + g / group;
+            group_low[q] = low;
+            group_high[q] = high;
+        }
+    }
+    for (int64_t q = 0; q < (stop - start) * per_row; q++) {
+        float spread = group_high[q] - group_low[q];
+        int positive = spread > 0;
+        float step = spread / l0;
+        step = positive ? step : one;
+        step0[q] = step;
+        inverse0[q] = one / step;
+        step = spread / l1;
+        step = positive ? step : one;
+        step1[q] = step;
+        inverse1[q] = one / step;
+        step = spread / l2;
+        step = positive ? step : one;
+        step2[q] = step;
+        inverse2[q] = one / step;
+    }
+    for (int64_t i = start; i < stop; i++) {
+        const float *row = x + i * dim;
+        channel_errors_of(row, dim, lows, s0, s1, s2, i0, i1, i2, c0, c1, c2);
+        for (int64_t g = 0; g < dim; g += group) {
+            int64_t q = (i - start) * per_row + g / group;
+            token_errors_of(row + g, g < full ? group : dim - full, group_low[q], step0[q],
+                            step1[q], step2[q], inverse0[q], inverse1[q], inverse2[q], t0 + g,
+                            t1 + g, t2 + g);
+        }
+    }
+    for (int b = 0; b < 3; b++) {
+        double total = 0.0;
+        for (int64_t j = 0; j < dim; j++) total += (double)channel_errors[b * dim + j];
+        channel[b] += total;
+        total = 0.0;
+        for (int64_t j = 0; j < dim; j++) total += (double)token_errors[b * dim + j];
+        token[b] += total;
+    }
+}
+
+/* kernel._accumulate. Returns 0, or -1 when its work space could not be allocated (nothing
+ * was added then). */
+KERNEL int kvsnap_accumulate(
+    const float *x, int64_t n, int64_t dim, const int64_t *positions, const int64_t *first,
+    const int64_t *second, int64_t pairs, const int64_t *levels, const int64_t *flags,
+    double *scalars, int64_t *norm_hist, int64_t *peak_hist, int64_t bins, double *sums,
+    double *power, int32_t *absmax_bits, double *unit_sum, double *band, int64_t *position_count,
+    double *position_norm, int64_t position_bins, int32_t *peak_bits, double *square_norms,
+    double *quant_token, double *quant_channel, const double *edges, const int64_t *guesses,
+    int64_t cells, int64_t group) {
+    const int64_t width = dim > BLOCK ? dim : BLOCK;
+    const int64_t groups_width = group * ((dim + group - 1) / group);
+    double *rows = malloc(sizeof(double) * (BLOCK + 1) * width);
+    int32_t *keys = malloc(sizeof(int32_t) * 2 * (dim > 0 ? dim : 1));
+    float *scratch = malloc(sizeof(float) * 14 * (dim > 0 ? dim : 1));
+    float *groups = malloc(sizeof(float) * 8 * (groups_width > 0 ? groups_width : 1));
+    double *values = malloc(sizeof(double) * (n > 0 ? n : 1));
+    if (!rows || !keys || !scratch || !groups || !values) {
+        free(rows), free(keys), free(scratch), free(groups), free(values);
+        return -1;
+    }
+    const int32_t *bits = (const int32_t *)(const void *)x;
+    float levels32[3] = {(float)levels[0], (float)levels[1], (float)levels[2]};
+    RowPass p = {x,     bits,        dim,      first,     second,      pairs,
+                 flags, scalars,     power,    absmax_bits, unit_sum,  band,
+                 peak_bits, square_norms, keys, keys + dim, rows,      sums};
+    int nan = 0;
+    for (int64_t start = 0; start < n; start += group) {
+        int64_t stop = start + group < n ? start + group : n;
+        int finite = row_pass(&p, start, stop);
+        if (flags[QUANT]) {
+            if (finite)
+                quant_tile(x, dim, group, start, stop, keys, keys + dim, levels32, quant_token,
+                           quant_channel, scratch, groups, groups_width);
+            else
+                nan = 1;
+        }
+    }
+    if (nan) {
+        for (int b = 0; b < 3; b++) quant_token[b] = quant_channel[b] = NAN;
+    }
+    if (flags[MEAN]) {
+        for (int64_t j = 0; j < dim; j++) power[j] += sums[j];
+    }
+    if (flags[NORMS]) {
+        for (int64_t i = 0; i < n; i++) values[i] = sqrt(square_norms[i]);
+        hist_bins(values, n, edges, guesses, cells, bins, norm_hist);
+        for (int64_t i = 0; i < n; i++) {
+            int64_t position = positions[i];
+            double norm = values[i];
+            int64_t slot = 0;
+            if (position > 0) {
+                slot = (bits_of_double((double)position) >> 52) - 1023 + 1;
+                slot = slot < position_bins - 1 ? slot : position_bins - 1;
+            } else if (position == 0) {
+                scalars[FIRST_NORM_SUM] += norm;
+                scalars[FIRST_COUNT] += 1.0;
+            }
+            position_count[slot] += 1;
+            position_norm[slot] += norm;
+        }
+    }
+    if (flags[CHANNELS]) {
+        for (int64_t i = 0; i < n; i++) {
+            float peak;
+            memcpy(&peak, peak_bits + i, sizeof peak);
+            values[i] = (double)peak;
+        }
+        hist_bins(values, n, edges, guesses, cells, bins, peak_hist);
+    }
+    free(rows), free(keys), free(scratch), free(groups), free(values);
+    return 0;
+}
+
+/* kernel._top_rows: the indices of the min(k, n) rows with the largest peaks into best (k,);
+ * returns how many. */
+KERNEL int64_t kvsnap_top_rows(const int32_t *peak_bits, int64_t n, int64_t k, int64_t *best) {
+    int64_t m = k < n ? k : n;
+    if (m <= 0) return 0;
+    int64_t lowest = 0;
+    for (int64_t i = 0; i < m; i++) {
+        best[i] = i;
+        if (peak_bits[i] <= peak_bits[best[lowest]]) lowest = i;
+    }
+    int32_t floor = peak_bits[best[lowest]];
+    for (int64_t i = m; i < n; i++) {
+        if (peak_bits[i] >= floor) { /* ties: the later row ranks higher */
+            best[lowest] = i;
+            lowest = 0;
+            for (int64_t s = 1; s < m; s++) {
+                int32_t a = peak_bits[best[s]], b = peak_bits[best[lowest]];
+                if (a < b || (a == b && best[s] < best[lowest])) lowest = s;
+            }
+            floor = peak_bits[best[lowest]];
+        }
+    }
+    return m;
+}
+
+/* kernel._add_shift_terms: gram (dim, dim) += c s^T + s c^T - n c c^T. */
+KERNEL void kvsnap_add_shift_terms(double *gram, int64_t dim, const float *center,
+                                   const double *sums, int64_t n) {
+    for (int64_t i = 0; i < dim; i++) {
+        double ci = (double)center[i];
+        double *RESTRICT row = gram + i * dim;
+        for (int64_t j = 0; j < dim; j++) {
+            double cj = (double)center[j];
+            row[j] += ci * sums[j] + sums[i] * cj - (double)n * ci * cj;
+        }
+    }
+}
+
+/* halves._convert: float16 bits (n,) to float32 (n,). */
+KERNEL void kvsnap_halves_to_float32(const uint16_t *RESTRICT halves, int64_t n,
+                                     uint32_t *RESTRICT out) {
+    uint32_t subnormal = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t h = halves[i];
+        uint32_t magnitude = h & 0x7FFFu;
+        uint32_t sign = (h & 0x8000u) << 16;
+        uint32_t normal = (magnitude << 13) + 0x38000000u;
+        uint32_t special = 0x7F800000u | ((magnitude & 0x3FFu) << 13);
+        uint32_t value = magnitude >= 0x7C00u ? special : (magnitude >= 0x400u ? normal : 0u);
+        subnormal |= (uint32_t)(magnitude - 1u < 0x3FFu);
+        out[i] = sign | value;
+    }
+    if (subnormal) {
+        const float scale = 5.9604644775390625e-08f; /* 2^-24 */
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t h = halves[i];
+            uint32_t magnitude = h & 0x7FFFu;
+            if (magnitude != 0 && magnitude < 0x400u) {
+                float f = (float)magnitude * scale;
+                if (h & 0x8000u) f = -f;
+                memcpy(out + i, &f, sizeof f);
+            }
+        }
+    }
+}
+
+/* eigen._tridiagonalize: symmetric a (n, n), overwritten, to diagonal d and sub-diagonal
+ * e[1:] (e[0] = 0). */
+static void tridiagonalize(double *RESTRICT a, int64_t n, double *RESTRICT d, double *RESTRICT e) {
+    for (int64_t i = n - 1; i > 0; i--) {
+        int64_t last = i - 1;
+        double *RESTRICT ai = a + i * n;
+        double h = 0.0;
+        if (last > 0) {
+            double scale = 0.0;
+            SIMD_REDUCE(+, scale)
+            for (int64_t k = 0; k <= last; k++) scale += fabs(ai[k]);
+            if (scale == 0.0) {
+                e[i] = ai[last];
+            } else {
+                for (int64_t k = 0; k <= last; k++) ai[k] /= scale;
+                SIMD_REDUCE(+, h)
+                for (int64_t k = 0; k <= last; k++) h += ai[k] * ai[k];
+                double f = ai[last];
+                double g = f >= 0.0 ? -sqrt(h) : sqrt(h);
+                e[i] = scale * g;
+                h -= f * g;
+                ai[last] = f - g;
+                f = 0.0;
+                for (int64_t j = 0; j <= last; j++) {
+                    const double *RESTRICT aj = a + j * n;
+                    g = 0.0;
+                    SIMD_REDUCE(+, g)
+                    for (int64_t k = 0; k <= last; k++) g += aj[k] * ai[k];
+                    e[j] = g / h;
+                    f += e[j] * ai[j];
+                }
+                double hh = f / (h + h);
+                for (int64_t j = 0; j <= last; j++) e[j] -= hh * ai[j];
+                for (int64_t j = 0; j <= last; j++) {
+                    double *RESTRICT aj = a + j * n;
+                    f = ai[j];
+                    g = e[j];
+                    for (int64_t k = 0; k <= last; k++) aj[k] -= f * e[k] + g * ai[k];
+                }
+            }
+        } else {
+            e[i] = ai[last];
+        }
+        d[i] = h;
+    }
+    e[0] = 0.0;
+    for (int64_t i = 0; i < n; i++) d[i] = a[i * n + i];
+}
+
+/* eigen._pair: the eigenvalues of [[a, b], [b, c]] (LAPACK's dlae2). */
+static void pair(double a, double b, double c, double *first_out, double *second_out) {
+    double total = a + c, difference = fabs(a - c);
+    double twice = fabs(b + b);
+    double large = fabs(a) > fabs(c) ? a : c, small = fabs(a) > fabs(c) ? c : a;
+    double root;
+    if (difference > twice) {
+        double r = twice / difference;
+        root = difference * sqrt(1.0 + r * r);
+    } else if (difference < twice) {
+        double r = difference / twice;
+        root = twice * sqrt(1.0 + r * r);
+    } else {
+        root = twice * sqrt(2.0);
+    }
+    if (total == 0.0) {
+        *first_out = 0.5 * root;
+        *second_out = -0.5 * root;
+        return;
+    }
+    double first = total < 0.0 ? 0.5 * (total - root) : 0.5 * (total + root);
+    *first_out = first;
+    *second_out = (large / first) * small - (b / first) * b;
+}
+
+#define MAX_SWEEPS 30
+static const double EPSILON_SQUARED = 1.2325951644078310e-32; /* (2^-53)^2 */
+static const double SMALLEST = 2.2250738585072014e-308;
+
+/* eigen._ql: the root-free QL iteration of LAPACK's dsterf; 0 when it did not converge. */
+static int ql(double *RESTRICT d, double *RESTRICT e, int64_t n) {
+    for (int64_t i = 0; i < n - 1; i++) e[i] = e[i + 1] * e[i + 1];
+    e[n - 1] = 0.0;
+    int64_t sweeps = 0;
+    int64_t low = 0;
+    while (low < n) {
+        int64_t m = low;
+        while (m < n - 1 && e[m] > EPSILON_SQUARED * fabs(d[m]) * fabs(d[m + 1]) + SMALLEST) m++;
+        if (m < n - 1) e[m] = 0.0;
+        if (m == low) {
+            low += 1;
+            continue;
+        }
+        if (m == low + 1) {
+            double p, q;
+            pair(d[low], sqrt(e[low]), d[low + 1], &p, &q);
+            d[low] = p;
+            d[low + 1] = q;
+            e[low] = 0.0;
+            low += 2;
+            continue;
+        }
+        sweeps += 1;
+        if (sweeps > MAX_SWEEPS * n) return 0;
+        double root = sqrt(e[low]);
+        double sigma = (d[low + 1] - d[low]) / (2.0 * root);
+        double r = sqrt(sigma * sigma + 1.0);
+        sigma = d[low] - root / (sigma + (sigma >= 0.0 ? r : -r));
+        double c = 1.0, s = 0.0;
+        double gamma = d[m] - sigma;
+        double p = gamma * gamma;
+        for (int64_t i = m - 1; i >= low; i--) {
+            double squared = e[i];
+            r = p + squared;
+            if (i != m - 1) e[i + 1] = s * r;
+            double previous_c = c;
+            c = p / r;
+            s = squared / r;
+            double previous_gamma = gamma;
+            double alpha = d[i];
+            gamma = c * (alpha - sigma) - s * previous_gamma;
+            d[i + 1] = previous_gamma + (alpha - gamma);
+            p = c != 0.0 ? (gamma * gamma) / c : previous_c * squared;
+        }
+        e[low] = s * p;
+        d[low] = sigma + gamma;
+    }
+    return 1;
+}
+
+/* eigen._eigenvalues: the eigenvalues of symmetric matrix (n, n) into out (n,), unordered;
+ * a (n, n) and e (n,) work space. Returns 0 when the iteration did not converge. */
+KERNEL int kvsnap_eigenvalues(const double *matrix, int64_t n, double *out, double *a, double *e) {
+    double top = 0.0;
+    for (int64_t i = 0; i < n * n; i++) {
+        double x = fabs(matrix[i]);
+        if (x > top || x != x) top = x; /* a NaN stays: no scaling then, as for an infinity */
+    }
+    double exponent = 0.0;
+    if (top > 0.0 && isfinite(top)) {
+        exponent = floor(log2(top));
+        exponent = exponent < -1000.0 ? -1000.0 : (exponent > 1000.0 ? 1000.0 : exponent);
+    }
+    double factor = ldexp(1.0, (int)-exponent);
+    for (int64_t i = 0; i < n * n; i++) a[i] = matrix[i] * factor;
+    tridiagonalize(a, n, out, e);
+    int converged = ql(out, e, n);
+    double back = ldexp(1.0, (int)exponent);
+    for (int64_t i = 0; i < n; i++) out[i] *= back;
+    return converged;
+}
+
+/* An importable module too (empty), so that setuptools builds and names this library as it
+ * does any extension; analysis/native.py loads the file with ctypes. */
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", NULL, 0, NULL};
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,123 @@
+"""The kernels in C (`analysis.native`, built at install time) against their numba twins: the same
+sums for every statistic group, dtype, odd size and non-finite input (the quantization errors and
+every count bit for bit, the float64 sums to 1e-12 relative), the same eigenvalues and float16
+conversions; and a process that runs them never imports numba (its start is what they save)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvsnap.analysis import native
+from kvsnap.analysis.backends import kernel
+
+DEFAULT = os.environ.get("KVSNAP_KERNEL", "compiled") == "compiled"
+
+# Prints, as JSON, every sum of accumulators over awkward inputs, plus eigenvalues and float16
+# conversions, computed by whichever kernels KVSNAP_KERNEL selects.
+SUMS = r"""
+import json, sys
+import ml_dtypes, numpy as np
+from kvsnap.analysis import eigen, halves
+from kvsnap.analysis.accumulator import HeadAccumulator
+from kvsnap.analysis.backends import kernel
+from kvsnap.analysis.catalogue import ALL
+from kvsnap.analysis.rope import Rope
+
+out = {"numba": "numba" in sys.modules, "accumulate": type(kernel.accumulate).__name__}
+rng = np.random.default_rng(7)
+for dim in (8, 40, 128):
+    for pairing in ("half", "interleaved"):
+        for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+            acc = HeadAccumulator(dim, Rope(10000.0, dim, pairing), ALL)
+            start = 0
+            for n in (1, 45, 700, 5000):  # a one-row piece, partial groups, float32 Gram pieces
+                rows = (rng.standard_normal((n, dim)) * np.exp(rng.normal(0, 1.5, dim))).astype(dtype)
+                rows[rng.integers(0, n), rng.integers(0, dim)] = 0
+                if n == 700:
+                    rows[3, 1] = np.nan  # a counted row, not a failed head
+                    rows[9] *= 300  # a massive activation: a heavy row of the Gram
+                acc.add(rows, np.arange(start, start + n))
+                start += n + 17
+            key = f"{dim}-{pairing}-{np.dtype(dtype).name}"
+            out[key] = {
+                name: np.asarray(value, dtype=np.float64).tolist()
+                for name, value in vars(acc).items()
+                if isinstance(value, np.ndarray)
+            }
+            out[key]["top"] = acc.top
+            out[key]["scalars"] = [acc.norm_sum, acc.norm_sq_sum, acc.norm_min, acc.norm_max,
+                                   acc.first_norm_sum, acc.first_count, acc.count]
+matrices = [rng.standard_normal((n + 3, n)) for n in (1, 2, 5, 64, 128)]
+out["eigen"] = [eigen.eigenvalues(m.T @ m).tolist() for m in matrices]
+bits = np.arange(1 << 16, dtype=np.uint16)
+converted = np.empty(bits.size, np.float32)
+halves.to_float32(bits.view(np.float16), converted)
+out["halves"] = converted.view(np.uint32).tolist()
+print(json.dumps(out))
+"""
+
+
+def _sums(mode: str) -> dict:
+    env = {**os.environ, "KVSNAP_KERNEL": mode}
+    done = subprocess.run([sys.executable, "-c", SUMS], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+def test_the_c_kernels_are_built_and_in_use() -> None:
+    """The install builds the library (CI's has a C compiler), and the default selects it."""
+    assert native.AVAILABLE == DEFAULT
+    if DEFAULT:
+        assert kernel.accumulate is native.accumulate
+        assert kernel.numba is None
+
+
+def test_c_and_numba_kernels_compute_the_same_sums() -> None:
+    c, jit = _sums("compiled"), _sums("numba")
+    assert (c.pop("numba"), jit.pop("numba")) == (False, True)
+    assert (c.pop("accumulate"), jit.pop("accumulate")) == ("function", "CPUDispatcher")
+    assert c.pop("halves") == jit.pop("halves")  # all 65,536 halves, bit for bit
+    for got, expected in zip(c.pop("eigen"), jit.pop("eigen"), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12 * max(abs(expected[0]), 1.0))
+    assert c.keys() == jit.keys()
+    for key, sums in jit.items():
+        for name, value in sums.items():
+            got = c[key][name]
+            if name in ("quant_token", "quant_channel", "norm_hist", "peak_hist", "position_count", "top"):
+                assert got == value, (key, name)  # float32 errors in the definition's order; counts
+            else:
+                np.testing.assert_allclose(got, value, rtol=1e-12, atol=1e-300, err_msg=f"{key} {name}")
+
+
+def test_a_worker_and_an_in_process_pass_never_import_numba() -> None:
+    """What the fork server of the CPU workers imports, and one accumulator of every group with
+    its row (eigenvalues included), load the C library and not numba, by default."""
+    script = (
+        "import sys, numpy as np\n"
+        "import kvsnap.analysis.warm_kernels\n"
+        "from kvsnap.analysis.arrays import float32_rows\n"
+        "float32_rows(np.ones((4, 8), np.float16), compiled=True)\n"
+        "print('numba' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == str(not DEFAULT)
+
+
+def test_wrong_arrays_are_refused_before_c_sees_them() -> None:
+    peaks = np.arange(10, dtype=np.int32)
+    with pytest.raises(TypeError, match="C-contiguous int32"):
+        native.top_rows(peaks.astype(np.int64), 3)
+    with pytest.raises(TypeError, match="C-contiguous int32"):
+        native.top_rows(peaks[::2], 3)
+    gram = np.zeros((4, 4))
+    with pytest.raises(TypeError, match="float32"):
+        native.add_shift_terms(gram, np.zeros(4), np.zeros(4), 3)
+    with pytest.raises(TypeError, match="as many values"):
+        native.halves_to_float32(np.zeros(4, np.uint16), np.zeros(3, np.float32))
+    assert sorted(native.top_rows(peaks, 3).tolist()) == [7, 8, 9]
+    assert native.top_rows(peaks, 0).size == 0
