@@ -20,10 +20,18 @@ START_METHOD = "forkserver"
 PRELOAD = ["kvsnap.analysis.warm_kernels"]
 """What the fork server imports before it forks a worker: the kernels, their code loaded."""
 
-PROCESS_MIN_BYTES = 256 << 20
-"""Smaller files stay in one process (on threads) unless the workers are already running:
-starting them (the fork server importing numpy and the kernels) would cost more than they
-save on a file one core analyses in about that time."""
+PROCESS_MIN_BYTES = 16 << 20
+"""Smaller files with fewer than `PROCESS_MIN_HEADS` heads stay in one process (on threads) unless
+the workers are already running: starting them would cost more than they save. Measured on 16
+cores (`benchmarks/RESULTS.md`, session 34): with the C kernels the workers cost ~0.2 s more than
+no workers on a 4-head file, and a 19 MB Qwen3-8B-shaped file (288 heads) took 2.16 s on threads
+against 1.08 s on workers (before the C kernels, when starting the workers took ~1 s, 256 MiB)."""
+
+PROCESS_MIN_HEADS = 48
+"""(layer, KV head) pairs from which a file goes to worker processes whatever its size: on 16
+threads of one process a head costs ~1.9 ms of the interpreter's lock (its row, its
+accumulators), however few its tokens (a 576-accumulator file of 8 tokens: 1.94 s on threads,
+1.02 s on workers); 48 heads (96 accumulators) is where that cost passes the workers' start."""
 
 _DEFAULTS_CHANGED = ("--engine", "--jobs", "--merge", "--address", "--stats")
 """Options after which `start_early` leaves the decision to the command (which may not start

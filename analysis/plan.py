@@ -69,15 +69,19 @@ BACKENDS = ("cpu", "mlx")
 
 
 SMALL_PASS_BYTES = 8 << 20
-"""A pass over less K/V than this on the ``"cpu"`` backend runs on the numpy reference: the
-compiled kernel's import and load (about a second in a fresh process) would cost more than
-the numpy work it saves."""
+"""Where the kernels are numba's (the C ones not built), a pass over less K/V than this on the
+``"cpu"`` backend runs on the numpy reference: numba's import and load (about a second in a fresh
+process) would cost more than the numpy work it saves. The C kernels load in milliseconds and
+serve every pass."""
 
 
 def pass_backend(snap: kvformat.Snapshot, backend: str) -> str:
     """The backend a pass over ``snap`` uses when asked for ``backend``: ``"numpy"`` for a
-    ``"cpu"`` pass over under `SMALL_PASS_BYTES` of K/V, else ``backend``."""
-    if backend != "cpu":
+    ``"cpu"`` pass over under `SMALL_PASS_BYTES` of K/V where the C kernels are not built, else
+    ``backend``."""
+    from . import native
+
+    if backend != "cpu" or native.AVAILABLE:
         return backend
     present = [spec for spec in snap.layers if spec.present]
     row = sum(spec.num_heads * (spec.row_bytes(KIND_K) + spec.row_bytes(KIND_V)) for spec in present)

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import kvformat
 
 from . import fork_server
-from .fork_server import PROCESS_MIN_BYTES, START_METHOD
+from .fork_server import PROCESS_MIN_BYTES, PROCESS_MIN_HEADS, START_METHOD
 from .parallel import main_hidden as _main_hidden
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
@@ -107,9 +107,9 @@ def worker_count(workers: int, backend: str) -> int:
 def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
     """Whether a pass over ``path`` with ``workers`` workers on ``backend`` runs on worker
     processes: more than one worker process (`worker_count`), a local file (URLs stay on
-    threads: their reads share one connection pool) of at least `PROCESS_MIN_BYTES` or with the
-    workers already running, and a process allowed to start children (not a daemonic
-    ``multiprocessing`` worker)."""
+    threads: their reads share one connection pool) of at least `PROCESS_MIN_BYTES` or
+    `PROCESS_MIN_HEADS` heads or with the workers already running, and a process allowed to
+    start children (not a daemonic ``multiprocessing`` worker)."""
     from kvformat import remote
 
     count = worker_count(workers, backend)
@@ -117,7 +117,7 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
         backend in ("cpu", "mlx")
         and count > 1
         and not remote.is_url(path)
-        and (_running(count, backend) or _size(path) >= PROCESS_MIN_BYTES)
+        and (_running(count, backend) or _worth_workers(path))
     ):
         return False
     import multiprocessing
@@ -126,11 +126,29 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
     return allowed and not multiprocessing.current_process().daemon
 
 
+def _worth_workers(path: str | os.PathLike[str]) -> bool:
+    """Whether the file is worth starting worker processes for: `PROCESS_MIN_BYTES` or
+    `PROCESS_MIN_HEADS` (its index read only where its size is not enough)."""
+    return _size(path) >= PROCESS_MIN_BYTES or _heads(path) >= PROCESS_MIN_HEADS
+
+
 def _size(path: str | os.PathLike[str]) -> int:
     """The file's size in bytes; 0 where it cannot be read (the pass then reports why)."""
     try:
         return os.path.getsize(path)
     except (OSError, ValueError):
+        return 0
+
+
+def _heads(path: str | os.PathLike[str]) -> int:
+    """The (layer, KV head) pairs of the file's last snapshot, read from its index; 0 where it
+    cannot be read (the pass then reports why)."""
+    import kvformat
+
+    try:
+        with kvformat.open(path) as snap:
+            return sum(spec.num_heads for spec in snap.layers if spec.present)
+    except (kvformat.KVFormatError, OSError, ValueError):
         return 0
 
 

@@ -8,8 +8,10 @@ machine's own sequential read of the same file in the same run.
 Files (written once, then reused; ``--files`` picks them): two tiny ones (``tiny``, ``tiny-bf16``:
 2 layers x 2 heads x 40 tokens, float32 and bfloat16: the fixed cost, the second with ml_dtypes'
 import), the Qwen3-8B-shaped bfloat16 one of `benchmarks.analysis_bench` (``bf16``: 36 x 8 x 128
-x 8192 tokens, 1.2 GB) and its seed-shaped float32 one (``fp32``: 32 x 32 x 128 x 8192 tokens,
-8.59 GB; not in the default set). ``--variant NAME=VALUE`` (repeatable) adds a row per setting:
+x 8192 tokens, 1.2 GB), its seed-shaped float32 one (``fp32``: 32 x 32 x 128 x 8192 tokens,
+8.59 GB) and shorter Qwen3-8B-shaped ones (``bf16-TOKENS``, e.g. ``bf16-1024``: 151 MB, a file
+of `benchmarks.analysis_bench`'s batch; ``bf16-32``: 4.7 MB); the last three not in the default
+set. ``--variant NAME=VALUE`` (repeatable) adds a row per setting:
 the same command with that variable set, its runs alternated with the plain ones (A B A B), so
 that a slow spell of a shared machine slows both alike. ``--tree PATH`` (repeatable) adds a row
 the same way for the code of another source tree (a checkout holding ``kvformat/`` and
@@ -45,7 +47,7 @@ COMMAND = 'import sys; sys.argv[0] = "kvsnap"; from kvsnap.launch import console
 """What the ``kvsnap`` console script runs."""
 
 
-FILES = ("tiny", "tiny-bf16", "bf16", "fp32")
+FILES = ("tiny", "tiny-bf16", "bf16", "fp32", "bf16-TOKENS")
 
 
 def files(directory: Path, names: tuple[str, ...] = FILES[:3]) -> dict[str, Path]:
@@ -64,13 +66,19 @@ def files(directory: Path, names: tuple[str, ...] = FILES[:3]) -> dict[str, Path
         ("tiny-bf16", "tiny (2 x 2 x 40 bfloat16)", tiny_bf16),
         ("bf16", "Qwen3-8B bf16, 8192 tokens", directory / "qwen3-8b-bf16.kv"),
         ("fp32", "seed fp32, 8192 tokens", directory / "seed-fp32.kv"),
+        *(
+            (name, f"Qwen3-8B bf16, {name[5:]} tokens", directory / f"qwen3-8b-bf16-{name[5:]}.kv")
+            for name in names
+            if name.startswith("bf16-")
+        ),
     ):
         if name not in names:
             continue
         if not path.exists():  # the big ones; `write` is a no-op for an existing file
-            shape = {"bf16": "qwen3-8b-bf16", "fp32": "seed-fp32"}[name]
+            shape = "seed-fp32" if name == "fp32" else "qwen3-8b-bf16"
             layers, heads, dim, dtype = SHAPES[shape]
-            write(path, layers, heads, dim, 8192, dtype, "raw")
+            tokens = int(name[5:]) if name.startswith("bf16-") else 8192
+            write(path, layers, heads, dim, tokens, dtype, "raw")
         chosen[label] = path
     return chosen
 
@@ -119,7 +127,8 @@ def main() -> None:
     parser.add_argument("--tree", action="append", default=[], help="another source tree's row")
     args = parser.parse_args()
     names = tuple(args.files.split(","))
-    if unknown := set(names) - set(FILES):
+    shorter = {name for name in names if name.startswith("bf16-") and name[5:].isdigit() and int(name[5:])}
+    if unknown := set(names) - set(FILES) - shorter:
         parser.error(f"--files: unknown {', '.join(sorted(unknown))}; choose from {', '.join(FILES)}")
     if bad := [v for v in args.variant if "=" not in v]:
         parser.error(f"--variant wants NAME=VALUE, not {bad[0]!r}")

@@ -359,15 +359,16 @@ def test_rows_computed_in_a_stack_equal_rows_computed_alone(groups: str) -> None
             np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(value), err_msg=name)
 
 
-def test_small_passes_run_on_numpy_and_agree_with_the_compiled_kernel(
+def test_small_passes_run_on_numpy_without_the_c_kernels_and_agree_with_the_compiled_kernel(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A ``"cpu"`` pass over less than `SMALL_PASS_BYTES` of K/V runs on the numpy reference (no
-    numba import in a fresh process: about a second) and gives the compiled kernel's table."""
+    """Where only numba's kernels are there, a ``"cpu"`` pass over less than `SMALL_PASS_BYTES`
+    of K/V runs on the numpy reference (no numba import in a fresh process: about a second) and
+    gives the compiled kernel's table; the C kernels (a few milliseconds to load) serve it."""
     import subprocess
     import sys
 
-    from kvsnap.analysis import plan
+    from kvsnap.analysis import native, plan
     from kvsnap.analysis.stats import head_stats
 
     rng = np.random.default_rng(3)
@@ -376,6 +377,9 @@ def test_small_passes_run_on_numpy_and_agree_with_the_compiled_kernel(
     kvformat.save(path, [kvformat.Layer(k, v), kvformat.Layer(v, k)])
     compiled = head_stats(path)
     monkeypatch.setattr(plan, "SMALL_PASS_BYTES", 8 << 20)
+    with kvformat.open(path) as snap:
+        assert plan.pass_backend(snap, "cpu") == ("cpu" if native.AVAILABLE else "numpy")
+    monkeypatch.setattr(native, "AVAILABLE", False)
     with kvformat.open(path) as snap:
         assert plan.pass_backend(snap, "cpu") == "numpy" and plan.pass_backend(snap, "mlx") == "mlx"
         # the bound counts every head's K and V: 2 layers x 2 heads x 40 tokens x 2 x 16 float32
