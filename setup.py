@@ -4,28 +4,56 @@
 the kernels run on numba (slower to start: `analysis/native.py`)."""
 
 import sys
+import tempfile
+from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 # -ffp-contract=off: no fused multiply-adds (the quantization errors round as numpy's do);
-# -fno-trapping-math: a compare-and-select vectorizes (no code reads the FP exception flags);
-# -fopenmp-simd: the ``omp simd`` reductions vectorize (no OpenMP runtime is linked).
+# -fno-math-errno: sqrt without a call; -fno-trapping-math: a compare-and-select vectorizes (no
+# code reads the FP exception flags); -fopenmp-simd: the ``omp simd`` reductions vectorize (no
+# OpenMP runtime is linked). A compiler that rejects one (checked first) builds without it.
 FLAGS = (
     []
     if sys.platform == "win32"
     else ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd"]
 )
 
+
+class BuildWithAcceptedFlags(build_ext):
+    """`build_ext` that passes each of `FLAGS` only if the compiler accepts it (Apple's clang
+    and GCC differ in what they take), so that a flag never costs the whole extension."""
+
+    def build_extensions(self) -> None:
+        accepted = [flag for flag in FLAGS if self._accepts(flag)]
+        for extension in self.extensions:
+            extension.extra_compile_args = accepted
+        super().build_extensions()
+
+    def _accepts(self, flag: str) -> bool:
+        from setuptools.errors import CompileError
+
+        with tempfile.TemporaryDirectory() as folder:
+            source = Path(folder) / "flag.c"
+            source.write_text("int main(void) { return 0; }\n")
+            try:
+                self.compiler.compile([str(source)], output_dir=folder, extra_postargs=[flag, "-Werror"])
+            except CompileError:
+                return False
+        return True
+
+
 setup(
     ext_modules=[
         Extension(
             "kvsnap.analysis._native",
             ["analysis/kernels.c"],
-            extra_compile_args=FLAGS,
             define_macros=[("Py_LIMITED_API", "0x030B0000")],
             py_limited_api=True,
             optional=True,
         )
     ],
+    cmdclass={"build_ext": BuildWithAcceptedFlags},
     options={"bdist_wheel": {"py_limited_api": "cp311"}},
 )

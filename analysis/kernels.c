@@ -42,22 +42,33 @@ enum { NORM_SUM, SQUARE_SUM, NORM_MIN, NORM_MAX, FIRST_NORM_SUM, FIRST_COUNT };
 #define EXPORT __attribute__((visibility("default")))
 #endif
 
-/* Each exported kernel is compiled for the baseline and for x86-64-v3 (AVX2) and v4 (AVX-512),
+/* Each kernel below marked KERNEL is compiled for the baseline and for x86-64-v3 (AVX2) and v4 (AVX-512),
  * picked once at load by the CPU (an ELF ifunc), with every helper inlined into each clone
- * (`flatten`): the baseline's 16-byte vectors run the row pass at half numba's speed, which
- * compiles for the host. A library built here still runs on any x86-64 (and on arm64: NEON is
- * its baseline). */
-#if defined(__x86_64__) && defined(__ELF__) && \
-    ((defined(__clang__) && __clang_major__ >= 14) || (!defined(__clang__) && __GNUC__ >= 12))
-#define KERNEL EXPORT __attribute__((flatten, target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#elif defined(__GNUC__)
-#define KERNEL EXPORT __attribute__((flatten))
+ * (`INLINE`: GCC and clang take no other attribute beside target_clones): the baseline's 16-byte
+ * vectors run the row pass at half numba's speed, which compiles for the host. A library built
+ * here still runs on any x86-64 (and on arm64: NEON is its baseline). */
+#if defined(__x86_64__) && defined(__ELF__) && defined(__clang__) && __clang_major__ >= 14
+/* clang 14's resolver never picked its arch=x86-64-v3/v4 clones here (baseline speed): features */
+#define KERNEL __attribute__((target_clones("avx512f", "avx2", "default")))
+#elif defined(__x86_64__) && defined(__ELF__) && !defined(__clang__) && __GNUC__ >= 12
+/* GCC's avx512f clone alone lacks AVX-512BW/VL, which the float16 conversion wants (2.3x) */
+#define KERNEL __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
-#define KERNEL EXPORT
+#define KERNEL
+#endif
+#if defined(__GNUC__)
+#define INLINE static inline __attribute__((always_inline))
+#else
+#define INLINE static inline
 #endif
 
 #define PRAGMA(x) _Pragma(#x)
 #define SIMD_REDUCE(op, var) PRAGMA(omp simd reduction(op : var))
+#if defined(__clang__) /* clang does not vectorize a float min/max as asked, and warns */
+#define SIMD_MINMAX(op, var)
+#else
+#define SIMD_MINMAX(op, var) SIMD_REDUCE(op, var)
+#endif
 
 static inline int64_t bits_of_double(double v) {
     int64_t b;
@@ -78,7 +89,7 @@ static inline float round_level(float x) {
 }
 
 /* kernel._hist_bins */
-static void hist_bins(const double *RESTRICT values, int64_t n, const double *RESTRICT edges,
+INLINE void hist_bins(const double *RESTRICT values, int64_t n, const double *RESTRICT edges,
                       const int64_t *RESTRICT guesses, int64_t cells, int64_t bins,
                       int64_t *RESTRICT hist) {
     int64_t first = bits_of_double(edges[1]) >> GUESS_SHIFT;
@@ -119,7 +130,7 @@ typedef struct {
 } RowPass;
 
 /* kernel._row_pass: rows start:stop; returns 1 when every value was finite. */
-static int row_pass(const RowPass *p, int64_t start, int64_t stop) {
+INLINE int row_pass(const RowPass *p, int64_t start, int64_t stop) {
     const int64_t dim = p->dim;
     const int64_t width = dim > BLOCK ? dim : BLOCK;
     double *RESTRICT power1 = p->power + dim;
@@ -245,7 +256,7 @@ static int row_pass(const RowPass *p, int64_t start, int64_t stop) {
 /* One row's squared errors at the three widths, per channel (each channel its own low, steps and
  * reciprocals) into c0..c2 (dim,). A function of its own: with its arguments `restrict`, the
  * compiler vectorizes the loop. */
-static void channel_errors_of(const float *RESTRICT row, int64_t dim, const float *RESTRICT lows,
+INLINE void channel_errors_of(const float *RESTRICT row, int64_t dim, const float *RESTRICT lows,
                               const float *RESTRICT s0, const float *RESTRICT s1,
                               const float *RESTRICT s2, const float *RESTRICT i0,
                               const float *RESTRICT i1, const float *RESTRICT i2,
@@ -264,7 +275,7 @@ static void channel_errors_of(const float *RESTRICT row, int64_t dim, const floa
 
 /* One token group's squared errors (size values sharing one low, steps and reciprocals) into
  * a0..a2 (size,). */
-static void token_errors_of(const float *RESTRICT values, int64_t size, float low, float st0,
+INLINE void token_errors_of(const float *RESTRICT values, int64_t size, float low, float st0,
                             float st1, float st2, float in0, float in1, float in2,
                             float *RESTRICT a0, float *RESTRICT a1, float *RESTRICT a2) {
     for (int64_t j = 0; j < size; j++) {
@@ -280,7 +291,7 @@ static void token_errors_of(const float *RESTRICT values, int64_t size, float lo
 }
 
 /* kernel._quant_tile. scratch: (14, dim) float32; groups: (8, group * ceil(dim / group)). */
-static void quant_tile(const float *RESTRICT x, int64_t dim, int64_t group, int64_t start,
+INLINE void quant_tile(const float *RESTRICT x, int64_t dim, int64_t group, int64_t start,
                        int64_t stop, const int32_t *RESTRICT low_keys,
                        const int32_t *RESTRICT high_keys, const float *levels,
                        double *RESTRICT token, double *RESTRICT channel, float *RESTRICT scratch,
@@ -334,9 +345,9 @@ static void quant_tile(const float *RESTRICT x, int64_t dim, int64_t group, int6
             const float *RESTRICT values = row + g;
             float low = values[0], high = values[0];
             /* finite values only (the tile passed the row pass): min and max in any order */
-            SIMD_REDUCE(min, low)
+            SIMD_MINMAX(min, low)
             for (int64_t j = 0; j < size; j++) low = values[j] < low ? values[j] : low;
-            SIMD_REDUCE(max, high)
+            SIMD_MINMAX(max, high)
             for (int64_t j = 0; j < size; j++) high = values[j] > high ? values[j] : high;
             int64_t q = (i - start) * per_row + g / group;
             group_low[q] = low;
@@ -379,9 +390,9 @@ static void quant_tile(const float *RESTRICT x, int64_t dim, int64_t group, int6
     }
 }
 
-/* kernel._accumulate. Returns 0, or -1 when its work space could not be allocated (nothing
- * was added then). */
-KERNEL int kvsnap_accumulate(
+/* kernel._accumulate (exported below as kvsnap_accumulate). Returns 0, or -1 when its work
+ * space could not be allocated (nothing was added then). */
+KERNEL static int accumulate(
     const float *x, int64_t n, int64_t dim, const int64_t *positions, const int64_t *first,
     const int64_t *second, int64_t pairs, const int64_t *levels, const int64_t *flags,
     double *scalars, int64_t *norm_hist, int64_t *peak_hist, int64_t bins, double *sums,
@@ -455,7 +466,7 @@ KERNEL int kvsnap_accumulate(
 
 /* kernel._top_rows: the indices of the min(k, n) rows with the largest peaks into best (k,);
  * returns how many. */
-KERNEL int64_t kvsnap_top_rows(const int32_t *peak_bits, int64_t n, int64_t k, int64_t *best) {
+EXPORT int64_t kvsnap_top_rows(const int32_t *peak_bits, int64_t n, int64_t k, int64_t *best) {
     int64_t m = k < n ? k : n;
     if (m <= 0) return 0;
     int64_t lowest = 0;
@@ -479,7 +490,7 @@ KERNEL int64_t kvsnap_top_rows(const int32_t *peak_bits, int64_t n, int64_t k, i
 }
 
 /* kernel._add_shift_terms: gram (dim, dim) += c s^T + s c^T - n c c^T. */
-KERNEL void kvsnap_add_shift_terms(double *gram, int64_t dim, const float *center,
+EXPORT void kvsnap_add_shift_terms(double *gram, int64_t dim, const float *center,
                                    const double *sums, int64_t n) {
     for (int64_t i = 0; i < dim; i++) {
         double ci = (double)center[i];
@@ -491,8 +502,8 @@ KERNEL void kvsnap_add_shift_terms(double *gram, int64_t dim, const float *cente
     }
 }
 
-/* halves._convert: float16 bits (n,) to float32 (n,). */
-KERNEL void kvsnap_halves_to_float32(const uint16_t *RESTRICT halves, int64_t n,
+/* halves._convert: float16 bits (n,) to float32 (n,) (exported below). */
+KERNEL static void halves_to_float32(const uint16_t *RESTRICT halves, int64_t n,
                                      uint32_t *RESTRICT out) {
     uint32_t subnormal = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -521,7 +532,7 @@ KERNEL void kvsnap_halves_to_float32(const uint16_t *RESTRICT halves, int64_t n,
 
 /* eigen._tridiagonalize: symmetric a (n, n), overwritten, to diagonal d and sub-diagonal
  * e[1:] (e[0] = 0). */
-static void tridiagonalize(double *RESTRICT a, int64_t n, double *RESTRICT d, double *RESTRICT e) {
+INLINE void tridiagonalize(double *RESTRICT a, int64_t n, double *RESTRICT d, double *RESTRICT e) {
     for (int64_t i = n - 1; i > 0; i--) {
         int64_t last = i - 1;
         double *RESTRICT ai = a + i * n;
@@ -569,7 +580,7 @@ static void tridiagonalize(double *RESTRICT a, int64_t n, double *RESTRICT d, do
 }
 
 /* eigen._pair: the eigenvalues of [[a, b], [b, c]] (LAPACK's dlae2). */
-static void pair(double a, double b, double c, double *first_out, double *second_out) {
+INLINE void pair(double a, double b, double c, double *first_out, double *second_out) {
     double total = a + c, difference = fabs(a - c);
     double twice = fabs(b + b);
     double large = fabs(a) > fabs(c) ? a : c, small = fabs(a) > fabs(c) ? c : a;
@@ -598,7 +609,7 @@ static const double EPSILON_SQUARED = 1.2325951644078310e-32; /* (2^-53)^2 */
 static const double SMALLEST = 2.2250738585072014e-308;
 
 /* eigen._ql: the root-free QL iteration of LAPACK's dsterf; 0 when it did not converge. */
-static int ql(double *RESTRICT d, double *RESTRICT e, int64_t n) {
+INLINE int ql(double *RESTRICT d, double *RESTRICT e, int64_t n) {
     for (int64_t i = 0; i < n - 1; i++) e[i] = e[i + 1] * e[i + 1];
     e[n - 1] = 0.0;
     int64_t sweeps = 0;
@@ -650,7 +661,7 @@ static int ql(double *RESTRICT d, double *RESTRICT e, int64_t n) {
 
 /* eigen._eigenvalues: the eigenvalues of symmetric matrix (n, n) into out (n,), unordered;
  * a (n, n) and e (n,) work space. Returns 0 when the iteration did not converge. */
-KERNEL int kvsnap_eigenvalues(const double *matrix, int64_t n, double *out, double *a, double *e) {
+KERNEL static int eigenvalues(const double *matrix, int64_t n, double *out, double *a, double *e) {
     double top = 0.0;
     for (int64_t i = 0; i < n * n; i++) {
         double x = fabs(matrix[i]);
@@ -668,6 +679,30 @@ KERNEL int kvsnap_eigenvalues(const double *matrix, int64_t n, double *out, doub
     double back = ldexp(1.0, (int)exponent);
     for (int64_t i = 0; i < n; i++) out[i] *= back;
     return converged;
+}
+
+/* The exported entry points: plain functions calling the cloned ones (clang 14 names an exported
+ * target_clones function ``name.ifunc`` and leaves ``name`` undefined). */
+EXPORT int kvsnap_accumulate(
+    const float *x, int64_t n, int64_t dim, const int64_t *positions, const int64_t *first,
+    const int64_t *second, int64_t pairs, const int64_t *levels, const int64_t *flags,
+    double *scalars, int64_t *norm_hist, int64_t *peak_hist, int64_t bins, double *sums,
+    double *power, int32_t *absmax_bits, double *unit_sum, double *band, int64_t *position_count,
+    double *position_norm, int64_t position_bins, int32_t *peak_bits, double *square_norms,
+    double *quant_token, double *quant_channel, const double *edges, const int64_t *guesses,
+    int64_t cells, int64_t group) {
+    return accumulate(x, n, dim, positions, first, second, pairs, levels, flags, scalars,
+                      norm_hist, peak_hist, bins, sums, power, absmax_bits, unit_sum, band,
+                      position_count, position_norm, position_bins, peak_bits, square_norms,
+                      quant_token, quant_channel, edges, guesses, cells, group);
+}
+
+EXPORT void kvsnap_halves_to_float32(const uint16_t *halves, int64_t n, uint32_t *out) {
+    halves_to_float32(halves, n, out);
+}
+
+EXPORT int kvsnap_eigenvalues(const double *matrix, int64_t n, double *out, double *a, double *e) {
+    return eigenvalues(matrix, n, out, a, e);
 }
 
 /* An importable module too (empty), so that setuptools builds and names this library as it
