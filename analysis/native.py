@@ -26,17 +26,28 @@ _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _ROPE = 2  # `backends.kernel.ROPE`: the flag under which the kernel writes ``band``
 
 
-def _load() -> ctypes.CDLL | None:
-    """The library built beside this module, or None: not built (no C compiler at install, or a
-    source tree never installed), or ``KVSNAP_KERNEL`` asks for another path."""
+def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
+    """The library built in ``here`` (beside this module), or None: not built (no C compiler at
+    install, or a source tree never installed), older than ``kernels.c`` beside it (a source
+    tree edited or checked out since its build: a warning says so), or ``KVSNAP_KERNEL`` asks
+    for another path."""
     if os.environ.get("KVSNAP_KERNEL", "compiled") != "compiled":
         return None
     from importlib.machinery import EXTENSION_SUFFIXES
 
-    here = Path(__file__).parent
+    source = here / "kernels.c"  # in a source tree only: a wheel ships the library alone
     for suffix in EXTENSION_SUFFIXES:
         path = here / f"_native{suffix}"
         if path.is_file():
+            if source.is_file() and source.stat().st_mtime > path.stat().st_mtime:
+                import warnings
+
+                warnings.warn(
+                    f"{path.name} is older than {source}: the numba kernels run until it is rebuilt "
+                    "(pip install -e .)",
+                    stacklevel=2,
+                )
+                return None
             try:
                 library = ctypes.CDLL(str(path))
             except OSError:  # built for another machine: the numba path then

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -108,6 +110,24 @@ def test_a_worker_and_an_in_process_pass_never_import_numba() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == str(not DEFAULT)
+
+
+def test_a_library_older_than_its_source_is_not_loaded(tmp_path: Path) -> None:
+    """In a source tree, a library built before ``kernels.c`` last changed (edited, or a branch
+    checked out since) is left alone with a warning: stale kernels would compute old results."""
+    built = Path(native.__file__).parent
+    (library,) = (path for path in built.iterdir() if path.name.startswith("_native"))
+    copy = tmp_path / library.name
+    shutil.copy(library, copy)
+    source = tmp_path / "kernels.c"
+    source.write_text("/* newer */\n")
+    os.utime(copy, (1_000_000_000, 1_000_000_000))
+    with pytest.warns(UserWarning, match="older than"):
+        assert native._load(tmp_path) is None
+    os.utime(source, (900_000_000, 900_000_000))
+    assert native._load(tmp_path) is not None
+    source.unlink()  # an installed package: the library alone
+    assert native._load(tmp_path) is not None
 
 
 def test_wrong_arrays_are_refused_before_c_sees_them() -> None:
