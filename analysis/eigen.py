@@ -213,7 +213,7 @@ def eigenvalues_of(matrices: np.ndarray) -> np.ndarray:
     work, e, out = np.empty((n, n)), np.empty(n), np.empty(n)
     for b in range(count):
         if not COMPILED or not _eigenvalues(matrices[b], out, work, e):
-            result[b] = np.linalg.eigvalsh(matrices[b])[::-1]  # numba missing, or no convergence
+            result[b] = np.linalg.eigvalsh(matrices[b])[::-1]  # no compiled solver, or no convergence
         else:
             result[b] = np.sort(out)[::-1]
     return result

@@ -42,11 +42,12 @@ enum { NORM_SUM, SQUARE_SUM, NORM_MIN, NORM_MAX, FIRST_NORM_SUM, FIRST_COUNT };
 #define EXPORT __attribute__((visibility("default")))
 #endif
 
-/* Each kernel below marked KERNEL is compiled for the baseline and for x86-64-v3 (AVX2) and v4 (AVX-512),
- * picked once at load by the CPU (an ELF ifunc), with every helper inlined into each clone
- * (`INLINE`: GCC and clang take no other attribute beside target_clones): the baseline's 16-byte
- * vectors run the row pass at half numba's speed, which compiles for the host. A library built
- * here still runs on any x86-64 (and on arm64: NEON is its baseline). */
+/* Each function marked KERNEL is compiled for the baseline and for AVX2 and AVX-512, picked
+ * once at load by the CPU (an ELF ifunc), every helper inlined into each clone (`INLINE`: GCC
+ * and clang take no other attribute beside target_clones), and exported through a plain
+ * wrapper: the baseline's 16-byte vectors run the row pass at half numba's speed, which
+ * compiles for the host. A library built here still runs on any x86-64 (and on arm64: NEON is
+ * its baseline). */
 #if defined(__x86_64__) && defined(__ELF__) && defined(__clang__) && __clang_major__ >= 14
 /* clang 14's resolver never picked its arch=x86-64-v3/v4 clones here (baseline speed): features */
 #define KERNEL __attribute__((target_clones("avx512f", "avx2", "default")))
