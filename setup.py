@@ -5,6 +5,7 @@ the kernels run on numba (slower to start: `analysis/native.py`)."""
 
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -44,12 +45,17 @@ class BuildWithAcceptedFlags(build_ext):
         return True
 
 
+SOURCE = Path(__file__).parent / "analysis" / "kernels.c"
+# The library records its source's CRC-32: `analysis/native.py` refuses a build whose source has
+# changed since (a source tree edited or checked out after `pip install -e .`).
+SOURCE_CRC = f"{zlib.crc32(SOURCE.read_bytes()):08x}"
+
 setup(
     ext_modules=[
         Extension(
             "kvsnap.analysis._native",
             ["analysis/kernels.c"],
-            define_macros=[("Py_LIMITED_API", "0x030B0000")],
+            define_macros=[("Py_LIMITED_API", "0x030B0000"), ("KVSNAP_SOURCE_CRC", f'"{SOURCE_CRC}"')],
             py_limited_api=True,
             optional=True,
         )

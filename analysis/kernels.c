@@ -682,6 +682,14 @@ KERNEL static int eigenvalues(const double *matrix, int64_t n, double *out, doub
     return converged;
 }
 
+#ifndef KVSNAP_SOURCE_CRC
+#define KVSNAP_SOURCE_CRC "" /* built without setup.py: never taken for a source tree's */
+#endif
+
+/* The CRC-32 of this file as setup.py read it (8 hex digits): analysis/native.py compares it with
+ * the kernels.c beside the library, if any. */
+EXPORT const char *kvsnap_source_crc(void) { return KVSNAP_SOURCE_CRC; }
+
 /* The exported entry points: plain functions calling the cloned ones (clang 14 names an exported
  * target_clones function ``name.ifunc`` and leaves ``name`` undefined). */
 EXPORT int kvsnap_accumulate(

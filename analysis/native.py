@@ -28,33 +28,45 @@ _ROPE = 2  # `backends.kernel.ROPE`: the flag under which the kernel writes ``ba
 
 def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
     """The library built in ``here`` (beside this module), or None: not built (no C compiler at
-    install, or a source tree never installed), older than ``kernels.c`` beside it (a source
-    tree edited or checked out since its build: a warning says so), or ``KVSNAP_KERNEL`` asks
-    for another path."""
+    install, or a source tree never installed), built from another ``kernels.c`` than the one
+    beside it (a source tree edited or checked out since its build: a warning says so; compared
+    by CRC-32, which file times copied or unpacked in any order cannot fool), or
+    ``KVSNAP_KERNEL`` asks for another path."""
     if os.environ.get("KVSNAP_KERNEL", "compiled") != "compiled":
         return None
     from importlib.machinery import EXTENSION_SUFFIXES
 
-    source = here / "kernels.c"  # in a source tree only: a wheel ships the library alone
     for suffix in EXTENSION_SUFFIXES:
         path = here / f"_native{suffix}"
         if path.is_file():
-            if source.is_file() and source.stat().st_mtime > path.stat().st_mtime:
-                import warnings
-
-                warnings.warn(
-                    f"{path.name} is older than {source}: the numba kernels run until it is rebuilt "
-                    "(pip install -e .)",
-                    stacklevel=2,
-                )
-                return None
             try:
                 library = ctypes.CDLL(str(path))
             except OSError:  # built for another machine: the numba path then
                 return None
+            if not _built_from(library, here / "kernels.c"):
+                import warnings
+
+                warnings.warn(
+                    f"{path.name} was built from another {here / 'kernels.c'}: the numba kernels "
+                    "run until it is rebuilt (pip install -e .)",
+                    stacklevel=2,
+                )
+                return None
             _declare(library)
             return library
     return None
+
+
+def _built_from(library: ctypes.CDLL, source: Path) -> bool:
+    """Whether ``library`` was built from ``source`` as it is now (True where there is none to
+    compare: an install without the source beside it)."""
+    import zlib
+
+    if not source.is_file():
+        return True
+    library.kvsnap_source_crc.restype = ctypes.c_char_p
+    recorded = library.kvsnap_source_crc().decode()
+    return recorded == f"{zlib.crc32(source.read_bytes()):08x}"
 
 
 def _declare(library: ctypes.CDLL) -> None:

@@ -169,8 +169,11 @@ def test_the_wheel_installs_the_stages_under_kvsnap(tmp_path: Path) -> None:
     out = run_python(
         f"import sys; sys.path.insert(0, {str(site)!r})\n"
         "import kvsnap.analysis.stats, kvsnap.capture.cli, kvformat\n"
-        "print(kvsnap.analysis.stats.__file__); print(kvsnap.capture.cli.__file__)",
+        "from kvsnap.analysis import native\n"
+        "print(kvsnap.analysis.stats.__file__); print(kvsnap.capture.cli.__file__)\n"
+        "print(native.LIBRARY._name)",  # the wheel's C kernels, built from the source it ships
         tmp_path,
     )
     for line in out.split():
         assert line.startswith(str(site)), out
+    assert "_native" in out.split()[-1], out
