@@ -28,10 +28,11 @@ _ROPE = 2  # `backends.kernel.ROPE`: the flag under which the kernel writes ``ba
 
 def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
     """The library built in ``here`` (beside this module), or None: not built (no C compiler at
-    install, or a source tree never installed), built from another ``kernels.c`` than the one
-    beside it (a source tree edited or checked out since its build: a warning says so; compared
-    by CRC-32, which file times copied or unpacked in any order cannot fool), or
-    ``KVSNAP_KERNEL`` asks for another path."""
+    install, or a source tree never installed), not a build of this version (an older build
+    without a function this module calls, or built from another ``kernels.c`` than the one
+    beside it: a source tree edited or checked out since, compared by CRC-32, which file times
+    copied or unpacked in any order cannot fool; a warning says so), or ``KVSNAP_KERNEL`` asks
+    for another path."""
     if os.environ.get("KVSNAP_KERNEL", "compiled") != "compiled":
         return None
     from importlib.machinery import EXTENSION_SUFFIXES
@@ -43,16 +44,20 @@ def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
                 library = ctypes.CDLL(str(path))
             except OSError:  # built for another machine: the numba path then
                 return None
-            if not _built_from(library, here / "kernels.c"):
+            try:
+                current = _built_from(library, here / "kernels.c")
+                _declare(library)
+            except AttributeError:  # an older build, without a function this module calls
+                current = False
+            if not current:
                 import warnings
 
                 warnings.warn(
-                    f"{path.name} was built from another {here / 'kernels.c'}: the numba kernels "
-                    "run until it is rebuilt (pip install -e .)",
+                    f"{path} is not a build of this kvsnap's kernels.c (an older build, or the source "
+                    "changed since): the numba kernels run until it is rebuilt (pip install -e .)",
                     stacklevel=2,
                 )
                 return None
-            _declare(library)
             return library
     return None
 

@@ -121,13 +121,24 @@ def test_a_library_built_from_another_source_is_not_loaded(tmp_path: Path) -> No
     shutil.copy(library, tmp_path / library.name)
     source = tmp_path / "kernels.c"
     source.write_bytes((built / "kernels.c").read_bytes() + b"/* edited */\n")
-    with pytest.warns(UserWarning, match="built from another"):
+    with pytest.warns(UserWarning, match="not a build of this"):
         assert native._load(tmp_path) is None
     shutil.copy(built / "kernels.c", source)
     os.utime(tmp_path / library.name, (1_000_000_000, 1_000_000_000))  # older: no matter
     assert native._load(tmp_path) is not None
     source.unlink()  # an installed package without the source beside it
     assert native._load(tmp_path) is not None
+    old = tmp_path / "old"
+    old.mkdir()
+    build = subprocess.run(  # a library of an older kvsnap: none of today's functions
+        ["cc", "-shared", "-fPIC", "-x", "c", "-", "-o", str(old / library.name)],
+        input="int kvsnap_accumulate(void) { return 0; }\n",
+        capture_output=True,
+        text=True,
+    )
+    assert build.returncode == 0, build.stderr
+    with pytest.warns(UserWarning, match="not a build of this"):
+        assert native._load(old) is None
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 6])
