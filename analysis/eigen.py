@@ -20,12 +20,7 @@ import numpy as np
 
 from . import native
 
-numba: Any = None
-if not native.AVAILABLE:  # (KVSNAP_KERNEL=numpy keeps this: it selects the accumulator's path)
-    try:
-        import numba
-    except ImportError:  # pragma: no cover
-        numba = None
+numba: Any = native.numba_fallback()  # (KVSNAP_KERNEL=numpy keeps it: that selects the accumulator's path)
 
 MAX_SWEEPS = 30  # QL iterations per eigenvalue (on average) before giving up, as dsterf does
 EPSILON_SQUARED = (2.0**-53) ** 2  # LAPACK's eps (half a unit in the last place), squared
@@ -212,9 +207,9 @@ def eigenvalues_of(matrices: np.ndarray) -> np.ndarray:
         return result
     if native.AVAILABLE:  # in C, two matrices at a time
         values, converged = native.eigenvalues_batch(matrices)
-        for b in range(count):
-            unsorted = values[b] if converged[b] else np.linalg.eigvalsh(matrices[b])
-            result[b] = np.sort(unsorted)[::-1]
+        for failed in np.flatnonzero(~converged):
+            values[failed] = np.linalg.eigvalsh(matrices[failed])
+        result[:] = np.sort(values, axis=-1)[:, ::-1]
         return result
     work, e, out = np.empty((n, n)), np.empty(n), np.empty(n)
     for b in range(count):

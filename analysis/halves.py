@@ -17,12 +17,7 @@ import numpy as np
 
 from . import native
 
-numba: Any = None
-if not native.AVAILABLE:  # (KVSNAP_KERNEL=numpy keeps this: it selects the accumulator's path)
-    try:
-        import numba
-    except ImportError:  # pragma: no cover
-        numba = None
+numba: Any = native.numba_fallback()  # (KVSNAP_KERNEL=numpy keeps it: that selects the accumulator's path)
 
 
 def _convert(bits: np.ndarray, out_bits: np.ndarray, out: np.ndarray) -> None:

@@ -19,8 +19,11 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from .catalogue import QUANT_GROUP
 
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _ROPE = 2  # `backends.kernel.ROPE`: the flag under which the kernel writes ``band``
@@ -96,6 +99,19 @@ LIBRARY = _load()
 AVAILABLE = LIBRARY is not None
 
 
+def numba_fallback() -> Any:
+    """numba, for the kernels' numba twins, where this library is not loaded (not built, or
+    ``KVSNAP_KERNEL`` asks for numba); else None, and numba stays unimported. None as well where
+    numba is not installed."""
+    if AVAILABLE:
+        return None
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - exercised where numba is absent
+        return None
+    return numba
+
+
 def _address(array: np.ndarray, dtype: type, size: int | None = None) -> int:
     """The address of C-contiguous ``array`` of ``dtype`` (of at least ``size`` elements): what
     the C code may read and write. Anything else is a caller's bug, raised before C sees it."""
@@ -131,8 +147,6 @@ def accumulate(
 ) -> None:
     """`backends.kernel.accumulate` (its docstring gives the arguments), in C. ``bits`` is
     ``x``'s int32 view, as there; the C code reads ``x``'s memory both ways."""
-    from .catalogue import QUANT_GROUP
-
     assert LIBRARY is not None
     n, dim = x.shape
     if not np.shares_memory(bits, x):

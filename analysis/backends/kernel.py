@@ -43,12 +43,7 @@ from ..catalogue import BINS
 from ..catalogue import QUANT_GROUP as GROUP
 
 SELECTED = os.environ.get("KVSNAP_KERNEL", "compiled")  # compiled (C, else numba), numba, numpy
-numba: Any = None
-if SELECTED == "numba" or (SELECTED == "compiled" and not native.AVAILABLE):
-    try:
-        import numba
-    except ImportError:  # pragma: no cover - exercised where numba is absent
-        numba = None
+numba: Any = native.numba_fallback() if SELECTED != "numpy" else None
 
 AVAILABLE = SELECTED != "numpy" and (native.AVAILABLE or numba is not None)
 
