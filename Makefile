@@ -91,4 +91,5 @@ reference: $(REFERENCE)
 test: lint $(KAITAI) $(JS_READER) nginx $(REFERENCE) conformance
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15 tests
 	# The kernels' numba twins (where no C compiler built analysis/kernels.c) against numpy too.
-	KVSNAP_KERNEL=numba $(BIN)/python -m pytest -q -n auto tests/test_kernel.py tests/test_arrays.py
+	KVSNAP_KERNEL=numba $(BIN)/python -m pytest -q -n auto tests/test_kernel.py tests/test_arrays.py \
+		tests/test_head_importance.py

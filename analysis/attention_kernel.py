@@ -1,4 +1,5 @@
-"""The compiled pass behind the ``attention`` statistics group (numba): one walk over a block of
+"""The compiled pass behind the ``attention`` statistics group (C, `kernels.c`'s
+``block_scores``, else numba): one walk over a block of
 queries' logits that applies SPEC 10.1's scale, softcap, mask and sinks, takes the softmax, and
 adds up every per-query score `head_importance` reports, with no ``(n_queries, n_keys)``
 temporaries beyond the weights themselves.
@@ -32,7 +33,9 @@ sum e_j j``, which cancels. It agrees with `kvformat.attention.weights` to float
 which the tests hold it to; the largest weight is taken as the largest logit (they differ only
 where two weights round to one float32). The passes assume finite logits: the caller sends blocks
 whose keys are out of order, or whose logits could overflow or hold a NaN or inf, down the numpy
-path. Without numba (`AVAILABLE` false) only the numpy path runs. Measured in
+path. The functions below are the definition and numba's version; where the C library is built
+(`native`) its ``block_scores`` runs instead and numba is never imported. Without either
+(`AVAILABLE` false, or ``KVSNAP_KERNEL=numpy``) only the numpy path runs. Measured in
 `benchmarks/RESULTS.md` (the needle runs).
 """
 
@@ -40,15 +43,15 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import numpy as np
 
-try:
-    import numba
-except ImportError:  # pragma: no cover - exercised where numba is absent
-    numba = None  # type: ignore[assignment]
+from . import native
 
-AVAILABLE = numba is not None and os.environ.get("KVSNAP_KERNEL", "compiled") != "numpy"
+SELECTED = os.environ.get("KVSNAP_KERNEL", "compiled")
+numba: Any = native.numba_fallback() if SELECTED != "numpy" else None
+AVAILABLE = SELECTED != "numpy" and (native.AVAILABLE or numba is not None)
 
 SINK, LOCAL, ENTROPY, VISIBLE, DISTANCE, TOP, KEPT, SINK_SHARE, INVERSE = range(9)
 ROW_FIELDS = 9
@@ -244,5 +247,7 @@ if numba is not None:
     _cap = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_cap)
     _logit_factor = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_logit_factor)
     block_scores = numba.njit(cache=True, nogil=True, fastmath=_FLAGS)(_block_scores)
+elif native.AVAILABLE:
+    block_scores = native.block_scores
 else:  # pragma: no cover
     block_scores = _block_scores

@@ -4,8 +4,9 @@ the quantities the KV-compression literature reports, recomputed offline from th
 Every score is a function of the attention weights SPEC 10.1 defines (`kvformat.attention`:
 float32, the layer's recorded mask, scale, softcap and sinks), taken a block of queries at a time,
 so memory is one block's ``(BLOCK, n_keys)`` map plus the head's K and V. The weights and scores
-come from the compiled pass of `attention_kernel` (numba), or from `kvformat.attention.weights`
-and numpy where numba is missing, the keys are out of position order, or a block could overflow:
+come from the compiled pass of `attention_kernel` (C, or numba where the C library is not built),
+or from `kvformat.attention.weights` and numpy where neither is there, the keys are out of
+position order, or a block could overflow:
 
 - ``sink_mass``: mean over queries of the weight on key positions ``< SINKS`` (StreamingLLM's
   attention sinks); ``local_mass``: on the visible keys less than ``LOCAL`` positions back.
@@ -205,7 +206,7 @@ def _add_head(
     compiled: bool,
 ) -> None:
     """One head's queries ``q`` at ``positions``, a block at a time, alone: the compiled pass,
-    or the numpy path where numba is missing."""
+    or the numpy path where no compiled pass is there."""
     for start in range(0, q.shape[0], attention_math.BLOCK):
         rows = slice(start, start + attention_math.BLOCK)
         if compiled:
@@ -282,8 +283,8 @@ def copy_events(tokens: list[int], needle: tuple[int, int] | None = None) -> Cop
 
 
 def _compiled_available() -> bool:
-    """Whether the compiled pass can run (imports numba: only once attention is computed, so a
-    ``kvsnap stats`` that never scores attention does not pay for it)."""
+    """Whether the compiled pass can run (imports it, and numba where the C library is not built:
+    only once attention is computed, so a ``kvsnap stats`` that never scores it does not pay)."""
     from . import attention_kernel
 
     return bool(attention_kernel.AVAILABLE)
@@ -317,7 +318,7 @@ def _add_compiled(
     # buffer the thread reuses: fresh pages for every block cost page faults, which threads take
     # one at a time.
     weights = np.matmul(q, keys.k[:end].T, out=work_matrix("attention weights", len(q), end))
-    from . import attention_kernel as k  # numba: imported only when attention is computed
+    from . import attention_kernel as k  # (numba, where it runs: only when attention is computed)
 
     rows = np.empty((len(q), k.ROW_FIELDS))
     query_positions = np.ascontiguousarray(p, np.int64)
@@ -428,7 +429,7 @@ def _add_block(
     window: int,
     copies: Copies | None,
 ) -> None:
-    """The numpy path (numba missing, keys out of position order, or logits that could overflow):
+    """The numpy path (no compiled pass, keys out of position order, or logits that could overflow):
     the scores of queries ``q`` at ``p`` from `kvformat.attention.weights`."""
     j = keys.positions
     w = attention_math.weights(spec, head, q, keys.k, p, j)  # float32; sums below in float64

@@ -799,6 +799,202 @@ KERNEL static void eigenvalues_batch(const double *matrices, int64_t count, int6
     if (b < count) converged[b] = eigenvalues(matrices + b * size, n, out + b * n, work, e);
 }
 
+/* ---- The attention group's pass: attention_kernel._block_scores and its helpers ---- */
+
+/* attention_kernel's row fields and constants */
+enum { SINK_FIELD, LOCAL_FIELD, ENTROPY_FIELD, VISIBLE_FIELD, DISTANCE_FIELD, TOP_FIELD,
+       KEPT_FIELD, SINK_SHARE_FIELD, INVERSE_FIELD, ROW_FIELDS };
+#define ATTENTION_CHUNK 512
+static const float MASKED_LOGIT = -3.0e38f;
+static const float EXP_FLOOR = -87.33654f;
+
+/* attention_kernel._exp: exp(d) in float32 for d <= 0 (Cephes expf: range reduction by ln 2, a
+ * degree-6 polynomial, the power of two built from its bits; within 1 ulp), 0 below float32's
+ * normal range. Plain arithmetic and selects, so a loop calling it vectorizes. */
+static inline float exp_nonpositive(float d) {
+    float x = d > EXP_FLOOR ? d : EXP_FLOOR;
+    float n = round_level(x * 1.442695041f); /* |x log2 e| < 2^22: the magic rounding holds */
+    float r = x - n * 0.693359375f - n * -2.12194440e-4f;
+    float poly = 1.9875691500e-4f;
+    poly = poly * r + 1.3981999507e-3f;
+    poly = poly * r + 8.3334519073e-3f;
+    poly = poly * r + 4.1665795894e-2f;
+    poly = poly * r + 1.6666665459e-1f;
+    poly = poly * r + 5.0000001201e-1f;
+    float value = poly * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return d >= EXP_FLOOR ? value * scale : 0.0f;
+}
+
+/* np.searchsorted(a[:n], v, "left") and "right" on increasing int64 */
+static inline int64_t search_left(const int64_t *a, int64_t n, int64_t v) {
+    int64_t low = 0, high = n;
+    while (low < high) {
+        int64_t mid = low + (high - low) / 2;
+        if (a[mid] < v) low = mid + 1;
+        else high = mid;
+    }
+    return low;
+}
+
+static inline int64_t search_right(const int64_t *a, int64_t n, int64_t v) {
+    int64_t low = 0, high = n;
+    while (low < high) {
+        int64_t mid = low + (high - low) / 2;
+        if (a[mid] <= v) low = mid + 1;
+        else high = mid;
+    }
+    return low;
+}
+
+/* attention_kernel._largest: the largest of top and values[:n] (finite), on order keys */
+INLINE float largest_of(const float *RESTRICT values, int64_t n, float top) {
+    const int32_t *RESTRICT bits = (const int32_t *)(const void *)values;
+    int32_t start;
+    memcpy(&start, &top, sizeof start);
+    int32_t best = order_key(start);
+    SIMD_REDUCE(max, best)
+    for (int64_t c = 0; c < n; c++) {
+        int32_t key = order_key(bits[c]);
+        best = key > best ? key : best;
+    }
+    best = order_key(best);
+    float out;
+    memcpy(&out, &best, sizeof out);
+    return out;
+}
+
+/* attention_kernel._first: the index of the first of values[:n] equal to value, else -1 */
+INLINE int64_t first_equal(const float *RESTRICT values, int64_t n, float value) {
+    for (int64_t start = 0; start < n; start += ATTENTION_CHUNK) {
+        int64_t size = n - start < ATTENTION_CHUNK ? n - start : ATTENTION_CHUNK;
+        int32_t hits = 0;
+        SIMD_REDUCE(+, hits)
+        for (int64_t c = 0; c < size; c++) hits += values[start + c] == value;
+        if (hits)
+            for (int64_t c = 0; c < size; c++)
+                if (values[start + c] == value) return start + c;
+    }
+    return -1;
+}
+
+/* attention_kernel._exponentials: values[:n] (products) become exp(values * scale - top); adds
+ * the sums of e, of e (logit - top) and of e (back - at) to sums[0..2]. float32 within each
+ * chunk (vector lanes), float64 across chunks. */
+INLINE void exponentials(float *RESTRICT values, int64_t n, float scale, float top, float back,
+                         const float *RESTRICT at, double *RESTRICT sums) {
+    for (int64_t start = 0; start < n; start += ATTENTION_CHUNK) {
+        int64_t size = n - start < ATTENTION_CHUNK ? n - start : ATTENTION_CHUNK;
+        float *RESTRICT chunk = values + start;
+        const float *RESTRICT where = at + start;
+        float total = 0.0f, weighted = 0.0f, moment = 0.0f;
+        PRAGMA(omp simd reduction(+ : total, weighted, moment))
+        for (int64_t c = 0; c < size; c++) {
+            float d = chunk[c] * scale - top;
+            float e = exp_nonpositive(d);
+            chunk[c] = e;
+            total += e;
+            weighted += e * d;
+            moment += e * (back - where[c]);
+        }
+        sums[0] += (double)total;
+        sums[1] += (double)weighted;
+        sums[2] += (double)moment;
+    }
+}
+
+/* attention_kernel._sum */
+INLINE double sum_of(const float *RESTRICT values, int64_t n) {
+    double total = 0.0;
+    SIMD_REDUCE(+, total)
+    for (int64_t c = 0; c < n; c++) total += (double)values[c];
+    return total;
+}
+
+/* attention_kernel._cap: raw products become softcap * tanh(values * scale / softcap) */
+static void cap_logits(float *values, int64_t n, float scale, float cap) {
+    for (int64_t c = 0; c < n; c++) values[c] = cap * tanhf(values[c] * scale / cap);
+}
+
+/* attention_kernel._block_scores (its docstring is the definition): logits (n, m) float32
+ * finite, overwritten by each row's exponentials; rows (n, ROW_FIELDS); key_positions (m,)
+ * increasing; softcap 0 for none, window -1 for none. Returns 0, or -1 when its work space could
+ * not be allocated (nothing written then). */
+KERNEL static int block_scores(float *logits, int64_t n, int64_t m, double *rows,
+                               const int64_t *query_positions, const int64_t *key_positions,
+                               double scale, double softcap, int64_t window, int64_t keep,
+                               double sink, int has_sink, int64_t sinks, int64_t local,
+                               int64_t stream_window) {
+    float *as_float = malloc(sizeof(float) * (m > 0 ? m : 1));
+    if (!as_float) return -1;
+    int64_t base = m ? key_positions[0] : 0;
+    for (int64_t j = 0; j < m; j++) as_float[j] = (float)(key_positions[j] - base);
+    const int64_t sink_end = search_left(key_positions, m, sinks);
+    const float sink32 = (float)sink;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t p = query_positions[i];
+        float *row = logits + i * m;
+        double *out = rows + i * ROW_FIELDS;
+        for (int f = 0; f < ROW_FIELDS; f++) out[f] = 0.0;
+        int64_t end = search_right(key_positions, m, p);
+        int64_t early = end, late = end;
+        if (window >= 0) {
+            early = search_left(key_positions, m, keep);
+            early = early < end ? early : end;
+            late = search_right(key_positions, m, p - (window - keep));
+            late = late > early ? late : early;
+        }
+        for (int64_t j = early; j < late; j++) row[j] = 0.0f;
+        for (int64_t j = end; j < m; j++) row[j] = 0.0f;
+        float factor = (float)scale;
+        if (softcap > 0) {
+            cap_logits(row, early, (float)scale, (float)softcap);
+            cap_logits(row + late, end - late, (float)scale, (float)softcap);
+            factor = 1.0f;
+        }
+        int64_t visible = early + (end - late);
+        out[VISIBLE_FIELD] = (double)visible;
+        float top = largest_of(row + late, end - late, largest_of(row, early, MASKED_LOGIT));
+        int64_t best = first_equal(row, early, top);
+        if (best < 0) {
+            best = late + first_equal(row + late, end - late, top);
+            best = best > 0 ? best : 0;
+        }
+        out[TOP_FIELD] = (double)best;
+        top = visible ? top * factor : MASKED_LOGIT;
+        if (has_sink) top = top > sink32 ? top : sink32;
+        if (!visible && !has_sink) continue;
+        float back = (float)(p - base);
+        double sums[3] = {0.0, 0.0, 0.0};
+        exponentials(row, early, factor, top, back, as_float, sums);
+        exponentials(row + late, end - late, factor, top, back, as_float + late, sums);
+        double share = has_sink ? (double)exp_nonpositive(sink32 - top) : 0.0;
+        float total32 = (float)(sums[0] + share);
+        double inverse = 1.0 / (double)total32;
+        out[INVERSE_FIELD] = inverse;
+        int64_t sunk = sink_end < end ? sink_end : end;
+        int64_t recent = search_right(key_positions, m, p - stream_window);
+        recent = recent > sunk ? recent : sunk;
+        int64_t near = search_right(key_positions, m, p - local);
+        out[SINK_FIELD] = sum_of(row, sunk) * inverse;
+        out[LOCAL_FIELD] = sum_of(row + near, end - near) * inverse;
+        out[KEPT_FIELD] = out[SINK_FIELD] + sum_of(row + recent, end - recent) * inverse;
+        out[DISTANCE_FIELD] = sums[2] * inverse;
+        /* -sum w log w with log w = (x - top) - log T: no logarithm per key */
+        out[ENTROPY_FIELD] = -sums[1] * inverse + log((double)total32) * sums[0] * inverse;
+        out[SINK_SHARE_FIELD] = share * inverse;
+    }
+    free(as_float);
+    return 0;
+}
+
+/* exp_nonpositive over d (n,) into out (n,): for the tests, which hold it within 1 ulp */
+EXPORT void kvsnap_exp_nonpositive(const float *d, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = exp_nonpositive(d[i]);
+}
+
 #ifndef KVSNAP_SOURCE_CRC
 #define KVSNAP_SOURCE_CRC "" /* built without setup.py: never taken for a source tree's */
 #endif
@@ -834,6 +1030,15 @@ EXPORT int kvsnap_eigenvalues(const double *matrix, int64_t n, double *out, doub
 EXPORT void kvsnap_eigenvalues_batch(const double *matrices, int64_t count, int64_t n, double *out,
                                      double *work, double *e, int32_t *converged) {
     eigenvalues_batch(matrices, count, n, out, work, e, converged);
+}
+
+EXPORT int kvsnap_block_scores(float *logits, int64_t n, int64_t m, double *rows,
+                               const int64_t *query_positions, const int64_t *key_positions,
+                               double scale, double softcap, int64_t window, int64_t keep,
+                               double sink, int has_sink, int64_t sinks, int64_t local,
+                               int64_t stream_window) {
+    return block_scores(logits, n, m, rows, query_positions, key_positions, scale, softcap,
+                        window, keep, sink, has_sink, sinks, local, stream_window);
 }
 
 /* An importable module too (empty), so that setuptools builds and names this library as it

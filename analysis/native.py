@@ -2,12 +2,14 @@
 shared library ``_native`` beside this module and called through ctypes (which releases the
 interpreter's lock for each call, as numba's ``nogil`` does).
 
-They compute what the numba functions of `backends.kernel`, `eigen` and `halves` compute, and
-stand in for them where the library was built: a process that uses them then never imports
-numba, whose import and typing registries cost a fresh ``kvsnap stats`` and the fork server of
-its workers about 0.45 s here and 1.0 s on a 16-core host (`benchmarks/RESULTS.md`, sessions 33
-and 34). The quantization errors equal numba's bit for bit; the float64 sums agree to ~1e-15
-relative (their lanes of partial sums differ); `tests/test_native.py` holds both.
+They compute what the numba functions of `backends.kernel`, `eigen`, `halves` and
+`attention_kernel` compute, and stand in for them where the library was built: a process that
+uses them then never imports numba, whose import and typing registries cost a fresh ``kvsnap
+stats`` and the fork server of its workers about 0.45 s here and 1.0 s on a 16-core host
+(`benchmarks/RESULTS.md`, sessions 33 and 34). The quantization errors equal numba's bit for
+bit; the float64 sums agree to ~1e-15 relative (their lanes of partial sums differ);
+`tests/test_native.py` holds both. The attention pass's float32 sums agree with numba's and the
+numpy definition's to float32 rounding (`tests/test_head_importance.py`).
 
 ``KVSNAP_KERNEL`` in the environment: ``compiled`` (the default) takes this library where it was
 built and numba otherwise; ``numba`` skips the library; ``numpy`` skips both. Each call costs
@@ -27,6 +29,7 @@ from .catalogue import QUANT_GROUP
 
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _ROPE = 2  # `backends.kernel.ROPE`: the flag under which the kernel writes ``band``
+_ROW_FIELDS = 9  # `attention_kernel.ROW_FIELDS`
 
 
 def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
@@ -93,6 +96,21 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvsnap_eigenvalues.restype = ctypes.c_int
     library.kvsnap_eigenvalues_batch.argtypes = [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER]
     library.kvsnap_eigenvalues_batch.restype = None
+    double = ctypes.c_double
+    library.kvsnap_block_scores.argtypes = [
+        _POINTER,
+        _INT,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        double,
+        double,
+    ]
+    library.kvsnap_block_scores.argtypes += [_INT, _INT, double, ctypes.c_int, _INT, _INT, _INT]
+    library.kvsnap_block_scores.restype = ctypes.c_int
+    library.kvsnap_exp_nonpositive.argtypes = [_POINTER, _INT, _POINTER]
+    library.kvsnap_exp_nonpositive.restype = None
 
 
 LIBRARY = _load()
@@ -257,3 +275,55 @@ def eigenvalues_batch(matrices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         _address(converged, np.int32),
     )
     return out, converged.astype(bool)
+
+
+def block_scores(
+    logits: np.ndarray,
+    rows: np.ndarray,
+    query_positions: np.ndarray,
+    key_positions: np.ndarray,
+    scale: float,
+    softcap: float,
+    window: int,
+    keep: int,
+    sink: float,
+    has_sink: bool,
+    sinks: int,
+    local: int,
+    stream_window: int,
+) -> None:
+    """`attention_kernel.block_scores` (its docstring gives the arguments), in C: ``logits``
+    ``(n, m)`` float32 overwritten, ``rows`` ``(n, attention_kernel.ROW_FIELDS)`` float64."""
+    assert LIBRARY is not None
+    n, m = logits.shape
+    if query_positions.shape != (n,) or key_positions.shape != (m,):
+        raise TypeError("native kernel: one query position per row, one key position per column")
+    status = LIBRARY.kvsnap_block_scores(
+        _address(logits, np.float32),
+        n,
+        m,
+        _address(rows, np.float64, n * _ROW_FIELDS),
+        _address(query_positions, np.int64),
+        _address(key_positions, np.int64),
+        scale,
+        softcap,
+        window,
+        keep,
+        sink,
+        int(has_sink),
+        sinks,
+        local,
+        stream_window,
+    )
+    if status:
+        raise MemoryError("native kernel: no memory for its work space")
+
+
+def exp_nonpositive(d: np.ndarray) -> np.ndarray:
+    """The attention pass's own float32 ``exp`` of each of ``d`` (float32, ``<= 0``; 0 below
+    float32's normal range), as `block_scores` computes it: for the tests."""
+    assert LIBRARY is not None
+    d = np.ascontiguousarray(d, np.float32)
+    out = np.empty_like(d)
+    LIBRARY.kvsnap_exp_nonpositive(_address(d, np.float32), d.size, _address(out, np.float32))
+    return out

@@ -177,3 +177,66 @@ def test_wrong_arrays_are_refused_before_c_sees_them() -> None:
         native.halves_to_float32(np.zeros(4, np.uint16), np.zeros(3, np.float32))
     assert sorted(native.top_rows(peaks, 3).tolist()) == [7, 8, 9]
     assert native.top_rows(peaks, 0).size == 0
+    with pytest.raises(TypeError, match="one query position per row"):
+        rows = np.zeros((2, 9))
+        native.block_scores(
+            np.zeros((2, 5), np.float32),
+            rows,
+            np.zeros(3, np.int64),
+            np.arange(5),
+            1,
+            0,
+            -1,
+            0,
+            0,
+            False,
+            4,
+            64,
+            256,
+        )
+
+
+# Prints, as JSON, the attention pass's rows for blocks of every mask, softcap and sink setting,
+# computed by whichever pass KVSNAP_KERNEL selects (and whether numba was imported).
+BLOCKS = r"""
+import json, sys
+import numpy as np
+from kvsnap.analysis import attention_kernel as k
+out = {"numba": "numba" in sys.modules, "rows": [], "weights": []}
+rng = np.random.default_rng(11)
+for m in (1, 37, 1300):  # 1300 keys: chunks of 512 and a remainder
+    keys = np.sort(rng.choice(np.arange(3 * m), m, replace=False)).astype(np.int64)
+    queries = np.sort(rng.integers(0, 3 * m, 24)).astype(np.int64)
+    for softcap, window, keep, sink in ((0.0, -1, 0, None), (2.0, -1, 0, 0.5), (0.0, 40, 3, -1.0)):
+        logits = (rng.standard_normal((24, m)) * 4).astype(np.float32)
+        logits[0] = 0.0  # flat
+        rows = np.empty((24, k.ROW_FIELDS))
+        k.block_scores(logits, rows, queries, keys, 0.125, softcap, window, keep,
+                       0.0 if sink is None else sink, sink is not None, 4, 64, 256)
+        out["rows"].append(rows.tolist())
+        out["weights"].append(logits.tolist())
+out["numba"] = out["numba"] or "numba" in sys.modules
+print(json.dumps(out))
+"""
+
+
+def _blocks(mode: str) -> dict:
+    env = {**os.environ, "KVSNAP_KERNEL": mode}
+    done = subprocess.run([sys.executable, "-c", BLOCKS], env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(not DEFAULT, reason="compares the default (C) pass with numba's")
+def test_c_and_numba_attention_passes_agree() -> None:
+    """The attention group's pass in C against its numba twin, on blocks of 1, 37 and 1,300 keys
+    with every mask, softcap and sink setting: the visible counts and top-1 columns exactly, the
+    scores and the exponentials left in the logits to float32 rounding (their float32 partial
+    sums run in other lanes, and numba may fuse multiply-adds). The C pass imports no numba."""
+    c, jit = _blocks("compiled"), _blocks("numba")
+    assert (c["numba"], jit["numba"]) == (False, True)
+    for got, expected in zip(c["rows"], jit["rows"], strict=True):
+        got, expected = np.array(got), np.array(expected)
+        np.testing.assert_array_equal(got[:, [3, 5]], expected[:, [3, 5]])  # VISIBLE, TOP
+        np.testing.assert_allclose(got, expected, rtol=2e-6, atol=1e-6)
+    for got, expected in zip(c["weights"], jit["weights"], strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-6, atol=1e-30)
