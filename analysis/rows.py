@@ -162,7 +162,11 @@ def _compiled_installed() -> bool:
 
 
 def _spectrum(stack: Sequence[HeadAccumulator], n: np.ndarray, m1: np.ndarray) -> list[dict[str, Any]]:
-    covariance = np.stack([acc.gram for acc in stack]) / n[:, None, None] - m1[:, :, None] * m1[:, None, :]
+    # In place: each (b, dim, dim) temporary is megabytes of fresh pages, faulted in on every call.
+    covariance = np.stack([acc.gram for acc in stack])
+    covariance /= n[:, None, None]
+    for b in range(len(stack)):
+        covariance[b] -= np.outer(m1[b], m1[b])
     # The CPU backend's compiled solver (C or numba, without the interpreter's lock) where its
     # kernel is; LAPACK on the numpy reference path and on mlx, which never loads the CPU
     # kernels (`processes.MLX_START_METHOD`).
