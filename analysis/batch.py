@@ -19,6 +19,7 @@ from .files import (
     describe_error,
     expand_paths,
     file_or_failure,
+    part_or_failure,
 )
 from .parallel import local_map
 from .stats import (
@@ -31,6 +32,8 @@ from .stats import (
 if TYPE_CHECKING:
     import polars as pl
     import pyarrow as pa
+
+    from .plan import PassOptions
 
 __all__ = [
     "BatchOptions",
@@ -63,17 +66,38 @@ def run_stats(
 
         return ray_stats(paths, options)
     processes, pass_options = options.plan(len(paths))
+    parts = file_parts(len(paths), options.cores, pass_options)
+    if parts > 1:
+        processes = min(options.cores, len(paths) * parts)
     tables: list[pa.Table] = []
     failures: list[FileFailure] = []
-    results = local_map(file_or_failure, paths, processes, file_table, pass_options, options.fail_fast)
-    for path, result in zip(paths, results, strict=True):
-        if isinstance(result, FileFailure):
-            failures.append(result)
+    tasks = [(path, (index, parts)) for path in paths for index in range(parts)]
+    results = iter(local_map(part_or_failure, tasks, processes, file_table, pass_options, options.fail_fast))
+    for path in paths:
+        found = [next(results) for _ in range(parts)]  # the file's parts, in layer order
+        failed = [result for result in found if isinstance(result, FileFailure)]
+        if failed:
+            failures.append(failed[0])
         else:
-            tables.append(result)
+            tables.extend(found)
         if progress:
             progress(path)
     return BatchResult(rows_of(tables), failures, len(paths))
+
+
+PART_TASKS_PER_PROCESS = 8
+MAX_PARTS = 8
+
+
+def file_parts(files: int, cores: int, options: PassOptions) -> int:
+    """Into how many parts (contiguous shares of its layers, `PassOptions.part`) a batch splits
+    each file: with files on one core each (the CPU backend, at least as many files as half the
+    cores), about `PART_TASKS_PER_PROCESS` tasks per process, at most `MAX_PARTS` per file, so
+    that the batch's last files end together on every core instead of a last round of whole
+    files on a few of them (50 files on 16 cores: four rounds, the last of 2 files). Else 1."""
+    if options.backend != "cpu" or options.workers > 1 or cores <= 1 or files < 1:
+        return 1
+    return max(1, min(MAX_PARTS, -(-PART_TASKS_PER_PROCESS * cores // files)))
 
 
 class Merger:

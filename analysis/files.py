@@ -173,6 +173,18 @@ def file_or_failure(
         return FileFailure(path, describe_error(exc))
 
 
+def part_or_failure(
+    task: tuple[str, tuple[int, int]],
+    work: Callable[[str, PassOptions], Any],
+    options: PassOptions,
+    fail_fast: bool,
+) -> Any:
+    """`file_or_failure` of one part of a file: ``task`` is ``(path, (index, count))``, the part
+    as `PassOptions.part` takes it."""
+    path, part = task
+    return file_or_failure(path, work, dataclasses.replace(options, part=part), fail_fast)
+
+
 def sort_like(table: pl.DataFrame, paths: list[str]) -> pl.DataFrame:
     """Rows in the order of ``paths``, each file's rows in the order its pass produced them (a
     stable sort): the local engine's order."""

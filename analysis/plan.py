@@ -43,7 +43,10 @@ class PassOptions:
     file on `backends.mlx.processes` worker processes, each driving the device; else one thread
     that reads the next block while the device works); ``device_share``: how many processes
     drive the device at once with passes like this one (a batch's files in parallel), among
-    which an mlx pass divides the machine's copy and row threads (`backends.mlx_sizing`)."""
+    which an mlx pass divides the machine's copy and row threads (`backends.mlx_sizing`);
+    ``part``: ``(index, count)``, the pass covers the ``index``-th of ``count`` contiguous shares of
+    the file's present layers (`layers_of_part`), so that a batch can hand one file to several
+    workers (`analysis.batch`); ``(0, 1)``, the default, is the whole file."""
 
     snapshot: int = -1
     keys: str = "post_rope"
@@ -53,6 +56,7 @@ class PassOptions:
     progress: bool = field(default=False, compare=False)  # a bar per layer on a terminal's stderr
     backend: str = "cpu"
     device_share: int = field(default=1, compare=False)
+    part: tuple[int, int] = (0, 1)
 
     def __post_init__(self) -> None:
         if self.keys not in ("post_rope", "pre_rope"):
@@ -61,6 +65,9 @@ class PassOptions:
             raise ValueError(f"workers must be a positive integer, not {self.workers!r}")
         if not isinstance(self.device_share, int) or self.device_share < 1:
             raise ValueError(f"device_share must be a positive integer, not {self.device_share!r}")
+        index, count = self.part
+        if not (isinstance(index, int) and isinstance(count, int) and 0 <= index < count):
+            raise ValueError(f"part must be (index, count) with 0 <= index < count, not {self.part!r}")
         check_backend(self.backend)
         object.__setattr__(self, "stats", stat_groups(self.stats))
 
@@ -204,10 +211,25 @@ def fresh_accumulators(
     return table
 
 
-def pass_order(snap: kvformat.Snapshot) -> tuple[list[Window], dict[int, int]]:
+def layers_of_part(layers: dict[int, Any], part: tuple[int, int]) -> dict[int, Any]:
+    """The entries of ``layers`` (keyed by layer, in layer order) in share ``index`` of ``count``
+    contiguous shares of them, as even as whole layers allow (`PassOptions.part`)."""
+    index, count = part
+    keys = list(layers)
+    chosen = keys[index * len(keys) // count : (index + 1) * len(keys) // count]
+    return {layer: layers[layer] for layer in chosen}
+
+
+def pass_order(
+    snap: kvformat.Snapshot, layers: dict[int, Any] | None = None
+) -> tuple[list[Window], dict[int, int]]:
     """The pass's `windows` and, per layer, the index of its last segment in that order (the
-    layer is done once the pass is past it)."""
+    layer is done once the pass is past it); only the segments of ``layers`` (keyed by layer)
+    where given."""
     order = windows(snap)
+    if layers is not None:
+        order = [Window([s for s in w.segments if s.layer in layers], w.release) for w in order]
+        order = [w for w in order if w.segments]
     last = {seg.layer: i for i, seg in enumerate(s for w in order for s in w.segments)}
     return order, last
 

@@ -346,15 +346,16 @@ def layers(
     layers in the same order with the same accumulators."""
     from concurrent.futures.process import BrokenProcessPool
 
-    from .plan import fresh_accumulators, layer_bar, layer_ropes, pass_order
+    from .plan import fresh_accumulators, layer_bar, layer_ropes, layers_of_part, pass_order
 
     workers = worker_count(options.workers, options.backend)
     start(workers, options.backend)  # the workers start while the pass is planned
     pool = _pool(workers, options.backend)
     with kvformat.open(path, options.snapshot) as snap:
         name, index = os.fspath(path), snap.index
-        ropes = layer_ropes(snap, options.keys)  # a pre_rope error raised here, before any work
-        order, last = pass_order(snap)
+        # a pre_rope error raised here, before any work
+        ropes = layers_of_part(layer_ropes(snap, options.keys), options.part)
+        order, last = pass_order(snap, ropes)
         empty = {
             layer: fresh_accumulators(snap, layer, ropes[layer], options)
             for layer in ropes

@@ -28,6 +28,7 @@ from .plan import (
     head_batches,
     layer_bar,
     layer_ropes,
+    layers_of_part,
     pass_backend,
     pass_order,
     row_parts,
@@ -179,9 +180,9 @@ def layers(
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
         options = dataclasses.replace(options, backend=pass_backend(snap, options.backend))
         name, index = os.fspath(path), snap.index
-        ropes = layer_ropes(snap, options.keys)
+        ropes = layers_of_part(layer_ropes(snap, options.keys), options.part)
         unrotate = options.keys == "pre_rope"
-        order, last = pass_order(snap)
+        order, last = pass_order(snap, ropes)
         regrouped = any(w.release for w in order)  # small segments: released by window
         bar = layer_bar(name, len(ropes), progress)
         for layer in ropes:

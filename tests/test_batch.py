@@ -81,6 +81,37 @@ def test_processes_give_the_same_table(runs: Path) -> None:
     assert parallel.failures == serial.failures
 
 
+def test_files_split_into_parts_of_their_layers_give_the_whole_files_table(runs: Path) -> None:
+    """With a file or more per core, a CPU batch hands each file out as parts (contiguous shares
+    of its layers, `PassOptions.part`) so the last files end together on every core: the table
+    is the one of whole files, row for row, and a broken file is one failure however many parts
+    it was split into."""
+    from kvsnap.analysis.batch import BatchOptions, file_parts
+    from kvsnap.analysis.plan import PassOptions, layers_of_part
+    from kvsnap.analysis.stats import file_table
+
+    one = BatchOptions(jobs=2).plan(4)[1]
+    assert one.workers == 1 and file_parts(4, 2, one) == 4  # 8 tasks per process, 2 processes
+    assert file_parts(50, 16, one) == 3 and file_parts(500, 16, one) == 1 and file_parts(4, 16, one) == 8
+    assert file_parts(4, 1, one) == 1  # one core: nothing to balance
+    assert file_parts(2, 16, BatchOptions(jobs=16).plan(2)[1]) == 1  # each file on 8 workers already
+    layers = {layer: None for layer in (0, 1, 2, 4, 5, 7, 9)}  # present layers, with gaps
+    for count in (1, 2, 3, 7, 9):
+        shares = [list(layers_of_part(layers, (i, count))) for i in range(count)]
+        assert [layer for share in shares for layer in share] == list(layers)
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    with pytest.raises(ValueError, match="part must be"):
+        PassOptions(part=(2, 2))
+    split = run_stats(str(runs / "*.kv"), jobs=2)  # 4 files on 2 cores: 4 parts each
+    whole = run_stats(str(runs / "*.kv"), jobs=1)
+    assert split.table.equals(whole.table)
+    assert split.failures == whole.failures and len(split.failures) == 1
+    path = good_files(runs)[1]  # one part's rows are its layers' rows of the whole file
+    halves = [pl.from_arrow(file_table(path, PassOptions(part=(index, 2)))) for index in range(2)]
+    assert [sorted(set(half["layer"].to_list())) for half in halves] == [[0], [1, 2]]
+    assert pl.concat(halves).equals(head_stats([path], jobs=1))
+
+
 def test_one_options_object_or_its_fields_as_keywords(runs: Path) -> None:
     from kvsnap.analysis.batch import BatchOptions
 
