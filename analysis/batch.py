@@ -8,6 +8,7 @@ name and collected in `BatchResult.failures`; the other files go on unless ``fai
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,7 @@ def run_stats(
     options: BatchOptions | None = None,
     *,
     progress: Callable[[str], None] | None = None,
+    sink: Callable[[pa.Table], None] | None = None,
     **settings: Any,
 ) -> BatchResult:
     """Per-head statistics of every file the patterns name, one row per (file, seq, layer, head,
@@ -58,13 +60,18 @@ def run_stats(
     ``engine="ray"``, ``stats="norms"``...), say how: the ``"local"`` engine (``jobs`` cores,
     default all: files in processes, the cores left as each file's workers) or ``"ray"``
     (``address`` of a cluster, or a local one with ``jobs`` CPUs). Same rows, same order, for
-    both engines. ``progress`` is called with each file name as it finishes."""
+    both engines. ``progress`` is called with each file name as it finishes; ``sink`` with the
+    rows' tables in order, each as soon as its file is done (the local engine; the Ray engine
+    calls it once, with every row), to write them while the other files are computed."""
     options = BatchOptions.of(options, settings)
     paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, options.storage_options)
     if options.engine == "ray":
         from .ray import ray_stats
 
-        return ray_stats(paths, options)
+        result = ray_stats(paths, options)
+        if sink is not None:
+            sink(result.rows)
+        return result
     processes, pass_options = options.plan(len(paths))
     parts = file_parts(len(paths), options.cores, pass_options)
     if parts > 1:
@@ -72,7 +79,10 @@ def run_stats(
     tables: list[pa.Table] = []
     failures: list[FileFailure] = []
     tasks = [(path, (index, parts)) for path in paths for index in range(parts)]
-    results = iter(local_map(part_or_failure, tasks, processes, file_table, pass_options, options.fail_fast))
+    # In this process (one process), each layer's table goes to the sink as it is computed.
+    here = processes <= 1 or len(tasks) <= 1
+    work = functools.partial(file_table, sink=sink) if here and sink is not None else file_table
+    results = iter(local_map(part_or_failure, tasks, processes, work, pass_options, options.fail_fast))
     for path in paths:
         found = [next(results) for _ in range(parts)]  # the file's parts, in layer order
         failed = [result for result in found if isinstance(result, FileFailure)]
@@ -80,6 +90,9 @@ def run_stats(
             failures.append(failed[0])
         else:
             tables.extend(found)
+            if sink is not None and not here:
+                for table in found:
+                    sink(table)
         if progress:
             progress(path)
     return BatchResult(rows_of(tables), failures, len(paths))

@@ -163,9 +163,16 @@ def merged_accumulators(
     return merged
 
 
-def file_table(path: str | os.PathLike[str], options: PassOptions) -> pa.Table:
-    """Every layer's table of one file, concatenated (what the engines call per file)."""
-    tables = list(layer_tables(path, options, options.progress))
+def file_table(
+    path: str | os.PathLike[str], options: PassOptions, sink: Callable[[pa.Table], None] | None = None
+) -> pa.Table:
+    """Every layer's table of one file, concatenated (what the engines call per file); ``sink``,
+    in this process, takes each layer's table as soon as it is computed."""
+    tables = []
+    for table in layer_tables(path, options, options.progress):
+        tables.append(table)
+        if sink is not None:
+            sink(table)
     # pyarrow after the pass has started (its first table imports it while the workers run):
     # imported first, it held up the tasks' submission by its import (~0.03-0.2 s).
     import pyarrow as pa

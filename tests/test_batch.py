@@ -269,6 +269,60 @@ def test_cli_reports_failures_and_writes_the_rest(
     assert pl.read_parquet(out).height == LAYERS * HEADS * 2
 
 
+def test_cli_writes_the_rows_as_files_finish_and_exactly_the_rows(
+    runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kvsnap stats FILES -o out.parquet`` writes each file's rows as it finishes (a row group
+    each, in file order), and the file holds exactly the rows of the files that worked: in one
+    process a file that fails in its last layer has written its first layers already; those are
+    not left in the output."""
+    import pyarrow.parquet as pq
+
+    expected = run_stats(good_files(runs), jobs=1).table
+    for jobs in ("1", "2"):
+        out = tmp_path / f"stats-{jobs}.parquet"
+        assert main(["stats", *good_files(runs), "-o", str(out), "--jobs", jobs]) == 0
+        assert pl.read_parquet(out).equals(expected)
+        assert pq.ParquetFile(out).metadata.num_row_groups > 1  # written a table at a time
+    late = tmp_path / "late.kv"
+    shutil.copy(runs / "run2.kv", late)
+    with kvformat.open(late) as snap:  # a byte of the last layer's last chunk flipped
+        last = max((s for s in snap.segments() if s.layer == LAYERS - 1), key=lambda s: s.v_chunk)
+        offset = snap._file.chunk(last.v_chunk).payload_offset + 1
+    data = bytearray(late.read_bytes())
+    data[offset] ^= 0xFF
+    late.write_bytes(bytes(data))
+    out = tmp_path / "partial.parquet"
+    assert main(["stats", *good_files(runs)[:2], str(late), "-o", str(out), "--jobs", "1"]) == 1
+    assert "ChecksumError" in capsys.readouterr().err
+    assert pl.read_parquet(out).equals(run_stats(good_files(runs)[:2], jobs=1).table)
+    with pytest.raises(SystemExit, match="no statistics: every file failed"):  # nothing worked
+        main(["stats", str(late), "-o", str(tmp_path / "none.parquet")])
+    assert not (tmp_path / "none.parquet").exists() and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_parquet_sink_rewrites_what_it_cannot_stream(tmp_path: Path) -> None:
+    """`ParquetSink`: tables of one schema are streamed; tables of another schema (files of other
+    layouts), or rows that do not add up to what was streamed, make `finish` write the rows whole."""
+    import pyarrow as pa
+
+    from kvsnap.analysis.commands.common import ParquetSink
+
+    a = pa.table({"x": [1, 2], "y": [0.5, 1.5]})
+    b = pa.table({"x": [3], "z": ["c"]})
+    cases = [
+        ([a, a], pa.concat_tables([a, a])),
+        ([a, b], pa.concat_tables([a, b], promote_options="default")),
+    ]
+    cases.append(([a, a], a))  # the second table's file failed later: not in the rows
+    for i, (tables, rows) in enumerate(cases):
+        sink = ParquetSink(str(tmp_path / f"{i}.parquet"))
+        for table in tables:
+            sink.add(table)
+        sink.finish(rows)
+        assert pl.read_parquet(tmp_path / f"{i}.parquet").equals(pl.from_arrow(rows))
+
+
 @pytest.mark.nginx
 def test_cli_over_http_and_s3_equals_local(runs: Path, tmp_path: Path) -> None:
     local = tmp_path / "local.parquet"

@@ -94,6 +94,43 @@ def save_parquet(table: Any, path: str, args: argparse.Namespace) -> None:
     print(f"wrote {path}: {len(table)} rows")
 
 
+class ParquetSink:
+    """Arrow tables written to one Parquet file as they arrive, a row group each (a batch's
+    files, while the others are still computed: the write no longer waits for the last one).
+    `finish` closes it, or writes the whole ``rows`` at once where the tables' schemas differed
+    (files of other layouts: ``rows`` is their union) or did not add up to ``rows`` (a file that
+    failed after some of its layers were written)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.writer: Any = None
+        self.rows = 0
+        self.mixed = False
+
+    def add(self, table: Any) -> None:
+        """Write ``table`` (an Arrow table) after the ones before it."""
+        if self.mixed or not table.num_rows:
+            return
+        if self.writer is None:
+            import pyarrow.parquet as pq
+
+            self.writer = pq.ParquetWriter(self.path, table.schema, compression="zstd")
+        elif not table.schema.equals(self.writer.schema):
+            self.mixed = True
+            return
+        self.writer.write_table(table)
+        self.rows += table.num_rows
+
+    def finish(self, rows: Any) -> None:
+        """Close the file; it then holds exactly ``rows`` (an Arrow table)."""
+        if self.writer is not None:
+            self.writer.close()
+        if self.writer is None or self.mixed or self.rows != rows.num_rows:
+            import pyarrow.parquet as pq
+
+            pq.write_table(rows, self.path, compression="zstd")
+
+
 def save_figure(figure: Any, path: str, args: argparse.Namespace) -> None:
     """Save ``figure`` as PNG at exactly ``path`` (matplotlib would add ``.png`` to a bare name)."""
     with output_path(path, inputs=inputs(args), force=args.force) as temporary:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from .common import KEYS, save_parquet, url_options
+from kvformat.outputs import output_path
+
+from .common import KEYS, ParquetSink, inputs, save_parquet, url_options
 
 
 def _progress(total: int) -> Callable[[str], None]:
@@ -38,8 +41,9 @@ def _jobs(args: argparse.Namespace, engine: str, backend: str) -> int | None:
     return args.jobs
 
 
-def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
-    """Statistics of every file or pattern, on the chosen engine; failures reported by file."""
+def _batch(args: argparse.Namespace, merge: bool = False, sink: Callable[[Any], None] | None = None) -> Any:
+    """Statistics of every file or pattern, on the chosen engine; failures reported by file;
+    ``sink`` (not with ``merge``) takes the rows' tables as they arrive (`batch.run_stats`)."""
     from .. import processes
     from ..parallel import cores
 
@@ -56,7 +60,7 @@ def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
         files = expand_paths(args.files, options)
     except (FileNotFoundError, ValueError) as exc:
         raise SystemExit(str(exc)) from None
-    run = merged_stats if merge else run_stats
+    run = merged_stats if merge else functools.partial(run_stats, sink=sink)
     result = run(
         files,
         engine=engine,
@@ -77,10 +81,10 @@ def _batch(args: argparse.Namespace, merge: bool = False) -> Any:
     return result
 
 
-def statistics_rows(args: argparse.Namespace) -> Any:
+def statistics_rows(args: argparse.Namespace, sink: Callable[[Any], None] | None = None) -> Any:
     """The statistics of every file as an Arrow table (failures reported on stderr, exit status
-    1 later)."""
-    result = _batch(args)
+    1 later); ``sink`` as in `batch.run_stats`."""
+    result = _batch(args, sink=sink)
     args.failed = bool(result.failures)
     if not result.rows.num_rows:
         raise SystemExit("no statistics: every file failed or every layer is absent")
@@ -176,9 +180,14 @@ def stats_command(args: argparse.Namespace) -> int:
         return _attention_stats(args)
     if args.merge:
         return _merged(args)
-    rows = statistics_rows(args)
-    if args.output:
-        save_parquet(rows, args.output, args)
+    if args.output:  # written as the files finish; checked (exists? an input?) before any work
+        with output_path(args.output, inputs=inputs(args), force=args.force) as temporary:
+            sink = ParquetSink(temporary)
+            rows = statistics_rows(args, sink.add)
+            sink.finish(rows)
+        print(f"wrote {args.output}: {len(rows)} rows")
+    else:
+        rows = statistics_rows(args)
     if "norm_mean" not in rows.column_names:  # --stats without norms: medians of what was computed
         _medians(rows)
     else:
