@@ -20,6 +20,7 @@ from .files import (
     describe_error,
     expand_paths,
     file_or_failure,
+    file_parts,
     part_or_failure,
 )
 from .parallel import local_map
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     import polars as pl
     import pyarrow as pa
 
-    from .plan import PassOptions
 
 __all__ = [
     "BatchOptions",
@@ -96,21 +96,6 @@ def run_stats(
         if progress:
             progress(path)
     return BatchResult(rows_of(tables), failures, len(paths))
-
-
-PART_TASKS_PER_PROCESS = 8
-MAX_PARTS = 8
-
-
-def file_parts(files: int, cores: int, options: PassOptions) -> int:
-    """Into how many parts (contiguous shares of its layers, `PassOptions.part`) a batch splits
-    each file: with files on one core each (the CPU backend, at least as many files as half the
-    cores), about `PART_TASKS_PER_PROCESS` tasks per process, at most `MAX_PARTS` per file, so
-    that the batch's last files end together on every core instead of a last round of whole
-    files on a few of them (50 files on 16 cores: four rounds, the last of 2 files). Else 1."""
-    if options.backend != "cpu" or options.workers > 1 or cores <= 1 or files < 1:
-        return 1
-    return max(1, min(MAX_PARTS, -(-PART_TASKS_PER_PROCESS * cores // files)))
 
 
 class Merger:

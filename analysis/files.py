@@ -173,6 +173,21 @@ def file_or_failure(
         return FileFailure(path, describe_error(exc))
 
 
+PART_TASKS_PER_PROCESS = 8
+MAX_PARTS = 8
+
+
+def file_parts(files: int, cores: int, options: PassOptions) -> int:
+    """Into how many parts (contiguous shares of its layers, `PassOptions.part`) a batch splits
+    each file: with files on one core each (the CPU backend, at least as many files as half the
+    cores), about `PART_TASKS_PER_PROCESS` tasks per process, at most `MAX_PARTS` per file, so
+    that the batch's last files end together on every core instead of a last round of whole
+    files on a few of them (50 files on 16 cores: four rounds, the last of 2 files). Else 1."""
+    if options.backend != "cpu" or options.workers > 1 or cores <= 1 or files < 1:
+        return 1
+    return max(1, min(MAX_PARTS, -(-PART_TASKS_PER_PROCESS * cores // files)))
+
+
 def part_or_failure(
     task: tuple[str, tuple[int, int]],
     work: Callable[[str, PassOptions], Any],

@@ -6,6 +6,7 @@ The formulas are in ``analysis/README.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ from .catalogue import (
     TOP_K,
     stat_groups,
 )
-from .files import BatchOptions
+from .files import BatchOptions, file_parts
 from .parallel import local_map
 from .plan import BACKENDS, Key, PassOptions, check_backend
 from .streaming import accumulate, layers
@@ -201,10 +202,22 @@ def file_tables(
     files = _paths(paths)
     batch = BatchOptions(jobs=jobs, snapshot=snapshot, keys=keys, stats=stat_groups(stats), backend=backend)
     processes, options = batch.plan(len(files))
-    for path, table in zip(files, local_map(file_table, files, processes, options), strict=True):
+    parts = file_parts(len(files), batch.cores, options)  # (as `batch.run_stats` hands files out)
+    if parts > 1:
+        processes = min(batch.cores, len(files) * parts)
+    tasks = [(path, (index, parts)) for path in files for index in range(parts)]
+    results = iter(local_map(_part_table, tasks, processes, options))
+    for path in files:
+        found = [next(results) for _ in range(parts)]
         if progress:
             progress(os.fspath(path))
-        yield table
+        yield found[0] if parts == 1 else rows_of(found)
+
+
+def _part_table(task: tuple[str | os.PathLike[str], tuple[int, int]], options: PassOptions) -> pa.Table:
+    """`file_table` of one part of a file: ``task`` is ``(path, (index, count))``."""
+    path, part = task
+    return file_table(path, dataclasses.replace(options, part=part))
 
 
 def head_stats(
