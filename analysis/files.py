@@ -179,10 +179,10 @@ MAX_PARTS = 8
 
 def file_parts(files: int, cores: int, options: PassOptions) -> int:
     """Into how many parts (contiguous shares of its layers, `PassOptions.part`) a batch splits
-    each file: with files on one core each (the CPU backend, at least as many files as half the
-    cores), about `PART_TASKS_PER_PROCESS` tasks per process, at most `MAX_PARTS` per file, so
-    that the batch's last files end together on every core instead of a last round of whole
-    files on a few of them (50 files on 16 cores: four rounds, the last of 2 files). Else 1."""
+    each file: where ``options`` gives each file one core (the CPU backend, more files than half
+    the cores), about `PART_TASKS_PER_PROCESS` tasks per process, at most `MAX_PARTS` per file,
+    so that the last files end together on every core (50 files on 16 cores: 3 parts; 9 files: 8
+    parts on 16 processes, where whole files left 7 cores idle). Else 1."""
     if options.backend != "cpu" or options.workers > 1 or cores <= 1 or files < 1:
         return 1
     return max(1, min(MAX_PARTS, -(-PART_TASKS_PER_PROCESS * cores // files)))
