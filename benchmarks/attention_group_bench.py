@@ -4,7 +4,7 @@ fresh process, defaults. Both orders are run, since whichever goes first in a pr
 the imports and the compiled kernels' loading: ``first`` is a fresh process's only call, ``then``
 the same group after the other one in that process.
 
-    python -m benchmarks.attention_group_bench FILE [--runs 5]
+    python -m benchmarks.attention_group_bench FILE [--runs 5] [--arrow]
 
 It also times, in the same run, the products neither group can skip, bare numpy on float32
 arrays already in memory in their fastest form (BLAS on every core, the query heads of a KV head
@@ -28,11 +28,19 @@ from benchmarks.timing import blas_line
 _CHILD = """
 import sys, time
 import kvsnap
-path, order = sys.argv[1], sys.argv[2].split(",")
-calls = {
-    "attention": lambda: kvsnap.attention_stats(path),
-    "spectrum": lambda: kvsnap.head_stats([path], stats="spectrum"),
-}
+path, order, arrow = sys.argv[1], sys.argv[2].split(","), sys.argv[3] == "arrow"
+if arrow:  # what `kvsnap stats FILE --stats G` computes: Arrow tables, no polars
+    from kvsnap.analysis.head_importance import attention_table
+    from kvsnap.analysis.stats import file_tables
+    calls = {
+        "attention": lambda: attention_table(path),
+        "spectrum": lambda: list(file_tables([path], stats="spectrum")),
+    }
+else:
+    calls = {
+        "attention": lambda: kvsnap.attention_stats(path),
+        "spectrum": lambda: kvsnap.head_stats([path], stats="spectrum"),
+    }
 for name in order:
     start = time.perf_counter()
     calls[name]()
@@ -78,13 +86,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("file")
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument(
+        "--arrow",
+        action="store_true",
+        help="the groups as `kvsnap stats` computes them (Arrow tables, no polars) instead of the "
+        "Python API's DataFrames (`attention_stats`, `head_stats`)",
+    )
     args = parser.parse_args()
     print(blas_line())
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.runs):
         for order in (("attention", "spectrum"), ("spectrum", "attention")):
             out = subprocess.run(
-                [sys.executable, "-c", _CHILD, args.file, ",".join(order)],
+                [sys.executable, "-c", _CHILD, args.file, ",".join(order), "arrow" if args.arrow else "api"],
                 check=True,
                 capture_output=True,
                 text=True,

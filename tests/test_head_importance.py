@@ -6,6 +6,7 @@ On a synthetic file (GQA 4:2, a sliding window and sinks) and on a real SmolLM2 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -197,18 +198,26 @@ def test_without_queries_the_error_names_the_option(tmp_path: Path) -> None:
     assert not (tmp_path / "s.parquet").exists()
 
 
-def test_cli_attention_stats_and_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_attention_stats_and_simulate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import polars as pl
 
     from kvformat.cli import main
 
     _write(tmp_path / "a.kv", SPECS["causal"])
     out = tmp_path / "att.parquet"
+    expected = head_importance.attention_stats(tmp_path / "a.kv")
+    monkeypatch.setitem(sys.modules, "polars", None)  # printed and saved without polars, as `stats`
     assert main(["stats", str(tmp_path / "a.kv"), "--stats", "attention", "-o", str(out)]) == 0
+    monkeypatch.delitem(sys.modules, "polars")
     printed = capsys.readouterr().out
     assert "highest sink mass: L0.H0=" in printed  # query head 0 is the sink head
     table = pl.read_parquet(out)
+    assert table.equals(expected)  # the Python API's table, dtypes and all
     assert table.height == 4 and math.isfinite(table["entropy"][0])
+    top = expected.sort("streaming_error", descending=True, maintain_order=True).row(0, named=True)
+    assert f"highest streaming error: L0.H{top['head']}={top['streaming_error']:.3f}" in printed
     with pytest.raises(SystemExit) as refused:  # argparse: one line, exit 2
         main(["stats", str(tmp_path / "a.kv"), "--stats", "attention,norms"])
     assert refused.value.code == 2

@@ -296,12 +296,11 @@ def _cell(value: float | None) -> str:
 
 
 def _attention_stats(args: argparse.Namespace) -> int:
-    """``stats --stats attention``: per (layer, query head) scores from saved queries."""
-    import polars as pl
+    """``stats --stats attention``: per (layer, query head) scores from saved queries, printed and
+    saved from Arrow (no polars import, as for the other groups)."""
+    from ..head_importance import attention_table
 
-    from ..head_importance import attention_stats
-
-    table = attention_stats(
+    table = attention_table(
         args.files,
         args.snapshot,
         window=args.window,
@@ -311,14 +310,16 @@ def _attention_stats(args: argparse.Namespace) -> int:
     if args.output:
         save_parquet(table, args.output, args)
     print(
-        f"attention of {table.height} query heads (per layer and query head; {args.window}-position window)"
+        f"attention of {table.num_rows} query heads (per layer and query head; {args.window}-position window)"
     )
+    rows = table.select(["layer", "head", "sink_mass", "retrieval_score", "streaming_error"]).to_pylist()
     for column, label in (
         ("sink_mass", "sink mass"),
         ("retrieval_score", "retrieval score"),
         ("streaming_error", "streaming error"),
     ):
-        ranked = table.filter(pl.col(column).is_not_nan()).sort(column, descending=True).head(5)
-        cells = ", ".join(f"L{r['layer']}.H{r['head']}={r[column]:.3f}" for r in ranked.iter_rows(named=True))
+        scored = [row for row in rows if row[column] is not None and not math.isnan(row[column])]
+        ranked = sorted(scored, key=lambda row: row[column], reverse=True)[:5]  # stable: ties in order
+        cells = ", ".join(f"L{r['layer']}.H{r['head']}={r[column]:.3f}" for r in ranked)
         print(f"  highest {label}: {cells or 'none (no events)'}")
     return 0
