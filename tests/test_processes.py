@@ -20,7 +20,7 @@ import kvformat
 from kvsnap.analysis import processes
 from kvsnap.analysis.backends import mlx_sizing
 from kvsnap.analysis.plan import PassOptions, windows
-from kvsnap.analysis.stats import head_stats, stats_for_file
+from kvsnap.analysis.stats import head_stats, layer_tables, stats_for_file
 from kvsnap.analysis.streaming import layers
 from tests.factories import random_file
 
@@ -146,6 +146,10 @@ def test_processes_give_the_one_worker_tables_exactly(tmp_path: Path, layout: st
         assert one.num_rows > 0
         for jobs in (2, 3):
             assert _table(path, jobs, keys=keys).equals(one), (keys, jobs)
+    whole = _table(path, 1)
+    for jobs in (1, 2):  # a file in parts (`PassOptions.part`, as a batch hands it out): the rows
+        parts = [t for i in range(3) for t in layer_tables(path, PassOptions(workers=jobs, part=(i, 3)))]
+        assert pa.concat_tables(parts).equals(whole), jobs
 
 
 def test_layers_come_back_in_the_one_worker_order_with_equal_accumulators(tmp_path: Path) -> None:
