@@ -65,9 +65,14 @@ class PassOptions:
             raise ValueError(f"workers must be a positive integer, not {self.workers!r}")
         if not isinstance(self.device_share, int) or self.device_share < 1:
             raise ValueError(f"device_share must be a positive integer, not {self.device_share!r}")
-        index, count = self.part
-        if not (isinstance(index, int) and isinstance(count, int) and 0 <= index < count):
-            raise ValueError(f"part must be (index, count) with 0 <= index < count, not {self.part!r}")
+        part = self.part
+        if not (
+            isinstance(part, tuple)
+            and len(part) == 2
+            and all(isinstance(n, int) for n in part)
+            and 0 <= part[0] < part[1]
+        ):
+            raise ValueError(f"part must be (index, count) with 0 <= index < count, not {part!r}")
         check_backend(self.backend)
         object.__setattr__(self, "stats", stat_groups(self.stats))
 

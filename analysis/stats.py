@@ -196,7 +196,8 @@ def file_tables(
     backend: str = "cpu",
 ) -> Iterator[pa.Table]:
     """One Arrow table per file, in the order given, on ``jobs`` cores (default: all of this
-    process's): files in parallel processes first, the rest as each file's workers; with
+    process's): files in parallel processes first (in parts of their layers where each would get
+    one core, `files.file_parts`), the rest as each file's workers; with
     ``backend="mlx"`` one file after another, on mlx's device. ``progress`` is called with each
     file name as it finishes."""
     files = _paths(paths)

@@ -100,8 +100,9 @@ def test_files_split_into_parts_of_their_layers_give_the_whole_files_table(runs:
         shares = [list(layers_of_part(layers, (i, count))) for i in range(count)]
         assert [layer for share in shares for layer in share] == list(layers)
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
-    with pytest.raises(ValueError, match="part must be"):
-        PassOptions(part=(2, 2))
+    for wrong in ((2, 2), (-1, 2), (0,), 3, (0.0, 1)):
+        with pytest.raises(ValueError, match="part must be"):
+            PassOptions(part=wrong)  # type: ignore[arg-type]
     assert head_stats(good_files(runs), jobs=2).equals(head_stats(good_files(runs), jobs=1))  # the API too
     split = run_stats(str(runs / "*.kv"), jobs=2)  # 4 files on 2 cores: 4 parts each
     whole = run_stats(str(runs / "*.kv"), jobs=1)
