@@ -239,6 +239,23 @@ def test_cli_attention_stats_and_simulate(
     assert refused.value.code == 2
 
 
+def test_a_fresh_attention_command_imports_neither_polars_pandas_nor_numba(tmp_path: Path) -> None:
+    """``kvsnap stats FILE --stats attention`` as a user runs it, in a new process: its table is
+    printed and saved from Arrow (polars' import is 0.5-0.6 s of a fresh command on the H200
+    host; `pa.Table.from_pylist` would import pandas), and the C pass needs no numba."""
+    import subprocess
+
+    _write(tmp_path / "a.kv", SPECS["causal"])
+    command = ["stats", str(tmp_path / "a.kv"), "--stats", "attention", "-o", str(tmp_path / "a.parquet")]
+    script = (
+        f"import sys; from kvformat.cli import main; main({command!r}); "
+        "print(sorted(m for m in ('polars', 'pandas', 'numba') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    expected = "[]" if native.AVAILABLE else "['numba']"
+    assert done.stdout.strip().splitlines()[-1] == expected
+
+
 REAL_MODELS = {"smollm2": ("smollm2_dir", 30, 9, 3), "gemma3": ("gemma3_dir", 18, 4, 1)}
 
 
