@@ -9,7 +9,7 @@ name and collected in `BatchResult.failures`; the other files go on unless ``fai
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .files import (
@@ -19,7 +19,6 @@ from .files import (
     MergedKey,
     describe_error,
     expand_paths,
-    file_or_failure,
     file_parts,
     part_or_failure,
 )
@@ -34,6 +33,8 @@ from .stats import (
 if TYPE_CHECKING:
     import polars as pl
     import pyarrow as pa
+
+    from .plan import PassOptions
 
 
 __all__ = [
@@ -157,8 +158,7 @@ def merged_stats(
         results: Iterable[tuple[str, Any]] = ray_accumulators(paths, options)
     else:
         processes, pass_options = options.plan(len(paths))
-        work = local_map(file_or_failure, paths, processes, merged_accumulators, pass_options, fail_fast)
-        results = zip(paths, work, strict=True)
+        results = _merged_by_file(paths, processes, pass_options, options.cores, fail_fast)
     for path, result in results:
         if isinstance(result, FileFailure):
             failures.append(result)
@@ -172,3 +172,20 @@ def merged_stats(
         if progress:
             progress(path)
     return BatchResult(merger.table().to_arrow(), failures, len(paths))
+
+
+def _merged_by_file(
+    paths: list[str], processes: int, options: PassOptions, cores: int, fail_fast: bool
+) -> Iterator[tuple[str, Any]]:
+    """``(path, accumulators or FileFailure)`` per file, in order, on the local engine: files in
+    parts as `run_stats` hands them out (`file_parts`), each file's parts' accumulators joined
+    (their layers do not overlap)."""
+    parts = file_parts(len(paths), cores, options)
+    if parts > 1:
+        processes = min(cores, len(paths) * parts)
+    tasks = [(path, (index, parts)) for path in paths for index in range(parts)]
+    work = iter(local_map(part_or_failure, tasks, processes, merged_accumulators, options, fail_fast))
+    for path in paths:
+        found = [next(work) for _ in range(parts)]
+        failed = [result for result in found if isinstance(result, FileFailure)]
+        yield path, failed[0] if failed else {key: acc for part in found for key, acc in part.items()}

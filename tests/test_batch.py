@@ -104,6 +104,8 @@ def test_files_split_into_parts_of_their_layers_give_the_whole_files_table(runs:
         with pytest.raises(ValueError, match="part must be"):
             PassOptions(part=wrong)  # type: ignore[arg-type]
     assert head_stats(good_files(runs), jobs=2).equals(head_stats(good_files(runs), jobs=1))  # the API too
+    merged = merged_stats(good_files(runs), jobs=2).table  # --merge: parts' accumulators joined
+    assert merged.equals(merged_stats(good_files(runs), jobs=1).table)
     split = run_stats(str(runs / "*.kv"), jobs=2)  # 4 files on 2 cores: 4 parts each
     whole = run_stats(str(runs / "*.kv"), jobs=1)
     assert split.table.equals(whole.table)
