@@ -437,3 +437,33 @@ def test_every_sum_of_an_accumulator_is_declared_once_in_the_catalogue() -> None
             assert mine == whole
         else:
             np.testing.assert_allclose(np.asarray(mine, np.float64), np.asarray(whole, np.float64), rtol=1e-6)
+
+
+def test_a_file_table_built_at_once_equals_its_layer_tables_concatenated(tmp_path: Path) -> None:
+    """`file_table` without a sink builds one table of every layer's rows at the end (one Arrow
+    build per file); it equals the per-layer tables `stats_for_file` yields, concatenated, for a
+    file whose layers differ: head dims, an absent layer, a one-token layer, RoPE on some."""
+    import pyarrow as pa
+
+    from kvsnap.analysis.plan import PassOptions
+    from kvsnap.analysis.stats import file_table, layer_tables
+
+    rng = np.random.default_rng(4)
+
+    def layer(heads: int, tokens: int, dim: int) -> kvformat.Layer:
+        k = rng.standard_normal((heads, tokens, dim)).astype(np.float32)
+        return kvformat.Layer(k, rng.standard_normal((heads, tokens, dim // 2)).astype(np.float32))
+
+    path = tmp_path / "mixed.kv"
+    kvformat.save(
+        path,
+        [layer(2, 50, 8), None, layer(3, 1, 40), layer(1, 70, 16)],
+        metadata={"rope": {"base": 10000.0, "pairing": "half"}},
+    )
+    for options in (PassOptions(), PassOptions(stats="norms,spectrum"), PassOptions(part=(1, 2))):
+        at_once = file_table(path, options)
+        by_layer = list(layer_tables(path, options))
+        assert at_once.num_rows > 0
+        expected = pa.concat_tables(by_layer, promote_options="default")
+        assert at_once.schema == expected.schema, options
+        assert pl.from_arrow(at_once).equals(pl.from_arrow(expected)), options  # NaN equals NaN there
