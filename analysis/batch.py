@@ -19,10 +19,9 @@ from .files import (
     MergedKey,
     describe_error,
     expand_paths,
-    file_parts,
-    part_or_failure,
+    first_failure,
+    parts_by_file,
 )
-from .parallel import local_map
 from .stats import (
     HeadAccumulator,
     file_table,
@@ -74,26 +73,17 @@ def run_stats(
             sink(result.rows)
         return result
     processes, pass_options = options.plan(len(paths))
-    parts = file_parts(len(paths), options.cores, pass_options)
-    if parts > 1:
-        processes = min(options.cores, len(paths) * parts)
+    here = processes <= 1  # one process: each layer's table goes to the sink as it is computed
+    work = functools.partial(file_table, sink=sink) if here and sink is not None else file_table
     tables: list[pa.Table] = []
     failures: list[FileFailure] = []
-    tasks = [(path, (index, parts)) for path in paths for index in range(parts)]
-    # In this process (one process), each layer's table goes to the sink as it is computed.
-    here = processes <= 1 or len(tasks) <= 1
-    work = functools.partial(file_table, sink=sink) if here and sink is not None else file_table
-    results = iter(local_map(part_or_failure, tasks, processes, work, pass_options, options.fail_fast))
-    for path in paths:
-        found = [next(results) for _ in range(parts)]  # the file's parts, in layer order
-        failed = [result for result in found if isinstance(result, FileFailure)]
-        if failed:
-            failures.append(failed[0])
+    for path, found in parts_by_file(paths, work, processes, pass_options, options.cores, options.fail_fast):
+        failure = first_failure(found)
+        if failure is not None:
+            failures.append(failure)
         else:
             tables.extend(found)
-            if sink is not None and not here:
-                for table in found:
-                    sink(table)
+            _send(found, sink if not here else None)
         if progress:
             progress(path)
     return BatchResult(rows_of(tables), failures, len(paths))
@@ -178,14 +168,19 @@ def _merged_by_file(
     paths: list[str], processes: int, options: PassOptions, cores: int, fail_fast: bool
 ) -> Iterator[tuple[str, Any]]:
     """``(path, accumulators or FileFailure)`` per file, in order, on the local engine: files in
-    parts as `run_stats` hands them out (`file_parts`), each file's parts' accumulators joined
+    parts as `run_stats` hands them out (`parts_by_file`), each file's parts' accumulators joined
     (their layers do not overlap)."""
-    parts = file_parts(len(paths), cores, options)
-    if parts > 1:
-        processes = min(cores, len(paths) * parts)
-    tasks = [(path, (index, parts)) for path in paths for index in range(parts)]
-    work = iter(local_map(part_or_failure, tasks, processes, merged_accumulators, options, fail_fast))
-    for path in paths:
-        found = [next(work) for _ in range(parts)]
-        failed = [result for result in found if isinstance(result, FileFailure)]
-        yield path, failed[0] if failed else {key: acc for part in found for key, acc in part.items()}
+    for path, found in parts_by_file(paths, merged_accumulators, processes, options, cores, fail_fast):
+        failure = first_failure(found)
+        joined = {
+            key: acc for part in found if not isinstance(part, FileFailure) for key, acc in part.items()
+        }
+        yield path, failure if failure is not None else joined
+
+
+def _send(tables: list[pa.Table], sink: Callable[[pa.Table], None] | None) -> None:
+    """Each of ``tables`` to ``sink``, where there is one."""
+    if sink is None:
+        return
+    for table in tables:
+        sink(table)

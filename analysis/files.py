@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import glob
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -198,6 +198,34 @@ def part_or_failure(
     as `PassOptions.part` takes it."""
     path, part = task
     return file_or_failure(path, work, dataclasses.replace(options, part=part), fail_fast)
+
+
+def parts_by_file(
+    paths: Sequence[Any],
+    work: Callable[[Any, PassOptions], Any],
+    processes: int,
+    options: PassOptions,
+    cores: int,
+    fail_fast: bool = True,
+) -> Iterator[tuple[Any, list[Any]]]:
+    """Each of ``paths`` with ``work``'s results on its parts (`part_or_failure`: a part that
+    fails is its `FileFailure`, raised with ``fail_fast``), in order, on ``processes`` spawned
+    processes: files handed out in parts where each would get one core (`file_parts`; every
+    one of ``cores`` then)."""
+    from .parallel import local_map
+
+    parts = file_parts(len(paths), cores, options)
+    if parts > 1:
+        processes = min(cores, len(paths) * parts)
+    tasks = [(path, (index, parts)) for path in paths for index in range(parts)]
+    results = iter(local_map(part_or_failure, tasks, processes, work, options, fail_fast))
+    for path in paths:
+        yield path, [next(results) for _ in range(parts)]
+
+
+def first_failure(results: list[Any]) -> FileFailure | None:
+    """The first `FileFailure` among a file's parts' ``results``, or None."""
+    return next((result for result in results if isinstance(result, FileFailure)), None)
 
 
 def sort_like(table: pl.DataFrame, paths: list[str]) -> pl.DataFrame:

@@ -65,14 +65,7 @@ class PassOptions:
             raise ValueError(f"workers must be a positive integer, not {self.workers!r}")
         if not isinstance(self.device_share, int) or self.device_share < 1:
             raise ValueError(f"device_share must be a positive integer, not {self.device_share!r}")
-        part = self.part
-        if not (
-            isinstance(part, tuple)
-            and len(part) == 2
-            and all(isinstance(n, int) for n in part)
-            and 0 <= part[0] < part[1]
-        ):
-            raise ValueError(f"part must be (index, count) with 0 <= index < count, not {part!r}")
+        check_part(self.part)
         check_backend(self.backend)
         object.__setattr__(self, "stats", stat_groups(self.stats))
 
@@ -98,6 +91,13 @@ def pass_backend(snap: kvformat.Snapshot, backend: str) -> str:
     present = [spec for spec in snap.layers if spec.present]
     row = sum(spec.num_heads * (spec.row_bytes(KIND_K) + spec.row_bytes(KIND_V)) for spec in present)
     return "numpy" if row * snap.seq_len * snap.num_seqs < SMALL_PASS_BYTES else backend
+
+
+def check_part(part: Any) -> None:
+    """ValueError unless ``part`` is ``(index, count)``, two ints, ``0 <= index < count``."""
+    pair = isinstance(part, tuple) and len(part) == 2 and all(isinstance(n, int) for n in part)
+    if not (pair and 0 <= part[0] < part[1]):
+        raise ValueError(f"part must be (index, count) with 0 <= index < count, not {part!r}")
 
 
 def check_backend(backend: str) -> None:

@@ -6,7 +6,6 @@ The formulas are in ``analysis/README.md``.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from .catalogue import (
     TOP_K,
     stat_groups,
 )
-from .files import BatchOptions, file_parts
+from .files import BatchOptions, parts_by_file
 from .parallel import local_map
 from .plan import BACKENDS, Key, PassOptions, check_backend
 from .streaming import accumulate, layers
@@ -213,22 +212,10 @@ def file_tables(
     files = _paths(paths)
     batch = BatchOptions(jobs=jobs, snapshot=snapshot, keys=keys, stats=stat_groups(stats), backend=backend)
     processes, options = batch.plan(len(files))
-    parts = file_parts(len(files), batch.cores, options)  # (as `batch.run_stats` hands files out)
-    if parts > 1:
-        processes = min(batch.cores, len(files) * parts)
-    tasks = [(path, (index, parts)) for path in files for index in range(parts)]
-    results = iter(local_map(_part_table, tasks, processes, options))
-    for path in files:
-        found = [next(results) for _ in range(parts)]
+    for path, found in parts_by_file(files, file_table, processes, options, batch.cores):
         if progress:
             progress(os.fspath(path))
-        yield found[0] if parts == 1 else rows_of(found)
-
-
-def _part_table(task: tuple[str | os.PathLike[str], tuple[int, int]], options: PassOptions) -> pa.Table:
-    """`file_table` of one part of a file: ``task`` is ``(path, (index, count))``."""
-    path, part = task
-    return file_table(path, dataclasses.replace(options, part=part))
+        yield found[0] if len(found) == 1 else rows_of(found)
 
 
 def head_stats(

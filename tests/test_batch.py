@@ -86,7 +86,8 @@ def test_files_split_into_parts_of_their_layers_give_the_whole_files_table(runs:
     of its layers, `PassOptions.part`) so the last files end together on every core: the table
     is the one of whole files, row for row, and a broken file is one failure however many parts
     it was split into."""
-    from kvsnap.analysis.batch import BatchOptions, file_parts
+    from kvsnap.analysis.batch import BatchOptions
+    from kvsnap.analysis.files import file_parts
     from kvsnap.analysis.plan import PassOptions, layers_of_part
     from kvsnap.analysis.stats import file_table
 
