@@ -531,50 +531,115 @@ KERNEL static void halves_to_float32(const uint16_t *RESTRICT halves, int64_t n,
     }
 }
 
+/* The Householder reflector of step i (row i of a, its first i entries; i >= 1): row i scaled by
+ * the sum of its magnitudes and its last entry shifted, e[i] set to the sub-diagonal. Returns
+ * h (the reflector's norm: the update's divisor), 0 where the step has no update (i == 1, or the
+ * row already zero): e[i] is then the row's last entry. */
+INLINE double reflector(double *RESTRICT ai, int64_t i, double *RESTRICT e) {
+    int64_t last = i - 1;
+    if (last == 0) {
+        e[i] = ai[last];
+        return 0.0;
+    }
+    double scale = 0.0, h = 0.0;
+    SIMD_REDUCE(+, scale)
+    for (int64_t k = 0; k <= last; k++) scale += fabs(ai[k]);
+    if (scale == 0.0) {
+        e[i] = ai[last];
+        return 0.0;
+    }
+    for (int64_t k = 0; k <= last; k++) ai[k] /= scale;
+    SIMD_REDUCE(+, h)
+    for (int64_t k = 0; k <= last; k++) h += ai[k] * ai[k];
+    double f = ai[last];
+    double g = f >= 0.0 ? -sqrt(h) : sqrt(h);
+    e[i] = scale * g;
+    h -= f * g;
+    ai[last] = f - g;
+    return h;
+}
+
+/* p[0..last] := A u / h less its projection (the update's second vector), from the sums
+ * p[j] = a[j, 0..last] . u already taken (u = row i, the reflector; ``last`` = i - 1). */
+INLINE void finish_vector(double *RESTRICT p, const double *RESTRICT u, int64_t last, double h) {
+    double f = 0.0;
+    for (int64_t j = 0; j <= last; j++) {
+        p[j] /= h;
+        f += p[j] * u[j];
+    }
+    double hh = f / (h + h);
+    for (int64_t j = 0; j <= last; j++) p[j] -= hh * u[j];
+}
+
 /* eigen._tridiagonalize: symmetric a (n, n), overwritten, to diagonal d and sub-diagonal
- * e[1:] (e[0] = 0). */
-INLINE void tridiagonalize(double *RESTRICT a, int64_t n, double *RESTRICT d, double *RESTRICT e) {
+ * e[1:] (e[0] = 0); work (2n,) scratch. Each step's rank-2 update of a row is fused with the
+ * next step's product of that row and the next reflector, so the matrix is read once a step
+ * instead of twice (numba's twin takes two passes): at 128 x 128 it lives in L2, and those
+ * reads, not the arithmetic, bound the reduction (0.85x of the two-pass time here; fused
+ * multiply-adds changed nothing). The same operations on the same values: the eigenvalues
+ * agree with the two-pass reduction's to rounding of the products' sums. */
+INLINE void tridiagonalize(double *RESTRICT a, int64_t n, double *RESTRICT d, double *RESTRICT e,
+                           double *RESTRICT work) {
+    double *p = work, *next = work + n;
+    double h = n > 1 ? reflector(a + (n - 1) * n, n - 1, e) : 0.0;
+    if (h != 0.0) { /* the first step's product, alone */
+        const double *RESTRICT u = a + (n - 1) * n;
+        int64_t last = n - 2;
+        for (int64_t j = 0; j <= last; j++) {
+            const double *RESTRICT aj = a + j * n;
+            double g = 0.0;
+            SIMD_REDUCE(+, g)
+            for (int64_t k = 0; k <= last; k++) g += aj[k] * u[k];
+            p[j] = g;
+        }
+        finish_vector(p, u, last, h);
+    }
     for (int64_t i = n - 1; i > 0; i--) {
         int64_t last = i - 1;
         double *RESTRICT ai = a + i * n;
-        double h = 0.0;
-        if (last > 0) {
-            double scale = 0.0;
-            SIMD_REDUCE(+, scale)
-            for (int64_t k = 0; k <= last; k++) scale += fabs(ai[k]);
-            if (scale == 0.0) {
-                e[i] = ai[last];
-            } else {
-                for (int64_t k = 0; k <= last; k++) ai[k] /= scale;
-                SIMD_REDUCE(+, h)
-                for (int64_t k = 0; k <= last; k++) h += ai[k] * ai[k];
-                double f = ai[last];
-                double g = f >= 0.0 ? -sqrt(h) : sqrt(h);
-                e[i] = scale * g;
-                h -= f * g;
-                ai[last] = f - g;
-                f = 0.0;
-                for (int64_t j = 0; j <= last; j++) {
-                    const double *RESTRICT aj = a + j * n;
-                    g = 0.0;
-                    SIMD_REDUCE(+, g)
-                    for (int64_t k = 0; k <= last; k++) g += aj[k] * ai[k];
-                    e[j] = g / h;
-                    f += e[j] * ai[j];
-                }
-                double hh = f / (h + h);
-                for (int64_t j = 0; j <= last; j++) e[j] -= hh * ai[j];
-                for (int64_t j = 0; j <= last; j++) {
-                    double *RESTRICT aj = a + j * n;
-                    f = ai[j];
-                    g = e[j];
-                    for (int64_t k = 0; k <= last; k++) aj[k] -= f * e[k] + g * ai[k];
-                }
-            }
-        } else {
-            e[i] = ai[last];
+        double next_h = 0.0;
+        if (h != 0.0) {
+            /* row ``last`` first: the next step's reflector is made from it */
+            double *RESTRICT al = a + last * n;
+            double fl = ai[last], gl = p[last];
+            for (int64_t k = 0; k <= last; k++) al[k] -= fl * p[k] + gl * ai[k];
         }
-        d[i] = h;
+        if (last > 0) next_h = reflector(a + last * n, last, e);
+        if (h != 0.0 && next_h != 0.0) {
+            const double *RESTRICT u = a + last * n;
+            for (int64_t j = 0; j < last; j++) {
+                double *RESTRICT aj = a + j * n;
+                double fj = ai[j], gj = p[j], g = 0.0;
+                SIMD_REDUCE(+, g)
+                for (int64_t k = 0; k < last; k++) {
+                    aj[k] -= fj * p[k] + gj * ai[k];
+                    g += aj[k] * u[k];
+                }
+                aj[last] -= fj * p[last] + gj * ai[last];
+                next[j] = g;
+            }
+            finish_vector(next, u, last - 1, next_h);
+            double *swap = p;
+            p = next;
+            next = swap;
+        } else if (h != 0.0) {
+            for (int64_t j = 0; j < last; j++) {
+                double *RESTRICT aj = a + j * n;
+                double fj = ai[j], gj = p[j];
+                for (int64_t k = 0; k <= last; k++) aj[k] -= fj * p[k] + gj * ai[k];
+            }
+        } else if (next_h != 0.0) { /* no update this step: the next step's product, alone */
+            const double *RESTRICT u = a + last * n;
+            for (int64_t j = 0; j < last; j++) {
+                const double *RESTRICT aj = a + j * n;
+                double g = 0.0;
+                SIMD_REDUCE(+, g)
+                for (int64_t k = 0; k < last; k++) g += aj[k] * u[k];
+                p[j] = g;
+            }
+            finish_vector(p, u, last - 1, next_h);
+        }
+        h = next_h;
     }
     e[0] = 0.0;
     for (int64_t i = 0; i < n; i++) d[i] = a[i * n + i];
@@ -609,7 +674,7 @@ INLINE void pair(double a, double b, double c, double *first_out, double *second
 static const double EPSILON_SQUARED = 1.2325951644078310e-32; /* (2^-53)^2 */
 static const double SMALLEST = 2.2250738585072014e-308;
 
-/* One QL chain's state between sweeps (`ql`'s locals), so that two chains can run at once. */
+/* One QL chain's state between sweeps (`ql_many`'s locals), so that chains can run at once. */
 typedef struct {
     double *d, *e;
     int64_t n, low, m, i, sweeps;
@@ -617,7 +682,7 @@ typedef struct {
     double c, s, gamma, p, sigma;
 } Chain;
 
-/* `ql`'s search for the next sweep of ``q``: deflations and 2 x 2 blocks done on the way; 1 with
+/* `ql_many`'s search for the next sweep of ``q``: deflations and 2 x 2 blocks done on the way; 1 with
  * a sweep set up (rotations ``q->i`` down to ``q->low``), 0 when the chain is done (or gave up:
  * ``converged`` 0). */
 INLINE int next_sweep(Chain *q) {
@@ -660,7 +725,7 @@ INLINE int next_sweep(Chain *q) {
     return 0;
 }
 
-/* One rotation of `ql`'s sweep at row i, on locals (the same operations, in the same order). */
+/* One rotation of a QL sweep at row i, on locals (the same operations, in the same order). */
 #define ROTATE(d, e, i, m, c, s, gamma, p, sigma)                  \
     do {                                                           \
         double squared_ = e[i], r_ = p + squared_;                 \
@@ -688,60 +753,81 @@ INLINE void square_off_diagonal(double *e, int64_t n) {
     e[n - 1] = 0.0;
 }
 
-/* eigen._ql: the eigenvalues of the tridiagonal (d, e[1:]) into d (e destroyed); 0 if they took
- * more than MAX_SWEEPS per eigenvalue in all. The root-free QL iteration of LAPACK's dsterf
- * (Pal-Walker-Kahan): it runs on the squared off-diagonal, so a rotation takes two divisions
- * and no square root; a 2 x 2 block that splits off is solved directly. */
-INLINE int ql(double *d, double *e, int64_t n) {
-    Chain q = {d, e, n, 0, 0, 0, 0, 1, 0.0, 0.0, 0.0, 0.0, 0.0};
-    square_off_diagonal(e, n);
-    while (next_sweep(&q)) run_sweep(&q);
-    return q.converged;
-}
+#define QL_CHAINS 4 /* QL iterations interleaved: 8 gains nothing more on 128 x 128 */
 
-/* `ql` on two tridiagonals at once, their rotations interleaved: each sweep is a chain of
- * dependent divisions, and two independent chains run in about the time of one (1.8x here on
- * 128 x 128). Each result is bit for bit `ql`'s. */
-INLINE void ql_two(double *d1, double *e1, double *d2, double *e2, int64_t n, int *converged1,
-                   int *converged2) {
-    Chain a = {d1, e1, n, 0, 0, 0, 0, 1, 0.0, 0.0, 0.0, 0.0, 0.0};
-    Chain b = {d2, e2, n, 0, 0, 0, 0, 1, 0.0, 0.0, 0.0, 0.0, 0.0};
-    square_off_diagonal(e1, n);
-    square_off_diagonal(e2, n);
-    int more_a = next_sweep(&a), more_b = next_sweep(&b);
-    while (more_a || more_b) {
-        if (more_a && more_b) { /* both in a sweep: the rotations both have left, interleaved */
-            int64_t left_a = a.i - a.low + 1, left_b = b.i - b.low + 1;
-            int64_t k = left_a < left_b ? left_a : left_b;
-            double ca = a.c, sa = a.s, ga = a.gamma, pa = a.p, siga = a.sigma;
-            double cb = b.c, sb = b.s, gb = b.gamma, pb = b.p, sigb = b.sigma;
-            int64_t ia = a.i, ib = b.i;
-            const int64_t ma = a.m, mb = b.m;
-            for (int64_t t = 0; t < k; t++, ia--, ib--) {
-                ROTATE(d1, e1, ia, ma, ca, sa, ga, pa, siga);
-                ROTATE(d2, e2, ib, mb, cb, sb, gb, pb, sigb);
-            }
-            a.c = ca, a.s = sa, a.gamma = ga, a.p = pa, a.i = ia;
-            b.c = cb, b.s = sb, b.gamma = gb, b.p = pb, b.i = ib;
-            if (a.i < a.low) { /* a sweep's end, as `run_sweep` closes it */
-                a.e[a.low] = a.s * a.p;
-                a.d[a.low] = a.sigma + a.gamma;
-                more_a = next_sweep(&a);
-            }
-            if (b.i < b.low) {
-                b.e[b.low] = b.s * b.p;
-                b.d[b.low] = b.sigma + b.gamma;
-                more_b = next_sweep(&b);
-            }
-        } else { /* one chain left: its sweeps alone */
-            Chain *q = more_a ? &a : &b;
-            run_sweep(q);
-            if (more_a) more_a = next_sweep(&a);
-            else more_b = next_sweep(&b);
-        }
+/* ``width`` chains' rotations interleaved, each chain mid-sweep: the rotations all have left (the
+ * fewest of them), then each chain whose sweep ended is closed as `run_sweep` closes it and its
+ * next sweep set up (``more``: 0 once a chain is done). */
+#define INTERLEAVE(width)                                                                   \
+    INLINE void interleave_##width(Chain **q, int *more) {                                  \
+        int64_t k = q[0]->i - q[0]->low + 1;                                                \
+        for (int w = 1; w < width; w++) {                                                   \
+            int64_t left = q[w]->i - q[w]->low + 1;                                         \
+            if (left < k) k = left;                                                         \
+        }                                                                                   \
+        double c[width], s[width], g[width], p[width], sigma[width];                        \
+        double *d[width], *e[width];                                                        \
+        int64_t i[width], m[width];                                                         \
+        for (int w = 0; w < width; w++) {                                                   \
+            c[w] = q[w]->c, s[w] = q[w]->s, g[w] = q[w]->gamma, p[w] = q[w]->p;             \
+            sigma[w] = q[w]->sigma, d[w] = q[w]->d, e[w] = q[w]->e, i[w] = q[w]->i;         \
+            m[w] = q[w]->m;                                                                 \
+        }                                                                                   \
+        for (int64_t t = 0; t < k; t++) {                                                   \
+            _Pragma("GCC unroll 4") for (int w = 0; w < width; w++) {                       \
+                ROTATE(d[w], e[w], i[w], m[w], c[w], s[w], g[w], p[w], sigma[w]);           \
+                i[w]--;                                                                     \
+            }                                                                               \
+        }                                                                                   \
+        for (int w = 0; w < width; w++) {                                                   \
+            Chain *x = q[w];                                                                \
+            x->c = c[w], x->s = s[w], x->gamma = g[w], x->p = p[w], x->i = i[w];            \
+            if (x->i < x->low) {                                                            \
+                x->e[x->low] = x->s * x->p;                                                 \
+                x->d[x->low] = x->sigma + x->gamma;                                         \
+                more[w] = next_sweep(x);                                                    \
+            }                                                                               \
+        }                                                                                   \
     }
-    *converged1 = a.converged;
-    *converged2 = b.converged;
+INTERLEAVE(2)
+INTERLEAVE(3)
+INTERLEAVE(4)
+
+/* eigen._ql on count (<= QL_CHAINS) tridiagonals (d[c], e[c][1:]) at once: the eigenvalues of each
+ * into its d (its e destroyed); converged[c] 0 if they took more than MAX_SWEEPS per eigenvalue
+ * in all. The root-free QL iteration of LAPACK's dsterf (Pal-Walker-Kahan): it runs on the
+ * squared off-diagonal, so a rotation takes two divisions and no square root; a 2 x 2 block
+ * that splits off is solved directly. A sweep is a chain of dependent divisions: the chains'
+ * rotations are interleaved (`interleave_N`), and four independent chains run in about the
+ * time of one (QL's share of a 128 x 128 batch: 0.70x of two chains at a time, here). Each
+ * result is bit for bit the tridiagonal's alone. */
+INLINE void ql_many(double **d, double **e, int count, int64_t n, int *converged) {
+    Chain chains[QL_CHAINS];
+    int more[QL_CHAINS];
+    for (int c = 0; c < count; c++) {
+        Chain q = {d[c], e[c], n, 0, 0, 0, 0, 1, 0.0, 0.0, 0.0, 0.0, 0.0};
+        chains[c] = q;
+        square_off_diagonal(e[c], n);
+        more[c] = next_sweep(&chains[c]);
+    }
+    for (;;) {
+        Chain *active[QL_CHAINS];
+        int slot[QL_CHAINS], width = 0;
+        for (int c = 0; c < count; c++)
+            if (more[c]) active[width] = &chains[c], slot[width++] = c;
+        if (width == 0) break;
+        int local[QL_CHAINS];
+        for (int w = 0; w < width; w++) local[w] = 1;
+        if (width == 4) interleave_4(active, local);
+        else if (width == 3) interleave_3(active, local);
+        else if (width == 2) interleave_2(active, local);
+        else {
+            run_sweep(active[0]);
+            local[0] = next_sweep(active[0]);
+        }
+        for (int w = 0; w < width; w++) more[slot[w]] = local[w];
+    }
+    for (int c = 0; c < count; c++) converged[c] = chains[c].converged;
 }
 
 /* eigen._scale_into: matrix (n, n) times a power of two into a, its largest entry in [1, 2);
@@ -763,40 +849,46 @@ INLINE double scale_into(const double *matrix, int64_t n, double *a) {
 }
 
 /* eigen._eigenvalues: the eigenvalues of symmetric matrix (n, n) into out (n,), unordered;
- * a (n, n) and e (n,) work space. Returns 0 when the iteration did not converge. */
+ * a (n, n) and e (n,) work space (and 2n doubles of its own, for the reduction's vectors).
+ * Returns 0 when the iteration did not converge (or that memory was not there). */
 KERNEL static int eigenvalues(const double *matrix, int64_t n, double *out, double *a, double *e) {
+    double *scratch = malloc(sizeof(double) * 2 * (n > 0 ? n : 1));
+    if (!scratch) return 0;
     double exponent = scale_into(matrix, n, a);
-    tridiagonalize(a, n, out, e);
-    int converged = ql(out, e, n);
+    tridiagonalize(a, n, out, e, scratch);
+    free(scratch);
+    int converged = 1;
+    ql_many(&out, &e, 1, n, &converged);
     double back = ldexp(1.0, (int)exponent);
     for (int64_t i = 0; i < n; i++) out[i] *= back;
     return converged;
 }
 
-/* `eigenvalues` of each of count matrices (count, n, n) into out (count, n), two at a time (their
- * QL chains interleaved, `ql_two`); converged (count,) 0 where one did not converge. work: (2, n,
- * n) and e: (2, n) work space. Each matrix's values are bit for bit `eigenvalues`'. */
+/* `eigenvalues` of each of count matrices (count, n, n) into out (count, n), QL_CHAINS at a time
+ * (their QL chains interleaved, `ql_many`); converged (count,) 0 where one did not converge.
+ * work: (n, n) and e: (QL_CHAINS + 2, n) work space. Each matrix's values are bit for bit
+ * `eigenvalues`'. */
 KERNEL static void eigenvalues_batch(const double *matrices, int64_t count, int64_t n, double *out,
                                      double *work, double *e, int32_t *converged) {
     const int64_t size = n * n;
-    int64_t b = 0;
-    for (; b + 1 < count; b += 2) {
-        double *out1 = out + b * n, *out2 = out + (b + 1) * n;
-        double exponent1 = scale_into(matrices + b * size, n, work);
-        tridiagonalize(work, n, out1, e);
-        double exponent2 = scale_into(matrices + (b + 1) * size, n, work + size);
-        tridiagonalize(work + size, n, out2, e + n);
-        int ok1, ok2;
-        ql_two(out1, e, out2, e + n, n, &ok1, &ok2);
-        double back1 = ldexp(1.0, (int)exponent1), back2 = ldexp(1.0, (int)exponent2);
-        for (int64_t i = 0; i < n; i++) {
-            out1[i] *= back1;
-            out2[i] *= back2;
+    double *scratch = e + QL_CHAINS * n;
+    for (int64_t b = 0; b < count; b += QL_CHAINS) {
+        int width = count - b < QL_CHAINS ? (int)(count - b) : QL_CHAINS;
+        double *d[QL_CHAINS], *chain_e[QL_CHAINS], exponent[QL_CHAINS];
+        int ok[QL_CHAINS];
+        for (int w = 0; w < width; w++) { /* one reduction at a time, through one work matrix */
+            d[w] = out + (b + w) * n;
+            chain_e[w] = e + w * n;
+            exponent[w] = scale_into(matrices + (b + w) * size, n, work);
+            tridiagonalize(work, n, d[w], chain_e[w], scratch);
         }
-        converged[b] = ok1;
-        converged[b + 1] = ok2;
+        ql_many(d, chain_e, width, n, ok);
+        for (int w = 0; w < width; w++) {
+            double back = ldexp(1.0, (int)exponent[w]);
+            for (int64_t i = 0; i < n; i++) d[w][i] *= back;
+            converged[b + w] = ok[w];
+        }
     }
-    if (b < count) converged[b] = eigenvalues(matrices + b * size, n, out + b * n, work, e);
 }
 
 /* ---- The attention group's pass: attention_kernel._block_scores and its helpers ---- */

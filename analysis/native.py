@@ -30,6 +30,7 @@ from .catalogue import QUANT_GROUP
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _ROPE = 2  # `backends.kernel.ROPE`: the flag under which the kernel writes ``band``
 _ROW_FIELDS = 9  # `attention_kernel.ROW_FIELDS`
+QL_CHAINS = 4  # `kernels.c`: tridiagonals whose QL iterations `eigenvalues_batch` interleaves
 
 
 def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
@@ -256,15 +257,14 @@ def eigenvalues(matrix: np.ndarray, out: np.ndarray, a: np.ndarray, e: np.ndarra
 
 
 def eigenvalues_batch(matrices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`eigenvalues` of each symmetric matrix of ``matrices`` ``(b, n, n)`` float64, two at a time
-    (their QL iterations interleaved: 1.8x on that half of the work, each matrix's values bit
-    for bit as alone): ``(b, n)`` unordered, and ``(b,)`` bool, False where one did not
-    converge."""
+    """`eigenvalues` of each symmetric matrix of ``matrices`` ``(b, n, n)`` float64, `QL_CHAINS` at
+    a time (their QL iterations interleaved, each matrix's values bit for bit as alone): ``(b, n)``
+    unordered, and ``(b,)`` bool, False where one did not converge."""
     assert LIBRARY is not None
     count, n = matrices.shape[0], matrices.shape[-1]
     out = np.empty((count, n))
     converged = np.empty(count, np.int32)
-    work, e = np.empty((2, n, n)), np.empty((2, n))
+    work, e = np.empty((n, n)), np.empty((QL_CHAINS + 2, n))
     LIBRARY.kvsnap_eigenvalues_batch(
         _address(matrices, np.float64, count * n * n),
         count,

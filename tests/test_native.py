@@ -141,11 +141,12 @@ def test_a_library_built_from_another_source_is_not_loaded(tmp_path: Path) -> No
         assert native._load(old) is None
 
 
-@pytest.mark.parametrize("count", [1, 2, 3, 6])
-def test_eigenvalues_two_at_a_time_are_each_matrix_alone(count: int) -> None:
-    """A stack's eigenvalues go through C two matrices at a time (their QL iterations
-    interleaved), the last alone for an odd count: each row bit for bit the matrix alone, within
-    1e-12 of LAPACK; a zero matrix and one of a wide spectrum among them."""
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 6, 11])
+def test_eigenvalues_four_at_a_time_are_each_matrix_alone(count: int) -> None:
+    """A stack's eigenvalues go through C four matrices at a time (their QL iterations
+    interleaved), fewer for the last of a count that is not a multiple of four: each row bit for
+    bit the matrix alone, within 1e-12 of LAPACK; a zero matrix and one of a wide spectrum among
+    them."""
     from kvsnap.analysis import eigen
 
     rng = np.random.default_rng(count)
