@@ -182,6 +182,35 @@ def test_compiled_eigenvalues_match_lapack(n: int) -> None:
     np.testing.assert_array_equal(eigenvalues_of(stack), np.stack(alone))
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_compiled_eigenvalues_with_zero_rows_among_the_others(seed: int) -> None:
+    """Rows (and their columns) that are zero, or that become zero part-way through the reduction
+    (a block-diagonal matrix), leave a reduction step without its update: the C reduction joins
+    each step's update with the next step's product, so every order of a step with and without
+    an update is checked against LAPACK, as are the sizes where the first or last step has none."""
+    from kvsnap.analysis.eigen import eigenvalues, eigenvalues_of
+
+    rng = np.random.default_rng(seed)
+    stack = []
+    for n in (2, 3, 4, 5, 9, 33, 64):
+        x = rng.standard_normal((n + 3, n)) * np.exp(rng.normal(0, 1, n))
+        a = x.T @ x
+        zero = rng.random(n) < 0.3
+        a[zero] = 0.0
+        a[:, zero] = 0.0
+        if seed % 3 == 0 and n > 4:  # two blocks: rows past the split reduce to zero early
+            split = int(rng.integers(1, n - 1))
+            a[:split, split:] = 0.0
+            a[split:, :split] = 0.0
+        expected = np.linalg.eigvalsh(a)[::-1]
+        tolerance = 1e-12 * max(expected[0], 1.0)
+        np.testing.assert_allclose(eigenvalues(a), expected, rtol=0, atol=tolerance)
+        if n == 33:
+            stack = [a, a[::-1, ::-1].copy(), np.eye(n), np.zeros((n, n)), a * 3.0]
+    together = eigenvalues_of(np.stack(stack))
+    np.testing.assert_array_equal(together, np.stack([eigenvalues(m) for m in stack]))
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_top_rows_are_the_largest_peaks_later_rows_first_among_ties(seed: int) -> None:
     """`kernel.top_rows` picks the rows the catalogue's (value, position) order ranks first,
