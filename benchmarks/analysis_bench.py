@@ -179,8 +179,10 @@ def fastest(mode: str, path: Path, rounds: int, reads: list[float]) -> dict[str,
 def batch_table(args: argparse.Namespace, directory: Path) -> None:
     """``--batch N``: one file written, copied to N distinct files (the page cache holds each);
     per backend, the median of ``--rounds`` fresh runs over 1 file and over N."""
+    from benchmarks.cli_bench import byte_compile
     from kvsnap.analysis.parallel import cores
 
+    byte_compile()  # as pip leaves them: no fresh run compiles numpy from source
     layers, heads, dim, dtype = SHAPES["qwen3-8b-bf16"]
     tokens = args.tokens if args.tokens != 8192 else 1024
     folder = directory / f"batch-{args.batch}x{tokens}"

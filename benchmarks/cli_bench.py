@@ -93,15 +93,34 @@ def read_seconds(path: Path) -> float:
     return min(times)
 
 
-def byte_compile() -> None:
-    """kvsnap's packages byte-compiled where they are (a no-op for an installed wheel's)."""
+DEPENDENCIES = ("numpy", "pyarrow", "ml_dtypes", "zstandard", "crc32c", "threadpoolctl")
+"""Third-party packages a fresh ``kvsnap stats`` imports (those installed are byte-compiled too)."""
+
+
+def byte_compile() -> int:
+    """kvsnap's packages and its `DEPENDENCIES` byte-compiled where they are, as ``pip install``
+    leaves them (a no-op for an installed wheel's); returns the dependencies' modules that had no
+    bytecode before. An environment that installed them without it (the accelerator machine's
+    numpy, with ``PYTHONDONTWRITEBYTECODE`` set) makes every fresh process compile numpy from
+    source: 0.1-0.2 s of each ``import numpy`` there, in the command and again in its fork
+    server (`benchmarks/RESULTS.md`, session 36)."""
     import importlib.util
 
-    for package in ("kvformat", "kvsnap", "kvsnap.analysis", "kvsnap.capture"):
-        spec = importlib.util.find_spec(package)
+    missing = 0
+    for package in ("kvformat", "kvsnap", "kvsnap.analysis", "kvsnap.capture", *DEPENDENCIES):
+        try:
+            spec = importlib.util.find_spec(package)
+        except ImportError:  # pragma: no cover - a dependency not installed here
+            continue
         folders = spec.submodule_search_locations if spec is not None else None
         for folder in folders or []:
+            if package in DEPENDENCIES:
+                missing += sum(
+                    not Path(importlib.util.cache_from_source(str(path))).exists()
+                    for path in Path(folder).rglob("*.py")
+                )
             compileall.compile_dir(folder, quiet=1)
+    return missing
 
 
 def _environment(setting: str | None) -> tuple[dict[str, str] | None, str | None]:
@@ -136,7 +155,9 @@ def main() -> None:
     if missing := [tree for tree in trees if not Path(tree, "kvsnap", "analysis").is_dir()]:
         parser.error(f"--tree: {missing[0]} has no kvsnap/analysis (link it to the analysis/ folder)")
     print(blas_line())
-    byte_compile()
+    compiled = byte_compile()
+    if compiled:
+        print(f"byte-compiled {compiled} modules of {', '.join(DEPENDENCIES)} that had no bytecode")
     for tree in trees:
         compileall.compile_dir(tree, quiet=1)
     directory = Path(args.dir).resolve()
