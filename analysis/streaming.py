@@ -109,7 +109,7 @@ class _Workers:
         machine's bf16 file the warm one-process pass took 1.12-1.23x less time so
         (`benchmarks/RESULTS.md`). On the CPU, with ``rows``, each row computed on the threads
         after its head's batches; on one thread (a batch's file, ``--jobs 1``) the layer's rows
-        in one stacked run, whose eigenvalues the C solver takes two at a time."""
+        in one stacked run, whose eigenvalues the C solver takes four at a time."""
         accumulators = layer.accumulators
         if self.pipeline is not None:
             mark = layer.mark = self.pipeline.mark()

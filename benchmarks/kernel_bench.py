@@ -7,7 +7,7 @@ their numba twins (``KVSNAP_KERNEL=numba``), in the same run, each in fresh proc
   machine code, against loading a shared library;
 - **steady**: the best of 15 warm calls, one thread: `HeadAccumulator.add` of every group over
   8192 x 128 float32 rows (the fused kernel plus the Gram matrix's BLAS), the eigenvalues of one
-  128 x 128 covariance and of a layer's 16 (the C solver takes two at a time), and 1 Mi float16
+  128 x 128 covariance and of a layer's 16 (the C solver takes four at a time), and 1 Mi float16
   values to float32; with the rows' size over the time,
   against the machine's own ``memcpy`` of the same bytes (numpy's ``copyto``).
 
