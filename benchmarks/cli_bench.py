@@ -93,8 +93,9 @@ def read_seconds(path: Path) -> float:
     return min(times)
 
 
-DEPENDENCIES = ("numpy", "pyarrow", "ml_dtypes", "zstandard", "crc32c", "threadpoolctl")
-"""Third-party packages a fresh ``kvsnap stats`` imports (those installed are byte-compiled too)."""
+DEPENDENCIES = ("numpy", "pyarrow", "ml_dtypes", "zstandard", "crc32c", "threadpoolctl", "mlx")
+"""Third-party packages a fresh ``kvsnap stats`` imports (``--backend mlx``: mlx too); those installed
+are byte-compiled too."""
 
 
 def byte_compile() -> int:
