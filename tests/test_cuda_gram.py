@@ -1,12 +1,10 @@
 """`cuda_gram`'s build and cache logic, which runs anywhere (the kernel itself runs only on
-CUDA: `tests/test_mlx_cuda.py`): the shipped PTX is used where no cubin is kept, and only while
-it is made from this `SOURCE`; without it, the cubin is compiled once per machine and
-architecture, kept atomically, recompiled when the kept file is not a cubin, and a machine where
-it cannot be built falls back to mlx's matrix product with a warning."""
+CUDA: `tests/test_mlx_cuda.py`): the cubin is compiled once per machine and architecture,
+kept atomically, recompiled when the kept file is not a cubin, and a machine where it cannot
+be built falls back to mlx's matrix product with a warning."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -14,49 +12,6 @@ import pytest
 from kvsnap.analysis.backends import cuda_gram
 
 FAKE = b"\x7fELF fake cubin"
-
-
-def test_the_shipped_ptx_is_made_from_this_source() -> None:
-    """A change to `SOURCE` without ``--write-ptx`` fails here (the stale file would be skipped
-    and every machine's first run would compile again); its PTX ISA loads on CUDA 12.0 drivers."""
-    ptx = cuda_gram.shipped_ptx()
-    remedy = f"run python -m {cuda_gram.__name__} --write-ptx"
-    assert ptx is not None, f"{cuda_gram.SHIPPED} is missing or stale: {remedy}"
-    text = ptx.decode()
-    assert f".entry {cuda_gram.NAME}(" in text and ".target sm_70" in text
-    major, minor = re.search(r"^\.version (\d+)\.(\d+)$", text, re.M).groups()  # type: ignore[union-attr]
-    assert (int(major), int(minor)) <= (8, 0)
-
-
-def test_a_ptx_of_another_source_is_not_used(tmp_path: Path) -> None:
-    text = cuda_gram.SHIPPED.read_text()
-    stale = tmp_path / "stale.ptx"
-    stale.write_text(text.replace(cuda_gram.source_key(), "0" * 16, 1))
-    assert cuda_gram.shipped_ptx(stale) is None
-    assert cuda_gram.shipped_ptx(tmp_path / "absent.ptx") is None
-    (tmp_path / "same.ptx").write_text(text)
-    assert cuda_gram.shipped_ptx(tmp_path / "same.ptx") == text.encode()
-    assert cuda_gram.ptx_file_text("PTX").startswith(text.split("\n", 1)[0])
-
-
-def test_an_empty_cache_takes_the_shipped_ptx_and_compiles_nothing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("KVSNAP_CACHE", str(tmp_path))
-    monkeypatch.setattr(cuda_gram, "_BINARY", [])
-    monkeypatch.setattr(cuda_gram, "architecture", lambda: (9, 0))
-    monkeypatch.setattr(cuda_gram, "compile_binary", lambda source, arch: pytest.fail("compiled"))
-    assert cuda_gram.binary() == cuda_gram.SHIPPED.read_bytes()
-    assert not (tmp_path / "cuda").exists()  # nothing kept: the driver caches its translation
-
-
-def test_a_kept_cubin_comes_before_the_shipped_ptx(
-    fresh: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    assert cuda_gram.binary() == FAKE and fresh == [(9, 0)]  # compiled and kept (PTX stale)
-    cuda_gram._BINARY.clear()
-    monkeypatch.setattr(cuda_gram, "shipped_ptx", lambda: b"// PTX")
-    assert cuda_gram.binary() == FAKE and fresh == [(9, 0)]
 
 
 @pytest.fixture
@@ -67,7 +22,6 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[tuple[int, in
     monkeypatch.setattr(cuda_gram, "_BINARY", [])
     monkeypatch.setattr(cuda_gram, "_PROBLEM", [])
     monkeypatch.setattr(cuda_gram, "architecture", lambda: (9, 0))
-    monkeypatch.setattr(cuda_gram, "shipped_ptx", lambda: None)  # as where the PTX is stale
     calls: list[tuple[int, int]] = []
 
     def compile_binary(source: str, arch: tuple[int, int]) -> bytes:

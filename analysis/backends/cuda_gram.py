@@ -8,17 +8,11 @@ float32 FMAs: within 2e-5 of the largest entry of float64's product in
 off this kernel's.
 
 Why precompiled: mlx 0.32's ``mx.fast.cuda_kernel`` compiles its source with NVRTC in every
-process (it is not in mlx's PTX cache): 1.4 s and +170 MiB of compiler memory each time. kvsnap
-ships `SOURCE` compiled to PTX for ``compute_70`` (`SHIPPED`, made by ``python -m
-kvsnap.analysis.backends.cuda_gram --write-ptx`` with NVRTC; its first line records the source's
-hash, and a stale file is never used): ``mx.fast.precompiled_cuda_kernel`` hands it to the CUDA
-driver, which translates it for the device in milliseconds and keeps the result in its own
-cache, so even a machine's first run compiles nothing (NVRTC took 1.4 s of the 15.3-15.4 s first
-run on the accelerator machine, `benchmarks/RESULTS.md`, session 36). Where that file is missing
-or stale, NVRTC (the library mlx's CUDA build ships, through ctypes) compiles `SOURCE` once per
-machine for the device's architecture; the cubin is kept in `cache_dir` (written atomically)
-and later processes only load it. ``KVSNAP_CUDA_GRAM=0`` turns the kernel off (mlx's matrix
-product, as on Metal and the CPU).
+process (it is not in mlx's PTX cache): 1.4 s and +170 MiB of compiler memory each time. Here
+NVRTC (the library mlx's CUDA build ships, through ctypes) compiles `SOURCE` once per machine
+for the device's architecture; the binary is kept in `cache_dir` (written atomically) and
+handed to ``mx.fast.precompiled_cuda_kernel``, so later processes only load it.
+``KVSNAP_CUDA_GRAM=0`` turns it off (mlx's matrix product, as on Metal and the CPU).
 
 Layout: ``gram_product(shifted)`` for ``shifted`` ``(B, n, dim)`` float32 returns ``(B, dim,
 dim)`` float32. One thread block per ``(TILE, TILE)`` output tile and chunk of `CHUNK` rows of one
@@ -41,9 +35,6 @@ from . import cuda_driver
 TILE = 64  # output tile of one thread block: (TILE, TILE) entries
 CHUNK = 1024  # rows one thread block sums
 NAME = "kvsnap_gram"
-PTX_ARCHITECTURE = "compute_70"  # the shipped PTX's virtual architecture: Volta and every later GPU
-SHIPPED = Path(__file__).with_name(f"{NAME}.ptx")
-"""`SOURCE` as PTX, shipped with kvsnap (see the module's docstring)."""
 
 SOURCE = r"""
 extern "C" __global__ void kvsnap_gram(const float* rows, float* out, int n, int dim) {
@@ -128,16 +119,6 @@ def architecture() -> tuple[int, int]:
 
 def compile_binary(source: str, arch: tuple[int, int]) -> bytes:
     """``source`` compiled by NVRTC to a cubin for ``sm_{major}{minor}``."""
-    return _nvrtc(source, [f"--gpu-architecture=sm_{arch[0]}{arch[1]}"], "CUBIN")
-
-
-def compile_ptx(source: str, architecture: str = PTX_ARCHITECTURE) -> str:
-    """``source`` compiled by NVRTC to PTX for the virtual ``architecture``."""
-    return _nvrtc(source, [f"--gpu-architecture={architecture}", "--std=c++14"], "PTX").rstrip(b"\0").decode()
-
-
-def _nvrtc(source: str, options: list[str], output: str) -> bytes:
-    """``source`` compiled by NVRTC with ``options``; its ``output`` (``"CUBIN"`` or ``"PTX"``)."""
     nvrtc = _library("libnvrtc", ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"))
     nvrtc.nvrtcGetErrorString.restype = ctypes.c_char_p
 
@@ -153,7 +134,8 @@ def _nvrtc(source: str, options: list[str], output: str) -> bytes:
         "create",
     )
     try:
-        array = (ctypes.c_char_p * len(options))(*(option.encode() for option in options))
+        options = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode()]
+        array = (ctypes.c_char_p * len(options))(*options)
         status = nvrtc.nvrtcCompileProgram(program, len(options), array)
         if status:
             size = ctypes.c_size_t()
@@ -162,32 +144,12 @@ def _nvrtc(source: str, options: list[str], output: str) -> bytes:
             nvrtc.nvrtcGetProgramLog(program, log)
             raise CudaGramError(f"NVRTC could not compile {NAME}: {log.value.decode(errors='replace')}")
         size = ctypes.c_size_t()
-        check(getattr(nvrtc, f"nvrtcGet{output}Size")(program, ctypes.byref(size)), f"{output} size")
+        check(nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(size)), "cubin size")
         binary = ctypes.create_string_buffer(size.value)
-        check(getattr(nvrtc, f"nvrtcGet{output}")(program, binary), output)
+        check(nvrtc.nvrtcGetCUBIN(program, binary), "cubin")
         return binary.raw
     finally:
         nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
-
-
-def source_key() -> str:
-    """The hash of `SOURCE` that `SHIPPED`'s first line records."""
-    return hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-
-
-def ptx_file_text(ptx: str) -> str:
-    """`SHIPPED`'s text: a comment line naming the source's hash, then ``ptx``."""
-    return f"// {NAME} from kvsnap's cuda_gram.SOURCE {source_key()}, NVRTC for {PTX_ARCHITECTURE}\n{ptx}"
-
-
-def shipped_ptx(path: Path = SHIPPED) -> bytes | None:
-    """The shipped PTX (``path``), or None where it is missing or made from another `SOURCE`."""
-    try:
-        text = path.read_bytes()
-    except OSError:
-        return None
-    first = text.split(b"\n", 1)[0].decode(errors="replace")
-    return text if f" {source_key()}," in first and b".entry" in text else None
 
 
 def _keep(path: Path, data: bytes) -> None:
@@ -235,10 +197,9 @@ _LOCK = threading.Lock()
 
 
 def binary() -> bytes:
-    """The kernel's code for this device: a cubin from `cache_dir` if an earlier process
-    compiled one (the file's name holds a hash of the source and the architecture), else the
-    shipped PTX (`shipped_ptx`), else a cubin compiled now and kept there (written to a temporary
-    file, then renamed: a reader never sees half a file)."""
+    """The kernel's cubin for this device: from `cache_dir` if an earlier process compiled it
+    (the file's name holds a hash of the source and the architecture), else compiled now and
+    kept there (written to a temporary file, then renamed: a reader never sees half a file)."""
     with _LOCK:
         if _BINARY:
             return _BINARY[0]
@@ -249,13 +210,9 @@ def binary() -> bytes:
             compiled = path.read_bytes()
         except OSError:
             compiled = b""
-        if not compiled.startswith(b"\x7fELF"):  # absent or not a cubin
-            ptx = shipped_ptx()
-            if ptx is not None:
-                compiled = ptx
-            else:  # build it
-                compiled = compile_binary(SOURCE, arch)
-                _keep(path, compiled)
+        if not compiled.startswith(b"\x7fELF"):  # absent or not a cubin: build it
+            compiled = compile_binary(SOURCE, arch)
+            _keep(path, compiled)
         _BINARY.append(compiled)
         return compiled
 
@@ -280,26 +237,3 @@ def gram_product(shifted: Any) -> Any:
         ensure_row_contiguous=True,
     )
     return partial.sum(axis=1)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``--write-ptx [PATH]``: `SOURCE` compiled to PTX by NVRTC into `SHIPPED` or ``PATH``. NVRTC
-    must be loaded: ``LD_PRELOAD=.../libnvrtc.so.11.2`` from the ``nvidia-cuda-nvrtc-cu11==11.8.89``
-    wheel, whose PTX (ISA 7.8) every driver that runs mlx's CUDA builds (CUDA 12 and later) loads;
-    a newer NVRTC writes a newer ISA, which older drivers refuse."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m kvsnap.analysis.backends.cuda_gram")
-    parser.add_argument("--write-ptx", nargs="?", const=str(SHIPPED), metavar="PATH", required=True)
-    args = parser.parse_args(argv)
-    try:
-        text = ptx_file_text(compile_ptx(SOURCE))
-    except CudaGramError as error:
-        parser.error(str(error))
-    Path(args.write_ptx).write_text(text)
-    print(f"wrote {args.write_ptx}: {len(text)} characters of PTX for {PTX_ARCHITECTURE}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
