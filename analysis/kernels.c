@@ -571,6 +571,20 @@ INLINE void finish_vector(double *RESTRICT p, const double *RESTRICT u, int64_t 
     for (int64_t j = 0; j <= last; j++) p[j] -= hh * u[j];
 }
 
+/* p[0..i-1] for the reflector in row i of a (its norm h), from rows 0..i-1 not updated since:
+ * the product of a step whose previous step had no update (or the first step), taken alone. */
+INLINE void start_vector(const double *RESTRICT a, int64_t n, int64_t i, double h, double *RESTRICT p) {
+    const double *RESTRICT u = a + i * n;
+    for (int64_t j = 0; j < i; j++) {
+        const double *RESTRICT aj = a + j * n;
+        double g = 0.0;
+        SIMD_REDUCE(+, g)
+        for (int64_t k = 0; k < i; k++) g += aj[k] * u[k];
+        p[j] = g;
+    }
+    finish_vector(p, u, i - 1, h);
+}
+
 /* eigen._tridiagonalize: symmetric a (n, n), overwritten, to diagonal d and sub-diagonal
  * e[1:] (e[0] = 0); work (2n,) scratch. Each step's rank-2 update of a row is fused with the
  * next step's product of that row and the next reflector, so the matrix is read once a step
@@ -582,18 +596,7 @@ INLINE void tridiagonalize(double *RESTRICT a, int64_t n, double *RESTRICT d, do
                            double *RESTRICT work) {
     double *p = work, *next = work + n;
     double h = n > 1 ? reflector(a + (n - 1) * n, n - 1, e) : 0.0;
-    if (h != 0.0) { /* the first step's product, alone */
-        const double *RESTRICT u = a + (n - 1) * n;
-        int64_t last = n - 2;
-        for (int64_t j = 0; j <= last; j++) {
-            const double *RESTRICT aj = a + j * n;
-            double g = 0.0;
-            SIMD_REDUCE(+, g)
-            for (int64_t k = 0; k <= last; k++) g += aj[k] * u[k];
-            p[j] = g;
-        }
-        finish_vector(p, u, last, h);
-    }
+    if (h != 0.0) start_vector(a, n, n - 1, h, p); /* the first step's product, alone */
     for (int64_t i = n - 1; i > 0; i--) {
         int64_t last = i - 1;
         double *RESTRICT ai = a + i * n;
@@ -629,15 +632,7 @@ INLINE void tridiagonalize(double *RESTRICT a, int64_t n, double *RESTRICT d, do
                 for (int64_t k = 0; k <= last; k++) aj[k] -= fj * p[k] + gj * ai[k];
             }
         } else if (next_h != 0.0) { /* no update this step: the next step's product, alone */
-            const double *RESTRICT u = a + last * n;
-            for (int64_t j = 0; j < last; j++) {
-                const double *RESTRICT aj = a + j * n;
-                double g = 0.0;
-                SIMD_REDUCE(+, g)
-                for (int64_t k = 0; k < last; k++) g += aj[k] * u[k];
-                p[j] = g;
-            }
-            finish_vector(p, u, last - 1, next_h);
+            start_vector(a, n, last, next_h, p);
         }
         h = next_h;
     }
@@ -739,14 +734,6 @@ INLINE int next_sweep(Chain *q) {
         p = c != 0.0 ? (gamma * gamma) / c : previous_c_ * squared_; \
     } while (0)
 
-/* The rest of ``q``'s sweep (rotations ``q->i`` down to ``q->low``), then its close. */
-INLINE void run_sweep(Chain *q) {
-    double c = q->c, s = q->s, g = q->gamma, p = q->p, sigma = q->sigma;
-    for (int64_t i = q->i; i >= q->low; i--) ROTATE(q->d, q->e, i, q->m, c, s, g, p, sigma);
-    q->e[q->low] = s * p;
-    q->d[q->low] = sigma + g;
-}
-
 /* e[i] := the square of the off-diagonal between d[i] and d[i + 1] (e[1:] in, e[n - 1] = 0). */
 INLINE void square_off_diagonal(double *e, int64_t n) {
     for (int64_t i = 0; i < n - 1; i++) e[i] = e[i + 1] * e[i + 1];
@@ -756,8 +743,8 @@ INLINE void square_off_diagonal(double *e, int64_t n) {
 #define QL_CHAINS 4 /* QL iterations interleaved: 8 gains nothing more on 128 x 128 */
 
 /* ``width`` chains' rotations interleaved, each chain mid-sweep: the rotations all have left (the
- * fewest of them), then each chain whose sweep ended is closed as `run_sweep` closes it and its
- * next sweep set up (``more``: 0 once a chain is done). */
+ * fewest of them), then each chain whose sweep ended is closed and its next sweep set up
+ * (``more``: 0 once a chain is done). One chain: the rest of its sweep. */
 #define INTERLEAVE(width)                                                                   \
     INLINE void interleave_##width(Chain **q, int *more) {                                  \
         int64_t k = q[0]->i - q[0]->low + 1;                                                \
@@ -789,6 +776,7 @@ INLINE void square_off_diagonal(double *e, int64_t n) {
             }                                                                               \
         }                                                                                   \
     }
+INTERLEAVE(1)
 INTERLEAVE(2)
 INTERLEAVE(3)
 INTERLEAVE(4)
@@ -821,10 +809,7 @@ INLINE void ql_many(double **d, double **e, int count, int64_t n, int *converged
         if (width == 4) interleave_4(active, local);
         else if (width == 3) interleave_3(active, local);
         else if (width == 2) interleave_2(active, local);
-        else {
-            run_sweep(active[0]);
-            local[0] = next_sweep(active[0]);
-        }
+        else interleave_1(active, local);
         for (int w = 0; w < width; w++) more[slot[w]] = local[w];
     }
     for (int c = 0; c < count; c++) converged[c] = chains[c].converged;
@@ -848,26 +833,10 @@ INLINE double scale_into(const double *matrix, int64_t n, double *a) {
     return exponent;
 }
 
-/* eigen._eigenvalues: the eigenvalues of symmetric matrix (n, n) into out (n,), unordered;
- * a (n, n) and e (n,) work space (and 2n doubles of its own, for the reduction's vectors).
- * Returns 0 when the iteration did not converge (or that memory was not there). */
-KERNEL static int eigenvalues(const double *matrix, int64_t n, double *out, double *a, double *e) {
-    double *scratch = malloc(sizeof(double) * 2 * (n > 0 ? n : 1));
-    if (!scratch) return 0;
-    double exponent = scale_into(matrix, n, a);
-    tridiagonalize(a, n, out, e, scratch);
-    free(scratch);
-    int converged = 1;
-    ql_many(&out, &e, 1, n, &converged);
-    double back = ldexp(1.0, (int)exponent);
-    for (int64_t i = 0; i < n; i++) out[i] *= back;
-    return converged;
-}
-
-/* `eigenvalues` of each of count matrices (count, n, n) into out (count, n), QL_CHAINS at a time
- * (their QL chains interleaved, `ql_many`); converged (count,) 0 where one did not converge.
- * work: (n, n) and e: (QL_CHAINS + 2, n) work space. Each matrix's values are bit for bit
- * `eigenvalues`'. */
+/* eigen._eigenvalues of each of count symmetric matrices (count, n, n) into out (count, n),
+ * unordered, QL_CHAINS at a time (their QL chains interleaved, `ql_many`); converged (count,) 0
+ * where one did not converge. work: (n, n) and e: (QL_CHAINS + 2, n) work space. Each matrix's
+ * values are bit for bit those of the matrix alone. */
 KERNEL static void eigenvalues_batch(const double *matrices, int64_t count, int64_t n, double *out,
                                      double *work, double *e, int32_t *converged) {
     const int64_t size = n * n;
@@ -1113,10 +1082,6 @@ EXPORT int kvsnap_accumulate(
 
 EXPORT void kvsnap_halves_to_float32(const uint16_t *halves, int64_t n, uint32_t *out) {
     halves_to_float32(halves, n, out);
-}
-
-EXPORT int kvsnap_eigenvalues(const double *matrix, int64_t n, double *out, double *a, double *e) {
-    return eigenvalues(matrix, n, out, a, e);
 }
 
 EXPORT void kvsnap_eigenvalues_batch(const double *matrices, int64_t count, int64_t n, double *out,

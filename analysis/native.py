@@ -93,8 +93,6 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvsnap_add_shift_terms.restype = None
     library.kvsnap_halves_to_float32.argtypes = [_POINTER, _INT, _POINTER]
     library.kvsnap_halves_to_float32.restype = None
-    library.kvsnap_eigenvalues.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _POINTER]
-    library.kvsnap_eigenvalues.restype = ctypes.c_int
     library.kvsnap_eigenvalues_batch.argtypes = [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER]
     library.kvsnap_eigenvalues_batch.restype = None
     double = ctypes.c_double
@@ -240,20 +238,13 @@ def halves_to_float32(halves: np.ndarray, out: np.ndarray) -> None:
 
 
 def eigenvalues(matrix: np.ndarray, out: np.ndarray, a: np.ndarray, e: np.ndarray) -> bool:
-    """`eigen._eigenvalues`, in C: symmetric ``matrix`` ``(n, n)`` float64's eigenvalues into
-    ``out`` ``(n,)``, unordered; ``a`` ``(n, n)`` and ``e`` ``(n,)`` work space. False when the
-    iteration did not converge (the caller asks LAPACK then)."""
-    assert LIBRARY is not None
-    n = matrix.shape[0]
-    return bool(
-        LIBRARY.kvsnap_eigenvalues(
-            _address(matrix, np.float64, n * n),
-            n,
-            _address(out, np.float64, n),
-            _address(a, np.float64, n * n),
-            _address(e, np.float64, n),
-        )
-    )
+    """`eigen._eigenvalues`, in C (`eigenvalues_batch` of the one matrix): symmetric ``matrix``
+    ``(n, n)`` float64's eigenvalues into ``out`` ``(n,)``, unordered; ``a`` and ``e``, numba's
+    work space, are not used. False when the iteration did not converge (the caller asks LAPACK
+    then)."""
+    values, converged = eigenvalues_batch(np.ascontiguousarray(matrix, np.float64)[None])
+    out[:] = values[0]
+    return bool(converged[0])
 
 
 def eigenvalues_batch(matrices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
