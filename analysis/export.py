@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 import kvformat
-from kvformat.outputs import check_output, output_path
+from kvformat.outputs import check_output_folder, files_into
 
 from .rope import Rope
 
@@ -65,6 +65,14 @@ def _write(path: Path, fmt: str, seq: int, positions: np.ndarray, k: np.ndarray,
         parquet.write_table(table, path)
 
 
+def _names(name: str, fmt: str) -> list[str]:
+    """The files one head's export writes (three for ``npy``)."""
+    if fmt != "npy":
+        return [name]
+    stem = name.removesuffix(".npy")
+    return [f"{stem}.{part}.npy" for part in ("k", "v", "positions")]
+
+
 def export_heads(
     path: str | os.PathLike[str],
     directory: str | os.PathLike[str],
@@ -77,39 +85,47 @@ def export_heads(
     storage_options: dict[str, Any] | None = None,
     force: bool = False,
 ) -> Iterator[Path]:
-    """Write one file per (layer, head, sequence) of ``path`` into the new folder ``directory``,
+    """Write one file per (layer, head, sequence) of ``path`` into the folder ``directory``,
     yielding each file's final path as it is written; absent layers are skipped. ``fmt``:
     ``"csv"``, ``"npy"`` (``NAME.k.npy``, ``NAME.v.npy``, ``NAME.positions.npy``; the path
     yielded is ``NAME.npy``'s stem), ``"npz"`` or ``"parquet"``.
 
-    The files are written into a temporary folder beside ``directory``, renamed to it once every
-    head is written: a failure (or a generator closed early) leaves nothing. An existing
-    ``directory`` is refused unless ``force`` (it is then replaced whole)."""
+    ``directory`` may exist: only the files named above are written there, nothing else in it is
+    touched. One of them that exists is refused unless ``force`` (which replaces those files
+    only); the input itself is never replaced. The files are written into a temporary folder and
+    moved into place once every head is written: a failure (or a generator closed early) leaves
+    ``directory`` as it was."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     if keys not in ("post_rope", "pre_rope"):
         raise ValueError("keys must be 'post_rope' or 'pre_rope'")
     final = Path(directory)
-    check_output(final, inputs=[path], force=force, folder=True)
-    with (
-        kvformat.open(path, snapshot, storage_options=storage_options) as snap,
-        output_path(final, inputs=[path], force=force, folder=True) as temporary,
-    ):
-        out = Path(temporary)
-        for layer in _selection(layers, snap.num_layers, "layer"):
-            spec = snap.layers[layer]
-            if not spec.present:
-                continue
-            rope = (
-                Rope.from_metadata(snap.metadata, spec.attributes, spec.k_dim) if keys == "pre_rope" else None
-            )
-            for head in _selection(heads, spec.num_heads, "head"):
-                for seq in range(snap.num_seqs):
-                    data = snap.head(layer, head, seq)
-                    assert data is not None
-                    k = np.asarray(data.k, dtype=np.float32)
-                    if rope is not None:
-                        k = rope.rotate(k, data.positions, inverse=True)
-                    name = _file_name(layer, head, seq, snap.num_seqs, fmt)
-                    _write(out / name, fmt, seq, data.positions, k, np.asarray(data.v, dtype=np.float32))
-                    yield final / name
+    check_output_folder(final)
+    with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
+        plan = [
+            (layer, head, seq, _file_name(layer, head, seq, snap.num_seqs, fmt))
+            for layer in _selection(layers, snap.num_layers, "layer")
+            if snap.layers[layer].present
+            for head in _selection(heads, snap.layers[layer].num_heads, "head")
+            for seq in range(snap.num_seqs)
+        ]
+        names = [file for *_, name in plan for file in _names(name, fmt)]
+        with files_into(final, names, inputs=[path], force=force) as temporary:
+            out = Path(temporary)
+            ropes: dict[int, Rope | None] = {}
+            for layer, head, seq, name in plan:
+                spec = snap.layers[layer]
+                if layer not in ropes:
+                    ropes[layer] = (
+                        Rope.from_metadata(snap.metadata, spec.attributes, spec.k_dim)
+                        if keys == "pre_rope"
+                        else None
+                    )
+                rope = ropes[layer]
+                data = snap.head(layer, head, seq)
+                assert data is not None
+                k = np.asarray(data.k, dtype=np.float32)
+                if rope is not None:
+                    k = rope.rotate(k, data.positions, inverse=True)
+                _write(out / name, fmt, seq, data.positions, k, np.asarray(data.v, dtype=np.float32))
+                yield final / name

@@ -26,6 +26,8 @@ __all__ = [
     "OutputExistsError",
     "SameAsInputError",
     "check_output",
+    "check_output_folder",
+    "files_into",
     "in_use",
     "lock_for_writing",
     "output_path",
@@ -115,12 +117,21 @@ def publish(temporary: str, path: str, *, force: bool = False) -> None:
 
 def _publish_folder(temporary: str, path: str, force: bool) -> None:
     """`publish` for a folder: an existing ``path`` (with ``force``) is moved aside first, then
-    removed once ``temporary`` has taken its name."""
+    removed once ``temporary`` has taken its name. Only a folder holding nothing but names the new
+    one holds too is replaced: anything else in it (a file of the user's, the command's input)
+    is refused, so that no file the command did not write is lost."""
     if not os.path.lexists(path):
         os.rename(temporary, path)
         return
     if not force:
         raise OutputExistsError(errno.EEXIST, f"{path} exists; pass --force to replace it")
+    foreign = sorted(set(os.listdir(path)) - set(os.listdir(temporary)))
+    if foreign:
+        raise OutputExistsError(
+            errno.EEXIST,
+            f"{path} holds {foreign[0]!r}, which this command does not write: "
+            "choose another folder (--force replaces only a folder of this command's own files)",
+        )
     old = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=os.path.dirname(path) or ".")
     os.rmdir(old)
     os.rename(path, old)
@@ -196,3 +207,76 @@ def output_path(
     except BaseException:
         _remove(temporary)
         raise
+
+
+def check_output_folder(path: str | os.PathLike[str]) -> str:
+    """Refuse ``path`` as a folder to write files into, before any work: a file, a URL, or a
+    missing parent folder. An existing folder is fine (`files_into` writes only its own names
+    there). Returns the path as a string."""
+    out = os.fspath(path)
+    if _is_url(out):
+        raise ValueError(f"{out}: write the output to a local folder")
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(errno.ENOTDIR, f"{out} is a file; give a folder name")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(out) and not os.path.isdir(parent):
+        raise MissingFolderError(errno.ENOENT, f"{out}: folder {parent} does not exist")
+    return out
+
+
+def check_names(
+    folder: str | os.PathLike[str],
+    names: Iterable[str],
+    *,
+    inputs: Iterable[str | os.PathLike[str]] = (),
+    force: bool = False,
+) -> None:
+    """Refuse writing files ``names`` into ``folder``: a name that is one of ``inputs`` (even with
+    ``force``), names a folder, or exists without ``force``."""
+    sources = list(inputs)
+    for name in names:
+        target = os.path.join(os.fspath(folder), name)
+        for source in sources:
+            if same_file(target, source):
+                raise SameAsInputError(f"{target} is an input of this command; write the output elsewhere")
+        if os.path.isdir(target):
+            raise IsADirectoryError(errno.EISDIR, f"{target} is a folder; this command writes a file there")
+        if os.path.lexists(target) and not force:
+            raise OutputExistsError(
+                errno.EEXIST,
+                f"{target} exists; pass --force to replace the files this command writes "
+                "(nothing else in the folder is touched)",
+            )
+
+
+@contextlib.contextmanager
+def files_into(
+    folder: str | os.PathLike[str],
+    names: list[str],
+    *,
+    inputs: Iterable[str | os.PathLike[str]] = (),
+    force: bool = False,
+) -> Iterator[str]:
+    """Write the files ``names`` into ``folder`` (created if missing): yields a temporary folder to
+    write them to; on success each is moved to ``folder/name``. Nothing else in ``folder`` is
+    read, replaced or removed; ``force`` replaces only files named in ``names``, never one of
+    ``inputs``. On any error (or a name the caller did not write) the temporary folder is removed
+    and ``folder`` is as it was, but for files already moved when a rename failed."""
+    out = check_output_folder(folder)
+    sources = list(inputs)
+    if not os.path.isdir(out):  # a new folder: written beside it, renamed in one step
+        with output_path(out, inputs=sources, folder=True) as temporary:
+            yield temporary
+            missing = sorted(set(names) - set(os.listdir(temporary)))
+            if missing:
+                raise FileNotFoundError(errno.ENOENT, f"{missing[0]} was not written")
+        return
+    check_names(out, names, inputs=sources, force=force)
+    temporary = tempfile.mkdtemp(prefix=".tmp-", suffix=".kvsnap", dir=out)
+    try:
+        yield temporary
+        check_names(out, names, inputs=sources, force=force)  # nothing appeared meanwhile
+        for name in names:
+            publish(os.path.join(temporary, name), os.path.join(out, name), force=force)
+    finally:
+        _remove(temporary)

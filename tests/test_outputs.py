@@ -191,17 +191,76 @@ def test_failed_commands_leave_nothing(
     assert code == 2 and _only(tmp_path) == before
 
 
-def test_export_refuses_an_existing_folder(
+def test_export_writes_only_its_own_files_into_a_folder(
     tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "heads"
     assert _run(["export", str(capture), "-o", str(out)], capsys)[0] == 0
     assert len(list(out.iterdir())) == 4
     (out / "mine.txt").write_text("x")
-    assert _run(["export", str(capture), "-o", str(out)], capsys)[0] == 2
-    assert (out / "mine.txt").exists()
+    first = (out / "L01-H01.csv").read_bytes()
+    code, _, err = _run(["export", str(capture), "-o", str(out)], capsys)
+    assert code == 2 and "L00-H00.csv exists" in err and len(err.strip().splitlines()) == 1
+    assert (out / "mine.txt").read_text() == "x"
+    (out / "L00-H00.csv").write_text("stale")
     assert _run(["export", str(capture), "-o", str(out), "--force", "--layer", "0"], capsys)[0] == 0
-    assert sorted(p.name for p in out.iterdir()) == ["L00-H00.csv", "L00-H01.csv"]
+    assert _only(out) == {"mine.txt", "L00-H00.csv", "L00-H01.csv", "L01-H00.csv", "L01-H01.csv"}
+    assert (out / "L00-H00.csv").read_text() != "stale"  # replaced: it is export's own file
+    assert (out / "L01-H01.csv").read_bytes() == first  # not asked for: untouched
+
+
+def test_export_into_its_inputs_folder_loses_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    source = sub / "in.kv"
+    factories.random_file(source, layers=1, heads=2, tokens=8, dim=4)
+    (sub / "notes.txt").write_text("mine")
+    digest = _digest(source)
+    for fmt in ("csv", "npy"):
+        code, _, err = _run(["export", str(source), "-o", str(sub), "--force", "--format", fmt], capsys)
+        assert code == 0, err
+        assert _digest(source) == digest and (sub / "notes.txt").read_text() == "mine"
+    assert _only(sub) == {
+        "in.kv",
+        "notes.txt",
+        *(f"L00-H0{h}.csv" for h in range(2)),
+        *(f"L00-H0{h}.{part}.npy" for h in range(2) for part in ("k", "v", "positions")),
+    }
+    monkeypatch.chdir(sub)  # -o . : the folder one works in
+    code, _, err = _run(["export", "in.kv", "-o", ".", "--force", "--format", "npz"], capsys)
+    assert code == 0, err
+    assert (sub / "L00-H01.npz").exists() and _digest(source) == digest
+    assert not [p for p in sub.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_export_never_replaces_its_input_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "L00-H00.npz"  # named as export's own output would be
+    factories.random_file(source, layers=1, heads=1, tokens=8, dim=4)
+    digest = _digest(source)
+    code, _, err = _run(["export", str(source), "-o", str(tmp_path), "--force", "--format", "npz"], capsys)
+    assert code == 2 and "is an input of this command" in err
+    assert _digest(source) == digest
+
+
+def test_a_folder_output_replaces_only_a_folder_of_its_own_files(tmp_path: Path) -> None:
+    from kvformat.outputs import output_path
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("old")
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="notes.txt"):
+        with output_path(folder, force=True, folder=True) as temporary:
+            (Path(temporary) / "config.json").write_text("new")
+    assert (folder / "notes.txt").read_text() == "mine" and (folder / "config.json").read_text() == "old"
+    (folder / "notes.txt").unlink()
+    with output_path(folder, force=True, folder=True) as temporary:
+        (Path(temporary) / "config.json").write_text("new")
+    assert (folder / "config.json").read_text() == "new"
 
 
 # -- recover -----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from kvformat.arguments import positive_int, storage_options
-from kvformat.outputs import check_output, output_path
+from kvformat.outputs import check_output, check_output_folder, output_path
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
@@ -39,8 +39,10 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     for option in ("output", "plot"):
         path = getattr(args, option, None)
         if path:
-            folder = option == "output" and getattr(args, "output_folder", False)
-            check_output(path, inputs=inputs(args), force=args.force, folder=folder)
+            if option == "output" and getattr(args, "output_folder", False):
+                check_output_folder(path)  # files written into it are checked by name
+            else:
+                check_output(path, inputs=inputs(args), force=args.force)
     if getattr(args, "output", None) and getattr(args, "plot", None):
         from kvformat.outputs import same_file
 
