@@ -14,9 +14,12 @@ taken a block at a time (`BLOCK`), so memory is ``BLOCK x n_keys`` floats howeve
 there are; `attention` returns the full ``(n_queries, n_keys)`` map only because it was asked
 for (`blocks` streams it).
 
-The keys used are those the selected snapshot holds. In a series, a query of a sliding-window or
-rotating layer saw the window of its own step; select the snapshot taken at that step (or any
-snapshot still holding the window) to recompute it exactly.
+The keys used are those each query saw (`context_keys`): the ones the selected snapshot holds
+and, for a sliding-window or rotating layer whose window has since moved on, the rows the
+snapshot dropped, taken from the snapshots it descends from (a series keeps them in the file). A
+query that saw a key no snapshot holds (the window moved past it between two snapshots) cannot
+be recomputed exactly: `attention` refuses it (`MissingKeysError`), and the statistics leave it
+out and count it; it is never renormalised over fewer keys.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import numpy as np
 if TYPE_CHECKING:
     from kvformat.manifest import QuerySpec
     from kvformat.reader import Snapshot
+
+from kvformat.errors import MissingKeysError
+from kvformat.runs import ranges
 
 BLOCK = 256
 """Queries per block: at 8192 keys a block's logits are 8 MiB of float32."""
@@ -47,6 +53,112 @@ class Attention:
     weights: np.ndarray
     query_positions: np.ndarray
     key_positions: np.ndarray
+
+
+def _spans(spec: QuerySpec, query_positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(sink_stop, recent_start, stop)`` ``(n,)`` int64 each: the query at ``p`` sees key
+    positions ``[0, sink_stop)`` and ``[recent_start, stop)`` (SPEC 10.1's mask as spans)."""
+    p = np.asarray(query_positions, np.int64)
+    stop = p + 1
+    if spec.window is None:
+        return np.zeros_like(p), np.zeros_like(p), stop
+    recent = int(spec.window) - int(spec.keep)
+    sink_stop = np.minimum(np.int64(spec.keep), stop)
+    recent_start = np.maximum(p - recent + 1, 0) if recent > 0 else stop
+    return sink_stop, recent_start, stop
+
+
+def seen_positions(spec: QuerySpec, query_positions: np.ndarray) -> np.ndarray:
+    """The key positions ``(m,)`` int64, increasing, that at least one of the queries at
+    ``query_positions`` attends under SPEC 10.1's mask."""
+    if not len(query_positions):
+        return np.empty(0, np.int64)
+    sink_stop, recent_start, stop = _spans(spec, query_positions)
+    starts = np.concatenate([np.zeros_like(sink_stop), recent_start])
+    stops = np.concatenate([sink_stop, stop])
+    keep = stops > starts
+    starts, stops = starts[keep], stops[keep]
+    order = np.argsort(starts, kind="stable")
+    starts, stops = starts[order], stops[order]
+    reach = np.maximum.accumulate(stops)
+    new = np.ones(starts.size, bool)
+    new[1:] = starts[1:] > reach[:-1]  # a span that starts past everything before it
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], starts.size) - 1
+    return ranges(starts[first], reach[last] - starts[first])
+
+
+def complete_queries(spec: QuerySpec, query_positions: np.ndarray, missing: np.ndarray) -> np.ndarray:
+    """``(n,)`` bool: which queries see none of the ``missing`` key positions (increasing)."""
+    sink_stop, recent_start, stop = _spans(spec, query_positions)
+
+    def count(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+        found = np.searchsorted(missing, high) - np.searchsorted(missing, low)
+        return np.where(high > low, found, 0)
+
+    return (count(np.zeros_like(sink_stop), sink_stop) + count(recent_start, stop)) == 0
+
+
+@dataclass(frozen=True)
+class ContextKeys:
+    """The keys and values a group of queries saw: ``k`` ``(n_keys, k_dim)``, ``v``
+    ``(n_keys, v_dim)`` in the file's dtype, their ``positions`` ``(n_keys,)`` (increasing), and
+    ``complete`` ``(n_queries,)`` bool: whether every key the query saw is among them."""
+
+    k: np.ndarray
+    v: np.ndarray
+    positions: np.ndarray
+    complete: np.ndarray
+
+
+def context_keys(
+    snap: Snapshot, layer: int, kv_head: int, seq: int, query_positions: np.ndarray
+) -> ContextKeys:
+    """The keys of ``kv_head`` the queries at ``query_positions`` attended: those the snapshot
+    holds plus, for positions it no longer holds (a window that moved on), the rows the snapshots
+    it descends from hold. A query that saw a key found nowhere is marked incomplete."""
+    spec = snap.layers[layer].queries
+    assert spec is not None
+    kv = snap.head(layer, kv_head, seq)
+    assert kv is not None
+    k, v, positions = kv.k, kv.v, kv.positions
+    missing = np.setdiff1d(seen_positions(spec, query_positions), positions, assume_unique=True)
+    if missing.size:
+        earlier = snap._dropped_rows(layer, kv_head, seq, missing)
+        if earlier.positions.size:
+            order = np.argsort(np.concatenate([positions, earlier.positions]), kind="stable")
+            k = np.concatenate([k, earlier.k])[order]
+            v = np.concatenate([v, earlier.v])[order]
+            positions = np.concatenate([positions, earlier.positions])[order]
+            missing = np.setdiff1d(missing, earlier.positions, assume_unique=True)
+    complete = complete_queries(spec, query_positions, missing)
+    return ContextKeys(k, v, positions, complete)
+
+
+def _spans_text(positions: np.ndarray) -> str:
+    """``3..7, 12`` for increasing positions (at most three spans named)."""
+    if not positions.size:
+        return "none"
+    breaks = np.flatnonzero(np.diff(positions) != 1)
+    starts = np.concatenate([positions[:1], positions[breaks + 1]])
+    ends = np.concatenate([positions[breaks], positions[-1:]])
+    parts = [f"{a}..{b}" if b > a else f"{a}" for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    return ", ".join(parts[:3]) + (f" (+{len(parts) - 3} more)" if len(parts) > 3 else "")
+
+
+def refuse_incomplete(
+    snap: Snapshot, layer: int, head: int, positions: np.ndarray, complete: np.ndarray
+) -> None:
+    """`MissingKeysError` naming the queries of ``positions`` that are not ``complete``."""
+    if complete.all():
+        return
+    bad, good = positions[~complete], positions[complete]
+    raise MissingKeysError(
+        f"{snap.name}, layer {layer}, query head {head}: the queries at positions {_spans_text(bad)} "
+        f"({bad.size} of {positions.size}) attended keys that no snapshot of the file holds (the window "
+        "moved past them before a snapshot was taken); recomputable: "
+        f"{_spans_text(good)} (queries=(start, stop)), or capture with a smaller --every"
+    )
 
 
 def visible(spec: QuerySpec, query_positions: np.ndarray, key_positions: np.ndarray) -> np.ndarray:
@@ -96,14 +208,15 @@ def _inputs(
     snap: Snapshot, layer: int, head: int, seq: int, queries: tuple[int, int] | range | None
 ) -> tuple[QuerySpec, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The layer's queries description, the head's queries and positions, and its KV head's keys,
-    values and positions (the snapshot's)."""
+    values and positions: the keys those queries saw (`context_keys`); `MissingKeysError` for
+    queries that saw a key the file no longer holds."""
     spec = snap.layers[layer].queries
     found = snap.queries(layer, head, seq, positions=queries)
     if spec is None or found is None:
         raise ValueError(f"layer {layer} holds no queries")
-    kv = snap.head(layer, spec.kv_heads[head], seq)
-    assert kv is not None
-    return spec, found.q, found.positions, kv.k, kv.v, kv.positions
+    keys = context_keys(snap, layer, spec.kv_heads[head], seq, found.positions)
+    refuse_incomplete(snap, layer, head, found.positions, keys.complete)
+    return spec, found.q, found.positions, keys.k, keys.v, keys.positions
 
 
 def _within(span: tuple[int, int] | range | None, positions: np.ndarray) -> np.ndarray | slice:

@@ -40,6 +40,11 @@ class LimitExceededError(KVFormatError):
     """A size or count field exceeds a hard limit of the spec."""
 
 
+class MissingKeysError(KVFormatError):
+    """Attention was asked for queries that saw keys no snapshot of the file holds (a windowed
+    cache snapshotted after those keys left the window): they cannot be recomputed exactly."""
+
+
 class RemoteError(KVFormatError):
     """A remote file could not be read: network failure, timeout, refused range request, or the
     file changed on the server while it was open."""

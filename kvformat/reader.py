@@ -19,13 +19,13 @@ import numpy as np
 from kvformat import attention, remote
 from kvformat.attention import Attention
 from kvformat.errors import OutOfRangeError
-from kvformat.layout import MAX_POSITION
+from kvformat.layout import KIND_K, KIND_V, MAX_POSITION
 from kvformat.manifest import LayerSpec
 from kvformat.pages import Head, Pages
 from kvformat.quantization import Parts
 from kvformat.queries import Queries, check_all_queries, check_queries, read_queries
 from kvformat.remote import READ_AHEAD
-from kvformat.runs import Segment, Segments, ranges
+from kvformat.runs import CHUNK, COUNT, HEAD, KIND, LAYER, POSITION, ROW, SEQ, Segment, Segments, ranges
 from kvformat.source import open_source
 from kvformat.structure import FileStructure, check_arrays
 from kvformat.verify import VerifyReport, verify
@@ -201,6 +201,60 @@ class Snapshot:
         return Head(
             layer, head, seq, np.concatenate(k_parts), np.concatenate(v_parts), np.concatenate(pos_parts)
         )
+
+    def _dropped_rows(self, layer: int, head: int, seq: int, positions: np.ndarray) -> Head:
+        """K and V at ``positions`` (increasing) that this snapshot no longer holds, from the
+        snapshots it descends from, nearest first (where the window of a rotating or
+        sliding-window layer left them). Positions found nowhere are absent from the result."""
+        spec = self._layer(layer, head, seq)
+        assert spec is not None and spec.dtype is not None
+        wanted = np.asarray(positions, np.int64)
+        k_rows: dict[int, np.ndarray] = {}
+        v_rows: dict[int, np.ndarray] = {}
+        cursor = self.parent
+        while cursor is not None and wanted.size:
+            runs = self._file.chain.appended(cursor)
+            runs = runs[(runs[:, LAYER] == layer) & (runs[:, SEQ] == seq) & (runs[:, HEAD] == head)]
+            k_new = self._rows_at(runs[runs[:, KIND] == KIND_K], wanted)
+            v_new = self._rows_at(runs[runs[:, KIND] == KIND_V], wanted)
+            both = sorted(set(k_new) & set(v_new))
+            for p in both:
+                k_rows[p], v_rows[p] = k_new[p], v_new[p]
+            if both:
+                wanted = np.setdiff1d(wanted, np.array(both, np.int64), assume_unique=True)
+            cursor = self._file.entries[cursor].parent
+        order = sorted(k_rows)
+        dtype = spec.dtype.numpy
+        if not order:
+            return Head(
+                layer,
+                head,
+                seq,
+                np.empty((0, spec.k_dim), dtype),
+                np.empty((0, spec.v_dim), dtype),
+                np.empty(0, np.int64),
+            )
+        return Head(
+            layer,
+            head,
+            seq,
+            np.stack([k_rows[p] for p in order]),
+            np.stack([v_rows[p] for p in order]),
+            np.array(order, np.int64),
+        )
+
+    def _rows_at(self, runs: np.ndarray, wanted: np.ndarray) -> dict[int, np.ndarray]:
+        """Position -> row of the ``runs`` (one kind, one head) holding any of ``wanted``."""
+        out: dict[int, np.ndarray] = {}
+        for run in runs.tolist():
+            position, count = run[POSITION], run[COUNT]
+            low, high = np.searchsorted(wanted, [position, position + count])
+            if low == high:
+                continue
+            at = wanted[low:high]
+            rows = self._file.chunk_array(run[CHUNK])[run[ROW] + at - position]
+            out.update(zip(at.tolist(), rows, strict=True))
+        return out
 
     @functools.cached_property
     def _query_chunks(self) -> np.ndarray:

@@ -291,6 +291,92 @@ def test_attention_from_the_file_equals_the_models(
     )
 
 
+WINDOWED = {
+    "rotating-every-20": ("smollm2_dir", {"max_kv_size": 24}, 20, 56, 1),
+    "rotating-every-8": ("smollm2_dir", {"max_kv_size": 24}, 8, 56, 1),
+    "gemma3-sliding-512": ("gemma3_dir", {}, 3, 6, 34),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOWED))
+def test_windowed_attention_is_the_models_at_every_stored_query(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
+    """Every query every snapshot stores, recomputed over the keys it saw (those dropped since
+    taken from earlier snapshots), against the kernel's output for it; a query whose keys no
+    snapshot holds is refused, never renormalised over fewer keys."""
+    from mlx_lm import load
+
+    import kvsnap
+
+    fixture, options, every, max_tokens, repeat = WINDOWED[case]
+    model, tokenizer = load(str(request.getfixturevalue(fixture)))
+    text = "The history of the city begins when a small settlement grew up by a bridge. "
+    prompt = tokenizer.encode((text * repeat).strip())  # SmolLM2: 15 tokens, 23 at the first every-8 snapshot
+    if case.startswith("gemma3"):
+        assert len(prompt) > 512  # past the sliding layers' window
+    path = tmp_path / "run.kv"
+    outputs = _Outputs(monkeypatch)
+    for _ in kvsnap.generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=max_tokens,
+        output=path,
+        every=every,
+        queries="window:16",
+        **options,
+    ):
+        pass
+    layers = len(model.layers)
+    kernel = outputs.by_position(layers, len(prompt))
+    errors: list[float] = []
+    refused = checked = lost = 0
+    with kvformat.open(path) as series:
+        assert series.num_snapshots >= 2
+        ever = {  # every key position some snapshot holds, per layer (an oracle apart from the reader's)
+            layer: set().union(
+                *(series.select(i).positions(layer, 0).tolist() for i in range(series.num_snapshots))
+            )  # type: ignore[union-attr]
+            for layer in range(layers)
+        }
+        windowed = [i for i in range(layers) if series.layers[i].queries.window is not None]  # type: ignore[union-attr]
+        assert windowed
+        for index in range(series.num_snapshots):
+            snap = series.select(index)
+            for layer in windowed:
+                spec = snap.layers[layer].queries
+                assert spec is not None
+                stored = snap.queries(layer, 0)
+                assert stored is not None
+                keys = attention.context_keys(snap, layer, spec.kv_heads[0], 0, stored.positions)
+                for position, complete in zip(stored.positions.tolist(), keys.complete.tolist(), strict=True):
+                    seen = attention.visible(spec, np.array([position]), np.arange(position + 1))[0]
+                    lost += int(not set(np.flatnonzero(seen).tolist()) <= ever[layer])
+                    if not complete:
+                        with pytest.raises(kvformat.MissingKeysError, match=f"positions {position}"):
+                            snap.attention_output(layer, 0, queries=(position, position + 1))
+                        refused += 1
+                        continue
+                    checked += 1
+                    for head in range(spec.num_heads):
+                        output, _ = snap.attention_output(layer, head, queries=(position, position + 1))
+                        expected = kernel[(layer, position)][head]
+                        errors.append(
+                            float(np.linalg.norm(output[0] - expected) / max(np.linalg.norm(expected), 1e-6))
+                        )
+    worst, median = max(errors), float(np.median(errors))
+    print(
+        f"{case}: {checked} queries held to the kernel, {refused} refused; median {median:.2e}, worst {worst:.2e}"
+    )
+    assert refused == lost  # refused exactly where a key the query saw is in no snapshot
+    if every == 20:  # the window (24 keys, 4 kept) moves 20 positions between snapshots: keys are lost
+        assert refused > 0
+    if every == 8:  # it moves 8: every key a query saw is in some snapshot
+        assert refused == 0
+    assert checked > 0 and median < 1e-3 and worst < 5e-3  # float16 kernel outputs against float32
+
+
 # -- the command line ---------------------------------------------------------------------------
 
 
