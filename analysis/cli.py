@@ -52,6 +52,13 @@ def register(sub: Any) -> None:
         metavar="A:B",
         help="--stats attention: retrieval_score only for tokens copied from positions A..B-1",
     )
+    p.add_argument(
+        "--retrieval",
+        choices=["generated", "all"],
+        default=None,
+        help="--stats attention: the queries retrieval_score counts: those that produced a generated "
+        "token (default, as Wu et al. 2024), or every stored query (the prompt window's too)",
+    )
     force_option(p)
     p.set_defaults(func=stats_command, check=check_outputs)
 
@@ -152,7 +159,13 @@ def register(sub: Any) -> None:
         "export", help="one file per layer and head (L00-H00.csv, as go-mlx probes), streamed head by head"
     )
     p.add_argument("file")
-    p.add_argument("-o", "--output", required=True, help="a new folder (created; refused if it exists)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="a folder (created if missing): only export's own L..-H.. files are written there; an "
+        "existing one of them is refused without --force",
+    )
     p.add_argument("--layer", type=non_negative_int, action="append", help="only this layer (repeatable)")
     p.add_argument("--head", type=non_negative_int, action="append", help="only this head (repeatable)")
     p.add_argument("--format", choices=["csv", "npy", "npz", "parquet"], default="csv")

@@ -40,7 +40,7 @@ import kvformat
 from kvformat.attention import weights as attention_weights
 
 from .arrays import float32_rows
-from .head_importance import NoQueriesError, layers_with_queries, query_layers
+from .head_importance import NoQueriesError, layers_with_queries, prompt_end, query_layers
 
 EVICTION = ("streaming", "snapkv", "h2o", "random")
 QUANTIZATION = {
@@ -77,14 +77,6 @@ def check_methods(methods: Iterable[str]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown method {unknown[0]!r}: one of {', '.join(METHODS)}")
     return chosen
-
-
-def prompt_end(snap: kvformat.Snapshot) -> int | None:
-    """The first position after the prompt, from the capture's metadata (None if not recorded)."""
-    meta = snap.metadata
-    if "prompt_tokens" not in meta:
-        return None
-    return int(meta.get("resumed_from_tokens", 0) or 0) + int(meta["prompt_tokens"])
 
 
 def _pool(scores: np.ndarray, width: int = POOL) -> np.ndarray:

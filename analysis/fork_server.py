@@ -45,6 +45,7 @@ _WITH_VALUE = (
     "--keys",
     "--window",
     "--needle",
+    "--retrieval",
     "--storage-option",
 )
 

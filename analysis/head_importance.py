@@ -16,9 +16,14 @@ position order, or a block could overflow:
 - ``top1_position_histogram``: the position of each query's most-attended key in the
   norm-by-position bins (`catalogue.position_bins`: 0, [1,2), [2,4), ...).
 - ``retrieval_score`` (Wu et al. 2024, "Retrieval Head Mechanistically Explains Long-Context
-  Factuality"): over the queries whose next token (the token at position + 1) copies a token
-  present earlier in the context (or in ``needle``, a ``[start, stop)`` span of positions), the
-  fraction whose top-1 key holds that token; ``retrieval_events`` is how many such queries.
+  Factuality"): over the decoding steps whose generated token (the token at position + 1) copies
+  a token present earlier in the context (or in ``needle``, a ``[start, stop)`` span of
+  positions), the fraction whose query's top-1 key holds that token; ``retrieval_events`` is how
+  many such steps. By default only generated tokens count, as in the paper (the query at the
+  prompt's last position produced the first one); ``retrieval="all"`` counts every stored query,
+  the prompt window's too.
+- ``queries_incomplete``: the head's queries left out of every score because they attended keys
+  the file no longer holds (a windowed cache; `kvformat.attention.context_keys`).
 - ``streaming_error`` (DuoAttention's question, without training): the relative error
   ``||o' - o|| / ||o||`` over all queries of the head's attention output when it may only see
   the first ``SINKS`` keys plus the last ``window`` positions (``o' `` renormalized over those).
@@ -28,9 +33,10 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,6 +57,7 @@ FINITE = 1e30  # a bound on |logit| under which the compiled pass may assume fin
 
 COLUMNS = (
     "n_queries",
+    "queries_incomplete",
     "sink_mass",
     "local_mass",
     "entropy",
@@ -131,7 +138,7 @@ def head_scores(
     if spec is None:
         raise NoQueriesError(f"layer {layer} holds no queries")
     copies = tokens if isinstance(tokens, Copies) or tokens is None else copy_events(tokens, needle)
-    return _scores(snap, layer, [head], _keys(snap, layer, spec.kv_heads[head], seq), seq, window, copies)[0]
+    return _scores(snap, layer, [head], spec.kv_heads[head], seq, window, copies)[0]
 
 
 @dataclass(frozen=True)
@@ -145,21 +152,33 @@ class _Keys:
     positions: np.ndarray
     ordered: bool
     largest: float  # the largest |k| (NaN when a key holds one)
+    # (n,) increasing: the queries the keys were gathered for; (n,) bool: each saw all its keys
+    query_positions: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    complete: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
+
+    def complete_at(self, positions: np.ndarray) -> np.ndarray:
+        """``(len(positions),)`` bool: `complete` of queries at ``positions`` (among those the
+        keys were gathered for)."""
+        return self.complete[np.searchsorted(self.query_positions, positions)]
 
 
-def _keys(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) -> _Keys:
-    kv = snap.head(layer, kv_head, seq)
-    assert kv is not None
-    positions = np.ascontiguousarray(kv.positions, np.int64)
+def _keys(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int, query_positions: np.ndarray) -> _Keys:
+    """The keys the queries at ``query_positions`` saw (`kvformat.attention.context_keys`: with a
+    windowed layer's dropped rows from earlier snapshots), and which of the queries saw every one
+    of their keys (``complete``)."""
+    found = attention_math.context_keys(snap, layer, kv_head, seq, query_positions)
+    positions = np.ascontiguousarray(found.positions, np.int64)
     # Into buffers the thread reuses (valid until its next `_keys`): fresh pages for every head
-    # cost a new process ~0.07 s of page faults on the needle file (`benchmarks/RESULTS.md`).
-    k = float32_rows(kv.k, reuse=True, compiled=True, buffer="attention keys")
+    # cost a new process page faults on every head.
+    k = float32_rows(found.k, reuse=True, compiled=True, buffer="attention keys")
     return _Keys(
         k,
-        float32_rows(kv.v, reuse=True, compiled=True, buffer="attention values"),
+        float32_rows(found.v, reuse=True, compiled=True, buffer="attention values"),
         positions,
         bool(np.all(positions[1:] > positions[:-1])),
         float(np.maximum(k.max(initial=0.0), -k.min(initial=0.0))),  # NaN stays NaN
+        np.asarray(query_positions, np.int64),
+        found.complete,
     )
 
 
@@ -167,17 +186,25 @@ def _scores(
     snap: kvformat.Snapshot,
     layer: int,
     heads: Sequence[int],
-    keys: _Keys,
+    kv_head: int,
     seq: int,
     window: int,
     copies: Copies | None,
 ) -> list[dict[str, Any]]:
-    """The scores of query heads ``heads`` (all of one KV head, whose `_Keys` are ``keys``), in
-    that order. Where the heads' queries share their positions (as a capture saves them), the
-    compiled pass takes their blocks stacked: one product per block for every head of the group."""
+    """The scores of query heads ``heads`` (all reading ``kv_head``), in that order, over the
+    queries that saw every one of their keys (the others are counted in ``queries_incomplete``).
+    Where the heads' queries share their positions (as a capture saves them), the compiled pass
+    takes their blocks stacked: one product per block for every head of the group."""
     spec = snap.layers[layer].queries
     assert spec is not None
     queries = [_queries(snap, layer, head, seq) for head in heads]
+    keys = _keys(snap, layer, kv_head, seq, np.unique(np.concatenate([at for _, at in queries])))
+    incomplete = [0] * len(heads)
+    if not keys.complete.all():
+        for i, (q, at) in enumerate(queries):
+            complete = keys.complete_at(at)
+            incomplete[i] = int((~complete).sum())
+            queries[i] = (q[complete], at[complete])
     sums = [_Sums() for _ in heads]
     compiled = _compiled_available()
     if compiled and all(np.array_equal(at, queries[0][1]) for _, at in queries[1:]):
@@ -185,7 +212,10 @@ def _scores(
     else:
         for head_sums, head, (q, at) in zip(sums, heads, queries, strict=True):
             _add_head(head_sums, spec, head, q, at, keys, window, copies, compiled)
-    return [_columns(head_sums) for head_sums in sums]
+    return [
+        {**_columns(head_sums), "queries_incomplete": count}
+        for head_sums, count in zip(sums, incomplete, strict=True)
+    ]
 
 
 def _queries(snap: kvformat.Snapshot, layer: int, head: int, seq: int) -> tuple[np.ndarray, np.ndarray]:
@@ -245,6 +275,7 @@ def _columns(sums: _Sums) -> dict[str, Any]:
     mean = (lambda total: total / n) if n else (lambda total: math.nan)
     return {
         "n_queries": n,
+        "queries_incomplete": 0,
         "sink_mass": mean(sums.sink),
         "local_mass": mean(sums.local),
         "entropy": mean(sums.entropy),
@@ -269,15 +300,16 @@ class Copies:
     high: int
 
 
-def copy_events(tokens: list[int], needle: tuple[int, int] | None = None) -> Copies:
-    """`Copies` of a token sequence, for the whole context or the ``needle`` span ``[low, high)``."""
+def copy_events(tokens: list[int], needle: tuple[int, int] | None = None, start: int = 0) -> Copies:
+    """`Copies` of a token sequence, for the whole context or the ``needle`` span ``[low, high)``;
+    only queries at ``start`` or later count (the prompt's last position: generated tokens)."""
     ids = np.asarray(tokens, np.int64)
     low, high = needle if needle is not None else (0, len(ids))
     first: dict[int, int] = {}
     for position in range(max(low, 0), min(high, len(ids))):
         first.setdefault(int(ids[position]), position)
     event = np.zeros(len(ids), bool)
-    for p in range(len(ids) - 1):
+    for p in range(max(start, 0), len(ids) - 1):
         seen = first.get(int(ids[p + 1]))
         event[p] = seen is not None and seen <= p
     return Copies(event, ids, low, high)
@@ -470,6 +502,65 @@ def _sink_share(
     return np.where(np.isfinite(share), share, 0.0)
 
 
+RETRIEVAL = ("generated", "all")
+"""Which queries ``retrieval_score`` counts: those whose next token the model generated (Wu et
+al. 2024 count decoding steps), or every stored query (the prompt window's too)."""
+
+
+class AttentionWarning(UserWarning):
+    """A result left out or flagged: queries whose keys the file no longer holds, a retrieval
+    score that cannot be scoped."""
+
+
+def prompt_end(snap: kvformat.Snapshot) -> int | None:
+    """The first position after the prompt, from the capture's metadata (None if not recorded)."""
+    meta = snap.metadata
+    if "prompt_tokens" not in meta:
+        return None
+    return int(meta.get("resumed_from_tokens", 0) or 0) + int(meta["prompt_tokens"])
+
+
+def check_needle(needle: tuple[int, int] | None, count: int, name: str) -> None:
+    """ValueError for a ``needle`` span ``[low, high)`` not inside the ``count`` positions whose
+    tokens the file records."""
+    if needle is None:
+        return
+    low, high = needle
+    if not 0 <= low < high <= count:
+        raise ValueError(
+            f"--needle {low}:{high} is not inside the {count} positions whose tokens {name} records "
+            f"(0:{count})"
+        )
+
+
+def _copies(
+    snap: kvformat.Snapshot, seq: int, needle: tuple[int, int] | None, retrieval: str
+) -> Copies | None:
+    """The copy events ``retrieval_score`` counts (None without recorded tokens, or when
+    ``retrieval="generated"`` and the file records no prompt length: the score is then NaN)."""
+    if retrieval not in RETRIEVAL:
+        raise ValueError(f"retrieval must be one of {', '.join(RETRIEVAL)}, not {retrieval!r}")
+    ids = token_ids(snap)
+    if ids is None or seq >= len(ids):
+        if needle is not None:
+            raise ValueError(f"--needle needs the token ids, which {snap.name} does not record")
+        return None
+    check_needle(needle, len(ids[seq]), snap.name)
+    first = 0
+    if retrieval == "generated":
+        end = prompt_end(snap)
+        if end is None:
+            warnings.warn(
+                f"{snap.name} records no prompt length: retrieval_score over generated tokens is left "
+                "NaN (--retrieval all counts every stored query)",
+                AttentionWarning,
+                stacklevel=3,
+            )
+            return None
+        first = end - 1  # the query at the prompt's last position produced the first generated token
+    return copy_events(ids[seq], needle, start=first)
+
+
 def attention_rows(
     path: str | os.PathLike[str],
     snapshot: int = -1,
@@ -477,15 +568,19 @@ def attention_rows(
     seq: int = 0,
     window: int = WINDOW,
     needle: tuple[int, int] | None = None,
+    retrieval: str = "generated",
     storage_options: dict[str, Any] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """One row per (layer, query head) of a file with queries: ``file``, ``snapshot``, ``layer``,
     ``head`` (the query head), ``kv_head``, then `COLUMNS`. Layers are scored on threads (one per
-    core, BLAS single-threaded; the results do not depend on the thread count), rows in order."""
+    core, BLAS single-threaded; the results do not depend on the thread count), rows in order.
+
+    Queries that attended keys the file no longer holds (a windowed cache snapshotted after they
+    left the window) are left out of every score and counted in ``queries_incomplete``, with one
+    `AttentionWarning` per file. ``retrieval``: see `RETRIEVAL`."""
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
         layers = layers_with_queries(snap)
-        ids = token_ids(snap)
-        tokens = copy_events(ids[seq], needle) if ids is not None and seq < len(ids) else None
+        tokens = _copies(snap, seq, needle, retrieval)
 
         def layer_rows(layer: int) -> list[dict[str, Any]]:
             spec = snap.layers[layer].queries
@@ -493,9 +588,8 @@ def attention_rows(
             rows: dict[int, dict[str, Any]] = {}
             for kv_head in dict.fromkeys(spec.kv_heads):  # a KV head's keys read once for its group
                 group = [head for head in range(spec.num_heads) if spec.kv_heads[head] == kv_head]
-                keys = _keys(snap, layer, kv_head, seq)
                 for head, scores in zip(
-                    group, _scores(snap, layer, group, keys, seq, window, tokens), strict=True
+                    group, _scores(snap, layer, group, kv_head, seq, window, tokens), strict=True
                 ):
                     rows[head] = {
                         "file": os.fspath(path),
@@ -507,14 +601,32 @@ def attention_rows(
                     }
             return [rows[head] for head in sorted(rows)]
 
-        threads = min(parallel.cores(), len(layers))
-        if threads <= 1:
-            for layer in layers:
-                yield from layer_rows(layer)
-            return
-        with parallel.single_threaded_blas(), ThreadPoolExecutor(threads) as pool:
-            for rows in pool.map(layer_rows, layers):
-                yield from rows
+        incomplete = heads = 0
+        for rows in _each_layer(layer_rows, layers):
+            for row in rows:
+                incomplete += row["queries_incomplete"]
+                heads += row["queries_incomplete"] > 0
+                yield row
+        if incomplete:
+            warnings.warn(
+                f"{snap.name}: {incomplete} queries of {heads} query heads left out of the attention "
+                "statistics: they attended keys no snapshot of the file holds (a windowed cache; "
+                "column queries_incomplete)",
+                AttentionWarning,
+                stacklevel=2,
+            )
+
+
+def _each_layer(layer_rows: Any, layers: list[int]) -> Iterator[list[dict[str, Any]]]:
+    """``layer_rows(layer)`` of each layer in order, on threads (one per core, BLAS
+    single-threaded) where there are several."""
+    threads = min(parallel.cores(), len(layers))
+    if threads <= 1:
+        for layer in layers:
+            yield layer_rows(layer)
+        return
+    with parallel.single_threaded_blas(), ThreadPoolExecutor(threads) as pool:
+        yield from pool.map(layer_rows, layers)
 
 
 def attention_stats(
@@ -523,13 +635,21 @@ def attention_stats(
     *,
     window: int = WINDOW,
     needle: tuple[int, int] | None = None,
+    retrieval: str = "generated",
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """`attention_rows` of one or more files as a Polars DataFrame."""
     import polars as pl
 
     frame = pl.from_arrow(
-        attention_table(paths, snapshot, window=window, needle=needle, storage_options=storage_options)
+        attention_table(
+            paths,
+            snapshot,
+            window=window,
+            needle=needle,
+            retrieval=retrieval,
+            storage_options=storage_options,
+        )
     )
     assert isinstance(frame, pl.DataFrame)
     return frame
@@ -541,6 +661,7 @@ def attention_table(
     *,
     window: int = WINDOW,
     needle: tuple[int, int] | None = None,
+    retrieval: str = "generated",
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """`attention_rows` of one or more files as an Arrow table (what ``kvsnap stats --stats
@@ -553,13 +674,13 @@ def attention_table(
         row
         for path in files
         for row in attention_rows(
-            path, snapshot, window=window, needle=needle, storage_options=storage_options
+            path, snapshot, window=window, needle=needle, retrieval=retrieval, storage_options=storage_options
         )
     ]
     if rows:  # from numpy buffers: `pa.Table.from_pylist` imports pandas (0.17 s here)
         return arrow_table(rows)
     types = {"file": pa.string(), "top1_position_histogram": pa.list_(pa.int64())}
-    integers = ("snapshot", "layer", "head", "kv_head", "n_queries", "retrieval_events")
+    integers = ("snapshot", "layer", "head", "kv_head", "n_queries", "queries_incomplete", "retrieval_events")
     names = ("file", "snapshot", "layer", "head", "kv_head", *COLUMNS)
     schema = pa.schema([(n, types.get(n, pa.int64() if n in integers else pa.float64())) for n in names])
     return schema.empty_table()

@@ -79,7 +79,10 @@ SPECS = {
 def test_every_score_equals_the_definition(tmp_path: Path, name: str) -> None:
     spec = SPECS[name]
     data = _write(tmp_path / "a.kv", spec)
-    rows = list(head_importance.attention_rows(tmp_path / "a.kv", window=8, needle=(0, 30)))
+    rows = list(head_importance.attention_rows(tmp_path / "a.kv", window=8, needle=(0, 30), retrieval="all"))
+    scoped = list(head_importance.attention_rows(tmp_path / "a.kv", window=8, needle=(0, 30)))
+    with pytest.raises(ValueError, match="--needle 0:999 is not inside"):
+        list(head_importance.attention_rows(tmp_path / "a.kv", needle=(0, 999), retrieval="all"))
     assert [(r["layer"], r["head"], r["kv_head"]) for r in rows] == [
         (0, h, spec.kv_heads[h]) for h in range(4)
     ]
@@ -101,15 +104,22 @@ def test_every_score_equals_the_definition(tmp_path: Path, name: str) -> None:
         top = keys[np.argmax(w, axis=1)]
         expected_hist = np.bincount(position_bins(top), minlength=POSITION_BINS)
         assert row["top1_position_histogram"] == expected_hist.tolist()
-        # Retrieval (Wu et al. 2024) within the needle [0, 30): the query at p produces token p + 1.
-        events = hits = 0
-        for i, p in enumerate(positions.tolist()):
-            if p + 1 >= POSITIONS or tokens[p + 1] not in tokens[0 : min(30, p + 1)]:
-                continue
-            events += 1
-            hits += int(top[i] < 30 and tokens[top[i]] == tokens[p + 1])
-        assert events > 0 and row["retrieval_events"] == events
-        assert row["retrieval_score"] == pytest.approx(hits / events)
+        # Retrieval (Wu et al. 2024) within the needle [0, 30): the query at p produces token p + 1;
+        # by default only generated tokens count (from the prompt's last query on).
+        for scope, first in ((row, 0), (scoped[rows.index(row)], PROMPT - 1)):
+            events = hits = 0
+            for i, p in enumerate(positions.tolist()):
+                if p < first or p + 1 >= POSITIONS or tokens[p + 1] not in tokens[0 : min(30, p + 1)]:
+                    continue
+                events += 1
+                hits += int(top[i] < 30 and tokens[top[i]] == tokens[p + 1])
+            assert scope["retrieval_events"] == events
+            assert (
+                scope["retrieval_score"] == pytest.approx(hits / events)
+                if events
+                else math.isnan(scope["retrieval_score"])
+            )
+        assert row["retrieval_events"] > scoped[rows.index(row)]["retrieval_events"]
         # Streaming: sinks + the last 8 positions, renormalized (a layer's own sinks keep their share).
         v = data["v"][spec.kv_heads[row["head"]]].astype(np.float64)
         keep = (keys[None, :] < 4) | (back < 8)
@@ -277,6 +287,7 @@ def test_scores_on_a_real_capture_equal_numpy_over_the_recomputed_attention(
     path = tmp_path / "run.kv"
     list(kvsnap.generate(model, tokenizer, prompt, max_tokens=8, output=path, queries="window:8"))
     rows = list(head_importance.attention_rows(path, window=6))
+    every = list(head_importance.attention_rows(path, window=6, retrieval="all"))
     assert len(rows) == layers * heads
     assert {r["kv_head"] for r in rows if r["layer"] == 0} == set(range(kv_heads))
     with kvformat.open(path) as snap:
@@ -299,18 +310,22 @@ def test_scores_on_a_real_capture_equal_numpy_over_the_recomputed_attention(
             error = np.sqrt(((streamed - full) ** 2).sum() / (full**2).sum())
             assert row["streaming_error"] == pytest.approx(error, rel=1e-3, abs=1e-5)
             top = j[np.argmax(w, axis=1)]
-            events = [
-                (i, q)
-                for i, q in enumerate(p.tolist())
-                if q + 1 < len(tokens) and tokens[q + 1] in tokens[: q + 1]
-            ]
-            assert row["retrieval_events"] == len(events)
-            hits = sum(int(tokens[top[i]] == tokens[q + 1]) for i, q in events)
-            assert (
-                row["retrieval_score"] == pytest.approx(hits / len(events))
-                if events
-                else math.isnan(row["retrieval_score"])
-            )
+            # Wu et al. 2024: decoding steps whose generated token copies the context (the query at
+            # the prompt's last position produced the first); with retrieval="all", every query.
+            for scope, first in ((row, len(prompt) - 1), (every[rows.index(row)], 0)):
+                events = [
+                    (i, q)
+                    for i, q in enumerate(p.tolist())
+                    if first <= q and q + 1 < len(tokens) and tokens[q + 1] in tokens[: q + 1]
+                ]
+                assert scope["retrieval_events"] == len(events)
+                hits = sum(int(tokens[top[i]] == tokens[q + 1]) for i, q in events)
+                assert (
+                    scope["retrieval_score"] == pytest.approx(hits / len(events))
+                    if events
+                    else math.isnan(scope["retrieval_score"])
+                )
+            assert every[rows.index(row)]["retrieval_events"] >= row["retrieval_events"]
     table = simulate.simulate(path, methods=["streaming", "snapkv"], budgets=(1.0,), window=4)
     assert table.height == 2 * layers * heads and (table["relative_error"] == 0).all()
 
@@ -485,3 +500,42 @@ def test_kept_keys_overlay_on_the_attention_map(tmp_path: Path, capsys: pytest.C
         with pytest.raises(SystemExit) as refused:
             main(["plot", str(path), "--attention", "0:1", "--kept", bad, "-o", str(tmp_path / "c.png")])
         assert refused.value.code == 2
+
+
+def test_a_windowed_capture_scores_only_queries_whose_keys_the_file_holds(
+    tmp_path: Path, smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rotating cache (24 keys, 4 kept) snapshotted every 20 tokens: the queries that saw keys
+    no snapshot holds are left out of every score and counted, with one warning; the rest score
+    as numpy over the keys each saw (dropped rows from the earlier snapshot)."""
+    from mlx_lm import load
+
+    import kvsnap
+    from kvformat import attention
+    from kvformat.cli import main
+
+    model, tokenizer = load(str(smollm2_dir))
+    prompt = tokenizer.encode("The history of the city begins when a small settlement grew up by a bridge")
+    path = tmp_path / "run.kv"
+    for _ in kvsnap.generate(
+        model, tokenizer, prompt, max_tokens=40, output=path, every=20, queries="window:16", max_kv_size=24
+    ):
+        pass
+    with pytest.warns(head_importance.AttentionWarning, match="left out of the attention statistics"):
+        rows = list(head_importance.attention_rows(path, retrieval="all"))
+    with kvformat.open(path) as snap:
+        for row in rows[::37]:
+            spec = snap.layers[row["layer"]].queries
+            assert spec is not None
+            stored = snap.queries(row["layer"], row["head"])
+            assert stored is not None
+            keys = attention.context_keys(snap, row["layer"], row["kv_head"], 0, stored.positions)
+            assert row["queries_incomplete"] == int((~keys.complete).sum()) > 0
+            assert row["n_queries"] == int(keys.complete.sum())
+            p = stored.positions[keys.complete]
+            w = attention.weights(spec, row["head"], stored.q[keys.complete], keys.k, p, keys.positions)
+            assert row["sink_mass"] == pytest.approx(w[:, keys.positions < 4].sum(axis=1).mean(), rel=1e-5)
+            assert w[:, keys.positions < 4].sum(axis=1).min() < 0.99  # not the sink-only renormalisation
+    assert main(["stats", str(path), "--stats", "attention"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("kvsnap: warning:") == 1 and "queries_incomplete" in err

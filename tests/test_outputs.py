@@ -235,9 +235,7 @@ def test_export_into_its_inputs_folder_loses_nothing(
     assert not [p for p in sub.iterdir() if p.name.startswith(".tmp-")]
 
 
-def test_export_never_replaces_its_input_by_name(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_export_never_replaces_its_input_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source = tmp_path / "L00-H00.npz"  # named as export's own output would be
     factories.random_file(source, layers=1, heads=1, tokens=8, dim=4)
     digest = _digest(source)

@@ -178,6 +178,9 @@ def stats_command(args: argparse.Namespace) -> int:
     # left to the commands that need it.
     if args.stats == frozenset({"attention"}):
         return _attention_stats(args)
+    for option, value in (("--needle", args.needle), ("--retrieval", args.retrieval)):
+        if value is not None:
+            raise ValueError(f"{option} scores attention: use it with --stats attention")
     if args.merge:
         return _merged(args)
     if args.output:  # written as the files finish; checked (exists? an input?) before any work
@@ -298,15 +301,22 @@ def _cell(value: float | None) -> str:
 def _attention_stats(args: argparse.Namespace) -> int:
     """``stats --stats attention``: per (layer, query head) scores from saved queries, printed and
     saved from Arrow (no polars import, as for the other groups)."""
-    from ..head_importance import attention_table
+    import warnings
 
-    table = attention_table(
-        args.files,
-        args.snapshot,
-        window=args.window,
-        needle=args.needle,
-        storage_options=url_options(args),
-    )
+    from ..head_importance import AttentionWarning, attention_table
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AttentionWarning)
+        table = attention_table(
+            args.files,
+            args.snapshot,
+            window=args.window,
+            needle=args.needle,
+            retrieval=args.retrieval or "generated",
+            storage_options=url_options(args),
+        )
+    for warning in caught:
+        print(f"kvsnap: warning: {warning.message}", file=sys.stderr)
     if args.output:
         save_parquet(table, args.output, args)
     print(
