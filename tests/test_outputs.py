@@ -251,9 +251,11 @@ def test_a_folder_output_replaces_only_a_folder_of_its_own_files(tmp_path: Path)
     folder.mkdir()
     (folder / "config.json").write_text("old")
     (folder / "notes.txt").write_text("mine")
-    with pytest.raises(OutputExistsError, match="notes.txt"):
-        with output_path(folder, force=True, folder=True) as temporary:
-            (Path(temporary) / "config.json").write_text("new")
+    with (
+        pytest.raises(OutputExistsError, match=r"notes\.txt"),
+        output_path(folder, force=True, folder=True) as temporary,
+    ):
+        (Path(temporary) / "config.json").write_text("new")
     assert (folder / "notes.txt").read_text() == "mine" and (folder / "config.json").read_text() == "old"
     (folder / "notes.txt").unlink()
     with output_path(folder, force=True, folder=True) as temporary:

@@ -367,7 +367,8 @@ def test_windowed_attention_is_the_models_at_every_stored_query(
                         )
     worst, median = max(errors), float(np.median(errors))
     print(
-        f"{case}: {checked} queries held to the kernel, {refused} refused; median {median:.2e}, worst {worst:.2e}"
+        f"{case}: {checked} queries held to the kernel, {refused} refused; "
+        f"median {median:.2e}, worst {worst:.2e}"
     )
     assert refused == lost  # refused exactly where a key the query saw is in no snapshot
     if every == 20:  # the window (24 keys, 4 kept) moves 20 positions between snapshots: keys are lost
