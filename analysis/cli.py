@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvformat.arguments import non_negative_int, positive_float, positive_int
+from kvformat.arguments import non_negative_int, odd_int, positive_float, positive_int
 
 from .commands.common import (
     budget,
@@ -73,7 +73,8 @@ def register(sub: Any) -> None:
         type=method,
         nargs="+",
         default=None,
-        help="streaming, snapkv, h2o, random, kivi2, kivi4, token2, token4 (default: all)",
+        help="streaming, snapkv, observed, h2o, random, kivi2, kivi4, token2, token4 (default: every "
+        "one the file's queries allow)",
     )
     p.add_argument(
         "--budget",
@@ -82,7 +83,26 @@ def register(sub: Any) -> None:
         default=[0.1, 0.25, 0.5],
         help="fractions of the prompt's keys kept (default 0.1 0.25 0.5)",
     )
-    p.add_argument("--window", type=positive_int, default=32, help="SnapKV's observation window, queries")
+    p.add_argument(
+        "--window", type=positive_int, default=64, help="SnapKV's observation window, queries (default 64)"
+    )
+    p.add_argument("--kernel", type=odd_int, default=5, help="SnapKV's pooling kernel, keys (odd; default 5)")
+    p.add_argument(
+        "--pooling", choices=["avg", "max"], default="avg", help="SnapKV's pooling of scores (default avg)"
+    )
+    p.add_argument(
+        "--compress",
+        choices=["prompt", "context"],
+        default="prompt",
+        help="the span compressed: the whole prompt (default), or the context before --question-start "
+        "(kvpress's evaluations leave the question uncompressed)",
+    )
+    p.add_argument(
+        "--question-start",
+        type=non_negative_int,
+        metavar="P",
+        help="with --compress context: the position where the question begins",
+    )
     p.add_argument("--seed", type=int, default=0, help="the random method's sample")
     p.add_argument(
         "-o", "--output", required=True, help="Parquet table, one row per (method, budget, layer, head)"
@@ -148,7 +168,7 @@ def register(sub: Any) -> None:
         "--kept",
         type=kept,
         metavar="METHOD:BUDGET",
-        help="with --attention: shade the keys an eviction method (streaming, snapkv, h2o, random) "
+        help="with --attention: shade the keys an eviction method (streaming, snapkv, observed, h2o, random) "
         "would evict at that budget, as 'kvsnap simulate' chooses them, e.g. snapkv:0.25",
     )
     stats_option(p)

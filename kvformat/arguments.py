@@ -36,6 +36,14 @@ def positive_int(text: str) -> int:
     return _integer(text, 1, "at least 1")
 
 
+def odd_int(text: str) -> int:
+    """argparse type: an odd integer >= 1."""
+    value = _integer(text, 1, "at least 1")
+    if value % 2 == 0:
+        raise argparse.ArgumentTypeError(f"must be odd, got {value}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _integer(text, 0, "0 or more")

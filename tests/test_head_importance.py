@@ -137,8 +137,9 @@ def test_every_score_equals_the_definition(tmp_path: Path, name: str) -> None:
 def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path) -> None:
     spec = SPECS["window-sinks"]
     data = _write(tmp_path / "a.kv", spec)
-    table = simulate.simulate(tmp_path / "a.kv", budgets=(0.25, 1.0), window=6)
-    assert set(table["method"].to_list()) == set(simulate.METHODS)
+    with pytest.warns(simulate.CompressionWarning, match="observed left out"):
+        table = simulate.simulate(tmp_path / "a.kv", budgets=(0.25, 1.0), window=6)
+    assert set(table["method"].to_list()) == set(simulate.METHODS) - {"observed"}  # needs every query
     full_budget = table.filter(table["budget"] == 1.0)
     assert full_budget.height == 4 * 4 and (full_budget["relative_error"] == 0).all()  # every key kept
     assert (full_budget["top1_agreement"] == 1).all()
@@ -150,10 +151,17 @@ def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path)
             heads = [h for h in range(4) if spec.kv_heads[h] == kv_head]
             prompt_queries = np.arange(24, PROMPT)
             together = sum(_weights(data, spec, h, prompt_queries, keys) for h in heads)
-            scores[kv_head] = {
-                "h2o": together.sum(axis=0),
-                "snapkv": together[prompt_queries >= PROMPT - 6].sum(axis=0),
-            }
+            # SnapKV as kvpress: the window's mean per head, a zero-padded mean over 5 keys, the
+            # group's mean; keys of the window are kept whatever their score
+            before = keys < PROMPT - 6
+            pooled = [
+                np.convolve(_weights(data, spec, h, np.arange(PROMPT - 6, PROMPT), keys)[:, before].mean(0),
+                            np.ones(5) / 5, mode="same")
+                for h in heads
+            ]  # fmt: skip
+            snapkv = np.full(POSITIONS, np.nan)
+            snapkv[before] = np.mean(pooled, axis=0)
+            scores[kv_head] = {"h2o": together.sum(axis=0), "snapkv": snapkv}
         for row in table.filter(table["budget"] == 0.25).iter_rows(named=True):
             head = row["head"]
             if row["method"] not in simulate.EVICTION or row["method"] == "random":
@@ -332,26 +340,26 @@ def test_scores_on_a_real_capture_equal_numpy_over_the_recomputed_attention(
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_token_table_snapkv_score_equals_the_definition(tmp_path: Path, name: str) -> None:
-    """``token_table``'s ``snapkv_score``: per KV head and prompt key, the attention of the last 32
-    prompt queries summed over them and the KV head's query heads, max-pooled over 5 keys (edges
-    repeated), from the float64 definition; null after the prompt and in a file without queries."""
+    """``token_table``'s ``snapkv_score``: per KV head and key before the observation window (the
+    last 64 prompt queries, or as many as the file holds), SnapKV's score as kvpress computes it
+    (the window's mean per head, a zero-padded mean over 5 keys, the group's mean), from the
+    float64 definition; null from the window on and in a file without queries."""
     from kvsnap.analysis.stats import token_table
 
     spec = SPECS[name]
     data = _write(tmp_path / "a.kv", spec)
     table = token_table(tmp_path / "a.kv").collect()
     keys = np.arange(POSITIONS)
-    window = np.arange(max(0, PROMPT - 32), PROMPT)
-    window = window[window >= 24]  # the file holds queries from position 24 on
+    window = np.arange(24, PROMPT)  # the file holds queries from position 24 on: 12 of the 64
+    before = keys < window[0]
     for kv_head in (0, 1):
         heads = [h for h in range(4) if spec.kv_heads[h] == kv_head]
-        raw = sum(_weights(data, spec, h, window, keys) for h in heads).sum(axis=0)[:PROMPT]
-        padded = np.pad(raw, 2, mode="edge")
-        pooled = np.array([padded[i : i + 5].max() for i in range(PROMPT)])
+        per_head = [_weights(data, spec, h, window, keys)[:, before].mean(axis=0) for h in heads]
+        pooled = np.mean([np.convolve(w, np.ones(5) / 5, mode="same") for w in per_head], axis=0)
         rows = table.filter((table["layer"] == 0) & (table["head"] == kv_head)).sort("position")
         got = rows["snapkv_score"].to_numpy()
-        np.testing.assert_allclose(got[:PROMPT], pooled, rtol=1e-5)
-        assert rows["snapkv_score"][PROMPT:].null_count() == POSITIONS - PROMPT
+        np.testing.assert_allclose(got[: window[0]], pooled, rtol=1e-5)
+        assert rows["snapkv_score"][window[0] :].null_count() == POSITIONS - window[0]
     k = np.ones((2, 4, 8), np.float32)
     kvformat.save(tmp_path / "plain.kv", [kvformat.Layer(k, k)])
     assert token_table(tmp_path / "plain.kv").collect()["snapkv_score"].null_count() == 8
@@ -472,8 +480,8 @@ def test_compiled_exp_is_within_one_ulp() -> None:
 def test_kept_keys_overlay_on_the_attention_map(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``plot --attention L:H --kept METHOD:BUDGET``: `compression.kept_mask` is what `simulate`
     keeps (streaming at 0.25 of 36 prompt keys: the 4 sinks and the last 5 prompt keys, every
-    generated key; at budget 1 every key; snapkv keeps exactly ``round(budget * 36)`` prompt
-    keys); the PNG is written; ``--kept`` without ``--attention`` and a bad value are one-line
+    generated key; at budget 1 every key; snapkv keeps exactly ``floor(budget * 36)`` prompt
+    keys, its window among them); the PNG is written; ``--kept`` without ``--attention`` and a bad value are one-line
     errors, exit 2."""
     from kvformat.cli import main
     from kvsnap.analysis.compression import kept_mask
@@ -487,8 +495,10 @@ def test_kept_keys_overlay_on_the_attention_map(tmp_path: Path, capsys: pytest.C
         )
         assert positions.tolist() == list(range(POSITIONS)) and keep.tolist() == expected.tolist()
         assert kept_mask(snap, 0, 1, "h2o", 1.0)[1].all()
-        snapkv = kept_mask(snap, 0, 2, "snapkv", 0.25)[1]
-        assert snapkv[:PROMPT].sum() == round(0.25 * PROMPT) and snapkv[PROMPT:].all()
+        snapkv = kept_mask(snap, 0, 2, "snapkv", 0.25, options=simulate.Options(window=8))[1]
+        assert snapkv[:PROMPT].sum() == 9 and snapkv[PROMPT - 8 :].all()  # floor(0.25 * 36), the window
+        with pytest.raises(ValueError, match="the file holds 12 of them"):  # the default window: 64
+            kept_mask(snap, 0, 2, "snapkv", 0.25)
         with pytest.raises(ValueError, match="eviction method"):
             kept_mask(snap, 0, 1, "kivi4", 0.5)
     png = tmp_path / "map.png"

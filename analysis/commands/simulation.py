@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from .common import save_figure, save_parquet, url_options
@@ -10,17 +11,27 @@ from .common import save_figure, save_parquet, url_options
 
 def simulate_command(args: argparse.Namespace) -> int:
     """``simulate``: attention-output error per (method, budget, layer, head) under compression."""
-    from ..compression import METHODS, simulate
+    import warnings
 
-    table = simulate(
-        args.file,
-        args.method or METHODS,
-        args.budget,
-        args.snapshot,
-        window=args.window,
-        seed=args.seed,
-        storage_options=url_options(args),
-    )
+    from ..compression import CompressionWarning, simulate
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CompressionWarning)
+        table = simulate(
+            args.file,
+            args.method,
+            args.budget,
+            args.snapshot,
+            window=args.window,
+            kernel=args.kernel,
+            pooling=args.pooling,
+            compress=args.compress,
+            question_start=args.question_start,
+            seed=args.seed,
+            storage_options=url_options(args),
+        )
+    for warning in caught:
+        print(f"kvsnap: warning: {warning.message}", file=sys.stderr)
     save_parquet(table, args.output, args)
     import polars as pl
 
