@@ -481,8 +481,8 @@ def test_kept_keys_overlay_on_the_attention_map(tmp_path: Path, capsys: pytest.C
     """``plot --attention L:H --kept METHOD:BUDGET``: `compression.kept_mask` is what `simulate`
     keeps (streaming at 0.25 of 36 prompt keys: the 4 sinks and the last 5 prompt keys, every
     generated key; at budget 1 every key; snapkv keeps exactly ``floor(budget * 36)`` prompt
-    keys, its window among them); the PNG is written; ``--kept`` without ``--attention`` and a bad value are one-line
-    errors, exit 2."""
+    keys, its window among them); the PNG is written; ``--kept`` without ``--attention`` and a bad
+    value are one-line errors, exit 2."""
     from kvformat.cli import main
     from kvsnap.analysis.compression import kept_mask
 

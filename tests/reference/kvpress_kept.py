@@ -1,0 +1,72 @@
+"""NVIDIA kvpress's own presses on Hugging Face transformers: which keys each press keeps for given
+token ids, the reference `tests/test_kvpress.py` holds ``kvsnap simulate``'s choices to. Runs in
+the reference Python (``make reference``: torch, transformers, kvpress), never imports kvsnap.
+
+    python kvpress_kept.py MODEL.gguf IDS.json PRESSES.json OUT.npz
+
+``PRESSES.json``: a list of ``{"name", "press": "snapkv" | "streaming" | "observed",
+"compression_ratio", "window_size", "kernel_size"}``. For each press the ids are prefilled once
+with the press applied (kvpress compresses the cache at the end of the prefill); the positions of
+the keys left in each layer's cache are found by matching them to an uncompressed prefill's keys.
+Writes ``{name}/{layer}``: ``(kv_heads, n_kept)`` int64 key positions, increasing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+sys.path.insert(0, str(Path(__file__).parent))
+from transformers_kv import _read_once
+
+
+def _press(config: dict[str, object]) -> object:
+    from kvpress import ObservedAttentionPress, SnapKVPress, StreamingLLMPress
+
+    ratio = float(config["compression_ratio"])  # type: ignore[arg-type]
+    if config["press"] == "snapkv":
+        return SnapKVPress(
+            compression_ratio=ratio,
+            window_size=int(config["window_size"]),  # type: ignore[call-overload]
+            kernel_size=int(config["kernel_size"]),  # type: ignore[call-overload]
+        )
+    if config["press"] == "streaming":
+        return StreamingLLMPress(compression_ratio=ratio)
+    return ObservedAttentionPress(compression_ratio=ratio)
+
+
+def _prefill(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    return [layer.keys[0].float() for layer in cache.layers]
+
+
+def main(gguf: str, ids_path: str, presses_path: str, out: str) -> None:
+    path = Path(gguf)
+    _read_once()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    )
+    model.eval()
+    ids = torch.tensor([json.loads(Path(ids_path).read_text())])
+    full = _prefill(model, ids)
+    arrays: dict[str, np.ndarray] = {}
+    for config in json.loads(Path(presses_path).read_text()):
+        with _press(config)(model):  # type: ignore[operator]
+            kept = _prefill(model, ids)
+        for layer, (compressed, original) in enumerate(zip(kept, full, strict=True)):
+            # (kv_heads, n_kept, n): each kept key against every key of the uncompressed cache
+            distance = torch.cdist(compressed, original)
+            positions = distance.argmin(dim=-1).numpy()
+            arrays[f"{config['name']}/{layer}"] = np.sort(positions, axis=-1).astype(np.int64)
+    np.savez(out, **arrays)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
