@@ -120,7 +120,7 @@ def _capture(args: argparse.Namespace) -> int:
         from tqdm import tqdm
 
         progress = tqdm(total=args.max_tokens, unit="tok", file=sys.stderr, leave=False)
-    for response in generate(
+    stream = generate(
         model,
         tokenizer,
         prompt,
@@ -137,12 +137,21 @@ def _capture(args: argparse.Namespace) -> int:
         overwrite=args.force,
         queries=args.queries,
         **extra,
-    ):
-        count += 1
-        if args.echo:
-            print(response.text, end="", flush=True)
-        elif progress is not None:
-            progress.update(1)
+    )
+    try:
+        for response in stream:
+            count += 1
+            if args.echo:
+                print(response.text, end="", flush=True)
+            elif progress is not None:
+                progress.update(1)
+    except KeyboardInterrupt:
+        stream.close()  # the capture's writer finishes what it has (or removes its partial file)
+        if progress is not None:
+            progress.close()
+        print(file=sys.stderr)
+        print(f"kvsnap: interrupted: {_written(args, events, count)}", file=sys.stderr)
+        return 130
     if progress is not None:
         progress.close()
     elapsed = time.perf_counter() - start
@@ -155,6 +164,19 @@ def _capture(args: argparse.Namespace) -> int:
             f"({count / elapsed:.1f} tok/s)"
         )
     return 0
+
+
+def _written(args: argparse.Namespace, events: list[Any], count: int) -> str:
+    """What an interrupted capture left: the file and what it holds, or that nothing was written."""
+    from pathlib import Path
+
+    if args.separate_files:
+        return f"{len(events)} snapshot file(s) written, {count} tokens generated"
+    if Path(args.output).exists() and events:
+        return f"wrote {args.output}: {len(events)} snapshot(s), {count} tokens generated"
+    if Path(args.output + ".partial").exists():
+        return f"{args.output}.partial left unfinished ({count} tokens generated): kvsnap recover it"
+    return f"nothing written ({count} tokens generated, no snapshot taken)"
 
 
 def codec_name(text: str) -> str:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from kvformat.manifest import QuerySpec
     from kvformat.reader import Snapshot
 
-from kvformat.errors import MissingKeysError
+from kvformat.errors import MissingKeysError, OutOfRangeError
 from kvformat.runs import ranges
 
 BLOCK = 256
@@ -210,6 +210,8 @@ def _inputs(
     """The layer's queries description, the head's queries and positions, and its KV head's keys,
     values and positions: the keys those queries saw (`context_keys`); `MissingKeysError` for
     queries that saw a key the file no longer holds."""
+    if not isinstance(layer, int) or not 0 <= layer < snap.num_layers:
+        raise OutOfRangeError(f"layer {layer} out of range 0..{snap.num_layers - 1}")
     spec = snap.layers[layer].queries
     found = snap.queries(layer, head, seq, positions=queries)
     if spec is None or found is None:
@@ -217,6 +219,43 @@ def _inputs(
     keys = context_keys(snap, layer, spec.kv_heads[head], seq, found.positions)
     refuse_incomplete(snap, layer, head, found.positions, keys.complete)
     return spec, found.q, found.positions, keys.k, keys.v, keys.positions
+
+
+def check_selection(
+    snap: Snapshot,
+    layer: int,
+    head: int,
+    *,
+    queries: tuple[int, int] | range | None = None,
+    keys: tuple[int, int] | range | None = None,
+    seq: int = 0,
+) -> None:
+    """`OutOfRangeError` naming what the file stores where ``queries`` or ``keys`` (``[start,
+    stop)`` positions) select none of query head ``head``'s stored queries or its KV head's keys."""
+    if not isinstance(layer, int) or not 0 <= layer < snap.num_layers:
+        raise OutOfRangeError(f"layer {layer} out of range 0..{snap.num_layers - 1}")
+    found = snap.queries(layer, head, seq)
+    spec = snap.layers[layer].queries
+    if found is None or spec is None:
+        raise ValueError(f"layer {layer} holds no queries")
+    chosen = _within(queries, found.positions)
+    if queries is not None and not found.positions[chosen].size:
+        raise OutOfRangeError(
+            f"--queries {_span_text(queries)} selects none of the queries layer {layer} stores for query "
+            f"head {head} (positions {_spans_text(found.positions)})"
+        )
+    if keys is not None:
+        held = context_keys(snap, layer, spec.kv_heads[head], seq, found.positions[chosen]).positions
+        if not held[_within(keys, held)].size:
+            raise OutOfRangeError(
+                f"--keys {_span_text(keys)} selects none of the keys these queries attend "
+                f"(positions {_spans_text(held)})"
+            )
+
+
+def _span_text(span: tuple[int, int] | range) -> str:
+    low, high = (span.start, span.stop) if isinstance(span, range) else span
+    return f"{low}:{high}"
 
 
 def _within(span: tuple[int, int] | range | None, positions: np.ndarray) -> np.ndarray | slice:

@@ -503,6 +503,9 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if check is not None:  # argument checks that need no model or file: before anything loads
             check(parser, args)
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("\nkvsnap: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # Output piped into `head` and the like: stop quietly, as Unix tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

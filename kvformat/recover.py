@@ -12,6 +12,7 @@ more snapshot (metadata ``{"recovered": true}``) when both K and V of a run are 
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 
@@ -292,6 +293,13 @@ def recover(
     the input.
     """
     partial = os.fspath(partial_path)
+    finished = partial.removesuffix(".partial")
+    if partial != finished and not os.path.lexists(partial) and os.path.isfile(finished):
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{partial} does not exist: the capture finished as {finished}, nothing to recover "
+            f"(kvsnap verify {finished} checks it)",
+        )
     out = os.fspath(out_path) if out_path is not None else default_output(partial)
     check_output(out, inputs=[partial], force=overwrite)
     if not force and in_use(partial):

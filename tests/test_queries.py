@@ -426,6 +426,41 @@ def test_attention_command_and_map(tmp_path: Path, capsys: pytest.CaptureFixture
     assert refused.value.code == 2
 
 
+def test_selections_and_indices_outside_the_file_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A layer out of range, or a query or key range that selects nothing the file stores: one
+    line naming what the file holds, exit 2, nothing written; `OutOfRangeError` from Python."""
+    from kvformat.cli import main
+
+    path = tmp_path / "q.kv"
+    _write(path, _spec(window=8))
+    capsys.readouterr()
+    out = tmp_path / "att.npz"
+    cases = {
+        ("--layer", "5", "--head", "0"): "layer 5 out of range 0..1",
+        ("--layer", "0", "--head", "0", "--queries", "100:200"): "--queries 100:200 selects none of the "
+        "queries layer 0 stores for query head 0 (positions 20..39)",
+        ("--layer", "0", "--head", "0", "--keys", "50:60"): "--keys 50:60 selects none of the keys",
+    }
+    for options, message in cases.items():
+        assert main(["attention", str(path), *options, "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+        assert not out.exists()
+    assert main(["plot", str(path), "--attention", "7:0", "-o", str(tmp_path / "m.png")]) == 2
+    assert "layer 7 out of range 0..1" in capsys.readouterr().err
+    with kvformat.open(path) as snap, pytest.raises(kvformat.OutOfRangeError, match="layer 7 out of range"):
+        snap.attention(7, 0)
+    with pytest.raises(SystemExit):
+        main(["stats", str(path), "--stats", "atention"])
+    assert "choose from all, norms, channels, rope, spectrum, quant, attention" in capsys.readouterr().err
+    assert main(["outliers", str(path), "--stat", "sink_mass", "--threshold", "1.0"]) == 0
+    assert "query heads with sink_mass above 1.0x" in capsys.readouterr().out
+    assert main(["stats", str(path), "--needle", "0:4"]) == 2
+    assert "--needle scores attention: use it with --stats attention" in capsys.readouterr().err
+
+
 def test_query_join_falls_back_where_the_gather_kernel_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """`capture.gather.join` with the kernel asked for where it cannot run (this CPU build has no
     CUDA): each shape is tried once, found unusable, and joined by ``mx.concatenate``, so a capture

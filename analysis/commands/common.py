@@ -58,11 +58,16 @@ def _check_stat(args: argparse.Namespace) -> None:
     stat = getattr(args, "stat", None)
     if stat is None or getattr(args, "attention", None) is not None:
         return
-    if getattr(args, "heatmap_from_queries", False) and stat in SCALARS:
+    if stat in SCALARS:  # per query head, from saved queries (`--stats attention`)
         return
     from ..catalogue import check_scalar, stat_groups
 
-    check_scalar(stat, stat_groups(getattr(args, "stats", None)))
+    try:
+        check_scalar(stat, stat_groups(getattr(args, "stats", None)))
+    except ValueError as exc:
+        if "no such statistic" in str(exc):
+            raise ValueError(f"{exc}, {', '.join(SCALARS)} (per query head, from saved queries)") from None
+        raise
 
 
 def check_snapshot(args: argparse.Namespace) -> None:
@@ -157,8 +162,8 @@ def stat_groups_type(text: str) -> frozenset[str]:
         return frozenset({"attention"})
     try:
         return stat_groups(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except ValueError as exc:  # the groups of `stats`, and the attention group beside them
+        raise argparse.ArgumentTypeError(f"{exc}, attention") from None
 
 
 def span(text: str) -> tuple[int, int]:

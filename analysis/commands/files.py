@@ -39,8 +39,10 @@ def attention_command(args: argparse.Namespace) -> int:
     import numpy as np
 
     import kvformat
+    from kvformat.attention import check_selection
 
     with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
+        check_selection(snap, args.layer, args.head, queries=args.queries, keys=args.keys, seq=args.seq)
         found = snap.attention(args.layer, args.head, queries=args.queries, keys=args.keys, seq=args.seq)
     suffix = os.path.splitext(args.output)[1].lower()
     with output_path(args.output, inputs=inputs(args), force=args.force) as temporary:

@@ -104,6 +104,10 @@ def outliers_command(args: argparse.Namespace) -> int:
     """Heads whose statistic is more than ``--threshold`` times the median head of their file."""
     import polars as pl
 
+    from ..head_importance import SCALARS
+
+    if args.stat in SCALARS:
+        return _attention_outliers(args)
     table = statistics_table(args)
     if args.stat not in table.columns or table.schema[args.stat] not in (pl.Float64, pl.Int64, pl.Float32):
         scalars = [c for c, t in table.schema.items() if t in (pl.Float64, pl.Int64) and c not in KEYS]
@@ -123,6 +127,32 @@ def outliers_command(args: argparse.Namespace) -> int:
             f"{row[args.stat]:14.4f} {row['ratio_to_median']:9.2f}"
         )
     return 1 if args.failed else 0
+
+
+def _attention_outliers(args: argparse.Namespace) -> int:
+    """`outliers --stat` of an attention score: query heads above ``--threshold`` x their file's
+    median query head."""
+    import polars as pl
+
+    from ..head_importance import attention_stats
+
+    table = attention_stats(args.files, args.snapshot, storage_options=url_options(args))
+    value = pl.col(args.stat).cast(pl.Float64).fill_nan(None)
+    flagged = (
+        table.with_columns((value / value.median().over("file")).alias("ratio_to_median"))
+        .filter(pl.col("ratio_to_median") > args.threshold)
+        .sort("ratio_to_median", descending=True)
+    )
+    print(
+        f"{flagged.height} query heads with {args.stat} above {args.threshold}x the file's median query head"
+    )
+    print(f"{'file':40s} {'layer':>5s} {'head':>4s} {args.stat:>16s} {'x median':>9s}")
+    for row in flagged.iter_rows(named=True):
+        print(
+            f"{row['file'][-40:]:40s} {row['layer']:5d} {row['head']:4d} "
+            f"{row[args.stat]:16.4f} {row['ratio_to_median']:9.2f}"
+        )
+    return 0
 
 
 def _merged(args: argparse.Namespace) -> int:
