@@ -158,6 +158,13 @@ def register(sub: Any) -> None:
         "'--stats attention' (sink_mass, retrieval_score, ...: per query head, needs saved queries)",
     )
     p.add_argument("--tensor", choices=["k", "v"], default="k", help="K or V (default k)")
+    p.add_argument(
+        "--scale",
+        choices=["log", "linear"],
+        default="log",
+        help="with --attention: the map's colour scale (default log; a strip below it shows the mean "
+        "weight each key receives on a linear scale)",
+    )
     p.add_argument("-o", "--output", required=True, help="PNG file (written under exactly this name)")
     p.add_argument(
         "--token-labels",

@@ -21,17 +21,32 @@ PRELOAD = ["kvsnap.analysis.warm_kernels"]
 """What the fork server imports before it forks a worker: the kernels, their code loaded."""
 
 PROCESS_MIN_BYTES = 16 << 20
-"""Smaller files with fewer than `PROCESS_MIN_HEADS` heads stay in one process (on threads) unless
-the workers are already running: starting them would cost more than they save. Measured on 16
-cores (`benchmarks/RESULTS.md`, session 34): with the C kernels the workers cost ~0.2 s more than
-no workers on a 4-head file, and a 19 MB Qwen3-8B-shaped file (288 heads) took 2.16 s on threads
-against 1.08 s on workers (before the C kernels, when starting the workers took ~1 s, 256 MiB)."""
+"""On 16 cores or more: smaller files with fewer than `PROCESS_MIN_HEADS` heads stay in one
+process (on threads) unless the workers are already running, since starting them would cost more
+than they save (`python -m benchmarks.cli_bench` measures both)."""
 
 PROCESS_MIN_HEADS = 48
-"""(layer, KV head) pairs from which a file goes to worker processes whatever its size: on 16
-threads of one process a head costs ~1.9 ms of the interpreter's lock (its row, its
-accumulators), however few its tokens (a 576-accumulator file of 8 tokens: 1.94 s on threads,
-1.02 s on workers); 48 heads (96 accumulators) is where that cost passes the workers' start."""
+"""On 16 cores or more: (layer, KV head) pairs from which a file goes to worker processes whatever
+its size: on many threads of one process each head costs time under the interpreter's lock (its
+row, its accumulators), however few its tokens."""
+
+FULL_CORES = 16
+"""The core count the two thresholds above hold for. On fewer cores workers save less (a pass
+on ``c`` cores saves at most ``1 - 1/c`` of its time) and threads contend less for the lock, so
+both thresholds grow as ``FULL_CORES / c``: on 2 cores a file goes to workers from 128 MiB or 384
+heads (there a 46 MB file took 0.37-0.39 s on one thread against 0.42-0.45 s on workers, a 207 MB
+file 0.59-0.62 s against 0.53-0.54 s)."""
+
+
+def process_min_bytes(count: int) -> int:
+    """`PROCESS_MIN_BYTES` scaled to ``count`` cores (see `FULL_CORES`)."""
+    return PROCESS_MIN_BYTES * max(1, FULL_CORES // max(count, 1))
+
+
+def process_min_heads(count: int) -> int:
+    """`PROCESS_MIN_HEADS` scaled to ``count`` cores (see `FULL_CORES`)."""
+    return PROCESS_MIN_HEADS * max(1, FULL_CORES // max(count, 1))
+
 
 _DEFAULTS_CHANGED = ("--engine", "--jobs", "--merge", "--address", "--stats")
 """Options after which `start_early` leaves the decision to the command (which may not start
@@ -70,7 +85,7 @@ def wanted(argv: Sequence[str]) -> bool:
     result: the command decides for itself)."""
     if len(argv) < 2 or argv[0] != "stats" or cores() < 2:
         return False
-    if _local_size(_only_file(argv[1:])) < PROCESS_MIN_BYTES:
+    if _local_size(_only_file(argv[1:])) < process_min_bytes(cores()):
         return False
     import multiprocessing  # not for a small file's command: ~8 ms of a fresh start
 

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import kvformat
 
 from . import fork_server
-from .fork_server import PROCESS_MIN_BYTES, PROCESS_MIN_HEADS, START_METHOD
+from .fork_server import FULL_CORES, PROCESS_MIN_BYTES, PROCESS_MIN_HEADS, START_METHOD
 from .parallel import main_hidden as _main_hidden
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
@@ -108,8 +108,8 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
     """Whether a pass over ``path`` with ``workers`` workers on ``backend`` runs on worker
     processes: more than one worker process (`worker_count`), a local file (URLs stay on
     threads: their reads share one connection pool) of at least `PROCESS_MIN_BYTES` or
-    `PROCESS_MIN_HEADS` heads or with the workers already running, and a process allowed to
-    start children (not a daemonic ``multiprocessing`` worker)."""
+    `PROCESS_MIN_HEADS` heads (scaled to the worker count), or with the workers already running,
+    and a process allowed to start children (not a daemonic ``multiprocessing`` worker)."""
     from kvformat import remote
 
     count = worker_count(workers, backend)
@@ -117,7 +117,7 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
         backend in ("cpu", "mlx")
         and count > 1
         and not remote.is_url(path)
-        and (_running(count, backend) or _worth_workers(path))
+        and (_running(count, backend) or _worth_workers(path, count))
     ):
         return False
     import multiprocessing
@@ -126,10 +126,12 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
     return allowed and not multiprocessing.current_process().daemon
 
 
-def _worth_workers(path: str | os.PathLike[str]) -> bool:
-    """Whether the file is worth starting worker processes for: `PROCESS_MIN_BYTES` or
-    `PROCESS_MIN_HEADS` (its index read only where its size is not enough)."""
-    return _size(path) >= PROCESS_MIN_BYTES or _heads(path) >= PROCESS_MIN_HEADS
+def _worth_workers(path: str | os.PathLike[str], count: int) -> bool:
+    """Whether the file is worth starting ``count`` worker processes for: `PROCESS_MIN_BYTES`
+    or `PROCESS_MIN_HEADS`, both scaled by ``FULL_CORES / count`` (`fork_server.FULL_CORES`;
+    its index read only where its size is not enough)."""
+    scale = max(1, FULL_CORES // max(count, 1))
+    return _size(path) >= PROCESS_MIN_BYTES * scale or _heads(path) >= PROCESS_MIN_HEADS * scale
 
 
 def _size(path: str | os.PathLike[str]) -> int:

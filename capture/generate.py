@@ -13,7 +13,7 @@ import dataclasses
 import datetime
 import os
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -319,7 +319,7 @@ def generate(
     overwrite: bool = False,
     queries: str | QuerySelection = "none",
     **generate_kwargs: Any,
-) -> Iterator[Any]:
+) -> Generator[Any, None, None]:
     """Stream generation like `mlx_lm.stream_generate`, taking K/V snapshots along the way.
 
     Snapshots are taken after ``every`` generated tokens, at the generated-token counts in ``at``,

@@ -32,6 +32,11 @@ def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
             entry["tokens"] = int(positions.size)
             entry["first_position"] = int(positions[0]) if positions.size else None
             entry["last_position"] = int(positions[-1]) if positions.size else None
+            if spec.queries is not None:
+                held = snap.queries(i, 0, 0)
+                assert held is not None
+                entry["query_count"] = int(held.positions.size)
+                entry["query_spans"] = _spans(held.positions)
         layers.append(entry)
     return {
         "file": snap.name,
@@ -48,6 +53,17 @@ def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
         "snapshot_metadata": snap.snapshot_metadata,
         "layers": layers,
     }
+
+
+def _spans(positions: Any) -> list[list[int]]:
+    """Increasing positions as ``[start, stop)`` runs."""
+    runs: list[list[int]] = []
+    for p in positions.tolist():
+        if runs and runs[-1][1] == p:
+            runs[-1][1] = p + 1
+        else:
+            runs.append([p, p + 1])
+    return runs
 
 
 def _open(args: argparse.Namespace, snapshot: int = -1) -> kvformat.Snapshot:
@@ -151,9 +167,18 @@ def _layer_line(layer: dict[str, Any]) -> str:
     kind = attributes.get("kind")
     window = f", window {attributes['window']}" if attributes.get("window") else ""
     extra = f", {kind}{window}" if kind else ""
+    queries = ""
+    if isinstance(layer.get("queries"), dict):
+        runs = layer.get("query_spans") or []
+        where = ", ".join(f"{a}..{b - 1}" if b - a > 1 else f"{a}" for a, b in runs[:4])
+        where += f" (+{len(runs) - 4} more runs)" if len(runs) > 4 else ""
+        queries = (
+            f"; queries: {layer['queries'].get('num_heads')} heads, {layer.get('query_count', 0)} "
+            f"positions ({where or 'none'})"
+        )
     return (
         f"{layer['num_heads']} heads, k_dim {layer['k_dim']}, v_dim {layer['v_dim']}, {storage}, "
-        f"{layer['tokens']} tokens ({span}){extra}"
+        f"{layer['tokens']} tokens ({span}){extra}{queries}"
     )
 
 

@@ -17,10 +17,11 @@ from kvsnap.launch import main
 
 @pytest.fixture
 def big(tmp_path: Path) -> Path:
-    """A sparse file of `PROCESS_MIN_BYTES` (the decision reads its size only)."""
+    """A sparse file of `PROCESS_MIN_BYTES`, scaled to this machine's cores (the decision reads
+    its size only)."""
     path = tmp_path / "big.kv"
     with open(path, "wb") as f:
-        f.truncate(fork_server.PROCESS_MIN_BYTES)
+        f.truncate(fork_server.process_min_bytes(fork_server.cores()))
     return path
 
 

@@ -57,8 +57,9 @@ def test_a_small_file_with_many_heads_goes_to_workers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Below `PROCESS_MIN_BYTES`, a file of `PROCESS_MIN_HEADS` (layer, head) pairs goes to
-    worker processes (on threads each head costs the interpreter's lock), one with fewer does
-    not (the workers' start would cost more)."""
+    `FULL_CORES` worker processes (on that many threads each head costs the interpreter's lock),
+    one with fewer does not (the workers' start would cost more); on 2 workers, where threads
+    contend less and workers save at most half the time, it takes 8 times as many heads."""
     few, many, broken = tmp_path / "few.kv", tmp_path / "many.kv", tmp_path / "broken.kv"
     random_file(few, layers=2, heads=2, tokens=8, dim=16)
     random_file(many, layers=processes.PROCESS_MIN_HEADS // 4, heads=4, tokens=8, dim=16)
@@ -67,11 +68,16 @@ def test_a_small_file_with_many_heads_goes_to_workers(
     assert max(os.path.getsize(few), os.path.getsize(many)) < processes.PROCESS_MIN_BYTES
     assert processes._heads(many) == processes.PROCESS_MIN_HEADS and processes._heads(few) == 4
     assert processes._heads(broken) == 0  # the pass, not this check, reports a bad file
-    workers = 7  # a count no other test keeps a pool of
+    workers = processes.FULL_CORES + 1  # a count no other test keeps a pool of
     assert not processes._running(workers)
     assert processes.usable(many, workers, "cpu")
     assert not processes.usable(few, workers, "cpu")
     assert not processes.usable(broken, workers, "cpu")
+    assert not processes._running(2)
+    assert not processes.usable(many, 2, "cpu")
+    more = tmp_path / "more.kv"
+    random_file(more, layers=processes.PROCESS_MIN_HEADS * 2, heads=4, tokens=8, dim=16)
+    assert processes.usable(more, 2, "cpu")
 
 
 def test_usable_only_for_local_files_with_several_workers(

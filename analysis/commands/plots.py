@@ -206,7 +206,7 @@ def _attention_map(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.colors import LogNorm
+    from matplotlib.colors import LogNorm, Normalize
 
     import kvformat
 
@@ -225,16 +225,30 @@ def _attention_map(args: argparse.Namespace) -> int:
         pieces = token_pieces(snap)
         model = snap.metadata.get("model", {})
         spec = snap.layers[layer].queries
-    weights = np.where(found.weights > 0, found.weights, np.nan)
-    figure, axis = plt.subplots(figsize=(11, max(3.5, min(9, 0.08 * weights.shape[0] + 2.5))))
-    floor = max(float(np.nanmin(weights)) if np.isfinite(weights).any() else 1e-6, 1e-6)
+    dense, extent, step = _map_grid(found.weights, found.key_positions, found.query_positions)
+    figure, (axis, margin) = plt.subplots(
+        2,
+        1,
+        sharex=True,
+        figsize=(11, max(4.5, min(10, 0.08 * dense.shape[0] + 3.5))),
+        gridspec_kw={"height_ratios": (4, 1)},
+    )
+    positive = dense[np.isfinite(dense) & (dense > 0)]
+    if args.scale == "log":
+        floor = max(float(positive.min()) if positive.size else 1e-6, 1e-6)
+        norm: Any = LogNorm(vmin=floor, vmax=1.0)
+        label = "attention weight (log scale; masked keys blank)"
+    else:
+        norm = Normalize(vmin=0.0, vmax=float(positive.max()) if positive.size else 1.0)
+        label = "attention weight (masked keys blank)"
     image = axis.imshow(
-        weights, aspect="auto", cmap="magma", norm=LogNorm(vmin=floor, vmax=1.0), interpolation="nearest",
-        extent=(found.key_positions[0] - 0.5, found.key_positions[-1] + 0.5,
-                found.query_positions[-1] + 0.5, found.query_positions[0] - 0.5),
+        np.where(dense > 0, dense, np.nan), aspect="auto", cmap="magma", norm=norm,
+        interpolation="nearest", extent=extent,
     )  # fmt: skip
-    figure.colorbar(image, ax=axis, label="attention weight (log scale; masked keys blank)")
-    axis.set_xlabel("key position")
+    shown = f"; each cell the largest of {step[0]} x {step[1]} weights" if step != (1, 1) else ""
+    figure.colorbar(image, ax=[axis, margin], label=label + shown)
+    _received_strip(margin, found.weights, found.key_positions)
+    margin.set_xlabel("key position")
     axis.set_ylabel("query position")
     name = model.get("name") if isinstance(model, dict) else None
     window = f", window {spec.window}" if spec is not None and spec.window else ""
@@ -256,13 +270,58 @@ def _attention_map(args: argparse.Namespace) -> int:
         )
     if args.token_labels and pieces is not None:
         _map_token_ticks(axis, pieces[0], found.key_positions, found.query_positions)
-    figure.tight_layout()
     save_figure(figure, args.output, args)
     plt.close(figure)
-    print(
-        f"wrote {args.output}: layer {layer} query head {head}, {weights.shape[0]} x {weights.shape[1]} map"
-    )
+    rows, columns = found.weights.shape
+    print(f"wrote {args.output}: layer {layer} query head {head}, {rows} x {columns} map")
     return 0
+
+
+MAP_CELLS = (600, 900)
+"""At most this many (query, key) cells are drawn: a larger map is max-pooled to it, so that a
+sink column or a single strong weight stays visible whatever the map's size."""
+
+
+def _map_grid(weights: Any, keys: Any, queries: Any) -> tuple[Any, tuple[float, ...], tuple[int, int]]:
+    """The weights ``(n_queries, n_keys)`` on a dense grid of every key position from the first
+    to the last held (NaN where the file holds no key, as after a rotating cache dropped some),
+    max-pooled to at most `MAP_CELLS`; its extent for ``imshow``, and the pooling steps."""
+    import numpy as np
+
+    low, high = int(keys.min()), int(keys.max())
+    dense = np.full((weights.shape[0], high - low + 1), np.nan, np.float32)
+    dense[:, keys - low] = weights
+    step = (-(-dense.shape[0] // MAP_CELLS[0]), -(-dense.shape[1] // MAP_CELLS[1]))
+    if step != (1, 1):
+        rows, columns = -(-dense.shape[0] // step[0]), -(-dense.shape[1] // step[1])
+        padded = np.full((rows * step[0], columns * step[1]), np.nan, np.float32)
+        padded[: dense.shape[0], : dense.shape[1]] = dense
+        blocks = padded.reshape(rows, step[0], columns, step[1])
+        with np.errstate(all="ignore"):
+            filled = np.isfinite(blocks).any(axis=(1, 3))
+            dense = np.where(
+                filled, np.nanmax(np.where(np.isfinite(blocks), blocks, -1.0), axis=(1, 3)), np.nan
+            )
+    extent = (low - 0.5, high + 0.5, float(queries[-1]) + 0.5, float(queries[0]) - 0.5)
+    return dense, extent, step
+
+
+def _received_strip(axis: Any, weights: Any, keys: Any) -> None:
+    """Below the map, on the same key axis: the mean weight each key receives over the map's
+    queries, as a filled step curve (a sink shows as a peak however many keys the map has)."""
+    import numpy as np
+
+    received = weights.astype(np.float64).mean(axis=0) if weights.shape[0] else np.zeros(keys.size)
+    low, high = int(keys.min()), int(keys.max())
+    dense = np.zeros(high - low + 1)
+    dense[keys - low] = received
+    edges = np.arange(low, high + 2) - 0.5
+    axis.stairs(dense, edges, fill=True, color="tab:purple")
+    axis.set_ylim(0, max(float(dense.max()) * 1.05, 1e-6))
+    axis.set_ylabel("weight\nreceived", fontsize=8)
+    top = int(np.argmax(dense))
+    axis.annotate(f"key {low + top}: {dense[top]:.3f}", (low + top, dense[top]), fontsize=7,
+                  xytext=(4, -10), textcoords="offset points", color="tab:purple")  # fmt: skip
 
 
 def _mark_prompt_end(axis: Any, generated: Any, seq_len: int) -> None:
