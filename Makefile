@@ -44,7 +44,7 @@ KAITAI := .cache/kaitai/node_modules/kaitai-struct-compiler
 $(KAITAI):
 	npm install --silent --no-audit --no-fund --prefix .cache/kaitai kaitai-struct-compiler@0.11.0
 
-# The JavaScript reader (spec/js, issue 48): its npm packages exactly as the lock file pins them
+# The JavaScript reader (spec/js): its npm packages exactly as the lock file pins them
 # (npm ci; offline from npm's cache after the first install). Node.js itself: Debian or Homebrew.
 JS_READER := spec/js/node_modules/.package-lock.json
 $(JS_READER): spec/js/package-lock.json
@@ -57,7 +57,7 @@ $(JS_READER): spec/js/package-lock.json
 
 # Every conformance folder through both readers: the pass counts of the README's table.
 conformance: install $(JS_READER)
-	@for folder in spec/vectors spec/vectors/gold/1.0 spec/vectors/gold/1.1 spec/vectors/gold/1.2 spec/vectors/gold/1.3 spec/vectors/fuzz; do \
+	@for folder in spec/vectors spec/vectors/gold/1.0 spec/vectors/gold/1.1 spec/vectors/gold/1.2 spec/vectors/gold/1.3 spec/vectors/gold/1.4 spec/vectors/fuzz; do \
 		$(BIN)/kvsnap conformance $$folder | tail -1 | sed "s|^|$$folder: |"; \
 		$(BIN)/kvsnap conformance $$folder --reader "node spec/js/describe.js" | tail -1 | sed "s|^|$$folder: |"; \
 	done

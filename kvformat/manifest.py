@@ -84,8 +84,8 @@ class QuerySpec:
 
     def _check_mask(self) -> None:
         """``window`` null or positive, ``keep`` an integer >= 0 and below the window."""
-        if self.window is not None and (not _is_int(self.window) or self.window < 1):
-            raise ValueError(f"queries window must be null or a positive integer, got {self.window!r}")
+        if self.window is not None and (not _is_int(self.window) or not 1 <= self.window <= MAX_POSITION):
+            raise ValueError(f"queries window must be null or an integer in 1..2^53, got {self.window!r}")
         if not _is_int(self.keep) or self.keep < 0:
             raise ValueError(f"queries keep must be an integer >= 0, got {self.keep!r}")
         if self.window is not None and self.keep >= self.window:
@@ -116,6 +116,17 @@ def _query_lists(obj: dict[str, Any], where: str) -> tuple[list[Any], list[Any] 
     return kv, sinks, window
 
 
+def _keep(obj: dict[str, Any], where: str) -> int:
+    """A ``queries`` object's ``keep``: absent means 0; an integer in ``0 .. 2^53`` (a value
+    outside section 10.1's rules: corrupt, not a limit)."""
+    if "keep" not in obj:
+        return 0
+    value = obj["keep"]
+    if not _is_int(value) or not 0 <= value <= MAX_POSITION:
+        raise CorruptFileError(f"{where} queries: 'keep' must be an integer in 0..2^53, got {value!r}")
+    return int(value)
+
+
 def parse_queries(obj: Any, where: str, kv_heads: int) -> QuerySpec | None:
     """A layer's ``queries`` object (SPEC section 10.1), or None when absent."""
     if obj is None:
@@ -143,7 +154,7 @@ def parse_queries(obj: Any, where: str, kv_heads: int) -> QuerySpec | None:
         scale=scale,
         kv_heads=tuple(kv),
         window=window,
-        keep=_int(obj, "keep", 0, MAX_POSITION, f"{where} queries") if "keep" in obj else 0,
+        keep=_keep(obj, where),
         softcap=number("softcap", True),
         sinks=tuple(float(x) for x in sinks) if sinks is not None else None,
     )
@@ -249,13 +260,23 @@ def parse_layer(obj: Any, index: int) -> LayerSpec:
     if not isinstance(name, str):
         raise CorruptFileError(f"{where}: 'dtype' must be a string")
     num_heads = _int(obj, "num_heads", 1, MAX_HEADS, where)
+    k_dim = _int(obj, "k_dim", 1, MAX_WIDTH, where)
+    v_dim = _int(obj, "v_dim", 1, MAX_WIDTH, where)
+    dtype = dtypes.from_name(name)
+    quantized = quantization.parse(obj.get("quantization"))
+    if quantized is not None:  # before `queries` (SPEC 13.1)
+        try:
+            quantized.check_dim(k_dim)
+            quantized.check_dim(v_dim)
+        except ValueError as exc:
+            raise CorruptFileError(f"{where}: {exc}") from None
     spec = LayerSpec(
         num_heads=num_heads,
-        k_dim=_int(obj, "k_dim", 1, MAX_WIDTH, where),
-        v_dim=_int(obj, "v_dim", 1, MAX_WIDTH, where),
-        dtype=dtypes.from_name(name),
+        k_dim=k_dim,
+        v_dim=v_dim,
+        dtype=dtype,
         attributes=attributes,
-        quantization=quantization.parse(obj.get("quantization")),
+        quantization=quantized,
         queries=parse_queries(obj.get("queries"), where, num_heads),
     )
     try:
@@ -322,12 +343,19 @@ def format_minor(manifest: Manifest) -> int:
 
 
 def check_head_sequences(layers: list[LayerSpec], num_seqs: int, error: type[Exception]) -> None:
-    """At most `MAX_HEAD_SEQUENCES` (layer, head, sequence) triples (SPEC section 10): what bounds
-    a description, a pass over heads, or a table of per-head statistics."""
-    total = sum(layer.num_heads for layer in layers if layer.present) * num_seqs
+    """At most `MAX_HEAD_SEQUENCES` (layer, head, sequence) triples, KV heads and query heads
+    counted alike (SPEC section 10, 1.4): what bounds a description, a pass over heads, or a table
+    of per-head statistics."""
+    heads = sum(
+        layer.num_heads + (layer.queries.num_heads if layer.queries is not None else 0)
+        for layer in layers
+        if layer.present
+    )
+    total = heads * num_seqs
     if total > MAX_HEAD_SEQUENCES:
         raise error(
-            f"{total} (layer, head, sequence) triples declared; the limit is {MAX_HEAD_SEQUENCES} (2^24)"
+            f"{total} (layer, KV or query head, sequence) triples declared; the limit is "
+            f"{MAX_HEAD_SEQUENCES} (2^24)"
         )
 
 

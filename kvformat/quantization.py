@@ -93,8 +93,9 @@ def parse(obj: Any) -> Quantization | None:
     if obj.get("mode") != "affine":
         raise UnsupportedFeatureError(f"quantization mode {obj.get('mode')!r}; only 'affine' is known")
     bits, group = obj.get("bits"), obj.get("group_size")
+    # Outside the sets of section 6.1: a corrupt file (R6); only an unknown mode is a feature.
     if bits not in BITS or type(bits) is not int:
-        raise UnsupportedFeatureError(f"quantized bits {bits!r}; supported: {BITS}")
+        raise CorruptFileError(f"quantized bits {bits!r}; the format allows {BITS}")
     if group not in GROUP_SIZES or type(group) is not int:
-        raise UnsupportedFeatureError(f"quantization group size {group!r}; supported: {GROUP_SIZES}")
+        raise CorruptFileError(f"quantization group size {group!r}; the format allows {GROUP_SIZES}")
     return Quantization(bits, group)

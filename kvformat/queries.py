@@ -75,6 +75,8 @@ def check_queries(file: FileStructure, index: int) -> np.ndarray:
     position, rows = table["position"].astype(np.int64), table["rows"].astype(np.int64)
     order = np.lexsort((position, head, seq, layer))
     chunks, layer, seq, head, position, rows = (a[order] for a in (chunks, layer, seq, head, position, rows))
+    held = rows > 0  # a Q chunk of 0 rows holds no position: it can hold none twice (SPEC 11.1)
+    layer, seq, head, position, rows = (a[held] for a in (layer, seq, head, position, rows))
     same = (layer[1:] == layer[:-1]) & (seq[1:] == seq[:-1]) & (head[1:] == head[:-1])
     twice = same & (position[1:] < position[:-1] + rows[:-1])
     if twice.any():

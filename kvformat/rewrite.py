@@ -79,3 +79,56 @@ def as_triples(source: Path, out: Path) -> None:
             features.remove("append-chunks")
 
     rebuild_index(source, out, edit_json=expand)
+
+
+def empty_chunks(
+    source: Path,
+    out: Path,
+    positions: dict[int, int],
+    moves: dict[int, int] | None = None,
+    edit_json: Callable[[dict[str, Any]], object] | None = None,
+) -> None:
+    """``source`` with the table chunks ``positions``' keys made chunks of 0 rows at the given
+    positions: the record stream is laid out again without their payloads (every later record
+    moves up, its descriptor's offset and CRC rewritten, and the table with it), their
+    descriptors say 0 rows, 0 bytes and the CRC of nothing. ``moves``: other chunks given
+    another position (in the stream and the table alike). Then `rebuild_index` with
+    ``edit_json``."""
+    moves = moves or {}
+    data = source.read_bytes()
+    f = Footer.unpack(data[-FOOTER_SIZE:])
+    table_end = f.index_offset + f.chunk_count * DESCRIPTOR_SIZE
+    table = np.frombuffer(data[f.index_offset : table_end], DESCRIPTOR_DTYPE).copy()
+    chunk_at = {int(offset): i for i, offset in enumerate(table["offset"].tolist())}
+    stream = bytearray(data[:64])
+    cursor = 64
+    while cursor < f.index_offset:
+        descriptor = np.frombuffer(data[cursor : cursor + DESCRIPTOR_SIZE], DESCRIPTOR_DTYPE).copy()
+        size = int(descriptor["stored_size"][0])
+        payload = data[cursor + DESCRIPTOR_SIZE : cursor + DESCRIPTOR_SIZE + size]
+        chunk = chunk_at.get(cursor)
+        if chunk is not None and chunk in positions:
+            payload = b""
+            for name in ("rows", "decoded_size", "stored_size", "payload_crc"):
+                descriptor[name] = 0
+            descriptor["position"] = positions[chunk]
+        if chunk is not None and chunk in moves:
+            descriptor["position"] = moves[chunk]
+        descriptor["offset"] = len(stream)
+        descriptor["descriptor_crc"] = crc32c(bytes(descriptor.view(np.uint8)[:60]))
+        if chunk is not None:
+            table[chunk] = descriptor[0]
+        stream += descriptor.tobytes() + payload
+        stream += bytes(-len(stream) % 64)
+        cursor += DESCRIPTOR_SIZE + size
+        cursor += -cursor % 64
+    index_json = data[table_end:-FOOTER_SIZE]
+    crc = crc32c(index_json, crc32c(table.tobytes(), crc32c(bytes(stream[:64]))))
+    minor = struct.unpack_from("<H", data, 10)[0]
+    footer = Footer(len(stream), len(table), len(index_json), crc, minor).pack()
+    staged = out.with_name(out.name + ".staged")
+    staged.write_bytes(bytes(stream) + table.tobytes() + index_json + footer)
+    try:
+        rebuild_index(staged, out, edit_json=edit_json)
+    finally:
+        staged.unlink()

@@ -43,7 +43,8 @@ def trim_runs(
     run straddling the range keeps its pieces, in place and in order (as `trim`)."""
     position, count = runs[:, POSITION], runs[:, COUNT]
     end = position + count
-    hit = (end > start) & (position < stop)
+    # A run loses the positions it has in [start, stop); an empty run at p goes when start <= p
+    hit = ((end > start) | ((count == 0) & (position >= start))) & (position < stop)
     if layer is not None:
         hit &= (runs[:, LAYER] == layer) & (runs[:, SEQ] == seq)
     if not hit.any():
@@ -128,8 +129,9 @@ def check_runs(runs: np.ndarray, index: int) -> Segments:
     (position, count) list, and no position appears twice. Returns the pairs as `Segments`."""
     k = runs[runs[:, KIND] == KIND_K]
     v = runs[runs[:, KIND] == KIND_V]
-    k = k[np.lexsort((k[:, POSITION], head_keys(k)))]
-    v = v[np.lexsort((v[:, POSITION], head_keys(v)))]
+    # Per head, by position, then count: an empty run sorts before a run starting where it is
+    k = k[np.lexsort((k[:, COUNT], k[:, POSITION], head_keys(k)))]
+    v = v[np.lexsort((v[:, COUNT], v[:, POSITION], head_keys(v)))]
     same = k.shape == v.shape
     if same:
         columns = [LAYER, SEQ, HEAD, POSITION, COUNT]

@@ -42,7 +42,8 @@ def trim(runs: list[Run], start: int, stop: int) -> list[Run]:
     kept: list[Run] = []
     for chunk, row, count, position in runs:
         end = position + count
-        if end <= start or position >= stop:
+        before = end <= start if count else position < start  # an empty run at start goes too
+        if before or position >= stop:
             kept.append((chunk, row, count, position))
             continue
         if position < start:
@@ -372,7 +373,9 @@ class Chain:
             return None
         row = np.concatenate([triple[:, 1], np.zeros(whole.shape[0], np.int64)])
         count = np.concatenate([triple[:, 2], rows[triple.shape[0] :]])
-        outside = (count < 1) | (row + count > rows)
+        # A triple names at least one row; a whole chunk of 0 rows is an empty run (SPEC 11).
+        outside = (row + count > rows) | (count < 0)
+        outside[: triple.shape[0]] |= count[: triple.shape[0]] < 1
         if outside.any():
             i = int(np.argmax(outside))
             bad(

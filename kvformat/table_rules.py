@@ -216,7 +216,8 @@ def shape_limits(t: TableFacts) -> str | None:
 
 def positions(t: TableFacts) -> str | None:
     position = t["position"]
-    if bool(np.any(position < 0)) or bool(np.any(position + t.rows > MAX_POSITION)):
+    # ``position > 2^53 - rows``, not ``position + rows > 2^53``: the sum wraps near 2^63
+    if bool(np.any(position < 0)) or bool(np.any(position > MAX_POSITION - t.rows.astype(np.int64))):
         return "chunk positions outside 0..2**53-1"
     return None
 

@@ -233,9 +233,17 @@ function parseQuantization(q) {
   if (!isObject(q)) fail(CORRUPT, "layer 'quantization' must be an object");
   if (get(q, "mode") !== "affine") fail(FEATURE, "unknown quantization mode");
   const bits = get(q, "bits"), group = get(q, "group_size");
-  if (!isInt(bits) || !BITS.includes(Number(bits))) fail(FEATURE, "quantized bits");
-  if (!isInt(group) || !GROUP_SIZES.includes(Number(group))) fail(FEATURE, "quantization group size");
+  // outside the sets of section 6.1: corrupt (R6); only an unknown mode is a feature
+  if (!isInt(bits) || !BITS.includes(Number(bits))) fail(CORRUPT, "quantized bits");
+  if (!isInt(group) || !GROUP_SIZES.includes(Number(group))) fail(CORRUPT, "quantization group size");
   return { mode: "affine", bits: Number(bits), group_size: Number(group) };
+}
+
+function parseKeep(q, where) {
+  if (!q.has("keep")) return 0;
+  const keep = q.get("keep");
+  if (!isInt(keep) || keep < 0n || keep > BigInt(MAX_POSITION)) fail(CORRUPT, `${where}: queries keep`);
+  return Number(keep);
 }
 
 function parseQueries(q, where, kvHeads) {
@@ -262,13 +270,13 @@ function parseQueries(q, where, kvHeads) {
     scale,
     kv_heads: kv,
     window,
-    keep: q.has("keep") ? integer(q, "keep", 0, MAX_POSITION, `${where} queries`) : 0,
+    keep: parseKeep(q, where),
     softcap: number("softcap", true),
     sinks,
   };
   const bad = (why) => fail(CORRUPT, `${where}: queries ${why}`);
   if (kv.length !== spec.num_heads || !kv.every((h) => isInt(h) && h >= 0n && h < BigInt(kvHeads))) bad("kv_heads");
-  if (window !== null && window < 1n) bad("window");
+  if (window !== null && (window < 1n || window > BigInt(MAX_POSITION))) bad("window");
   if (window !== null && BigInt(spec.keep) >= window) bad("keep");
   if (!(Number(scale) > 0 && Number.isFinite(Number(scale)))) bad("scale");
   if (spec.softcap !== null && !(Number(spec.softcap) > 0 && Number.isFinite(Number(spec.softcap)))) bad("softcap");
@@ -286,20 +294,25 @@ function parseLayer(obj, index) {
   const name = get(obj, "dtype");
   if (typeof name !== "string") fail(CORRUPT, `${where}: 'dtype' must be a string`);
   const heads = integer(obj, "num_heads", 1, MAX_HEADS, where);
-  const layer = {
+  const kDim = integer(obj, "k_dim", 1, MAX_WIDTH, where);
+  const vDim = integer(obj, "v_dim", 1, MAX_WIDTH, where);
+  const code = dtypeOf(name);
+  const q = parseQuantization(get(obj, "quantization"));
+  // the quantization's dims before queries (section 13.1)
+  if (q && (kDim % q.group_size || vDim % q.group_size || (kDim * q.bits) % 32 || (vDim * q.bits) % 32)) {
+    fail(CORRUPT, `${where}: dims not multiples of the group size`);
+  }
+  return {
     present: true,
     num_heads: heads,
-    k_dim: integer(obj, "k_dim", 1, MAX_WIDTH, where),
-    v_dim: integer(obj, "v_dim", 1, MAX_WIDTH, where),
+    k_dim: kDim,
+    v_dim: vDim,
     dtype: name,
-    code: dtypeOf(name),
+    code,
     attributes,
-    quantization: parseQuantization(get(obj, "quantization")),
+    quantization: q,
     queries: parseQueries(get(obj, "queries"), where, heads),
   };
-  const q = layer.quantization;
-  if (q && (layer.k_dim % q.group_size || layer.v_dim % q.group_size)) fail(CORRUPT, `${where}: dims not multiples of the group size`);
-  return layer;
 }
 
 function rowBytes(layer, kind) {
@@ -326,7 +339,9 @@ function parseManifest(obj) {
     required,
     optional: strings(get(obj, "optional_features", []), "optional_features"),
   };
-  const triples = layers.reduce((n, l) => n + (l.present ? l.num_heads : 0), 0) * manifest.num_seqs;
+  // KV heads and query heads alike (1.4)
+  const heads = (l) => (l.present ? l.num_heads + (l.queries ? l.queries.num_heads : 0) : 0);
+  const triples = layers.reduce((n, l) => n + heads(l), 0) * manifest.num_seqs;
   if (triples > MAX_HEAD_SEQUENCES) fail(LIMIT, "too many (layer, head, sequence) triples");
   if (layers.some((l) => l.present && l.queries) && !required.includes("queries")) fail(CORRUPT, "queries not required");
   return manifest;
@@ -596,6 +611,10 @@ function materialize(file) {
           kept.push(r);
           continue;
         }
+        if (count === 0) {  // an empty run at p goes when start <= p < stop
+          if (position < start || position >= stop) kept.push(r);
+          continue;
+        }
         const low = Math.min(position + count, start);
         if (low > position) kept.push([l, s, r[2], r[3], chunk, row, low - position, position]);
         const high = Math.max(position, stop);
@@ -644,7 +663,8 @@ function byHead(runs) {
     if (!out.has(key)) out.set(key, []);
     out.get(key).push(r);
   }
-  for (const list of out.values()) list.sort((a, b) => a[7] - b[7]);
+  // by position, then count: an empty run sorts before a run that starts where it is
+  for (const list of out.values()) list.sort((a, b) => a[7] - b[7] || a[6] - b[6]);
   return out;
 }
 function checkRuns(runs, where) {
@@ -668,8 +688,9 @@ function checkQueries(chunks, table, where) {
   }
   for (const list of out.values()) {
     list.sort((a, b) => table[a].position - table[b].position);
-    for (let i = 1; i < list.length; i++) {
-      if (table[list[i]].position < table[list[i - 1]].position + table[list[i - 1]].rows) fail(CORRUPT, `${where}: a query position twice`);
+    const held = list.filter((c) => table[c].rows > 0);  // a Q chunk of 0 rows holds no position
+    for (let i = 1; i < held.length; i++) {
+      if (table[held[i]].position < table[held[i - 1]].position + table[held[i - 1]].rows) fail(CORRUPT, `${where}: a query position twice`);
     }
   }
   return out;

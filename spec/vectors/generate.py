@@ -26,7 +26,7 @@ from kvformat.conformance import describe
 from kvformat.layout import DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, FOOTER_SIZE, KIND_SNAPSHOT, Footer
 from kvformat.manifest import QuerySpec
 from kvformat.quantization import Quantization
-from kvformat.rewrite import as_triples, rebuild_index
+from kvformat.rewrite import as_triples, empty_chunks, rebuild_index
 
 HERE = Path(__file__).resolve().parent
 
@@ -172,6 +172,103 @@ def queries(path: Path) -> None:
         writer.snapshot({"step": 1})
 
 
+def _three_steps(path: Path) -> None:
+    """One head over three snapshots (raw float32): tokens 0-2, then 3, then 4-5; chunks K, V of
+    each in turn (0-1, 2-3, 4-5). The source of the empty-run vectors."""
+    k, v = _kv(14, 1, 6, 4, 4, np.float32)
+    spec = kvformat.LayerSpec(1, 4, 4, kvformat.FLOAT32)
+    with kvformat.Writer(path, [spec], codec="raw") as writer:
+        for first, stop in ((0, 3), (3, 4), (4, 6)):
+            writer.append(0, k[:, first:stop], v[:, first:stop])
+            writer.snapshot({"tokens": stop})
+
+
+def _empty_runs(empty_at: int, drop: bool) -> Callable[[Path], None]:
+    """`_three_steps` with snapshot 1's chunks made 0-row chunks at ``empty_at`` and snapshot 2's
+    run moved to positions 3-4 (with ``drop``, snapshot 2 first drops positions 4-9)."""
+
+    def build(path: Path) -> None:
+        source = path.with_name(path.name + ".source")
+        _three_steps(source)
+
+        def add_drop(document: dict[str, Any]) -> None:
+            if drop:
+                document["snapshots"][2]["drop"] = [[0, 0, 4, 10]]
+
+        try:
+            empty_chunks(source, path, {2: empty_at, 3: empty_at}, moves={4: 3, 5: 3}, edit_json=add_drop)
+        finally:
+            source.unlink()
+
+    return build
+
+
+def empty_query_chunk(path: Path) -> None:
+    """`queries` with the Q chunk of layer 0, query head 0 that snapshot 1 adds made a chunk of 0
+    rows at position 5, which snapshot 0's chunk of that head covers (4-6)."""
+    source = path.with_name(path.name + ".source")
+    queries(source)
+    try:
+        with kvformat.open(source) as snap:
+            table = snap._file.table
+            ranges = snap._file.entries[1].query_ranges
+            added = [c for first, stop in ranges.tolist() for c in range(first, stop)]
+            chunk = next(c for c in added if table["head"][c] == 0 and table["layer"][c] == 0)
+        empty_chunks(source, path, {chunk: 5})
+    finally:
+        source.unlink()
+
+
+def _queries_key(**changes: object) -> Callable[[dict[str, Any]], None]:
+    """Set (value not None) or remove (None) keys of layer 0's ``queries`` object."""
+
+    def edit(document: dict[str, Any]) -> None:
+        spec = document["manifest"]["layers"][0]["queries"]
+        for key, value in changes.items():
+            if value is None:
+                spec.pop(key, None)
+            else:
+                spec[key] = value
+
+    return edit
+
+
+def _queries_variant(**changes: object) -> Callable[[Path], None]:
+    def build(path: Path) -> None:
+        source = path.with_name(path.name + ".source")
+        queries(source)
+        try:
+            rebuild_index(source, path, edit_json=_queries_key(**changes))
+        finally:
+            source.unlink()
+
+    return build
+
+
+def _absent_layer_with_queries(path: Path) -> None:
+    """float32-raw with a second, absent layer whose (malformed) ``queries`` is ignored."""
+    source = path.with_name(path.name + ".source")
+    dtype_codec(np.float32, "raw")(source)
+
+    def edit(document: dict[str, Any]) -> None:
+        document["manifest"]["layers"].append({"present": False, "queries": {"num_heads": "many"}})
+
+    try:
+        rebuild_index(source, path, edit_json=edit)
+    finally:
+        source.unlink()
+
+
+def _tiny_number(path: Path) -> None:
+    """float32-raw with file metadata holding 1e-400: it rounds to 0, a double holds that."""
+    source = path.with_name(path.name + ".source")
+    dtype_codec(np.float32, "raw")(source)
+    try:
+        rebuild_index(source, path, edit_json=_with_metadata('{"tiny": 1e-400}'))
+    finally:
+        source.unlink()
+
+
 VECTORS: list[tuple[str, str, Callable[[Path], None]]] = [
     ("float32-raw.kv", "float32, raw codec, 4-token chunks", dtype_codec(np.float32, "raw")),
     ("float16-zstd.kv", "float16, zstd codec", dtype_codec(np.float16, "zstd:3")),
@@ -189,6 +286,35 @@ VECTORS: list[tuple[str, str, Callable[[Path], None]]] = [
     ("series.kv", "three snapshots as deltas, a drop, an array", series),
     ("optional-feature.kv", "unknown optional feature: must read", optional_feature),
     ("queries.kv", "format 1.3 queries: GQA, window with keep, sinks, two snapshots", queries),
+    # SPEC 1.4 clarifications: one vector for each reading that could go either way.
+    (
+        "empty-runs.kv",
+        "append_chunks ranges holding 0-row K and V chunks: an empty run at position 3, where a "
+        "later run (3-4) starts",
+        _empty_runs(3, drop=False),
+    ),
+    (
+        "drop-removes-empty-run.kv",
+        "a drop of positions 4-9 removes an empty run at 4; the run appended after it covers 3-4",
+        _empty_runs(4, drop=True),
+    ),
+    (
+        "empty-query-chunk.kv",
+        "a 0-row Q chunk at a position another Q chunk of its head covers: it holds no position",
+        empty_query_chunk,
+    ),
+    (
+        "queries-defaults.kv",
+        "a queries object without window, keep, softcap and sinks: null, 0, null, null",
+        _queries_variant(window=None, keep=None, softcap=None, sinks=None),
+    ),
+    (
+        "queries-keep-without-window.kv",
+        "keep 3 with window null: allowed, without effect",
+        _queries_variant(window=None, keep=3),
+    ),
+    ("queries-in-absent-layer.kv", "an absent layer's queries object is ignored", _absent_layer_with_queries),
+    ("tiny-number.kv", "metadata holding 1e-400, which rounds to 0: valid", _tiny_number),
 ]
 
 
@@ -430,6 +556,46 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         "a Q chunk of query head 4 in a layer of 4 query heads",
         lambda s, o: rebuild_index(_queries_source(o), o, edit_table=_query_head(4)),
     ),
+    # SPEC 1.4: rules the readers disagreed on, and the limit that counts query heads.
+    (
+        "empty-run-inside.kv",
+        "an empty run at position 4, inside the run 3-4 appended after it: position 4 twice",
+        lambda s, o: _empty_runs(4, drop=False)(o),
+    ),
+    (
+        "position-overflow.kv",
+        "head 0's last K and V chunk (1 row) at position 2^63 - 1: position + rows is past 2^53 "
+        "(and wraps in 64 bits)",
+        lambda s, o: _at_the_end_of_int64(s, o),
+    ),
+    (
+        "queries-window-over-2-53.kv",
+        "queries window 2^53 + 1",
+        lambda s, o: _queries_variant(window=2**53 + 1)(o),
+    ),
+    (
+        "queries-keep-over-2-53.kv",
+        "queries keep 2^53 + 1 (a value outside 10.1's rules: corrupt, not a limit)",
+        lambda s, o: _queries_variant(keep=2**53 + 1, window=None)(o),
+    ),
+    (
+        "quantization-bits.kv",
+        "a layer quantized with 3 bits (outside 6.1's set: corrupt, not a feature)",
+        lambda s, o: rebuild_index(
+            s, o, edit_json=_layer_key("quantization", {"mode": "affine", "bits": 3, "group_size": 32})
+        ),
+    ),
+    (
+        "quantized-dims-and-queries.kv",
+        "a quantized layer whose dims are not multiples of the group (corrupt) and whose queries "
+        "num_heads is 0 (a limit): the quantization is checked first",
+        lambda s, o: _queries_layer_faults(o),
+    ),
+    (
+        "query-heads-over-limit.kv",
+        "2^20 sequences x (2 KV heads + 16 query heads): over 2^24 triples once query heads count",
+        lambda s, o: _query_heads_over_limit(o),
+    ),
     # Readings that could go either way (SPEC 1.3 clarifications): one vector each.
     (
         "short-bad-magic.kv",
@@ -484,6 +650,30 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         lambda s, o: _two_faults(s, o, None),
     ),
 ]
+
+
+def _at_the_end_of_int64(source: Path, out: Path) -> None:
+    """``source`` (float32-raw) with chunks 4 and 5, head 0's last K and V (1 row each), at
+    position ``2^63 - 1``, in the stream and the table alike."""
+    empty_chunks(source, out, {}, moves={4: 2**63 - 1, 5: 2**63 - 1})
+
+
+def _queries_layer_faults(out: Path) -> None:
+    def edit(document: dict[str, Any]) -> None:
+        layer = document["manifest"]["layers"][0]
+        layer["quantization"] = {"mode": "affine", "bits": 4, "group_size": 64}
+        layer["queries"]["num_heads"] = 0
+
+    rebuild_index(_queries_source(out), out, edit_json=edit)
+
+
+def _query_heads_over_limit(out: Path) -> None:
+    def edit(document: dict[str, Any]) -> None:
+        document["manifest"]["num_seqs"] = 2**20
+        spec = document["manifest"]["layers"][0]["queries"]
+        spec.update(num_heads=16, kv_heads=[0] * 16, sinks=None)
+
+    rebuild_index(_queries_source(out), out, edit_json=edit)
 
 
 def _queries_source(out: Path) -> Path:
@@ -556,7 +746,7 @@ def generate(directory: Path) -> dict[str, object]:
         if "error" not in expect:
             raise AssertionError(f"bad vector {name} reads as valid")
         entries.append({"file": f"bad/{name}", "covers": breaks, "expect": expect})
-    manifest = {"format_version": [1, 3], "hash": "sha256", "vectors": entries}
+    manifest = {"format_version": [1, 4], "hash": "sha256", "vectors": entries}
     (directory / "manifest.json").write_text(
         json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", "utf-8"
     )
