@@ -1,10 +1,10 @@
-# Two entry points (see README): `make demo` runs the main job, `make test` runs the checks.
+# Two entry points (see README): `make demo` runs the main job, `make test` runs every check.
 # Both create .venv with everything they need on a fresh Linux or macOS machine.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install nginx reference conformance
+.PHONY: demo test lint install nginx reference conformance docs
 
 # Two stamps: the demo needs only the capture and analysis extras; the tests need everything
 # (Ray, moto, flask, ...). A full install satisfies the demo too.
@@ -88,7 +88,11 @@ reference: $(REFERENCE)
 # `python -m pytest -m cuda tests` (and tests/test_mlx_backend.py for the whole table).
 # pytest-xdist: one worker per core; work stealing evens out the slow real-model tests; the 15
 # slowest tests are listed at the end (where the suite's time goes).
-test: lint $(KAITAI) $(JS_READER) nginx $(REFERENCE) conformance
+# The guide (docs/, MkDocs with Material), built with warnings as errors into .cache/site.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+test: lint docs $(KAITAI) $(JS_READER) nginx $(REFERENCE) conformance
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15 tests
 	# The kernels' numba twins (where no C compiler built analysis/kernels.c) against numpy too.
 	KVSNAP_KERNEL=numba $(BIN)/python -m pytest -q -n auto tests/test_kernel.py tests/test_arrays.py \

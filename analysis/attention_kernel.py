@@ -36,7 +36,7 @@ whose keys are out of order, or whose logits could overflow or hold a NaN or inf
 path. The functions below are the definition and numba's version; where the C library is built
 (`native`) its ``block_scores`` runs instead and numba is never imported. Without either
 (`AVAILABLE` false, or ``KVSNAP_KERNEL=numpy``) only the numpy path runs. Measured in
-`benchmarks/RESULTS.md` (the needle runs).
+`python -m benchmarks.needle` and `python -m benchmarks.attention_group_bench`.
 """
 
 from __future__ import annotations

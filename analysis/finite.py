@@ -9,7 +9,7 @@ statistics are over.
 Finding nothing is the common case and must cost little beside the statistics: `any_nonfinite`
 is one pass at memory speed (float32: the BLAS dot product of the values with themselves, which
 is non-finite when a value is; float16/bfloat16: the largest magnitude bits; rates in
-`benchmarks/RESULTS.md`). Only when it fires are the rows tested exactly, on the exponent bits of the
+the benchmarks in `benchmarks/`). Only when it fires are the rows tested exactly, on the exponent bits of the
 stored dtype (all ones: inf or NaN); `split` copies only then. The mlx pipeline skips even that
 pass: the device's sum of squares of each piece says whether to look (`backends.mlx_fold.fold_checked`).
 """

@@ -6,7 +6,7 @@ They compute what the numba functions of `backends.kernel`, `eigen`, `halves` an
 `attention_kernel` compute, and stand in for them where the library was built: a process that
 uses them then never imports numba, whose import and typing registries cost a fresh ``kvsnap
 stats`` and the fork server of its workers about 0.45 s here and 1.0 s on a 16-core host
-(`benchmarks/RESULTS.md`, sessions 33 and 34). The quantization errors equal numba's bit for
+(the benchmarks in `benchmarks/`). The quantization errors equal numba's bit for
 bit; the float64 sums agree to ~1e-15 relative (their lanes of partial sums differ);
 `tests/test_native.py` holds both. The attention pass's float32 sums agree with numba's and the
 numpy definition's to float32 rounding (`tests/test_head_importance.py`).

@@ -35,7 +35,7 @@ pass's segment list (as the one-worker pass holds it) and the accumulators of at
 workers`` tasks in flight plus the layers waiting for them. On mlx a worker also holds its
 device pipeline (`backends.mlx_pipeline.Pipeline`: two batches' staging buffers of 16 MiB, results waiting
 to be folded) and mlx's own footprint, most of its memory on CUDA: mlx, its CUDA context and the
-code of every kernel it has loaded (measured per worker in `benchmarks/RESULTS.md`).
+code of every kernel it has loaded (measured per worker in the benchmarks in `benchmarks/`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ MLX_ONE_SHOT_BYTES = 12 << 30
 """A command's one mlx pass (`kvsnap stats FILE --backend mlx`, one local file, no ``--jobs``)
 over a smaller file runs in one process (`one_shot_in_process`): worker processes each start mlx
 and a CUDA context, and those starts queue on the device, so below this size a fresh command is
-faster in one process (the break-even measured in `benchmarks/RESULTS.md`). A long-lived process
+faster in one process (the break-even measured in the benchmarks in `benchmarks/`). A long-lived process
 (the API, a batch of files) keeps its workers and gains from them from its second pass on."""
 
 

@@ -107,7 +107,7 @@ class _Workers:
         interpreter's lock between numpy calls (LAPACK runs without it), and a whole layer's
         stack makes a quarter of the calls of four quarter-layer runs: on the accelerator
         machine's bf16 file the warm one-process pass took 1.12-1.23x less time so
-        (`benchmarks/RESULTS.md`). On the CPU, with ``rows``, each row computed on the threads
+        (the benchmarks in `benchmarks/`). On the CPU, with ``rows``, each row computed on the threads
         after its head's batches; on one thread (a batch's file, ``--jobs 1``) the layer's rows
         in one stacked run, whose eigenvalues the C solver takes four at a time."""
         accumulators = layer.accumulators

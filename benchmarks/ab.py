@@ -1,5 +1,5 @@
 """One `analysis_bench` measurement under two source trees, alternated: ``A B A B ...`` per file,
-so a slow lease or a noisy neighbour slows both alike. Each run is a fresh process started in
+so a slow machine or a noisy neighbour slows both alike. Each run is a fresh process started in
 its tree (a tree: a checkout holding ``kvformat/`` and ``kvsnap/``).
 
     python -m benchmarks.ab --mode stats:all:1:mlx:warm --a OLD_TREE --b NEW_TREE FILE...

@@ -1,4 +1,4 @@
-"""Attention offline (issue 42): `snap.attention` for one query head over 8192 keys x 64 queries,
+"""Attention offline: `snap.attention` for one query head over 8192 keys x 64 queries,
 from an open file, against the same arithmetic on arrays already in memory (numpy, float32: the
 floor the file path can reach) in the same run; peak traced memory of the call.
 

@@ -1,5 +1,5 @@
 """The ``attention`` statistics group against the ``spectrum`` group on one file with queries
-(issue 44's target: the first costs no more than the second), as a user runs them: each in a
+(the target: the first costs no more than the second), as a user runs them: each in a
 fresh process, defaults. Both orders are run, since whichever goes first in a process also pays
 the imports and the compiled kernels' loading: ``first`` is a fresh process's only call, ``then``
 the same group after the other one in that process.

@@ -104,7 +104,7 @@ def byte_compile() -> int:
     bytecode before. An environment that installed them without it (the accelerator machine's
     numpy, with ``PYTHONDONTWRITEBYTECODE`` set) makes every fresh process compile numpy from
     source: 0.1-0.2 s of each ``import numpy`` there, in the command and again in its fork
-    server (`benchmarks/RESULTS.md`, session 36)."""
+    server (the benchmarks in `benchmarks/`)."""
     import importlib.util
 
     missing = 0

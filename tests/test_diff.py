@@ -1,4 +1,4 @@
-"""Diff two captures head by head (issue 17): the same SmolLM2 prompt with a float16 cache and
+"""Diff two captures head by head: the same SmolLM2 prompt with a float16 cache and
 with 8-bit and 4-bit quantized caches (quantizing from the first token)."""
 
 from __future__ import annotations

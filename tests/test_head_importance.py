@@ -1,4 +1,4 @@
-"""Head importance from saved attention (issue 44): every score of `--stats attention` equals a
+"""Head importance from saved attention: every score of `--stats attention` equals a
 direct numpy computation from the attention weights written out in float64 from the definition
 (SPEC 10.1), and `simulate`'s errors equal recomputing attention with the evicted keys removed.
 On a synthetic file (GQA 4:2, a sliding window and sinks) and on a real SmolLM2 capture."""

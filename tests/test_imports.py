@@ -1,4 +1,4 @@
-"""The import graph of the package has no circle (issue 43): every import counts, the ones
+"""The import graph of the package has no circle: every import counts, the ones
 inside functions too (a circle hidden by a function-level import is still a circle); only
 ``if TYPE_CHECKING:`` blocks, which never run, are left out."""
 

@@ -1,4 +1,4 @@
-"""The second reader (issue 48): spec/js/describe.js, JavaScript under Node, written from SPEC.md
+"""The second reader: spec/js/describe.js, JavaScript under Node, written from SPEC.md
 with the Kaitai grammar compiled to JavaScript for the layout. It must pass every vector and every
 gold folder with the error categories, and describe exactly as kvformat does 200 random files and
 1,000 byte-flipped or truncated mutants of them (fixed seed, made here, read by both)."""

@@ -1,4 +1,4 @@
-"""``backend="mlx"`` (issue 19): the statistics as mlx array operations on mlx's default device
+"""``backend="mlx"``: the statistics as mlx array operations on mlx's default device
 (CPU mlx here; Metal or CUDA where the user has them) equal the CPU kernel's table within
 `mlx_backend.TOLERANCES`, for every column and statistic group, on random K/V (massive rows,
 float32/float16/bfloat16, head dims that are not a multiple of the quantization group, pieces

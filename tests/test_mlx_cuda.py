@@ -1,4 +1,4 @@
-"""mlx on an NVIDIA GPU (issue 19): what only runs there, kvsnap's own Gram kernel
+"""mlx on an NVIDIA GPU: what only runs there, kvsnap's own Gram kernel
 (`cuda_gram.gram_product`, used in place of cuBLAS). Marked ``cuda``: run them on a machine
 where mlx computes on CUDA (``pytest -m cuda tests``, with `tests/test_mlx_backend.py` for the
 whole table); `make test` deselects them, CI having no accelerator."""

@@ -1,4 +1,4 @@
-"""go-mlx MLXKV001 import (issue 18): every layout version, tag, dtype, slab form and sliding
+"""go-mlx MLXKV001 import: every layout version, tag, dtype, slab form and sliding
 window reads back exactly as this repository's own MLXKV001 writer (tests/mlxkv/generate.py)
 wrote it; hostile files give one clear error, allocate nothing large and leave nothing at DST."""
 

@@ -1,4 +1,4 @@
-"""go-mlx block bundles (issue 47): State logs, KVST containers and manifest files import to a
+"""go-mlx block bundles: State logs, KVST containers and manifest files import to a
 series whose snapshots hold exactly what tests/mlxkv/bundles.py (an independent writer of the
 layout) gave each turn, blocks reused across turns stored once; hostile files give one clear
 error, allocate nothing large and leave nothing at DST."""

@@ -1,4 +1,4 @@
-"""Non-finite values are data, not failures (issue 40): a row holding inf or NaN is left out of
+"""Non-finite values are data, not failures: a row holding inf or NaN is left out of
 every statistic of its head and counted, on every backend; the statistics of the other rows equal
 those of a file that never held the bad rows; nothing warns; `outliers` ignores NaN; `diff` names
 positions that are non-finite on one side."""
@@ -223,7 +223,7 @@ def test_diff_reports_positions_nonfinite_on_one_side(tmp_path: Path) -> None:
 
 
 def test_imported_go_mlx_fixture_with_nonfinite_values(tmp_path: Path) -> None:
-    """The repository's go-mlx fixture that failed `kvsnap stats` (issue 40)."""
+    """The repository's go-mlx fixture that failed `kvsnap stats`."""
     source = Path(__file__).parent / "mlxkv" / "mixed-tags.mlxkv"
     out = tmp_path / "mixed.kv"
     kvformat.import_mlxkv(source, out)

@@ -1,4 +1,4 @@
-"""Nothing a user types loses data (issue 40): every command refuses an existing output without
+"""Nothing a user types loses data: every command refuses an existing output without
 ``--force`` and its own input even with it, writes through a temporary name (a failure leaves
 nothing), says the exact path it wrote; `recover` only reads its input; an unguarded script runs
 batch statistics once."""

@@ -1,4 +1,4 @@
-"""Import names (issue 15, item 5) and stage independence: the stages install as `kvsnap.capture`
+"""Import names and stage independence: the stages install as `kvsnap.capture`
 and `kvsnap.analysis`, so a researcher's own ``analysis.py`` / ``capture.py`` shadows nothing;
 `kvformat` never loads mlx, pyarrow or polars, and analysis never loads capture or mlx."""
 

@@ -1,4 +1,4 @@
-"""Queries in the file (issue 42, format 1.3): stored, inherited by later snapshots, refused by a
+"""Queries in the file: stored, inherited by later snapshots, refused by a
 1.2 reader, and attention recomputed from the file equal to what the model's own attention kernel
 returned (hooked here), for SmolLM2 (GQA 9:3), Gemma-3 (sliding and global layers, its own query
 scale), a rotating cache (``max_kv_size``) and a quantized KV cache (``kv_bits``)."""

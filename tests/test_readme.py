@@ -1,6 +1,7 @@
-"""The README's Python examples run as written (issue 46 item 1): each ```python block is taken
-from README.md itself and run in a fresh folder, in one namespace. The capturing example runs
-first: it writes the ``run.kv`` (SmolLM2, queries kept) that the reading and queries examples open.
+"""The Python examples of the README and the guide run as written: each ```python block is taken
+from the page itself and run in a fresh folder, in one namespace, README first, then the guide's
+pages in the site's order. The README's capture runs first: it writes the ``run.kv`` (SmolLM2,
+queries kept) that the reading and queries examples open.
 """
 
 from __future__ import annotations
@@ -13,8 +14,19 @@ import pytest
 from tests.conftest import ROOT
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text("utf-8"), flags=re.S)
+def guide_pages() -> list[Path]:
+    """README.md, then the guide's pages in the order of mkdocs.yml's nav."""
+    nav = re.findall(r":\s*([\w-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text("utf-8"), flags=re.M)
+    return [ROOT / "README.md", *(ROOT / "docs" / name for name in nav)]
+
+
+def python_blocks() -> list[tuple[str, str]]:
+    """Every ```python block of the README and the guide, with the page it is on."""
+    return [
+        (page.name, block)
+        for page in guide_pages()
+        for block in re.findall(r"```python\n(.*?)```", page.read_text("utf-8"), flags=re.S)
+    ]
 
 
 @pytest.mark.network
@@ -22,13 +34,13 @@ def test_readme_python_blocks_run_as_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, smollm2_dir: Path
 ) -> None:
     blocks = python_blocks()
-    capture = [b for b in blocks if "kvsnap.generate(" in b]
-    assert len(capture) == 1 and len(blocks) >= 4
+    assert blocks[0][0] == "README.md" and "kvsnap.generate(" in blocks[0][1]  # writes run.kv first
+    assert len(blocks) >= 7
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": "readme"}
-    for block in capture + [b for b in blocks if b not in capture]:
-        exec(compile(block, "README.md", "exec"), namespace)
-    for written in ("run.kv", "out.kv", "series.kv", "now.kv"):
+    for page, block in blocks:
+        exec(compile(block, page, "exec"), namespace)
+    for written in ("run.kv", "story.kv", "out.kv", "series.kv", "now.kv"):
         assert (tmp_path / written).exists(), written
     import kvformat
 

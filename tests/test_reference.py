@@ -1,4 +1,4 @@
-"""Captured K/V held to references outside kvsnap (issue 41): the same GGUF weights, the same token
+"""Captured K/V held to references outside kvsnap: the same GGUF weights, the same token
 ids, in the checkpoint's channel order.
 
 - A small numpy forward pass written here from the GGUF tensors alone (the ``gguf`` package's

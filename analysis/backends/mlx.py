@@ -91,7 +91,7 @@ def compiles() -> bool:
     per fused group, shape and dtype: on CUDA (NVRTC) that made a fresh machine's first
     ``kvsnap stats --backend mlx`` take 78 s, on the CPU build 7 s, each cached afterwards; the
     plain operations use kernels mlx ships compiled, give the same bits, and on the CPU build
-    run faster (`benchmarks/RESULTS.md`). Metal compiles its fused kernels in milliseconds."""
+    run faster (the benchmarks in `benchmarks/`). Metal compiles its fused kernels in milliseconds."""
     import os
 
     setting = os.environ.get("KVSNAP_MLX_COMPILE", "")
@@ -271,7 +271,7 @@ def _piece(
         (no reduction over the partition's strided slice), and the index sets are made
         contiguous by an elementwise op: on CUDA a reduction, stack or host copy of a strided
         array runs mlx's general copy kernels, whose code cost each CUDA worker ~100 MiB of
-        host memory (`benchmarks/RESULTS.md`, sessions 20 and 21)."""
+        host memory (the benchmarks in `benchmarks/`)."""
         n = peaks.shape[0]
         k = min(TOP_K, n)
         bits = peaks.view(mx.int32)

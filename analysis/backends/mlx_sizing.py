@@ -10,7 +10,7 @@ PROCESS_SHARE = 3 / 4
 """Worker processes an mlx pass over a local file uses, per worker asked for (`analysis.processes`):
 each drives the device with its own pipeline, so the host's work (copies, checksums, folding,
 rows) runs outside one interpreter's lock; past 3/4 of the cores, the processes' own threads
-compete (the scaling measured in `benchmarks/RESULTS.md`)."""
+compete (the scaling measured in the benchmarks in `benchmarks/`)."""
 
 
 PROCESS_MEMORY = 8 << 30
@@ -60,7 +60,7 @@ BATCH_MIB = 32
 of 16-bit values: float32 rows batch as many values, twice the bytes. The device's cost goes
 with the calls and pieces, not the bytes: a 8.59 GB float32 file's one-process pass took 1.34x
 longer fresh (1.32x warm) in 32 MiB batches of its stored bytes than in 64 MiB ones on the
-accelerator machine, while 64 MiB batches of bfloat16 gained nothing (`benchmarks/RESULTS.md`).
+accelerator machine, while 64 MiB batches of bfloat16 gained nothing (the benchmarks in `benchmarks/`).
 ``KVSNAP_MLX_BATCH_MIB`` overrides it and `WORKER_BATCH_MIB`."""
 
 

@@ -22,7 +22,7 @@ PLACEMENT = "host"
 """Where staging buffers live on CUDA (`unified_memory.MODES`; ``KVSNAP_MLX_STAGING`` overrides):
 in host memory, the device reading them in place: faster than the driver's default (``fault``:
 pages moved on demand, both ways, at each reuse) and than ``prefetch`` or ``mostly``
-(`benchmarks/probes/mlx_copy_probe.py`; figures in `benchmarks/RESULTS.md`)."""
+(`benchmarks/probes/mlx_copy_probe.py`; the probe prints the figures)."""
 
 
 def on_cuda() -> bool:

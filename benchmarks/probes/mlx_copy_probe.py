@@ -1,5 +1,5 @@
 """How fast host rows reach mlx's device: ``mx.array`` of each piece (what `analysis.mlx_backend`
-did through session 8) against copying into the memory of an existing mlx array through its
+did at first) against copying into the memory of an existing mlx array through its
 buffer (``np.copyto`` into ``np.asarray(memoryview(array))``, on 1..N threads), each followed by a
 small device reduction that reads every byte, in a pipeline of two batches like the pass.
 

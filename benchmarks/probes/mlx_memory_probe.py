@@ -26,16 +26,16 @@ memory as ``[anon]``).
 ``--pass FILE``: `stats_for_file` over FILE on mlx with ``--jobs`` workers (worker processes where
 `mlx_sizing.processes` gives more than one), ``--passes`` times, then for this process, its
 helpers and every worker: resident and proportional set, peak resident set (``VmHWM``, and
-the largest of samples taken every 20 ms during the passes: on the H200, session 20, sampled
+the largest of samples taken every 20 ms during the passes: on a 16-core H200 host, sampled
 runs saw mlx workers ~50 MiB above the ``VmHWM`` of another run), private dirty and anonymous
 memory (``smaps_rollup``); a summary (the largest worker's peaks, the workers' proportional
 sets summed) and the largest mappings of the largest worker.
 
-On the H200 machine (sessions 17-18) the device's arrays did not show in the resident set (1
+On a 16-core H200 host the device's arrays did not show in the resident set (1
 GiB of ``mx.zeros``: +0 MiB). The kernels did, as code loaded at their first use: ~760 MiB of
 glibc's heap in use once the per-piece function ran, whether mlx compiled the kernels or found
 them in its PTX cache. Neither clearing nor limiting mlx's cache gave any back, and
-``malloc_trim`` gave back only what the compiler had freed (`benchmarks/RESULTS.md`, session 18).
+``malloc_trim`` gave back only what the compiler had freed (the benchmarks in `benchmarks/`).
 """
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ SELECTIONS = {
     "all but spectrum": (True, True, True, True, False, True),
 }
 """Group selections of the per-piece function (`mlx_backend.piece_function`'s flags): the device
-probe's, and the combinations session 19 measured."""
+probe's, and the combinations measured with it."""
 
 
 def selection(name: str) -> None:

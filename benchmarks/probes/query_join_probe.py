@@ -1,4 +1,4 @@
-"""Why a snapshot with queries costs the generating thread ~5 ms more on CUDA (issue 42/45): one
+"""Why a snapshot with queries costs the generating thread ~5 ms more on CUDA: one
 snapshot every 16 tokens of a 36-layer model joins 36 x 16 = 576 query pieces ``(1, heads, 1,
 dim)``. Times, in the calling thread, building and launching (``async_eval``) the join of N
 pieces with ``mx.concatenate`` (one copy kernel per piece) and with `capture.gather.join` (one

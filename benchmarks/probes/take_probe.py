@@ -14,7 +14,7 @@ touched other memory, and here they take 2-3x what the same calls take repeated 
 (30 layers on this machine's CPU build: `read` ~300 us against ~80-140 us). They vary by +-30%
 between runs here, so an A/B of a few tens of microseconds needs the tight loop (``--tight``:
 the layers' offsets are moved on by 16 without writing rows, nothing collected or held between
-snapshots); sessions 29 and 30 (`benchmarks/RESULTS.md`) ran it for each version from its own
+snapshots); it was run for each version from its own
 source tree, alternated (Qwen3-8B shape: ``--layers 36 --heads 8 --dim 128 --dtype bfloat16``).
 """
 

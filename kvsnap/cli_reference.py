@@ -1,0 +1,47 @@
+"""The command-line reference page (``docs/cli.md``), generated from the parsers themselves, so it
+cannot go stale: ``python -m kvsnap.cli_reference > docs/cli.md``; a test holds the committed
+page equal to what this prints."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+WIDTH = "100"  # argparse wraps help at the terminal's width: a fixed one, for a stable page
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def page() -> str:
+    """The reference as Markdown: every command's help, in the order ``kvsnap --help`` lists them."""
+    previous = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = WIDTH
+    try:
+        from kvformat.cli import build_parser
+
+        parser = build_parser()
+        parts = [
+            "# CLI reference\n",
+            "Generated from the command's own parsers (`python -m kvsnap.cli_reference`); every "
+            "command takes `--help` too.\n",
+            "```text\n" + parser.format_help().replace("python -m kvsnap.cli_reference", "kvsnap") + "```\n",
+        ]
+        for name, sub in _subcommands(parser).items():
+            text = sub.format_help().replace("python -m kvsnap.cli_reference", "kvsnap")
+            parts.append(f"## `kvsnap {name}`\n\n```text\n{text}```\n")
+        return "\n".join(parts)
+    finally:
+        if previous is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = previous
+
+
+if __name__ == "__main__":
+    sys.stdout.write(page())

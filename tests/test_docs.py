@@ -1,0 +1,76 @@
+"""The documentation a user reads: a short README that says what kvsnap does, a CLI reference that
+is what the parsers print, and no page, comment or docstring that describes how the project was
+built instead of what it does."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from kvsnap.cli_reference import page
+from tests.conftest import ROOT
+
+# Words about the project's making, not its use: a numbered session or issue, a machine lease,
+# "the CI machine", a change tried and reverted.
+PROCESS = re.compile(
+    r"\bsessions? \d+|\bissues? \d+|\bleases?\b|\bCI machine\b|\btried and (?:reverted|not kept)\b",
+    re.IGNORECASE,
+)
+SCANNED = ("kvformat", "capture", "analysis", "kvsnap", "spec", "tests", "benchmarks", "docs")
+SUFFIXES = {".py", ".md", ".c", ".js", ".ksy", ".toml", ".yml", ".txt"}
+
+
+def product_files() -> list[Path]:
+    files = [
+        ROOT / name for name in ("README.md", "CHANGELOG.md", "Makefile", "pyproject.toml", "mkdocs.yml")
+    ]
+    for folder in SCANNED:
+        for path in (ROOT / folder).rglob("*"):
+            parts = set(path.relative_to(ROOT).parts)
+            if path.suffix in SUFFIXES and path.is_file() and not parts & {"node_modules", "__pycache__"}:
+                files.append(path)
+    return [f for f in files if f.name != "test_docs.py"]
+
+
+def test_no_process_words_in_the_product() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()[:100]}"
+        for path in product_files()
+        for number, line in enumerate(path.read_text("utf-8", errors="replace").splitlines(), 1)
+        if PROCESS.search(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_scan_catches_process_words() -> None:
+    for text in (
+        "measured in session 36",
+        "see issue 65",
+        "on that lease",
+        "the CI machine",
+        "tried and reverted",
+    ):
+        assert PROCESS.search(text), text
+    for text in ("released once added", "a long session log", "session.mvlog", "issues a warning"):
+        assert not PROCESS.search(text), text
+
+
+def test_the_readme_is_short_and_says_what_kvsnap_does() -> None:
+    text = (ROOT / "README.md").read_text("utf-8")
+    assert len(text.splitlines()) <= 200
+    first = text.split("\n\n")[1]  # the paragraph under the title
+    assert "KV cache" in first and "mlx-lm" in first
+    assert "make demo" in text and "make test" in text
+
+
+def test_the_cli_reference_is_what_the_parsers_print() -> None:
+    committed = (ROOT / "docs" / "cli.md").read_text("utf-8")
+    assert committed == page(), "docs/cli.md is stale: python -m kvsnap.cli_reference > docs/cli.md"
+    for command in ("capture", "stats", "simulate", "export", "attention", "plot", "info", "verify"):
+        assert f"## `kvsnap {command}`" in committed
+
+
+def test_every_guide_page_is_in_the_site() -> None:
+    config = (ROOT / "mkdocs.yml").read_text("utf-8")
+    for page_file in (ROOT / "docs").glob("*.md"):
+        assert page_file.name in config, f"{page_file.name} is not in mkdocs.yml's nav"
