@@ -1,7 +1,7 @@
 """Eigenvalues of a symmetric matrix, compiled (C where built, `native`; else numba ``nogil``), so
 that the heads of a file decompose in parallel: LAPACK's ``syevd`` as numpy ships it (OpenBLAS)
 runs one call at a time whatever the number of threads calling it, which made the spectra of a
-2048-head file a serial ~2 s tail.
+file with many heads a serial tail.
 
 Householder reduction to tridiagonal form (the eigenvalue-only path of ``tred2``, Numerical
 Recipes 11.2, on the full symmetric matrix so that every inner loop runs over a contiguous row),

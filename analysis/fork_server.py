@@ -1,13 +1,12 @@
 """The CPU backend's fork server (`analysis.processes`), startable before anything heavy is
 imported: this module needs the standard library and `analysis.parallel` only.
 
-On the accelerator machine's 16 cores a fresh ``kvsnap stats FILE`` of a 1.2 GB file spent
-1.5-1.7 s waiting for its workers: the fork server imports numpy and the kernels (`warm_kernels`;
-numba and its compiled code, about 1.0 s of it, where the C kernels of `native` are not built)
-before it forks the first worker, and it was started only
-once the command had imported numpy, built its parser and read its arguments (~0.5 s in).
-`start_early` starts it as the ``kvsnap`` process begins, for the command that will want it (the
-default ``kvsnap stats`` of one big local file); `processes` then finds it running."""
+A fresh ``kvsnap stats FILE`` of a big file waits for its workers: the fork server imports numpy and
+the kernels (`warm_kernels`; numba and its compiled code where the C kernels of `native` are not
+built) before it forks the first worker, and started only once the command had imported numpy, built
+its parser and read its arguments, it would start late (`python -m benchmarks.cli_bench` measures a
+fresh command). `start_early` starts it as the ``kvsnap`` process begins, for the command that will
+want it (the default ``kvsnap stats`` of one big local file); `processes` then finds it running."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ FULL_CORES = 16
 """The core count the two thresholds above hold for. On fewer cores workers save less (a pass
 on ``c`` cores saves at most ``1 - 1/c`` of its time) and threads contend less for the lock, so
 both thresholds grow as ``FULL_CORES / c``: on 2 cores a file goes to workers from 128 MiB or 384
-heads (there a 46 MB file took 0.37-0.39 s on one thread against 0.42-0.45 s on workers, a 207 MB
-file 0.59-0.62 s against 0.53-0.54 s)."""
+heads (the break-even measured there: `benchmarks/RESULTS.md`'s table)."""
 
 
 def process_min_bytes(count: int) -> int:
@@ -87,7 +85,7 @@ def wanted(argv: Sequence[str]) -> bool:
         return False
     if _local_size(_only_file(argv[1:])) < process_min_bytes(cores()):
         return False
-    import multiprocessing  # not for a small file's command: ~8 ms of a fresh start
+    import multiprocessing  # not for a small file's command: it lengthens a fresh start
 
     return START_METHOD in multiprocessing.get_all_start_methods()
 

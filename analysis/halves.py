@@ -1,6 +1,7 @@
 """float16 rows to float32, compiled (C where built, `native`; else numba ``nogil``): numpy's
-``astype`` converts one value at a time (~1.6 GB/s of float16 here); this loop vectorizes the
-common cases, about 3x faster (the C build 1.4-2.3x faster again: `benchmarks/kernel_bench.py`).
+``astype`` converts one value at a time (`python -m benchmarks.kernel_bench` times both); this loop
+vectorizes the common cases, about 3x faster (the C build 1.4-2.3x faster again:
+`benchmarks/kernel_bench.py`).
 
 A normal half moves its exponent and mantissa into place with integer operations (exponent bias
 15 -> 127: add ``112 << 23``); an infinity or NaN keeps its payload with an all-ones exponent;

@@ -665,8 +665,8 @@ def attention_table(
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """`attention_rows` of one or more files as an Arrow table (what ``kvsnap stats --stats
-    attention`` prints and saves, without polars' import: 0.5-0.6 s of a fresh command on the
-    H200 host)."""
+    attention`` prints and saves, without importing polars: `python -m benchmarks.cli_bench`
+    times the difference)."""
     import pyarrow as pa
 
     files = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
@@ -677,7 +677,7 @@ def attention_table(
             path, snapshot, window=window, needle=needle, retrieval=retrieval, storage_options=storage_options
         )
     ]
-    if rows:  # from numpy buffers: `pa.Table.from_pylist` imports pandas (0.17 s here)
+    if rows:  # from numpy buffers: `pa.Table.from_pylist` imports pandas
         return arrow_table(rows)
     types = {"file": pa.string(), "top1_position_histogram": pa.list_(pa.int64())}
     integers = ("snapshot", "layer", "head", "kv_head", "n_queries", "queries_incomplete", "retrieval_events")

@@ -2,18 +2,17 @@
 shared library ``_native`` beside this module and called through ctypes (which releases the
 interpreter's lock for each call, as numba's ``nogil`` does).
 
-They compute what the numba functions of `backends.kernel`, `eigen`, `halves` and
-`attention_kernel` compute, and stand in for them where the library was built: a process that
-uses them then never imports numba, whose import and typing registries cost a fresh ``kvsnap
-stats`` and the fork server of its workers about 0.45 s here and 1.0 s on a 16-core host
-(the benchmarks in `benchmarks/`). The quantization errors equal numba's bit for
-bit; the float64 sums agree to ~1e-15 relative (their lanes of partial sums differ);
+They compute what the numba functions of `backends.kernel`, `eigen`, `halves` and `attention_kernel`
+compute, and stand in for them where the library was built: a process that uses them then never
+imports numba, whose import and typing registries a fresh ``kvsnap stats`` and the fork server of
+its workers would pay for (`python -m benchmarks.cli_bench`). The quantization errors equal numba's
+bit for bit; the float64 sums agree to ~1e-15 relative (their lanes of partial sums differ);
 `tests/test_native.py` holds both. The attention pass's float32 sums agree with numba's and the
 numpy definition's to float32 rounding (`tests/test_head_importance.py`).
 
 ``KVSNAP_KERNEL`` in the environment: ``compiled`` (the default) takes this library where it was
-built and numba otherwise; ``numba`` skips the library; ``numpy`` skips both. Each call costs
-~1 us per array argument (ctypes): ~25 us for `accumulate`, which adds `KERNEL_ROWS` rows.
+built and numba otherwise; ``numba`` skips the library; ``numpy`` skips both. Each call pays
+ctypes' conversion of every array argument, so `accumulate` adds `KERNEL_ROWS` rows a call.
 """
 
 from __future__ import annotations

@@ -500,7 +500,7 @@ def _add_task(
     from .plan import add_segments
 
     global _BLAS_LIMITED
-    if not _BLAS_LIMITED:  # once per worker: a call inspects every loaded library (1-2 ms)
+    if not _BLAS_LIMITED:  # once per worker: a call inspects every loaded library
         from .parallel import limit_blas_threads
 
         limit_blas_threads(1)

@@ -1,7 +1,7 @@
 """Progress bars on stderr (tqdm), made only where they show: a bar that stays hidden (stderr
 not a terminal, or not asked for) is a stand-in with the same few methods, and tqdm is not
-imported for it (its import reads the installed packages' metadata: ~10 ms of a fresh command
-here, which a ``kvsnap stats`` piped to a file never shows)."""
+imported for it (its import reads the installed packages' metadata, which a ``kvsnap stats``
+piped to a file would pay for and never show)."""
 
 from __future__ import annotations
 

@@ -169,9 +169,9 @@ def file_table(
     """Every layer's table of one file, concatenated (what the engines call per file); ``sink``,
     in this process, takes each layer's table as soon as it is computed. Without a sink, the
     rows of every layer become one table at the end: one Arrow build per file, not one per
-    layer (5 against 15 ms for a 36-layer file here, of a ~0.55 s one-core pass)."""
+    layer (`python -m benchmarks.analysis_bench` times a pass)."""
     # pyarrow after the pass has started (its first table imports it while the workers run):
-    # imported first, it held up the tasks' submission by its import (~0.03-0.2 s).
+    # imported first, it would hold up the tasks' submission by its import.
     if sink is None:
         rows = [
             row

@@ -1,6 +1,6 @@
 """Imported by the fork server of the CPU backend's worker processes (`analysis.processes`): runs each
 compiled kernel once on a few rows, so that their machine code is loaded in the server, once (the
-C library of `native`; or numba's, from its cache or compiled, ~0.3 s per worker), and every
+C library of `native`; or numba's, from its cache or compiled), and every
 worker forked from it starts with them loaded. It also imports what every worker's first
 task would import on its own: the pass's planning module, ml-dtypes (bfloat16 files) and
 threadpoolctl (one BLAS thread per worker)."""
@@ -26,7 +26,7 @@ def warm() -> None:
     """One accumulator of every group over enough rows to take the float32 Gram path, and its
     row (eigenvalues)."""
     rows = GRAM_FLOAT64_ROWS + 8
-    # (not numpy.random: a worker never needs it, and its import is ~17 ms of the server's start)
+    # (not numpy.random: a worker never needs it, and its import lengthens the server's start)
     x = np.sin(np.arange(rows * 8, dtype=np.float32) * np.float32(0.7)).reshape(rows, 8)
     accumulator = HeadAccumulator(8, Rope(10000.0, 8, "half"), ALL)
     accumulator.add(x, np.arange(rows))

@@ -197,7 +197,7 @@ def dequantized_tensors(
 
 def sha256_of(path: str | os.PathLike[str]) -> str:
     """Hex SHA-256 of a file, read in 16 MiB pieces."""
-    import hashlib  # here: the CLI imports this module for every command (5 ms of a fresh start)
+    import hashlib  # here: the CLI imports this module for every command
 
     digest = hashlib.sha256()
     with open(path, "rb") as f:

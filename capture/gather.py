@@ -1,15 +1,14 @@
 """Joining many small device arrays with few kernel launches (CUDA): a snapshot's query pieces
 (`join`) and its layers' new K/V rows (`rows`).
 
-A snapshot every 16 tokens of a 36-layer model holds 36 x 16 = 576 decode query pieces
-``(1, heads, 1, dim)``. ``mx.concatenate`` copies each input with a kernel of its own, launched
-from the calling thread, the generating one: about 4 us a launch on CUDA, 2.5 ms a snapshot
-(`benchmarks/probes/query_join_probe.py`). `join` copies up to `ARITY` pieces per launch with
-one small custom kernel instead (``mx.fast.cuda_kernel``): one source for every count, so mlx
-compiles it once per dtype and shape and keeps the binary in its on-disk cache
-(``$TMPDIR/mlx/<version>/ptx``, or ``MLX_PTX_CACHE_DIR``); a process that finds it there loads
-it. Elsewhere (CPU, Metal), and wherever the kernel cannot be built or run, `join` is
-``mx.concatenate``.
+A snapshot every 16 tokens of a 36-layer model holds 36 x 16 = 576 decode query pieces ``(1, heads,
+1, dim)``. ``mx.concatenate`` copies each input with a kernel of its own, launched from the calling
+thread, the generating one: one launch per piece (`python -m benchmarks.probes.query_join_probe`
+times both ways). `join` copies up to `ARITY` pieces per launch with one small custom kernel instead
+(``mx.fast.cuda_kernel``): one source for every count, so mlx compiles it once per dtype and shape
+and keeps the binary in its on-disk cache (``$TMPDIR/mlx/<version>/ptx``, or ``MLX_PTX_CACHE_DIR``);
+a process that finds it there loads it. Elsewhere (CPU, Metal), and wherever the kernel cannot be
+built or run, `join` is ``mx.concatenate``.
 
 The same holds for K/V: the 36 layers' new rows are 72 strided slices of the cache buffers, one
 copy kernel each through ``mx.concatenate``. `rows` reads the rows out of up to `ARITY` whole

@@ -15,7 +15,7 @@ import numpy as np
 def _crc32c_module() -> Any:
     """The crc32c package's compiled module, loaded without running the package's
     ``__init__``, which looks up its own version in the installed packages' metadata (importing
-    ``importlib.metadata``: ~25 ms of every fresh process here, more where many packages are
+    ``importlib.metadata``, which every fresh process would pay for, more where many packages are
     installed) and builds its command-line tool. A plain ``import crc32c`` where the package's
     layout is not the expected one."""
     import importlib.machinery

@@ -505,8 +505,8 @@ def _not_installed(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     # The built-in stages first: scanning every installed package's entry points for other
-    # stages (importing importlib.metadata) cost a fresh command ~30 ms on the accelerator
-    # machine, so it is done only for a command they do not know (or none: help).
+    # stages imports importlib.metadata, a cost every fresh command would pay
+    # (`python -m benchmarks.cli_bench`), so it is done only for a command they do not know.
     parser = build_parser(plugins=False)
     if _command(arguments) not in parser.get_default("commands"):
         parser = build_parser()

@@ -21,7 +21,7 @@ class DType:
     @property
     def numpy(self) -> np.dtype:
         """The numpy dtype (little-endian); bfloat16's comes from ml_dtypes, imported on first
-        use (it takes ~0.5 s to load on some machines, and most commands never need it)."""
+        use (its extension loads slowly on some machines, and most commands never need it)."""
         return _numpy_dtype(self.name)
 
 

@@ -114,8 +114,8 @@ class Pages:
         segments = [segment] if isinstance(segment, Segment) else list(segment)
         if not segments:
             return
-        # Sorted and distinct without `np.unique`, whose first call imports numpy.ma (~8 ms of a
-        # fresh command).
+        # Sorted and distinct without `np.unique`, whose first call imports numpy.ma (a fresh
+        # command's start: `python -m benchmarks.cli_bench`).
         chunks = np.sort(np.array([c for s in segments for c in (s.k_chunk, s.v_chunk)], np.int64))
         chunks = chunks[np.concatenate(([True], chunks[1:] != chunks[:-1]))]
         starts = file.table["offset"][chunks].astype(np.int64)

@@ -45,7 +45,7 @@ class TableFacts:
 
     # The fields the rules read, copied out together on first use: block by block, so each
     # block of the table is read from memory once (one strided copy per field over the whole
-    # table reads all of it again each time: 13.7 instead of 21.5 ms for a 295k-chunk table).
+    # table reads all of it again each time; `python -m benchmarks.format_bench --series`).
     _FIELDS = (
         "kind", "dtype", "codec", "flags", "layer", "head", "seq", "position",
         "rows", "width", "offset", "stored_size", "decoded_size",

@@ -30,11 +30,9 @@ def console() -> None:
 
     A command that drove mlx's device ends the process at once (`os._exit`) once its output is
     written and flushed: at interpreter exit mlx frees its cached device buffers and its CUDA
-    context one by one, 0.15 s of a 2.1 s fresh ``kvsnap stats FILE --backend mlx`` on the
-    accelerator machine (0.20 s from the command's return to the process's end, against 0.05 s
-    on the CPU backend; `benchmarks/probes/exit_probe.py`), all of which the operating system
-    frees anyway. Not where a child process or a thread the interpreter would wait for is still
-    alive, and never for `main` called in a process that goes on."""
+    context one by one (`python -m benchmarks.probes.exit_probe` times it), all of which the
+    operating system frees anyway. Not where a child process or a thread the interpreter would wait
+    for is still alive, and never for `main` called in a process that goes on."""
     code = main()
     if "mlx.core" in sys.modules:
         _end_now(code)

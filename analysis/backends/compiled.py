@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 
 NAME = "cpu"
 GEMM_ROWS = 64
-"""Pieces of up to this many rows take their float64 Gram product as a general product (8 rows:
-6 us against 27 us for numpy's symmetric rank-k update, one BLAS thread; equal at 128)."""
+"""Pieces of up to this many rows take their float64 Gram product as a general product, which is
+faster than numpy's symmetric rank-k update on so few rows (`python -m benchmarks.kernel_bench`)."""
 _NO_PAIRS = np.empty(0, np.int64)
 _NO_BAND = np.empty(0)
 
@@ -151,7 +151,7 @@ def _add_gram(acc: HeadAccumulator, x: np.ndarray, sums: np.ndarray, square_norm
     ``sum x x^T = sum (x-c)(x-c)^T + c s^T + s c^T - n c c^T`` with ``s = sum x``."""
     if x.shape[0] < GRAM_FLOAT64_ROWS:  # small pieces: float64 costs nothing there
         x64 = x.astype(np.float64)
-        if x.shape[0] <= GEMM_ROWS:  # BLAS's syrk (numpy's x.T @ x) costs 20 us more on so few rows
+        if x.shape[0] <= GEMM_ROWS:  # BLAS's syrk (numpy's x.T @ x) is slower on so few rows
             acc.gram += np.ascontiguousarray(x64.T) @ x64
         else:
             acc.gram += x64.T @ x64

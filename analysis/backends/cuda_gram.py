@@ -8,7 +8,7 @@ float32 FMAs: within 2e-5 of the largest entry of float64's product in
 off this kernel's.
 
 Why precompiled: mlx 0.32's ``mx.fast.cuda_kernel`` compiles its source with NVRTC in every
-process (it is not in mlx's PTX cache): 1.4 s and +170 MiB of compiler memory each time. Here
+process (it is not in mlx's PTX cache), with the compiler's time and memory each time. Here
 NVRTC (the library mlx's CUDA build ships, through ctypes) compiles `SOURCE` once per machine
 for the device's architecture; the binary is kept in `cache_dir` (written atomically) and
 handed to ``mx.fast.precompiled_cuda_kernel``, so later processes only load it.

@@ -88,10 +88,10 @@ _COMPILED: dict[tuple[bool, ...], Any] = {}
 def compiles() -> bool:
     """Whether `piece_function` fuses its operations with ``mx.compile``: ``KVSNAP_MLX_COMPILE``
     (``1`` or ``0``), else only on a Metal GPU. Fusion compiles device kernels at run time, one
-    per fused group, shape and dtype: on CUDA (NVRTC) that made a fresh machine's first
-    ``kvsnap stats --backend mlx`` take 78 s, on the CPU build 7 s, each cached afterwards; the
-    plain operations use kernels mlx ships compiled, give the same bits, and on the CPU build
-    run faster (the benchmarks in `benchmarks/`). Metal compiles its fused kernels in milliseconds."""
+    per fused group, shape and dtype: on CUDA (NVRTC) and the CPU build that makes a fresh
+    machine's first ``kvsnap stats --backend mlx`` wait for the compiler (cached afterwards); the
+    plain operations use kernels mlx ships compiled and give the same bits. Metal compiles its
+    fused kernels at once."""
     import os
 
     setting = os.environ.get("KVSNAP_MLX_COMPILE", "")

@@ -204,8 +204,7 @@ def _median_cells(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
 
 
 def stats_command(args: argparse.Namespace) -> int:
-    # Printed and saved from Arrow: polars' import (0.5-0.6 s on the accelerator machine) is
-    # left to the commands that need it.
+    # Printed and saved from Arrow: polars' import is left to the commands that need it.
     if args.stats == frozenset({"attention"}):
         return _attention_stats(args)
     for option, value in (("--needle", args.needle), ("--retrieval", args.retrieval)):
@@ -244,7 +243,7 @@ def key_rows(rows: Any, factor: float) -> list[dict[str, Any]]:
     its file; None where either is NaN or null) and ``outlier`` (the ratio above ``factor``): what
     `analysis.stats.outliers` computes, without polars."""
     columns = ["file", "seq", "layer", "head", "n_tokens", "norm_mean", "tensor"]
-    # Filtered in Python: pyarrow.compute's first call imports pandas (0.17 s) where it is there.
+    # Filtered in Python: pyarrow.compute's first call imports pandas where it is there.
     keys = [row for row in rows.select(columns).to_pylist() if row["tensor"] == "k"]
     medians = {name: _median_of(of_file, "norm_mean") for name, of_file in _by_file(keys).items()}
     for row in keys:
@@ -270,7 +269,7 @@ def _number(value: Any) -> float | None:
 
 def _median_of(rows: list[dict[str, Any]], column: str) -> float:
     """The median of ``column`` over ``rows``, NaN and null left out (NaN when none is left)."""
-    import numpy as np  # loaded already (statistics.median's module costs a fresh command 3 ms)
+    import numpy as np  # loaded already (statistics.median would import a module more)
 
     values = [v for row in rows if (v := _number(row[column])) is not None]
     return float(np.median(values)) if values else math.nan
