@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install nginx reference conformance docs
+.PHONY: demo test lint install nginx chromium reference conformance docs
 
 # Two stamps: the demo needs only the capture and analysis extras; the tests need everything
 # (Ray, moto, flask, ...). A full install satisfies the demo too.
@@ -72,6 +72,15 @@ nginx:
 		elif command -v brew >/dev/null 2>&1; then brew install nginx; \
 		else echo "install nginx for the remote-reading tests" >&2; exit 1; fi; }
 
+# Debian's Chromium (or Homebrew's) for the viewer's tests in a real browser (tests/test_viewer.py),
+# driven by Playwright's Python package with executable_path: no browser download at run time.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || { \
+		if command -v apt-get >/dev/null 2>&1; then \
+			$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium >/dev/null; \
+		elif command -v brew >/dev/null 2>&1; then brew install --cask chromium; \
+		else echo "install chromium for the viewer's browser tests" >&2; exit 1; fi; }
+
 # Hugging Face transformers on a CPU torch, in a Python of its own (never imported by kvsnap): the
 # reference tests/test_reference.py holds captured K/V to. On Linux x86_64 pip takes torch 2.13.0's
 # CPU wheel from the machine's own store; elsewhere it downloads the platform's build.
@@ -92,7 +101,7 @@ reference: $(REFERENCE)
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-test: lint docs $(KAITAI) $(JS_READER) nginx $(REFERENCE) conformance
+test: lint docs $(KAITAI) $(JS_READER) nginx chromium $(REFERENCE) conformance
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15 tests
 	# The kernels' numba twins (where no C compiler built analysis/kernels.c) against numpy too.
 	KVSNAP_KERNEL=numba $(BIN)/python -m pytest -q -n auto tests/test_kernel.py tests/test_arrays.py \

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         stats_rows,
         token_table,
     )
+    from .viewer.notebook import view
 
 _EXPORTS = {
     **dict.fromkeys(
@@ -54,6 +55,7 @@ _EXPORTS = {
     "export_heads": "export",
     "attention_stats": "head_importance",
     "simulate": "compression",
+    "view": "viewer.notebook",
     "Rope": "rope",
     "RopeError": "rope",
     "checkpoint_keys": "rope",
@@ -100,6 +102,7 @@ __all__ = [
     "stats_for_file",
     "stats_rows",
     "token_table",
+    "view",
 ]  # the same names as _EXPORTS (a literal, so tools see the exports)
 
 

@@ -24,6 +24,7 @@ from .commands.files import attention_command, export_command
 from .commands.plots import plot_command
 from .commands.simulation import simulate_command
 from .commands.statistics import outliers_command, stats_command
+from .commands.view import view_command
 
 
 def register(sub: Any) -> None:
@@ -220,6 +221,23 @@ def register(sub: Any) -> None:
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
     force_option(p)
     p.set_defaults(func=diff_command, check=check_outputs)
+
+    p = sub.add_parser(
+        "view",
+        help="an attention explorer in the browser: head grid, maps, tokens, K/V (served locally, or --html)",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="one capture, or two to compare head by head")
+    p.add_argument("--html", metavar="OUT.html", help="write one self-contained page instead of serving")
+    p.add_argument("--layers", metavar="L,L,...", help="with --html: the layers whose maps the page holds")
+    p.add_argument("--heads", metavar="H,H,...", help="with --html: the heads whose maps the page holds")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine)"
+    )
+    p.add_argument("--port", type=non_negative_int, default=0, help="port (default: a free one)")
+    p.add_argument("--no-browser", action="store_true", help="print the URL, do not open a browser")
+    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
+    force_option(p)
+    p.set_defaults(func=view_command)
 
     p = sub.add_parser("similarity", help="cross-head and cross-layer linear CKA and cosine")
     common_options(p, engines=False)

@@ -53,6 +53,7 @@ _EXPORTS: dict[str, str] = {
             "checkpoint_keys",
             "attention_stats",
             "simulate",
+            "view",
         )
     },
     **{

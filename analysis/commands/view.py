@@ -1,0 +1,60 @@
+"""`kvsnap view`: the attention explorer, served locally or written as one page."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import url_options
+
+
+def _indices(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{text!r}: give comma-separated numbers, e.g. 0,5,12") from None
+
+
+def view_command(args: argparse.Namespace) -> int:
+    """Serve the viewer (and open the browser), or with ``--html`` write the page."""
+    if len(args.files) > 2:
+        raise ValueError("kvsnap view takes one file, or two to compare")
+    if args.html:
+        from ..viewer.page import write_html
+
+        count = write_html(
+            args.files,
+            args.html,
+            layers=_indices(args.layers),
+            heads=_indices(args.heads),
+            force=args.force,
+            storage_options=url_options(args),
+        )
+        print(f"wrote {args.html}: {count} attention map(s); open it in a browser, no server needed")
+        return 0
+    from ..viewer.data import Source
+    from ..viewer.server import ViewerServer
+
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"kvsnap: warning: serving on {args.host}: anyone who can reach it and has the URL's token "
+            "can read these files",
+            file=sys.stderr,
+        )
+    server = ViewerServer([Source(path, url_options(args)) for path in args.files], args.host, args.port)
+    print(f"kvsnap view: {server.url}  (Ctrl-C stops it)", flush=True)
+    if not args.no_browser:
+        import webbrowser
+
+        webbrowser.open(server.url)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("\nkvsnap view: stopped", file=sys.stderr)
+    finally:
+        server.server_close()
+        for source in server.sources:
+            source.close()
+    return 0

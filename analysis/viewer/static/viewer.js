@@ -1,0 +1,336 @@
+// kvsnap view: the head grid, one head's attention map with the weight each key receives, the
+// keys a compression method keeps, the token view, K/V norms. Text from a file is only ever set
+// with textContent. window.kvsnap exposes the state and the last answers (for tests and users).
+const config = JSON.parse(document.getElementById("kvsnap-config").textContent);
+const embedded = JSON.parse(document.getElementById("kvsnap-data").textContent);
+const $ = (id) => document.getElementById(id);
+const DEFINITIONS = {
+  sink_mass: "sink_mass: mean weight of the queries on key positions 0-3 (StreamingLLM's attention sinks, Xiao et al. 2023).",
+  local_mass: "local_mass: mean weight on the keys at most 63 positions back.",
+  entropy_normalized: "entropy_normalized: each query's entropy over the log of the number of keys it sees (1 = uniform).",
+  retrieval_score: "retrieval_score: of the generated tokens that copy a token of the context, the share whose query's top-1 key holds it (Wu et al. 2024, retrieval heads).",
+  streaming_error: "streaming_error: relative error of the head's output if it saw only the 4 sinks and the last 256 positions (DuoAttention's question).",
+};
+const state = { file: 0, layer: null, head: null, query: null, span: null, info: null, map: null, row: null, grid: null, kept: null };
+window.kvsnap = state;
+
+function status(text) { $("status").textContent = text || ""; }
+
+async function api(name, params = {}) {
+  if (embedded) return fromEmbedded(name, params);
+  const query = new URLSearchParams({ ...params, token: config.token });
+  const answer = await fetch(`/api/${name}?${query}`);
+  const body = await answer.json();
+  if (!answer.ok) throw new Error(body.error || answer.statusText);
+  return body;
+}
+
+function fromEmbedded(name, p) {
+  const key = `${p.file}:${p.layer}:${p.head}`;
+  if (name === "files") return embedded.files;
+  if (name === "grid") {
+    const grids = embedded.grids[String(p.file)];
+    if (!grids) throw new Error("this file holds no queries");
+    return grids[p.score];
+  }
+  if (name === "map") {
+    if (!embedded.maps[key]) throw new Error(`layer ${p.layer} head ${p.head} is not in this page (kvsnap view --html --layers/--heads)`);
+    return embedded.maps[key];
+  }
+  if (name === "kv") {
+    if (!embedded.kv[key]) throw new Error("not in this page");
+    return embedded.kv[key];
+  }
+  if (name === "row") {
+    const map = embedded.maps[key];
+    if (!map || !map.exact) throw new Error("a query's row needs the exact map (a short capture) or kvsnap view");
+    const i = p.query - map.queries[0];
+    const keys = [], weights = [];
+    map.tiles[i].forEach((w, j) => { if (w >= 0) { keys.push(map.keys[0] + j); weights.push(w); } });
+    return { query: p.query, keys, weights };
+  }
+  if (name === "diff") return embedded.diff;
+  throw new Error(`${name} needs kvsnap view (a server)`);
+}
+
+// viridis, five stops
+const STOPS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+function colour(t) {
+  const x = Math.min(Math.max(t, 0), 1) * (STOPS.length - 1);
+  const i = Math.min(Math.floor(x), STOPS.length - 2), f = x - i;
+  return STOPS[i].map((c, k) => Math.round(c + (STOPS[i + 1][k] - c) * f));
+}
+function scaled(w) {
+  if ($("scale").value === "linear") return w;
+  return (Math.log10(Math.max(w, 1e-6)) + 6) / 6;
+}
+
+async function start() {
+  for (const [name] of Object.entries(DEFINITIONS)) {
+    const option = document.createElement("option");
+    option.value = name; option.textContent = name;
+    $("score").appendChild(option);
+  }
+  const files = await api("files");
+  files.forEach((info, i) => {
+    const option = document.createElement("option");
+    option.value = String(i); option.textContent = info.name;
+    $("file").appendChild(option);
+  });
+  state.files = files;
+  $("file").addEventListener("change", () => { state.file = Number($("file").value); load(); });
+  $("score").addEventListener("change", drawGrid);
+  $("scale").addEventListener("change", () => { drawMap(); });
+  $("method").addEventListener("change", loadKept);
+  $("budget").addEventListener("change", loadKept);
+  $("reset").addEventListener("click", () => { state.span = null; loadMap(); });
+  $("mean").addEventListener("change", loadRow);
+  setupGrid(); setupMap();
+  if (files.length === 2) loadDiff();
+  await load();
+}
+
+async function load() {
+  state.info = state.files[state.file];
+  state.layer = null; state.head = null; state.query = null; state.span = null;
+  if (!state.info.has_queries) {
+    $("kv-note").textContent = "This capture holds no queries: attention needs a capture with --queries (kvsnap capture ... --queries window:64). K and V norms per position below.";
+    $("grid-what").textContent = "(no queries)";
+    const first = state.info.layers.find((l) => l.present);
+    if (first) await loadKv(first.layer, 0);
+    return;
+  }
+  $("kv-note").textContent = "";
+  await drawGrid();
+  if (embedded) {  // a standalone page: the first head whose map it holds
+    const key = Object.keys(embedded.maps).find((k) => k.startsWith(`${state.file}:`));
+    if (key) { const [, layer, head] = key.split(":").map(Number); await select(layer, head); }
+    return;
+  }
+  const first = state.info.layers.find((l) => l.query_heads > 0);
+  await select(first.layer, 0);
+}
+
+async function drawGrid() {
+  if (!state.info.has_queries) return;
+  const score = $("score").value;
+  $("definition").textContent = DEFINITIONS[score];
+  $("grid-what").textContent = "(computing...)";
+  try {
+    state.grid = await api("grid", { file: state.file, score });
+  } catch (error) { status(error.message); return; }
+  $("grid-what").textContent = `(${score}, layers × query heads)`;
+  paintGrid($("grid"), state.grid.layers);
+}
+
+function paintGrid(canvas, layers) {
+  const heads = Math.max(1, ...layers.map((l) => l.length));
+  const cell = Math.max(4, Math.min(16, Math.floor(300 / Math.max(heads, layers.length))));
+  canvas.width = heads * cell; canvas.height = layers.length * cell;
+  canvas.dataset.cell = String(cell);
+  const values = layers.flat().filter((v) => v !== null);
+  const low = Math.min(...values), high = Math.max(...values);
+  const ctx = canvas.getContext("2d");
+  ctx.fillStyle = "#eee"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+  layers.forEach((row, l) => row.forEach((v, h) => {
+    if (v === null) return;
+    const [r, g, b] = colour(high > low ? (v - low) / (high - low) : 0.5);
+    ctx.fillStyle = `rgb(${r},${g},${b})`;
+    ctx.fillRect(h * cell, l * cell, cell - 1, cell - 1);
+  }));
+}
+
+function setupGrid() {
+  const canvas = $("grid");
+  const at = (event) => {
+    const cell = Number(canvas.dataset.cell || 1), box = canvas.getBoundingClientRect();
+    return [Math.floor((event.clientY - box.top) / cell), Math.floor((event.clientX - box.left) / cell)];
+  };
+  canvas.addEventListener("mousemove", (event) => {
+    if (!state.grid) return;
+    const [l, h] = at(event), row = state.grid.layers[l];
+    if (!row || h >= row.length) return;
+    const v = row[h];
+    $("grid-hover").textContent = `layer ${l} head ${h}: ${state.grid.score} = ${v === null ? "n/a" : v.toFixed(4)}`;
+  });
+  canvas.addEventListener("click", (event) => {
+    const [l, h] = at(event);
+    if (state.grid && state.grid.layers[l] && h < state.grid.layers[l].length) select(l, h);
+  });
+}
+
+async function select(layer, head) {
+  state.layer = layer; state.head = head; state.span = null; state.query = null;
+  await loadMap();
+  await loadKept();
+  const kvHead = Math.min(head, state.info.layers[layer].kv_heads - 1);
+  await loadKv(layer, kvHead);
+}
+
+async function loadMap() {
+  const params = { file: state.file, layer: state.layer, head: state.head, rows: 280, columns: 900 };
+  if (state.span) Object.assign(params, state.span);
+  const started = performance.now();
+  try {
+    state.map = await api("map", params);
+  } catch (error) { status(error.message); return; }
+  status(state.map.refused ? `${state.map.refused} queries left out: their keys are in no snapshot of the file` : "");
+  drawMap();
+  state.mapMs = performance.now() - started;
+  $("map").dataset.layer = String(state.layer); $("map").dataset.head = String(state.head);
+  $("map").dataset.ms = state.mapMs.toFixed(1);
+  if (state.query === null) { state.query = state.map.queries[1] - 1; }
+  await loadRow();
+}
+
+function drawMap() {
+  const map = state.map;
+  if (!map) return;
+  $("map-title").textContent = `Attention: layer ${map.layer}, query head ${map.head} — queries ${map.queries[0]}..${map.queries[1] - 1}, keys ${map.keys[0]}..${map.keys[1] - 1}${map.exact ? " (exact)" : ` (each cell the largest of ${map.step[0]} × ${map.step[1]})`}`;
+  const canvas = $("map"), ctx = canvas.getContext("2d");
+  const rows = map.tiles.length, cols = rows ? map.tiles[0].length : 0;
+  const image = ctx.createImageData(cols, rows);
+  map.tiles.forEach((row, i) => row.forEach((w, j) => {
+    const at = 4 * (i * cols + j);
+    const [r, g, b] = w < 0 ? [255, 255, 255] : colour(scaled(w));
+    image.data[at] = r; image.data[at + 1] = g; image.data[at + 2] = b; image.data[at + 3] = 255;
+  }));
+  const off = new OffscreenCanvas(cols, rows);
+  off.getContext("2d").putImageData(image, 0, 0);
+  ctx.imageSmoothingEnabled = false;
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  ctx.drawImage(off, 0, 0, canvas.width, canvas.height);
+  const strip = $("received"), sctx = strip.getContext("2d");
+  sctx.clearRect(0, 0, strip.width, strip.height);
+  const top = Math.max(...map.received, 1e-9);
+  const width = strip.width / map.received.length;
+  sctx.fillStyle = "#6a3d9a";
+  map.received.forEach((v, j) => {
+    const h = (v / top) * (strip.height - 12);
+    sctx.fillRect(j * width, strip.height - h, Math.max(width, 1), h);
+  });
+  const best = map.received.indexOf(top);
+  sctx.fillStyle = "#222";
+  sctx.fillText(`weight received (mean over queries); largest at key ${map.keys[0] + best * map.step[1]}: ${top.toFixed(3)}`, 4, 10);
+  drawKept();
+}
+
+function setupMap() {
+  const canvas = $("map");
+  let down = null;
+  const cellAt = (event) => {
+    const map = state.map, box = canvas.getBoundingClientRect();
+    const rows = map.tiles.length, cols = map.tiles[0].length;
+    const i = Math.min(rows - 1, Math.floor(((event.clientY - box.top) / box.height) * rows));
+    const j = Math.min(cols - 1, Math.floor(((event.clientX - box.left) / box.width) * cols));
+    return [i, j, map.queries[0] + i * map.step[0], map.keys[0] + j * map.step[1]];
+  };
+  canvas.addEventListener("mousedown", (event) => { if (state.map) down = cellAt(event); });
+  canvas.addEventListener("mousemove", (event) => {
+    if (!state.map) return;
+    const [i, j, q, k] = cellAt(event), w = state.map.tiles[i][j];
+    $("map-hover").textContent = `query ${q}, key ${k}: ${w < 0 ? "masked" : w.toPrecision(4)}`;
+  });
+  canvas.addEventListener("mouseup", async (event) => {
+    if (!down) return;
+    const up = cellAt(event), start = down; down = null;
+    if (up[0] === start[0] && up[1] === start[1]) {  // a click: that query's row
+      state.query = up[2]; await loadRow(); return;
+    }
+    const step = state.map.step;
+    state.span = {
+      q0: Math.min(start[2], up[2]), q1: Math.max(start[2], up[2]) + step[0],
+      k0: Math.min(start[3], up[3]), k1: Math.max(start[3], up[3]) + step[1],
+    };
+    await loadMap();
+  });
+}
+
+async function loadKept() {
+  const method = $("method").value;
+  state.kept = null;
+  if (method && state.layer !== null && !embedded) {
+    try {
+      state.kept = await api("kept", { file: state.file, layer: state.layer, head: state.head, method, budget: $("budget").value });
+    } catch (error) { status(error.message); }
+  }
+  drawKept();
+}
+
+function drawKept() {
+  const canvas = $("kept"), ctx = canvas.getContext("2d");
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  if (!state.kept || !state.map) return;
+  const [k0, k1] = state.map.keys, width = canvas.width / (k1 - k0);
+  state.kept.keys.forEach((p, i) => {
+    if (p < k0 || p >= k1) return;
+    ctx.fillStyle = state.kept.kept[i] ? "#9fd89f" : "#333";
+    ctx.fillRect((p - k0) * width, 0, Math.max(width, 1), canvas.height);
+  });
+}
+
+async function loadRow() {
+  if (state.layer === null || state.query === null) return;
+  const head = $("mean").checked ? -1 : state.head;
+  try {
+    state.row = await api("row", { file: state.file, layer: state.layer, head, query: state.query });
+  } catch (error) { state.row = null; status(error.message); }
+  drawTokens();
+}
+
+function drawTokens() {
+  const box = $("tokens");
+  box.replaceChildren();
+  const tokens = state.info.tokens;
+  if (!tokens) { box.textContent = "(the file records no token text)"; return; }
+  const weights = new Map();
+  if (state.row) state.row.keys.forEach((p, i) => weights.set(p, state.row.weights[i]));
+  const top = Math.max(1e-9, ...weights.values());
+  tokens.forEach((text, p) => {
+    const span = document.createElement("span");
+    span.textContent = text;  // text, never markup
+    span.dataset.position = String(p);
+    const w = weights.get(p);
+    if (w !== undefined) {
+      span.dataset.weight = String(w);
+      span.style.background = `rgba(106, 61, 154, ${Math.min(1, w / top).toFixed(3)})`;
+      span.title = `position ${p}: weight ${w.toPrecision(4)}`;
+    }
+    if (p === state.query) span.className = "query";
+    span.addEventListener("click", () => { state.query = p; loadRow(); });
+    box.appendChild(span);
+  });
+}
+
+async function loadKv(layer, head) {
+  let view;
+  try { view = await api("kv", { file: state.file, layer, head }); } catch (error) { status(error.message); return; }
+  state.kv = view;
+  $("kv-title").textContent = `K and V: layer ${layer}, KV head ${head} — ||k||, ||v|| per position; channel ${view.channel} of k (its largest on average)`;
+  const canvas = $("kv"), ctx = canvas.getContext("2d");
+  ctx.clearRect(0, 0, canvas.width, canvas.height);
+  const series = [[view.k_norm, "#1f77b4"], [view.v_norm, "#ff7f0e"], [view.k_channel.map((x) => (x === null ? null : Math.abs(x))), "#2ca02c"]];
+  const top = Math.max(1e-9, ...series.flatMap(([values]) => values.filter((x) => x !== null)));
+  const n = view.positions.length;
+  series.forEach(([values, ink]) => {
+    ctx.strokeStyle = ink; ctx.beginPath();
+    values.forEach((v, i) => {
+      if (v === null) return;
+      const x = (i / Math.max(n - 1, 1)) * canvas.width, y = canvas.height - (v / top) * (canvas.height - 4);
+      i ? ctx.lineTo(x, y) : ctx.moveTo(x, y);
+    });
+    ctx.stroke();
+  });
+}
+
+async function loadDiff() {
+  try {
+    const diff = await api("diff", { file: 0, other: 1 });
+    if (!diff) return;
+    $("diff-title").hidden = false; $("diff").hidden = false;
+    state.diff = diff;
+    paintGrid($("diff"), diff.layers);
+  } catch (error) { status(error.message); }
+}
+
+start().catch((error) => status(error.message));

@@ -1,0 +1,207 @@
+"""`kvsnap view`: the server's answers held to `snap.attention` (exact maps, max-pooled tiles, a
+query's row, the mean over a layer's heads), its token (403 without), the files it serves (only
+those named), the standalone page (its data escaped); then the page itself in a real browser
+(Debian's Chromium driven by Playwright): no console error, the head grid, a head's map and the
+token view equal to the file's weights, a prompt holding markup shown as text, and the ``--html``
+page opened from disk showing the same map."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvformat
+from kvsnap.analysis.head_importance import attention_rows
+from kvsnap.analysis.viewer.data import Source, attention_map
+from kvsnap.analysis.viewer.page import write_html
+from kvsnap.analysis.viewer.server import ViewerServer
+
+HOSTILE = 'Say <script>alert("x")</script> and "><img src=x onerror=alert(1)> twice. The bridge, the bridge'
+CHROMIUM = os.environ.get("KVSNAP_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A SmolLM2 capture of a prompt holding markup, every query kept."""
+    from mlx_lm import load
+
+    import kvsnap
+
+    model, tokenizer = load(str(smollm2_dir))
+    path = tmp_path_factory.mktemp("view") / "run.kv"
+    for _ in kvsnap.generate(model, tokenizer, HOSTILE, max_tokens=6, output=path, queries="all"):
+        pass
+    return path
+
+
+@pytest.fixture
+def server(capture: Path) -> Iterator[ViewerServer]:
+    running = ViewerServer([Source(str(capture))])
+    running.start()
+    yield running
+    running.close()
+
+
+def _get(server: ViewerServer, path: str, token: str | None = "") -> tuple[int, Any]:
+    base = server.url.split("?")[0].rstrip("/")
+    given = server.token if token == "" else token
+    separator = "&" if "?" in path else "?"
+    url = base + path + (f"{separator}token={given}" if given is not None else "")
+    try:
+        with urllib.request.urlopen(url, timeout=60) as answer:
+            body = answer.read()
+            status = answer.status
+    except urllib.error.HTTPError as error:
+        body, status = error.read(), error.code
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode()
+
+
+def test_the_token_guards_every_request_and_only_named_files_are_served(server: ViewerServer) -> None:
+    assert server.server_address[0] == "127.0.0.1"
+    assert _get(server, "/", token=None)[0] == 403
+    assert _get(server, "/api/files", token="wrong")[0] == 403
+    status, page = _get(server, "/")
+    assert status == 200 and "kvsnap view" in page
+    assert _get(server, "/api/map?file=1&layer=0&head=0") == (
+        400,
+        {"error": "file 1 is not one of the 1 files served"},
+    )
+    assert _get(server, "/../../etc/passwd")[0] == 404
+    assert _get(server, "/api/files?path=/etc/passwd")[1][0]["name"].endswith("run.kv")
+
+
+def test_maps_rows_and_grid_equal_the_files_attention(server: ViewerServer, capture: Path) -> None:
+    with kvformat.open(capture) as snap:
+        found = snap.attention(12, 4)
+        status, exact = _get(server, "/api/map?file=0&layer=12&head=4")
+        assert status == 200 and exact["exact"] and exact["refused"] == 0
+        tiles = np.array(exact["tiles"])
+        keys = found.key_positions
+        assert tiles.shape == (found.query_positions.size, int(keys.max()) + 1)
+        weights = tiles[:, keys]
+        visible = weights >= 0
+        np.testing.assert_allclose(np.where(visible, weights, 0), found.weights, atol=1e-6)
+        assert np.all(found.weights[~visible] == 0)
+        # pooled: each tile the largest weight of its cells (masked cells -1)
+        pooled = attention_map(snap, 12, 4, rows=4, columns=5)
+        q_step, k_step = pooled["step"]
+        full = np.where(visible, weights, -1.0)
+        for i, row in enumerate(pooled["tiles"]):
+            for j, value in enumerate(row):
+                block = full[i * q_step : (i + 1) * q_step, j * k_step : (j + 1) * k_step]
+                assert value == pytest.approx(block.max(), abs=1e-6)
+        query = int(found.query_positions[-1])
+        status, row = _get(server, f"/api/row?file=0&layer=12&head=4&query={query}")
+        np.testing.assert_allclose(row["weights"], found.weights[-1], atol=1e-6)
+        spec = snap.layers[12].queries
+        assert spec is not None
+        mean = np.mean([snap.attention(12, h).weights[-1] for h in range(spec.num_heads)], axis=0)
+        status, row = _get(server, f"/api/row?file=0&layer=12&head=-1&query={query}")
+        np.testing.assert_allclose(row["weights"], mean, atol=1e-6)
+    status, grid = _get(server, "/api/grid?file=0&score=sink_mass")
+    rows = list(attention_rows(capture))
+    top = max(rows, key=lambda r: r["sink_mass"])
+    assert len(grid["layers"]) == 30 and all(len(layer) == 9 for layer in grid["layers"])
+    assert grid["layers"][top["layer"]][top["head"]] == pytest.approx(top["sink_mass"])
+    assert max(v for layer in grid["layers"] for v in layer) == pytest.approx(top["sink_mass"])
+
+
+def test_the_standalone_page_escapes_what_the_file_holds(capture: Path, tmp_path: Path) -> None:
+    out = tmp_path / "view.html"
+    assert write_html([str(capture)], out, layers=[12], heads=[4]) == 1
+    page = out.read_text("utf-8")
+    assert "<script>alert" not in page and "onerror=alert" not in page.replace("\\u003e", "")
+    data = page[page.index('id="kvsnap-data"') :]
+    assert "\\u003c" in data and "script" in data  # the prompt's markup, as escaped data
+    with pytest.raises(FileExistsError):
+        write_html([str(capture)], out, layers=[12], heads=[4])
+
+
+# -- in a real browser ------------------------------------------------------------------------
+
+
+def _browser() -> Any:
+    from playwright.sync_api import sync_playwright
+
+    assert os.path.exists(CHROMIUM), "make test installs Chromium (or set KVSNAP_CHROMIUM)"
+    playwright = sync_playwright().start()
+    browser = playwright.chromium.launch(
+        executable_path=CHROMIUM,
+        args=[
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+        ],
+    )
+    return playwright, browser
+
+
+def test_the_page_in_a_browser(server: ViewerServer, capture: Path, tmp_path: Path) -> None:
+    playwright, browser = _browser()
+    try:
+        # The test's own probes are evaluated scripts, which the page's policy forbids: only theirs
+        # bypass it (the page's scripts run under it as served).
+        context = browser.new_context(viewport={"width": 1400, "height": 1000}, bypass_csp=True)
+        page = context.new_page()
+        errors: list[str] = []
+        dialogs: list[str] = []
+        page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+        page.on("pageerror", lambda error: errors.append(str(error)))
+        page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+        refused = context.new_page()
+        assert refused.goto(server.url.split("?")[0]).status == 403
+        refused.close()
+        page.goto(server.url)
+        page.wait_for_function("window.kvsnap && window.kvsnap.grid && window.kvsnap.row", timeout=120_000)
+        grid = page.evaluate("window.kvsnap.grid.layers")
+        assert len(grid) == 30 and all(len(layer) == 9 for layer in grid)
+        # click layer 12, head 4 in the grid: its map is drawn, equal to the file's weights
+        cell = int(page.get_attribute("#grid", "data-cell"))
+        page.click("#grid", position={"x": 4 * cell + cell / 2, "y": 12 * cell + cell / 2})
+        page.wait_for_function(
+            "window.kvsnap.map && window.kvsnap.map.layer === 12 && window.kvsnap.map.head === 4"
+        )
+        tiles = np.array(page.evaluate("window.kvsnap.map.tiles"))
+        page.wait_for_function("window.kvsnap.row && window.kvsnap.row.layer === 12")
+        shading = page.evaluate(
+            "[...document.querySelectorAll('#tokens span')].map(s => [Number(s.dataset.position), "
+            "s.dataset.weight === undefined ? null : Number(s.dataset.weight)])"
+        )
+        texts = page.evaluate(
+            "[...document.querySelectorAll('#tokens span')].map(s => s.textContent).join('')"
+        )
+        with kvformat.open(capture) as snap:
+            found = snap.attention(12, 4)
+        keys = found.key_positions
+        np.testing.assert_allclose(np.clip(tiles[:, keys], 0, None), found.weights, atol=1e-6)
+        weights = {p: w for p, w in shading if w is not None}
+        np.testing.assert_allclose([weights[int(k)] for k in keys], found.weights[-1], atol=1e-6)
+        assert "<script>" in texts and "onerror" in texts  # shown as text
+        assert page.evaluate("document.querySelectorAll('img').length") == 0
+        assert not dialogs and not errors, (dialogs, errors)
+        # the standalone page, from disk, shows the same map
+        out = tmp_path / "view.html"
+        write_html([str(capture)], out, layers=[12], heads=[4])
+        standalone = context.new_page()
+        standalone.on("pageerror", lambda error: errors.append(str(error)))
+        standalone.goto(out.as_uri())
+        standalone.wait_for_function("window.kvsnap && window.kvsnap.map", timeout=60_000)
+        same = np.array(standalone.evaluate("window.kvsnap.map.tiles"))
+        np.testing.assert_allclose(same, tiles, atol=1e-7)
+        assert not errors, errors
+    finally:
+        browser.close()
+        playwright.stop()
