@@ -129,6 +129,26 @@ def test_the_standalone_page_escapes_what_the_file_holds(capture: Path, tmp_path
         write_html([str(capture)], out, layers=[12], heads=[4])
 
 
+def test_the_command_writes_the_page_and_refuses_its_input(capture: Path, tmp_path: Path) -> None:
+    from kvformat.cli import main
+
+    out = tmp_path / "page.html"
+    assert main(["view", str(capture), "--html", str(out), "--layers", "12", "--heads", "4,5"]) == 0
+    assert "window.kvsnap" in out.read_text("utf-8")
+    assert main(["view", str(capture), "--html", str(out)]) == 2  # exists: --force replaces it
+    assert main(["view", str(capture), "--html", str(capture), "--force"]) == 2  # never its input
+    assert capture.stat().st_size > 0
+
+
+def test_the_notebook_view_is_a_frame_of_a_served_viewer(capture: Path) -> None:
+    import kvsnap
+
+    frame = kvsnap.view(capture)
+    assert "token=" in frame.src and frame.src.startswith("http://127.0.0.1:")
+    with urllib.request.urlopen(frame.src, timeout=30) as answer:
+        assert answer.status == 200 and "kvsnap view" in answer.read().decode()
+
+
 # -- in a real browser ------------------------------------------------------------------------
 
 

@@ -43,7 +43,10 @@ def view_command(args: argparse.Namespace) -> int:
             "can read these files",
             file=sys.stderr,
         )
-    server = ViewerServer([Source(path, url_options(args)) for path in args.files], args.host, args.port)
+    sources = [Source(path, url_options(args)) for path in args.files]
+    for source in sources:  # opened (and checked) before the URL is given out
+        source.snap  # noqa: B018
+    server = ViewerServer(sources, args.host, args.port)
     print(f"kvsnap view: {server.url}  (Ctrl-C stops it)", flush=True)
     if not args.no_browser:
         import webbrowser

@@ -101,14 +101,15 @@ async function load() {
     return;
   }
   $("kv-note").textContent = "";
-  await drawGrid();
+  // The first head's map first; then the grid, which the server computes on its first request
   if (embedded) {  // a standalone page: the first head whose map it holds
     const key = Object.keys(embedded.maps).find((k) => k.startsWith(`${state.file}:`));
     if (key) { const [, layer, head] = key.split(":").map(Number); await select(layer, head); }
-    return;
+  } else {
+    const first = state.info.layers.find((l) => l.query_heads > 0);
+    await select(first.layer, 0);
   }
-  const first = state.info.layers.find((l) => l.query_heads > 0);
-  await select(first.layer, 0);
+  await drawGrid();
 }
 
 async function drawGrid() {
@@ -177,6 +178,8 @@ async function loadMap() {
   status(state.map.refused ? `${state.map.refused} queries left out: their keys are in no snapshot of the file` : "");
   drawMap();
   state.mapMs = performance.now() - started;
+  state.mapsDrawn = (state.mapsDrawn || 0) + 1;
+  state.mapDrawnAt = performance.now();
   $("map").dataset.layer = String(state.layer); $("map").dataset.head = String(state.head);
   $("map").dataset.ms = state.mapMs.toFixed(1);
   if (state.query === null) { state.query = state.map.queries[1] - 1; }
@@ -333,4 +336,6 @@ async function loadDiff() {
   } catch (error) { status(error.message); }
 }
 
+state.select = select;  // for notebooks, scripts and the benchmark: select(layer, head)
+state.zoom = (span) => { state.span = span; return loadMap(); };
 start().catch((error) => status(error.message));

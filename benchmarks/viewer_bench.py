@@ -1,0 +1,119 @@
+"""`kvsnap view` in a real browser (Debian's Chromium through Playwright), timed in the page with
+``performance.now()``: the first map on screen after the page starts loading; then, once the head
+grid is there, switching heads and a zoom step; and the server's peak resident memory (the file's
+pages the grid's pass read count in it). The server is a fresh ``kvsnap view FILE
+--no-browser`` process with default settings; the file a synthetic capture with queries in
+Qwen3-8B-like layers (8 KV heads, 32 query heads, head_dim 128, float16), queries of the last 64
+positions as ``--queries window:64`` keeps them.
+
+    python -m benchmarks.viewer_bench [--tokens 8192] [--layers 8] [--runs 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+CHROMIUM = os.environ.get("KVSNAP_CHROMIUM", "/usr/bin/chromium")
+
+
+def synthetic(path: Path, tokens: int, layers: int) -> None:
+    """A capture-shaped file: ``layers`` layers of 8 KV heads and 32 query heads, head_dim 128,
+    float16, queries at the last 64 positions."""
+    import kvformat
+    from kvformat.manifest import QuerySpec
+
+    rng = np.random.default_rng(0)
+    spec = kvformat.LayerSpec(
+        8, 128, 128, kvformat.FLOAT16,
+        queries=QuerySpec(num_heads=32, dim=128, dtype=kvformat.FLOAT16, scale=128**-0.5,
+                          kv_heads=tuple(h // 4 for h in range(32))),
+    )  # fmt: skip
+    metadata = {"prompt_tokens": tokens - 16}
+    with kvformat.Writer(path, [spec] * layers, metadata=metadata) as writer:
+        for layer in range(layers):
+            k = rng.standard_normal((8, tokens, 128), dtype=np.float32).astype(np.float16)
+            k[:, 0] *= 8  # a sink key, as real caches have
+            v = rng.standard_normal((8, tokens, 128), dtype=np.float32).astype(np.float16)
+            writer.append(layer, k, v)
+            q = rng.standard_normal((32, 64, 128), dtype=np.float32).astype(np.float16)
+            writer.append_queries(layer, q, np.arange(tokens - 64, tokens))
+        writer.snapshot({"generated": 16})
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run_once(path: Path) -> dict[str, float]:
+    from playwright.sync_api import sync_playwright
+
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvsnap", "view", str(path), "--no-browser"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        url = server.stdout.readline().split()[2]
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+            )
+            page = browser.new_context(viewport={"width": 1400, "height": 1000}, bypass_csp=True).new_page()
+            page.goto(url)
+            page.wait_for_function("window.kvsnap && window.kvsnap.mapsDrawn >= 1", timeout=600_000)
+            first = page.evaluate("window.kvsnap.mapDrawnAt")  # from the page's navigation start
+            page.wait_for_function("window.kvsnap.grid !== null", timeout=600_000)  # then steady state
+            switch = page.evaluate(
+                "async () => { const t = performance.now(); await window.kvsnap.select(3, 17); "
+                "return [performance.now() - t, window.kvsnap.mapMs]; }"
+            )
+            zoom = page.evaluate(
+                "async () => { const m = window.kvsnap.map; const t = performance.now(); "
+                "await window.kvsnap.zoom({q0: m.queries[0], q1: m.queries[0] + 16, k0: 0, k1: 512}); "
+                "return performance.now() - t; }"
+            )
+            browser.close()
+        time.sleep(0.2)
+        return {"first_ms": first, "switch_ms": switch[0], "switch_map_ms": switch[1], "zoom_ms": zoom,
+                "server_peak_mib": peak_rss_mib(server.pid)}  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--dir", default=None, help="folder for the synthetic file (default: a temporary one)"
+    )
+    args = parser.parse_args()
+    folder = Path(args.dir or tempfile.mkdtemp(prefix="kvsnap-view-"))
+    path = folder / f"view-{args.tokens}x{args.layers}.kv"
+    if not path.exists():
+        synthetic(path, args.tokens, args.layers)
+    print(f"{path}: {path.stat().st_size / 1e6:.0f} MB, {args.tokens} tokens, {args.layers} layers")
+    runs = [run_once(path) for _ in range(args.runs)]
+    for name in runs[0]:
+        values = [r[name] for r in runs]
+        print(f"  {name}: median {statistics.median(values):.0f} (range {min(values):.0f}-{max(values):.0f})")
+
+
+if __name__ == "__main__":
+    main()
