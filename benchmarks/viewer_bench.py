@@ -49,9 +49,10 @@ def synthetic(path: Path, tokens: int, layers: int) -> None:
         writer.snapshot({"generated": 16})
 
 
-def peak_rss_mib(pid: int) -> float:
+def rss_mib(pid: int, field: str = "VmHWM") -> float:
+    """``VmHWM`` (the peak) or ``VmRSS`` (now) of process ``pid``, MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -76,6 +77,7 @@ def run_once(path: Path) -> dict[str, float]:
             page.goto(url)
             page.wait_for_function("window.kvsnap && window.kvsnap.mapsDrawn >= 1", timeout=600_000)
             first = page.evaluate("window.kvsnap.mapDrawnAt")  # from the page's navigation start
+            at_first_map = rss_mib(server.pid, "VmRSS")
             page.wait_for_function("window.kvsnap.grid !== null", timeout=600_000)  # then steady state
             switch = page.evaluate(
                 "async () => { const t = performance.now(); await window.kvsnap.select(3, 17); "
@@ -88,8 +90,15 @@ def run_once(path: Path) -> dict[str, float]:
             )
             browser.close()
         time.sleep(0.2)
-        return {"first_ms": first, "switch_ms": switch[0], "switch_map_ms": switch[1], "zoom_ms": zoom,
-                "server_peak_mib": peak_rss_mib(server.pid)}  # fmt: skip
+        return {
+            "first_ms": first,
+            "switch_ms": switch[0],
+            "switch_map_ms": switch[1],
+            "zoom_ms": zoom,
+            "server_rss_at_first_map_mib": at_first_map,
+            "server_rss_after_mib": rss_mib(server.pid, "VmRSS"),
+            "server_peak_mib": rss_mib(server.pid),
+        }
     finally:
         server.terminate()
         server.wait()

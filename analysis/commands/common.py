@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import sys
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from kvformat.arguments import positive_int, storage_options
@@ -25,6 +29,17 @@ def inputs(args: argparse.Namespace) -> list[str]:
         if "://" not in name and glob.has_magic(name):
             found += glob.glob(name, recursive=True)
     return found
+
+
+@contextlib.contextmanager
+def warnings_printed(category: type[Warning] = UserWarning) -> Iterator[None]:
+    """Warnings of ``category`` raised inside, printed as ``kvsnap: warning: ...`` lines on
+    stderr once the block is done (one line each, never a Python warning's two)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", category)
+        yield
+    for warning in caught:
+        print(f"kvsnap: warning: {warning.message}", file=sys.stderr)
 
 
 def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

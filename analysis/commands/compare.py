@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 from typing import Any
 
-from .common import save_figure, save_parquet, url_options
+from .common import save_figure, save_parquet, url_options, warnings_printed
 
 
 def similarity_command(args: argparse.Namespace) -> int:
@@ -46,8 +45,7 @@ def diff_command(args: argparse.Namespace) -> int:
     from ..diff import LayoutMismatchError, head_diff
 
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", UserWarning)
+        with warnings_printed():
             table = head_diff(
                 args.a,
                 args.b,
@@ -60,8 +58,6 @@ def diff_command(args: argparse.Namespace) -> int:
     except LayoutMismatchError as exc:
         print(f"kvsnap: error: {exc}", file=sys.stderr)
         return 2
-    for warning in caught:
-        print(f"kvsnap: warning: {warning.message}", file=sys.stderr)
     if args.output:
         save_parquet(table, args.output, args)
     compared = table.filter(pl.col("n_positions") > 0)

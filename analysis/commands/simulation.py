@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
-from .common import save_figure, save_parquet, url_options
+from .common import save_figure, save_parquet, url_options, warnings_printed
 
 
 def simulate_command(args: argparse.Namespace) -> int:
     """``simulate``: attention-output error per (method, budget, layer, head) under compression."""
-    import warnings
-
     from ..compression import CompressionWarning, simulate
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", CompressionWarning)
+    with warnings_printed(CompressionWarning):
         table = simulate(
             args.file,
             args.method,
@@ -30,8 +26,6 @@ def simulate_command(args: argparse.Namespace) -> int:
             seed=args.seed,
             storage_options=url_options(args),
         )
-    for warning in caught:
-        print(f"kvsnap: warning: {warning.message}", file=sys.stderr)
     save_parquet(table, args.output, args)
     import polars as pl
 

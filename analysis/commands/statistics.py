@@ -11,7 +11,7 @@ from typing import Any
 
 from kvformat.outputs import output_path
 
-from .common import KEYS, ParquetSink, inputs, save_parquet, url_options
+from .common import KEYS, ParquetSink, inputs, save_parquet, url_options, warnings_printed
 
 
 def _progress(total: int) -> Callable[[str], None]:
@@ -330,12 +330,9 @@ def _cell(value: float | None) -> str:
 def _attention_stats(args: argparse.Namespace) -> int:
     """``stats --stats attention``: per (layer, query head) scores from saved queries, printed and
     saved from Arrow (no polars import, as for the other groups)."""
-    import warnings
-
     from ..head_importance import AttentionWarning, attention_table
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", AttentionWarning)
+    with warnings_printed(AttentionWarning):
         table = attention_table(
             args.files,
             args.snapshot,
@@ -344,8 +341,6 @@ def _attention_stats(args: argparse.Namespace) -> int:
             retrieval=args.retrieval or "generated",
             storage_options=url_options(args),
         )
-    for warning in caught:
-        print(f"kvsnap: warning: {warning.message}", file=sys.stderr)
     if args.output:
         save_parquet(table, args.output, args)
     print(
