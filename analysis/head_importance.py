@@ -588,9 +588,11 @@ def attention_rows(
             rows: dict[int, dict[str, Any]] = {}
             for kv_head in dict.fromkeys(spec.kv_heads):  # a KV head's keys read once for its group
                 group = [head for head in range(spec.num_heads) if spec.kv_heads[head] == kv_head]
-                for head, scores in zip(
-                    group, _scores(snap, layer, group, kv_head, seq, window, tokens), strict=True
-                ):
+                scored = _scores(snap, layer, group, kv_head, seq, window, tokens)
+                # this KV head's pages leave the process: a pass over a file larger than memory
+                # keeps a bounded resident set (the views stay valid; the pages fault back in)
+                snap.pages.release(snap._segments.of_head(layer, seq, kv_head))
+                for head, scores in zip(group, scored, strict=True):
                     rows[head] = {
                         "file": os.fspath(path),
                         "snapshot": snap.index,
