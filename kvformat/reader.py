@@ -209,52 +209,45 @@ class Snapshot:
         spec = self._layer(layer, head, seq)
         assert spec is not None and spec.dtype is not None
         wanted = np.asarray(positions, np.int64)
-        k_rows: dict[int, np.ndarray] = {}
-        v_rows: dict[int, np.ndarray] = {}
+        found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         cursor = self.parent
         while cursor is not None and wanted.size:
             runs = self._file.chain.appended(cursor)
             runs = runs[(runs[:, LAYER] == layer) & (runs[:, SEQ] == seq) & (runs[:, HEAD] == head)]
-            k_new = self._rows_at(runs[runs[:, KIND] == KIND_K], wanted)
-            v_new = self._rows_at(runs[runs[:, KIND] == KIND_V], wanted)
-            both = sorted(set(k_new) & set(v_new))
-            for p in both:
-                k_rows[p], v_rows[p] = k_new[p], v_new[p]
-            if both:
-                wanted = np.setdiff1d(wanted, np.array(both, np.int64), assume_unique=True)
+            k_at, k = self._rows_at(runs[runs[:, KIND] == KIND_K], wanted, spec.k_dim, spec.dtype.numpy)
+            v_at, v = self._rows_at(runs[runs[:, KIND] == KIND_V], wanted, spec.v_dim, spec.dtype.numpy)
+            both, k_index, v_index = np.intersect1d(k_at, v_at, assume_unique=True, return_indices=True)
+            if both.size:
+                found.append((both, k[k_index], v[v_index]))
+                wanted = np.setdiff1d(wanted, both, assume_unique=True)
             cursor = self._file.entries[cursor].parent
-        order = sorted(k_rows)
-        dtype = spec.dtype.numpy
-        if not order:
+        if not found:
+            empty = spec.dtype.numpy
             return Head(
-                layer,
-                head,
-                seq,
-                np.empty((0, spec.k_dim), dtype),
-                np.empty((0, spec.v_dim), dtype),
+                layer, head, seq, np.empty((0, spec.k_dim), empty), np.empty((0, spec.v_dim), empty),
                 np.empty(0, np.int64),
-            )
-        return Head(
-            layer,
-            head,
-            seq,
-            np.stack([k_rows[p] for p in order]),
-            np.stack([v_rows[p] for p in order]),
-            np.array(order, np.int64),
-        )
+            )  # fmt: skip
+        at = np.concatenate([f[0] for f in found])
+        order = np.argsort(at, kind="stable")
+        k_rows = np.concatenate([f[1] for f in found])[order]
+        v_rows = np.concatenate([f[2] for f in found])[order]
+        return Head(layer, head, seq, k_rows, v_rows, at[order])
 
-    def _rows_at(self, runs: np.ndarray, wanted: np.ndarray) -> dict[int, np.ndarray]:
-        """Position -> row of the ``runs`` (one kind, one head) holding any of ``wanted``."""
-        out: dict[int, np.ndarray] = {}
+    def _rows_at(
+        self, runs: np.ndarray, wanted: np.ndarray, width: int, dtype: np.dtype
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(positions, rows)``: the rows of ``runs`` (one kind of one head) at any of ``wanted``
+        (increasing), positions increasing within each run."""
+        positions, rows = [np.empty(0, np.int64)], [np.empty((0, width), dtype)]
         for run in runs.tolist():
             position, count = run[POSITION], run[COUNT]
             low, high = np.searchsorted(wanted, [position, position + count])
             if low == high:
                 continue
             at = wanted[low:high]
-            rows = self._file.chunk_array(run[CHUNK])[run[ROW] + at - position]
-            out.update(zip(at.tolist(), rows, strict=True))
-        return out
+            positions.append(at)
+            rows.append(self._file.chunk_array(run[CHUNK])[run[ROW] + at - position])
+        return np.concatenate(positions), np.concatenate(rows)
 
     @functools.cached_property
     def _query_chunks(self) -> np.ndarray:
