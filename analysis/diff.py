@@ -34,6 +34,7 @@ import numpy as np
 
 import kvformat
 
+from .errors import AnalysisError
 from .rope import Rope, interleaved_to_half
 from .tokens import token_ids
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     import polars as pl
 
 
-class LayoutMismatchError(ValueError):
+class LayoutMismatchError(AnalysisError):
     """The two files do not hold the same layers, heads, dims or sequences."""
 
 

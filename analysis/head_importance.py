@@ -48,6 +48,7 @@ from . import parallel
 from .arrays import float32_rows, work_matrix
 from .arrow import arrow_table
 from .catalogue import POSITION_BINS, position_bins
+from .errors import AnalysisError
 from .tokens import token_ids
 
 SINKS = 4  # key positions counted as sinks
@@ -82,7 +83,7 @@ SCALARS = (
 """The one-number columns, for ``kvsnap plot --stat`` (a layers x query heads heatmap)."""
 
 
-class NoQueriesError(ValueError):
+class NoQueriesError(AnalysisError):
     """The file holds no queries: the attention statistics need a capture with ``--queries``."""
 
 

@@ -16,8 +16,10 @@ import numpy as np
 
 from kvformat.channel_order import gguf_channel_order
 
+from .errors import AnalysisError
 
-class RopeError(ValueError):
+
+class RopeError(AnalysisError):
     """The snapshot does not describe its RoPE well enough to undo it."""
 
 

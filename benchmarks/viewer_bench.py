@@ -6,7 +6,11 @@ pages the grid's pass read count in it). The server is a fresh ``kvsnap view FIL
 Qwen3-8B-like layers (8 KV heads, 32 query heads, head_dim 128, float16), queries of the last 64
 positions as ``--queries window:64`` keeps them.
 
-    python -m benchmarks.viewer_bench [--tokens 8192] [--layers 8] [--runs 3] [--dir DIR]
+    python -m benchmarks.viewer_bench [--tokens 8192] [--layers 8] [--kv-heads 8] [--dtype float16]
+        [--runs 3] [--dir DIR]
+
+``--layers 32 --kv-heads 32 --dtype float32`` is the 8.6 GB seed-sized capture (an 8B model's
+cache at 8192 tokens in float32).
 """
 
 from __future__ import annotations
@@ -25,26 +29,27 @@ import numpy as np
 CHROMIUM = os.environ.get("KVSNAP_CHROMIUM", "/usr/bin/chromium")
 
 
-def synthetic(path: Path, tokens: int, layers: int) -> None:
-    """A capture-shaped file: ``layers`` layers of 8 KV heads and 32 query heads, head_dim 128,
-    float16, queries at the last 64 positions."""
+def synthetic(path: Path, tokens: int, layers: int, kv_heads: int = 8, dtype: str = "float16") -> None:
+    """A capture-shaped file: ``layers`` layers of ``kv_heads`` KV heads and 32 query heads,
+    head_dim 128, in ``dtype``, queries at the last 64 positions."""
     import kvformat
     from kvformat.manifest import QuerySpec
 
     rng = np.random.default_rng(0)
+    kind = {"float16": kvformat.FLOAT16, "float32": kvformat.FLOAT32}[dtype]
     spec = kvformat.LayerSpec(
-        8, 128, 128, kvformat.FLOAT16,
-        queries=QuerySpec(num_heads=32, dim=128, dtype=kvformat.FLOAT16, scale=128**-0.5,
-                          kv_heads=tuple(h // 4 for h in range(32))),
+        kv_heads, 128, 128, kind,
+        queries=QuerySpec(num_heads=32, dim=128, dtype=kind, scale=128**-0.5,
+                          kv_heads=tuple(h * kv_heads // 32 for h in range(32))),
     )  # fmt: skip
     metadata = {"prompt_tokens": tokens - 16}
     with kvformat.Writer(path, [spec] * layers, metadata=metadata) as writer:
         for layer in range(layers):
-            k = rng.standard_normal((8, tokens, 128), dtype=np.float32).astype(np.float16)
+            k = rng.standard_normal((kv_heads, tokens, 128), dtype=np.float32).astype(dtype)
             k[:, 0] *= 8  # a sink key, as real caches have
-            v = rng.standard_normal((8, tokens, 128), dtype=np.float32).astype(np.float16)
+            v = rng.standard_normal((kv_heads, tokens, 128), dtype=np.float32).astype(dtype)
             writer.append(layer, k, v)
-            q = rng.standard_normal((32, 64, 128), dtype=np.float32).astype(np.float16)
+            q = rng.standard_normal((32, 64, 128), dtype=np.float32).astype(dtype)
             writer.append_queries(layer, q, np.arange(tokens - 64, tokens))
         writer.snapshot({"generated": 16})
 
@@ -108,15 +113,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer (32 query heads)")
+    parser.add_argument("--dtype", choices=["float16", "float32"], default="float16")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(
         "--dir", default=None, help="folder for the synthetic file (default: a temporary one)"
     )
     args = parser.parse_args()
     folder = Path(args.dir or tempfile.mkdtemp(prefix="kvsnap-view-"))
-    path = folder / f"view-{args.tokens}x{args.layers}.kv"
+    path = folder / f"view-{args.tokens}x{args.layers}x{args.kv_heads}-{args.dtype}.kv"
     if not path.exists():
-        synthetic(path, args.tokens, args.layers)
+        synthetic(path, args.tokens, args.layers, args.kv_heads, args.dtype)
     print(f"{path}: {path.stat().st_size / 1e6:.0f} MB, {args.tokens} tokens, {args.layers} layers")
     runs = [run_once(path) for _ in range(args.runs)]
     for name in runs[0]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from kvformat.errors import KVSnapError
 
-class CaptureError(RuntimeError):
-    """Base class for capture-stage errors."""
+
+class CaptureError(KVSnapError, RuntimeError):
+    """Base class for capture-stage errors (a `kvformat.KVSnapError`)."""
 
 
 class UnsupportedModelError(CaptureError):

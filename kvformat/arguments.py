@@ -71,7 +71,7 @@ def storage_options(items: Sequence[str] | None) -> dict[str, Any] | None:
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--storage-option wants KEY=VALUE, not {item!r}")
+            raise ValueError(f"--storage-option wants KEY=VALUE, not {item!r}")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:

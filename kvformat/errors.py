@@ -1,13 +1,21 @@
-"""Errors raised for files that are not valid `.kv` snapshots.
+"""Errors raised for files that are not valid `.kv` snapshots, and the root of every error kvsnap
+raises on purpose.
 
 Every malformed, truncated or hostile file raises a subclass of `KVFormatError` (itself a
-`ValueError`), never a bare numpy, struct, zstd or JSON exception.
+`ValueError`), never a bare numpy, struct, zstd or JSON exception. `KVSnapError` is the base of
+every error class of kvformat, the capture stage and the analysis stage (``kvsnap.Error``): one
+``except`` catches whatever kvsnap refused, while each class still is the built-in exception its
+meaning is (``ValueError``, ``IndexError``, ``OSError``, ...).
 """
 
 from __future__ import annotations
 
 
-class KVFormatError(ValueError):
+class KVSnapError(Exception):
+    """The base of every error kvsnap raises on purpose (``kvsnap.Error``)."""
+
+
+class KVFormatError(KVSnapError, ValueError):
     """A file is not a valid `.kv` snapshot, or asks for something this reader cannot do."""
 
 
@@ -54,11 +62,11 @@ class RemoteNotFoundError(RemoteError):
     """A remote file does not exist (or vanished after it was opened)."""
 
 
-class OutOfRangeError(IndexError):
+class OutOfRangeError(KVSnapError, IndexError):
     """A snapshot, layer, head or sequence index outside what the file holds (a usage error, not
     a file problem: the message names the valid range)."""
 
 
-class FileInUseError(OSError):
+class FileInUseError(KVSnapError, OSError):
     """A ``.partial`` file that a live writer still holds (its advisory lock) was given to a command
     that would read it as abandoned (`kvformat.recover`)."""

@@ -21,6 +21,8 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 
+from kvformat.errors import KVSnapError
+
 __all__ = [
     "MissingFolderError",
     "OutputExistsError",
@@ -36,15 +38,15 @@ __all__ = [
 ]
 
 
-class OutputExistsError(FileExistsError):
+class OutputExistsError(KVSnapError, FileExistsError):
     """The output path exists and ``force`` was not given."""
 
 
-class SameAsInputError(ValueError):
+class SameAsInputError(KVSnapError, ValueError):
     """The output path names one of the command's own inputs."""
 
 
-class MissingFolderError(FileNotFoundError):
+class MissingFolderError(KVSnapError, FileNotFoundError):
     """The output's folder does not exist."""
 
 

@@ -63,10 +63,14 @@ _EXPORTS: dict[str, str] = {
 }
 _SUBPACKAGES = ("analysis", "capture")
 
-__all__ = sorted([*_EXPORTS, *_SUBPACKAGES])
+__all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "Error"])
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Error":  # the root of every error kvsnap raises on purpose
+        from kvformat.errors import KVSnapError
+
+        return KVSnapError
     if name in _SUBPACKAGES:
         return importlib.import_module(f"kvsnap.{name}")
     module = _EXPORTS.get(name)

@@ -30,6 +30,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kvformat.errors import KVSnapError
+
 from . import cuda_driver
 
 TILE = 64  # output tile of one thread block: (TILE, TILE) entries
@@ -84,7 +86,7 @@ extern "C" __global__ void kvsnap_gram(const float* rows, float* out, int n, int
 """
 
 
-class CudaGramError(RuntimeError):
+class CudaGramError(KVSnapError, RuntimeError):
     """The kernel could not be built here (no NVRTC or CUDA driver found, or NVRTC failed)."""
 
 

@@ -12,16 +12,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvformat.checksum import crc32c
+from kvformat.errors import KVSnapError
 
 from ..arrays import PIECE, bytes_of
-
-if TYPE_CHECKING:
-    from ..accumulator import HeadAccumulator
 from . import mlx_fold
 from .mlx import Flags, piece_flags, piece_function, split_pieces, to_device
 from .mlx_fold import piece_bins, to_host
 from .mlx_sizing import batch_bytes
 from .mlx_staging import Staging
+
+if TYPE_CHECKING:
+    from ..accumulator import HeadAccumulator
 
 
 class _Batch:
@@ -150,7 +151,7 @@ class _Batch:
     settle = fold  # an accumulator's `Pending`
 
 
-class PipelineAbandoned(RuntimeError):
+class PipelineAbandoned(KVSnapError, RuntimeError):
     """The pipeline stopped (after a failure) before this work was folded in."""
 
 

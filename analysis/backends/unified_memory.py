@@ -22,6 +22,8 @@ import ctypes
 import threading
 from typing import ClassVar
 
+from kvformat.errors import KVSnapError
+
 from . import cuda_driver
 
 MODES = ("fault", "host", "prefetch", "mostly")
@@ -47,7 +49,7 @@ _LOADED: dict[int, UnifiedMemory | None] = {}
 _LOCK = threading.Lock()
 
 
-class UnifiedMemoryError(RuntimeError):
+class UnifiedMemoryError(KVSnapError, RuntimeError):
     """A CUDA driver call failed (its name and CUresult code in the message)."""
 
 

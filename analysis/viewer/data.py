@@ -17,6 +17,7 @@ import numpy as np
 import kvformat
 from kvformat import attention
 
+from ..errors import AnalysisError
 from ..head_importance import SCALARS, attention_rows
 from ..tokens import token_pieces
 
@@ -27,7 +28,7 @@ MAX_TILES = 1024
 """The most tiles a map request may ask for along either axis."""
 
 
-class ViewerError(ValueError):
+class ViewerError(AnalysisError):
     """A request the viewer cannot answer (one line, sent back as the answer's error)."""
 
 
