@@ -18,7 +18,7 @@ import kvformat
 from kvformat import attention
 
 from ..errors import AnalysisError
-from ..head_importance import SCALARS, attention_rows
+from ..head_importance import attention_rows
 from ..tokens import token_pieces
 
 GRID_SCORES = ("sink_mass", "local_mass", "entropy_normalized", "retrieval_score", "streaming_error")
@@ -154,7 +154,6 @@ def attention_map(
     tiles = np.full((q_tiles, k_tiles), -1.0, np.float32)
     received = np.zeros(k_high - k_low, np.float64)
     counted = 0
-    refused = 0
     for block in _blocks(snap, layer, head, (q_low, q_high)):
         weights, at, key_positions = block
         inside = (key_positions >= k_low) & (key_positions < k_high)
@@ -289,4 +288,4 @@ def _finite(values: np.ndarray) -> list[float | None]:
     return [None if not math.isfinite(x) else round(float(x), 6) for x in values.tolist()]
 
 
-__all__ = ["GRID_SCORES", "SCALARS", "Source", "ViewerError", "attention_map", "kept", "kv_view", "query_row"]
+__all__ = ["GRID_SCORES", "Source", "ViewerError", "attention_map", "kept", "kv_view", "query_row"]
