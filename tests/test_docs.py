@@ -10,10 +10,14 @@ from pathlib import Path
 from kvsnap.cli_reference import page
 from tests.conftest import ROOT
 
-# Words about the project's making, not its use: a numbered session or issue, a machine lease,
-# "the CI machine", a change tried and reverted.
+# Words that say how the product was built rather than what it does: a numbered working period
+# or ticket, a rented machine, the build machine, an attempt that was undone. Spelled in pieces so
+# that this file passes its own scan.
+PERIOD, TICKET, RENTAL = "sess" + "ion", "iss" + "ue", "lea" + "se"
+BUILDER, UNDONE = "CI " + "machine", "tried " + "and"
 PROCESS = re.compile(
-    r"\bsessions? \d+|\bissues? \d+|\bleases?\b|\bCI machine\b|\btried and (?:reverted|not kept)\b",
+    rf"\b{PERIOD}s? \d+|\b{TICKET}s? \d+|\b{RENTAL}s?\b|\b{BUILDER}\b"
+    rf"|\b{UNDONE} (?:reverted|not kept)\b",
     re.IGNORECASE,
 )
 SCANNED = ("kvformat", "capture", "analysis", "kvsnap", "spec", "tests", "benchmarks", "docs")
@@ -29,7 +33,7 @@ def product_files() -> list[Path]:
             parts = set(path.relative_to(ROOT).parts)
             if path.suffix in SUFFIXES and path.is_file() and not parts & {"node_modules", "__pycache__"}:
                 files.append(path)
-    return [f for f in files if f.name != "test_docs.py"]
+    return files
 
 
 def test_no_process_words_in_the_product() -> None:
@@ -44,11 +48,11 @@ def test_no_process_words_in_the_product() -> None:
 
 def test_the_scan_catches_process_words() -> None:
     for text in (
-        "measured in session 36",
-        "see issue 65",
-        "on that lease",
-        "the CI machine",
-        "tried and reverted",
+        f"measured in {PERIOD} 36",
+        f"see {TICKET} 65",
+        f"on that {RENTAL}",
+        f"the {BUILDER}",
+        f"{UNDONE} reverted",
     ):
         assert PROCESS.search(text), text
     for text in ("released once added", "a long session log", "session.mvlog", "issues a warning"):
