@@ -1,7 +1,7 @@
 """The one part of the build pyproject.toml cannot declare: the CPU backend's kernels in C
 (`analysis/kernels.c`), compiled at install time into ``kvsnap/analysis/_native`` and loaded by
 `kvsnap.analysis.native` with ctypes. Optional: without a C compiler the install still succeeds and
-the kernels run on numba (slower to start: `analysis/native.py`)."""
+the numpy reference computes the same tables, slower (`analysis/native.py`)."""
 
 import sys
 import tempfile

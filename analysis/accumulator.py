@@ -99,7 +99,7 @@ class HeadAccumulator:
     top: list[tuple[float, int]] = field(default_factory=list)
     quant_token: np.ndarray = field(init=False)
     quant_channel: np.ndarray = field(init=False)
-    backend: str = "cpu"  # the `backends` name: "cpu" (compiled, or numpy without numba), "numpy", "mlx"
+    backend: str = "cpu"  # the `backends` name: "cpu" (C, or numpy where not built), "numpy", "mlx"
     nonfinite_rows: int = 0  # rows left out of every sum: they held inf or NaN (`analysis.finite`)
     nonfinite_values: int = 0  # the inf and NaN values in those rows
     pending: Pending | None = field(default=None, init=False, repr=False, compare=False)

@@ -52,7 +52,7 @@ def float32_rows(
 ) -> np.ndarray:
     """``rows`` ``(n, dim)`` as a C-contiguous float32 array: a view for float32, else one
     conversion (bfloat16 by shifting its bits into the high half of a float32; float16 with
-    ``compiled`` by `halves`, C's or numba's, where either is installed); with ``reuse``, into this
+    ``compiled`` by `halves`, C's where it is built); with ``reuse``, into this
     thread's work buffer ``buffer`` (valid until its next ``reuse`` call for that name)."""
     if rows.dtype == np.float32:
         return np.ascontiguousarray(rows)
@@ -68,7 +68,7 @@ def float32_rows(
 
 
 def _halves() -> Any:
-    """`analysis.halves` where its C or numba build is installed, else None (imported on first
+    """`analysis.halves` where its C build is installed, else None (imported on first
     use: the mlx backend never loads it)."""
     from . import halves
 

@@ -2,8 +2,8 @@
 imported: this module needs the standard library and `analysis.parallel` only.
 
 A fresh ``kvsnap stats FILE`` of a big file waits for its workers: the fork server imports numpy and
-the kernels (`warm_kernels`; numba and its compiled code where the C kernels of `native` are not
-built) before it forks the first worker, and started only once the command had imported numpy, built
+the kernels (`warm_kernels`: the C library of `native`) before it forks the first worker, and started
+only once the command had imported numpy, built
 its parser and read its arguments, it would start late (`python -m benchmarks.cli_bench` measures a
 fresh command). `start_early` starts it as the ``kvsnap`` process begins, for the command that will
 want it (the default ``kvsnap stats`` of one big local file); `processes` then finds it running."""
@@ -64,7 +64,7 @@ _WITH_VALUE = (
 
 
 def ensure_running() -> None:
-    """Start the fork server now unless it runs: BLAS and numba limited to one thread in its
+    """Start the fork server now unless it runs: BLAS and OpenMP limited to one thread in its
     environment (its workers inherit it), ``__main__`` hidden from it."""
     import multiprocessing
 

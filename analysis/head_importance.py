@@ -4,8 +4,8 @@ the quantities the KV-compression literature reports, recomputed offline from th
 Every score is a function of the attention weights SPEC 10.1 defines (`kvformat.attention`:
 float32, the layer's recorded mask, scale, softcap and sinks), taken a block of queries at a time,
 so memory is one block's ``(BLOCK, n_keys)`` map plus the head's K and V. The weights and scores
-come from the compiled pass of `attention_kernel` (C, or numba where the C library is not built),
-or from `kvformat.attention.weights` and numpy where neither is there, the keys are out of
+come from the compiled pass of `attention_kernel` (C, `native`),
+or from `kvformat.attention.weights` and numpy where it is not built, the keys are out of
 position order, or a block could overflow:
 
 - ``sink_mass``: mean over queries of the weight on key positions ``< SINKS`` (StreamingLLM's
@@ -317,8 +317,8 @@ def copy_events(tokens: list[int], needle: tuple[int, int] | None = None, start:
 
 
 def _compiled_available() -> bool:
-    """Whether the compiled pass can run (imports it, and numba where the C library is not built:
-    only once attention is computed, so a ``kvsnap stats`` that never scores it does not pay)."""
+    """Whether the compiled pass can run (imported only once attention is computed, so a
+    ``kvsnap stats`` that never scores it does not pay)."""
     from . import attention_kernel
 
     return bool(attention_kernel.AVAILABLE)
@@ -352,7 +352,7 @@ def _add_compiled(
     # buffer the thread reuses: fresh pages for every block cost page faults, which threads take
     # one at a time.
     weights = np.matmul(q, keys.k[:end].T, out=work_matrix("attention weights", len(q), end))
-    from . import attention_kernel as k  # (numba, where it runs: only when attention is computed)
+    from . import attention_kernel as k  # (only when attention is computed)
 
     rows = np.empty((len(q), k.ROW_FIELDS))
     query_positions = np.ascontiguousarray(p, np.int64)

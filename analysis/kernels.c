@@ -1,21 +1,21 @@
-/* The CPU backend's kernels, compiled ahead of time: the same computations as the numba
- * functions of analysis/backends/kernel.py, analysis/eigen.py and analysis/halves.py (each
- * function below names its twin; the docstrings there are the definitions), built at install
- * time so that a process that uses them loads a small shared library instead of importing numba
- * (about 0.45 s here, 1.0 s on a 16-core host, paid by every fresh `kvsnap stats` and by the
- * fork server its workers start from).
+/* The CPU backend's kernels, compiled ahead of time: the statistics pass of
+ * analysis/backends/kernel.py, the eigenvalues of analysis/eigen.py, the float16 conversion of
+ * analysis/halves.py and the attention pass of analysis/attention_kernel.py (the docstrings there
+ * and in analysis/native.py are the definitions; the numpy reference, analysis/backends/reference.py
+ * and analysis/catalogue.py, is the oracle the tests hold these to). Built at install time; where
+ * no C compiler is there, the numpy reference runs instead.
  *
  * Plain C99 with no Python API in the kernels: the wrapper (analysis/native.py) calls them
- * through ctypes, which releases the interpreter's lock for the call as numba's ``nogil`` does.
+ * through ctypes, which releases the interpreter's lock for the call, so threads run them at once.
  * Arrays are C-contiguous; the wrapper checks their types and shapes.
  *
- * Floating point, as the numba versions take it:
+ * Floating point:
  * - float64 sums (row pass, Gram reduction): reductions over channels vectorize through
  *   ``#pragma omp simd reduction`` (built with -fopenmp-simd, no OpenMP runtime): lanes of
- *   partial sums, as numba's ``reassoc`` gives; results move by ~1e-15 relative.
+ *   partial sums; results move by ~1e-15 relative from a sum in order.
  * - the quantization pass: float32 arithmetic in the definition's order, no contraction into
- *   fused multiply-adds (built with -ffp-contract=off), so its errors equal numba's and the
- *   numpy definition's level for level.
+ *   fused multiply-adds (built with -ffp-contract=off), so its errors equal the numpy
+ *   definition's level for level.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -45,8 +45,8 @@ enum { NORM_SUM, SQUARE_SUM, NORM_MIN, NORM_MAX, FIRST_NORM_SUM, FIRST_COUNT };
 /* Each function marked KERNEL is compiled for the baseline and for AVX2 and AVX-512, picked
  * once at load by the CPU (an ELF ifunc), every helper inlined into each clone (`INLINE`: GCC
  * and clang take no other attribute beside target_clones), and exported through a plain
- * wrapper: the baseline's 16-byte vectors run the row pass at half numba's speed, which
- * compiles for the host. A library built here still runs on any x86-64 (and on arm64: NEON is
+ * wrapper: the baseline's 16-byte vectors run the row pass at half the speed of code compiled
+ * for the host. A library built here still runs on any x86-64 (and on arm64: NEON is
  * its baseline). */
 #if defined(__x86_64__) && defined(__ELF__) && defined(__clang__) && __clang_major__ >= 14
 /* clang 14's resolver never picked its arch=x86-64-v3/v4 clones here (baseline speed): features */
@@ -77,7 +77,7 @@ static inline int64_t bits_of_double(double v) {
     return b;
 }
 
-/* kernel._order_key: an int32 key of a float32's bits that orders as the float does. */
+/* order_key: an int32 key of a float32's bits that orders as the float does. */
 static inline int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
 
 /* rint for 0 <= x < 2^22 (and NaN, inf kept), round half to even under the default rounding
@@ -89,7 +89,9 @@ static inline float round_level(float x) {
     return (x + magic) - magic;
 }
 
-/* kernel._hist_bins */
+/* hist_bins: count each value (>= 0, NaN or inf) in its log histogram bin, exactly as
+ * catalogue.hist_index bins it, without a logarithm: a first guess from the float's top bits
+ * (kernel.hist_guesses), then the bin's edges step it to the right bin. NaN and inf: bin 0. */
 INLINE void hist_bins(const double *RESTRICT values, int64_t n, const double *RESTRICT edges,
                       const int64_t *RESTRICT guesses, int64_t cells, int64_t bins,
                       int64_t *RESTRICT hist) {
@@ -130,7 +132,7 @@ typedef struct {
     double *sums;
 } RowPass;
 
-/* kernel._row_pass: rows start:stop; returns 1 when every value was finite. */
+/* row_pass: rows start:stop; returns 1 when every value was finite. */
 INLINE int row_pass(const RowPass *p, int64_t start, int64_t stop) {
     const int64_t dim = p->dim;
     const int64_t width = dim > BLOCK ? dim : BLOCK;
@@ -291,7 +293,7 @@ INLINE void token_errors_of(const float *RESTRICT values, int64_t size, float lo
     }
 }
 
-/* kernel._quant_tile. scratch: (14, dim) float32; groups: (8, group * ceil(dim / group)). */
+/* quant_tile. scratch: (14, dim) float32; groups: (8, group * ceil(dim / group)). */
 INLINE void quant_tile(const float *RESTRICT x, int64_t dim, int64_t group, int64_t start,
                        int64_t stop, const int32_t *RESTRICT low_keys,
                        const int32_t *RESTRICT high_keys, const float *levels,
@@ -391,7 +393,7 @@ INLINE void quant_tile(const float *RESTRICT x, int64_t dim, int64_t group, int6
     }
 }
 
-/* kernel._accumulate (exported below as kvsnap_accumulate). Returns 0, or -1 when its work
+/* accumulate (exported below as kvsnap_accumulate). Returns 0, or -1 when its work
  * space could not be allocated (nothing was added then). */
 KERNEL static int accumulate(
     const float *x, int64_t n, int64_t dim, const int64_t *positions, const int64_t *first,
@@ -465,7 +467,7 @@ KERNEL static int accumulate(
     return 0;
 }
 
-/* kernel._top_rows: the indices of the min(k, n) rows with the largest peaks into best (k,);
+/* top_rows: the indices of the min(k, n) rows with the largest peaks into best (k,);
  * returns how many. */
 EXPORT int64_t kvsnap_top_rows(const int32_t *peak_bits, int64_t n, int64_t k, int64_t *best) {
     int64_t m = k < n ? k : n;
@@ -490,7 +492,7 @@ EXPORT int64_t kvsnap_top_rows(const int32_t *peak_bits, int64_t n, int64_t k, i
     return m;
 }
 
-/* kernel._add_shift_terms: gram (dim, dim) += c s^T + s c^T - n c c^T. */
+/* add_shift_terms: gram (dim, dim) += c s^T + s c^T - n c c^T. */
 EXPORT void kvsnap_add_shift_terms(double *gram, int64_t dim, const float *center,
                                    const double *sums, int64_t n) {
     for (int64_t i = 0; i < dim; i++) {
@@ -503,7 +505,7 @@ EXPORT void kvsnap_add_shift_terms(double *gram, int64_t dim, const float *cente
     }
 }
 
-/* halves._convert: float16 bits (n,) to float32 (n,) (exported below). */
+/* convert: float16 bits (n,) to float32 (n,) (exported below). */
 KERNEL static void halves_to_float32(const uint16_t *RESTRICT halves, int64_t n,
                                      uint32_t *RESTRICT out) {
     uint32_t subnormal = 0;
@@ -585,10 +587,10 @@ INLINE void start_vector(const double *RESTRICT a, int64_t n, int64_t i, double 
     finish_vector(p, u, i - 1, h);
 }
 
-/* eigen._tridiagonalize: symmetric a (n, n), overwritten, to diagonal d and sub-diagonal
+/* tridiagonalize: symmetric a (n, n), overwritten, to diagonal d and sub-diagonal
  * e[1:] (e[0] = 0); work (2n,) scratch. Each step's rank-2 update of a row is fused with the
  * next step's product of that row and the next reflector, so the matrix is read once a step
- * instead of twice (numba's twin takes two passes): at 128 x 128 it lives in L2, and those
+ * instead of twice (a plain reduction takes two passes): at 128 x 128 it lives in L2, and those
  * reads, not the arithmetic, bound the reduction (0.85x of the two-pass time here; fused
  * multiply-adds changed nothing). The same operations on the same values: the eigenvalues
  * agree with the two-pass reduction's to rounding of the products' sums. */
@@ -640,7 +642,7 @@ INLINE void tridiagonalize(double *RESTRICT a, int64_t n, double *RESTRICT d, do
     for (int64_t i = 0; i < n; i++) d[i] = a[i * n + i];
 }
 
-/* eigen._pair: the eigenvalues of [[a, b], [b, c]] (LAPACK's dlae2). */
+/* pair: the eigenvalues of [[a, b], [b, c]] (LAPACK's dlae2). */
 INLINE void pair(double a, double b, double c, double *first_out, double *second_out) {
     double total = a + c, difference = fabs(a - c);
     double twice = fabs(b + b);
@@ -781,7 +783,7 @@ INTERLEAVE(2)
 INTERLEAVE(3)
 INTERLEAVE(4)
 
-/* eigen._ql on count (<= QL_CHAINS) tridiagonals (d[c], e[c][1:]) at once: the eigenvalues of each
+/* ql on count (<= QL_CHAINS) tridiagonals (d[c], e[c][1:]) at once: the eigenvalues of each
  * into its d (its e destroyed); converged[c] 0 if they took more than MAX_SWEEPS per eigenvalue
  * in all. The root-free QL iteration of LAPACK's dsterf (Pal-Walker-Kahan): it runs on the
  * squared off-diagonal, so a rotation takes two divisions and no square root; a 2 x 2 block
@@ -815,7 +817,7 @@ INLINE void ql_many(double **d, double **e, int count, int64_t n, int *converged
     for (int c = 0; c < count; c++) converged[c] = chains[c].converged;
 }
 
-/* eigen._scale_into: matrix (n, n) times a power of two into a, its largest entry in [1, 2);
+/* scale_into: matrix (n, n) times a power of two into a, its largest entry in [1, 2);
  * returns the exponent. */
 INLINE double scale_into(const double *matrix, int64_t n, double *a) {
     double top = 0.0;
@@ -833,7 +835,7 @@ INLINE double scale_into(const double *matrix, int64_t n, double *a) {
     return exponent;
 }
 
-/* eigen._eigenvalues of each of count symmetric matrices (count, n, n) into out (count, n),
+/* eigenvalues of each of count symmetric matrices (count, n, n) into out (count, n),
  * unordered, QL_CHAINS at a time (their QL chains interleaved, `ql_many`); converged (count,) 0
  * where one did not converge. work: (n, n) and e: (QL_CHAINS + 2, n) work space. Each matrix's
  * values are bit for bit those of the matrix alone. */
@@ -869,7 +871,7 @@ enum { SINK_FIELD, LOCAL_FIELD, ENTROPY_FIELD, VISIBLE_FIELD, DISTANCE_FIELD, TO
 static const float MASKED_LOGIT = -3.0e38f;
 static const float EXP_FLOOR = -87.33654f;
 
-/* attention_kernel._exp: exp(d) in float32 for d <= 0 (Cephes expf: range reduction by ln 2, a
+/* exp: exp(d) in float32 for d <= 0 (Cephes expf: range reduction by ln 2, a
  * degree-6 polynomial, the power of two built from its bits; within 1 ulp), 0 below float32's
  * normal range. Plain arithmetic and selects, so a loop calling it vectorizes. */
 static inline float exp_nonpositive(float d) {
@@ -910,7 +912,7 @@ static inline int64_t search_right(const int64_t *a, int64_t n, int64_t v) {
     return low;
 }
 
-/* attention_kernel._largest: the largest of top and values[:n] (finite), on order keys */
+/* largest: the largest of top and values[:n] (finite), on order keys */
 INLINE float largest_of(const float *RESTRICT values, int64_t n, float top) {
     const int32_t *RESTRICT bits = (const int32_t *)(const void *)values;
     int32_t start;
@@ -927,7 +929,7 @@ INLINE float largest_of(const float *RESTRICT values, int64_t n, float top) {
     return out;
 }
 
-/* attention_kernel._first: the index of the first of values[:n] equal to value, else -1 */
+/* first: the index of the first of values[:n] equal to value, else -1 */
 INLINE int64_t first_equal(const float *RESTRICT values, int64_t n, float value) {
     for (int64_t start = 0; start < n; start += ATTENTION_CHUNK) {
         int64_t size = n - start < ATTENTION_CHUNK ? n - start : ATTENTION_CHUNK;
@@ -941,7 +943,7 @@ INLINE int64_t first_equal(const float *RESTRICT values, int64_t n, float value)
     return -1;
 }
 
-/* attention_kernel._exponentials: values[:n] (products) become exp(values * scale - top); adds
+/* exponentials: values[:n] (products) become exp(values * scale - top); adds
  * the sums of e, of e (logit - top) and of e (back - at) to sums[0..2]. float32 within each
  * chunk (vector lanes), float64 across chunks. */
 INLINE void exponentials(float *RESTRICT values, int64_t n, float scale, float top, float back,
@@ -966,7 +968,7 @@ INLINE void exponentials(float *RESTRICT values, int64_t n, float scale, float t
     }
 }
 
-/* attention_kernel._sum */
+/* sum */
 INLINE double sum_of(const float *RESTRICT values, int64_t n) {
     double total = 0.0;
     SIMD_REDUCE(+, total)
@@ -974,12 +976,12 @@ INLINE double sum_of(const float *RESTRICT values, int64_t n) {
     return total;
 }
 
-/* attention_kernel._cap: raw products become softcap * tanh(values * scale / softcap) */
+/* cap: raw products become softcap * tanh(values * scale / softcap) */
 static void cap_logits(float *values, int64_t n, float scale, float cap) {
     for (int64_t c = 0; c < n; c++) values[c] = cap * tanhf(values[c] * scale / cap);
 }
 
-/* attention_kernel._block_scores (its docstring is the definition): logits (n, m) float32
+/* block_scores (analysis/attention_kernel.py's docstring is the definition): logits (n, m) float32
  * finite, overwritten by each row's exponentials; rows (n, ROW_FIELDS); key_positions (m,)
  * increasing; softcap 0 for none, window -1 for none. Returns 0, or -1 when its work space could
  * not be allocated (nothing written then). */

@@ -1,18 +1,16 @@
 """The CPU backend's kernels compiled ahead of time: `kernels.c`, built at install time into the
 shared library ``_native`` beside this module and called through ctypes (which releases the
-interpreter's lock for each call, as numba's ``nogil`` does).
+interpreter's lock for each call, so that threads run them in parallel).
 
-They compute what the numba functions of `backends.kernel`, `eigen`, `halves` and `attention_kernel`
-compute, and stand in for them where the library was built: a process that uses them then never
-imports numba, whose import and typing registries a fresh ``kvsnap stats`` and the fork server of
-its workers would pay for (`python -m benchmarks.cli_bench`). The quantization errors equal numba's
-bit for bit; the float64 sums agree to ~1e-15 relative (their lanes of partial sums differ);
-`tests/test_native.py` holds both. The attention pass's float32 sums agree with numba's and the
-numpy definition's to float32 rounding (`tests/test_head_importance.py`).
+They are the one native path: the statistics pass (`backends.kernel`), eigenvalues (`eigen`),
+float16 conversion (`halves`) and the attention pass (`attention_kernel`). Where the library is
+not built (no C compiler at install) the numpy reference computes the same table, slower, and
+`missing_note` says so once. The numpy reference is the oracle the C kernels are held to
+(`tests/test_kernel.py`, `tests/test_native.py`, `tests/test_head_importance.py`).
 
 ``KVSNAP_KERNEL`` in the environment: ``compiled`` (the default) takes this library where it was
-built and numba otherwise; ``numba`` skips the library; ``numpy`` skips both. Each call pays
-ctypes' conversion of every array argument, so `accumulate` adds `KERNEL_ROWS` rows a call.
+built; ``numpy`` skips it. Each call pays ctypes' conversion of every array argument, so
+`accumulate` adds `KERNEL_ROWS` rows a call.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -48,7 +45,7 @@ def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
         if path.is_file():
             try:
                 library = ctypes.CDLL(str(path))
-            except OSError:  # built for another machine: the numba path then
+            except OSError:  # built for another machine: the numpy reference then
                 return None
             try:
                 current = _built_from(library, here / "kernels.c")
@@ -60,7 +57,7 @@ def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
 
                 warnings.warn(
                     f"{path} is not a build of this kvsnap's kernels.c (an older build, or the source "
-                    "changed since): the numba kernels run until it is rebuilt (pip install -e .)",
+                    "changed since): the numpy reference runs until it is rebuilt (pip install -e .)",
                     stacklevel=2,
                 )
                 return None
@@ -115,17 +112,20 @@ LIBRARY = _load()
 AVAILABLE = LIBRARY is not None
 
 
-def numba_fallback() -> Any:
-    """numba, for the kernels' numba twins, where this library is not loaded (not built, or
-    ``KVSNAP_KERNEL`` asks for numba); else None, and numba stays unimported. None as well where
-    numba is not installed."""
-    if AVAILABLE:
+REQUESTED = os.environ.get("KVSNAP_KERNEL", "compiled") == "compiled"
+
+
+def missing_note() -> str | None:
+    """One line for the user where the compiled kernels were wanted but are not built (no C
+    compiler when kvsnap was installed): what runs instead and how to get them. None where they
+    are loaded, or ``KVSNAP_KERNEL=numpy`` asked for the reference."""
+    if AVAILABLE or not REQUESTED:
         return None
-    try:
-        import numba
-    except ImportError:  # pragma: no cover - exercised where numba is absent
-        return None
-    return numba
+    return (
+        "kvsnap's compiled kernels are not built (no C compiler at install): the numpy reference "
+        "computes the same table, slower. Install a C compiler (gcc or clang) and reinstall kvsnap "
+        "(pip install --force-reinstall --no-deps kvsnap, or pip install -e . in a checkout)."
+    )
 
 
 def _address(array: np.ndarray, dtype: type, size: int | None = None) -> int:
@@ -161,8 +161,20 @@ def accumulate(
     edges: np.ndarray,
     guesses: np.ndarray,
 ) -> None:
-    """`backends.kernel.accumulate` (its docstring gives the arguments), in C. ``bits`` is
-    ``x``'s int32 view, as there; the C code reads ``x``'s memory both ways."""
+    """Update the sums with ``x`` ``(n_tokens, dim)`` float32 (``bits``: its int32 view; the C
+    code reads ``x``'s memory both ways) at ``positions`` ``(n_tokens,)``, for the groups
+    ``flags`` selects (`backends.kernel.NORMS` ...), one tile of ``QUANT_GROUP`` rows at a time
+    (the row pass, then the quantization pass on the same tile).
+
+        ``scalars`` (`backends.kernel.SCALARS`,): sum ||x||, sum ||x||^2, min ||x||, max ||x||,
+        sum ||x_0||, count of x_0;
+        ``absmax_bits`` ``(dim,)`` int32: the float32 bits of each channel's max |x| so far;
+        ``peak_bits`` ``(n_tokens,)`` int32 receives each row's max |x| as float32 bits, and
+        ``peak_hist`` counts them (channels); ``sums`` ``(dim,)`` receives this piece's channel
+        sums, also added to ``power[0]`` (mean);
+        ``square_norms`` ``(n_tokens,)`` float64 receives each row's ||x||^2;
+        ``quant_token``, ``quant_channel`` ``(3,)``: the error sums at 8, 4 and 2 bits;
+        ``edges``, ``guesses``: `backends.kernel.hist_edges()` and ``hist_guesses()``."""
     assert LIBRARY is not None
     n, dim = x.shape
     if not np.shares_memory(bits, x):
@@ -207,7 +219,9 @@ def accumulate(
 
 
 def top_rows(peak_bits: np.ndarray, k: int) -> np.ndarray:
-    """`backends.kernel.top_rows`, in C: indices of the ``min(k, n)`` largest of ``peak_bits``."""
+    """Indices of the ``min(k, n)`` rows with the largest peaks, unordered (``peak_bits``
+    ``(n,)``: non-negative float32 bits as int32, which order as the floats do); among equal
+    peaks the later rows, as the catalogue's (value, position) order ranks them."""
     assert LIBRARY is not None
     best = np.empty(max(0, min(k, peak_bits.shape[0])), np.int64)
     LIBRARY.kvsnap_top_rows(_address(peak_bits, np.int32), peak_bits.shape[0], k, _address(best, np.int64))
@@ -215,7 +229,9 @@ def top_rows(peak_bits: np.ndarray, k: int) -> np.ndarray:
 
 
 def add_shift_terms(gram: np.ndarray, center: np.ndarray, sums: np.ndarray, n: int) -> None:
-    """`backends.kernel.add_shift_terms`, in C: ``gram`` ``(dim, dim)`` float64 in place."""
+    """``gram += c s^T + s c^T - n c c^T`` (``gram`` ``(dim, dim)`` float64 in place; ``c`` =
+    ``center``): what turns the Gram matrix of rows less ``c`` into that of the rows, ``s`` their
+    sum."""
     assert LIBRARY is not None
     dim = gram.shape[0]
     LIBRARY.kvsnap_add_shift_terms(
@@ -237,10 +253,9 @@ def halves_to_float32(halves: np.ndarray, out: np.ndarray) -> None:
 
 
 def eigenvalues(matrix: np.ndarray, out: np.ndarray, a: np.ndarray, e: np.ndarray) -> bool:
-    """`eigen._eigenvalues`, in C (`eigenvalues_batch` of the one matrix): symmetric ``matrix``
-    ``(n, n)`` float64's eigenvalues into ``out`` ``(n,)``, unordered; ``a`` and ``e``, numba's
-    work space, are not used. False when the iteration did not converge (the caller asks LAPACK
-    then)."""
+    """`eigenvalues_batch` of one matrix: symmetric ``matrix`` ``(n, n)`` float64's eigenvalues
+    into ``out`` ``(n,)``, unordered; ``a`` and ``e`` are not used. False when the iteration did
+    not converge (the caller asks LAPACK then)."""
     values, converged = eigenvalues_batch(np.ascontiguousarray(matrix, np.float64)[None])
     out[:] = values[0]
     return bool(converged[0])

@@ -2,7 +2,7 @@
 (tasks keyed by accumulator, each key's tasks run in order), processes across files, and the
 settings both share.
 
-The statistics kernels (C through ctypes, or numba ``nogil``), BLAS and numpy's conversions
+The statistics kernels (C through ctypes), BLAS and numpy's conversions
 release the GIL, so threads share one memory map. Results stay identical to one thread: every accumulator is
 updated by one task at a time, in the order the blocks were read (a task waits for the previous
 task of its key, which a FIFO pool has already started). A local file's workers are processes
@@ -109,12 +109,12 @@ class OrderedPool:
         self.close()
 
 
-_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 @contextlib.contextmanager
 def one_thread_environment() -> Iterator[None]:
-    """BLAS, OpenMP and numba limited to one thread each in the environment, for the processes
+    """BLAS and OpenMP limited to one thread each in the environment, for the processes
     started meanwhile (as Ray does for its workers): N processes x a spinning BLAS pool each
     would oversubscribe the cores."""
     saved = {name: os.environ.get(name) for name in _THREAD_VARIABLES}

@@ -13,7 +13,6 @@ from typing import Any
 
 import kvformat
 from kvformat.checksum import crc32c
-from kvformat.layout import KIND_K, KIND_V
 
 from .accumulator import HeadAccumulator, stack
 from .arrays import bytes_of
@@ -73,26 +72,6 @@ class PassOptions:
 BACKENDS = ("cpu", "mlx")
 
 
-SMALL_PASS_BYTES = 8 << 20
-"""Where the kernels are numba's (the C ones not built), a pass over less K/V than this on the
-``"cpu"`` backend runs on the numpy reference: numba's import and load (about a second in a fresh
-process) would cost more than the numpy work it saves. The C kernels load in milliseconds and
-serve every pass."""
-
-
-def pass_backend(snap: kvformat.Snapshot, backend: str) -> str:
-    """The backend a pass over ``snap`` uses when asked for ``backend``: ``"numpy"`` for a
-    ``"cpu"`` pass over under `SMALL_PASS_BYTES` of K/V where the C kernels are not built, else
-    ``backend``."""
-    from . import native
-
-    if backend != "cpu" or native.AVAILABLE:
-        return backend
-    present = [spec for spec in snap.layers if spec.present]
-    row = sum(spec.num_heads * (spec.row_bytes(KIND_K) + spec.row_bytes(KIND_V)) for spec in present)
-    return "numpy" if row * snap.seq_len * snap.num_seqs < SMALL_PASS_BYTES else backend
-
-
 def check_part(part: Any) -> None:
     """ValueError unless ``part`` is ``(index, count)``, two ints, ``0 <= index < count``."""
     pair = isinstance(part, tuple) and len(part) == 2 and all(isinstance(n, int) for n in part)
@@ -102,7 +81,7 @@ def check_part(part: Any) -> None:
 
 def check_backend(backend: str) -> None:
     """ValueError for an unknown backend, or ``"mlx"`` where mlx is not installed. ``"numpy"``
-    (the reference) is accepted too: `pass_backend` picks it for small passes."""
+    (the reference) is accepted too."""
     if backend not in (*BACKENDS, "numpy"):
         raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if backend == "mlx":

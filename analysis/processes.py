@@ -22,8 +22,8 @@ tasks are back, layers in the pass's order.
 
 CPU workers are forked from a fork server (``multiprocessing``'s ``forkserver``: a clean process
 that has imported the kernels and loaded their compiled code, `warm_kernels`); mlx workers are
-spawned (`MLX_START_METHOD`), so that they carry no CPU kernels (numba's where C's are not
-built). Either pool is started once per process and kept for later passes. Workers run kvsnap's
+spawned (`MLX_START_METHOD`), so that they carry no CPU kernels. Either pool is started once per process
+and kept for later passes. Workers run kvsnap's
 code only, so they are started without the caller's ``__main__`` (``multiprocessing`` would
 import the script into every worker, and run its top level again where it has no
 ``if __name__ == "__main__":`` guard).
@@ -73,7 +73,7 @@ MLX_TASKS_PER_WORKER = 4
 MLX_START_METHOD = "spawn"
 """mlx workers are spawned, not forked from the fork server: they start mlx and a CUDA context
 of their own either way (a fork cannot share one), and a spawned worker does not carry the fork
-server's numba and compiled kernels, which would count in each worker's resident set (on mlx the
+server's compiled kernels, which would count in each worker's resident set (on mlx the
 rows' eigenvalues are LAPACK's, `rows`)."""
 
 
@@ -168,7 +168,7 @@ def _pool(workers: int, backend: str = "cpu") -> ProcessPoolExecutor:
     pool is shut down first). Every worker runs one BLAS thread.
 
     CPU workers are forked from the fork server, which has loaded the kernels (`warm_kernels`).
-    mlx workers are spawned (`MLX_START_METHOD`): nothing on mlx loads numba."""
+    mlx workers are spawned (`MLX_START_METHOD`): nothing on mlx loads the CPU kernels."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 

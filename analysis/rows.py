@@ -156,7 +156,7 @@ def _channels(stack: Sequence[HeadAccumulator], power: np.ndarray) -> list[dict[
 
 
 def _compiled_installed() -> bool:
-    from .backends import kernel  # loads the C kernels (or numba): only for the CPU backend
+    from .backends import kernel  # loads the C kernels: only for the CPU backend
 
     return bool(kernel.AVAILABLE)
 
@@ -167,7 +167,7 @@ def _spectrum(stack: Sequence[HeadAccumulator], n: np.ndarray, m1: np.ndarray) -
     covariance /= n[:, None, None]
     for b in range(len(stack)):
         covariance[b] -= np.outer(m1[b], m1[b])
-    # The CPU backend's compiled solver (C or numba, without the interpreter's lock) where its
+    # The CPU backend's compiled solver (C, without the interpreter's lock) where its
     # kernel is; LAPACK on the numpy reference path and on mlx, which never loads the CPU
     # kernels (`processes.MLX_START_METHOD`).
     if stack[0].backend == "cpu" and _compiled_installed():

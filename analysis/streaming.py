@@ -29,7 +29,6 @@ from .plan import (
     layer_bar,
     layer_ropes,
     layers_of_part,
-    pass_backend,
     pass_order,
     row_parts,
 )
@@ -178,7 +177,6 @@ def layers(
     if options.backend == "mlx":  # in this process, one thread drives the device
         options = dataclasses.replace(options, workers=1)
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
-        options = dataclasses.replace(options, backend=pass_backend(snap, options.backend))
         name, index = os.fspath(path), snap.index
         ropes = layers_of_part(layer_ropes(snap, options.keys), options.part)
         unrotate = options.keys == "pre_rope"

@@ -1,6 +1,6 @@
 """Imported by the fork server of the CPU backend's worker processes (`analysis.processes`): runs each
 compiled kernel once on a few rows, so that their machine code is loaded in the server, once (the
-C library of `native`; or numba's, from its cache or compiled), and every
+C library of `native`), and every
 worker forked from it starts with them loaded. It also imports what every worker's first
 task would import on its own: the pass's planning module, ml-dtypes (bfloat16 files) and
 threadpoolctl (one BLAS thread per worker)."""

@@ -88,7 +88,7 @@ elif mode.startswith("stats"):  # stats:GROUPS:JOBS[:BACKEND[:warm]]
 
     if warm.startswith("warm"):
         # A long-lived process: one pass first compiles the device functions (every batch
-        # shape) and the CPU kernel's numba functions; the second pass is timed ("warmN": the
+        # shape) and loads the CPU kernels; the second pass is timed ("warmN": the
         # fastest of passes 2..N).
         one_pass()
         timed = []
@@ -179,7 +179,7 @@ def fastest(mode: str, path: Path, rounds: int, reads: list[float]) -> dict[str,
 def batch_table(args: argparse.Namespace, directory: Path) -> None:
     """``--batch N``: one file written, copied to N distinct files (the page cache holds each);
     per backend, the median of ``--rounds`` fresh runs over 1 file and over N."""
-    from benchmarks.cli_bench import byte_compile
+    from benchmarks.timing import byte_compile
     from kvsnap.analysis.parallel import cores
 
     byte_compile()  # as pip leaves them: no fresh run compiles numpy from source

@@ -1,10 +1,10 @@
 """The CPU backend's kernels, C (`analysis.native`, the default where the install built it) against
-their numba twins (``KVSNAP_KERNEL=numba``), in the same run, each in fresh processes:
+the numpy reference that runs without them (``KVSNAP_KERNEL=numpy``), in the same run, each in
+fresh processes:
 
 - **start**: a fresh interpreter importing the kernels and running each once on a few rows, what
   the fork server of the CPU workers does before it forks the first one (`warm_kernels`) and what
-  a one-process pass pays before its first rows: numba's import, typing registries and cached
-  machine code, against loading a shared library;
+  a one-process pass pays before its first rows (loading the shared library, or nothing);
 - **steady**: the best of 15 warm calls, one thread: `HeadAccumulator.add` of every group over
   8192 x 128 float32 rows (the fused kernel plus the Gram matrix's BLAS), the eigenvalues of one
   128 x 128 covariance and of a layer's 16 (the C solver takes four at a time), and 1 Mi float16
@@ -13,7 +13,7 @@ their numba twins (``KVSNAP_KERNEL=numba``), in the same run, each in fresh proc
 
     python -m benchmarks.kernel_bench [--runs 5]
 
-Each row: median and range over ``--runs`` processes per mode, modes alternated (C, numba, C, ...).
+Each row: median and range over ``--runs`` processes per mode, modes alternated (C, numpy, C, ...).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ t1 = time.perf_counter()
 import kvsnap.analysis.warm_kernels  # imports the kernels and runs each once
 t2 = time.perf_counter()
 import sys
+import kvsnap.analysis.native
 from kvsnap.analysis import eigen, halves
 from kvsnap.analysis.accumulator import HeadAccumulator
 from kvsnap.analysis.catalogue import ALL
@@ -57,7 +58,7 @@ copy = np.empty_like(x)
 print(json.dumps({
     "numpy import": t1 - t0,
     "kernels start": t2 - t1,
-    "numba loaded": "numba" in sys.modules,
+    "compiled": kvsnap.analysis.native.AVAILABLE,
     "accumulate 8192x128": best(accumulate),
     "memcpy 8192x128 float32": best(lambda: np.copyto(copy, x)),
     "eigenvalues 128": best(lambda: eigen.eigenvalues(gram)),
@@ -66,7 +67,7 @@ print(json.dumps({
 }))
 """
 
-MODES = ("compiled", "numba")
+MODES = ("compiled", "numpy")
 
 
 def probe(mode: str) -> dict[str, float]:
@@ -84,15 +85,14 @@ def main() -> None:
 
     if not native.AVAILABLE:
         raise SystemExit("the C kernels are not built here: pip install -e . (with a C compiler)")
-    probe("numba")  # numba's cache written, so that its runs load rather than compile
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     for _ in range(args.runs):
         for mode in MODES:
             results[mode].append(probe(mode))
-    print(f"{'':28}{'C (default)':>30}{'numba':>30}{'numba / C':>12}")
+    print(f"{'':28}{'C (default)':>30}{'numpy':>30}{'numpy / C':>12}")
     for key in results["compiled"][0]:
-        if key == "numba loaded":
-            print(f"{key:28}{results['compiled'][0][key]!s:>30}{results['numba'][0][key]!s:>30}")
+        if key == "compiled":
+            print(f"{key:28}{results['compiled'][0][key]!s:>30}{results['numpy'][0][key]!s:>30}")
             continue
         cells, medians = [], []
         for mode in MODES:

@@ -188,7 +188,8 @@ def stage_imports(root: Path, modules: dict[str, Module], stage: str) -> tuple[i
 
 def backend_string_tests(root: Path, modules: dict[str, Module]) -> list[str]:
     """Places outside analysis/kernels that compare a value with a backend name."""
-    pattern = re.compile(r"""(==|!=|\bin\b)\s*\(?\s*["'](%s)["']""" % "|".join(BACKEND_NAMES))
+    names = "|".join(BACKEND_NAMES)
+    pattern = re.compile(r"""(==|!=|\bin\b)\s*\(?\s*["'](""" + names + r""")["']""")
     places = []
     for module in modules.values():
         rel = module.path.relative_to(root)

@@ -1,9 +1,11 @@
-"""Shared timing helper for the benchmarks."""
+"""Shared timing helpers for the benchmarks."""
 
 from __future__ import annotations
 
+import compileall
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def best_of(repeats: int, fn: Callable[[], object]) -> float:
@@ -42,3 +44,34 @@ def blas_line() -> str:
             " kernels', not the ones numpy picks by default; `python -m benchmarks.blas_bench` compares)"
         )
     return line
+
+
+DEPENDENCIES = ("numpy", "pyarrow", "ml_dtypes", "zstandard", "crc32c", "threadpoolctl", "mlx")
+"""Third-party packages a fresh ``kvsnap stats`` imports (``--backend mlx``: mlx too); those installed
+are byte-compiled too."""
+
+
+def byte_compile() -> int:
+    """kvsnap's packages and its `DEPENDENCIES` byte-compiled where they are, as ``pip install``
+    leaves them (a no-op for an installed wheel's); returns the dependencies' modules that had no
+    bytecode before. An environment that installed them without it (the accelerator machine's
+    numpy, with ``PYTHONDONTWRITEBYTECODE`` set) makes every fresh process compile numpy from
+    source: 0.1-0.2 s of each ``import numpy`` there, in the command and again in its fork
+    server (the benchmarks in `benchmarks/`)."""
+    import importlib.util
+
+    missing = 0
+    for package in ("kvformat", "kvsnap", "kvsnap.analysis", "kvsnap.capture", *DEPENDENCIES):
+        try:
+            spec = importlib.util.find_spec(package)
+        except ImportError:  # pragma: no cover - a dependency not installed here
+            continue
+        folders = spec.submodule_search_locations if spec is not None else None
+        for folder in folders or []:
+            if package in DEPENDENCIES:
+                missing += sum(
+                    not Path(importlib.util.cache_from_source(str(path))).exists()
+                    for path in Path(folder).rglob("*.py")
+                )
+            compileall.compile_dir(folder, quiet=1)
+    return missing

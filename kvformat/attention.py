@@ -24,18 +24,49 @@ out and count it; it is never renormalised over fewer keys.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from kvformat.manifest import QuerySpec
-    from kvformat.reader import Snapshot
-
 from kvformat.errors import MissingKeysError, OutOfRangeError
 from kvformat.runs import ranges
+
+if TYPE_CHECKING:
+    from kvformat.manifest import LayerSpec, QuerySpec
+    from kvformat.pages import Head
+    from kvformat.queries import Queries
+
+
+class Snapshot(Protocol):
+    """What the attention maths reads of a snapshot (`kvformat.Snapshot` is one): its layers,
+    heads, queries, and the rows of dropped positions its ancestors hold."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def layers(self) -> Sequence[LayerSpec]: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    def head(
+        self,
+        layer: int,
+        head: int,
+        seq: int = 0,
+        positions: tuple[int, int] | range | None = None,
+        *,
+        tokens: tuple[int, int] | range | None = None,
+    ) -> Head | None: ...
+
+    def queries(
+        self, layer: int, head: int, seq: int = 0, positions: tuple[int, int] | range | None = None
+    ) -> Queries | None: ...
+
+    def _dropped_rows(self, layer: int, head: int, seq: int, positions: np.ndarray) -> Head: ...
 
 BLOCK = 256
 """Queries per block: at 8192 keys a block's logits are 8 MiB of float32."""

@@ -161,15 +161,6 @@ def write_series(path: Path, codec: str = "raw", chunk_bytes: int = 256) -> list
     return expected
 
 
-@pytest.fixture(autouse=True)
-def _compiled_kernel_on_small_files(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The test files are small: without this their ``"cpu"`` passes would run on the numpy
-    reference (`analysis.plan.pass_backend`). tests/test_stats.py checks that switch itself."""
-    from kvsnap.analysis import plan
-
-    monkeypatch.setattr(plan, "SMALL_PASS_BYTES", 0)
-
-
 @pytest.fixture(params=kvformat.codecs.NAMES)
 def codec(request: pytest.FixtureRequest) -> str:
     return str(request.param)

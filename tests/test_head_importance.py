@@ -257,21 +257,20 @@ def test_cli_attention_stats_and_simulate(
     assert refused.value.code == 2
 
 
-def test_a_fresh_attention_command_imports_neither_polars_pandas_nor_numba(tmp_path: Path) -> None:
+def test_a_fresh_attention_command_imports_neither_polars_nor_pandas(tmp_path: Path) -> None:
     """``kvsnap stats FILE --stats attention`` as a user runs it, in a new process: its table is
-    printed and saved from Arrow (polars' import is 0.5-0.6 s of a fresh command on the H200
-    host; `pa.Table.from_pylist` would import pandas), and the C pass needs no numba."""
+    printed and saved from Arrow (polars' import would be a large share of a fresh command:
+    `python -m benchmarks.cli_bench`; `pa.Table.from_pylist` would import pandas)."""
     import subprocess
 
     _write(tmp_path / "a.kv", SPECS["causal"])
     command = ["stats", str(tmp_path / "a.kv"), "--stats", "attention", "-o", str(tmp_path / "a.parquet")]
     script = (
         f"import sys; from kvformat.cli import main; main({command!r}); "
-        "print(sorted(m for m in ('polars', 'pandas', 'numba') if m in sys.modules))"
+        "print(sorted(m for m in ('polars', 'pandas') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    expected = "[]" if native.AVAILABLE else "['numba']"
-    assert done.stdout.strip().splitlines()[-1] == expected
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 REAL_MODELS = {"smollm2": ("smollm2_dir", 30, 9, 3), "gemma3": ("gemma3_dir", 18, 4, 1)}
@@ -378,7 +377,7 @@ KERNEL_SPECS = {
 
 @pytest.mark.skipif(
     not attention_kernel.AVAILABLE,
-    reason="compiled kernel off (numba missing or KVSNAP_KERNEL=numpy)",
+    reason="compiled kernel off (C kernels not built, or KVSNAP_KERNEL=numpy)",
 )
 @pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("name", list(KERNEL_SPECS))
@@ -418,7 +417,7 @@ def test_compiled_pass_equals_the_numpy_path(name: str, ordered: bool) -> None:
 
 @pytest.mark.skipif(
     not attention_kernel.AVAILABLE,
-    reason="compiled kernel off (numba missing or KVSNAP_KERNEL=numpy)",
+    reason="compiled kernel off (C kernels not built, or KVSNAP_KERNEL=numpy)",
 )
 @pytest.mark.parametrize("name", list(KERNEL_SPECS))
 def test_stacked_query_heads_score_as_each_head_alone(name: str) -> None:
@@ -445,26 +444,13 @@ def test_stacked_query_heads_score_as_each_head_alone(name: str) -> None:
 
 
 def _compiled_exp(d: np.ndarray) -> np.ndarray:
-    """The running compiled pass's ``exp`` of each of ``d``: C's where it is built, else numba's."""
-    if native.AVAILABLE:
-        return native.exp_nonpositive(d)
-    import numba
-
-    exp = attention_kernel._exp
-
-    @numba.njit
-    def apply(d: np.ndarray, out: np.ndarray) -> None:
-        for i in range(d.shape[0]):
-            out[i] = exp(d[i])
-
-    out = np.empty_like(d)
-    apply(d, out)
-    return out
+    """The compiled pass's own ``exp`` of each of ``d``."""
+    return native.exp_nonpositive(d)
 
 
 @pytest.mark.skipif(
     not attention_kernel.AVAILABLE,
-    reason="compiled kernel off (numba missing or KVSNAP_KERNEL=numpy)",
+    reason="compiled kernel off (C kernels not built, or KVSNAP_KERNEL=numpy)",
 )
 def test_compiled_exp_is_within_one_ulp() -> None:
     """The compiled pass's own float32 ``exp`` (a polynomial, so its loops vectorize) against

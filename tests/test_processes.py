@@ -344,11 +344,11 @@ def test_the_parent_of_an_mlx_worker_pass_does_not_start_mlx(tmp_path: Path) -> 
     assert int(rows) > 0 and on_workers == "True" and imported == "False"
 
 
-def test_mlx_workers_are_spawned_without_numba(tmp_path: Path) -> None:
-    """mlx workers are spawned, not forked from the fork server that holds numba, and nothing in
-    an mlx pass loads numba (its rows' eigenvalues are LAPACK's): a worker maps no llvmlite. Its
-    BLAS runs one thread. The pool is kept per backend: a CPU pass after it gets the fork
-    server's workers."""
+def test_mlx_workers_are_spawned_without_the_cpu_kernels(tmp_path: Path) -> None:
+    """mlx workers are spawned, not forked from the fork server that holds the CPU kernels, and
+    nothing in an mlx pass loads them (its rows' eigenvalues are LAPACK's): a worker maps no
+    ``_native`` library. Its BLAS runs one thread. The pool is kept per backend: a CPU pass after
+    it gets the fork server's workers."""
     path = tmp_path / "f.kv"
     _make(path, "layer-major, small chunks")
     _table(path, 3, backend="mlx")
@@ -361,7 +361,7 @@ def test_mlx_workers_are_spawned_without_numba(tmp_path: Path) -> None:
         with open(f"/proc/{pid}/maps") as f:
             maps = f.read()
         assert "libmlx" in maps  # a worker that drove the device
-        assert "llvmlite" not in maps, pid
+        assert "_native" not in maps, pid
     _table(path, 3, backend="cpu")
     assert processes._running(3, "cpu") and not processes._running(2, "mlx")
 

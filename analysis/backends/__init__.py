@@ -2,8 +2,9 @@
 (`Backend`), and a pass picks one by name, once (`of`):
 
 - ``"cpu"``: `compiled`, the fused compiled kernel (C, `analysis.native`, where the install built
-  it; else numba) plus BLAS (the default where either is there);
-- ``"numpy"``: `reference`, every sum written out plainly (``"cpu"`` without a compiled kernel);
+  it) plus BLAS (the default);
+- ``"numpy"``: `reference`, every sum written out plainly, the oracle the others are held to
+  (``"cpu"`` where the C kernels are not built: `missing_note` says so);
 - ``"mlx"``: `mlx`, the statistics as mlx array operations on mlx's default device, with a
   pipeline that batches many accumulators per device call (`mlx_pipeline`).
 
@@ -43,11 +44,21 @@ class Backend(Protocol):
 
 
 def of(name: str) -> Backend:
-    """The backend called ``name`` (`NAMES`): ``"cpu"`` is the compiled kernel where C's or
-    numba's is installed, else the numpy reference. Raises ValueError for another name."""
+    """The backend called ``name`` (`NAMES`): ``"cpu"`` is the compiled kernel where the C
+    library is built, else the numpy reference. Raises ValueError for another name."""
     if name not in _MODULES:
         raise ValueError(f"unknown backend {name!r}: one of {', '.join(NAMES)}")
     module: Backend = importlib.import_module(f"{__name__}.{_MODULES[name]}")
     if name == "cpu" and not module.available():
         return of("numpy")
     return module
+
+
+def missing_note(name: str) -> str | None:
+    """One line for the user where backend ``name`` wants the C kernels and they are not built
+    (`native.missing_note`), else None."""
+    if name != "cpu":
+        return None
+    from .. import native
+
+    return native.missing_note()

@@ -1,6 +1,6 @@
-"""The CPU backend: the fused compiled kernel (`kernel`: C where built, else numba), a few calls per
+"""The CPU backend: the fused compiled kernel (`kernel`: C, `analysis.native`), a few calls per
 piece of `KERNEL_ROWS` rows, plus the Gram matrix through BLAS. Chosen by ``backend="cpu"`` where
-either is installed (`reference` otherwise)."""
+the library is built (`reference` otherwise)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ _NO_BAND = np.empty(0)
 
 
 def available() -> bool:
-    """Whether a compiled kernel, C's or numba's (and so this backend), is installed here."""
+    """Whether the C kernels (and so this backend) are built here."""
     return bool(kernel.AVAILABLE)
 
 

@@ -1,6 +1,6 @@
 """The numpy reference backend: every sum written out plainly in float64, a piece of `PIECE` rows
 at a time. Slow and obviously right: the other backends are tested against it, and it runs
-where no compiled kernel (C or numba) is installed."""
+where the C kernels are not built."""
 
 from __future__ import annotations
 

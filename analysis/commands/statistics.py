@@ -45,11 +45,15 @@ def _batch(args: argparse.Namespace, merge: bool = False, sink: Callable[[Any], 
     """Statistics of every file or pattern, on the chosen engine; failures reported by file;
     ``sink`` (not with ``merge``) takes the rows' tables as they arrive (`batch.run_stats`)."""
     from .. import processes
+    from ..backends import missing_note
     from ..parallel import cores
 
     engine, backend = getattr(args, "engine", "local"), getattr(args, "backend", "cpu")
     jobs = _jobs(args, engine, backend)
     workers = jobs or cores()
+    note = missing_note(backend)
+    if note:
+        print(f"kvsnap: note: {note}", file=sys.stderr)
     if engine == "local" and len(args.files) == 1 and processes.usable(args.files[0], workers, backend):
         # One big file (not a pattern): its workers start while the rest is imported.
         processes.start(processes.worker_count(workers, backend), backend)

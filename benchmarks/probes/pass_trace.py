@@ -11,7 +11,7 @@ mlx is not imported there, as a CUDA context must not cross a fork). Each proces
 ``(stage, pid, thread, start, end)`` to its own file; the summary is per pass: per stage its
 total over all processes and mean per call; per worker its tasks and busy time; for the first
 pass (which starts the workers and loads or compiles what later passes reuse) also when the
-workers' first tasks began. The tracer imports kvsnap's kernels (C, or numba) into every
+workers' first tasks began. The tracer imports kvsnap's kernels (C) into every
 interpreter, the parent's too: a fresh process's start is not what it measures.
 """
 
