@@ -20,7 +20,7 @@ from .catalogue import ALL, SUMS, allocate, merged, stat_groups
 from .rope import Rope
 
 if TYPE_CHECKING:
-    from kvformat.pages import PayloadCheck
+    from kvformat import PayloadCheck
 
 
 class Pending(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvformat.arguments import non_negative_int, odd_int, positive_float, positive_int
+from kvsnap.cli.options import non_negative_int, odd_int, positive_float, positive_int
 
 from .commands.common import (
     budget,

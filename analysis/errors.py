@@ -4,7 +4,7 @@ line."""
 
 from __future__ import annotations
 
-from kvformat.errors import KVSnapError
+from kvformat import KVSnapError
 
 
 class AnalysisError(KVSnapError, ValueError):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 import kvformat
-from kvformat.outputs import check_output_folder, files_into
+from kvformat.io.outputs import check_output_folder, files_into
 
 from .rope import Rope
 

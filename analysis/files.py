@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvformat.remote import expand, is_url
+from kvformat.io.remote import expand, is_url
 
 from .catalogue import ALL, stat_groups
 

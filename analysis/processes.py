@@ -88,7 +88,7 @@ faster in one process (the break-even measured in the benchmarks in `benchmarks/
 def one_shot_in_process(path: str | os.PathLike[str]) -> bool:
     """Whether a command's single mlx pass over ``path`` stays in one process: a local file
     (not a pattern, not a URL) smaller than `MLX_ONE_SHOT_BYTES`."""
-    from kvformat import remote
+    from kvformat.io import remote
 
     return not remote.is_url(path) and 0 < _size(path) < MLX_ONE_SHOT_BYTES
 
@@ -110,7 +110,7 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
     threads: their reads share one connection pool) of at least `PROCESS_MIN_BYTES` or
     `PROCESS_MIN_HEADS` heads (scaled to the worker count), or with the workers already running,
     and a process allowed to start children (not a daemonic ``multiprocessing`` worker)."""
-    from kvformat import remote
+    from kvformat.io import remote
 
     count = worker_count(workers, backend)
     if not (

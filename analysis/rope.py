@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvformat.channel_order import gguf_channel_order
+from kvformat import gguf_channel_order
 
 from .errors import AnalysisError
 

@@ -218,7 +218,7 @@ def batch_table(args: argparse.Namespace, directory: Path) -> None:
         largest = tree = 0
         for _ in range(args.rounds):
             for count, folder_of in ((1, one_folder), (len(paths), folder)):
-                command = [sys.executable, "-m", "kvformat.cli", "stats", str(folder_of / "*.kv")]
+                command = [sys.executable, "-m", "kvsnap.cli", "stats", str(folder_of / "*.kv")]
                 command += ["-o", str(out), "--force", "--backend", backend]
                 start = time.perf_counter()
                 sampled = run_sampled(command)

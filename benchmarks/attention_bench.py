@@ -24,8 +24,7 @@ import numpy as np
 
 import kvformat
 from benchmarks.timing import blas_line
-from kvformat import attention
-from kvformat.manifest import QuerySpec
+from kvformat import QuerySpec, attention
 
 
 def build(path: Path, keys: int, queries: int, dim: int) -> None:

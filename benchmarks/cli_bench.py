@@ -43,7 +43,7 @@ from benchmarks.analysis_bench import SHAPES, write
 from benchmarks.memory import run_sampled
 from benchmarks.timing import DEPENDENCIES, blas_line, byte_compile
 
-COMMAND = 'import sys; sys.argv[0] = "kvsnap"; from kvsnap.launch import console; console()'
+COMMAND = 'import sys; sys.argv[0] = "kvsnap"; from kvsnap.cli.launch import console; console()'
 """What the ``kvsnap`` console script runs."""
 
 

@@ -112,7 +112,7 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for row in means.iter_rows(named=True):
         print(f"| {row['method']} | {row['budget']:.3f} | {row['error']:.4f} | {row['top1']:.3f} |")
-    from kvformat.cli import main as kvsnap_main
+    from kvsnap.cli import main as kvsnap_main
 
     kvsnap_main(
         [

@@ -238,12 +238,14 @@ def report(root: Path) -> dict[str, object]:
 
 
 def _public_subpackages(root: Path) -> set[str]:
-    """kvformat's documented subpackages: folders under kvformat/ with an __init__.py."""
-    return {
-        "kvformat." + path.parent.name
-        for path in (root / "kvformat").glob("*/__init__.py")
-        if not path.parent.name.startswith("_")
-    }
+    """kvformat's documented public modules: its ``PUBLIC_MODULES`` (read from the source)."""
+    tree = ast.parse((root / "kvformat" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "PUBLIC_MODULES" for t in node.targets
+        ):
+            return {f"kvformat.{name}" for name in ast.literal_eval(node.value)}
+    return set()
 
 
 def main(argv: list[str] | None = None) -> int:

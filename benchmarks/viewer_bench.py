@@ -33,7 +33,7 @@ def synthetic(path: Path, tokens: int, layers: int, kv_heads: int = 8, dtype: st
     """A capture-shaped file: ``layers`` layers of ``kv_heads`` KV heads and 32 query heads,
     head_dim 128, in ``dtype``, queries at the last 64 positions."""
     import kvformat
-    from kvformat.manifest import QuerySpec
+    from kvformat import QuerySpec
 
     rng = np.random.default_rng(0)
     kind = {"float16": kvformat.FLOAT16, "float32": kvformat.FLOAT32}[dtype]

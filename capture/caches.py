@@ -15,10 +15,8 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
-from kvformat import dtypes
-from kvformat.manifest import LayerSpec
-from kvformat.quantization import BITS as QUANT_BITS
-from kvformat.quantization import Quantization
+from kvformat import QUANTIZATION_BITS as QUANT_BITS
+from kvformat import LayerSpec, Quantization, dtypes
 
 from .errors import UnsupportedModelError
 

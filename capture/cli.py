@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvformat.arguments import fraction, non_negative_float, positive_int
+from kvsnap.cli.options import fraction, non_negative_float, positive_int
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -201,12 +201,12 @@ def query_selection(text: str) -> str:
 
 
 def _check_output(parser: argparse.ArgumentParser, output: str, force: bool, inputs: list[str]) -> None:
-    """The output is allowed (`kvformat.outputs`: not existing unless ``force``, not an input),
+    """The output is allowed (`kvformat.io.outputs`: not existing unless ``force``, not an input),
     its folder exists and is writable, and no unfinished write sits there."""
     import os
     from pathlib import Path
 
-    from kvformat.outputs import check_output
+    from kvformat.io.outputs import check_output
 
     folder = Path(output).resolve().parent
     if not folder.is_dir():

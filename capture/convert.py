@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from kvformat.outputs import check_output, output_path
+from kvformat.io.outputs import check_output, output_path
 
 from .errors import UnsupportedModelError
 

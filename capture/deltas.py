@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 import kvformat
-from kvformat.quantization import BITS as QUANT_BITS
-from kvformat.quantization import Quantization
+from kvformat import QUANTIZATION_BITS as QUANT_BITS
+from kvformat import Quantization
 
 from .caches import read_layer, to_numpy
 from .errors import CaptureError, UnsupportedModelError

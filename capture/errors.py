@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvformat.errors import KVSnapError
+from kvformat import KVSnapError
 
 
 class CaptureError(KVSnapError, RuntimeError):

@@ -23,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kvformat
-from kvformat.outputs import check_output
+from kvformat.io.outputs import check_output
 
 from .background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
 from .deltas import CacheTracker, layer_specs

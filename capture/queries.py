@@ -24,7 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 import kvformat
-from kvformat.manifest import QuerySpec
+from kvformat import QuerySpec
 
 from .errors import CaptureError
 from .gather import join

@@ -13,10 +13,18 @@ Importing: `import_mlxkv` converts a go-mlx MLXKV001 snapshot into a `.kv` file,
 a go-mlx State log, KVST container or bundle manifest into a series (one snapshot per bundle).
 Depends only on numpy, zstandard, ml-dtypes and crc32c (fsspec, optional, for s3:// and other object
 stores; HTTP uses the standard library).
+
+The public API is `__all__` plus the modules of `PUBLIC_MODULES`: `kvformat.attention` (SPEC 10.1's
+attention recomputed from a file), `kvformat.checksum` (CRC-32C and its combination over pieces),
+`kvformat.codecs` and `kvformat.dtypes` (the format's codecs and element types by name),
+`kvformat.channel_order` (the recorded RoPE channel order), `kvformat.sniff` (a file's kind from
+its first bytes), `kvformat.io` (local, HTTP and object-store sources; the rule for every file
+written) and `kvformat.importers` (go-mlx files). Every other module is the implementation.
 """
 
 from typing import TYPE_CHECKING
 
+from kvformat.channel_order import gguf_channel_order
 from kvformat.codecs import BytePlaneZstd, Raw, Zstd
 from kvformat.dtypes import BFLOAT16, FLOAT16, FLOAT32, DType
 from kvformat.errors import (
@@ -35,24 +43,32 @@ from kvformat.errors import (
     UnsupportedVersionError,
 )
 from kvformat.layout import MAJOR, MINOR
-from kvformat.manifest import LayerSpec
+from kvformat.manifest import LayerSpec, QuerySpec
+from kvformat.pages import PayloadCheck
+from kvformat.quantization import BITS as QUANTIZATION_BITS
+from kvformat.quantization import Quantization
 from kvformat.reader import Head, Segment, Snapshot, VerifyReport, open
 from kvformat.recover import RecoverReport, recover
 from kvformat.saving import Layer, save, write_snapshot
-from kvformat.writer import Writer
+from kvformat.writer import DEFAULT_CHUNK_BYTES, Writer
 
 if TYPE_CHECKING:  # imported on first use (`__getattr__`)
-    from kvformat.bundles import BundleReport, import_bundles
-    from kvformat.mlxkv import ImportReport, import_mlxkv
+    from kvformat.importers.bundles import BundleReport, import_bundles
+    from kvformat.importers.mlxkv import ImportReport, import_mlxkv
 
 __version__ = "0.1.0"
 FORMAT_VERSION = (MAJOR, MINOR)
+PUBLIC_MODULES = ("attention", "channel_order", "checksum", "codecs", "dtypes", "importers", "io", "sniff")
+"""Submodules that are part of the public API, beside `__all__`."""
 
 __all__ = [
     "BFLOAT16",
+    "DEFAULT_CHUNK_BYTES",
     "FLOAT16",
     "FLOAT32",
     "FORMAT_VERSION",
+    "PUBLIC_MODULES",
+    "QUANTIZATION_BITS",
     "BundleReport",
     "BytePlaneZstd",
     "ChecksumError",
@@ -68,6 +84,9 @@ __all__ = [
     "LimitExceededError",
     "MissingKeysError",
     "OutOfRangeError",
+    "PayloadCheck",
+    "Quantization",
+    "QuerySpec",
     "Raw",
     "RecoverReport",
     "RemoteError",
@@ -80,6 +99,7 @@ __all__ = [
     "VerifyReport",
     "Writer",
     "Zstd",
+    "gguf_channel_order",
     "import_bundles",
     "import_mlxkv",
     "open",
@@ -92,11 +112,11 @@ __all__ = [
 def __getattr__(name: str) -> object:
     """The go-mlx importer on first use (most programs never import a foreign file)."""
     if name in ("ImportReport", "import_mlxkv"):
-        from kvformat import mlxkv
+        from kvformat.importers import mlxkv
 
         return getattr(mlxkv, name)
     if name in ("BundleReport", "import_bundles"):
-        from kvformat import bundles
+        from kvformat.importers import bundles
 
         return getattr(bundles, name)
     raise AttributeError(f"module 'kvformat' has no attribute {name!r}")

@@ -68,6 +68,7 @@ class Snapshot(Protocol):
 
     def _dropped_rows(self, layer: int, head: int, seq: int, positions: np.ndarray) -> Head: ...
 
+
 BLOCK = 256
 """Queries per block: at 8192 keys a block's logits are 8 MiB of float32."""
 

@@ -16,17 +16,18 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from kvformat import attention, remote
+from kvformat import attention
 from kvformat.attention import Attention
 from kvformat.errors import OutOfRangeError
+from kvformat.io import remote
+from kvformat.io.remote import READ_AHEAD
+from kvformat.io.source import open_source
 from kvformat.layout import KIND_K, KIND_V, MAX_POSITION
 from kvformat.manifest import LayerSpec
 from kvformat.pages import Head, Pages
 from kvformat.quantization import Parts
 from kvformat.queries import Queries, check_all_queries, check_queries, read_queries
-from kvformat.remote import READ_AHEAD
 from kvformat.runs import CHUNK, COUNT, HEAD, KIND, LAYER, POSITION, ROW, SEQ, Segment, Segments, ranges
-from kvformat.source import open_source
 from kvformat.structure import FileStructure, check_arrays
 from kvformat.verify import VerifyReport, verify
 

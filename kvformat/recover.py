@@ -1,7 +1,7 @@
 """Rebuild a valid file from a ``.partial`` file whose writer never finished.
 
 The input is only read: the complete records are copied to a new file, which gets an index and
-footer, is checked, and is renamed into place (`kvformat.outputs`).
+footer, is checked, and is renamed into place (`kvformat.io.outputs`).
 
 Records are self-describing, so a scan from offset 64 finds every complete one: a record is
 complete when its descriptor CRC holds, it says it lies where it was found, and its payload CRC
@@ -20,9 +20,11 @@ import numpy as np
 
 from kvformat import reader
 from kvformat.checksum import crc32c, crc32c_rows, crc32c_slices, linear_crc, records_linear
-from kvformat.durability import fsync_directory
 from kvformat.errors import FileInUseError, KVFormatError, TruncatedFileError
 from kvformat.index import index_bytes
+from kvformat.io.durability import fsync_directory
+from kvformat.io.outputs import check_output, in_use, output_path
+from kvformat.io.source import MmapSource
 from kvformat.layout import (
     DESCRIPTOR_DTYPE,
     DESCRIPTOR_SIZE,
@@ -37,10 +39,8 @@ from kvformat.layout import (
     check_header,
 )
 from kvformat.manifest import Manifest, loads, parse_manifest
-from kvformat.outputs import check_output, in_use, output_path
 from kvformat.runs import COUNT, HEAD, LAYER, POSITION, SEQ
 from kvformat.series import Chain, Entry, parse_entry
-from kvformat.source import MmapSource
 
 
 @dataclass(frozen=True)
@@ -288,7 +288,7 @@ def recover(
     A complete ``.partial`` (its writer stopped between the last fsync and the rename) is copied
     to the output whole; any other complete, valid input is left alone and nothing is written
     (``RecoverReport.path`` is None). An input a live writer still holds (its lock,
-    `kvformat.outputs.in_use`) is refused unless ``force`` (what a live writer has written so far
+    `kvformat.io.outputs.in_use`) is refused unless ``force`` (what a live writer has written so far
     is then recovered). An existing output is refused unless ``overwrite``; the output is never
     the input.
     """

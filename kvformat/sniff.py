@@ -5,8 +5,8 @@ parsed beyond the magic."""
 from __future__ import annotations
 
 KV = b"\x89KVS\r\n\x1a\n"  # kvsnap .kv (SPEC section 3)
-MLXKV = b"MLXKV001"  # go-mlx snapshot (kvformat.mlxkv)
-KVST = b"KVST"  # go-mlx state-pack container (kvformat.statelog); also named *.kv
+MLXKV = b"MLXKV001"  # go-mlx snapshot (kvformat.importers.mlxkv)
+KVST = b"KVST"  # go-mlx state-pack container (kvformat.importers.statelog); also named *.kv
 STATE_LOGS = (b"go-inference-state-file-log-v1\n", b"go-mlx-memvid-file-log-v1\n")  # *.mvlog
 GGUF = b"GGUF"
 ZIP = b"PK\x03\x04"  # numpy's .npz

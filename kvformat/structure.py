@@ -17,6 +17,7 @@ from kvformat.errors import (
     LimitExceededError,
     TruncatedFileError,
 )
+from kvformat.io.source import Source
 from kvformat.layout import (
     ALIGN,
     DESCRIPTOR_DTYPE,
@@ -37,7 +38,6 @@ from kvformat.manifest import Manifest, loads, parse_manifest
 from kvformat.quantization import Parts, Quantization
 from kvformat.series import APPEND_CHUNKS, Chain, parse_entry
 from kvformat.sniff import is_go_mlx, kind
-from kvformat.source import Source
 from kvformat.table_rules import check_table
 
 

@@ -22,6 +22,7 @@ from kvformat.checksum import (
     self_checked_linear,
 )
 from kvformat.errors import CorruptFileError, KVFormatError
+from kvformat.io.source import MmapSource
 from kvformat.layout import (
     ALIGN,
     DESCRIPTOR_DTYPE,
@@ -39,7 +40,6 @@ from kvformat.layout import (
 from kvformat.manifest import loads
 from kvformat.queries import check_all_queries
 from kvformat.runs import ranges
-from kvformat.source import MmapSource
 from kvformat.structure import FileStructure, check_arrays, chunk_label, payload_crc_mismatch
 
 

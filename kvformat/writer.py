@@ -29,10 +29,11 @@ import numpy as np
 from kvformat import codecs, dtypes
 from kvformat.checksum import crc32c
 from kvformat.codecs import BytesLike, Codec
-from kvformat.durability import fsync_directory
 from kvformat.encode import ZEROS, prepare
 from kvformat.errors import OutOfRangeError
 from kvformat.index import index_bytes
+from kvformat.io.durability import fsync_directory
+from kvformat.io.outputs import check_output, lock_for_writing, publish
 from kvformat.layout import (
     DESCRIPTOR_SIZE,
     KIND_ARRAY,
@@ -54,7 +55,6 @@ from kvformat.manifest import (
     dumps,
     format_minor,
 )
-from kvformat.outputs import check_output, lock_for_writing, publish
 from kvformat.records import (
     Block,
     Part,
@@ -95,7 +95,7 @@ class Writer:
     ``layers`` declares every layer up front (`LayerSpec`, or ``None`` for an absent layer).
     ``durable=False`` skips the fsyncs at close (the rename stays atomic, but a power loss may
     lose the file); for scratch files on tmpfs or benchmarks against non-syncing peers.
-    An existing ``path`` is refused (`kvformat.outputs.OutputExistsError`, when the writer is
+    An existing ``path`` is refused (`kvformat.io.outputs.OutputExistsError`, when the writer is
     made and again at close) unless ``overwrite=True``. The ``.partial`` file is locked
     (``flock``) while it is written, so `kvformat.recover` can tell a live write from a crash.
     ``append`` adds tokens to a layer, ``drop`` removes positions from the live state (a sliding

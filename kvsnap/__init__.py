@@ -68,7 +68,7 @@ __all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "Error"])
 
 def __getattr__(name: str) -> Any:
     if name == "Error":  # the root of every error kvsnap raises on purpose
-        from kvformat.errors import KVSnapError
+        from kvformat import KVSnapError
 
         return KVSnapError
     if name in _SUBPACKAGES:

@@ -1,5 +1,5 @@
-"""``python -m kvsnap ...``: the ``kvsnap`` command (`kvsnap.launch`)."""
+"""``python -m kvsnap ...``: the ``kvsnap`` command (`kvsnap.cli.launch`)."""
 
-from kvsnap.launch import console
+from kvsnap.cli.launch import console
 
 console()

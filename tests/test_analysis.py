@@ -9,8 +9,8 @@ import polars as pl
 import pytest
 
 import kvformat
-from kvformat.cli import main
 from kvsnap.analysis.stats import head_stats, outliers
+from kvsnap.cli import main
 from tests.factories import random_file
 
 

@@ -13,9 +13,9 @@ import polars as pl
 import pytest
 
 import kvformat
-from kvformat.cli import main
 from kvsnap.analysis.batch import expand_paths, merged_stats, run_stats
 from kvsnap.analysis.stats import head_stats
+from kvsnap.cli import main
 from tests.factories import random_file
 from tests.servers import moto_s3, nginx
 

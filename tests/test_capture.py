@@ -404,7 +404,7 @@ def test_tiny_factory_builds_and_runs(arch: str) -> None:
 
 
 def test_capture_command(tmp_path: Path, smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvformat.cli import main
+    from kvsnap.cli import main
 
     out = tmp_path / "cli.kv"
     args = [

@@ -360,7 +360,7 @@ def test_bad_arguments_fail_before_the_model_loads(tmp_path: Path, flags: list[s
     env = {**os.environ, "KVSNAP_CACHE": str(tmp_path / "cache")}
     args = ["--model", "smollm2-135m", "--prompt", "hi", "-o", str(tmp_path / "x.kv")]
     result = subprocess.run(
-        [sys.executable, "-m", "kvformat.cli", "capture", *args, *flags],
+        [sys.executable, "-m", "kvsnap.cli", "capture", *args, *flags],
         capture_output=True,
         text=True,
         env=env,

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvformat.cli import main
 from kvsnap.analysis import checkpoint_keys
 from kvsnap.analysis.diff import head_diff
 from kvsnap.analysis.rope import Rope, interleaved_to_half
+from kvsnap.cli import main
 
 DIM, TOKENS, HEADS = 16, 24, 2
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvformat.cli import main
 from kvformat.layout import FOOTER_SIZE, Footer
+from kvsnap.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvformat.cli import main
+from kvsnap.cli import main
 
 
 @pytest.fixture
@@ -292,7 +292,7 @@ def test_installed_stages_are_scanned_only_for_a_command_the_built_in_ones_lack(
     series: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A command of the format or of the built-in stages parses without reading the installed
-    packages' entry points (`kvformat.cli.main`: ~30 ms of a fresh command where many packages
+    packages' entry points (`kvsnap.cli.main`: ~30 ms of a fresh command where many packages
     are installed); any other command (or none: help) brings in the stages other packages
     declare as ``kvsnap.commands`` entry points."""
     import types
@@ -345,7 +345,7 @@ def test_a_fresh_stats_command_imports_no_package_metadata(series: Path, tmp_pat
     bar nobody sees (`analysis.progress`); nor does it import what only other commands or a pass
     on worker processes use (`UNUSED_BY_A_SMALL_STATS`)."""
     code = (
-        "import sys; from kvsnap.launch import main; code = main(sys.argv[1:]);"
+        "import sys; from kvsnap.cli.launch import main; code = main(sys.argv[1:]);"
         f"print('imported:', sorted(m for m in {UNUSED_BY_A_SMALL_STATS!r} if m in sys.modules))"
     )
     out = tmp_path / "out.parquet"
@@ -364,7 +364,7 @@ def test_a_source_tree_without_an_install_says_how_to_install(series: Path) -> N
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    code = "import sys; from kvformat.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    code = "import sys; from kvsnap.cli import main; raise SystemExit(main(sys.argv[1:]))"
     env = {"PYTHONPATH": os.pathsep.join(site.getsitepackages()), "PATH": os.environ.get("PATH", "")}
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -418,7 +418,7 @@ def test_stats_prints_and_saves_without_polars(
     # A fresh process, as a user runs it: neither polars nor pandas (which pyarrow.compute would
     # import) is loaded.
     script = (
-        "import sys; from kvformat.cli import main; "
+        "import sys; from kvsnap.cli import main; "
         f"main(['stats', {str(series)!r}, '-o', {str(tmp_path / 'again.parquet')!r}]); "
         "print(sorted(m for m in ('polars', 'pandas') if m in sys.modules))"
     )

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvformat
-from kvformat.cli import main
-from kvformat.conformance import describe, run
+from kvsnap.cli import main
+from kvsnap.cli.conformance import describe, run
 
 VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
 GOLD = VECTORS / "gold"
@@ -77,7 +77,7 @@ def test_series_as_triples_and_as_ranges_describe_alike() -> None:
 
 
 def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    reader = f"{sys.executable} -m kvformat.cli describe"
+    reader = f"{sys.executable} -m kvsnap.cli describe"
     assert main(["conformance", str(VECTORS), "--reader", reader]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("61/61 passed")
     # Wrong readers against a few vectors, good and bad (a reader process per vector is slow).
@@ -177,7 +177,7 @@ def test_descriptions_hash_one_nan_per_dtype() -> None:
     payload the arithmetic produced."""
     import ml_dtypes
 
-    from kvformat.conformance import _canonical_nans
+    from kvsnap.cli.conformance import _canonical_nans
 
     for dtype, bits_type, canonical, other in (
         (np.float16, np.uint16, 0x7E00, 0x7E01),

@@ -13,9 +13,9 @@ from mlx_lm import load
 from mlx_lm.sample_utils import make_sampler
 
 import kvformat
-from kvformat.cli import main
 from kvsnap.analysis.diff import LayoutMismatchError, head_diff
 from kvsnap.capture.generate import generate
+from kvsnap.cli import main
 from tests.conftest import PROSE
 
 

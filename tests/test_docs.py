@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvsnap.cli_reference import page
+from kvsnap.cli.reference import page
 from tests.conftest import ROOT
 
 # Words that say how the product was built rather than what it does: a numbered working period
@@ -69,7 +69,7 @@ def test_the_readme_is_short_and_says_what_kvsnap_does() -> None:
 
 def test_the_cli_reference_is_what_the_parsers_print() -> None:
     committed = (ROOT / "docs" / "cli.md").read_text("utf-8")
-    assert committed == page(), "docs/cli.md is stale: python -m kvsnap.cli_reference > docs/cli.md"
+    assert committed == page(), "docs/cli.md is stale: python -m kvsnap.cli.reference > docs/cli.md"
     for command in ("capture", "stats", "simulate", "export", "attention", "plot", "info", "verify"):
         assert f"## `kvsnap {command}`" in committed
 

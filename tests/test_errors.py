@@ -50,8 +50,8 @@ def test_the_root_keeps_each_errors_builtin_meaning() -> None:
 
     assert issubclass(kvformat.KVFormatError, ValueError)
     assert issubclass(kvformat.OutOfRangeError, IndexError)
-    assert issubclass(kvformat.outputs.OutputExistsError, FileExistsError)
+    assert issubclass(kvformat.io.outputs.OutputExistsError, FileExistsError)
     assert issubclass(CaptureError, RuntimeError)
     assert issubclass(NoQueriesError, ValueError)
-    error = kvformat.outputs.OutputExistsError(17, "out.kv exists")
+    error = kvformat.io.outputs.OutputExistsError(17, "out.kv exists")
     assert error.errno == 17 and str(error) == "[Errno 17] out.kv exists"

@@ -203,7 +203,7 @@ def test_quantize_matches_a_plain_min_max_quantizer() -> None:
 
 
 def test_without_queries_the_error_names_the_option(tmp_path: Path) -> None:
-    from kvformat.cli import main
+    from kvsnap.cli import main
 
     rng = np.random.default_rng(0)
     kvformat.save(
@@ -221,7 +221,7 @@ def test_cli_attention_stats_and_simulate(
 ) -> None:
     import polars as pl
 
-    from kvformat.cli import main
+    from kvsnap.cli import main
 
     _write(tmp_path / "a.kv", SPECS["causal"])
     out = tmp_path / "att.parquet"
@@ -266,7 +266,7 @@ def test_a_fresh_attention_command_imports_neither_polars_nor_pandas(tmp_path: P
     _write(tmp_path / "a.kv", SPECS["causal"])
     command = ["stats", str(tmp_path / "a.kv"), "--stats", "attention", "-o", str(tmp_path / "a.parquet")]
     script = (
-        f"import sys; from kvformat.cli import main; main({command!r}); "
+        f"import sys; from kvsnap.cli import main; main({command!r}); "
         "print(sorted(m for m in ('polars', 'pandas') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
@@ -469,8 +469,8 @@ def test_kept_keys_overlay_on_the_attention_map(tmp_path: Path, capsys: pytest.C
     generated key; at budget 1 every key; snapkv keeps exactly ``floor(budget * 36)`` prompt
     keys, its window among them); the PNG is written; ``--kept`` without ``--attention`` and a bad
     value are one-line errors, exit 2."""
-    from kvformat.cli import main
     from kvsnap.analysis.compression import kept_mask
+    from kvsnap.cli import main
 
     path = tmp_path / "a.kv"
     _write(path, SPECS["causal"])
@@ -508,7 +508,7 @@ def test_a_windowed_capture_scores_only_queries_whose_keys_the_file_holds(
 
     import kvsnap
     from kvformat import attention
-    from kvformat.cli import main
+    from kvsnap.cli import main
 
     model, tokenizer = load(str(smollm2_dir))
     prompt = tokenizer.encode("The history of the city begins when a small settlement grew up by a bridge")

@@ -18,10 +18,10 @@ import yaml
 
 import kvformat
 from kvformat.checksum import crc32c
-from kvformat.conformance import describe, first_difference, run
 from kvformat.layout import FOOTER_SIZE, Footer
 from kvformat.manifest import QuerySpec
 from kvformat.quantization import Quantization
+from kvsnap.cli.conformance import describe, first_difference, run
 
 ROOT = Path(__file__).resolve().parent.parent
 JS = ROOT / "spec" / "js"

@@ -1,4 +1,4 @@
-"""The ``kvsnap`` entry point (`kvsnap.launch`): it starts the CPU workers' fork server before
+"""The ``kvsnap`` entry point (`kvsnap.cli.launch`): it starts the CPU workers' fork server before
 anything heavy is imported, for the default ``kvsnap stats`` of one big local file only."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 import kvformat
 from kvsnap.analysis import fork_server
-from kvsnap.launch import main
+from kvsnap.cli.launch import main
 
 
 @pytest.fixture
@@ -117,7 +117,7 @@ def test_the_console_script_ends_at_once_after_driving_mlx(tmp_path: Path, backe
     script = (
         "import atexit, sys; atexit.register(lambda: print('exit handlers ran'))\n"
         "sys.argv = ['kvsnap', *sys.argv[1:]]\n"
-        "from kvsnap.launch import console; console()"
+        "from kvsnap.cli.launch import console; console()"
     )
     done = subprocess.run(
         [sys.executable, "-c", script, "stats", str(tmp_path / "a.kv"), "--backend", backend, "-o", str(out)],
@@ -148,7 +148,7 @@ def test_the_console_script_lets_running_threads_finish(tmp_path: Path) -> None:
         "import sys, threading, time; import mlx.core\n"
         "threading.Thread(target=lambda: (time.sleep(1.5), print('thread finished'))).start()\n"
         "sys.argv = ['kvsnap', *sys.argv[1:]]\n"
-        "from kvsnap.launch import console; console()"
+        "from kvsnap.cli.launch import console; console()"
     )
     done = subprocess.run(
         [sys.executable, "-c", script, "info", str(tmp_path / "a.kv")],

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvformat.cli import main
 from kvsnap.analysis.backends import mlx as mlx_backend
 from kvsnap.analysis.backends import mlx_fold, mlx_pipeline, mlx_sizing, mlx_staging
 from kvsnap.analysis.batch import merged_stats, run_stats
 from kvsnap.analysis.stats import GROUPS, stats_rows
+from kvsnap.cli import main
 from tests import factories
 
 QUANTILES = {"norm_p50", "norm_p99"}

@@ -14,8 +14,8 @@ import pytest
 
 import kvformat
 from kvformat import errors
-from kvformat.cli import main
-from kvformat.mlxkv import import_mlxkv
+from kvformat.importers.mlxkv import import_mlxkv
+from kvsnap.cli import main
 from tests.mlxkv import generate
 
 HERE = Path(__file__).resolve().parent / "mlxkv"

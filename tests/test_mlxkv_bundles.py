@@ -15,8 +15,8 @@ import pytest
 
 import kvformat
 from kvformat import errors
-from kvformat.bundles import import_bundles, list_bundles
-from kvformat.cli import main
+from kvformat.importers.bundles import import_bundles, list_bundles
+from kvsnap.cli import main
 from tests.mlxkv import bundles as gen
 
 HERE = Path(__file__).resolve().parent / "mlxkv" / "bundles"

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvformat.cli import main
 from kvsnap.analysis import finite
 from kvsnap.analysis.backends import kernel
 from kvsnap.analysis.backends import mlx as mlx_backend
 from kvsnap.analysis.stats import head_stats, stats_rows, token_table
+from kvsnap.cli import main
 
 TOKENS, DIM = 200, 16
 PLACES = {
@@ -228,7 +228,7 @@ def test_imported_go_mlx_fixture_with_nonfinite_values(tmp_path: Path) -> None:
     out = tmp_path / "mixed.kv"
     kvformat.import_mlxkv(source, out)
     result = subprocess.run(
-        [sys.executable, "-m", "kvformat.cli", "stats", str(out)], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "kvsnap.cli", "stats", str(out)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stderr
     assert "Warning" not in result.stderr and "LinAlgError" not in result.stderr

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvformat.cli import main
-from kvformat.outputs import OutputExistsError, SameAsInputError
+from kvformat.io.outputs import OutputExistsError, SameAsInputError
+from kvsnap.cli import main
 from tests import factories
 
 
@@ -245,7 +245,7 @@ def test_export_never_replaces_its_input_by_name(tmp_path: Path, capsys: pytest.
 
 
 def test_a_folder_output_replaces_only_a_folder_of_its_own_files(tmp_path: Path) -> None:
-    from kvformat.outputs import output_path
+    from kvformat.io.outputs import output_path
 
     folder = tmp_path / "model"
     folder.mkdir()

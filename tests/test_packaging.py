@@ -31,7 +31,7 @@ def test_local_modules_named_like_the_stages_shadow_nothing(tmp_path: Path) -> N
     )
     assert out.split() == ["True", "True", "kvsnap.analysis", "kvformat.reader"]
     done = subprocess.run(
-        [sys.executable, "-m", "kvformat.cli", "stats", "--help"],
+        [sys.executable, "-m", "kvsnap.cli", "stats", "--help"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -45,7 +45,7 @@ def test_stages_import_only_what_they_need(tmp_path: Path) -> None:
         "heavy = {'mlx', 'mlx_lm', 'pyarrow', 'polars'}\n"
         "def top(): return sorted({m.split('.')[0] for m in sys.modules} & heavy)\n"
         "import kvsnap; a = top(); loaded = [m for m in sys.modules if m.startswith('kvsnap.')]\n"
-        "import kvformat, kvformat.cli, kvformat.mlxkv, kvformat.bundles; b = top()\n"
+        "import kvformat, kvsnap.cli, kvformat.importers.mlxkv, kvformat.importers.bundles; b = top()\n"
         "import kvsnap.analysis, kvsnap.analysis.cli; c = top()\n"
         "capture = sorted(m for m in sys.modules if m.startswith('kvsnap.capture'))\n"
         "print(json.dumps([a, loaded, b, c, capture]))"
@@ -68,7 +68,7 @@ def test_stage_packages_export_lazily_and_completely() -> None:
         for name in package.__all__:
             assert getattr(package, name) is not None
     code = (
-        "import sys, kvsnap.capture.cli, kvsnap.analysis.cli, kvformat.cli; "
+        "import sys, kvsnap.capture.cli, kvsnap.analysis.cli, kvsnap.cli; "
         "heavy = ('mlx.core', 'pyarrow', 'polars', 'ml_dtypes'); "
         "print(sorted(m for m in heavy if m in sys.modules))"
     )

@@ -384,7 +384,7 @@ def test_windowed_attention_is_the_models_at_every_stored_query(
 def test_attention_command_and_map(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import polars as pl
 
-    from kvformat.cli import main
+    from kvsnap.cli import main
 
     spec = _spec(window=8)
     data = _write(tmp_path / "q.kv", spec)
@@ -431,7 +431,7 @@ def test_selections_and_indices_outside_the_file_are_one_line(
 ) -> None:
     """A layer out of range, or a query or key range that selects nothing the file stores: one
     line naming what the file holds, exit 2, nothing written; `OutOfRangeError` from Python."""
-    from kvformat.cli import main
+    from kvsnap.cli import main
 
     path = tmp_path / "q.kv"
     _write(path, _spec(window=8))

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvformat.conformance import describe
-from kvformat.remote import READ_AHEAD, RemoteSource, expand
+from kvformat.io.remote import READ_AHEAD, RemoteSource, expand
+from kvsnap.cli.conformance import describe
 from tests.conftest import write_series
 from tests.servers import S3, Nginx, Quirks, moto_s3, nginx, quirky_http
 
@@ -304,7 +304,7 @@ def test_redirects_retries_and_headers(tmp_path: Path) -> None:
 
 
 def test_cli_reads_urls(served: Nginx, s3: S3, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvformat.cli import main
+    from kvsnap.cli import main
 
     assert main(["info", served.url("series.kv"), "--json"]) == 0
     remote = json.loads(capsys.readouterr().out)
@@ -324,7 +324,7 @@ def test_cli_reads_urls(served: Nginx, s3: S3, capsys: pytest.CaptureFixture[str
 def test_a_head_larger_than_the_cache_is_fetched_once(served: Nginx) -> None:
     """A head in 16 runs scattered between other heads' chunks, 4x the cache: announcing it all
     would evict runs before they are read and fetch them twice; at most half the cache is."""
-    from kvformat.http_range import HTTPRangeReader
+    from kvformat.io.http_range import HTTPRangeReader
     from kvformat.reader import Snapshot
     from kvformat.structure import FileStructure
 
@@ -349,7 +349,7 @@ def test_a_head_larger_than_the_cache_is_fetched_once(served: Nginx) -> None:
 
 
 def test_fetch_plan_merges_near_ranges_and_keeps_to_the_budget() -> None:
-    from kvformat.remote import plan_fetches
+    from kvformat.io.remote import plan_fetches
 
     # Sorted, merged across gaps up to 10 bytes, overlapping ranges folded into one span.
     spans = plan_fetches([(100, 10), (0, 10), (15, 5), (105, 20)], gap=10, budget=1000)

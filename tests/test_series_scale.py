@@ -614,7 +614,7 @@ def test_verify_of_a_series_from_a_file_object_equals_the_memory_map(tmp_path: P
 def test_a_file_object_source_reads_the_right_bytes_from_many_threads(tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvformat.source import FileObjectSource
+    from kvformat.io.source import FileObjectSource
 
     data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
     path = tmp_path / "bytes.bin"

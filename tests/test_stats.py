@@ -365,10 +365,10 @@ def test_without_the_c_kernels_the_numpy_reference_gives_the_table_and_stats_say
     """Where the C kernels are not built, a ``"cpu"`` pass runs on the numpy reference and gives
     the compiled kernel's table; ``kvsnap stats`` says once, on stderr, that the compiled kernels
     are missing and how to get them. With them built it says nothing."""
-    from kvformat.cli import main
     from kvsnap.analysis import backends, native
     from kvsnap.analysis.backends import kernel
     from kvsnap.analysis.stats import head_stats
+    from kvsnap.cli import main
 
     rng = np.random.default_rng(3)
     k, v = (rng.standard_normal((2, 40, 16)).astype(np.float32) for _ in range(2))

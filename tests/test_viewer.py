@@ -130,7 +130,7 @@ def test_the_standalone_page_escapes_what_the_file_holds(capture: Path, tmp_path
 
 
 def test_the_command_writes_the_page_and_refuses_its_input(capture: Path, tmp_path: Path) -> None:
-    from kvformat.cli import main
+    from kvsnap.cli import main
 
     out = tmp_path / "page.html"
     assert main(["view", str(capture), "--html", str(out), "--layers", "12", "--heads", "4,5"]) == 0

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import numpy as np
 
-    from kvformat.pages import PayloadCheck
+    from kvformat import PayloadCheck
 
     from ..accumulator import HeadAccumulator
 

@@ -18,7 +18,7 @@ from ..catalogue import LEVELS, TOP_K
 from . import kernel
 
 if TYPE_CHECKING:
-    from kvformat.pages import PayloadCheck
+    from kvformat import PayloadCheck
 
     from ..accumulator import HeadAccumulator
 

@@ -30,7 +30,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kvformat.errors import KVSnapError
+from kvformat import KVSnapError
 
 from . import cuda_driver
 

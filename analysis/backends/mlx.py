@@ -31,7 +31,7 @@ from kvformat.checksum import crc32c
 from ..arrays import PIECE, bytes_of
 
 if TYPE_CHECKING:
-    from kvformat.pages import PayloadCheck
+    from kvformat import PayloadCheck
 
     from ..accumulator import HeadAccumulator
 from . import mlx_fold, mlx_staging

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvformat import KVSnapError
 from kvformat.checksum import crc32c
-from kvformat.errors import KVSnapError
 
 from ..arrays import PIECE, bytes_of
 from . import mlx_fold
@@ -200,7 +200,7 @@ class Pipeline:
         check: Any = None,
     ) -> None:
         """Queue ``rows`` of ``acc``; ``after`` runs once they are copied for the device (e.g.
-        releasing their pages). ``check``: a `kvformat.pages.PayloadCheck` the bytes of
+        releasing their pages). ``check``: a `kvformat.PayloadCheck` the bytes of
         ``rows`` (a chunk's whole payload, read unchecked) must pass: the copy threads compute
         the CRC over what they copy, so the driving thread reads nothing itself (checked here
         instead when ``rows`` span several pieces or nothing is staged)."""

@@ -115,7 +115,7 @@ class Staging:
 
     def start_fill(self, pieces: list[np.ndarray], checks: list[Any] | None = None) -> _Fill:
         """`fill`, started: the copies run on the copy threads; ``.result()`` waits for them.
-        ``checks``: per piece, None or a `kvformat.pages.PayloadCheck` its bytes must pass; the
+        ``checks``: per piece, None or a `kvformat.PayloadCheck` its bytes must pass; the
         copy threads compute the CRC of what they copy (the linear CRC of each task's rows,
         combined per piece by `kvformat.checksum`), ``.result()`` checks it."""
         import mlx.core as mx

@@ -14,7 +14,7 @@ from ..arrays import PIECE, bytes_of
 from ..catalogue import BINS, POSITION_BINS, QUANT_BITS, TOP_K, hist_index, position_bins, quant_error
 
 if TYPE_CHECKING:
-    from kvformat.pages import PayloadCheck
+    from kvformat import PayloadCheck
 
     from ..accumulator import HeadAccumulator
 

@@ -22,7 +22,7 @@ import ctypes
 import threading
 from typing import ClassVar
 
-from kvformat.errors import KVSnapError
+from kvformat import KVSnapError
 
 from . import cuda_driver
 

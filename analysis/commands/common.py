@@ -11,8 +11,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from kvformat.arguments import positive_int, storage_options
-from kvformat.outputs import check_output, check_output_folder, output_path
+from kvformat.io.outputs import check_output, check_output_folder, output_path
+from kvsnap.cli.options import positive_int, storage_options
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
@@ -43,7 +43,7 @@ def warnings_printed(category: type[Warning] = UserWarning) -> Iterator[None]:
 
 
 def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Before any work: every output the command will write is allowed (`kvformat.outputs`), a
+    """Before any work: every output the command will write is allowed (`kvformat.io.outputs`), a
     ``--stat`` names a statistic the selected groups compute, and ``--snapshot`` is inside each
     local file named (reading only its index)."""
     del parser
@@ -59,7 +59,7 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             else:
                 check_output(path, inputs=inputs(args), force=args.force)
     if getattr(args, "output", None) and getattr(args, "plot", None):
-        from kvformat.outputs import same_file
+        from kvformat.io.outputs import same_file
 
         if same_file(args.output, args.plot):
             raise ValueError(f"-o and --plot name the same file {args.output}")

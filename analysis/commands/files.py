@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from kvformat.outputs import output_path
+from kvformat.io.outputs import output_path
 
 from .common import inputs, url_options
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvformat.outputs import output_path
+from kvformat.io.outputs import output_path
 
 from .common import KEYS, ParquetSink, inputs, save_parquet, url_options, warnings_printed
 

@@ -108,7 +108,7 @@ class Source:
         return {"score": score, "layers": layers}
 
 
-def _check_head(snap: kvformat.Snapshot, layer: int, head: int) -> kvformat.manifest.QuerySpec:
+def _check_head(snap: kvformat.Snapshot, layer: int, head: int) -> kvformat.QuerySpec:
     if not 0 <= layer < snap.num_layers:
         raise ViewerError(f"layer {layer} out of range 0..{snap.num_layers - 1}")
     spec = snap.layers[layer].queries

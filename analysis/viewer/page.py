@@ -47,7 +47,7 @@ def write_html(
     (default: the first 4 layers and heads that hold queries, or K/V heads without). Returns the
     number of maps embedded. Written through a temporary name; an existing ``out`` only with
     ``force``; never one of ``paths``."""
-    from kvformat.outputs import output_path
+    from kvformat.io.outputs import output_path
 
     from . import data
 

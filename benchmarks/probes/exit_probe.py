@@ -1,6 +1,6 @@
 """How long a fresh ``kvsnap stats FILE -o out.parquet`` takes to end once the command has
 returned: the interpreter's exit (its handlers, threads, mlx's CUDA teardown when the command
-drove the device), per backend, with the console script's own ending (`kvsnap.launch.console`)
+drove the device), per backend, with the console script's own ending (`kvsnap.cli.launch.console`)
 and with the command returning to an ordinary interpreter exit.
 
     python -m benchmarks.probes.exit_probe FILE [--runs 3] [--backends cpu,mlx]
@@ -23,9 +23,9 @@ CHILD = """
 import sys, time
 sys.argv = ["kvsnap", *sys.argv[2:]]
 mark = {mark!r}
-from kvsnap.launch import console, main
+from kvsnap.cli.launch import console, main
 if {console}:
-    import kvsnap.launch as launch
+    import kvsnap.cli.launch as launch
     real = launch.main
     def timed(argv=None):
         code = real(argv)

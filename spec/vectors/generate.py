@@ -5,7 +5,7 @@
 Every file is written by `kvformat` from fixed seeds, so the output is byte-for-byte stable;
 ``tests/test_conformance.py`` checks that the committed files equal a fresh run. Each vector
 covers one feature of spec/SPEC.md; the manifest gives, per file, what it covers and the
-description a conforming reader must produce (`kvformat.conformance.describe`).
+description a conforming reader must produce (`kvsnap.cli.conformance.describe`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import numpy as np
 
 import kvformat
 from kvformat.checksum import crc32c
-from kvformat.conformance import describe
 from kvformat.layout import DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, FOOTER_SIZE, KIND_SNAPSHOT, Footer
 from kvformat.manifest import QuerySpec
 from kvformat.quantization import Quantization
 from kvformat.rewrite import as_triples, empty_chunks, rebuild_index
+from kvsnap.cli.conformance import describe
 
 HERE = Path(__file__).resolve().parent
 

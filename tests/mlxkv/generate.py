@@ -3,7 +3,7 @@ golden and hostile files built with it.
 
     python tests/mlxkv/generate.py      # rewrites tests/mlxkv/*.mlxkv and expected.json
 
-`kvformat.mlxkv` must import every golden file to exactly the arrays this writer was given (q8:
+`kvformat.importers.mlxkv` must import every golden file to exactly the arrays this writer was given (q8:
 the values ``int8 * scale`` go-mlx decodes to) and refuse every hostile one with the error named
 in ``expected.json``. The files are deterministic (fixed seeds), so a test holds them equal to a
 fresh run.

@@ -17,7 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
-from kvformat.conformance import describe
+from kvsnap.cli.conformance import describe
 
 HERE = Path(__file__).resolve().parent
 

@@ -1,5 +1,5 @@
 """The command-line reference page (``docs/cli.md``), generated from the parsers themselves, so it
-cannot go stale: ``python -m kvsnap.cli_reference > docs/cli.md``; a test holds the committed
+cannot go stale: ``python -m kvsnap.cli.reference > docs/cli.md``; a test holds the committed
 page equal to what this prints."""
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ def page() -> str:
     previous = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = WIDTH
     try:
-        from kvformat.cli import build_parser
+        from kvsnap.cli import build_parser
 
         parser = build_parser()
         parts = [
             "# CLI reference\n",
-            "Generated from the command's own parsers (`python -m kvsnap.cli_reference`); every "
+            "Generated from the command's own parsers (`python -m kvsnap.cli.reference`); every "
             "command takes `--help` too.\n",
-            "```text\n" + parser.format_help().replace("python -m kvsnap.cli_reference", "kvsnap") + "```\n",
+            "```text\n" + parser.format_help().replace("python -m kvsnap.cli.reference", "kvsnap") + "```\n",
         ]
         for name, sub in _subcommands(parser).items():
-            text = sub.format_help().replace("python -m kvsnap.cli_reference", "kvsnap")
+            text = sub.format_help().replace("python -m kvsnap.cli.reference", "kvsnap")
             parts.append(f"## `kvsnap {name}`\n\n```text\n{text}```\n")
         return "\n".join(parts)
     finally:

@@ -8,7 +8,7 @@ and a byte-for-byte copy of a log; its frame offsets count from the copy's first
 
 `open_log` scans every record header once (each size checked against the bytes left before
 anything is read), keeping ``chunk_id -> record`` and ``offset -> record``; payloads are read
-only when asked for. Nothing here is specific to K/V: `kvformat.bundles` builds on it.
+only when asked for. Nothing here is specific to K/V: `kvformat.importers.bundles` builds on it.
 """
 
 from __future__ import annotations

@@ -31,9 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from kvformat.errors import KVFormatError
-from kvformat.reader import Snapshot
-from kvformat.reader import open as open_kv
+from kvformat import KVFormatError, Snapshot
+from kvformat import open as open_kv
 
 
 def _sha(array: np.ndarray) -> str:

@@ -1,6 +1,6 @@
 """The ``kvsnap`` command's entry point: it starts what the command will wait for (the CPU
 workers' fork server, `kvsnap.analysis.fork_server`) before importing anything heavy, then runs
-`kvformat.cli.main`. Importing this module loads the standard library only."""
+`kvsnap.cli.main`. Importing this module loads the standard library only."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pass
     else:
         fork_server.start_early(args)
-    from kvformat.cli import main as run
+    from kvsnap.cli import main as run
 
     return run(args)
 

@@ -1,6 +1,6 @@
 """go-mlx block bundle manifests (``../shared/formats/mlxkv001-bundles.md``, section 3): the
 manifest JSON and its block refs checked by go-mlx's rules, the bundle hash, and ``json-base64``
-envelopes unwrapped. `kvformat.bundles` imports what they describe."""
+envelopes unwrapped. `kvformat.importers.bundles` imports what they describe."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvformat.errors import CorruptFileError, UnsupportedFeatureError, UnsupportedVersionError
-from kvformat.statelog import BUNDLE_KIND, Log, Record
+from kvformat.importers.statelog import BUNDLE_KIND, Log, Record
 
 BLOCK_KIND = "go-mlx/kv-snapshot-block"
 BUNDLE_VERSION = 1

@@ -16,10 +16,9 @@ from typing import Any
 import numpy as np
 
 import kvformat
-from kvformat import channel_order, codecs, dtypes
-from kvformat.arguments import non_negative_int, positive_int, remote_options, storage_options
-from kvformat.errors import KVFormatError, OutOfRangeError
-from kvformat.outputs import check_output, output_path
+from kvformat import KVFormatError, OutOfRangeError, channel_order, codecs, dtypes
+from kvformat.io import check_output, output_path
+from kvsnap.cli.options import non_negative_int, positive_int, remote_options, storage_options
 
 
 def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
@@ -227,7 +226,7 @@ def _pack(args: argparse.Namespace) -> int:
             raise SystemExit(f"{args.input}: no arrays named k_L<layer> / v_L<layer>")
         layers = [_npz_layer(npz, layer, args) for layer in range(layer_ids[-1] + 1)]
     row_bytes = max(max(l.k.shape[2], l.v.shape[2]) * l.k.dtype.itemsize for l in layers if l)
-    chunk_bytes = args.chunk_tokens * row_bytes if args.chunk_tokens else kvformat.writer.DEFAULT_CHUNK_BYTES
+    chunk_bytes = args.chunk_tokens * row_bytes if args.chunk_tokens else kvformat.DEFAULT_CHUNK_BYTES
     kvformat.save(
         args.output,
         layers,
@@ -283,8 +282,9 @@ def _npz_layer(npz: Any, layer: int, args: argparse.Namespace) -> kvformat.Layer
 
 
 def _import_mlxkv(args: argparse.Namespace) -> int:
-    from kvformat import bundles, sniff
-    from kvformat.mlxkv import import_mlxkv
+    from kvformat import sniff
+    from kvformat.importers import bundles
+    from kvformat.importers.mlxkv import import_mlxkv
 
     with open(args.source, "rb") as f:
         single = sniff.kind(f.read(sniff.PREFIX_BYTES)) == "mlxkv"
@@ -323,7 +323,7 @@ def _import_mlxkv(args: argparse.Namespace) -> int:
 
 
 def _describe_command(args: argparse.Namespace) -> int:
-    from kvformat.conformance import describe
+    from kvsnap.cli.conformance import describe
 
     options = storage_options(args.storage_option)
     print(json.dumps(describe(args.file, storage_options=options), ensure_ascii=False))
@@ -331,7 +331,7 @@ def _describe_command(args: argparse.Namespace) -> int:
 
 
 def _conformance(args: argparse.Namespace) -> int:
-    from kvformat.conformance import run
+    from kvsnap.cli.conformance import run
 
     results = run(args.directory, args.reader)
     width = max(len(r.name) for r in results) if results else 4
@@ -553,6 +553,3 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"kvsnap: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

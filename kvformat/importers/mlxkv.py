@@ -45,9 +45,9 @@ from kvformat.errors import (
     UnsupportedFeatureError,
     UnsupportedVersionError,
 )
+from kvformat.io.outputs import check_output
 from kvformat.layout import MAX_HEADS, MAX_LAYERS, MAX_SEQS, MAX_WIDTH
 from kvformat.manifest import LayerSpec
-from kvformat.outputs import check_output
 from kvformat.writer import Writer
 
 MAGIC = sniff.MLXKV

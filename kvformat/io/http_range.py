@@ -11,7 +11,7 @@ import time
 import urllib.parse
 
 from kvformat.errors import RemoteError, RemoteNotFoundError, TruncatedFileError
-from kvformat.remote import DEFAULT_TIMEOUT
+from kvformat.io.remote import DEFAULT_TIMEOUT
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 

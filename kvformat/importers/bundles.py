@@ -37,14 +37,14 @@ from typing import Any
 import numpy as np
 
 from kvformat import dtypes
-from kvformat.bundle_manifest import Block, Bundle, bundles_of, parse_bundle, unwrap
 from kvformat.checksum import crc32c
 from kvformat.codecs import Codec
 from kvformat.errors import CorruptFileError, KVFormatError
+from kvformat.importers.bundle_manifest import Block, Bundle, bundles_of, parse_bundle, unwrap
+from kvformat.importers.mlxkv import TAG_Q8, _last_logits, _Plan, _Source, _Stream, _Tensor, read_layout
+from kvformat.importers.statelog import BUNDLE_KIND, MAX_JSON, Log, Record, open_log, parse_json
+from kvformat.io.outputs import check_output
 from kvformat.manifest import LayerSpec
-from kvformat.mlxkv import TAG_Q8, _last_logits, _Plan, _Source, _Stream, _Tensor, read_layout
-from kvformat.outputs import check_output
-from kvformat.statelog import BUNDLE_KIND, MAX_JSON, Log, Record, open_log, parse_json
 from kvformat.writer import Writer
 
 
@@ -343,7 +343,7 @@ def _drop_all(writer: Writer, seqs: int, start: int, end: int) -> None:
 
 
 class _BufferStream(_Stream):
-    """`kvformat.mlxkv`'s checked reads over bytes in memory: fields are sliced, payloads skipped
+    """`kvformat.importers.mlxkv`'s checked reads over bytes in memory: fields are sliced, payloads skipped
     by moving the position (no file calls)."""
 
     def __init__(self, data: bytes | memoryview, name: str) -> None:
@@ -365,7 +365,7 @@ class _BufferStream(_Stream):
 
 class _MemoryFile:
     """``read``/``seek`` over bytes in memory without copying them (`io.BytesIO` copies a
-    memoryview): what `kvformat.mlxkv`'s parser needs of a file."""
+    memoryview): what `kvformat.importers.mlxkv`'s parser needs of a file."""
 
     def __init__(self, data: bytes | memoryview) -> None:
         self.data, self.position = memoryview(data), 0

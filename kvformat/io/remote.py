@@ -10,13 +10,13 @@ A `RemoteSource` serves the reader's ``read(offset, size)`` calls from byte-rang
 - fetched spans are kept in a small LRU cache (``cache_bytes``) and dropped once the reader
   releases them.
 
-Backends (`kvformat.source.range_reader` picks one): ``http://`` and ``https://`` with the
-standard library only (`kvformat.http_range`) (keep-alive connection per
+Backends (`kvformat.io.source.range_reader` picks one): ``http://`` and ``https://`` with the
+standard library only (`kvformat.io.http_range`) (keep-alive connection per
 thread, timeouts, redirects, retries of 429/5xx answers, extra request headers from
 ``storage_options={"headers": {...}}``, the file's ETag pinned with ``If-Match`` so a file
 replaced mid-read is an error, not a mix of two files); any other ``scheme://`` through fsspec
 (``pip install kvsnap[remote]`` brings fsspec and s3fs); and any fsspec or pyarrow filesystem
-object passed as ``filesystem=`` (`kvformat.filesystems`).
+object passed as ``filesystem=`` (`kvformat.io.filesystems`).
 Every network failure, timeout, missing object and short read is a `RemoteError` (or
 `TruncatedFileError`), i.e. a `KVFormatError` naming the file.
 """
@@ -197,7 +197,7 @@ class RemoteSource:
 
 
 def expand(pattern: str, *, storage_options: dict[str, Any] | None = None) -> list[str]:
-    """URLs matching a glob pattern (``s3://bucket/runs/*.kv``), sorted (`kvformat.filesystems.glob`)."""
-    from kvformat.filesystems import glob
+    """URLs matching a glob pattern (``s3://bucket/runs/*.kv``), sorted (`kvformat.io.filesystems.glob`)."""
+    from kvformat.io.filesystems import glob
 
     return glob(pattern, storage_options=storage_options)

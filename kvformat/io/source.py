@@ -1,5 +1,5 @@
 """Byte sources a reader pulls from: a memory map of a local file, or any seekable file object
-(remote files: `kvformat.remote.RemoteSource`)."""
+(remote files: `kvformat.io.remote.RemoteSource`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 from kvformat.errors import TruncatedFileError
 
 if TYPE_CHECKING:
-    from kvformat.remote import RangeReader
+    from kvformat.io.remote import RangeReader
 
 
 class Source(Protocol):
@@ -166,9 +166,9 @@ def open_source(
     timeout: float | None = None,
 ) -> Source:
     """The `Source` for what `kvformat.open` was given: a memory map for a local path (or a
-    ``file://`` URL), a `FileObjectSource` for a file object, a `kvformat.remote.RemoteSource`
+    ``file://`` URL), a `FileObjectSource` for a file object, a `kvformat.io.remote.RemoteSource`
     for any other URL or a path inside ``filesystem``."""
-    from kvformat import remote
+    from kvformat.io import remote
 
     source: Source
     if filesystem is not None or remote.is_url(file):
@@ -203,7 +203,7 @@ def range_reader(
     timeout: float,
 ) -> RangeReader:
     """The `RangeReader` for a URL, or for a path inside ``filesystem`` (fsspec or pyarrow)."""
-    from kvformat.filesystems import ArrowRangeReader, FsspecRangeReader, remote_errors
+    from kvformat.io.filesystems import ArrowRangeReader, FsspecRangeReader, remote_errors
 
     if filesystem is not None:
         if hasattr(filesystem, "open_input_file"):
@@ -213,7 +213,7 @@ def range_reader(
         raise TypeError(f"{type(filesystem).__name__} is neither an fsspec nor a pyarrow filesystem")
     scheme = path.split("://", 1)[0].lower()
     if scheme in ("http", "https") and set(storage_options or {}) <= {"headers"}:
-        from kvformat.http_range import HTTPRangeReader
+        from kvformat.io.http_range import HTTPRangeReader
 
         return HTTPRangeReader(path, timeout=timeout, headers=(storage_options or {}).get("headers"))
     try:
