@@ -1,4 +1,4 @@
-"""The catalogue's row of each accumulator, computed from its sums (`HeadAccumulator.row_arrays`),
+"""The catalogue's row of each accumulator, computed from its sums (`RunningSums.row_arrays`),
 for many accumulators at once: those of one dim and one selection of groups (a layer's heads)
 share each numpy call, stacked on a leading axis, so a layer costs a few dozen calls instead of
 a few dozen per head (the rows of a pass are computed beside the threads that drive it, and
@@ -18,13 +18,13 @@ import numpy as np
 from .catalogue import POSITION_BINS, QUANT_BITS, RANKS, hist_quantiles
 
 if TYPE_CHECKING:
-    from .accumulator import HeadAccumulator
+    from .sums import RunningSums
 
 
-def compute(accumulators: Sequence[HeadAccumulator]) -> None:
+def compute(accumulators: Sequence[RunningSums]) -> None:
     """Compute the row of each accumulator not computed yet (its pending device work folded in
     first), stacking those of one dim and groups."""
-    stacks: dict[tuple[int, frozenset[str]], list[HeadAccumulator]] = {}
+    stacks: dict[tuple[int, frozenset[str]], list[RunningSums]] = {}
     for acc in accumulators:
         acc.settle()
         if acc.computed_row is None:
@@ -34,7 +34,7 @@ def compute(accumulators: Sequence[HeadAccumulator]) -> None:
             acc.computed_row = row
 
 
-def statistics(accumulators: Sequence[HeadAccumulator]) -> list[dict[str, Any]]:
+def statistics(accumulators: Sequence[RunningSums]) -> list[dict[str, Any]]:
     """The rows of ``accumulators`` (one dim, one selection of groups, their sums settled):
     ``n_tokens`` (the rows the statistics are over), ``nonfinite_rows`` and ``nonfinite_values``
     (rows left out for holding inf or NaN, and those values) first, then the columns of their
@@ -93,7 +93,7 @@ def medians(values: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(ordered[:, -1]), np.nan, median)
 
 
-def _norms(stack: Sequence[HeadAccumulator], n: np.ndarray) -> list[dict[str, Any]]:
+def _norms(stack: Sequence[RunningSums], n: np.ndarray) -> list[dict[str, Any]]:
     p50, p99 = hist_quantiles(np.stack([acc.norm_hist for acc in stack]), (0.5, 0.99)).T.tolist()
     counts = np.stack([acc.position_count for acc in stack])
     by_position = np.full(counts.shape, np.nan)
@@ -126,7 +126,7 @@ def _norms(stack: Sequence[HeadAccumulator], n: np.ndarray) -> list[dict[str, An
     return out
 
 
-def _channels(stack: Sequence[HeadAccumulator], power: np.ndarray) -> list[dict[str, Any]]:
+def _channels(stack: Sequence[RunningSums], power: np.ndarray) -> list[dict[str, Any]]:
     m1, m2, m3, m4 = power[:, 0], power[:, 1], power[:, 2], power[:, 3]
     var = np.maximum(m2 - m1 * m1, 0.0)
     central4 = m4 - 4 * m1 * m3 + 6 * m1 * m1 * m2 - 3 * m1**4
@@ -161,7 +161,7 @@ def _compiled_installed() -> bool:
     return bool(kernel.AVAILABLE)
 
 
-def _spectrum(stack: Sequence[HeadAccumulator], n: np.ndarray, m1: np.ndarray) -> list[dict[str, Any]]:
+def _spectrum(stack: Sequence[RunningSums], n: np.ndarray, m1: np.ndarray) -> list[dict[str, Any]]:
     # In place: each (b, dim, dim) temporary is megabytes of fresh pages, faulted in on every call.
     covariance = np.stack([acc.gram for acc in stack])
     covariance /= n[:, None, None]
@@ -197,7 +197,7 @@ def _spectrum(stack: Sequence[HeadAccumulator], n: np.ndarray, m1: np.ndarray) -
     return out
 
 
-def _quant(acc: HeadAccumulator) -> dict[str, float]:
+def _quant(acc: RunningSums) -> dict[str, float]:
     energy = acc.norm_sq_sum
     row = {}
     for i, bits in enumerate(QUANT_BITS):

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from kvformat import PayloadCheck
 
-    from ..accumulator import HeadAccumulator
+    from ..sums import RunningSums
 
 NAMES = ("cpu", "numpy", "mlx")
 _MODULES = {"cpu": "compiled", "numpy": "reference", "mlx": "mlx"}
@@ -32,14 +32,14 @@ class Backend(Protocol):
     """What a pass calls: ``add`` rows ``(n_tokens, dim)`` at ``positions`` ``(n_tokens,)`` into an
     accumulator, checking ``check`` (the CRC the rows must have: `kvformat.ChecksumError` when they
     do not, the accumulator then to be dropped). Rows holding inf or NaN are left out and counted
-    (`HeadAccumulator.drop_nonfinite`)."""
+    (`RunningSums.drop_nonfinite`)."""
 
     NAME: str
 
     def available(self) -> bool: ...
 
     def add(
-        self, acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
+        self, acc: RunningSums, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
     ) -> None: ...
 
 

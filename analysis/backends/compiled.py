@@ -20,7 +20,7 @@ from . import kernel
 if TYPE_CHECKING:
     from kvformat import PayloadCheck
 
-    from ..accumulator import HeadAccumulator
+    from ..sums import RunningSums
 
 NAME = "cpu"
 GEMM_ROWS = 64
@@ -35,9 +35,7 @@ def available() -> bool:
     return bool(kernel.AVAILABLE)
 
 
-def add(
-    acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
-) -> None:
+def add(acc: RunningSums, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None) -> None:
     """Add ``rows`` ``(n_tokens, dim)`` at ``positions`` ``(n_tokens,)`` to ``acc``. ``check``: the
     CRC ``rows`` (a chunk's whole payload, read unchecked) must have; each piece is checksummed just
     before the kernel reads it (so it is read from memory once) and a mismatch raises
@@ -65,7 +63,7 @@ def _flags(groups: frozenset[str], has_band: bool) -> np.ndarray:
 
 
 def _add(
-    acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
+    acc: RunningSums, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
 ) -> None:
     # Few Python-level calls per piece: with many threads, what holds the GIL sets the pace.
     if acc.band is not None and acc.rope is not None:
@@ -139,7 +137,7 @@ def _add(
         check.check(crc)
 
 
-def _add_gram(acc: HeadAccumulator, x: np.ndarray, sums: np.ndarray, square_norms: np.ndarray) -> None:
+def _add_gram(acc: RunningSums, x: np.ndarray, sums: np.ndarray, square_norms: np.ndarray) -> None:
     """Add ``x`` ``(n, dim)`` float32 (channel sums ``sums`` float64, row norms squared
     ``square_norms``) to the Gram matrix.
 

@@ -33,7 +33,7 @@ from ..arrays import PIECE, bytes_of
 if TYPE_CHECKING:
     from kvformat import PayloadCheck
 
-    from ..accumulator import HeadAccumulator
+    from ..sums import RunningSums
 from . import mlx_fold, mlx_staging
 from .mlx_fold import join_results, piece_bins
 
@@ -71,7 +71,7 @@ def device_name() -> str:
 class _Pending:
     """A piece of one accumulator whose device results are not folded in yet."""
 
-    acc: HeadAccumulator
+    acc: RunningSums
     rows: np.ndarray  # (n, dim) as stored (a view): heavy rows of the Gram are added from it
     positions: np.ndarray
     outputs: dict[str, Any]
@@ -360,7 +360,7 @@ def to_device(rows: np.ndarray) -> Any:
 Flags = tuple[bool, bool, bool, bool, bool, bool]
 
 
-def piece_flags(acc: HeadAccumulator, n: int) -> Flags:
+def piece_flags(acc: RunningSums, n: int) -> Flags:
     """The `piece_function` selection for a piece of ``n`` rows of ``acc``."""
     from ..arrays import GRAM_FLOAT64_ROWS
 
@@ -387,9 +387,7 @@ def split_pieces(rows: np.ndarray, positions: np.ndarray) -> Iterator[tuple[np.n
 NAME = "mlx"
 
 
-def add(
-    acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
-) -> None:
+def add(acc: RunningSums, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None) -> None:
     """Start the device computation of ``rows`` ``(n, dim)`` at ``positions``, piece by piece,
     folding in what an earlier `add` left in flight (one accumulator on its own; a pass batches
     many with `Pipeline`). ``check``: the CRC ``rows`` must have, checked first."""
@@ -408,7 +406,7 @@ def add(
         acc.pending = _Pending(acc, x, pos, outputs)
 
 
-def settle(acc: HeadAccumulator) -> None:
+def settle(acc: RunningSums) -> None:
     """Fold the work in flight (if any) into the accumulator's float64 sums."""
     if acc.pending is not None:
         acc.pending.settle()

@@ -12,7 +12,7 @@ from ..arrays import float32_rows
 from ..catalogue import TOP_K
 
 if TYPE_CHECKING:
-    from ..accumulator import HeadAccumulator
+    from ..sums import RunningSums
 
 
 def to_host(outputs: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -114,13 +114,13 @@ def top_found(
 
 
 def shared_stack(
-    entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]],
+    entries: list[tuple[RunningSums, np.ndarray, np.ndarray]],
 ) -> tuple[dict[str, np.ndarray], slice | np.ndarray] | None:
     """The stacked sums (`accumulator.stack`) of which every entry's accumulator is a different
-    row, with all its sums still views of them (`HeadAccumulator.merge` rebinds them), and the
+    row, with all its sums still views of them (`RunningSums.merge` rebinds them), and the
     entries' rows there (a slice where they follow each other); None otherwise (then the group
     adds one accumulator at a time, in order: e.g. a head with two pieces in one batch)."""
-    from ..accumulator import STACKED
+    from ..sums import STACKED
 
     shared = entries[0][0].layout
     if shared is None:
@@ -141,7 +141,7 @@ def shared_stack(
 
 
 def fold_checked(
-    entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]], out: dict[str, np.ndarray]
+    entries: list[tuple[RunningSums, np.ndarray, np.ndarray]], out: dict[str, np.ndarray]
 ) -> None:
     """`fold_group`, after the finiteness check a pipeline's pieces get on the device instead of
     a pass over their bytes on the thread that drives it: a piece whose float32 sum of squares
@@ -163,9 +163,7 @@ def fold_checked(
         reference.add(acc, x, positions)
 
 
-def fold_group(
-    entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]], out: dict[str, np.ndarray]
-) -> None:
+def fold_group(entries: list[tuple[RunningSums, np.ndarray, np.ndarray]], out: dict[str, np.ndarray]) -> None:
     """Add the device results of pieces of one shape and selection to their accumulators, in
     order: ``entries`` ``(acc, x, pos)`` (``x`` a piece as stored, ``pos`` its positions),
     ``out`` host arrays with a leading axis over the entries. What is left per row here is
@@ -224,7 +222,7 @@ def _gram_of(out: dict[str, np.ndarray], n: int) -> np.ndarray:
 
 
 def _add_arrays(
-    entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray]],
+    entries: list[tuple[RunningSums, np.ndarray, np.ndarray]],
     shared: tuple[dict[str, np.ndarray], slice | np.ndarray] | None,
     adds: dict[str, np.ndarray],
     powers: np.ndarray | None,
@@ -265,7 +263,7 @@ class _Scalars:
         if "channels" in groups:
             self.top_rows, self.top_peaks = out["top_rows"].tolist(), out["top_peaks"].tolist()
 
-    def add(self, acc: HeadAccumulator, b: int, n: int, positions: np.ndarray) -> None:
+    def add(self, acc: RunningSums, b: int, n: int, positions: np.ndarray) -> None:
         acc.count += n
         acc.norm_sq_sum += self.square_sums[b]
         if "norms" in self.groups:
@@ -282,7 +280,7 @@ class _Scalars:
 
 
 def _add_gram(
-    acc: HeadAccumulator, x: np.ndarray, out: dict[str, np.ndarray], b: int, light: np.ndarray | None
+    acc: RunningSums, x: np.ndarray, out: dict[str, np.ndarray], b: int, light: np.ndarray | None
 ) -> None:
     """Add piece ``b``'s Gram terms the host computes: all of a small piece (float64, as the CPU
     path does), else its heavy rows (float64), and ``light`` (its light rows' Gram, unless a

@@ -22,7 +22,7 @@ from .mlx_sizing import batch_bytes
 from .mlx_staging import Staging
 
 if TYPE_CHECKING:
-    from ..accumulator import HeadAccumulator
+    from ..sums import RunningSums
 
 
 class _Batch:
@@ -38,7 +38,7 @@ class _Batch:
 
     def __init__(
         self,
-        entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray, Any]],
+        entries: list[tuple[RunningSums, np.ndarray, np.ndarray, Any]],
         folder: ThreadPoolExecutor,
         staging: Staging | None = None,
         after: list[Callable[[], None]] | None = None,
@@ -181,7 +181,7 @@ class Pipeline:
     ) -> None:
         self.limit = batch_bytes() if limit is None else limit
         self._staging = Staging.create(copy_threads) if staging else None
-        self._entries: list[tuple[HeadAccumulator, np.ndarray, np.ndarray, Any]] = []
+        self._entries: list[tuple[RunningSums, np.ndarray, np.ndarray, Any]] = []
         self._after: list[Callable[[], None]] = []
         self._bytes = 0
         self._copying: _Batch | None = None  # copies running while the next batch is read
@@ -193,7 +193,7 @@ class Pipeline:
 
     def add(
         self,
-        acc: HeadAccumulator,
+        acc: RunningSums,
         rows: np.ndarray,
         positions: np.ndarray,
         after: Callable[[], None] | None = None,

@@ -16,7 +16,7 @@ from ..catalogue import BINS, POSITION_BINS, QUANT_BITS, TOP_K, hist_index, posi
 if TYPE_CHECKING:
     from kvformat import PayloadCheck
 
-    from ..accumulator import HeadAccumulator
+    from ..sums import RunningSums
 
 NAME = "numpy"
 
@@ -25,9 +25,7 @@ def available() -> bool:
     return True
 
 
-def add(
-    acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
-) -> None:
+def add(acc: RunningSums, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None) -> None:
     """Add ``rows`` ``(n_tokens, dim)`` at ``positions`` ``(n_tokens,)`` to ``acc``, after checking
     their CRC against ``check`` (if given); rows holding an inf or NaN are left out and counted."""
     acc.prepare_add()
@@ -37,7 +35,7 @@ def add(
     _add(acc, rows, positions)
 
 
-def _add(acc: HeadAccumulator, rows: np.ndarray, positions: np.ndarray) -> None:
+def _add(acc: RunningSums, rows: np.ndarray, positions: np.ndarray) -> None:
     for start in range(0, rows.shape[0], PIECE):
         x = np.asarray(rows[start : start + PIECE], dtype=np.float64)
         pos = positions[start : start + PIECE]
