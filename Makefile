@@ -8,13 +8,13 @@ BIN := $(VENV)/bin
 
 # Two stamps: the demo needs only the capture and analysis extras; the tests need everything
 # (Ray, moto, flask, ...). A full install satisfies the demo too.
-$(VENV)/.installed-dev: pyproject.toml setup.py analysis/kernels.c
+$(VENV)/.installed-dev: pyproject.toml setup.py analysis/kernels/kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@ $(VENV)/.installed-demo
 
-$(VENV)/.installed-demo: pyproject.toml setup.py analysis/kernels.c
+$(VENV)/.installed-demo: pyproject.toml setup.py analysis/kernels/kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[capture,analysis]"
@@ -103,6 +103,6 @@ docs: install
 
 test: lint docs $(KAITAI) $(JS_READER) nginx chromium $(REFERENCE) conformance
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15 tests
-	# Without a C compiler (no analysis/kernels.c build) the numpy reference computes every table.
+	# Without a C compiler (no analysis/kernels/kernels.c build) the numpy reference computes every table.
 	KVSNAP_KERNEL=numpy $(BIN)/python -m pytest -q -n auto tests/test_stats.py tests/test_head_importance.py \
 		tests/test_diff.py

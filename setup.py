@@ -1,7 +1,7 @@
 """The one part of the build pyproject.toml cannot declare: the CPU backend's kernels in C
-(`analysis/kernels.c`), compiled at install time into ``kvsnap/analysis/_native`` and loaded by
-`kvsnap.analysis.native` with ctypes. Optional: without a C compiler the install still succeeds and
-the numpy reference computes the same tables, slower (`analysis/native.py`)."""
+(`analysis/kernels/kernels.c`), compiled at install time into ``kvsnap/analysis/kernels/_native``
+and loaded by `kvsnap.analysis.kernels.native` with ctypes. Optional: without a C compiler the install still
+succeeds and the numpy reference computes the same tables, slower (`analysis/kernels/native.py`)."""
 
 import sys
 import tempfile
@@ -45,16 +45,16 @@ class BuildWithAcceptedFlags(build_ext):
         return True
 
 
-SOURCE = Path(__file__).parent / "analysis" / "kernels.c"
-# The library records its source's CRC-32: `analysis/native.py` refuses a build whose source has
+SOURCE = Path(__file__).parent / "analysis" / "kernels" / "kernels.c"
+# The library records its source's CRC-32: `analysis/kernels/native.py` refuses a build whose source has
 # changed since (a source tree edited or checked out after `pip install -e .`).
 SOURCE_CRC = f"{zlib.crc32(SOURCE.read_bytes()):08x}"
 
 setup(
     ext_modules=[
         Extension(
-            "kvsnap.analysis._native",
-            ["analysis/kernels.c"],
+            "kvsnap.analysis.kernels._native",
+            ["analysis/kernels/kernels.c"],
             define_macros=[("Py_LIMITED_API", "0x030B0000"), ("KVSNAP_SOURCE_CRC", f'"{SOURCE_CRC}"')],
             py_limited_api=True,
             optional=True,

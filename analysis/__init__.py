@@ -1,8 +1,8 @@
 """analysis: per-head statistics streamed out of `.kv` files into Arrow / Polars (bounded memory).
 
 Installed as `kvsnap.analysis`. Never imports `kvsnap.capture`: it reads files only (local paths
-or URLs). `kvsnap.analysis.batch` runs many files on local processes or Ray
-(`kvsnap.analysis.ray`, imported only when asked for).
+or URLs). `kvsnap.analysis.engine.batch` runs many files on local processes or Ray
+(`kvsnap.analysis.engine.ray`, imported only when asked for).
 
 Names load on first use (PEP 562): importing a submodule, such as the CLI's, does not load
 the compiled kernels, pyarrow or polars.
@@ -20,22 +20,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .batch import (
-        BatchOptions,
-        BatchResult,
-        FileFailure,
-        expand_paths,
-        merged_stats,
-        run_stats,
-    )
-    from .compression import simulate
-    from .diff import head_diff
-    from .export import export_heads
-    from .head_importance import attention_stats
-    from .rope import Rope, RopeError, checkpoint_keys
-    from .similarity import head_similarity, similarity_for_file
-    from .stats import (
-        HeadAccumulator,
+    from .attention.compression import simulate
+    from .attention.head_importance import attention_stats
+    from .engine.batch import BatchOptions, BatchResult, FileFailure, expand_paths, merged_stats, run_stats
+    from .engine.tables import (
         file_accumulators,
         file_tables,
         head_stats,
@@ -45,25 +33,30 @@ if TYPE_CHECKING:
         stats_rows,
         token_table,
     )
+    from .stats import HeadAccumulator
+    from .stats.rope import Rope, RopeError, checkpoint_keys
+    from .tools.diff import head_diff
+    from .tools.export import export_heads
+    from .tools.similarity import head_similarity, similarity_for_file
     from .viewer.notebook import view
 
 _EXPORTS = {
     **dict.fromkeys(
-        ("BatchOptions", "BatchResult", "FileFailure", "expand_paths", "merged_stats", "run_stats"), "batch"
+        ("BatchOptions", "BatchResult", "FileFailure", "expand_paths", "merged_stats", "run_stats"),
+        "engine.batch",
     ),
-    "head_diff": "diff",
-    "export_heads": "export",
-    "attention_stats": "head_importance",
-    "simulate": "compression",
+    "head_diff": "tools.diff",
+    "export_heads": "tools.export",
+    "attention_stats": "attention.head_importance",
+    "simulate": "attention.compression",
     "view": "viewer.notebook",
-    "Rope": "rope",
-    "RopeError": "rope",
-    "checkpoint_keys": "rope",
-    "head_similarity": "similarity",
-    "similarity_for_file": "similarity",
+    "Rope": "stats.rope",
+    "RopeError": "stats.rope",
+    "checkpoint_keys": "stats.rope",
+    "head_similarity": "tools.similarity",
+    "similarity_for_file": "tools.similarity",
     **dict.fromkeys(
         (
-            "HeadAccumulator",
             "file_accumulators",
             "file_tables",
             "head_stats",
@@ -73,8 +66,9 @@ _EXPORTS = {
             "stats_rows",
             "token_table",
         ),
-        "stats",
+        "engine.tables",
     ),
+    "HeadAccumulator": "stats",
 }
 
 __all__ = [

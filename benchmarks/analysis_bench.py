@@ -77,7 +77,7 @@ if mode == "read":
         while f.readinto(view):
             pass
 elif mode.startswith("stats"):  # stats:GROUPS:JOBS[:BACKEND[:warm]]
-    from kvsnap.analysis.stats import stats_for_file
+    from kvsnap.analysis.engine.tables import stats_for_file
     _, groups, jobs, *backend = mode.split(":")
     backend_name = (backend or ["cpu"])[0]
     warm = backend[1] if backend[1:] else ""
@@ -101,9 +101,9 @@ elif mode.startswith("stats"):  # stats:GROUPS:JOBS[:BACKEND[:warm]]
         rows = one_pass()
 elif mode.startswith("mlx-compute"):  # mlx-compute:DIM:DTYPE: the device work alone, on one piece
     import mlx.core as mx
-    from kvsnap.analysis.backends import mlx as mlx_backend
-    from kvsnap.analysis.backends import mlx_fold, mlx_sizing
-    from kvsnap.analysis.arrays import PIECE
+    from kvsnap.analysis.kernels import mlx as mlx_backend
+    from kvsnap.analysis.kernels import mlx_fold, mlx_sizing
+    from kvsnap.analysis.kernels.arrays import PIECE
     _, dim, dtype = mode.split(":")
     function = mlx_backend.piece_function(True, True, True, True, True, True)
     x = mx.random.normal((PIECE, int(dim))).astype(getattr(mx, dtype))
@@ -122,7 +122,7 @@ elif mode.startswith("mlx-compute"):  # mlx-compute:DIM:DTYPE: the device work a
 elif mode == "gram":
     # The floor of statistics 7-8 alone: float64 Gram update of every block (BLAS), nothing else.
     import kvformat
-    from kvsnap.analysis.arrays import float32_rows as _float32
+    from kvsnap.analysis.kernels.arrays import float32_rows as _float32
     with kvformat.open(path) as snap:
         for block in snap.blocks():
             for rows in (block.k, block.v):
@@ -132,7 +132,7 @@ elif mode == "naive":
     # The peer: map the file, load each head whole as a numpy array, compute the same
     # catalogue on it (same accumulator, one add per head), never release pages.
     import kvformat
-    from kvsnap.analysis.rope import Rope
+    from kvsnap.analysis.stats.rope import Rope
     from kvsnap.analysis.stats import HeadAccumulator
     with kvformat.open(path) as snap:
         for layer, spec in enumerate(snap.layers):
@@ -180,7 +180,7 @@ def batch_table(args: argparse.Namespace, directory: Path) -> None:
     """``--batch N``: one file written, copied to N distinct files (the page cache holds each);
     per backend, the median of ``--rounds`` fresh runs over 1 file and over N."""
     from benchmarks.timing import byte_compile
-    from kvsnap.analysis.parallel import cores
+    from kvsnap.analysis.engine.parallel import cores
 
     byte_compile()  # as pip leaves them: no fresh run compiles numpy from source
     layers, heads, dim, dtype = SHAPES["qwen3-8b-bf16"]
@@ -247,7 +247,7 @@ def batch_table(args: argparse.Namespace, directory: Path) -> None:
 
 
 def main() -> None:
-    from kvsnap.analysis.parallel import cores
+    from kvsnap.analysis.engine.parallel import cores
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="/tmp/kvsnap-analysis-bench")
@@ -339,7 +339,7 @@ def mlx_table(args: argparse.Namespace, tokens: int, directory: Path, n: int) ->
     process, device functions compiled by the first; "cold": one pass of a fresh process), the
     device work alone on one resident piece (no reading, no transfers), and the CPU kernel on
     every core (warm too), all in this run."""
-    from kvsnap.analysis.backends import mlx_sizing
+    from kvsnap.analysis.kernels import mlx_sizing
 
     workers = mlx_sizing.processes(n)
     lines = [

@@ -30,8 +30,8 @@ import sys, time
 import kvsnap
 path, order, arrow = sys.argv[1], sys.argv[2].split(","), sys.argv[3] == "arrow"
 if arrow:  # what `kvsnap stats FILE --stats G` computes: Arrow tables, no polars
-    from kvsnap.analysis.head_importance import attention_table
-    from kvsnap.analysis.stats import file_tables
+    from kvsnap.analysis.attention.head_importance import attention_table
+    from kvsnap.analysis.engine.tables import file_tables
     calls = {
         "attention": lambda: attention_table(path),
         "spectrum": lambda: list(file_tables([path], stats="spectrum")),

@@ -42,7 +42,7 @@ if engine == "ray":
     import ray
     ray.init(num_cpus=jobs, include_dashboard=False, log_to_driver=False)
     init = time.perf_counter() - start
-from kvsnap.analysis.batch import run_stats
+from kvsnap.analysis.engine.batch import run_stats
 result = run_stats(paths, engine=engine, jobs=jobs)
 result.table.write_parquet(out)
 print(json.dumps({"seconds": time.perf_counter() - start, "init": init, "rows": result.table.height,

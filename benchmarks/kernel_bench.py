@@ -1,4 +1,4 @@
-"""The CPU backend's kernels, C (`analysis.native`, the default where the install built it) against
+"""The CPU backend's kernels, C (`analysis.kernels.native`, the default where the install built it) against
 the numpy reference that runs without them (``KVSNAP_KERNEL=numpy``), in the same run, each in
 fresh processes:
 
@@ -30,14 +30,14 @@ import json, time
 t0 = time.perf_counter()
 import numpy as np
 t1 = time.perf_counter()
-import kvsnap.analysis.warm_kernels  # imports the kernels and runs each once
+import kvsnap.analysis.engine.warm_kernels  # imports the kernels and runs each once
 t2 = time.perf_counter()
 import sys
-import kvsnap.analysis.native
-from kvsnap.analysis import eigen, halves
-from kvsnap.analysis.accumulator import HeadAccumulator
-from kvsnap.analysis.catalogue import ALL
-from kvsnap.analysis.rope import Rope
+import kvsnap.analysis.kernels.native
+from kvsnap.analysis.kernels import eigen, halves
+from kvsnap.analysis.stats.accumulator import HeadAccumulator
+from kvsnap.analysis.stats.catalogue import ALL
+from kvsnap.analysis.stats.rope import Rope
 
 def best(f, runs=15):
     times = []
@@ -58,7 +58,7 @@ copy = np.empty_like(x)
 print(json.dumps({
     "numpy import": t1 - t0,
     "kernels start": t2 - t1,
-    "compiled": kvsnap.analysis.native.AVAILABLE,
+    "compiled": kvsnap.analysis.kernels.native.AVAILABLE,
     "accumulate 8192x128": best(accumulate),
     "memcpy 8192x128 float32": best(lambda: np.copyto(copy, x)),
     "eigenvalues 128": best(lambda: eigen.eigenvalues(gram)),
@@ -81,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="fresh processes per mode")
     args = parser.parse_args()
-    from kvsnap.analysis import native
+    from kvsnap.analysis.kernels import native
 
     if not native.AVAILABLE:
         raise SystemExit("the C kernels are not built here: pip install -e . (with a C compiler)")

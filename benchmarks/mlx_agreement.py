@@ -16,8 +16,8 @@ import ml_dtypes
 import numpy as np
 
 import kvformat
-from kvsnap.analysis.backends import mlx as mlx_backend
-from kvsnap.analysis.stats import stats_rows
+from kvsnap.analysis.engine.tables import stats_rows
+from kvsnap.analysis.kernels import mlx as mlx_backend
 
 SKIP = {"file", "layer", "head", "seq", "tensor", "snapshot", "massive_positions"}
 
@@ -37,8 +37,8 @@ def random_file(path: Path, dtype: object, dim: int, tokens: int) -> Path:
 
 
 def main() -> None:
-    from kvsnap.analysis import processes
-    from kvsnap.analysis.parallel import cores
+    from kvsnap.analysis.engine import processes
+    from kvsnap.analysis.engine.parallel import cores
 
     print(f"mlx device: {mlx_backend.device_name()}")
     processes.PROCESS_MIN_BYTES = 0  # these small files on worker processes too

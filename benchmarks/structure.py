@@ -5,9 +5,9 @@ names, backend names tested as strings outside ``analysis/kernels``, and radon's
     python -m benchmarks.structure [--root .] [--json]
 
 Modules are named as they install (``capture/x.py`` is ``kvsnap.capture.x``). An import of a
-package's own name from inside that package (``from kvformat import X`` in ``kvformat/a.py``) is an
-edge to the package's ``__init__``; circles are strongly connected groups of two or more modules,
-not counting the edge from a package's ``__init__`` to its own submodules it re-exports.
+module is an edge to it and to each package above it that the importing module is not inside
+(importing ``a.b.c`` runs ``a.b``'s ``__init__`` first); circles are strongly connected groups of two
+or more modules, not counting the edge from a package's ``__init__`` to its own submodules.
 """
 
 from __future__ import annotations
@@ -107,12 +107,21 @@ def build(root: Path) -> dict[str, Module]:
     modules = _modules(root)
     for module in modules.values():
         tree = ast.parse(module.path.read_text(), str(module.path))
+        own = _ancestors(module.name) | ({module.name} if module.is_package else set())
         for node, in_function in _walk(tree):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 for target in _resolve(modules, module, node):
-                    if target != module.name:
-                        module.imports.append((target, in_function))
+                    # importing a module runs its packages' __init__ first (but not this module's own)
+                    for loaded in sorted({target} | _ancestors(target)):
+                        if loaded != module.name and loaded not in own and loaded in modules:
+                            module.imports.append((loaded, in_function))
     return modules
+
+
+def _ancestors(name: str) -> set[str]:
+    """The packages above module ``name`` (``a.b.c``: ``a``, ``a.b``)."""
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
 
 
 def circles(modules: dict[str, Module]) -> list[list[str]]:
@@ -220,7 +229,7 @@ def radon_grades(root: Path) -> Counter[str]:
 
 def report(root: Path) -> dict[str, object]:
     modules = build(root)
-    import_kvformat_public = _public_subpackages(root)
+    import_kvformat_public = public_modules(root)
     local, total = stage_imports(root, modules, "analysis")
     kvformat_out = sorted(
         {t for m in modules.values() if m.name.startswith("kvformat") for t, _ in m.imports}
@@ -237,7 +246,7 @@ def report(root: Path) -> dict[str, object]:
     }
 
 
-def _public_subpackages(root: Path) -> set[str]:
+def public_modules(root: Path) -> set[str]:
     """kvformat's documented public modules: its ``PUBLIC_MODULES`` (read from the source)."""
     tree = ast.parse((root / "kvformat" / "__init__.py").read_text())
     for node in tree.body:

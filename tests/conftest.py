@@ -52,8 +52,8 @@ def _ray() -> str | None:
 
 
 def _cuda() -> str | None:
-    from kvsnap.analysis.backends import mlx as mlx_backend
-    from kvsnap.analysis.backends import mlx_staging
+    from kvsnap.analysis.kernels import mlx as mlx_backend
+    from kvsnap.analysis.kernels import mlx_staging
 
     if not mlx_backend.available():
         return "mlx is not installed"

@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 
 import kvformat
-from kvsnap.analysis.stats import head_stats, outliers
+from kvsnap.analysis.engine.tables import head_stats, outliers
 from kvsnap.cli import main
 from tests.factories import random_file
 
@@ -80,7 +80,7 @@ def test_jobs_give_the_same_table_as_one_process(tmp_path: Path) -> None:
 def test_stats_for_file_yields_arrow_tables(tmp_path: Path) -> None:
     import pyarrow as pa
 
-    from kvsnap.analysis.stats import stats_for_file, stats_rows
+    from kvsnap.analysis.engine.tables import stats_for_file, stats_rows
 
     path = make_files(tmp_path, 1)[0]
     tables = list(stats_for_file(path))
@@ -186,7 +186,7 @@ def test_one_file_over_threads_equals_one_thread(tmp_path: Path) -> None:
 
 
 def test_split_jobs() -> None:
-    from kvsnap.analysis.parallel import split_jobs
+    from kvsnap.analysis.engine.parallel import split_jobs
 
     assert split_jobs(16, 1) == (1, 16)
     assert split_jobs(16, 4) == (4, 4)

@@ -1,5 +1,5 @@
-"""Rows as float32 (`analysis.arrays.float32_rows`): the compiled float16 conversion
-(`analysis.halves`) against numpy's, bit for bit."""
+"""Rows as float32 (`analysis.kernels.arrays.float32_rows`): the compiled float16 conversion
+(`analysis.kernels.halves`) against numpy's, bit for bit."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvsnap.analysis import halves
-from kvsnap.analysis.arrays import float32_rows
+from kvsnap.analysis.kernels import halves
+from kvsnap.analysis.kernels.arrays import float32_rows
 
 
 def test_every_half_converts_to_numpys_bits() -> None:
@@ -54,7 +54,7 @@ def test_other_dtypes_and_strided_rows_keep_their_paths() -> None:
 def test_work_matrix_grows_and_is_reused_per_thread() -> None:
     """One flat buffer per name and thread, whatever the shapes asked of it: a smaller matrix is a
     view of the same memory (no fresh pages), a larger one a new buffer; another thread's is its own."""
-    from kvsnap.analysis.arrays import work_matrix
+    from kvsnap.analysis.kernels.arrays import work_matrix
 
     big = work_matrix("test matrix", 4, 6)
     small = work_matrix("test matrix", 3, 5)

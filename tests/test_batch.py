@@ -13,8 +13,8 @@ import polars as pl
 import pytest
 
 import kvformat
-from kvsnap.analysis.batch import expand_paths, merged_stats, run_stats
-from kvsnap.analysis.stats import head_stats
+from kvsnap.analysis.engine.batch import expand_paths, merged_stats, run_stats
+from kvsnap.analysis.engine.tables import head_stats
 from kvsnap.cli import main
 from tests.factories import random_file
 from tests.servers import moto_s3, nginx
@@ -86,10 +86,10 @@ def test_files_split_into_parts_of_their_layers_give_the_whole_files_table(runs:
     of its layers, `PassOptions.part`) so the last files end together on every core: the table
     is the one of whole files, row for row, and a broken file is one failure however many parts
     it was split into."""
-    from kvsnap.analysis.batch import BatchOptions
-    from kvsnap.analysis.files import file_parts
-    from kvsnap.analysis.plan import PassOptions, layers_of_part
-    from kvsnap.analysis.stats import file_table
+    from kvsnap.analysis.engine.batch import BatchOptions
+    from kvsnap.analysis.engine.files import file_parts
+    from kvsnap.analysis.engine.plan import PassOptions, layers_of_part
+    from kvsnap.analysis.engine.tables import file_table
 
     one = BatchOptions(jobs=2).plan(4)[1]
     assert one.workers == 1 and file_parts(4, 2, one) == 4  # 8 tasks per process, 2 processes
@@ -118,7 +118,7 @@ def test_files_split_into_parts_of_their_layers_give_the_whole_files_table(runs:
 
 
 def test_one_options_object_or_its_fields_as_keywords(runs: Path) -> None:
-    from kvsnap.analysis.batch import BatchOptions
+    from kvsnap.analysis.engine.batch import BatchOptions
 
     options = BatchOptions(jobs=2, stats="norms", snapshot=-1)
     assert options.stats == frozenset({"norms"})
@@ -146,8 +146,8 @@ def test_mlx_batches_give_each_device_process_whole_files(monkeypatch: pytest.Mo
     """On mlx, a batch with at least as many files as device processes runs files in parallel, a
     whole file in each process, its pass's copy and row threads a share of the machine's; with
     fewer files, one file after another, each on every worker."""
-    from kvsnap.analysis.backends import mlx_sizing
-    from kvsnap.analysis.batch import BatchOptions
+    from kvsnap.analysis.engine.batch import BatchOptions
+    from kvsnap.analysis.kernels import mlx_sizing
 
     monkeypatch.setattr(mlx_sizing, "processes", lambda workers: workers * 3 // 4)
     processes, per_file = BatchOptions(jobs=16, backend="mlx").plan(50)
@@ -157,7 +157,7 @@ def test_mlx_batches_give_each_device_process_whole_files(monkeypatch: pytest.Mo
     processes, per_file = BatchOptions(jobs=1, backend="mlx").plan(50)  # one device process
     assert (processes, per_file.workers, per_file.device_share) == (1, 1, 1)
     assert mlx_sizing.copy_threads(12) == 1 and mlx_sizing.row_threads(12) == 1
-    from kvsnap.analysis.plan import PassOptions
+    from kvsnap.analysis.engine.plan import PassOptions
 
     with pytest.raises(ValueError, match="device_share must be a positive integer, not 0"):
         PassOptions(backend="mlx", device_share=0)
@@ -169,7 +169,7 @@ def test_mlx_batch_in_device_processes_gives_the_one_process_table(
     """Three files over three processes that each drive mlx with whole files: the table of the
     same batch in one process, file for file."""
     pytest.importorskip("mlx.core")
-    from kvsnap.analysis.backends import mlx_sizing
+    from kvsnap.analysis.kernels import mlx_sizing
 
     monkeypatch.setattr(mlx_sizing, "processes", lambda workers: min(workers, 3))
     serial = run_stats(good_files(runs), jobs=1, backend="mlx")
@@ -247,7 +247,7 @@ def test_ray_engine_gives_the_local_table(runs: Path, local_ray: None) -> None:
 def test_read_kv_is_a_ray_dataset_of_statistic_rows(runs: Path, local_ray: None) -> None:
     import ray
 
-    from kvsnap.analysis.ray import read_kv
+    from kvsnap.analysis.engine.ray import read_kv
 
     dataset = read_kv(good_files(runs))
     assert dataset.count() == 3 * LAYERS * HEADS * 2

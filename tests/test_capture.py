@@ -15,7 +15,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import kvformat
 from kvformat.quantization import Quantization
-from kvsnap.analysis.rope import Rope
+from kvsnap.analysis.stats.rope import Rope
 from kvsnap.capture.caches import build_cache, read_layer, to_numpy, unified_memory
 from kvsnap.capture.errors import UnsupportedModelError
 from kvsnap.capture.generate import generate

@@ -31,8 +31,8 @@ from kvformat.checksum import (
     self_checked_linear,
     zeros_crc,
 )
-from kvsnap.analysis.stats import token_table
-from kvsnap.analysis.tokens import token_ids, token_pieces
+from kvsnap.analysis.attention.tokens import token_ids, token_pieces
+from kvsnap.analysis.engine.tables import token_table
 from kvsnap.capture import gather
 from kvsnap.capture.background import BackgroundWriter, Transfer
 from kvsnap.capture.caches import read_layer, to_numpy

@@ -12,8 +12,8 @@ import pytest
 
 import kvformat
 from kvsnap.analysis import checkpoint_keys
-from kvsnap.analysis.diff import head_diff
-from kvsnap.analysis.rope import Rope, interleaved_to_half
+from kvsnap.analysis.stats.rope import Rope, interleaved_to_half
+from kvsnap.analysis.tools.diff import head_diff
 from kvsnap.cli import main
 
 DIM, TOKENS, HEADS = 16, 24, 2

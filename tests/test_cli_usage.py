@@ -342,7 +342,7 @@ def test_a_fresh_stats_command_imports_no_package_metadata(series: Path, tmp_pat
     """A fresh ``kvsnap stats FILE -o out.parquet`` of a small file (its output piped, as in a
     script) reads no installed package's metadata: not for the stages' commands, not for
     crc32c's version (`kvformat.checksum` loads its compiled module alone), not for a progress
-    bar nobody sees (`analysis.progress`); nor does it import what only other commands or a pass
+    bar nobody sees (`analysis.engine.progress`); nor does it import what only other commands or a pass
     on worker processes use (`UNUSED_BY_A_SMALL_STATS`)."""
     code = (
         "import sys; from kvsnap.cli.launch import main; code = main(sys.argv[1:]);"

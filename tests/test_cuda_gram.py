@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsnap.analysis.backends import cuda_gram
+from kvsnap.analysis.kernels import cuda_gram
 
 FAKE = b"\x7fELF fake cubin"
 
@@ -105,8 +105,8 @@ def test_the_per_piece_function_takes_its_product_from_the_kernel(
     import mlx.core as mx
     import numpy as np
 
-    from kvsnap.analysis.backends import mlx as mlx_backend
-    from kvsnap.analysis.backends import mlx_fold, mlx_staging
+    from kvsnap.analysis.kernels import mlx as mlx_backend
+    from kvsnap.analysis.kernels import mlx_fold, mlx_staging
 
     seen: list[tuple[int, ...]] = []
 

@@ -45,7 +45,7 @@ def test_every_error_derives_from_the_root() -> None:
 
 
 def test_the_root_keeps_each_errors_builtin_meaning() -> None:
-    from kvsnap.analysis.head_importance import NoQueriesError
+    from kvsnap.analysis.attention.head_importance import NoQueriesError
     from kvsnap.capture.errors import CaptureError
 
     assert issubclass(kvformat.KVFormatError, ValueError)

@@ -15,9 +15,11 @@ import pytest
 
 import kvformat
 from kvformat.manifest import QuerySpec
-from kvsnap.analysis import attention_kernel, head_importance, native
-from kvsnap.analysis import compression as simulate
-from kvsnap.analysis.catalogue import POSITION_BINS, position_bins
+from kvsnap.analysis.attention import compression as simulate
+from kvsnap.analysis.attention import head_importance
+from kvsnap.analysis.kernels import attention as attention_kernel
+from kvsnap.analysis.kernels import native
+from kvsnap.analysis.stats.catalogue import POSITION_BINS, position_bins
 
 POSITIONS = 48
 PROMPT = 36  # positions 0..35 are the prompt; queries at 24..47
@@ -343,7 +345,7 @@ def test_token_table_snapkv_score_equals_the_definition(tmp_path: Path, name: st
     last 64 prompt queries, or as many as the file holds), SnapKV's score as kvpress computes it
     (the window's mean per head, a zero-padded mean over 5 keys, the group's mean), from the
     float64 definition; null from the window on and in a file without queries."""
-    from kvsnap.analysis.stats import token_table
+    from kvsnap.analysis.engine.tables import token_table
 
     spec = SPECS[name]
     data = _write(tmp_path / "a.kv", spec)
@@ -469,7 +471,7 @@ def test_kept_keys_overlay_on_the_attention_map(tmp_path: Path, capsys: pytest.C
     generated key; at budget 1 every key; snapkv keeps exactly ``floor(budget * 36)`` prompt
     keys, its window among them); the PNG is written; ``--kept`` without ``--attention`` and a bad
     value are one-line errors, exit 2."""
-    from kvsnap.analysis.compression import kept_mask
+    from kvsnap.analysis.attention.compression import kept_mask
     from kvsnap.cli import main
 
     path = tmp_path / "a.kv"

@@ -1,116 +1,56 @@
-"""The import graph of the package has no circle: every import counts, the ones
-inside functions too (a circle hidden by a function-level import is still a circle); only
-``if TYPE_CHECKING:`` blocks, which never run, are left out."""
+"""The shape of the import graph (`benchmarks.structure`): no circle, counting every import (inside
+functions and ``if TYPE_CHECKING:`` blocks too: a circle hidden by either is still one); `kvformat`
+imports nothing of `kvsnap`, `kvsnap.capture` or `kvsnap.analysis`; the other packages reach
+`kvformat` only through its public names and `kvformat.PUBLIC_MODULES`; `kvsnap.analysis` never
+imports `kvsnap.capture`."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
+import pytest
+
+from benchmarks.structure import build, circles, kvformat_reached, public_modules
+
 REPOSITORY = Path(__file__).resolve().parents[1]
-PACKAGES = {
-    "kvformat": "kvformat",
-    "kvsnap": "kvsnap",
-    "kvsnap.analysis": "analysis",
-    "kvsnap.capture": "capture",
-}
 
 
-def modules() -> dict[str, Path]:
-    found = {}
-    for name, folder in PACKAGES.items():
-        for path in (REPOSITORY / folder).rglob("*.py"):
-            parts = [
-                p for p in path.relative_to(REPOSITORY / folder).with_suffix("").parts if p != "__init__"
-            ]
-            found[".".join([name, *parts])] = path
-    return found
+@pytest.fixture(scope="module")
+def modules() -> dict:
+    return build(REPOSITORY)
 
 
-def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """The import statements of ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
-    out: list[ast.Import | ast.ImportFrom] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            out.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return out
+def test_the_graph_sees_imports_inside_functions_and_type_checking_blocks(tmp_path: Path) -> None:
+    """The check can fail: a circle closed by a function-level import and one closed by a
+    TYPE_CHECKING import are both found, and a package re-exporting its own submodule is none."""
+    package = tmp_path / "kvformat"
+    package.mkdir()
+    (package / "__init__.py").write_text("from kvformat.a import f\n")
+    (package / "a.py").write_text("def f():\n    from kvformat import b\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kvformat.a import f\n"
+    )
+    (package / "c.py").write_text("from kvformat import d\n")
+    (package / "d.py").write_text("import kvformat.c\n")
+    assert circles(build(tmp_path)) == [["kvformat.a", "kvformat.b"], ["kvformat.c", "kvformat.d"]]
 
 
-def graph() -> dict[str, set[str]]:
-    """module -> the package modules it imports (a package's ``__init__`` is the package)."""
-    found = modules()
-    edges: dict[str, set[str]] = {name: set() for name in found}
-    for name, path in found.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in _runtime_imports(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    parts = parts[: len(parts) - node.level + 1]
-                    base = ".".join(parts + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in found else base for a in node.names]
-            for target in targets:
-                while target and target not in found:
-                    target = target.rpartition(".")[0]
-                if target and target != name and not name.startswith(target + "."):
-                    edges[name].add(target)
-    return edges
+def test_no_import_circle_anywhere(modules: dict) -> None:
+    assert circles(modules) == []
 
 
-def circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges[v]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return found
+def test_kvformat_imports_no_other_package_and_is_reached_through_its_public_api(modules: dict) -> None:
+    outside = {t for m in modules.values() if m.name.startswith("kvformat") for t, _ in m.imports}
+    assert {t for t in outside if not t.startswith("kvformat")} == set()
+    assert dict(kvformat_reached(modules, public_modules(REPOSITORY))) == {}
 
 
-def test_the_graph_sees_imports_inside_functions() -> None:
-    """The check can fail: a function-level import is an edge, a TYPE_CHECKING one is not."""
-    edges = graph()
-    assert "kvsnap.analysis.rows" in edges["kvsnap.analysis.accumulator"]  # imported inside a method
-    assert "kvsnap.analysis.accumulator" not in edges["kvsnap.analysis.rows"]  # TYPE_CHECKING only
-    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-
-
-def test_no_import_circle_anywhere_in_the_package() -> None:
-    assert circles(graph()) == []
+def test_analysis_never_imports_capture(modules: dict) -> None:
+    reached = {
+        (m.name, t)
+        for m in modules.values()
+        if m.name.startswith("kvsnap.analysis")
+        for t, _ in m.imports
+        if t.startswith("kvsnap.capture")
+    }
+    assert reached == set()

@@ -1,4 +1,4 @@
-"""The compiled kernel (C, `analysis.native`) and the numpy reference of HeadAccumulator.add, its
+"""The compiled kernel (C, `analysis.kernels.native`) and the numpy reference of HeadAccumulator.add, its
 oracle, compute the same statistics, for every dtype, odd sizes (partial quantization groups), RoPE
 pairings, positions with and without 0, and several adds in a row."""
 
@@ -10,11 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvsnap.analysis.backends import compiled as compiled_backend
-from kvsnap.analysis.backends import kernel
-from kvsnap.analysis.backends import reference as reference_backend
-from kvsnap.analysis.rope import Rope
+from kvsnap.analysis.kernels import compiled as compiled_backend
+from kvsnap.analysis.kernels import kernel
+from kvsnap.analysis.kernels import reference as reference_backend
 from kvsnap.analysis.stats import GROUPS, HeadAccumulator
+from kvsnap.analysis.stats.rope import Rope
 
 LOOSE = set(GROUPS["spectrum"]) | set(GROUPS["quant"])
 
@@ -60,7 +60,7 @@ def test_histogram_bins_without_a_logarithm_are_hist_index() -> None:
     exact edges) counts every norm where `catalogue.hist_index` puts it: at each edge's float32
     neighbours, over 20 decades, at 0, subnormals, the clamps at both ends and inf. A row holding
     one value ``v`` has norm ``|v|`` exactly."""
-    from kvsnap.analysis.catalogue import hist_index
+    from kvsnap.analysis.stats.catalogue import hist_index
 
     inner = kernel.hist_edges()[1:-1]
     assert np.all(np.diff(inner) > 0)
@@ -87,7 +87,7 @@ def test_position_bins_from_the_exponent_are_position_bins() -> None:
     """The kernel's norm-by-position bins (a position's float64 exponent) equal
     `catalogue.position_bins` (a logarithm) at every power of two and its neighbours, from 0 up
     to 2^60, and for negative positions."""
-    from kvsnap.analysis.catalogue import position_bins
+    from kvsnap.analysis.stats.catalogue import position_bins
 
     powers = np.array([1 << k for k in range(61)], dtype=np.int64)
     positions = np.unique(np.concatenate([powers - 1, powers, powers + 1, [0, -1, -5, 3, 1000]]))
@@ -119,7 +119,8 @@ def test_statistics_stream_layer_by_layer(tmp_path: Path, monkeypatch: pytest.Mo
     """stats_for_file yields a layer's table once the pass is past its last chunk, having made
     accumulators for that layer only; a series file (layers interleaved) gives the same rows."""
     import kvformat
-    from kvsnap.analysis import plan, stats
+    from kvsnap.analysis.engine import plan
+    from kvsnap.analysis.engine import tables as stats
     from tests.conftest import write_series
 
     rng = np.random.default_rng(3)
@@ -156,7 +157,7 @@ def test_compiled_eigenvalues_match_lapack(n: int) -> None:
     """The compiled symmetric eigensolver (parallel over heads) against LAPACK: full rank with a
     wide spectrum, rank-deficient, zero; and at scales where the rotations' squares would
     overflow or underflow without the solver's own scaling."""
-    from kvsnap.analysis.eigen import _eigenvalues, eigenvalues, eigenvalues_of
+    from kvsnap.analysis.kernels.eigen import _eigenvalues, eigenvalues, eigenvalues_of
 
     rng = np.random.default_rng(n)
     for rows in (3 * n + 5, max(1, n // 3)):
@@ -182,7 +183,7 @@ def test_compiled_eigenvalues_with_zero_rows_among_the_others(seed: int) -> None
     (a block-diagonal matrix), leave a reduction step without its update: the C reduction joins
     each step's update with the next step's product, so every order of a step with and without
     an update is checked against LAPACK, as are the sizes where the first or last step has none."""
-    from kvsnap.analysis.eigen import eigenvalues, eigenvalues_of
+    from kvsnap.analysis.kernels.eigen import eigenvalues, eigenvalues_of
 
     rng = np.random.default_rng(seed)
     stack = []

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvsnap.analysis import compression
+from kvsnap.analysis.attention import compression
 from tests.conftest import PROSE, ROOT
 from tests.test_reference import reference_python
 

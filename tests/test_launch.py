@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvsnap.analysis import fork_server
+from kvsnap.analysis.engine import fork_server
 from kvsnap.cli.launch import main
 
 
@@ -62,10 +62,10 @@ def test_start_early_starts_the_server_the_pool_then_uses(big: Path, monkeypatch
     """A fresh process: `start_early` leaves the fork server running with the kernels preloaded
     and BLAS at one thread in its environment; the pool's own start finds it (same pid)."""
     script = (
-        "import sys; from multiprocessing import forkserver; from kvsnap.analysis import fork_server\n"
+        "import sys; from multiprocessing import forkserver; from kvsnap.analysis.engine import fork_server\n"
         f"fork_server.start_early(['stats', {str(big)!r}])\n"
         "first = forkserver._forkserver._forkserver_pid\n"
-        "from kvsnap.analysis import processes\n"
+        "from kvsnap.analysis.engine import processes\n"
         "processes._pool(2, 'cpu')\n"
         "print(first is not None and first == forkserver._forkserver._forkserver_pid)"
     )

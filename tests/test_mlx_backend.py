@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvsnap.analysis.backends import mlx as mlx_backend
-from kvsnap.analysis.backends import mlx_fold, mlx_pipeline, mlx_sizing, mlx_staging
-from kvsnap.analysis.batch import merged_stats, run_stats
-from kvsnap.analysis.stats import GROUPS, stats_rows
+from kvsnap.analysis.engine.batch import merged_stats, run_stats
+from kvsnap.analysis.engine.tables import stats_rows
+from kvsnap.analysis.kernels import mlx as mlx_backend
+from kvsnap.analysis.kernels import mlx_fold, mlx_pipeline, mlx_sizing, mlx_staging
+from kvsnap.analysis.stats import GROUPS
 from kvsnap.cli import main
 from tests import factories
 
@@ -157,7 +158,7 @@ def test_a_one_shot_command_keeps_a_small_file_in_one_process(
     """`kvsnap stats FILE --backend mlx` without ``--jobs`` passes ``jobs=1`` for one local file
     under `processes.MLX_ONE_SHOT_BYTES` (workers cost more to start than they save in one
     pass); ``--jobs``, several files, the CPU backend and a larger file keep the default."""
-    from kvsnap.analysis import batch, processes
+    from kvsnap.analysis.engine import batch, processes
 
     path = str(random_file(tmp_path / "r.kv", np.float32, 64, 100))
     other = str(random_file(tmp_path / "s.kv", np.float32, 64, 100, seed=1))
@@ -187,7 +188,7 @@ def test_staging_buffers_carry_the_rows_and_are_reused(dtype: Any) -> None:
     every stored type; a buffer given back is reused (and overwritten) by the next batch."""
     import mlx.core as mx
 
-    from kvsnap.analysis.backends.mlx_staging import Staging
+    from kvsnap.analysis.kernels.mlx_staging import Staging
 
     staging = Staging.create()
     assert staging is not None  # CPU mlx exposes its memory: the fast path is what CI tests
@@ -208,8 +209,8 @@ def test_staging_buffers_carry_the_rows_and_are_reused(dtype: Any) -> None:
 
 
 def test_staged_and_copied_batches_give_the_same_sums(tmp_path: Path) -> None:
-    from kvsnap.analysis import accumulator
-    from kvsnap.analysis.backends import mlx_pipeline
+    from kvsnap.analysis.kernels import mlx_pipeline
+    from kvsnap.analysis.stats import accumulator
 
     path = random_file(tmp_path / "r.kv", ml_dtypes.bfloat16, 64, 3000)
     rows = []
@@ -235,7 +236,7 @@ def test_a_pass_holds_two_batches_of_staging_buffers_and_one_of_pages(
     been launched (its pages released) and the one before that fetched (its buffers given
     back), so at most two batches' buffers and one batch's unreleased pages exist at a time;
     the sums are the unstaged pipeline's."""
-    from kvsnap.analysis import accumulator
+    from kvsnap.analysis.stats import accumulator
 
     live: list[int] = []
     taken: list[int] = []
@@ -281,7 +282,7 @@ def test_the_pipeline_checks_finiteness_on_the_device(
     whose device sum of squares is finite is folded as it is; one holding a NaN, and one whose
     finite values square beyond float32's range, are added on the host in float64 instead, the
     NaN's row left out and counted, the huge row kept, as the CPU kernel does."""
-    from kvsnap.analysis import finite
+    from kvsnap.analysis.stats import finite
 
     rng = np.random.default_rng(3)
     k = rng.standard_normal((2, 3, 700, 64)).astype(np.float32)
@@ -350,7 +351,7 @@ def test_device_histogram_bins_equal_the_hosts_at_the_bin_edges() -> None:
     `catalogue.hist_index` gives in float64 (what the CPU path and the old host fold counted)."""
     import mlx.core as mx
 
-    from kvsnap.analysis.catalogue import hist_index
+    from kvsnap.analysis.stats.catalogue import hist_index
 
     rng = np.random.default_rng(0)
     edges = mlx_backend.device_hist_edges(squared=True)[1:-1]
@@ -386,8 +387,8 @@ def test_massive_rows_go_to_the_host_by_the_median() -> None:
     (`kernel.heavy_rows` on `np.median`), and the device's Gram plus theirs is the whole Gram."""
     import mlx.core as mx
 
-    from kvsnap.analysis.arrays import HEAVY
-    from kvsnap.analysis.backends import kernel
+    from kvsnap.analysis.kernels import kernel
+    from kvsnap.analysis.kernels.arrays import HEAVY
 
     rng = np.random.default_rng(3)
     rows = rng.standard_normal((2048, 32)).astype(np.float32)
@@ -417,8 +418,8 @@ def test_device_top_peaks_break_ties_as_the_cpu_kernel(k_ties: int) -> None:
     of equal peaks straddling the k-th place, NaN and inf."""
     import mlx.core as mx
 
-    from kvsnap.analysis.backends import kernel
-    from kvsnap.analysis.catalogue import TOP_K
+    from kvsnap.analysis.kernels import kernel
+    from kvsnap.analysis.stats.catalogue import TOP_K
 
     rng = np.random.default_rng(k_ties)
     n = 500
@@ -447,7 +448,7 @@ def test_copy_threads_check_the_payload_crcs_of_what_they_copy() -> None:
     per piece here) and held against the expected one; a wrong one raises with the chunk's name."""
     from kvformat.checksum import crc32c
     from kvformat.pages import PayloadCheck
-    from kvsnap.analysis.backends.mlx_staging import Staging
+    from kvsnap.analysis.kernels.mlx_staging import Staging
 
     probe = Staging.create()
     assert probe is not None  # CPU mlx exposes its memory: the copy threads are used
@@ -491,7 +492,7 @@ def test_a_corrupt_chunk_is_found_by_the_copy_threads(tmp_path: Path, tensor: st
 
 
 def _piece_accumulators(count: int, rows: int = 700, dim: int = 32) -> list[tuple[Any, np.ndarray]]:
-    from kvsnap.analysis import accumulator
+    from kvsnap.analysis.stats import accumulator
 
     rng = np.random.default_rng(3)
     return [
@@ -576,7 +577,7 @@ def test_an_mlx_pass_stacks_a_layers_rows_in_one_run(
     """With 4 row threads, a layer's rows are computed in one stacked run when the file has at
     least as many layers (fewer calls, each waiting for the interpreter's lock), cut into runs
     over the threads only when it has fewer; the table is the CPU kernel's either way."""
-    from kvsnap.analysis import streaming
+    from kvsnap.analysis.engine import streaming
 
     path = factories.random_file(tmp_path / "f.kv", layers=layers, heads=4, tokens=64, dim=16, seed=3).path
     monkeypatch.setattr(mlx_sizing, "row_threads", lambda share=1: 4)
@@ -601,7 +602,7 @@ def test_a_pass_that_waits_for_each_layer_drives_the_pipeline(
     """With at most ``closing`` layers left at work, the pass waits for a layer whose pieces are
     still queued (the batch is not full): `Pipeline.wait` sends and folds them, so the pass
     neither hangs nor drains at every layer, and the table is the CPU kernel's."""
-    from kvsnap.analysis import streaming
+    from kvsnap.analysis.engine import streaming
 
     monkeypatch.setattr(streaming, "CLOSING_LAYERS", closing)
     path = factories.random_file(tmp_path / "five.kv", layers=5, tokens=200, dim=32, seed=9).path
@@ -624,7 +625,7 @@ def test_backend_mlx_without_mlx_says_how_to_install_it(
 ) -> None:
     """mlx is looked for, not imported; where it is missing the pass stops before any work with a
     ValueError naming the install."""
-    from kvsnap.analysis.plan import check_backend
+    from kvsnap.analysis.engine.plan import check_backend
 
     monkeypatch.setitem(sys.modules, missing, None)
     if missing == "mlx":
@@ -641,9 +642,9 @@ def _folded(order: list[int], stacked: bool, merged: int | None = None) -> list[
     before the second batch."""
     import mlx.core as mx
 
-    from kvsnap.analysis.accumulator import HeadAccumulator, stack
-    from kvsnap.analysis.arrays import GRAM_FLOAT64_ROWS
-    from kvsnap.analysis.rope import Rope
+    from kvsnap.analysis.kernels.arrays import GRAM_FLOAT64_ROWS
+    from kvsnap.analysis.stats.accumulator import HeadAccumulator, stack
+    from kvsnap.analysis.stats.rope import Rope
 
     rng = np.random.default_rng(3)
     n = GRAM_FLOAT64_ROWS * 2
@@ -749,8 +750,8 @@ def test_the_per_piece_function_stacks_nothing_on_the_device(tmp_path: Path) -> 
     host memory) and its outputs join on the host into the shapes the fold takes."""
     import mlx.core as mx
 
-    from kvsnap.analysis.arrays import PIECE
-    from kvsnap.analysis.catalogue import QUANT_BITS, QUANT_GROUP, TOP_K
+    from kvsnap.analysis.kernels.arrays import PIECE
+    from kvsnap.analysis.stats.catalogue import QUANT_BITS, QUANT_GROUP, TOP_K
 
     n = PIECE - 5  # whole groups of rows and a rest: the channel errors come in two parts
     rng = np.random.default_rng(2)
@@ -779,7 +780,7 @@ def test_fused_and_plain_piece_functions_agree(monkeypatch: pytest.MonkeyPatch) 
     outputs for every group, batched too; another value is refused by name."""
     import mlx.core as mx
 
-    from kvsnap.analysis.arrays import PIECE
+    from kvsnap.analysis.kernels.arrays import PIECE
 
     rng = np.random.default_rng(5)
     rows = rng.standard_normal((2, PIECE - 3, 64)).astype(np.float32)

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvsnap.analysis.backends import cuda_gram, mlx_fold, mlx_staging
-from kvsnap.analysis.backends import mlx as mlx_backend
+from kvsnap.analysis.kernels import cuda_gram, mlx_fold, mlx_staging
+from kvsnap.analysis.kernels import mlx as mlx_backend
 
 pytestmark = pytest.mark.cuda
 
@@ -65,7 +65,7 @@ def test_the_compiled_kernel_is_kept_for_the_next_process(tmp_path: Path) -> Non
     (and does not compile: its NVRTC is made to fail)."""
     script = (
         "import mlx.core as mx, numpy as np\n"
-        "from kvsnap.analysis.backends import cuda_gram\n"
+        "from kvsnap.analysis.kernels import cuda_gram\n"
         "import sys\n"
         "if sys.argv[1] == 'load':\n"
         "    def fail(*a): raise cuda_gram.CudaGramError('compiled again')\n"

@@ -1,4 +1,4 @@
-"""The kernels in C (`analysis.native`, built at install time) against the numpy reference, their
+"""The kernels in C (`analysis.kernels.native`, built at install time) against the numpy reference, their
 oracle, each in a process of its own: the same table for every statistic group, dtype, odd size and
 non-finite input (every count exactly, the sums to the tolerances of `tests/test_kernel.py`), the
 same eigenvalues (LAPACK's) and float16 conversions (numpy's ``astype``)."""
@@ -15,9 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsnap.analysis import native
-from kvsnap.analysis.backends import kernel
-from kvsnap.analysis.catalogue import GROUPS
+from kvsnap.analysis.kernels import kernel, native
+from kvsnap.analysis.stats.catalogue import GROUPS
 
 DEFAULT = os.environ.get("KVSNAP_KERNEL", "compiled") == "compiled"
 
@@ -26,12 +25,12 @@ DEFAULT = os.environ.get("KVSNAP_KERNEL", "compiled") == "compiled"
 SUMS = r"""
 import json, sys
 import ml_dtypes, numpy as np
-from kvsnap.analysis import eigen, halves
-from kvsnap.analysis.accumulator import HeadAccumulator
-from kvsnap.analysis.backends import kernel
-from kvsnap.analysis.catalogue import GROUPS
-from kvsnap.analysis.catalogue import ALL
-from kvsnap.analysis.rope import Rope
+from kvsnap.analysis.kernels import eigen, halves
+from kvsnap.analysis.stats.accumulator import HeadAccumulator
+from kvsnap.analysis.kernels import kernel
+from kvsnap.analysis.stats.catalogue import GROUPS
+from kvsnap.analysis.stats.catalogue import ALL
+from kvsnap.analysis.stats.rope import Rope
 
 out = {"compiled": bool(kernel.AVAILABLE)}
 rng = np.random.default_rng(7)
@@ -135,7 +134,7 @@ def test_eigenvalues_four_at_a_time_are_each_matrix_alone(count: int) -> None:
     interleaved), fewer for the last of a count that is not a multiple of four: each row bit for
     bit the matrix alone, within 1e-12 of LAPACK; a zero matrix and one of a wide spectrum among
     them."""
-    from kvsnap.analysis import eigen
+    from kvsnap.analysis.kernels import eigen
 
     rng = np.random.default_rng(count)
     stack = []

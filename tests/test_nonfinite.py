@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvsnap.analysis import finite
-from kvsnap.analysis.backends import kernel
-from kvsnap.analysis.backends import mlx as mlx_backend
-from kvsnap.analysis.stats import head_stats, stats_rows, token_table
+from kvsnap.analysis.engine.tables import head_stats, stats_rows, token_table
+from kvsnap.analysis.kernels import kernel
+from kvsnap.analysis.kernels import mlx as mlx_backend
+from kvsnap.analysis.stats import finite
 from kvsnap.cli import main
 
 TOKENS, DIM = 200, 16
@@ -159,7 +159,7 @@ def test_cli_stats_prints_a_whole_nan_head_as_null_and_ranks_it_last(
     import polars as pl
 
     from kvsnap.analysis.commands.statistics import key_rows
-    from kvsnap.analysis.stats import outliers, rows_of
+    from kvsnap.analysis.engine.tables import outliers, rows_of
 
     path, _, _ = _files(tmp_path, "whole_head", np.nan, np.float32)
     assert main(["stats", str(path)]) == 0
@@ -182,7 +182,7 @@ def test_cli_stats_prints_a_whole_nan_head_as_null_and_ranks_it_last(
 
 
 def test_a_whole_nan_head_does_not_poison_the_outlier_medians(tmp_path: Path) -> None:
-    from kvsnap.analysis.stats import outliers
+    from kvsnap.analysis.engine.tables import outliers
 
     path, _, _ = _files(tmp_path, "whole_head", np.nan, np.float32)
     table = head_stats(path)
@@ -203,7 +203,7 @@ def test_token_table_counts_nonfinite_values_per_position(tmp_path: Path) -> Non
 
 
 def test_diff_reports_positions_nonfinite_on_one_side(tmp_path: Path) -> None:
-    from kvsnap.analysis.diff import head_diff
+    from kvsnap.analysis.tools.diff import head_diff
 
     k, v = _data()
     a = tmp_path / "a.kv"

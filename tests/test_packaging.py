@@ -158,7 +158,7 @@ def test_the_wheel_installs_the_stages_under_kvsnap(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names}
     assert {"kvsnap", "kvformat"} <= tops and not {"analysis", "capture"} & tops
-    assert "kvsnap/analysis/stats.py" in names and "kvsnap/capture/generate.py" in names
+    assert "kvsnap/analysis/stats/accumulator.py" in names and "kvsnap/capture/generate.py" in names
     # Every module of the stages, subpackages included: a package missing from pyproject's list
     # would install from the checkout and be absent from the wheel.
     for stage in ("analysis", "capture"):
@@ -169,7 +169,7 @@ def test_the_wheel_installs_the_stages_under_kvsnap(tmp_path: Path) -> None:
     out = run_python(
         f"import sys; sys.path.insert(0, {str(site)!r})\n"
         "import kvsnap.analysis.stats, kvsnap.capture.cli, kvformat\n"
-        "from kvsnap.analysis import native\n"
+        "from kvsnap.analysis.kernels import native\n"
         "print(kvsnap.analysis.stats.__file__); print(kvsnap.capture.cli.__file__)\n"
         "print(native.LIBRARY._name)",  # the wheel's C kernels, built from the source it ships
         tmp_path,

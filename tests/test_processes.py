@@ -1,4 +1,4 @@
-"""One file's pass over worker processes (`analysis.processes`): the same tables as one worker,
+"""One file's pass over worker processes (`analysis.engine.processes`): the same tables as one worker,
 in the same order, for every layout the pass reads differently; errors come back by name; a
 script without a ``__main__`` guard is not run again by the workers."""
 
@@ -17,11 +17,11 @@ import pytest
 import threadpoolctl
 
 import kvformat
-from kvsnap.analysis import processes
-from kvsnap.analysis.backends import mlx_sizing
-from kvsnap.analysis.plan import PassOptions, windows
-from kvsnap.analysis.stats import head_stats, layer_tables, stats_for_file
-from kvsnap.analysis.streaming import layers
+from kvsnap.analysis.engine import processes
+from kvsnap.analysis.engine.plan import PassOptions, windows
+from kvsnap.analysis.engine.streaming import layers
+from kvsnap.analysis.engine.tables import head_stats, layer_tables, stats_for_file
+from kvsnap.analysis.kernels import mlx_sizing
 from tests.factories import random_file
 
 ROPE = {"rope": {"base": 10000.0, "pairing": "half"}}
@@ -229,8 +229,8 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
         textwrap.dedent(
             f"""
             import sys
-            from kvsnap.analysis import processes
-            from kvsnap.analysis.stats import head_stats
+            from kvsnap.analysis.engine import processes
+            from kvsnap.analysis.engine.tables import head_stats
             processes.PROCESS_MIN_BYTES = 0  # a small file, on processes all the same
             processes.start(2)  # the workers asked for on a helper thread, the pass at once
             print("rows", head_stats({str(path)!r}, jobs=2).height, flush=True)
@@ -331,8 +331,8 @@ def test_the_parent_of_an_mlx_worker_pass_does_not_start_mlx(tmp_path: Path) -> 
     script = textwrap.dedent(
         f"""
         import sys
-        from kvsnap.analysis import processes
-        from kvsnap.analysis.stats import stats_for_file
+        from kvsnap.analysis.engine import processes
+        from kvsnap.analysis.engine.tables import stats_for_file
         processes.PROCESS_MIN_BYTES = 0
         rows = sum(t.num_rows for t in stats_for_file({str(path)!r}, jobs=3, backend="mlx"))
         print(rows, processes._running(2, "mlx"), "mlx.core" in sys.modules)
@@ -391,7 +391,7 @@ def test_the_kept_pool_is_dropped_at_exit_while_modules_are_whole() -> None:
     ``concurrent.futures.process`` cleared and prints an ignored AttributeError)."""
     code = (
         "import atexit\n"
-        "from kvsnap.analysis import processes\n"
+        "from kvsnap.analysis.engine import processes\n"
         "atexit.register(lambda: print('kept at exit:', processes._POOL is not None))\n"
         "pool = processes._pool(2, 'cpu')\n"
         "pool.submit(processes._ready).result()\n"

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvsnap.analysis.rope import Rope
+from kvsnap.analysis.stats.rope import Rope
 from tests.conftest import PROSE, ROOT
 
 TOKENS = 96

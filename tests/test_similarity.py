@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvsnap.analysis import similarity
-from kvsnap.analysis.similarity import head_similarity, similarity_for_file, similarity_rows
+from kvsnap.analysis.tools import similarity
+from kvsnap.analysis.tools.similarity import head_similarity, similarity_for_file, similarity_rows
 
 
 def reference(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:

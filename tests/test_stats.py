@@ -11,16 +11,9 @@ import polars as pl
 import pytest
 
 import kvformat
-from kvsnap.analysis.rope import Rope, RopeError
-from kvsnap.analysis.stats import (
-    GROUPS,
-    HeadAccumulator,
-    head_stats,
-    head_stats_reader,
-    stat_groups,
-    stats_rows,
-    token_table,
-)
+from kvsnap.analysis.engine.tables import head_stats, head_stats_reader, stats_rows, token_table
+from kvsnap.analysis.stats import GROUPS, HeadAccumulator, stat_groups
+from kvsnap.analysis.stats.rope import Rope, RopeError
 from tests.factories import random_file
 
 ROPE = {"rope": {"base": 10000.0, "dims": 16, "pairing": "half", "scaling": None}}
@@ -145,7 +138,7 @@ def test_arrow_tables_are_built_as_pyarrow_builds_them() -> None:
     kinds the statistics produce, nulls, empty lists, and what it hands to ``pa.array``."""
     import pyarrow as pa
 
-    from kvsnap.analysis.arrow import arrow_table
+    from kvsnap.analysis.stats.arrow import arrow_table
 
     rng = np.random.default_rng(3)
     for _ in range(50):
@@ -202,7 +195,7 @@ def test_statistics_of_a_series_snapshot_equal_those_of_the_data_written_at_once
     """A series' last snapshot has small segments interleaved across heads: the pass regroups
     them by head (`plan.windows`) and reads each head's together (`Pages.read_many`);
     the statistics are those of the same K/V written at once."""
-    from kvsnap.analysis.plan import windows
+    from kvsnap.analysis.engine.plan import windows
 
     series, whole = _series_and_whole(tmp_path, codec)
     with kvformat.open(series) as snap:
@@ -244,9 +237,9 @@ def test_arrow_tables_from_array_rows_equal_those_from_list_rows(tmp_path: Path)
     """The pass builds its tables from rows whose vector columns are numpy arrays
     (`HeadAccumulator.row_arrays`); they equal the tables of the same rows as lists, for every
     group (RoPE bands present and absent: a null column)."""
-    from kvsnap.analysis.arrow import arrow_table
-    from kvsnap.analysis.rope import Rope
     from kvsnap.analysis.stats import HeadAccumulator
+    from kvsnap.analysis.stats.arrow import arrow_table
+    from kvsnap.analysis.stats.rope import Rope
 
     rng = np.random.default_rng(8)
     accumulators = [HeadAccumulator(16, Rope(10000.0, 16, "half") if i % 2 else None) for i in range(4)]
@@ -268,8 +261,7 @@ def test_a_payload_check_is_computed_piece_by_piece_as_the_kernel_adds(
     compiled and the numpy path."""
     from kvformat.checksum import crc32c
     from kvformat.pages import PayloadCheck
-    from kvsnap.analysis import arrays
-    from kvsnap.analysis.backends import kernel
+    from kvsnap.analysis.kernels import arrays, kernel
     from kvsnap.analysis.stats import HeadAccumulator
 
     rows = np.random.default_rng(3).standard_normal((2 * arrays.KERNEL_ROWS + 77, 16)).astype(np.float32)
@@ -318,7 +310,7 @@ def test_a_damaged_byte_in_a_late_piece_of_a_large_chunk_stops_the_pass(
 def test_the_small_median_equals_numpy(size: int) -> None:
     """`outlier_channel_ratio`'s median (a sort per stacked row instead of ``np.median``): the
     same value, NaN for NaN input."""
-    from kvsnap.analysis.rows import medians
+    from kvsnap.analysis.stats.rows import medians
 
     rng = np.random.default_rng(size)
     values = np.abs(rng.standard_normal((3, size))) * 10.0 ** rng.integers(-3, 3, (3, size))
@@ -332,8 +324,8 @@ def test_the_small_median_equals_numpy(size: int) -> None:
 def test_rows_computed_in_a_stack_equal_rows_computed_alone(groups: str) -> None:
     """`rows.compute` stacks the accumulators of one dim and groups; each row equals, bit for
     bit, the row the accumulator computes alone (also empty ones, and NaN channels)."""
-    from kvsnap.analysis import rows
-    from kvsnap.analysis.rope import Rope
+    from kvsnap.analysis.stats import rows
+    from kvsnap.analysis.stats.rope import Rope
 
     rng = np.random.default_rng(4)
     dim = 64
@@ -365,9 +357,9 @@ def test_without_the_c_kernels_the_numpy_reference_gives_the_table_and_stats_say
     """Where the C kernels are not built, a ``"cpu"`` pass runs on the numpy reference and gives
     the compiled kernel's table; ``kvsnap stats`` says once, on stderr, that the compiled kernels
     are missing and how to get them. With them built it says nothing."""
-    from kvsnap.analysis import backends, native
-    from kvsnap.analysis.backends import kernel
-    from kvsnap.analysis.stats import head_stats
+    from kvsnap.analysis import kernels as backends
+    from kvsnap.analysis.engine.tables import head_stats
+    from kvsnap.analysis.kernels import kernel, native
     from kvsnap.cli import main
 
     rng = np.random.default_rng(3)
@@ -403,8 +395,8 @@ def test_every_sum_of_an_accumulator_is_declared_once_in_the_catalogue() -> None
     rule and groups), and merging follows each declared rule."""
     from dataclasses import fields
 
-    from kvsnap.analysis.catalogue import GROUPS, SUMS
     from kvsnap.analysis.stats import HeadAccumulator
+    from kvsnap.analysis.stats.catalogue import GROUPS, SUMS
 
     names = [total.name for total in SUMS]
     assert len(names) == len(set(names))
@@ -436,8 +428,8 @@ def test_a_file_table_built_at_once_equals_its_layer_tables_concatenated(tmp_pat
     file whose layers differ: head dims, an absent layer, a one-token layer, RoPE on some."""
     import pyarrow as pa
 
-    from kvsnap.analysis.plan import PassOptions
-    from kvsnap.analysis.stats import file_table, layer_tables
+    from kvsnap.analysis.engine.plan import PassOptions
+    from kvsnap.analysis.engine.tables import file_table, layer_tables
 
     rng = np.random.default_rng(4)
 

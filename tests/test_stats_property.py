@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvformat
-from kvsnap.analysis.stats import QUANT_BITS, QUANT_GROUP, RANKS, stats_rows
+from kvsnap.analysis.engine.tables import stats_rows
+from kvsnap.analysis.stats import QUANT_BITS, QUANT_GROUP, RANKS
 
 ROPE = {"rope": {"base": 10000.0, "dims": 8, "pairing": "interleaved", "scaling": None}}
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]

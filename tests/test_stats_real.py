@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvsnap.analysis import arrays
-from kvsnap.analysis.backends import compiled as compiled_backend
-from kvsnap.analysis.backends import kernel
-from kvsnap.analysis.backends import reference as reference_backend
-from kvsnap.analysis.stats import GROUPS, stats_rows
+from kvsnap.analysis.engine.tables import stats_rows
+from kvsnap.analysis.kernels import arrays, kernel
+from kvsnap.analysis.kernels import compiled as compiled_backend
+from kvsnap.analysis.kernels import reference as reference_backend
+from kvsnap.analysis.stats import GROUPS
 
 pytestmark = pytest.mark.network  # both fixture models
 

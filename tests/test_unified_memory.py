@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvsnap.analysis.backends import unified_memory
-from kvsnap.analysis.backends.unified_memory import UnifiedMemory, UnifiedMemoryError
+from kvsnap.analysis.kernels import unified_memory
+from kvsnap.analysis.kernels.unified_memory import UnifiedMemory, UnifiedMemoryError
 
 
 class _Function:
@@ -150,7 +150,7 @@ def test_is_managed_reads_the_pointer_attribute() -> None:
 
 
 def test_staging_refuses_an_unknown_placement(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvsnap.analysis.backends.mlx_staging import Staging
+    from kvsnap.analysis.kernels.mlx_staging import Staging
 
     monkeypatch.setenv("KVSNAP_MLX_STAGING", "pinned")
     with pytest.raises(ValueError, match="KVSNAP_MLX_STAGING='pinned': one of fault, host, prefetch, mostly"):
@@ -158,7 +158,7 @@ def test_staging_refuses_an_unknown_placement(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_staging_off_cuda_sets_no_hints() -> None:
-    from kvsnap.analysis.backends.mlx_staging import Staging
+    from kvsnap.analysis.kernels.mlx_staging import Staging
 
     staging = Staging(2, placement="host")
     try:
@@ -172,9 +172,9 @@ def test_staging_off_cuda_sets_no_hints() -> None:
 
 def test_the_float32_copy_changes_no_result() -> None:
     """``copy`` (float32 rows read over the bus) computes what the plain path computes."""
-    from kvsnap.analysis.arrays import PIECE
-    from kvsnap.analysis.backends import mlx as mlx_backend
-    from kvsnap.analysis.backends import mlx_fold
+    from kvsnap.analysis.kernels import mlx as mlx_backend
+    from kvsnap.analysis.kernels import mlx_fold
+    from kvsnap.analysis.kernels.arrays import PIECE
 
     rng = np.random.default_rng(3)
     rows = (rng.standard_normal((2, PIECE, 64)) * np.linspace(0.1, 4, 64)).astype(np.float32)
@@ -191,7 +191,7 @@ def test_the_float32_copy_changes_no_result() -> None:
 def test_a_failing_hint_turns_the_placement_off_not_the_pass() -> None:
     """A driver call that fails while placing a staging buffer warns once and leaves the pass
     to the driver's defaults (hints only move pages): the rows still arrive."""
-    from kvsnap.analysis.backends.mlx_staging import Staging
+    from kvsnap.analysis.kernels.mlx_staging import Staging
 
     class Refusing:
         def is_managed(self, address: int) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvsnap.analysis.head_importance import attention_rows
+from kvsnap.analysis.attention.head_importance import attention_rows
 from kvsnap.analysis.viewer.data import Source, attention_map
 from kvsnap.analysis.viewer.page import write_html
 from kvsnap.analysis.viewer.server import ViewerServer

@@ -68,14 +68,14 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def _check_stat(args: argparse.Namespace) -> None:
     """A ``--stat`` the selected ``--stats`` groups compute (`plot --attention` has none; `plot
     --stat sink_mass` and other per-query-head statistics come from saved queries, checked there)."""
-    from ..head_importance import SCALARS
+    from ..attention.head_importance import SCALARS
 
     stat = getattr(args, "stat", None)
     if stat is None or getattr(args, "attention", None) is not None:
         return
     if stat in SCALARS:  # per query head, from saved queries (`--stats attention`)
         return
-    from ..catalogue import check_scalar, stat_groups
+    from ..stats.catalogue import check_scalar, stat_groups
 
     try:
         check_scalar(stat, stat_groups(getattr(args, "stats", None)))
@@ -165,7 +165,7 @@ def url_options(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def stat_groups_type(text: str) -> frozenset[str]:
     """argparse type: comma-separated statistic groups (``all``, ``norms``, ``channels``, ...)."""
-    from ..catalogue import stat_groups
+    from ..stats.catalogue import stat_groups
 
     named = {name.strip() for name in text.split(",")}
     if "attention" in named:
@@ -203,7 +203,7 @@ def layer_head(text: str) -> tuple[int, int]:
 
 def kept(text: str) -> tuple[str, float]:
     """argparse type: ``METHOD:BUDGET``, an eviction method of `simulate` and a fraction in (0, 1]."""
-    from ..compression import EVICTION
+    from ..attention.compression import EVICTION
 
     name, sep, budget = text.partition(":")
     try:
@@ -220,7 +220,7 @@ def kept(text: str) -> tuple[str, float]:
 
 def method(text: str) -> str:
     """argparse type: a `simulate` method."""
-    from ..compression import METHODS
+    from ..attention.compression import METHODS
 
     if text not in METHODS:
         raise argparse.ArgumentTypeError(f"unknown method {text!r}: one of {', '.join(METHODS)}")
@@ -284,7 +284,8 @@ def common_options(p: argparse.ArgumentParser, many: bool = True, engines: bool 
 
 
 def stats_option(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    from ..stats import BACKENDS, GROUPS
+    from ..engine.tables import BACKENDS
+    from ..stats import GROUPS
 
     p.add_argument(
         "--backend",

@@ -13,7 +13,7 @@ from .common import save_figure, save_parquet, url_options, warnings_printed
 def similarity_command(args: argparse.Namespace) -> int:
     import polars as pl
 
-    from ..similarity import head_similarity
+    from ..tools.similarity import head_similarity
 
     table = head_similarity(args.files, args.snapshot, args.keys, args.jobs, url_options(args))
     if args.output:
@@ -42,7 +42,7 @@ def diff_command(args: argparse.Namespace) -> int:
     import numpy as np
     import polars as pl
 
-    from ..diff import LayoutMismatchError, head_diff
+    from ..tools.diff import LayoutMismatchError, head_diff
 
     try:
         with warnings_printed():

@@ -14,7 +14,7 @@ from .common import inputs, url_options
 def export_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ..export import export_heads
+    from ..tools.export import export_heads
 
     written = 0
     paths = export_heads(

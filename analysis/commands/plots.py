@@ -16,7 +16,7 @@ def plot_command(args: argparse.Namespace) -> int:
     naming file, model, snapshot and statistic; labelled colour scales; the prompt/generation
     boundary; token labels on request. ``--attention`` and per-query-head statistics go to their
     own figures."""
-    from ..head_importance import SCALARS
+    from ..attention.head_importance import SCALARS
 
     if args.attention is not None:
         return _attention_map(args)
@@ -89,7 +89,7 @@ def _norm_curves(figure: Any, axis: Any, layers: list[int], args: argparse.Names
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
 
-    from ..stats import token_table
+    from ..engine.tables import token_table
 
     column = f"{args.tensor}_norm"
     tokens = (
@@ -183,7 +183,7 @@ def _attention_stat_plot(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..head_importance import attention_stats
+    from ..attention.head_importance import attention_stats
 
     table = attention_stats(args.file, args.snapshot, storage_options=url_options(args))
     layers, grid = _layer_head_grid(table, args.stat)
@@ -210,14 +210,14 @@ def _attention_map(args: argparse.Namespace) -> int:
 
     import kvformat
 
-    from ..tokens import token_pieces
+    from ..attention.tokens import token_pieces
 
     layer, head = args.attention
     with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
         found = snap.attention(layer, head)
         evicted = None
         if args.kept is not None:
-            from ..compression import kept_mask
+            from ..attention.compression import kept_mask
 
             evicted = kept_mask(snap, layer, head, *args.kept)
         generated = snap.snapshot_metadata.get("generated")

@@ -10,7 +10,7 @@ from .common import save_figure, save_parquet, url_options, warnings_printed
 
 def simulate_command(args: argparse.Namespace) -> int:
     """``simulate``: attention-output error per (method, budget, layer, head) under compression."""
-    from ..compression import CompressionWarning, simulate
+    from ..attention.compression import CompressionWarning, simulate
 
     with warnings_printed(CompressionWarning):
         table = simulate(

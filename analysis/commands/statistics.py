@@ -17,7 +17,7 @@ from .common import KEYS, ParquetSink, inputs, save_parquet, url_options, warnin
 def _progress(total: int) -> Callable[[str], None]:
     """A bar over the files (`progress.bar`, on stderr, off when stderr is not a terminal or for
     one file, whose pass shows its layers instead)."""
-    from ..progress import bar as progress_bar
+    from ..engine.progress import bar as progress_bar
 
     bar = progress_bar(total, total > 1, unit="file")
 
@@ -33,7 +33,7 @@ def _progress(total: int) -> Callable[[str], None]:
 def _jobs(args: argparse.Namespace, engine: str, backend: str) -> int | None:
     """``--jobs``, or 1 for one local file on mlx that one process reads in one pass (workers
     would cost more to start than they save), or None: every core."""
-    from .. import processes
+    from ..engine import processes
 
     one_file = engine == "local" and args.jobs is None and len(args.files) == 1
     if backend == "mlx" and one_file and processes.one_shot_in_process(args.files[0]):
@@ -44,9 +44,9 @@ def _jobs(args: argparse.Namespace, engine: str, backend: str) -> int | None:
 def _batch(args: argparse.Namespace, merge: bool = False, sink: Callable[[Any], None] | None = None) -> Any:
     """Statistics of every file or pattern, on the chosen engine; failures reported by file;
     ``sink`` (not with ``merge``) takes the rows' tables as they arrive (`batch.run_stats`)."""
-    from .. import processes
-    from ..backends import missing_note
-    from ..parallel import cores
+    from ..engine import processes
+    from ..engine.parallel import cores
+    from ..kernels import missing_note
 
     engine, backend = getattr(args, "engine", "local"), getattr(args, "backend", "cpu")
     jobs = _jobs(args, engine, backend)
@@ -57,7 +57,7 @@ def _batch(args: argparse.Namespace, merge: bool = False, sink: Callable[[Any], 
     if engine == "local" and len(args.files) == 1 and processes.usable(args.files[0], workers, backend):
         # One big file (not a pattern): its workers start while the rest is imported.
         processes.start(processes.worker_count(workers, backend), backend)
-    from ..batch import expand_paths, merged_stats, run_stats
+    from ..engine.batch import expand_paths, merged_stats, run_stats
 
     options = url_options(args)
     try:
@@ -108,7 +108,7 @@ def outliers_command(args: argparse.Namespace) -> int:
     """Heads whose statistic is more than ``--threshold`` times the median head of their file."""
     import polars as pl
 
-    from ..head_importance import SCALARS
+    from ..attention.head_importance import SCALARS
 
     if args.stat in SCALARS:
         return _attention_outliers(args)
@@ -116,7 +116,7 @@ def outliers_command(args: argparse.Namespace) -> int:
     if args.stat not in table.columns or table.schema[args.stat] not in (pl.Float64, pl.Int64, pl.Float32):
         scalars = [c for c, t in table.schema.items() if t in (pl.Float64, pl.Int64) and c not in KEYS]
         raise SystemExit(f"--stat must be a scalar statistic, one of: {', '.join(scalars)}")
-    from ..stats import outliers
+    from ..engine.tables import outliers
 
     flagged = outliers(table, args.threshold, args.stat, args.tensor).filter(pl.col("outlier"))
     flagged = flagged.sort("ratio_to_median", descending=True)
@@ -138,7 +138,7 @@ def _attention_outliers(args: argparse.Namespace) -> int:
     median query head."""
     import polars as pl
 
-    from ..head_importance import attention_stats
+    from ..attention.head_importance import attention_stats
 
     table = attention_stats(args.files, args.snapshot, storage_options=url_options(args))
     value = pl.col(args.stat).cast(pl.Float64).fill_nan(None)
@@ -245,7 +245,7 @@ def key_rows(rows: Any, factor: float) -> list[dict[str, Any]]:
     """The K rows of the Arrow table ``rows`` as dicts (``file``, ``seq``, ``layer``, ``head``,
     ``n_tokens``, ``norm_mean``) with ``ratio_to_median`` (``norm_mean`` over the median K head of
     its file; None where either is NaN or null) and ``outlier`` (the ratio above ``factor``): what
-    `analysis.stats.outliers` computes, without polars."""
+    `analysis.engine.tables.outliers` computes, without polars."""
     columns = ["file", "seq", "layer", "head", "n_tokens", "norm_mean", "tensor"]
     # Filtered in Python: pyarrow.compute's first call imports pandas where it is there.
     keys = [row for row in rows.select(columns).to_pylist() if row["tensor"] == "k"]
@@ -334,7 +334,7 @@ def _cell(value: float | None) -> str:
 def _attention_stats(args: argparse.Namespace) -> int:
     """``stats --stats attention``: per (layer, query head) scores from saved queries, printed and
     saved from Arrow (no polars import, as for the other groups)."""
-    from ..head_importance import AttentionWarning, attention_table
+    from ..attention.head_importance import AttentionWarning, attention_table
 
     with warnings_printed(AttentionWarning):
         table = attention_table(

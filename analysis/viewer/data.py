@@ -17,9 +17,9 @@ import numpy as np
 import kvformat
 from kvformat import attention
 
+from ..attention.head_importance import attention_rows
+from ..attention.tokens import token_pieces
 from ..errors import AnalysisError
-from ..head_importance import attention_rows
-from ..tokens import token_pieces
 
 GRID_SCORES = ("sink_mass", "local_mass", "entropy_normalized", "retrieval_score", "streaming_error")
 """The scores a head grid can be coloured by (columns of ``--stats attention``)."""
@@ -228,7 +228,7 @@ def query_row(snap: kvformat.Snapshot, layer: int, head: int, position: int) -> 
 
 def kept(snap: kvformat.Snapshot, layer: int, head: int, method: str, budget: float) -> dict[str, Any]:
     """The keys an eviction ``method`` keeps at ``budget``, as ``kvsnap simulate`` chooses them."""
-    from ..compression import EVICTION, kept_mask
+    from ..attention.compression import EVICTION, kept_mask
 
     if method not in EVICTION:
         raise ViewerError(f"method must be one of {', '.join(EVICTION)}, not {method!r}")
@@ -269,7 +269,7 @@ def difference(a: kvformat.Snapshot, b: kvformat.Snapshot) -> dict[str, Any]:
     pairing (absolute positions; layouts must agree)."""
     import warnings
 
-    from ..diff import head_diff
+    from ..tools.diff import head_diff
 
     try:
         with warnings.catch_warnings():

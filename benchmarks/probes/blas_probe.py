@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvsnap.analysis.parallel import single_threaded_blas
+from kvsnap.analysis.engine.parallel import single_threaded_blas
 from kvsnap.analysis.stats import HeadAccumulator, stat_groups
 
 

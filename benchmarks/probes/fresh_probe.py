@@ -34,8 +34,8 @@ def main() -> None:
     import kvformat  # noqa: F401
 
     mark("import numpy, kvformat")
-    from kvsnap.analysis import processes
-    from kvsnap.analysis.batch import run_stats
+    from kvsnap.analysis.engine import processes
+    from kvsnap.analysis.engine.batch import run_stats
 
     mark("import the analysis")
     if args.backend == "mlx" and args.jobs == 1:  # the command's one mlx pass in its own process

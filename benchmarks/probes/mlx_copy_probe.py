@@ -84,7 +84,7 @@ def main() -> None:
         check(name, results, time.perf_counter() - start)
 
     def run_staging(placement: str) -> None:
-        from kvsnap.analysis.backends.mlx_staging import Staging
+        from kvsnap.analysis.kernels.mlx_staging import Staging
 
         staging = Staging(4, placement=placement)
         held: list[list[mx.array]] = [[], []]

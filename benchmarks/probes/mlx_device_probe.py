@@ -34,8 +34,8 @@ SELECTIONS: dict[str, tuple[bool, bool, bool, bool, bool, bool]] = {
 def _inputs(dtype: str, batch: int, seed: int = 0) -> tuple[Any, Any]:
     import mlx.core as mx
 
-    from kvsnap.analysis.arrays import PIECE
-    from kvsnap.analysis.backends import mlx_fold
+    from kvsnap.analysis.kernels import mlx_fold
+    from kvsnap.analysis.kernels.arrays import PIECE
 
     mx.random.seed(seed)
     x = mx.random.normal((batch, PIECE, 128)).astype(getattr(mx, dtype))
@@ -48,8 +48,8 @@ def time_selection(dtype: str, groups: str, batch: int, seconds: float = 1.0) ->
     """Milliseconds per piece of the compiled, batched device function for ``groups``."""
     import mlx.core as mx
 
-    from kvsnap.analysis.arrays import PIECE
-    from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.kernels import mlx as mlx_backend
+    from kvsnap.analysis.kernels.arrays import PIECE
 
     flags = SELECTIONS[groups]
     function = mlx_backend.piece_function(*flags, batched=True)
@@ -76,7 +76,7 @@ def _worker(args: tuple[str, int, int, Any]) -> float:
     dtype, batch, calls, barrier = args
     import mlx.core as mx
 
-    from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.kernels import mlx as mlx_backend
 
     function = mlx_backend.piece_function(*SELECTIONS["all"], batched=True)
     x, bins = _inputs(dtype, batch)
@@ -91,7 +91,7 @@ def _worker(args: tuple[str, int, int, Any]) -> float:
 
 def concurrent(dtype: str, batch: int, processes: int, calls: int) -> dict[str, Any]:
     """Every one of ``processes`` processes calls the full selection ``calls`` times at once."""
-    from kvsnap.analysis.arrays import PIECE
+    from kvsnap.analysis.kernels.arrays import PIECE
 
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager:

@@ -156,9 +156,9 @@ def resident(label: str) -> None:
 def steps() -> None:
     import mlx.core as mx
 
-    from kvsnap.analysis.arrays import PIECE
-    from kvsnap.analysis.backends import mlx as mlx_backend
-    from kvsnap.analysis.backends import mlx_fold
+    from kvsnap.analysis.kernels import mlx as mlx_backend
+    from kvsnap.analysis.kernels import mlx_fold
+    from kvsnap.analysis.kernels.arrays import PIECE
 
     resident("imported")
     mx.eval(mx.ones((16,)) + 1)
@@ -198,8 +198,8 @@ def steps() -> None:
 
 def one_pass(path: str, jobs: int, passes: int) -> None:
     from benchmarks.memory import TreeSampler, descendants
-    from kvsnap.analysis import processes
-    from kvsnap.analysis.stats import stats_for_file
+    from kvsnap.analysis.engine import processes
+    from kvsnap.analysis.engine.tables import stats_for_file
 
     with TreeSampler(os.getpid()) as sampler:
         for index in range(passes):
@@ -252,8 +252,8 @@ def one_pass(path: str, jobs: int, passes: int) -> None:
 
 
 def _piece_function(mx: Any, x: Any) -> None:
-    from kvsnap.analysis.backends import mlx as mlx_backend
-    from kvsnap.analysis.backends import mlx_fold
+    from kvsnap.analysis.kernels import mlx as mlx_backend
+    from kvsnap.analysis.kernels import mlx_fold
 
     function = mlx_backend.piece_function(True, True, True, True, True, True, batched=True)
     bins = mx.array(np.stack([mlx_fold.piece_bins(np.arange(x.shape[1]))] * x.shape[0]))
@@ -261,7 +261,7 @@ def _piece_function(mx: Any, x: Any) -> None:
 
 
 def _gram_product(x: Any) -> Any:
-    from kvsnap.analysis.backends import cuda_gram
+    from kvsnap.analysis.kernels import cuda_gram
 
     return cuda_gram.gram_product(x)
 
@@ -291,7 +291,7 @@ def operation(name: str) -> None:
     """Run one of `OPERATIONS` in this process; print what its first use cost."""
     import mlx.core as mx
 
-    from kvsnap.analysis.arrays import PIECE
+    from kvsnap.analysis.kernels.arrays import PIECE
 
     x = mx.random.normal((16, PIECE, 128))
     mx.eval(x)
@@ -323,7 +323,7 @@ def selection(name: str) -> None:
     of `arrays.PIECE` rows x 128): what it adds to a started process, and a call's time."""
     import mlx.core as mx
 
-    from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.kernels import mlx as mlx_backend
 
     flags = SELECTIONS[name]
     mx.eval(mx.ones((4,)) + 1)

@@ -97,9 +97,9 @@ def main() -> None:
         mx.set_cache_limit(args.cache_limit_mib << 20)
 
     import kvformat
-    from kvsnap.analysis import stats
-    from kvsnap.analysis.backends import mlx as mlx_backend
-    from kvsnap.analysis.backends import mlx_fold, mlx_pipeline, mlx_sizing, mlx_staging
+    from kvsnap.analysis.engine import tables as stats
+    from kvsnap.analysis.kernels import mlx as mlx_backend
+    from kvsnap.analysis.kernels import mlx_fold, mlx_pipeline, mlx_sizing, mlx_staging
 
     if args.batch_mib is not None or args.no_staging:
         original = mlx_pipeline.Pipeline.__init__

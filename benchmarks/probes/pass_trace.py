@@ -58,10 +58,10 @@ if os.environ.get("KVSNAP_TRACE_DIR"):
     import atexit
     atexit.register(_flush)  # a pass in this process (one process on mlx) flushes at its end
 
-    from kvsnap.analysis.backends import mlx as mlx_backend
+    from kvsnap.analysis.kernels import mlx as mlx_backend
 
-    from kvsnap.analysis.backends import mlx_fold, mlx_pipeline, mlx_staging
-    from kvsnap.analysis import accumulator, plan, processes, rows
+    from kvsnap.analysis.kernels import mlx_fold, mlx_pipeline, mlx_staging
+    from kvsnap.analysis.stats import accumulator, plan, processes, rows
 
     _wrap(mlx_staging.Staging, "start_fill", "copy started")
     _wrap(mlx_staging._Fill, "result", "copy wait")
@@ -79,7 +79,7 @@ if os.environ.get("KVSNAP_TRACE_DIR"):
 
 CHILD = r"""
 import json, sys, time
-from kvsnap.analysis.stats import stats_for_file
+from kvsnap.analysis.engine.tables import stats_for_file
 path, stats, jobs, backend, passes, marks = sys.argv[1:7]
 spans = []
 for i in range(int(passes)):

@@ -35,9 +35,9 @@ def threads_up_to(n: int) -> list[int]:
 def memory(threads: list[int]) -> None:
     from threadpoolctl import threadpool_limits
 
-    from kvsnap.analysis.accumulator import HeadAccumulator
-    from kvsnap.analysis.catalogue import stat_groups
-    from kvsnap.analysis.rope import Rope
+    from kvsnap.analysis.stats.accumulator import HeadAccumulator
+    from kvsnap.analysis.stats.catalogue import stat_groups
+    from kvsnap.analysis.stats.rope import Rope
 
     rows = 64 * MIB // 512
     generators = [np.random.default_rng(t) for t in range(max(threads))]
@@ -105,7 +105,7 @@ def read(path: str, threads: list[int]) -> None:
 
 
 def main() -> None:
-    from kvsnap.analysis.parallel import cores
+    from kvsnap.analysis.engine.parallel import cores
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["memory", "read"])

@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvsnap.analysis.parallel import single_threaded_blas
-from kvsnap.analysis.stats import HeadAccumulator, stat_groups, stats_for_file
+from kvsnap.analysis.engine.parallel import single_threaded_blas
+from kvsnap.analysis.engine.tables import stats_for_file
+from kvsnap.analysis.stats import HeadAccumulator, stat_groups
 
 
 def timed(work: object) -> tuple[float, float, float]:

@@ -552,4 +552,3 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"kvsnap: error: {exc}", file=sys.stderr)
         return 2
-

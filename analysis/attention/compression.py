@@ -1,0 +1,559 @@
+"""KV-compression what-ifs on a saved generation: per query head, how much the attention output
+would have changed had the cache been compressed by a method at a budget.
+
+The cache is compressed once, after the compressed span (as kvpress and the papers' evaluations
+do): with ``compress="prompt"`` (default) the whole prompt, with ``compress="context"`` the keys
+before ``question_start`` (kvpress compresses the context and leaves the question that follows it
+uncompressed). A method keeps ``max(1, floor(budget * n))`` of the span's ``n`` keys (kvpress's
+rounding); every later key stays. The decode queries (positions at or after the prompt's end;
+without any, those from the span's end, or the last ``window`` queries before it) then attend to
+what is left, with the layer's recorded scale, mask, softcap and sinks
+(`kvformat.attention.weights` over the kept keys: the full softmax renormalized over them). Each
+head's inputs are exact (the file's own queries, keys and values), so the error is per head; an
+end-to-end figure, where each layer's error feeds the next, compounds and is larger. Per (method,
+budget, layer, head):
+
+- ``relative_error``: ``||o' - o||_F / ||o||_F`` over those queries (``o = weights @ V``);
+- ``top1_agreement``: the fraction of those queries whose most-attended key is the same.
+
+Eviction methods (which keys of the span stay; ties between equal scores go to the earlier key):
+
+- ``streaming``: StreamingLLM (Xiao et al. 2023) as kvpress's ``StreamingLLMPress``: the first 4
+  keys and the most recent ones;
+- ``snapkv``: SnapKV (Li et al. 2024) as kvpress's ``SnapKVPress``: the observation window (the
+  last ``window`` queries of the span, default 64) is always kept; every earlier key is scored by
+  the window's attention to it, averaged over the window's queries, pooled over ``kernel`` (5)
+  neighbouring keys (``pooling="avg"``: zero-padded average, as ``avg_pool1d``; ``"max"``: the
+  maximum, as some SnapKV ports do), then averaged over the query heads that share the KV head;
+- ``observed``: kvpress's ``ObservedAttentionPress``: each key's attention summed over every query
+  of the span and divided by how many of them see it (``n - j`` for key ``j``), averaged over the
+  group; needs every query of the span (``--queries all``);
+- ``h2o``: H2O (Zhang et al. 2023) as the paper defines it (kvpress has no H2O press): half the
+  budget the most recent keys, half the heavy hitters, the keys with the most attention
+  accumulated (summed) over every query of the span the file holds and over the group;
+- ``random``: a uniform sample (seeded), the baseline.
+
+Quantization methods (every key kept; ``budget`` is bits / 16, against float16):
+
+- ``kivi2``, ``kivi4`` (KIVI): K quantized per channel in groups of 32 tokens, V per token;
+- ``token2``, ``token4``: K and V both per token. Asymmetric min-max integer quantization.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import kvformat
+from kvformat.attention import context_keys
+from kvformat.attention import weights as attention_weights
+
+from ..kernels.arrays import float32_rows
+from .head_importance import NoQueriesError, layers_with_queries, prompt_end, query_layers
+
+EVICTION = ("streaming", "snapkv", "observed", "h2o", "random")
+QUANTIZATION = {
+    "kivi2": ("channel", 2),
+    "kivi4": ("channel", 4),
+    "token2": ("token", 2),
+    "token4": ("token", 4),
+}
+METHODS = (*EVICTION, *QUANTIZATION)
+BUDGETS = (0.1, 0.25, 0.5)
+OBSERVATION = 64  # SnapKV's observation window, queries (kvpress's default)
+SINKS = 4
+POOL = 5  # SnapKV's pooling kernel, keys
+POOLINGS = ("avg", "max")
+COMPRESS = ("prompt", "context")
+GROUP = 32  # KIVI's group of tokens for per-channel K
+
+
+class CompressionWarning(UserWarning):
+    """A what-if whose result says little about the method (a budget no larger than SnapKV's
+    observation window), or queries left out (keys the file no longer holds)."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the keys are chosen: SnapKV's observation ``window`` (queries), pooling ``kernel``
+    (keys, odd) and ``pooling`` (`POOLINGS`); which span is compressed (``compress``, `COMPRESS`;
+    ``"context"`` needs ``question_start``, the position where the uncompressed question
+    begins); the ``seed`` of ``random``."""
+
+    window: int = OBSERVATION
+    kernel: int = POOL
+    pooling: str = "avg"
+    compress: str = "prompt"
+    question_start: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be a positive number of queries, not {self.window}")
+        if self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"kernel must be a positive odd number of keys, not {self.kernel}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {self.pooling!r}")
+        if self.compress not in COMPRESS:
+            raise ValueError(f"compress must be one of {', '.join(COMPRESS)}, not {self.compress!r}")
+        if self.compress == "context" and self.question_start is None:
+            raise ValueError(
+                "compress='context' needs question_start: the position where the question begins"
+            )
+
+    def span_end(self, snap: kvformat.Snapshot) -> int:
+        """The first position after the compressed span."""
+        if self.compress == "context":
+            assert self.question_start is not None
+            return self.question_start
+        end = prompt_end(snap)
+        if end is None:
+            raise ValueError(
+                f"{snap.name} records no prompt length: give the span with compress='context' and "
+                "question_start (--compress context --question-start P)"
+            )
+        return end
+
+
+@dataclass(frozen=True)
+class _Head:
+    """One query head's inputs: its complete queries (those that saw every one of their keys)
+    and the keys and values its KV head's queries saw."""
+
+    spec: Any
+    head: int
+    q: np.ndarray
+    q_positions: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    k_positions: np.ndarray
+
+
+def check_methods(methods: Iterable[str]) -> list[str]:
+    """``methods`` as a list; ValueError naming an unknown one."""
+    chosen = list(methods)
+    unknown = [m for m in chosen if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method {unknown[0]!r}: one of {', '.join(METHODS)}")
+    return chosen
+
+
+def kept_count(budget: float, n: int) -> int:
+    """Keys kept of ``n`` at ``budget``: ``max(1, floor(budget * n))`` (kvpress's ``compute_n_kept``),
+    at most ``n``."""
+    return min(n, max(1, math.floor(budget * n + 1e-9)))
+
+
+def _pool(scores: np.ndarray, width: int, pooling: str) -> np.ndarray:
+    """``scores`` ``(..., n)`` pooled over ``width`` neighbouring keys (centred, ``width`` odd):
+    the zero-padded mean (``avg_pool1d`` with ``count_include_pad``) or the maximum."""
+    half = width // 2
+    if pooling == "avg":
+        padded = np.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(half, half)])
+        windows = np.lib.stride_tricks.sliding_window_view(padded, width, axis=-1)
+        return windows.sum(axis=-1) / width
+    padded = np.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(half, half)], constant_values=-np.inf)
+    return np.lib.stride_tricks.sliding_window_view(padded, width, axis=-1).max(axis=-1)
+
+
+def _top(scores: np.ndarray, count: int, among: np.ndarray) -> np.ndarray:
+    """Indices (into ``scores``) of the ``count`` highest among the boolean ``among``, the earlier
+    key first among equal scores."""
+    candidates = np.flatnonzero(among)
+    if count <= 0 or not candidates.size:
+        return np.empty(0, np.int64)
+    order = np.lexsort((candidates, -scores[candidates]))
+    return candidates[order[:count]]
+
+
+def kept_keys(
+    method: str,
+    budget: float,
+    k_positions: np.ndarray,
+    end: int,
+    scores: dict[str, np.ndarray],
+    rng: np.random.Generator,
+    window: int = OBSERVATION,
+) -> np.ndarray:
+    """Boolean ``(n_keys,)``: the keys an eviction ``method`` keeps at ``budget`` (the span's keys
+    are those at positions below ``end``; every later key stays). ``scores``: per method, a score
+    per key (``snapkv``: pooled and averaged, NaN in the observation window; ``observed``,
+    ``h2o``)."""
+    span = k_positions < end
+    keep = ~span
+    index = np.flatnonzero(span)  # the span's keys in position order
+    count = kept_count(budget, index.size) if index.size else 0
+    if method == "streaming":
+        chosen = np.concatenate([index[: min(SINKS, count)], index[index.size - max(0, count - SINKS) :]])
+    elif method == "random":
+        chosen = rng.choice(index, size=count, replace=False) if count else index[:0]
+    elif method == "snapkv":
+        observed = span & (k_positions >= end - window)
+        fixed = np.flatnonzero(observed)[:count]  # all of it, unless the budget is smaller
+        chosen = np.concatenate([fixed, _top(scores["snapkv"], count - fixed.size, span & ~observed)])
+    elif method == "observed":
+        chosen = _top(scores["observed"], count, span)
+    elif method == "h2o":
+        recent = index[index.size - count // 2 :] if count // 2 else index[:0]
+        heavy_among = span.copy()
+        heavy_among[recent] = False
+        chosen = np.concatenate([recent, _top(scores["h2o"], count - recent.size, heavy_among)])
+    else:
+        raise ValueError(f"{method!r} is not an eviction method")
+    keep[chosen] = True
+    return keep
+
+
+def quantize(x: np.ndarray, bits: int, axis: int, group: int | None = None) -> np.ndarray:
+    """``x`` ``(n, dim)`` float32 quantized and dequantized: asymmetric min-max to ``2^bits``
+    levels, one scale and offset per row (``axis=1``: per token) or per column (``axis=0``: per
+    channel, in groups of ``group`` rows)."""
+    levels = (1 << bits) - 1
+    out = np.empty_like(x, dtype=np.float32)
+    step = group if (axis == 0 and group) else x.shape[0]
+    for start in range(0, max(x.shape[0], 1), max(step, 1)):
+        part = x[start : start + step].astype(np.float32)
+        if not part.size:
+            continue
+        low = part.min(axis=axis, keepdims=True)
+        high = part.max(axis=axis, keepdims=True)
+        scale = np.where(high > low, (high - low) / levels, 1.0).astype(np.float32)
+        out[start : start + step] = np.round((part - low) / scale) * scale + low
+    return out
+
+
+def _span_weights(h: _Head, end: int, low: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``(weights, positions)``: the attention ``(m, n_keys)`` of ``h``'s queries at positions in
+    ``[low, end)``, and those positions."""
+    rows = (h.q_positions >= low) & (h.q_positions < end)
+    at = h.q_positions[rows]
+    return attention_weights(h.spec, h.head, h.q[rows], h.k, at, h.k_positions), at
+
+
+def _group_scores(
+    heads: Sequence[_Head], end: int, methods: Iterable[str], options: Options
+) -> dict[str, np.ndarray]:
+    """Per key of the group's KV head, the scores the eviction ``methods`` rank by (see the
+    module's docstring), from the query heads ``heads`` that read it. ValueError where the file
+    lacks the queries a method needs."""
+    wanted = set(methods)
+    size = heads[0].k.shape[0]
+    positions = heads[0].k_positions
+    out: dict[str, np.ndarray] = {}
+    if "snapkv" in wanted:
+        first = end - options.window
+        before = positions < first
+        pooled = np.zeros(int(before.sum()))
+        for h in heads:
+            weights, at = _span_weights(h, end, first)
+            if at.size != options.window or first < 1:
+                raise ValueError(
+                    f"snapkv's observation window is the {options.window} queries before position {end}; "
+                    f"the file holds {at.size} of them for query head {h.head} (capture with --queries "
+                    f"window:{options.window} or all, or pass a --window it holds, below {end})"
+                )
+            pooled += _pool(
+                weights[:, before].astype(np.float64).mean(axis=0), options.kernel, options.pooling
+            )
+        out["snapkv"] = np.full(size, np.nan)
+        out["snapkv"][before] = pooled / len(heads)
+    if "observed" in wanted:
+        observed = np.zeros(size)
+        for h in heads:
+            weights, at = _span_weights(h, end)
+            if at.size != end:
+                raise ValueError(
+                    f"observed needs every query before position {end}; the file holds {at.size} for query "
+                    f"head {h.head} (capture with --queries all)"
+                )
+            seen_by = np.maximum(end - positions, 1)
+            observed += weights.astype(np.float64).sum(axis=0) / seen_by
+        out["observed"] = observed / len(heads)
+    if "h2o" in wanted:
+        h2o = np.zeros(size)
+        for h in heads:
+            weights, _ = _span_weights(h, end)
+            h2o += weights.astype(np.float64).sum(axis=0)
+        out["h2o"] = h2o
+    return out
+
+
+def _warn_small_budget(methods: Iterable[str], budgets: Sequence[float], n: int, options: Options) -> None:
+    """A `CompressionWarning` where SnapKV's budget keeps no more keys than its window."""
+    if "snapkv" not in methods:
+        return
+    small = [b for b in budgets if kept_count(b, n) <= options.window]
+    if small:
+        warnings.warn(
+            f"snapkv at budget {small[0]:g} keeps {kept_count(small[0], n)} of {n} keys, no more than its "
+            f"observation window ({options.window}): only window keys are kept, the result says "
+            "nothing of SnapKV's scores (a smaller --window, or a longer prompt)",
+            CompressionWarning,
+            stacklevel=4,
+        )
+
+
+def snapkv_scores(
+    snap: kvformat.Snapshot, options: Options | None = None
+) -> dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]]:
+    """SnapKV's score of every key before the observation window, per ``(seq, layer, kv_head)``
+    of the layers that hold queries, as ``simulate --method snapkv`` ranks them (see the module's
+    docstring). Values ``(key positions, scores)``, NaN for keys in or after the window. Without
+    ``options``, the window is the last 64 prompt queries, or as many of them as the file holds
+    (the token table's ``snapkv_score``). Empty when the file records no prompt length or holds no
+    prompt query."""
+    found = query_layers(snap)
+    end = prompt_end(snap) if options is None or options.compress == "prompt" else options.span_end(snap)
+    if end is None or not found:
+        return {}
+    if options is None:
+        held = snap.queries(found[0], 0)
+        assert held is not None
+        window = _tail(held.positions, end, OBSERVATION)
+        if not window:
+            return {}
+        options = Options(window=window)
+    out: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+    for seq in range(snap.num_seqs):
+        for layer in found:
+            spec = snap.layers[layer].queries
+            assert spec is not None
+            for kv_head in sorted(set(spec.kv_heads)):
+                heads, _ = _group_heads(snap, layer, kv_head, seq)
+                scores = _group_scores(heads, end, ["snapkv"], options)["snapkv"]
+                out[(seq, layer, kv_head)] = (heads[0].k_positions, scores)
+    return out
+
+
+def _tail(positions: np.ndarray, end: int, most: int) -> int:
+    """How many of the positions ``end - 1, end - 2, ...`` (at most ``most``, none below 1) are
+    in ``positions`` without a gap."""
+    count = 0
+    held = set(positions.tolist())
+    while count < most and end - count - 1 >= 1 and end - count - 1 in held:
+        count += 1
+    return count
+
+
+def kept_mask(
+    snap: kvformat.Snapshot,
+    layer: int,
+    head: int,
+    method: str,
+    budget: float,
+    *,
+    seq: int = 0,
+    options: Options | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The keys of query head ``head``'s KV head that eviction ``method`` keeps at ``budget``, as
+    `simulate` chooses them: ``(key positions (n_keys,), kept (n_keys,) bool)``. ``random``
+    draws from ``default_rng(options.seed)`` for this head alone (`simulate` draws once per file)."""
+    options = options or Options()
+    if method not in EVICTION:
+        raise ValueError(f"{method!r} is not an eviction method: one of {', '.join(EVICTION)}")
+    if not 0 < budget <= 1:
+        raise ValueError(f"budget {budget} is not in (0, 1]")
+    if not 0 <= layer < snap.num_layers:
+        raise kvformat.OutOfRangeError(f"layer {layer} out of range 0..{snap.num_layers - 1}")
+    spec = snap.layers[layer].queries
+    if spec is None:
+        raise NoQueriesError(f"layer {layer} holds no queries")
+    if not 0 <= head < spec.num_heads:
+        raise kvformat.OutOfRangeError(
+            f"query head {head} out of range 0..{spec.num_heads - 1} in layer {layer}"
+        )
+    heads, _ = _group_heads(snap, layer, spec.kv_heads[head], seq)
+    end = options.span_end(snap)
+    scores = _group_scores(heads, end, [method], options)
+    rng = np.random.default_rng(options.seed)
+    positions = heads[0].k_positions
+    return positions, kept_keys(method, budget, positions, end, scores, rng, options.window)
+
+
+def _group_heads(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) -> tuple[list[_Head], int]:
+    """The query heads of ``layer`` that read ``kv_head``, each with the keys and values their
+    queries saw (`kvformat.attention.context_keys`), and how many queries were left out because
+    they saw keys the file no longer holds."""
+    spec = snap.layers[layer].queries
+    assert spec is not None
+    group = [h for h in range(spec.num_heads) if spec.kv_heads[h] == kv_head]
+    found = [snap.queries(layer, head, seq) for head in group]
+    at = np.unique(np.concatenate([f.positions for f in found if f is not None]))
+    keys = context_keys(snap, layer, kv_head, seq, at)
+    k, v = float32_rows(keys.k, compiled=True), float32_rows(keys.v, compiled=True)
+    heads, left_out = [], 0
+    for head, queries in zip(group, found, strict=True):
+        assert queries is not None
+        complete = keys.complete[np.searchsorted(at, queries.positions)]
+        left_out += int((~complete).sum())
+        q = np.asarray(queries.q, np.float32)[complete]
+        heads.append(_Head(spec, head, q, queries.positions[complete], k, v, keys.positions))
+    return heads, left_out
+
+
+def _error(
+    h: _Head,
+    rows: np.ndarray,
+    full: np.ndarray,
+    full_top: np.ndarray,
+    keep: np.ndarray | None,
+    k: Any,
+    v: Any,
+) -> tuple[float, float]:
+    """``(relative error, top-1 agreement)`` of the eval queries ``rows`` with keys ``keep`` (all
+    when None) of ``k``/``v`` (possibly quantized)."""
+    columns = slice(None) if keep is None else keep
+    kept_positions = h.k_positions[columns]
+    found = attention_weights(h.spec, h.head, h.q[rows], k[columns], h.q_positions[rows], kept_positions)
+    output = found.astype(np.float64) @ np.asarray(v[columns], np.float64)
+    reference = (full**2).sum()
+    error = float(np.sqrt(((output - full) ** 2).sum() / reference)) if reference > 0 else float("nan")
+    top = kept_positions[np.argmax(found, axis=1)] if found.shape[1] else np.full(len(full_top), -1)
+    return error, float(np.mean(top == full_top)) if len(full_top) else float("nan")
+
+
+def _available(snap: kvformat.Snapshot, end: int) -> list[str]:
+    """`METHODS` less ``observed`` where the file does not hold every query of the span (one
+    `CompressionWarning` says so): the methods a default `simulate` runs."""
+    for layer in query_layers(snap):
+        found = snap.queries(layer, 0)
+        if found is not None and int((found.positions < end).sum()) < end:
+            warnings.warn(
+                f"{snap.name}: observed left out: it needs every query before position {end} "
+                "(capture with --queries all)",
+                CompressionWarning,
+                stacklevel=3,
+            )
+            return [m for m in METHODS if m != "observed"]
+    return list(METHODS)
+
+
+def simulate_rows(
+    path: str | os.PathLike[str],
+    methods: Iterable[str] | None = None,
+    budgets: Sequence[float] = BUDGETS,
+    snapshot: int = -1,
+    *,
+    seq: int = 0,
+    options: Options | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per (method, budget, layer, query head); see the module's docstring. ``methods``:
+    default, every method the file's queries allow."""
+    options = options or Options()
+    chosen = check_methods(methods) if methods is not None else None
+    for budget in budgets:
+        if not 0 < budget <= 1:
+            raise ValueError(f"budget {budget} is not in (0, 1]")
+    rng = np.random.default_rng(options.seed)
+    rows: list[dict[str, Any]] = []
+    left_out = 0
+    with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
+        end = options.span_end(snap)
+        if not 0 < end <= snap.seq_len:
+            raise ValueError(
+                f"the compressed span ends at {end}, outside the file's positions 0..{snap.seq_len}"
+            )
+        if chosen is None:
+            chosen = _available(snap, end)
+        warned = False
+        for layer in layers_with_queries(snap):
+            spec = snap.layers[layer].queries
+            assert spec is not None
+            for kv_head in sorted(set(spec.kv_heads)):
+                heads, dropped = _group_heads(snap, layer, kv_head, seq)
+                left_out += dropped
+                if not warned:
+                    _warn_small_budget(chosen, budgets, int((heads[0].k_positions < end).sum()), options)
+                    warned = True
+                scores = _group_scores(heads, end, [m for m in chosen if m in EVICTION], options)
+                ends = (end, prompt_end(snap))
+                for h in heads:
+                    rows += _head_rows(h, layer, kv_head, chosen, budgets, ends, options, scores, rng)
+        if left_out:
+            warnings.warn(
+                f"{snap.name}: {left_out} queries left out: they attended keys no snapshot of the file holds",
+                CompressionWarning,
+                stacklevel=2,
+            )
+    return rows
+
+
+def _head_rows(
+    h: _Head,
+    layer: int,
+    kv_head: int,
+    methods: list[str],
+    budgets: Sequence[float],
+    ends: tuple[int, int | None],
+    options: Options,
+    scores: dict[str, np.ndarray],
+    rng: np.random.Generator,
+) -> list[dict[str, Any]]:
+    """``h``'s rows; ``ends``: the compressed span's end and the prompt's (None if unknown)."""
+    end, prompt = ends
+    decode = h.q_positions >= max(end, prompt or 0)
+    if not decode.any():
+        decode = h.q_positions >= end
+    rows_eval = decode if decode.any() else (h.q_positions >= end - options.window) & (h.q_positions < end)
+    if not rows_eval.any():
+        return []
+    full_weights = attention_weights(
+        h.spec, h.head, h.q[rows_eval], h.k, h.q_positions[rows_eval], h.k_positions
+    )
+    full = full_weights.astype(np.float64) @ h.v.astype(np.float64)
+    full_top = h.k_positions[np.argmax(full_weights, axis=1)]
+    base = {"layer": layer, "head": h.head, "kv_head": kv_head, "n_queries": int(rows_eval.sum())}
+    out = []
+    for method in methods:
+        if method in QUANTIZATION:
+            axis, bits = QUANTIZATION[method]
+            k = quantize(h.k, bits, axis=0 if axis == "channel" else 1, group=GROUP)
+            v = quantize(h.v, bits, axis=1)
+            error, agreement = _error(h, rows_eval, full, full_top, None, k, v)
+            out.append(
+                {
+                    "method": method,
+                    "budget": bits / 16,
+                    **base,
+                    "relative_error": error,
+                    "top1_agreement": agreement,
+                }
+            )
+            continue
+        for budget in budgets:
+            keep = kept_keys(method, budget, h.k_positions, end, scores, rng, options.window)
+            error, agreement = _error(h, rows_eval, full, full_top, keep, h.k, h.v)
+            out.append(
+                {
+                    "method": method,
+                    "budget": budget,
+                    **base,
+                    "relative_error": error,
+                    "top1_agreement": agreement,
+                }
+            )
+    return out
+
+
+def simulate(
+    path: str | os.PathLike[str],
+    methods: Iterable[str] | None = None,
+    budgets: Sequence[float] = BUDGETS,
+    snapshot: int = -1,
+    **options: Any,
+) -> Any:
+    """`simulate_rows` as a Polars DataFrame: ``method``, ``budget``, ``layer``, ``head``,
+    ``kv_head``, ``n_queries``, ``relative_error``, ``top1_agreement``. Keyword arguments:
+    ``seq``, ``storage_options``, and the fields of `Options` (``window``, ``kernel``,
+    ``pooling``, ``compress``, ``question_start``, ``seed``)."""
+    import polars as pl
+
+    passed = {name: options.pop(name) for name in list(options) if name in Options.__dataclass_fields__}
+    return pl.DataFrame(simulate_rows(path, methods, budgets, snapshot, options=Options(**passed), **options))

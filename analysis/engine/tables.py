@@ -1,0 +1,358 @@
+"""Per-head statistics of K and V as tables: rows, Arrow tables per layer, Polars frames, many
+files on many cores, built on one streaming pass per file (`engine.streaming`) feeding mergeable
+accumulators (`stats.accumulator`) of the statistics `stats.catalogue` defines. The formulas are
+in ``analysis/README.md``; the public front doors are re-exported by `kvsnap.analysis`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import kvformat
+
+from ..attention.tokens import token_ids, token_pieces
+from ..stats.accumulator import HeadAccumulator
+from ..stats.arrow import arrow_table
+from ..stats.catalogue import ALL, GROUPS, POSITION_BINS, QUANT_BITS, QUANT_GROUP, RANKS, TOP_K, stat_groups
+from .files import BatchOptions, parts_by_file
+from .parallel import local_map
+from .plan import BACKENDS, Key, PassOptions, check_backend
+from .streaming import accumulate, layers
+
+if TYPE_CHECKING:
+    import polars as pl
+    import pyarrow as pa
+
+__all__ = [
+    "ALL",
+    "BACKENDS",
+    "GROUPS",
+    "POSITION_BINS",
+    "QUANT_BITS",
+    "QUANT_GROUP",
+    "RANKS",
+    "TOP_K",
+    "HeadAccumulator",
+    "Key",
+    "PassOptions",
+    "check_backend",
+    "file_accumulators",
+    "file_table",
+    "file_tables",
+    "frame_of",
+    "head_stats",
+    "head_stats_reader",
+    "layer_tables",
+    "local_map",
+    "merged_accumulators",
+    "outliers",
+    "stat_groups",
+    "stats_for_file",
+    "stats_rows",
+    "token_table",
+]
+
+
+def _rows(
+    name: str, index: int, accumulators: dict[Key, HeadAccumulator], arrays: bool = False
+) -> list[dict[str, Any]]:
+    """One row per accumulator, within a layer by (seq, head, tensor); vector columns as numpy
+    arrays with ``arrays`` (for `_arrow_table`), else lists."""
+    return [
+        {
+            "file": name,
+            "snapshot": index,
+            "seq": seq,
+            "layer": layer,
+            "head": head,
+            "tensor": tensor,
+            **(acc.row_arrays() if arrays else acc.row()),
+        }
+        for (layer, seq, head, tensor), acc in sorted(accumulators.items())
+    ]
+
+
+def stats_rows(
+    path: str | os.PathLike[str],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    *,
+    stats: str | Iterable[str] | None = None,
+    jobs: int = 1,
+    backend: str = "cpu",
+) -> list[dict[str, Any]]:
+    """Rows of per-head statistics for one file (one streaming pass on ``jobs`` workers, or mlx
+    with ``backend="mlx"``), as dicts: within a layer by (seq, head, tensor)."""
+    options = PassOptions(snapshot, keys, stat_groups(stats), jobs, backend=backend)
+    return [
+        row
+        for name, index, _, table in layers(path, options, finish=True)
+        for row in _rows(name, index, table)
+    ]
+
+
+def stats_for_file(
+    path: str | os.PathLike[str],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    storage_options: dict[str, Any] | None = None,
+    *,
+    stats: str | Iterable[str] | None = None,
+    jobs: int = 1,
+    progress: bool = False,
+    backend: str = "cpu",
+) -> Iterator[pa.Table]:
+    """The per-head statistics of one file (a path or a URL) as Arrow tables, one per layer, each
+    yielded as soon as the streaming pass is past that layer's last chunk; ``stats`` picks the
+    groups (`GROUPS`, all by default), ``jobs`` workers share the file (processes; threads for a
+    URL). No global state but the kept worker pool: a process pool or a distributed engine can
+    call it per file."""
+    options = PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options, backend=backend)
+    yield from layer_tables(path, options, progress)
+
+
+def layer_tables(
+    path: str | os.PathLike[str], options: PassOptions, progress: bool = False
+) -> Iterator[pa.Table]:
+    """`stats_for_file` with its options as one `PassOptions` (what the engines call)."""
+
+    for name, index, _, accumulators in layers(path, options, progress, finish=True):
+        yield arrow_table(_rows(name, index, accumulators, arrays=True))
+
+
+def file_accumulators(
+    path: str | os.PathLike[str],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    storage_options: dict[str, Any] | None = None,
+    *,
+    stats: str | Iterable[str] | None = None,
+    jobs: int = 1,
+    backend: str = "cpu",
+) -> dict[tuple[int, int, str], HeadAccumulator]:
+    """The mergeable state of one file, per (layer, head, tensor), its sequences merged: the unit
+    that `analysis.engine.batch.merged_stats` combines across files."""
+    options = PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options, backend=backend)
+    return merged_accumulators(path, options)
+
+
+def merged_accumulators(
+    path: str | os.PathLike[str], options: PassOptions
+) -> dict[tuple[int, int, str], HeadAccumulator]:
+    """`file_accumulators` with its options as one `PassOptions` (what the engines call)."""
+    merged: dict[tuple[int, int, str], HeadAccumulator] = {}
+    for (layer, _, head, tensor), acc in sorted(accumulate(path, options).items()):
+        key = (layer, head, tensor)
+        if key in merged:
+            merged[key].merge(acc)
+        else:
+            merged[key] = acc
+    return merged
+
+
+def file_table(
+    path: str | os.PathLike[str], options: PassOptions, sink: Callable[[pa.Table], None] | None = None
+) -> pa.Table:
+    """Every layer's table of one file, concatenated (what the engines call per file); ``sink``,
+    in this process, takes each layer's table as soon as it is computed. Without a sink, the
+    rows of every layer become one table at the end: one Arrow build per file, not one per
+    layer (`python -m benchmarks.analysis_bench` times a pass)."""
+    # pyarrow after the pass has started (its first table imports it while the workers run):
+    # imported first, it would hold up the tasks' submission by its import.
+    if sink is None:
+        rows = [
+            row
+            for name, index, _, accumulators in layers(path, options, options.progress, finish=True)
+            for row in _rows(name, index, accumulators, arrays=True)
+        ]
+        import pyarrow as pa
+
+        return arrow_table(rows) if rows else pa.table({})
+    tables = []
+    for table in layer_tables(path, options, options.progress):
+        tables.append(table)
+        sink(table)
+    import pyarrow as pa
+
+    return pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
+
+
+def _paths(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
+    return [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+
+
+def file_tables(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    jobs: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    *,
+    stats: str | Iterable[str] | None = None,
+    backend: str = "cpu",
+) -> Iterator[pa.Table]:
+    """One Arrow table per file, in the order given, on ``jobs`` cores (default: all of this
+    process's): files in parallel processes first (in parts of their layers where each would get
+    one core, `files.file_parts`), the rest as each file's workers; with
+    ``backend="mlx"`` one file after another, on mlx's device. ``progress`` is called with each
+    file name as it finishes."""
+    files = _paths(paths)
+    batch = BatchOptions(jobs=jobs, snapshot=snapshot, keys=keys, stats=stat_groups(stats), backend=backend)
+    processes, options = batch.plan(len(files))
+    for path, found in parts_by_file(files, file_table, processes, options, batch.cores):
+        if progress:
+            progress(os.fspath(path))
+        yield found[0] if len(found) == 1 else rows_of(found)
+
+
+def head_stats(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    jobs: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    *,
+    stats: str | Iterable[str] | None = None,
+    backend: str = "cpu",
+) -> pl.DataFrame:
+    """A Polars DataFrame, one row per (file, seq, layer, head, tensor); ``keys="pre_rope"``
+    un-rotates K first using the RoPE description in the metadata; ``stats`` names the groups
+    (`GROUPS`; default all); ``jobs`` cores (default: all); ``backend="mlx"`` computes on mlx's
+    default device (a GPU where there is one); ``progress`` is called with each file name as it
+    finishes."""
+    return frame_of(list(file_tables(paths, snapshot, keys, jobs, progress, stats=stats, backend=backend)))
+
+
+def frame_of(tables: list[pa.Table]) -> pl.DataFrame:
+    """One Polars DataFrame of Arrow tables (columns unified, empty tables dropped)."""
+    import polars as pl
+
+    frame = pl.from_arrow(rows_of(tables))
+    assert isinstance(frame, pl.DataFrame)
+    return frame
+
+
+def rows_of(tables: list[pa.Table]) -> pa.Table:
+    """One Arrow table of ``tables`` (columns unified, empty tables dropped; no columns if none
+    is left)."""
+    import pyarrow as pa
+
+    tables = [t for t in tables if t.num_rows]
+    if not tables:
+        return pa.table({})
+    return pa.concat_tables(tables, promote_options="default")
+
+
+def head_stats_reader(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    jobs: int | None = None,
+    *,
+    stats: str | Iterable[str] | None = None,
+) -> pa.RecordBatchReader:
+    """The same rows as an Arrow RecordBatchReader, one batch per file (streams file by file)."""
+    import pyarrow as pa
+
+    tables = file_tables(paths, snapshot, keys, jobs, stats=stats)
+    first = next(tables, None)
+    if first is None:
+        return pa.RecordBatchReader.from_batches(pa.schema([]), iter(()))
+    schema = first.schema
+
+    def batches() -> Iterator[pa.RecordBatch]:
+        yield from first.cast(schema).to_batches()
+        for table in tables:
+            yield from table.cast(schema).to_batches()
+
+    return pa.RecordBatchReader.from_batches(schema, batches())
+
+
+def token_table(
+    path: str | os.PathLike[str], snapshot: int = -1, storage_options: dict[str, Any] | None = None
+) -> pl.LazyFrame:
+    """Per-token scalars as a LazyFrame, built chunk by chunk: seq, layer, head, position,
+    k_norm, v_norm, k_absmax, k_nonfinite and v_nonfinite (how many of the row's values are inf
+    or NaN; the row's norms are then null), and where the file records them (SPEC 15.3)
+    ``token_id`` and ``token_text`` (the token decoded alone), null where it does not; and for a
+    file with queries ``snapkv_score``: SnapKV's score of each prompt key (the attention of the last
+    32 prompt queries, summed over them and the query heads of the KV head, max-pooled over 5 keys;
+    `analysis.attention.compression.snapkv_scores`), null elsewhere."""
+    import polars as pl
+
+    from ..attention.compression import snapkv_scores
+
+    frames = []
+    with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
+        ids, pieces = token_ids(snap), token_pieces(snap)
+        snapkv = snapkv_scores(snap)
+
+        def label(values: list[list[Any]] | None, seq: int, positions: np.ndarray) -> list[Any]:
+            known = values[seq] if values is not None and seq < len(values) else []
+            return [known[p] if p < len(known) else None for p in positions.tolist()]
+
+        def scalar(values: np.ndarray, bad: np.ndarray) -> pl.Series:
+            return pl.Series(np.where(bad > 0, np.nan, values)).fill_nan(None)
+
+        for block in snap.blocks():
+            where = (block.seq, block.layer, block.head)
+            k = np.asarray(block.k, dtype=np.float32)
+            v = np.asarray(block.v, dtype=np.float32)
+            k_bad = (~np.isfinite(k)).sum(axis=1)
+            v_bad = (~np.isfinite(v)).sum(axis=1)
+            with np.errstate(all="ignore"):
+                k_norm, v_norm = np.linalg.norm(k, axis=1), np.linalg.norm(v, axis=1)
+                k_absmax = np.abs(k).max(axis=1) if k.size else np.empty(0, np.float32)
+            frames.append(
+                pl.DataFrame(
+                    {
+                        "seq": np.full(block.positions.size, block.seq, np.int32),
+                        "layer": np.full(block.positions.size, block.layer, np.int32),
+                        "head": np.full(block.positions.size, block.head, np.int32),
+                        "position": block.positions,
+                        "k_norm": scalar(k_norm, k_bad),
+                        "v_norm": scalar(v_norm, v_bad),
+                        "k_absmax": scalar(k_absmax, k_bad),
+                        "k_nonfinite": k_bad.astype(np.int32),
+                        "v_nonfinite": v_bad.astype(np.int32),
+                        "token_id": pl.Series(label(ids, block.seq, block.positions), dtype=pl.Int64),
+                        "token_text": pl.Series(label(pieces, block.seq, block.positions), dtype=pl.Utf8),
+                        "snapkv_score": _scores_at(snapkv.get(where), block.positions),
+                    }
+                )
+            )
+    if not frames:
+        return pl.LazyFrame()
+    return pl.concat(frames).lazy()
+
+
+def _scores_at(scores: tuple[np.ndarray, np.ndarray] | None, positions: np.ndarray) -> pl.Series:
+    """Per-key scores ``(key positions, values)`` at ``positions`` (a Float64 column; null where
+    there is none or it is NaN)."""
+    import polars as pl
+
+    if scores is None:
+        return pl.Series([None] * positions.size, dtype=pl.Float64)
+    keys, values = scores
+    at = np.searchsorted(keys, positions)
+    inside = (at < keys.size) & (keys[np.minimum(at, keys.size - 1)] == positions)
+    found = np.where(inside, values[np.minimum(at, keys.size - 1)], np.nan)
+    return pl.Series(found, dtype=pl.Float64).fill_nan(None)
+
+
+def outliers(
+    table: pl.DataFrame, factor: float = 1.5, stat: str = "norm_mean", tensor: str = "k"
+) -> pl.DataFrame:
+    """The ``tensor`` rows with ``ratio_to_median`` (``stat`` / the median head of its file) and
+    an ``outlier`` flag where it exceeds ``factor``. NaN and null values (a head whose every
+    row held inf or NaN) take no part in the median and are never flagged."""
+    import polars as pl
+
+    rows = table.filter(pl.col("tensor") == tensor)
+    value = pl.col(stat).cast(pl.Float64).fill_nan(None)
+    ratio = (value / value.median().over("file")).alias("ratio_to_median")
+    return rows.with_columns(ratio).with_columns((pl.col("ratio_to_median") > factor).alias("outlier"))

@@ -1,0 +1,334 @@
+"""The CPU backend's kernels compiled ahead of time: `kernels.c`, built at install time into the
+shared library ``_native`` beside this module and called through ctypes (which releases the
+interpreter's lock for each call, so that threads run them in parallel).
+
+They are the one native path: the statistics pass (`kernels.kernel`), eigenvalues (`eigen`),
+float16 conversion (`halves`) and the attention pass (`attention_kernel`). Where the library is
+not built (no C compiler at install) the numpy reference computes the same table, slower, and
+`missing_note` says so once. The numpy reference is the oracle the C kernels are held to
+(`tests/test_kernel.py`, `tests/test_native.py`, `tests/test_head_importance.py`).
+
+``KVSNAP_KERNEL`` in the environment: ``compiled`` (the default) takes this library where it was
+built; ``numpy`` skips it. Each call pays ctypes' conversion of every array argument, so
+`accumulate` adds `KERNEL_ROWS` rows a call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..stats.catalogue import QUANT_GROUP
+
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
+_ROPE = 2  # `kernels.kernel.ROPE`: the flag under which the kernel writes ``band``
+_ROW_FIELDS = 9  # `attention_kernel.ROW_FIELDS`
+QL_CHAINS = 4  # `kernels.c`: tridiagonals whose QL iterations `eigenvalues_batch` interleaves
+
+
+def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
+    """The library built in ``here`` (beside this module), or None: not built (no C compiler at
+    install, or a source tree never installed), not a build of this version (an older build
+    without a function this module calls, or built from another ``kernels.c`` than the one
+    beside it: a source tree edited or checked out since, compared by CRC-32, which file times
+    copied or unpacked in any order cannot fool; a warning says so), or ``KVSNAP_KERNEL`` asks
+    for another path."""
+    if os.environ.get("KVSNAP_KERNEL", "compiled") != "compiled":
+        return None
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    for suffix in EXTENSION_SUFFIXES:
+        path = here / f"_native{suffix}"
+        if path.is_file():
+            try:
+                library = ctypes.CDLL(str(path))
+            except OSError:  # built for another machine: the numpy reference then
+                return None
+            try:
+                current = _built_from(library, here / "kernels.c")
+                _declare(library)
+            except AttributeError:  # an older build, without a function this module calls
+                current = False
+            if not current:
+                import warnings
+
+                warnings.warn(
+                    f"{path} is not a build of this kvsnap's kernels.c (an older build, or the source "
+                    "changed since): the numpy reference runs until it is rebuilt (pip install -e .)",
+                    stacklevel=2,
+                )
+                return None
+            return library
+    return None
+
+
+def _built_from(library: ctypes.CDLL, source: Path) -> bool:
+    """Whether ``library`` was built from ``source`` as it is now (True where there is none to
+    compare: an install without the source beside it)."""
+    import zlib
+
+    if not source.is_file():
+        return True
+    library.kvsnap_source_crc.restype = ctypes.c_char_p
+    recorded = library.kvsnap_source_crc().decode()
+    return recorded == f"{zlib.crc32(source.read_bytes()):08x}"
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    """Argument and result types of the library's functions (`kernels.c`)."""
+    library.kvsnap_accumulate.argtypes = [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT]
+    library.kvsnap_accumulate.argtypes += [_POINTER] * 5 + [_INT] + [_POINTER] * 7 + [_INT]
+    library.kvsnap_accumulate.argtypes += [_POINTER] * 6 + [_INT, _INT]
+    library.kvsnap_accumulate.restype = ctypes.c_int
+    library.kvsnap_top_rows.argtypes = [_POINTER, _INT, _INT, _POINTER]
+    library.kvsnap_top_rows.restype = _INT
+    library.kvsnap_add_shift_terms.argtypes = [_POINTER, _INT, _POINTER, _POINTER, _INT]
+    library.kvsnap_add_shift_terms.restype = None
+    library.kvsnap_halves_to_float32.argtypes = [_POINTER, _INT, _POINTER]
+    library.kvsnap_halves_to_float32.restype = None
+    library.kvsnap_eigenvalues_batch.argtypes = [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _POINTER]
+    library.kvsnap_eigenvalues_batch.restype = None
+    double = ctypes.c_double
+    library.kvsnap_block_scores.argtypes = [
+        _POINTER,
+        _INT,
+        _INT,
+        _POINTER,
+        _POINTER,
+        _POINTER,
+        double,
+        double,
+    ]
+    library.kvsnap_block_scores.argtypes += [_INT, _INT, double, ctypes.c_int, _INT, _INT, _INT]
+    library.kvsnap_block_scores.restype = ctypes.c_int
+    library.kvsnap_exp_nonpositive.argtypes = [_POINTER, _INT, _POINTER]
+    library.kvsnap_exp_nonpositive.restype = None
+
+
+LIBRARY = _load()
+AVAILABLE = LIBRARY is not None
+
+
+REQUESTED = os.environ.get("KVSNAP_KERNEL", "compiled") == "compiled"
+
+
+def missing_note() -> str | None:
+    """One line for the user where the compiled kernels were wanted but are not built (no C
+    compiler when kvsnap was installed): what runs instead and how to get them. None where they
+    are loaded, or ``KVSNAP_KERNEL=numpy`` asked for the reference."""
+    if AVAILABLE or not REQUESTED:
+        return None
+    return (
+        "kvsnap's compiled kernels are not built (no C compiler at install): the numpy reference "
+        "computes the same table, slower. Install a C compiler (gcc or clang) and reinstall kvsnap "
+        "(pip install --force-reinstall --no-deps kvsnap, or pip install -e . in a checkout)."
+    )
+
+
+def _address(array: np.ndarray, dtype: type, size: int | None = None) -> int:
+    """The address of C-contiguous ``array`` of ``dtype`` (of at least ``size`` elements): what
+    the C code may read and write. Anything else is a caller's bug, raised before C sees it."""
+    if array.dtype != dtype or not array.flags.c_contiguous or (size is not None and array.size < size):
+        raise TypeError(f"native kernel: expected a C-contiguous {np.dtype(dtype)} array of >= {size}")
+    return int(array.__array_interface__["data"][0])
+
+
+def accumulate(
+    x: np.ndarray,
+    bits: np.ndarray,
+    positions: np.ndarray,
+    first: np.ndarray,
+    second: np.ndarray,
+    levels: np.ndarray,
+    flags: np.ndarray,
+    scalars: np.ndarray,
+    norm_hist: np.ndarray,
+    peak_hist: np.ndarray,
+    sums: np.ndarray,
+    power: np.ndarray,
+    absmax_bits: np.ndarray,
+    unit_sum: np.ndarray,
+    band: np.ndarray,
+    position_count: np.ndarray,
+    position_norm: np.ndarray,
+    peak_bits: np.ndarray,
+    square_norms: np.ndarray,
+    quant_token: np.ndarray,
+    quant_channel: np.ndarray,
+    edges: np.ndarray,
+    guesses: np.ndarray,
+) -> None:
+    """Update the sums with ``x`` ``(n_tokens, dim)`` float32 (``bits``: its int32 view; the C
+    code reads ``x``'s memory both ways) at ``positions`` ``(n_tokens,)``, for the groups
+    ``flags`` selects (`kernels.kernel.NORMS` ...), one tile of ``QUANT_GROUP`` rows at a time
+    (the row pass, then the quantization pass on the same tile).
+
+        ``scalars`` (`kernels.kernel.SCALARS`,): sum ||x||, sum ||x||^2, min ||x||, max ||x||,
+        sum ||x_0||, count of x_0;
+        ``absmax_bits`` ``(dim,)`` int32: the float32 bits of each channel's max |x| so far;
+        ``peak_bits`` ``(n_tokens,)`` int32 receives each row's max |x| as float32 bits, and
+        ``peak_hist`` counts them (channels); ``sums`` ``(dim,)`` receives this piece's channel
+        sums, also added to ``power[0]`` (mean);
+        ``square_norms`` ``(n_tokens,)`` float64 receives each row's ||x||^2;
+        ``quant_token``, ``quant_channel`` ``(3,)``: the error sums at 8, 4 and 2 bits;
+        ``edges``, ``guesses``: `kernels.kernel.hist_edges()` and ``hist_guesses()``."""
+    assert LIBRARY is not None
+    n, dim = x.shape
+    if not np.shares_memory(bits, x):
+        raise TypeError("native kernel: bits must be the int32 view of x")
+    first, second = np.ascontiguousarray(first), np.ascontiguousarray(second)  # (strided pairings)
+    positions = np.ascontiguousarray(positions)
+    pairs = first.shape[0]
+    bins = norm_hist.shape[0]
+    status = LIBRARY.kvsnap_accumulate(
+        _address(x, np.float32),
+        n,
+        dim,
+        _address(positions, np.int64, n),
+        _address(first, np.int64),
+        _address(second, np.int64, pairs),
+        pairs,
+        _address(levels, np.int64, 3),
+        _address(flags, np.int64, 5),
+        _address(scalars, np.float64, 6),
+        _address(norm_hist, np.int64, bins),
+        _address(peak_hist, np.int64, bins),
+        bins,
+        _address(sums, np.float64, dim),
+        _address(power, np.float64, 4 * dim),
+        _address(absmax_bits, np.int32, dim),
+        _address(unit_sum, np.float64, dim),
+        _address(band, np.float64, pairs if flags[_ROPE] else 0),
+        _address(position_count, np.int64),
+        _address(position_norm, np.float64, position_count.shape[0]),
+        position_count.shape[0],
+        _address(peak_bits, np.int32, n),
+        _address(square_norms, np.float64, n),
+        _address(quant_token, np.float64, 3),
+        _address(quant_channel, np.float64, 3),
+        _address(edges, np.float64, bins + 1),
+        _address(guesses, np.int64),
+        guesses.shape[0],
+        QUANT_GROUP,
+    )
+    if status:
+        raise MemoryError("native kernel: no memory for its work space")
+
+
+def top_rows(peak_bits: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``min(k, n)`` rows with the largest peaks, unordered (``peak_bits``
+    ``(n,)``: non-negative float32 bits as int32, which order as the floats do); among equal
+    peaks the later rows, as the catalogue's (value, position) order ranks them."""
+    assert LIBRARY is not None
+    best = np.empty(max(0, min(k, peak_bits.shape[0])), np.int64)
+    LIBRARY.kvsnap_top_rows(_address(peak_bits, np.int32), peak_bits.shape[0], k, _address(best, np.int64))
+    return best
+
+
+def add_shift_terms(gram: np.ndarray, center: np.ndarray, sums: np.ndarray, n: int) -> None:
+    """``gram += c s^T + s c^T - n c c^T`` (``gram`` ``(dim, dim)`` float64 in place; ``c`` =
+    ``center``): what turns the Gram matrix of rows less ``c`` into that of the rows, ``s`` their
+    sum."""
+    assert LIBRARY is not None
+    dim = gram.shape[0]
+    LIBRARY.kvsnap_add_shift_terms(
+        _address(gram, np.float64, dim * dim),
+        dim,
+        _address(center, np.float32, dim),
+        _address(sums, np.float64, dim),
+        n,
+    )
+
+
+def halves_to_float32(halves: np.ndarray, out: np.ndarray) -> None:
+    """`halves.to_float32`'s conversion, in C: uint16 float16 bits ``halves`` into float32
+    ``out`` of the same size (both C-contiguous)."""
+    assert LIBRARY is not None
+    if out.size != halves.size:
+        raise TypeError("native kernel: out must have as many values as halves")
+    LIBRARY.kvsnap_halves_to_float32(_address(halves, np.uint16), halves.size, _address(out, np.float32))
+
+
+def eigenvalues(matrix: np.ndarray, out: np.ndarray, a: np.ndarray, e: np.ndarray) -> bool:
+    """`eigenvalues_batch` of one matrix: symmetric ``matrix`` ``(n, n)`` float64's eigenvalues
+    into ``out`` ``(n,)``, unordered; ``a`` and ``e`` are not used. False when the iteration did
+    not converge (the caller asks LAPACK then)."""
+    values, converged = eigenvalues_batch(np.ascontiguousarray(matrix, np.float64)[None])
+    out[:] = values[0]
+    return bool(converged[0])
+
+
+def eigenvalues_batch(matrices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`eigenvalues` of each symmetric matrix of ``matrices`` ``(b, n, n)`` float64, `QL_CHAINS` at
+    a time (their QL iterations interleaved, each matrix's values bit for bit as alone): ``(b, n)``
+    unordered, and ``(b,)`` bool, False where one did not converge."""
+    assert LIBRARY is not None
+    count, n = matrices.shape[0], matrices.shape[-1]
+    out = np.empty((count, n))
+    converged = np.empty(count, np.int32)
+    work, e = np.empty((n, n)), np.empty((QL_CHAINS + 2, n))
+    LIBRARY.kvsnap_eigenvalues_batch(
+        _address(matrices, np.float64, count * n * n),
+        count,
+        n,
+        _address(out, np.float64),
+        _address(work, np.float64),
+        _address(e, np.float64),
+        _address(converged, np.int32),
+    )
+    return out, converged.astype(bool)
+
+
+def block_scores(
+    logits: np.ndarray,
+    rows: np.ndarray,
+    query_positions: np.ndarray,
+    key_positions: np.ndarray,
+    scale: float,
+    softcap: float,
+    window: int,
+    keep: int,
+    sink: float,
+    has_sink: bool,
+    sinks: int,
+    local: int,
+    stream_window: int,
+) -> None:
+    """`attention_kernel.block_scores` (its docstring gives the arguments), in C: ``logits``
+    ``(n, m)`` float32 overwritten, ``rows`` ``(n, attention_kernel.ROW_FIELDS)`` float64."""
+    assert LIBRARY is not None
+    n, m = logits.shape
+    if query_positions.shape != (n,) or key_positions.shape != (m,):
+        raise TypeError("native kernel: one query position per row, one key position per column")
+    status = LIBRARY.kvsnap_block_scores(
+        _address(logits, np.float32),
+        n,
+        m,
+        _address(rows, np.float64, n * _ROW_FIELDS),
+        _address(query_positions, np.int64),
+        _address(key_positions, np.int64),
+        scale,
+        softcap,
+        window,
+        keep,
+        sink,
+        int(has_sink),
+        sinks,
+        local,
+        stream_window,
+    )
+    if status:
+        raise MemoryError("native kernel: no memory for its work space")
+
+
+def exp_nonpositive(d: np.ndarray) -> np.ndarray:
+    """The attention pass's own float32 ``exp`` of each of ``d`` (float32, ``<= 0``; 0 below
+    float32's normal range), as `block_scores` computes it: for the tests."""
+    assert LIBRARY is not None
+    d = np.ascontiguousarray(d, np.float32)
+    out = np.empty_like(d)
+    LIBRARY.kvsnap_exp_nonpositive(_address(d, np.float32), d.size, _address(out, np.float32))
+    return out
