@@ -33,7 +33,7 @@ if TYPE_CHECKING:
         stats_rows,
         token_table,
     )
-    from .stats import HeadAccumulator
+    from .stats.accumulator import HeadAccumulator
     from .stats.rope import Rope, RopeError, checkpoint_keys
     from .tools.diff import head_diff
     from .tools.export import export_heads
@@ -68,7 +68,7 @@ _EXPORTS = {
         ),
         "engine.tables",
     ),
-    "HeadAccumulator": "stats",
+    "HeadAccumulator": "stats.accumulator",
 }
 
 __all__ = [

@@ -13,7 +13,8 @@ import pytest
 from kvsnap.analysis.kernels import compiled as compiled_backend
 from kvsnap.analysis.kernels import kernel
 from kvsnap.analysis.kernels import reference as reference_backend
-from kvsnap.analysis.stats import GROUPS, HeadAccumulator
+from kvsnap.analysis.stats import GROUPS
+from kvsnap.analysis.stats.accumulator import HeadAccumulator
 from kvsnap.analysis.stats.rope import Rope
 
 LOOSE = set(GROUPS["spectrum"]) | set(GROUPS["quant"])

@@ -625,7 +625,7 @@ def test_backend_mlx_without_mlx_says_how_to_install_it(
 ) -> None:
     """mlx is looked for, not imported; where it is missing the pass stops before any work with a
     ValueError naming the install."""
-    from kvsnap.analysis.engine.plan import check_backend
+    from kvsnap.analysis.kernels import check as check_backend
 
     monkeypatch.setitem(sys.modules, missing, None)
     if missing == "mlx":

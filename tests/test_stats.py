@@ -12,7 +12,8 @@ import pytest
 
 import kvformat
 from kvsnap.analysis.engine.tables import head_stats, head_stats_reader, stats_rows, token_table
-from kvsnap.analysis.stats import GROUPS, HeadAccumulator, stat_groups
+from kvsnap.analysis.stats import GROUPS, stat_groups
+from kvsnap.analysis.stats.accumulator import HeadAccumulator
 from kvsnap.analysis.stats.rope import Rope, RopeError
 from tests.factories import random_file
 
@@ -237,7 +238,7 @@ def test_arrow_tables_from_array_rows_equal_those_from_list_rows(tmp_path: Path)
     """The pass builds its tables from rows whose vector columns are numpy arrays
     (`HeadAccumulator.row_arrays`); they equal the tables of the same rows as lists, for every
     group (RoPE bands present and absent: a null column)."""
-    from kvsnap.analysis.stats import HeadAccumulator
+    from kvsnap.analysis.stats.accumulator import HeadAccumulator
     from kvsnap.analysis.stats.arrow import arrow_table
     from kvsnap.analysis.stats.rope import Rope
 
@@ -262,7 +263,7 @@ def test_a_payload_check_is_computed_piece_by_piece_as_the_kernel_adds(
     from kvformat.checksum import crc32c
     from kvformat.pages import PayloadCheck
     from kvsnap.analysis.kernels import arrays, kernel
-    from kvsnap.analysis.stats import HeadAccumulator
+    from kvsnap.analysis.stats.accumulator import HeadAccumulator
 
     rows = np.random.default_rng(3).standard_normal((2 * arrays.KERNEL_ROWS + 77, 16)).astype(np.float32)
     positions = np.arange(rows.shape[0])
@@ -395,7 +396,7 @@ def test_every_sum_of_an_accumulator_is_declared_once_in_the_catalogue() -> None
     rule and groups), and merging follows each declared rule."""
     from dataclasses import fields
 
-    from kvsnap.analysis.stats import HeadAccumulator
+    from kvsnap.analysis.stats.accumulator import HeadAccumulator
     from kvsnap.analysis.stats.catalogue import GROUPS, SUMS
 
     names = [total.name for total in SUMS]

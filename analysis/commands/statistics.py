@@ -34,9 +34,10 @@ def _jobs(args: argparse.Namespace, engine: str, backend: str) -> int | None:
     """``--jobs``, or 1 for one local file on mlx that one process reads in one pass (workers
     would cost more to start than they save), or None: every core."""
     from ..engine import processes
+    from ..kernels import profile
 
     one_file = engine == "local" and args.jobs is None and len(args.files) == 1
-    if backend == "mlx" and one_file and processes.one_shot_in_process(args.files[0]):
+    if profile(backend).device and one_file and processes.one_shot_in_process(args.files[0]):
         return 1
     return args.jobs
 

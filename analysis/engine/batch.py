@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..stats import HeadAccumulator
+from ..stats.accumulator import HeadAccumulator
 from .files import (
     BatchOptions,
     BatchResult,

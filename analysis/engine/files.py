@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvformat.io.remote import expand, is_url
 
+from ..kernels import profile
 from ..stats.catalogue import ALL, stat_groups
 
 if TYPE_CHECKING:
@@ -90,10 +91,9 @@ class BatchOptions:
 
         processes, threads = split_jobs(self.cores, files)
         share = 1
-        if self.backend == "mlx":
-            from ..kernels.mlx_sizing import processes as device_processes
-
-            share = device_processes(self.cores)
+        kernel = profile(self.backend)
+        if kernel.device:  # each process drives the device
+            share = kernel.processes(self.cores)
             if files >= share > 1:
                 processes, threads = share, 1
             else:
@@ -183,7 +183,7 @@ def file_parts(files: int, cores: int, options: PassOptions) -> int:
     the cores), about `PART_TASKS_PER_PROCESS` tasks per process, at most `MAX_PARTS` per file,
     so that the last files end together on every core (50 files on 16 cores: 3 parts; 9 files: 8
     parts on 16 processes, where whole files left 7 cores idle). Else 1."""
-    if options.backend != "cpu" or options.workers > 1 or cores <= 1 or files < 1:
+    if not profile(options.backend).splits_files or options.workers > 1 or cores <= 1 or files < 1:
         return 1
     return max(1, min(MAX_PARTS, -(-PART_TASKS_PER_PROCESS * cores // files)))
 

@@ -1,5 +1,6 @@
 """The CPU backend's fork server (`analysis.engine.processes`), startable before anything heavy is
-imported: this module needs the standard library and `analysis.engine.parallel` only.
+imported: this module needs the standard library, `analysis.engine.parallel` and the kernels'
+names and profiles (`analysis.kernels`, which imports nothing heavy) only.
 
 A fresh ``kvsnap stats FILE`` of a big file waits for its workers: the fork server imports numpy and
 the kernels (`warm_kernels`: the C library of `native`) before it forks the first worker, and started
@@ -13,6 +14,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from ..kernels import DEFAULT as DEFAULT_KERNEL
+from ..kernels import NAMES, profile
 from .parallel import cores, main_hidden, one_thread_environment
 
 START_METHOD = "forkserver"
@@ -91,12 +94,12 @@ def wanted(argv: Sequence[str]) -> bool:
 
 
 def _only_file(tokens: Sequence[str]) -> str | None:
-    """The one positional argument of ``tokens`` when they leave the backend the CPU (the
-    default, or ``--backend cpu`` spelled out) and every other default as it is; None for no
-    file, several, another backend or an option that changes the defaults
+    """The one positional argument of ``tokens`` when they leave the backend one whose workers
+    this server forks (the default, or ``--backend cpu`` spelled out) and every other default as
+    it is; None for no file, several, another backend or an option that changes the defaults
     (`_DEFAULTS_CHANGED`)."""
     files = []
-    chosen = "cpu"
+    chosen = DEFAULT_KERNEL
     rest = iter(tokens)
     for token in rest:
         name, equals, value = token.partition("=")
@@ -108,7 +111,10 @@ def _only_file(tokens: Sequence[str]) -> str | None:
             next(rest, None)
         elif not token.startswith("-"):
             files.append(token)
-    return files[0] if len(files) == 1 and chosen == "cpu" else None
+    if len(files) != 1 or chosen not in NAMES:
+        return None
+    kernel = profile(chosen)
+    return files[0] if kernel.worker_processes and kernel.start_method == START_METHOD else None
 
 
 def _local_size(file: str | None) -> int:

@@ -14,6 +14,8 @@ from typing import Any
 import kvformat
 from kvformat.checksum import crc32c
 
+from ..kernels import check as check_backend
+from ..kernels import profile
 from ..kernels.arrays import bytes_of
 from ..stats.accumulator import HeadAccumulator, stack
 from ..stats.catalogue import ALL, stat_groups
@@ -69,26 +71,11 @@ class PassOptions:
         object.__setattr__(self, "stats", stat_groups(self.stats))
 
 
-BACKENDS = ("cpu", "mlx")
-
-
 def check_part(part: Any) -> None:
     """ValueError unless ``part`` is ``(index, count)``, two ints, ``0 <= index < count``."""
     pair = isinstance(part, tuple) and len(part) == 2 and all(isinstance(n, int) for n in part)
     if not (pair and 0 <= part[0] < part[1]):
         raise ValueError(f"part must be (index, count) with 0 <= index < count, not {part!r}")
-
-
-def check_backend(backend: str) -> None:
-    """ValueError for an unknown backend, or ``"mlx"`` where mlx is not installed. ``"numpy"``
-    (the reference) is accepted too."""
-    if backend not in (*BACKENDS, "numpy"):
-        raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
-    if backend == "mlx":
-        from ..kernels import mlx as mlx_backend
-
-        if not mlx_backend.available():
-            raise ValueError("backend 'mlx' needs mlx: pip install 'kvsnap[capture]' (or mlx-cuda, mlx[cpu])")
 
 
 def add_segments(
@@ -189,7 +176,7 @@ def fresh_accumulators(
         table[(layer, seq, head, "v")] = HeadAccumulator(
             spec.v_dim, None, options.stats, backend=options.backend
         )
-    if options.backend == "mlx":
+    if profile(options.backend).device:  # the device's folds add into a layer's stacked sums
         for dim in {spec.k_dim, spec.v_dim}:
             stack([acc for acc in table.values() if acc.dim == dim])
     return table

@@ -10,7 +10,8 @@ Processes share the page cache and nothing else: each maps the file itself, read
 its own pages and never waits for another's Python.
 
 The pass's (seq, head) keys are cut into tasks, each a run of one layer's heads (about
-`TASKS_PER_WORKER` tasks per worker, so that uneven tasks even out). The parent groups the
+the kernel's `Profile.tasks_per_worker` tasks per worker, so that uneven tasks even out). The parent
+groups the
 snapshot's segments as the one-worker pass does (`plan.windows`, `plan.head_batches`:
 the same segments joined the same way, in the same order) and hands each task its heads'
 batches; the task reads them from its own map of the file, adds them to fresh accumulators,
@@ -22,7 +23,7 @@ tasks are back, layers in the pass's order.
 
 CPU workers are forked from a fork server (``multiprocessing``'s ``forkserver``: a clean process
 that has imported the kernels and loaded their compiled code, `warm_kernels`); mlx workers are
-spawned (`MLX_START_METHOD`), so that they carry no CPU kernels. Either pool is started once per process
+spawned (`Profile.start_method`), so that they carry no CPU kernels. Either pool is started once per process
 and kept for later passes. Workers run kvsnap's
 code only, so they are started without the caller's ``__main__`` (``multiprocessing`` would
 import the script into every worker, and run its top level again where it has no
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import kvformat
 
+from ..kernels import profile
 from . import fork_server
 from .fork_server import FULL_CORES, PROCESS_MIN_BYTES, PROCESS_MIN_HEADS, START_METHOD
 from .parallel import main_hidden as _main_hidden
@@ -63,19 +65,6 @@ if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to
     from ..stats.accumulator import HeadAccumulator
     from ..stats.rope import Rope
     from .plan import Key, LayerResult, PassOptions, Window
-
-TASKS_PER_WORKER = 16
-"""Tasks per worker in a pass (about): more even out heads of uneven cost, fewer cost less."""
-
-MLX_TASKS_PER_WORKER = 4
-"""The same on mlx: a worker's device pipeline drains at the end of each task."""
-
-MLX_START_METHOD = "spawn"
-"""mlx workers are spawned, not forked from the fork server: they start mlx and a CUDA context
-of their own either way (a fork cannot share one), and a spawned worker does not carry the fork
-server's compiled kernels, which would count in each worker's resident set (on mlx the
-rows' eigenvalues are LAPACK's, `rows`)."""
-
 
 MLX_ONE_SHOT_BYTES = 12 << 30
 """A command's one mlx pass (`kvsnap stats FILE --backend mlx`, one local file, no ``--jobs``)
@@ -97,11 +86,7 @@ def worker_count(workers: int, backend: str) -> int:
     """The worker processes a pass asked to use ``workers`` workers starts: as many on the CPU
     backend; on mlx `kernels.mlx_sizing.processes` (3/4 of them, bounded by memory: each drives the
     device)."""
-    if backend == "mlx":
-        from ..kernels import mlx_sizing
-
-        return mlx_sizing.processes(workers)
-    return workers
+    return profile(backend).processes(workers)
 
 
 def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
@@ -114,7 +99,7 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
 
     count = worker_count(workers, backend)
     if not (
-        backend in ("cpu", "mlx")
+        profile(backend).worker_processes
         and count > 1
         and not remote.is_url(path)
         and (_running(count, backend) or _worth_workers(path, count))
@@ -168,7 +153,7 @@ def _pool(workers: int, backend: str = "cpu") -> ProcessPoolExecutor:
     pool is shut down first). Every worker runs one BLAS thread.
 
     CPU workers are forked from the fork server, which has loaded the kernels (`warm_kernels`).
-    mlx workers are spawned (`MLX_START_METHOD`): nothing on mlx loads the CPU kernels."""
+    mlx workers are spawned (`Profile.start_method`): nothing on mlx loads the CPU kernels."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -179,8 +164,9 @@ def _pool(workers: int, backend: str = "cpu") -> ProcessPoolExecutor:
         if _POOL is not None:
             _POOL[2].shutdown(wait=False, cancel_futures=True)
             _POOL = None
-        if backend == "mlx":
-            context = multiprocessing.get_context(MLX_START_METHOD)
+        kernel = profile(backend)
+        if kernel.start_method != START_METHOD:  # spawned: nothing of the CPU kernels' fork server
+            context = multiprocessing.get_context(kernel.start_method)
             pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_one_blas_thread)
         else:
             fork_server.ensure_running()  # running already where `kvsnap` started it early
@@ -300,7 +286,7 @@ def _tasks(
     order: list[Window],
     last: dict[int, int],
     workers: int,
-    per_worker: int = TASKS_PER_WORKER,
+    per_worker: int,
 ) -> list[_Task]:
     """The pass's tasks, layer by layer in the order the layers close: each layer's (seq, head)
     keys cut into equal runs, about ``per_worker`` x ``workers`` tasks in all, each given its
@@ -364,8 +350,7 @@ def layers(
             if layer not in last
         }
         closing = sorted(last, key=last.__getitem__)
-        per_worker = MLX_TASKS_PER_WORKER if options.backend == "mlx" else TASKS_PER_WORKER
-        tasks = _tasks(snap, order, last, workers, per_worker)
+        tasks = _tasks(snap, order, last, workers, profile(options.backend).tasks_per_worker)
     bar = layer_bar(name, len(ropes), progress)
     with bar:
         for layer, table in empty.items():  # present but holding no tokens
@@ -468,7 +453,7 @@ def _run_task(
     rope = opened.ropes[layer]
     unrotate = rope if options.keys == "pre_rope" else None
     accumulators = fresh_accumulators(snap, layer, rope, options, task.heads)
-    pipeline, rows = _device(workers) if options.backend == "mlx" else (None, None)
+    pipeline, rows = _device(workers) if profile(options.backend).device else (None, None)
     try:
         return _add_task(snap, task, accumulators, unrotate, pipeline, rows, finish)
     except BaseException:

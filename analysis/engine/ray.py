@@ -23,7 +23,8 @@ import ray
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from ..stats import HeadAccumulator, stat_groups
+from ..stats import stat_groups
+from ..stats.accumulator import HeadAccumulator
 from .files import (
     BatchOptions,
     BatchResult,

@@ -15,6 +15,7 @@ from typing import Any
 
 import kvformat
 
+from ..kernels import profile
 from ..stats.accumulator import HeadAccumulator
 from ..stats.rope import Rope
 from ..stats.rows import compute as compute_rows
@@ -54,7 +55,7 @@ class _Workers:
         from .parallel import OrderedPool, single_threaded_blas
 
         with self._stack as stack:
-            mlx = self.options.backend == "mlx"
+            mlx = profile(self.options.backend).device
             if mlx:
                 from ..kernels.mlx_pipeline import Pipeline
                 from ..kernels.mlx_sizing import batch_bytes, copy_threads, row_threads
@@ -174,7 +175,7 @@ def layers(
     if processes.usable(path, options.workers, options.backend):
         yield from processes.layers(path, options, progress, finish)
         return
-    if options.backend == "mlx":  # in this process, one thread drives the device
+    if profile(options.backend).device:  # in this process, one thread drives the device
         options = dataclasses.replace(options, workers=1)
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
         name, index = os.fspath(path), snap.index

@@ -15,12 +15,14 @@ import numpy as np
 import kvformat
 
 from ..attention.tokens import token_ids, token_pieces
+from ..kernels import CHOICES as BACKENDS
+from ..kernels import check as check_backend
 from ..stats.accumulator import HeadAccumulator
 from ..stats.arrow import arrow_table
 from ..stats.catalogue import ALL, GROUPS, POSITION_BINS, QUANT_BITS, QUANT_GROUP, RANKS, TOP_K, stat_groups
 from .files import BatchOptions, parts_by_file
 from .parallel import local_map
-from .plan import BACKENDS, Key, PassOptions, check_backend
+from .plan import Key, PassOptions
 from .streaming import accumulate, layers
 
 if TYPE_CHECKING:

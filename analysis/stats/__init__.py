@@ -2,10 +2,11 @@
 its group and formula, every running sum declared once), the sums of one head (`sums.RunningSums`)
 and `accumulator.HeadAccumulator` (rows in, statistics out: `rows`), non-finite rows (`finite`),
 RoPE (`rope`) and Arrow tables of rows (`arrow`). No pass and no file here: `analysis.engine`
-runs those. The formulas are in ``analysis/README.md``.
+runs those. This package's own names are the catalogue's; it imports nothing else, so that the
+kernels (`analysis.kernels`) can fill `sums.RunningSums` below `accumulator`, which calls them.
+The formulas are in ``analysis/README.md``.
 """
 
-from .accumulator import HeadAccumulator
 from .catalogue import ALL, GROUPS, POSITION_BINS, QUANT_BITS, QUANT_GROUP, RANKS, TOP_K, stat_groups
 
 __all__ = [
@@ -16,6 +17,5 @@ __all__ = [
     "QUANT_GROUP",
     "RANKS",
     "TOP_K",
-    "HeadAccumulator",
     "stat_groups",
 ]

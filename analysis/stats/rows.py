@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import kernels
 from .catalogue import POSITION_BINS, QUANT_BITS, RANKS, hist_quantiles
 
 if TYPE_CHECKING:
@@ -155,27 +156,13 @@ def _channels(stack: Sequence[RunningSums], power: np.ndarray) -> list[dict[str,
     return out
 
 
-def _compiled_installed() -> bool:
-    from ..kernels import kernel  # loads the C kernels: only for the CPU backend
-
-    return bool(kernel.AVAILABLE)
-
-
 def _spectrum(stack: Sequence[RunningSums], n: np.ndarray, m1: np.ndarray) -> list[dict[str, Any]]:
     # In place: each (b, dim, dim) temporary is megabytes of fresh pages, faulted in on every call.
     covariance = np.stack([acc.gram for acc in stack])
     covariance /= n[:, None, None]
     for b in range(len(stack)):
         covariance[b] -= np.outer(m1[b], m1[b])
-    # The CPU backend's compiled solver (C, without the interpreter's lock) where its
-    # kernel is; LAPACK on the numpy reference path and on mlx, which never loads the CPU
-    # kernels (`processes.MLX_START_METHOD`).
-    if stack[0].backend == "cpu" and _compiled_installed():
-        from ..kernels.eigen import eigenvalues_of
-
-        descending = eigenvalues_of(covariance)
-    else:
-        descending = np.linalg.eigvalsh(covariance)[:, ::-1]
+    descending = kernels.profile(stack[0].backend).eigenvalues(covariance)
     eig = np.clip(descending, 0.0, None)
     total = eig.sum(axis=-1)
     positive = total > 0
