@@ -68,58 +68,22 @@ def _resolve_model(spec: str) -> str:
 def _capture(args: argparse.Namespace) -> int:
     import sys
     import time
-    from pathlib import Path
 
     from mlx_lm import load
 
     from .generate import SnapshotEvent, generate
 
-    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
     model_path = _resolve_model(args.model)
     loaded = load(model_path)
     model, tokenizer = loaded[0], loaded[1]
-    if args.chat and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"--chat: {args.model} has no chat template (its tokenizer config, or the GGUF's "
-            "tokenizer.chat_template, holds none); give the prompt as the model expects it, without --chat"
-        )
-    if args.chat:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-    at = [int(x) for x in args.at.split(",") if x.strip()] if args.at else []
-    from mlx_lm.sample_utils import make_sampler
-
-    extra: dict[str, Any] = {"sampler": make_sampler(args.temp, top_p=args.top_p)}
-    if args.seed is not None:
-        import mlx.core as mx
-
-        mx.random.seed(args.seed)
-    sampling = {"temperature": args.temp, "top_p": args.top_p, "seed": args.seed}
-    if args.kv_bits:
-        extra.update(kv_bits=args.kv_bits, quantized_kv_start=0)
+    prompt = _prompt(args, tokenizer)
+    at = _positions(args.at)
+    extra, sampling = _sampling(args)
     events: list[SnapshotEvent] = []
-
-    def report(event: SnapshotEvent) -> None:
-        events.append(event)
-        message = (
-            f"snapshot {len(events) - 1} after {event.generated} generated tokens "
-            f"({event.cached_tokens} in cache) -> {event.path} ({event.size / 1e6:.2f} MB)"
-        )
-        if args.echo:
-            print(f"\n[{message}]", file=sys.stderr, flush=True)
-        else:
-            from tqdm import tqdm
-
-            tqdm.write(message, file=sys.stderr)
-
+    report = _reporter(args, events)
     start = time.perf_counter()
     count = 0
-    progress = None
-    if not args.echo:
-        from tqdm import tqdm
-
-        progress = tqdm(total=args.max_tokens, unit="tok", file=sys.stderr, leave=False)
+    progress = _progress_bar(args)
     stream = generate(
         model,
         tokenizer,
@@ -154,16 +118,92 @@ def _capture(args: argparse.Namespace) -> int:
         return 130
     if progress is not None:
         progress.close()
-    elapsed = time.perf_counter() - start
+    _summary(args, len(events), count, time.perf_counter() - start)
+    return 0
+
+
+def _positions(text: str | None) -> list[int]:
+    """``--at 12,40``: the generated-token counts to snapshot at (none without the option)."""
+    return [int(x) for x in text.split(",") if x.strip()] if text else []
+
+
+def _progress_bar(args: argparse.Namespace) -> Any:
+    """A tqdm bar of generated tokens on stderr, gone once the capture ends; None with ``--echo``
+    (the answer streams to the terminal instead)."""
+    import sys
+
+    from tqdm import tqdm
+
+    return None if args.echo else tqdm(total=args.max_tokens, unit="tok", file=sys.stderr, leave=False)
+
+
+def _reporter(args: argparse.Namespace, events: list[Any]) -> Any:
+    """The capture's ``on_snapshot``: each snapshot appended to ``events`` and told on stderr (a
+    line between the streamed answer's words with ``--echo``, else above the progress bar)."""
+    import sys
+
+    def report(event: Any) -> None:
+        events.append(event)
+        message = (
+            f"snapshot {len(events) - 1} after {event.generated} generated tokens "
+            f"({event.cached_tokens} in cache) -> {event.path} ({event.size / 1e6:.2f} MB)"
+        )
+        if args.echo:
+            print(f"\n[{message}]", file=sys.stderr, flush=True)
+        else:
+            from tqdm import tqdm
+
+            tqdm.write(message, file=sys.stderr)
+
+    return report
+
+
+def _prompt(args: argparse.Namespace, tokenizer: Any) -> str:
+    """``--prompt`` (or ``--prompt-file``'s text), in the model's chat template with ``--chat``."""
+    from pathlib import Path
+
+    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
+    if not args.chat:
+        return str(prompt)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"--chat: {args.model} has no chat template (its tokenizer config, or the GGUF's "
+            "tokenizer.chat_template, holds none); give the prompt as the model expects it, without --chat"
+        )
+    return str(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    )
+
+
+def _sampling(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """mlx-lm's generation arguments from the sampling options (the sampler, KV quantization; the
+    seed set), and the sampling settings as the file's metadata records them."""
+    from mlx_lm.sample_utils import make_sampler
+
+    extra: dict[str, Any] = {"sampler": make_sampler(args.temp, top_p=args.top_p)}
+    if args.seed is not None:
+        import mlx.core as mx
+
+        mx.random.seed(args.seed)
+    if args.kv_bits:
+        extra.update(kv_bits=args.kv_bits, quantized_kv_start=0)
+    return extra, {"temperature": args.temp, "top_p": args.top_p, "seed": args.seed}
+
+
+def _summary(args: argparse.Namespace, snapshots: int, count: int, elapsed: float) -> None:
+    """The line a finished capture prints (after the streamed answer's newline with ``--echo``)."""
+    from pathlib import Path
+
     if args.echo:
         print()
     if count and not args.separate_files:
         size = Path(args.output).stat().st_size
         print(
-            f"wrote {args.output}: {len(events)} snapshot(s), {size / 1e6:.2f} MB, {count} tokens generated "
+            f"wrote {args.output}: {snapshots} snapshot(s), {size / 1e6:.2f} MB, {count} tokens generated "
             f"({count / elapsed:.1f} tok/s)"
         )
-    return 0
 
 
 def _written(args: argparse.Namespace, events: list[Any], count: int) -> str:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -312,23 +312,34 @@ def snapkv_scores(
     end = prompt_end(snap) if options is None or options.compress == "prompt" else options.span_end(snap)
     if end is None or not found:
         return {}
-    if options is None:
-        held = snap.queries(found[0], 0)
-        assert held is not None
-        window = _tail(held.positions, end, OBSERVATION)
-        if not window:
-            return {}
-        options = Options(window=window)
+    options = options if options is not None else _default_options(snap, found[0], end)
+    if options is None:  # no prompt query held
+        return {}
     out: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+    for seq, layer, kv_head in _kv_groups(snap, found):
+        heads, _ = _group_heads(snap, layer, kv_head, seq)
+        scores = _group_scores(heads, end, ["snapkv"], options)["snapkv"]
+        out[(seq, layer, kv_head)] = (heads[0].k_positions, scores)
+    return out
+
+
+def _kv_groups(snap: kvformat.Snapshot, layers: list[int]) -> Iterator[tuple[int, int, int]]:
+    """``(seq, layer, kv_head)`` of every KV head whose query heads ``layers`` hold."""
     for seq in range(snap.num_seqs):
-        for layer in found:
+        for layer in layers:
             spec = snap.layers[layer].queries
             assert spec is not None
             for kv_head in sorted(set(spec.kv_heads)):
-                heads, _ = _group_heads(snap, layer, kv_head, seq)
-                scores = _group_scores(heads, end, ["snapkv"], options)["snapkv"]
-                out[(seq, layer, kv_head)] = (heads[0].k_positions, scores)
-    return out
+                yield seq, layer, kv_head
+
+
+def _default_options(snap: kvformat.Snapshot, layer: int, end: int) -> Options | None:
+    """SnapKV's options for the token table: the window the last `OBSERVATION` prompt queries
+    ``layer`` holds before ``end``, or as many as it holds; None where it holds none."""
+    held = snap.queries(layer, 0)
+    assert held is not None
+    window = _tail(held.positions, end, OBSERVATION)
+    return Options(window=window) if window else None
 
 
 def _tail(positions: np.ndarray, end: int, most: int) -> int:

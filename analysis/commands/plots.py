@@ -206,7 +206,6 @@ def _attention_map(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.colors import LogNorm, Normalize
 
     import kvformat
 
@@ -233,14 +232,7 @@ def _attention_map(args: argparse.Namespace) -> int:
         figsize=(11, max(4.5, min(10, 0.08 * dense.shape[0] + 3.5))),
         gridspec_kw={"height_ratios": (4, 1)},
     )
-    positive = dense[np.isfinite(dense) & (dense > 0)]
-    if args.scale == "log":
-        floor = max(float(positive.min()) if positive.size else 1e-6, 1e-6)
-        norm: Any = LogNorm(vmin=floor, vmax=1.0)
-        label = "attention weight (log scale; masked keys blank)"
-    else:
-        norm = Normalize(vmin=0.0, vmax=float(positive.max()) if positive.size else 1.0)
-        label = "attention weight (masked keys blank)"
+    norm, label = _colour_scale(dense, args.scale)
     image = axis.imshow(
         np.where(dense > 0, dense, np.nan), aspect="auto", cmap="magma", norm=norm,
         interpolation="nearest", extent=extent,
@@ -250,13 +242,7 @@ def _attention_map(args: argparse.Namespace) -> int:
     _received_strip(margin, found.weights, found.key_positions)
     margin.set_xlabel("key position")
     axis.set_ylabel("query position")
-    name = model.get("name") if isinstance(model, dict) else None
-    window = f", window {spec.window}" if spec is not None and spec.window else ""
-    axis.set_title(
-        f"{os.path.basename(args.file)} | {name or 'model not recorded'} | layer {layer} query head {head} "
-        f"(KV head {spec.kv_heads[head] if spec else '?'}{window}) | snapshot {snap.index}",
-        fontsize=10,
-    )
+    axis.set_title(_map_title(args.file, model, spec, layer, head, snap.index), fontsize=10)
     _mark_prompt_end(axis, generated, seq_len)
     if evicted is not None:
         method, fraction = args.kept
@@ -360,3 +346,27 @@ def _map_token_ticks(axis: Any, labels: list[str], keys: Any, queries: Any) -> N
     axis.set_xticks(shown, text(shown), rotation=90, fontsize=6)
     rows = queries[:: max(1, queries.size // 40)]
     axis.set_yticks(rows, text(rows), fontsize=6)
+
+
+def _colour_scale(dense: Any, scale: str) -> tuple[Any, str]:
+    """The colour normalization of an attention map ``dense`` (``"log"``: from its smallest
+    positive weight to 1; ``"linear"``: 0 to its largest) and the colour bar's label."""
+    import numpy as np
+    from matplotlib.colors import LogNorm, Normalize
+
+    positive = dense[np.isfinite(dense) & (dense > 0)]
+    if scale == "log":
+        floor = max(float(positive.min()) if positive.size else 1e-6, 1e-6)
+        return LogNorm(vmin=floor, vmax=1.0), "attention weight (log scale; masked keys blank)"
+    norm = Normalize(vmin=0.0, vmax=float(positive.max()) if positive.size else 1.0)
+    return norm, "attention weight (masked keys blank)"
+
+
+def _map_title(file: str, model: Any, spec: Any, layer: int, head: int, snapshot: int) -> str:
+    """An attention map's title: the file, the model, the query head (its KV head and window)."""
+    name = model.get("name") if isinstance(model, dict) else None
+    window = f", window {spec.window}" if spec is not None and spec.window else ""
+    return (
+        f"{os.path.basename(file)} | {name or 'model not recorded'} | layer {layer} query head {head} "
+        f"(KV head {spec.kv_heads[head] if spec else '?'}{window}) | snapshot {snapshot}"
+    )

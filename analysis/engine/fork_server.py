@@ -98,6 +98,16 @@ def _only_file(tokens: Sequence[str]) -> str | None:
     this server forks (the default, or ``--backend cpu`` spelled out) and every other default as
     it is; None for no file, several, another backend or an option that changes the defaults
     (`_DEFAULTS_CHANGED`)."""
+    scanned = _scan(tokens)
+    if scanned is None or len(scanned[0]) != 1 or scanned[1] not in NAMES:
+        return None
+    kernel = profile(scanned[1])
+    return scanned[0][0] if kernel.worker_processes and kernel.start_method == START_METHOD else None
+
+
+def _scan(tokens: Sequence[str]) -> tuple[list[str], str] | None:
+    """The positional arguments of ``tokens`` and the backend they choose; None where an option
+    changes the defaults (`_DEFAULTS_CHANGED`)."""
     files = []
     chosen = DEFAULT_KERNEL
     rest = iter(tokens)
@@ -111,10 +121,7 @@ def _only_file(tokens: Sequence[str]) -> str | None:
             next(rest, None)
         elif not token.startswith("-"):
             files.append(token)
-    if len(files) != 1 or chosen not in NAMES:
-        return None
-    kernel = profile(chosen)
-    return files[0] if kernel.worker_processes and kernel.start_method == START_METHOD else None
+    return files, chosen
 
 
 def _local_size(file: str | None) -> int:

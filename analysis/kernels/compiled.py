@@ -66,12 +66,7 @@ def _add(
     acc: RunningSums, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
 ) -> None:
     # Few Python-level calls per piece: with many threads, what holds the GIL sets the pace.
-    if acc.band is not None and acc.rope is not None:
-        first, second = acc.rope.pair_indices()
-        band = acc.band
-    else:
-        first = second = _NO_PAIRS
-        band = _NO_BAND
+    first, second, band = _pairs(acc)
     flags = _flags(acc.groups, acc.band is not None)
     channels, spectrum = "channels" in acc.groups, "spectrum" in acc.groups
     scalars = np.zeros(kernel.SCALARS)
@@ -123,18 +118,39 @@ def _add(
             _add_gram(acc, x, sums, square_norms)
         acc.count += n
         if channels:
-            best = kernel.top_rows(peak_bits, TOP_K).tolist()
-            peaks = peak_bits.view(np.float32)
-            acc.top = sorted(acc.top + [(float(peaks[i]), int(pos[i])) for i in best], reverse=True)[:TOP_K]
-    if channels:
+            _add_top(acc, peak_bits, pos)
+    _fold_scalars(acc, scalars, absmax_bits if channels else None)
+    if check is not None:
+        check.check(crc)
+
+
+def _pairs(acc: RunningSums) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The RoPE pairs' channel indices (first, second) and the band sums they add into; empty
+    arrays where the accumulator keeps no band."""
+    if acc.band is not None and acc.rope is not None:
+        first, second = acc.rope.pair_indices()
+        return first, second, acc.band
+    return _NO_PAIRS, _NO_PAIRS, _NO_BAND
+
+
+def _add_top(acc: RunningSums, peak_bits: np.ndarray, positions: np.ndarray) -> None:
+    """Merge a piece's `TOP_K` largest row peaks (``peak_bits`` ``(n,)``, float32 bits) into the
+    accumulator's top list."""
+    best = kernel.top_rows(peak_bits, TOP_K).tolist()
+    peaks = peak_bits.view(np.float32)
+    acc.top = sorted(acc.top + [(float(peaks[i]), int(positions[i])) for i in best], reverse=True)[:TOP_K]
+
+
+def _fold_scalars(acc: RunningSums, scalars: np.ndarray, absmax_bits: np.ndarray | None) -> None:
+    """The kernel's scalar sums (`kernel.SCALARS`) and channel maxima (float32 bits; None where
+    channels were not asked for) into the accumulator."""
+    if absmax_bits is not None:
         acc.absmax = np.maximum(acc.absmax, absmax_bits.view(np.float32))
     acc.norm_sum += float(scalars[kernel.NORM_SUM])
     acc.norm_sq_sum += float(scalars[kernel.SQUARE_SUM])
     acc.norm_min, acc.norm_max = float(scalars[kernel.NORM_MIN]), float(scalars[kernel.NORM_MAX])
     acc.first_norm_sum += float(scalars[kernel.FIRST_NORM_SUM])
     acc.first_count += int(scalars[kernel.FIRST_COUNT])
-    if check is not None:
-        check.check(crc)
 
 
 def _add_gram(acc: RunningSums, x: np.ndarray, sums: np.ndarray, square_norms: np.ndarray) -> None:

@@ -102,25 +102,14 @@ def export_heads(
     final = Path(directory)
     check_output_folder(final)
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
-        plan = [
-            (layer, head, seq, _file_name(layer, head, seq, snap.num_seqs, fmt))
-            for layer in _selection(layers, snap.num_layers, "layer")
-            if snap.layers[layer].present
-            for head in _selection(heads, snap.layers[layer].num_heads, "head")
-            for seq in range(snap.num_seqs)
-        ]
+        plan = _plan(snap, layers, heads, fmt)
         names = [file for *_, name in plan for file in _names(name, fmt)]
         with files_into(final, names, inputs=[path], force=force) as temporary:
             out = Path(temporary)
             ropes: dict[int, Rope | None] = {}
             for layer, head, seq, name in plan:
-                spec = snap.layers[layer]
                 if layer not in ropes:
-                    ropes[layer] = (
-                        Rope.from_metadata(snap.metadata, spec.attributes, spec.k_dim)
-                        if keys == "pre_rope"
-                        else None
-                    )
+                    ropes[layer] = _rope(snap, layer) if keys == "pre_rope" else None
                 rope = ropes[layer]
                 data = snap.head(layer, head, seq)
                 assert data is not None
@@ -129,3 +118,22 @@ def export_heads(
                     k = rope.rotate(k, data.positions, inverse=True)
                 _write(out / name, fmt, seq, data.positions, k, np.asarray(data.v, dtype=np.float32))
                 yield final / name
+
+
+def _plan(
+    snap: kvformat.Snapshot, layers: Iterable[int] | None, heads: Iterable[int] | None, fmt: str
+) -> list[tuple[int, int, int, str]]:
+    """``(layer, head, seq, file name)`` of every head to write: the present layers selected."""
+    return [
+        (layer, head, seq, _file_name(layer, head, seq, snap.num_seqs, fmt))
+        for layer in _selection(layers, snap.num_layers, "layer")
+        if snap.layers[layer].present
+        for head in _selection(heads, snap.layers[layer].num_heads, "head")
+        for seq in range(snap.num_seqs)
+    ]
+
+
+def _rope(snap: kvformat.Snapshot, layer: int) -> Rope | None:
+    """The RoPE that un-rotates ``layer``'s keys (`Rope.from_metadata`)."""
+    spec = snap.layers[layer]
+    return Rope.from_metadata(snap.metadata, spec.attributes, spec.k_dim)

@@ -60,19 +60,9 @@ class Source:
         snap = self.snap
         pieces = token_pieces(snap)
         meta = snap.metadata
-        layers = []
-        for i, spec in enumerate(snap.layers):
-            queries = spec.queries if spec.present else None
-            layers.append(
-                {
-                    "layer": i,
-                    "present": spec.present,
-                    "kv_heads": spec.num_heads if spec.present else 0,
-                    "query_heads": queries.num_heads if queries is not None else 0,
-                    "window": queries.window if queries is not None else None,
-                }
-            )
+        layers = [_layer_info(i, spec) for i, spec in enumerate(snap.layers)]
         prompt = meta.get("prompt_tokens")
+        model = meta.get("model")
         return {
             "name": snap.name,
             "seq_len": snap.seq_len,
@@ -80,7 +70,7 @@ class Source:
             "has_queries": any(layer["query_heads"] for layer in layers),
             "tokens": pieces[0] if pieces else None,
             "prompt_end": int(meta.get("resumed_from_tokens", 0) or 0) + int(prompt) if prompt else None,
-            "model": (meta.get("model") or {}).get("name") if isinstance(meta.get("model"), dict) else None,
+            "model": model.get("name") if isinstance(model, dict) else None,
         }
 
     def grid(self, score: str) -> dict[str, Any]:
@@ -289,3 +279,15 @@ def _finite(values: np.ndarray) -> list[float | None]:
 
 
 __all__ = ["GRID_SCORES", "Source", "ViewerError", "attention_map", "kept", "kv_view", "query_row"]
+
+
+def _layer_info(index: int, spec: Any) -> dict[str, Any]:
+    """One layer as the page lists it: present, its KV and query heads, its window."""
+    queries = spec.queries if spec.present else None
+    return {
+        "layer": index,
+        "present": spec.present,
+        "kv_heads": spec.num_heads if spec.present else 0,
+        "query_heads": queries.num_heads if queries is not None else 0,
+        "window": queries.window if queries is not None else None,
+    }

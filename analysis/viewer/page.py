@@ -56,25 +56,7 @@ def write_html(
     count = 0
     try:
         for number, source in enumerate(sources):
-            info = source.info()
-            embedded["files"].append(info)
-            present = [spec for spec in info["layers"] if spec["present"]]
-            chosen_layers = layers if layers is not None else [s["layer"] for s in present][:4]
-            if info["has_queries"]:
-                embedded["grids"][str(number)] = {score: source.grid(score) for score in data.GRID_SCORES}
-            for layer in chosen_layers:
-                spec = info["layers"][layer] if 0 <= layer < len(info["layers"]) else None
-                if spec is None or not spec["present"]:
-                    raise data.ViewerError(f"layer {layer} is not a present layer of {source.path}")
-                query_heads = heads if heads is not None else list(range(min(4, spec["query_heads"])))
-                for head in query_heads if spec["query_heads"] else []:
-                    key = f"{number}:{layer}:{head}"
-                    embedded["maps"][key] = data.attention_map(source.snap, layer, head)
-                    count += 1
-                kv_heads = heads if heads is not None else list(range(min(4, spec["kv_heads"])))
-                for head in kv_heads:
-                    if head < spec["kv_heads"]:
-                        embedded["kv"][f"{number}:{layer}:{head}"] = data.kv_view(source.snap, layer, head)
+            count += _embed_file(embedded, number, source, layers, heads)
         if len(sources) == 2:
             embedded["diff"] = data.difference(sources[0].snap, sources[1].snap)
         page = render(embedded, {"token": None, "files": len(sources)})
@@ -87,3 +69,44 @@ def write_html(
         for source in sources:
             source.close()
     return count
+
+
+def _embed_file(
+    embedded: dict[str, Any], number: int, source: Any, layers: list[int] | None, heads: list[int] | None
+) -> int:
+    """Add file ``number``'s info, head grids, maps and K/V views to ``embedded``; the maps added."""
+    from . import data
+
+    info = source.info()
+    embedded["files"].append(info)
+    present = {spec["layer"]: spec for spec in info["layers"] if spec["present"]}
+    if info["has_queries"]:
+        embedded["grids"][str(number)] = {score: source.grid(score) for score in data.GRID_SCORES}
+    count = 0
+    for layer in layers if layers is not None else list(present)[:4]:
+        if layer not in present:
+            raise data.ViewerError(f"layer {layer} is not a present layer of {source.path}")
+        count += _embed_layer(embedded, f"{number}:{layer}", source.snap, layer, present[layer], heads)
+    return count
+
+
+def _embed_layer(
+    embedded: dict[str, Any],
+    prefix: str,
+    snap: Any,
+    layer: int,
+    spec: dict[str, Any],
+    heads: list[int] | None,
+) -> int:
+    """Add the maps of ``layer``'s query heads and the K/V views of its KV heads (``heads``, or
+    the first 4 of each) under keys ``prefix:head``; the maps added."""
+    from . import data
+
+    query_heads = heads if heads is not None else list(range(min(4, spec["query_heads"])))
+    query_heads = query_heads if spec["query_heads"] else []
+    for head in query_heads:
+        embedded["maps"][f"{prefix}:{head}"] = data.attention_map(snap, layer, head)
+    kv_heads = heads if heads is not None else list(range(min(4, spec["kv_heads"])))
+    for head in (h for h in kv_heads if h < spec["kv_heads"]):
+        embedded["kv"][f"{prefix}:{head}"] = data.kv_view(snap, layer, head)
+    return len(query_heads)

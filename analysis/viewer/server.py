@@ -10,6 +10,7 @@ import hmac
 import json
 import secrets
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -122,32 +123,53 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, name: str, query: dict[str, list[str]]) -> Any:
         if name == "files":
             return [source.info() for source in self.server.sources]
+        if name not in _ANSWERS:
+            raise data.ViewerError(f"unknown request {name!r}")
         source = self._source(query)
+        if name == "diff":
+            return data.difference(source.snap, self._source(query, "other").snap)
         if name == "grid":
             return source.grid((query.get("score") or ["sink_mass"])[0])
-        snap = source.snap
-        layer, head = _int(query, "layer", 0), _int(query, "head", 0)
-        if name == "map":
-            return data.attention_map(
-                snap,
-                layer,
-                head,
-                queries=_span(query, "q0", "q1"),
-                keys=_span(query, "k0", "k1"),
-                rows=_int(query, "rows", 256),
-                columns=_int(query, "columns", 512),
-            )
-        if name == "row":
-            return data.query_row(snap, layer, head, _int(query, "query"))
-        if name == "kept":
-            method = (query.get("method") or ["snapkv"])[0]
-            try:
-                budget = float((query.get("budget") or ["0.25"])[0])
-            except ValueError:
-                raise data.ViewerError("budget must be a number") from None
-            return data.kept(snap, layer, head, method, budget)
-        if name == "kv":
-            return data.kv_view(snap, layer, head)
-        if name == "diff":
-            return data.difference(snap, self._source(query, "other").snap)
-        raise data.ViewerError(f"unknown request {name!r}")
+        answer = _ANSWERS[name]
+        assert answer is not None
+        return answer(source.snap, _int(query, "layer", 0), _int(query, "head", 0), query)
+
+
+def _map(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
+    return data.attention_map(
+        snap,
+        layer,
+        head,
+        queries=_span(query, "q0", "q1"),
+        keys=_span(query, "k0", "k1"),
+        rows=_int(query, "rows", 256),
+        columns=_int(query, "columns", 512),
+    )
+
+
+def _row(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
+    return data.query_row(snap, layer, head, _int(query, "query"))
+
+
+def _kept(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
+    method = (query.get("method") or ["snapkv"])[0]
+    try:
+        budget = float((query.get("budget") or ["0.25"])[0])
+    except ValueError:
+        raise data.ViewerError("budget must be a number") from None
+    return data.kept(snap, layer, head, method, budget)
+
+
+def _kv(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
+    return data.kv_view(snap, layer, head)
+
+
+_ANSWERS: dict[str, Callable[[Any, int, int, dict[str, list[str]]], Any] | None] = {
+    "grid": None,  # (the file's, not a head's)
+    "diff": None,  # (two files')
+    "map": _map,
+    "row": _row,
+    "kept": _kept,
+    "kv": _kv,
+}
+"""Requests about one head of a file, by name: each answered from the file, the layer and the head."""

@@ -157,27 +157,35 @@ def _layer_line(layer: dict[str, Any]) -> str:
     attributes = layer.get("attributes") or {}
     if not layer["present"]:
         return f"absent {json.dumps(attributes) if attributes else ''}".rstrip()
-    quant = layer.get("quantization")
-    storage = layer["dtype"]
-    if isinstance(quant, dict):
-        groups = f"groups of {quant.get('group_size')}, {layer['dtype']} scales"
-        storage = f"{quant.get('bits')}-bit {quant.get('mode', 'affine')} quantized ({groups})"
     span = f"positions {layer['first_position']}..{layer['last_position']}" if layer["tokens"] else "empty"
     kind = attributes.get("kind")
     window = f", window {attributes['window']}" if attributes.get("window") else ""
     extra = f", {kind}{window}" if kind else ""
-    queries = ""
-    if isinstance(layer.get("queries"), dict):
-        runs = layer.get("query_spans") or []
-        where = ", ".join(f"{a}..{b - 1}" if b - a > 1 else f"{a}" for a, b in runs[:4])
-        where += f" (+{len(runs) - 4} more runs)" if len(runs) > 4 else ""
-        queries = (
-            f"; queries: {layer['queries'].get('num_heads')} heads, {layer.get('query_count', 0)} "
-            f"positions ({where or 'none'})"
-        )
     return (
-        f"{layer['num_heads']} heads, k_dim {layer['k_dim']}, v_dim {layer['v_dim']}, {storage}, "
-        f"{layer['tokens']} tokens ({span}){extra}{queries}"
+        f"{layer['num_heads']} heads, k_dim {layer['k_dim']}, v_dim {layer['v_dim']}, {_storage(layer)}, "
+        f"{layer['tokens']} tokens ({span}){extra}{_queries_text(layer)}"
+    )
+
+
+def _storage(layer: dict[str, Any]) -> str:
+    """How a layer's K/V are stored: the dtype, or its quantization."""
+    quant = layer.get("quantization")
+    if not isinstance(quant, dict):
+        return str(layer["dtype"])
+    groups = f"groups of {quant.get('group_size')}, {layer['dtype']} scales"
+    return f"{quant.get('bits')}-bit {quant.get('mode', 'affine')} quantized ({groups})"
+
+
+def _queries_text(layer: dict[str, Any]) -> str:
+    """``; queries: ...`` for a layer holding queries (heads, positions, their first runs), else ""."""
+    if not isinstance(layer.get("queries"), dict):
+        return ""
+    runs = layer.get("query_spans") or []
+    where = ", ".join(f"{a}..{b - 1}" if b - a > 1 else f"{a}" for a, b in runs[:4])
+    where += f" (+{len(runs) - 4} more runs)" if len(runs) > 4 else ""
+    return (
+        f"; queries: {layer['queries'].get('num_heads')} heads, {layer.get('query_count', 0)} "
+        f"positions ({where or 'none'})"
     )
 
 
@@ -535,20 +543,21 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         # Output piped into `head` and the like: stop quietly, as Unix tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except KVFormatError as exc:
-        print(f"kvsnap: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except (OSError, ValueError, RuntimeError, ModuleNotFoundError, OutOfRangeError) as exc:
+        print(_error_line(exc, args.command), file=sys.stderr)
         return 2
-    except ModuleNotFoundError as exc:  # an extra not installed (polars, matplotlib, mlx, ...)
+
+
+def _error_line(exc: Exception, command: str) -> str:
+    """The one line a command's known error prints (exit status 2)."""
+    if isinstance(exc, KVFormatError):
+        return f"kvsnap: {type(exc).__name__}: {exc}"
+    if isinstance(exc, ModuleNotFoundError):  # an extra not installed (polars, matplotlib, mlx, ...)
         missing = exc.name or str(exc)
-        print(
-            f"kvsnap: error: {args.command} needs {missing}, which is not installed: "
-            "pip install 'kvsnap[capture,analysis]'",
-            file=sys.stderr,
+        return (
+            f"kvsnap: error: {command} needs {missing}, which is not installed: "
+            "pip install 'kvsnap[capture,analysis]'"
         )
-        return 2
-    except OutOfRangeError as exc:  # --snapshot, --layer, --head, --seq outside the file's range
-        print(f"kvsnap: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError, RuntimeError) as exc:
-        print(f"kvsnap: error: {exc}", file=sys.stderr)
-        return 2
+    if isinstance(exc, OutOfRangeError):  # --snapshot, --layer, --head, --seq outside the file's range
+        return f"kvsnap: error: {exc.args[0] if exc.args else exc}"
+    return f"kvsnap: error: {exc}"
