@@ -9,6 +9,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvformat.io.outputs import check_output, check_output_folder, output_path
@@ -17,14 +18,40 @@ from kvsnap.cli.options import positive_int, storage_options
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
 
+@dataclass(frozen=True)
+class Shared:
+    """The options the analysis commands share, typed (`from_args`): each command's parser
+    declares those it offers; the others keep these defaults."""
+
+    file: str | None = None
+    a: str | None = None
+    b: str | None = None
+    files: list[str] = field(default_factory=list)
+    snapshot: int | None = None
+    stats: frozenset[str] | None = None
+    stat: str | None = None
+    attention: tuple[int, int] | None = None
+    engine: str = "local"
+    address: str | None = None
+    output: str | None = None
+    output_folder: bool = False
+    plot: str | None = None
+    force: bool = False
+    storage_option: list[str] | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Shared:
+        given = vars(args)
+        return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
+
+
 def inputs(args: argparse.Namespace) -> list[str]:
     """The local files a command reads (patterns expanded), to keep its outputs off them."""
     import glob
 
-    names = [getattr(args, name) for name in ("file", "a", "b") if getattr(args, name, None)]
-    names += list(getattr(args, "files", None) or [])
+    shared = Shared.from_args(args)
     found: list[str] = []
-    for name in names:
+    for name in [n for n in (shared.file, shared.a, shared.b) if n] + list(shared.files or []):
         found.append(name)
         if "://" not in name and glob.has_magic(name):
             found += glob.glob(name, recursive=True)
@@ -47,58 +74,57 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     ``--stat`` names a statistic the selected groups compute, and ``--snapshot`` is inside each
     local file named (reading only its index)."""
     del parser
-    if getattr(args, "address", None) and getattr(args, "engine", "local") != "ray":
-        raise ValueError(f"--address {args.address} names a Ray cluster: add --engine ray, or drop --address")
-    _check_stat(args)
-    check_snapshot(args)
-    for option in ("output", "plot"):
-        path = getattr(args, option, None)
-        if path:
-            if option == "output" and getattr(args, "output_folder", False):
-                check_output_folder(path)  # files written into it are checked by name
-            else:
-                check_output(path, inputs=inputs(args), force=args.force)
-    if getattr(args, "output", None) and getattr(args, "plot", None):
+    shared = Shared.from_args(args)
+    if shared.address and shared.engine != "ray":
+        raise ValueError(
+            f"--address {shared.address} names a Ray cluster: add --engine ray, or drop --address"
+        )
+    _check_stat(shared)
+    check_snapshot(shared)
+    if shared.output and shared.output_folder:
+        check_output_folder(shared.output)  # files written into it are checked by name
+    elif shared.output:
+        check_output(shared.output, inputs=inputs(args), force=shared.force)
+    if shared.plot:
+        check_output(shared.plot, inputs=inputs(args), force=shared.force)
+    if shared.output and shared.plot:
         from kvformat.io.outputs import same_file
 
-        if same_file(args.output, args.plot):
-            raise ValueError(f"-o and --plot name the same file {args.output}")
+        if same_file(shared.output, shared.plot):
+            raise ValueError(f"-o and --plot name the same file {shared.output}")
 
 
-def _check_stat(args: argparse.Namespace) -> None:
+def _check_stat(shared: Shared) -> None:
     """A ``--stat`` the selected ``--stats`` groups compute (`plot --attention` has none; `plot
     --stat sink_mass` and other per-query-head statistics come from saved queries, checked there)."""
     from ..attention.head_importance import SCALARS
 
-    stat = getattr(args, "stat", None)
-    if stat is None or getattr(args, "attention", None) is not None:
+    if shared.stat is None or shared.attention is not None:
         return
-    if stat in SCALARS:  # per query head, from saved queries (`--stats attention`)
+    if shared.stat in SCALARS:  # per query head, from saved queries (`--stats attention`)
         return
     from ..stats.catalogue import check_scalar, stat_groups
 
     try:
-        check_scalar(stat, stat_groups(getattr(args, "stats", None)))
+        check_scalar(shared.stat, stat_groups(shared.stats))
     except ValueError as exc:
         if "no such statistic" in str(exc):
             raise ValueError(f"{exc}, {', '.join(SCALARS)} (per query head, from saved queries)") from None
         raise
 
 
-def check_snapshot(args: argparse.Namespace) -> None:
+def check_snapshot(shared: Shared) -> None:
     """`kvformat.OutOfRangeError` (one line, exit 2) for a ``--snapshot`` outside a local file."""
     import glob
 
     import kvformat
 
-    snapshot = getattr(args, "snapshot", None)
-    if snapshot is None or snapshot == -1:
+    if shared.snapshot is None or shared.snapshot == -1:
         return
-    names = [getattr(args, "file", None), *(getattr(args, "files", None) or [])]
-    for name in names:
+    for name in [shared.file, *(shared.files or [])]:
         if name and "://" not in name and not glob.has_magic(name) and os.path.isfile(name):
             try:
-                kvformat.open(name, snapshot).close()
+                kvformat.open(name, shared.snapshot).close()
             except kvformat.KVFormatError:
                 return  # a bad file: the command reports it as it does any other
 
@@ -160,7 +186,8 @@ def save_figure(figure: Any, path: str, args: argparse.Namespace) -> None:
 
 
 def url_options(args: argparse.Namespace) -> dict[str, Any] | None:
-    return storage_options(getattr(args, "storage_option", None))
+    """``--storage-option KEY=VALUE`` pairs as fsspec's options (None without any)."""
+    return storage_options(Shared.from_args(args).storage_option)
 
 
 def stat_groups_type(text: str) -> frozenset[str]:

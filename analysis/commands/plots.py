@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
 
+from kvsnap.cli.errors import CommandError
+
 from .common import save_figure, url_options
-from .statistics import statistics_table
+from .statistics import BatchRequest, statistics_table
 
 
 def plot_command(args: argparse.Namespace) -> int:
@@ -20,7 +23,7 @@ def plot_command(args: argparse.Namespace) -> int:
 
     if args.attention is not None:
         return _attention_map(args)
-    if getattr(args, "kept", None) is not None:
+    if args.kept is not None:
         print("kvsnap: error: --kept shades an attention map: give it with --attention L:H", file=sys.stderr)
         return 2
     if args.stat in SCALARS:
@@ -61,12 +64,12 @@ def _statistic_grid(args: argparse.Namespace) -> tuple[list[int], Any]:
     """The file's layers and ``--stat`` of ``--tensor`` as a ``(layers, heads)`` grid (sequence 0)."""
     import polars as pl
 
-    args.files = [args.file]
-    table = statistics_table(args).filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
+    request = dataclasses.replace(BatchRequest.from_args(args), files=[args.file])
+    table = statistics_table(request)[0].filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
     keys = ("seq", "layer", "head", "snapshot")
     numeric = [c for c, t in table.schema.items() if t.is_numeric() and c not in keys]
     if args.stat not in numeric:
-        raise SystemExit(f"unknown statistic {args.stat!r}; one of: {', '.join(numeric)}")
+        raise CommandError(f"unknown statistic {args.stat!r}; one of: {', '.join(numeric)}")
     return _layer_head_grid(table, args.stat)
 
 

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvformat.io.outputs import output_path
+from kvsnap.cli.errors import CommandError
+from kvsnap.cli.options import storage_options
 
+from ..kernels import DEFAULT as DEFAULT_KERNEL
 from .common import KEYS, ParquetSink, inputs, save_parquet, url_options, warnings_printed
 
 
@@ -30,53 +35,89 @@ def _progress(total: int) -> Callable[[str], None]:
     return progress
 
 
-def _jobs(args: argparse.Namespace, engine: str, backend: str) -> int | None:
+@dataclass(frozen=True)
+class BatchRequest:
+    """What a statistics command asks of the pass, typed, from its parsed options (`from_args`):
+    the commands that read statistics share it, each parser declaring the options it offers and
+    the rest keeping these defaults."""
+
+    files: list[str] = dataclasses.field(default_factory=list)
+    snapshot: int = -1
+    keys: str = "post_rope"
+    stats: frozenset[str] | None = None
+    engine: str = "local"
+    backend: str = DEFAULT_KERNEL
+    jobs: int | None = None
+    address: str | None = None
+    fail_fast: bool = False
+    storage_option: list[str] | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BatchRequest:
+        given = vars(args)
+        return cls(**{f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given})
+
+    def storage_options(self) -> dict[str, Any] | None:
+        """The ``--storage-option KEY=VALUE`` pairs as fsspec's options (None without any)."""
+        return storage_options(self.storage_option)
+
+
+@dataclass
+class Statistics:
+    """A batch's result as a command uses it: the rows (Arrow) and whether any file failed (the
+    command's exit status is then 1)."""
+
+    rows: Any
+    failed: bool
+
+
+def _jobs(request: BatchRequest) -> int | None:
     """``--jobs``, or 1 for one local file on mlx that one process reads in one pass (workers
     would cost more to start than they save), or None: every core."""
     from ..engine import processes
     from ..kernels import profile
 
-    one_file = engine == "local" and args.jobs is None and len(args.files) == 1
-    if profile(backend).device and one_file and processes.one_shot_in_process(args.files[0]):
+    one_file = request.engine == "local" and request.jobs is None and len(request.files) == 1
+    if profile(request.backend).device and one_file and processes.one_shot_in_process(request.files[0]):
         return 1
-    return args.jobs
+    return request.jobs
 
 
-def _batch(args: argparse.Namespace, merge: bool = False, sink: Callable[[Any], None] | None = None) -> Any:
+def _batch(request: BatchRequest, merge: bool = False, sink: Callable[[Any], None] | None = None) -> Any:
     """Statistics of every file or pattern, on the chosen engine; failures reported by file;
     ``sink`` (not with ``merge``) takes the rows' tables as they arrive (`batch.run_stats`)."""
     from ..engine import processes
     from ..engine.parallel import cores
     from ..kernels import missing_note
 
-    engine, backend = getattr(args, "engine", "local"), getattr(args, "backend", "cpu")
-    jobs = _jobs(args, engine, backend)
+    jobs = _jobs(request)
     workers = jobs or cores()
-    note = missing_note(backend)
+    note = missing_note(request.backend)
     if note:
         print(f"kvsnap: note: {note}", file=sys.stderr)
-    if engine == "local" and len(args.files) == 1 and processes.usable(args.files[0], workers, backend):
+    backend, files = request.backend, request.files
+    if request.engine == "local" and len(files) == 1 and processes.usable(files[0], workers, backend):
         # One big file (not a pattern): its workers start while the rest is imported.
         processes.start(processes.worker_count(workers, backend), backend)
     from ..engine.batch import expand_paths, merged_stats, run_stats
 
-    options = url_options(args)
+    options = request.storage_options()
     try:
-        files = expand_paths(args.files, options)
+        expanded = expand_paths(files, options)
     except (FileNotFoundError, ValueError) as exc:
-        raise SystemExit(str(exc)) from None
+        raise CommandError(str(exc)) from None
     run = merged_stats if merge else functools.partial(run_stats, sink=sink)
     result = run(
-        files,
-        engine=engine,
+        expanded,
+        engine=request.engine,
         jobs=jobs,
-        address=getattr(args, "address", None),
-        fail_fast=getattr(args, "fail_fast", False),
-        snapshot=args.snapshot,
-        keys=args.keys,
-        stats=getattr(args, "stats", None),
+        address=request.address,
+        fail_fast=request.fail_fast,
+        snapshot=request.snapshot,
+        keys=request.keys,
+        stats=request.stats,
         storage_options=options,
-        progress=_progress(len(files)),
+        progress=_progress(len(expanded)),
         backend=backend,
     )
     for failure in result.failures:
@@ -86,23 +127,23 @@ def _batch(args: argparse.Namespace, merge: bool = False, sink: Callable[[Any], 
     return result
 
 
-def statistics_rows(args: argparse.Namespace, sink: Callable[[Any], None] | None = None) -> Any:
-    """The statistics of every file as an Arrow table (failures reported on stderr, exit status
-    1 later); ``sink`` as in `batch.run_stats`."""
-    result = _batch(args, sink=sink)
-    args.failed = bool(result.failures)
+def statistics_rows(request: BatchRequest, sink: Callable[[Any], None] | None = None) -> Statistics:
+    """The statistics of every file as an Arrow table, and whether any file failed (reported on
+    stderr); ``sink`` as in `batch.run_stats`. `CommandError` where nothing came out."""
+    result = _batch(request, sink=sink)
     if not result.rows.num_rows:
-        raise SystemExit("no statistics: every file failed or every layer is absent")
-    return result.rows
+        raise CommandError("no statistics: every file failed or every layer is absent")
+    return Statistics(result.rows, bool(result.failures))
 
 
-def statistics_table(args: argparse.Namespace) -> Any:
-    """`statistics_rows` as a Polars DataFrame."""
+def statistics_table(request: BatchRequest) -> tuple[Any, bool]:
+    """`statistics_rows` as a Polars DataFrame, and whether any file failed."""
     import polars as pl
 
-    frame = pl.from_arrow(statistics_rows(args))
+    found = statistics_rows(request)
+    frame = pl.from_arrow(found.rows)
     assert isinstance(frame, pl.DataFrame)
-    return frame
+    return frame, found.failed
 
 
 def outliers_command(args: argparse.Namespace) -> int:
@@ -113,10 +154,10 @@ def outliers_command(args: argparse.Namespace) -> int:
 
     if args.stat in SCALARS:
         return _attention_outliers(args)
-    table = statistics_table(args)
+    table, failed = statistics_table(BatchRequest.from_args(args))
     if args.stat not in table.columns or table.schema[args.stat] not in (pl.Float64, pl.Int64, pl.Float32):
         scalars = [c for c, t in table.schema.items() if t in (pl.Float64, pl.Int64) and c not in KEYS]
-        raise SystemExit(f"--stat must be a scalar statistic, one of: {', '.join(scalars)}")
+        raise CommandError(f"--stat must be a scalar statistic, one of: {', '.join(scalars)}")
     from ..engine.tables import outliers
 
     flagged = outliers(table, args.threshold, args.stat, args.tensor).filter(pl.col("outlier"))
@@ -131,7 +172,7 @@ def outliers_command(args: argparse.Namespace) -> int:
             f"{row['file'][-40:]:40s} {row['seq']:3d} {row['layer']:5d} {row['head']:4d} "
             f"{row[args.stat]:14.4f} {row['ratio_to_median']:9.2f}"
         )
-    return 1 if args.failed else 0
+    return 1 if failed else 0
 
 
 def _attention_outliers(args: argparse.Namespace) -> int:
@@ -161,12 +202,12 @@ def _attention_outliers(args: argparse.Namespace) -> int:
 
 
 def _merged(args: argparse.Namespace) -> int:
-    result = _batch(args, merge=True)
+    result = _batch(BatchRequest.from_args(args), merge=True)
     table = result.table
     if args.output and not table.is_empty():
         save_parquet(table, args.output, args)
     if table.is_empty():
-        raise SystemExit("no statistics: every file failed or every layer is absent")
+        raise CommandError("no statistics: every file failed or every layer is absent")
     import polars as pl
 
     if "norm_mean" not in table.columns:
@@ -217,19 +258,21 @@ def stats_command(args: argparse.Namespace) -> int:
             raise ValueError(f"{option} scores attention: use it with --stats attention")
     if args.merge:
         return _merged(args)
+    request = BatchRequest.from_args(args)
     if args.output:  # written as the files finish; checked (exists? an input?) before any work
         with output_path(args.output, inputs=inputs(args), force=args.force) as temporary:
             sink = ParquetSink(temporary)
-            rows = statistics_rows(args, sink.add)
-            sink.finish(rows)
-        print(f"wrote {args.output}: {len(rows)} rows")
+            found = statistics_rows(request, sink.add)
+            sink.finish(found.rows)
+        print(f"wrote {args.output}: {len(found.rows)} rows")
     else:
-        rows = statistics_rows(args)
+        found = statistics_rows(request)
+    rows = found.rows
     if "norm_mean" not in rows.column_names:  # --stats without norms: medians of what was computed
         _medians(rows)
     else:
         _print_files(key_rows(rows, args.factor), args.factor)
-    return 1 if args.failed else 0
+    return 1 if found.failed else 0
 
 
 def _print_files(keys: list[dict[str, Any]], factor: float) -> None:

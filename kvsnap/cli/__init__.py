@@ -18,6 +18,7 @@ import numpy as np
 import kvformat
 from kvformat import KVFormatError, OutOfRangeError, channel_order, codecs, dtypes
 from kvformat.io import check_output, output_path
+from kvsnap.cli.errors import CommandError
 from kvsnap.cli.options import non_negative_int, positive_int, remote_options, storage_options
 
 
@@ -531,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Run a parsed command: its argument checks first, then the command; known errors as one
     line and exit 2."""
-    check = getattr(args, "check", None)
+    check = vars(args).get("check")  # set by the commands that check their arguments first
     try:
         if check is not None:  # argument checks that need no model or file: before anything loads
             check(parser, args)
@@ -545,7 +546,7 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 0
     except (OSError, ValueError, RuntimeError, ModuleNotFoundError, OutOfRangeError) as exc:
         print(_error_line(exc, args.command), file=sys.stderr)
-        return 2
+        return exc.status if isinstance(exc, CommandError) else 2
 
 
 def _error_line(exc: Exception, command: str) -> str:
