@@ -23,16 +23,7 @@ if TYPE_CHECKING:
     from .attention.compression import simulate
     from .attention.head_importance import attention_stats
     from .engine.batch import BatchOptions, BatchResult, FileFailure, expand_paths, merged_stats, run_stats
-    from .engine.tables import (
-        file_accumulators,
-        file_tables,
-        head_stats,
-        head_stats_reader,
-        outliers,
-        stats_for_file,
-        stats_rows,
-        token_table,
-    )
+    from .engine.tables import head_stats, head_stats_reader, head_stats_table, outliers, token_table
     from .stats.accumulator import HeadAccumulator
     from .stats.rope import Rope, RopeError, checkpoint_keys
     from .tools.diff import head_diff
@@ -57,13 +48,10 @@ _EXPORTS = {
     "similarity_for_file": "tools.similarity",
     **dict.fromkeys(
         (
-            "file_accumulators",
-            "file_tables",
             "head_stats",
             "head_stats_reader",
+            "head_stats_table",
             "outliers",
-            "stats_for_file",
-            "stats_rows",
             "token_table",
         ),
         "engine.tables",
@@ -82,19 +70,16 @@ __all__ = [
     "checkpoint_keys",
     "expand_paths",
     "export_heads",
-    "file_accumulators",
-    "file_tables",
     "head_diff",
     "head_similarity",
     "head_stats",
     "head_stats_reader",
+    "head_stats_table",
     "merged_stats",
     "outliers",
     "run_stats",
     "similarity_for_file",
     "simulate",
-    "stats_for_file",
-    "stats_rows",
     "token_table",
     "view",
 ]  # the same names as _EXPORTS (a literal, so tools see the exports)

@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .errors import CaptureError, UnsupportedModelError
     from .fixtures import fetch_model
-    from .generate import SnapshotEvent, generate
+    from .generate import Capture, SnapshotEvent, generate
     from .restore import restore, text_of, tokens_of
     from .snapshot import KVSnapshot, snapshot_kv
 
 _EXPORTS = {
     "CaptureError": "errors",
     "UnsupportedModelError": "errors",
+    "Capture": "generate",
     "SnapshotEvent": "generate",
     "generate": "generate",
     "restore": "restore",
@@ -40,6 +41,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "Capture",
     "CaptureError",
     "KVSnapshot",
     "SnapshotEvent",

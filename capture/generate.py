@@ -295,48 +295,78 @@ def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list[Any]:
     return limited
 
 
-def generate(
-    model: nn.Module,
-    tokenizer: Any,
-    prompt: str | Sequence[int] | None = None,
-    *,
-    max_tokens: int = 256,
-    output: str | os.PathLike[str] | None = None,
-    every: int | None = None,
-    at: Sequence[int] = (),
-    when: Callable[[Any], bool] | None = None,
-    final: bool = True,
-    separate_files: bool = False,
-    codec: str = "raw",
-    save_logits: bool = True,
-    resume: KVSnapshot | kvformat.Snapshot | None = None,
-    model_path: str | None = None,
-    max_kv_size: int | None = None,
-    on_snapshot: Callable[[SnapshotEvent], None] | None = None,
-    metadata: dict[str, Any] | None = None,
-    max_pending: int = DEFAULT_MAX_PENDING,
-    durable: bool = True,
-    overwrite: bool = False,
-    queries: str | QuerySelection = "none",
-    **generate_kwargs: Any,
-) -> Generator[Any, None, None]:
-    """Stream generation like `mlx_lm.stream_generate`, taking K/V snapshots along the way.
+@dataclass(frozen=True)
+class Capture:
+    """What `generate` captures, and where: kvsnap's options, apart from mlx-lm's own.
 
     Snapshots are taken after ``every`` generated tokens, at the generated-token counts in ``at``,
     whenever ``when(response)`` is true, and at the end (``final``). With ``output`` they are
     appended to one `.kv` series file (shared chunks stored once), or, with ``separate_files``,
-    written to ``output`` with ``-NNNN`` (the snapshot's number, from 0) before the suffix. Each
-    snapshot copies only the rows the cache gained (sliced on the device) and is written by a
-    background thread; at most ``max_pending`` snapshots wait for the disk before generation
-    does. ``resume`` continues from a snapshot (in memory or read back) instead of a prompt.
-    ``durable=False`` skips the fsyncs
-    (each snapshot's and the file's at close): for scratch captures. An existing ``output`` is
-    refused before generation starts unless ``overwrite``. ``queries`` (`QuerySelection`:
-    ``"none"``, ``"decode"``, ``"window:W"``, ``"all"``) also stores the post-RoPE queries of
-    those positions, and how each layer's attention used them (format 1.3), in a series file;
-    generation is unchanged. Other keyword arguments
-    (``sampler``, ``kv_bits``, ``prefill_step_size``, ...) go to mlx-lm.
+    written to ``output`` with ``-NNNN`` (the snapshot's number, from 0) before the suffix, in
+    ``codec``. ``save_logits`` stores the last logits with each snapshot (to resume from it).
+    ``model_path`` and ``metadata`` go to the file's metadata; ``on_snapshot`` is called with
+    each `SnapshotEvent`. At most ``max_pending`` snapshots wait for the disk before generation
+    does; ``durable=False`` skips the fsyncs (each snapshot's and the file's at close): for
+    scratch captures. An existing ``output`` is refused before generation starts unless
+    ``overwrite``. ``queries`` (`QuerySelection`: ``"none"``, ``"decode"``, ``"window:W"``,
+    ``"all"``) also stores the post-RoPE queries of those positions, and how each layer's
+    attention used them (format 1.3), in a series file; generation is unchanged."""
+
+    output: str | os.PathLike[str] | None = None
+    every: int | None = None
+    at: Sequence[int] = ()
+    when: Callable[[Any], bool] | None = None
+    final: bool = True
+    separate_files: bool = False
+    codec: str = "raw"
+    save_logits: bool = True
+    model_path: str | None = None
+    on_snapshot: Callable[[SnapshotEvent], None] | None = None
+    metadata: dict[str, Any] | None = None
+    max_pending: int = DEFAULT_MAX_PENDING
+    durable: bool = True
+    overwrite: bool = False
+    queries: str | QuerySelection = "none"
+
+    @classmethod
+    def split(cls, capture: Capture | None, kwargs: dict[str, Any]) -> tuple[Capture, dict[str, Any]]:
+        """``capture`` with the `Capture` fields among ``kwargs`` (the keyword form), and the
+        remaining keyword arguments, mlx-lm's. TypeError for a field given both ways."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        given = {name: kwargs[name] for name in kwargs if name in names}
+        rest = {name: value for name, value in kwargs.items() if name not in names}
+        if capture is None:
+            return cls(**given), rest
+        if given:
+            raise TypeError(
+                f"give {', '.join(sorted(given))} in capture=Capture(...) or as keywords, not both"
+            )
+        return capture, rest
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str | Sequence[int] | None = None,
+    capture: Capture | None = None,
+    *,
+    max_tokens: int = 256,
+    resume: KVSnapshot | kvformat.Snapshot | None = None,
+    max_kv_size: int | None = None,
+    **kwargs: Any,
+) -> Generator[Any, None, None]:
+    """Stream generation like `mlx_lm.stream_generate`, taking K/V snapshots along the way.
+
+    ``capture`` (`Capture`) says what is captured and where; its fields may also be given as
+    keywords (``generate(model, tokenizer, prompt, output="run.kv", every=16)``). ``resume``
+    continues from a snapshot (in memory or read back) instead of a prompt; ``max_tokens`` and
+    ``max_kv_size`` (a rotating cache of that many positions) are mlx-lm's, as are the other
+    keyword arguments (``sampler``, ``kv_bits``, ``prefill_step_size``, ...).
     """
+    options, generate_kwargs = Capture.split(capture, kwargs)
+    output, every, at, when, final = options.output, options.every, options.at, options.when, options.final
+    separate_files, codec, queries = options.separate_files, options.codec, options.queries
+    model_path, metadata, overwrite = options.model_path, options.metadata, options.overwrite
     from mlx_lm.sample_utils import make_sampler
 
     triggers = Triggers.of(every, at, when, final)
@@ -374,15 +404,14 @@ def generate(
         codec=codec,
         model_path=model_path,
         file_metadata=info,
-        on_snapshot=on_snapshot,
-        max_pending=max_pending,
-        durable=durable,
+        on_snapshot=options.on_snapshot,
+        max_pending=options.max_pending,
+        durable=options.durable,
         overwrite=overwrite,
         recorder=query_recorder,
     )
-    run = _Run(
-        model, tokenizer, start, snapshots, triggers, recorder if save_logits else None, resume is not None
-    )
+    logits = recorder if options.save_logits else None
+    run = _Run(model, tokenizer, start, snapshots, triggers, logits, resume is not None)
     yield from run.stream(query_recorder, max_tokens, sampler, output is not None, generate_kwargs)
 
 

@@ -43,6 +43,7 @@ _EXPORTS: dict[str, str] = {
         for name in (
             "head_stats",
             "head_stats_reader",
+            "head_stats_table",
             "token_table",
             "outliers",
             "head_similarity",

@@ -9,9 +9,20 @@ import polars as pl
 import pytest
 
 import kvformat
-from kvsnap.analysis.engine.tables import head_stats, outliers
+from kvsnap.analysis.engine.tables import head_stats, head_stats_reader, head_stats_table, outliers
 from kvsnap.cli import main
 from tests.factories import random_file
+
+
+def test_the_three_front_doors_give_the_same_rows(tmp_path: Path) -> None:
+    """Per-head statistics as Polars (`head_stats`), one Arrow table (`head_stats_table`) and a
+    stream of Arrow batches (`head_stats_reader`): the same rows, columns and values."""
+    paths = [random_file(tmp_path / f"{i}.kv", seed=i).path for i in range(2)]
+    frame = head_stats(paths, jobs=1)
+    table = head_stats_table(paths, jobs=1)
+    streamed = head_stats_reader(paths, jobs=1).read_all()
+    assert frame.height == table.num_rows == streamed.num_rows > 0
+    assert pl.from_arrow(table).equals(frame) and pl.from_arrow(streamed).equals(frame)
 
 
 def test_norm_statistics_match_numpy(tmp_path: Path) -> None:

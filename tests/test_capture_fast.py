@@ -243,6 +243,28 @@ def test_a_writer_error_stops_generation_and_keeps_a_recoverable_file(
         assert snap.select(1).snapshot_metadata["generated"] == 4
 
 
+def test_capture_options_as_an_object_or_as_keywords_write_the_same_file(tmp_path: Path) -> None:
+    """`generate`'s capture options grouped in `Capture` and given as keywords write the same
+    snapshots (the same K/V bytes); one option given both ways is refused before any work."""
+    from kvsnap.capture import Capture
+
+    model, tokenizer = tiny_model("qwen3"), _tiny_tokenizer()
+    prompt = list(range(1, 12))
+    grouped, keywords = tmp_path / "grouped.kv", tmp_path / "keywords.kv"
+    list(generate(model, tokenizer, prompt, Capture(output=grouped, every=2, durable=False), max_tokens=6))
+    list(generate(model, tokenizer, prompt, max_tokens=6, output=keywords, every=2, durable=False))
+    with kvformat.open(grouped) as a, kvformat.open(keywords) as b:
+        assert a.num_snapshots == b.num_snapshots == 3
+        for layer in range(a.num_layers):
+            ha, hb = a.head(layer, 0), b.head(layer, 0)
+            assert ha is not None and hb is not None
+            np.testing.assert_array_equal(ha.k, hb.k)
+            np.testing.assert_array_equal(ha.positions, hb.positions)
+    with pytest.raises(TypeError, match="every"):
+        next(generate(model, tokenizer, prompt, Capture(output=tmp_path / "x.kv"), every=2))
+    assert not (tmp_path / "x.kv").exists()
+
+
 def test_snapshot_events_name_the_file_and_count_tokens(tmp_path: Path) -> None:
     """Each event of a series names the output file (bytes in ``writing`` until the end), its
     index there, the tokens generated and held; separate files name themselves."""

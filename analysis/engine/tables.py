@@ -48,6 +48,7 @@ __all__ = [
     "frame_of",
     "head_stats",
     "head_stats_reader",
+    "head_stats_table",
     "layer_tables",
     "local_map",
     "merged_accumulators",
@@ -227,6 +228,20 @@ def head_stats(
     default device (a GPU where there is one); ``progress`` is called with each file name as it
     finishes."""
     return frame_of(list(file_tables(paths, snapshot, keys, jobs, progress, stats=stats, backend=backend)))
+
+
+def head_stats_table(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    snapshot: int = -1,
+    keys: str = "post_rope",
+    jobs: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    *,
+    stats: str | Iterable[str] | None = None,
+    backend: str = "cpu",
+) -> pa.Table:
+    """`head_stats` as one Arrow table (no polars import): the same rows and columns."""
+    return rows_of(list(file_tables(paths, snapshot, keys, jobs, progress, stats=stats, backend=backend)))
 
 
 def frame_of(tables: list[pa.Table]) -> pl.DataFrame:
