@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 from kvsnap.cli.options import non_negative_int, odd_int, positive_float, positive_int
@@ -19,12 +22,31 @@ from .commands.common import (
     span,
     stats_option,
 )
-from .commands.compare import diff_command, similarity_command
-from .commands.files import attention_command, export_command
-from .commands.plots import plot_command
-from .commands.simulation import simulate_command
-from .commands.statistics import outliers_command, stats_command
-from .commands.view import view_command
+
+COMMANDS = {
+    "stats_command": "statistics",
+    "outliers_command": "statistics",
+    "simulate_command": "simulation",
+    "attention_command": "files",
+    "export_command": "files",
+    "plot_command": "plots",
+    "diff_command": "compare",
+    "similarity_command": "compare",
+    "view_command": "view",
+}
+"""Each command's function and the module of `analysis.commands` that holds it: imported when the
+command runs, so that building the parser (every ``kvsnap`` command does) imports none of them."""
+
+
+def command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The command function ``name``, imported from its module (`COMMANDS`) when called."""
+
+    def run(args: argparse.Namespace) -> int:
+        module = importlib.import_module(f"{__package__}.commands.{COMMANDS[name]}")
+        return int(getattr(module, name)(args) or 0)
+
+    run.__name__ = run.__qualname__ = name
+    return run
 
 
 def register(sub: Any) -> None:
@@ -61,7 +83,7 @@ def register(sub: Any) -> None:
         "token (default, as Wu et al. 2024), or every stored query (the prompt window's too)",
     )
     force_option(p)
-    p.set_defaults(func=stats_command, check=check_outputs)
+    p.set_defaults(func=command("stats_command"), check=check_outputs)
 
     p = sub.add_parser(
         "simulate",
@@ -113,7 +135,7 @@ def register(sub: Any) -> None:
         "--storage-option", action="append", metavar="KEY=VALUE", help="for a URL: fsspec option; repeatable"
     )
     force_option(p)
-    p.set_defaults(func=simulate_command, check=check_outputs)
+    p.set_defaults(func=command("simulate_command"), check=check_outputs)
 
     p = sub.add_parser("outliers", help="heads whose statistic exceeds N x the median head")
     common_options(p)
@@ -123,7 +145,7 @@ def register(sub: Any) -> None:
     p.add_argument("--tensor", choices=["k", "v"], default="k")
     p.add_argument("--threshold", type=positive_float, default=1.5, help="ratio to the file's median head")
     stats_option(p)
-    p.set_defaults(func=outliers_command, check=check_outputs)
+    p.set_defaults(func=command("outliers_command"), check=check_outputs)
 
     p = sub.add_parser(
         "attention",
@@ -141,7 +163,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
     force_option(p)
-    p.set_defaults(func=attention_command, check=check_outputs)
+    p.set_defaults(func=command("attention_command"), check=check_outputs)
 
     p = sub.add_parser("plot", help="PNG: layers x heads heatmap of a statistic, norm by position")
     p.add_argument("file")
@@ -181,7 +203,7 @@ def register(sub: Any) -> None:
     )
     stats_option(p)
     force_option(p)
-    p.set_defaults(func=plot_command, check=check_outputs, heatmap_from_queries=True)
+    p.set_defaults(func=command("plot_command"), check=check_outputs, heatmap_from_queries=True)
 
     p = sub.add_parser(
         "export", help="one file per layer and head (L00-H00.csv, as go-mlx probes), streamed head by head"
@@ -201,7 +223,7 @@ def register(sub: Any) -> None:
     keys_option(p)
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
     force_option(p)
-    p.set_defaults(func=export_command, check=check_outputs, output_folder=True)
+    p.set_defaults(func=command("export_command"), check=check_outputs, output_folder=True)
 
     p = sub.add_parser("diff", help="compare two captures head by head at the positions both hold")
     p.add_argument("a", help="reference capture (A)")
@@ -220,7 +242,7 @@ def register(sub: Any) -> None:
     keys_option(p)
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
     force_option(p)
-    p.set_defaults(func=diff_command, check=check_outputs)
+    p.set_defaults(func=command("diff_command"), check=check_outputs)
 
     p = sub.add_parser(
         "view",
@@ -237,7 +259,7 @@ def register(sub: Any) -> None:
     p.add_argument("--no-browser", action="store_true", help="print the URL, do not open a browser")
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
     force_option(p)
-    p.set_defaults(func=view_command)
+    p.set_defaults(func=command("view_command"))
 
     p = sub.add_parser("similarity", help="cross-head and cross-layer linear CKA and cosine")
     common_options(p, engines=False)
@@ -245,4 +267,4 @@ def register(sub: Any) -> None:
     p.add_argument("--top", type=positive_int, default=5, help="pairs to print per kind")
     p.add_argument("-o", "--output", help="write every pair as Parquet")
     force_option(p)
-    p.set_defaults(func=similarity_command, check=check_outputs)
+    p.set_defaults(func=command("similarity_command"), check=check_outputs)

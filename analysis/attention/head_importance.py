@@ -46,6 +46,8 @@ from kvformat import attention as attention_math
 
 from ..engine import parallel
 from ..errors import AnalysisError
+from ..kernels import attention as attention_kernel
+from ..kernels import attention as k
 from ..kernels.arrays import float32_rows, work_matrix
 from ..stats.arrow import arrow_table
 from ..stats.catalogue import POSITION_BINS, position_bins
@@ -319,7 +321,6 @@ def copy_events(tokens: list[int], needle: tuple[int, int] | None = None, start:
 def _compiled_available() -> bool:
     """Whether the compiled pass can run (imported only once attention is computed, so a
     ``kvsnap stats`` that never scores it does not pay)."""
-    from ..kernels import attention as attention_kernel
 
     return bool(attention_kernel.AVAILABLE)
 
@@ -352,7 +353,6 @@ def _add_compiled(
     # buffer the thread reuses: fresh pages for every block cost page faults, which threads take
     # one at a time.
     weights = np.matmul(q, keys.k[:end].T, out=work_matrix("attention weights", len(q), end))
-    from ..kernels import attention as k  # (only when attention is computed)
 
     rows = np.empty((len(q), k.ROW_FIELDS))
     query_positions = np.ascontiguousarray(p, np.int64)
@@ -399,7 +399,6 @@ def _add_rows(
     """One head's block into ``sums``: the kernel's ``rows`` ``(n, ROW_FIELDS)``, its attention
     output ``full`` and streaming output ``kept`` ``(n, dim)`` (both normalized by the full
     denominator), queries at ``p`` over keys at ``positions``."""
-    from ..kernels import attention as k
 
     sums.queries += len(p)
     sums.sink += float(rows[:, k.SINK].sum())

@@ -7,13 +7,17 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
+import polars as pl
+
+import kvformat
+
+from ..tools.diff import LayoutMismatchError, head_diff
+from ..tools.similarity import head_similarity
 from .common import save_figure, save_parquet, url_options, warnings_printed
 
 
 def similarity_command(args: argparse.Namespace) -> int:
-    import polars as pl
-
-    from ..tools.similarity import head_similarity
 
     table = head_similarity(args.files, args.snapshot, args.keys, args.jobs, url_options(args))
     if args.output:
@@ -39,10 +43,6 @@ def similarity_command(args: argparse.Namespace) -> int:
 
 def diff_command(args: argparse.Namespace) -> int:
     """Head-by-head comparison of two captures: summary (worst heads first), Parquet, heatmap."""
-    import numpy as np
-    import polars as pl
-
-    from ..tools.diff import LayoutMismatchError, head_diff
 
     try:
         with warnings_printed():
@@ -96,8 +96,6 @@ def _diff_heatmap(table: Any, args: argparse.Namespace) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
-    import polars as pl
 
     rows = table.filter(pl.col("seq") == 0)
     layers = sorted(set(rows["layer"].to_list()))
@@ -120,7 +118,6 @@ def _diff_heatmap(table: Any, args: argparse.Namespace) -> None:
     axes[0].set_ylabel("layer")
     axes[0].set_yticks(range(len(layers)), [str(layer) for layer in layers])
     figure.colorbar(image, ax=list(axes), label="relative error (Frobenius)")
-    import kvformat
 
     options = url_options(args)
     with (

@@ -6,15 +6,18 @@ import argparse
 import os
 import sys
 
+import numpy as np
+
+import kvformat
+from kvformat.attention import check_selection
 from kvformat.io.outputs import output_path
 
+from ..tools.export import export_heads
 from .common import inputs, url_options
 
 
 def export_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
-
-    from ..tools.export import export_heads
 
     written = 0
     paths = export_heads(
@@ -36,10 +39,6 @@ def export_command(args: argparse.Namespace) -> int:
 
 def attention_command(args: argparse.Namespace) -> int:
     """One query head's attention weights, recomputed from the file, to .npz or Parquet."""
-    import numpy as np
-
-    import kvformat
-    from kvformat.attention import check_selection
 
     with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
         check_selection(snap, args.layer, args.head, queries=args.queries, keys=args.keys, seq=args.seq)

@@ -8,8 +8,16 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
+import polars as pl
+
+import kvformat
 from kvsnap.cli.errors import CommandError
 
+from ..attention.compression import kept_mask
+from ..attention.head_importance import SCALARS, attention_stats
+from ..attention.tokens import token_pieces
+from ..engine.tables import token_table
 from .common import save_figure, url_options
 from .statistics import BatchRequest, statistics_table
 
@@ -19,7 +27,6 @@ def plot_command(args: argparse.Namespace) -> int:
     naming file, model, snapshot and statistic; labelled colour scales; the prompt/generation
     boundary; token labels on request. ``--attention`` and per-query-head statistics go to their
     own figures."""
-    from ..attention.head_importance import SCALARS
 
     if args.attention is not None:
         return _attention_map(args)
@@ -32,8 +39,6 @@ def plot_command(args: argparse.Namespace) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    import kvformat
 
     layers, grid = _statistic_grid(args)
     with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
@@ -62,7 +67,6 @@ def plot_command(args: argparse.Namespace) -> int:
 
 def _statistic_grid(args: argparse.Namespace) -> tuple[list[int], Any]:
     """The file's layers and ``--stat`` of ``--tensor`` as a ``(layers, heads)`` grid (sequence 0)."""
-    import polars as pl
 
     request = dataclasses.replace(BatchRequest.from_args(args), files=[args.file])
     table = statistics_table(request)[0].filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
@@ -88,11 +92,8 @@ def _norm_curves(figure: Any, axis: Any, layers: list[int], args: argparse.Names
     """Mean norm over heads by position, one line per layer (binned past `CURVE_POINTS`), token
     labels on request; the number of points per line."""
     import matplotlib.pyplot as plt
-    import polars as pl
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import Normalize
-
-    from ..engine.tables import token_table
 
     column = f"{args.tensor}_norm"
     tokens = (
@@ -146,7 +147,6 @@ def _token_ticks(axis: Any, tokens: Any) -> None:
 
 def _layer_head_grid(table: Any, stat: str) -> tuple[list[int], Any]:
     """The layers of ``table`` and its ``stat`` as a ``(layers, heads)`` array (NaN where absent)."""
-    import numpy as np
 
     layers = sorted(set(table["layer"].to_list()))
     grid = np.full((len(layers), max(table["head"].to_list()) + 1), np.nan)
@@ -163,7 +163,6 @@ so 4096 positions x 16 layers stay readable."""
 def _binned_positions(tokens: Any, column: str) -> tuple[Any, int]:
     """``tokens`` (``layer``, ``position``, ``column``) averaged in bins of ``width`` consecutive
     positions, at most `CURVE_POINTS` per layer; ``(table, width)`` (width 1: unchanged)."""
-    import polars as pl
 
     span = int(tokens["position"].max()) + 1 if tokens.height else 0
     width = max(1, -(-span // CURVE_POINTS))
@@ -186,8 +185,6 @@ def _attention_stat_plot(args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..attention.head_importance import attention_stats
-
     table = attention_stats(args.file, args.snapshot, storage_options=url_options(args))
     layers, grid = _layer_head_grid(table, args.stat)
     heads = grid.shape[1]
@@ -208,19 +205,12 @@ def _attention_map(args: argparse.Namespace) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
-
-    import kvformat
-
-    from ..attention.tokens import token_pieces
 
     layer, head = args.attention
     with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
         found = snap.attention(layer, head)
         evicted = None
         if args.kept is not None:
-            from ..attention.compression import kept_mask
-
             evicted = kept_mask(snap, layer, head, *args.kept)
         generated = snap.snapshot_metadata.get("generated")
         seq_len = snap.seq_len
@@ -275,7 +265,6 @@ def _map_grid(weights: Any, keys: Any, queries: Any) -> tuple[Any, tuple[float, 
     """The weights ``(n_queries, n_keys)`` on a dense grid of every key position from the first
     to the last held (NaN where the file holds no key, as after a rotating cache dropped some),
     max-pooled to at most `MAP_CELLS`; its extent for ``imshow``, and the pooling steps."""
-    import numpy as np
 
     low, high = int(keys.min()), int(keys.max())
     dense = np.full((weights.shape[0], high - low + 1), np.nan, np.float32)
@@ -298,7 +287,6 @@ def _map_grid(weights: Any, keys: Any, queries: Any) -> tuple[Any, tuple[float, 
 def _received_strip(axis: Any, weights: Any, keys: Any) -> None:
     """Below the map, on the same key axis: the mean weight each key receives over the map's
     queries, as a filled step curve (a sink shows as a peak however many keys the map has)."""
-    import numpy as np
 
     received = weights.astype(np.float64).mean(axis=0) if weights.shape[0] else np.zeros(keys.size)
     low, high = int(keys.min()), int(keys.max())
@@ -327,7 +315,6 @@ def _mark_prompt_end(axis: Any, generated: Any, seq_len: int) -> None:
 def _kept_strip(axis: Any, positions: Any, keep: Any) -> None:
     """A strip above the map over the same key axis: kept keys light, evicted keys dark (the map
     itself stays unshaded, readable at any budget)."""
-    import numpy as np
 
     low, high = int(positions.min()), int(positions.max())
     row = np.full(high - low + 1, np.nan)
@@ -354,7 +341,6 @@ def _map_token_ticks(axis: Any, labels: list[str], keys: Any, queries: Any) -> N
 def _colour_scale(dense: Any, scale: str) -> tuple[Any, str]:
     """The colour normalization of an attention map ``dense`` (``"log"``: from its smallest
     positive weight to 1; ``"linear"``: 0 to its largest) and the colour bar's label."""
-    import numpy as np
     from matplotlib.colors import LogNorm, Normalize
 
     positive = dense[np.isfinite(dense) & (dense > 0)]

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..attention.compression import CompressionWarning, simulate
 from .common import save_figure, save_parquet, url_options, warnings_printed
 
 
 def simulate_command(args: argparse.Namespace) -> int:
     """``simulate``: attention-output error per (method, budget, layer, head) under compression."""
-    from ..attention.compression import CompressionWarning, simulate
 
     with warnings_printed(CompressionWarning):
         table = simulate(

@@ -11,18 +11,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvformat.io.outputs import output_path
 from kvsnap.cli.errors import CommandError
 from kvsnap.cli.options import storage_options
 
+from ..attention.head_importance import SCALARS, AttentionWarning, attention_stats, attention_table
+from ..engine import batch, processes
+from ..engine.parallel import cores
+from ..engine.progress import bar as progress_bar
+from ..engine.tables import outliers
 from ..kernels import DEFAULT as DEFAULT_KERNEL
+from ..kernels import missing_note, profile
 from .common import KEYS, ParquetSink, inputs, save_parquet, url_options, warnings_printed
 
 
 def _progress(total: int) -> Callable[[str], None]:
     """A bar over the files (`progress.bar`, on stderr, off when stderr is not a terminal or for
     one file, whose pass shows its layers instead)."""
-    from ..engine.progress import bar as progress_bar
 
     bar = progress_bar(total, total > 1, unit="file")
 
@@ -74,8 +81,6 @@ class Statistics:
 def _jobs(request: BatchRequest) -> int | None:
     """``--jobs``, or 1 for one local file on mlx that one process reads in one pass (workers
     would cost more to start than they save), or None: every core."""
-    from ..engine import processes
-    from ..kernels import profile
 
     one_file = request.engine == "local" and request.jobs is None and len(request.files) == 1
     if profile(request.backend).device and one_file and processes.one_shot_in_process(request.files[0]):
@@ -86,9 +91,6 @@ def _jobs(request: BatchRequest) -> int | None:
 def _batch(request: BatchRequest, merge: bool = False, sink: Callable[[Any], None] | None = None) -> Any:
     """Statistics of every file or pattern, on the chosen engine; failures reported by file;
     ``sink`` (not with ``merge``) takes the rows' tables as they arrive (`batch.run_stats`)."""
-    from ..engine import processes
-    from ..engine.parallel import cores
-    from ..kernels import missing_note
 
     jobs = _jobs(request)
     workers = jobs or cores()
@@ -99,14 +101,13 @@ def _batch(request: BatchRequest, merge: bool = False, sink: Callable[[Any], Non
     if request.engine == "local" and len(files) == 1 and processes.usable(files[0], workers, backend):
         # One big file (not a pattern): its workers start while the rest is imported.
         processes.start(processes.worker_count(workers, backend), backend)
-    from ..engine.batch import expand_paths, merged_stats, run_stats
 
     options = request.storage_options()
     try:
-        expanded = expand_paths(files, options)
+        expanded = batch.expand_paths(files, options)
     except (FileNotFoundError, ValueError) as exc:
         raise CommandError(str(exc)) from None
-    run = merged_stats if merge else functools.partial(run_stats, sink=sink)
+    run = batch.merged_stats if merge else functools.partial(batch.run_stats, sink=sink)
     result = run(
         expanded,
         engine=request.engine,
@@ -150,15 +151,12 @@ def outliers_command(args: argparse.Namespace) -> int:
     """Heads whose statistic is more than ``--threshold`` times the median head of their file."""
     import polars as pl
 
-    from ..attention.head_importance import SCALARS
-
     if args.stat in SCALARS:
         return _attention_outliers(args)
     table, failed = statistics_table(BatchRequest.from_args(args))
     if args.stat not in table.columns or table.schema[args.stat] not in (pl.Float64, pl.Int64, pl.Float32):
         scalars = [c for c, t in table.schema.items() if t in (pl.Float64, pl.Int64) and c not in KEYS]
         raise CommandError(f"--stat must be a scalar statistic, one of: {', '.join(scalars)}")
-    from ..engine.tables import outliers
 
     flagged = outliers(table, args.threshold, args.stat, args.tensor).filter(pl.col("outlier"))
     flagged = flagged.sort("ratio_to_median", descending=True)
@@ -179,8 +177,6 @@ def _attention_outliers(args: argparse.Namespace) -> int:
     """`outliers --stat` of an attention score: query heads above ``--threshold`` x their file's
     median query head."""
     import polars as pl
-
-    from ..attention.head_importance import attention_stats
 
     table = attention_stats(args.files, args.snapshot, storage_options=url_options(args))
     value = pl.col(args.stat).cast(pl.Float64).fill_nan(None)
@@ -317,7 +313,6 @@ def _number(value: Any) -> float | None:
 
 def _median_of(rows: list[dict[str, Any]], column: str) -> float:
     """The median of ``column`` over ``rows``, NaN and null left out (NaN when none is left)."""
-    import numpy as np  # loaded already (statistics.median would import a module more)
 
     values = [v for row in rows if (v := _number(row[column])) is not None]
     return float(np.median(values)) if values else math.nan
@@ -378,7 +373,6 @@ def _cell(value: float | None) -> str:
 def _attention_stats(args: argparse.Namespace) -> int:
     """``stats --stats attention``: per (layer, query head) scores from saved queries, printed and
     saved from Arrow (no polars import, as for the other groups)."""
-    from ..attention.head_importance import AttentionWarning, attention_table
 
     with warnings_printed(AttentionWarning):
         table = attention_table(

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..viewer.data import Source
+from ..viewer.page import write_html
+from ..viewer.server import ViewerServer
 from .common import url_options
 
 
@@ -22,8 +25,6 @@ def view_command(args: argparse.Namespace) -> int:
     if len(args.files) > 2:
         raise ValueError("kvsnap view takes one file, or two to compare")
     if args.html:
-        from ..viewer.page import write_html
-
         count = write_html(
             args.files,
             args.html,
@@ -34,8 +35,6 @@ def view_command(args: argparse.Namespace) -> int:
         )
         print(f"wrote {args.html}: {count} attention map(s); open it in a browser, no server needed")
         return 0
-    from ..viewer.data import Source
-    from ..viewer.server import ViewerServer
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(

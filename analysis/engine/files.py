@@ -19,6 +19,8 @@ from kvformat.io.remote import expand, is_url
 
 from ..kernels import profile
 from ..stats.catalogue import ALL, stat_groups
+from .parallel import cores, local_map, split_jobs
+from .plan import PassOptions
 
 if TYPE_CHECKING:
     import polars as pl
@@ -75,7 +77,6 @@ class BatchOptions:
     @property
     def cores(self) -> int:
         """``jobs``, or every core this process may use."""
-        from .parallel import cores
 
         return self.jobs or cores()
 
@@ -86,8 +87,6 @@ class BatchOptions:
         each drives it with whole files, one after another (one file's pass in each, its copy and
         row threads a share of the machine's); with fewer, one file after another, each on that
         many worker processes (a local file; else one thread)."""
-        from .parallel import split_jobs
-        from .plan import PassOptions
 
         processes, threads = split_jobs(self.cores, files)
         share = 1
@@ -212,7 +211,6 @@ def parts_by_file(
     fails is its `FileFailure`, raised with ``fail_fast``), in order, on ``processes`` spawned
     processes: files handed out in parts where each would get one core (`file_parts`; every
     one of ``cores`` then)."""
-    from .parallel import local_map
 
     parts = file_parts(len(paths), cores, options)
     if parts > 1:

@@ -16,10 +16,11 @@ from kvformat.checksum import crc32c
 
 from ..kernels import check as check_backend
 from ..kernels import profile
-from ..kernels.arrays import bytes_of
+from ..kernels.arrays import PIECE, bytes_of
 from ..stats.accumulator import HeadAccumulator, stack
 from ..stats.catalogue import ALL, stat_groups
 from ..stats.rope import Rope
+from .progress import bar
 
 BATCH_BYTES = 8 << 20  # K + V bytes of one head handed to one task
 SMALL_SEGMENT_BYTES = 1 << 20  # segments smaller than this on average are regrouped by head ...
@@ -121,7 +122,6 @@ def add_segments(
 def _joined(segments: list[kvformat.Segment]) -> Iterator[list[kvformat.Segment]]:
     """One head's segments in groups added at once: every large segment alone, consecutive
     small ones together (up to `accumulator.PIECE` rows)."""
-    from ..kernels.arrays import PIECE
 
     group: list[kvformat.Segment] = []
     rows = 0
@@ -286,6 +286,5 @@ LayerResult = tuple[str, int, int, dict[Key, HeadAccumulator]]
 def layer_bar(name: str, layers: int, show: bool) -> Any:
     """A bar over the layers of one file (`progress.bar`): on stderr, only when it is a
     terminal and ``show``."""
-    from .progress import bar
 
     return bar(layers, show, desc=os.path.basename(name) or name, unit="layer")

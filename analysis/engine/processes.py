@@ -51,11 +51,25 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import kvformat
+from kvformat.io import remote
 
 from ..kernels import profile
+from ..stats.rows import compute as compute_rows
 from . import fork_server
 from .fork_server import FULL_CORES, PROCESS_MIN_BYTES, PROCESS_MIN_HEADS, START_METHOD
+from .parallel import limit_blas_threads
 from .parallel import main_hidden as _main_hidden
+from .plan import (
+    add_segments,
+    fresh_accumulators,
+    head_batches,
+    layer_bar,
+    layer_heads,
+    layer_ropes,
+    layers_of_part,
+    pass_order,
+    row_parts,
+)
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
     # (multiprocessing and the process pool, too: a command on a small file never starts one)
@@ -77,7 +91,6 @@ faster in one process (the break-even measured in the benchmarks in `benchmarks/
 def one_shot_in_process(path: str | os.PathLike[str]) -> bool:
     """Whether a command's single mlx pass over ``path`` stays in one process: a local file
     (not a pattern, not a URL) smaller than `MLX_ONE_SHOT_BYTES`."""
-    from kvformat.io import remote
 
     return not remote.is_url(path) and 0 < _size(path) < MLX_ONE_SHOT_BYTES
 
@@ -95,7 +108,6 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
     threads: their reads share one connection pool) of at least `PROCESS_MIN_BYTES` or
     `PROCESS_MIN_HEADS` heads (scaled to the worker count), or with the workers already running,
     and a process allowed to start children (not a daemonic ``multiprocessing`` worker)."""
-    from kvformat.io import remote
 
     count = worker_count(workers, backend)
     if not (
@@ -130,7 +142,6 @@ def _size(path: str | os.PathLike[str]) -> int:
 def _heads(path: str | os.PathLike[str]) -> int:
     """The (layer, KV head) pairs of the file's last snapshot, read from its index; 0 where it
     cannot be read (the pass then reports why)."""
-    import kvformat
 
     try:
         with kvformat.open(path) as snap:
@@ -193,7 +204,6 @@ def _one_blas_thread() -> None:
     """A spawned mlx worker's start: BLAS limited to one thread, as the fork server's environment
     limits the CPU workers' (a spawned process takes its parent's environment as it is, and
     changing that for each submit would race with the parent's other threads)."""
-    from .parallel import limit_blas_threads
 
     limit_blas_threads(1)
 
@@ -291,7 +301,6 @@ def _tasks(
     """The pass's tasks, layer by layer in the order the layers close: each layer's (seq, head)
     keys cut into equal runs, about ``per_worker`` x ``workers`` tasks in all, each given its
     heads' batches exactly as `plan.head_batches` groups them for one worker."""
-    from .plan import head_batches, layer_heads
 
     layers = sorted(last, key=last.__getitem__)
     per_layer = max(1, -(-per_worker * workers // max(1, len(layers))))
@@ -333,8 +342,6 @@ def layers(
     """`streaming.layers` on ``options.workers`` processes (see the module's docstring): the same
     layers in the same order with the same accumulators."""
     from concurrent.futures.process import BrokenProcessPool
-
-    from .plan import fresh_accumulators, layer_bar, layer_ropes, layers_of_part, pass_order
 
     workers = worker_count(options.workers, options.backend)
     start(workers, options.backend)  # the workers start while the pass is planned
@@ -401,7 +408,6 @@ _OPEN: _OpenFile | None = None
 def _open_file(path: str, index: int, options: PassOptions) -> _OpenFile:
     """This worker's `_OpenFile` of snapshot ``index`` of ``path`` (reopened when the file was
     replaced or another one is asked for)."""
-    from .plan import layer_ropes
 
     global _OPEN
     status = os.stat(path)
@@ -446,7 +452,6 @@ def _run_task(
     snapshot (their rows computed and sealed with ``finish``), its batches added in order,
     pages released as the one-worker pass releases them. On mlx the batches go through this
     worker's device pipeline, drained at the task's end."""
-    from .plan import fresh_accumulators
 
     opened = _open_file(path, index, options)
     snap, layer = opened.snap, task.layer
@@ -482,12 +487,9 @@ def _add_task(
 ) -> dict[Key, HeadAccumulator]:
     """`_run_task`'s work: ``task``'s batches added to ``accumulators`` in order (through the
     device ``pipeline`` on mlx), pages released, rows computed and sealed with ``finish``."""
-    from .plan import add_segments
 
     global _BLAS_LIMITED
     if not _BLAS_LIMITED:  # once per worker: a call inspects every loaded library
-        from .parallel import limit_blas_threads
-
         limit_blas_threads(1)
         _BLAS_LIMITED = True
     layer = task.layer
@@ -514,8 +516,6 @@ def _add_task(
 
 def _finish_rows(accumulators: list[HeadAccumulator], rows: ThreadPoolExecutor | None) -> None:
     """Compute every accumulator's row (on the ``rows`` threads when given) and seal them."""
-    from ..stats.rows import compute as compute_rows
-    from .plan import row_parts
 
     if rows is None:
         compute_rows(accumulators)

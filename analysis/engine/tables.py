@@ -14,6 +14,7 @@ import numpy as np
 
 import kvformat
 
+from ..attention.compression import snapkv_scores
 from ..attention.tokens import token_ids, token_pieces
 from ..kernels import CHOICES as BACKENDS
 from ..kernels import check as check_backend
@@ -300,8 +301,6 @@ def token_table(
     32 prompt queries, summed over them and the query heads of the KV head, max-pooled over 5 keys;
     `analysis.attention.compression.snapkv_scores`), null elsewhere."""
     import polars as pl
-
-    from ..attention.compression import snapkv_scores
 
     frames = []
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:

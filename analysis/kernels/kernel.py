@@ -36,6 +36,8 @@ import os
 
 import numpy as np
 
+from ..stats.catalogue import hist_edges as edges
+from ..stats.catalogue import hist_index
 from . import native
 from .native import accumulate, add_shift_terms, top_rows
 
@@ -68,7 +70,6 @@ BLOCK = 4  # rows whose per-channel sums the row pass adds together
 
 def hist_edges() -> np.ndarray:
     """``(BINS + 1,)`` float64 bin edges of the log histogram (`catalogue.hist_edges`)."""
-    from ..stats.catalogue import hist_edges as edges
 
     return edges(np.float64)
 
@@ -82,7 +83,6 @@ def hist_guesses() -> np.ndarray:
     float64s from `hist_edges()[1]` to ``[-2]`` (a cell: the values sharing their bits above bit
     `GUESS_SHIFT`, 0.8% relative width against a bin's 1.8%), index 0 the cell of
     `hist_edges()[1]`: a value's first guess, within a bin of its own."""
-    from ..stats.catalogue import hist_index
 
     edges = hist_edges()
     first = int(edges[1:2].view(np.int64)[0]) >> GUESS_SHIFT

@@ -25,6 +25,7 @@ import numpy as np
 
 import kvformat
 
+from ..engine.parallel import cores, local_map
 from ..stats.rope import Rope
 
 if TYPE_CHECKING:
@@ -225,8 +226,6 @@ def head_similarity(
     DataFrame, each row naming its ``file``; files run in up to ``jobs`` processes (default:
     every core)."""
     import polars as pl
-
-    from ..engine.parallel import cores, local_map
 
     files = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     processes = min(cores() if jobs is None else jobs, len(files))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,9 +18,11 @@ import numpy as np
 import kvformat
 from kvformat import attention
 
+from ..attention.compression import EVICTION, kept_mask
 from ..attention.head_importance import attention_rows
 from ..attention.tokens import token_pieces
 from ..errors import AnalysisError
+from ..tools.diff import head_diff
 
 GRID_SCORES = ("sink_mass", "local_mass", "entropy_normalized", "retrieval_score", "streaming_error")
 """The scores a head grid can be coloured by (columns of ``--stats attention``)."""
@@ -79,8 +82,6 @@ class Source:
             raise ViewerError(f"score must be one of {', '.join(GRID_SCORES)}, not {score!r}")
         with self._lock:
             if self._grid is None:
-                import warnings
-
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     self._grid = list(attention_rows(self.path, storage_options=self.storage_options))
@@ -218,7 +219,6 @@ def query_row(snap: kvformat.Snapshot, layer: int, head: int, position: int) -> 
 
 def kept(snap: kvformat.Snapshot, layer: int, head: int, method: str, budget: float) -> dict[str, Any]:
     """The keys an eviction ``method`` keeps at ``budget``, as ``kvsnap simulate`` chooses them."""
-    from ..attention.compression import EVICTION, kept_mask
 
     if method not in EVICTION:
         raise ViewerError(f"method must be one of {', '.join(EVICTION)}, not {method!r}")
@@ -257,9 +257,6 @@ def kv_view(snap: kvformat.Snapshot, layer: int, head: int) -> dict[str, Any]:
 def difference(a: kvformat.Snapshot, b: kvformat.Snapshot) -> dict[str, Any]:
     """Per (layer, KV head): ``||B - A|| / ||A||`` over the positions both hold, ``kvsnap diff``'s
     pairing (absolute positions; layouts must agree)."""
-    import warnings
-
-    from ..tools.diff import head_diff
 
     try:
         with warnings.catch_warnings():

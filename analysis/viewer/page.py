@@ -11,6 +11,10 @@ import os
 from importlib import resources
 from typing import Any
 
+from kvformat.io.outputs import output_path
+
+from . import data
+
 
 def _json_for_html(value: Any) -> str:
     text = json.dumps(value, allow_nan=False, separators=(",", ":"))
@@ -47,9 +51,6 @@ def write_html(
     (default: the first 4 layers and heads that hold queries, or K/V heads without). Returns the
     number of maps embedded. Written through a temporary name; an existing ``out`` only with
     ``force``; never one of ``paths``."""
-    from kvformat.io.outputs import output_path
-
-    from . import data
 
     sources = [data.Source(path, storage_options) for path in paths]
     embedded: dict[str, Any] = {"files": [], "grids": {}, "maps": {}, "kv": {}, "diff": None}
@@ -75,7 +76,6 @@ def _embed_file(
     embedded: dict[str, Any], number: int, source: Any, layers: list[int] | None, heads: list[int] | None
 ) -> int:
     """Add file ``number``'s info, head grids, maps and K/V views to ``embedded``; the maps added."""
-    from . import data
 
     info = source.info()
     embedded["files"].append(info)
@@ -100,7 +100,6 @@ def _embed_layer(
 ) -> int:
     """Add the maps of ``layer``'s query heads and the K/V views of its KV heads (``heads``, or
     the first 4 of each) under keys ``prefix:head``; the maps added."""
-    from . import data
 
     query_heads = heads if heads is not None else list(range(min(4, spec["query_heads"])))
     query_heads = query_heads if spec["query_heads"] else []

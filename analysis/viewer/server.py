@@ -26,7 +26,6 @@ class ViewerServer(ThreadingHTTPServer):
 
     def __init__(self, sources: list[data.Source], host: str = "127.0.0.1", port: int = 0) -> None:
         # what the first answers need, imported now: the page's first map does not wait for it
-        from ..attention import compression, head_importance  # noqa: F401
 
         self.sources = sources
         self.token = secrets.token_urlsafe(24)
