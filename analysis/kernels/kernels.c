@@ -862,9 +862,9 @@ KERNEL static void eigenvalues_batch(const double *matrices, int64_t count, int6
     }
 }
 
-/* ---- The attention group's pass: attention_kernel._block_scores and its helpers ---- */
+/* ---- The attention group's pass (analysis/kernels/attention.py): block_scores and its helpers ---- */
 
-/* attention_kernel's row fields and constants */
+/* analysis/kernels/attention.py's row fields and constants */
 enum { SINK_FIELD, LOCAL_FIELD, ENTROPY_FIELD, VISIBLE_FIELD, DISTANCE_FIELD, TOP_FIELD,
        KEPT_FIELD, SINK_SHARE_FIELD, INVERSE_FIELD, ROW_FIELDS };
 #define ATTENTION_CHUNK 512

@@ -3,7 +3,7 @@ shared library ``_native`` beside this module and called through ctypes (which r
 interpreter's lock for each call, so that threads run them in parallel).
 
 They are the one native path: the statistics pass (`kernels.kernel`), eigenvalues (`eigen`),
-float16 conversion (`halves`) and the attention pass (`attention_kernel`). Where the library is
+float16 conversion (`halves`) and the attention pass (`attention`). Where the library is
 not built (no C compiler at install) the numpy reference computes the same table, slower, and
 `missing_note` says so once. The numpy reference is the oracle the C kernels are held to
 (`tests/test_kernel.py`, `tests/test_native.py`, `tests/test_head_importance.py`).
@@ -25,7 +25,7 @@ from ..stats.catalogue import QUANT_GROUP
 
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _ROPE = 2  # `kernels.kernel.ROPE`: the flag under which the kernel writes ``band``
-_ROW_FIELDS = 9  # `attention_kernel.ROW_FIELDS`
+_ROW_FIELDS = 9  # `attention.ROW_FIELDS`
 QL_CHAINS = 4  # `kernels.c`: tridiagonals whose QL iterations `eigenvalues_batch` interleaves
 
 
@@ -297,8 +297,8 @@ def block_scores(
     local: int,
     stream_window: int,
 ) -> None:
-    """`attention_kernel.block_scores` (its docstring gives the arguments), in C: ``logits``
-    ``(n, m)`` float32 overwritten, ``rows`` ``(n, attention_kernel.ROW_FIELDS)`` float64."""
+    """`attention.block_scores` (the module's docstring gives the arguments), in C: ``logits``
+    ``(n, m)`` float32 overwritten, ``rows`` ``(n, attention.ROW_FIELDS)`` float64."""
     assert LIBRARY is not None
     n, m = logits.shape
     if query_positions.shape != (n,) or key_positions.shape != (m,):
