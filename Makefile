@@ -104,5 +104,5 @@ docs: install
 test: lint docs $(KAITAI) $(JS_READER) nginx chromium $(REFERENCE) conformance
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15 tests
 	# Without a C compiler (no analysis/kernels/kernels.c build) the numpy reference computes every table.
-	KVSNAP_KERNEL=numpy $(BIN)/python -m pytest -q -n auto tests/test_stats.py tests/test_head_importance.py \
+	KVSNAP_KERNEL=numpy $(BIN)/python -m pytest -q -n auto tests/test_stats.py tests/test_head_importance.py tests/test_kernels_oracle.py \
 		tests/test_diff.py
