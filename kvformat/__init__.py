@@ -18,8 +18,10 @@ The public API is `__all__` plus the modules of `PUBLIC_MODULES`: `kvformat.atte
 attention recomputed from a file), `kvformat.checksum` (CRC-32C and its combination over pieces),
 `kvformat.codecs` and `kvformat.dtypes` (the format's codecs and element types by name),
 `kvformat.channel_order` (the recorded RoPE channel order), `kvformat.sniff` (a file's kind from
-its first bytes), `kvformat.io` (local, HTTP and object-store sources; the rule for every file
-written) and `kvformat.importers` (go-mlx files). Every other module is the implementation.
+its first bytes), `kvformat.pages` (page management for a pass over a whole file: batched reads,
+releasing and prefetching pages; `kvformat.pages.of(snap)`), `kvformat.io` (local, HTTP and
+object-store sources; the rule for every file written) and `kvformat.importers` (go-mlx files).
+Every other module is the implementation.
 """
 
 from typing import TYPE_CHECKING
@@ -58,7 +60,17 @@ if TYPE_CHECKING:  # imported on first use (`__getattr__`)
 
 __version__ = "0.1.0"
 FORMAT_VERSION = (MAJOR, MINOR)
-PUBLIC_MODULES = ("attention", "channel_order", "checksum", "codecs", "dtypes", "importers", "io", "sniff")
+PUBLIC_MODULES = (
+    "attention",
+    "channel_order",
+    "checksum",
+    "codecs",
+    "dtypes",
+    "importers",
+    "io",
+    "pages",
+    "sniff",
+)
 """Submodules that are part of the public API, beside `__all__`."""
 
 __all__ = [

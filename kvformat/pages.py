@@ -1,4 +1,4 @@
-"""Page management for a pass over a whole `.kv` file (what `Snapshot.pages` returns): segments
+"""Page management for a pass over a whole `.kv` file (`of(snapshot)`, one per open snapshot): segments
 read in batches, CRCs left to a caller that reads every byte anyway, pages of chunks released
 once a pass is past them and announced before it reaches them (remote sources). A user reading
 heads does not need it: `Snapshot.head`, `heads` and `blocks` do this themselves."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -144,3 +145,10 @@ class Pages:
         """Announce segments about to be read: a remote source fetches them in few requests (a
         no-op on a memory map)."""
         self.file.prefetch([chunk for seg in segments for chunk in (seg.k_chunk, seg.v_chunk)])
+
+
+def of(snapshot: Any) -> Pages:
+    """The page management of an open `kvformat.Snapshot` for a pass over the whole file: one
+    per snapshot, shared by the pass's threads."""
+    pages: Pages = snapshot._pages
+    return pages

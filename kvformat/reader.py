@@ -366,7 +366,7 @@ class Snapshot:
             held.append(seg)
             keep = holding()
             while len(held) > keep:
-                self.pages.release(held.popleft())
+                self._pages.release(held.popleft())
 
     def _read_ahead(self, segments: list[Segment], first: int) -> int:
         """Announce segments from ``first`` on, about `READ_AHEAD` bytes of them (at least one),
@@ -379,22 +379,23 @@ class Snapshot:
                 self._file.chunk(segment.k_chunk).stored_size + self._file.chunk(segment.v_chunk).stored_size
             )
             stop += 1
-        self.pages.prefetch(ahead)
+        self._pages.prefetch(ahead)
         return stop
 
     def read(self, segment: Segment) -> Head:
         """One segment of `segments()` as a `Head`: its K and V rows decoded (CRC-checked when
         the file was opened with checks; a view of the map for raw chunks), its positions.
         Thread-safe: a pass may read segments on several threads."""
-        return self.pages.read(segment)
+        return self._pages.read(segment)
 
     @functools.cached_property
-    def pages(self) -> Pages:
-        """Page management for a pass over the whole file (`kvformat.pages.Pages`): batched reads,
-        CRCs left to the caller, releasing and prefetching the pages of chunks."""
+    def _pages(self) -> Pages:
+        """Page management for a pass over the whole file (`kvformat.pages.Pages`, reached through
+        `kvformat.pages.of`): batched reads, CRCs left to the caller, releasing and prefetching
+        the pages of chunks."""
         return Pages(self._file)
 
-    def check_snapshots(self) -> None:
+    def _check_snapshots(self) -> None:
         """Check that every snapshot of the file materializes (section 11), each entry once."""
         self._file.chain.check_all()
         for i, entry in enumerate(self._file.entries):

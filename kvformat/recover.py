@@ -226,7 +226,7 @@ def _complete(path: str) -> bool:
     """Whether ``path`` already opens as a complete file (footer, index, every snapshot)."""
     try:
         with reader.open(path) as snap:
-            snap.check_snapshots()
+            snap._check_snapshots()
     except KVFormatError:
         return False
     return True
@@ -268,7 +268,7 @@ def _finish_complete(partial: str, out: str, overwrite: bool) -> RecoverReport:
         with open(temporary, "r+b") as f:
             os.fsync(f.fileno())
         with reader.open(temporary) as snap:
-            snap.check_snapshots()
+            snap._check_snapshots()
             chunks, snapshots = snap.num_chunks, snap.num_snapshots
     fsync_directory(out)
     return RecoverReport(out, chunks, snapshots, False, 0)
@@ -330,7 +330,7 @@ def recover(
             f.flush()
             os.fsync(f.fileno())
         with reader.open(temporary) as snap:
-            snap.check_snapshots()  # every snapshot materializes (each entry checked once)
+            snap._check_snapshots()  # every snapshot materializes (each entry checked once)
     fsync_directory(out)
     chunks = sum(len(block) for block in blocks) // DESCRIPTOR_SIZE
     return RecoverReport(out, chunks, len(snapshots), trailing is not None, max(size - good_end, 0))

@@ -481,7 +481,7 @@ def test_a_corrupt_chunk_is_found_by_the_copy_threads(tmp_path: Path, tensor: st
         table = snap._file.table
         chunk = int(np.flatnonzero(table["kind"] == (0 if tensor == "k" else 1))[3])
         offset = int(table["offset"][chunk]) + 64 + 37
-        _, k_check, v_check = snap.pages.read_unchecked(snap.segments()[0])
+        _, k_check, v_check = kvformat.pages.of(snap).read_unchecked(snap.segments()[0])
         assert k_check is not None and v_check is not None  # whole raw chunks: left to the caller
     data = bytearray(path.read_bytes())
     data[offset] ^= 0x10

@@ -156,12 +156,15 @@ def test_byte_span_covers_the_chunks_of_segments_and_release_span_keeps_views_va
         chunks = [c for s in segments for c in (s.k_chunk, s.v_chunk)]
         starts = table["offset"][chunks].astype(np.int64)
         ends = starts + DESCRIPTOR_SIZE + table["stored_size"][chunks].astype(np.int64)
-        assert snap.pages.byte_span(segments) == (int(starts.min()), int(ends.max()))
-        assert snap.pages.byte_span(segments[1:2]) == (int(starts[2:4].min()), int(ends[2:4].max()))
+        assert kvformat.pages.of(snap).byte_span(segments) == (int(starts.min()), int(ends.max()))
+        assert kvformat.pages.of(snap).byte_span(segments[1:2]) == (
+            int(starts[2:4].min()),
+            int(ends[2:4].max()),
+        )
         heads = [snap.read(s) for s in segments]
         copies = [(h.k.copy(), h.v.copy()) for h in heads]
-        snap.pages.release_span(*snap.pages.byte_span(segments))
-        snap.pages.release_span(10, 10)  # empty: nothing to do
+        kvformat.pages.of(snap).release_span(*kvformat.pages.of(snap).byte_span(segments))
+        kvformat.pages.of(snap).release_span(10, 10)  # empty: nothing to do
         for head, (k, v) in zip(heads, copies, strict=True):
             np.testing.assert_array_equal(head.k, k)
             np.testing.assert_array_equal(head.v, v)
@@ -179,7 +182,7 @@ def test_release_merges_the_chunks_of_segments_given_in_any_order(tmp_path: Path
         table = snap._file.table
         released: list[tuple[int, int]] = []
         snap._file.source.release = lambda offset, size: released.append((offset, size))  # type: ignore[method-assign]
-        snap.pages.release(list(reversed(segments)) + segments[:2])
+        kvformat.pages.of(snap).release(list(reversed(segments)) + segments[:2])
         chunks = sorted({c for s in segments for c in (s.k_chunk, s.v_chunk)})
         starts = table["offset"][chunks].astype(np.int64)
         ends = starts + DESCRIPTOR_SIZE + table["stored_size"][chunks].astype(np.int64)
@@ -190,6 +193,6 @@ def test_release_merges_the_chunks_of_segments_given_in_any_order(tmp_path: Path
         for start, end in zip(starts.tolist(), ends.tolist(), strict=True):  # every chunk inside one range
             assert any(low <= start and end <= high for low, high in covered)
         released.clear()
-        snap.pages.release(segments[0])
+        kvformat.pages.of(snap).release(segments[0])
         first = min(segments[0].k_chunk, segments[0].v_chunk)
         assert released[0][0] == int(table["offset"][first])

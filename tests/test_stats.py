@@ -219,19 +219,19 @@ def test_read_many_joins_what_read_gives_and_checks_every_crc(tmp_path: Path) ->
     series, _ = _series_and_whole(tmp_path)
     with kvformat.open(series) as snap:
         segments = [s for s in snap.segments() if (s.layer, s.head) == (1, 1)]
-        joined = snap.pages.read_many(segments)
+        joined = kvformat.pages.of(snap).read_many(segments)
         one_by_one = [snap.read(s) for s in segments]
         np.testing.assert_array_equal(joined.k, np.concatenate([h.k for h in one_by_one]))
         np.testing.assert_array_equal(joined.v, np.concatenate([h.v for h in one_by_one]))
         np.testing.assert_array_equal(joined.positions, np.arange(96))
         with pytest.raises(ValueError, match="one head"):
-            snap.pages.read_many([segments[0], snap.segments()[0]])
+            kvformat.pages.of(snap).read_many([segments[0], snap.segments()[0]])
         offset = int(snap._file.table["offset"][segments[5].v_chunk])
     raw = bytearray(series.read_bytes())
     raw[offset + 64 + 3] ^= 1
     series.write_bytes(bytes(raw))
     with kvformat.open(series) as snap, pytest.raises(kvformat.ChecksumError, match="payload CRC-32C"):
-        snap.pages.read_many([s for s in snap.segments() if (s.layer, s.head) == (1, 1)])
+        kvformat.pages.of(snap).read_many([s for s in snap.segments() if (s.layer, s.head) == (1, 1)])
 
 
 def test_arrow_tables_from_array_rows_equal_those_from_list_rows(tmp_path: Path) -> None:

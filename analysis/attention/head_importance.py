@@ -43,6 +43,7 @@ import numpy as np
 
 import kvformat
 from kvformat import attention as attention_math
+from kvformat import pages
 
 from ..engine import parallel
 from ..errors import AnalysisError
@@ -591,7 +592,7 @@ def attention_rows(
                 scored = _scores(snap, layer, group, kv_head, seq, window, tokens)
                 # this KV head's pages leave the process: a pass over a file larger than memory
                 # keeps a bounded resident set (the views stay valid; the pages fault back in)
-                snap.pages.release(snap._segments.of_head(layer, seq, kv_head))
+                pages.of(snap).release(snap._segments.of_head(layer, seq, kv_head))
                 for head, scores in zip(group, scored, strict=True):
                     rows[head] = {
                         "file": os.fspath(path),

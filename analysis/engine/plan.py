@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvformat
+from kvformat import pages
 from kvformat.checksum import crc32c
 
 from ..kernels import check as check_backend
@@ -95,9 +96,9 @@ def add_segments(
     for group in _joined(segments):
         k_check = v_check = None
         if len(group) > 1:  # small segments of one head: read and added at once (one copy)
-            block = snap.pages.read_many(group)
+            block = pages.of(snap).read_many(group)
         else:  # CRCs checked by the copy threads (mlx) or piece by piece as the kernel adds
-            block, k_check, v_check = snap.pages.read_unchecked(group[0])
+            block, k_check, v_check = pages.of(snap).read_unchecked(group[0])
         block_k, block_v, positions = block.k, block.v, block.positions
         if rope is None:
             k = block_k
@@ -108,7 +109,7 @@ def add_segments(
             k = rope.rotate(block_k, positions, inverse=True)
         # Pages are released as soon as they are added, or with their window (`windows`: small
         # segments, whose pages hold other heads' records).
-        after = functools.partial(snap.pages.release, group) if release_each else None
+        after = functools.partial(pages.of(snap).release, group) if release_each else None
         if pipeline is not None:
             pipeline.add(k_acc, k, positions, check=k_check)
             pipeline.add(v_acc, block_v, positions, after=after, check=v_check)

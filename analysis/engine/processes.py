@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import kvformat
+from kvformat import pages
 from kvformat.io import remote
 
 from ..kernels import profile
@@ -323,7 +324,7 @@ def _deal(
     """Give each batch to the task that owns its head, with its window's index, and the byte
     span of each released window the task touches."""
     owner = {(task.layer, seq, head): task for task in tasks for seq, head in task.heads}
-    spans = [snap.pages.byte_span(w.segments) if w.release and w.segments else None for w in order]
+    spans = [pages.of(snap).byte_span(w.segments) if w.release and w.segments else None for w in order]
     window = 0
     for batch, _, window_end in batches:
         first = batch[0]
@@ -506,7 +507,7 @@ def _add_task(
         )
         leaving = i == len(task.work) - 1 or task.work[i + 1][0] != window
         if leaving and window in task.releases:
-            snap.pages.release_span(*task.releases[window])
+            pages.of(snap).release_span(*task.releases[window])
     if pipeline is not None:
         pipeline.finish()
     if finish:

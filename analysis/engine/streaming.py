@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvformat
+from kvformat import pages
 
 from ..kernels import profile
 from ..stats.accumulator import HeadAccumulator
@@ -91,7 +92,7 @@ class _Workers:
         first = batch[0]
         k_acc = accumulators[(first.layer, first.seq, first.head, "k")]
         v_acc = accumulators[(first.layer, first.seq, first.head, "v")]
-        snap.pages.prefetch(batch)
+        pages.of(snap).prefetch(batch)
         key = (first.layer, first.seq, first.head)
         return self.pool.submit(
             key, add_segments, snap, batch, k_acc, v_acc, rope, self.pipeline, release_each
@@ -211,7 +212,7 @@ def layers(
                 window, work = releasing.popleft()
                 for future in work:
                     future.result()
-                snap.pages.release(window.segments)
+                pages.of(snap).release(window.segments)
 
         with _Workers(options, len(last)) as workers, bar:
             for batch, closes, window_end in head_batches(snap, order, last):
