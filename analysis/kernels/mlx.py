@@ -34,6 +34,19 @@ if TYPE_CHECKING:
     from kvformat import PayloadCheck
 
     from ..stats.sums import RunningSums
+import importlib.util
+import os
+
+from ..stats.catalogue import (
+    BINS,
+    LOG_HIGH,
+    LOG_LOW,
+    POSITION_BINS,
+    QUANT_BITS,
+    QUANT_GROUP,
+    TOP_K,
+    hist_edges,
+)
 from . import mlx_fold, mlx_staging
 from .mlx_fold import join_results, piece_bins
 
@@ -53,7 +66,6 @@ def available() -> bool:
     """Whether mlx is installed here: found, not imported. Importing it starts its device, which
     the parent of a pass on worker processes never uses (on CUDA a context of its own, and the
     CUDA libraries mapped: most of such a parent's resident memory)."""
-    import importlib.util
 
     try:
         return importlib.util.find_spec("mlx.core") is not None
@@ -92,7 +104,6 @@ def compiles() -> bool:
     machine's first ``kvsnap stats --backend mlx`` wait for the compiler (cached afterwards); the
     plain operations use kernels mlx ships compiled and give the same bits. Metal compiles its
     fused kernels at once."""
-    import os
 
     setting = os.environ.get("KVSNAP_MLX_COMPILE", "")
     if setting not in ("", "0", "1"):
@@ -167,7 +178,6 @@ def device_hist_edges(squared: bool) -> np.ndarray:
     """``(BINS + 1,)`` float32 bin edges of the log histogram for float32 values (of their square
     roots if ``squared``: squared norms), so the device's bins equal the host's
     (`catalogue.hist_edges`)."""
-    from ..stats.catalogue import hist_edges
 
     return hist_edges(np.float32, squared)
 
@@ -187,7 +197,6 @@ def _piece(
     in place of their ``product``, which `cuda_gram.gram_product` computes)."""
     import mlx.core as mx
 
-    from ..stats.catalogue import BINS, LOG_HIGH, LOG_LOW, POSITION_BINS, QUANT_BITS, QUANT_GROUP, TOP_K
     from .arrays import HEAVY
 
     square_edges, peak_edges = (

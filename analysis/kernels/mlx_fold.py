@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..stats.catalogue import TOP_K
+from ..stats.catalogue import POSITION_BINS, TOP_K, position_bins
+from ..stats.sums import STACKED
+from . import reference
 from .arrays import float32_rows
 
 if TYPE_CHECKING:
@@ -69,7 +71,6 @@ def _raw_powers(shift: np.ndarray, central: np.ndarray, n: int) -> np.ndarray:
 def piece_bins(positions: np.ndarray) -> np.ndarray:
     """`catalogue.position_bins` of a piece's positions as uint8 (the device's input); for a run
     (every head of a layer holds the same positions) computed once and cached."""
-    from ..stats.catalogue import position_bins
 
     n = positions.size
     if n and int(positions[-1]) - int(positions[0]) == n - 1:
@@ -79,7 +80,6 @@ def piece_bins(positions: np.ndarray) -> np.ndarray:
 
 def _piece_bin_counts(positions: np.ndarray) -> np.ndarray:
     """How many of a piece's positions fall in each position bin, ``(POSITION_BINS,)`` int64."""
-    from ..stats.catalogue import POSITION_BINS
 
     n = positions.size
     if n and int(positions[-1]) - int(positions[0]) == n - 1:
@@ -91,7 +91,6 @@ def _piece_bin_counts(positions: np.ndarray) -> np.ndarray:
 def _run_bins(start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
     """The uint8 bins of positions ``start .. start + count - 1`` and their counts per bin
     (read-only, cached)."""
-    from ..stats.catalogue import POSITION_BINS, position_bins
 
     bins = position_bins(np.arange(start, start + count, dtype=np.int64)).astype(np.uint8)
     counts = np.bincount(bins, minlength=POSITION_BINS)
@@ -120,7 +119,6 @@ def shared_stack(
     row, with all its sums still views of them (`RunningSums.merge` rebinds them), and the
     entries' rows there (a slice where they follow each other); None otherwise (then the group
     adds one accumulator at a time, in order: e.g. a head with two pieces in one batch)."""
-    from ..stats.sums import STACKED
 
     shared = entries[0][0].layout
     if shared is None:
@@ -156,7 +154,6 @@ def fold_checked(
     kept = np.flatnonzero(finite)
     if kept.size:
         fold_group([entries[i] for i in kept], {name: value[kept] for name, value in out.items()})
-    from . import reference
 
     for i in np.flatnonzero(~finite):
         acc, x, positions = entries[i]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
+from ..engine.parallel import cores
+
 PROCESS_SHARE = 3 / 4
 """Worker processes an mlx pass over a local file uses, per worker asked for (`analysis.engine.processes`):
 each drives the device with its own pipeline, so the host's work (copies, checksums, folding,
@@ -41,7 +43,6 @@ def copy_threads(share: int = 1) -> int:
     """Threads that copy batches into staging buffers: 3/8 of the cores (6 of 16), divided among
     ``share`` processes that drive the device. More lose: they compete with the driving thread,
     the fold thread, the row threads (`row_threads`) and mlx's own."""
-    from ..engine.parallel import cores
 
     return max(1, min(16, cores() * 3 // 8) // share)
 
@@ -50,7 +51,6 @@ def row_threads(share: int = 1) -> int:
     """Threads that compute the rows (eigenvalues and all) of an mlx pass's accumulators as
     their layers end: a quarter of the cores (see `copy_threads`), divided among ``share``
     processes."""
-    from ..engine.parallel import cores
 
     return max(1, cores() // 4 // share)
 

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
+import zlib
+from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +41,6 @@ def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
     for another path."""
     if os.environ.get("KVSNAP_KERNEL", "compiled") != "compiled":
         return None
-    from importlib.machinery import EXTENSION_SUFFIXES
 
     for suffix in EXTENSION_SUFFIXES:
         path = here / f"_native{suffix}"
@@ -53,8 +55,6 @@ def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
             except AttributeError:  # an older build, without a function this module calls
                 current = False
             if not current:
-                import warnings
-
                 warnings.warn(
                     f"{path} is not a build of this kvsnap's kernels.c (an older build, or the source "
                     "changed since): the numpy reference runs until it is rebuilt (pip install -e .)",
@@ -68,7 +68,6 @@ def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
 def _built_from(library: ctypes.CDLL, source: Path) -> bool:
     """Whether ``library`` was built from ``source`` as it is now (True where there is none to
     compare: an install without the source beside it)."""
-    import zlib
 
     if not source.is_file():
         return True
