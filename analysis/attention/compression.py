@@ -56,15 +56,8 @@ from kvformat.attention import weights as attention_weights
 
 from ..kernels.arrays import float32_rows
 from .head_importance import NoQueriesError, layers_with_queries, prompt_end, query_layers
+from .names import EVICTION, METHODS, QUANTIZATION
 
-EVICTION = ("streaming", "snapkv", "observed", "h2o", "random")
-QUANTIZATION = {
-    "kivi2": ("channel", 2),
-    "kivi4": ("channel", 4),
-    "token2": ("token", 2),
-    "token4": ("token", 4),
-}
-METHODS = (*EVICTION, *QUANTIZATION)
 BUDGETS = (0.1, 0.25, 0.5)
 OBSERVATION = 64  # SnapKV's observation window, queries (kvpress's default)
 SINKS = 4

@@ -74,18 +74,6 @@ COLUMNS = (
 )
 
 
-SCALARS = (
-    "sink_mass",
-    "local_mass",
-    "entropy",
-    "entropy_normalized",
-    "mean_distance",
-    "retrieval_score",
-    "streaming_error",
-)
-"""The one-number columns, for ``kvsnap plot --stat`` (a layers x query heads heatmap)."""
-
-
 class NoQueriesError(AnalysisError):
     """The file holds no queries: the attention statistics need a capture with ``--queries``."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import math
 import os
 import sys
@@ -12,8 +13,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvformat.io.outputs import check_output, check_output_folder, output_path
+import kvformat
+from kvformat.io.outputs import check_output, check_output_folder, output_path, same_file
 from kvsnap.cli.options import positive_int, storage_options
+
+from ..attention.names import EVICTION, METHODS, SCALARS
+from ..kernels import CHOICES as BACKENDS
+from ..stats.catalogue import GROUPS, check_scalar, stat_groups
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
@@ -47,8 +53,6 @@ class Shared:
 
 def inputs(args: argparse.Namespace) -> list[str]:
     """The local files a command reads (patterns expanded), to keep its outputs off them."""
-    import glob
-
     shared = Shared.from_args(args)
     found: list[str] = []
     for name in [n for n in (shared.file, shared.a, shared.b) if n] + list(shared.files or []):
@@ -87,24 +91,17 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         check_output(shared.output, inputs=inputs(args), force=shared.force)
     if shared.plot:
         check_output(shared.plot, inputs=inputs(args), force=shared.force)
-    if shared.output and shared.plot:
-        from kvformat.io.outputs import same_file
-
-        if same_file(shared.output, shared.plot):
-            raise ValueError(f"-o and --plot name the same file {shared.output}")
+    if shared.output and shared.plot and same_file(shared.output, shared.plot):
+        raise ValueError(f"-o and --plot name the same file {shared.output}")
 
 
 def _check_stat(shared: Shared) -> None:
     """A ``--stat`` the selected ``--stats`` groups compute (`plot --attention` has none; `plot
     --stat sink_mass` and other per-query-head statistics come from saved queries, checked there)."""
-    from ..attention.head_importance import SCALARS
-
     if shared.stat is None or shared.attention is not None:
         return
     if shared.stat in SCALARS:  # per query head, from saved queries (`--stats attention`)
         return
-    from ..stats.catalogue import check_scalar, stat_groups
-
     try:
         check_scalar(shared.stat, stat_groups(shared.stats))
     except ValueError as exc:
@@ -115,10 +112,6 @@ def _check_stat(shared: Shared) -> None:
 
 def check_snapshot(shared: Shared) -> None:
     """`kvformat.OutOfRangeError` (one line, exit 2) for a ``--snapshot`` outside a local file."""
-    import glob
-
-    import kvformat
-
     if shared.snapshot is None or shared.snapshot == -1:
         return
     for name in [shared.file, *(shared.files or [])]:
@@ -192,8 +185,6 @@ def url_options(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def stat_groups_type(text: str) -> frozenset[str]:
     """argparse type: comma-separated statistic groups (``all``, ``norms``, ``channels``, ...)."""
-    from ..stats.catalogue import stat_groups
-
     named = {name.strip() for name in text.split(",")}
     if "attention" in named:
         if named != {"attention"}:
@@ -230,8 +221,6 @@ def layer_head(text: str) -> tuple[int, int]:
 
 def kept(text: str) -> tuple[str, float]:
     """argparse type: ``METHOD:BUDGET``, an eviction method of `simulate` and a fraction in (0, 1]."""
-    from ..attention.compression import EVICTION
-
     name, sep, budget = text.partition(":")
     try:
         fraction = float(budget)
@@ -247,8 +236,6 @@ def kept(text: str) -> tuple[str, float]:
 
 def method(text: str) -> str:
     """argparse type: a `simulate` method."""
-    from ..attention.compression import METHODS
-
     if text not in METHODS:
         raise argparse.ArgumentTypeError(f"unknown method {text!r}: one of {', '.join(METHODS)}")
     return text
@@ -311,9 +298,6 @@ def common_options(p: argparse.ArgumentParser, many: bool = True, engines: bool 
 
 
 def stats_option(p: argparse.ArgumentParser, default: str | None = None) -> None:
-    from ..engine.tables import BACKENDS
-    from ..stats import GROUPS
-
     p.add_argument(
         "--backend",
         choices=BACKENDS,

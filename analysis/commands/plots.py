@@ -15,7 +15,8 @@ import kvformat
 from kvsnap.cli.errors import CommandError
 
 from ..attention.compression import kept_mask
-from ..attention.head_importance import SCALARS, attention_stats
+from ..attention.head_importance import attention_stats
+from ..attention.names import SCALARS
 from ..attention.tokens import token_pieces
 from ..engine.tables import token_table
 from .common import save_figure, url_options

@@ -17,7 +17,8 @@ from kvformat.io.outputs import output_path
 from kvsnap.cli.errors import CommandError
 from kvsnap.cli.options import storage_options
 
-from ..attention.head_importance import SCALARS, AttentionWarning, attention_stats, attention_table
+from ..attention.head_importance import AttentionWarning, attention_stats, attention_table
+from ..attention.names import SCALARS
 from ..engine import batch, processes
 from ..engine.parallel import cores
 from ..engine.progress import bar as progress_bar
