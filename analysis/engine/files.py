@@ -18,9 +18,8 @@ from typing import TYPE_CHECKING, Any
 from kvformat.io.remote import expand, is_url
 
 from ..kernels import profile
-from ..stats.catalogue import ALL, stat_groups
 from .parallel import cores, local_map, split_jobs
-from .plan import PassOptions
+from .plan import FileOptions, PassOptions
 
 if TYPE_CHECKING:
     import polars as pl
@@ -36,39 +35,33 @@ ENGINES = ("local", "ray")
 
 
 @dataclass(frozen=True)
-class BatchOptions:
+class BatchOptions(FileOptions):
     """How a batch job over many files runs: one object for `analysis.engine.batch.run_stats`,
-    `analysis.engine.batch.merged_stats` and the Ray engine.
+    `analysis.engine.batch.merged_stats` and the Ray engine; each file's pass as `FileOptions`
+    says (``snapshot``, ``keys``, ``stats``, ``storage_options``, ``backend``).
 
     ``engine``: ``"local"`` (processes on this machine) or ``"ray"``; ``jobs``: cores (local) or
     CPUs of a local Ray cluster, default all of this process's; ``address``: a Ray cluster to
-    join; ``fail_fast``: raise on the first failing file instead of collecting it. Each file's
-    pass: ``snapshot`` (index, negative from the end), ``keys`` (``"post_rope"`` or
-    ``"pre_rope"``), ``stats`` (statistic groups, default all), ``storage_options`` (fsspec, for
-    URLs), ``backend`` (``"cpu"`` or ``"mlx"``)."""
+    join; ``fail_fast``: raise on the first failing file instead of collecting it."""
 
     engine: str = "local"
     jobs: int | None = None
     address: str | None = None
     fail_fast: bool = False
-    snapshot: int = -1
-    keys: str = "post_rope"
-    stats: frozenset[str] = ALL
-    storage_options: Options | None = field(default=None, compare=False)
-    backend: str = "cpu"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be 'local' or 'ray', not {self.engine!r}")
         if self.jobs is not None and (not isinstance(self.jobs, int) or self.jobs < 1):
             raise ValueError(f"jobs must be a positive integer, not {self.jobs!r}")
-        object.__setattr__(self, "stats", stat_groups(self.stats))
 
     @classmethod
     def of(cls, options: BatchOptions | None, settings: dict[str, Any]) -> BatchOptions:
         """``options`` (default: the defaults) with the keyword ``settings`` applied; TypeError
         naming a setting that is not a field."""
-        known = [f.name for f in dataclasses.fields(cls)]
+        shared = [f.name for f in dataclasses.fields(FileOptions)]
+        known = [f.name for f in dataclasses.fields(cls) if f.name not in shared] + shared
         unknown = sorted(set(settings) - set(known))
         if unknown:
             raise TypeError(f"unknown batch option {unknown[0]!r}; known: {', '.join(known)}")
@@ -98,11 +91,11 @@ class BatchOptions:
             else:
                 processes, threads, share = 1, self.cores, 1
         options = PassOptions(
-            self.snapshot,
-            self.keys,
-            self.stats,
-            threads,
-            self.storage_options,
+            snapshot=self.snapshot,
+            keys=self.keys,
+            stats=self.stats,
+            workers=threads,
+            storage_options=self.storage_options,
             progress=files == 1,
             backend=self.backend,
             device_share=share,

@@ -35,42 +35,53 @@ Key = tuple[int, int, int, str]  # (layer, seq, head, "k" | "v"): the order of s
 
 
 @dataclass(frozen=True)
-class PassOptions:
-    """What one streaming pass over a file computes, and with how many workers.
-
-    ``snapshot``: index (negative from the end); ``keys``: ``"post_rope"`` or ``"pre_rope"``;
-    ``stats``: the statistic groups (`GROUPS`); ``workers``: workers on this file's heads
-    (processes for a local file, `analysis.engine.processes`; threads for a URL or a small file);
-    ``storage_options``: fsspec options for URLs; ``progress``: a bar of layers on stderr;
-    ``backend``: ``"cpu"`` (the compiled kernel) or ``"mlx"`` (mlx on its default device: a local
-    file on `kernels.mlx.processes` worker processes, each driving the device; else one thread
-    that reads the next block while the device works); ``device_share``: how many processes
-    drive the device at once with passes like this one (a batch's files in parallel), among
-    which an mlx pass divides the machine's copy and row threads (`kernels.mlx_sizing`);
-    ``part``: ``(index, count)``, the pass covers the ``index``-th of ``count`` contiguous shares of
-    the file's present layers (`layers_of_part`), so that a batch can hand one file to several
-    workers (`analysis.engine.batch`); ``(0, 1)``, the default, is the whole file."""
+class FileOptions:
+    """What each file's pass computes, for one pass (`PassOptions`) and for a batch
+    (`files.BatchOptions`): ``snapshot``: index (negative from the end); ``keys``:
+    ``"post_rope"`` or ``"pre_rope"``; ``stats``: the statistic groups (`GROUPS`);
+    ``storage_options``: fsspec options for URLs; ``backend``: the kernel (`kernels.CHOICES`:
+    ``"cpu"``, the compiled kernel, or ``"mlx"``, mlx on its default device)."""
 
     snapshot: int = -1
     keys: str = "post_rope"
     stats: frozenset[str] = ALL
-    workers: int = 1
     storage_options: dict[str, Any] | None = field(default=None, compare=False)
-    progress: bool = field(default=False, compare=False)  # a bar per layer on a terminal's stderr
     backend: str = "cpu"
-    device_share: int = field(default=1, compare=False)
-    part: tuple[int, int] = (0, 1)
 
     def __post_init__(self) -> None:
         if self.keys not in ("post_rope", "pre_rope"):
             raise ValueError("keys must be 'post_rope' or 'pre_rope'")
+        check_backend(self.backend)
+        object.__setattr__(self, "stats", stat_groups(self.stats))
+
+
+@dataclass(frozen=True)
+class PassOptions(FileOptions):
+    """What one streaming pass over a file computes (`FileOptions`), and with how many workers.
+
+    ``workers``: workers on this file's heads (processes for a local file,
+    `analysis.engine.processes`; threads for a URL or a small file); on mlx a local file's pass
+    runs on `kernels.mlx.processes` worker processes, each driving the device, else on one thread
+    that reads the next block while the device works; ``progress``: a bar of layers on stderr;
+    ``device_share``: how many processes drive the device at once with passes like this one (a
+    batch's files in parallel), among which an mlx pass divides the machine's copy and row threads
+    (`kernels.mlx_sizing`); ``part``: ``(index, count)``, the pass covers the ``index``-th of
+    ``count`` contiguous shares of the file's present layers (`layers_of_part`), so that a batch
+    can hand one file to several workers (`analysis.engine.batch`); ``(0, 1)``, the default, is
+    the whole file."""
+
+    workers: int = 1
+    progress: bool = field(default=False, compare=False)  # a bar per layer on a terminal's stderr
+    device_share: int = field(default=1, compare=False)
+    part: tuple[int, int] = (0, 1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be a positive integer, not {self.workers!r}")
         if not isinstance(self.device_share, int) or self.device_share < 1:
             raise ValueError(f"device_share must be a positive integer, not {self.device_share!r}")
         check_part(self.part)
-        check_backend(self.backend)
-        object.__setattr__(self, "stats", stat_groups(self.stats))
 
 
 def check_part(part: Any) -> None:

@@ -101,7 +101,9 @@ def read_kv(
     the same rows as `analysis.head_stats`, one read task per file (one thread each: Ray
     schedules the cores)."""
     files = expand_paths([paths] if isinstance(paths, str) else paths, storage_options)
-    options = PassOptions(snapshot, keys, stat_groups(stats), 1, storage_options)
+    options = PassOptions(
+        snapshot=snapshot, keys=keys, stats=stat_groups(stats), storage_options=storage_options
+    )
     return _dataset(files, options, errors)
 
 

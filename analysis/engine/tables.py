@@ -91,7 +91,9 @@ def stats_rows(
 ) -> list[dict[str, Any]]:
     """Rows of per-head statistics for one file (one streaming pass on ``jobs`` workers, or mlx
     with ``backend="mlx"``), as dicts: within a layer by (seq, head, tensor)."""
-    options = PassOptions(snapshot, keys, stat_groups(stats), jobs, backend=backend)
+    options = PassOptions(
+        snapshot=snapshot, keys=keys, stats=stat_groups(stats), workers=jobs, backend=backend
+    )
     return [
         row
         for name, index, _, table in layers(path, options, finish=True)
@@ -115,7 +117,14 @@ def stats_for_file(
     groups (`GROUPS`, all by default), ``jobs`` workers share the file (processes; threads for a
     URL). No global state but the kept worker pool: a process pool or a distributed engine can
     call it per file."""
-    options = PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options, backend=backend)
+    options = PassOptions(
+        snapshot=snapshot,
+        keys=keys,
+        stats=stat_groups(stats),
+        workers=jobs,
+        storage_options=storage_options,
+        backend=backend,
+    )
     yield from layer_tables(path, options, progress)
 
 
@@ -140,7 +149,14 @@ def file_accumulators(
 ) -> dict[tuple[int, int, str], HeadAccumulator]:
     """The mergeable state of one file, per (layer, head, tensor), its sequences merged: the unit
     that `analysis.engine.batch.merged_stats` combines across files."""
-    options = PassOptions(snapshot, keys, stat_groups(stats), jobs, storage_options, backend=backend)
+    options = PassOptions(
+        snapshot=snapshot,
+        keys=keys,
+        stats=stat_groups(stats),
+        workers=jobs,
+        storage_options=storage_options,
+        backend=backend,
+    )
     return merged_accumulators(path, options)
 
 
