@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvsnap.analysis.kernels import kernel, native
-from kvsnap.analysis.stats.catalogue import GROUPS
+from tests.test_kernels_oracle import assert_close_to_reference
 
 DEFAULT = os.environ.get("KVSNAP_KERNEL", "compiled") == "compiled"
 
@@ -28,7 +28,6 @@ import ml_dtypes, numpy as np
 from kvsnap.analysis.kernels import eigen, halves
 from kvsnap.analysis.stats.accumulator import HeadAccumulator
 from kvsnap.analysis.kernels import kernel
-from kvsnap.analysis.stats.catalogue import GROUPS
 from kvsnap.analysis.stats.catalogue import ALL
 from kvsnap.analysis.stats.rope import Rope
 
@@ -87,16 +86,14 @@ def test_c_kernels_and_the_numpy_reference_compute_the_same_table() -> None:
     for got, expected in zip(c.pop("eigen"), reference.pop("eigen"), strict=True):
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12 * max(abs(expected[0]), 1.0))
     assert c.keys() == reference.keys()
-    loose = set(GROUPS["spectrum"]) | set(GROUPS["quant"])
     for key, sums in reference.items():
         assert sums.keys() == c[key].keys(), key
         for name, value in sums.items():
             got, message = c[key][name], f"{key} {name}"
             if value is None or name in EXACT:
                 assert got == value, message
-            else:  # float32 Gram pieces and quantization sums with reciprocals: 1e-5 (test_kernel)
-                rtol = 1e-5 if name in loose else 1e-9
-                np.testing.assert_allclose(got, value, rtol=rtol, atol=1e-12, err_msg=message)
+            else:
+                assert_close_to_reference(name, got, value, message)
 
 
 def test_a_library_built_from_another_source_is_not_loaded(tmp_path: Path) -> None:

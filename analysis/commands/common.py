@@ -11,7 +11,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Self
 
 import kvformat
 from kvformat.io.outputs import check_output, check_output_folder, output_path, same_file
@@ -24,8 +24,19 @@ from ..stats.catalogue import GROUPS, check_scalar, stat_groups
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
 
+class FromArgs:
+    """A dataclass of a command's options, built from argparse's namespace (`from_args`): the
+    fields the command's parser declares, the others at their defaults."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Self:
+        given = vars(args)
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        return cls(**{name: given[name] for name in names if name in given})
+
+
 @dataclass(frozen=True)
-class Shared:
+class Shared(FromArgs):
     """The options the analysis commands share, typed (`from_args`): each command's parser
     declares those it offers; the others keep these defaults."""
 
@@ -44,11 +55,6 @@ class Shared:
     plot: str | None = None
     force: bool = False
     storage_option: list[str] | None = None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Shared:
-        given = vars(args)
-        return cls(**{f.name: given[f.name] for f in fields(cls) if f.name in given})
 
 
 def inputs(args: argparse.Namespace) -> list[str]:

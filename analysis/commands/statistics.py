@@ -25,7 +25,7 @@ from ..engine.progress import bar as progress_bar
 from ..engine.tables import outliers
 from ..kernels import DEFAULT as DEFAULT_KERNEL
 from ..kernels import missing_note, profile
-from .common import KEYS, ParquetSink, inputs, save_parquet, url_options, warnings_printed
+from .common import KEYS, FromArgs, ParquetSink, inputs, save_parquet, url_options, warnings_printed
 
 
 def _progress(total: int) -> Callable[[str], None]:
@@ -44,7 +44,7 @@ def _progress(total: int) -> Callable[[str], None]:
 
 
 @dataclass(frozen=True)
-class BatchRequest:
+class BatchRequest(FromArgs):
     """What a statistics command asks of the pass, typed, from its parsed options (`from_args`):
     the commands that read statistics share it, each parser declaring the options it offers and
     the rest keeping these defaults."""
@@ -59,11 +59,6 @@ class BatchRequest:
     address: str | None = None
     fail_fast: bool = False
     storage_option: list[str] | None = None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> BatchRequest:
-        given = vars(args)
-        return cls(**{f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given})
 
     def storage_options(self) -> dict[str, Any] | None:
         """The ``--storage-option KEY=VALUE`` pairs as fsspec's options (None without any)."""

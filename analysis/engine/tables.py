@@ -244,7 +244,7 @@ def head_stats(
     (`GROUPS`; default all); ``jobs`` cores (default: all); ``backend="mlx"`` computes on mlx's
     default device (a GPU where there is one); ``progress`` is called with each file name as it
     finishes."""
-    return frame_of(list(file_tables(paths, snapshot, keys, jobs, progress, stats=stats, backend=backend)))
+    return frame_of([head_stats_table(paths, snapshot, keys, jobs, progress, stats=stats, backend=backend)])
 
 
 def head_stats_table(
