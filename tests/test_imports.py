@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.structure import build, circles, kvformat_reached, public_modules
+from benchmarks.structure import build, circles, kvformat_reached, public_modules, stage_imports
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -54,3 +54,36 @@ def test_analysis_never_imports_capture(modules: dict) -> None:
         if t.startswith("kvsnap.capture")
     }
     assert reached == set()
+
+
+def test_analysis_names_its_heavy_modules_at_the_top(modules: dict) -> None:
+    """Imports inside functions in `kvsnap.analysis` are the few that must not run with their
+    module (Ray, IPython, a browser, the fork server's start, the kernels' light package), at
+    most 15: pyarrow, polars, matplotlib, mlx and the process pool come from
+    `analysis.dependencies`, named at each module's top and loaded on first use."""
+    inside, _ = stage_imports(REPOSITORY, modules, "analysis")
+    assert inside <= 15
+
+
+def test_a_dependency_loads_on_first_use_and_a_missing_one_fails_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`OnFirstUse`: nothing is imported until an attribute is read; then the real module's
+    attribute (a patch on it is seen); a module made missing raises `ModuleNotFoundError` naming
+    it at that use, as an ``import`` statement would."""
+    import sys
+
+    from kvsnap.analysis.dependencies import OnFirstUse
+
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    lazy = OnFirstUse("colorsys")
+    assert "colorsys" not in sys.modules
+    assert lazy.rgb_to_hsv(1.0, 0.0, 0.0) == (0.0, 1.0, 1.0)
+    assert "colorsys" in sys.modules
+    monkeypatch.setattr(sys.modules["colorsys"], "ONE_THIRD", 0.5)
+    assert lazy.ONE_THIRD == 0.5
+    with pytest.raises(AttributeError):
+        lazy.__wrapped__  # noqa: B018  (probes for dunders import nothing)
+    monkeypatch.setitem(sys.modules, "colorsys", None)
+    with pytest.raises(ModuleNotFoundError, match="colorsys"):
+        lazy.rgb_to_hsv(1.0, 0.0, 0.0)

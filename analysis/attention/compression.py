@@ -54,6 +54,7 @@ import kvformat
 from kvformat.attention import context_keys
 from kvformat.attention import weights as attention_weights
 
+from ..dependencies import pl
 from ..kernels.arrays import float32_rows
 from .head_importance import NoQueriesError, layers_with_queries, prompt_end, query_layers
 from .names import EVICTION, METHODS, QUANTIZATION
@@ -557,7 +558,6 @@ def simulate(
     ``kv_head``, ``n_queries``, ``relative_error``, ``top1_agreement``. Keyword arguments:
     ``seq``, ``storage_options``, and the fields of `Options` (``window``, ``kernel``,
     ``pooling``, ``compress``, ``question_start``, ``seed``)."""
-    import polars as pl
 
     passed = {name: options.pop(name) for name in list(options) if name in Options.__dataclass_fields__}
     return pl.DataFrame(simulate_rows(path, methods, budgets, snapshot, options=Options(**passed), **options))

@@ -45,6 +45,7 @@ import kvformat
 from kvformat import attention as attention_math
 from kvformat import pages
 
+from ..dependencies import pa, pl
 from ..engine import parallel
 from ..errors import AnalysisError
 from ..kernels import attention as attention_kernel
@@ -630,7 +631,6 @@ def attention_stats(
     storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """`attention_rows` of one or more files as a Polars DataFrame."""
-    import polars as pl
 
     frame = pl.from_arrow(
         attention_table(
@@ -658,7 +658,6 @@ def attention_table(
     """`attention_rows` of one or more files as an Arrow table (what ``kvsnap stats --stats
     attention`` prints and saves, without importing polars: `python -m benchmarks.cli_bench`
     times the difference)."""
-    import pyarrow as pa
 
     files = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     rows = [

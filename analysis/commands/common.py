@@ -18,6 +18,7 @@ from kvformat.io.outputs import check_output, check_output_folder, output_path, 
 from kvsnap.cli.options import positive_int, storage_options
 
 from ..attention.names import EVICTION, METHODS, SCALARS
+from ..dependencies import pq
 from ..kernels import CHOICES as BACKENDS
 from ..stats.catalogue import GROUPS, check_scalar, stat_groups
 
@@ -135,8 +136,6 @@ def save_parquet(table: Any, path: str, args: argparse.Namespace) -> None:
         if hasattr(table, "write_parquet"):  # a Polars DataFrame
             table.write_parquet(temporary)
         else:  # an Arrow table, compressed as polars would
-            import pyarrow.parquet as pq
-
             pq.write_table(table, temporary, compression="zstd")
     print(f"wrote {path}: {len(table)} rows")
 
@@ -159,8 +158,6 @@ class ParquetSink:
         if self.mixed or not table.num_rows:
             return
         if self.writer is None:
-            import pyarrow.parquet as pq
-
             self.writer = pq.ParquetWriter(self.path, table.schema, compression="zstd")
         elif not table.schema.equals(self.writer.schema):
             self.mixed = True
@@ -173,8 +170,6 @@ class ParquetSink:
         if self.writer is not None:
             self.writer.close()
         if self.writer is None or self.mixed or self.rows != rows.num_rows:
-            import pyarrow.parquet as pq
-
             pq.write_table(rows, self.path, compression="zstd")
 
 

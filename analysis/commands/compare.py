@@ -12,6 +12,7 @@ import polars as pl
 
 import kvformat
 
+from ..dependencies import matplotlib, plt
 from ..tools.diff import LayoutMismatchError, head_diff
 from ..tools.similarity import head_similarity
 from .common import save_figure, save_parquet, url_options, warnings_printed
@@ -92,10 +93,8 @@ def diff_command(args: argparse.Namespace) -> int:
 
 def _diff_heatmap(table: Any, args: argparse.Namespace) -> None:
     """Layers x heads heatmaps of rel_error, K and V side by side, on one colour scale."""
-    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     rows = table.filter(pl.col("seq") == 0)
     layers = sorted(set(rows["layer"].to_list()))

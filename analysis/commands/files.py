@@ -12,13 +12,12 @@ import kvformat
 from kvformat.attention import check_selection
 from kvformat.io.outputs import output_path
 
+from ..dependencies import pl, tqdm
 from ..tools.export import export_heads
 from .common import inputs, url_options
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     written = 0
     paths = export_heads(
         args.file,
@@ -31,7 +30,7 @@ def export_command(args: argparse.Namespace) -> int:
         storage_options=url_options(args),
         force=args.force,
     )
-    for _ in tqdm(paths, unit="head", file=sys.stderr, disable=None, leave=False):
+    for _ in tqdm.tqdm(paths, unit="head", file=sys.stderr, disable=None, leave=False):
         written += 1
     print(f"wrote {written} {args.format} file(s) into {args.output} (one per layer and head)")
     return 0
@@ -46,8 +45,6 @@ def attention_command(args: argparse.Namespace) -> int:
     suffix = os.path.splitext(args.output)[1].lower()
     with output_path(args.output, inputs=inputs(args), force=args.force) as temporary:
         if suffix == ".parquet":
-            import polars as pl
-
             rows, columns = np.nonzero(found.weights)
             pl.DataFrame(
                 {

@@ -18,6 +18,7 @@ from ..attention.compression import kept_mask
 from ..attention.head_importance import attention_stats
 from ..attention.names import SCALARS
 from ..attention.tokens import token_pieces
+from ..dependencies import matplotlib, mcolors, plt
 from ..engine.tables import token_table
 from .common import save_figure, url_options
 from .statistics import BatchRequest, statistics_table
@@ -36,10 +37,8 @@ def plot_command(args: argparse.Namespace) -> int:
         return 2
     if args.stat in SCALARS:
         return _attention_stat_plot(args)
-    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     layers, grid = _statistic_grid(args)
     with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
@@ -92,10 +91,6 @@ def _heatmap(figure: Any, axis: Any, grid: Any, layers: list[int], name: str, he
 def _norm_curves(figure: Any, axis: Any, layers: list[int], args: argparse.Namespace) -> int:
     """Mean norm over heads by position, one line per layer (binned past `CURVE_POINTS`), token
     labels on request; the number of points per line."""
-    import matplotlib.pyplot as plt
-    from matplotlib.cm import ScalarMappable
-    from matplotlib.colors import Normalize
-
     column = f"{args.tensor}_norm"
     tokens = (
         token_table(args.file, args.snapshot, url_options(args))
@@ -107,11 +102,11 @@ def _norm_curves(figure: Any, axis: Any, layers: list[int], args: argparse.Names
     )
     curves, width = _binned_positions(tokens, column)
     colors = plt.get_cmap("viridis")
-    scale = Normalize(min(layers), max(layers)) if layers else Normalize(0, 1)
+    scale = mcolors.Normalize(min(layers), max(layers)) if layers else mcolors.Normalize(0, 1)
     for layer in layers:
         part = curves.filter(pl.col("layer") == layer)
         axis.plot(part["position"], part[column], color=colors(scale(layer)), lw=0.8)
-    figure.colorbar(ScalarMappable(scale, colors), ax=axis, label="layer")
+    figure.colorbar(plt.cm.ScalarMappable(scale, colors), ax=axis, label="layer")
     axis.set_xlabel("position")
     axis.set_ylabel(f"mean ||{args.tensor.upper()}|| over heads")
     binned = f", mean of {width} positions per point" if width > 1 else ""
@@ -181,10 +176,8 @@ def _binned_positions(tokens: Any, column: str) -> tuple[Any, int]:
 def _attention_stat_plot(args: argparse.Namespace) -> int:
     """``plot --stat sink_mass`` (or another `--stats attention` column): a layers x query heads
     heatmap from the file's saved queries."""
-    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     table = attention_stats(args.file, args.snapshot, storage_options=url_options(args))
     layers, grid = _layer_head_grid(table, args.stat)
@@ -202,10 +195,8 @@ def _attention_stat_plot(args: argparse.Namespace) -> int:
 def _attention_map(args: argparse.Namespace) -> int:
     """`plot --attention L:H`: one query head's attention map, log colour scale, labelled axes,
     the prompt|generated boundary marked, token labels on request."""
-    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     layer, head = args.attention
     with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
@@ -342,13 +333,11 @@ def _map_token_ticks(axis: Any, labels: list[str], keys: Any, queries: Any) -> N
 def _colour_scale(dense: Any, scale: str) -> tuple[Any, str]:
     """The colour normalization of an attention map ``dense`` (``"log"``: from its smallest
     positive weight to 1; ``"linear"``: 0 to its largest) and the colour bar's label."""
-    from matplotlib.colors import LogNorm, Normalize
-
     positive = dense[np.isfinite(dense) & (dense > 0)]
     if scale == "log":
         floor = max(float(positive.min()) if positive.size else 1e-6, 1e-6)
-        return LogNorm(vmin=floor, vmax=1.0), "attention weight (log scale; masked keys blank)"
-    norm = Normalize(vmin=0.0, vmax=float(positive.max()) if positive.size else 1.0)
+        return mcolors.LogNorm(vmin=floor, vmax=1.0), "attention weight (log scale; masked keys blank)"
+    norm = mcolors.Normalize(vmin=0.0, vmax=float(positive.max()) if positive.size else 1.0)
     return norm, "attention weight (masked keys blank)"
 
 

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from ..attention.compression import CompressionWarning, simulate
+from ..dependencies import matplotlib, pl, plt
 from .common import save_figure, save_parquet, url_options, warnings_printed
 
 
@@ -27,7 +28,6 @@ def simulate_command(args: argparse.Namespace) -> int:
             storage_options=url_options(args),
         )
     save_parquet(table, args.output, args)
-    import polars as pl
 
     means = (
         table.group_by(["method", "budget"], maintain_order=True)
@@ -44,10 +44,8 @@ def simulate_command(args: argparse.Namespace) -> int:
 
 
 def _simulate_plot(means: Any, args: argparse.Namespace) -> None:
-    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(6.4, 4.2))
     for method in means["method"].unique(maintain_order=True).to_list():

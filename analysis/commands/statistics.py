@@ -19,6 +19,7 @@ from kvsnap.cli.options import storage_options
 
 from ..attention.head_importance import AttentionWarning, attention_stats, attention_table
 from ..attention.names import SCALARS
+from ..dependencies import pa, pl
 from ..engine import batch, processes
 from ..engine.parallel import cores
 from ..engine.progress import bar as progress_bar
@@ -135,7 +136,6 @@ def statistics_rows(request: BatchRequest, sink: Callable[[Any], None] | None = 
 
 def statistics_table(request: BatchRequest) -> tuple[Any, bool]:
     """`statistics_rows` as a Polars DataFrame, and whether any file failed."""
-    import polars as pl
 
     found = statistics_rows(request)
     frame = pl.from_arrow(found.rows)
@@ -145,7 +145,6 @@ def statistics_table(request: BatchRequest) -> tuple[Any, bool]:
 
 def outliers_command(args: argparse.Namespace) -> int:
     """Heads whose statistic is more than ``--threshold`` times the median head of their file."""
-    import polars as pl
 
     if args.stat in SCALARS:
         return _attention_outliers(args)
@@ -172,7 +171,6 @@ def outliers_command(args: argparse.Namespace) -> int:
 def _attention_outliers(args: argparse.Namespace) -> int:
     """`outliers --stat` of an attention score: query heads above ``--threshold`` x their file's
     median query head."""
-    import polars as pl
 
     table = attention_stats(args.files, args.snapshot, storage_options=url_options(args))
     value = pl.col(args.stat).cast(pl.Float64).fill_nan(None)
@@ -200,7 +198,6 @@ def _merged(args: argparse.Namespace) -> int:
         save_parquet(table, args.output, args)
     if table.is_empty():
         raise CommandError("no statistics: every file failed or every layer is absent")
-    import polars as pl
 
     if "norm_mean" not in table.columns:
         _medians(table.with_columns(pl.lit("merged").alias("file")))
@@ -230,7 +227,6 @@ def _medians(rows: Any) -> None:
 
 def _scalar_columns(schema: Any) -> list[str]:
     """The numeric columns of an Arrow ``schema`` that are statistics (not `KEYS`)."""
-    import pyarrow as pa
 
     numeric = (pa.types.is_integer, pa.types.is_floating)
     return [f.name for f in schema if any(t(f.type) for t in numeric) and f.name not in KEYS]

@@ -12,6 +12,7 @@ import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..dependencies import pa, pl
 from ..stats.accumulator import HeadAccumulator
 from .files import (
     BatchOptions,
@@ -26,9 +27,6 @@ from .files import (
 from .tables import file_table, merged_accumulators, rows_of
 
 if TYPE_CHECKING:
-    import polars as pl
-    import pyarrow as pa
-
     from .plan import PassOptions
 
 
@@ -111,7 +109,6 @@ class Merger:
         self.files += 1
 
     def table(self) -> pl.DataFrame:
-        import polars as pl
 
         rows = [
             {"n_files": self.files, "layer": layer, "head": head, "tensor": tensor, **acc.row()}

@@ -17,14 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from kvformat.io.remote import expand, is_url
 
+from ..dependencies import pa, pl
 from ..kernels import profile
 from .parallel import cores, local_map, split_jobs
 from .plan import FileOptions, PassOptions
 
 if TYPE_CHECKING:
-    import polars as pl
-    import pyarrow as pa
-
     from .plan import PassOptions
 
 Options = dict[str, Any]
@@ -124,7 +122,6 @@ class BatchResult:
     def table(self) -> pl.DataFrame:
         """``rows`` as a Polars DataFrame (polars imported here, on first use: ``kvsnap stats``
         prints and saves ``rows`` without it)."""
-        import polars as pl
 
         frame = pl.from_arrow(self.rows)
         assert isinstance(frame, pl.DataFrame)
@@ -222,7 +219,6 @@ def first_failure(results: list[Any]) -> FileFailure | None:
 def sort_like(table: pl.DataFrame, paths: list[str]) -> pl.DataFrame:
     """Rows in the order of ``paths``, each file's rows in the order its pass produced them (a
     stable sort): the local engine's order."""
-    import polars as pl
 
     if table.is_empty():
         return table

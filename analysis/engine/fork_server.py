@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
+from ..dependencies import multiprocessing
 from ..kernels import DEFAULT as DEFAULT_KERNEL
 from ..kernels import NAMES, profile
 from .parallel import cores, main_hidden, one_thread_environment
@@ -69,7 +70,6 @@ _WITH_VALUE = (
 def ensure_running() -> None:
     """Start the fork server now unless it runs: BLAS and OpenMP limited to one thread in its
     environment (its workers inherit it), ``__main__`` hidden from it."""
-    import multiprocessing
 
     context = multiprocessing.get_context(START_METHOD)
     context.set_forkserver_preload(PRELOAD)
@@ -88,7 +88,6 @@ def wanted(argv: Sequence[str]) -> bool:
         return False
     if _local_size(_only_file(argv[1:])) < process_min_bytes(cores()):
         return False
-    import multiprocessing  # not for a small file's command: it lengthens a fresh start
 
     return START_METHOD in multiprocessing.get_all_start_methods()
 

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ..dependencies import futures_process, multiprocessing, threadpoolctl
+
 
 def cores() -> int:
     """The cores this process may run on (its CPU affinity where the OS tells it)."""
@@ -44,11 +46,11 @@ def single_threaded_blas() -> Iterator[None]:
     a BLAS pool each would oversubscribe the cores), and results do not depend on the thread
     count. A no-op where threadpoolctl is not installed."""
     try:
-        from threadpoolctl import threadpool_limits
+        limits = threadpoolctl.threadpool_limits
     except ImportError:  # pragma: no cover - threadpoolctl comes with the analysis extra
         yield
         return
-    with threadpool_limits(1, user_api="blas"):
+    with limits(1, user_api="blas"):
         yield
 
 
@@ -56,10 +58,10 @@ def limit_blas_threads(threads: int) -> None:
     """BLAS limited to ``threads`` threads from now on in this process (a no-op where
     threadpoolctl is not installed)."""
     try:
-        from threadpoolctl import threadpool_limits
+        limits = threadpoolctl.threadpool_limits
     except ImportError:  # pragma: no cover - threadpoolctl comes with the analysis extra
         return
-    threadpool_limits(threads, user_api="blas")
+    limits(threads, user_api="blas")
 
 
 def after(previous: Future[Any] | None, function: Callable[..., Any], *args: Any) -> Any:
@@ -158,15 +160,12 @@ def local_map(function: Callable[..., Any], paths: Sequence[Any], jobs: int, *ar
         for path in paths:
             yield function(path, *args)
         return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     context = multiprocessing.get_context("spawn")  # no fork of a threaded parent
     # Workers inherit the environment when they are spawned (on submit).
     # Workers run kvsnap's code only: started without the caller's ``__main__``, a script with
     # no ``if __name__ == "__main__":`` guard is not run again in each of them.
     with one_thread_environment(), main_hidden():
-        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=context)
+        pool = futures_process.ProcessPoolExecutor(max_workers=jobs, mp_context=context)
         futures = [pool.submit(function, path, *args) for path in paths]
     with pool:
         try:

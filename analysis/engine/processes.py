@@ -54,6 +54,7 @@ import kvformat
 from kvformat import pages
 from kvformat.io import remote
 
+from ..dependencies import futures_process, multiprocessing
 from ..kernels import profile
 from ..stats.rows import compute as compute_rows
 from . import fork_server
@@ -74,8 +75,7 @@ from .plan import (
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
     # (multiprocessing and the process pool, too: a command on a small file never starts one)
-    from concurrent.futures import ProcessPoolExecutor
-
+    from ..kernels import Profile
     from ..kernels.mlx_pipeline import Pipeline
     from ..stats.accumulator import HeadAccumulator
     from ..stats.rope import Rope
@@ -118,7 +118,6 @@ def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
         and (_running(count, backend) or _worth_workers(path, count))
     ):
         return False
-    import multiprocessing
 
     allowed = START_METHOD in multiprocessing.get_all_start_methods()
     return allowed and not multiprocessing.current_process().daemon
@@ -156,19 +155,16 @@ def _running(workers: int, backend: str = "cpu") -> bool:
     return _POOL is not None and _POOL[:2] == (workers, backend)
 
 
-_POOL: tuple[int, str, ProcessPoolExecutor] | None = None
+_POOL: tuple[int, str, futures_process.ProcessPoolExecutor] | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def _pool(workers: int, backend: str = "cpu") -> ProcessPoolExecutor:
+def _pool(workers: int, backend: str = "cpu") -> futures_process.ProcessPoolExecutor:
     """The process pool of ``workers`` workers for ``backend``, started once and kept (another
     pool is shut down first). Every worker runs one BLAS thread.
 
     CPU workers are forked from the fork server, which has loaded the kernels (`warm_kernels`).
     mlx workers are spawned (`Profile.start_method`): nothing on mlx loads the CPU kernels."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     global _POOL
     with _POOL_LOCK:
         if _POOL is not None and _POOL[:2] == (workers, backend):
@@ -179,10 +175,14 @@ def _pool(workers: int, backend: str = "cpu") -> ProcessPoolExecutor:
         kernel = profile(backend)
         if kernel.start_method != START_METHOD:  # spawned: nothing of the CPU kernels' fork server
             context = multiprocessing.get_context(kernel.start_method)
-            pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_one_blas_thread)
+            pool = futures_process.ProcessPoolExecutor(
+                workers, mp_context=context, initializer=_one_blas_thread
+            )
         else:
             fork_server.ensure_running()  # running already where `kvsnap` started it early
-            pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(START_METHOD))
+            pool = futures_process.ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context(START_METHOD)
+            )
         _POOL = (workers, backend, pool)
         atexit.unregister(_forget_pool)  # once, and after the exit handlers registered before it
         atexit.register(_forget_pool)
@@ -222,8 +222,6 @@ def start(workers: int, backend: str = "cpu") -> None:
     The first worker of a new CPU pool comes once the fork server has loaded the kernels (0.6-1
     s), and ``ProcessPoolExecutor.submit`` waits for it: a new pool's workers are asked for on a
     helper thread, so the caller goes on meanwhile (its own submits wait for the server then)."""
-    from concurrent.futures.process import BrokenProcessPool
-
     global _HELPER
     if _HELPER is not None and _HELPER.is_alive() and _running(workers, backend):
         return  # the workers asked for are on their way
@@ -231,7 +229,7 @@ def start(workers: int, backend: str = "cpu") -> None:
         pool = _pool(workers, backend)
         try:
             _ask_for_workers(pool, workers)
-        except BrokenProcessPool:
+        except futures_process.BrokenProcessPool:
             _discard_pool(pool)
             start(workers, backend)
         return
@@ -243,24 +241,22 @@ def start(workers: int, backend: str = "cpu") -> None:
 _HELPER: threading.Thread | None = None
 
 
-def _ask_for_workers(pool: ProcessPoolExecutor, workers: int) -> None:
+def _ask_for_workers(pool: futures_process.ProcessPoolExecutor, workers: int) -> None:
     with _main_hidden():
         for _ in range(workers):
             pool.submit(_ready)
 
 
-def _ask_quietly(pool: ProcessPoolExecutor, workers: int) -> None:
+def _ask_quietly(pool: futures_process.ProcessPoolExecutor, workers: int) -> None:
     """`_ask_for_workers` on the helper thread: a pool that breaks meanwhile is discarded, and
     the pass that uses it reports the failure."""
-    from concurrent.futures.process import BrokenProcessPool
-
     try:
         _ask_for_workers(pool, workers)
-    except (BrokenProcessPool, RuntimeError):  # RuntimeError: shut down meanwhile
+    except (futures_process.BrokenProcessPool, RuntimeError):  # RuntimeError: shut down meanwhile
         _discard_pool(pool)
 
 
-def _discard_pool(pool: ProcessPoolExecutor) -> None:
+def _discard_pool(pool: futures_process.ProcessPoolExecutor) -> None:
     """Forget ``pool`` (broken: a worker died), so that the next pass starts a fresh one."""
     global _POOL
     with _POOL_LOCK:
@@ -342,8 +338,6 @@ def layers(
 ) -> Iterator[LayerResult]:
     """`streaming.layers` on ``options.workers`` processes (see the module's docstring): the same
     layers in the same order with the same accumulators."""
-    from concurrent.futures.process import BrokenProcessPool
-
     workers = worker_count(options.workers, options.backend)
     start(workers, options.backend)  # the workers start while the pass is planned
     pool = _pool(workers, options.backend)
@@ -383,7 +377,7 @@ def layers(
                     accumulators.update(pending.popleft()[1].result())
                 bar.update()
                 yield name, index, layer, accumulators
-        except BrokenProcessPool:
+        except futures_process.BrokenProcessPool:
             _discard_pool(pool)
             raise
         finally:
@@ -431,17 +425,15 @@ _DEVICE: tuple[Pipeline, ThreadPoolExecutor] | None = None
 _ROW_THREADS = 1  # the row threads of `_DEVICE`: a task's rows are computed in as many runs
 
 
-def _device(workers: int) -> tuple[Pipeline, ThreadPoolExecutor]:
+def _device(kernel: Profile, workers: int) -> tuple[Pipeline, ThreadPoolExecutor]:
     """This worker's mlx pipeline and row threads (its share of the machine's, `workers`
     processes driving the device), made on its first mlx task and kept: staging buffers and
     compiled device functions serve the tasks that follow."""
     global _DEVICE, _ROW_THREADS
     if _DEVICE is None:
-        from ..kernels.mlx_pipeline import Pipeline
-        from ..kernels.mlx_sizing import batch_bytes, copy_threads, row_threads
-
-        pipeline = Pipeline(batch_bytes(worker=True), copy_threads=copy_threads(workers))
-        _ROW_THREADS = row_threads(workers)
+        pipeline = kernel.pipeline(workers, worker=True)
+        assert pipeline is not None  # a device kernel's
+        _ROW_THREADS = kernel.row_threads(workers)
         _DEVICE = pipeline, ThreadPoolExecutor(_ROW_THREADS, thread_name_prefix="kvsnap-rows")
     return _DEVICE
 
@@ -459,7 +451,8 @@ def _run_task(
     rope = opened.ropes[layer]
     unrotate = rope if options.keys == "pre_rope" else None
     accumulators = fresh_accumulators(snap, layer, rope, options, task.heads)
-    pipeline, rows = _device(workers) if profile(options.backend).device else (None, None)
+    kernel = profile(options.backend)
+    pipeline, rows = _device(kernel, workers) if kernel.device else (None, None)
     try:
         return _add_task(snap, task, accumulators, unrotate, pipeline, rows, finish)
     except BaseException:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ..dependencies import tqdm
+
 
 class Hidden:
     """A bar nobody sees: counts, draws nothing (what tqdm's own disabled bar does)."""
@@ -37,9 +39,7 @@ def bar(total: int, show: bool = True, **options: Any) -> Any:
     left when done; `Hidden` when ``show`` is false or stderr is not a terminal."""
     if not (show and _terminal()):
         return Hidden(total)
-    from tqdm import tqdm
-
-    return tqdm(total=total, file=sys.stderr, leave=False, **options)
+    return tqdm.tqdm(total=total, file=sys.stderr, leave=False, **options)
 
 
 def _terminal() -> bool:

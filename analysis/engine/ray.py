@@ -17,12 +17,13 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from ..dependencies import pa
 from ..stats import stat_groups
 from ..stats.accumulator import HeadAccumulator
 from .files import (
@@ -38,14 +39,10 @@ from .files import (
 )
 from .tables import PassOptions, frame_of, layer_tables, merged_accumulators
 
-if TYPE_CHECKING:
-    import pyarrow as pa
-
 ERROR_COLUMNS = ("file", "error")
 
 
 def _read_file(path: str, options: PassOptions, errors: str) -> Iterator[pa.Table]:
-    import pyarrow as pa
 
     try:
         yield from layer_tables(path, options)

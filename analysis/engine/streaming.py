@@ -9,7 +9,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,8 @@ from ..kernels import profile
 from ..stats.accumulator import HeadAccumulator
 from ..stats.rope import Rope
 from ..stats.rows import compute as compute_rows
-from .parallel import after
+from . import processes
+from .parallel import OrderedPool, after, single_threaded_blas
 from .plan import (
     CLOSING_LAYERS,
     Key,
@@ -51,26 +52,18 @@ class _Workers:
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> _Workers:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from .parallel import OrderedPool, single_threaded_blas
-
         with self._stack as stack:
-            mlx = profile(self.options.backend).device
-            if mlx:
-                from ..kernels.mlx_pipeline import Pipeline
-                from ..kernels.mlx_sizing import batch_bytes, copy_threads, row_threads
+            kernel = profile(self.options.backend)
             # The row threads stop after the pipeline (exits run in reverse): rows waiting for a
             # mark the pipeline drops after a failure then end with its error.
             share = self.options.device_share  # processes driving the device with passes like this
-            self.row_threads = row_threads(share) if mlx else 1
+            self.row_threads = kernel.row_threads(share)
             self.row_pool = stack.enter_context(
                 ThreadPoolExecutor(self.row_threads, thread_name_prefix="kvsnap-rows")
             )
-            if mlx:
-                self.pipeline = stack.enter_context(
-                    Pipeline(batch_bytes(worker=share > 1), copy_threads=copy_threads(share))
-                )
+            pipeline = kernel.pipeline(share, worker=share > 1)
+            if pipeline is not None:
+                self.pipeline = stack.enter_context(pipeline)
             stack.enter_context(single_threaded_blas())
             self.pool = stack.enter_context(OrderedPool(self.options.workers))
             self._stack = stack.pop_all()
@@ -171,8 +164,6 @@ def layers(
     pages stay within about two windows. ``progress`` shows a bar per layer on
     stderr when it is a terminal; ``finish`` computes each accumulator's row (eigenvalues and
     all) on the threads, once its layer is read."""
-    from . import processes
-
     if processes.usable(path, options.workers, options.backend):
         yield from processes.layers(path, options, progress, finish)
         return

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +16,7 @@ import kvformat
 
 from ..attention.compression import snapkv_scores
 from ..attention.tokens import token_ids, token_pieces
+from ..dependencies import pa, pl
 from ..kernels import CHOICES as BACKENDS
 from ..kernels import check as check_backend
 from ..stats.accumulator import HeadAccumulator
@@ -25,10 +26,6 @@ from .files import BatchOptions, parts_by_file
 from .parallel import local_map
 from .plan import Key, PassOptions
 from .streaming import accumulate, layers
-
-if TYPE_CHECKING:
-    import polars as pl
-    import pyarrow as pa
 
 __all__ = [
     "ALL",
@@ -189,14 +186,12 @@ def file_table(
             for name, index, _, accumulators in layers(path, options, options.progress, finish=True)
             for row in _rows(name, index, accumulators, arrays=True)
         ]
-        import pyarrow as pa
 
         return arrow_table(rows) if rows else pa.table({})
     tables = []
     for table in layer_tables(path, options, options.progress):
         tables.append(table)
         sink(table)
-    import pyarrow as pa
 
     return pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
 
@@ -263,7 +258,6 @@ def head_stats_table(
 
 def frame_of(tables: list[pa.Table]) -> pl.DataFrame:
     """One Polars DataFrame of Arrow tables (columns unified, empty tables dropped)."""
-    import polars as pl
 
     frame = pl.from_arrow(rows_of(tables))
     assert isinstance(frame, pl.DataFrame)
@@ -273,7 +267,6 @@ def frame_of(tables: list[pa.Table]) -> pl.DataFrame:
 def rows_of(tables: list[pa.Table]) -> pa.Table:
     """One Arrow table of ``tables`` (columns unified, empty tables dropped; no columns if none
     is left)."""
-    import pyarrow as pa
 
     tables = [t for t in tables if t.num_rows]
     if not tables:
@@ -290,7 +283,6 @@ def head_stats_reader(
     stats: str | Iterable[str] | None = None,
 ) -> pa.RecordBatchReader:
     """The same rows as an Arrow RecordBatchReader, one batch per file (streams file by file)."""
-    import pyarrow as pa
 
     tables = file_tables(paths, snapshot, keys, jobs, stats=stats)
     first = next(tables, None)
@@ -316,7 +308,6 @@ def token_table(
     file with queries ``snapkv_score``: SnapKV's score of each prompt key (the attention of the last
     32 prompt queries, summed over them and the query heads of the KV head, max-pooled over 5 keys;
     `analysis.attention.compression.snapkv_scores`), null elsewhere."""
-    import polars as pl
 
     frames = []
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
@@ -365,7 +356,6 @@ def token_table(
 def _scores_at(scores: tuple[np.ndarray, np.ndarray] | None, positions: np.ndarray) -> pl.Series:
     """Per-key scores ``(key positions, values)`` at ``positions`` (a Float64 column; null where
     there is none or it is NaN)."""
-    import polars as pl
 
     if scores is None:
         return pl.Series([None] * positions.size, dtype=pl.Float64)
@@ -382,7 +372,6 @@ def outliers(
     """The ``tensor`` rows with ``ratio_to_median`` (``stat`` / the median head of its file) and
     an ``outlier`` flag where it exceeds ``factor``. NaN and null values (a head whose every
     row held inf or NaN) take no part in the median and are never flagged."""
-    import polars as pl
 
     rows = table.filter(pl.col("tensor") == tensor)
     value = pl.col(stat).cast(pl.Float64).fill_nan(None)

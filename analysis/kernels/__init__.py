@@ -16,7 +16,7 @@ flight it hands to the accumulator as a `accumulator.Pending`, which `settle` fo
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
     import numpy as np
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kvformat import PayloadCheck
 
     from ..stats.sums import RunningSums
+    from .mlx_pipeline import Pipeline
 
 NAMES = ("cpu", "numpy", "mlx")
 DEFAULT = "cpu"
@@ -55,11 +56,23 @@ class Profile(NamedTuple):
 
     def processes(self, workers: int) -> int:
         """The worker processes a pass asked for ``workers`` workers starts."""
-        if self.device:
-            from .mlx_sizing import processes
+        return _device_modules()[1].processes(workers) if self.device else workers
 
-            return processes(workers)
-        return workers
+    def row_threads(self, processes: int) -> int:
+        """Threads computing rows beside the device, in each of ``processes`` processes that
+        drive it (`mlx_sizing.row_threads`); 1 for a host kernel."""
+        return _device_modules()[1].row_threads(processes) if self.device else 1
+
+    def pipeline(self, processes: int, worker: bool) -> Pipeline | None:
+        """A device kernel's pipeline (`mlx_pipeline.Pipeline`), sized for ``processes``
+        processes driving the device, ``worker``: this one a worker process; None for a host
+        kernel."""
+        if not self.device:
+            return None
+        pipeline, sizing = _device_modules()
+        return pipeline.Pipeline(
+            sizing.batch_bytes(worker=worker), copy_threads=sizing.copy_threads(processes)
+        )
 
     def eigenvalues(self, covariance: np.ndarray) -> np.ndarray:
         """The eigenvalues of each symmetric matrix of ``covariance`` ``(b, n, n)`` float64, each
@@ -88,6 +101,14 @@ _PROFILES = {
     "numpy": Profile("numpy", False, False, False, "forkserver", 16),
     "mlx": Profile("mlx", True, True, False, "spawn", 4),
 }
+
+
+def _device_modules() -> tuple[Any, Any]:
+    """`mlx_pipeline` and `mlx_sizing`, imported when a device kernel's pass first asks (a host
+    kernel's pass never loads them)."""
+    from . import mlx_pipeline, mlx_sizing
+
+    return mlx_pipeline, mlx_sizing
 
 
 def profile(name: str) -> Profile:

@@ -27,11 +27,13 @@ import hashlib
 import os
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
 from kvformat import KVSnapError
 
+from ..dependencies import mx
 from . import cuda_driver
 
 TILE = 64  # output tile of one thread block: (TILE, TILE) entries
@@ -186,8 +188,6 @@ def usable() -> bool:
         return True
     except (CudaGramError, OSError, AttributeError) as error:
         _PROBLEM.append(str(error))
-        import warnings
-
         warnings.warn(
             f"kvsnap's CUDA Gram kernel is not available ({error}); using mlx's matmul", stacklevel=2
         )
@@ -222,7 +222,6 @@ def binary() -> bytes:
 def gram_product(shifted: Any) -> Any:
     """``(B, dim, dim)`` float32: ``shifted[b].T @ shifted[b]`` for the mlx array ``shifted``
     ``(B, n, dim)`` float32 on a CUDA device."""
-    import mlx.core as mx
 
     batch, n, dim = shifted.shape
     tiles = -(-dim // TILE)

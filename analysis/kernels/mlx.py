@@ -20,6 +20,8 @@ host across pieces; `tests/test_mlx_backend.py` holds every column to the CPU ke
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,14 +30,13 @@ import numpy as np
 
 from kvformat.checksum import crc32c
 
-from .arrays import PIECE, bytes_of
+from ..dependencies import mx
+from .arrays import GRAM_FLOAT64_ROWS, HEAVY, PIECE, bytes_of
 
 if TYPE_CHECKING:
     from kvformat import PayloadCheck
 
     from ..stats.sums import RunningSums
-import importlib.util
-import os
 
 from ..stats.catalogue import (
     BINS,
@@ -74,7 +75,6 @@ def available() -> bool:
 
 
 def device_name() -> str:
-    import mlx.core as mx
 
     return str(mx.default_device())
 
@@ -110,7 +110,6 @@ def compiles() -> bool:
         raise ValueError(f"KVSNAP_MLX_COMPILE must be 0 or 1, not {setting!r}")
     if setting:
         return setting == "1"
-    import mlx.core as mx
 
     return bool(mx.metal.is_available()) and mx.default_device() == mx.gpu
 
@@ -134,8 +133,6 @@ def piece_function(
     key = (norms, channels, rope, mean, gram, quant, batched, copy, own_gram, fuse)
     function = _COMPILED.get(key)
     if function is None:
-        import mlx.core as mx
-
         piece = _piece(norms, channels, rope, mean, gram, quant, copy, own_gram)
         if not norms:  # one input: the rows
 
@@ -195,9 +192,6 @@ def _piece(
     """The per-piece computation (uncompiled) for one selection of groups (``copy``: see
     `piece_function`; ``own_gram``: return the Gram's rows ``shifted`` ``(n, dim)`` float32
     in place of their ``product``, which `cuda_gram.gram_product` computes)."""
-    import mlx.core as mx
-
-    from .arrays import HEAVY
 
     square_edges, peak_edges = (
         mx.array(device_hist_edges(squared=True)),
@@ -349,7 +343,6 @@ def _piece(
 def to_device(rows: np.ndarray) -> Any:
     """``rows`` as an mlx array in their stored type (half the bytes of float32 for 16-bit
     types; the device converts)."""
-    import mlx.core as mx
 
     if rows.dtype.name == "bfloat16":
         return mx.array(np.ascontiguousarray(rows).view(np.uint16)).view(mx.bfloat16)
@@ -363,8 +356,6 @@ Flags = tuple[bool, bool, bool, bool, bool, bool]
 
 def piece_flags(acc: RunningSums, n: int) -> Flags:
     """The `piece_function` selection for a piece of ``n`` rows of ``acc``."""
-    from .arrays import GRAM_FLOAT64_ROWS
-
     groups = acc.groups
     return (
         "norms" in groups,
@@ -392,7 +383,6 @@ def add(acc: RunningSums, rows: np.ndarray, positions: np.ndarray, check: Payloa
     """Start the device computation of ``rows`` ``(n, dim)`` at ``positions``, piece by piece,
     folding in what an earlier `add` left in flight (one accumulator on its own; a pass batches
     many with `Pipeline`). ``check``: the CRC ``rows`` must have, checked first."""
-    import mlx.core as mx
 
     acc.prepare_add()
     if check is not None:

@@ -14,6 +14,7 @@ import numpy as np
 from kvformat import KVSnapError
 from kvformat.checksum import crc32c
 
+from ..dependencies import mx
 from . import mlx_fold
 from .arrays import PIECE, bytes_of
 from .mlx import Flags, piece_flags, piece_function, split_pieces, to_device
@@ -71,7 +72,6 @@ class _Batch:
     def launch(self) -> None:
         """Wait for the copies, release what they read, start the device (idempotent; on the
         driving thread)."""
-        import mlx.core as mx
 
         if self._launched:
             return

@@ -14,6 +14,7 @@ import numpy as np
 
 from kvformat.checksum import concatenated_linear, linear_crc, zeros_crc
 
+from ..dependencies import mx
 from . import unified_memory
 from .arrays import bytes_of
 from .mlx_sizing import copy_threads
@@ -27,7 +28,6 @@ pages moved on demand, both ways, at each reuse) and than ``prefetch`` or ``most
 
 def on_cuda() -> bool:
     """Whether mlx computes on a CUDA device here."""
-    import mlx.core as mx
 
     cuda = getattr(mx, "cuda", None)
     return cuda is not None and bool(cuda.is_available()) and mx.default_device() == mx.gpu
@@ -68,7 +68,6 @@ class Staging:
 
     @classmethod
     def create(cls, threads: int | None = None) -> Staging | None:
-        import mlx.core as mx
 
         try:
             probe = mx.zeros((64,), dtype=mx.float32)
@@ -84,7 +83,6 @@ class Staging:
         return cls(threads or copy_threads())
 
     def _take(self, shape: tuple[int, ...], dtype: Any) -> Any:
-        import mlx.core as mx
 
         free = self.free.get((shape, str(dtype)))
         if free:
@@ -118,7 +116,6 @@ class Staging:
         ``checks``: per piece, None or a `kvformat.PayloadCheck` its bytes must pass; the
         copy threads compute the CRC of what they copy (the linear CRC of each task's rows,
         combined per piece by `kvformat.checksum`), ``.result()`` checks it."""
-        import mlx.core as mx
 
         first = pieces[0]
         sixteen = first.dtype.name in ("bfloat16", "float16")

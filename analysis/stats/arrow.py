@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    import pyarrow as pa
+from ..dependencies import pa
 
 
 def arrow_table(rows: list[dict[str, Any]]) -> pa.Table:
     """``pa.Table.from_pylist(rows)``: columns are every key of every row, in first-seen order."""
-    import pyarrow as pa
 
     names = list(dict.fromkeys(key for row in rows for key in row))
     return pa.table({name: arrow_column([row.get(name) for row in rows]) for name in names})
@@ -30,7 +28,6 @@ def arrow_column(values: list[Any]) -> pa.Array:
     """What ``pa.array(values)`` gives for a column of ints, floats (None for nulls), strings,
     Nones, or lists of floats or of ints, made from numpy buffers; anything else through
     ``pa.array``. 1-D float64 or int64 numpy arrays stand for lists of their values."""
-    import pyarrow as pa
 
     kinds = set(map(type, values))
     if np.ndarray in kinds:
@@ -50,7 +47,6 @@ def arrow_column(values: list[Any]) -> pa.Array:
 
 def _from_arrays(values: list[np.ndarray]) -> pa.Array | None:
     """A list column from 1-D float64 or int64 arrays of one dtype; None for anything else."""
-    import pyarrow as pa
 
     if len({(v.ndim, v.dtype) for v in values}) != 1:
         return None
@@ -64,7 +60,6 @@ def _from_arrays(values: list[np.ndarray]) -> pa.Array | None:
 def _from_scalars(values: list[Any], kinds: set[type]) -> pa.Array | None:
     """An int64 column from ints, float64 from floats and Nones (nulls), a null column from
     Nones; None for other mixes."""
-    import pyarrow as pa
 
     if kinds == {int}:
         return _numeric(pa.int64(), np.array(values, np.int64), None)
@@ -79,7 +74,6 @@ def _from_scalars(values: list[Any], kinds: set[type]) -> pa.Array | None:
 
 def _from_strings(values: list[str]) -> pa.Array | None:
     """A string column (UTF-8, 32-bit offsets); None past 2 GiB of text."""
-    import pyarrow as pa
 
     encoded = [v.encode() for v in values]
     offsets = np.zeros(len(values) + 1, np.int64)
@@ -92,7 +86,6 @@ def _from_strings(values: list[str]) -> pa.Array | None:
 
 def _from_lists(values: list[list[Any]]) -> pa.Array | None:
     """A list column from lists of floats or lists of ints; None for other items."""
-    import pyarrow as pa
 
     items = set(map(type, itertools.chain.from_iterable(values)))
     child = {frozenset({float}): pa.float64(), frozenset({int}): pa.int64()}.get(frozenset(items))
@@ -110,7 +103,6 @@ def _from_lists(values: list[list[Any]]) -> pa.Array | None:
 def _list_array(child: pa.DataType, lengths: list[int], flat: Callable[[], np.ndarray]) -> pa.Array | None:
     """A list array of ``child`` items, ``lengths`` per row, over the values ``flat()`` makes;
     None when the values pass 32-bit offsets."""
-    import pyarrow as pa
 
     offsets = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -123,7 +115,6 @@ def _list_array(child: pa.DataType, lengths: list[int], flat: Callable[[], np.nd
 def _numeric(kind: pa.DataType, data: np.ndarray, valid: np.ndarray | None) -> pa.Array:
     """An Arrow array of ``kind`` over ``data`` (contiguous, that type's width), nulls where
     ``valid`` is False."""
-    import pyarrow as pa
 
     bitmap = None if valid is None else pa.py_buffer(np.packbits(valid, bitorder="little"))
     nulls = 0 if valid is None else int(np.count_nonzero(~valid))

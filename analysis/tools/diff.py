@@ -28,18 +28,16 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 import kvformat
 
 from ..attention.tokens import token_ids
+from ..dependencies import pl
 from ..errors import AnalysisError
 from ..stats.rope import Rope, interleaved_to_half
-
-if TYPE_CHECKING:
-    import polars as pl
 
 
 class LayoutMismatchError(AnalysisError):
@@ -219,7 +217,6 @@ def head_diff(
     """One row per (layer, head, seq, tensor) comparing file ``b`` to file ``a`` (see the module
     docstring for the columns); ``keys="pre_rope"`` un-rotates both files' K first.
     `LayoutMismatchError` if the layouts differ; a `UserWarning` if the token ids differ."""
-    import polars as pl
 
     if keys not in ("post_rope", "pre_rope"):
         raise ValueError("keys must be 'post_rope' or 'pre_rope'")

@@ -20,6 +20,7 @@ import numpy as np
 import kvformat
 from kvformat.io.outputs import check_output_folder, files_into
 
+from ..dependencies import pa, pa_csv, pq
 from ..stats.rope import Rope
 
 FORMATS = ("csv", "npy", "npz", "parquet")
@@ -49,20 +50,15 @@ def _write(path: Path, fmt: str, seq: int, positions: np.ndarray, k: np.ndarray,
     if fmt == "npz":
         np.savez(path, seq=np.full(positions.size, seq, np.int64), positions=positions, k=k, v=v)
         return
-    import pyarrow as pa
 
     columns: dict[str, Any] = {"seq": np.full(positions.size, seq, np.int64), "position": positions}
     columns.update({f"k_{i}": k[:, i] for i in range(k.shape[1])})
     columns.update({f"v_{i}": v[:, i] for i in range(v.shape[1])})
     table = pa.table(columns)
     if fmt == "csv":
-        import pyarrow.csv as csv
-
-        csv.write_csv(table, path)
+        pa_csv.write_csv(table, path)
     else:
-        import pyarrow.parquet as parquet
-
-        parquet.write_table(table, path)
+        pq.write_table(table, path)
 
 
 def _names(name: str, fmt: str) -> list[str]:

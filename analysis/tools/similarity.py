@@ -19,18 +19,15 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 import kvformat
 
+from ..dependencies import pa, pl
 from ..engine.parallel import cores, local_map
 from ..stats.rope import Rope
-
-if TYPE_CHECKING:
-    import polars as pl
-    import pyarrow as pa
 
 WINDOW_BYTES = 64 << 20  # float64 bytes of one window of one layer's heads
 
@@ -197,7 +194,6 @@ def similarity_for_file(
     storage_options: dict[str, Any] | None = None,
 ) -> Iterator[pa.Table]:
     """The similarity rows of one file as Arrow tables (one per sequence and tensor)."""
-    import pyarrow as pa
 
     batch: list[dict[str, Any]] = []
     for row in similarity_rows(path, snapshot, keys, storage_options):
@@ -225,7 +221,6 @@ def head_similarity(
     """Cross-head and cross-layer similarity of one or more files (paths or URLs) as a Polars
     DataFrame, each row naming its ``file``; files run in up to ``jobs`` processes (default:
     every core)."""
-    import polars as pl
 
     files = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     processes = min(cores() if jobs is None else jobs, len(files))
