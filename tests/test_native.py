@@ -5,8 +5,11 @@ same eigenvalues (LAPACK's) and float16 conversions (numpy's ``astype``)."""
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -179,3 +182,65 @@ def test_wrong_arrays_are_refused_before_c_sees_them() -> None:
             64,
             256,
         )
+
+
+def _c_struct_fields(source: str, name: str) -> list[tuple[str, str]]:
+    """``(C type, field)`` of ``typedef struct { ... } name;`` in ``source``, one field a line."""
+    match = re.search(r"typedef struct \{\n([^}]*)\n\} " + name + ";", source)
+    assert match, f"no struct {name} in kernels.c"
+    fields = []
+    for line in match.group(1).splitlines():
+        declaration = line.split("/*")[0].strip().rstrip(";")
+        parsed = re.fullmatch(r"(?:const )?(\w+) ?(\*?)\s*(\w+)", declaration)
+        assert parsed, f"{name}: unexpected field {line.strip()!r}"
+        fields.append((parsed[1] + parsed[2], parsed[3]))
+    return fields
+
+
+@pytest.mark.parametrize("struct", [native.Piece, native.Settings, native.RunningSums])
+def test_the_ctypes_structs_lay_out_the_c_ones_field_by_field(struct: type) -> None:
+    """`accumulate`'s three structs: the same fields in the same order as `kernels.c` declares
+    them, each pointer a pointer and each count an int64 (a field added on one side alone would
+    shift every later one)."""
+    source = (Path(native.__file__).parent / "kernels.c").read_text()
+    c_fields = _c_struct_fields(source, struct.__name__)
+    ctypes_fields = [(field, kind) for field, kind in struct._fields_]  # type: ignore[attr-defined]
+    assert [field for _, field in c_fields] == [field for field, _ in ctypes_fields]
+    for (c_kind, field), (_, kind) in zip(c_fields, ctypes_fields, strict=True):
+        assert kind is (ctypes.c_void_p if c_kind.endswith("*") else {"int64_t": ctypes.c_int64}[c_kind]), (
+            field
+        )
+
+
+def test_the_running_sums_struct_holds_the_accumulators_sums_by_name() -> None:
+    """`native.RunningSums`' arrays are `stats.sums.RunningSums`' own sums by name, but for the
+    call's scalars and channel maxima (bits), which `compiled` folds in after the call."""
+    from kvsnap.analysis.stats.sums import RunningSums
+
+    fields = {field for field, kind in native.RunningSums._fields_ if kind is ctypes.c_void_p}
+    own = {f.name for f in dataclasses.fields(RunningSums)}
+    assert fields - own == {"scalars", "absmax_bits"}
+    assert {"dim", "position_bins"} <= {field for field, _ in native.RunningSums._fields_}
+
+
+@pytest.mark.skipif(not native.AVAILABLE, reason="the C kernels are not built here")
+def test_rows_of_another_width_than_the_sums_are_refused() -> None:
+    """A piece whose channels are not the sums' is refused by the C code before anything is
+    added (the sums unchanged), as are sums smaller than the settings ask for."""
+    from kvsnap.analysis.kernels.compiled import _flags
+    from kvsnap.analysis.stats.catalogue import ALL, LEVELS
+    from kvsnap.analysis.stats.sums import RunningSums
+
+    acc = RunningSums(8, groups=ALL)
+    empty = np.empty(0, np.int64)
+    settings = native.settings(
+        empty, empty, LEVELS, _flags(ALL, False), kernel.hist_edges(), kernel.hist_guesses()
+    )
+    scalars, absmax = np.zeros(kernel.SCALARS), np.zeros(8, np.int32)
+    sums = native.running_sums(acc, settings, scalars, absmax)
+    x = np.ones((3, 4), np.float32)
+    with pytest.raises(TypeError, match="4-channel rows for 8-channel sums"):
+        native.accumulate(x, np.arange(3), np.empty(3, np.int32), np.empty(3), np.zeros(4), settings, sums)
+    assert not acc.power.any() and not acc.norm_hist.any()
+    with pytest.raises(TypeError, match="int32 array of >= 8"):
+        native.running_sums(acc, settings, scalars, absmax[:4].copy())

@@ -20,6 +20,7 @@ from .arrays import GRAM_FLOAT64_ROWS, GRAM_ROWS, HEAVY, KERNEL_ROWS, bytes_of, 
 if TYPE_CHECKING:
     from kvformat import PayloadCheck
 
+    from ..stats.rope import Rope
     from ..stats.sums import RunningSums
 
 NAME = "cpu"
@@ -27,7 +28,6 @@ GEMM_ROWS = 64
 """Pieces of up to this many rows take their float64 Gram product as a general product, which is
 faster than numpy's symmetric rank-k update on so few rows (`python -m benchmarks.kernel_bench`)."""
 _NO_PAIRS = np.empty(0, np.int64)
-_NO_BAND = np.empty(0)
 
 
 def available() -> bool:
@@ -66,12 +66,12 @@ def _add(
     acc: RunningSums, rows: np.ndarray, positions: np.ndarray, check: PayloadCheck | None = None
 ) -> None:
     # Few Python-level calls per piece: with many threads, what holds the GIL sets the pace.
-    first, second, band = _pairs(acc)
-    flags = _flags(acc.groups, acc.band is not None)
+    settings = _settings(acc.groups, acc.rope if acc.band is not None else None)
     channels, spectrum = "channels" in acc.groups, "spectrum" in acc.groups
     scalars = np.zeros(kernel.SCALARS)
     scalars[kernel.NORM_MIN], scalars[kernel.NORM_MAX] = acc.norm_min, acc.norm_max
     absmax_bits = np.zeros(acc.dim, np.int32)
+    running = kernel.running_sums(acc, settings, scalars, absmax_bits)
     sums = np.zeros(acc.dim)
     positions = np.ascontiguousarray(positions, dtype=np.int64)
     crc = 0
@@ -89,31 +89,7 @@ def _add(
         peak_bits = np.empty(n, np.int32)
         square_norms = np.empty(n)
         sums[:] = 0.0
-        kernel.accumulate(
-            x=x,
-            bits=x.view(np.int32),
-            positions=pos,
-            first=first,
-            second=second,
-            levels=LEVELS,
-            flags=flags,
-            scalars=scalars,
-            norm_hist=acc.norm_hist,
-            peak_hist=acc.peak_hist,
-            sums=sums,
-            power=acc.power,
-            absmax_bits=absmax_bits,
-            unit_sum=acc.unit_sum,
-            band=band,
-            position_count=acc.position_count,
-            position_norm=acc.position_norm,
-            peak_bits=peak_bits,
-            square_norms=square_norms,
-            quant_token=acc.quant_token,
-            quant_channel=acc.quant_channel,
-            edges=kernel.hist_edges(),
-            guesses=kernel.hist_guesses(),
-        )
+        kernel.accumulate(x, pos, peak_bits, square_norms, sums, settings, running)
         if spectrum:
             _add_gram(acc, x, sums, square_norms)
         acc.count += n
@@ -124,13 +100,19 @@ def _add(
         check.check(crc)
 
 
-def _pairs(acc: RunningSums) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The RoPE pairs' channel indices (first, second) and the band sums they add into; empty
-    arrays where the accumulator keeps no band."""
-    if acc.band is not None and acc.rope is not None:
-        first, second = acc.rope.pair_indices()
-        return first, second, acc.band
-    return _NO_PAIRS, _NO_PAIRS, _NO_BAND
+@functools.lru_cache(maxsize=64)
+def _settings(groups: frozenset[str], rope: Rope | None) -> kernel.native.Settings:
+    """The kernel's settings for a selection of statistic groups and, where the accumulator keeps
+    a RoPE band, its ``rope`` (the pairs' channel indices: first, second); made once for each."""
+    first, second = rope.pair_indices() if rope is not None else (_NO_PAIRS, _NO_PAIRS)
+    return kernel.settings(
+        first=first,
+        second=second,
+        levels=LEVELS,
+        flags=_flags(groups, rope is not None),
+        edges=kernel.hist_edges(),
+        guesses=kernel.hist_guesses(),
+    )
 
 
 def _add_top(acc: RunningSums, peak_bits: np.ndarray, positions: np.ndarray) -> None:

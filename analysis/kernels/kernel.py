@@ -39,7 +39,7 @@ import numpy as np
 from ..stats.catalogue import hist_edges as edges
 from ..stats.catalogue import hist_index
 from . import native
-from .native import accumulate, add_shift_terms, top_rows
+from .native import accumulate, add_shift_terms, running_sums, settings, top_rows
 
 __all__ = [
     "AVAILABLE",
@@ -48,6 +48,8 @@ __all__ = [
     "heavy_rows",
     "hist_edges",
     "hist_guesses",
+    "running_sums",
+    "settings",
     "top_rows",
 ]
 

@@ -393,16 +393,75 @@ INLINE void quant_tile(const float *RESTRICT x, int64_t dim, int64_t group, int6
     }
 }
 
-/* accumulate (exported below as kvsnap_accumulate). Returns 0, or -1 when its work
- * space could not be allocated (nothing was added then). */
-KERNEL static int accumulate(
-    const float *x, int64_t n, int64_t dim, const int64_t *positions, const int64_t *first,
-    const int64_t *second, int64_t pairs, const int64_t *levels, const int64_t *flags,
-    double *scalars, int64_t *norm_hist, int64_t *peak_hist, int64_t bins, double *sums,
-    double *power, int32_t *absmax_bits, double *unit_sum, double *band, int64_t *position_count,
-    double *position_norm, int64_t position_bins, int32_t *peak_bits, double *square_norms,
-    double *quant_token, double *quant_channel, const double *edges, const int64_t *guesses,
-    int64_t cells, int64_t group) {
+/* What one kvsnap_accumulate call reads and adds into, as three structs (field per line:
+ * analysis/kernels/native.py declares the same layouts with ctypes, and tests/test_native.py
+ * compares the two field by field). */
+
+/* Piece: one call's rows and what it writes for each. */
+typedef struct {
+    const float *x;           /* (n, dim) float32, also read as its int32 bits */
+    int64_t n;                /* rows */
+    int64_t dim;              /* channels */
+    const int64_t *positions; /* (n,) each row's position */
+    int32_t *peak_bits;       /* (n,) out: each row's max |x| as float32 bits */
+    double *square_norms;     /* (n,) out: each row's ||x||^2 */
+    double *channel_sums;     /* (dim,) out: this piece's channel sums (zeroed by the caller) */
+} Piece;
+
+/* Settings: what stays fixed over an accumulator's pieces. */
+typedef struct {
+    const int64_t *first;   /* (pairs,) RoPE pairs: first channel */
+    const int64_t *second;  /* (pairs,) second channel */
+    int64_t pairs;          /* RoPE pairs */
+    const int64_t *levels;  /* (3,) quantization levels at 8, 4, 2 bits */
+    const int64_t *flags;   /* (5,) the groups: NORMS, CHANNELS, ROPE, MEAN, QUANT */
+    const double *edges;    /* (bins + 1,) histogram edges */
+    int64_t bins;           /* histogram bins */
+    const int64_t *guesses; /* (cells,) a first bin for each top-bits cell */
+    int64_t cells;          /* cells of guesses */
+    int64_t group;          /* quantization group: rows per tile, channels per token group */
+} Settings;
+
+/* RunningSums: one accumulator's running sums (analysis/stats/sums.py's RunningSums), which the
+ * call adds into. */
+typedef struct {
+    int64_t dim;             /* channels */
+    double *scalars;         /* (6,) NORM_SUM ... FIRST_COUNT */
+    int64_t *norm_hist;      /* (bins,) */
+    int64_t *peak_hist;      /* (bins,) */
+    double *power;           /* (4, dim) sums of x, x^2, x^3, x^4 */
+    int32_t *absmax_bits;    /* (dim,) each channel's max |x| as float32 bits */
+    double *unit_sum;        /* (dim,) */
+    double *band;            /* (pairs,) RoPE pair energy; unread without the ROPE flag */
+    int64_t *position_count; /* (position_bins,) */
+    double *position_norm;   /* (position_bins,) */
+    int64_t position_bins;   /* bins of the two above */
+    double *quant_token;     /* (3,) per-token quantization error sums at 8, 4, 2 bits */
+    double *quant_channel;   /* (3,) per-channel ones */
+} RunningSums;
+
+/* accumulate (exported below as kvsnap_accumulate). Returns 0; -1 when its work space could
+ * not be allocated, -2 when the piece's channels are not the sums' (nothing was added then). */
+KERNEL static int accumulate(const Piece *piece, const Settings *settings, RunningSums *running) {
+    if (piece->dim != running->dim) return -2;
+    const float *x = piece->x;
+    const int64_t n = piece->n, dim = piece->dim;
+    const int64_t *positions = piece->positions;
+    int32_t *peak_bits = piece->peak_bits;
+    double *square_norms = piece->square_norms, *sums = piece->channel_sums;
+    const int64_t *first = settings->first, *second = settings->second;
+    const int64_t pairs = settings->pairs;
+    const int64_t *levels = settings->levels, *flags = settings->flags;
+    const double *edges = settings->edges;
+    const int64_t bins = settings->bins, cells = settings->cells, group = settings->group;
+    const int64_t *guesses = settings->guesses;
+    double *scalars = running->scalars, *power = running->power, *unit_sum = running->unit_sum;
+    double *band = running->band, *position_norm = running->position_norm;
+    int64_t *norm_hist = running->norm_hist, *peak_hist = running->peak_hist;
+    int64_t *position_count = running->position_count;
+    const int64_t position_bins = running->position_bins;
+    int32_t *absmax_bits = running->absmax_bits;
+    double *quant_token = running->quant_token, *quant_channel = running->quant_channel;
     const int64_t width = dim > BLOCK ? dim : BLOCK;
     const int64_t groups_width = group * ((dim + group - 1) / group);
     double *rows = malloc(sizeof(double) * (BLOCK + 1) * width);
@@ -1068,18 +1127,8 @@ EXPORT const char *kvsnap_source_crc(void) { return KVSNAP_SOURCE_CRC; }
 
 /* The exported entry points: plain functions calling the cloned ones (clang 14 names an exported
  * target_clones function ``name.ifunc`` and leaves ``name`` undefined). */
-EXPORT int kvsnap_accumulate(
-    const float *x, int64_t n, int64_t dim, const int64_t *positions, const int64_t *first,
-    const int64_t *second, int64_t pairs, const int64_t *levels, const int64_t *flags,
-    double *scalars, int64_t *norm_hist, int64_t *peak_hist, int64_t bins, double *sums,
-    double *power, int32_t *absmax_bits, double *unit_sum, double *band, int64_t *position_count,
-    double *position_norm, int64_t position_bins, int32_t *peak_bits, double *square_norms,
-    double *quant_token, double *quant_channel, const double *edges, const int64_t *guesses,
-    int64_t cells, int64_t group) {
-    return accumulate(x, n, dim, positions, first, second, pairs, levels, flags, scalars,
-                      norm_hist, peak_hist, bins, sums, power, absmax_bits, unit_sum, band,
-                      position_count, position_norm, position_bins, peak_bits, square_norms,
-                      quant_token, quant_channel, edges, guesses, cells, group);
+EXPORT int kvsnap_accumulate(const Piece *piece, const Settings *settings, RunningSums *running) {
+    return accumulate(piece, settings, running);
 }
 
 EXPORT void kvsnap_halves_to_float32(const uint16_t *halves, int64_t n, uint32_t *out) {

@@ -9,8 +9,9 @@ not built (no C compiler at install) the numpy reference computes the same table
 (`tests/test_kernel.py`, `tests/test_native.py`, `tests/test_head_importance.py`).
 
 ``KVSNAP_KERNEL`` in the environment: ``compiled`` (the default) takes this library where it was
-built; ``numpy`` skips it. Each call pays ctypes' conversion of every array argument, so
-`accumulate` adds `KERNEL_ROWS` rows a call.
+built; ``numpy`` skips it. `accumulate` takes three structs (`Piece`, `Settings`,
+`RunningSums`: the layouts of ``kernels.c``), the last two made once per accumulator's rows, and
+adds `KERNEL_ROWS` rows a call.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import warnings
 import zlib
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +32,62 @@ _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _ROPE = 2  # `kernels.kernel.ROPE`: the flag under which the kernel writes ``band``
 _ROW_FIELDS = 9  # `attention.ROW_FIELDS`
 QL_CHAINS = 4  # `kernels.c`: tridiagonals whose QL iterations `eigenvalues_batch` interleaves
+
+
+class Piece(ctypes.Structure):
+    """One `accumulate` call's rows and what it writes for each (``Piece`` in `kernels.c`)."""
+
+    _fields_ = [
+        ("x", _POINTER),  # (n, dim) float32, also read as its int32 bits
+        ("n", _INT),
+        ("dim", _INT),
+        ("positions", _POINTER),  # (n,) int64
+        ("peak_bits", _POINTER),  # (n,) int32 out: each row's max |x| as float32 bits
+        ("square_norms", _POINTER),  # (n,) float64 out: each row's ||x||^2
+        ("channel_sums", _POINTER),  # (dim,) float64 out: the piece's channel sums
+    ]
+
+
+class Settings(ctypes.Structure):
+    """What stays fixed over an accumulator's pieces (``Settings`` in `kernels.c`); made by
+    `settings`, which keeps the arrays it points to alive."""
+
+    _fields_ = [
+        ("first", _POINTER),  # (pairs,) int64: each RoPE pair's first channel
+        ("second", _POINTER),  # (pairs,) int64: its second
+        ("pairs", _INT),
+        ("levels", _POINTER),  # (3,) int64: quantization levels at 8, 4, 2 bits
+        ("flags", _POINTER),  # (5,) int64: `kernels.kernel.NORMS` ... ``QUANT``
+        ("edges", _POINTER),  # (bins + 1,) float64: `kernels.kernel.hist_edges()`
+        ("bins", _INT),
+        ("guesses", _POINTER),  # (cells,) int64: `kernels.kernel.hist_guesses()`
+        ("cells", _INT),
+        ("group", _INT),  # `QUANT_GROUP`
+    ]
+    _arrays: tuple[np.ndarray, ...]
+
+
+class RunningSums(ctypes.Structure):
+    """One accumulator's running sums, which an `accumulate` call adds into (``RunningSums`` in
+    `kernels.c`; `analysis.stats.sums.RunningSums` declares them); made by `running_sums`, which
+    keeps the arrays it points to alive."""
+
+    _fields_ = [
+        ("dim", _INT),
+        ("scalars", _POINTER),  # (6,) float64: `kernels.kernel.SCALARS`
+        ("norm_hist", _POINTER),  # (bins,) int64
+        ("peak_hist", _POINTER),  # (bins,) int64
+        ("power", _POINTER),  # (4, dim) float64: sums of x, x^2, x^3, x^4
+        ("absmax_bits", _POINTER),  # (dim,) int32: each channel's max |x| as float32 bits
+        ("unit_sum", _POINTER),  # (dim,) float64
+        ("band", _POINTER),  # (pairs,) float64; unread without the ROPE flag
+        ("position_count", _POINTER),  # (position_bins,) int64
+        ("position_norm", _POINTER),  # (position_bins,) float64
+        ("position_bins", _INT),
+        ("quant_token", _POINTER),  # (3,) float64
+        ("quant_channel", _POINTER),  # (3,) float64
+    ]
+    _arrays: tuple[np.ndarray, ...]
 
 
 def _load(here: Path = Path(__file__).parent) -> ctypes.CDLL | None:
@@ -78,9 +136,11 @@ def _built_from(library: ctypes.CDLL, source: Path) -> bool:
 
 def _declare(library: ctypes.CDLL) -> None:
     """Argument and result types of the library's functions (`kernels.c`)."""
-    library.kvsnap_accumulate.argtypes = [_POINTER, _INT, _INT, _POINTER, _POINTER, _POINTER, _INT]
-    library.kvsnap_accumulate.argtypes += [_POINTER] * 5 + [_INT] + [_POINTER] * 7 + [_INT]
-    library.kvsnap_accumulate.argtypes += [_POINTER] * 6 + [_INT, _INT]
+    library.kvsnap_accumulate.argtypes = [
+        ctypes.POINTER(Piece),
+        ctypes.POINTER(Settings),
+        ctypes.POINTER(RunningSums),
+    ]
     library.kvsnap_accumulate.restype = ctypes.c_int
     library.kvsnap_top_rows.argtypes = [_POINTER, _INT, _INT, _POINTER]
     library.kvsnap_top_rows.restype = _INT
@@ -135,84 +195,101 @@ def _address(array: np.ndarray, dtype: type, size: int | None = None) -> int:
     return int(array.__array_interface__["data"][0])
 
 
-def accumulate(
-    x: np.ndarray,
-    bits: np.ndarray,
-    positions: np.ndarray,
+def settings(
     first: np.ndarray,
     second: np.ndarray,
     levels: np.ndarray,
     flags: np.ndarray,
-    scalars: np.ndarray,
-    norm_hist: np.ndarray,
-    peak_hist: np.ndarray,
-    sums: np.ndarray,
-    power: np.ndarray,
-    absmax_bits: np.ndarray,
-    unit_sum: np.ndarray,
-    band: np.ndarray,
-    position_count: np.ndarray,
-    position_norm: np.ndarray,
-    peak_bits: np.ndarray,
-    square_norms: np.ndarray,
-    quant_token: np.ndarray,
-    quant_channel: np.ndarray,
     edges: np.ndarray,
     guesses: np.ndarray,
-) -> None:
-    """Update the sums with ``x`` ``(n_tokens, dim)`` float32 (``bits``: its int32 view; the C
-    code reads ``x``'s memory both ways) at ``positions`` ``(n_tokens,)``, for the groups
-    ``flags`` selects (`kernels.kernel.NORMS` ...), one tile of ``QUANT_GROUP`` rows at a time
-    (the row pass, then the quantization pass on the same tile).
+) -> Settings:
+    """The `Settings` of an accumulator's `accumulate` calls: RoPE pairs ``first``, ``second``
+    ``(pairs,)`` int64 (empty without a band), quantization ``levels`` ``(3,)``, the groups'
+    ``flags`` ``(5,)`` (`kernels.kernel.NORMS` ...), histogram ``edges`` ``(bins + 1,)`` and
+    ``guesses`` (`kernels.kernel.hist_edges()`, ``hist_guesses()``)."""
+    first, second = np.ascontiguousarray(first), np.ascontiguousarray(second)  # (strided pairings)
+    pairs = first.shape[0]
+    bins = edges.shape[0] - 1
+    made = Settings(
+        first=_address(first, np.int64),
+        second=_address(second, np.int64, pairs),
+        pairs=pairs,
+        levels=_address(levels, np.int64, 3),
+        flags=_address(flags, np.int64, 5),
+        edges=_address(edges, np.float64, bins + 1),
+        bins=bins,
+        guesses=_address(guesses, np.int64),
+        cells=guesses.shape[0],
+        group=QUANT_GROUP,
+    )
+    made._arrays = (first, second, levels, flags, edges, guesses)  # alive while it is
+    return made
 
-        ``scalars`` (`kernels.kernel.SCALARS`,): sum ||x||, sum ||x||^2, min ||x||, max ||x||,
-        sum ||x_0||, count of x_0;
-        ``absmax_bits`` ``(dim,)`` int32: the float32 bits of each channel's max |x| so far;
-        ``peak_bits`` ``(n_tokens,)`` int32 receives each row's max |x| as float32 bits, and
-        ``peak_hist`` counts them (channels); ``sums`` ``(dim,)`` receives this piece's channel
-        sums, also added to ``power[0]`` (mean);
-        ``square_norms`` ``(n_tokens,)`` float64 receives each row's ||x||^2;
-        ``quant_token``, ``quant_channel`` ``(3,)``: the error sums at 8, 4 and 2 bits;
-        ``edges``, ``guesses``: `kernels.kernel.hist_edges()` and ``hist_guesses()``."""
+
+_EMPTY = np.empty(0)
+
+
+def running_sums(acc: Any, settings: Settings, scalars: np.ndarray, absmax_bits: np.ndarray) -> RunningSums:
+    """The `RunningSums` struct over accumulator ``acc``'s arrays (`analysis.stats.sums.RunningSums`:
+    the struct's fields are its sums by name; ``band`` empty where it keeps none) and the call's
+    ``scalars`` (`kernels.kernel.SCALARS`,: sum ||x||, sum ||x||^2, min ||x||, max ||x||, sum
+    ||x_0||, count of x_0) and ``absmax_bits`` ``(dim,)`` int32 (the float32 bits of each
+    channel's max |x| so far), each checked against the sizes ``settings`` implies. The arrays
+    stay alive as long as the struct."""
+    dim, bins = acc.dim, settings.bins
+    band = acc.band if acc.band is not None else _EMPTY
+    rope = settings._arrays[3][_ROPE]
+    arrays: tuple[np.ndarray, ...] = (scalars, acc.norm_hist, acc.peak_hist, acc.power, absmax_bits)
+    arrays += (acc.unit_sum, band, acc.position_count, acc.position_norm, acc.quant_token, acc.quant_channel)
+    made = RunningSums(
+        dim=dim,
+        scalars=_address(scalars, np.float64, 6),
+        norm_hist=_address(acc.norm_hist, np.int64, bins),
+        peak_hist=_address(acc.peak_hist, np.int64, bins),
+        power=_address(acc.power, np.float64, 4 * dim),
+        absmax_bits=_address(absmax_bits, np.int32, dim),
+        unit_sum=_address(acc.unit_sum, np.float64, dim),
+        band=_address(band, np.float64, settings.pairs if rope else 0),
+        position_count=_address(acc.position_count, np.int64),
+        position_norm=_address(acc.position_norm, np.float64, acc.position_count.shape[0]),
+        position_bins=acc.position_count.shape[0],
+        quant_token=_address(acc.quant_token, np.float64, 3),
+        quant_channel=_address(acc.quant_channel, np.float64, 3),
+    )
+    made._arrays = arrays
+    return made
+
+
+def accumulate(
+    x: np.ndarray,
+    positions: np.ndarray,
+    peak_bits: np.ndarray,
+    square_norms: np.ndarray,
+    channel_sums: np.ndarray,
+    settings: Settings,
+    sums: RunningSums,
+) -> None:
+    """Add ``x`` ``(n_tokens, dim)`` float32 at ``positions`` ``(n_tokens,)`` to ``sums``, for
+    the groups ``settings`` selects, one tile of ``QUANT_GROUP`` rows at a time (the row pass,
+    then the quantization pass on the same tile). Per row and piece it writes ``peak_bits``
+    ``(n_tokens,)`` int32 (each row's max |x| as float32 bits, counted in ``peak_hist`` too),
+    ``square_norms`` ``(n_tokens,)`` float64 (each row's ||x||^2) and ``channel_sums`` ``(dim,)``
+    float64 (the piece's channel sums, also added to ``power[0]``; zeroed by the caller)."""
     assert LIBRARY is not None
     n, dim = x.shape
-    if not np.shares_memory(bits, x):
-        raise TypeError("native kernel: bits must be the int32 view of x")
-    first, second = np.ascontiguousarray(first), np.ascontiguousarray(second)  # (strided pairings)
     positions = np.ascontiguousarray(positions)
-    pairs = first.shape[0]
-    bins = norm_hist.shape[0]
-    status = LIBRARY.kvsnap_accumulate(
-        _address(x, np.float32),
-        n,
-        dim,
-        _address(positions, np.int64, n),
-        _address(first, np.int64),
-        _address(second, np.int64, pairs),
-        pairs,
-        _address(levels, np.int64, 3),
-        _address(flags, np.int64, 5),
-        _address(scalars, np.float64, 6),
-        _address(norm_hist, np.int64, bins),
-        _address(peak_hist, np.int64, bins),
-        bins,
-        _address(sums, np.float64, dim),
-        _address(power, np.float64, 4 * dim),
-        _address(absmax_bits, np.int32, dim),
-        _address(unit_sum, np.float64, dim),
-        _address(band, np.float64, pairs if flags[_ROPE] else 0),
-        _address(position_count, np.int64),
-        _address(position_norm, np.float64, position_count.shape[0]),
-        position_count.shape[0],
-        _address(peak_bits, np.int32, n),
-        _address(square_norms, np.float64, n),
-        _address(quant_token, np.float64, 3),
-        _address(quant_channel, np.float64, 3),
-        _address(edges, np.float64, bins + 1),
-        _address(guesses, np.int64),
-        guesses.shape[0],
-        QUANT_GROUP,
+    piece = Piece(
+        x=_address(x, np.float32),
+        n=n,
+        dim=dim,
+        positions=_address(positions, np.int64, n),
+        peak_bits=_address(peak_bits, np.int32, n),
+        square_norms=_address(square_norms, np.float64, n),
+        channel_sums=_address(channel_sums, np.float64, dim),
     )
+    status = LIBRARY.kvsnap_accumulate(ctypes.byref(piece), ctypes.byref(settings), ctypes.byref(sums))
+    if status == -2:
+        raise TypeError(f"native kernel: {dim}-channel rows for {sums.dim}-channel sums")
     if status:
         raise MemoryError("native kernel: no memory for its work space")
 
