@@ -39,7 +39,7 @@ lint: install
 	$(BIN)/ruff format --check $(LINTED)
 	$(BIN)/mypy
 
-# The Kaitai Struct compiler (npm, JavaScript build) that tests/test_kaitai.py runs on spec/kv.ksy.
+# The Kaitai Struct compiler (npm, JavaScript build) that tests/spec/test_kaitai.py runs on spec/kv.ksy.
 KAITAI := .cache/kaitai/node_modules/kaitai-struct-compiler
 $(KAITAI):
 	npm install --silent --no-audit --no-fund --prefix .cache/kaitai kaitai-struct-compiler@0.11.0
@@ -62,7 +62,7 @@ conformance: install $(JS_READER)
 		$(BIN)/kvsnap conformance $$folder --reader "node spec/js/describe.js" | tail -1 | sed "s|^|$$folder: |"; \
 	done
 
-# nginx serves snapshots over HTTP range requests to tests/test_remote.py and tests/test_batch.py
+# nginx serves snapshots over HTTP range requests to tests/kvformat/test_remote.py and tests/analysis/test_batch.py
 # (started on loopback by tests/servers.py). Installed from Debian's packages or Homebrew.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 nginx:
@@ -72,7 +72,7 @@ nginx:
 		elif command -v brew >/dev/null 2>&1; then brew install nginx; \
 		else echo "install nginx for the remote-reading tests" >&2; exit 1; fi; }
 
-# Debian's Chromium (or Homebrew's) for the viewer's tests in a real browser (tests/test_viewer.py),
+# Debian's Chromium (or Homebrew's) for the viewer's tests in a real browser (tests/analysis/test_viewer.py),
 # driven by Playwright's Python package with executable_path: no browser download at run time.
 chromium:
 	@command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || { \
@@ -82,7 +82,7 @@ chromium:
 		else echo "install chromium for the viewer's browser tests" >&2; exit 1; fi; }
 
 # Hugging Face transformers on a CPU torch, in a Python of its own (never imported by kvsnap): the
-# reference tests/test_reference.py holds captured K/V to. On Linux x86_64 pip takes torch 2.13.0's
+# reference tests/capture/test_reference.py holds captured K/V to. On Linux x86_64 pip takes torch 2.13.0's
 # CPU wheel from the machine's own store; elsewhere it downloads the platform's build.
 REFERENCE := .cache/reference/.installed
 $(REFERENCE): tests/reference/requirements.txt
@@ -94,7 +94,7 @@ $(REFERENCE): tests/reference/requirements.txt
 reference: $(REFERENCE)
 
 # Tests marked `cuda` need mlx on an NVIDIA GPU, which CI does not have: run them there with
-# `python -m pytest -m cuda tests` (and tests/test_mlx_backend.py for the whole table).
+# `python -m pytest -m cuda tests` (and tests/analysis/test_mlx_backend.py for the whole table).
 # pytest-xdist: one worker per core; work stealing evens out the slow real-model tests; the 15
 # slowest tests are listed at the end (where the suite's time goes).
 # The guide (docs/, MkDocs with Material), built with warnings as errors into .cache/site.
@@ -104,5 +104,5 @@ docs: install
 test: lint docs $(KAITAI) $(JS_READER) nginx chromium $(REFERENCE) conformance
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15 tests
 	# Without a C compiler (no analysis/kernels/kernels.c build) the numpy reference computes every table.
-	KVSNAP_KERNEL=numpy $(BIN)/python -m pytest -q -n auto tests/test_stats.py tests/test_head_importance.py tests/test_kernels_oracle.py \
-		tests/test_diff.py
+	KVSNAP_KERNEL=numpy $(BIN)/python -m pytest -q -n auto tests/analysis/test_stats.py tests/analysis/test_head_importance.py tests/analysis/test_kernels_oracle.py \
+		tests/analysis/test_diff.py

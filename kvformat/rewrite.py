@@ -1,5 +1,5 @@
 """Rewrite a file's index with edits and *valid* checksums: the tool that makes hostile test files
-(`spec/vectors/generate.py`'s bad vectors, `tests/test_hostile.py`), where only the structural
+(`spec/vectors/generate.py`'s bad vectors, `tests/kvformat/test_hostile.py`), where only the structural
 rule under test may catch the damage, not a CRC.
 
     rebuild_index(source, out, edit_table=..., edit_json=..., footer={...})

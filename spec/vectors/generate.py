@@ -3,7 +3,7 @@
     python spec/vectors/generate.py [OUTPUT_DIR]      # default: this directory
 
 Every file is written by `kvformat` from fixed seeds, so the output is byte-for-byte stable;
-``tests/test_conformance.py`` checks that the committed files equal a fresh run. Each vector
+``tests/spec/test_conformance.py`` checks that the committed files equal a fresh run. Each vector
 covers one feature of spec/SPEC.md; the manifest gives, per file, what it covers and the
 description a conforming reader must produce (`kvsnap.cli.conformance.describe`).
 """

@@ -1,5 +1,5 @@
 """NVIDIA kvpress's own presses on Hugging Face transformers: which keys each press keeps for given
-token ids, the reference `tests/test_kvpress.py` holds ``kvsnap simulate``'s choices to. Runs in
+token ids, the reference `tests/analysis/test_kvpress.py` holds ``kvsnap simulate``'s choices to. Runs in
 the reference Python (``make reference``: torch, transformers, kvpress), never imports kvsnap.
 
     python kvpress_kept.py MODEL.gguf IDS.json PRESSES.json OUT.npz

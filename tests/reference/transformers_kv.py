@@ -1,5 +1,5 @@
 """Hugging Face transformers' KV cache for given token ids: the independent reference of
-`tests/test_reference.py`. Runs in a Python of its own with torch, transformers, gguf
+`tests/capture/test_reference.py`. Runs in a Python of its own with torch, transformers, gguf
 and accelerate (``make reference``: ``.cache/reference``), never imports kvsnap.
 
     python transformers_kv.py MODEL.gguf IDS.json OUT.npz

@@ -15,8 +15,8 @@ import pytest
 
 import kvformat
 from kvsnap.analysis.attention import compression
+from tests.capture.test_reference import reference_python
 from tests.conftest import PROSE, ROOT
-from tests.test_reference import reference_python
 
 TOKENS = 256
 PRESSES = [

@@ -21,7 +21,7 @@ import kvformat
 from kvsnap.cli import main
 from kvsnap.cli.conformance import describe, run
 
-VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
+VECTORS = Path(__file__).resolve().parents[2] / "spec" / "vectors"
 GOLD = VECTORS / "gold"
 FUZZ = VECTORS / "fuzz"
 
@@ -215,7 +215,7 @@ def test_gold_files_of_every_released_version_still_read_as_they_did(version: st
 
 def test_the_fuzz_corpus_replays() -> None:
     """Every input a fuzzer found (spec/vectors/fuzz/, each listed with what it must produce)
-    still gives it; tests/test_js_reader.py replays them with the JavaScript reader."""
+    still gives it; tests/spec/test_js_reader.py replays them with the JavaScript reader."""
     manifest = json.loads((FUZZ / "manifest.json").read_text("utf-8"))
     assert sorted(e["file"] for e in manifest["vectors"]) == sorted(p.name for p in FUZZ.glob("*.kv"))
     results = run(FUZZ)

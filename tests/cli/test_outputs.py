@@ -106,7 +106,7 @@ def test_pack_import_recover_refuse_their_input_and_existing_outputs(
     text.write_text("hello")
     code, _, err = _run(["pack", str(text), str(tmp_path / "x.kv")], capsys)
     assert code == 2 and "pickle" not in err and "not an .npz" in err
-    mlxkv = Path(__file__).parent / "mlxkv" / "v6-slabs-float32.mlxkv"
+    mlxkv = Path(__file__).resolve().parents[1] / "mlxkv" / "v6-slabs-float32.mlxkv"
     if mlxkv.exists():
         assert _run(["import-mlxkv", str(mlxkv), str(capture)], capsys)[0] == 2
     assert _run(["recover", str(capture), "-o", str(capture), "--force"], capsys)[0] == 2
@@ -184,7 +184,7 @@ def test_failed_commands_leave_nothing(
         assert code != 0, args
         assert _only(tmp_path) == before, args
     truncated = tmp_path / "cut.mlxkv"
-    source = Path(__file__).parent / "mlxkv" / "mixed-tags.mlxkv"
+    source = Path(__file__).resolve().parents[1] / "mlxkv" / "mixed-tags.mlxkv"
     truncated.write_bytes(source.read_bytes()[: source.stat().st_size // 2])
     before = _only(tmp_path)
     code, _, _ = _run(["import-mlxkv", str(truncated), str(tmp_path / "imp.kv")], capsys)
@@ -363,7 +363,7 @@ def test_unguarded_script_runs_batch_statistics_once(tmp_path: Path) -> None:
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     result = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
     )

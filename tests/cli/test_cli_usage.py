@@ -159,7 +159,7 @@ def test_info_shows_text_settings_quantization_and_groups_layers(
     prompt_line = next(line for line in out.splitlines() if line.startswith("  prompt: "))
     assert len(prompt_line) <= 112 and " ... " in prompt_line
     assert "generated: Rayleigh scattering." in out
-    vectors = Path(__file__).resolve().parent.parent / "spec" / "vectors"
+    vectors = Path(__file__).resolve().parents[2] / "spec" / "vectors"
     assert main(["info", str(vectors / "quantized.kv")]) == 0
     assert "4-bit affine quantized (groups of 32, float16 scales)" in capsys.readouterr().out
 
@@ -221,7 +221,7 @@ def test_lone_surrogates_are_refused_by_writer_and_every_command(
     kvformat.save(tmp_path / "ok.kv", [kvformat.Layer(k, k)], metadata={"note": "\U0001f600 paired"})
     with kvformat.open(tmp_path / "ok.kv") as snap:
         assert snap.metadata["note"] == "\U0001f600 paired"
-    bad = Path(__file__).resolve().parent.parent / "spec" / "vectors" / "bad" / "lone-surrogate-metadata.kv"
+    bad = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "bad" / "lone-surrogate-metadata.kv"
     for command in ("verify", "info"):
         assert main([command, str(bad)]) == 2
         assert "unpaired UTF-16 surrogate" in capsys.readouterr().err
@@ -363,7 +363,7 @@ def test_a_source_tree_without_an_install_says_how_to_install(series: Path) -> N
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     code = "import sys; from kvsnap.cli import main; raise SystemExit(main(sys.argv[1:]))"
     env = {"PYTHONPATH": os.pathsep.join(site.getsitepackages()), "PATH": os.environ.get("PATH", "")}
 

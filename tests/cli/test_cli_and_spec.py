@@ -12,7 +12,7 @@ import kvformat
 from kvformat.layout import FOOTER_SIZE, Footer
 from kvsnap.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_worked_example_is_byte_exact(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """mlx on an NVIDIA GPU: what only runs there, kvsnap's own Gram kernel
 (`cuda_gram.gram_product`, used in place of cuBLAS). Marked ``cuda``: run them on a machine
-where mlx computes on CUDA (``pytest -m cuda tests``, with `tests/test_mlx_backend.py` for the
+where mlx computes on CUDA (``pytest -m cuda tests``, with `tests/analysis/test_mlx_backend.py` for the
 whole table); `make test` deselects them, CI having no accelerator."""
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def test_captured_queries_on_cuda_equal_the_concatenated_ones(
     from kvsnap.capture import gather
     from kvsnap.capture.generate import generate
     from kvsnap.capture.tiny import tiny_model
-    from tests.test_capture import _tiny_tokenizer
+    from tests.capture.test_capture import _tiny_tokenizer
 
     model, tokenizer = tiny_model("qwen3"), _tiny_tokenizer()
     prompt = list(range(1, 40))

@@ -25,7 +25,7 @@ from kvsnap.cli.conformance import describe
 from tests.conftest import write_series
 from tests.servers import S3, Nginx, Quirks, moto_s3, nginx, quirky_http
 
-VECTORS = Path(__file__).resolve().parent.parent / "spec" / "vectors"
+VECTORS = Path(__file__).resolve().parents[2] / "spec" / "vectors"
 BIG_LAYERS, BIG_HEADS, BIG_DIM, BIG_TOKENS = 10, 8, 64, 8192  # 335 MB of float32 K+V
 
 

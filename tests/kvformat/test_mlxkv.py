@@ -18,7 +18,7 @@ from kvformat.importers.mlxkv import import_mlxkv
 from kvsnap.cli import main
 from tests.mlxkv import generate
 
-HERE = Path(__file__).resolve().parent / "mlxkv"
+HERE = Path(__file__).resolve().parents[1] / "mlxkv"
 
 
 GEN = generate

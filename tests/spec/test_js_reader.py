@@ -23,7 +23,7 @@ from kvformat.manifest import QuerySpec
 from kvformat.quantization import Quantization
 from kvsnap.cli.conformance import describe, first_difference, run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 JS = ROOT / "spec" / "js"
 NODE = shutil.which("node")
 READER = f"node {JS / 'describe.js'}"

@@ -19,7 +19,7 @@ from kvformat.importers.bundles import import_bundles, list_bundles
 from kvsnap.cli import main
 from tests.mlxkv import bundles as gen
 
-HERE = Path(__file__).resolve().parent / "mlxkv" / "bundles"
+HERE = Path(__file__).resolve().parents[1] / "mlxkv" / "bundles"
 EXPECTED = json.loads((HERE / "expected.json").read_text())
 
 

@@ -18,7 +18,7 @@ import kvformat
 from tests import crash_writer
 from tests.conftest import pattern
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def check_contents(path: Path) -> int:
