@@ -16,8 +16,9 @@ if __name__ != "kvsnap.analysis":  # the folder analysis/ installs as kvsnap.ana
         "(install the repository: pip install -e .)"
     )
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvsnap.exports import exports
 
 if TYPE_CHECKING:
     from .attention.compression import simulate
@@ -30,34 +31,6 @@ if TYPE_CHECKING:
     from .tools.export import export_heads
     from .tools.similarity import head_similarity, similarity_for_file
     from .viewer.notebook import view
-
-_EXPORTS = {
-    **dict.fromkeys(
-        ("BatchOptions", "BatchResult", "FileFailure", "expand_paths", "merged_stats", "run_stats"),
-        "engine.batch",
-    ),
-    "head_diff": "tools.diff",
-    "export_heads": "tools.export",
-    "attention_stats": "attention.head_importance",
-    "simulate": "attention.compression",
-    "view": "viewer.notebook",
-    "Rope": "stats.rope",
-    "RopeError": "stats.rope",
-    "checkpoint_keys": "stats.rope",
-    "head_similarity": "tools.similarity",
-    "similarity_for_file": "tools.similarity",
-    **dict.fromkeys(
-        (
-            "head_stats",
-            "head_stats_reader",
-            "head_stats_table",
-            "outliers",
-            "token_table",
-        ),
-        "engine.tables",
-    ),
-    "HeadAccumulator": "stats.accumulator",
-}
 
 __all__ = [
     "BatchOptions",
@@ -82,17 +55,7 @@ __all__ = [
     "simulate",
     "token_table",
     "view",
-]  # the same names as _EXPORTS (a literal, so tools see the exports)
+]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvsnap.analysis' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"kvsnap.analysis.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*__all__, *globals()})
+__getattr__, __dir__ = exports(__name__, __file__, __all__)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import re
 import subprocess
@@ -88,13 +89,25 @@ def _resolve(modules: dict[str, Module], module: Module, node: ast.AST) -> list[
     else:
         package = node.module or ""
     targets = []
+    exported = _all_of(modules[package]) if package in modules and modules[package].is_package else set()
     for alias in node.names:
         full = f"{package}.{alias.name}"
-        if full in modules:
+        if full in modules and alias.name not in exported:  # (a name in __all__ is the package's)
             targets.append(full)
         elif _known(modules, package):
             targets.append(_known(modules, package))
     return [t for t in targets if t]
+
+
+def _all_of(package: Module) -> set[str]:
+    """The names of ``package``'s ``__all__`` literal (empty without one)."""
+    for node in ast.parse(package.path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            with contextlib.suppress(ValueError):
+                return set(ast.literal_eval(node.value))
+    return set()
 
 
 def _known(modules: dict[str, Module], name: str) -> str:

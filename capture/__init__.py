@@ -16,8 +16,9 @@ if __name__ != "kvsnap.capture":  # the folder capture/ installs as kvsnap.captu
         "(install the repository: pip install -e .)"
     )
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvsnap.exports import exports
 
 if TYPE_CHECKING:
     from .errors import CaptureError, UnsupportedModelError
@@ -25,20 +26,6 @@ if TYPE_CHECKING:
     from .generate import Capture, SnapshotEvent, generate
     from .restore import restore, text_of, tokens_of
     from .snapshot import KVSnapshot, snapshot_kv
-
-_EXPORTS = {
-    "CaptureError": "errors",
-    "UnsupportedModelError": "errors",
-    "Capture": "generate",
-    "SnapshotEvent": "generate",
-    "generate": "generate",
-    "restore": "restore",
-    "text_of": "restore",
-    "tokens_of": "restore",
-    "KVSnapshot": "snapshot",
-    "snapshot_kv": "snapshot",
-    "fetch_model": "fixtures",
-}
 
 __all__ = [
     "Capture",
@@ -52,17 +39,7 @@ __all__ = [
     "snapshot_kv",
     "text_of",
     "tokens_of",
-]  # the same names as _EXPORTS (a literal, so tools see the exports)
+]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvsnap.capture' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"kvsnap.capture.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*__all__, *globals()})
+__getattr__, __dir__ = exports(__name__, __file__, __all__)

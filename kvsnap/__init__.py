@@ -16,75 +16,86 @@ researcher's own ``analysis.py`` or ``capture.py`` in the working folder shadows
 
 from __future__ import annotations
 
-import importlib
-import types
-from typing import Any
+from typing import TYPE_CHECKING
+
+from kvsnap.exports import exports
 
 __version__ = "0.1.0"
 
-# name -> the module that defines it
-_EXPORTS: dict[str, str] = {
-    **{
-        name: "kvformat"
-        for name in (
-            "open",
-            "save",
-            "recover",
-            "import_mlxkv",
-            "import_bundles",
-            "Writer",
-            "Layer",
-            "LayerSpec",
-            "KVFormatError",
-        )
-    },
-    **{
-        name: "kvsnap.analysis"
-        for name in (
-            "head_stats",
-            "head_stats_reader",
-            "head_stats_table",
-            "token_table",
-            "outliers",
-            "head_similarity",
-            "head_diff",
-            "run_stats",
-            "merged_stats",
-            "export_heads",
-            "checkpoint_keys",
-            "attention_stats",
-            "simulate",
-            "view",
-        )
-    },
-    **{
-        name: "kvsnap.capture"
-        for name in ("generate", "snapshot_kv", "restore", "tokens_of", "text_of", "fetch_model")
-    },
-}
-_SUBPACKAGES = ("analysis", "capture")
+if TYPE_CHECKING:
+    from kvformat import (
+        KVFormatError,
+        Layer,
+        LayerSpec,
+        Writer,
+        import_bundles,
+        import_mlxkv,
+        open,
+        recover,
+        save,
+    )
+    from kvformat import KVSnapError as Error  # the root of every error kvsnap raises on purpose
 
-__all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "Error"])
+    # (mypy reads the stages as the packages analysis and capture, not under these names)
+    from . import analysis, capture
+    from .analysis import (  # type: ignore[import-not-found]
+        attention_stats,
+        checkpoint_keys,
+        export_heads,
+        head_diff,
+        head_similarity,
+        head_stats,
+        head_stats_reader,
+        head_stats_table,
+        merged_stats,
+        outliers,
+        run_stats,
+        simulate,
+        token_table,
+        view,
+    )
+    from .capture import (  # type: ignore[import-not-found]
+        fetch_model,
+        generate,
+        restore,
+        snapshot_kv,
+        text_of,
+        tokens_of,
+    )
 
+__all__ = [
+    "Error",
+    "KVFormatError",
+    "Layer",
+    "LayerSpec",
+    "Writer",
+    "analysis",
+    "attention_stats",
+    "capture",
+    "checkpoint_keys",
+    "export_heads",
+    "fetch_model",
+    "generate",
+    "head_diff",
+    "head_similarity",
+    "head_stats",
+    "head_stats_reader",
+    "head_stats_table",
+    "import_bundles",
+    "import_mlxkv",
+    "merged_stats",
+    "open",
+    "outliers",
+    "recover",
+    "restore",
+    "run_stats",
+    "save",
+    "simulate",
+    "snapshot_kv",
+    "text_of",
+    "token_table",
+    "tokens_of",
+    "view",
+]
 
-def __getattr__(name: str) -> Any:
-    if name == "Error":  # the root of every error kvsnap raises on purpose
-        from kvformat import KVSnapError
-
-        return KVSnapError
-    if name in _SUBPACKAGES:
-        return importlib.import_module(f"kvsnap.{name}")
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvsnap' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    if isinstance(value, types.ModuleType):
-        # A submodule of the same name (``kvsnap.capture.generate``), imported before: once it is,
-        # the package attribute is that module; the function is the module's attribute.
-        value = getattr(value, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = exports(__name__, __file__, __all__)

@@ -51,22 +51,30 @@ def test_stages_import_only_what_they_need(tmp_path: Path) -> None:
         "print(json.dumps([a, loaded, b, c, capture]))"
     )
     plain, loaded, after_format, after_analysis, capture = json.loads(run_python(code, tmp_path))
-    assert plain == [] and loaded == []  # `import kvsnap` loads no stage
+    assert plain == [] and loaded == [
+        "kvsnap.exports"
+    ]  # `import kvsnap` loads no stage (its exports' helper)
     assert after_format == []  # kvformat: numpy, zstandard, ml-dtypes only
     assert "mlx" not in after_analysis and "mlx_lm" not in after_analysis
     assert capture == []  # analysis reads files; it never imports capture
 
 
 def test_stage_packages_export_lazily_and_completely() -> None:
-    """`kvsnap.capture` and `kvsnap.analysis` list the same names as they export, each resolves,
-    and importing a stage's CLI module loads no mlx, pyarrow or polars (CLI start-up stays fast)."""
+    """`kvsnap`, `kvsnap.capture` and `kvsnap.analysis` export what their ``TYPE_CHECKING``
+    imports name (`kvsnap.exports`), each name resolves, and importing a stage's CLI module
+    loads no mlx, pyarrow or polars (CLI start-up stays fast)."""
+    import kvformat
     import kvsnap.analysis
     import kvsnap.capture
+    from kvsnap.exports import typing_imports
 
-    for package in (kvsnap.capture, kvsnap.analysis):
-        assert sorted(package._EXPORTS) == package.__all__
+    for package in (kvsnap, kvsnap.capture, kvsnap.analysis):
+        assert package.__file__ is not None
+        declared = typing_imports(package.__name__, Path(package.__file__).read_text())
+        assert sorted(declared) == sorted(package.__all__) == sorted(set(package.__all__))
         for name in package.__all__:
             assert getattr(package, name) is not None
+    assert kvsnap.Error is kvformat.KVSnapError and kvsnap.analysis.__name__ == "kvsnap.analysis"
     code = (
         "import sys, kvsnap.capture.cli, kvsnap.analysis.cli, kvsnap.cli; "
         "heavy = ('mlx.core', 'pyarrow', 'polars', 'ml_dtypes'); "
@@ -74,6 +82,39 @@ def test_stage_packages_export_lazily_and_completely() -> None:
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"
+
+
+def test_an_export_missing_from_all_or_from_the_typing_imports_fails_the_import(tmp_path: Path) -> None:
+    """`kvsnap.exports.exports`: a package whose ``__all__`` and ``TYPE_CHECKING`` imports differ
+    is an ImportError naming the names; otherwise each name loads on first use, a submodule as a
+    module, an alias under its own name."""
+    package = tmp_path / "lazypkg"
+    package.mkdir()
+    (package / "one.py").write_text("VALUE = 1\nloaded = True\n")
+    (package / "two.py").write_text("")
+    init = (
+        "from typing import TYPE_CHECKING\n"
+        "from kvsnap.exports import exports\n"
+        "if TYPE_CHECKING:\n"
+        "    from .one import VALUE as value\n"
+        "    from . import two\n"
+        "__all__ = {names}\n"
+        "__getattr__, __dir__ = exports(__name__, __file__, __all__)\n"
+    )
+    (package / "__init__.py").write_text(init.format(names=["two", "value"]))
+    code = (
+        "import sys, lazypkg\n"
+        "assert 'lazypkg.one' not in sys.modules\n"
+        "assert lazypkg.value == 1 and 'lazypkg.one' in sys.modules\n"
+        "assert lazypkg.two.__name__ == 'lazypkg.two' and 'value' in dir(lazypkg)\n"
+        "try:\n    lazypkg.other\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    assert "has no attribute 'other'" in run_python(code, tmp_path)
+    (package / "__init__.py").write_text(init.format(names=["two", "value", "three"]))
+    failed = subprocess.run(
+        [sys.executable, "-c", "import lazypkg"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert failed.returncode == 1 and "differ in ['three']" in failed.stderr
 
 
 def test_top_level_names_are_the_functions_whatever_was_imported_first() -> None:
