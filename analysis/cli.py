@@ -10,9 +10,9 @@ from typing import Any
 
 from kvsnap.cli.options import non_negative_int, odd_int, positive_float, positive_int
 
-from .commands.common import (
+from .commands.common import check_outputs
+from .commands.options import (
     budget,
-    check_outputs,
     common_options,
     force_option,
     kept,
@@ -20,6 +20,7 @@ from .commands.common import (
     layer_head,
     method,
     span,
+    stats_arguments,
     stats_option,
 )
 
@@ -54,35 +55,7 @@ def register(sub: Any) -> None:
         "stats",
         help="per-head statistics (norms, channels, spectrum, ...); prints mean ||K||, outliers flagged",
     )
-    common_options(p)
-    p.add_argument("--factor", type=positive_float, default=1.5, help="outlier threshold vs the median head")
-    p.add_argument("-o", "--output", help="write the full statistics table as Parquet")
-    p.add_argument(
-        "--merge",
-        action="store_true",
-        help="one row per (layer, head, tensor) over all files (they must share the model's layout)",
-    )
-    stats_option(p)
-    p.add_argument(
-        "--window",
-        type=positive_int,
-        default=256,
-        help="--stats attention: the recent positions streaming_error keeps beside 4 sinks (default 256)",
-    )
-    p.add_argument(
-        "--needle",
-        type=span,
-        metavar="A:B",
-        help="--stats attention: retrieval_score only for tokens copied from positions A..B-1",
-    )
-    p.add_argument(
-        "--retrieval",
-        choices=["generated", "all"],
-        default=None,
-        help="--stats attention: the queries retrieval_score counts: those that produced a generated "
-        "token (default, as Wu et al. 2024), or every stored query (the prompt window's too)",
-    )
-    force_option(p)
+    stats_arguments(p)
     p.set_defaults(func=command("stats_command"), check=check_outputs)
 
     p = sub.add_parser(

@@ -1,6 +1,7 @@
 """The CPU backend's fork server (`analysis.engine.processes`), startable before anything heavy is
-imported: this module needs the standard library, `analysis.engine.parallel` and the kernels'
-names and profiles (`analysis.kernels`, which imports nothing heavy) only.
+imported: this module needs the standard library, `analysis.engine.parallel`, the kernels' names
+and profiles (`analysis.kernels`) and the ``stats`` command's argument definitions
+(`analysis.commands.options`), none of which imports numpy.
 
 A fresh ``kvsnap stats FILE`` of a big file waits for its workers: the fork server imports numpy and
 the kernels (`warm_kernels`: the C library of `native`) before it forks the first worker, and started
@@ -11,11 +12,13 @@ want it (the default ``kvsnap stats`` of one big local file); `processes` then f
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Sequence
+from typing import NoReturn
 
+from ..commands.options import stats_arguments
 from ..dependencies import multiprocessing
-from ..kernels import DEFAULT as DEFAULT_KERNEL
 from ..kernels import NAMES, profile
 from .parallel import cores, main_hidden, one_thread_environment
 
@@ -50,21 +53,9 @@ def process_min_heads(count: int) -> int:
     return PROCESS_MIN_HEADS * max(1, FULL_CORES // max(count, 1))
 
 
-_DEFAULTS_CHANGED = ("--engine", "--jobs", "--merge", "--address", "--stats")
-"""Options after which `start_early` leaves the decision to the command (which may not start
-CPU workers at all)."""
-
-_WITH_VALUE = (
-    "-o",
-    "--output",
-    "--factor",
-    "--snapshot",
-    "--keys",
-    "--window",
-    "--needle",
-    "--retrieval",
-    "--storage-option",
-)
+_DEFAULTS_CHANGED = ("engine", "jobs", "merge", "address", "stats")
+"""Options that, set to anything but their default, leave the decision to the command (which may
+not start CPU workers at all)."""
 
 
 def ensure_running() -> None:
@@ -82,8 +73,9 @@ def ensure_running() -> None:
 def wanted(argv: Sequence[str]) -> bool:
     """Whether ``kvsnap`` run with ``argv`` is the default ``kvsnap stats FILE`` of one local
     file of at least `PROCESS_MIN_BYTES`, on a machine with more than one core: the command that
-    starts CPU workers. Read from the tokens alone (a misread costs an idle server, not a wrong
-    result: the command decides for itself)."""
+    starts CPU workers. Read with the command's own argument definitions, before the command
+    parses them (a misread costs an idle server, not a wrong result: the command decides for
+    itself)."""
     if len(argv) < 2 or argv[0] != "stats" or cores() < 2:
         return False
     if _local_size(_only_file(argv[1:])) < process_min_bytes(cores()):
@@ -93,34 +85,31 @@ def wanted(argv: Sequence[str]) -> bool:
 
 
 def _only_file(tokens: Sequence[str]) -> str | None:
-    """The one positional argument of ``tokens`` when they leave the backend one whose workers
-    this server forks (the default, or ``--backend cpu`` spelled out) and every other default as
-    it is; None for no file, several, another backend or an option that changes the defaults
-    (`_DEFAULTS_CHANGED`)."""
-    scanned = _scan(tokens)
-    if scanned is None or len(scanned[0]) != 1 or scanned[1] not in NAMES:
+    """The one file ``kvsnap stats`` with arguments ``tokens`` reads when they leave the backend
+    one whose workers this server forks (the default, or ``--backend cpu`` spelled out) and the
+    options of `_DEFAULTS_CHANGED` at their defaults; None for no file, several, another backend,
+    a changed default or arguments the command would refuse. Read with the command's own
+    argument definitions (`analysis.commands.options.stats_arguments`)."""
+    parser = _Parser(add_help=False)
+    stats_arguments(parser)
+    try:
+        args, _ = parser.parse_known_args(tokens)
+    except argparse.ArgumentError:  # the command refuses them, and says so itself
         return None
-    kernel = profile(scanned[1])
-    return scanned[0][0] if kernel.worker_processes and kernel.start_method == START_METHOD else None
+    if len(args.files) != 1 or args.backend not in NAMES:
+        return None
+    if any(getattr(args, name) != parser.get_default(name) for name in _DEFAULTS_CHANGED):
+        return None
+    kernel = profile(args.backend)
+    return args.files[0] if kernel.worker_processes and kernel.start_method == START_METHOD else None
 
 
-def _scan(tokens: Sequence[str]) -> tuple[list[str], str] | None:
-    """The positional arguments of ``tokens`` and the backend they choose; None where an option
-    changes the defaults (`_DEFAULTS_CHANGED`)."""
-    files = []
-    chosen = DEFAULT_KERNEL
-    rest = iter(tokens)
-    for token in rest:
-        name, equals, value = token.partition("=")
-        if name == "--backend":
-            chosen = value if equals else next(rest, "")
-        elif name in _DEFAULTS_CHANGED:
-            return None
-        elif token in _WITH_VALUE:
-            next(rest, None)
-        elif not token.startswith("-"):
-            files.append(token)
-    return files, chosen
+class _Parser(argparse.ArgumentParser):
+    """The command's parser, raising `argparse.ArgumentError` where argparse would print the
+    usage and exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise argparse.ArgumentError(None, message)
 
 
 def _local_size(file: str | None) -> int:

@@ -2,12 +2,21 @@
 its group and formula, every running sum declared once), the sums of one head (`sums.RunningSums`)
 and `accumulator.HeadAccumulator` (rows in, statistics out: `rows`), non-finite rows (`finite`),
 RoPE (`rope`) and Arrow tables of rows (`arrow`). No pass and no file here: `analysis.engine`
-runs those. This package's own names are the catalogue's; it imports nothing else, so that the
-kernels (`analysis.kernels`) can fill `sums.RunningSums` below `accumulator`, which calls them.
-The formulas are in ``analysis/README.md``.
+runs those. This package's own names are the catalogue's, loaded on first use (its group names,
+`groups`, need the standard library only: the command line checks them before numpy loads); it
+imports nothing else, so that the kernels (`analysis.kernels`) can fill `sums.RunningSums` below
+`accumulator`, which calls them. The formulas are in ``analysis/README.md``.
 """
 
-from .catalogue import ALL, GROUPS, POSITION_BINS, QUANT_BITS, QUANT_GROUP, RANKS, TOP_K, stat_groups
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvsnap.exports import exports
+
+if TYPE_CHECKING:
+    from .catalogue import POSITION_BINS, QUANT_GROUP, TOP_K
+    from .groups import ALL, GROUPS, QUANT_BITS, RANKS, stat_groups
 
 __all__ = [
     "ALL",
@@ -19,3 +28,5 @@ __all__ = [
     "TOP_K",
     "stat_groups",
 ]
+
+__getattr__, __dir__ = exports(__name__, __file__, __all__)

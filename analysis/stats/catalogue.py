@@ -6,19 +6,19 @@ in ``analysis/README.md``."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+# The groups and their columns, by name (re-exported: the catalogue's names)
+from .groups import ALL, ALWAYS, GROUPS, LIST_COLUMNS, QUANT_BITS, RANKS, check_scalar, stat_groups  # noqa: F401
+
 LOG_LOW, LOG_HIGH, BINS = -8.0, 8.0, 2048  # log10 histogram of norms and peaks: ~1.8% relative bin width
 TOP_K = 8  # largest per-token peaks kept (massive activations)
-QUANT_BITS = (8, 4, 2)  # bit widths of the quantization-error statistics
 LEVELS = np.array([(1 << bits) - 1 for bits in QUANT_BITS], np.int64)  # their steps
 QUANT_GROUP = 32  # channels per token group, and tokens per channel group
 POSITION_BINS = 48  # norm by position: [0,1), [1,2), [2,4), ... [2^46, 2^47)
-RANKS = (1, 4, 16)  # rank-r approximation errors
 
 
 def position_bins(positions: np.ndarray) -> np.ndarray:
@@ -108,36 +108,6 @@ def quant_error(x: np.ndarray, bits: int, axis: int) -> float:
     return error + (_group_error(x[full:], levels, 0) if full < n else 0.0)
 
 
-GROUPS: dict[str, tuple[str, ...]] = {
-    "norms": (
-        "norm_mean",
-        "norm_std",
-        "norm_min",
-        "norm_max",
-        "norm_p50",
-        "norm_p99",
-        "norm_sq_mean",
-        "sink_ratio",
-        "norm_by_position",
-        "anisotropy",
-    ),
-    "channels": (
-        "channel_mean",
-        "channel_var",
-        "channel_absmax",
-        "outlier_channel_ratio",
-        "channel_kurtosis",
-        "massive_positions",
-        "massive_values",
-        "massive_ratio",
-    ),
-    "rope": ("rope_band_energy",),
-    "spectrum": ("eigenvalues", "rank_90", "effective_rank", *(f"rank{r}_error" for r in RANKS)),
-    "quant": tuple(f"quant{b}_{axis}_error" for b in QUANT_BITS for axis in ("token", "channel")),
-}
-"""The statistic groups and their columns (``n_tokens`` is always there)."""
-
-
 @dataclass(frozen=True)
 class Sum:
     """One sum a head's accumulator keeps: its ``shape`` (``()``: a number; else named axes:
@@ -215,54 +185,3 @@ def merged(total: Sum, mine: Any, theirs: Any) -> Any:
     if isinstance(mine, np.ndarray):
         return np.minimum(mine, theirs) if total.merge == "min" else np.maximum(mine, theirs)
     return min(mine, theirs) if total.merge == "min" else max(mine, theirs)
-
-
-ALWAYS = ("n_tokens", "nonfinite_rows", "nonfinite_values")
-"""The columns every row has, whatever the groups."""
-
-LIST_COLUMNS = frozenset(
-    {"norm_by_position", "channel_mean", "channel_var", "channel_absmax", "channel_kurtosis",
-     "massive_positions", "massive_values", "rope_band_energy", "eigenvalues"}
-)  # fmt: skip
-"""Columns that hold a list per row (the others are one number)."""
-
-
-def check_scalar(name: str, groups: frozenset[str]) -> None:
-    """ValueError unless ``name`` is a one-number statistic the groups ``groups`` compute, naming
-    what is wrong: a misspelling (the choices listed), a list column, or a group left out."""
-    owner = next((group for group, columns in GROUPS.items() if name in columns), None)
-    if name in ALWAYS:
-        return
-    if owner is None:
-        scalars = [c for columns in GROUPS.values() for c in columns if c not in LIST_COLUMNS]
-        raise ValueError(f"--stat {name!r}: no such statistic; one of: {', '.join([*ALWAYS, *scalars])}")
-    if name in LIST_COLUMNS:
-        raise ValueError(f"--stat {name!r} holds a list per head; give a one-number statistic")
-    if owner not in groups:
-        raise ValueError(f"--stat {name!r} is in the {owner!r} group, which --stats leaves out")
-
-
-ALL = frozenset(GROUPS)
-
-
-def _names(stats: str | Iterable[str]) -> list[str]:
-    """The names in a comma-separated string or an iterable, stripped."""
-    return (
-        [s.strip() for s in stats.split(",")] if isinstance(stats, str) else [str(s).strip() for s in stats]
-    )
-
-
-def stat_groups(stats: str | Iterable[str] | None = None) -> frozenset[str]:
-    """The groups named by ``stats``: ``None`` or ``"all"`` for every group, else names from
-    `GROUPS` (a comma-separated string or an iterable); ValueError naming an unknown group."""
-    if stats is None:
-        return ALL
-    names = [n for n in _names(stats) if n]
-    if not names:
-        raise ValueError(f"no statistic group named; choose from all, {', '.join(GROUPS)}")
-    if "all" in names:
-        return ALL
-    unknown = [n for n in names if n not in GROUPS]
-    if unknown:
-        raise ValueError(f"unknown statistic group {unknown[0]!r}; choose from all, {', '.join(GROUPS)}")
-    return frozenset(names)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import numpy as np
 
 
 def _integer(text: str, minimum: int, rule: str) -> int:
@@ -26,7 +25,7 @@ def _number(text: str, valid: Callable[[float], bool], rule: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not np.isfinite(value) or not valid(value):
+    if not math.isfinite(value) or not valid(value):
         raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
     return value
 

@@ -58,6 +58,44 @@ def test_the_default_stats_of_one_big_local_file_wants_the_fork_server(
     assert not fork_server.wanted(["stats", file])
 
 
+def test_the_decision_reads_the_stats_commands_own_arguments(
+    big: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The early start parses with the definitions `kvsnap stats` is built from: every option of
+    the command's parser is known to it (so a value is never taken for the file), the values of
+    the command's other options leave the decision as it is, and arguments the command refuses
+    start nothing."""
+    from kvsnap.cli import build_parser
+
+    stats = build_parser()._subparsers._group_actions[0].choices["stats"]  # type: ignore[union-attr]
+    early = fork_server._Parser(add_help=False)
+    fork_server.stats_arguments(early)
+    assert set(stats._option_string_actions) - {"-h", "--help"} == set(early._option_string_actions)
+    monkeypatch.setattr(fork_server, "cores", lambda: 16)
+    small = str(tmp_path / "small.kv")
+    file = str(big)
+    for values in (
+        ["-o", small, "--window", "64"],
+        ["--needle", "0:4", "--retrieval", "all"],
+        ["--storage-option", "anon=true", "--keys", "pre_rope"],
+        ["--snapshot", "0", "--factor", "3"],
+    ):
+        assert fork_server.wanted(["stats", *values, file]), values
+    for refused in (["--factor", "-1"], ["--retrieval", "some"], ["--backend", "tpu"]):
+        assert not fork_server.wanted(["stats", file, *refused]), refused
+
+
+def test_the_decision_imports_nothing_heavy() -> None:
+    """Deciding (the console script's first step) loads no numpy, kvformat or pyarrow."""
+    code = (
+        "import sys; from kvsnap.analysis.engine import fork_server\n"
+        "fork_server.wanted(['stats', 'missing.kv', '-o', 'x.parquet'])\n"
+        "print(sorted(m for m in ('numpy', 'kvformat', 'pyarrow', 'polars') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
 def test_start_early_starts_the_server_the_pool_then_uses(big: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh process: `start_early` leaves the fork server running with the kernels preloaded
     and BLAS at one thread in its environment; the pool's own start finds it (same pid)."""

@@ -1,0 +1,564 @@
+"""The ``kvsnap`` shell: `main`, the parser (`build_parser`) and the format's commands. Other
+stages add theirs through the ``kvsnap.commands`` entry-point group (a function
+``register(subparsers)``), so this module never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+import kvformat
+from kvformat import KVFormatError, OutOfRangeError, channel_order, codecs, dtypes
+from kvformat.io import check_output, output_path
+from kvsnap.cli.errors import CommandError
+from kvsnap.cli.options import non_negative_int, positive_int, remote_options, storage_options
+
+
+def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
+    layers = []
+    for i, spec in enumerate(snap.layers):
+        entry: dict[str, Any] = {"layer": i, **spec.to_json()}
+        if spec.present:
+            positions = snap.positions(i, 0, 0)
+            assert positions is not None
+            entry["tokens"] = int(positions.size)
+            entry["first_position"] = int(positions[0]) if positions.size else None
+            entry["last_position"] = int(positions[-1]) if positions.size else None
+            if spec.queries is not None:
+                held = snap.queries(i, 0, 0)
+                assert held is not None
+                entry["query_count"] = int(held.positions.size)
+                entry["query_spans"] = _spans(held.positions)
+        layers.append(entry)
+    return {
+        "file": snap.name,
+        "version": f"{snap.version[0]}.{snap.version[1]}",
+        "snapshot": snap.index,
+        "num_snapshots": snap.num_snapshots,
+        "num_layers": snap.num_layers,
+        "num_heads": snap.num_heads,
+        "head_dim": snap.head_dim,
+        "num_seqs": snap.num_seqs,
+        "seq_len": snap.seq_len,
+        "num_chunks": snap.num_chunks,
+        "metadata": snap.metadata,
+        "snapshot_metadata": snap.snapshot_metadata,
+        "layers": layers,
+    }
+
+
+def _spans(positions: Any) -> list[list[int]]:
+    """Increasing positions as ``[start, stop)`` runs."""
+    runs: list[list[int]] = []
+    for p in positions.tolist():
+        if runs and runs[-1][1] == p:
+            runs[-1][1] = p + 1
+        else:
+            runs.append([p, p + 1])
+    return runs
+
+
+def _open(args: argparse.Namespace, snapshot: int = -1) -> kvformat.Snapshot:
+    """The file or URL of a command, with its ``--storage-option``s."""
+    return kvformat.open(args.file, snapshot, storage_options=storage_options(args.storage_option))
+
+
+def _info(args: argparse.Namespace) -> int:
+    with _open(args, args.snapshot) as snap:
+        description = _describe(snap)
+    if args.json:
+        print(json.dumps(description, indent=2, ensure_ascii=False))
+        return 0
+    d = description
+    count = d["num_snapshots"]
+    print(f"{d['file']}: .kv v{d['version']}, snapshot {d['snapshot']} of {count} (numbered 0..{count - 1})")
+    print(
+        f"  {d['num_layers']} layers, {d['num_heads']} KV heads, head_dim {d['head_dim']}, "
+        f"{d['num_seqs']} sequence(s), seq_len {d['seq_len']}, {d['num_chunks']} chunks"
+    )
+    for line in _metadata_lines(d["metadata"]) + _snapshot_lines(d["snapshot_metadata"]):
+        print(f"  {line}")
+    for first, last, layer in _layer_runs(d["layers"]):
+        which = f"layer {first:3d}" if first == last else f"layers {first}-{last}"
+        print(f"  {which}: {_layer_line(layer)}")
+    return 0
+
+
+def _metadata_lines(meta: dict[str, Any]) -> list[str]:
+    """`info`'s lines for the file's metadata: model, K channel order, import source, generation
+    settings, prompt and generated text (each only when recorded)."""
+    order = channel_order.describe(meta)
+    found = (_model_line(meta), order and f"K channel order: {order}", _source_line(meta))
+    lines = [line for line in found if line]
+    generation = meta.get("generation")
+    if isinstance(generation, dict):
+        settings = ", ".join(f"{k} {v}" for k, v in generation.items() if v not in (None, [], ""))
+        lines.append(f"generation: {settings}")
+    for label, text in (("prompt", meta.get("prompt")), ("generated", meta.get("generated_text"))):
+        if isinstance(text, str) and text:
+            lines.append(f"{label}: {_shorten(text)}")
+    return lines
+
+
+def _model_line(meta: dict[str, Any]) -> str | None:
+    """`info`'s model line: name, architecture, the GGUF file it came from."""
+    model = meta.get("model", {})
+    if not isinstance(model, dict) or not (model.get("name") or model.get("architecture")):
+        return None
+    source = model.get("gguf", {}) if isinstance(model.get("gguf"), dict) else {}
+    origin = f", from GGUF {source['file']}" if source.get("file") else ""
+    return f"model: {model.get('name', '(unnamed)')} ({model.get('architecture', '?')}{origin})"
+
+
+def _source_line(meta: dict[str, Any]) -> str | None:
+    """`info`'s line for an imported file: the foreign file, format, version, size and digest."""
+    imported = meta.get("source")
+    if not isinstance(imported, dict) or not imported.get("format"):
+        return None
+    parts = [f"{imported['format']}"]
+    if "version" in imported:
+        parts[0] += f" version {imported['version']}"
+    if "bundles" in imported:
+        version = imported.get("block_version", "?")
+        parts.append(f"{len(imported['bundles'])} bundle(s), blocks of MLXKV001 version {version}")
+    parts.append(f"{imported.get('bytes', '?')} bytes")
+    if imported.get("sha256"):
+        parts.append(f"sha256 {str(imported['sha256'])[:16]}...")
+    return f"imported from: {imported.get('file', '?')} ({', '.join(parts)})"
+
+
+def _snapshot_lines(meta: dict[str, Any]) -> list[str]:
+    """`info`'s lines for the snapshot's own metadata (token id lists left out: `dump` has them)."""
+    lines = []
+    for key, value in meta.items():
+        if key in ("tokens", "tokens_appended"):
+            continue
+        words = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        lines.append(f"this snapshot: {key} {_shorten(' '.join(value) if words else value)}")
+    return lines
+
+
+def _shorten(value: Any, width: int = 100) -> str:
+    """One line of at most ``width`` characters (the middle elided), for text in `info`."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = " ".join(text.split())
+    return text if len(text) <= width else f"{text[: width // 2 - 2]} ... {text[-(width // 2 - 3) :]}"
+
+
+def _layer_line(layer: dict[str, Any]) -> str:
+    """A layer's description in `info`: heads, dims, storage (quantization), tokens, kind."""
+    attributes = layer.get("attributes") or {}
+    if not layer["present"]:
+        return f"absent {json.dumps(attributes) if attributes else ''}".rstrip()
+    span = f"positions {layer['first_position']}..{layer['last_position']}" if layer["tokens"] else "empty"
+    kind = attributes.get("kind")
+    window = f", window {attributes['window']}" if attributes.get("window") else ""
+    extra = f", {kind}{window}" if kind else ""
+    return (
+        f"{layer['num_heads']} heads, k_dim {layer['k_dim']}, v_dim {layer['v_dim']}, {_storage(layer)}, "
+        f"{layer['tokens']} tokens ({span}){extra}{_queries_text(layer)}"
+    )
+
+
+def _storage(layer: dict[str, Any]) -> str:
+    """How a layer's K/V are stored: the dtype, or its quantization."""
+    quant = layer.get("quantization")
+    if not isinstance(quant, dict):
+        return str(layer["dtype"])
+    groups = f"groups of {quant.get('group_size')}, {layer['dtype']} scales"
+    return f"{quant.get('bits')}-bit {quant.get('mode', 'affine')} quantized ({groups})"
+
+
+def _queries_text(layer: dict[str, Any]) -> str:
+    """``; queries: ...`` for a layer holding queries (heads, positions, their first runs), else ""."""
+    if not isinstance(layer.get("queries"), dict):
+        return ""
+    runs = layer.get("query_spans") or []
+    where = ", ".join(f"{a}..{b - 1}" if b - a > 1 else f"{a}" for a, b in runs[:4])
+    where += f" (+{len(runs) - 4} more runs)" if len(runs) > 4 else ""
+    return (
+        f"; queries: {layer['queries'].get('num_heads')} heads, {layer.get('query_count', 0)} "
+        f"positions ({where or 'none'})"
+    )
+
+
+def _layer_runs(layers: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]]:
+    """Runs of consecutive layers that `info` would describe with the same line."""
+    runs: list[tuple[int, int, dict[str, Any]]] = []
+    for layer in layers:
+        if runs and _layer_line(runs[-1][2]) == _layer_line(layer):
+            runs[-1] = (runs[-1][0], layer["layer"], runs[-1][2])
+        else:
+            runs.append((layer["layer"], layer["layer"], layer))
+    return runs
+
+
+def _verify(args: argparse.Namespace) -> int:
+    with _open(args) as snap:
+        report = snap.verify()
+    print(
+        f"{args.file}: OK — {report.records} records, {report.chunks} chunks, "
+        f"{report.snapshots} snapshot(s), {report.bytes_checked} bytes checked"
+    )
+    return 0
+
+
+def _recover(args: argparse.Namespace) -> int:
+    report = kvformat.recover(args.file, args.output, overwrite=args.force, force=args.force)
+    if report.path is None:
+        print(f"{args.file} is complete and valid: nothing to recover, nothing written")
+        return 0
+    extra = (
+        ", the last rebuilt from chunks written after the last commit" if report.recovered_snapshot else ""
+    )
+    print(
+        f"wrote {report.path}: {report.chunks} chunks, {report.snapshots} snapshot(s){extra}; "
+        f"{report.bytes_dropped} incomplete bytes of {args.file} left out ({args.file} unchanged)"
+    )
+    return 0
+
+
+def _pack(args: argparse.Namespace) -> int:
+    check_output(args.output, inputs=[args.input], force=args.force)
+    with _open_npz(args.input) as npz:
+        names = set(npz.files)
+        layer_ids = sorted({int(n[3:]) for n in names if n.startswith(("k_L", "v_L")) and n[3:].isdigit()})
+        if not layer_ids:
+            raise SystemExit(f"{args.input}: no arrays named k_L<layer> / v_L<layer>")
+        layers = [_npz_layer(npz, layer, args) for layer in range(layer_ids[-1] + 1)]
+    row_bytes = max(max(l.k.shape[2], l.v.shape[2]) * l.k.dtype.itemsize for l in layers if l)
+    chunk_bytes = args.chunk_tokens * row_bytes if args.chunk_tokens else kvformat.DEFAULT_CHUNK_BYTES
+    kvformat.save(
+        args.output,
+        layers,
+        codec=args.codec,
+        chunk_bytes=chunk_bytes,
+        metadata={"source": {"npz": str(args.input)}},
+        overwrite=args.force,
+    )
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _stored(array: np.ndarray, name: str, args: argparse.Namespace) -> np.ndarray:
+    """`pack`'s ``array`` in a dtype .kv stores: uint16 read as bfloat16 bits, ``--dtype`` converts,
+    any other dtype is refused naming the array."""
+    stored = {np.dtype(d.numpy) for d in dtypes.BY_NAME.values()} | {np.dtype(np.uint16)}
+    if not args.dtype and array.dtype not in stored:
+        raise SystemExit(
+            f"{args.input}: {name} is {array.dtype}, which .kv does not store: "
+            f"pass --dtype {' or '.join(sorted(dtypes.BY_NAME))} to convert"
+        )
+    if array.dtype != np.uint16 and not args.dtype:
+        return array
+    target = dtypes.from_name(args.dtype or "bfloat16").numpy
+    return array.view(target) if array.dtype == np.uint16 else array.astype(target)
+
+
+def _open_npz(path: str) -> Any:
+    """``path`` as an open `numpy.lib.npyio.NpzFile` (no pickles), or a ValueError naming it."""
+    try:
+        npz_file = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError):
+        raise ValueError(f"{path}: not an .npz file of arrays (k_L<i>/v_L<i>)") from None
+    if not isinstance(npz_file, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: a single array, not an .npz of k_L<i>/v_L<i> arrays")
+    return npz_file
+
+
+def _npz_layer(npz: Any, layer: int, args: argparse.Namespace) -> kvformat.Layer | None:
+    """Layer ``layer`` of `pack`'s input: ``k_L<i>``/``v_L<i>`` ``(heads, tokens, head_dim)``
+    (uint16 read as bfloat16 bits, other dtypes only with ``--dtype``), ``positions_L<i>`` if
+    present; None when neither array is there."""
+    names = set(npz.files)
+    if f"k_L{layer}" not in names and f"v_L{layer}" not in names:
+        return None
+    if f"k_L{layer}" not in names or f"v_L{layer}" not in names:
+        raise SystemExit(f"{args.input}: layer {layer} needs both k_L{layer} and v_L{layer}")
+    k, v = (_stored(npz[f"{name}_L{layer}"], f"{name}_L{layer}", args) for name in ("k", "v"))
+    if k.ndim != 3 or v.ndim != 3:
+        raise SystemExit(f"{args.input}: layer {layer} arrays must be (heads, tokens, head_dim)")
+    positions = npz[f"positions_L{layer}"] if f"positions_L{layer}" in names else None
+    return kvformat.Layer(k, v, positions)
+
+
+def _import_mlxkv(args: argparse.Namespace) -> int:
+    from kvformat import sniff
+    from kvformat.importers import bundles
+    from kvformat.importers.mlxkv import import_mlxkv
+
+    with open(args.source, "rb") as f:
+        single = sniff.kind(f.read(sniff.PREFIX_BYTES)) == "mlxkv"
+    if args.list:
+        if single:
+            raise SystemExit(f"{args.source}: a single MLXKV001 snapshot holds no bundles to list")
+        rows = bundles.list_bundles(args.source)
+        print(f"{args.source}: {len(rows)} bundle(s), in write order")
+        for row in rows:
+            print(
+                f"  {row['uri'] or '(no uri)'}  chunk {row['chunk_id']}: {row['tokens']} tokens, "
+                f"{row['blocks']} blocks ({row['reused_blocks']} reused per its manifest, "
+                f"{row['shared_with_earlier']} shared with an earlier bundle), "
+                f"{row['kv_encoding'] or 'encoding unstated'}"
+            )
+        return 0
+    if args.output is None:
+        raise SystemExit("import-mlxkv: give the output .kv file (or --list to print the bundles)")
+    check_output(args.output, inputs=[args.source], force=args.force)
+    if single:
+        if args.bundle is not None:
+            raise SystemExit(f"{args.source}: --bundle applies to a State log, container or manifest")
+        report = import_mlxkv(args.source, args.output, codec=args.codec, overwrite=args.force)
+        print(
+            f"wrote {report.path}: MLXKV001 version {report.version}, {report.layers} layer(s) with K/V, "
+            f"seq_len {report.seq_len}, source sha256 {report.sha256[:16]}..."
+        )
+        return 0
+    done = bundles.import_bundles(args.source, args.output, bundle=args.bundle, codec=args.codec,
+                                  overwrite=args.force)  # fmt: skip
+    print(
+        f"wrote {done.path}: {done.bundles} bundle(s) of a {done.kind} as {done.bundles} snapshot(s); "
+        f"{done.blocks} block ref(s), {done.stored_blocks} block(s) stored; last bundle {done.tokens} tokens"
+    )
+    return 0
+
+
+def _describe_command(args: argparse.Namespace) -> int:
+    from kvsnap.cli.conformance import describe
+
+    options = storage_options(args.storage_option)
+    print(json.dumps(describe(args.file, storage_options=options), ensure_ascii=False))
+    return 0
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    from kvsnap.cli.conformance import run
+
+    results = run(args.directory, args.reader)
+    width = max(len(r.name) for r in results) if results else 4
+    print(f"{'vector':{width}s}  result")
+    for result in results:
+        print(f"{result.name:{width}s}  {'pass' if result.passed else 'FAIL ' + result.detail}")
+    passed = sum(r.passed for r in results)
+    print(f"{passed}/{len(results)} passed ({args.reader or 'kvformat'})")
+    return 0 if passed == len(results) else 1
+
+
+def _dump(args: argparse.Namespace) -> int:
+    check_output(args.output, inputs=[args.file], force=args.force)
+    with _open(args, args.snapshot) as snap:
+        head = snap.head(args.layer, args.head, args.seq)
+        if head is None:
+            raise SystemExit(f"{args.file}: layer {args.layer} is absent from this snapshot")
+        with (
+            output_path(args.output, inputs=[args.file], force=args.force) as temporary,
+            open(temporary, "xb") as f,
+        ):  # a file object: numpy adds no ".npz" to the name given
+            np.savez(f, k=head.k.astype(np.float32), v=head.v.astype(np.float32), positions=head.positions)
+    print(f"wrote {args.output}: k {head.k.shape}, v {head.v.shape}, float32")
+    return 0
+
+
+def build_parser(plugins: bool = True) -> argparse.ArgumentParser:
+    """The ``kvsnap`` parser: the format's commands and the stages' (`_add_stages`; ``plugins``:
+    also those installed packages declare)."""
+    parser = argparse.ArgumentParser(
+        prog="kvsnap", description="KV-cache snapshots: capture, inspect, analyse."
+    )
+    parser.add_argument("--version", action="version", version=f"kvsnap {kvformat.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("info", help="describe a .kv file (reads only its index)")
+    p.add_argument("file")
+    remote_options(p)
+    p.add_argument("--snapshot", type=int, default=-1, help="which snapshot of a series (default: last)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_info)
+
+    p = sub.add_parser("verify", help="check every checksum and rule of a .kv file")
+    p.add_argument("file")
+    remote_options(p)
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser(
+        "recover", help="write a valid copy of FILE.kv.partial left by a crashed writer (FILE is only read)"
+    )
+    p.add_argument("file")
+    p.add_argument(
+        "-o", "--output", help="output path (default: X.partial -> X; any other X.kv -> X.recovered.kv)"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing output file; recover a .partial that a live writer still holds",
+    )
+    p.set_defaults(func=_recover)
+
+    p = sub.add_parser("pack", help="convert an .npz of k_L<i>/v_L<i> (heads, tokens, dim) arrays")
+    p.add_argument("input")
+    p.add_argument("output")
+    p.add_argument("--codec", default="raw", help=f"one of {', '.join(codecs.NAMES)} (zstd:LEVEL too)")
+    p.add_argument("--chunk-tokens", type=positive_int, default=None, help="tokens per chunk")
+    p.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), help="convert arrays to this dtype")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.set_defaults(func=_pack)
+
+    p = sub.add_parser(
+        "import-mlxkv",
+        help="convert go-mlx KV snapshots to .kv: an MLXKV001 file (versions 1-6), a State log (.mvlog), "
+        "a KVST container or a bundle manifest",
+    )
+    p.add_argument("source", help="MLXKV001 file, .mvlog State log, KVST container, or bundle manifest JSON")
+    p.add_argument(
+        "output", nargs="?", help="the .kv file to write (one snapshot per bundle, in write order)"
+    )
+    p.add_argument("--bundle", metavar="URI", help="import only this bundle (the last one with this URI)")
+    p.add_argument(
+        "--list", action="store_true", help="print the bundles (URI, tokens, blocks) and write nothing"
+    )
+    p.add_argument("--codec", default="raw", help=f"one of {', '.join(codecs.NAMES)} (zstd:LEVEL too)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.set_defaults(func=_import_mlxkv)
+
+    p = sub.add_parser("describe", help="the conformance description of a file (JSON; see spec/vectors)")
+    p.add_argument("file")
+    remote_options(p)
+    p.set_defaults(func=_describe_command)
+
+    p = sub.add_parser("conformance", help="check a reader against spec/vectors/manifest.json")
+    p.add_argument("directory")
+    p.add_argument("--reader", help="command; 'CMD FILE' prints the description JSON (default: kvformat)")
+    p.set_defaults(func=_conformance)
+
+    p = sub.add_parser("dump", help="write one head's K, V (float32) and positions to .npz")
+    p.add_argument("file")
+    remote_options(p)
+    p.add_argument("--layer", type=non_negative_int, required=True, help="layer index (0-based)")
+    p.add_argument("--head", type=non_negative_int, required=True, help="KV head index within the layer")
+    p.add_argument("--seq", type=non_negative_int, default=0, help="sequence of a batch (default 0)")
+    p.add_argument(
+        "--snapshot", type=int, default=-1, help="which snapshot of a series (default: -1, the last)"
+    )
+    p.add_argument("-o", "--output", required=True, help="the .npz file to write (the exact name given)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.set_defaults(func=_dump)
+
+    missing = _add_stages(sub, plugins)
+    parser.set_defaults(stages_missing=missing, commands=frozenset(sub.choices))
+    return parser
+
+
+STAGES = {"capture": "kvsnap.capture.cli:register", "analysis": "kvsnap.analysis.cli:register"}
+"""The stages' command modules, as pyproject's ``kvsnap.commands`` entry points name them:
+loaded by module name, so a source tree on ``sys.path`` needs no installed metadata; an
+installed entry point of the same name replaces one when the parser scans them (`main`)."""
+
+
+def _add_stages(sub: Any, plugins: bool = True) -> list[tuple[str, str]]:
+    """Add the stages' commands: `STAGES` by module name and, with ``plugins``, every stage an
+    installed package declares as a ``kvsnap.commands`` entry point (one may replace a `STAGES`
+    module). Returns the stages that could not be loaded, each with the module that was missing
+    (their commands are unknown to this parser)."""
+    targets = dict(STAGES)
+    if plugins:
+        from importlib import metadata
+
+        targets.update({entry.name: entry.value for entry in metadata.entry_points(group="kvsnap.commands")})
+    missing = []
+    for name in sorted(targets):
+        try:
+            register = _load(targets[name])
+        except ImportError as exc:
+            missing.append((name, getattr(exc, "name", None) or str(exc)))
+            continue
+        register(sub)
+    return missing
+
+
+def _load(target: str) -> Any:
+    """The object an entry point's ``module:attribute`` value names."""
+    module, _, attribute = target.partition(":")
+    found: Any = importlib.import_module(module)
+    for part in attribute.split(".") if attribute else []:
+        found = getattr(found, part)
+    return found
+
+
+def _command(argv: Sequence[str]) -> str | None:
+    """The command word of ``argv`` (its first token that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _not_installed(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """One line for a command this parser lacks because its stage could not be loaded, or None."""
+    missing = parser.get_default("stages_missing")
+    command = _command(argv)
+    if not missing or command is None or command in parser.get_default("commands"):
+        return None
+    stages = " and ".join(f"kvsnap.{name}" for name, _ in missing)
+    return (
+        f"kvsnap: error: {command!r} is not a format command, and the commands of {stages} are not "
+        f"available ({missing[0][1]} cannot be imported); in a source tree: "
+        "pip install -e '.[capture,analysis]'"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    # The built-in stages first: scanning every installed package's entry points for other
+    # stages imports importlib.metadata, a cost every fresh command would pay
+    # (`python -m benchmarks.cli_bench`), so it is done only for a command they do not know.
+    parser = build_parser(plugins=False)
+    if _command(arguments) not in parser.get_default("commands"):
+        parser = build_parser()
+    message = _not_installed(parser, arguments)
+    if message is not None:
+        print(message, file=sys.stderr)
+        return 2
+    args = parser.parse_args(arguments)
+    if not hasattr(args, "func"):
+        parser.error(f"'{args.command}' needs packages that are not installed; see README")
+    return _run(parser, args)
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run a parsed command: its argument checks first, then the command; known errors as one
+    line and exit 2."""
+    check = vars(args).get("check")  # set by the commands that check their arguments first
+    try:
+        if check is not None:  # argument checks that need no model or file: before anything loads
+            check(parser, args)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("\nkvsnap: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # Output piped into `head` and the like: stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (OSError, ValueError, RuntimeError, ModuleNotFoundError, OutOfRangeError) as exc:
+        print(_error_line(exc, args.command), file=sys.stderr)
+        return exc.status if isinstance(exc, CommandError) else 2
+
+
+def _error_line(exc: Exception, command: str) -> str:
+    """The one line a command's known error prints (exit status 2)."""
+    if isinstance(exc, KVFormatError):
+        return f"kvsnap: {type(exc).__name__}: {exc}"
+    if isinstance(exc, ModuleNotFoundError):  # an extra not installed (polars, matplotlib, mlx, ...)
+        missing = exc.name or str(exc)
+        return (
+            f"kvsnap: error: {command} needs {missing}, which is not installed: "
+            "pip install 'kvsnap[capture,analysis]'"
+        )
+    if isinstance(exc, OutOfRangeError):  # --snapshot, --layer, --head, --seq outside the file's range
+        return f"kvsnap: error: {exc.args[0] if exc.args else exc}"
+    return f"kvsnap: error: {exc}"
