@@ -23,7 +23,8 @@ from kvsnap.exports import exports
 if TYPE_CHECKING:
     from .attention.compression import simulate
     from .attention.head_importance import attention_stats
-    from .engine.batch import BatchOptions, BatchResult, FileFailure, expand_paths, merged_stats, run_stats
+    from .engine.batch import BatchResult, FileFailure, expand_paths, merged_stats, run_stats
+    from .engine.plan import BatchOptions
     from .engine.tables import head_stats, head_stats_reader, head_stats_table, outliers, token_table
     from .stats.accumulator import HeadAccumulator
     from .stats.rope import Rope, RopeError, checkpoint_keys

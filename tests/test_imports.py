@@ -87,3 +87,16 @@ def test_a_dependency_loads_on_first_use_and_a_missing_one_fails_there(
     monkeypatch.setitem(sys.modules, "colorsys", None)
     with pytest.raises(ModuleNotFoundError, match="colorsys"):
         lazy.rgb_to_hsv(1.0, 0.0, 0.0)
+
+
+def test_the_stats_options_reach_the_pass_going_back_at_most_three_times() -> None:
+    """`benchmarks.options_path`: the calls that carry ``kvsnap stats``'s parsed options, from the
+    shell to the pass, come back to a module they had left at most 3 times (the count can fail:
+    a path a -> b -> a -> b comes back twice)."""
+    from benchmarks.options_path import returns, trace
+
+    assert returns([("a", "f"), ("b", "g"), ("a", "h"), ("a", "i"), ("b", "j")]) == (["a", "b", "a", "b"], 2)
+    calls = trace()
+    modules, back = returns(calls)
+    assert modules[0] == "kvsnap.cli.shell" and modules[-1] == "kvsnap.analysis.engine.streaming"
+    assert back <= 3, modules

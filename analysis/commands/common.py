@@ -59,8 +59,13 @@ class Shared(FromArgs):
 def inputs(args: argparse.Namespace) -> list[str]:
     """The local files a command reads (patterns expanded), to keep its outputs off them."""
     shared = Shared.from_args(args)
+    return expanded([n for n in (shared.file, shared.a, shared.b) if n] + list(shared.files or []))
+
+
+def expanded(names: list[str]) -> list[str]:
+    """``names`` and the local files their patterns match."""
     found: list[str] = []
-    for name in [n for n in (shared.file, shared.a, shared.b) if n] + list(shared.files or []):
+    for name in names:
         found.append(name)
         if "://" not in name and glob.has_magic(name):
             found += glob.glob(name, recursive=True)

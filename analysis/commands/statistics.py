@@ -26,7 +26,7 @@ from ..engine.progress import bar as progress_bar
 from ..engine.tables import outliers
 from ..kernels import DEFAULT as DEFAULT_KERNEL
 from ..kernels import missing_note, profile
-from .common import KEYS, FromArgs, ParquetSink, inputs, save_parquet, url_options, warnings_printed
+from .common import KEYS, FromArgs, ParquetSink, expanded, save_parquet, url_options, warnings_printed
 
 
 def _progress(total: int) -> Callable[[str], None]:
@@ -248,7 +248,7 @@ def stats_command(args: argparse.Namespace) -> int:
         return _merged(args)
     request = BatchRequest.from_args(args)
     if args.output:  # written as the files finish; checked (exists? an input?) before any work
-        with output_path(args.output, inputs=inputs(args), force=args.force) as temporary:
+        with output_path(args.output, inputs=expanded(request.files), force=args.force) as temporary:
             sink = ParquetSink(temporary)
             found = statistics_rows(request, sink.add)
             sink.finish(found.rows)

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from ..dependencies import pa, pl
 from ..stats.accumulator import HeadAccumulator
 from .files import (
-    BatchOptions,
     BatchResult,
     FileFailure,
     MergedKey,
@@ -24,6 +23,7 @@ from .files import (
     first_failure,
     parts_by_file,
 )
+from .plan import BatchOptions, file_tasks
 from .tables import file_table, merged_accumulators, rows_of
 
 if TYPE_CHECKING:
@@ -71,7 +71,8 @@ def run_stats(
     work = functools.partial(file_table, sink=sink) if here and sink is not None else file_table
     tables: list[pa.Table] = []
     failures: list[FileFailure] = []
-    for path, found in parts_by_file(paths, work, processes, pass_options, options.cores, options.fail_fast):
+    processes, tasks = file_tasks(paths, processes, pass_options, options.cores)
+    for path, found in parts_by_file(paths, tasks, work, processes, options.fail_fast):
         failure = first_failure(found)
         if failure is not None:
             failures.append(failure)
@@ -163,7 +164,8 @@ def _merged_by_file(
     """``(path, accumulators or FileFailure)`` per file, in order, on the local engine: files in
     parts as `run_stats` hands them out (`parts_by_file`), each file's parts' accumulators joined
     (their layers do not overlap)."""
-    for path, found in parts_by_file(paths, merged_accumulators, processes, options, cores, fail_fast):
+    processes, tasks = file_tasks(paths, processes, options, cores)
+    for path, found in parts_by_file(paths, tasks, merged_accumulators, processes, fail_fast):
         failure = first_failure(found)
         joined = {
             key: acc for part in found if not isinstance(part, FileFailure) for key, acc in part.items()

@@ -1,5 +1,5 @@
-"""What the batch engines share: their options (`BatchOptions`), file patterns, per-file
-failures, the result of a batch.
+"""What the batch engines share beside their plan (`plan.BatchOptions`, `plan.file_tasks`): file
+patterns, running a plan's tasks (`parts_by_file`), per-file failures, the result of a batch.
 
 `analysis.engine.batch` (the entry points) uses this module and, when asked for Ray, `analysis.engine.ray`;
 `analysis.engine.ray` uses this module and `analysis.stats`. Nothing here imports either engine, so the
@@ -8,7 +8,6 @@ dependencies run one way: batch -> ray -> files, stats.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import glob
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -18,87 +17,14 @@ from typing import TYPE_CHECKING, Any
 from kvformat.io.remote import expand, is_url
 
 from ..dependencies import pa, pl
-from ..kernels import profile
-from .parallel import cores, local_map, split_jobs
-from .plan import FileOptions, PassOptions
+from .parallel import local_map
+from .plan import PassOptions
 
 if TYPE_CHECKING:
     from .plan import PassOptions
 
 Options = dict[str, Any]
 MergedKey = tuple[int, int, str]  # (layer, head, "k" | "v")
-
-
-ENGINES = ("local", "ray")
-
-
-@dataclass(frozen=True)
-class BatchOptions(FileOptions):
-    """How a batch job over many files runs: one object for `analysis.engine.batch.run_stats`,
-    `analysis.engine.batch.merged_stats` and the Ray engine; each file's pass as `FileOptions`
-    says (``snapshot``, ``keys``, ``stats``, ``storage_options``, ``backend``).
-
-    ``engine``: ``"local"`` (processes on this machine) or ``"ray"``; ``jobs``: cores (local) or
-    CPUs of a local Ray cluster, default all of this process's; ``address``: a Ray cluster to
-    join; ``fail_fast``: raise on the first failing file instead of collecting it."""
-
-    engine: str = "local"
-    jobs: int | None = None
-    address: str | None = None
-    fail_fast: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be 'local' or 'ray', not {self.engine!r}")
-        if self.jobs is not None and (not isinstance(self.jobs, int) or self.jobs < 1):
-            raise ValueError(f"jobs must be a positive integer, not {self.jobs!r}")
-
-    @classmethod
-    def of(cls, options: BatchOptions | None, settings: dict[str, Any]) -> BatchOptions:
-        """``options`` (default: the defaults) with the keyword ``settings`` applied; TypeError
-        naming a setting that is not a field."""
-        shared = [f.name for f in dataclasses.fields(FileOptions)]
-        known = [f.name for f in dataclasses.fields(cls) if f.name not in shared] + shared
-        unknown = sorted(set(settings) - set(known))
-        if unknown:
-            raise TypeError(f"unknown batch option {unknown[0]!r}; known: {', '.join(known)}")
-        return dataclasses.replace(options or cls(), **settings)
-
-    @property
-    def cores(self) -> int:
-        """``jobs``, or every core this process may use."""
-
-        return self.jobs or cores()
-
-    def plan(self, files: int) -> tuple[int, PassOptions]:
-        """Processes for ``files`` files and each file's pass options: files in parallel first,
-        the cores left as each file's workers. With ``backend="mlx"`` the device is driven by
-        `kernels.mlx_sizing.processes` processes (12 of 16 cores): with at least as many files,
-        each drives it with whole files, one after another (one file's pass in each, its copy and
-        row threads a share of the machine's); with fewer, one file after another, each on that
-        many worker processes (a local file; else one thread)."""
-
-        processes, threads = split_jobs(self.cores, files)
-        share = 1
-        kernel = profile(self.backend)
-        if kernel.device:  # each process drives the device
-            share = kernel.processes(self.cores)
-            if files >= share > 1:
-                processes, threads = share, 1
-            else:
-                processes, threads, share = 1, self.cores, 1
-        options = PassOptions(
-            snapshot=self.snapshot,
-            keys=self.keys,
-            stats=self.stats,
-            workers=threads,
-            storage_options=self.storage_options,
-            progress=files == 1,
-            backend=self.backend,
-            device_share=share,
-        )
-        return processes, options
 
 
 @dataclass(frozen=True)
@@ -162,51 +88,26 @@ def file_or_failure(
         return FileFailure(path, describe_error(exc))
 
 
-PART_TASKS_PER_PROCESS = 8
-MAX_PARTS = 8
-
-
-def file_parts(files: int, cores: int, options: PassOptions) -> int:
-    """Into how many parts (contiguous shares of its layers, `PassOptions.part`) a batch splits
-    each file: where ``options`` gives each file one core (the CPU backend, more files than half
-    the cores), about `PART_TASKS_PER_PROCESS` tasks per process, at most `MAX_PARTS` per file,
-    so that the last files end together on every core (50 files on 16 cores: 3 parts; 9 files: 8
-    parts on 16 processes, where whole files left 7 cores idle). Else 1."""
-    if not profile(options.backend).splits_files or options.workers > 1 or cores <= 1 or files < 1:
-        return 1
-    return max(1, min(MAX_PARTS, -(-PART_TASKS_PER_PROCESS * cores // files)))
-
-
 def part_or_failure(
-    task: tuple[str, tuple[int, int]],
-    work: Callable[[str, PassOptions], Any],
-    options: PassOptions,
-    fail_fast: bool,
+    task: tuple[Any, PassOptions], work: Callable[[Any, PassOptions], Any], fail_fast: bool
 ) -> Any:
-    """`file_or_failure` of one part of a file: ``task`` is ``(path, (index, count))``, the part
-    as `PassOptions.part` takes it."""
-    path, part = task
-    return file_or_failure(path, work, dataclasses.replace(options, part=part), fail_fast)
+    """`file_or_failure` of one task of `plan.file_tasks`: ``(path, the part's options)``."""
+    path, options = task
+    return file_or_failure(path, work, options, fail_fast)
 
 
 def parts_by_file(
     paths: Sequence[Any],
+    tasks: list[tuple[Any, PassOptions]],
     work: Callable[[Any, PassOptions], Any],
     processes: int,
-    options: PassOptions,
-    cores: int,
     fail_fast: bool = True,
 ) -> Iterator[tuple[Any, list[Any]]]:
-    """Each of ``paths`` with ``work``'s results on its parts (`part_or_failure`: a part that
-    fails is its `FileFailure`, raised with ``fail_fast``), in order, on ``processes`` spawned
-    processes: files handed out in parts where each would get one core (`file_parts`; every
-    one of ``cores`` then)."""
-
-    parts = file_parts(len(paths), cores, options)
-    if parts > 1:
-        processes = min(cores, len(paths) * parts)
-    tasks = [(path, (index, parts)) for path in paths for index in range(parts)]
-    results = iter(local_map(part_or_failure, tasks, processes, work, options, fail_fast))
+    """Each of ``paths`` with ``work``'s results on its parts, in order: ``tasks`` are
+    `plan.file_tasks`' (each file's parts, file by file), run on ``processes`` spawned processes;
+    a part that fails is its `FileFailure` (raised with ``fail_fast``)."""
+    parts = len(tasks) // max(len(paths), 1)
+    results = iter(local_map(part_or_failure, tasks, processes, work, fail_fast))
     for path in paths:
         yield path, [next(results) for _ in range(parts)]
 

@@ -5,9 +5,10 @@ split over threads. Shared by the in-process pass (`streaming`) and the worker p
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ from ..kernels.arrays import PIECE, bytes_of
 from ..stats.accumulator import HeadAccumulator, stack
 from ..stats.catalogue import ALL, stat_groups
 from ..stats.rope import Rope
+from .parallel import cores, split_jobs
 from .progress import bar
 
 BATCH_BYTES = 8 << 20  # K + V bytes of one head handed to one task
@@ -37,7 +39,7 @@ Key = tuple[int, int, int, str]  # (layer, seq, head, "k" | "v"): the order of s
 @dataclass(frozen=True)
 class FileOptions:
     """What each file's pass computes, for one pass (`PassOptions`) and for a batch
-    (`files.BatchOptions`): ``snapshot``: index (negative from the end); ``keys``:
+    (`BatchOptions`): ``snapshot``: index (negative from the end); ``keys``:
     ``"post_rope"`` or ``"pre_rope"``; ``stats``: the statistic groups (`GROUPS`);
     ``storage_options``: fsspec options for URLs; ``backend``: the kernel (`kernels.CHOICES`:
     ``"cpu"``, the compiled kernel, or ``"mlx"``, mlx on its default device)."""
@@ -300,3 +302,105 @@ def layer_bar(name: str, layers: int, show: bool) -> Any:
     terminal and ``show``."""
 
     return bar(layers, show, desc=os.path.basename(name) or name, unit="layer")
+
+
+ENGINES = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class BatchOptions(FileOptions):
+    """How a batch job over many files runs: one object for `analysis.engine.batch.run_stats`,
+    `analysis.engine.batch.merged_stats` and the Ray engine; each file's pass as `FileOptions`
+    says (``snapshot``, ``keys``, ``stats``, ``storage_options``, ``backend``).
+
+    ``engine``: ``"local"`` (processes on this machine) or ``"ray"``; ``jobs``: cores (local) or
+    CPUs of a local Ray cluster, default all of this process's; ``address``: a Ray cluster to
+    join; ``fail_fast``: raise on the first failing file instead of collecting it."""
+
+    engine: str = "local"
+    jobs: int | None = None
+    address: str | None = None
+    fail_fast: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be 'local' or 'ray', not {self.engine!r}")
+        if self.jobs is not None and (not isinstance(self.jobs, int) or self.jobs < 1):
+            raise ValueError(f"jobs must be a positive integer, not {self.jobs!r}")
+
+    @classmethod
+    def of(cls, options: BatchOptions | None, settings: dict[str, Any]) -> BatchOptions:
+        """``options`` (default: the defaults) with the keyword ``settings`` applied; TypeError
+        naming a setting that is not a field."""
+        shared = [f.name for f in dataclasses.fields(FileOptions)]
+        known = [f.name for f in dataclasses.fields(cls) if f.name not in shared] + shared
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            raise TypeError(f"unknown batch option {unknown[0]!r}; known: {', '.join(known)}")
+        return dataclasses.replace(options or cls(), **settings)
+
+    @property
+    def cores(self) -> int:
+        """``jobs``, or every core this process may use."""
+
+        return self.jobs or cores()
+
+    def plan(self, files: int) -> tuple[int, PassOptions]:
+        """Processes for ``files`` files and each file's pass options: files in parallel first,
+        the cores left as each file's workers. With ``backend="mlx"`` the device is driven by
+        `kernels.mlx_sizing.processes` processes (12 of 16 cores): with at least as many files,
+        each drives it with whole files, one after another (one file's pass in each, its copy and
+        row threads a share of the machine's); with fewer, one file after another, each on that
+        many worker processes (a local file; else one thread)."""
+
+        processes, threads = split_jobs(self.cores, files)
+        share = 1
+        kernel = profile(self.backend)
+        if kernel.device:  # each process drives the device
+            share = kernel.processes(self.cores)
+            if files >= share > 1:
+                processes, threads = share, 1
+            else:
+                processes, threads, share = 1, self.cores, 1
+        options = PassOptions(
+            snapshot=self.snapshot,
+            keys=self.keys,
+            stats=self.stats,
+            workers=threads,
+            storage_options=self.storage_options,
+            progress=files == 1,
+            backend=self.backend,
+            device_share=share,
+        )
+        return processes, options
+
+
+PART_TASKS_PER_PROCESS = 8
+MAX_PARTS = 8
+
+
+def file_parts(files: int, cores: int, options: PassOptions) -> int:
+    """Into how many parts (contiguous shares of its layers, `PassOptions.part`) a batch splits
+    each file: where ``options`` gives each file one core (the CPU backend, more files than half
+    the cores), about `PART_TASKS_PER_PROCESS` tasks per process, at most `MAX_PARTS` per file,
+    so that the last files end together on every core (50 files on 16 cores: 3 parts; 9 files: 8
+    parts on 16 processes, where whole files left 7 cores idle). Else 1."""
+    if not profile(options.backend).splits_files or options.workers > 1 or cores <= 1 or files < 1:
+        return 1
+    return max(1, min(MAX_PARTS, -(-PART_TASKS_PER_PROCESS * cores // files)))
+
+
+def file_tasks(
+    paths: Sequence[Any], processes: int, options: PassOptions, cores: int
+) -> tuple[int, list[tuple[Any, PassOptions]]]:
+    """The processes a batch over ``paths`` runs on and its tasks: each file's parts (`file_parts`:
+    where each file would get one core, it is split in parts of its layers and every one of
+    ``cores`` runs), file by file, as ``(path, the part's options)``."""
+    parts = file_parts(len(paths), cores, options)
+    if parts > 1:
+        processes = min(cores, len(paths) * parts)
+    tasks = [
+        (path, dataclasses.replace(options, part=(index, parts))) for path in paths for index in range(parts)
+    ]
+    return processes, tasks

@@ -27,7 +27,6 @@ from ..dependencies import pa
 from ..stats import stat_groups
 from ..stats.accumulator import HeadAccumulator
 from .files import (
-    BatchOptions,
     BatchResult,
     FileFailure,
     MergedKey,
@@ -37,6 +36,7 @@ from .files import (
     file_or_failure,
     sort_like,
 )
+from .plan import BatchOptions
 from .tables import PassOptions, frame_of, layer_tables, merged_accumulators
 
 ERROR_COLUMNS = ("file", "error")

@@ -22,9 +22,9 @@ from ..kernels import check as check_backend
 from ..stats.accumulator import HeadAccumulator
 from ..stats.arrow import arrow_table
 from ..stats.catalogue import ALL, GROUPS, POSITION_BINS, QUANT_BITS, QUANT_GROUP, RANKS, TOP_K, stat_groups
-from .files import BatchOptions, parts_by_file
+from .files import parts_by_file
 from .parallel import local_map
-from .plan import Key, PassOptions
+from .plan import BatchOptions, Key, PassOptions, file_tasks
 from .streaming import accumulate, layers
 
 __all__ = [
@@ -212,13 +212,14 @@ def file_tables(
 ) -> Iterator[pa.Table]:
     """One Arrow table per file, in the order given, on ``jobs`` cores (default: all of this
     process's): files in parallel processes first (in parts of their layers where each would get
-    one core, `files.file_parts`), the rest as each file's workers; with
+    one core, `plan.file_parts`), the rest as each file's workers; with
     ``backend="mlx"`` one file after another, on mlx's device. ``progress`` is called with each
     file name as it finishes."""
     files = _paths(paths)
     batch = BatchOptions(jobs=jobs, snapshot=snapshot, keys=keys, stats=stat_groups(stats), backend=backend)
     processes, options = batch.plan(len(files))
-    for path, found in parts_by_file(files, file_table, processes, options, batch.cores):
+    processes, tasks = file_tasks(files, processes, options, batch.cores)
+    for path, found in parts_by_file(files, tasks, file_table, processes):
         if progress:
             progress(os.fspath(path))
         yield found[0] if len(found) == 1 else rows_of(found)

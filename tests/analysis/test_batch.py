@@ -87,8 +87,7 @@ def test_files_split_into_parts_of_their_layers_give_the_whole_files_table(runs:
     is the one of whole files, row for row, and a broken file is one failure however many parts
     it was split into."""
     from kvsnap.analysis.engine.batch import BatchOptions
-    from kvsnap.analysis.engine.files import file_parts
-    from kvsnap.analysis.engine.plan import PassOptions, layers_of_part
+    from kvsnap.analysis.engine.plan import PassOptions, file_parts, layers_of_part
     from kvsnap.analysis.engine.tables import file_table
 
     one = BatchOptions(jobs=2).plan(4)[1]
