@@ -622,7 +622,7 @@ def _each_layer(layer_rows: Any, layers: list[int]) -> Iterator[list[dict[str, A
 
 
 def attention_stats(
-    paths: str | os.PathLike[str] | list[str | os.PathLike[str]],
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     snapshot: int = -1,
     *,
     window: int = WINDOW,
@@ -647,7 +647,7 @@ def attention_stats(
 
 
 def attention_table(
-    paths: str | os.PathLike[str] | list[str | os.PathLike[str]],
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     snapshot: int = -1,
     *,
     window: int = WINDOW,

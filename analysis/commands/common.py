@@ -135,7 +135,7 @@ def check_snapshot(shared: Shared) -> None:
 def save_parquet(table: Any, path: str, args: argparse.Namespace) -> None:
     """Write ``table`` (a Polars DataFrame or an Arrow table) to ``path`` through a temporary
     name; say where."""
-    with output_path(path, inputs=inputs(args), force=args.force) as temporary:
+    with output_path(path, inputs=inputs(args), force=Shared.from_args(args).force) as temporary:
         if hasattr(table, "write_parquet"):  # a Polars DataFrame
             table.write_parquet(temporary)
         else:  # an Arrow table, compressed as polars would
@@ -178,7 +178,7 @@ class ParquetSink:
 
 def save_figure(figure: Any, path: str, args: argparse.Namespace) -> None:
     """Save ``figure`` as PNG at exactly ``path`` (matplotlib would add ``.png`` to a bare name)."""
-    with output_path(path, inputs=inputs(args), force=args.force) as temporary:
+    with output_path(path, inputs=inputs(args), force=Shared.from_args(args).force) as temporary:
         figure.savefig(temporary, dpi=110, format="png")
 
 

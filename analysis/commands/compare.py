@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -15,14 +16,43 @@ import kvformat
 from ..dependencies import matplotlib, plt
 from ..tools.diff import LayoutMismatchError, head_diff
 from ..tools.similarity import head_similarity
-from .common import save_figure, save_parquet, url_options, warnings_printed
+from .common import FromArgs, save_figure, save_parquet, url_options, warnings_printed
+
+
+@dataclass(frozen=True)
+class SimilarityOptions(FromArgs):
+    """``kvsnap similarity``'s options, typed (`from_args`)."""
+
+    files: list[str] = field(default_factory=list)
+    snapshot: int = -1
+    keys: str = "post_rope"
+    jobs: int | None = None
+    tensor: str = "k"
+    top: int = 5
+    output: str | None = None
+
+
+@dataclass(frozen=True)
+class DiffOptions(FromArgs):
+    """``kvsnap diff``'s options, typed (`from_args`)."""
+
+    a: str = ""
+    b: str = ""
+    output: str | None = None
+    plot: str | None = None
+    snapshot_a: int = -1
+    snapshot_b: int = -1
+    tolerance: float = 1e-3
+    top: int = 10
+    keys: str = "post_rope"
 
 
 def similarity_command(args: argparse.Namespace) -> int:
+    options = SimilarityOptions.from_args(args)
 
-    table = head_similarity(args.files, args.snapshot, args.keys, args.jobs, url_options(args))
-    if args.output:
-        save_parquet(table, args.output, args)
+    table = head_similarity(options.files, options.snapshot, options.keys, options.jobs, url_options(args))
+    if options.output:
+        save_parquet(table, options.output, args)
     if table.is_empty():
         print("no head pairs")
         return 0
@@ -30,10 +60,10 @@ def similarity_command(args: argparse.Namespace) -> int:
         ("head", "most similar heads within a layer"),
         ("layer", "most similar across layers"),
     ):
-        part = table.filter((pl.col("kind") == kind) & (pl.col("tensor") == args.tensor))
-        print(f"{title} ({args.tensor.upper()}, linear CKA):")
+        part = table.filter((pl.col("kind") == kind) & (pl.col("tensor") == options.tensor))
+        print(f"{title} ({options.tensor.upper()}, linear CKA):")
         several = table["file"].n_unique() > 1
-        for row in part.sort("cka", descending=True, nulls_last=True).head(args.top).iter_rows(named=True):
+        for row in part.sort("cka", descending=True, nulls_last=True).head(options.top).iter_rows(named=True):
             where = f"{row['file']}: " if several else ""
             print(
                 f"  {where}layer {row['layer']} head {row['head']} ~ layer {row['other_layer']} head "
@@ -44,23 +74,24 @@ def similarity_command(args: argparse.Namespace) -> int:
 
 def diff_command(args: argparse.Namespace) -> int:
     """Head-by-head comparison of two captures: summary (worst heads first), Parquet, heatmap."""
+    options = DiffOptions.from_args(args)
 
     try:
         with warnings_printed():
             table = head_diff(
-                args.a,
-                args.b,
-                snapshot_a=args.snapshot_a,
-                snapshot_b=args.snapshot_b,
-                keys=args.keys,
-                tolerance=args.tolerance,
+                options.a,
+                options.b,
+                snapshot_a=options.snapshot_a,
+                snapshot_b=options.snapshot_b,
+                keys=options.keys,
+                tolerance=options.tolerance,
                 storage_options=url_options(args),
             )
     except LayoutMismatchError as exc:
         print(f"kvsnap: error: {exc}", file=sys.stderr)
         return 2
-    if args.output:
-        save_parquet(table, args.output, args)
+    if options.output:
+        save_parquet(table, options.output, args)
     compared = table.filter(pl.col("n_positions") > 0)
     if compared.is_empty():
         print("the two files hold no position in common")
@@ -72,11 +103,11 @@ def diff_command(args: argparse.Namespace) -> int:
         print(
             f"{tensor.upper()}: rel_error median {float(np.median(errors)):.3g}, max "
             f"{float(errors.max()):.3g}; cosine_mean min {float(cosines.min()):.6f}; "
-            f"{diverging} of {part.height} heads diverge beyond {args.tolerance:g}"
+            f"{diverging} of {part.height} heads diverge beyond {options.tolerance:g}"
         )
     positions = int(compared["n_positions"].to_numpy().max())
     print(f"worst heads by rel_error ({positions} positions compared):")
-    worst = compared.sort("rel_error", descending=True, nulls_last=True).head(args.top)
+    worst = compared.sort("rel_error", descending=True, nulls_last=True).head(options.top)
     for row in worst.iter_rows(named=True):
         first = row["first_divergent_position"]
         print(
@@ -85,13 +116,13 @@ def diff_command(args: argparse.Namespace) -> int:
             f"cosine_mean {row['cosine_mean']:.6f}, norm_ratio {row['norm_ratio']:.4f}, "
             f"first divergent position {first if first is not None else '-'}"
         )
-    if args.plot:
-        _diff_heatmap(compared, args)
-        print(f"wrote {args.plot}")
+    if options.plot:
+        _diff_heatmap(compared, options, args)
+        print(f"wrote {options.plot}")
     return 0
 
 
-def _diff_heatmap(table: Any, args: argparse.Namespace) -> None:
+def _diff_heatmap(table: Any, options: DiffOptions, args: argparse.Namespace) -> None:
     """Layers x heads heatmaps of rel_error, K and V side by side, on one colour scale."""
 
     matplotlib.use("Agg")
@@ -118,10 +149,10 @@ def _diff_heatmap(table: Any, args: argparse.Namespace) -> None:
     axes[0].set_yticks(range(len(layers)), [str(layer) for layer in layers])
     figure.colorbar(image, ax=list(axes), label="relative error (Frobenius)")
 
-    options = url_options(args)
+    storage = url_options(args)
     with (
-        kvformat.open(args.a, args.snapshot_a, storage_options=options) as a,
-        kvformat.open(args.b, args.snapshot_b, storage_options=options) as b,
+        kvformat.open(options.a, options.snapshot_a, storage_options=storage) as a,
+        kvformat.open(options.b, options.snapshot_b, storage_options=storage) as b,
     ):
         which = (
             f"snapshot {a.index} of 0..{a.num_snapshots - 1}",
@@ -129,8 +160,9 @@ def _diff_heatmap(table: Any, args: argparse.Namespace) -> None:
         )
     positions = int(table["n_positions"].max())
     figure.suptitle(
-        f"A = {os.path.basename(args.a)} ({which[0]}), B = {os.path.basename(args.b)} ({which[1]}); "
-        f"up to {positions} positions compared per head ({args.keys} keys)",
+        f"A = {os.path.basename(options.a)} ({which[0]}), B = {os.path.basename(options.b)} ({which[1]}); "
+        f"up to {positions} positions compared per head ({options.keys} keys)",
         fontsize=10,
     )
-    save_figure(figure, args.plot, args)
+    assert options.plot is not None  # (drawn for --plot only)
+    save_figure(figure, options.plot, args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -14,36 +15,71 @@ from kvformat.io.outputs import output_path
 
 from ..dependencies import pl, tqdm
 from ..tools.export import export_heads
-from .common import inputs, url_options
+from .common import FromArgs, inputs, url_options
+
+
+@dataclass(frozen=True)
+class ExportOptions(FromArgs):
+    """``kvsnap export``'s options, typed (`from_args`)."""
+
+    file: str = ""
+    output: str = ""
+    layer: list[int] | None = None
+    head: list[int] | None = None
+    format: str = "csv"
+    snapshot: int = -1
+    keys: str = "post_rope"
+    force: bool = False
 
 
 def export_command(args: argparse.Namespace) -> int:
+    options = ExportOptions.from_args(args)
     written = 0
     paths = export_heads(
-        args.file,
-        args.output,
-        layers=args.layer,
-        heads=args.head,
-        fmt=args.format,
-        keys=args.keys,
-        snapshot=args.snapshot,
+        options.file,
+        options.output,
+        layers=options.layer,
+        heads=options.head,
+        fmt=options.format,
+        keys=options.keys,
+        snapshot=options.snapshot,
         storage_options=url_options(args),
-        force=args.force,
+        force=options.force,
     )
     for _ in tqdm.tqdm(paths, unit="head", file=sys.stderr, disable=None, leave=False):
         written += 1
-    print(f"wrote {written} {args.format} file(s) into {args.output} (one per layer and head)")
+    print(f"wrote {written} {options.format} file(s) into {options.output} (one per layer and head)")
     return 0
+
+
+@dataclass(frozen=True)
+class AttentionOptions(FromArgs):
+    """``kvsnap attention``'s options, typed (`from_args`)."""
+
+    file: str = ""
+    layer: int = 0
+    head: int = 0
+    queries: tuple[int, int] | None = None
+    keys: tuple[int, int] | None = None
+    seq: int = 0
+    snapshot: int = -1
+    output: str = ""
+    force: bool = False
 
 
 def attention_command(args: argparse.Namespace) -> int:
     """One query head's attention weights, recomputed from the file, to .npz or Parquet."""
+    options = AttentionOptions.from_args(args)
 
-    with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
-        check_selection(snap, args.layer, args.head, queries=args.queries, keys=args.keys, seq=args.seq)
-        found = snap.attention(args.layer, args.head, queries=args.queries, keys=args.keys, seq=args.seq)
-    suffix = os.path.splitext(args.output)[1].lower()
-    with output_path(args.output, inputs=inputs(args), force=args.force) as temporary:
+    with kvformat.open(options.file, options.snapshot, storage_options=url_options(args)) as snap:
+        check_selection(
+            snap, options.layer, options.head, queries=options.queries, keys=options.keys, seq=options.seq
+        )
+        found = snap.attention(
+            options.layer, options.head, queries=options.queries, keys=options.keys, seq=options.seq
+        )
+    suffix = os.path.splitext(options.output)[1].lower()
+    with output_path(options.output, inputs=inputs(args), force=options.force) as temporary:
         if suffix == ".parquet":
             rows, columns = np.nonzero(found.weights)
             pl.DataFrame(
@@ -63,6 +99,6 @@ def attention_command(args: argparse.Namespace) -> int:
                 )
     form = "non-zero weights, long form" if suffix == ".parquet" else "float32"
     count, keys = found.weights.shape
-    where = f"layer {args.layer} query head {args.head}"
-    print(f"wrote {args.output}: {where}, {count} queries x {keys} keys ({form})")
+    where = f"layer {options.layer} query head {options.head}"
+    print(f"wrote {options.output}: {where}, {count} queries x {keys} keys ({form})")
     return 0

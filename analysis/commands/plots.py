@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,8 +21,23 @@ from ..attention.names import SCALARS
 from ..attention.tokens import token_pieces
 from ..dependencies import matplotlib, mcolors, plt
 from ..engine.tables import token_table
-from .common import save_figure, url_options
+from .common import FromArgs, save_figure, url_options
 from .statistics import BatchRequest, statistics_table
+
+
+@dataclass(frozen=True)
+class PlotOptions(FromArgs):
+    """``kvsnap plot``'s options, typed (`from_args`)."""
+
+    file: str = ""
+    snapshot: int = -1
+    attention: tuple[int, int] | None = None
+    stat: str = "norm_mean"
+    tensor: str = "k"
+    scale: str = "log"
+    output: str = ""
+    token_labels: bool = False
+    kept: tuple[str, float] | None = None
 
 
 def plot_command(args: argparse.Namespace) -> int:
@@ -29,52 +45,53 @@ def plot_command(args: argparse.Namespace) -> int:
     naming file, model, snapshot and statistic; labelled colour scales; the prompt/generation
     boundary; token labels on request. ``--attention`` and per-query-head statistics go to their
     own figures."""
+    options = PlotOptions.from_args(args)
 
-    if args.attention is not None:
-        return _attention_map(args)
-    if args.kept is not None:
+    if options.attention is not None:
+        return _attention_map(options, args)
+    if options.kept is not None:
         print("kvsnap: error: --kept shades an attention map: give it with --attention L:H", file=sys.stderr)
         return 2
-    if args.stat in SCALARS:
-        return _attention_stat_plot(args)
+    if options.stat in SCALARS:
+        return _attention_stat_plot(options, args)
 
     matplotlib.use("Agg")
 
-    layers, grid = _statistic_grid(args)
-    with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
+    layers, grid = _statistic_grid(options, args)
+    with kvformat.open(options.file, options.snapshot, storage_options=url_options(args)) as snap:
         index, count, seq_len = snap.index, snap.num_snapshots, snap.seq_len
         generated = snap.snapshot_metadata.get("generated")
         model = snap.metadata.get("model", {})
     model_name = model.get("name") if isinstance(model, dict) else None
-    name = f"{args.tensor.upper()} {args.stat}"
+    name = f"{options.tensor.upper()} {options.stat}"
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
     figure.suptitle(
-        f"{os.path.basename(args.file)}  |  model {model_name or '(not recorded)'}  |  "
+        f"{os.path.basename(options.file)}  |  model {model_name or '(not recorded)'}  |  "
         f"snapshot {index} (of 0..{count - 1})  |  {name}",
         fontsize=11,
     )
     _heatmap(figure, left, grid, layers, name, "KV head")
     left.set_title(f"{name} per layer and head")
-    points = _norm_curves(figure, right, layers, args)
+    points = _norm_curves(figure, right, layers, options, args)
     if isinstance(generated, int) and 0 < generated <= seq_len:
         _mark_boundary(right, seq_len - generated)
     figure.tight_layout()
-    save_figure(figure, args.output, args)
+    save_figure(figure, options.output, args)
     plt.close(figure)
-    print(f"wrote {args.output}: {len(layers)} layers x {grid.shape[1]} heads, {points} position points")
+    print(f"wrote {options.output}: {len(layers)} layers x {grid.shape[1]} heads, {points} position points")
     return 0
 
 
-def _statistic_grid(args: argparse.Namespace) -> tuple[list[int], Any]:
+def _statistic_grid(options: PlotOptions, args: argparse.Namespace) -> tuple[list[int], Any]:
     """The file's layers and ``--stat`` of ``--tensor`` as a ``(layers, heads)`` grid (sequence 0)."""
 
-    request = dataclasses.replace(BatchRequest.from_args(args), files=[args.file])
-    table = statistics_table(request)[0].filter((pl.col("tensor") == args.tensor) & (pl.col("seq") == 0))
+    request = dataclasses.replace(BatchRequest.from_args(args), files=[options.file])
+    table = statistics_table(request)[0].filter((pl.col("tensor") == options.tensor) & (pl.col("seq") == 0))
     keys = ("seq", "layer", "head", "snapshot")
     numeric = [c for c, t in table.schema.items() if t.is_numeric() and c not in keys]
-    if args.stat not in numeric:
-        raise CommandError(f"unknown statistic {args.stat!r}; one of: {', '.join(numeric)}")
-    return _layer_head_grid(table, args.stat)
+    if options.stat not in numeric:
+        raise CommandError(f"unknown statistic {options.stat!r}; one of: {', '.join(numeric)}")
+    return _layer_head_grid(table, options.stat)
 
 
 def _heatmap(figure: Any, axis: Any, grid: Any, layers: list[int], name: str, heads: str) -> None:
@@ -88,12 +105,14 @@ def _heatmap(figure: Any, axis: Any, grid: Any, layers: list[int], name: str, he
     figure.colorbar(image, ax=axis, label=name)
 
 
-def _norm_curves(figure: Any, axis: Any, layers: list[int], args: argparse.Namespace) -> int:
+def _norm_curves(
+    figure: Any, axis: Any, layers: list[int], options: PlotOptions, args: argparse.Namespace
+) -> int:
     """Mean norm over heads by position, one line per layer (binned past `CURVE_POINTS`), token
     labels on request; the number of points per line."""
-    column = f"{args.tensor}_norm"
+    column = f"{options.tensor}_norm"
     tokens = (
-        token_table(args.file, args.snapshot, url_options(args))
+        token_table(options.file, options.snapshot, url_options(args))
         .filter(pl.col("seq") == 0)
         .group_by("layer", "position")
         .agg(pl.col(column).mean(), pl.col("token_text").first())
@@ -108,10 +127,10 @@ def _norm_curves(figure: Any, axis: Any, layers: list[int], args: argparse.Names
         axis.plot(part["position"], part[column], color=colors(scale(layer)), lw=0.8)
     figure.colorbar(plt.cm.ScalarMappable(scale, colors), ax=axis, label="layer")
     axis.set_xlabel("position")
-    axis.set_ylabel(f"mean ||{args.tensor.upper()}|| over heads")
+    axis.set_ylabel(f"mean ||{options.tensor.upper()}|| over heads")
     binned = f", mean of {width} positions per point" if width > 1 else ""
-    axis.set_title(f"||{args.tensor.upper()}|| by position, one line per layer{binned}", pad=14)
-    if args.token_labels:
+    axis.set_title(f"||{options.tensor.upper()}|| by position, one line per layer{binned}", pad=14)
+    if options.token_labels:
         _token_ticks(axis, tokens.filter(pl.col("layer") == layers[0]) if layers else tokens)
     return int(curves.height)
 
@@ -173,37 +192,38 @@ def _binned_positions(tokens: Any, column: str) -> tuple[Any, int]:
     return binned, width
 
 
-def _attention_stat_plot(args: argparse.Namespace) -> int:
+def _attention_stat_plot(options: PlotOptions, args: argparse.Namespace) -> int:
     """``plot --stat sink_mass`` (or another `--stats attention` column): a layers x query heads
     heatmap from the file's saved queries."""
 
     matplotlib.use("Agg")
 
-    table = attention_stats(args.file, args.snapshot, storage_options=url_options(args))
-    layers, grid = _layer_head_grid(table, args.stat)
+    table = attention_stats(options.file, options.snapshot, storage_options=url_options(args))
+    layers, grid = _layer_head_grid(table, options.stat)
     heads = grid.shape[1]
     figure, axis = plt.subplots(figsize=(1.2 + 0.45 * heads, 1.5 + 0.22 * len(layers)))
-    _heatmap(figure, axis, grid, layers, args.stat, "query head")
-    axis.set_title(f"{os.path.basename(args.file)}: {args.stat} per layer and query head", fontsize=9)
+    _heatmap(figure, axis, grid, layers, options.stat, "query head")
+    axis.set_title(f"{os.path.basename(options.file)}: {options.stat} per layer and query head", fontsize=9)
     figure.tight_layout()
-    save_figure(figure, args.output, args)
+    save_figure(figure, options.output, args)
     plt.close(figure)
-    print(f"wrote {args.output}: {len(layers)} layers x {heads} query heads of {args.stat}")
+    print(f"wrote {options.output}: {len(layers)} layers x {heads} query heads of {options.stat}")
     return 0
 
 
-def _attention_map(args: argparse.Namespace) -> int:
+def _attention_map(options: PlotOptions, args: argparse.Namespace) -> int:
     """`plot --attention L:H`: one query head's attention map, log colour scale, labelled axes,
     the prompt|generated boundary marked, token labels on request."""
 
     matplotlib.use("Agg")
 
-    layer, head = args.attention
-    with kvformat.open(args.file, args.snapshot, storage_options=url_options(args)) as snap:
+    assert options.attention is not None  # (drawn for --attention only)
+    layer, head = options.attention
+    with kvformat.open(options.file, options.snapshot, storage_options=url_options(args)) as snap:
         found = snap.attention(layer, head)
         evicted = None
-        if args.kept is not None:
-            evicted = kept_mask(snap, layer, head, *args.kept)
+        if options.kept is not None:
+            evicted = kept_mask(snap, layer, head, *options.kept)
         generated = snap.snapshot_metadata.get("generated")
         seq_len = snap.seq_len
         pieces = token_pieces(snap)
@@ -217,7 +237,7 @@ def _attention_map(args: argparse.Namespace) -> int:
         figsize=(11, max(4.5, min(10, 0.08 * dense.shape[0] + 3.5))),
         gridspec_kw={"height_ratios": (4, 1)},
     )
-    norm, label = _colour_scale(dense, args.scale)
+    norm, label = _colour_scale(dense, options.scale)
     image = axis.imshow(
         np.where(dense > 0, dense, np.nan), aspect="auto", cmap="magma", norm=norm,
         interpolation="nearest", extent=extent,
@@ -227,10 +247,11 @@ def _attention_map(args: argparse.Namespace) -> int:
     _received_strip(margin, found.weights, found.key_positions)
     margin.set_xlabel("key position")
     axis.set_ylabel("query position")
-    axis.set_title(_map_title(args.file, model, spec, layer, head, snap.index), fontsize=10)
+    axis.set_title(_map_title(options.file, model, spec, layer, head, snap.index), fontsize=10)
     _mark_prompt_end(axis, generated, seq_len)
     if evicted is not None:
-        method, fraction = args.kept
+        assert options.kept is not None  # (evicted is computed for --kept only)
+        method, fraction = options.kept
         key_positions, keep = evicted
         _kept_strip(axis, key_positions, keep)
         axis.set_title(
@@ -239,12 +260,12 @@ def _attention_map(args: argparse.Namespace) -> int:
             fontsize=10,
             pad=18,
         )
-    if args.token_labels and pieces is not None:
+    if options.token_labels and pieces is not None:
         _map_token_ticks(axis, pieces[0], found.key_positions, found.query_positions)
-    save_figure(figure, args.output, args)
+    save_figure(figure, options.output, args)
     plt.close(figure)
     rows, columns = found.weights.shape
-    print(f"wrote {args.output}: layer {layer} query head {head}, {rows} x {columns} map")
+    print(f"wrote {options.output}: layer {layer} query head {head}, {rows} x {columns} map")
     return 0
 
 

@@ -3,31 +3,52 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..attention.compression import CompressionWarning, simulate
 from ..dependencies import matplotlib, pl, plt
-from .common import save_figure, save_parquet, url_options, warnings_printed
+from .common import FromArgs, save_figure, save_parquet, url_options, warnings_printed
+
+
+@dataclass(frozen=True)
+class SimulateOptions(FromArgs):
+    """``kvsnap simulate``'s options, typed (`from_args`)."""
+
+    file: str = ""
+    method: list[str] | None = None
+    budget: list[float] = field(default_factory=lambda: [0.1, 0.25, 0.5])
+    snapshot: int = -1
+    window: int = 64
+    kernel: int = 5
+    pooling: str = "avg"
+    compress: str = "prompt"
+    question_start: int | None = None
+    seed: int = 0
+    output: str = ""
+    plot: str | None = None
+    force: bool = False
 
 
 def simulate_command(args: argparse.Namespace) -> int:
     """``simulate``: attention-output error per (method, budget, layer, head) under compression."""
+    options = SimulateOptions.from_args(args)
 
     with warnings_printed(CompressionWarning):
         table = simulate(
-            args.file,
-            args.method,
-            args.budget,
-            args.snapshot,
-            window=args.window,
-            kernel=args.kernel,
-            pooling=args.pooling,
-            compress=args.compress,
-            question_start=args.question_start,
-            seed=args.seed,
+            options.file,
+            options.method,
+            options.budget,
+            options.snapshot,
+            window=options.window,
+            kernel=options.kernel,
+            pooling=options.pooling,
+            compress=options.compress,
+            question_start=options.question_start,
+            seed=options.seed,
             storage_options=url_options(args),
         )
-    save_parquet(table, args.output, args)
+    save_parquet(table, options.output, args)
 
     means = (
         table.group_by(["method", "budget"], maintain_order=True)
@@ -37,13 +58,13 @@ def simulate_command(args: argparse.Namespace) -> int:
     print("mean over heads: method, budget -> relative error of the attention output, top-1 agreement")
     for row in means.iter_rows(named=True):
         print(f"  {row['method']:>9} {row['budget']:5.3f} -> {row['error']:.4f}  {row['top1']:.3f}")
-    if args.plot:
-        _simulate_plot(means, args)
-        print(f"wrote {args.plot}")
+    if options.plot:
+        _simulate_plot(means, options, args)
+        print(f"wrote {options.plot}")
     return 0
 
 
-def _simulate_plot(means: Any, args: argparse.Namespace) -> None:
+def _simulate_plot(means: Any, options: SimulateOptions, args: argparse.Namespace) -> None:
 
     matplotlib.use("Agg")
 
@@ -54,8 +75,9 @@ def _simulate_plot(means: Any, args: argparse.Namespace) -> None:
     axis.set_xlabel("budget (fraction of prompt keys kept; bits/16 for quantization)")
     axis.set_ylabel("relative error of the attention output")
     axis.set_yscale("log")
-    axis.set_title(f"{args.file}: KV compression what-ifs (mean over heads)", fontsize=9)
+    axis.set_title(f"{options.file}: KV compression what-ifs (mean over heads)", fontsize=9)
     axis.legend(fontsize=8)
     figure.tight_layout()
-    save_figure(figure, args.plot, args)
+    assert options.plot is not None  # (drawn for --plot only)
+    save_figure(figure, options.plot, args)
     plt.close(figure)

@@ -75,6 +75,30 @@ class Statistics:
     failed: bool
 
 
+@dataclass(frozen=True)
+class StatsOptions(BatchRequest):
+    """``kvsnap stats``'s options, typed (`from_args`): what the pass reads (`BatchRequest`) and
+    what the command does with its rows."""
+
+    factor: float = 1.5
+    output: str | None = None
+    merge: bool = False
+    window: int = 256
+    needle: tuple[int, int] | None = None
+    retrieval: str | None = None
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class OutliersOptions(BatchRequest):
+    """``kvsnap outliers``' options, typed (`from_args`): what the pass reads (`BatchRequest`)
+    and which heads the command prints."""
+
+    stat: str = "norm_mean"
+    tensor: str = "k"
+    threshold: float = 1.5
+
+
 def _jobs(request: BatchRequest) -> int | None:
     """``--jobs``, or 1 for one local file on mlx that one process reads in one pass (workers
     would cost more to start than they save), or None: every core."""
@@ -145,57 +169,62 @@ def statistics_table(request: BatchRequest) -> tuple[Any, bool]:
 
 def outliers_command(args: argparse.Namespace) -> int:
     """Heads whose statistic is more than ``--threshold`` times the median head of their file."""
-
-    if args.stat in SCALARS:
-        return _attention_outliers(args)
-    table, failed = statistics_table(BatchRequest.from_args(args))
-    if args.stat not in table.columns or table.schema[args.stat] not in (pl.Float64, pl.Int64, pl.Float32):
+    options = OutliersOptions.from_args(args)
+    if options.stat in SCALARS:
+        return _attention_outliers(options, args)
+    table, failed = statistics_table(options)
+    if options.stat not in table.columns or table.schema[options.stat] not in (
+        pl.Float64,
+        pl.Int64,
+        pl.Float32,
+    ):
         scalars = [c for c, t in table.schema.items() if t in (pl.Float64, pl.Int64) and c not in KEYS]
         raise CommandError(f"--stat must be a scalar statistic, one of: {', '.join(scalars)}")
 
-    flagged = outliers(table, args.threshold, args.stat, args.tensor).filter(pl.col("outlier"))
+    flagged = outliers(table, options.threshold, options.stat, options.tensor).filter(pl.col("outlier"))
     flagged = flagged.sort("ratio_to_median", descending=True)
     print(
-        f"{flagged.height} heads with {args.tensor} {args.stat} above "
-        f"{args.threshold}x the file's median head"
+        f"{flagged.height} heads with {options.tensor} {options.stat} above "
+        f"{options.threshold}x the file's median head"
     )
-    print(f"{'file':40s} {'seq':>3s} {'layer':>5s} {'head':>4s} {args.stat:>14s} {'x median':>9s}")
+    print(f"{'file':40s} {'seq':>3s} {'layer':>5s} {'head':>4s} {options.stat:>14s} {'x median':>9s}")
     for row in flagged.iter_rows(named=True):
         print(
             f"{row['file'][-40:]:40s} {row['seq']:3d} {row['layer']:5d} {row['head']:4d} "
-            f"{row[args.stat]:14.4f} {row['ratio_to_median']:9.2f}"
+            f"{row[options.stat]:14.4f} {row['ratio_to_median']:9.2f}"
         )
     return 1 if failed else 0
 
 
-def _attention_outliers(args: argparse.Namespace) -> int:
+def _attention_outliers(options: OutliersOptions, args: argparse.Namespace) -> int:
     """`outliers --stat` of an attention score: query heads above ``--threshold`` x their file's
     median query head."""
 
-    table = attention_stats(args.files, args.snapshot, storage_options=url_options(args))
-    value = pl.col(args.stat).cast(pl.Float64).fill_nan(None)
+    table = attention_stats(options.files, options.snapshot, storage_options=url_options(args))
+    value = pl.col(options.stat).cast(pl.Float64).fill_nan(None)
     flagged = (
         table.with_columns((value / value.median().over("file")).alias("ratio_to_median"))
-        .filter(pl.col("ratio_to_median") > args.threshold)
+        .filter(pl.col("ratio_to_median") > options.threshold)
         .sort("ratio_to_median", descending=True)
     )
     print(
-        f"{flagged.height} query heads with {args.stat} above {args.threshold}x the file's median query head"
+        f"{flagged.height} query heads with {options.stat} above {options.threshold}x "
+        "the file's median query head"
     )
-    print(f"{'file':40s} {'layer':>5s} {'head':>4s} {args.stat:>16s} {'x median':>9s}")
+    print(f"{'file':40s} {'layer':>5s} {'head':>4s} {options.stat:>16s} {'x median':>9s}")
     for row in flagged.iter_rows(named=True):
         print(
             f"{row['file'][-40:]:40s} {row['layer']:5d} {row['head']:4d} "
-            f"{row[args.stat]:16.4f} {row['ratio_to_median']:9.2f}"
+            f"{row[options.stat]:16.4f} {row['ratio_to_median']:9.2f}"
         )
     return 0
 
 
-def _merged(args: argparse.Namespace) -> int:
-    result = _batch(BatchRequest.from_args(args), merge=True)
+def _merged(options: StatsOptions, args: argparse.Namespace) -> int:
+    result = _batch(options, merge=True)
     table = result.table
-    if args.output and not table.is_empty():
-        save_parquet(table, args.output, args)
+    if options.output and not table.is_empty():
+        save_parquet(table, options.output, args)
     if table.is_empty():
         raise CommandError("no statistics: every file failed or every layer is absent")
 
@@ -238,28 +267,29 @@ def _median_cells(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
 
 
 def stats_command(args: argparse.Namespace) -> int:
+    options = StatsOptions.from_args(args)
     # Printed and saved from Arrow: polars' import is left to the commands that need it.
-    if args.stats == frozenset({"attention"}):
-        return _attention_stats(args)
-    for option, value in (("--needle", args.needle), ("--retrieval", args.retrieval)):
+    if options.stats == frozenset({"attention"}):
+        return _attention_stats(options, args)
+    for option, value in (("--needle", options.needle), ("--retrieval", options.retrieval)):
         if value is not None:
             raise ValueError(f"{option} scores attention: use it with --stats attention")
-    if args.merge:
-        return _merged(args)
-    request = BatchRequest.from_args(args)
-    if args.output:  # written as the files finish; checked (exists? an input?) before any work
-        with output_path(args.output, inputs=expanded(request.files), force=args.force) as temporary:
+    if options.merge:
+        return _merged(options, args)
+    request: BatchRequest = options
+    if options.output:  # written as the files finish; checked (exists? an input?) before any work
+        with output_path(options.output, inputs=expanded(request.files), force=options.force) as temporary:
             sink = ParquetSink(temporary)
             found = statistics_rows(request, sink.add)
             sink.finish(found.rows)
-        print(f"wrote {args.output}: {len(found.rows)} rows")
+        print(f"wrote {options.output}: {len(found.rows)} rows")
     else:
         found = statistics_rows(request)
     rows = found.rows
     if "norm_mean" not in rows.column_names:  # --stats without norms: medians of what was computed
         _medians(rows)
     else:
-        _print_files(key_rows(rows, args.factor), args.factor)
+        _print_files(key_rows(rows, options.factor), options.factor)
     return 1 if found.failed else 0
 
 
@@ -362,23 +392,24 @@ def _cell(value: float | None) -> str:
     return f"{value:7.2f}" if value is not None else "   null"
 
 
-def _attention_stats(args: argparse.Namespace) -> int:
+def _attention_stats(options: StatsOptions, args: argparse.Namespace) -> int:
     """``stats --stats attention``: per (layer, query head) scores from saved queries, printed and
     saved from Arrow (no polars import, as for the other groups)."""
 
     with warnings_printed(AttentionWarning):
         table = attention_table(
-            args.files,
-            args.snapshot,
-            window=args.window,
-            needle=args.needle,
-            retrieval=args.retrieval or "generated",
+            options.files,
+            options.snapshot,
+            window=options.window,
+            needle=options.needle,
+            retrieval=options.retrieval or "generated",
             storage_options=url_options(args),
         )
-    if args.output:
-        save_parquet(table, args.output, args)
+    if options.output:
+        save_parquet(table, options.output, args)
     print(
-        f"attention of {table.num_rows} query heads (per layer and query head; {args.window}-position window)"
+        f"attention of {table.num_rows} query heads "
+        f"(per layer and query head; {options.window}-position window)"
     )
     rows = table.select(["layer", "head", "sink_mass", "retrieval_score", "streaming_error"]).to_pylist()
     for column, label in (

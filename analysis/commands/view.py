@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass, field
 
 from ..viewer.data import Source
 from ..viewer.page import write_html
 from ..viewer.server import ViewerServer
-from .common import url_options
+from .common import FromArgs, url_options
 
 
 def _indices(text: str | None) -> list[int] | None:
@@ -20,34 +21,49 @@ def _indices(text: str | None) -> list[int] | None:
         raise ValueError(f"{text!r}: give comma-separated numbers, e.g. 0,5,12") from None
 
 
+@dataclass(frozen=True)
+class ViewOptions(FromArgs):
+    """``kvsnap view``'s options, typed (`from_args`)."""
+
+    files: list[str] = field(default_factory=list)
+    html: str | None = None
+    layers: str | None = None
+    heads: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    no_browser: bool = False
+    force: bool = False
+
+
 def view_command(args: argparse.Namespace) -> int:
     """Serve the viewer (and open the browser), or with ``--html`` write the page."""
-    if len(args.files) > 2:
+    options = ViewOptions.from_args(args)
+    if len(options.files) > 2:
         raise ValueError("kvsnap view takes one file, or two to compare")
-    if args.html:
+    if options.html:
         count = write_html(
-            args.files,
-            args.html,
-            layers=_indices(args.layers),
-            heads=_indices(args.heads),
-            force=args.force,
+            options.files,
+            options.html,
+            layers=_indices(options.layers),
+            heads=_indices(options.heads),
+            force=options.force,
             storage_options=url_options(args),
         )
-        print(f"wrote {args.html}: {count} attention map(s); open it in a browser, no server needed")
+        print(f"wrote {options.html}: {count} attention map(s); open it in a browser, no server needed")
         return 0
 
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if options.host not in ("127.0.0.1", "localhost", "::1"):
         print(
-            f"kvsnap: warning: serving on {args.host}: anyone who can reach it and has the URL's token "
+            f"kvsnap: warning: serving on {options.host}: anyone who can reach it and has the URL's token "
             "can read these files",
             file=sys.stderr,
         )
-    sources = [Source(path, url_options(args)) for path in args.files]
+    sources = [Source(path, url_options(args)) for path in options.files]
     for source in sources:  # opened (and checked) before the URL is given out
         source.snap  # noqa: B018
-    server = ViewerServer(sources, args.host, args.port)
+    server = ViewerServer(sources, options.host, options.port)
     print(f"kvsnap view: {server.url}  (Ctrl-C stops it)", flush=True)
-    if not args.no_browser:
+    if not options.no_browser:
         import webbrowser
 
         webbrowser.open(server.url)

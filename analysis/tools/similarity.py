@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -212,7 +212,7 @@ def _file_tables(
 
 
 def head_similarity(
-    paths: str | os.PathLike[str] | list[str | os.PathLike[str]],
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     snapshot: int = -1,
     keys: str = "post_rope",
     jobs: int | None = None,

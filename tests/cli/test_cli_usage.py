@@ -4,6 +4,7 @@ one line on stderr and exit status 2."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -424,3 +425,24 @@ def test_stats_prints_and_saves_without_polars(
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_each_analysis_command_reads_typed_options_its_parser_declares() -> None:
+    """Every analysis command builds its options dataclass (``X_command``: ``XOptions``) from the
+    parsed arguments; each field is an argument its parser declares (a misspelt field would
+    silently keep its default)."""
+    import dataclasses
+    import importlib
+
+    from kvsnap.analysis.cli import COMMANDS
+    from kvsnap.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for function, module_name in COMMANDS.items():
+        command = function.removesuffix("_command")
+        module = importlib.import_module(f"kvsnap.analysis.commands.{module_name}")
+        options = getattr(module, f"{command.capitalize()}Options")
+        declared = {action.dest for action in commands[command]._actions}
+        fields = {field.name for field in dataclasses.fields(options)}
+        assert fields <= declared, (command, sorted(fields - declared))
