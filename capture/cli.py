@@ -4,15 +4,68 @@ entry point): convert-gguf, fetch-models, capture."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 from kvsnap.cli.options import fraction, non_negative_float, positive_int
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """``kvsnap capture``'s options, typed (`_typed`)."""
+
+    model: str = ""
+    prompt: str | None = None
+    prompt_file: str | None = None
+    max_tokens: int = 64
+    output: str = ""
+    every: int | None = None
+    at: str | None = None
+    separate_files: bool = False
+    codec: str = "raw"
+    kv_bits: int | None = None
+    max_kv_size: int | None = None
+    temp: float = 0.0
+    top_p: float = 0.0
+    seed: int | None = None
+    chat: bool = False
+    echo: bool = False
+    force: bool = False
+    queries: str = "none"
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """``kvsnap convert-gguf``'s options, typed."""
+
+    gguf: str = ""
+    out_dir: str = ""
+    dtype: str = "float16"
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class FetchOptions:
+    """``kvsnap fetch-models``' options, typed."""
+
+    names: list[str] = field(default_factory=list)
+    dtype: str = "float16"
+
+
+def _typed(kind: type[T], args: argparse.Namespace) -> T:
+    """A command's options dataclass ``kind`` from argparse's namespace: the fields its parser
+    declares, the others at their defaults."""
+    given = vars(args)
+    return kind(**{f.name: given[f.name] for f in fields(kind) if f.name in given})  # type: ignore[arg-type]
 
 
 def _convert(args: argparse.Namespace) -> int:
     from .convert import convert_gguf
 
-    out = convert_gguf(args.gguf, args.out_dir, args.dtype, overwrite=args.force)
+    options = _typed(ConvertOptions, args)
+    out = convert_gguf(options.gguf, options.out_dir, options.dtype, overwrite=options.force)
     print(f"wrote mlx-lm model directory {out}")
     return 0
 
@@ -20,8 +73,9 @@ def _convert(args: argparse.Namespace) -> int:
 def _fetch(args: argparse.Namespace) -> int:
     from .fixtures import MODELS, cache_dir, fetch_model
 
-    for name in args.names or list(MODELS):
-        path = fetch_model(name, args.dtype)
+    options = _typed(FetchOptions, args)
+    for name in options.names or list(MODELS):
+        path = fetch_model(name, options.dtype)
         print(f"{name}: {path}")
     print(f"cache: {cache_dir()}")
     return 0
@@ -71,41 +125,46 @@ def _capture(args: argparse.Namespace) -> int:
 
     from mlx_lm import load
 
-    from .generate import SnapshotEvent, generate
+    from .generate import Capture, SnapshotEvent, generate
 
-    model_path = _resolve_model(args.model)
+    options = _typed(CaptureOptions, args)
+
+    model_path = _resolve_model(options.model)
     loaded = load(model_path)
     model, tokenizer = loaded[0], loaded[1]
-    prompt = _prompt(args, tokenizer)
-    at = _positions(args.at)
-    extra, sampling = _sampling(args)
+    prompt = _prompt(options, tokenizer)
+    at = _positions(options.at)
+    extra, sampling = _sampling(options)
     events: list[SnapshotEvent] = []
-    report = _reporter(args, events)
+    report = _reporter(options, events)
     start = time.perf_counter()
     count = 0
-    progress = _progress_bar(args)
+    progress = _progress_bar(options)
+    capture = Capture(
+        output=options.output,
+        every=options.every,
+        at=at,
+        separate_files=options.separate_files,
+        codec=options.codec,
+        model_path=model_path,
+        on_snapshot=report,
+        metadata={"prompt": prompt, "generation": sampling},
+        overwrite=options.force,
+        queries=options.queries,
+    )
     stream = generate(
         model,
         tokenizer,
         prompt,
-        max_tokens=args.max_tokens,
-        output=args.output,
-        every=args.every,
-        at=at,
-        separate_files=args.separate_files,
-        codec=args.codec,
-        model_path=model_path,
-        max_kv_size=args.max_kv_size,
-        on_snapshot=report,
-        metadata={"prompt": prompt, "generation": sampling},
-        overwrite=args.force,
-        queries=args.queries,
+        capture,
+        max_tokens=options.max_tokens,
+        max_kv_size=options.max_kv_size,
         **extra,
     )
     try:
         for response in stream:
             count += 1
-            if args.echo:
+            if options.echo:
                 print(response.text, end="", flush=True)
             elif progress is not None:
                 progress.update(1)
@@ -114,11 +173,11 @@ def _capture(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.close()
         print(file=sys.stderr)
-        print(f"kvsnap: interrupted: {_written(args, events, count)}", file=sys.stderr)
+        print(f"kvsnap: interrupted: {_written(options, events, count)}", file=sys.stderr)
         return 130
     if progress is not None:
         progress.close()
-    _summary(args, len(events), count, time.perf_counter() - start)
+    _summary(options, len(events), count, time.perf_counter() - start)
     return 0
 
 
@@ -127,17 +186,17 @@ def _positions(text: str | None) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()] if text else []
 
 
-def _progress_bar(args: argparse.Namespace) -> Any:
+def _progress_bar(options: CaptureOptions) -> Any:
     """A tqdm bar of generated tokens on stderr, gone once the capture ends; None with ``--echo``
     (the answer streams to the terminal instead)."""
     import sys
 
     from tqdm import tqdm
 
-    return None if args.echo else tqdm(total=args.max_tokens, unit="tok", file=sys.stderr, leave=False)
+    return None if options.echo else tqdm(total=options.max_tokens, unit="tok", file=sys.stderr, leave=False)
 
 
-def _reporter(args: argparse.Namespace, events: list[Any]) -> Any:
+def _reporter(options: CaptureOptions, events: list[Any]) -> Any:
     """The capture's ``on_snapshot``: each snapshot appended to ``events`` and told on stderr (a
     line between the streamed answer's words with ``--echo``, else above the progress bar)."""
     import sys
@@ -148,7 +207,7 @@ def _reporter(args: argparse.Namespace, events: list[Any]) -> Any:
             f"snapshot {len(events) - 1} after {event.generated} generated tokens "
             f"({event.cached_tokens} in cache) -> {event.path} ({event.size / 1e6:.2f} MB)"
         )
-        if args.echo:
+        if options.echo:
             print(f"\n[{message}]", file=sys.stderr, flush=True)
         else:
             from tqdm import tqdm
@@ -158,16 +217,20 @@ def _reporter(args: argparse.Namespace, events: list[Any]) -> Any:
     return report
 
 
-def _prompt(args: argparse.Namespace, tokenizer: Any) -> str:
+def _prompt(options: CaptureOptions, tokenizer: Any) -> str:
     """``--prompt`` (or ``--prompt-file``'s text), in the model's chat template with ``--chat``."""
     from pathlib import Path
 
-    prompt = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
-    if not args.chat:
+    if options.prompt is not None:
+        prompt = options.prompt
+    else:
+        assert options.prompt_file is not None  # (the parser asks for one of the two)
+        prompt = Path(options.prompt_file).read_text(encoding="utf-8")
+    if not options.chat:
         return str(prompt)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            f"--chat: {args.model} has no chat template (its tokenizer config, or the GGUF's "
+            f"--chat: {options.model} has no chat template (its tokenizer config, or the GGUF's "
             "tokenizer.chat_template, holds none); give the prompt as the model expects it, without --chat"
         )
     return str(
@@ -177,45 +240,45 @@ def _prompt(args: argparse.Namespace, tokenizer: Any) -> str:
     )
 
 
-def _sampling(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+def _sampling(options: CaptureOptions) -> tuple[dict[str, Any], dict[str, Any]]:
     """mlx-lm's generation arguments from the sampling options (the sampler, KV quantization; the
     seed set), and the sampling settings as the file's metadata records them."""
     from mlx_lm.sample_utils import make_sampler
 
-    extra: dict[str, Any] = {"sampler": make_sampler(args.temp, top_p=args.top_p)}
-    if args.seed is not None:
+    extra: dict[str, Any] = {"sampler": make_sampler(options.temp, top_p=options.top_p)}
+    if options.seed is not None:
         import mlx.core as mx
 
-        mx.random.seed(args.seed)
-    if args.kv_bits:
-        extra.update(kv_bits=args.kv_bits, quantized_kv_start=0)
-    return extra, {"temperature": args.temp, "top_p": args.top_p, "seed": args.seed}
+        mx.random.seed(options.seed)
+    if options.kv_bits:
+        extra.update(kv_bits=options.kv_bits, quantized_kv_start=0)
+    return extra, {"temperature": options.temp, "top_p": options.top_p, "seed": options.seed}
 
 
-def _summary(args: argparse.Namespace, snapshots: int, count: int, elapsed: float) -> None:
+def _summary(options: CaptureOptions, snapshots: int, count: int, elapsed: float) -> None:
     """The line a finished capture prints (after the streamed answer's newline with ``--echo``)."""
     from pathlib import Path
 
-    if args.echo:
+    if options.echo:
         print()
-    if count and not args.separate_files:
-        size = Path(args.output).stat().st_size
+    if count and not options.separate_files:
+        size = Path(options.output).stat().st_size
         print(
-            f"wrote {args.output}: {snapshots} snapshot(s), {size / 1e6:.2f} MB, {count} tokens generated "
+            f"wrote {options.output}: {snapshots} snapshot(s), {size / 1e6:.2f} MB, {count} tokens generated "
             f"({count / elapsed:.1f} tok/s)"
         )
 
 
-def _written(args: argparse.Namespace, events: list[Any], count: int) -> str:
+def _written(options: CaptureOptions, events: list[Any], count: int) -> str:
     """What an interrupted capture left: the file and what it holds, or that nothing was written."""
     from pathlib import Path
 
-    if args.separate_files:
+    if options.separate_files:
         return f"{len(events)} snapshot file(s) written, {count} tokens generated"
-    if Path(args.output).exists() and events:
-        return f"wrote {args.output}: {len(events)} snapshot(s), {count} tokens generated"
-    if Path(args.output + ".partial").exists():
-        return f"{args.output}.partial left unfinished ({count} tokens generated): kvsnap recover it"
+    if Path(options.output).exists() and events:
+        return f"wrote {options.output}: {len(events)} snapshot(s), {count} tokens generated"
+    if Path(options.output + ".partial").exists():
+        return f"{options.output}.partial left unfinished ({count} tokens generated): kvsnap recover it"
     return f"nothing written ({count} tokens generated, no snapshot taken)"
 
 
@@ -314,14 +377,15 @@ def _check_at(parser: argparse.ArgumentParser, at: str) -> None:
 
 def _check_capture(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checks that need no model: run before any weights are read."""
-    if args.queries != "none" and args.separate_files:
+    options = _typed(CaptureOptions, args)
+    if options.queries != "none" and options.separate_files:
         parser.error("--queries stores queries in one series file: drop --separate-files")
-    inputs = [name for name in (args.model, args.prompt_file) if name]
-    _check_output(parser, args.output, args.force, inputs)
-    if args.at:
-        _check_at(parser, args.at)
-    if args.prompt_file is not None:
+    inputs = [name for name in (options.model, options.prompt_file) if name]
+    _check_output(parser, options.output, options.force, inputs)
+    if options.at:
+        _check_at(parser, options.at)
+    if options.prompt_file is not None:
         from pathlib import Path
 
-        if not Path(args.prompt_file).is_file():
-            parser.error(f"--prompt-file {args.prompt_file}: no such file")
+        if not Path(options.prompt_file).is_file():
+            parser.error(f"--prompt-file {options.prompt_file}: no such file")

@@ -427,10 +427,10 @@ def test_stats_prints_and_saves_without_polars(
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_each_analysis_command_reads_typed_options_its_parser_declares() -> None:
-    """Every analysis command builds its options dataclass (``X_command``: ``XOptions``) from the
-    parsed arguments; each field is an argument its parser declares (a misspelt field would
-    silently keep its default)."""
+def test_each_stage_command_reads_typed_options_its_parser_declares() -> None:
+    """Every analysis and capture command builds its options dataclass (``X_command``:
+    ``XOptions``) from the parsed arguments; each field is an argument its parser declares (a
+    misspelt field would silently keep its default)."""
     import dataclasses
     import importlib
 
@@ -446,3 +446,12 @@ def test_each_analysis_command_reads_typed_options_its_parser_declares() -> None
         declared = {action.dest for action in commands[command]._actions}
         fields = {field.name for field in dataclasses.fields(options)}
         assert fields <= declared, (command, sorted(fields - declared))
+    from kvsnap.capture import cli as capture_cli
+
+    for command, options in (
+        ("capture", capture_cli.CaptureOptions),
+        ("convert-gguf", capture_cli.ConvertOptions),
+        ("fetch-models", capture_cli.FetchOptions),
+    ):
+        declared = {action.dest for action in commands[command]._actions}
+        assert {field.name for field in dataclasses.fields(options)} <= declared, command
