@@ -4,17 +4,15 @@ entry point): convert-gguf, fetch-models, capture."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import Any
 
-from kvsnap.cli.options import fraction, non_negative_float, positive_int
-
-T = TypeVar("T")
+from kvsnap.cli.options import fraction, non_negative_float, positive_int, typed
 
 
 @dataclass(frozen=True)
 class CaptureOptions:
-    """``kvsnap capture``'s options, typed (`_typed`)."""
+    """``kvsnap capture``'s options, typed (`kvsnap.cli.options.typed`)."""
 
     model: str = ""
     prompt: str | None = None
@@ -54,17 +52,10 @@ class FetchOptions:
     dtype: str = "float16"
 
 
-def _typed(kind: type[T], args: argparse.Namespace) -> T:
-    """A command's options dataclass ``kind`` from argparse's namespace: the fields its parser
-    declares, the others at their defaults."""
-    given = vars(args)
-    return kind(**{f.name: given[f.name] for f in fields(kind) if f.name in given})  # type: ignore[arg-type]
-
-
 def _convert(args: argparse.Namespace) -> int:
     from .convert import convert_gguf
 
-    options = _typed(ConvertOptions, args)
+    options = typed(ConvertOptions, args)
     out = convert_gguf(options.gguf, options.out_dir, options.dtype, overwrite=options.force)
     print(f"wrote mlx-lm model directory {out}")
     return 0
@@ -73,7 +64,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _fetch(args: argparse.Namespace) -> int:
     from .fixtures import MODELS, cache_dir, fetch_model
 
-    options = _typed(FetchOptions, args)
+    options = typed(FetchOptions, args)
     for name in options.names or list(MODELS):
         path = fetch_model(name, options.dtype)
         print(f"{name}: {path}")
@@ -127,7 +118,7 @@ def _capture(args: argparse.Namespace) -> int:
 
     from .generate import Capture, SnapshotEvent, generate
 
-    options = _typed(CaptureOptions, args)
+    options = typed(CaptureOptions, args)
 
     model_path = _resolve_model(options.model)
     loaded = load(model_path)
@@ -377,7 +368,7 @@ def _check_at(parser: argparse.ArgumentParser, at: str) -> None:
 
 def _check_capture(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checks that need no model: run before any weights are read."""
-    options = _typed(CaptureOptions, args)
+    options = typed(CaptureOptions, args)
     if options.queries != "none" and options.separate_files:
         parser.error("--queries stores queries in one series file: drop --separate-files")
     inputs = [name for name in (options.model, options.prompt_file) if name]

@@ -7,7 +7,8 @@ import argparse
 import json
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import fields
+from typing import Any, TypeVar
 
 
 def _integer(text: str, minimum: int, rule: str) -> int:
@@ -86,3 +87,13 @@ def remote_options(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="for a URL: fsspec option (endpoint_url=..., anon=true) or headers={...} for HTTP; repeatable",
     )
+
+
+T = TypeVar("T")
+
+
+def typed(kind: type[T], args: argparse.Namespace) -> T:
+    """A command's options dataclass ``kind`` from argparse's namespace: the fields its parser
+    declares, the others at their defaults."""
+    given = vars(args)
+    return kind(**{f.name: given[f.name] for f in fields(kind) if f.name in given})  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,88 @@ import kvformat
 from kvformat import KVFormatError, OutOfRangeError, channel_order, codecs, dtypes
 from kvformat.io import check_output, output_path
 from kvsnap.cli.errors import CommandError
-from kvsnap.cli.options import non_negative_int, positive_int, remote_options, storage_options
+from kvsnap.cli.options import non_negative_int, positive_int, remote_options, storage_options, typed
+
+
+@dataclass(frozen=True)
+class InfoOptions:
+    """``kvsnap info``'s options, typed (`kvsnap.cli.options.typed`)."""
+
+    file: str = ""
+    storage_option: list[str] | None = None
+    snapshot: int = -1
+    json: bool = False
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """``kvsnap verify``'s options, typed."""
+
+    file: str = ""
+    storage_option: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class RecoverOptions:
+    """``kvsnap recover``'s options, typed."""
+
+    file: str = ""
+    output: str | None = None
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """``kvsnap pack``'s options, typed."""
+
+    input: str = ""
+    output: str = ""
+    codec: str = "raw"
+    chunk_tokens: int | None = None
+    dtype: str | None = None
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class ImportOptions:
+    """``kvsnap import-mlxkv``'s options, typed."""
+
+    source: str = ""
+    output: str | None = None
+    bundle: str | None = None
+    list: bool = False
+    codec: str = "raw"
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class DescribeOptions:
+    """``kvsnap describe``'s options, typed."""
+
+    file: str = ""
+    storage_option: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class ConformanceOptions:
+    """``kvsnap conformance``'s options, typed."""
+
+    directory: str = ""
+    reader: str | None = None
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    """``kvsnap dump``'s options, typed."""
+
+    file: str = ""
+    storage_option: list[str] | None = None
+    layer: int = 0
+    head: int = 0
+    seq: int = 0
+    snapshot: int = -1
+    output: str = ""
+    force: bool = False
 
 
 def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
@@ -66,15 +148,16 @@ def _spans(positions: Any) -> list[list[int]]:
     return runs
 
 
-def _open(args: argparse.Namespace, snapshot: int = -1) -> kvformat.Snapshot:
+def _open(options: InfoOptions | VerifyOptions | DumpOptions, snapshot: int = -1) -> kvformat.Snapshot:
     """The file or URL of a command, with its ``--storage-option``s."""
-    return kvformat.open(args.file, snapshot, storage_options=storage_options(args.storage_option))
+    return kvformat.open(options.file, snapshot, storage_options=storage_options(options.storage_option))
 
 
 def _info(args: argparse.Namespace) -> int:
-    with _open(args, args.snapshot) as snap:
+    options = typed(InfoOptions, args)
+    with _open(options, options.snapshot) as snap:
         description = _describe(snap)
-    if args.json:
+    if options.json:
         print(json.dumps(description, indent=2, ensure_ascii=False))
         return 0
     d = description
@@ -202,64 +285,67 @@ def _layer_runs(layers: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, 
 
 
 def _verify(args: argparse.Namespace) -> int:
-    with _open(args) as snap:
+    options = typed(VerifyOptions, args)
+    with _open(options) as snap:
         report = snap.verify()
     print(
-        f"{args.file}: OK — {report.records} records, {report.chunks} chunks, "
+        f"{options.file}: OK — {report.records} records, {report.chunks} chunks, "
         f"{report.snapshots} snapshot(s), {report.bytes_checked} bytes checked"
     )
     return 0
 
 
 def _recover(args: argparse.Namespace) -> int:
-    report = kvformat.recover(args.file, args.output, overwrite=args.force, force=args.force)
+    options = typed(RecoverOptions, args)
+    report = kvformat.recover(options.file, options.output, overwrite=options.force, force=options.force)
     if report.path is None:
-        print(f"{args.file} is complete and valid: nothing to recover, nothing written")
+        print(f"{options.file} is complete and valid: nothing to recover, nothing written")
         return 0
     extra = (
         ", the last rebuilt from chunks written after the last commit" if report.recovered_snapshot else ""
     )
     print(
         f"wrote {report.path}: {report.chunks} chunks, {report.snapshots} snapshot(s){extra}; "
-        f"{report.bytes_dropped} incomplete bytes of {args.file} left out ({args.file} unchanged)"
+        f"{report.bytes_dropped} incomplete bytes of {options.file} left out ({options.file} unchanged)"
     )
     return 0
 
 
 def _pack(args: argparse.Namespace) -> int:
-    check_output(args.output, inputs=[args.input], force=args.force)
-    with _open_npz(args.input) as npz:
+    options = typed(PackOptions, args)
+    check_output(options.output, inputs=[options.input], force=options.force)
+    with _open_npz(options.input) as npz:
         names = set(npz.files)
         layer_ids = sorted({int(n[3:]) for n in names if n.startswith(("k_L", "v_L")) and n[3:].isdigit()})
         if not layer_ids:
-            raise SystemExit(f"{args.input}: no arrays named k_L<layer> / v_L<layer>")
-        layers = [_npz_layer(npz, layer, args) for layer in range(layer_ids[-1] + 1)]
+            raise CommandError(f"{options.input}: no arrays named k_L<layer> / v_L<layer>")
+        layers = [_npz_layer(npz, layer, options) for layer in range(layer_ids[-1] + 1)]
     row_bytes = max(max(l.k.shape[2], l.v.shape[2]) * l.k.dtype.itemsize for l in layers if l)
-    chunk_bytes = args.chunk_tokens * row_bytes if args.chunk_tokens else kvformat.DEFAULT_CHUNK_BYTES
+    chunk_bytes = options.chunk_tokens * row_bytes if options.chunk_tokens else kvformat.DEFAULT_CHUNK_BYTES
     kvformat.save(
-        args.output,
+        options.output,
         layers,
-        codec=args.codec,
+        codec=options.codec,
         chunk_bytes=chunk_bytes,
-        metadata={"source": {"npz": str(args.input)}},
-        overwrite=args.force,
+        metadata={"source": {"npz": str(options.input)}},
+        overwrite=options.force,
     )
-    print(f"wrote {args.output}")
+    print(f"wrote {options.output}")
     return 0
 
 
-def _stored(array: np.ndarray, name: str, args: argparse.Namespace) -> np.ndarray:
+def _stored(array: np.ndarray, name: str, options: PackOptions) -> np.ndarray:
     """`pack`'s ``array`` in a dtype .kv stores: uint16 read as bfloat16 bits, ``--dtype`` converts,
     any other dtype is refused naming the array."""
     stored = {np.dtype(d.numpy) for d in dtypes.BY_NAME.values()} | {np.dtype(np.uint16)}
-    if not args.dtype and array.dtype not in stored:
-        raise SystemExit(
-            f"{args.input}: {name} is {array.dtype}, which .kv does not store: "
+    if not options.dtype and array.dtype not in stored:
+        raise CommandError(
+            f"{options.input}: {name} is {array.dtype}, which .kv does not store: "
             f"pass --dtype {' or '.join(sorted(dtypes.BY_NAME))} to convert"
         )
-    if array.dtype != np.uint16 and not args.dtype:
+    if array.dtype != np.uint16 and not options.dtype:
         return array
-    target = dtypes.from_name(args.dtype or "bfloat16").numpy
+    target = dtypes.from_name(options.dtype or "bfloat16").numpy
     return array.view(target) if array.dtype == np.uint16 else array.astype(target)
 
 
@@ -274,7 +360,7 @@ def _open_npz(path: str) -> Any:
     return npz_file
 
 
-def _npz_layer(npz: Any, layer: int, args: argparse.Namespace) -> kvformat.Layer | None:
+def _npz_layer(npz: Any, layer: int, options: PackOptions) -> kvformat.Layer | None:
     """Layer ``layer`` of `pack`'s input: ``k_L<i>``/``v_L<i>`` ``(heads, tokens, head_dim)``
     (uint16 read as bfloat16 bits, other dtypes only with ``--dtype``), ``positions_L<i>`` if
     present; None when neither array is there."""
@@ -282,10 +368,10 @@ def _npz_layer(npz: Any, layer: int, args: argparse.Namespace) -> kvformat.Layer
     if f"k_L{layer}" not in names and f"v_L{layer}" not in names:
         return None
     if f"k_L{layer}" not in names or f"v_L{layer}" not in names:
-        raise SystemExit(f"{args.input}: layer {layer} needs both k_L{layer} and v_L{layer}")
-    k, v = (_stored(npz[f"{name}_L{layer}"], f"{name}_L{layer}", args) for name in ("k", "v"))
+        raise CommandError(f"{options.input}: layer {layer} needs both k_L{layer} and v_L{layer}")
+    k, v = (_stored(npz[f"{name}_L{layer}"], f"{name}_L{layer}", options) for name in ("k", "v"))
     if k.ndim != 3 or v.ndim != 3:
-        raise SystemExit(f"{args.input}: layer {layer} arrays must be (heads, tokens, head_dim)")
+        raise CommandError(f"{options.input}: layer {layer} arrays must be (heads, tokens, head_dim)")
     positions = npz[f"positions_L{layer}"] if f"positions_L{layer}" in names else None
     return kvformat.Layer(k, v, positions)
 
@@ -295,13 +381,14 @@ def _import_mlxkv(args: argparse.Namespace) -> int:
     from kvformat.importers import bundles
     from kvformat.importers.mlxkv import import_mlxkv
 
-    with open(args.source, "rb") as f:
+    options = typed(ImportOptions, args)
+    with open(options.source, "rb") as f:
         single = sniff.kind(f.read(sniff.PREFIX_BYTES)) == "mlxkv"
-    if args.list:
+    if options.list:
         if single:
-            raise SystemExit(f"{args.source}: a single MLXKV001 snapshot holds no bundles to list")
-        rows = bundles.list_bundles(args.source)
-        print(f"{args.source}: {len(rows)} bundle(s), in write order")
+            raise CommandError(f"{options.source}: a single MLXKV001 snapshot holds no bundles to list")
+        rows = bundles.list_bundles(options.source)
+        print(f"{options.source}: {len(rows)} bundle(s), in write order")
         for row in rows:
             print(
                 f"  {row['uri'] or '(no uri)'}  chunk {row['chunk_id']}: {row['tokens']} tokens, "
@@ -310,20 +397,20 @@ def _import_mlxkv(args: argparse.Namespace) -> int:
                 f"{row['kv_encoding'] or 'encoding unstated'}"
             )
         return 0
-    if args.output is None:
-        raise SystemExit("import-mlxkv: give the output .kv file (or --list to print the bundles)")
-    check_output(args.output, inputs=[args.source], force=args.force)
+    if options.output is None:
+        raise CommandError("import-mlxkv: give the output .kv file (or --list to print the bundles)")
+    check_output(options.output, inputs=[options.source], force=options.force)
     if single:
-        if args.bundle is not None:
-            raise SystemExit(f"{args.source}: --bundle applies to a State log, container or manifest")
-        report = import_mlxkv(args.source, args.output, codec=args.codec, overwrite=args.force)
+        if options.bundle is not None:
+            raise CommandError(f"{options.source}: --bundle applies to a State log, container or manifest")
+        report = import_mlxkv(options.source, options.output, codec=options.codec, overwrite=options.force)
         print(
             f"wrote {report.path}: MLXKV001 version {report.version}, {report.layers} layer(s) with K/V, "
             f"seq_len {report.seq_len}, source sha256 {report.sha256[:16]}..."
         )
         return 0
-    done = bundles.import_bundles(args.source, args.output, bundle=args.bundle, codec=args.codec,
-                                  overwrite=args.force)  # fmt: skip
+    done = bundles.import_bundles(options.source, options.output, bundle=options.bundle, codec=options.codec,
+                                  overwrite=options.force)  # fmt: skip
     print(
         f"wrote {done.path}: {done.bundles} bundle(s) of a {done.kind} as {done.bundles} snapshot(s); "
         f"{done.blocks} block ref(s), {done.stored_blocks} block(s) stored; last bundle {done.tokens} tokens"
@@ -334,36 +421,39 @@ def _import_mlxkv(args: argparse.Namespace) -> int:
 def _describe_command(args: argparse.Namespace) -> int:
     from kvsnap.cli.conformance import describe
 
-    options = storage_options(args.storage_option)
-    print(json.dumps(describe(args.file, storage_options=options), ensure_ascii=False))
+    options = typed(DescribeOptions, args)
+    storage = storage_options(options.storage_option)
+    print(json.dumps(describe(options.file, storage_options=storage), ensure_ascii=False))
     return 0
 
 
 def _conformance(args: argparse.Namespace) -> int:
     from kvsnap.cli.conformance import run
 
-    results = run(args.directory, args.reader)
+    options = typed(ConformanceOptions, args)
+    results = run(options.directory, options.reader)
     width = max(len(r.name) for r in results) if results else 4
     print(f"{'vector':{width}s}  result")
     for result in results:
         print(f"{result.name:{width}s}  {'pass' if result.passed else 'FAIL ' + result.detail}")
     passed = sum(r.passed for r in results)
-    print(f"{passed}/{len(results)} passed ({args.reader or 'kvformat'})")
+    print(f"{passed}/{len(results)} passed ({options.reader or 'kvformat'})")
     return 0 if passed == len(results) else 1
 
 
 def _dump(args: argparse.Namespace) -> int:
-    check_output(args.output, inputs=[args.file], force=args.force)
-    with _open(args, args.snapshot) as snap:
-        head = snap.head(args.layer, args.head, args.seq)
+    options = typed(DumpOptions, args)
+    check_output(options.output, inputs=[options.file], force=options.force)
+    with _open(options, options.snapshot) as snap:
+        head = snap.head(options.layer, options.head, options.seq)
         if head is None:
-            raise SystemExit(f"{args.file}: layer {args.layer} is absent from this snapshot")
+            raise CommandError(f"{options.file}: layer {options.layer} is absent from this snapshot")
         with (
-            output_path(args.output, inputs=[args.file], force=args.force) as temporary,
+            output_path(options.output, inputs=[options.file], force=options.force) as temporary,
             open(temporary, "xb") as f,
         ):  # a file object: numpy adds no ".npz" to the name given
             np.savez(f, k=head.k.astype(np.float32), v=head.v.astype(np.float32), positions=head.positions)
-    print(f"wrote {args.output}: k {head.k.shape}, v {head.v.shape}, float32")
+    print(f"wrote {options.output}: k {head.k.shape}, v {head.v.shape}, float32")
     return 0
 
 
