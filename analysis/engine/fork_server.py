@@ -98,7 +98,8 @@ def _only_file(tokens: Sequence[str]) -> str | None:
         return None
     if len(args.files) != 1 or args.backend not in NAMES:
         return None
-    if any(getattr(args, name) != parser.get_default(name) for name in _DEFAULTS_CHANGED):
+    given = vars(args)
+    if any(given[name] != parser.get_default(name) for name in _DEFAULTS_CHANGED):
         return None
     kernel = profile(args.backend)
     return args.files[0] if kernel.worker_processes and kernel.start_method == START_METHOD else None
