@@ -65,6 +65,7 @@ class Settings(ctypes.Structure):
         ("group", _INT),  # `QUANT_GROUP`
     ]
     _arrays: tuple[np.ndarray, ...]
+    band_size: int  # the ``band`` sums the kernel writes (0 without the ROPE flag)
 
 
 class RunningSums(ctypes.Structure):
@@ -223,6 +224,7 @@ def settings(
         group=QUANT_GROUP,
     )
     made._arrays = (first, second, levels, flags, edges, guesses)  # alive while it is
+    made.band_size = pairs if flags[_ROPE] else 0
     return made
 
 
@@ -238,7 +240,6 @@ def running_sums(acc: Any, settings: Settings, scalars: np.ndarray, absmax_bits:
     stay alive as long as the struct."""
     dim, bins = acc.dim, settings.bins
     band = acc.band if acc.band is not None else _EMPTY
-    rope = settings._arrays[3][_ROPE]
     arrays: tuple[np.ndarray, ...] = (scalars, acc.norm_hist, acc.peak_hist, acc.power, absmax_bits)
     arrays += (acc.unit_sum, band, acc.position_count, acc.position_norm, acc.quant_token, acc.quant_channel)
     made = RunningSums(
@@ -249,7 +250,7 @@ def running_sums(acc: Any, settings: Settings, scalars: np.ndarray, absmax_bits:
         power=_address(acc.power, np.float64, 4 * dim),
         absmax_bits=_address(absmax_bits, np.int32, dim),
         unit_sum=_address(acc.unit_sum, np.float64, dim),
-        band=_address(band, np.float64, settings.pairs if rope else 0),
+        band=_address(band, np.float64, settings.band_size),
         position_count=_address(acc.position_count, np.int64),
         position_norm=_address(acc.position_norm, np.float64, acc.position_count.shape[0]),
         position_bins=acc.position_count.shape[0],

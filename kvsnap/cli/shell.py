@@ -24,21 +24,20 @@ from kvsnap.cli.options import non_negative_int, positive_int, remote_options, s
 
 
 @dataclass(frozen=True)
-class InfoOptions:
-    """``kvsnap info``'s options, typed (`kvsnap.cli.options.typed`)."""
+class FileOptions:
+    """A command's file or URL and its ``--storage-option``s, typed (`kvsnap.cli.options.typed`):
+    the options of ``verify`` and ``describe``, and the first of ``info``'s and ``dump``'s."""
 
     file: str = ""
     storage_option: list[str] | None = None
-    snapshot: int = -1
-    json: bool = False
 
 
 @dataclass(frozen=True)
-class VerifyOptions:
-    """``kvsnap verify``'s options, typed."""
+class InfoOptions(FileOptions):
+    """``kvsnap info``'s options, typed."""
 
-    file: str = ""
-    storage_option: list[str] | None = None
+    snapshot: int = -1
+    json: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,14 +74,6 @@ class ImportOptions:
 
 
 @dataclass(frozen=True)
-class DescribeOptions:
-    """``kvsnap describe``'s options, typed."""
-
-    file: str = ""
-    storage_option: list[str] | None = None
-
-
-@dataclass(frozen=True)
 class ConformanceOptions:
     """``kvsnap conformance``'s options, typed."""
 
@@ -91,11 +82,9 @@ class ConformanceOptions:
 
 
 @dataclass(frozen=True)
-class DumpOptions:
+class DumpOptions(FileOptions):
     """``kvsnap dump``'s options, typed."""
 
-    file: str = ""
-    storage_option: list[str] | None = None
     layer: int = 0
     head: int = 0
     seq: int = 0
@@ -148,7 +137,7 @@ def _spans(positions: Any) -> list[list[int]]:
     return runs
 
 
-def _open(options: InfoOptions | VerifyOptions | DumpOptions, snapshot: int = -1) -> kvformat.Snapshot:
+def _open(options: FileOptions, snapshot: int = -1) -> kvformat.Snapshot:
     """The file or URL of a command, with its ``--storage-option``s."""
     return kvformat.open(options.file, snapshot, storage_options=storage_options(options.storage_option))
 
@@ -285,7 +274,7 @@ def _layer_runs(layers: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, 
 
 
 def _verify(args: argparse.Namespace) -> int:
-    options = typed(VerifyOptions, args)
+    options = typed(FileOptions, args)
     with _open(options) as snap:
         report = snap.verify()
     print(
@@ -421,7 +410,7 @@ def _import_mlxkv(args: argparse.Namespace) -> int:
 def _describe_command(args: argparse.Namespace) -> int:
     from kvsnap.cli.conformance import describe
 
-    options = typed(DescribeOptions, args)
+    options = typed(FileOptions, args)
     storage = storage_options(options.storage_option)
     print(json.dumps(describe(options.file, storage_options=storage), ensure_ascii=False))
     return 0

@@ -455,11 +455,11 @@ def test_each_stage_command_reads_typed_options_its_parser_declares() -> None:
         ("convert-gguf", capture_cli.ConvertOptions),
         ("fetch-models", capture_cli.FetchOptions),
         ("info", shell.InfoOptions),
-        ("verify", shell.VerifyOptions),
+        ("verify", shell.FileOptions),
         ("recover", shell.RecoverOptions),
         ("pack", shell.PackOptions),
         ("import-mlxkv", shell.ImportOptions),
-        ("describe", shell.DescribeOptions),
+        ("describe", shell.FileOptions),
         ("conformance", shell.ConformanceOptions),
         ("dump", shell.DumpOptions),
     ):
