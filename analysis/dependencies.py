@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
     import pyarrow.csv as pa_csv
     import pyarrow.parquet as pq
+    import ray
     import threadpoolctl
     import tqdm
 else:
@@ -58,6 +59,7 @@ else:
     pa = OnFirstUse("pyarrow")
     pa_csv = OnFirstUse("pyarrow.csv")
     pq = OnFirstUse("pyarrow.parquet")
+    ray = OnFirstUse("ray")
     threadpoolctl = OnFirstUse("threadpoolctl")
     tqdm = OnFirstUse("tqdm")
 

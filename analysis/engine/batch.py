@@ -1,9 +1,11 @@
 """Statistics over many snapshots: path and URL patterns, per-file failures, engines, merging.
 
-Two engines run the same per-file core (`analysis.engine.tables.stats_for_file` /
-`analysis.engine.tables.file_accumulators`): ``"local"`` (processes on this machine) and ``"ray"``
-(`analysis.engine.ray`, Ray Data on a local or remote cluster). A file that fails is reported with its
-name and collected in `BatchResult.failures`; the other files go on unless ``fail_fast``.
+A batch is planned once (`plan.BatchOptions.plan`: each file's parts and the executor that runs
+them) and carried out the same way on both engines: ``"local"`` (processes on this machine) and
+``"ray"`` (Ray tasks on a local or remote cluster) are executors (`engine.executors`) running the
+same per-file core (`analysis.engine.tables.file_table` / `merged_accumulators`). A file that
+fails is reported with its name and collected in `BatchResult.failures`; the other files go on
+unless ``fail_fast``.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from .files import (
     first_failure,
     parts_by_file,
 )
-from .plan import BatchOptions, file_tasks
+from .plan import BatchOptions
 from .tables import file_table, merged_accumulators, rows_of
 
 if TYPE_CHECKING:
-    from .plan import PassOptions
+    from .plan import Plan
 
 
 __all__ = [
@@ -55,24 +57,16 @@ def run_stats(
     default all: files in processes, the cores left as each file's workers) or ``"ray"``
     (``address`` of a cluster, or a local one with ``jobs`` CPUs). Same rows, same order, for
     both engines. ``progress`` is called with each file name as it finishes; ``sink`` with the
-    rows' tables in order, each as soon as its file is done (the local engine; the Ray engine
-    calls it once, with every row), to write them while the other files are computed."""
+    rows' tables in order, each as soon as its file is done (on one core, each layer's as soon
+    as it is computed), to write them while the other files are computed."""
     options = BatchOptions.of(options, settings)
     paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, options.storage_options)
-    if options.engine == "ray":
-        from .ray import ray_stats
-
-        result = ray_stats(paths, options)
-        if sink is not None:
-            sink(result.rows)
-        return result
-    processes, pass_options = options.plan(len(paths))
-    here = processes <= 1  # one process: each layer's table goes to the sink as it is computed
+    plan = options.plan(paths)
+    here = plan.in_process  # each layer's table goes to the sink as it is computed
     work = functools.partial(file_table, sink=sink) if here and sink is not None else file_table
     tables: list[pa.Table] = []
     failures: list[FileFailure] = []
-    processes, tasks = file_tasks(paths, processes, pass_options, options.cores)
-    for path, found in parts_by_file(paths, tasks, work, processes, options.fail_fast):
+    for path, found in parts_by_file(plan, work, options.fail_fast):
         failure = first_failure(found)
         if failure is not None:
             failures.append(failure)
@@ -136,14 +130,7 @@ def merged_stats(
     paths = expand_paths([patterns] if isinstance(patterns, str) else patterns, options.storage_options)
     merger = Merger()
     failures: list[FileFailure] = []
-    if options.engine == "ray":
-        from .ray import ray_accumulators
-
-        results: Iterable[tuple[str, Any]] = ray_accumulators(paths, options)
-    else:
-        processes, pass_options = options.plan(len(paths))
-        results = _merged_by_file(paths, processes, pass_options, options.cores, fail_fast)
-    for path, result in results:
+    for path, result in _merged_by_file(options.plan(paths), fail_fast):
         if isinstance(result, FileFailure):
             failures.append(result)
         else:
@@ -158,14 +145,12 @@ def merged_stats(
     return BatchResult(merger.table().to_arrow(), failures, len(paths))
 
 
-def _merged_by_file(
-    paths: list[str], processes: int, options: PassOptions, cores: int, fail_fast: bool
-) -> Iterator[tuple[str, Any]]:
-    """``(path, accumulators or FileFailure)`` per file, in order, on the local engine: files in
-    parts as `run_stats` hands them out (`parts_by_file`), each file's parts' accumulators joined
-    (their layers do not overlap)."""
-    processes, tasks = file_tasks(paths, processes, options, cores)
-    for path, found in parts_by_file(paths, tasks, merged_accumulators, processes, fail_fast):
+def _merged_by_file(plan: Plan, fail_fast: bool) -> Iterator[tuple[str, Any]]:
+    """``(path, accumulators or FileFailure)`` per file, in order: the plan's tasks run as
+    `run_stats` runs them (`parts_by_file`), each file's parts' accumulators joined (their
+    layers do not overlap). Merged in the order of the paths on every executor, the sums are
+    the same bit for bit."""
+    for path, found in parts_by_file(plan, merged_accumulators, fail_fast):
         failure = first_failure(found)
         joined = {
             key: acc for part in found if not isinstance(part, FileFailure) for key, acc in part.items()

@@ -1,27 +1,24 @@
-"""What the batch engines share beside their plan (`plan.BatchOptions`, `plan.file_tasks`): file
-patterns, running a plan's tasks (`parts_by_file`), per-file failures, the result of a batch.
+"""What a batch does beside its plan (`plan.BatchOptions.plan`): file patterns, carrying a plan's
+tasks out on its executor (`parts_by_file`), per-file failures, the result of a batch.
 
-`analysis.engine.batch` (the entry points) uses this module and, when asked for Ray, `analysis.engine.ray`;
-`analysis.engine.ray` uses this module and `analysis.stats`. Nothing here imports either engine, so the
-dependencies run one way: batch -> ray -> files, stats.
+`analysis.engine.batch` (the entry points) and `analysis.engine.ray` (Ray Data's reader) use this
+module; it imports neither.
 """
 
 from __future__ import annotations
 
 import functools
 import glob
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvformat.io.remote import expand, is_url
 
 from ..dependencies import pa, pl
-from .parallel import local_map
-from .plan import PassOptions
 
 if TYPE_CHECKING:
-    from .plan import PassOptions
+    from .plan import PassOptions, Plan
 
 Options = dict[str, Any]
 MergedKey = tuple[int, int, str]  # (layer, head, "k" | "v")
@@ -79,7 +76,7 @@ def file_or_failure(
     path: str, work: Callable[[str, PassOptions], Any], options: PassOptions, fail_fast: bool
 ) -> Any:
     """``work(path, options)``, or the `FileFailure` it raised (raised again with
-    ``fail_fast``). ``path`` first, as `parallel.local_map` calls it."""
+    ``fail_fast``)."""
     try:
         return work(path, options)
     except Exception as exc:
@@ -91,38 +88,23 @@ def file_or_failure(
 def part_or_failure(
     task: tuple[Any, PassOptions], work: Callable[[Any, PassOptions], Any], fail_fast: bool
 ) -> Any:
-    """`file_or_failure` of one task of `plan.file_tasks`: ``(path, the part's options)``."""
+    """`file_or_failure` of one of `plan.Plan.tasks`: ``(path, the part's options)``."""
     path, options = task
     return file_or_failure(path, work, options, fail_fast)
 
 
 def parts_by_file(
-    paths: Sequence[Any],
-    tasks: list[tuple[Any, PassOptions]],
-    work: Callable[[Any, PassOptions], Any],
-    processes: int,
-    fail_fast: bool = True,
+    plan: Plan, work: Callable[[Any, PassOptions], Any], fail_fast: bool = True
 ) -> Iterator[tuple[Any, list[Any]]]:
-    """Each of ``paths`` with ``work``'s results on its parts, in order: ``tasks`` are
-    `plan.file_tasks`' (each file's parts, file by file), run on ``processes`` spawned processes;
-    a part that fails is its `FileFailure` (raised with ``fail_fast``)."""
-    parts = len(tasks) // max(len(paths), 1)
-    results = iter(local_map(part_or_failure, tasks, processes, work, fail_fast))
-    for path in paths:
-        yield path, [next(results) for _ in range(parts)]
+    """Each of the plan's paths with ``work``'s results on its parts, in order, the plan's tasks
+    run on its executor (`plan.Plan.start`); a part that fails is its `FileFailure` (raised
+    with ``fail_fast``)."""
+    with plan.start() as executor:
+        results = executor.map(part_or_failure, plan.tasks, work, fail_fast)
+        for path in plan.paths:
+            yield path, [next(results) for _ in range(plan.parts)]
 
 
 def first_failure(results: list[Any]) -> FileFailure | None:
     """The first `FileFailure` among a file's parts' ``results``, or None."""
     return next((result for result in results if isinstance(result, FileFailure)), None)
-
-
-def sort_like(table: pl.DataFrame, paths: list[str]) -> pl.DataFrame:
-    """Rows in the order of ``paths``, each file's rows in the order its pass produced them (a
-    stable sort): the local engine's order."""
-
-    if table.is_empty():
-        return table
-    order = {path: i for i, path in enumerate(paths)}
-    rank = pl.col("file").replace_strict(order, default=len(paths), return_dtype=pl.Int64)
-    return table.with_columns(rank.alias("__order")).sort("__order", maintain_order=True).drop("__order")

@@ -1,12 +1,13 @@
 """The CPU backend's fork server (`analysis.engine.processes`), startable before anything heavy is
-imported: this module needs the standard library, `analysis.engine.parallel`, the kernels' names
-and profiles (`analysis.kernels`) and the ``stats`` command's argument definitions
-(`analysis.commands.options`), none of which imports numpy.
+imported: this module needs the standard library, `analysis.engine.parallel`,
+`analysis.engine.executors`, the kernels' names and profiles (`analysis.kernels`) and the
+``stats`` command's argument definitions (`analysis.commands.options`), none of which imports
+numpy.
 
-A fresh ``kvsnap stats FILE`` of a big file waits for its workers: the fork server imports numpy and
-the kernels (`warm_kernels`: the C library of `native`) before it forks the first worker, and started
-only once the command had imported numpy, built
-its parser and read its arguments, it would start late (`python -m benchmarks.cli_bench` measures a
+A fresh ``kvsnap stats FILE`` of a big file waits for its workers: the fork server imports numpy
+and the kernels (`warm_kernels`: the C library of `native`) before it forks the first worker, and
+started only once the command had imported numpy, built its parser and read its arguments, it
+would start late (`python -m benchmarks.cli_bench` measures a
 fresh command). `start_early` starts it as the ``kvsnap`` process begins, for the command that will
 want it (the default ``kvsnap stats`` of one big local file); `processes` then finds it running."""
 
@@ -20,7 +21,8 @@ from typing import NoReturn
 from ..commands.options import stats_arguments
 from ..dependencies import multiprocessing
 from ..kernels import NAMES, profile
-from .parallel import cores, main_hidden, one_thread_environment
+from .executors import main_hidden, one_thread_environment
+from .parallel import cores
 
 START_METHOD = "forkserver"
 PRELOAD = ["kvsnap.analysis.engine.warm_kernels"]

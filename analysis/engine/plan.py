@@ -22,6 +22,8 @@ from ..kernels.arrays import PIECE, bytes_of
 from ..stats.accumulator import HeadAccumulator, stack
 from ..stats.catalogue import ALL, stat_groups
 from ..stats.rope import Rope
+from . import executors
+from .executors import Executor
 from .parallel import cores, split_jobs
 from .progress import bar
 
@@ -346,14 +348,18 @@ class BatchOptions(FileOptions):
 
         return self.jobs or cores()
 
-    def plan(self, files: int) -> tuple[int, PassOptions]:
-        """Processes for ``files`` files and each file's pass options: files in parallel first,
-        the cores left as each file's workers. With ``backend="mlx"`` the device is driven by
-        `kernels.mlx_sizing.processes` processes (12 of 16 cores): with at least as many files,
-        each drives it with whole files, one after another (one file's pass in each, its copy and
-        row threads a share of the machine's); with fewer, one file after another, each on that
-        many worker processes (a local file; else one thread)."""
+    def plan(self, paths: Sequence[Any]) -> Plan:
+        """The batch's `Plan` over ``paths``: with ``engine="ray"`` each file whole, one task on
+        one thread per file, Ray scheduling the cluster's cores; locally, files in parallel
+        processes first, the cores left as each file's workers, and where each file would get
+        one core, the files split in parts of their layers (`file_parts`) so that every core
+        runs. With ``backend="mlx"`` the device is driven by `kernels.mlx_sizing.processes`
+        processes (12 of 16 cores): with at least as many files, each drives it with whole
+        files, one after another (one file's pass in each, its copy and row threads a share of
+        the machine's); with fewer, one file after another, each on that many worker processes
+        (a local file; else one thread)."""
 
+        files = len(paths)
         processes, threads = split_jobs(self.cores, files)
         share = 1
         kernel = profile(self.backend)
@@ -373,7 +379,49 @@ class BatchOptions(FileOptions):
             backend=self.backend,
             device_share=share,
         )
-        return processes, options
+        if self.engine == "ray":
+            one_thread = dataclasses.replace(options, workers=1, progress=False)
+            return Plan(list(paths), one_thread, 1, "ray", self.cores, self.address)
+        parts = file_parts(files, self.cores, options)
+        if parts > 1:
+            processes = min(self.cores, files * parts)
+        return Plan(list(paths), options, parts, "processes", processes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a batch runs and where, decided once: every file of ``paths`` in ``parts``
+    contiguous shares of its layers, each share a task with ``options`` (`tasks`), run on the
+    executor named ``executor`` (`executors.EXECUTORS`) with ``workers`` workers (``address``:
+    the Ray cluster's)."""
+
+    paths: list[Any]
+    options: PassOptions
+    parts: int
+    executor: str
+    workers: int
+    address: str | None = None
+
+    @property
+    def tasks(self) -> list[tuple[Any, PassOptions]]:
+        """Each file's parts, file by file, as ``(path, the part's options)``."""
+        if self.parts == 1:
+            return [(path, self.options) for path in self.paths]
+        return [
+            (path, dataclasses.replace(self.options, part=(index, self.parts)))
+            for path in self.paths
+            for index in range(self.parts)
+        ]
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the tasks run in this process, one after another (one worker, not Ray)."""
+        return self.executor != "ray" and self.workers <= 1
+
+    def start(self) -> Executor:
+        """The executor that carries the plan out (`executors.make`; one worker: `Inline`)."""
+        settings = {"address": self.address} if self.executor == "ray" else {}
+        return executors.make(self.executor, self.workers, **settings)
 
 
 PART_TASKS_PER_PROCESS = 8
@@ -389,18 +437,3 @@ def file_parts(files: int, cores: int, options: PassOptions) -> int:
     if not profile(options.backend).splits_files or options.workers > 1 or cores <= 1 or files < 1:
         return 1
     return max(1, min(MAX_PARTS, -(-PART_TASKS_PER_PROCESS * cores // files)))
-
-
-def file_tasks(
-    paths: Sequence[Any], processes: int, options: PassOptions, cores: int
-) -> tuple[int, list[tuple[Any, PassOptions]]]:
-    """The processes a batch over ``paths`` runs on and its tasks: each file's parts (`file_parts`:
-    where each file would get one core, it is split in parts of its layers and every one of
-    ``cores`` runs), file by file, as ``(path, the part's options)``."""
-    parts = file_parts(len(paths), cores, options)
-    if parts > 1:
-        processes = min(cores, len(paths) * parts)
-    tasks = [
-        (path, dataclasses.replace(options, part=(index, parts))) for path in paths for index in range(parts)
-    ]
-    return processes, tasks

@@ -41,7 +41,6 @@ code of every kernel it has loaded (measured per worker in the benchmarks in `be
 
 from __future__ import annotations
 
-import atexit
 import collections
 import os
 import threading
@@ -57,10 +56,9 @@ from kvformat.io import remote
 from ..dependencies import futures_process, multiprocessing
 from ..kernels import profile
 from ..stats.rows import compute as compute_rows
-from . import fork_server
+from . import executors, fork_server
 from .fork_server import FULL_CORES, PROCESS_MIN_BYTES, PROCESS_MIN_HEADS, START_METHOD
 from .parallel import limit_blas_threads
-from .parallel import main_hidden as _main_hidden
 from .plan import (
     add_segments,
     fresh_accumulators,
@@ -152,53 +150,24 @@ def _heads(path: str | os.PathLike[str]) -> int:
 
 def _running(workers: int, backend: str = "cpu") -> bool:
     """Whether a pool of ``workers`` workers for ``backend`` is already running."""
-    return _POOL is not None and _POOL[:2] == (workers, backend)
+    return executors.is_kept((workers, backend))
 
 
-_POOL: tuple[int, str, futures_process.ProcessPoolExecutor] | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _pool(workers: int, backend: str = "cpu") -> futures_process.ProcessPoolExecutor:
-    """The process pool of ``workers`` workers for ``backend``, started once and kept (another
-    pool is shut down first). Every worker runs one BLAS thread.
+def _pool(workers: int, backend: str = "cpu") -> executors.Processes:
+    """The process executor of ``workers`` workers for ``backend``, started once and kept
+    (`executors.kept`; another is shut down first). Every worker runs one BLAS thread.
 
     CPU workers are forked from the fork server, which has loaded the kernels (`warm_kernels`).
     mlx workers are spawned (`Profile.start_method`): nothing on mlx loads the CPU kernels."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is not None and _POOL[:2] == (workers, backend):
-            return _POOL[2]
-        if _POOL is not None:
-            _POOL[2].shutdown(wait=False, cancel_futures=True)
-            _POOL = None
-        kernel = profile(backend)
-        if kernel.start_method != START_METHOD:  # spawned: nothing of the CPU kernels' fork server
-            context = multiprocessing.get_context(kernel.start_method)
-            pool = futures_process.ProcessPoolExecutor(
-                workers, mp_context=context, initializer=_one_blas_thread
-            )
-        else:
-            fork_server.ensure_running()  # running already where `kvsnap` started it early
-            pool = futures_process.ProcessPoolExecutor(
-                workers, mp_context=multiprocessing.get_context(START_METHOD)
-            )
-        _POOL = (workers, backend, pool)
-        atexit.unregister(_forget_pool)  # once, and after the exit handlers registered before it
-        atexit.register(_forget_pool)
-        return pool
 
+    def started() -> executors.Processes:
+        method = profile(backend).start_method
+        if method != START_METHOD:  # spawned: nothing of the CPU kernels' fork server
+            return executors.Processes(workers, method, initializer=_one_blas_thread)
+        fork_server.ensure_running()  # running already where `kvsnap` started it early
+        return executors.Processes(workers, START_METHOD)
 
-def _forget_pool() -> None:
-    """At interpreter exit (after ``concurrent.futures`` has joined its workers), shut down and
-    drop the kept pool while every module is still whole: collected later, in the modules'
-    teardown, its callback finds ``concurrent.futures.process``'s globals cleared and prints an
-    ignored ``AttributeError`` (seen once at the end of a test worker)."""
-    global _POOL
-    with _POOL_LOCK:
-        kept, _POOL = _POOL, None
-    if kept is not None:
-        kept[2].shutdown(wait=False, cancel_futures=True)
+    return executors.kept((workers, backend), started)
 
 
 def _one_blas_thread() -> None:
@@ -207,10 +176,6 @@ def _one_blas_thread() -> None:
     changing that for each submit would race with the parent's other threads)."""
 
     limit_blas_threads(1)
-
-
-def _ready() -> None:
-    """Nothing: a first task that makes the pool start a worker."""
 
 
 def start(workers: int, backend: str = "cpu") -> None:
@@ -228,41 +193,26 @@ def start(workers: int, backend: str = "cpu") -> None:
     if _running(workers, backend):
         pool = _pool(workers, backend)
         try:
-            _ask_for_workers(pool, workers)
+            pool.start()
         except futures_process.BrokenProcessPool:
-            _discard_pool(pool)
+            executors.discard(pool)
             start(workers, backend)
         return
     pool = _pool(workers, backend)
-    _HELPER = threading.Thread(target=_ask_quietly, args=(pool, workers), name="kvsnap-workers", daemon=True)
+    _HELPER = threading.Thread(target=_ask_quietly, args=(pool,), name="kvsnap-workers", daemon=True)
     _HELPER.start()
 
 
 _HELPER: threading.Thread | None = None
 
 
-def _ask_for_workers(pool: futures_process.ProcessPoolExecutor, workers: int) -> None:
-    with _main_hidden():
-        for _ in range(workers):
-            pool.submit(_ready)
-
-
-def _ask_quietly(pool: futures_process.ProcessPoolExecutor, workers: int) -> None:
-    """`_ask_for_workers` on the helper thread: a pool that breaks meanwhile is discarded, and
-    the pass that uses it reports the failure."""
+def _ask_quietly(pool: executors.Processes) -> None:
+    """``pool.start()`` on the helper thread: a pool that breaks meanwhile is discarded, and the
+    pass that uses it reports the failure."""
     try:
-        _ask_for_workers(pool, workers)
+        pool.start()
     except (futures_process.BrokenProcessPool, RuntimeError):  # RuntimeError: shut down meanwhile
-        _discard_pool(pool)
-
-
-def _discard_pool(pool: futures_process.ProcessPoolExecutor) -> None:
-    """Forget ``pool`` (broken: a worker died), so that the next pass starts a fresh one."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is not None and _POOL[2] is pool:
-            _POOL = None
-    pool.shutdown(wait=False, cancel_futures=True)
+        executors.discard(pool)
 
 
 @dataclass
@@ -367,8 +317,7 @@ def layers(
                     len(pending) < 2 * workers or tasks[next_task].layer == layer
                 ):
                     task = tasks[next_task]
-                    with _main_hidden():  # the pool starts its workers on submit
-                        future = pool.submit(_run_task, name, index, options, workers, task, finish)
+                    future = pool.submit(_run_task, name, index, options, workers, task, finish)
                     pending.append((task, future))
                     next_task += 1
                 # A layer's tasks split its heads in order, so their results join in that order.
@@ -378,7 +327,7 @@ def layers(
                 bar.update()
                 yield name, index, layer, accumulators
         except futures_process.BrokenProcessPool:
-            _discard_pool(pool)
+            executors.discard(pool)
             raise
         finally:
             for _, future in pending:

@@ -21,7 +21,8 @@ from ..stats.accumulator import HeadAccumulator
 from ..stats.rope import Rope
 from ..stats.rows import compute as compute_rows
 from . import processes
-from .parallel import OrderedPool, after, single_threaded_blas
+from .executors import OrderedPool, after
+from .parallel import single_threaded_blas
 from .plan import (
     CLOSING_LAYERS,
     Key,
@@ -155,7 +156,7 @@ def layers(
     the same batches). Otherwise (a URL, a small file; on mlx one thread drives the device)
     consecutive blocks of a head (up to 8 MiB of K and V, or one block if larger) go to T
     threads as one task, at most T + 2 such batches in flight
-    (`analysis.engine.parallel.OrderedPool`): memory is about ``(T + 3) x max(8 MiB, block) + T x 3 x
+    (`analysis.engine.executors.OrderedPool`): memory is about ``(T + 3) x max(8 MiB, block) + T x 3 x
     2048 x head_dim x 4 bytes (float32 work buffers) + the accumulators of the layers in progress``
     (each ``~(head_dim^2 + 6 head_dim) x 8 + 36 KiB``). Where segments are small (a series
     of snapshots), the pass takes them head by head within windows of `WINDOW_BYTES` of the file

@@ -23,8 +23,7 @@ from ..stats.accumulator import HeadAccumulator
 from ..stats.arrow import arrow_table
 from ..stats.catalogue import ALL, GROUPS, POSITION_BINS, QUANT_BITS, QUANT_GROUP, RANKS, TOP_K, stat_groups
 from .files import parts_by_file
-from .parallel import local_map
-from .plan import BatchOptions, Key, PassOptions, file_tasks
+from .plan import BatchOptions, Key, PassOptions
 from .streaming import accumulate, layers
 
 __all__ = [
@@ -48,7 +47,6 @@ __all__ = [
     "head_stats_reader",
     "head_stats_table",
     "layer_tables",
-    "local_map",
     "merged_accumulators",
     "outliers",
     "stat_groups",
@@ -217,9 +215,7 @@ def file_tables(
     file name as it finishes."""
     files = _paths(paths)
     batch = BatchOptions(jobs=jobs, snapshot=snapshot, keys=keys, stats=stat_groups(stats), backend=backend)
-    processes, options = batch.plan(len(files))
-    processes, tasks = file_tasks(files, processes, options, batch.cores)
-    for path, found in parts_by_file(files, tasks, file_table, processes):
+    for path, found in parts_by_file(batch.plan(files), file_table):
         if progress:
             progress(os.fspath(path))
         yield found[0] if len(found) == 1 else rows_of(found)

@@ -26,7 +26,8 @@ import numpy as np
 import kvformat
 
 from ..dependencies import pa, pl
-from ..engine.parallel import cores, local_map
+from ..engine import executors
+from ..engine.parallel import cores
 from ..stats.rope import Rope
 
 WINDOW_BYTES = 64 << 20  # float64 bytes of one window of one layer's heads
@@ -223,11 +224,11 @@ def head_similarity(
     every core)."""
 
     files = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
-    processes = min(cores() if jobs is None else jobs, len(files))
-    tables = [
-        pl.from_arrow(t)
-        for per_file in local_map(_file_tables, files, processes, snapshot, keys, storage_options)
-        for t in per_file
-    ]
+    with executors.for_tasks(cores() if jobs is None else jobs, len(files)) as executor:
+        tables = [
+            pl.from_arrow(t)
+            for per_file in executor.map(_file_tables, files, snapshot, keys, storage_options)
+            for t in per_file
+        ]
     frames = [t for t in tables if isinstance(t, pl.DataFrame)]
     return pl.concat(frames) if frames else pl.DataFrame()

@@ -47,7 +47,7 @@ def main() -> None:
         workers = processes.worker_count(args.jobs, args.backend)
         processes.start(workers, args.backend)
         pool = processes._pool(workers, args.backend)
-        for future in [pool.submit(processes._ready) for _ in range(workers)]:
+        for future in [pool.submit(int) for _ in range(workers)]:
             future.result()
         mark(f"{workers} workers ready")
     rows = run_stats(args.file, jobs=args.jobs, backend=args.backend).rows

@@ -90,11 +90,12 @@ def test_files_split_into_parts_of_their_layers_give_the_whole_files_table(runs:
     from kvsnap.analysis.engine.plan import PassOptions, file_parts, layers_of_part
     from kvsnap.analysis.engine.tables import file_table
 
-    one = BatchOptions(jobs=2).plan(4)[1]
+    one = BatchOptions(jobs=2).plan(["f"] * 4).options
     assert one.workers == 1 and file_parts(4, 2, one) == 4  # 8 tasks per process, 2 processes
     assert file_parts(50, 16, one) == 3 and file_parts(500, 16, one) == 1 and file_parts(4, 16, one) == 8
     assert file_parts(4, 1, one) == 1  # one core: nothing to balance
-    assert file_parts(2, 16, BatchOptions(jobs=16).plan(2)[1]) == 1  # each file on 8 workers already
+    two = BatchOptions(jobs=16).plan(["f"] * 2).options
+    assert file_parts(2, 16, two) == 1  # each file on 8 workers already
     layers = {layer: None for layer in (0, 1, 2, 4, 5, 7, 9)}  # present layers, with gaps
     for count in (1, 2, 3, 7, 9):
         shares = [list(layers_of_part(layers, (i, count))) for i in range(count)]
@@ -137,8 +138,9 @@ def test_one_options_object_or_its_fields_as_keywords(runs: Path) -> None:
         BatchOptions(jobs=0)
     with pytest.raises(ValueError, match="unknown statistic group 'norm'"):
         BatchOptions(stats="norm")
-    processes, per_file = BatchOptions(jobs=4, keys="pre_rope").plan(2)
-    assert (processes, per_file.workers, per_file.keys, per_file.progress) == (2, 2, "pre_rope", False)
+    plan = BatchOptions(jobs=4, keys="pre_rope").plan(["a", "b"])
+    per_file = plan.options
+    assert (plan.workers, per_file.workers, per_file.keys, per_file.progress) == (2, 2, "pre_rope", False)
 
 
 def test_mlx_batches_give_each_device_process_whole_files(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,12 +151,12 @@ def test_mlx_batches_give_each_device_process_whole_files(monkeypatch: pytest.Mo
     from kvsnap.analysis.kernels import mlx_sizing
 
     monkeypatch.setattr(mlx_sizing, "processes", lambda workers: workers * 3 // 4)
-    processes, per_file = BatchOptions(jobs=16, backend="mlx").plan(50)
-    assert (processes, per_file.workers, per_file.device_share) == (12, 1, 12)
-    processes, per_file = BatchOptions(jobs=16, backend="mlx").plan(11)
-    assert (processes, per_file.workers, per_file.device_share) == (1, 16, 1)
-    processes, per_file = BatchOptions(jobs=1, backend="mlx").plan(50)  # one device process
-    assert (processes, per_file.workers, per_file.device_share) == (1, 1, 1)
+    plan = BatchOptions(jobs=16, backend="mlx").plan(["f"] * 50)
+    assert (plan.workers, plan.options.workers, plan.options.device_share, plan.parts) == (12, 1, 12, 1)
+    plan = BatchOptions(jobs=16, backend="mlx").plan(["f"] * 11)
+    assert (plan.workers, plan.options.workers, plan.options.device_share) == (1, 16, 1)
+    plan = BatchOptions(jobs=1, backend="mlx").plan(["f"] * 50)  # one device process
+    assert (plan.workers, plan.options.workers, plan.options.device_share) == (1, 1, 1)
     assert mlx_sizing.copy_threads(12) == 1 and mlx_sizing.row_threads(12) == 1
     from kvsnap.analysis.engine.plan import PassOptions
 

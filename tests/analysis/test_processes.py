@@ -244,32 +244,6 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
     assert result.stdout.split() == ["rows", "8", "True", "True", "True"]
 
 
-def test_hiding_main_from_several_threads_at_once_restores_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The helper thread that asks for workers and a pass's own submits hide ``__main__`` at
-    the same time: one at a time, so the last to leave does not restore the hidden values."""
-    import threading
-    import time
-    import types
-
-    main = types.ModuleType("__main__")
-    spec, file = object(), "/somewhere/script.py"
-    main.__spec__, main.__file__ = spec, file  # type: ignore[assignment]
-    monkeypatch.setitem(sys.modules, "__main__", main)
-
-    def hide(i: int) -> None:
-        for j in range(50):
-            with processes._main_hidden():
-                assert main.__spec__ is None and "__file__" not in main.__dict__
-                time.sleep(0.0001 * ((i + j) % 3))
-
-    threads = [threading.Thread(target=hide, args=(i,)) for i in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert main.__spec__ is spec and main.__file__ == file
-
-
 def test_threads_still_serve_urls(tmp_path: Path) -> None:
     """A URL's pass stays on threads (`OrderedPool`); a ``file://`` URL maps the same file."""
     path = tmp_path / "f.kv"
@@ -383,21 +357,3 @@ def test_a_damaged_chunk_stops_an_mlx_worker_pass_and_the_next_pass_is_right(tmp
         with pytest.raises(kvformat.ChecksumError, match=f"chunk {segment.k_chunk} .*payload CRC-32C"):
             _table(damaged, 3, backend="mlx")
         assert _table(sound, 3, backend="mlx").equals(one)
-
-
-def test_the_kept_pool_is_dropped_at_exit_while_modules_are_whole() -> None:
-    """The pool a process keeps for its passes is shut down and forgotten by an exit handler,
-    before the modules' teardown would collect it (its callback then finds
-    ``concurrent.futures.process`` cleared and prints an ignored AttributeError)."""
-    code = (
-        "import atexit\n"
-        "from kvsnap.analysis.engine import processes\n"
-        "atexit.register(lambda: print('kept at exit:', processes._POOL is not None))\n"
-        "pool = processes._pool(2, 'cpu')\n"
-        "pool.submit(processes._ready).result()\n"
-        "del pool\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "kept at exit: False" in done.stdout
-    assert "Exception ignored" not in done.stderr
