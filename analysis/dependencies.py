@@ -35,6 +35,7 @@ class OnFirstUse(ModuleType):
 
 if TYPE_CHECKING:
     import multiprocessing
+    import multiprocessing.util as multiprocessing_util
     from concurrent.futures import process as futures_process
 
     import matplotlib
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     import tqdm
 else:
     multiprocessing = OnFirstUse("multiprocessing")
+    multiprocessing_util = OnFirstUse("multiprocessing.util")
     futures_process = OnFirstUse("concurrent.futures.process")
     matplotlib = OnFirstUse("matplotlib")
     mcolors = OnFirstUse("matplotlib.colors")

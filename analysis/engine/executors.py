@@ -47,7 +47,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, ClassVar
 
-from ..dependencies import futures_process, multiprocessing, ray
+from ..dependencies import futures_process, multiprocessing, multiprocessing_util, ray
 
 __all__ = [
     "EXECUTORS",
@@ -286,8 +286,7 @@ def kept(key: Hashable, start: Callable[[], Processes]) -> Processes:
             _KEPT = None
         executor = start()
         _KEPT = (key, executor)
-        atexit.unregister(_forget)  # once, and after the exit handlers registered before it
-        atexit.register(_forget)
+        _forget_at_exit()
         return executor
 
 
@@ -303,6 +302,34 @@ def discard(executor: Processes) -> None:
         if _KEPT is not None and _KEPT[1] is executor:
             _KEPT = None
     executor.close(wait=False)
+
+
+_FINALIZER: Any = None
+
+
+def _forget_at_exit() -> None:
+    """`_forget` at this process's exit: an exit handler in the main process, run after the
+    handlers registered before it; and, for a worker process (a batch's file whose own pass
+    keeps a pool), `_stop_kept` as a ``multiprocessing`` finalizer, which runs before the worker
+    joins its children (exit handlers never run there): without it the kept pool's idle workers
+    are never told to stop, and the worker, and the batch waiting for it, would wait for them
+    forever."""
+    global _FINALIZER
+    atexit.unregister(_forget)
+    atexit.register(_forget)
+    if _FINALIZER is None or not _FINALIZER.still_active():
+        # Before the finalizers of the pool's own queues (priority 10), which would stop the
+        # queue's feeder before the workers' stop signals were sent.
+        _FINALIZER = multiprocessing_util.Finalize(None, _stop_kept, exitpriority=100)
+
+
+def _stop_kept() -> None:
+    """Stop the kept pool's workers and wait for them to end."""
+    global _KEPT
+    with _KEPT_LOCK:
+        held, _KEPT = _KEPT, None
+    if held is not None:
+        held[1].close(wait=True)
 
 
 def _forget() -> None:

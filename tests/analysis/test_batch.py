@@ -375,3 +375,30 @@ def test_stats_over_several_files_prints_one_line_each(
         )
     assert main(["stats", good_files(runs)[0]]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 1 + LAYERS + 1  # title, layers, largest
+
+
+def test_a_batch_whose_files_each_get_worker_processes_ends(tmp_path: Path) -> None:
+    """Fewer files than cores, each big enough for worker processes of its own (here: 384
+    heads on 2 of 4 cores): each of the batch's processes keeps a pool for its file's pass, and
+    stops it as it exits, so the batch ends (it used to wait for those idle workers forever)
+    with the table of one process."""
+    import subprocess
+    import sys
+
+    paths = [tmp_path / "a.kv", tmp_path / "b.kv"]
+    for seed, path in enumerate(paths):
+        random_file(path, layers=48, heads=8, tokens=12, dim=8, seed=seed)
+    code = (
+        "import sys\n"
+        "from kvsnap.analysis.engine import batch, plan\n"
+        "paths = sys.argv[1:]\n"
+        "options = batch.BatchOptions(jobs=4)\n"
+        "assert options.plan(paths).workers == 2 and options.plan(paths).options.workers == 2\n"
+        "nested = batch.run_stats(paths, options).rows\n"
+        "print(nested.equals(batch.run_stats(paths, jobs=1).rows), nested.num_rows)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *map(str, paths)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", str(2 * 48 * 8 * 2)]

@@ -164,6 +164,29 @@ def test_the_kept_pool_is_dropped_at_exit_while_modules_are_whole() -> None:
     assert "Exception ignored" not in done.stderr
 
 
+def keep_a_pool(item: int) -> int:
+    """In a worker process: keep a pool of two workers, as a file's pass does, and use it."""
+    pool = executors.kept(("test", 2), lambda: executors.Processes(2))
+    pool.start()
+    return int(pool.submit(os.getpid).result() > 0) * item
+
+
+def test_a_worker_process_that_keeps_a_pool_still_ends() -> None:
+    """A worker's kept pool is stopped as the worker exits (exit handlers do not run there):
+    the executor that started the worker can shut down instead of waiting for the pool's idle
+    workers forever."""
+    code = (
+        "from kvsnap.analysis.engine import executors\n"
+        "from tests.analysis.test_executors import keep_a_pool\n"
+        "with executors.Processes(2) as executor:\n"
+        "    print(list(executor.map(keep_a_pool, range(4))))\n"
+        "print('ended')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[0, 1, 2, 3]", "ended"]
+
+
 def test_one_kept_pool_at_a_time_and_a_discarded_one_is_replaced() -> None:
     made: list[int] = []
 
