@@ -146,20 +146,28 @@ def test_hiding_main_from_several_threads_at_once_restores_it(monkeypatch: pytes
     assert main.__spec__ is spec and main.__file__ == file
 
 
+def fresh_process(*lines: str) -> subprocess.CompletedProcess[str]:
+    """The script of ``lines`` run in a new interpreter (a hang fails after 120 s); it must
+    exit with status 0."""
+    done = subprocess.run(
+        [sys.executable, "-c", "\n".join(lines)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_the_kept_pool_is_dropped_at_exit_while_modules_are_whole() -> None:
     """The pool a process keeps for its passes is shut down and forgotten by an exit handler,
     before the modules' teardown would collect it (its callback then finds
     ``concurrent.futures.process`` cleared and prints an ignored AttributeError)."""
-    code = (
-        "import atexit\n"
-        "from kvsnap.analysis.engine import executors, processes\n"
-        "atexit.register(lambda: print('kept at exit:', executors._KEPT is not None))\n"
-        "pool = processes._pool(2, 'cpu')\n"
-        "pool.submit(int).result()\n"
-        "del pool\n"
+    done = fresh_process(
+        "import atexit",
+        "from kvsnap.analysis.engine import executors, processes",
+        "atexit.register(lambda: print('kept at exit:', executors._KEPT is not None))",
+        "pool = processes._pool(2, 'cpu')",
+        "pool.submit(int).result()",
+        "del pool",
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
     assert "kept at exit: False" in done.stdout
     assert "Exception ignored" not in done.stderr
 
@@ -175,15 +183,13 @@ def test_a_worker_process_that_keeps_a_pool_still_ends() -> None:
     """A worker's kept pool is stopped as the worker exits (exit handlers do not run there):
     the executor that started the worker can shut down instead of waiting for the pool's idle
     workers forever."""
-    code = (
-        "from kvsnap.analysis.engine import executors\n"
-        "from tests.analysis.test_executors import keep_a_pool\n"
-        "with executors.Processes(2) as executor:\n"
-        "    print(list(executor.map(keep_a_pool, range(4))))\n"
-        "print('ended')\n"
+    done = fresh_process(
+        "from kvsnap.analysis.engine import executors",
+        "from tests.analysis.test_executors import keep_a_pool",
+        "with executors.Processes(2) as executor:",
+        "    print(list(executor.map(keep_a_pool, range(4))))",
+        "print('ended')",
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["[0, 1, 2, 3]", "ended"]
 
 
