@@ -126,6 +126,14 @@ class Inline(Executor):
         future.set_result(function(*args))
         return future
 
+    def map(
+        self, function: Callable[..., Any], items: Iterable[Any], *args: Any, window: int | None = None
+    ) -> Iterator[Any]:
+        """Each result as soon as its task has run, before the next runs: nothing runs ahead of
+        the caller (a batch's progress line comes as its file ends)."""
+        for item in items:
+            yield function(item, *args)
+
     def close(self) -> None:
         """Nothing to stop."""
 

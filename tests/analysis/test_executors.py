@@ -96,6 +96,10 @@ def test_map_keeps_at_most_its_window_in_flight() -> None:
     found = windowed.map(square, range(100), window=2)
     assert next(found) == 0 and len(windowed.futures) == 2
     results.close()
+    ran: list[int] = []
+    inline = executors.Inline().map(ran.append, range(100))
+    next(inline)
+    assert ran == [0]  # inline: nothing runs ahead of the caller
 
 
 def test_stopping_early_cancels_the_tasks_not_started() -> None:
