@@ -318,38 +318,29 @@ _FINALIZER: Any = None
 def _forget_at_exit() -> None:
     """`_forget` at this process's exit: an exit handler in the main process, run after the
     handlers registered before it; and, for a worker process (a batch's file whose own pass
-    keeps a pool), `_stop_kept` as a ``multiprocessing`` finalizer, which runs before the worker
-    joins its children (exit handlers never run there): without it the kept pool's idle workers
-    are never told to stop, and the worker, and the batch waiting for it, would wait for them
-    forever."""
+    keeps a pool), a ``multiprocessing`` finalizer that waits for the pool to stop, which runs
+    before the worker joins its children (exit handlers never run there): without it the kept
+    pool's idle workers are never told to stop, and the worker, and the batch waiting for it,
+    would wait for them forever."""
     global _FINALIZER
     atexit.unregister(_forget)
     atexit.register(_forget)
     if _FINALIZER is None or not _FINALIZER.still_active():
         # Before the finalizers of the pool's own queues (priority 10), which would stop the
         # queue's feeder before the workers' stop signals were sent.
-        _FINALIZER = multiprocessing_util.Finalize(None, _stop_kept, exitpriority=100)
+        _FINALIZER = multiprocessing_util.Finalize(None, _forget, args=(True,), exitpriority=100)
 
 
-def _stop_kept() -> None:
-    """Stop the kept pool's workers and wait for them to end."""
+def _forget(wait: bool = False) -> None:
+    """Shut down and drop the kept pool (``wait``: until its workers have ended). At interpreter
+    exit (after ``concurrent.futures`` has joined its workers) this runs while every module is
+    still whole: collected later, in the modules' teardown, the pool's callback finds
+    ``concurrent.futures.process``'s globals cleared and prints an ignored ``AttributeError``."""
     global _KEPT
     with _KEPT_LOCK:
         held, _KEPT = _KEPT, None
     if held is not None:
-        held[1].close(wait=True)
-
-
-def _forget() -> None:
-    """At interpreter exit (after ``concurrent.futures`` has joined its workers), shut down and
-    drop the kept pool while every module is still whole: collected later, in the modules'
-    teardown, its callback finds ``concurrent.futures.process``'s globals cleared and prints an
-    ignored ``AttributeError``."""
-    global _KEPT
-    with _KEPT_LOCK:
-        held, _KEPT = _KEPT, None
-    if held is not None:
-        held[1].close(wait=False)
+        held[1].close(wait=wait)
 
 
 # --- keeping each key's tasks in order ----------------------------------------------------------

@@ -23,7 +23,6 @@ from ..stats.accumulator import HeadAccumulator, stack
 from ..stats.catalogue import ALL, stat_groups
 from ..stats.rope import Rope
 from . import executors
-from .executors import Executor
 from .parallel import cores, split_jobs
 from .progress import bar
 
@@ -405,8 +404,6 @@ class Plan:
     @property
     def tasks(self) -> list[tuple[Any, PassOptions]]:
         """Each file's parts, file by file, as ``(path, the part's options)``."""
-        if self.parts == 1:
-            return [(path, self.options) for path in self.paths]
         return [
             (path, dataclasses.replace(self.options, part=(index, self.parts)))
             for path in self.paths
@@ -418,7 +415,7 @@ class Plan:
         """Whether the tasks run in this process, one after another (one worker, not Ray)."""
         return self.executor != "ray" and self.workers <= 1
 
-    def start(self) -> Executor:
+    def start(self) -> executors.Executor:
         """The executor that carries the plan out (`executors.make`; one worker: `Inline`)."""
         settings = {"address": self.address} if self.executor == "ray" else {}
         return executors.make(self.executor, self.workers, **settings)
