@@ -23,6 +23,15 @@ class TruncatedFileError(KVFormatError):
     """The file ends before a structure it declares (often: the writer never finished)."""
 
 
+class IncompleteRecoveryError(TruncatedFileError):
+    """`kvformat.recover` found no snapshot whose every head was written: nothing complete to keep."""
+
+
+class IncompleteSnapshotError(KVFormatError):
+    """A snapshot rebuilt from a cut file holds some heads only in part (``Snapshot.incomplete``):
+    their rows are refused rather than returned short."""
+
+
 class CorruptFileError(KVFormatError):
     """A structure is malformed or breaks a rule of the spec."""
 

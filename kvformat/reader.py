@@ -18,7 +18,7 @@ import numpy as np
 
 from kvformat import attention
 from kvformat.attention import Attention
-from kvformat.errors import OutOfRangeError
+from kvformat.errors import IncompleteSnapshotError, OutOfRangeError
 from kvformat.io import remote
 from kvformat.io.remote import READ_AHEAD
 from kvformat.io.source import open_source
@@ -110,6 +110,38 @@ class Snapshot:
         """One past the largest position held by any layer, head or sequence of this snapshot."""
         return self._segments.end()
 
+    @functools.cached_property
+    def incomplete(self) -> tuple[tuple[int, int, int, int], ...]:
+        """The heads of a snapshot rebuilt by an earlier ``recover`` from a cut file (metadata
+        ``recovered``) that stop short of the others: ``(layer, seq, head, end)`` each, ``end``
+        one past the last position the head holds (0: no rows), below `seq_len`. Empty for every
+        other snapshot, and for a recovered one whose every head reached the same position
+        (which `kvformat.recover` now ensures). `head` refuses those heads."""
+        if not self.snapshot_metadata.get("recovered"):
+            return ()
+        ends = self._segments.head_ends()
+        top = max(ends.values(), default=0)
+        return tuple(
+            (layer, seq, head, ends.get((layer, seq, head), 0))
+            for layer, spec in enumerate(self.layers)
+            if spec.present
+            for seq in range(self.num_seqs)
+            for head in range(spec.num_heads)
+            if ends.get((layer, seq, head), 0) < top
+        )
+
+    def describe_incomplete(self) -> str:
+        """One line on `incomplete` ("" when the snapshot is whole)."""
+        short = self.incomplete
+        if not short:
+            return ""
+        layers = sorted({layer for layer, _, _, _ in short})
+        shown = ", ".join(map(str, layers[:8])) + (" ..." if len(layers) > 8 else "")
+        return (
+            f"snapshot {self.index} was rebuilt from a cut file and is incomplete: {len(short)} head(s) "
+            f"of layer(s) {shown} stop before position {self.seq_len}"
+        )
+
     @property
     def num_chunks(self) -> int:
         return len(self._file.table)
@@ -171,6 +203,7 @@ class Snapshot:
         if spec is None:
             return None
         assert spec.dtype is not None
+        self._check_whole(layer, seq, head)
         segments = self._segments.of_head(layer, seq, head)
         start, stop = _position_range(positions)
         wanted = [s for s in segments if max(start, s.position) < min(stop, s.position + s.count)]
@@ -202,6 +235,15 @@ class Snapshot:
         return Head(
             layer, head, seq, np.concatenate(k_parts), np.concatenate(v_parts), np.concatenate(pos_parts)
         )
+
+    def _check_whole(self, layer: int, seq: int, head: int) -> None:
+        """Refuse a head that a cut file's rebuilt snapshot holds only in part (`incomplete`)."""
+        for short in self.incomplete:
+            if short[:3] == (layer, seq, head):
+                raise IncompleteSnapshotError(
+                    f"{self.name}: {self.describe_incomplete()}; layer {layer} head {head} ends at "
+                    f"position {short[3]}: select an earlier snapshot"
+                )
 
     def _dropped_rows(self, layer: int, head: int, seq: int, positions: np.ndarray) -> Head:
         """K and V at ``positions`` (increasing) that this snapshot no longer holds, from the
@@ -309,6 +351,7 @@ class Snapshot:
             return None
         if spec.quantization is None:
             raise ValueError(f"layer {layer} is not quantized")
+        self._check_whole(layer, seq, head)
         segments = self._segments.of_head(layer, seq, head)
         k_parts = [self._file.chunk_parts(s.k_chunk) for s in segments]
         v_parts = [self._file.chunk_parts(s.v_chunk) for s in segments]
@@ -340,7 +383,12 @@ class Snapshot:
                 yield result
 
     def segments(self) -> list[Segment]:
-        """All segments of this snapshot in file order of their K chunk."""
+        """All segments of this snapshot in file order of their K chunk (refused for a snapshot
+        that holds some heads only in part: `incomplete`)."""
+        if self.incomplete:
+            raise IncompleteSnapshotError(
+                f"{self.name}: {self.describe_incomplete()}: select an earlier snapshot"
+            )
         return self._segments.in_file_order()
 
     def blocks(self, hold: int | Callable[[], int] = 0) -> Iterator[Head]:
@@ -406,9 +454,17 @@ class Snapshot:
         """Check every CRC, every record, padding, the index copy and every snapshot.
 
         Raises the first problem found as a `KVFormatError` naming the chunk (layer, head, K/V,
-        positions); returns a `VerifyReport` when the whole file is sound.
+        positions), and `IncompleteSnapshotError` for a snapshot rebuilt from a cut file that holds
+        some heads only in part (`incomplete`); returns a `VerifyReport` when the whole file is
+        sound.
         """
-        return verify(self._file)
+        report = verify(self._file)
+        for i, entry in enumerate(self._file.entries):
+            if entry.metadata.get("recovered"):
+                rebuilt = self.select(i)
+                if rebuilt.incomplete:
+                    raise IncompleteSnapshotError(f"{self.name}: {rebuilt.describe_incomplete()}")
+        return report
 
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from kvformat import reader
 from kvformat.checksum import crc32c, crc32c_rows, crc32c_slices, linear_crc, records_linear
-from kvformat.errors import FileInUseError, KVFormatError, TruncatedFileError
+from kvformat.errors import FileInUseError, IncompleteRecoveryError, KVFormatError, TruncatedFileError
 from kvformat.index import index_bytes
 from kvformat.io.durability import fsync_directory
 from kvformat.io.outputs import check_output, in_use, output_path
@@ -52,6 +52,19 @@ class RecoverReport:
     snapshots: int  # in the output, the rebuilt one included
     recovered_snapshot: bool  # the last of them was rebuilt from chunks after the last commit
     bytes_dropped: int  # of the input, after its last complete record
+    rows_left_out: int = 0  # complete K/V rows past the rebuilt snapshot's end (heads ahead of others)
+    cut_at: int | None = None  # the position the rebuilt snapshot ends at, where rows were left out
+    short_layers: tuple[int, ...] = ()  # layers with a head that stopped at ``cut_at``
+
+    def describe_cut(self) -> str:
+        """One sentence on what the rebuilt snapshot left out ("" if nothing)."""
+        if not self.rows_left_out:
+            return ""
+        layers = ", ".join(map(str, self.short_layers[:8])) + (" ..." if len(self.short_layers) > 8 else "")
+        return (
+            f"the rebuilt snapshot ends at position {self.cut_at}, where the heads of layer(s) {layers} "
+            f"stopped; {self.rows_left_out} K/V rows written past it by other heads are left out"
+        )
 
 
 _BULK = 4096  # records checked together when the next ones are predicted
@@ -172,29 +185,61 @@ def _checked_prefix(span: np.ndarray, table: np.ndarray, taken: int, stride: int
     return int(np.argmin(crc_good)) if not crc_good.all() else taken
 
 
-def _trailing_snapshot(blocks: list[bytes], snapshots: list[Entry], committed: int) -> Entry | None:
-    """A snapshot adding the complete K/V runs written after the last committed one (None if
-    there are none and a snapshot exists)."""
+@dataclass(frozen=True)
+class _Trailing:
+    """The snapshot rebuilt from chunks after the last commit (None: none is added), the position
+    it is cut at, and the layers some head of which had reached no further."""
+
+    entry: Entry | None
+    end: int
+    short_layers: tuple[int, ...]
+    rows_left_out: int
+
+
+def _expected_heads(manifest: Manifest) -> np.ndarray:
+    """Every (layer, seq, head) of a present layer, as one int64 key each (`_key`)."""
+    keys = [
+        (layer, seq, head)
+        for layer, spec in enumerate(manifest.layers)
+        if spec.present
+        for seq in range(manifest.num_seqs)
+        for head in range(spec.num_heads)
+    ]
+    if not keys:
+        return np.zeros(0, np.int64)
+    array = np.asarray(keys, np.int64)
+    return _key(array[:, 0], array[:, 1], array[:, 2])
+
+
+def _key(layer: np.ndarray, seq: np.ndarray, head: np.ndarray) -> np.ndarray:
+    return (layer.astype(np.int64) << 36) | (seq.astype(np.int64) << 16) | head.astype(np.int64)
+
+
+def _trailing_snapshot(
+    blocks: list[bytes], snapshots: list[Entry], committed: int, manifest: Manifest
+) -> _Trailing:
+    """The snapshot adding the complete K/V runs written after the last committed one, cut at the
+    least position every head of every present layer reached, so that no head of it stops short
+    of the others (a writer cut off half-way through a step leaves some heads ahead: their extra
+    rows are left out). Nothing is added when no head reaches past where it already was."""
     table = np.frombuffer(b"".join(blocks), dtype=DESCRIPTOR_DTYPE)
     tail = table[committed:]
     if snapshots and not bool(np.any(np.isin(tail["kind"], (KIND_K, KIND_V)))):
-        return None  # nothing after the last snapshot: the usual crash point, and cheap
-    held_end: dict[tuple[int, int, int], int] = {}
+        return _Trailing(None, 0, (), 0)  # nothing after the last snapshot: the usual crash point
+    expected = _expected_heads(manifest)
+    held_end: dict[int, int] = dict.fromkeys(expected.tolist(), 0)
     if snapshots:
         runs = Chain(snapshots, table).runs(len(snapshots) - 1)
-        # Only the heads the tail writes to matter: the ends of the others are never asked.
-        combined = (runs[:, LAYER] << 36) | (runs[:, SEQ] << 16) | runs[:, HEAD]
-        wanted = (tail["layer"].astype(np.int64) << 36) | (tail["seq"].astype(np.int64) << 16) | tail["head"]
-        runs = runs[np.isin(combined, wanted)]
         if runs.shape[0]:
-            keys = runs[:, [LAYER, SEQ, HEAD]]
+            keys = _key(runs[:, LAYER], runs[:, SEQ], runs[:, HEAD])
             ends = runs[:, POSITION] + runs[:, COUNT]
-            order = np.lexsort((ends, keys[:, 2], keys[:, 1], keys[:, 0]))
-            for (layer, seq, head), end in zip(keys[order].tolist(), ends[order].tolist(), strict=True):
-                held_end[(layer, seq, head)] = end  # the largest end comes last
+            order = np.lexsort((ends, keys))
+            for key, end in zip(keys[order].tolist(), ends[order].tolist(), strict=True):
+                held_end[key] = end  # the largest end of each head comes last
+    complete: list[tuple[int, int, int, int]] = []  # (k index, v index, position, rows)
     pending: dict[tuple[int, int, int, int, int], int] = {}
-    appends: list[tuple[int, int, int]] = []
     columns = [tail[name].tolist() for name in ("kind", "layer", "seq", "head", "position", "rows")]
+    reached = held_end
     for offset, (kind, layer, seq, head, position, rows) in enumerate(zip(*columns, strict=True)):
         i = committed + offset
         run = (layer, seq, head, position, rows)
@@ -202,14 +247,25 @@ def _trailing_snapshot(blocks: list[bytes], snapshots: list[Entry], committed: i
             pending[run] = i
         elif run in pending:
             k = pending.pop(run)
-            key = (layer, seq, head)
-            if position >= held_end.get(key, 0) and rows:
-                appends += [(k, 0, rows), (i, 0, rows)]
-                held_end[key] = position + rows
-    if not appends and snapshots:
-        return None
+            key = (layer << 36) | (seq << 16) | head
+            if position >= reached.get(key, 0) and rows:
+                complete.append((k, i, position, rows))
+                reached[key] = position + rows
+    end = min((reached.get(key, 0) for key in expected.tolist()), default=0)
+    short = sorted({key >> 36 for key in expected.tolist() if reached.get(key, 0) == end})
+    top = max(reached.values(), default=0)
+    short_layers = tuple(short) if end < top else ()
+    appends: list[tuple[int, int, int]] = []
+    left_out = 0
+    for k, v, position, rows in complete:
+        kept = min(rows, end - position)
+        left_out += rows - max(kept, 0)
+        if kept > 0:
+            appends += [(k, 0, kept), (v, 0, kept)]
+    if not appends:
+        return _Trailing(None, end, short_layers, left_out)
     parent = len(snapshots) - 1 if snapshots else None
-    return Entry(parent, [], appends, {"recovered": True})
+    return _Trailing(Entry(parent, [], appends, {"recovered": True}), end, short_layers, left_out)
 
 
 def default_output(partial_path: str | os.PathLike[str]) -> str:
@@ -317,9 +373,15 @@ def recover(
         size = source.size
     finally:
         source.close()
-    trailing = _trailing_snapshot(blocks, snapshots, committed)
-    if trailing is not None:
-        snapshots.append(trailing)
+    trailing = _trailing_snapshot(blocks, snapshots, committed, manifest)
+    if trailing.entry is not None:
+        snapshots.append(trailing.entry)
+    if not snapshots:
+        raise IncompleteRecoveryError(
+            f"{partial}: no snapshot is complete: the writer stopped before every head of its first "
+            f"snapshot was written ({_short(trailing.short_layers, manifest)} reached position "
+            f"{trailing.end}); nothing to recover"
+        )
     index_offset = align(good_end)
     with output_path(out, inputs=[partial], force=overwrite) as temporary:
         _copy_prefix(partial, temporary, good_end)
@@ -333,4 +395,34 @@ def recover(
             snap._check_snapshots()  # every snapshot materializes (each entry checked once)
     fsync_directory(out)
     chunks = sum(len(block) for block in blocks) // DESCRIPTOR_SIZE
-    return RecoverReport(out, chunks, len(snapshots), trailing is not None, max(size - good_end, 0))
+    return RecoverReport(
+        out,
+        chunks,
+        len(snapshots),
+        trailing.entry is not None,
+        max(size - good_end, 0),
+        trailing.rows_left_out,
+        trailing.end if trailing.rows_left_out else None,
+        trailing.short_layers,
+    )
+
+
+def _short(layers: tuple[int, ...], manifest: Manifest) -> str:
+    """ "layers 18-31" for the layers whose heads stopped short (all present layers if none)."""
+    if not layers:
+        layers = tuple(i for i, spec in enumerate(manifest.layers) if spec.present)
+    return "layer " + str(layers[0]) if len(layers) == 1 else "layers " + _ranges(layers)
+
+
+def _ranges(values: tuple[int, ...]) -> str:
+    """ "0-3, 7, 9-10" for sorted distinct integers."""
+    parts: list[str] = []
+    start = prev = values[0]
+    for value in (*values[1:], None):
+        if value is not None and value == prev + 1:
+            prev = value
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if value is not None:
+            start = prev = value
+    return ", ".join(parts)

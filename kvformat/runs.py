@@ -117,6 +117,18 @@ class Segments:
         """Every segment, in file order of its K chunk."""
         return self._build(np.argsort(self._k[:, CHUNK], kind="stable"))
 
+    def head_ends(self) -> dict[tuple[int, int, int], int]:
+        """One past the largest position each (layer, seq, head) holding rows holds."""
+        if not len(self):
+            return {}
+        ends = self._k[:, POSITION] + self._k[:, COUNT]
+        keys, first = np.unique(self._keys, return_index=True)
+        largest = np.maximum.reduceat(ends, first)
+        return {
+            (int(key) >> 36, (int(key) >> 16) & 0xFFFFF, int(key) & 0xFFFF): int(end)
+            for key, end in zip(keys.tolist(), largest.tolist(), strict=True)
+        }
+
     def end(self) -> int:
         """One past the largest position held (0 if none)."""
         if not len(self):

@@ -122,6 +122,7 @@ def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
         "num_chunks": snap.num_chunks,
         "metadata": snap.metadata,
         "snapshot_metadata": snap.snapshot_metadata,
+        "incomplete": snap.describe_incomplete() or None,
         "layers": layers,
     }
 
@@ -156,6 +157,8 @@ def _info(args: argparse.Namespace) -> int:
         f"  {d['num_layers']} layers, {d['num_heads']} KV heads, head_dim {d['head_dim']}, "
         f"{d['num_seqs']} sequence(s), seq_len {d['seq_len']}, {d['num_chunks']} chunks"
     )
+    if d["incomplete"]:
+        print(f"  INCOMPLETE: {d['incomplete']} (its heads' rows are refused)")
     for line in _metadata_lines(d["metadata"]) + _snapshot_lines(d["snapshot_metadata"]):
         print(f"  {line}")
     for first, last, layer in _layer_runs(d["layers"]):
@@ -297,6 +300,8 @@ def _recover(args: argparse.Namespace) -> int:
         f"wrote {report.path}: {report.chunks} chunks, {report.snapshots} snapshot(s){extra}; "
         f"{report.bytes_dropped} incomplete bytes of {options.file} left out ({options.file} unchanged)"
     )
+    if report.rows_left_out:
+        print(f"note: {report.describe_cut()}")
     return 0
 
 
