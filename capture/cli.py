@@ -66,7 +66,7 @@ def _fetch(args: argparse.Namespace) -> int:
 
     options = typed(FetchOptions, args)
     for name in options.names or list(MODELS):
-        path = fetch_model(name, options.dtype)
+        path = fetch_model(name, options.dtype, check_hashes=True)
         print(f"{name}: {path}")
     print(f"cache: {cache_dir()}")
     return 0
@@ -110,6 +110,21 @@ def _resolve_model(spec: str) -> str:
     )
 
 
+def _load(load: Any, spec: str, model_path: str) -> Any:
+    """``mlx_lm.load(model_path)``; a folder that does not load is named with its failing file
+    (`ModelFolderError`) when one is found, else mlx-lm's own error stands."""
+    from .errors import ModelFolderError
+    from .model_folder import broken_file
+
+    try:
+        return load(model_path)
+    except Exception:
+        problem = broken_file(model_path)
+        if problem is None:
+            raise
+        raise ModelFolderError(f"--model {spec}: the model does not load: {problem}") from None
+
+
 def _capture(args: argparse.Namespace) -> int:
     import sys
     import time
@@ -121,7 +136,7 @@ def _capture(args: argparse.Namespace) -> int:
     options = typed(CaptureOptions, args)
 
     model_path = _resolve_model(options.model)
-    loaded = load(model_path)
+    loaded = _load(load, options.model, model_path)
     model, tokenizer = loaded[0], loaded[1]
     prompt = _prompt(options, tokenizer)
     at = _positions(options.at)
@@ -294,9 +309,26 @@ def query_selection(text: str) -> str:
     raise argparse.ArgumentTypeError(f"{text!r}: choose none, decode, window:W (W >= 1) or all")
 
 
-def _check_output(parser: argparse.ArgumentParser, output: str, force: bool, inputs: list[str]) -> None:
-    """The output is allowed (`kvformat.io.outputs`: not existing unless ``force``, not an input),
-    its folder exists and is writable, and no unfinished write sits there."""
+def model_folders(spec: str) -> list[str]:
+    """The folders ``--model`` reads, found without loading or fetching anything: a model
+    directory itself, and kvsnap's model cache (fixture models and converted GGUF files live
+    there). Every file in them is an input of ``capture``."""
+    import os
+
+    from .fixtures import cache_dir
+
+    folders = [str(cache_dir())]
+    if os.path.isdir(spec):
+        folders.append(spec)
+    return folders
+
+
+def _check_output(
+    parser: argparse.ArgumentParser, output: str, force: bool, inputs: list[str], folders: list[str]
+) -> None:
+    """The output is allowed (`kvformat.io.outputs`: not existing unless ``force``, not an input,
+    not inside a folder the command reads), its folder exists and is writable, and no unfinished
+    write sits there."""
     import os
     from pathlib import Path
 
@@ -308,7 +340,7 @@ def _check_output(parser: argparse.ArgumentParser, output: str, force: bool, inp
     if not os.access(folder, os.W_OK | os.X_OK):
         parser.error(f"-o {output}: folder {folder} is not writable")
     try:
-        check_output(output, inputs=inputs, force=force)
+        check_output(output, inputs=inputs, force=force, input_folders=folders)
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     if Path(output + ".partial").exists():
@@ -372,7 +404,7 @@ def _check_capture(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if options.queries != "none" and options.separate_files:
         parser.error("--queries stores queries in one series file: drop --separate-files")
     inputs = [name for name in (options.model, options.prompt_file) if name]
-    _check_output(parser, options.output, options.force, inputs)
+    _check_output(parser, options.output, options.force, inputs, model_folders(options.model))
     if options.at:
         _check_at(parser, options.at)
     if options.prompt_file is not None:

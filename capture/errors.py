@@ -11,3 +11,7 @@ class CaptureError(KVSnapError, RuntimeError):
 
 class UnsupportedModelError(CaptureError):
     """A GGUF architecture, RoPE variant or cache class this converter/capture does not handle."""
+
+
+class ModelFolderError(CaptureError):
+    """A model folder that does not load: the message names the file that fails."""

@@ -111,11 +111,13 @@ def fetch_gguf(name: str) -> Path:
     return target
 
 
-def fetch_model(name: str, dtype: str = "float16") -> Path:
-    """The converted mlx-lm directory of a fixture model, fetching and converting on first use."""
+def fetch_model(name: str, dtype: str = "float16", *, check_hashes: bool = False) -> Path:
+    """The converted mlx-lm directory of a fixture model, fetching and converting on first use,
+    and again when a file of the cached copy no longer has the size it was written with (or,
+    with ``check_hashes``, its SHA-256): a cache damaged by hand is replaced, never used."""
     model = _model(name)
     out = cache_dir() / "models" / f"{model.name}-{dtype}"
-    if _finished(out, model.gguf_sha256):
+    if _finished(out, model.gguf_sha256, check_hashes):
         return out
     return convert_once(fetch_gguf(name), out, model.gguf_sha256, dtype)
 
@@ -130,9 +132,32 @@ def _stamp(digest: str) -> str:
     return f"{digest} conversion {CONVERSION}"
 
 
-def _finished(out: Path, digest: str) -> bool:
+def _file_lines(folder: Path) -> list[str]:
+    """``file NAME SIZE SHA256`` for every file of a converted folder (the marker's own lines)."""
+    return [
+        f"file {path.name} {path.stat().st_size} {sha256_of(path)}"
+        for path in sorted(folder.iterdir())
+        if path.is_file() and path.name != COMPLETE
+    ]
+
+
+def _finished(out: Path, digest: str, check_hashes: bool = False) -> bool:
+    """Whether ``out`` is a finished conversion of the GGUF with SHA-256 ``digest`` whose files
+    still have the sizes (and, with ``check_hashes``, the SHA-256s) the marker recorded."""
     marker = out / COMPLETE
-    return marker.exists() and marker.read_text().strip() == _stamp(digest)
+    if not marker.exists():
+        return False
+    lines = marker.read_text().splitlines()
+    files = [line.split(" ") for line in lines[1:] if line.startswith("file ")]
+    if not lines or lines[0].strip() != _stamp(digest) or not files:
+        return False
+    for _, name, size, sha in files:
+        path = out / name
+        if not path.is_file() or path.stat().st_size != int(size):
+            return False
+        if check_hashes and sha256_of(path) != sha:
+            return False
+    return True
 
 
 def converted_gguf(gguf: Path) -> Path:
@@ -152,7 +177,7 @@ def convert_once(gguf: Path, out: Path, digest: str, dtype: str = "float16") -> 
     staging = Path(tempfile.mkdtemp(dir=_mkdir(out.parent)))
     try:
         model = convert_gguf(gguf, staging / "model", dtype)
-        (model / COMPLETE).write_text(_stamp(digest) + "\n")
+        (model / COMPLETE).write_text("\n".join([_stamp(digest), *_file_lines(model)]) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(model, out)

@@ -23,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kvformat
-from kvformat.io.outputs import check_output
+from kvformat.io.outputs import SameAsInputError, check_output, inside
 
 from .background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
 from .deltas import CacheTracker, layer_specs
@@ -372,7 +372,7 @@ def generate(
     triggers = Triggers.of(every, at, when, final)
     if max_tokens <= 0:
         return
-    selection = _check_arguments(codec, queries, output, separate_files, overwrite)
+    selection = _check_arguments(codec, queries, output, separate_files, overwrite, model_path)
     sampler = generate_kwargs.pop("sampler", None) or make_sampler(0.0)
     if resume is not None:
         start = _resume_start(resume, tokenizer, sampler, max_tokens)
@@ -416,16 +416,30 @@ def generate(
 
 
 def _check_arguments(
-    codec: str, queries: str | QuerySelection, output: Any, separate_files: bool, overwrite: bool
+    codec: str,
+    queries: str | QuerySelection,
+    output: Any,
+    separate_files: bool,
+    overwrite: bool,
+    model_path: str | None = None,
 ) -> QuerySelection:
     """`generate`'s checks that must fail before the model runs: the codec, the query selection
-    (stored in a series file only), an existing output. The parsed selection."""
+    (stored in a series file only), an existing output, an output inside the model's folder
+    (every file there is an input, even with ``overwrite``). The parsed selection."""
     kvformat.codecs.parse(codec)  # an unknown codec fails now, not at the first snapshot
     selection = QuerySelection.parse(queries)
     if selection.enabled and (output is None or separate_files):
         raise CaptureError("queries are stored in a series file: give output= (not separate_files)")
+    folders = [model_path] if model_path and os.path.isdir(model_path) else []
     if output is not None and not separate_files:
-        check_output(output, force=overwrite)  # refused now, not at the first snapshot
+        check_output(output, force=overwrite, input_folders=folders)  # now, not at the first snapshot
+    elif output is not None:
+        for folder in folders:
+            if inside(output, folder):
+                raise SameAsInputError(
+                    f"{os.fspath(output)} is inside {folder}, a folder this command reads; "
+                    "write the output elsewhere"
+                )
     return selection
 
 

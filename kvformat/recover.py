@@ -361,7 +361,7 @@ def recover(
     if not force and in_use(partial):
         raise FileInUseError(
             f"{partial} is being written by a live process (it holds the file's lock); wait for it to "
-            "finish, or pass --force to recover what it has written so far"
+            "finish, or pass --force (force=True from Python) to recover what it has written so far"
         )
     if _complete(partial):
         if partial.endswith(".partial"):

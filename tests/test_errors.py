@@ -54,4 +54,4 @@ def test_the_root_keeps_each_errors_builtin_meaning() -> None:
     assert issubclass(CaptureError, RuntimeError)
     assert issubclass(NoQueriesError, ValueError)
     error = kvformat.io.outputs.OutputExistsError(17, "out.kv exists")
-    assert error.errno == 17 and str(error) == "[Errno 17] out.kv exists"
+    assert error.errno == 17 and str(error) == "out.kv exists"  # the message alone: no "[Errno 17]"

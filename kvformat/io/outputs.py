@@ -25,12 +25,16 @@ from kvformat.errors import KVSnapError
 
 __all__ = [
     "MissingFolderError",
+    "OutputError",
     "OutputExistsError",
+    "OutputIsFileError",
+    "OutputIsFolderError",
     "SameAsInputError",
     "check_output",
     "check_output_folder",
     "files_into",
     "in_use",
+    "inside",
     "lock_for_writing",
     "output_path",
     "publish",
@@ -38,16 +42,35 @@ __all__ = [
 ]
 
 
-class OutputExistsError(KVSnapError, FileExistsError):
+class OutputError(KVSnapError, OSError):
+    """An output path a command refuses; its message reads as written (no ``[Errno 17]``)."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.strerror else super().__str__()
+
+
+class OutputExistsError(OutputError, FileExistsError):
     """The output path exists and ``force`` was not given."""
 
 
 class SameAsInputError(KVSnapError, ValueError):
-    """The output path names one of the command's own inputs."""
+    """The output path names one of the command's own inputs, or lies inside a folder it reads
+    (a model folder)."""
 
 
-class MissingFolderError(KVSnapError, FileNotFoundError):
+class MissingFolderError(OutputError, FileNotFoundError):
     """The output's folder does not exist."""
+
+
+class OutputIsFolderError(OutputError, IsADirectoryError):
+    """A file was to be written where a folder is."""
+
+
+class OutputIsFileError(OutputError, NotADirectoryError):
+    """A folder was to be written where a file is."""
+
+
+REPLACE = "replace it with --force (overwrite=True from Python)"
 
 
 def _is_url(path: str) -> bool:
@@ -68,30 +91,48 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
         return False
 
 
+def inside(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is ``folder`` or lies anywhere under it (links resolved; URLs never)."""
+    a, b = os.fspath(path), os.fspath(folder)
+    if _is_url(a) or _is_url(b):
+        return False
+    target, root = os.path.realpath(a), os.path.realpath(b)
+    return target == root or target.startswith(root.rstrip(os.sep) + os.sep)
+
+
 def check_output(
     path: str | os.PathLike[str],
     *,
     inputs: Iterable[str | os.PathLike[str]] = (),
     force: bool = False,
     folder: bool = False,
+    input_folders: Iterable[str | os.PathLike[str]] = (),
 ) -> str:
-    """Refuse ``path`` as an output before any work: one of ``inputs`` (even with ``force``), an
-    existing file or folder without ``force``, a folder where a file is wanted (and the reverse),
-    or a missing parent folder. Returns the path as a string."""
+    """Refuse ``path`` as an output before any work: one of ``inputs`` (even with ``force``), a
+    path inside one of ``input_folders`` (folders the command reads, such as a model's: every
+    file in them is an input, even with ``force``), an existing file or folder without
+    ``force``, a folder where a file is wanted (and the reverse), or a missing parent folder.
+    Returns the path as a string."""
     out = os.fspath(path)
     for source in inputs:
         if same_file(out, source):
             raise SameAsInputError(f"{out} is an input of this command; write the output elsewhere")
+    for source_folder in input_folders:
+        if inside(out, source_folder):
+            raise SameAsInputError(
+                f"{out} is inside {os.fspath(source_folder)}, a folder this command reads; "
+                "write the output elsewhere"
+            )
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise MissingFolderError(errno.ENOENT, f"{out}: folder {parent} does not exist")
     if os.path.isdir(out) and not folder:
-        raise IsADirectoryError(errno.EISDIR, f"{out} is a folder; give a file name")
+        raise OutputIsFolderError(errno.EISDIR, f"{out} is a folder; give a file name")
     if os.path.lexists(out):
         if folder and not os.path.isdir(out):
-            raise NotADirectoryError(errno.ENOTDIR, f"{out} is a file; give a folder name")
+            raise OutputIsFileError(errno.ENOTDIR, f"{out} is a file; give a folder name")
         if not force:
-            raise OutputExistsError(errno.EEXIST, f"{out} exists; pass --force to replace it")
+            raise OutputExistsError(errno.EEXIST, f"{out} exists; {REPLACE}")
     return out
 
 
@@ -108,10 +149,10 @@ def publish(temporary: str, path: str, *, force: bool = False) -> None:
     try:
         os.link(temporary, path)
     except FileExistsError:
-        raise OutputExistsError(errno.EEXIST, f"{path} exists; pass --force to replace it") from None
+        raise OutputExistsError(errno.EEXIST, f"{path} exists; {REPLACE}") from None
     except OSError:  # no hard links here (some network and FAT file systems): check, then rename
         if os.path.lexists(path):
-            raise OutputExistsError(errno.EEXIST, f"{path} exists; pass --force to replace it") from None
+            raise OutputExistsError(errno.EEXIST, f"{path} exists; {REPLACE}") from None
         os.replace(temporary, path)
         return
     os.unlink(temporary)
@@ -126,7 +167,7 @@ def _publish_folder(temporary: str, path: str, force: bool) -> None:
         os.rename(temporary, path)
         return
     if not force:
-        raise OutputExistsError(errno.EEXIST, f"{path} exists; pass --force to replace it")
+        raise OutputExistsError(errno.EEXIST, f"{path} exists; {REPLACE}")
     foreign = sorted(set(os.listdir(path)) - set(os.listdir(temporary)))
     if foreign:
         raise OutputExistsError(
@@ -219,7 +260,7 @@ def check_output_folder(path: str | os.PathLike[str]) -> str:
     if _is_url(out):
         raise ValueError(f"{out}: write the output to a local folder")
     if os.path.lexists(out) and not os.path.isdir(out):
-        raise NotADirectoryError(errno.ENOTDIR, f"{out} is a file; give a folder name")
+        raise OutputIsFileError(errno.ENOTDIR, f"{out} is a file; give a folder name")
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(out) and not os.path.isdir(parent):
         raise MissingFolderError(errno.ENOENT, f"{out}: folder {parent} does not exist")
@@ -242,12 +283,12 @@ def check_names(
             if same_file(target, source):
                 raise SameAsInputError(f"{target} is an input of this command; write the output elsewhere")
         if os.path.isdir(target):
-            raise IsADirectoryError(errno.EISDIR, f"{target} is a folder; this command writes a file there")
+            raise OutputIsFolderError(errno.EISDIR, f"{target} is a folder; this command writes a file there")
         if os.path.lexists(target) and not force:
             raise OutputExistsError(
                 errno.EEXIST,
-                f"{target} exists; pass --force to replace the files this command writes "
-                "(nothing else in the folder is touched)",
+                f"{target} exists; --force (overwrite=True from Python) replaces the files this "
+                "command writes (nothing else in the folder is touched)",
             )
 
 

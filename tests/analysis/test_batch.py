@@ -269,7 +269,7 @@ def test_cli_reports_failures_and_writes_the_rest(
     assert main(["stats", str(runs / "*.kv"), "--fail-fast"]) == 2
     assert "TruncatedFileError: " + str(runs / "run3-broken.kv") in capsys.readouterr().err
     assert main(["stats", *good_files(runs), "--merge", "-o", str(out)]) == 2  # exists
-    assert "exists; pass --force" in capsys.readouterr().err
+    assert "exists; replace it with --force" in capsys.readouterr().err
     assert main(["stats", *good_files(runs), "--merge", "-o", str(out), "--force"]) == 0
     assert "over 3 files" in capsys.readouterr().out
     assert pl.read_parquet(out).height == LAYERS * HEADS * 2

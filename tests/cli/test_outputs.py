@@ -70,7 +70,7 @@ def test_existing_output_is_refused_then_replaced_with_force(
     output = tmp_path / "existing.out"
     output.write_bytes(b"keep me")
     code, _, err = _run(COMMANDS[command](str(capture), str(output)), capsys)
-    assert code == 2 and "exists; pass --force" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "exists; replace it with --force" in err and len(err.strip().splitlines()) == 1
     assert output.read_bytes() == b"keep me"
     code, out, _ = _run([*COMMANDS[command](str(capture), str(output)), "--force"], capsys)
     assert code == 0 and output.read_bytes() != b"keep me"
