@@ -212,6 +212,11 @@ def register(sub: Any) -> None:
         help="row relative error ||B_t - A_t|| / ||A_t|| that counts as divergent (default 1e-3)",
     )
     p.add_argument("--top", type=positive_int, default=10, help="worst heads to print (default 10)")
+    p.add_argument(
+        "--all-positions",
+        action="store_true",
+        help="also compare positions after the files' token ids diverge (by default only those before)",
+    )
     keys_option(p)
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
     force_option(p)

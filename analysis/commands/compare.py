@@ -45,6 +45,7 @@ class DiffOptions(FromArgs):
     tolerance: float = 1e-3
     top: int = 10
     keys: str = "post_rope"
+    all_positions: bool = False
 
 
 def similarity_command(args: argparse.Namespace) -> int:
@@ -86,6 +87,7 @@ def diff_command(args: argparse.Namespace) -> int:
                 keys=options.keys,
                 tolerance=options.tolerance,
                 storage_options=url_options(args),
+                all_positions=options.all_positions,
             )
     except LayoutMismatchError as exc:
         print(f"kvsnap: error: {exc}", file=sys.stderr)
@@ -106,7 +108,7 @@ def diff_command(args: argparse.Namespace) -> int:
             f"{diverging} of {part.height} heads diverge beyond {options.tolerance:g}"
         )
     positions = int(compared["n_positions"].to_numpy().max())
-    print(f"worst heads by rel_error ({positions} positions compared):")
+    print(f"worst heads by rel_error ({positions} positions compared{_divergence_note(table)}):")
     worst = compared.sort("rel_error", descending=True, nulls_last=True).head(options.top)
     for row in worst.iter_rows(named=True):
         first = row["first_divergent_position"]
@@ -120,6 +122,19 @@ def diff_command(args: argparse.Namespace) -> int:
         _diff_heatmap(compared, options, args)
         print(f"wrote {options.plot}")
     return 0
+
+
+def _divergence_note(table: Any) -> str:
+    """``"; token ids diverge at position 78: 40 later positions left out"`` (or how they were
+    compared anyway), "" when the token ids agree or are not recorded."""
+    diverging = table.filter(pl.col("tokens_diverge_at").is_not_null())
+    if diverging.is_empty():
+        return ""
+    at = int(diverging["tokens_diverge_at"].min())
+    left_out = int(table["positions_left_out"].max())
+    if left_out:
+        return f"; token ids diverge at position {at}: up to {left_out} later positions per head left out"
+    return f"; token ids diverge at position {at}: later positions compared too (--all-positions)"
 
 
 def _diff_heatmap(table: Any, options: DiffOptions, args: argparse.Namespace) -> None:
@@ -161,7 +176,7 @@ def _diff_heatmap(table: Any, options: DiffOptions, args: argparse.Namespace) ->
     positions = int(table["n_positions"].max())
     figure.suptitle(
         f"A = {os.path.basename(options.a)} ({which[0]}), B = {os.path.basename(options.b)} ({which[1]}); "
-        f"up to {positions} positions compared per head ({options.keys} keys)",
+        f"up to {positions} positions compared per head ({options.keys} keys){_divergence_note(table)}",
         fontsize=10,
     )
     assert options.plot is not None  # (drawn for --plot only)

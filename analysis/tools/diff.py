@@ -13,11 +13,20 @@ where they overlap. One row per (`layer`, `head`, `seq`, `tensor`):
 - ``first_divergent_position``: the first position whose row error ``||B_t - A_t|| / ||A_t||``
   exceeds ``tolerance`` or whose row holds inf or NaN on one side only, or null;
 - ``nonfinite_positions``: the positions where A's or B's row holds inf or NaN (left out of
-  every other column).
+  every other column);
+- ``tokens_diverge_at``: the first position of the sequence whose recorded token ids differ
+  between the files, or null (the same ids throughout, or a file that records none);
+- ``positions_left_out``: positions both files hold that were not compared because the token
+  ids diverge before or at them.
+
+Only positions before the token ids diverge are compared by default: K and V at a position are
+computed from every token up to it, so once the two token streams differ (two generations that
+sampled differently), later positions hold different computations, not a numerical difference,
+even where a later token happens to agree. ``all_positions=True`` (``--all-positions``) compares
+every shared position anyway. A warning names the position and what was left out.
 
 Files whose layouts differ (present layers, heads, dims, sequences) are refused with one line
-naming the difference; files whose recorded token ids differ are compared anyway, with a warning
-naming the first differing position. Files whose RoPE pairs channels differently (``(2i, 2i+1)``
+naming the difference. Files whose RoPE pairs channels differently (``(2i, 2i+1)``
 against ``(i, i + dims/2)``: a capture from a GGUF conversion that kept llama.cpp's q/k
 permutation against one in the checkpoint's order) are compared with the interleaved file's K
 reordered into the other's order (`rope.interleaved_to_half`), with a warning saying so.
@@ -72,14 +81,31 @@ def _pairing_difference(a: kvformat.Snapshot, b: kvformat.Snapshot) -> int | Non
     return pairings.index("interleaved") if "interleaved" in pairings else None
 
 
-def _token_warning(a: kvformat.Snapshot, b: kvformat.Snapshot) -> str | None:
+def token_divergence(a: kvformat.Snapshot, b: kvformat.Snapshot) -> list[int | None]:
+    """Per sequence, the first position whose recorded token ids differ between the snapshots,
+    or None (the same ids over the positions both record, or a snapshot that records none)."""
     ta, tb = token_ids(a), token_ids(b)
     if ta is None or tb is None:
-        return None
-    for seq, (x, y) in enumerate(zip(ta, tb, strict=False)):
-        for position, (p, q) in enumerate(zip(x, y, strict=False)):
-            if p != q:
-                return f"token ids differ from position {position} of sequence {seq} on"
+        return [None] * a.num_seqs
+    found: list[int | None] = []
+    for seq in range(a.num_seqs):
+        x = np.asarray(ta[seq] if seq < len(ta) else [], np.int64)
+        y = np.asarray(tb[seq] if seq < len(tb) else [], np.int64)
+        n = min(x.size, y.size)
+        differ = np.flatnonzero(x[:n] != y[:n])
+        found.append(int(differ[0]) if differ.size else None)
+    return found
+
+
+def _token_warning(diverge: list[int | None], all_positions: bool) -> str | None:
+    for seq, position in enumerate(diverge):
+        if position is not None:
+            what = (
+                "every shared position is compared anyway (all_positions)"
+                if all_positions
+                else f"only positions before {position} are compared (--all-positions compares every one)"
+            )
+            return f"token ids differ from position {position} of sequence {seq} on: {what}"
     return None
 
 
@@ -134,13 +160,20 @@ def _finite_metrics(a: np.ndarray, b: np.ndarray, positions: np.ndarray, toleran
     }
 
 
-def _check_pair(first: kvformat.Snapshot, second: kvformat.Snapshot, a: str, b: str) -> int | None:
+def _check_pair(
+    first: kvformat.Snapshot,
+    second: kvformat.Snapshot,
+    a: str,
+    b: str,
+    diverge: list[int | None],
+    every: bool,
+) -> int | None:
     """`LayoutMismatchError` unless the two layouts match; warnings for differing token ids and
     RoPE channel pairings. Which file's K is reordered (0 or 1), or None."""
     difference = _layout_difference(first, second)
     if difference is not None:
         raise LayoutMismatchError(f"{a} and {b} differ: {difference}")
-    message = _token_warning(first, second)
+    message = _token_warning(diverge, every)
     if message is not None:
         warnings.warn(f"{a} vs {b}: {message}", UserWarning, stacklevel=3)
     reorder = _pairing_difference(first, second)
@@ -191,16 +224,24 @@ def _head_rows(
     keys: str,
     reorder: int | None,
     tolerance: float,
+    stop: int | None,
 ) -> list[dict[str, Any]]:
-    """The K and V rows of one head: ``y`` against ``x`` over the positions both hold."""
+    """The K and V rows of one head: ``y`` against ``x`` over the positions both hold, before
+    ``stop`` (None: all of them)."""
     shared, in_x, in_y = np.intersect1d(x.positions, y.positions, return_indices=True)
+    left_out = 0
+    if stop is not None:
+        keep = shared < stop
+        left_out = int(shared.size - keep.sum())
+        shared, in_x, in_y = shared[keep], in_x[keep], in_y[keep]
     rows = []
     for tensor, left, right in (("k", x.k, y.k), ("v", x.v, y.v)):
         p = np.asarray(left, dtype=np.float64)[in_x]
         q = np.asarray(right, dtype=np.float64)[in_y]
         if tensor == "k":
             p, q = _comparable_keys(p, q, shared, ropes, keys, reorder)
-        rows.append({**where, "tensor": tensor, **_metrics(p, q, shared, tolerance)})
+        found = _metrics(p, q, shared, tolerance)
+        rows.append({**where, "tensor": tensor, **found, "positions_left_out": left_out})
     return rows
 
 
@@ -213,9 +254,11 @@ def head_diff(
     keys: str = "post_rope",
     tolerance: float = 1e-3,
     storage_options: dict[str, Any] | None = None,
+    all_positions: bool = False,
 ) -> pl.DataFrame:
     """One row per (layer, head, seq, tensor) comparing file ``b`` to file ``a`` (see the module
-    docstring for the columns); ``keys="pre_rope"`` un-rotates both files' K first.
+    docstring for the columns) at the positions both hold before their token ids diverge (every
+    shared position with ``all_positions``); ``keys="pre_rope"`` un-rotates both files' K first.
     `LayoutMismatchError` if the layouts differ; a `UserWarning` if the token ids differ."""
 
     if keys not in ("post_rope", "pre_rope"):
@@ -227,7 +270,8 @@ def head_diff(
         kvformat.open(a, snapshot_a, storage_options=storage_options) as first,
         kvformat.open(b, snapshot_b, storage_options=storage_options) as second,
     ):
-        reorder = _check_pair(first, second, os.fspath(a), os.fspath(b))
+        diverge = token_divergence(first, second)
+        reorder = _check_pair(first, second, os.fspath(a), os.fspath(b), diverge, all_positions)
         for layer, spec in enumerate(first.layers):
             if not spec.present:
                 continue
@@ -237,7 +281,9 @@ def head_diff(
                     x, y = first.head(layer, head, seq), second.head(layer, head, seq)
                     assert x is not None and y is not None
                     where = {"layer": layer, "head": head, "seq": seq}
-                    rows.extend(_head_rows(where, x, y, ropes, keys, reorder, tolerance))
+                    stop = None if all_positions else diverge[seq]
+                    found = _head_rows(where, x, y, ropes, keys, reorder, tolerance, stop)
+                    rows.extend({**row, "tokens_diverge_at": diverge[seq]} for row in found)
     schema: dict[str, Any] = {
         "layer": pl.Int64,
         "head": pl.Int64,
@@ -250,5 +296,7 @@ def head_diff(
         "norm_ratio": pl.Float64,
         "first_divergent_position": pl.Int64,
         "nonfinite_positions": pl.List(pl.Int64),
+        "positions_left_out": pl.Int64,
+        "tokens_diverge_at": pl.Int64,
     }
     return pl.DataFrame(rows, schema=schema)

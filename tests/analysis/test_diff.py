@@ -89,19 +89,36 @@ def test_layouts_that_differ_are_refused(tmp_path: Path, capsys: pytest.CaptureF
     assert "differ: layer 0" in capsys.readouterr().err
 
 
-def test_different_tokens_are_compared_with_a_warning(
+def test_only_positions_before_the_tokens_diverge_are_compared(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """B's token ids differ from position 1 on, and so do its rows there: by default only
+    position 0 is compared (exact), the table and the summary say where the tokens diverge and
+    how many positions were left out; ``all_positions`` compares the three."""
     spec = kvformat.LayerSpec(1, 4, 4, kvformat.dtypes.from_numpy(np.dtype(np.float32)))
     rng = np.random.default_rng(2)
     k = rng.standard_normal((1, 3, 4)).astype(np.float32)
-    for name, tokens, rows in (("a", [5, 6, 7], k), ("b", [5, 9, 7], k * 1.5)):
+    changed = k.copy()
+    changed[:, 1:] *= 1.5
+    for name, tokens, rows in (("a", [5, 6, 7], k), ("b", [5, 9, 7], changed)):
         with kvformat.Writer(tmp_path / f"{name}.kv", [spec]) as writer:
             writer.append(0, rows, rows)
             writer.snapshot({"tokens": [tokens]})
-    with pytest.warns(UserWarning, match="token ids differ from position 1 of sequence 0"):
+    with pytest.warns(UserWarning, match="token ids differ from position 1 of sequence 0 on: only positions"):
         table = head_diff(tmp_path / "a.kv", tmp_path / "b.kv")
-    assert table["rel_error"].to_list() == pytest.approx([0.5, 0.5])
-    assert table["norm_ratio"].to_list() == pytest.approx([1.5, 1.5])
-    assert main(["diff", str(tmp_path / "a.kv"), str(tmp_path / "b.kv")]) == 0
-    assert "kvsnap: warning: " in capsys.readouterr().err
+    assert table["n_positions"].to_list() == [1, 1] and table["rel_error"].to_list() == [0.0, 0.0]
+    assert table["tokens_diverge_at"].to_list() == [1, 1] and table["positions_left_out"].to_list() == [2, 2]
+    with pytest.warns(UserWarning, match="compared anyway"):
+        every = head_diff(tmp_path / "a.kv", tmp_path / "b.kv", all_positions=True)
+    assert every["n_positions"].to_list() == [3, 3] and every["positions_left_out"].to_list() == [0, 0]
+    moved = np.linalg.norm(k[0, 1:] * 0.5) / np.linalg.norm(k[0])
+    assert every["rel_error"].to_list() == pytest.approx([moved, moved])
+    out, plot = tmp_path / "d.parquet", tmp_path / "d.png"
+    argv = ["diff", str(tmp_path / "a.kv"), str(tmp_path / "b.kv"), "-o", str(out), "--plot", str(plot)]
+    assert main(argv) == 0
+    printed = capsys.readouterr()
+    assert "kvsnap: warning: " in printed.err
+    assert "token ids diverge at position 1: up to 2 later positions per head left out" in printed.out
+    assert pl.read_parquet(out)["tokens_diverge_at"].to_list() == [1, 1]
+    assert main([*argv[:3], "--all-positions"]) == 0
+    assert "later positions compared too (--all-positions)" in capsys.readouterr().out
