@@ -80,7 +80,10 @@ def register(sub: Any) -> None:
         help="fractions of the prompt's keys kept (default 0.1 0.25 0.5)",
     )
     p.add_argument(
-        "--window", type=positive_int, default=64, help="SnapKV's observation window, queries (default 64)"
+        "--window",
+        type=positive_int,
+        help="SnapKV's observation window, queries (default 64, or as many as the file holds right "
+        "before the compressed span's end where it holds fewer: said in one line)",
     )
     p.add_argument("--kernel", type=odd_int, default=5, help="SnapKV's pooling kernel, keys (odd; default 5)")
     p.add_argument(
@@ -149,7 +152,6 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--stat",
-        default="norm_mean",
         help="heatmap statistic: a one-number column of 'kvsnap stats' (default norm_mean), or of "
         "'--stats attention' (sink_mass, retrieval_score, ...: per query head, needs saved queries)",
     )
@@ -173,6 +175,11 @@ def register(sub: Any) -> None:
         metavar="METHOD:BUDGET",
         help="with --attention: shade the keys an eviction method (streaming, snapkv, observed, h2o, random) "
         "would evict at that budget, as 'kvsnap simulate' chooses them, e.g. snapkv:0.25",
+    )
+    p.add_argument(
+        "--window",
+        type=positive_int,
+        help="with --kept snapkv:B: SnapKV's observation window, queries (default as 'kvsnap simulate')",
     )
     stats_option(p)
     force_option(p)

@@ -41,6 +41,7 @@ Quantization methods (every key kept; ``budget`` is bits / 16, against float16):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -75,12 +76,14 @@ class CompressionWarning(UserWarning):
 
 @dataclass(frozen=True)
 class Options:
-    """How the keys are chosen: SnapKV's observation ``window`` (queries), pooling ``kernel``
-    (keys, odd) and ``pooling`` (`POOLINGS`); which span is compressed (``compress``, `COMPRESS`;
-    ``"context"`` needs ``question_start``, the position where the uncompressed question
-    begins); the ``seed`` of ``random``."""
+    """How the keys are chosen: SnapKV's observation ``window`` (queries; None: kvpress's 64, or
+    as many queries as the file holds before the span's end where it holds fewer, said in a
+    `CompressionWarning`: `resolve_window`), pooling ``kernel`` (keys, odd) and ``pooling``
+    (`POOLINGS`); which span is compressed (``compress``, `COMPRESS`; ``"context"`` needs
+    ``question_start``, the position where the uncompressed question begins); the ``seed`` of
+    ``random``."""
 
-    window: int = OBSERVATION
+    window: int | None = None
     kernel: int = POOL
     pooling: str = "avg"
     compress: str = "prompt"
@@ -88,7 +91,7 @@ class Options:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.window < 1:
+        if self.window is not None and self.window < 1:
             raise ValueError(f"window must be a positive number of queries, not {self.window}")
         if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be a positive odd number of keys, not {self.kernel}")
@@ -100,6 +103,11 @@ class Options:
             raise ValueError(
                 "compress='context' needs question_start: the position where the question begins"
             )
+
+    @property
+    def observation(self) -> int:
+        """The observation window in queries (`OBSERVATION` until `resolve_window` sets it)."""
+        return OBSERVATION if self.window is None else self.window
 
     def span_end(self, snap: kvformat.Snapshot) -> int:
         """The first position after the compressed span."""
@@ -241,16 +249,17 @@ def _group_scores(
     positions = heads[0].k_positions
     out: dict[str, np.ndarray] = {}
     if "snapkv" in wanted:
-        first = end - options.window
+        first = end - options.observation
         before = positions < first
         pooled = np.zeros(int(before.sum()))
         for h in heads:
             weights, at = _span_weights(h, end, first)
-            if at.size != options.window or first < 1:
+            if at.size != options.observation or first < 1:
                 raise ValueError(
-                    f"snapkv's observation window is the {options.window} queries before position {end}; "
+                    f"snapkv's observation window is the {options.observation} queries before position "
+                    f"{end}; "
                     f"the file holds {at.size} of them for query head {h.head} (capture with --queries "
-                    f"window:{options.window} or all, or pass a --window it holds, below {end})"
+                    f"window:{options.observation} or all, or pass a --window it holds, below {end})"
                 )
             pooled += _pool(
                 weights[:, before].astype(np.float64).mean(axis=0), options.kernel, options.pooling
@@ -279,18 +288,51 @@ def _group_scores(
 
 
 def _warn_small_budget(methods: Iterable[str], budgets: Sequence[float], n: int, options: Options) -> None:
-    """A `CompressionWarning` where SnapKV's budget keeps no more keys than its window."""
+    """A `CompressionWarning` naming every budget at which SnapKV keeps no more keys than its
+    window."""
     if "snapkv" not in methods:
         return
-    small = [b for b in budgets if kept_count(b, n) <= options.window]
+    small = [b for b in budgets if kept_count(b, n) <= options.observation]
     if small:
+        which = " and ".join(f"{b:g} keeps {kept_count(b, n)}" for b in small)
+        several = len(small) > 1
         warnings.warn(
-            f"snapkv at budget {small[0]:g} keeps {kept_count(small[0], n)} of {n} keys, no more than its "
-            f"observation window ({options.window}): only window keys are kept, the result says "
-            "nothing of SnapKV's scores (a smaller --window, or a longer prompt)",
+            f"snapkv at budget{'s' if several else ''} {which} of {n} keys, no more than its "
+            f"observation window ({options.observation}): only window keys are kept, "
+            f"{'these results say' if several else 'the result says'} nothing of SnapKV's scores "
+            "(a smaller --window, or a longer prompt)",
             CompressionWarning,
             stacklevel=4,
         )
+
+
+def resolve_window(snap: kvformat.Snapshot, end: int, options: Options, methods: Iterable[str]) -> Options:
+    """``options`` with SnapKV's observation window settled for a span ending at ``end``: a
+    ``window`` given is kept (a file that lacks its queries is refused when they are read); the
+    default is kvpress's `OBSERVATION` (64), or, where the file holds fewer consecutive queries
+    right before ``end`` (a short prompt, a capture with ``--queries window:16``), all of those,
+    with a `CompressionWarning` saying so. ValueError where SnapKV is asked for and the file holds
+    no query right before ``end``."""
+    if options.window is not None:
+        return options
+    if "snapkv" not in set(methods):
+        return dataclasses.replace(options, window=OBSERVATION)
+    found = query_layers(snap)
+    held = snap.queries(found[0], 0) if found else None
+    window = _tail(held.positions, end, OBSERVATION) if held is not None else 0
+    if window == 0:
+        raise ValueError(
+            f"snapkv scores keys by the queries right before position {end}; the file holds none "
+            "(capture with --queries window:W or all)"
+        )
+    if window < OBSERVATION:
+        warnings.warn(
+            f"snapkv: the file holds {window} consecutive queries before position {end}, fewer than "
+            f"kvpress's {OBSERVATION}: its observation window is those {window} (--window sets it)",
+            CompressionWarning,
+            stacklevel=3,
+        )
+    return dataclasses.replace(options, window=window)
 
 
 def snapkv_scores(
@@ -375,10 +417,11 @@ def kept_mask(
         )
     heads, _ = _group_heads(snap, layer, spec.kv_heads[head], seq)
     end = options.span_end(snap)
+    options = resolve_window(snap, end, options, [method])
     scores = _group_scores(heads, end, [method], options)
     rng = np.random.default_rng(options.seed)
     positions = heads[0].k_positions
-    return positions, kept_keys(method, budget, positions, end, scores, rng, options.window)
+    return positions, kept_keys(method, budget, positions, end, scores, rng, options.observation)
 
 
 def _group_heads(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) -> tuple[list[_Head], int]:
@@ -424,19 +467,31 @@ def _error(
 
 
 def _available(snap: kvformat.Snapshot, end: int) -> list[str]:
-    """`METHODS` less ``observed`` where the file does not hold every query of the span (one
-    `CompressionWarning` says so): the methods a default `simulate` runs."""
-    for layer in query_layers(snap):
-        found = snap.queries(layer, 0)
-        if found is not None and int((found.positions < end).sum()) < end:
-            warnings.warn(
-                f"{snap.name}: observed left out: it needs every query before position {end} "
-                "(capture with --queries all)",
-                CompressionWarning,
-                stacklevel=3,
-            )
-            return [m for m in METHODS if m != "observed"]
-    return list(METHODS)
+    """`METHODS` less ``observed`` where the file does not hold every query of the span, and less
+    ``snapkv`` where it holds no query right before the span's end (a `CompressionWarning` says
+    so): the methods a default `simulate` runs."""
+    methods = list(METHODS)
+    found = query_layers(snap)
+    held = snap.queries(found[0], 0) if found else None
+    if held is None:
+        return methods
+    if int((held.positions < end).sum()) < end:
+        warnings.warn(
+            f"{snap.name}: observed left out: it needs every query before position {end} "
+            "(capture with --queries all)",
+            CompressionWarning,
+            stacklevel=3,
+        )
+        methods.remove("observed")
+    if _tail(held.positions, end, 1) == 0:
+        warnings.warn(
+            f"{snap.name}: snapkv left out: it scores keys by the queries right before position {end}, "
+            "which the file does not hold (capture with --queries window:W or all)",
+            CompressionWarning,
+            stacklevel=3,
+        )
+        methods.remove("snapkv")
+    return methods
 
 
 def simulate_rows(
@@ -467,6 +522,7 @@ def simulate_rows(
             )
         if chosen is None:
             chosen = _available(snap, end)
+        options = resolve_window(snap, end, options, chosen)
         warned = False
         for layer in layers_with_queries(snap):
             spec = snap.layers[layer].queries
@@ -506,7 +562,8 @@ def _head_rows(
     decode = h.q_positions >= max(end, prompt or 0)
     if not decode.any():
         decode = h.q_positions >= end
-    rows_eval = decode if decode.any() else (h.q_positions >= end - options.window) & (h.q_positions < end)
+    window = (h.q_positions >= end - options.observation) & (h.q_positions < end)
+    rows_eval = decode if decode.any() else window
     if not rows_eval.any():
         return []
     full_weights = attention_weights(
@@ -533,7 +590,7 @@ def _head_rows(
             )
             continue
         for budget in budgets:
-            keep = kept_keys(method, budget, h.k_positions, end, scores, rng, options.window)
+            keep = kept_keys(method, budget, h.k_positions, end, scores, rng, options.observation)
             error, agreement = _error(h, rows_eval, full, full_top, keep, h.k, h.v)
             out.append(
                 {

@@ -9,7 +9,9 @@ or from `kvformat.attention.weights` and numpy where it is not built, the keys a
 position order, or a block could overflow:
 
 - ``sink_mass``: mean over queries of the weight on key positions ``< SINKS`` (StreamingLLM's
-  attention sinks); ``local_mass``: on the visible keys less than ``LOCAL`` positions back.
+  attention sinks); ``local_mass``: on the visible keys less than ``LOCAL`` positions back,
+  sinks excluded (the two never overlap: a pure sink head reads ``sink_mass`` 1, ``local_mass``
+  0, however short the context).
 - ``entropy`` (nats) of each query's weights, and ``entropy_normalized``: divided by the log of
   the number of keys the query sees (1 = uniform; queries that see one key count as 0).
 - ``mean_distance``: query position minus key position, attention-weighted, averaged.
@@ -460,7 +462,7 @@ def _add_block(
     back = (p[:, None] - j[None, :]).astype(np.float32)
     sums.queries += w.shape[0]
     sums.sink += float(w[:, j < SINKS].sum(dtype=np.float64))
-    sums.local += float(np.sum(w, where=seen & (back < LOCAL), dtype=np.float64))
+    sums.local += float(np.sum(w, where=seen & (back < LOCAL) & (j >= SINKS), dtype=np.float64))
     logs = np.log(w, where=w > 0, out=np.zeros_like(w))
     entropy = -np.einsum("ij,ij->i", w, logs, dtype=np.float64)
     count = seen.sum(axis=1)

@@ -13,9 +13,9 @@ import numpy as np
 import polars as pl
 
 import kvformat
-from kvsnap.cli.errors import CommandError
+from kvsnap.cli.errors import CommandError, OptionsConflictError
 
-from ..attention.compression import kept_mask
+from ..attention.compression import Options, kept_mask
 from ..attention.head_importance import attention_stats
 from ..attention.names import SCALARS
 from ..attention.tokens import token_pieces
@@ -32,12 +32,18 @@ class PlotOptions(FromArgs):
     file: str = ""
     snapshot: int = -1
     attention: tuple[int, int] | None = None
-    stat: str = "norm_mean"
+    stat: str | None = None
     tensor: str = "k"
     scale: str = "log"
     output: str = ""
     token_labels: bool = False
     kept: tuple[str, float] | None = None
+    window: int | None = None
+
+    @property
+    def statistic(self) -> str:
+        """The heatmap's statistic (``norm_mean`` unless ``--stat`` names another)."""
+        return self.stat or "norm_mean"
 
 
 def plot_command(args: argparse.Namespace) -> int:
@@ -47,12 +53,16 @@ def plot_command(args: argparse.Namespace) -> int:
     own figures."""
     options = PlotOptions.from_args(args)
 
+    if options.window is not None and (options.kept is None or options.kept[0] != "snapkv"):
+        raise OptionsConflictError("--window sets SnapKV's observation window: give it with --kept snapkv:B")
     if options.attention is not None:
+        if options.stat is not None:
+            raise OptionsConflictError("--stat picks a heatmap's statistic: leave it out with --attention")
         return _attention_map(options, args)
     if options.kept is not None:
         print("kvsnap: error: --kept shades an attention map: give it with --attention L:H", file=sys.stderr)
         return 2
-    if options.stat in SCALARS:
+    if options.statistic in SCALARS:
         return _attention_stat_plot(options, args)
 
     matplotlib.use("Agg")
@@ -63,7 +73,7 @@ def plot_command(args: argparse.Namespace) -> int:
         generated = snap.snapshot_metadata.get("generated")
         model = snap.metadata.get("model", {})
     model_name = model.get("name") if isinstance(model, dict) else None
-    name = f"{options.tensor.upper()} {options.stat}"
+    name = f"{options.tensor.upper()} {options.statistic}"
     figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5.5))
     figure.suptitle(
         f"{os.path.basename(options.file)}  |  model {model_name or '(not recorded)'}  |  "
@@ -89,9 +99,9 @@ def _statistic_grid(options: PlotOptions, args: argparse.Namespace) -> tuple[lis
     table = statistics_table(request)[0].filter((pl.col("tensor") == options.tensor) & (pl.col("seq") == 0))
     keys = ("seq", "layer", "head", "snapshot")
     numeric = [c for c, t in table.schema.items() if t.is_numeric() and c not in keys]
-    if options.stat not in numeric:
-        raise CommandError(f"unknown statistic {options.stat!r}; one of: {', '.join(numeric)}")
-    return _layer_head_grid(table, options.stat)
+    if options.statistic not in numeric:
+        raise CommandError(f"unknown statistic {options.statistic!r}; one of: {', '.join(numeric)}")
+    return _layer_head_grid(table, options.statistic)
 
 
 def _heatmap(figure: Any, axis: Any, grid: Any, layers: list[int], name: str, heads: str) -> None:
@@ -199,15 +209,16 @@ def _attention_stat_plot(options: PlotOptions, args: argparse.Namespace) -> int:
     matplotlib.use("Agg")
 
     table = attention_stats(options.file, options.snapshot, storage_options=url_options(args))
-    layers, grid = _layer_head_grid(table, options.stat)
+    layers, grid = _layer_head_grid(table, options.statistic)
     heads = grid.shape[1]
     figure, axis = plt.subplots(figsize=(1.2 + 0.45 * heads, 1.5 + 0.22 * len(layers)))
-    _heatmap(figure, axis, grid, layers, options.stat, "query head")
-    axis.set_title(f"{os.path.basename(options.file)}: {options.stat} per layer and query head", fontsize=9)
+    _heatmap(figure, axis, grid, layers, options.statistic, "query head")
+    title = f"{os.path.basename(options.file)}: {options.statistic} per layer and query head"
+    axis.set_title(title, fontsize=9)
     figure.tight_layout()
     save_figure(figure, options.output, args)
     plt.close(figure)
-    print(f"wrote {options.output}: {len(layers)} layers x {heads} query heads of {options.stat}")
+    print(f"wrote {options.output}: {len(layers)} layers x {heads} query heads of {options.statistic}")
     return 0
 
 
@@ -223,7 +234,7 @@ def _attention_map(options: PlotOptions, args: argparse.Namespace) -> int:
         found = snap.attention(layer, head)
         evicted = None
         if options.kept is not None:
-            evicted = kept_mask(snap, layer, head, *options.kept)
+            evicted = kept_mask(snap, layer, head, *options.kept, options=Options(window=options.window))
         generated = snap.snapshot_metadata.get("generated")
         seq_len = snap.seq_len
         pieces = token_pieces(snap)

@@ -19,7 +19,7 @@ class SimulateOptions(FromArgs):
     method: list[str] | None = None
     budget: list[float] = field(default_factory=lambda: [0.1, 0.25, 0.5])
     snapshot: int = -1
-    window: int = 64
+    window: int | None = None
     kernel: int = 5
     pooling: str = "avg"
     compress: str = "prompt"

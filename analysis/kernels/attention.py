@@ -11,7 +11,7 @@ products instead of dividing ``(n, n_keys)`` weights) and fills ``rows`` ``(n_qu
 ROW_FIELDS)`` float64 per query:
 
 - ``SINK``, ``LOCAL``: the weight on key positions ``< sinks`` and on visible keys less than
-  ``local`` positions back;
+  ``local`` positions back that are not sinks (the two never overlap);
 - ``ENTROPY`` (nats) from the identity ``log w_j = (x_j - m) - log T`` (``x`` the logit, ``m``
   the row's maximum, ``T`` the softmax denominator): no logarithm per key;
 - ``VISIBLE``: how many keys the query sees; ``DISTANCE``: ``sum w_j (p - j)``;

@@ -1100,6 +1100,7 @@ KERNEL static int block_scores(float *logits, int64_t n, int64_t m, double *rows
         int64_t recent = search_right(key_positions, m, p - stream_window);
         recent = recent > sunk ? recent : sunk;
         int64_t near = search_right(key_positions, m, p - local);
+        near = near > sunk ? near : sunk; /* local weight leaves the sinks to SINK_FIELD */
         out[SINK_FIELD] = sum_of(row, sunk) * inverse;
         out[LOCAL_FIELD] = sum_of(row + near, end - near) * inverse;
         out[KEPT_FIELD] = out[SINK_FIELD] + sum_of(row + recent, end - recent) * inverse;

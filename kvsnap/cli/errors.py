@@ -10,3 +10,9 @@ class CommandError(KVSnapError, RuntimeError):
     """A command cannot give what was asked; exit status `status` (1: the command ran)."""
 
     status = 1
+
+
+class OptionsConflictError(CommandError):
+    """Options that do nothing together (one would be ignored): exit status 2, before any work."""
+
+    status = 2

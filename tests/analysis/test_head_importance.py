@@ -96,7 +96,8 @@ def test_every_score_equals_the_definition(tmp_path: Path, name: str) -> None:
         back = positions[:, None] - keys[None, :]
         assert row["n_queries"] == len(positions)
         assert row["sink_mass"] == pytest.approx(w[:, :4].sum(axis=1).mean(), rel=1e-5)
-        assert row["local_mass"] == pytest.approx((w * (back < 64) * seen).sum(axis=1).mean(), rel=1e-5)
+        local = w * (back < 64) * seen * (keys >= 4)  # sinks excluded: local and sink never overlap
+        assert row["local_mass"] == pytest.approx(local.sum(axis=1).mean(), rel=1e-5)
         entropy = -(np.where(seen, w * np.log(np.where(seen, w, 1)), 0)).sum(axis=1)
         assert row["entropy"] == pytest.approx(entropy.mean(), rel=1e-4, abs=1e-5)
         assert row["entropy_normalized"] == pytest.approx(
@@ -485,8 +486,13 @@ def test_kept_keys_overlay_on_the_attention_map(tmp_path: Path, capsys: pytest.C
         assert kept_mask(snap, 0, 1, "h2o", 1.0)[1].all()
         snapkv = kept_mask(snap, 0, 2, "snapkv", 0.25, options=simulate.Options(window=8))[1]
         assert snapkv[:PROMPT].sum() == 9 and snapkv[PROMPT - 8 :].all()  # floor(0.25 * 36), the window
-        with pytest.raises(ValueError, match="the file holds 12 of them"):  # the default window: 64
-            kept_mask(snap, 0, 2, "snapkv", 0.25)
+        with pytest.raises(ValueError, match="the file holds 12 of them"):  # a window it does not hold
+            kept_mask(snap, 0, 2, "snapkv", 0.25, options=simulate.Options(window=64))
+        # the default window: kvpress's 64, or the 12 queries the file holds before the prompt's end
+        with pytest.warns(simulate.CompressionWarning, match="holds 12 consecutive queries before"):
+            adapted = kept_mask(snap, 0, 2, "snapkv", 0.25)[1]
+        explicit = kept_mask(snap, 0, 2, "snapkv", 0.25, options=simulate.Options(window=12))[1]
+        assert adapted.tolist() == explicit.tolist() and adapted[:PROMPT].sum() == 9
         with pytest.raises(ValueError, match="eviction method"):
             kept_mask(snap, 0, 1, "kivi4", 0.5)
     png = tmp_path / "map.png"
@@ -494,6 +500,16 @@ def test_kept_keys_overlay_on_the_attention_map(tmp_path: Path, capsys: pytest.C
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["plot", str(path), "--kept", "streaming:0.25", "-o", str(tmp_path / "b.png")]) == 2
     assert "--kept shades an attention map" in capsys.readouterr().err
+    windowed = ["plot", str(path), "--attention", "0:2", "--kept", "snapkv:0.25", "--window", "8"]
+    assert main([*windowed, "-o", str(tmp_path / "w.png")]) == 0  # SnapKV's window on the map too
+    # options that would be ignored are refused in one line
+    for ignored, message in (
+        (["--attention", "0:1", "--stat", "norm_max"], "--stat picks a heatmap's statistic"),
+        (["--attention", "0:1", "--kept", "streaming:0.5", "--window", "8"], "--window sets SnapKV's"),
+    ):
+        assert main(["plot", str(path), *ignored, "-o", str(tmp_path / "d.png")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "d.png").exists()
     for bad in ("streaming", "kivi4:0.5", "snapkv:0", "snapkv:x"):
         with pytest.raises(SystemExit) as refused:
             main(["plot", str(path), "--attention", "0:1", "--kept", bad, "-o", str(tmp_path / "c.png")])
