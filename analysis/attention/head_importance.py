@@ -29,6 +29,9 @@ position order, or a block could overflow:
 - ``streaming_error`` (DuoAttention's question, without training): the relative error
   ``||o' - o|| / ||o||`` over all queries of the head's attention output when it may only see
   the first ``SINKS`` keys plus the last ``window`` positions (``o' `` renormalized over those).
+  ``streaming_trivial`` flags a head none of whose scored queries sees a key outside that
+  (every query before position ``SINKS + window``): its error is 0 by construction, and says
+  nothing of the head.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from kvformat import pages
 
 from ..dependencies import pa, pl
 from ..engine import parallel
+from ..engine.files import FileFailure, describe_error, expand_paths
 from ..errors import AnalysisError
 from ..kernels import attention as attention_kernel
 from ..kernels import attention as k
@@ -74,6 +78,7 @@ COLUMNS = (
     "retrieval_score",
     "retrieval_events",
     "streaming_error",
+    "streaming_trivial",
 )
 
 
@@ -208,8 +213,13 @@ def _scores(
         for head_sums, head, (q, at) in zip(sums, heads, queries, strict=True):
             _add_head(head_sums, spec, head, q, at, keys, window, copies, compiled)
     return [
-        {**_columns(head_sums), "queries_incomplete": count}
-        for head_sums, count in zip(sums, incomplete, strict=True)
+        {
+            **_columns(head_sums),
+            "queries_incomplete": count,
+            # no scored query sees a key past the sinks and the window: nothing is dropped
+            "streaming_trivial": not at.size or int(at.max()) < SINKS + window,
+        }
+        for head_sums, count, (_, at) in zip(sums, incomplete, queries, strict=True)
     ]
 
 
@@ -656,22 +666,35 @@ def attention_table(
     needle: tuple[int, int] | None = None,
     retrieval: str = "generated",
     storage_options: dict[str, Any] | None = None,
+    failures: list[FileFailure] | None = None,
 ) -> Any:
-    """`attention_rows` of one or more files as an Arrow table (what ``kvsnap stats --stats
-    attention`` prints and saves, without importing polars: `python -m benchmarks.cli_bench`
-    times the difference)."""
+    """`attention_rows` of one or more files or patterns (``runs/*.kv``, ``s3://bucket/*.kv``,
+    as `head_stats` takes them) as an Arrow table (what ``kvsnap stats --stats attention`` prints
+    and saves, without importing polars: `python -m benchmarks.cli_bench` times the difference).
 
-    files = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
-    rows = [
-        row
-        for path in files
-        for row in attention_rows(
-            path, snapshot, window=window, needle=needle, retrieval=retrieval, storage_options=storage_options
-        )
-    ]
+    A file that fails (truncated, without queries, without the snapshot asked for) raises its
+    error; given a ``failures`` list, it is appended there instead (`FileFailure`, naming the
+    file) and the other files go on."""
+
+    patterns = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    files = expand_paths([os.fspath(p) for p in patterns], storage_options)
+    rows: list[dict[str, Any]] = []
+    for path in files:
+        try:
+            found = attention_rows(path, snapshot, window=window, needle=needle, retrieval=retrieval,
+                                   storage_options=storage_options)  # fmt: skip
+            rows += found
+        except (kvformat.KVSnapError, OSError) as exc:
+            if failures is None:
+                raise
+            failures.append(FileFailure(path, describe_error(exc)))
     if rows:  # from numpy buffers: `pa.Table.from_pylist` imports pandas
         return arrow_table(rows)
-    types = {"file": pa.string(), "top1_position_histogram": pa.list_(pa.int64())}
+    types = {
+        "file": pa.string(),
+        "top1_position_histogram": pa.list_(pa.int64()),
+        "streaming_trivial": pa.bool_(),
+    }
     integers = ("snapshot", "layer", "head", "kv_head", "n_queries", "queries_incomplete", "retrieval_events")
     names = ("file", "snapshot", "layer", "head", "kv_head", *COLUMNS)
     schema = pa.schema([(n, types.get(n, pa.int64() if n in integers else pa.float64())) for n in names])

@@ -128,6 +128,8 @@ def check_snapshot(shared: Shared) -> None:
         if name and "://" not in name and not glob.has_magic(name) and os.path.isfile(name):
             try:
                 kvformat.open(name, shared.snapshot).close()
+            except kvformat.OutOfRangeError as exc:
+                raise kvformat.OutOfRangeError(f"--snapshot {shared.snapshot}: {name}: {exc}") from None
             except kvformat.KVFormatError:
                 return  # a bad file: the command reports it as it does any other
 

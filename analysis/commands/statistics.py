@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from ..attention.head_importance import AttentionWarning, attention_stats, atten
 from ..attention.names import SCALARS
 from ..dependencies import pa, pl
 from ..engine import batch, processes
+from ..engine.files import FileFailure
 from ..engine.parallel import cores
 from ..engine.progress import bar as progress_bar
 from ..engine.tables import outliers
@@ -142,11 +144,19 @@ def _batch(request: BatchRequest, merge: bool = False, sink: Callable[[Any], Non
         progress=_progress(len(expanded)),
         backend=backend,
     )
-    for failure in result.failures:
-        print(f"failed: {failure.file}: {failure.error}", file=sys.stderr)
-    if result.failures:
-        print(f"{len(result.failures)} of {result.files} files failed", file=sys.stderr)
+    report_failures(result.failures, result.files)
     return result
+
+
+def report_failures(failures: list[FileFailure], files: int) -> None:
+    """One line per failed file and a count on stderr; one file that failed alone is the
+    command's one error line (`CommandError`, exit 1)."""
+    if files == 1 and len(failures) == 1:
+        raise CommandError(failures[0].error)
+    for failure in failures:
+        print(f"failed: {failure.file}: {failure.error}", file=sys.stderr)
+    if failures:
+        print(f"{len(failures)} of {files} files failed", file=sys.stderr)
 
 
 def statistics_rows(request: BatchRequest, sink: Callable[[Any], None] | None = None) -> Statistics:
@@ -396,6 +406,7 @@ def _attention_stats(options: StatsOptions, args: argparse.Namespace) -> int:
     """``stats --stats attention``: per (layer, query head) scores from saved queries, printed and
     saved from Arrow (no polars import, as for the other groups)."""
 
+    failures: list[FileFailure] = []
     with warnings_printed(AttentionWarning):
         table = attention_table(
             options.files,
@@ -404,21 +415,43 @@ def _attention_stats(options: StatsOptions, args: argparse.Namespace) -> int:
             needle=options.needle,
             retrieval=options.retrieval or "generated",
             storage_options=url_options(args),
+            failures=failures,
         )
+    files = len(set(table.column("file").to_pylist())) + len(failures) if table.num_rows else len(failures)
+    report_failures(failures, files)
+    if not table.num_rows:
+        raise CommandError("no attention statistics: every file failed")
     if options.output:
         save_parquet(table, options.output, args)
+    _attention_summary(table, options.window)
+    return 1 if failures else 0
+
+
+def _attention_summary(table: Any, window: int) -> None:
+    """The heads with the highest sink mass, retrieval and streaming error (named with their file
+    where there are several); trivial streaming errors (nothing outside the window) left out."""
+    scores = ["sink_mass", "retrieval_score", "streaming_error", "streaming_trivial"]
+    rows = table.select(["file", "layer", "head", *scores]).to_pylist()
+    files = len({row["file"] for row in rows})
+    several = files > 1
     print(
-        f"attention of {table.num_rows} query heads "
-        f"(per layer and query head; {options.window}-position window)"
+        f"attention of {len(rows)} query heads{f' in {files} files' if several else ''} "
+        f"(per layer and query head; {window}-position window)"
     )
-    rows = table.select(["layer", "head", "sink_mass", "retrieval_score", "streaming_error"]).to_pylist()
     for column, label in (
         ("sink_mass", "sink mass"),
         ("retrieval_score", "retrieval score"),
         ("streaming_error", "streaming error"),
     ):
         scored = [row for row in rows if row[column] is not None and not math.isnan(row[column])]
+        if column == "streaming_error":
+            scored = [row for row in scored if not row["streaming_trivial"]]
         ranked = sorted(scored, key=lambda row: row[column], reverse=True)[:5]  # stable: ties in order
-        cells = ", ".join(f"L{r['layer']}.H{r['head']}={r[column]:.3f}" for r in ranked)
+        where = (lambda r: f"{os.path.basename(r['file'])}:") if several else (lambda r: "")
+        cells = ", ".join(f"{where(r)}L{r['layer']}.H{r['head']}={r[column]:.3f}" for r in ranked)
+        if not cells and column == "streaming_error":
+            cells = (
+                f"none to rank: every query sees only the sinks and the last {window} positions, "
+                "so dropping the rest changes nothing (0 by construction; a smaller --window)"
+            )
         print(f"  highest {label}: {cells or 'none (no events)'}")
-    return 0

@@ -22,7 +22,7 @@ from ..kernels import check as check_backend
 from ..stats.accumulator import HeadAccumulator
 from ..stats.arrow import arrow_table
 from ..stats.catalogue import ALL, GROUPS, POSITION_BINS, QUANT_BITS, QUANT_GROUP, RANKS, TOP_K, stat_groups
-from .files import parts_by_file
+from .files import expand_paths, parts_by_file
 from .plan import BatchOptions, Key, PassOptions
 from .streaming import accumulate, layers
 
@@ -194,8 +194,10 @@ def file_table(
     return pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
 
 
-def _paths(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[str | os.PathLike[str]]:
-    return [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+def _paths(paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]]) -> list[str]:
+    """The files of ``paths``: paths, URLs and patterns (``runs/*.kv``, `expand_paths`)."""
+    given = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
+    return expand_paths([os.fspath(p) for p in given])
 
 
 def file_tables(

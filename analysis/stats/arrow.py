@@ -58,9 +58,12 @@ def _from_arrays(values: list[np.ndarray]) -> pa.Array | None:
 
 
 def _from_scalars(values: list[Any], kinds: set[type]) -> pa.Array | None:
-    """An int64 column from ints, float64 from floats and Nones (nulls), a null column from
-    Nones; None for other mixes."""
+    """A bool column from bools, int64 from ints, float64 from floats and Nones (nulls), a null
+    column from Nones; None for other mixes."""
 
+    if kinds == {bool}:  # a bitmap, least significant bit first (`pa.array` would import pandas)
+        bits = np.packbits(np.array(values, np.bool_), bitorder="little")
+        return pa.Array.from_buffers(pa.bool_(), len(values), [None, pa.py_buffer(bits.tobytes())])
     if kinds == {int}:
         return _numeric(pa.int64(), np.array(values, np.int64), None)
     if kinds <= {float, type(None)} and float in kinds:

@@ -246,3 +246,24 @@ def test_plot_is_labelled_for_a_paper(tmp_path: Path, monkeypatch: pytest.Monkey
     assert boundary == [19.5]  # 20 prompt tokens, then the generated ones
     assert [t.get_text() for t in curves.get_xticklabels()][:3] == ["t0", "t1", "t2"]
     assert len(curves.get_lines()) == 3 + 1  # one line per layer, plus the boundary
+
+
+@pytest.mark.parametrize(
+    "column",
+    [
+        [True, False, True, True, False, False, False, False, True],  # a bitmap over 2 bytes
+        [False],
+        [1, 2, 3],
+        [0.5, None, 2.0],
+        ["a", "bc", ""],
+        [[1.0, 2.0], [], [3.0]],
+    ],
+)
+def test_arrow_columns_equal_pyarrows_own(column: list[object]) -> None:
+    """`arrow_column` (numpy buffers, no pandas) gives what ``pa.array`` gives."""
+    import pyarrow as pa
+
+    from kvsnap.analysis.stats.arrow import arrow_column
+
+    built = arrow_column(column)
+    assert built.equals(pa.array(column)) and built.to_pylist() == column

@@ -214,7 +214,9 @@ def test_without_queries_the_error_names_the_option(tmp_path: Path) -> None:
     )
     with pytest.raises(head_importance.NoQueriesError, match="--queries"):
         list(head_importance.attention_rows(tmp_path / "plain.kv"))
-    assert main(["stats", str(tmp_path / "plain.kv"), "--stats", "attention"]) == 2
+    assert (
+        main(["stats", str(tmp_path / "plain.kv"), "--stats", "attention"]) == 1
+    )  # one line: the file failed
     assert main(["simulate", str(tmp_path / "plain.kv"), "-o", str(tmp_path / "s.parquet")]) == 2
     assert not (tmp_path / "s.parquet").exists()
 
@@ -237,8 +239,14 @@ def test_cli_attention_stats_and_simulate(
     table = pl.read_parquet(out)
     assert table.equals(expected)  # the Python API's table, dtypes and all
     assert table.height == 4 and math.isfinite(table["entropy"][0])
-    top = expected.sort("streaming_error", descending=True, maintain_order=True).row(0, named=True)
-    assert f"highest streaming error: L0.H{top['head']}={top['streaming_error']:.3f}" in printed
+    assert expected["streaming_trivial"].all()  # 48 positions within the default 256: 0 by construction
+    assert "highest streaming error: none to rank" in printed
+    assert main(["stats", str(tmp_path / "a.kv"), "--stats", "attention", "--window", "8"]) == 0
+    windowed = head_importance.attention_stats(tmp_path / "a.kv", window=8)
+    top = windowed.sort("streaming_error", descending=True, maintain_order=True).row(0, named=True)
+    assert (
+        f"highest streaming error: L0.H{top['head']}={top['streaming_error']:.3f}" in capsys.readouterr().out
+    )
     with pytest.raises(SystemExit) as refused:  # argparse: one line, exit 2
         main(["stats", str(tmp_path / "a.kv"), "--stats", "attention,norms"])
     assert refused.value.code == 2
@@ -553,3 +561,60 @@ def test_a_windowed_capture_scores_only_queries_whose_keys_the_file_holds(
     assert main(["stats", str(path), "--stats", "attention"]) == 0
     err = capsys.readouterr().err
     assert err.count("kvsnap: warning:") == 1 and "queries_incomplete" in err
+
+
+def test_attention_statistics_take_many_files_as_kv_statistics_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pattern over four files, one cut short and one without queries: the two good files'
+    rows are written, each failure is one line naming its file, exit 1; the summary names the
+    file of each head; the Python entry points expand patterns too; ``--snapshot`` past a file's
+    snapshots names that file; a streaming error that is 0 by construction (every query within
+    the sinks and the window) is flagged and not ranked."""
+    from kvsnap.analysis.engine.files import FileFailure
+    from kvsnap.cli import main
+
+    many = tmp_path / "many"
+    many.mkdir()
+    _write(many / "a.kv", SPECS["causal"], seed=1)
+    _write(many / "b.kv", SPECS["causal"], seed=2)
+    (many / "c.kv").write_bytes((many / "a.kv").read_bytes()[:3000])  # cut short
+    k = np.ones((2, 4, 8), np.float32)
+    kvformat.save(many / "d.kv", [kvformat.Layer(k, k)])  # no queries
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "att.parquet"
+    code = main(["stats", "many/*.kv", "--stats", "attention", "--window", "8", "-o", str(out)])
+    printed = capsys.readouterr()
+    assert code == 1
+    errors = printed.err.strip().splitlines()
+    assert [line.split(":")[0] + ":" + line.split(":")[1] for line in errors[:2]] == [
+        "failed: many/c.kv",
+        "failed: many/d.kv",
+    ]
+    assert "TruncatedFileError" in errors[0] and "NoQueriesError" in errors[1]
+    assert errors[2] == "2 of 4 files failed" and len(errors) == 3
+    import polars as pl
+
+    table = pl.read_parquet(out)
+    assert sorted(set(table["file"].to_list())) == ["many/a.kv", "many/b.kv"]
+    assert "in 2 files" in printed.out and "a.kv:L0.H0=" in printed.out
+    assert not table["streaming_trivial"].any()  # window 8: queries at 24..47 drop keys
+    # the Python entry points take patterns too
+    frame = head_importance.attention_stats("many/[ab].kv", window=8)
+    assert frame.height == table.height
+    failures: list[FileFailure] = []
+    head_importance.attention_table(["many/*.kv"], failures=failures)
+    assert [f.file for f in failures] == ["many/c.kv", "many/d.kv"]
+    import kvsnap
+
+    assert kvsnap.head_stats("many/[ab].kv")["file"].n_unique() == 2
+    # a snapshot one of the files lacks: refused before any work, naming that file
+    assert main(["stats", "many/a.kv", "many/b.kv", "--stats", "attention", "--snapshot", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvsnap: error: --snapshot 3: many/a.kv: snapshot 3 out of range")
+    assert "\n" not in err
+    # the default window (256) holds every one of these 48 positions: 0 by construction, flagged
+    trivial = head_importance.attention_stats("many/a.kv")
+    assert trivial["streaming_trivial"].all() and (trivial["streaming_error"] < 1e-6).all()  # rounding
+    assert main(["stats", "many/a.kv", "--stats", "attention"]) == 0
+    assert "highest streaming error: none to rank" in capsys.readouterr().out
