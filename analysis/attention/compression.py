@@ -14,7 +14,10 @@ end-to-end figure, where each layer's error feeds the next, compounds and is lar
 budget, layer, head):
 
 - ``relative_error``: ``||o' - o||_F / ||o||_F`` over those queries (``o = weights @ V``);
-- ``top1_agreement``: the fraction of those queries whose most-attended key is the same.
+- ``top1_agreement``: the fraction of those queries whose most-attended key is the same;
+- ``keys_evicted``: how many keys an eviction method left out (null for quantization); 0 where
+  the budget keeps the whole span (a short prompt), whose error is then 0 by construction and
+  says nothing of the method: the command's summary marks it.
 
 Eviction methods (which keys of the span stay; ties between equal scores go to the earlier key):
 
@@ -586,6 +589,7 @@ def _head_rows(
                     **base,
                     "relative_error": error,
                     "top1_agreement": agreement,
+                    "keys_evicted": None,
                 }
             )
             continue
@@ -599,6 +603,7 @@ def _head_rows(
                     **base,
                     "relative_error": error,
                     "top1_agreement": agreement,
+                    "keys_evicted": int((~keep).sum()),
                 }
             )
     return out
@@ -612,7 +617,8 @@ def simulate(
     **options: Any,
 ) -> Any:
     """`simulate_rows` as a Polars DataFrame: ``method``, ``budget``, ``layer``, ``head``,
-    ``kv_head``, ``n_queries``, ``relative_error``, ``top1_agreement``. Keyword arguments:
+    ``kv_head``, ``n_queries``, ``relative_error``, ``top1_agreement``, ``keys_evicted``. Keyword
+    arguments:
     ``seq``, ``storage_options``, and the fields of `Options` (``window``, ``kernel``,
     ``pooling``, ``compress``, ``question_start``, ``seed``)."""
 

@@ -52,12 +52,17 @@ def simulate_command(args: argparse.Namespace) -> int:
 
     means = (
         table.group_by(["method", "budget"], maintain_order=True)
-        .agg(pl.col("relative_error").mean().alias("error"), pl.col("top1_agreement").mean().alias("top1"))
+        .agg(
+            pl.col("relative_error").mean().alias("error"),
+            pl.col("top1_agreement").mean().alias("top1"),
+            pl.col("keys_evicted").max().alias("evicted"),
+        )
         .sort(["method", "budget"])
     )
     print("mean over heads: method, budget -> relative error of the attention output, top-1 agreement")
     for row in means.iter_rows(named=True):
-        print(f"  {row['method']:>9} {row['budget']:5.3f} -> {row['error']:.4f}  {row['top1']:.3f}")
+        trivial = "  (nothing evicted: exact by construction)" if row["evicted"] == 0 else ""
+        print(f"  {row['method']:>9} {row['budget']:5.3f} -> {row['error']:.4f}  {row['top1']:.3f}{trivial}")
     if options.plot:
         _simulate_plot(means, options, args)
         print(f"wrote {options.plot}")

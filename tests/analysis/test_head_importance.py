@@ -146,6 +146,12 @@ def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path)
     full_budget = table.filter(table["budget"] == 1.0)
     assert full_budget.height == 4 * 4 and (full_budget["relative_error"] == 0).all()  # every key kept
     assert (full_budget["top1_agreement"] == 1).all()
+    evicting = full_budget.filter(full_budget["method"].is_in(list(simulate.EVICTION)))
+    assert (evicting["keys_evicted"] == 0).all()  # nothing evicted: exact by construction
+    quarter = table.filter((table["budget"] == 0.25) & table["method"].is_in(list(simulate.EVICTION)))
+    assert (quarter["keys_evicted"] == PROMPT - 9).all()  # 25% of 36 prompt keys kept
+    quantized = table.filter(~table["method"].is_in(list(simulate.EVICTION)))
+    assert quantized["keys_evicted"].null_count() == quantized.height == 4 * 4  # 4 methods x 4 heads
     decode = np.arange(PROMPT, POSITIONS)
     keys = np.arange(POSITIONS)
     with kvformat.open(tmp_path / "a.kv") as snap:
@@ -259,6 +265,21 @@ def test_cli_attention_stats_and_simulate(
     assert sorted(set(result["method"].to_list())) == ["kivi4", "streaming"]
     assert result.filter(pl.col("method") == "streaming").height == 2 * 4
     assert main([*args, "-o", str(sim)]) == 2  # exists: refused without --force
+    capsys.readouterr()
+    every = [
+        "simulate",
+        str(tmp_path / "a.kv"),
+        "--method",
+        "h2o",
+        "--budget",
+        "0.5",
+        "1",
+        "-o",
+        str(tmp_path / "e.pq"),
+    ]
+    assert main(every) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " h2o " in line]
+    assert "nothing evicted" not in lines[0] and lines[1].endswith("(nothing evicted: exact by construction)")
     heatmap = tmp_path / "sinks.png"
     assert main(["plot", str(tmp_path / "a.kv"), "--stat", "sink_mass", "-o", str(heatmap)]) == 0
     assert heatmap.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
