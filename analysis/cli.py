@@ -10,7 +10,7 @@ from typing import Any
 
 from kvsnap.cli.options import non_negative_int, odd_int, positive_float, positive_int
 
-from .commands.common import check_outputs
+from .commands.common import FIGURES, TABLES, check_outputs
 from .commands.options import (
     budget,
     common_options,
@@ -23,6 +23,8 @@ from .commands.options import (
     stats_arguments,
     stats_option,
 )
+
+ATTENTION_FORMATS = ("npz", "parquet", "csv")  # the map (npz) or its non-zero weights (long form)
 
 COMMANDS = {
     "stats_command": "statistics",
@@ -56,7 +58,7 @@ def register(sub: Any) -> None:
         help="per-head statistics (norms, channels, spectrum, ...); prints mean ||K||, outliers flagged",
     )
     stats_arguments(p)
-    p.set_defaults(func=command("stats_command"), check=check_outputs)
+    p.set_defaults(func=command("stats_command"), check=check_outputs, output_formats=TABLES)
 
     p = sub.add_parser(
         "simulate",
@@ -104,14 +106,17 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="the random method's sample")
     p.add_argument(
-        "-o", "--output", required=True, help="Parquet table, one row per (method, budget, layer, head)"
+        "-o",
+        "--output",
+        required=True,
+        help="Parquet or CSV table (by extension), one row per (method, budget, layer, head)",
     )
-    p.add_argument("--plot", help="PNG: error against budget per method")
+    p.add_argument("--plot", help="PNG, SVG or PDF (by extension): error against budget per method")
     p.add_argument(
         "--storage-option", action="append", metavar="KEY=VALUE", help="for a URL: fsspec option; repeatable"
     )
     force_option(p)
-    p.set_defaults(func=command("simulate_command"), check=check_outputs)
+    p.set_defaults(func=command("simulate_command"), check=check_outputs, output_formats=TABLES)
 
     p = sub.add_parser("outliers", help="heads whose statistic exceeds N x the median head")
     common_options(p)
@@ -135,11 +140,14 @@ def register(sub: Any) -> None:
     p.add_argument("--seq", type=non_negative_int, default=0)
     p.add_argument("--snapshot", type=int, default=-1, help="which snapshot of a series (default: last)")
     p.add_argument(
-        "-o", "--output", required=True, help="FILE.npz (the map) or FILE.parquet (non-zero weights)"
+        "-o",
+        "--output",
+        required=True,
+        help="FILE.npz (the map), or FILE.parquet or FILE.csv (non-zero weights, long form)",
     )
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
     force_option(p)
-    p.set_defaults(func=command("attention_command"), check=check_outputs)
+    p.set_defaults(func=command("attention_command"), check=check_outputs, output_formats=ATTENTION_FORMATS)
 
     p = sub.add_parser("plot", help="PNG: layers x heads heatmap of a statistic, norm by position")
     p.add_argument("file")
@@ -163,7 +171,12 @@ def register(sub: Any) -> None:
         help="with --attention: the map's colour scale (default log; a strip below it shows the mean "
         "weight each key receives on a linear scale)",
     )
-    p.add_argument("-o", "--output", required=True, help="PNG file (written under exactly this name)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="PNG, SVG or PDF file, by its extension (written under exactly this name)",
+    )
     p.add_argument(
         "--token-labels",
         action="store_true",
@@ -183,7 +196,9 @@ def register(sub: Any) -> None:
     )
     stats_option(p)
     force_option(p)
-    p.set_defaults(func=command("plot_command"), check=check_outputs, heatmap_from_queries=True)
+    p.set_defaults(
+        func=command("plot_command"), check=check_outputs, heatmap_from_queries=True, output_formats=FIGURES
+    )
 
     p = sub.add_parser(
         "export", help="one file per layer and head (L00-H00.csv, as go-mlx probes), streamed head by head"
@@ -208,8 +223,8 @@ def register(sub: Any) -> None:
     p = sub.add_parser("diff", help="compare two captures head by head at the positions both hold")
     p.add_argument("a", help="reference capture (A)")
     p.add_argument("b", help="capture compared with it (B)")
-    p.add_argument("-o", "--output", help="write every (layer, head, seq, tensor) row as Parquet")
-    p.add_argument("--plot", help="PNG: layers x heads heatmap of rel_error, K and V")
+    p.add_argument("-o", "--output", help="write every (layer, head, seq, tensor) row as Parquet or CSV")
+    p.add_argument("--plot", help="PNG, SVG or PDF: layers x heads heatmap of rel_error, K and V")
     p.add_argument("--snapshot-a", type=int, default=-1, help="snapshot of A (default: last)")
     p.add_argument("--snapshot-b", type=int, default=-1, help="snapshot of B (default: last)")
     p.add_argument(
@@ -227,7 +242,7 @@ def register(sub: Any) -> None:
     keys_option(p)
     p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
     force_option(p)
-    p.set_defaults(func=command("diff_command"), check=check_outputs)
+    p.set_defaults(func=command("diff_command"), check=check_outputs, output_formats=TABLES)
 
     p = sub.add_parser(
         "view",
@@ -250,6 +265,6 @@ def register(sub: Any) -> None:
     common_options(p, engines=False)
     p.add_argument("--tensor", choices=["k", "v"], default="k")
     p.add_argument("--top", type=positive_int, default=5, help="pairs to print per kind")
-    p.add_argument("-o", "--output", help="write every pair as Parquet")
+    p.add_argument("-o", "--output", help="write every pair as Parquet or CSV")
     force_option(p)
-    p.set_defaults(func=command("similarity_command"), check=check_outputs)
+    p.set_defaults(func=command("similarity_command"), check=check_outputs, output_formats=TABLES)

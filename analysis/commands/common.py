@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import json
 import os
 import sys
 import warnings
@@ -13,11 +14,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Self
 
 import kvformat
-from kvformat.io.outputs import check_output, check_output_folder, output_path, same_file
+from kvformat.io.outputs import check_output, check_output_folder, output_format, output_path, same_file
 from kvsnap.cli.options import storage_options
 
 from ..attention.names import SCALARS
-from ..dependencies import pq
+from ..dependencies import pa, pa_csv, pq
 from ..stats.catalogue import check_scalar, stat_groups
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
@@ -54,6 +55,11 @@ class Shared(FromArgs):
     plot: str | None = None
     force: bool = False
     storage_option: list[str] | None = None
+    output_formats: tuple[str, ...] = ()  # what ``-o`` may name (its parser's ``set_defaults``)
+
+
+TABLES = ("parquet", "csv")  # a table's formats: Parquet, or CSV with list cells as JSON text
+FIGURES = ("png", "svg", "pdf")  # a figure's, as matplotlib writes them
 
 
 def inputs(args: argparse.Namespace) -> list[str]:
@@ -99,8 +105,11 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         check_output_folder(shared.output)  # files written into it are checked by name
     elif shared.output:
         check_output(shared.output, inputs=inputs(args), force=shared.force)
+        if shared.output_formats:
+            output_format(shared.output, shared.output_formats)
     if shared.plot:
         check_output(shared.plot, inputs=inputs(args), force=shared.force)
+        output_format(shared.plot, FIGURES, "--plot")
     if shared.output and shared.plot and same_file(shared.output, shared.plot):
         raise ValueError(f"-o and --plot name the same file {shared.output}")
 
@@ -134,15 +143,29 @@ def check_snapshot(shared: Shared) -> None:
                 return  # a bad file: the command reports it as it does any other
 
 
-def save_parquet(table: Any, path: str, args: argparse.Namespace) -> None:
+def save_table(table: Any, path: str, args: argparse.Namespace) -> None:
     """Write ``table`` (a Polars DataFrame or an Arrow table) to ``path`` through a temporary
-    name; say where."""
+    name, as Parquet or CSV by its extension (`TABLES`); say where."""
+    form = output_format(path, TABLES)
     with output_path(path, inputs=inputs(args), force=Shared.from_args(args).force) as temporary:
-        if hasattr(table, "write_parquet"):  # a Polars DataFrame
+        if form == "csv":
+            write_csv(table if isinstance(table, pa.Table) else table.to_arrow(), temporary)
+        elif hasattr(table, "write_parquet"):  # a Polars DataFrame
             table.write_parquet(temporary)
         else:  # an Arrow table, compressed as polars would
             pq.write_table(table, temporary, compression="zstd")
     print(f"wrote {path}: {len(table)} rows")
+
+
+def write_csv(table: Any, path: str) -> None:
+    """An Arrow table as CSV with a header row; a list column's cells as JSON text (``[1, 2]``),
+    which CSV has no type for."""
+    columns = {}
+    for name, column in zip(table.column_names, table.columns, strict=True):
+        if pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+            column = pa.array([None if v is None else json.dumps(v) for v in column.to_pylist()], pa.string())
+        columns[name] = column
+    pa_csv.write_csv(pa.table(columns), path)
 
 
 class ParquetSink:
@@ -179,9 +202,10 @@ class ParquetSink:
 
 
 def save_figure(figure: Any, path: str, args: argparse.Namespace) -> None:
-    """Save ``figure`` as PNG at exactly ``path`` (matplotlib would add ``.png`` to a bare name)."""
+    """Save ``figure`` at exactly ``path`` as PNG, SVG or PDF by its extension (`FIGURES`)."""
+    form = output_format(path, FIGURES)
     with output_path(path, inputs=inputs(args), force=Shared.from_args(args).force) as temporary:
-        figure.savefig(temporary, dpi=110, format="png")
+        figure.savefig(temporary, dpi=110, format=form)
 
 
 def url_options(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ import kvformat
 from ..dependencies import matplotlib, plt
 from ..tools.diff import LayoutMismatchError, head_diff
 from ..tools.similarity import head_similarity
-from .common import FromArgs, save_figure, save_parquet, url_options, warnings_printed
+from .common import FromArgs, save_figure, save_table, url_options, warnings_printed
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def similarity_command(args: argparse.Namespace) -> int:
 
     table = head_similarity(options.files, options.snapshot, options.keys, options.jobs, url_options(args))
     if options.output:
-        save_parquet(table, options.output, args)
+        save_table(table, options.output, args)
     if table.is_empty():
         print("no head pairs")
         return 0
@@ -93,7 +93,7 @@ def diff_command(args: argparse.Namespace) -> int:
         print(f"kvsnap: error: {exc}", file=sys.stderr)
         return 2
     if options.output:
-        save_parquet(table, options.output, args)
+        save_table(table, options.output, args)
     compared = table.filter(pl.col("n_positions") > 0)
     if compared.is_empty():
         print("the two files hold no position in common")

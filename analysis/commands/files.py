@@ -80,15 +80,16 @@ def attention_command(args: argparse.Namespace) -> int:
         )
     suffix = os.path.splitext(options.output)[1].lower()
     with output_path(options.output, inputs=inputs(args), force=options.force) as temporary:
-        if suffix == ".parquet":
+        if suffix in (".parquet", ".csv"):
             rows, columns = np.nonzero(found.weights)
-            pl.DataFrame(
+            long = pl.DataFrame(
                 {
                     "query_position": found.query_positions[rows],
                     "key_position": found.key_positions[columns],
                     "weight": found.weights[rows, columns],
                 }
-            ).write_parquet(temporary)
+            )
+            long.write_parquet(temporary) if suffix == ".parquet" else long.write_csv(temporary)
         else:
             with open(temporary, "xb") as f:
                 np.savez(
@@ -97,7 +98,7 @@ def attention_command(args: argparse.Namespace) -> int:
                     query_positions=found.query_positions,
                     key_positions=found.key_positions,
                 )
-    form = "non-zero weights, long form" if suffix == ".parquet" else "float32"
+    form = "non-zero weights, long form" if suffix in (".parquet", ".csv") else "float32"
     count, keys = found.weights.shape
     where = f"layer {options.layer} query head {options.head}"
     print(f"wrote {options.output}: {where}, {count} queries x {keys} keys ({form})")

@@ -21,7 +21,7 @@ def stats_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``kvsnap stats``."""
     common_options(p)
     p.add_argument("--factor", type=positive_float, default=1.5, help="outlier threshold vs the median head")
-    p.add_argument("-o", "--output", help="write the full statistics table as Parquet")
+    p.add_argument("-o", "--output", help="write the full statistics table as Parquet or CSV (by extension)")
     p.add_argument(
         "--merge",
         action="store_true",

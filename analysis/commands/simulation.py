@@ -8,7 +8,7 @@ from typing import Any
 
 from ..attention.compression import CompressionWarning, simulate
 from ..dependencies import matplotlib, pl, plt
-from .common import FromArgs, save_figure, save_parquet, url_options, warnings_printed
+from .common import FromArgs, save_figure, save_table, url_options, warnings_printed
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             seed=options.seed,
             storage_options=url_options(args),
         )
-    save_parquet(table, options.output, args)
+    save_table(table, options.output, args)
 
     means = (
         table.group_by(["method", "budget"], maintain_order=True)

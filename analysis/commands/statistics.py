@@ -28,7 +28,7 @@ from ..engine.progress import bar as progress_bar
 from ..engine.tables import outliers
 from ..kernels import DEFAULT as DEFAULT_KERNEL
 from ..kernels import missing_note, profile
-from .common import KEYS, FromArgs, ParquetSink, expanded, save_parquet, url_options, warnings_printed
+from .common import KEYS, FromArgs, ParquetSink, expanded, save_table, url_options, warnings_printed
 
 
 def _progress(total: int) -> Callable[[str], None]:
@@ -234,7 +234,7 @@ def _merged(options: StatsOptions, args: argparse.Namespace) -> int:
     result = _batch(options, merge=True)
     table = result.table
     if options.output and not table.is_empty():
-        save_parquet(table, options.output, args)
+        save_table(table, options.output, args)
     if table.is_empty():
         raise CommandError("no statistics: every file failed or every layer is absent")
 
@@ -287,7 +287,10 @@ def stats_command(args: argparse.Namespace) -> int:
     if options.merge:
         return _merged(options, args)
     request: BatchRequest = options
-    if options.output:  # written as the files finish; checked (exists? an input?) before any work
+    if options.output and options.output.lower().endswith(".csv"):  # written once every file is done
+        found = statistics_rows(request)
+        save_table(found.rows, options.output, args)
+    elif options.output:  # written as the files finish; checked (exists? an input?) before any work
         with output_path(options.output, inputs=expanded(request.files), force=options.force) as temporary:
             sink = ParquetSink(temporary)
             found = statistics_rows(request, sink.add)
@@ -422,7 +425,7 @@ def _attention_stats(options: StatsOptions, args: argparse.Namespace) -> int:
     if not table.num_rows:
         raise CommandError("no attention statistics: every file failed")
     if options.output:
-        save_parquet(table, options.output, args)
+        save_table(table, options.output, args)
     _attention_summary(table, options.window)
     return 1 if failures else 0
 

@@ -27,6 +27,7 @@ __all__ = [
     "MissingFolderError",
     "OutputError",
     "OutputExistsError",
+    "OutputFormatError",
     "OutputIsFileError",
     "OutputIsFolderError",
     "SameAsInputError",
@@ -36,6 +37,7 @@ __all__ = [
     "in_use",
     "inside",
     "lock_for_writing",
+    "output_format",
     "output_path",
     "publish",
     "same_file",
@@ -70,7 +72,25 @@ class OutputIsFileError(OutputError, NotADirectoryError):
     """A folder was to be written where a file is."""
 
 
+class OutputFormatError(KVSnapError, ValueError):
+    """An output name whose extension is a format the command does not write."""
+
+
 REPLACE = "replace it with --force (overwrite=True from Python)"
+
+
+def output_format(path: str | os.PathLike[str], formats: Iterable[str], option: str = "-o") -> str:
+    """The format an output is written in: its extension, lower case, without the dot, when it is
+    one of ``formats`` (``("parquet", "csv")``); `OutputFormatError` naming the ones there are
+    otherwise (a name without one included), before any work."""
+    allowed = tuple(formats)
+    name = os.path.basename(os.fspath(path))
+    extension = os.path.splitext(name)[1].lower().lstrip(".")
+    if extension in allowed:
+        return extension
+    found = f".{extension}" if extension else "no extension"
+    listed = ", ".join(f".{f}" for f in allowed)
+    raise OutputFormatError(f"{option} {os.fspath(path)}: {found}; this command writes {listed}")
 
 
 def _is_url(path: str) -> bool:

@@ -18,7 +18,7 @@ import numpy as np
 
 import kvformat
 from kvformat import KVFormatError, OutOfRangeError, channel_order, codecs, dtypes
-from kvformat.io import check_output, output_path
+from kvformat.io import check_output, output_format, output_path
 from kvsnap.cli.errors import CommandError
 from kvsnap.cli.options import non_negative_int, positive_int, remote_options, storage_options, typed
 
@@ -438,6 +438,7 @@ def _conformance(args: argparse.Namespace) -> int:
 def _dump(args: argparse.Namespace) -> int:
     options = typed(DumpOptions, args)
     check_output(options.output, inputs=[options.file], force=options.force)
+    output_format(options.output, ("npz",))
     with _open(options, options.snapshot) as snap:
         head = snap.head(options.layer, options.head, options.seq)
         if head is None:

@@ -61,13 +61,20 @@ COMMANDS = {
     "plot": lambda f, o: ["plot", f, "-o", o],
     "dump": lambda f, o: ["dump", f, "--layer", "0", "--head", "0", "-o", o],
 }
+EXTENSION = {
+    "stats": ".parquet",
+    "diff": ".csv",
+    "diff-plot": ".svg",
+    "similarity": ".parquet",
+    "plot": ".pdf",
+}
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_existing_output_is_refused_then_replaced_with_force(
     command: str, capture: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    output = tmp_path / "existing.out"
+    output = tmp_path / f"existing{EXTENSION.get(command, '.npz')}"
     output.write_bytes(b"keep me")
     code, _, err = _run(COMMANDS[command](str(capture), str(output)), capsys)
     assert code == 2 and "exists; replace it with --force" in err and len(err.strip().splitlines()) == 1
@@ -75,7 +82,7 @@ def test_existing_output_is_refused_then_replaced_with_force(
     code, out, _ = _run([*COMMANDS[command](str(capture), str(output)), "--force"], capsys)
     assert code == 0 and output.read_bytes() != b"keep me"
     assert f"wrote {output}" in out  # the exact path
-    assert _only(tmp_path) == {"run.kv", "existing.out"}  # no temporary left
+    assert _only(tmp_path) == {"run.kv", output.name}  # no temporary left
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))
@@ -116,9 +123,9 @@ def test_pack_import_recover_refuse_their_input_and_existing_outputs(
 def test_dump_writes_the_exact_name_given(
     tmp_path: Path, capture: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    target = tmp_path / "foo"
+    target = tmp_path / "foo.NPZ"  # numpy's savez would name it foo.NPZ.npz
     code, out, _ = _run(["dump", str(capture), "--layer", "0", "--head", "1", "-o", str(target)], capsys)
-    assert code == 0 and target.exists() and not (tmp_path / "foo.npz").exists()
+    assert code == 0 and target.exists() and not (tmp_path / "foo.NPZ.npz").exists()
     assert f"wrote {target}:" in out
     with np.load(target) as arrays:
         assert arrays["k"].shape == (64, 16)
@@ -398,3 +405,64 @@ def test_diff_plot_title_names_what_was_compared(
     assert _run(["diff", str(capture), str(capture), "--plot", str(plot)], capsys)[0] == 0
     assert titles == ["A = run.kv (snapshot 0 of 0..0), B = run.kv (snapshot 0 of 0..0); "
                       "up to 64 positions compared per head (post_rope keys)"]  # fmt: skip
+
+
+FORMATS = {  # command: (its arguments before -o, the extensions it writes)
+    "stats": (["stats", "{f}"], ["parquet", "csv"]),
+    "simulate": (["simulate", "{q}", "--method", "streaming"], ["parquet", "csv"]),
+    "attention": (["attention", "{q}", "--layer", "0", "--head", "0"], ["npz", "parquet", "csv"]),
+    "plot": (["plot", "{f}"], ["png", "svg", "pdf"]),
+    "dump": (["dump", "{f}", "--layer", "0", "--head", "0"], ["npz"]),
+}
+MAGIC = {"parquet": b"PAR1", "npz": b"PK\x03\x04", "png": b"\x89PNG", "svg": b"<?xml", "pdf": b"%PDF"}
+
+
+@pytest.fixture
+def with_queries(tmp_path: Path) -> Path:
+    from tests.analysis.test_head_importance import SPECS, _write
+
+    path = tmp_path / "q.kv"
+    _write(path, SPECS["causal"])
+    return path
+
+
+@pytest.mark.parametrize("command", list(FORMATS))
+def test_each_output_is_written_in_the_format_its_name_says_or_refused(
+    command: str, capture: Path, with_queries: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every format a command lists is written as its extension says (checked by the file's own
+    first bytes, CSV by its header); any other extension, or none, is refused in one line before
+    any work, nothing written."""
+    before, formats = FORMATS[command]
+    argv = [a.format(f=str(capture), q=str(with_queries)) for a in before]
+    for form in formats:
+        out = tmp_path / f"out.{form}"
+        code, _, err = _run([*argv, "-o", str(out)], capsys)
+        assert code == 0, err
+        head = out.read_bytes()[:8]
+        if form == "csv":
+            assert out.read_text().splitlines()[0].count(",") >= 1 and not head.startswith(b"PAR1")
+        else:
+            assert head.startswith(MAGIC[form]), (form, head)
+    for wrong in ("out.txt", "out.CSVX", "out"):
+        code, _, err = _run([*argv, "-o", str(tmp_path / wrong)], capsys)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert "this command writes ." in err and not (tmp_path / wrong).exists()
+
+
+def test_a_csv_table_holds_list_cells_as_json(capture: Path, tmp_path: Path) -> None:
+    """CSV has no list type: `stats -o x.csv` writes a list column's cells as JSON text, the
+    same values as the Parquet table."""
+    import json
+
+    import polars as pl
+
+    assert main(["stats", str(capture), "-o", str(tmp_path / "s.csv")]) == 0
+    assert main(["stats", str(capture), "-o", str(tmp_path / "s.parquet")]) == 0
+    table = pl.read_parquet(tmp_path / "s.parquet")
+    listed = [name for name, dtype in table.schema.items() if isinstance(dtype, pl.List)]
+    assert listed, "the statistics table has list columns"
+    csv = pl.read_csv(tmp_path / "s.csv", infer_schema_length=0)
+    assert csv.columns == table.columns and csv.height == table.height
+    for name in listed:
+        assert [json.loads(cell) for cell in csv[name].to_list()] == table[name].to_list()
