@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,12 @@ def command(name: str) -> Callable[[argparse.Namespace], int]:
 
     def run(args: argparse.Namespace) -> int:
         module = importlib.import_module(f"{__package__}.commands.{COMMANDS[name]}")
-        return int(getattr(module, name)(args) or 0)
+        try:
+            return int(getattr(module, name)(args) or 0)
+        finally:  # however it ends, no worker the command asked for is left starting
+            processes = sys.modules.get(f"{__package__}.engine.processes")
+            if processes is not None:
+                processes.settle()
 
     run.__name__ = run.__qualname__ = name
     return run

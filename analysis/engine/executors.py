@@ -43,8 +43,10 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any, ClassVar
 
 from ..dependencies import futures_process, multiprocessing, multiprocessing_util, ray
@@ -154,6 +156,9 @@ class Threads(Executor):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+STARTING_TIMEOUT = 30.0  # seconds a closing pool waits for workers still starting
+
+
 class Processes(Executor):
     """``workers`` worker processes, each started when a task first needs it: ``"spawn"`` (fresh
     interpreters: no fork of a threaded parent) or ``"forkserver"`` (forked from the fork
@@ -190,7 +195,30 @@ class Processes(Executor):
             self.submit(_nothing)
 
     def close(self, wait: bool = True) -> None:
+        self.wait_started()
         self._pool.shutdown(wait=wait, cancel_futures=True)
+
+    def wait_started(self, timeout: float = STARTING_TIMEOUT) -> None:
+        """Wait (``timeout`` seconds at most) until every worker process spawned so far has
+        started. A worker still reading its start-up state (the pool's queues, whose semaphores
+        it opens by name) when this process drops the pool or exits finds them gone and prints a
+        traceback; a command that fails right after asking for its workers would show it. Each
+        round asks the workers not yet seen for their process id; a broken pool ends the wait."""
+        processes: dict[int, Any] = getattr(self._pool, "_processes", None) or {}
+        seen: set[int] = set()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            waiting = set(processes) - seen
+            if not waiting:
+                return
+            try:
+                probes = [self._pool.submit(os.getpid) for _ in waiting]
+            except (futures_process.BrokenProcessPool, RuntimeError):  # broken, or shut down already
+                return
+            done, _ = futures_wait(probes, timeout=max(0.0, deadline - time.monotonic()))
+            if any(probe.exception() is not None for probe in done):
+                return
+            seen |= {probe.result() for probe in done}
 
 
 class Ray(Executor):
@@ -296,6 +324,13 @@ def kept(key: Hashable, start: Callable[[], Processes]) -> Processes:
         _KEPT = (key, executor)
         _forget_at_exit()
         return executor
+
+
+def settle_kept(timeout: float = STARTING_TIMEOUT) -> None:
+    """Wait until the kept pool's workers spawned so far have started (`Processes.close`)."""
+    held = _KEPT
+    if held is not None:
+        held[1].wait_started(timeout)
 
 
 def is_kept(key: Hashable) -> bool:

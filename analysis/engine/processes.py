@@ -206,6 +206,17 @@ def start(workers: int, backend: str = "cpu") -> None:
 _HELPER: threading.Thread | None = None
 
 
+def settle(timeout: float = executors.STARTING_TIMEOUT) -> None:
+    """Wait (``timeout`` seconds at most) until the workers asked for (`start`) have started. A
+    command that fails right after asking for its workers calls it before it ends: a worker still
+    starting when this process exits reads the pool's semaphores after they are gone and prints
+    a traceback (and one whose start the exit cuts short can leave this process waiting)."""
+    helper = _HELPER
+    if helper is not None:
+        helper.join(timeout)
+    executors.settle_kept(timeout)
+
+
 def _ask_quietly(pool: executors.Processes) -> None:
     """``pool.start()`` on the helper thread: a pool that breaks meanwhile is discarded, and the
     pass that uses it reports the failure."""

@@ -275,7 +275,7 @@ def test_cli_attention_stats_and_simulate(
         "0.5",
         "1",
         "-o",
-        str(tmp_path / "e.pq"),
+        str(tmp_path / "e.parquet"),
     ]
     assert main(every) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if " h2o " in line]

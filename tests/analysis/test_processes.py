@@ -357,3 +357,23 @@ def test_a_damaged_chunk_stops_an_mlx_worker_pass_and_the_next_pass_is_right(tmp
         with pytest.raises(kvformat.ChecksumError, match=f"chunk {segment.k_chunk} .*payload CRC-32C"):
             _table(damaged, 3, backend="mlx")
         assert _table(sound, 3, backend="mlx").equals(one)
+
+
+def test_a_command_that_fails_right_after_asking_for_workers_prints_one_line(tmp_path: Path) -> None:
+    """`stats --keys pre_rope` on a file without RoPE metadata, large enough in heads that the
+    command asks for 16 workers as it starts: it fails before they are used, and says so in one
+    line, every time, and ends: no worker left starting prints a traceback as this process exits
+    (a race that showed in most runs before the command waited for them)."""
+    path = tmp_path / "many-heads.kv"
+    random_file(path, layers=8, heads=8, tokens=8, dim=8)  # 64 heads: worth 16 workers
+    for _ in range(4):
+        done = subprocess.run(
+            [sys.executable, "-m", "kvsnap", "stats", str(path), "--keys", "pre_rope", "--jobs", "16"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 1
+        assert done.stderr.strip().splitlines() == [
+            "kvsnap: error: RopeError: the snapshot's metadata has no 'rope' description; cannot undo RoPE"
+        ], done.stderr
