@@ -412,3 +412,11 @@ def _check_capture(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
         if not Path(options.prompt_file).is_file():
             parser.error(f"--prompt-file {options.prompt_file}: no such file")
+        data = Path(options.prompt_file).read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            parser.error(
+                f"--prompt-file {options.prompt_file}: not UTF-8 text (byte 0x{data[exc.start]:02x} at "
+                f"offset {exc.start}); save it as UTF-8 (iconv -f latin1 -t utf-8, say)"
+            )

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import re
 import warnings
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,15 +39,62 @@ from .triggers import Triggers
 
 def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:
     """Each token decoded alone (SPEC 15.3 ``token_pieces``): the text a researcher labels a
-    position with. A token holding part of a UTF-8 character decodes to U+FFFD."""
+    position with. A token holding part of a UTF-8 character (which decodes alone to U+FFFD) is
+    written as its bytes, ``<0xE2><0x80>``, where the tokenizer tells them (`byte_label`)."""
     if not ids:
         return []
     batch = getattr(tokenizer, "batch_decode", None) or getattr(
         getattr(tokenizer, "_tokenizer", None), "batch_decode", None
     )
     if batch is not None:
-        return [str(piece) for piece in batch([[int(t)] for t in ids])]
-    return [str(tokenizer.decode([int(t)])) for t in ids]
+        pieces = [str(piece) for piece in batch([[int(t)] for t in ids])]
+    else:
+        pieces = [str(tokenizer.decode([int(t)])) for t in ids]
+    return [
+        (byte_label(tokenizer, int(t)) or piece) if "\ufffd" in piece else piece
+        for t, piece in zip(ids, pieces, strict=True)
+    ]
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's ``bytes_to_unicode``: the character a byte-level BPE vocabulary
+    writes for each byte, back to the byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(kept)
+    extra = 0
+    for byte in range(256):
+        if byte not in kept:
+            kept.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(kept, chars, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+_BYTE_TOKEN = re.compile(r"(?:<0x[0-9A-Fa-f]{2}>)+")
+
+
+def byte_label(tokenizer: Any, token: int) -> str | None:
+    """A token that holds part of a UTF-8 character as text and ``<0xHH>`` bytes (``" <0xE6>"``),
+    from its vocabulary entry (SentencePiece's byte fallback writes ``<0xE6>``; a byte-level BPE
+    one character per byte); None where the entry is neither."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None) or getattr(
+        getattr(tokenizer, "_tokenizer", None), "convert_ids_to_tokens", None
+    )
+    if convert is None:
+        return None
+    entry = convert(token)
+    if not isinstance(entry, str) or not entry:
+        return None
+    if _BYTE_TOKEN.fullmatch(entry):
+        data = bytes(int(entry[i + 3 : i + 5], 16) for i in range(0, len(entry), 6))
+    elif all(c in _BYTE_DECODER for c in entry):
+        data = bytes(_BYTE_DECODER[c] for c in entry)
+    else:
+        return None
+    # whole characters as text, the bytes of a part of one as <0xHH>
+    text = data.decode("utf-8", errors="surrogateescape")
+    return "".join(f"<0x{ord(c) - 0xDC00:02X}>" if 0xDC80 <= ord(c) <= 0xDCFF else c for c in text)
 
 
 def text_in_context(tokenizer: Any, context: Sequence[int], token: int) -> str:

@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvsnap.cli.errors import OptionsConflictError
+
 from ..attention.compression import CompressionWarning, simulate
 from ..dependencies import matplotlib, pl, plt
 from .common import FromArgs, save_figure, save_table, url_options, warnings_printed
@@ -33,6 +35,10 @@ class SimulateOptions(FromArgs):
 def simulate_command(args: argparse.Namespace) -> int:
     """``simulate``: attention-output error per (method, budget, layer, head) under compression."""
     options = SimulateOptions.from_args(args)
+    if options.compress == "context" and options.question_start is None:
+        raise OptionsConflictError(
+            "--compress context needs --question-start P: the position where the question begins"
+        )
 
     with warnings_printed(CompressionWarning):
         table = simulate(

@@ -6,6 +6,8 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
+from kvsnap.cli.errors import OptionsConflictError
+
 from ..viewer.data import Source
 from ..viewer.page import write_html
 from ..viewer.server import ViewerServer
@@ -40,6 +42,11 @@ def view_command(args: argparse.Namespace) -> int:
     options = ViewOptions.from_args(args)
     if len(options.files) > 2:
         raise ValueError("kvsnap view takes one file, or two to compare")
+    if not options.html and (options.layers or options.heads):
+        which = "--layers" if options.layers else "--heads"
+        raise OptionsConflictError(
+            f"{which} chooses the maps a --html page holds; the served viewer shows every layer and head"
+        )
     if options.html:
         count = write_html(
             options.files,

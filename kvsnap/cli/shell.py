@@ -646,4 +646,7 @@ def _error_line(exc: Exception, command: str) -> str:
         )
     if isinstance(exc, OutOfRangeError):  # --snapshot, --layer, --head, --seq outside the file's range
         return f"kvsnap: error: {exc.args[0] if exc.args else exc}"
+    if isinstance(exc, OSError) and exc.strerror:  # the message, without Python's "[Errno 2]"
+        named = f": {exc.filename}" if exc.filename is not None else ""
+        return f"kvsnap: error: {exc.strerror}{named}"
     return f"kvsnap: error: {exc}"

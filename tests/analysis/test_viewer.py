@@ -140,9 +140,20 @@ def test_the_command_writes_the_page_and_refuses_its_input(capture: Path, tmp_pa
     assert capture.stat().st_size > 0
 
 
-def test_the_notebook_view_is_a_frame_of_a_served_viewer(capture: Path) -> None:
-    import kvsnap
+def test_the_notebook_view_is_a_frame_of_a_served_viewer(
+    capture: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a Jupyter kernel (IPython's shell there has a ``kernel``): an IFrame of a served
+    viewer; anywhere else, one error naming the command to run instead."""
+    import IPython
 
+    import kvsnap
+    from kvsnap.analysis.viewer.notebook import NotInNotebookError
+
+    with pytest.raises(NotInNotebookError, match=f"'kvsnap view {capture}' serves it"):
+        kvsnap.view(capture)  # a plain Python process: no kernel
+    kernel_shell = type("KernelShell", (), {"kernel": object()})()
+    monkeypatch.setattr(IPython, "get_ipython", lambda: kernel_shell)
     frame = kvsnap.view(capture)
     assert "token=" in frame.src and frame.src.startswith("http://127.0.0.1:")
     with urllib.request.urlopen(frame.src, timeout=30) as answer:

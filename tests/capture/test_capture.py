@@ -429,3 +429,31 @@ def test_capture_command(tmp_path: Path, smollm2_dir: Path, capsys: pytest.Captu
         assert snap.metadata["generation"]["temperature"] == 0.0
         assert snap.metadata["prompt"] == "The capital of France is"
         assert [snap.select(i).snapshot_metadata["generated"] for i in range(3)] == [1, 2, 3]
+
+
+def _piece_bytes(piece: str) -> bytes:
+    """A token piece back to bytes: its text as UTF-8, each ``<0xHH>`` as that byte."""
+    import re
+
+    parts = re.split(r"(<0x[0-9A-F]{2}>)", piece)
+    return b"".join(bytes([int(p[3:5], 16)]) if p.startswith("<0x") else p.encode() for p in parts)
+
+
+def test_a_token_holding_part_of_a_character_is_labelled_with_its_bytes(
+    smollm2_dir: Path, gemma3_dir: Path
+) -> None:
+    """Byte-level BPE (SmolLM2) and SentencePiece's byte fallback (Gemma-3): a token that holds
+    part of a UTF-8 character is labelled with its bytes, not U+FFFD; SmolLM2's labels joined
+    are the text's own UTF-8 bytes, and Gemma-3's for '𝔘' the four bytes Python encodes it as."""
+    from kvsnap.capture.generate import token_pieces
+
+    text = "café – 日本 𝔘"
+    _, tokenizer = load(str(smollm2_dir))
+    ids = tokenizer.encode(text)
+    pieces = token_pieces(tokenizer, ids)
+    assert not any("\ufffd" in p for p in pieces) and any("<0x" in p for p in pieces)
+    assert b"".join(_piece_bytes(p) for p in pieces) == text.encode()
+    _, tokenizer = load(str(gemma3_dir))
+    pieces = token_pieces(tokenizer, tokenizer.encode(text))
+    assert not any("\ufffd" in p for p in pieces)
+    assert b"".join(_piece_bytes(p) for p in pieces if p.startswith("<0x")) == "𝔘".encode()
