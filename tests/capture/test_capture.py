@@ -444,10 +444,11 @@ def test_a_token_holding_part_of_a_character_is_labelled_with_its_bytes(
 ) -> None:
     """Byte-level BPE (SmolLM2) and SentencePiece's byte fallback (Gemma-3): a token that holds
     part of a UTF-8 character is labelled with its bytes, not U+FFFD; SmolLM2's labels joined
-    are the text's own UTF-8 bytes, and Gemma-3's for '𝔘' the four bytes Python encodes it as."""
+    are the text's own UTF-8 bytes, and Gemma-3's for U+1D518 the four bytes Python encodes it as."""
     from kvsnap.capture.generate import token_pieces
 
-    text = "café – 日本 𝔘"
+    fraktur = "\U0001d518"  # four bytes in UTF-8, none of them a character alone
+    text = f"caf\u00e9 \u2013 \u65e5\u672c {fraktur}"
     _, tokenizer = load(str(smollm2_dir))
     ids = tokenizer.encode(text)
     pieces = token_pieces(tokenizer, ids)
@@ -456,4 +457,4 @@ def test_a_token_holding_part_of_a_character_is_labelled_with_its_bytes(
     _, tokenizer = load(str(gemma3_dir))
     pieces = token_pieces(tokenizer, tokenizer.encode(text))
     assert not any("\ufffd" in p for p in pieces)
-    assert b"".join(_piece_bytes(p) for p in pieces if p.startswith("<0x")) == "𝔘".encode()
+    assert b"".join(_piece_bytes(p) for p in pieces if p.startswith("<0x")) == fraktur.encode()
