@@ -201,7 +201,13 @@ def test_the_page_in_a_browser(server: ViewerServer, capture: Path, tmp_path: Pa
         assert len(grid) == 30 and all(len(layer) == 9 for layer in grid)
         # click layer 12, head 4 in the grid: its map is drawn, equal to the file's weights
         cell = int(page.get_attribute("#grid", "data-cell"))
-        page.click("#grid", position={"x": 4 * cell + cell / 2, "y": 12 * cell + cell / 2})
+        left, top = (int(page.get_attribute("#grid", f"data-{side}")) for side in ("left", "top"))
+        assert left > 0 and top > 0  # margins hold the layer and head numbers
+        # the legend below the cells spans the grid's values, lowest to highest
+        low, high = (float(page.get_attribute("#grid", f"data-{end}")) for end in ("low", "high"))
+        values = [v for layer in grid for v in layer if v is not None]
+        assert low == pytest.approx(min(values)) and high == pytest.approx(max(values))
+        page.click("#grid", position={"x": left + 4 * cell + cell / 2, "y": top + 12 * cell + cell / 2})
         page.wait_for_function(
             "window.kvsnap.map && window.kvsnap.map.layer === 12 && window.kvsnap.map.head === 4"
         )

@@ -124,28 +124,61 @@ async function drawGrid() {
   paintGrid($("grid"), state.grid.layers);
 }
 
+// The grid's margins (px): layer numbers on the left, head numbers above, the colour legend below.
+const GRID = { left: 30, top: 22, legend: 34 };
+
+function ticks(count, cell) {
+  // every n-th index, n chosen so that labels sit at least 14 px apart
+  const every = Math.max(1, Math.ceil(14 / cell));
+  return [...Array(count).keys()].filter((i) => i % every === 0);
+}
+
 function paintGrid(canvas, layers) {
   const heads = Math.max(1, ...layers.map((l) => l.length));
   const cell = Math.max(4, Math.min(16, Math.floor(300 / Math.max(heads, layers.length))));
-  canvas.width = heads * cell; canvas.height = layers.length * cell;
+  const width = heads * cell, height = layers.length * cell;
+  canvas.width = GRID.left + Math.max(width, 140); canvas.height = GRID.top + height + GRID.legend;
   canvas.dataset.cell = String(cell);
+  canvas.dataset.left = String(GRID.left); canvas.dataset.top = String(GRID.top);
   const values = layers.flat().filter((v) => v !== null);
   const low = Math.min(...values), high = Math.max(...values);
   const ctx = canvas.getContext("2d");
-  ctx.fillStyle = "#eee"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+  ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+  ctx.fillStyle = "#eee"; ctx.fillRect(GRID.left, GRID.top, width, height);
   layers.forEach((row, l) => row.forEach((v, h) => {
     if (v === null) return;
     const [r, g, b] = colour(high > low ? (v - low) / (high - low) : 0.5);
     ctx.fillStyle = `rgb(${r},${g},${b})`;
-    ctx.fillRect(h * cell, l * cell, cell - 1, cell - 1);
+    ctx.fillRect(GRID.left + h * cell, GRID.top + l * cell, cell - 1, cell - 1);
   }));
+  // axes: query heads across, layers down
+  ctx.fillStyle = "#444"; ctx.font = "10px system-ui, sans-serif";
+  ctx.textAlign = "center"; ctx.textBaseline = "bottom";
+  ticks(heads, cell).forEach((h) => ctx.fillText(String(h), GRID.left + h * cell + cell / 2, GRID.top - 2));
+  ctx.textAlign = "left"; ctx.fillText("head", 0, 10);
+  ctx.textAlign = "right"; ctx.textBaseline = "middle";
+  ticks(layers.length, cell).forEach((l) => ctx.fillText(String(l), GRID.left - 4, GRID.top + l * cell + cell / 2));
+  // the legend: the colour scale from the lowest value shown to the highest
+  const bar = GRID.top + height + 8, span = Math.max(width, 140);
+  for (let x = 0; x < span; x++) {
+    const [r, g, b] = colour(x / Math.max(1, span - 1));
+    ctx.fillStyle = `rgb(${r},${g},${b})`; ctx.fillRect(GRID.left + x, bar, 1, 8);
+  }
+  ctx.fillStyle = "#444"; ctx.textBaseline = "top";
+  const label = (v) => (values.length ? v.toPrecision(3) : "n/a");
+  ctx.textAlign = "left"; ctx.fillText(label(low), GRID.left, bar + 10);
+  ctx.textAlign = "right"; ctx.fillText(label(high), GRID.left + span, bar + 10);
+  ctx.textAlign = "right"; ctx.textBaseline = "middle"; ctx.fillText("layer", GRID.left - 4, 10 + GRID.top / 2);
+  canvas.dataset.low = String(low); canvas.dataset.high = String(high);
 }
 
 function setupGrid() {
   const canvas = $("grid");
   const at = (event) => {
     const cell = Number(canvas.dataset.cell || 1), box = canvas.getBoundingClientRect();
-    return [Math.floor((event.clientY - box.top) / cell), Math.floor((event.clientX - box.left) / cell)];
+    const x = event.clientX - box.left - Number(canvas.dataset.left || 0);
+    const y = event.clientY - box.top - Number(canvas.dataset.top || 0);
+    return [x < 0 || y < 0 ? -1 : Math.floor(y / cell), x < 0 ? -1 : Math.floor(x / cell)];
   };
   canvas.addEventListener("mousemove", (event) => {
     if (!state.grid) return;
