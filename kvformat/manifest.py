@@ -96,6 +96,16 @@ def _finite(values: tuple[float, ...]) -> bool:
     return all(math.isfinite(x) for x in values)
 
 
+def _double(value: int | float, what: str) -> float:
+    """A JSON number as a double; an integer no double holds (``10**400``, which Python reads
+    exactly) is corrupt, as ``1e400`` is (SPEC section 2)."""
+    try:
+        return float(value)
+    except OverflowError:
+        digits = str(value) if abs(value) < 10**60 else f"an integer of {len(str(abs(value)))} digits"
+        raise CorruptFileError(f"{what}: {digits} is out of the range of a double") from None
+
+
 def _is_int(value: Any) -> bool:
     """An integer, not a bool (JSON's true is no head count)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -127,10 +137,17 @@ def _keep(obj: dict[str, Any], where: str) -> int:
     return int(value)
 
 
+ABSENT = object()
+"""A key the JSON leaves out (where null is not the same: a key typed "object" holds one)."""
+
+
 def parse_queries(obj: Any, where: str, kv_heads: int) -> QuerySpec | None:
-    """A layer's ``queries`` object (SPEC section 10.1), or None when absent."""
-    if obj is None:
+    """A layer's ``queries`` object (SPEC section 10.1), or None when the key is `ABSENT` (null is
+    corrupt: the key is typed "object")."""
+    if obj is ABSENT:
         return None
+    if obj is None:
+        raise CorruptFileError(f"{where}: 'queries' must be an object (leave the key out for none)")
     obj = _object(obj, f"{where} queries")
     name = obj.get("dtype")
     if not isinstance(name, str):
@@ -142,7 +159,7 @@ def parse_queries(obj: Any, where: str, kv_heads: int) -> QuerySpec | None:
             return None
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise CorruptFileError(f"{where} queries: '{key}' must be a number, got {value!r}")
-        return float(value)
+        return _double(value, f"{where} queries: '{key}'")
 
     kv, sinks, window = _query_lists(obj, where)
     scale = number("scale", False)
@@ -156,7 +173,7 @@ def parse_queries(obj: Any, where: str, kv_heads: int) -> QuerySpec | None:
         window=window,
         keep=_keep(obj, where),
         softcap=number("softcap", True),
-        sinks=tuple(float(x) for x in sinks) if sinks is not None else None,
+        sinks=tuple(_double(x, f"{where} queries: 'sinks'") for x in sinks) if sinks is not None else None,
     )
     try:
         spec.check(kv_heads)
@@ -263,6 +280,8 @@ def parse_layer(obj: Any, index: int) -> LayerSpec:
     k_dim = _int(obj, "k_dim", 1, MAX_WIDTH, where)
     v_dim = _int(obj, "v_dim", 1, MAX_WIDTH, where)
     dtype = dtypes.from_name(name)
+    if "quantization" in obj and obj["quantization"] is None:  # typed "object": null is no absence
+        raise CorruptFileError(f"{where}: 'quantization' must be an object (leave the key out for none)")
     quantized = quantization.parse(obj.get("quantization"))
     if quantized is not None:  # before `queries` (SPEC 13.1)
         try:
@@ -277,7 +296,7 @@ def parse_layer(obj: Any, index: int) -> LayerSpec:
         dtype=dtype,
         attributes=attributes,
         quantization=quantized,
-        queries=parse_queries(obj.get("queries"), where, num_heads),
+        queries=parse_queries(obj.get("queries", ABSENT), where, num_heads),
     )
     try:
         spec.check()

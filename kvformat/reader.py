@@ -50,13 +50,13 @@ class Snapshot:
         self.index = index % count
         entry = file.entries[self.index]
         self.snapshot_metadata: dict[str, Any] = entry.metadata
-        check_arrays(file, self.index, entry.arrays)
-        self._arrays = entry.arrays
+        self._arrays = entry.arrays  # checked when the snapshot is materialized (SPEC 13.1, step 9)
 
     @functools.cached_property
     def _segments(self) -> Segments:
         """This snapshot materialized and checked (SPEC R13-R14), on first use: opening a long
         series or selecting a snapshot builds nothing until data or structure is asked for."""
+        check_arrays(self._file, self.index, self._arrays)
         return self._file.chain.segments(self.index)
 
     # -- structure -------------------------------------------------------------------------
@@ -154,7 +154,10 @@ class Snapshot:
     def array(self, name: str) -> np.ndarray | None:
         """An array attached to this snapshot, ``(rows, width)``, or None if there is none."""
         chunk = self._arrays.get(name)
-        return None if chunk is None else self._file.chunk_array(chunk)
+        if chunk is None:
+            return None
+        check_arrays(self._file, self.index, {name: chunk})
+        return self._file.chunk_array(chunk)
 
     def select(self, index: int) -> Snapshot:
         """Another snapshot of the same open file (shares the file; close either to close)."""

@@ -228,8 +228,9 @@ function dtypeOf(name) {
   return DTYPE_CODES[name];
 }
 
-function parseQuantization(q) {
-  if (q === undefined || q === null) return null;
+function parseQuantization(q, where) {
+  if (q === undefined) return null;  // absent; null is no absence: the key is typed "object" (section 10)
+  if (q === null) fail(CORRUPT, `${where}: 'quantization' must be an object`);
   if (!isObject(q)) fail(CORRUPT, "layer 'quantization' must be an object");
   if (get(q, "mode") !== "affine") fail(FEATURE, "unknown quantization mode");
   const bits = get(q, "bits"), group = get(q, "group_size");
@@ -247,7 +248,8 @@ function parseKeep(q, where) {
 }
 
 function parseQueries(q, where, kvHeads) {
-  if (q === undefined || q === null) return null;
+  if (q === undefined) return null;  // absent; null is no absence: the key is typed "object" (section 10)
+  if (q === null) fail(CORRUPT, `${where}: 'queries' must be an object`);
   object(q, `${where} queries`);
   const name = get(q, "dtype");
   if (typeof name !== "string") fail(CORRUPT, "queries dtype must be a string");
@@ -297,7 +299,7 @@ function parseLayer(obj, index) {
   const kDim = integer(obj, "k_dim", 1, MAX_WIDTH, where);
   const vDim = integer(obj, "v_dim", 1, MAX_WIDTH, where);
   const code = dtypeOf(name);
-  const q = parseQuantization(get(obj, "quantization"));
+  const q = parseQuantization(get(obj, "quantization"), where);
   // the quantization's dims before queries (section 13.1)
   if (q && (kDim % q.group_size || vDim % q.group_size || (kDim * q.bits) % 32 || (vDim * q.bits) % 32)) {
     fail(CORRUPT, `${where}: dims not multiples of the group size`);

@@ -649,7 +649,46 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         "a flipped payload byte (checksum, step 7) and a snapshot naming a chunk past the table (step 8)",
         lambda s, o: _two_faults(s, o, None),
     ),
+    # What a third reader of 1.4 found (kvformat read these otherwise than the SPEC's text).
+    (
+        "queries-scale-huge-integer.kv",
+        "queries scale written as a 401-digit integer: a number no double holds, as 1e400 (section 2)",
+        lambda s, o: _queries_variant(scale=10**400)(o),
+    ),
+    (
+        "queries-sinks-huge-integer.kv",
+        "a queries sinks entry written as a 401-digit integer",
+        lambda s, o: _queries_variant(sinks=[0.5, -(10**400), 0.25, 0.0])(o),
+    ),
+    (
+        "quantization-null.kv",
+        "a present layer's quantization null: the key is typed object, null is no absence (section 10)",
+        lambda s, o: rebuild_index(s, o, edit_json=_layer_key("quantization", None)),
+    ),
+    (
+        "queries-null.kv",
+        "a present layer's queries null, in a file that requires the queries feature",
+        lambda s, o: _queries_null(o),
+    ),
+    (
+        "record-and-arrays-faults.kv",
+        "a flipped payload byte (checksum, step 7) and snapshot 0's arrays naming a K chunk, which "
+        "materialization finds (step 9)",
+        lambda s, o: _checksum_and_arrays(s, o),
+    ),
 ]
+
+
+def _queries_null(out: Path) -> None:
+    def edit(document: dict[str, Any]) -> None:
+        document["manifest"]["layers"][0]["queries"] = None
+
+    rebuild_index(_queries_source(out), out, edit_json=edit)
+
+
+def _checksum_and_arrays(source: Path, out: Path) -> None:
+    rebuild_index(source, out, edit_json=lambda d: d["snapshots"][0].__setitem__("arrays", {"x": 0}))
+    _patched(out, out, _first_payload(out), bytes([out.read_bytes()[_first_payload(out)] ^ 0x10]))
 
 
 def _at_the_end_of_int64(source: Path, out: Path) -> None:
