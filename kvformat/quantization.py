@@ -90,8 +90,11 @@ def parse(obj: Any) -> Quantization | None:
         return None
     if not isinstance(obj, dict):
         raise CorruptFileError("layer 'quantization' must be an object")
-    if obj.get("mode") != "affine":
-        raise UnsupportedFeatureError(f"quantization mode {obj.get('mode')!r}; only 'affine' is known")
+    mode = obj.get("mode")
+    if not isinstance(mode, str):  # a shape fault (R6); only a mode this reader lacks is a feature
+        raise CorruptFileError(f"layer 'quantization' needs a string 'mode', got {mode!r}")
+    if mode != "affine":
+        raise UnsupportedFeatureError(f"quantization mode {mode!r}; only 'affine' is known")
     bits, group = obj.get("bits"), obj.get("group_size")
     # Outside the sets of section 6.1: a corrupt file (R6); only an unknown mode is a feature.
     if bits not in BITS or type(bits) is not int:

@@ -500,6 +500,7 @@ def _single_records_hold(
         & (fields["dtype"] == 0)
         & (fields["codec"] == 0)
         & (fields["flags"] == 0)
+        & (fields["decoded_size"] == fields["stored_size"])
     )
     one &= crc32c_rows(np.ascontiguousarray(raw[:, :60])) == fields["descriptor_crc"]
     single = np.zeros(lower.shape[0], bool)
@@ -605,8 +606,11 @@ def _verify_record(file: FileStructure, cursor: int, records: int, chunk: int) -
         file.chunk_array(chunk, checked=True)
         chunk += 1
     elif desc.kind in JSON_KINDS:
-        if desc.dtype or desc.codec or desc.flags:
-            raise CorruptFileError(f"{label}: a JSON record's dtype, codec and flags must be 0")
+        if desc.dtype or desc.codec or desc.flags or desc.decoded_size != desc.stored_size:
+            raise CorruptFileError(
+                f"{label}: a JSON record's dtype, codec and flags must be 0 and its decoded size "
+                "its stored size"
+            )
         loads(payload, label)
     elif file.version[1] <= MINOR:
         raise CorruptFileError(f"{label}: unknown record kind {desc.kind}")

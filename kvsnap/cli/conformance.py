@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kvformat import KVFormatError, Snapshot
+from kvformat import KVFormatError, LimitExceededError, Snapshot
 from kvformat import open as open_kv
 
 
@@ -88,6 +88,7 @@ def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
     ``open_options`` go to `kvformat.open` (e.g. ``storage_options`` for a URL)."""
     try:
         with open_kv(path, snapshot=0, **open_options) as first:
+            _check_size(first)
             first.verify()  # SPEC 13.1: the whole file (steps 7-9) before any snapshot's data
             description: dict[str, Any] = {
                 "version": list(first.version),
@@ -102,6 +103,26 @@ def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
         return description
     except KVFormatError as error:
         return {"error": type(error).__name__}
+
+
+MAX_DESCRIBED_HEADS = 1 << 20
+"""At most this many head entries (``heads`` and ``queries``, over every snapshot) in a
+description (SPEC section 17); a file that would list more is refused after opening."""
+
+
+def _check_size(snap: Snapshot) -> None:
+    """`LimitExceededError` for a file whose description would list more than
+    `MAX_DESCRIBED_HEADS` head entries (a valid 6 kB file of 2^20 sequences lists millions)."""
+    per_snapshot = sum(
+        layer.num_heads + (layer.queries.num_heads if layer.queries is not None else 0)
+        for layer in snap.layers
+        if layer.present
+    )
+    entries = per_snapshot * snap.num_seqs * snap.num_snapshots
+    if entries > MAX_DESCRIBED_HEADS:
+        raise LimitExceededError(
+            f"its description would list {entries} head entries; the limit is 2^20 (SPEC section 17)"
+        )
 
 
 def _head_entry(snap: Snapshot, layer: int, head: int, seq: int) -> dict[str, Any]:

@@ -33,7 +33,7 @@ function fail(category, message) {
 }
 
 // -- limits and codes (sections 4-10, 13) ------------------------------------------------------
-const MINOR = 3;
+const MINOR = 5;  // the version this reader implements: unknown record kinds are refused up to it
 const MAGIC = Buffer.from([0x89, 0x4b, 0x56, 0x53, 0x0d, 0x0a, 0x1a, 0x0a]);
 const MAX_CHUNK_COUNT = 2 ** 28;
 const MAX_JSON_SIZE = 256 * 1024 * 1024;
@@ -232,7 +232,9 @@ function parseQuantization(q, where) {
   if (q === undefined) return null;  // absent; null is no absence: the key is typed "object" (section 10)
   if (q === null) fail(CORRUPT, `${where}: 'quantization' must be an object`);
   if (!isObject(q)) fail(CORRUPT, "layer 'quantization' must be an object");
-  if (get(q, "mode") !== "affine") fail(FEATURE, "unknown quantization mode");
+  const mode = get(q, "mode");
+  if (typeof mode !== "string") fail(CORRUPT, `${where}: quantization mode must be a string`);
+  if (mode !== "affine") fail(FEATURE, "unknown quantization mode");
   const bits = get(q, "bits"), group = get(q, "group_size");
   // outside the sets of section 6.1: corrupt (R6); only an unknown mode is a feature
   if (!isInt(bits) || !BITS.includes(Number(bits))) fail(CORRUPT, "quantized bits");
@@ -582,7 +584,7 @@ function walk(file) {
       decoded[chunk] = decode(payload, d);
       chunk++;
     } else if (d.kind === MANIFEST || d.kind === SNAPSHOT) {
-      if (d.dtype || d.codec || d.flags) fail(CORRUPT, "JSON record fields");
+      if (d.dtype || d.codec || d.flags || d.decodedSize !== d.storedSize) fail(CORRUPT, "JSON record fields");
       parseJson(decodeText(payload, "JSON record"), "JSON record");
     } else if (file.minor <= MINOR) {
       fail(CORRUPT, `unknown record kind ${d.kind}`);
@@ -807,8 +809,17 @@ function layerJson(layer) {
   }
   return out;
 }
+// At most this many head entries (`heads` and `queries`, over every snapshot) in a description
+// (section 17): a valid file may describe to more, and is then refused before it is walked.
+const MAX_DESCRIBED_HEADS = 2 ** 20;
+
 function describe(data) {
   const file = openFile(data);
+  const perSnapshot = file.manifest.layers.reduce(
+    (sum, l) => sum + (l.present ? l.num_heads + (l.queries ? l.queries.num_heads : 0) : 0), 0);
+  if (perSnapshot * file.manifest.num_seqs * file.entries.length > MAX_DESCRIBED_HEADS) {
+    fail(LIMIT, "the description would list more than 2^20 head entries");
+  }
   const decoded = walk(file);
   const states = materialize(file);
   const { manifest, table } = file;

@@ -379,17 +379,24 @@ def _layer_key(key: str, value: object) -> Callable[[dict[str, Any]], None]:
 def _json_record_flags(source: Path, out: Path) -> None:
     """The first snapshot record of the stream (kind 17) with ``flags`` 1 and its descriptor CRC
     recomputed: only a verification's check of JSON records can refuse it."""
+    _json_record_field(source, out, "flags", 1)
+
+
+def _json_record_field(source: Path, out: Path, name: str, value: int) -> None:
+    """The first snapshot record of the stream (kind 17) with descriptor field ``name`` set to
+    ``value`` and its descriptor CRC recomputed."""
     data = bytearray(source.read_bytes())
     f = Footer.unpack(bytes(data[-FOOTER_SIZE:]))
     offset = 64
     while offset < f.index_offset:
-        descriptor = np.frombuffer(bytes(data[offset : offset + DESCRIPTOR_SIZE]), DESCRIPTOR_DTYPE)[0]
-        if int(descriptor["kind"]) == KIND_SNAPSHOT:
-            data[offset + 7] = 1
+        descriptor = np.frombuffer(bytes(data[offset : offset + DESCRIPTOR_SIZE]), DESCRIPTOR_DTYPE).copy()
+        if int(descriptor[0]["kind"]) == KIND_SNAPSHOT:
+            descriptor[0][name] = value
+            data[offset : offset + 60] = descriptor.tobytes()[:60]
             data[offset + 60 : offset + 64] = struct.pack("<I", crc32c(bytes(data[offset : offset + 60])))
             out.write_bytes(bytes(data))
             return
-        end = offset + DESCRIPTOR_SIZE + int(descriptor["stored_size"])
+        end = offset + DESCRIPTOR_SIZE + int(descriptor[0]["stored_size"])
         offset = (end + 63) // 64 * 64
     raise AssertionError("no snapshot record")
 
@@ -676,7 +683,63 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         "materialization finds (step 9)",
         lambda s, o: _checksum_and_arrays(s, o),
     ),
+    # Silences of 1.4 answered in 1.5 (section 14, "Changes in 1.5").
+    (
+        "quantization-mode-missing.kv",
+        "a quantization object without 'mode': a shape fault, corrupt (an unknown mode is unsupported)",
+        lambda s, o: rebuild_index(s, o, edit_json=_layer_key("quantization", {"bits": 4, "group_size": 32})),
+    ),
+    (
+        "quantization-mode-number.kv",
+        "a quantization 'mode' that is a number, not a string: corrupt",
+        lambda s, o: rebuild_index(
+            s, o, edit_json=_layer_key("quantization", {"mode": 1, "bits": 4, "group_size": 32})
+        ),
+    ),
+    (
+        "json-record-sizes.kv",
+        "a snapshot record in the stream whose decoded_size is not its stored_size (descriptor CRC valid)",
+        lambda s, o: _json_record_field(s, o, "decoded_size", 1),
+    ),
+    (
+        "description-over-limit.kv",
+        "queries.kv with 2^20 sequences: within the triple limit (6 x 2^20), valid, but its "
+        "description would list 2 x 6 x 2^20 head entries, over 2^20 (section 17)",
+        lambda s, o: _many_sequences(o),
+    ),
+    (
+        "unknown-record-kind-minor-5.kv",
+        "a record of kind 20 in the stream of a minor-5 file: a 1.5 reader knows every kind of "
+        "1.5 and rejects it (R8); only a newer minor's unknown kinds are ignored",
+        lambda s, o: _unknown_record(s, o, 5),
+    ),
+    (
+        "index-offset-below-64.kv",
+        "footer index_offset 0: aligned, but inside the header (R4: corrupt, as a misaligned one)",
+        lambda s, o: rebuild_index(s, o, footer={"index_offset": 0}),
+    ),
 ]
+
+
+def _with_minor(source: Path, out: Path, minor: int) -> None:
+    """``source`` with header and footer minor ``minor`` (CRCs recomputed)."""
+    staged = out.with_name(out.name + ".minor")
+    _patched(source, staged, 10, struct.pack("<H", minor), header_crc=True)
+    rebuild_index(staged, out, footer={"minor": minor})
+    staged.unlink()
+
+
+def _unknown_record(source: Path, out: Path, minor: int) -> None:
+    """``source`` at minor ``minor`` with its stream's snapshot record turned into a record of
+    kind 20, which no version defines (the index keeps the snapshot)."""
+    staged = out.with_name(out.name + ".kind")
+    _with_minor(source, staged, minor)
+    _json_record_field(staged, out, "kind", 20)
+    staged.unlink()
+
+
+def _many_sequences(out: Path) -> None:
+    rebuild_index(_queries_source(out), out, edit_json=lambda d: d["manifest"].__setitem__("num_seqs", 2**20))
 
 
 def _queries_null(out: Path) -> None:
@@ -769,6 +832,11 @@ def generate(directory: Path) -> dict[str, object]:
             newer_minor(directory),
         ),
         ("older-minor.kv", "format 1.0 (before the 1.1 rules): must read", older_minor(directory)),
+        (
+            "newer-minor-unknown-record.kv",
+            "format 1.7 with a record of kind 20 in the stream: ignored by a 1.5 reader (section 5.2)",
+            lambda path: _unknown_record(directory / "float32-raw.kv", path, 7),
+        ),
         ("series-1.1.kv", "series.kv as format 1.1 wrote it: appends as triples", older_series(directory)),
     ]
     for name, covers, build in vectors:
@@ -785,7 +853,7 @@ def generate(directory: Path) -> dict[str, object]:
         if "error" not in expect:
             raise AssertionError(f"bad vector {name} reads as valid")
         entries.append({"file": f"bad/{name}", "covers": breaks, "expect": expect})
-    manifest = {"format_version": [1, 4], "hash": "sha256", "vectors": entries}
+    manifest = {"format_version": [1, 5], "hash": "sha256", "vectors": entries}
     (directory / "manifest.json").write_text(
         json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", "utf-8"
     )

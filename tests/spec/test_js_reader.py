@@ -48,7 +48,9 @@ def js_describe(paths: list[Path]) -> list[dict[str, object]]:
     return [json.loads(line) for line in lines]
 
 
-@pytest.mark.parametrize("folder", ["", "gold/1.0", "gold/1.1", "gold/1.2", "gold/1.3", "gold/1.4", "fuzz"])
+@pytest.mark.parametrize(
+    "folder", ["", "gold/1.0", "gold/1.1", "gold/1.2", "gold/1.3", "gold/1.4", "gold/1.5", "fuzz"]
+)
 def test_every_vector_and_gold_file(folder: str) -> None:
     results = run(ROOT / "spec" / "vectors" / folder, READER)
     assert len(results) >= (3 if folder == "fuzz" else 20)
