@@ -30,6 +30,9 @@ GRID_SCORES = ("sink_mass", "local_mass", "entropy_normalized", "retrieval_score
 MAX_TILES = 1024
 """The most tiles a map request may ask for along either axis."""
 
+MAX_HEADS = 1 << 16
+"""The most heads a layer may have (SPEC section 10): a head number past it names none."""
+
 
 class ViewerError(AnalysisError):
     """A request the viewer cannot answer (one line, sent back as the answer's error)."""
@@ -137,6 +140,7 @@ def attention_map(
         raise ViewerError("no stored query in that range")
     q_low, q_high = int(q_positions[0]), int(q_positions[-1]) + 1
     k_low, k_high = keys if keys is not None else (0, q_high)
+    k_low = min(max(k_low, 0), q_high - 1)  # inside the keys these queries see: bounded work
     k_high = max(min(k_high, q_high), k_low + 1)
     q_step = max(1, math.ceil((q_high - q_low) / rows))
     k_step = max(1, math.ceil((k_high - k_low) / columns))

@@ -1,19 +1,30 @@
 """The viewer's local server: the standard library's threaded HTTP server (one process, a thread
 per request, every browser tab served), bound to 127.0.0.1 unless ``--host`` says otherwise, and
-answering only requests that carry the random token of its URL (as Jupyter does): 403 otherwise.
-Only the files named on the command line are served, by their number: no request parameter
-reaches the file system."""
+answering only requests that carry the random token of its URL (as Jupyter does) and name this
+server in their ``Host`` header (a page of another origin that rebinds its name to this address
+is refused): 403 otherwise. Only the files named on the command line are served, by their
+number: no request parameter reaches the file system.
+
+Every parameter is parsed before any work: an integer is at most 16 digits and inside the extent
+of what it names (a layer of the file, a position of its tokens, a tile count), so no answer's
+size is unbounded; anything else is a 400 with one line. An error that is kvsnap's own is a 500
+with one line (its traceback goes to the server's standard error), and the server goes on."""
 
 from __future__ import annotations
 
 import hmac
 import json
+import re
 import secrets
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from kvformat import KVSnapError
 
 from . import data
 from .page import render
@@ -25,11 +36,17 @@ class ViewerServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, sources: list[data.Source], host: str = "127.0.0.1", port: int = 0) -> None:
-        # what the first answers need, imported now: the page's first map does not wait for it
-
         self.sources = sources
         self.token = secrets.token_urlsafe(24)
+        self.host = host
         super().__init__((host, port), _Handler)
+
+    def names(self) -> set[str]:
+        """The ``Host`` header values this server answers: loopback names and the address served,
+        each with the port."""
+        port = int(self.server_address[1])
+        hosts = {"127.0.0.1", "localhost", "[::1]", self.host if ":" not in self.host else f"[{self.host}]"}
+        return {f"{host}:{port}" for host in hosts}
 
     @property
     def url(self) -> str:
@@ -50,22 +67,41 @@ class ViewerServer(ThreadingHTTPServer):
             source.close()
 
 
-def _int(query: dict[str, list[str]], name: str, default: int | None = None) -> int:
+_INTEGER = re.compile(r"-?[0-9]{1,16}")
+
+
+def _int(
+    query: dict[str, list[str]],
+    name: str,
+    default: int | None = None,
+    low: int = -(2**53),
+    high: int = 2**53,
+) -> int:
+    """Parameter ``name`` as an integer in ``low .. high`` (both included), or ``default`` when
+    absent; `ViewerError` (a 400) for anything else, before any work."""
     values = query.get(name)
     if not values:
         if default is None:
             raise data.ViewerError(f"missing parameter {name}")
         return default
-    try:
-        return int(values[0])
-    except ValueError:
-        raise data.ViewerError(f"{name} must be an integer") from None
+    text = values[0]
+    if not _INTEGER.fullmatch(text):
+        raise data.ViewerError(f"{name} must be an integer of at most 16 digits")
+    value = int(text)
+    if not low <= value <= high:
+        raise data.ViewerError(f"{name} {value} is outside {low}..{high}")
+    return value
 
 
-def _span(query: dict[str, list[str]], low: str, high: str) -> tuple[int, int] | None:
+def _span(query: dict[str, list[str]], low: str, high: str, end: int) -> tuple[int, int] | None:
+    """Positions ``[low, high)`` inside ``0 .. end`` (the file's extent), or None when neither is
+    given."""
     if low not in query and high not in query:
         return None
-    return _int(query, low, 0), _int(query, high, 2**53)
+    start, stop = _int(query, low, 0, 0, end), _int(query, high, end, 0, end)
+    if start >= stop:
+        raise data.ViewerError(f"{low} {start} must be below {high} {stop}")
+    return start, stop
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -91,8 +127,21 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(value, allow_nan=False).encode(), "application/json")
 
     def do_GET(self) -> None:
+        try:
+            self._get()
+        except (BrokenPipeError, ConnectionResetError):
+            return  # the page gave up on this answer (a newer request superseded it)
+
+    def _get(self) -> None:
+        if self.headers.get("Host", "") not in self.server.names():
+            self._send(403, b"forbidden: the Host header does not name this server\n", "text/plain")
+            return
         parts = urlsplit(self.path)
-        query = parse_qs(parts.query)
+        try:
+            query = parse_qs(parts.query, strict_parsing=False, max_num_fields=64)
+        except ValueError:
+            self._json(400, {"error": "too many parameters"})
+            return
         given = (query.get("token") or [""])[0]
         if not hmac.compare_digest(given.encode(), self.server.token.encode()):
             self._send(
@@ -108,15 +157,22 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(404, b"not found\n", "text/plain")
                 return
             self._json(200, self._answer(parts.path.removeprefix("/api/"), query))
-        except data.ViewerError as exc:
+        except (BrokenPipeError, ConnectionResetError):
+            raise
+        except data.ViewerError as exc:  # a request this viewer cannot answer
             self._json(400, {"error": str(exc)})
-        except (ValueError, IndexError, KeyError) as exc:  # a file problem, named in one line
+        except KVSnapError as exc:  # a request the file cannot answer, or a file problem: one line
             self._json(400, {"error": f"{type(exc).__name__}: {exc}"})
+        except Exception as exc:  # kvsnap's own bug: one line here, its traceback on the server's stderr
+            traceback.print_exc(file=sys.stderr)
+            why = f"internal error ({type(exc).__name__}); the server's standard error has the traceback"
+            self._json(500, {"error": why})
 
     def _source(self, query: dict[str, list[str]], name: str = "file") -> data.Source:
+        count = len(self.server.sources)
         number = _int(query, name, 0)
-        if not 0 <= number < len(self.server.sources):
-            raise data.ViewerError(f"file {number} is not one of the {len(self.server.sources)} files served")
+        if not 0 <= number < count:
+            raise data.ViewerError(f"file {number} is not one of the {count} files served")
         return self.server.sources[number]
 
     def _answer(self, name: str, query: dict[str, list[str]]) -> Any:
@@ -131,31 +187,37 @@ class _Handler(BaseHTTPRequestHandler):
             return source.grid((query.get("score") or ["sink_mass"])[0])
         answer = _ANSWERS[name]
         assert answer is not None
-        return answer(source.snap, _int(query, "layer", 0), _int(query, "head", 0), query)
+        snap = source.snap
+        layer = _int(query, "layer", 0, 0, snap.num_layers - 1)
+        head = _int(query, "head", 0, -1, data.MAX_HEADS)  # -1: the mean over a layer's query heads
+        return answer(snap, layer, head, query)
 
 
 def _map(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
+    end = snap.seq_len
     return data.attention_map(
         snap,
         layer,
         head,
-        queries=_span(query, "q0", "q1"),
-        keys=_span(query, "k0", "k1"),
-        rows=_int(query, "rows", 256),
-        columns=_int(query, "columns", 512),
+        queries=_span(query, "q0", "q1", end),
+        keys=_span(query, "k0", "k1", end),
+        rows=_int(query, "rows", 256, 1, data.MAX_TILES),
+        columns=_int(query, "columns", 512, 1, data.MAX_TILES),
     )
 
 
 def _row(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
-    return data.query_row(snap, layer, head, _int(query, "query"))
+    return data.query_row(snap, layer, head, _int(query, "query", None, 0, max(snap.seq_len - 1, 0)))
 
 
 def _kept(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
     method = (query.get("method") or ["snapkv"])[0]
     try:
-        budget = float((query.get("budget") or ["0.25"])[0])
+        budget = float((query.get("budget") or ["0.25"])[0][:32])
     except ValueError:
         raise data.ViewerError("budget must be a number") from None
+    if not 0 < budget <= 1:  # NaN included
+        raise data.ViewerError("budget must be in (0, 1]")
     return data.kept(snap, layer, head, method, budget)
 
 

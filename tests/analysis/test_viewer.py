@@ -242,3 +242,106 @@ def test_the_page_in_a_browser(server: ViewerServer, capture: Path, tmp_path: Pa
     finally:
         browser.close()
         playwright.stop()
+
+
+# -- hostile requests ---------------------------------------------------------------------------
+
+
+def _raw(server: ViewerServer, path: str, host: str | None = None) -> tuple[int, bytes]:
+    """GET ``path`` with the Host header ``host`` (default: the server's own address)."""
+    import http.client
+
+    address, port = str(server.server_address[0]), int(server.server_address[1])
+    connection = http.client.HTTPConnection(address, port, timeout=60)
+    try:
+        connection.putrequest("GET", path, skip_host=True)
+        connection.putheader("Host", host if host is not None else f"{address}:{port}")
+        connection.endheaders()
+        answer = connection.getresponse()
+        return answer.status, answer.read()
+    finally:
+        connection.close()
+
+
+def test_the_host_header_must_name_this_server(server: ViewerServer) -> None:
+    """A page of another origin whose name was rebound to 127.0.0.1 sends its own name as Host:
+    refused, token or not; loopback names are served."""
+    port = int(server.server_address[1])
+    path = f"/api/files?token={server.token}"
+    assert _raw(server, path)[0] == 200
+    assert _raw(server, path, f"localhost:{port}")[0] == 200
+    for host in (
+        f"evil.example:{port}",
+        "127.0.0.1",
+        f"127.0.0.1:{port + 1}",
+        f"localhost.evil.example:{port}",
+    ):
+        status, body = _raw(server, path, host)
+        assert status == 403 and b"Host header" in body, host
+
+
+ENDPOINTS = ["files", "grid", "diff", "map", "row", "kept", "kv", "nothing"]
+PARAMETERS = [
+    "file",
+    "other",
+    "layer",
+    "head",
+    "query",
+    "q0",
+    "q1",
+    "k0",
+    "k1",
+    "rows",
+    "columns",
+    "score",
+    "method",
+    "budget",
+]
+
+
+def test_every_endpoint_answers_arbitrary_parameters_with_a_4xx_at_worst(server: ViewerServer) -> None:
+    """Hypothesis drives every endpoint with arbitrary parameters (huge and negative integers,
+    floats, text, empty values): every request gets an answer, 200 or a 4xx with one JSON line,
+    never a 500 nor silence, and the server lives on."""
+    import urllib.parse
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    values = st.one_of(
+        st.integers(-(10**30), 10**30).map(str),
+        st.integers(-3, 40).map(str),
+        st.floats(allow_nan=True, allow_infinity=True).map(str),
+        st.text(max_size=12),
+        st.sampled_from(["", "-", "1e9", "0x10", "1_0", " 1", "9" * 40, "sink_mass", "snapkv", "nan"]),
+    )
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(st.sampled_from(ENDPOINTS), st.dictionaries(st.sampled_from(PARAMETERS), values, max_size=6))
+    def request(endpoint: str, params: dict[str, str]) -> None:
+        query = urllib.parse.urlencode({**params, "token": server.token})
+        status, body = _raw(server, f"/api/{endpoint}?{query}")
+        assert status == 200 or 400 <= status < 500, (endpoint, params, status, body[:300])
+        if status != 200:
+            answer = json.loads(body)
+            assert "\n" not in answer["error"], answer
+
+    request()
+    assert _raw(server, f"/api/files?token={server.token}")[0] == 200  # still serving
+
+
+def test_a_map_request_is_bounded_before_any_work(server: ViewerServer) -> None:
+    """The requests that once reached numpy: a key range of -10^18 (a 24 GB array), 10^30 (an
+    OverflowError), a 16-digit tile count: each a 400 naming the parameter, at once."""
+    token = server.token
+    for params, named in (
+        ("k0=-1000000000000000000", "k0"),
+        ("k0=" + "1" + "0" * 30, "k0"),
+        ("k0=-1000000000", "k0"),
+        ("rows=9999999999999999", "rows"),
+        ("q0=5&q1=5", "q0"),
+        ("layer=99999", "layer"),
+    ):
+        where = "" if params.startswith("layer") else "layer=1&"
+        status, body = _raw(server, f"/api/map?file=0&{where}head=1&{params}&token={token}")
+        assert status == 400 and named in json.loads(body)["error"], (params, body)
