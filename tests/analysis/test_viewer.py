@@ -345,3 +345,73 @@ def test_a_map_request_is_bounded_before_any_work(server: ViewerServer) -> None:
         where = "" if params.startswith("layer") else "layer=1&"
         status, body = _raw(server, f"/api/map?file=0&{where}head=1&{params}&token={token}")
         assert status == 400 and named in json.loads(body)["error"], (params, body)
+
+
+# -- the answer to the last request -------------------------------------------------------------
+
+
+def test_the_page_shows_the_answer_to_the_last_request(
+    capture: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Answers slowed on purpose where a race would show a stale picture: head (1, 5)'s map, the
+    mean row, and head (3, 2)'s whole map. Selecting (1, 5) then (2, 7) at once shows (2, 7);
+    ticking then unticking "mean" shows the head's own row; a zoom made while the whole map loads
+    stays. Each checked after the slow answer would have arrived."""
+    import time
+
+    from kvsnap.analysis.viewer import data
+
+    slow = 1.5
+    original_map, original_row = data.attention_map, data.query_row
+
+    def attention_map(snap: Any, layer: int, head: int, **options: Any) -> Any:
+        if (layer, head) == (1, 5) or ((layer, head) == (3, 2) and options.get("keys") is None):
+            time.sleep(slow)
+        return original_map(snap, layer, head, **options)
+
+    def query_row(snap: Any, layer: int, head: int, position: int) -> Any:
+        if head == -1:
+            time.sleep(slow)
+        return original_row(snap, layer, head, position)
+
+    monkeypatch.setattr(data, "attention_map", attention_map)
+    monkeypatch.setattr(data, "query_row", query_row)
+    running = ViewerServer([Source(str(capture))])
+    running.start()
+    playwright, browser = _browser()
+    try:
+        page = browser.new_context(viewport={"width": 1400, "height": 1000}, bypass_csp=True).new_page()
+        page.goto(running.url)
+        page.wait_for_function("window.kvsnap && window.kvsnap.map && window.kvsnap.row", timeout=120_000)
+
+        def settled() -> None:
+            page.wait_for_timeout(int((slow + 1.0) * 1000))
+
+        # two heads selected back to back
+        page.evaluate("() => { window.kvsnap.select(1, 5); window.kvsnap.select(2, 7); }")
+        settled()
+        shown = page.evaluate("[window.kvsnap.map.layer, window.kvsnap.map.head]")
+        drawn = page.evaluate(
+            "[document.querySelector('#map').dataset.layer, document.querySelector('#map').dataset.head]"
+        )
+        assert shown == [2, 7] and drawn == ["2", "7"]
+        assert "layer 2, query head 7" in page.text_content("#map-title")
+        # mean ticked, then unticked before its (slow) row came
+        page.click("#mean")
+        page.click("#mean")
+        settled()
+        assert page.evaluate("window.kvsnap.row.head") == 7 and not page.is_checked("#mean")
+        # a zoom while the whole map loads
+        page.evaluate("() => { window.kvsnap.select(3, 2); }")
+        page.wait_for_timeout(200)
+        page.evaluate("() => window.kvsnap.zoom({q0: 10, q1: 20, k0: 0, k1: 12})")
+        settled()
+        assert page.evaluate("[window.kvsnap.map.layer, window.kvsnap.map.head, window.kvsnap.map.keys]") == [
+            3,
+            2,
+            [0, 12],
+        ]
+    finally:
+        browser.close()
+        playwright.stop()
+        running.close()

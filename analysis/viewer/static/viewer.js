@@ -16,13 +16,39 @@ window.kvsnap = state;
 
 function status(text) { $("status").textContent = text || ""; }
 
+// One request in flight per kind of answer (map, row, kept, kv, grid): a newer one aborts the
+// older, and an answer that arrives for a request no longer the latest is dropped, so the page
+// always shows the answer to the last thing asked (a head clicked, mean ticked, a zoom).
+class Superseded extends Error {}
+const inFlight = {};
+
 async function api(name, params = {}) {
   if (embedded) return fromEmbedded(name, params);
   const query = new URLSearchParams({ ...params, token: config.token });
-  const answer = await fetch(`/api/${name}?${query}`);
-  const body = await answer.json();
+  if (inFlight[name]) inFlight[name].abort();
+  const controller = new AbortController();
+  inFlight[name] = controller;
+  let answer, body;
+  try {
+    answer = await fetch(`/api/${name}?${query}`, { signal: controller.signal });
+    body = await answer.json();
+  } catch (error) {
+    if (controller.signal.aborted) throw new Superseded(name);
+    throw error;
+  } finally {
+    if (inFlight[name] === controller) delete inFlight[name];
+  }
+  if (controller.signal.aborted) throw new Superseded(name);
   if (!answer.ok) throw new Error(body.error || answer.statusText);
   return body;
+}
+
+// A failed request's message in the status line; a superseded one says nothing (its successor
+// draws). Returns whether the request is still the one to show.
+function failed(error) {
+  if (error instanceof Superseded) return false;
+  status(error.message);
+  return true;
 }
 
 function fromEmbedded(name, p) {
@@ -119,7 +145,7 @@ async function drawGrid() {
   $("grid-what").textContent = "(computing...)";
   try {
     state.grid = await api("grid", { file: state.file, score });
-  } catch (error) { status(error.message); return; }
+  } catch (error) { failed(error); return; }
   $("grid-what").textContent = `(${score}, layers × query heads)`;
   paintGrid($("grid"), state.grid.layers);
 }
@@ -195,8 +221,11 @@ function setupGrid() {
 
 async function select(layer, head) {
   state.layer = layer; state.head = head; state.span = null; state.query = null;
+  const current = () => state.layer === layer && state.head === head;
   await loadMap();
+  if (!current()) return;  // another head was selected meanwhile: its own select draws it
   await loadKept();
+  if (!current()) return;
   const kvHead = Math.min(head, state.info.layers[layer].kv_heads - 1);
   await loadKv(layer, kvHead);
 }
@@ -207,13 +236,13 @@ async function loadMap() {
   const started = performance.now();
   try {
     state.map = await api("map", params);
-  } catch (error) { status(error.message); return; }
+  } catch (error) { failed(error); return; }
   status(state.map.refused ? `${state.map.refused} queries left out: their keys are in no snapshot of the file` : "");
   drawMap();
   state.mapMs = performance.now() - started;
   state.mapsDrawn = (state.mapsDrawn || 0) + 1;
   state.mapDrawnAt = performance.now();
-  $("map").dataset.layer = String(state.layer); $("map").dataset.head = String(state.head);
+  $("map").dataset.layer = String(state.map.layer); $("map").dataset.head = String(state.map.head);
   $("map").dataset.ms = state.mapMs.toFixed(1);
   if (state.query === null) { state.query = state.map.queries[1] - 1; }
   await loadRow();
@@ -288,7 +317,7 @@ async function loadKept() {
   if (method && state.layer !== null && !embedded) {
     try {
       state.kept = await api("kept", { file: state.file, layer: state.layer, head: state.head, method, budget: $("budget").value });
-    } catch (error) { status(error.message); }
+    } catch (error) { if (!failed(error)) return; }
   }
   drawKept();
 }
@@ -310,7 +339,10 @@ async function loadRow() {
   const head = $("mean").checked ? -1 : state.head;
   try {
     state.row = await api("row", { file: state.file, layer: state.layer, head, query: state.query });
-  } catch (error) { state.row = null; status(error.message); }
+  } catch (error) {
+    if (!failed(error)) return;
+    state.row = null;
+  }
   drawTokens();
 }
 
@@ -340,7 +372,7 @@ function drawTokens() {
 
 async function loadKv(layer, head) {
   let view;
-  try { view = await api("kv", { file: state.file, layer, head }); } catch (error) { status(error.message); return; }
+  try { view = await api("kv", { file: state.file, layer, head }); } catch (error) { failed(error); return; }
   state.kv = view;
   $("kv-title").textContent = `K and V: layer ${layer}, KV head ${head} — ||k||, ||v|| per position; channel ${view.channel} of k (its largest on average)`;
   const canvas = $("kv"), ctx = canvas.getContext("2d");
@@ -366,7 +398,7 @@ async function loadDiff() {
     $("diff-title").hidden = false; $("diff").hidden = false;
     state.diff = diff;
     paintGrid($("diff"), diff.layers);
-  } catch (error) { status(error.message); }
+  } catch (error) { failed(error); }
 }
 
 state.select = select;  // for notebooks, scripts and the benchmark: select(layer, head)
