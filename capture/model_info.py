@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,19 +16,56 @@ _LATENT_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3")
 
 
 def model_config(model: nn.Module) -> dict[str, Any]:
-    """The model's config as plain JSON (its ``args`` dataclass, or what it exposes)."""
+    """The model's config as plain JSON (its ``args`` dataclass, or what it exposes); a number
+    JSON cannot hold (``inf`` in nemotron_h's ``time_step_limit``) as the string ``"Infinity"``,
+    ``"-Infinity"`` or ``"NaN"`` (SPEC 15.1)."""
     args = getattr(model, "args", None)
     if args is None:
         return {}
     items = vars(args) if hasattr(args, "__dict__") else {}
-    return json.loads(json.dumps(items, default=str))
+    return _finite(json.loads(json.dumps(items, default=str)))
 
 
-def rope_description(config: dict[str, Any]) -> dict[str, Any] | None:
-    """RoPE as analysis needs it: base, scaling, rotary dims, pairing (interleaved or half)."""
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float written as its JSON-less name, a string."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
+
+
+_WIDTHS = ("hidden_size", "hidden_dim", "n_embd", "d_model", "dim")  # what model args call it
+_HEADS = ("num_attention_heads", "num_heads", "n_head", "n_heads")
+
+
+def head_dim_of(config: dict[str, Any], model: nn.Module | None = None) -> int | None:
+    """The attention head dim: the config's ``head_dim``, else what the model's own attention
+    modules hold (mlx-lm's record ``head_dim``), else width / heads under the names the model's
+    arguments use; None where none of them says."""
+    value = config.get("head_dim")
+    if isinstance(value, int) and value > 0:
+        return value
+    if model is not None:
+        for module in model.modules():
+            value = getattr(module, "head_dim", None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    width = next((config[k] for k in _WIDTHS if isinstance(config.get(k), int)), None)
+    heads = next((config[k] for k in _HEADS if isinstance(config.get(k), int) and config[k] > 0), None)
+    return width // heads if width and heads else None
+
+
+def rope_description(config: dict[str, Any], head_dim: int | None = None) -> dict[str, Any] | None:
+    """RoPE as analysis needs it: base, scaling, rotary dims, pairing (interleaved or half); None
+    where the model has no RoPE base or its head dim is unknown."""
     if "rope_theta" not in config and "rope_local_base_freq" not in config:
         return None
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    head_dim = head_dim or head_dim_of(config)
+    if head_dim is None:
+        return None
     partial = config.get("partial_rotary_factor", 1.0)
     traditional = bool(config.get("rope_traditional", False))
     return {
@@ -111,7 +149,7 @@ def file_metadata(model: nn.Module, model_path: str | None, tokenizer: Any = Non
             "file_type": source.get("file_type"),
             "converted_dtype": source.get("dtype"),
         }
-    rope = rope_description(config)
+    rope = rope_description(config, head_dim_of(config, model))
     if rope:
         metadata["rope"] = rope
     if tokenizer is not None:

@@ -1,6 +1,8 @@
 """Tiny random-weight models built through mlx-lm's own model classes (no downloads), one per
 cache layout capture must handle: full (llama, qwen3), sliding window (gemma3_text), chunked
-attention blocks (llama4_text), recurrent hybrid (lfm2), latent MLA (deepseek_v3)."""
+attention blocks (llama4_text), recurrent hybrid (lfm2), latent MLA (deepseek_v3); and model
+arguments that name things their own way: the width as ``hidden_dim`` (afm7) or ``n_embd``
+(lille-130m), a config holding an infinite value (nemotron_h's ``time_step_limit``)."""
 
 from __future__ import annotations
 
@@ -92,6 +94,43 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 4,
         "rope_theta": 10000.0,
         "max_position_embeddings": 4096,
+    },
+    "afm7": {
+        "model_type": "afm7",
+        "vocab_size": 256,
+        "hidden_dim": 64,
+        "num_layers": 4,
+        "num_kv_reuse_layers": 1,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+    },
+    "lille-130m": {
+        "model_type": "lille-130m",
+        "block_size": 128,
+        "layer_norm_eps": 1e-5,
+        "n_embd": 64,
+        "n_head": 4,
+        "n_kv_heads": 2,
+        "n_layer": 2,
+        "rope_theta": 10000.0,
+        "vocab_size": 256,
+    },
+    "nemotron_h": {
+        **_COMMON,
+        "model_type": "nemotron_h",
+        "max_position_embeddings": 256,
+        "attention_bias": False,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 16,
+        "mamba_proj_bias": False,
+        "ssm_state_size": 16,
+        "conv_kernel": 4,
+        "n_groups": 1,
+        "mlp_bias": False,
+        "layer_norm_epsilon": 1e-5,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "hybrid_override_pattern": "M*-M",
     },
 }
 

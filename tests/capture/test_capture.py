@@ -458,3 +458,27 @@ def test_a_token_holding_part_of_a_character_is_labelled_with_its_bytes(
     pieces = token_pieces(tokenizer, tokenizer.encode(text))
     assert not any("\ufffd" in p for p in pieces)
     assert b"".join(_piece_bytes(p) for p in pieces if p.startswith("<0x")) == fraktur.encode()
+
+
+@pytest.mark.parametrize("arch", ["afm7", "lille-130m", "nemotron_h"])
+def test_model_arguments_of_every_naming_capture(tmp_path: Path, arch: str) -> None:
+    """mlx-lm's own classes whose arguments name the width ``hidden_dim`` (afm7) or ``n_embd``
+    (lille-130m), or hold ``inf`` (nemotron_h's default ``time_step_limit``): the capture
+    verifies; the RoPE description's dims are the head dim the model's attention modules hold;
+    the config's infinite value is the string "Infinity" (SPEC 15.1), so the metadata is JSON."""
+    import json
+
+    model, tokenizer = tiny_model(arch), _tiny_tokenizer()
+    path = tmp_path / f"{arch}.kv"
+    tokens = [r.token for r in generate(model, tokenizer, list(range(1, 12)), max_tokens=4, output=path)]
+    assert len(tokens) == 4
+    with kvformat.open(path) as snap:
+        snap.verify()
+        json.dumps(snap.metadata, allow_nan=False)  # plain JSON throughout
+        config = snap.metadata["model"]["config"]
+        rope = snap.metadata.get("rope")
+    dims = {m.head_dim for m in model.modules() if isinstance(getattr(m, "head_dim", None), int)}
+    if arch == "nemotron_h":
+        assert config["time_step_limit"] == [0.0, "Infinity"]
+    else:
+        assert rope is not None and dims == {rope["dims"]}
