@@ -169,6 +169,41 @@ def random_model(name: str) -> Any:
     return model
 
 
+class GilProbe:
+    """A thread that asks for the GIL every millisecond (``time.sleep(0.001)``) and records how
+    late each wake-up is: a wake-up waits for the GIL as long as another thread holds it, so the
+    lateness, summed and at its largest, is how long other threads kept the interpreter from the
+    generating thread too. ``KVSNAP_BENCH_GIL=1`` prints it for plain and captured runs."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.late: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = time.perf_counter()
+            time.sleep(0.001)
+            self.late.append(time.perf_counter() - start - 0.001)
+
+    def __enter__(self) -> GilProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def line(self) -> str:
+        late = np.array(self.late) * 1e3
+        return (
+            f"GIL waits: {late.size} wake-ups, total {late.sum():.1f} ms, "
+            f"p99 {np.percentile(late, 99):.2f} ms, max {late.max():.2f} ms, > 2 ms: {int((late > 2).sum())}"
+        )
+
+
 def generation_overhead(
     model: Any,
     tokenizer: Any,
@@ -252,6 +287,11 @@ def generation_overhead(
         plain()
         captured()
     plain_s, captured_s = [], []
+    if os.environ.get("KVSNAP_BENCH_GIL"):
+        for label, run in (("plain", plain), ("captured", captured)):
+            with GilProbe() as probe:
+                run()
+            print(f"    {variant or 'default'} every={every} {label}: {probe.line()}", flush=True)
     for _ in range(runs):
         plain_s.append(best_of(1, plain))
         captured_s.append(best_of(1, captured))
@@ -423,9 +463,16 @@ def shapes_main(
     tokenizer_path: str,
     queries: list[str] | None = None,
 ) -> None:
+    import sys
+
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    print(f"mlx {mx.__version__} on {mx.default_device()}", flush=True)
+    if os.environ.get("KVSNAP_BENCH_SWITCH"):  # the interpreter's thread switch interval, seconds
+        sys.setswitchinterval(float(os.environ["KVSNAP_BENCH_SWITCH"]))
+    print(
+        f"mlx {mx.__version__} on {mx.default_device()}; switch interval {sys.getswitchinterval()} s",
+        flush=True,
+    )
     tokenizer = load_tokenizer(Path(tokenizer_path))
     lines = ["| measurement | kvsnap | peer / machine limit | ratio |", "|---|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as name:
