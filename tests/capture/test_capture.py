@@ -399,7 +399,8 @@ def test_tiny_factory_builds_and_runs(arch: str) -> None:
     mx.eval(logits)
     assert logits.shape == (1, 5, 256) and bool(mx.all(mx.isfinite(logits)).item())
     kinds = {type(c).__name__ for c in cache}
-    expected = {"gemma3_text": {"RotatingKVCache", "KVCache"}, "lfm2": {"ArraysCache", "KVCache"}}
+    hybrid = {"ArraysCache", "KVCache"}  # recurrent state beside attention
+    expected = {"gemma3_text": {"RotatingKVCache", "KVCache"}, "lfm2": hybrid, "nemotron_h": hybrid}
     assert kinds == expected.get(arch, {"KVCache"})
 
 
