@@ -24,7 +24,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kvformat
-from kvformat.io.outputs import SameAsInputError, check_output, inside
+from kvformat.io.outputs import check_output, refuse_inside
 
 from .background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
 from .deltas import CacheTracker, layer_specs
@@ -481,13 +481,8 @@ def _check_arguments(
     folders = [model_path] if model_path and os.path.isdir(model_path) else []
     if output is not None and not separate_files:
         check_output(output, force=overwrite, input_folders=folders)  # now, not at the first snapshot
-    elif output is not None:
-        for folder in folders:
-            if inside(output, folder):
-                raise SameAsInputError(
-                    f"{os.fspath(output)} is inside {folder}, a folder this command reads; "
-                    "write the output elsewhere"
-                )
+    elif output is not None:  # OUT-0000.kv, ...: none of them inside the model's folder
+        refuse_inside(output, folders)
     return selection
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "output_format",
     "output_path",
     "publish",
+    "refuse_inside",
     "same_file",
 ]
 
@@ -120,6 +121,16 @@ def inside(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> bool
     return target == root or target.startswith(root.rstrip(os.sep) + os.sep)
 
 
+def refuse_inside(path: str | os.PathLike[str], folders: Iterable[str | os.PathLike[str]]) -> None:
+    """`SameAsInputError` where ``path`` lies in one of ``folders`` (folders a command reads)."""
+    for folder in folders:
+        if inside(path, folder):
+            raise SameAsInputError(
+                f"{os.fspath(path)} is inside {os.fspath(folder)}, a folder this command reads; "
+                "write the output elsewhere"
+            )
+
+
 def check_output(
     path: str | os.PathLike[str],
     *,
@@ -137,12 +148,7 @@ def check_output(
     for source in inputs:
         if same_file(out, source):
             raise SameAsInputError(f"{out} is an input of this command; write the output elsewhere")
-    for source_folder in input_folders:
-        if inside(out, source_folder):
-            raise SameAsInputError(
-                f"{out} is inside {os.fspath(source_folder)}, a folder this command reads; "
-                "write the output elsewhere"
-            )
+    refuse_inside(out, input_folders)
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise MissingFolderError(errno.ENOENT, f"{out}: folder {parent} does not exist")
