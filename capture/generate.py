@@ -30,7 +30,7 @@ from .background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
 from .deltas import CacheTracker, layer_specs
 from .errors import CaptureError
 from .model_info import annotate_layers, file_metadata
-from .queries import QueryRecorder, QuerySelection
+from .queries import QueryRecorder, QuerySelection, check_hookable
 from .restore import last_logits, restore, tokens_of
 from .series import SeriesWriter
 from .snapshot import KVSnapshot, snapshot_kv
@@ -421,6 +421,8 @@ def generate(
     if max_tokens <= 0:
         return
     selection = _check_arguments(codec, queries, output, separate_files, overwrite, model_path)
+    if selection.enabled:
+        check_hookable(model)
     sampler = generate_kwargs.pop("sampler", None) or make_sampler(0.0)
     if resume is not None:
         start = _resume_start(resume, tokenizer, sampler, max_tokens)

@@ -26,7 +26,7 @@ import numpy as np
 import kvformat
 from kvformat import QuerySpec
 
-from .errors import CaptureError
+from .errors import CaptureError, UnsupportedModelError
 from .gather import join
 
 MODES = ("none", "decode", "window", "all")
@@ -89,6 +89,24 @@ class _Layer:
     dim: int
     dtype: Any
     pending: list[tuple[mx.array, int]]
+
+
+def check_hookable(model: Any) -> None:
+    """Refuse, before anything is generated, a model none of whose modules computes attention
+    through mlx-lm's ``scaled_dot_product_attention``, where `QueryRecorder` records the queries
+    (gemma2 and olmo compute it themselves): its file would hold no queries at all."""
+    from mlx_lm.models import base
+
+    hooked = base.scaled_dot_product_attention
+    names = {type(module).__module__ for module in model.modules()}
+    if any(getattr(sys.modules.get(name), "scaled_dot_product_attention", None) is hooked for name in names):
+        return
+    args = getattr(model, "args", None)
+    architecture = getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
+    raise UnsupportedModelError(
+        f"queries: {architecture} computes attention without mlx-lm's scaled_dot_product_attention, "
+        'where kvsnap records queries; capture it without --queries (queries="none")'
+    )
 
 
 class QueryRecorder:

@@ -2,7 +2,8 @@
 cache layout capture must handle: full (llama, qwen3), sliding window (gemma3_text), chunked
 attention blocks (llama4_text), recurrent hybrid (lfm2), latent MLA (deepseek_v3); and model
 arguments that name things their own way: the width as ``hidden_dim`` (afm7) or ``n_embd``
-(lille-130m), a config holding an infinite value (nemotron_h's ``time_step_limit``)."""
+(lille-130m), a config holding an infinite value (nemotron_h's ``time_step_limit``); attention
+computed without mlx-lm's ``scaled_dot_product_attention`` (gemma2)."""
 
 from __future__ import annotations
 
@@ -94,6 +95,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 4,
         "rope_theta": 10000.0,
         "max_position_embeddings": 4096,
+    },
+    "gemma2": {  # computes its attention itself, not through mlx-lm's hooked function
+        **_COMMON,
+        "model_type": "gemma2",
+        "head_dim": 16,
+        "rope_theta": 10000.0,
     },
     "afm7": {
         "model_type": "afm7",

@@ -483,3 +483,19 @@ def test_model_arguments_of_every_naming_capture(tmp_path: Path, arch: str) -> N
         assert config["time_step_limit"] == [0.0, "Infinity"]
     else:
         assert rope is not None and dims == {rope["dims"]}
+
+
+def test_queries_are_refused_where_attention_bypasses_the_hook(tmp_path: Path) -> None:
+    """gemma2 computes attention itself, not through mlx-lm's ``scaled_dot_product_attention``
+    where queries are recorded: ``queries=`` is refused by name before anything is generated or
+    written (never a file silently without queries); without queries it captures."""
+    from kvsnap.capture.errors import UnsupportedModelError
+
+    model, tokenizer = tiny_model("gemma2"), _tiny_tokenizer()
+    path = tmp_path / "g.kv"
+    with pytest.raises(UnsupportedModelError, match="gemma2 computes attention without"):
+        next(iter(generate(model, tokenizer, list(range(1, 9)), max_tokens=2, output=path, queries="all")))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert len(list(generate(model, tokenizer, list(range(1, 9)), max_tokens=2, output=path))) == 2
+    with kvformat.open(path) as snap:
+        assert all(layer.queries is None for layer in snap.layers) and snap.verify()
