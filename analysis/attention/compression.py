@@ -314,8 +314,8 @@ def resolve_window(snap: kvformat.Snapshot, end: int, options: Options, methods:
     ``window`` given is kept (a file that lacks its queries is refused when they are read); the
     default is kvpress's `OBSERVATION` (64), or, where the file holds fewer consecutive queries
     right before ``end`` (a short prompt, a capture with ``--queries window:16``), all of those,
-    with a `CompressionWarning` saying so. ValueError where SnapKV is asked for and the file holds
-    no query right before ``end``."""
+    with a `CompressionWarning` saying so. `NoQueriesError` where SnapKV is asked for and the file
+    holds no query right before ``end``."""
     if options.window is not None:
         return options
     if "snapkv" not in set(methods):
@@ -324,7 +324,7 @@ def resolve_window(snap: kvformat.Snapshot, end: int, options: Options, methods:
     held = snap.queries(found[0], 0) if found else None
     window = _tail(held.positions, end, OBSERVATION) if held is not None else 0
     if window == 0:
-        raise ValueError(
+        raise NoQueriesError(
             f"snapkv scores keys by the queries right before position {end}; the file holds none "
             "(capture with --queries window:W or all)"
         )
