@@ -57,7 +57,7 @@ $(JS_READER): spec/js/package-lock.json
 
 # Every conformance folder through both readers: the pass counts of the README's table.
 conformance: install $(JS_READER)
-	@for folder in spec/vectors spec/vectors/gold/1.0 spec/vectors/gold/1.1 spec/vectors/gold/1.2 spec/vectors/gold/1.3 spec/vectors/gold/1.4 spec/vectors/gold/1.5 spec/vectors/fuzz; do \
+	@for folder in spec/vectors spec/vectors/gold/1.0 spec/vectors/gold/1.1 spec/vectors/gold/1.2 spec/vectors/gold/1.3 spec/vectors/gold/1.4 spec/vectors/gold/1.5 spec/vectors/gold/1.6 spec/vectors/fuzz; do \
 		$(BIN)/kvsnap conformance $$folder | tail -1 | sed "s|^|$$folder: |"; \
 		$(BIN)/kvsnap conformance $$folder --reader "node spec/js/describe.js" | tail -1 | sed "s|^|$$folder: |"; \
 	done

@@ -332,7 +332,7 @@ def profile_snapshots(run: Any, snapshots: int = 0, decode_between: float = 0.0)
     import kvsnap.capture.deltas as deltas
     import kvsnap.capture.queries as queries
 
-    generate_module = sys.modules["kvsnap.capture.generate"]  # the package exports a function of that name
+    generate_module = sys.modules["kvsnap.capture.generation"]  # the package exports a function of that name
 
     spent: dict[str, float] = dict.fromkeys(
         ("take", "deltas", "queries", "transfer", "query hook", "queue wait", "close", "writer jobs"), 0.0

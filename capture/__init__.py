@@ -23,8 +23,8 @@ from kvsnap.exports import exports
 if TYPE_CHECKING:
     from .errors import CaptureError, UnsupportedModelError
     from .fixtures import fetch_model
-    from .generate import Capture, SnapshotEvent, generate
-    from .restore import restore, text_of, tokens_of
+    from .generation import Capture, SnapshotEvent, generate
+    from .resume import restore, text_of, tokens_of
     from .snapshot import KVSnapshot, snapshot_kv
 
 __all__ = [

@@ -18,6 +18,7 @@ import numpy as np
 from kvformat import QUANTIZATION_BITS as QUANT_BITS
 from kvformat import LayerSpec, Quantization, dtypes
 
+from . import state as recurrent
 from .errors import UnsupportedModelError
 
 
@@ -36,6 +37,9 @@ class LayerKV:
     attributes: dict[str, Any] = field(default_factory=dict)
     present: bool = True
     quantization: Quantization | None = None
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+    """Recurrent state ``(rows, width)`` arrays by their name within the layer
+    (`capture.state.local_name`); the ``state`` attribute describes them."""
 
     def tokens_from(self, seq: int, start: int) -> tuple[Any, Any]:
         """K and V of one sequence from token index ``start`` on (parts sliced alike)."""
@@ -145,28 +149,36 @@ def read_layer(cache: Any) -> LayerKV:
 
 
 def _read_recurrent(cache: Any, attributes: dict[str, Any]) -> LayerKV:
-    """Recurrent (SSM / linear-attention) state: not K/V. Recorded as an absent layer."""
-    return LayerKV(attributes={**attributes, "kind": "recurrent"}, present=False)
+    """Recurrent (SSM / linear-attention) state, not K/V: an absent layer whose ``state``
+    attribute describes the arrays stored beside it (`capture.state`)."""
+    described = recurrent.describe(cache)
+    layer = LayerKV(attributes={**attributes, "kind": "recurrent", "state": described}, present=False)
+    layer.state = recurrent.host_arrays(-1, cache, described)
+    return layer
 
 
 def _read_cache_list(cache: Any, attributes: dict[str, Any]) -> LayerKV:
-    """The one K/V cache of a CacheList, the others named in the attributes."""
+    """A CacheList: its K/V cache as the layer's K/V and its `ArraysCache` as state; the
+    attributes name every sub-cache and which one holds what."""
     inner = [type(c).__name__ for c in cache.caches]
     kv = [i for i, c in enumerate(inner) if c in CACHE_CLASSES and CACHE_CLASSES[c].holds_kv]
-    if len(kv) != 1:
+    unknown = [c for c in inner if c not in CACHE_CLASSES or c == "CacheList"]
+    if len(kv) > 1 or unknown:
         raise UnsupportedModelError(
-            f"CacheList of {inner}: exactly one K/V cache per layer can be captured, found {len(kv)}"
+            f"CacheList of {inner}: one K/V cache and one ArraysCache per layer can be captured"
         )
-    layer = read_layer(cache.caches[kv[0]])
-    layer.attributes.update(
-        {
-            "cache_class": "CacheList",
-            "sub_caches": inner,
-            "kv_sub_cache": kv[0],
-            "inner_cache_class": inner[kv[0]],
-            "not_stored": [c for i, c in enumerate(inner) if i != kv[0]],
-        }
-    )
+    arrays_cache, arrays_index = recurrent.of(cache)
+    if kv:
+        layer = read_layer(cache.caches[kv[0]])
+    else:
+        layer = LayerKV(attributes={"kind": "recurrent"}, present=False)
+    layer.attributes.update({"cache_class": "CacheList", "sub_caches": inner})
+    if kv:
+        layer.attributes.update(kv_sub_cache=kv[0], inner_cache_class=inner[kv[0]])
+    if arrays_cache is not None:
+        described = recurrent.describe(arrays_cache)
+        layer.attributes.update(state=described, state_sub_cache=arrays_index)
+        layer.state = recurrent.host_arrays(-1, arrays_cache, described)
     return layer
 
 
@@ -252,14 +264,12 @@ def build_cache(layer: LayerKV) -> Any:
     which classes can be rebuilt)."""
     name = layer.attributes.get("cache_class", "KVCache")
     if name == "CacheList":
-        raise UnsupportedModelError(
-            f"this layer's CacheList also held {layer.attributes.get('not_stored')}, which a snapshot "
-            "does not store; it cannot be restored"
-        )
+        return _build_cache_list(layer)
+    if name == "ArraysCache":
+        return _build_arrays(layer)
     if not layer.present:
         raise UnsupportedModelError(
-            f"layer of class {name} holds no K/V in the snapshot (recurrent state is not stored); "
-            "it cannot be restored"
+            f"layer of class {name} holds no K/V in the snapshot; it cannot be restored"
         )
     if not layer.k:
         raise UnsupportedModelError("layer without sequences cannot be restored")
@@ -271,6 +281,47 @@ def build_cache(layer: LayerKV) -> Any:
     if kind is None or kind.build is None:
         raise UnsupportedModelError(f"restoring cache class {name} is not supported")
     return kind.build(layer, name)
+
+
+def _build_arrays(layer: LayerKV) -> Any:
+    described = layer.attributes.get("state")
+    if not isinstance(described, list):
+        raise UnsupportedModelError(
+            "this ArraysCache layer was captured without its recurrent state (a file written before "
+            "state was stored); it cannot be restored"
+        )
+    return recurrent.rebuild(described, layer.state.get)
+
+
+def _build_cache_list(layer: LayerKV) -> Any:
+    """The `CacheList` a layer came from, each sub-cache rebuilt in its place."""
+    from mlx_lm.models.cache import CacheList
+
+    attributes = layer.attributes
+    names = attributes.get("sub_caches")
+    if not isinstance(names, list) or "not_stored" in attributes:
+        raise UnsupportedModelError(
+            f"this layer's CacheList also held {attributes.get('not_stored')}, which the snapshot does "
+            "not store; it cannot be restored"
+        )
+    caches: list[Any] = []
+    for index, sub in enumerate(names):
+        if index == attributes.get("kv_sub_cache"):
+            caches.append(build_cache(_sub_layer(layer, sub)))
+        elif index == attributes.get("state_sub_cache"):
+            caches.append(_build_arrays(layer))
+        else:
+            raise UnsupportedModelError(
+                f"CacheList sub-cache {index} ({sub}) is not stored; it cannot be restored"
+            )
+    return CacheList(*caches)
+
+
+def _sub_layer(layer: LayerKV, name: str) -> LayerKV:
+    """The K/V part of a `CacheList` layer, as the layer of its own class."""
+    attributes = {k: v for k, v in layer.attributes.items() if k not in ("sub_caches", "state")}
+    attributes["cache_class"] = name
+    return LayerKV(layer.k, layer.v, layer.positions, attributes, layer.present, layer.quantization)
 
 
 def _positions_from_zero(layer: LayerKV, name: str) -> int:

@@ -131,7 +131,7 @@ def _capture(args: argparse.Namespace) -> int:
 
     from mlx_lm import load
 
-    from .generate import Capture, SnapshotEvent, generate
+    from .generation import Capture, SnapshotEvent, generate
 
     options = typed(CaptureOptions, args)
 

@@ -20,6 +20,7 @@ import kvformat
 from kvformat import QUANTIZATION_BITS as QUANT_BITS
 from kvformat import Quantization
 
+from . import state as recurrent
 from .caches import read_layer, to_numpy
 from .errors import CaptureError, UnsupportedModelError
 from .gather import Rows
@@ -238,14 +239,15 @@ def _cache_attributes(cache: Any, inner: Any) -> dict[str, Any]:
         attributes.update(kind="chunked", chunk_size=int(inner.chunk_size))
     if type(cache).__name__ == "CacheList":
         names = [type(c).__name__ for c in cache.caches]
-        position = names.index(inner_name)
         attributes.update(
             cache_class="CacheList",
             sub_caches=names,
-            kv_sub_cache=position,
+            kv_sub_cache=names.index(inner_name),
             inner_cache_class=inner_name,
-            not_stored=[c for i, c in enumerate(names) if i != position],
         )
+        arrays_cache, arrays_index = recurrent.of(cache)
+        if arrays_cache is not None:
+            attributes.update(state=recurrent.describe(arrays_cache), state_sub_cache=arrays_index)
     return attributes
 
 

@@ -12,6 +12,8 @@ import mlx.nn as nn
 
 import kvformat
 
+from .state import ROLES
+
 _LATENT_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3")
 
 
@@ -163,7 +165,7 @@ def file_metadata(model: nn.Module, model_path: str | None, tokenizer: Any = Non
 
 def annotate_layers(attributes: list[dict[str, Any]], present: list[bool], model: nn.Module | None) -> None:
     """Add what the model says about each layer to its attributes (in place): a per-layer RoPE
-    base, and the latent (MLA) layout of present layers."""
+    base, the latent (MLA) layout of present layers, and what each recurrent state slot holds."""
     if model is None:
         return
     config = model_config(model)
@@ -174,3 +176,9 @@ def annotate_layers(attributes: list[dict[str, Any]], present: list[bool], model
             attrs["rope_base"] = base
         if latent is not None and here:
             attrs.update(latent)
+        state = attrs.get("state")
+        if isinstance(state, list):
+            roles = ROLES.get(str(config.get("model_type")), ())
+            for slot, entry in enumerate(state):
+                if isinstance(entry, dict) and slot < len(roles):
+                    entry["role"] = roles[slot]

@@ -56,9 +56,11 @@ class SeriesWriter:
         host: list[np.ndarray],
         metadata: dict[str, Any],
         last_logits: np.ndarray | None = None,
+        state: dict[str, np.ndarray] | None = None,
     ) -> int:
         """Write one snapshot: ``host`` holds the host copies of every delta's device arrays in
-        order (keys then values, layer by layer). Returns the snapshot's index."""
+        order (keys then values, layer by layer); ``state`` the recurrent state arrays by name
+        (SPEC 15.4). Returns the snapshot's index."""
         writer = self.writer
         appends: list[tuple[int, Any, Any, Any, int]] = []
         cursor = 0
@@ -86,7 +88,9 @@ class SeriesWriter:
                     k, v = tuple(x[seq] for x in keys), tuple(x[seq] for x in values)
                 appends.append((delta.layer, k, v, positions, seq))
         writer.append_many(appends)
-        arrays = {"last_logits": last_logits} if last_logits is not None else None
+        arrays = dict(state or {})
+        if last_logits is not None:
+            arrays["last_logits"] = last_logits
         index = writer.snapshot(metadata, arrays=arrays)
         if writer.durable:
             _sync_each(writer.fileno(), SYNC_EACH)

@@ -12,6 +12,7 @@ import numpy as np
 
 import kvformat
 
+from . import state as recurrent
 from .caches import LayerKV, read_layer
 from .model_info import annotate_layers, file_metadata
 
@@ -68,6 +69,16 @@ class KVSnapshot:
         k, v = data.dense(seq, head)
         return HeadKV(k, v, data.positions[seq])
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays attached to the snapshot: ``last_logits`` and every layer's recurrent
+        state (SPEC 15.4)."""
+        out: dict[str, np.ndarray] = {}
+        if self.last_logits is not None:
+            out["last_logits"] = self.last_logits
+        for index, data in enumerate(self.layers):
+            out.update({recurrent.name(index, local): array for local, array in data.state.items()})
+        return out
+
     def layer_specs(self) -> list[kvformat.LayerSpec | None]:
         return [data.spec() for data in self.layers]
 
@@ -90,7 +101,7 @@ class KVSnapshot:
             num_seqs=self.num_seqs,
             metadata=self.metadata,
             snapshot_metadata=self.snapshot_metadata,
-            arrays={"last_logits": self.last_logits} if self.last_logits is not None else None,
+            arrays=self.arrays(),
             codec=codec,
             durable=durable,
             overwrite=overwrite,

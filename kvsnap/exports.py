@@ -45,7 +45,7 @@ def exports(
         else:
             value = getattr(importlib.import_module(module), attribute)
             if isinstance(value, types.ModuleType):
-                # A submodule of the same name (``kvsnap.capture.generate``), imported before: the
+                # A submodule of the same name, imported before: the
                 # package attribute is then that module; the name is the module's attribute.
                 value = getattr(value, attribute)
         vars(sys.modules[package])[name] = value

@@ -117,13 +117,21 @@ def test_an_export_missing_from_all_or_from_the_typing_imports_fails_the_import(
     assert failed.returncode == 1 and "differ in ['three']" in failed.stderr
 
 
-def test_top_level_names_are_the_functions_whatever_was_imported_first() -> None:
-    """``kvsnap.generate`` is the function even after ``kvsnap.capture.generate`` (the module of
-    the same name) was imported, in a fresh interpreter."""
+def test_exported_names_are_the_functions_whatever_was_imported_first() -> None:
+    """``kvsnap.generate`` and ``kvsnap.capture.restore`` are the functions after every module of
+    the stage was imported, in a fresh interpreter (no submodule shares an exported name, so an
+    import cannot put a module where the function was)."""
     code = (
-        "import kvsnap.capture.generate, kvsnap.capture.snapshot, kvsnap\n"
+        "import pkgutil, importlib, kvsnap.capture, kvsnap.analysis\n"
+        "for package in (kvsnap.capture, kvsnap.analysis):\n"
+        "    for info in pkgutil.iter_modules(package.__path__):\n"
+        "        importlib.import_module(f'{package.__name__}.{info.name}')\n"
+        "    for name in package.__all__:\n"
+        "        value = getattr(package, name)\n"
+        "        assert not isinstance(value, type(pkgutil)), (package.__name__, name)\n"
+        "import kvsnap\n"
         "assert callable(kvsnap.generate) and kvsnap.generate.__name__ == 'generate'\n"
-        "assert callable(kvsnap.snapshot_kv) and callable(kvsnap.restore)\n"
+        "assert callable(kvsnap.capture.restore) and callable(kvsnap.capture.generate)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -199,7 +207,7 @@ def test_the_wheel_installs_the_stages_under_kvsnap(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names}
     assert {"kvsnap", "kvformat"} <= tops and not {"analysis", "capture"} & tops
-    assert "kvsnap/analysis/stats/accumulator.py" in names and "kvsnap/capture/generate.py" in names
+    assert "kvsnap/analysis/stats/accumulator.py" in names and "kvsnap/capture/generation.py" in names
     # Every module of the stages, subpackages included: a package missing from pyproject's list
     # would install from the checkout and be absent from the wheel.
     for stage in ("analysis", "capture"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -159,6 +160,12 @@ def _info(args: argparse.Namespace) -> int:
     )
     if d["incomplete"]:
         print(f"  INCOMPLETE: {d['incomplete']} (its heads' rows are refused)")
+    state = sum(_state_bytes(layer.get("attributes") or {}) for layer in d["layers"])
+    if state:
+        print(
+            f"  recurrent state: {_size(state)} per snapshot, stored whole in each (it changes every "
+            "token, so snapshots do not share it)"
+        )
     for line in _metadata_lines(d["metadata"]) + _snapshot_lines(d["snapshot_metadata"]):
         print(f"  {line}")
     for first, last, layer in _layer_runs(d["layers"]):
@@ -231,16 +238,53 @@ def _shorten(value: Any, width: int = 100) -> str:
 def _layer_line(layer: dict[str, Any]) -> str:
     """A layer's description in `info`: heads, dims, storage (quantization), tokens, kind."""
     attributes = layer.get("attributes") or {}
+    state = _state_text(attributes)
     if not layer["present"]:
-        return f"absent {json.dumps(attributes) if attributes else ''}".rstrip()
+        shown = {k: v for k, v in attributes.items() if k != "state"} if state else attributes
+        return f"absent {json.dumps(shown) if shown else ''}{state}".rstrip()
     span = f"positions {layer['first_position']}..{layer['last_position']}" if layer["tokens"] else "empty"
     kind = attributes.get("kind")
     window = f", window {attributes['window']}" if attributes.get("window") else ""
     extra = f", {kind}{window}" if kind else ""
     return (
         f"{layer['num_heads']} heads, k_dim {layer['k_dim']}, v_dim {layer['v_dim']}, {_storage(layer)}, "
-        f"{layer['tokens']} tokens ({span}){extra}{_queries_text(layer)}"
+        f"{layer['tokens']} tokens ({span}){extra}{_queries_text(layer)}{state}"
     )
+
+
+def _state_bytes(attributes: dict[str, Any]) -> int:
+    """Bytes of recurrent state one snapshot stores for a layer (SPEC 15.4; 0 without)."""
+    total = 0
+    for entry in attributes.get("state") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("shape"), list):
+            try:
+                itemsize = dtypes.from_name(str(entry.get("dtype"))).numpy.itemsize
+            except KVFormatError:
+                continue
+            total += math.prod(int(n) for n in entry["shape"] if isinstance(n, int)) * itemsize
+    return total
+
+
+def _state_text(attributes: dict[str, Any]) -> str:
+    """`info`'s words for a layer's recurrent state: each slot's role and shape, and its bytes
+    per snapshot; empty for a layer without."""
+    entries = attributes.get("state")
+    if not isinstance(entries, list):
+        return ""
+    slots = [
+        f"{e.get('role', 'slot')} {'x'.join(str(n) for n in e.get('shape', []))} {e.get('dtype')}"
+        for e in entries
+        if isinstance(e, dict)
+    ]
+    return f"; state {', '.join(slots)} ({_size(_state_bytes(attributes))} in every snapshot)"
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    return f"{nbytes:.1f} GiB"
 
 
 def _storage(layer: dict[str, Any]) -> str:

@@ -33,7 +33,7 @@ function fail(category, message) {
 }
 
 // -- limits and codes (sections 4-10, 13) ------------------------------------------------------
-const MINOR = 5;  // the version this reader implements: unknown record kinds are refused up to it
+const MINOR = 6;  // the version this reader implements: unknown record kinds are refused up to it
 const MAGIC = Buffer.from([0x89, 0x4b, 0x56, 0x53, 0x0d, 0x0a, 0x1a, 0x0a]);
 const MAX_CHUNK_COUNT = 2 ** 28;
 const MAX_JSON_SIZE = 256 * 1024 * 1024;

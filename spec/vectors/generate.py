@@ -130,6 +130,34 @@ def series(path: Path) -> None:
         writer.snapshot({"step": 2}, arrays={"last_logits": logits})
 
 
+def recurrent_state(path: Path) -> None:
+    """SPEC 15.4 (1.6): a hybrid model's file. Layer 0 is recurrent (absent, no K/V): its state
+    is a convolution window ``(1, 3, 6)`` float32 and an SSM state ``(1, 2, 4, 3)`` bfloat16 with
+    a head axis, stored as arrays ``state/0/0``, ``state/0/1/0`` and ``state/0/1/1`` attached to
+    each snapshot; layer 1 holds K/V. Two snapshots, each with its own copy of the state."""
+    rng = _rng(21)
+    k, v = _kv(22, 2, 5, 8, 8, np.float16)
+    described = [
+        {"shape": [1, 3, 6], "dtype": "float32", "heads": None, "role": "conv"},
+        {"shape": [1, 2, 4, 3], "dtype": "bfloat16", "heads": 2, "role": "ssm"},
+    ]
+    specs = [
+        kvformat.LayerSpec.absent({"kind": "recurrent", "cache_class": "ArraysCache", "state": described}),
+        kvformat.LayerSpec(2, 8, 8, kvformat.FLOAT16, attributes={"kind": "full"}),
+    ]
+
+    def state() -> dict[str, np.ndarray]:
+        conv = rng.standard_normal((3, 6)).astype(np.float32)
+        ssm = rng.standard_normal((1, 2, 4, 3)).astype(ml_dtypes.bfloat16)
+        return {"state/0/0": conv, **{f"state/0/1/{h}": ssm[:, h].reshape(4, 3) for h in range(2)}}
+
+    with kvformat.Writer(path, specs, metadata={"model": {"architecture": "hybrid"}}) as writer:
+        writer.append(1, k[:, :4], v[:, :4])
+        writer.snapshot({"tokens": [[1, 2, 3, 4]]}, arrays=state())
+        writer.append(1, k[:, 4:], v[:, 4:])
+        writer.snapshot({"tokens_appended": [[5]]}, arrays=state())
+
+
 def optional_feature(path: Path) -> None:
     """A file naming an optional feature this reader does not know: it must still read."""
     k, v = _kv(11, 1, 3, 8, 8, np.float32)
@@ -285,6 +313,11 @@ VECTORS: list[tuple[str, str, Callable[[Path], None]]] = [
     ("quantized.kv", "4-bit affine quantized layer (dequantized hashes)", quantized),
     ("series.kv", "three snapshots as deltas, a drop, an array", series),
     ("optional-feature.kv", "unknown optional feature: must read", optional_feature),
+    (
+        "recurrent-state.kv",
+        "1.6: a recurrent layer's state as snapshot arrays (section 15.4)",
+        recurrent_state,
+    ),
     ("queries.kv", "format 1.3 queries: GQA, window with keep, sinks, two snapshots", queries),
     # SPEC 1.4 clarifications: one vector for each reading that could go either way.
     (
@@ -853,7 +886,7 @@ def generate(directory: Path) -> dict[str, object]:
         if "error" not in expect:
             raise AssertionError(f"bad vector {name} reads as valid")
         entries.append({"file": f"bad/{name}", "covers": breaks, "expect": expect})
-    manifest = {"format_version": [1, 5], "hash": "sha256", "vectors": entries}
+    manifest = {"format_version": [1, 6], "hash": "sha256", "vectors": entries}
     (directory / "manifest.json").write_text(
         json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", "utf-8"
     )

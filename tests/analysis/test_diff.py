@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import make_sampler
 
 import kvformat
 from kvsnap.analysis.tools.diff import LayoutMismatchError, head_diff
-from kvsnap.capture.generate import generate
+from kvsnap.capture.generation import generate
 from kvsnap.cli import main
 from tests.conftest import PROSE
 

@@ -132,7 +132,7 @@ def test_captured_queries_on_cuda_equal_the_concatenated_ones(
     tokens are those of a run without capture."""
     import kvformat
     from kvsnap.capture import gather
-    from kvsnap.capture.generate import generate
+    from kvsnap.capture.generation import generate
     from kvsnap.capture.tiny import tiny_model
     from tests.capture.test_capture import _tiny_tokenizer
 

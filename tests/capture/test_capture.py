@@ -18,9 +18,9 @@ from kvformat.quantization import Quantization
 from kvsnap.analysis.stats.rope import Rope
 from kvsnap.capture.caches import build_cache, read_layer, to_numpy, unified_memory
 from kvsnap.capture.errors import UnsupportedModelError
-from kvsnap.capture.generate import generate
-from kvsnap.capture.restore import layers_of as restore_layers
-from kvsnap.capture.restore import restore, text_of, tokens_of
+from kvsnap.capture.generation import generate
+from kvsnap.capture.resume import layers_of as restore_layers
+from kvsnap.capture.resume import restore, text_of, tokens_of
 from kvsnap.capture.snapshot import snapshot_kv
 from kvsnap.capture.tiny import tiny_model
 
@@ -208,12 +208,15 @@ def test_recurrent_and_unknown_caches(tmp_path: Path) -> None:
     combined = cache_module.CacheList(cache_module.ArraysCache(1), cache_module.KVCache())
     feed(combined.caches[1], [4])
     with roundtrip(tmp_path, [combined]) as snap:
-        assert snap.layers[0].attributes["not_stored"] == ["ArraysCache"]
+        attributes = snap.layers[0].attributes
+        assert attributes["sub_caches"] == ["ArraysCache", "KVCache"] and "not_stored" not in attributes
+        assert attributes["state"] == [None] and attributes["state_sub_cache"] == 0  # slot not set yet
         head = snap.head(0, 1)
         assert head is not None and head.positions.tolist() == [0, 1, 2, 3]
-        with pytest.raises(UnsupportedModelError, match="cannot be restored"):
-            restore(snap)
-    with pytest.raises(UnsupportedModelError, match="exactly one"):
+        (rebuilt,) = restore(snap)
+    assert [type(c).__name__ for c in rebuilt.caches] == ["ArraysCache", "KVCache"]
+    assert rebuilt.caches[0].cache == [None] and rebuilt.caches[1].offset == 4
+    with pytest.raises(UnsupportedModelError, match="one K/V cache"):
         snapshot_kv([cache_module.CacheList(cache_module.KVCache(), cache_module.KVCache())])
 
 
@@ -242,8 +245,10 @@ def _tiny_tokenizer() -> Any:
         ("gemma3_text", {}),
         ("qwen3", {}),
         ("llama", {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}),
+        ("lfm2", {}),
+        ("nemotron_h", {}),
     ],
-    ids=["llama", "gemma3-sliding", "qwen3", "llama-quantized"],
+    ids=["llama", "gemma3-sliding", "qwen3", "llama-quantized", "lfm2-hybrid", "nemotron_h-hybrid"],
 )
 def test_tiny_series_and_resume(tmp_path: Path, arch: str, extra: dict[str, Any]) -> None:
     model = tiny_model(arch)
@@ -280,6 +285,11 @@ def test_tiny_series_and_resume(tmp_path: Path, arch: str, extra: dict[str, Any]
             n_tokens = len(ids)
             assert view.seq_len == n_tokens == len(prompt) + view.snapshot_metadata["generated"]
             for layer, spec in enumerate(view.layers):
+                if spec.attributes["kind"] == "recurrent":  # its state, a new copy every snapshot
+                    assert not spec.present and spec.attributes["state"]
+                    names = [n for n in view.array_names if n.startswith(f"state/{layer}/")]
+                    assert names and all(view.array(n) is not None for n in names)
+                    continue
                 positions = view.positions(layer)
                 assert positions is not None
                 if spec.attributes["kind"] == "sliding":
@@ -446,7 +456,7 @@ def test_a_token_holding_part_of_a_character_is_labelled_with_its_bytes(
     """Byte-level BPE (SmolLM2) and SentencePiece's byte fallback (Gemma-3): a token that holds
     part of a UTF-8 character is labelled with its bytes, not U+FFFD; SmolLM2's labels joined
     are the text's own UTF-8 bytes, and Gemma-3's for U+1D518 the four bytes Python encodes it as."""
-    from kvsnap.capture.generate import token_pieces
+    from kvsnap.capture.generation import token_pieces
 
     fraktur = "\U0001d518"  # four bytes in UTF-8, none of them a character alone
     text = f"caf\u00e9 \u2013 \u65e5\u672c {fraktur}"

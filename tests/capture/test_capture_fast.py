@@ -39,7 +39,7 @@ from kvsnap.capture.caches import read_layer, to_numpy
 from kvsnap.capture.deltas import CacheTracker
 from kvsnap.capture.errors import CaptureError
 from kvsnap.capture.gather import Rows
-from kvsnap.capture.generate import generate, make_cache
+from kvsnap.capture.generation import generate, make_cache
 from kvsnap.capture.series import SeriesWriter
 from kvsnap.capture.tiny import tiny_model
 

@@ -83,7 +83,7 @@ def test_no_output_lands_in_the_model_cache(
 
 def test_the_python_api_refuses_an_output_in_the_model_folder(tmp_path: Path) -> None:
     from kvformat.io.outputs import SameAsInputError
-    from kvsnap.capture.generate import _check_arguments
+    from kvsnap.capture.generation import _check_arguments
 
     model = _model_folder(tmp_path / "model")
     with pytest.raises(SameAsInputError, match="a folder this command reads"):

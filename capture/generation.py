@@ -26,12 +26,13 @@ import numpy as np
 import kvformat
 from kvformat.io.outputs import check_output, refuse_inside
 
+from . import state as recurrent
 from .background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
 from .deltas import CacheTracker, layer_specs
 from .errors import CaptureError
 from .model_info import annotate_layers, file_metadata
 from .queries import QueryRecorder, QuerySelection, check_hookable
-from .restore import last_logits, restore, tokens_of
+from .resume import last_logits, restore, tokens_of
 from .series import SeriesWriter
 from .snapshot import KVSnapshot, snapshot_kv
 from .triggers import Triggers
@@ -179,6 +180,7 @@ class _Snapshots:
         self._tokens_written = 0  # token ids already recorded in the series' metadata
         self._text_written = 0  # streamed text pieces already recorded
         self.failed = False
+        self._state_layers: list[tuple[int, list[Any]]] = []
 
     def check(self) -> None:
         """Raise a writer-thread error in the generating thread."""
@@ -220,11 +222,14 @@ class _Snapshots:
         arrays = [array for delta in deltas for array in (*delta.keys, *delta.values)]
         queries, layout = self.recorder.take() if self.recorder is not None else ([], [])
         arrays += queries
+        if self.series is None:
+            specs, num_seqs = layer_specs(self.prompt_cache)
+        states = self._states(specs if self.series is None else None)
+        arrays += list(states.values())
         if logits is not None:
             arrays.append(mx.array(logits).astype(mx.float32).reshape(-1, logits.shape[-1]))
         transfer = Transfer(arrays)
         if self.series is None:
-            specs, num_seqs = layer_specs(self.prompt_cache)
             annotate_layers([spec.attributes for spec in specs], [spec.present for spec in specs], self.model)
             if self.recorder is not None:
                 specs = self._with_queries(specs)
@@ -248,11 +253,13 @@ class _Snapshots:
             metadata[pieces_key] = [token_pieces(self.tokenizer, new_tokens)]
             host = transfer.to_host()
             last = host.pop() if with_logits else None
+            state = dict(zip(states, host[len(host) - len(states) :], strict=True))
+            host = host[: len(host) - len(states)]
             if queries:
                 kept = len(host) - len(queries)
                 host, found = host[:kept], host[kept:]
                 series.add_queries(QueryRecorder.on_host(found, layout))
-            series.add(deltas, host, metadata, last)
+            series.add(deltas, host, metadata, last, state)
             if self.on_snapshot is not None:
                 size = os.path.getsize(event_path) if os.path.exists(event_path) else 0
                 self.on_snapshot(SnapshotEvent(generated, count, output, index, size, event_path))
@@ -260,6 +267,22 @@ class _Snapshots:
         assert self.background is not None
         self.background.submit(write)
         self.taken += 1
+
+    def _states(self, specs: list[kvformat.LayerSpec] | None) -> dict[str, mx.array]:
+        """Every layer's recurrent state as device arrays named as the file stores them (SPEC
+        15.4); ``specs`` (when the file is opened) record which layers hold state and its shape."""
+        if specs is not None:
+            self._state_layers = [
+                (index, described)
+                for index, spec in enumerate(specs)
+                if isinstance(described := spec.attributes.get("state"), list)
+            ]
+        out: dict[str, mx.array] = {}
+        for index, described in self._state_layers:
+            arrays_cache, _ = recurrent.of(self.prompt_cache[index])
+            for local, array in recurrent.device_arrays(index, arrays_cache, described).items():
+                out[recurrent.name(index, local)] = array
+        return out
 
     def _with_queries(self, specs: list[kvformat.LayerSpec]) -> list[kvformat.LayerSpec]:
         """The layer specs with what the query recorder saw each layer's attention do."""

@@ -8,6 +8,7 @@ import numpy as np
 
 import kvformat
 
+from . import state as recurrent
 from .caches import LayerKV, build_cache
 from .snapshot import KVSnapshot
 
@@ -18,10 +19,17 @@ def layers_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[LayerKV]:
         return snapshot.layers
     layers = []
     for index, spec in enumerate(snapshot.layers):
+        data = LayerKV(attributes=dict(spec.attributes), present=spec.present, quantization=spec.quantization)
+        if "state" in spec.attributes:
+            described = recurrent.checked(index, spec.attributes["state"])
+            data.state = {
+                local: array
+                for local in recurrent.local_names(described)
+                if (array := snapshot.array(recurrent.name(index, local))) is not None
+            }
         if not spec.present:
-            layers.append(LayerKV(attributes=dict(spec.attributes), present=False))
+            layers.append(data)
             continue
-        data = LayerKV(attributes=dict(spec.attributes), quantization=spec.quantization)
         read = _read_quantized if spec.quantization is not None else _read_plain
         for seq in range(snapshot.num_seqs):
             k, v, positions = read(snapshot, index, spec.num_heads, seq)

@@ -1,0 +1,242 @@
+"""Recurrent state (an mlx-lm `ArraysCache`) <-> named arrays of a snapshot (SPEC 15.4).
+
+Hybrid and recurrent models (Mamba, Qwen3-Next, LFM2, RWKV-7, Jamba, ...) keep, per layer, a list
+of arrays beside or instead of K/V: a convolution window, an SSM or gated-delta-net state, a
+token shift. Each entry ("slot") of the list is stored as arrays attached to every snapshot:
+
+- an array of 4 or more axes ``(batch, heads, a, b, ...)`` has a head axis: one array per head,
+  named ``state/{layer}/{slot}/{head}``, of ``(batch * a, b * ...)`` elements;
+- any other array ``(batch, a, b, ...)`` is one array ``state/{layer}/{slot}`` of
+  ``(batch * a, b * ...)`` elements (``(batch, 1)`` for a ``(batch,)`` array).
+
+The layer's attributes say what each slot holds (``state``: shape, dtype, heads, role), so the
+arrays are put back into the same `ArraysCache` bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvformat import dtypes
+
+from .errors import CaptureError, UnsupportedModelError
+
+PREFIX = "state"
+
+ROLES: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(
+        ("mamba", "mamba2", "nemotron_h", "granitemoehybrid", "jamba", "falcon_h1", "plamo2", "kimi_k3"),
+        ("conv", "ssm"),
+    ),
+    **dict.fromkeys(("qwen3_next", "qwen3_5", "qwen3_5_moe", "prism_hadamard_qwen35"), ("conv", "recurrent")),
+    **dict.fromkeys(
+        ("kimi_linear", "olmo_hybrid", "bailing_moe_v3"), ("conv_q", "conv_k", "conv_v", "recurrent")
+    ),
+    **dict.fromkeys(("lfm2", "lfm2_moe", "lfm2-vl", "longcat_flash_ngram"), ("conv",)),
+    **dict.fromkeys(("bailing_hybrid", "bailing_moe_linear"), ("recurrent",)),
+    "rwkv7": ("token_shift_attention", "state", "token_shift_ffn"),
+    "recurrent_gemma": ("conv", "rg_lru"),
+    "baichuan_m1": ("last_k", "last_v"),
+}
+"""What each slot of a model's `ArraysCache` holds, by ``model_type`` (informative: a slot of a
+model not listed is named ``slot{i}``)."""
+
+
+def of(cache: Any) -> tuple[Any, int | None]:
+    """The `ArraysCache` of one layer's cache (itself, or the one inside a `CacheList`) and its
+    position in the list (None outside a list); ``(None, None)`` if it has none."""
+    if type(cache).__name__ == "ArraysCache":
+        return cache, None
+    if type(cache).__name__ == "CacheList":
+        found = [i for i, c in enumerate(cache.caches) if type(c).__name__ == "ArraysCache"]
+        if len(found) > 1:
+            raise UnsupportedModelError(
+                f"a CacheList holding {len(found)} ArraysCache objects is not supported"
+            )
+        if found:
+            return cache.caches[found[0]], found[0]
+    return None, None
+
+
+def _heads(shape: tuple[int, ...]) -> int | None:
+    return int(shape[1]) if len(shape) >= 4 else None
+
+
+def describe(arrays_cache: Any) -> list[dict[str, Any] | None]:
+    """The layer attribute ``state``: per slot ``{"shape", "dtype", "heads", "role"}`` (``shape``
+    with the batch axis first; ``heads`` the size of axis 1 for arrays of 4 or more axes, else
+    None; ``role`` ``slot{i}`` until `model_info.annotate_layers` names it), or None for a slot
+    not yet set."""
+    out: list[dict[str, Any] | None] = []
+    for slot, value in enumerate(arrays_cache.cache):
+        if value is None:
+            out.append(None)
+            continue
+        if not isinstance(value, mx.array):
+            raise UnsupportedModelError(
+                f"ArraysCache slot {slot} holds a {type(value).__name__}, not an array; it cannot be stored"
+            )
+        shape = tuple(int(n) for n in value.shape)
+        if not shape:
+            raise UnsupportedModelError(f"ArraysCache slot {slot} holds a scalar, not a per-sequence array")
+        out.append(
+            {
+                "shape": list(shape),
+                "dtype": _dtype_name(value.dtype),
+                "heads": _heads(shape),
+                "role": f"slot{slot}",
+            }
+        )
+    return out
+
+
+def _dtype_name(dtype: Any) -> str:
+    from .caches import to_numpy
+
+    return dtypes.from_numpy(to_numpy(mx.zeros((0,), dtype)).dtype).name
+
+
+def local_name(slot: int, head: int | None = None) -> str:
+    """One slot's (and head's) array within its layer: ``"{slot}"`` or ``"{slot}/{head}"``."""
+    return f"{slot}" if head is None else f"{slot}/{head}"
+
+
+def name(layer: int, local: str) -> str:
+    """The snapshot array name of a layer's state array ``local`` (SPEC 15.4)."""
+    return f"{PREFIX}/{layer}/{local}"
+
+
+def _two_d(array: Any, shape: tuple[int, ...]) -> Any:
+    """``(batch, a, b, ...)`` as ``(batch * a, b * ...)``; ``(batch,)`` as ``(batch, 1)``."""
+    if len(shape) == 1:
+        return array.reshape(shape[0], 1)
+    if len(shape) == 2:
+        return array.reshape(shape[0], shape[1])
+    return array.reshape(shape[0] * shape[1], math.prod(shape[2:]))
+
+
+def device_arrays(
+    layer: int, arrays_cache: Any, described: list[dict[str, Any] | None]
+) -> dict[str, mx.array]:
+    """The arrays of one layer's state, as lazy mlx arrays ``(rows, width)`` by local name
+    (`local_name`; `describe` gave ``described`` when the file was opened; ``layer`` names the
+    layer in errors)."""
+    out: dict[str, mx.array] = {}
+    for slot, value in enumerate(arrays_cache.cache):
+        entry = described[slot] if slot < len(described) else None
+        if value is None:
+            continue
+        shape = tuple(int(n) for n in value.shape)
+        if entry is None or tuple(entry["shape"]) != shape:
+            raise CaptureError(
+                f"layer {layer}: state slot {slot} changed shape to {list(shape)} during generation "
+                f"(the file describes {entry and entry['shape']})"
+            )
+        if entry["heads"] is None:
+            out[local_name(slot)] = _two_d(value, shape)
+        else:
+            for head in range(entry["heads"]):
+                out[local_name(slot, head)] = _two_d(value[:, head], (shape[0], *shape[2:]))
+    return out
+
+
+def host_arrays(
+    layer: int, arrays_cache: Any, described: list[dict[str, Any] | None]
+) -> dict[str, np.ndarray]:
+    """`device_arrays` copied to the host (numpy)."""
+    from .caches import to_numpy
+
+    arrays = device_arrays(layer, arrays_cache, described)
+    mx.eval(list(arrays.values()))
+    return {key: np.ascontiguousarray(to_numpy(value)) for key, value in arrays.items()}
+
+
+def rebuild(described: list[dict[str, Any] | None], read: Any) -> Any:
+    """A live `ArraysCache` from the arrays ``read(local_name)`` returns (``(rows, width)`` numpy
+    or None) for one layer whose ``state`` attribute is ``described``."""
+    from mlx_lm.models.cache import ArraysCache
+
+    from .caches import to_mlx
+
+    cache = ArraysCache(size=len(described))
+    for slot, entry in enumerate(described):
+        if entry is None:
+            continue
+        shape = tuple(int(n) for n in entry["shape"])
+        dtype = dtypes.from_name(entry["dtype"]).numpy
+        if entry["heads"] is None:
+            value = _stored(read, local_name(slot), shape, dtype).reshape(shape)
+        else:
+            per_head = (shape[0], *shape[2:])
+            heads = [
+                _stored(read, local_name(slot, h), per_head, dtype).reshape(per_head) for h in range(shape[1])
+            ]
+            value = np.stack(heads, axis=1)
+        cache[slot] = to_mlx(np.ascontiguousarray(value))
+    return cache
+
+
+def _stored(read: Any, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    array = read(key)
+    if array is None:
+        raise UnsupportedModelError(
+            f"the snapshot lacks recurrent state array {key!r} of this layer; it cannot be restored"
+        )
+    array = np.asarray(array)
+    if array.size != math.prod(shape) or array.dtype != dtype:
+        raise UnsupportedModelError(
+            f"state array {key!r} holds {array.shape} {array.dtype}, "
+            f"the layer describes {list(shape)} {dtype}"
+        )
+    return array
+
+
+def checked(layer: int, described: Any) -> list[dict[str, Any] | None]:
+    """A ``state`` attribute read from a file, checked to be what `describe` writes (anything
+    else: `UnsupportedModelError` naming the layer, never a deep traceback)."""
+    ok = isinstance(described, list) and len(described) <= 1024
+    for entry in described if ok else []:
+        if entry is None:
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        heads = entry.get("heads") if isinstance(entry, dict) else None
+        ok = (
+            isinstance(shape, list)
+            and 1 <= len(shape) <= 8
+            and all(type(n) is int and 0 <= n < 2**40 for n in shape)
+            and isinstance(entry.get("dtype"), str)
+            and (heads is None if len(shape) < 4 else heads == shape[1])
+        )
+        if ok:
+            ok = entry["dtype"] in dtypes.BY_NAME
+        if not ok:
+            break
+    if not ok:
+        raise UnsupportedModelError(
+            f"layer {layer}: its 'state' attribute is not a state description (SPEC 15.4)"
+        )
+    return described
+
+
+def local_names(described: list[dict[str, Any] | None]) -> list[str]:
+    """Every array name (`local_name`) a layer's state described as ``described`` stores."""
+    names: list[str] = []
+    for slot, entry in enumerate(described):
+        if entry is None:
+            continue
+        heads = entry["heads"]
+        names += [local_name(slot)] if heads is None else [local_name(slot, h) for h in range(heads)]
+    return names
+
+
+def nbytes(described: list[dict[str, Any] | None]) -> int:
+    """Bytes one snapshot stores for a layer's state."""
+    return sum(
+        math.prod(entry["shape"]) * dtypes.from_name(entry["dtype"]).numpy.itemsize
+        for entry in described
+        if entry is not None
+    )

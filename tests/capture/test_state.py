@@ -1,0 +1,90 @@
+"""Recurrent state (SPEC 15.4): stored with every snapshot, put back into the same cache class
+bit for bit, so generation resumes as if never interrupted; a malformed description is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import kvformat
+from kvformat.rewrite import rebuild_index
+from kvsnap.capture import restore, snapshot_kv
+from kvsnap.capture.errors import UnsupportedModelError
+from kvsnap.capture.tiny import tiny_model
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
+LATER = [43, 38, 32, 79]
+
+
+def _logits_after(model, cache, tokens):  # type: ignore[no-untyped-def]
+    logits = None
+    for token in tokens:
+        logits = model(mx.array([[token]]), cache=cache)
+    return np.array(logits[0, -1])
+
+
+@pytest.mark.parametrize("architecture", ["lfm2", "nemotron_h"])
+def test_a_snapshot_file_restores_the_state_bit_for_bit(tmp_path: Path, architecture: str) -> None:
+    model = tiny_model(architecture)
+    uninterrupted = make_prompt_cache(model)
+    model(mx.array([PROMPT]), cache=uninterrupted)
+    expected = _logits_after(model, uninterrupted, LATER)
+
+    live = make_prompt_cache(model)
+    model(mx.array([PROMPT]), cache=live)
+    path = tmp_path / "hybrid.kv"
+    snapshot_kv(live, model).save(path)
+    with kvformat.open(path) as snap:
+        recurrent = [i for i, spec in enumerate(snap.layers) if spec.attributes.get("kind") == "recurrent"]
+        assert recurrent and all(not snap.layers[i].present for i in recurrent)
+        for index in recurrent:
+            live_state = live[index].cache
+            described = snap.layers[index].attributes["state"]
+            assert [entry["shape"] for entry in described] == [list(a.shape) for a in live_state]
+        cache = restore(snap)
+    for index in recurrent:
+        assert type(cache[index]).__name__ == "ArraysCache"
+        for restored, original in zip(cache[index].cache, live[index].cache, strict=True):
+            assert restored.dtype == original.dtype
+            np.testing.assert_array_equal(np.array(restored), np.array(original))
+    np.testing.assert_array_equal(_logits_after(model, cache, LATER), expected)
+
+
+def test_the_state_is_named_and_shaped_as_the_spec_says(tmp_path: Path) -> None:
+    """SPEC 15.4 read with numpy alone: a head-axis slot is H arrays of (S * a, b)."""
+    model = tiny_model("nemotron_h")
+    live = make_prompt_cache(model)
+    model(mx.array([PROMPT]), cache=live)
+    path = tmp_path / "nemotron.kv"
+    snapshot_kv(live, model).save(path)
+    conv, ssm = (np.array(a) for a in live[0].cache)
+    with kvformat.open(path) as snap:
+        assert [e["role"] for e in snap.layers[0].attributes["state"]] == ["conv", "ssm"]
+        assert [e["heads"] for e in snap.layers[0].attributes["state"]] == [None, ssm.shape[1]]
+        np.testing.assert_array_equal(snap.array("state/0/0"), conv.reshape(conv.shape[1], -1))
+        for head in range(ssm.shape[1]):
+            np.testing.assert_array_equal(snap.array(f"state/0/1/{head}"), ssm[0, head])
+
+
+@pytest.mark.parametrize("broken", [{"shape": "x"}, {"heads": 3}, {"dtype": "complex64"}, "text"])
+def test_a_malformed_state_description_is_one_named_error(tmp_path: Path, broken: object) -> None:
+    model = tiny_model("lfm2")
+    live = make_prompt_cache(model)
+    model(mx.array([PROMPT]), cache=live)
+    good, bad = tmp_path / "good.kv", tmp_path / "bad.kv"
+    snapshot_kv(live, model).save(good)
+
+    def edit(document: dict) -> None:  # type: ignore[type-arg]
+        state = document["manifest"]["layers"][0]["attributes"]["state"]
+        if isinstance(broken, dict):
+            state[0].update(broken)
+        else:
+            document["manifest"]["layers"][0]["attributes"]["state"] = broken
+
+    rebuild_index(good, bad, edit_json=edit)
+    with kvformat.open(bad) as snap, pytest.raises(UnsupportedModelError, match="layer 0: its 'state'"):
+        restore(snap)
