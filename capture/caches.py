@@ -157,16 +157,49 @@ def _read_recurrent(cache: Any, attributes: dict[str, Any]) -> LayerKV:
     return layer
 
 
+def _read_layer_cache(cache: Any, attributes: dict[str, Any]) -> LayerKV:
+    """deepseek_v41's own `LayerCache` (a sliding window, compressed groups and their index
+    keys, the open group's rows): all of it as state (`capture.state`), with the module that
+    defines the class and its window size, so restore builds the same class."""
+    described = recurrent.describe(cache)
+    module = type(cache).__module__
+    layer = LayerKV(
+        attributes={
+            **attributes,
+            "kind": "compressed",
+            "state": described,
+            "cache_module": module,
+            "window_size": int(cache.window_size),
+        },
+        present=False,
+    )
+    layer.state = recurrent.host_arrays(-1, cache, described)
+    return layer
+
+
+def _build_layer_cache(layer: LayerKV, name: str) -> Any:
+    import importlib
+    import re
+
+    module = layer.attributes.get("cache_module")
+    if not isinstance(module, str) or not re.fullmatch(r"mlx_lm\.models\.[a-z0-9_]+", module):
+        raise UnsupportedModelError(
+            f"LayerCache of module {module!r}: only mlx-lm's model modules are restored"
+        )
+    cls = getattr(importlib.import_module(module), "LayerCache", None)
+    described = layer.attributes.get("state")
+    if cls is None or not isinstance(described, list):
+        raise UnsupportedModelError(f"{module} defines no LayerCache, or the layer holds no state")
+    return recurrent.restore_layer_cache(
+        cls, int(layer.attributes["window_size"]), recurrent.values(described, layer.state.get)
+    )
+
+
 def _read_cache_list(cache: Any, attributes: dict[str, Any]) -> LayerKV:
     """A CacheList: its K/V cache as the layer's K/V and its `ArraysCache` as state; the
     attributes name every sub-cache and which one holds what."""
     inner = [type(c).__name__ for c in cache.caches]
-    kv = [i for i, c in enumerate(inner) if c in CACHE_CLASSES and CACHE_CLASSES[c].holds_kv]
-    unknown = [c for c in inner if c not in CACHE_CLASSES or c == "CacheList"]
-    if len(kv) > 1 or unknown:
-        raise UnsupportedModelError(
-            f"CacheList of {inner}: one K/V cache and one ArraysCache per layer can be captured"
-        )
+    kv = kv_sub_caches(cache)
     arrays_cache, arrays_index = recurrent.of(cache)
     if kv:
         layer = read_layer(cache.caches[kv[0]])
@@ -180,6 +213,43 @@ def _read_cache_list(cache: Any, attributes: dict[str, Any]) -> LayerKV:
         layer.attributes.update(state=described, state_sub_cache=arrays_index)
         layer.state = recurrent.host_arrays(-1, arrays_cache, described)
     return layer
+
+
+def kv_sub_caches(cache: Any) -> list[int]:
+    """Which sub-caches of a `CacheList` hold K/V (the first is the layer's own; each other one
+    becomes a file layer of its own, `file_caches`); anything else than K/V caches and one
+    `ArraysCache` is refused by name."""
+    inner = [type(c).__name__ for c in cache.caches]
+    unknown = [c for c in inner if c not in CACHE_CLASSES or c == "CacheList"]
+    if unknown or inner.count("ArraysCache") > 1:
+        raise UnsupportedModelError(
+            f"CacheList of {inner}: K/V caches and one ArraysCache per layer can be captured"
+        )
+    return [i for i, c in enumerate(inner) if CACHE_CLASSES[c].holds_kv]
+
+
+def file_caches(prompt_cache: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """The cache object behind every layer of the file, with the attributes that place it: the
+    model's caches in order (layer ``i`` of the file is the model's cache ``i``), then every
+    further K/V cache of a `CacheList` (a sparse-attention indexer's keys, a second attention
+    block), as a file layer of its own with ``of_layer`` and ``sub_cache`` (SPEC 15.2)."""
+    layers: list[tuple[Any, dict[str, Any]]] = [(cache, {}) for cache in prompt_cache]
+    for index, cache in enumerate(prompt_cache):
+        if type(cache).__name__ == "CacheList":
+            for sub in kv_sub_caches(cache)[1:]:
+                layers.append((cache.caches[sub], {"of_layer": index, "sub_cache": sub}))
+    return layers
+
+
+def link_extra_layers(attributes: list[dict[str, Any]], placed: list[dict[str, Any]]) -> None:
+    """Record, in place, where each further K/V cache of a `CacheList` went: ``extra_layers``
+    (``[[sub_cache, file layer], ...]``) on its model layer, ``of_layer`` and ``sub_cache`` on
+    the file layer (``placed`` is `file_caches`'s second member per layer)."""
+    for index, place in enumerate(placed):
+        if place:
+            attributes[index].update(place)
+            owner = attributes[place["of_layer"]]
+            owner.setdefault("extra_layers", []).append([place["sub_cache"], index])
 
 
 def _read_full(cache: Any, attributes: dict[str, Any]) -> LayerKV:
@@ -259,18 +329,19 @@ def _read_batch_rotating(cache: Any, attributes: dict[str, Any]) -> LayerKV:
     return out
 
 
-def build_cache(layer: LayerKV) -> Any:
+def build_cache(layer: LayerKV, extra: dict[int, LayerKV] | None = None) -> Any:
     """A live mlx-lm cache holding ``layer`` (the inverse of `read_layer`; `CACHE_CLASSES` says
-    which classes can be rebuilt)."""
+    which classes can be rebuilt); ``extra``: a `CacheList`'s further K/V caches by sub-cache
+    index, read from their own file layers."""
     name = layer.attributes.get("cache_class", "KVCache")
     if name == "CacheList":
-        return _build_cache_list(layer)
+        return _build_cache_list(layer, extra or {})
     if name == "ArraysCache":
         return _build_arrays(layer)
+    if name == "LayerCache":
+        return _build_layer_cache(layer, name)
     if not layer.present:
-        raise UnsupportedModelError(
-            f"layer of class {name} holds no K/V in the snapshot; it cannot be restored"
-        )
+        return _build_empty(layer, name)
     if not layer.k:
         raise UnsupportedModelError("layer without sequences cannot be restored")
     if any(not np.array_equal(p, layer.positions[0]) for p in layer.positions):
@@ -283,6 +354,23 @@ def build_cache(layer: LayerKV) -> Any:
     return kind.build(layer, name)
 
 
+def _build_empty(layer: LayerKV, name: str) -> Any:
+    """A K/V cache that held nothing when the snapshot was taken (a layer whose attention is a
+    no-op or a linear map, as in nemotron-nas, never fills its cache): a new one of its class."""
+    from mlx_lm.models import cache as cache_module
+
+    attributes = layer.attributes
+    if name == "RotatingKVCache":
+        return cache_module.RotatingKVCache(
+            max_size=int(attributes["window"]), keep=int(attributes.get("keep", 0))
+        )
+    if name == "ChunkedKVCache":
+        return cache_module.ChunkedKVCache(int(attributes["chunk_size"]))
+    if name in ("KVCache", "ConcatenateKVCache"):
+        return getattr(cache_module, name)()
+    raise UnsupportedModelError(f"layer of class {name} holds no K/V in the snapshot; it cannot be restored")
+
+
 def _build_arrays(layer: LayerKV) -> Any:
     described = layer.attributes.get("state")
     if not isinstance(described, list):
@@ -293,7 +381,7 @@ def _build_arrays(layer: LayerKV) -> Any:
     return recurrent.rebuild(described, layer.state.get)
 
 
-def _build_cache_list(layer: LayerKV) -> Any:
+def _build_cache_list(layer: LayerKV, extra: dict[int, LayerKV]) -> Any:
     """The `CacheList` a layer came from, each sub-cache rebuilt in its place."""
     from mlx_lm.models.cache import CacheList
 
@@ -310,6 +398,8 @@ def _build_cache_list(layer: LayerKV) -> Any:
             caches.append(build_cache(_sub_layer(layer, sub)))
         elif index == attributes.get("state_sub_cache"):
             caches.append(_build_arrays(layer))
+        elif index in extra:
+            caches.append(build_cache(extra[index]))
         else:
             raise UnsupportedModelError(
                 f"CacheList sub-cache {index} ({sub}) is not stored; it cannot be restored"
@@ -412,5 +502,6 @@ CACHE_CLASSES: dict[str, CacheClass] = {
     "BatchRotatingKVCache": CacheClass(_read_batch_rotating, None),
     "ArraysCache": CacheClass(_read_recurrent, None, holds_kv=False),
     "CacheList": CacheClass(_read_cache_list, None, holds_kv=False),
+    "LayerCache": CacheClass(_read_layer_cache, None, holds_kv=False),  # deepseek_v41's own
 }
 """Every mlx-lm cache class kvsnap captures, by class name: the one place to add a class."""

@@ -21,7 +21,7 @@ from kvformat import QUANTIZATION_BITS as QUANT_BITS
 from kvformat import Quantization
 
 from . import state as recurrent
-from .caches import read_layer, to_numpy
+from .caches import kv_sub_caches, read_layer, to_numpy
 from .errors import CaptureError, UnsupportedModelError
 from .gather import Rows
 
@@ -65,13 +65,8 @@ class _Held:
 def _kv_cache(cache: Any) -> Any:
     """The cache object holding K/V (the one K/V cache inside a `CacheList`)."""
     if type(cache).__name__ == "CacheList":
-        inner = [c for c in cache.caches if type(c).__name__ not in ("ArraysCache", "MambaCache")]
-        if len(inner) != 1:
-            names = [type(c).__name__ for c in cache.caches]
-            raise UnsupportedModelError(
-                f"CacheList of {names}: exactly one K/V cache per layer can be captured, found {len(inner)}"
-            )
-        return inner[0]
+        kv = kv_sub_caches(cache)
+        return cache.caches[kv[0]] if kv else None
     return cache
 
 
@@ -121,9 +116,11 @@ class CacheTracker:
 
     def _read_layer(self, index: int, cache: Any) -> LayerDelta | None:
         name = type(cache).__name__
-        if name == "ArraysCache":
-            return None  # recurrent state: an absent layer
+        if name in recurrent.HOLDERS:
+            return None  # state only: an absent layer whose state each snapshot stores
         inner = _kv_cache(cache)
+        if inner is None:
+            return None  # a CacheList of state only
         inner_name = type(inner).__name__
         held = self._held[index]
         if held is None:
@@ -202,7 +199,7 @@ def layer_specs(prompt_cache: list[Any]) -> tuple[list[kvformat.LayerSpec], int]
     batch = 1
     for cache in prompt_cache:
         name = type(cache).__name__
-        if name == "ArraysCache" or type(_kv_cache(cache)).__name__ not in _INCREMENTAL:
+        if name in recurrent.HOLDERS or type(_kv_cache(cache)).__name__ not in _INCREMENTAL:
             layer = read_layer(cache)  # absent, or a batch cache: its own description
             specs.append(layer.spec())
             batch = max(batch, len(layer.k))

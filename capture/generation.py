@@ -28,6 +28,7 @@ from kvformat.io.outputs import check_output, refuse_inside
 
 from . import state as recurrent
 from .background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
+from .caches import file_caches, link_extra_layers
 from .deltas import CacheTracker, layer_specs
 from .errors import CaptureError
 from .model_info import annotate_layers, file_metadata
@@ -214,7 +215,9 @@ class _Snapshots:
             metadata["tokens_appended"] = [new_tokens]
             metadata["text_appended"] = ["".join(pieces[self._text_written :])]
         self._tokens_written, self._text_written = len(tokens), len(pieces)
-        deltas = self.tracker.read(self.prompt_cache)
+        placed = file_caches(self.prompt_cache)
+        caches = [cache for cache, _ in placed]
+        deltas = self.tracker.read(caches)
         if self.tracker.end() not in (0, len(tokens)):
             raise CaptureError(
                 f"cache holds {self.tracker.end()} positions but {len(tokens)} tokens were processed"
@@ -223,7 +226,8 @@ class _Snapshots:
         queries, layout = self.recorder.take() if self.recorder is not None else ([], [])
         arrays += queries
         if self.series is None:
-            specs, num_seqs = layer_specs(self.prompt_cache)
+            specs, num_seqs = layer_specs(caches)
+            link_extra_layers([spec.attributes for spec in specs], [place for _, place in placed])
         states = self._states(specs if self.series is None else None)
         arrays += list(states.values())
         if logits is not None:

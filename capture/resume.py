@@ -10,6 +10,7 @@ import kvformat
 
 from . import state as recurrent
 from .caches import LayerKV, build_cache
+from .errors import UnsupportedModelError
 from .snapshot import KVSnapshot
 
 
@@ -62,8 +63,23 @@ def _read_plain(snapshot: kvformat.Snapshot, layer: int, heads: int, seq: int) -
 
 
 def restore(snapshot: KVSnapshot | kvformat.Snapshot) -> list[Any]:
-    """An mlx-lm prompt cache (one cache object per layer) holding the snapshot's K/V."""
-    return [build_cache(layer) for layer in layers_of(snapshot)]
+    """An mlx-lm prompt cache (one cache object per layer) holding the snapshot's K/V and
+    recurrent state; a `CacheList`'s further K/V caches come from their own file layers."""
+    layers = layers_of(snapshot)
+    extra: dict[int, dict[int, LayerKV]] = {}
+    for data in layers:
+        owner, sub = data.attributes.get("of_layer"), data.attributes.get("sub_cache")
+        if owner is not None:
+            if not (isinstance(owner, int) and isinstance(sub, int) and 0 <= owner < len(layers)):
+                raise UnsupportedModelError(
+                    f"a layer's of_layer {owner!r} / sub_cache {sub!r} names no layer"
+                )
+            extra.setdefault(owner, {})[sub] = data
+    return [
+        build_cache(data, extra.get(index))
+        for index, data in enumerate(layers)
+        if data.attributes.get("of_layer") is None
+    ]
 
 
 def last_logits(snapshot: KVSnapshot | kvformat.Snapshot) -> np.ndarray | None:

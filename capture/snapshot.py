@@ -13,7 +13,7 @@ import numpy as np
 import kvformat
 
 from . import state as recurrent
-from .caches import LayerKV, read_layer
+from .caches import LayerKV, file_caches, link_extra_layers, read_layer
 from .model_info import annotate_layers, file_metadata
 
 
@@ -123,7 +123,9 @@ def snapshot_kv(
     ``tokens`` are the token ids whose K/V the cache holds (one list per sequence);
     ``last_logits`` the ``(num_seqs, vocab)`` logits after the last of them, for resuming.
     """
-    layers = [read_layer(cache) for cache in prompt_cache]
+    placed = file_caches(prompt_cache)
+    layers = [read_layer(cache) for cache, _ in placed]
+    link_extra_layers([data.attributes for data in layers], [place for _, place in placed])
     info = file_metadata(model, model_path, tokenizer) if model is not None else {}
     annotate_layers([data.attributes for data in layers], [data.present for data in layers], model)
     info["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

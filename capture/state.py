@@ -46,10 +46,18 @@ ROLES: dict[str, tuple[str, ...]] = {
 model not listed is named ``slot{i}``)."""
 
 
+LAYER_CACHE_FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
+"""The arrays of deepseek_v41's own `LayerCache`, stored as its slots, then its ``offset``."""
+
+HOLDERS = ("ArraysCache", "LayerCache")
+"""Cache classes whose contents are stored as state (they hold no K/V kvsnap can append to)."""
+
+
 def of(cache: Any) -> tuple[Any, int | None]:
-    """The `ArraysCache` of one layer's cache (itself, or the one inside a `CacheList`) and its
-    position in the list (None outside a list); ``(None, None)`` if it has none."""
-    if type(cache).__name__ == "ArraysCache":
+    """The state holder of one layer's cache (an `ArraysCache` or `LayerCache` itself, or the
+    `ArraysCache` inside a `CacheList`) and its position in the list (None outside a list);
+    ``(None, None)`` if it has none."""
+    if type(cache).__name__ in HOLDERS:
         return cache, None
     if type(cache).__name__ == "CacheList":
         found = [i for i, c in enumerate(cache.caches) if type(c).__name__ == "ArraysCache"]
@@ -62,17 +70,36 @@ def of(cache: Any) -> tuple[Any, int | None]:
     return None, None
 
 
+def slots(holder: Any) -> list[Any]:
+    """The arrays a state holder keeps, in slot order (None for a slot not set)."""
+    if type(holder).__name__ == "LayerCache":
+        offset = mx.array([int(holder.offset)], dtype=mx.int64)
+        return [getattr(holder, name) for name in LAYER_CACHE_FIELDS] + [offset]
+    return list(holder.cache)
+
+
+def restore_layer_cache(cls: Any, window_size: int, values: list[Any]) -> Any:
+    """A `LayerCache` of class ``cls`` holding ``values`` (`slots` order)."""
+    cache = cls(window_size)
+    for name, value in zip(LAYER_CACHE_FIELDS, values, strict=False):
+        setattr(cache, name, value)
+    cache.offset = int(np.array(values[len(LAYER_CACHE_FIELDS)]).reshape(-1)[0])
+    return cache
+
+
 def _heads(shape: tuple[int, ...]) -> int | None:
     return int(shape[1]) if len(shape) >= 4 else None
 
 
-def describe(arrays_cache: Any) -> list[dict[str, Any] | None]:
+def describe(holder: Any) -> list[dict[str, Any] | None]:
     """The layer attribute ``state``: per slot ``{"shape", "dtype", "heads", "role"}`` (``shape``
     with the batch axis first; ``heads`` the size of axis 1 for arrays of 4 or more axes, else
     None; ``role`` ``slot{i}`` until `model_info.annotate_layers` names it), or None for a slot
     not yet set."""
     out: list[dict[str, Any] | None] = []
-    for slot, value in enumerate(arrays_cache.cache):
+    roles = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate", "offset")
+    named = type(holder).__name__ == "LayerCache"
+    for slot, value in enumerate(slots(holder)):
         if value is None:
             out.append(None)
             continue
@@ -88,16 +115,37 @@ def describe(arrays_cache: Any) -> list[dict[str, Any] | None]:
                 "shape": list(shape),
                 "dtype": _dtype_name(value.dtype),
                 "heads": _heads(shape),
-                "role": f"slot{slot}",
+                "role": roles[slot] if named else f"slot{slot}",
             }
         )
     return out
 
 
+WORDS: dict[str, int] = {"int32": 1, "uint32": 1, "int64": 2, "uint64": 2}
+"""Integer slot types (token ids, counters) and how many float32 words hold one element: the
+format's element types are floats, stored bit-exactly, so integers go in as their bytes."""
+
+
 def _dtype_name(dtype: Any) -> str:
     from .caches import to_numpy
 
-    return dtypes.from_numpy(to_numpy(mx.zeros((0,), dtype)).dtype).name
+    numpy_dtype = to_numpy(mx.zeros((0,), dtype)).dtype
+    if numpy_dtype.name in WORDS:
+        return numpy_dtype.name
+    try:
+        return dtypes.from_numpy(numpy_dtype).name
+    except Exception:
+        raise UnsupportedModelError(f"recurrent state of type {numpy_dtype} cannot be stored") from None
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a slot's ``dtype`` name (SPEC 15.4)."""
+    return np.dtype(name) if name in WORDS else dtypes.from_name(name).numpy
+
+
+def _as_words(array: Any, name: str) -> Any:
+    """An integer slot's elements as float32 words (a float slot as it is)."""
+    return array.view(mx.float32) if name in WORDS else array
 
 
 def local_name(slot: int, head: int | None = None) -> str:
@@ -111,22 +159,18 @@ def name(layer: int, local: str) -> str:
 
 
 def _two_d(array: Any, shape: tuple[int, ...]) -> Any:
-    """``(batch, a, b, ...)`` as ``(batch * a, b * ...)``; ``(batch,)`` as ``(batch, 1)``."""
-    if len(shape) == 1:
-        return array.reshape(shape[0], 1)
-    if len(shape) == 2:
-        return array.reshape(shape[0], shape[1])
-    return array.reshape(shape[0] * shape[1], math.prod(shape[2:]))
+    """Elements of shape ``(batch, a, b, ...)`` as ``(batch * a, b * ...)``, ``(batch, a)`` as
+    is, ``(batch,)`` as ``(batch, 1)`` (wider rows where integers are held as words)."""
+    rows = shape[0] if len(shape) <= 2 else shape[0] * shape[1]
+    return array.reshape(rows, -1)
 
 
-def device_arrays(
-    layer: int, arrays_cache: Any, described: list[dict[str, Any] | None]
-) -> dict[str, mx.array]:
+def device_arrays(layer: int, holder: Any, described: list[dict[str, Any] | None]) -> dict[str, mx.array]:
     """The arrays of one layer's state, as lazy mlx arrays ``(rows, width)`` by local name
     (`local_name`; `describe` gave ``described`` when the file was opened; ``layer`` names the
     layer in errors)."""
     out: dict[str, mx.array] = {}
-    for slot, value in enumerate(arrays_cache.cache):
+    for slot, value in enumerate(slots(holder)):
         entry = described[slot] if slot < len(described) else None
         if value is None:
             continue
@@ -136,38 +180,36 @@ def device_arrays(
                 f"layer {layer}: state slot {slot} changed shape to {list(shape)} during generation "
                 f"(the file describes {entry and entry['shape']})"
             )
+        words = _as_words(value, entry["dtype"])
         if entry["heads"] is None:
-            out[local_name(slot)] = _two_d(value, shape)
+            out[local_name(slot)] = _two_d(words, shape)
         else:
             for head in range(entry["heads"]):
-                out[local_name(slot, head)] = _two_d(value[:, head], (shape[0], *shape[2:]))
+                out[local_name(slot, head)] = _two_d(words[:, head], (shape[0], *shape[2:]))
     return out
 
 
-def host_arrays(
-    layer: int, arrays_cache: Any, described: list[dict[str, Any] | None]
-) -> dict[str, np.ndarray]:
+def host_arrays(layer: int, holder: Any, described: list[dict[str, Any] | None]) -> dict[str, np.ndarray]:
     """`device_arrays` copied to the host (numpy)."""
     from .caches import to_numpy
 
-    arrays = device_arrays(layer, arrays_cache, described)
+    arrays = device_arrays(layer, holder, described)
     mx.eval(list(arrays.values()))
     return {key: np.ascontiguousarray(to_numpy(value)) for key, value in arrays.items()}
 
 
-def rebuild(described: list[dict[str, Any] | None], read: Any) -> Any:
-    """A live `ArraysCache` from the arrays ``read(local_name)`` returns (``(rows, width)`` numpy
-    or None) for one layer whose ``state`` attribute is ``described``."""
-    from mlx_lm.models.cache import ArraysCache
-
+def values(described: list[dict[str, Any] | None], read: Any) -> list[Any]:
+    """Each slot's array (mlx, or None for a slot not set) from the arrays ``read(local_name)``
+    returns (``(rows, width)`` numpy or None) for one layer whose ``state`` is ``described``."""
     from .caches import to_mlx
 
-    cache = ArraysCache(size=len(described))
+    out: list[Any] = []
     for slot, entry in enumerate(described):
         if entry is None:
+            out.append(None)
             continue
         shape = tuple(int(n) for n in entry["shape"])
-        dtype = dtypes.from_name(entry["dtype"]).numpy
+        dtype = numpy_dtype(entry["dtype"])
         if entry["heads"] is None:
             value = _stored(read, local_name(slot), shape, dtype).reshape(shape)
         else:
@@ -176,7 +218,17 @@ def rebuild(described: list[dict[str, Any] | None], read: Any) -> Any:
                 _stored(read, local_name(slot, h), per_head, dtype).reshape(per_head) for h in range(shape[1])
             ]
             value = np.stack(heads, axis=1)
-        cache[slot] = to_mlx(np.ascontiguousarray(value))
+        out.append(to_mlx(np.ascontiguousarray(value)))
+    return out
+
+
+def rebuild(described: list[dict[str, Any] | None], read: Any) -> Any:
+    """A live `ArraysCache` holding the stored `values`."""
+    from mlx_lm.models.cache import ArraysCache
+
+    cache = ArraysCache(size=len(described))
+    for slot, value in enumerate(values(described, read)):
+        cache[slot] = value
     return cache
 
 
@@ -187,6 +239,8 @@ def _stored(read: Any, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.
             f"the snapshot lacks recurrent state array {key!r} of this layer; it cannot be restored"
         )
     array = np.asarray(array)
+    if dtype.name in WORDS and array.dtype == np.float32 and array.flags.c_contiguous:
+        array = array.view(dtype)
     if array.size != math.prod(shape) or array.dtype != dtype:
         raise UnsupportedModelError(
             f"state array {key!r} holds {array.shape} {array.dtype}, "
@@ -212,7 +266,7 @@ def checked(layer: int, described: Any) -> list[dict[str, Any] | None]:
             and (heads is None if len(shape) < 4 else heads == shape[1])
         )
         if ok:
-            ok = entry["dtype"] in dtypes.BY_NAME
+            ok = entry["dtype"] in dtypes.BY_NAME or entry["dtype"] in WORDS
         if not ok:
             break
     if not ok:
@@ -236,7 +290,7 @@ def local_names(described: list[dict[str, Any] | None]) -> list[str]:
 def nbytes(described: list[dict[str, Any] | None]) -> int:
     """Bytes one snapshot stores for a layer's state."""
     return sum(
-        math.prod(entry["shape"]) * dtypes.from_name(entry["dtype"]).numpy.itemsize
+        math.prod(entry["shape"]) * numpy_dtype(entry["dtype"]).itemsize
         for entry in described
         if entry is not None
     )

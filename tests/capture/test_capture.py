@@ -216,8 +216,23 @@ def test_recurrent_and_unknown_caches(tmp_path: Path) -> None:
         (rebuilt,) = restore(snap)
     assert [type(c).__name__ for c in rebuilt.caches] == ["ArraysCache", "KVCache"]
     assert rebuilt.caches[0].cache == [None] and rebuilt.caches[1].offset == 4
-    with pytest.raises(UnsupportedModelError, match="one K/V cache"):
-        snapshot_kv([cache_module.CacheList(cache_module.KVCache(), cache_module.KVCache())])
+    # Two K/V caches in one layer (a sparse-attention indexer's keys): the second is a file
+    # layer of its own after the model's, and restore puts both back in their list.
+    pair = cache_module.CacheList(cache_module.KVCache(), cache_module.KVCache())
+    own, indexer = feed(pair.caches[0], [3, 1]), feed(pair.caches[1], [3, 1], seed=7, dim=8)
+    with roundtrip(tmp_path, [cache_module.KVCache(), pair]) as snap:
+        assert snap.num_layers == 3
+        assert snap.layers[1].attributes["extra_layers"] == [[1, 2]]
+        assert snap.layers[2].attributes["of_layer"] == 1 and snap.layers[2].attributes["sub_cache"] == 1
+        head = snap.head(2, 1)
+        assert head is not None and head.positions.tolist() == [0, 1, 2, 3]
+        np.testing.assert_array_equal(head.k, indexer[0][1])
+        rebuilt = restore(snap)
+    assert len(rebuilt) == 2 and [type(c).__name__ for c in rebuilt[1].caches] == ["KVCache", "KVCache"]
+    for restored, fed in zip(rebuilt[1].caches, (own, indexer), strict=True):
+        np.testing.assert_array_equal(np.array(restored.keys[0, :, : restored.offset]), fed[0])
+    with pytest.raises(UnsupportedModelError, match="Mystery"):
+        snapshot_kv([cache_module.CacheList(cache_module.KVCache(), Mystery())])
 
 
 def run(model: Any, tokenizer: Any, prompt: list[int], n: int, **kwargs: Any) -> list[int]:
