@@ -76,6 +76,12 @@ class Result:
     snapshots: int = 0
     seconds: float = 0.0
     error: str | None = None
+    attention: str = "not compared"
+    """``"equal"`` (every call of the model's attention function equals attention recomputed from
+    the file, relative <= 1e-5), ``"refused"`` (``--queries`` refused by name: the model computes
+    attention without mlx-lm's function), or what differed."""
+    max_attention_error: float = float("nan")
+    attention_calls: int = 0
 
     @property
     def restores_exactly(self) -> bool:
@@ -134,8 +140,128 @@ def check(name: str, folder: str | Path) -> Result:
         result.max_logprob_error = max(errors, default=float("nan"))
     except Exception as exc:  # recorded: the table says what failed and where
         result.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    if result.error is None:
+        _check_attention(name, folder, result)
     result.seconds = time.perf_counter() - start
     return result
+
+
+class _Kernel:
+    """Records every call of mlx-lm's ``scaled_dot_product_attention`` while installed (the
+    queries it received and the output it returned), in every model module that uses it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[np.ndarray, np.ndarray]] = []
+        self._saved: list[tuple[Any, Any]] = []
+
+    def __enter__(self) -> _Kernel:
+        import mlx.core as mx
+        from mlx_lm.models import base
+
+        original = base.scaled_dot_product_attention
+
+        def recorded(queries: Any, keys: Any, values: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(queries, keys, values, *args, **kwargs)
+            self.calls.append((np.array(queries.astype(mx.float32)), np.array(out.astype(mx.float32))))
+            return out
+
+        for module in [m for n, m in sys.modules.items() if n.startswith("mlx_lm.models")]:
+            if getattr(module, "scaled_dot_product_attention", None) is original:
+                self._saved.append((module, original))
+                setattr(module, "scaled_dot_product_attention", recorded)  # noqa: B010
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, original in self._saved:
+            setattr(module, "scaled_dot_product_attention", original)  # noqa: B010
+
+
+def _check_attention(name: str, folder: str | Path, result: Result) -> None:
+    """Capture every query and hold attention recomputed from the file (`Snapshot.attention_output`)
+    to what the model's attention function returned, call by call: each call is found in the
+    file by its queries (the layer and positions whose stored queries equal them bit for bit)."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from .errors import CaptureError, UnsupportedModelError
+    from .generation import generate
+    from .tiny import build, byte_tokenizer
+
+    model = build(name)
+    path = Path(folder) / f"{name}-queries.kv"
+    try:
+        with _Kernel() as kernel:
+            list(
+                generate(
+                    model,
+                    byte_tokenizer(),
+                    PROMPT[:6],
+                    max_tokens=GENERATED,
+                    output=path,
+                    every=1,
+                    queries="all",
+                    sampler=make_sampler(0.0),
+                )
+            )
+    except (UnsupportedModelError, CaptureError) as exc:
+        refused = str(exc).startswith("queries:")
+        result.attention = f"refused: {exc}" if refused else f"capture failed: {exc}"
+        if refused and (path.exists() or path.with_name(path.name + ".partial").exists()):
+            result.attention = f"refused after writing a file: {exc}"
+        return
+    except Exception as exc:
+        result.attention = f"capture failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+        return
+    del mx
+    try:
+        _compare(path, kernel.calls, result)
+    except Exception as exc:
+        result.attention = f"recomputing failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+
+def _compare(path: Path, calls: list[tuple[np.ndarray, np.ndarray]], result: Result) -> None:
+    import kvformat
+
+    worst, compared, missing = 0.0, 0, 0
+    with kvformat.open(path) as snap:
+        stored = {}
+        for layer, spec in enumerate(snap.layers):
+            if spec.queries is not None:
+                found = snap.queries(layer, 0)
+                if found is not None:
+                    stored[layer] = {int(p): row for p, row in zip(found.positions, found.q, strict=True)}
+        for queries, output in calls:
+            place = _find(stored, queries[0, 0, 0])
+            if place is None:
+                missing += 1
+                continue
+            layer, first = place
+            count = queries.shape[2]
+            query_spec = snap.layers[layer].queries
+            assert query_spec is not None
+            for head in range(query_spec.num_heads):
+                recomputed, positions = snap.attention_output(layer, head, queries=(first, first + count))
+                expected = output[0, head, : positions.size]
+                scale = max(float(np.abs(expected).max()), 1e-30)
+                worst = max(worst, float(np.abs(recomputed - expected).max()) / scale)
+                compared += 1
+    result.attention_calls = len(calls)
+    result.max_attention_error = worst
+    if missing:
+        result.attention = f"{missing} of {len(calls)} attention calls have no queries in the file"
+    elif not compared:
+        result.attention = "no attention call was compared"
+    else:
+        result.attention = "equal" if worst <= 1e-5 else f"differs (relative {worst:.1e})"
+
+
+def _find(stored: dict[int, dict[int, np.ndarray]], first_query: np.ndarray) -> tuple[int, int] | None:
+    """The (layer, position) whose stored query of head 0 equals ``first_query`` bit for bit."""
+    for layer, rows in stored.items():
+        for position, row in rows.items():
+            if row.shape == first_query.shape and np.array_equal(row.astype(np.float32), first_query):
+                return layer, position
+    return None
 
 
 def markdown(results: list[Result]) -> str:
@@ -148,7 +274,12 @@ def markdown(results: list[Result]) -> str:
         f"generating {GENERATED} tokens greedily after a {len(PROMPT)}-token prompt while capturing a "
         f"series every {EVERY} tokens; then resumed from the snapshot after {EVERY} tokens. "
         "*Restores exactly*: the resumed tokens and every next-token log-probability equal the "
-        "uninterrupted run's (float32, relative error at most 1e-5). "
+        "uninterrupted run's (float32, relative error at most 1e-5). *Attention from the file*: "
+        f"the same model run on the first {len(PROMPT) // 2} prompt tokens with every query "
+        'captured (`queries="all"`, a snapshot every token), each call of mlx-lm\'s attention '
+        "function (hooked) compared with attention recomputed from the file "
+        "(`Snapshot.attention_output`), relative error at most 1e-5; where the queries cannot be "
+        "recorded faithfully, `--queries` is refused by name before any file is written. "
         f"**{ok} of {len(results) - len(SKIPPED)} checked architectures restore exactly**; "
         f"{len(SKIPPED)} are not checked, each for the reason given.",
         "",
@@ -156,20 +287,30 @@ def markdown(results: list[Result]) -> str:
         "(`tests/capture/test_architectures.py` runs the same check for every architecture).",
         "",
         "| architecture | caches | layer kinds in the file | state layers | restores exactly "
-        "| max relative error |",
-        "|---|---|---|---:|---|---:|",
+        "| max relative error | attention from the file |",
+        "|---|---|---|---:|---|---:|---|",
     ]
     for r in results:
         if r.name in SKIPPED:
-            lines.append(f"| `{r.name}` | | | | not checked: {SKIPPED[r.name]} | |")
+            lines.append(f"| `{r.name}` | | | | not checked: {SKIPPED[r.name]} | | |")
             continue
         status = "yes" if r.restores_exactly else f"**no**: {r.error or 'outputs differ'}"
         error = "" if r.error else f"{r.max_logprob_error:.1e}"
         caches = ", ".join(r.cache_classes)
         lines.append(
-            f"| `{r.name}` | {caches} | {', '.join(r.layer_kinds)} | {r.state_layers} | {status} | {error} |"
+            f"| `{r.name}` | {caches} | {', '.join(r.layer_kinds)} | {r.state_layers} | {status} | {error} "
+            f"| {_attention_text(r)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _attention_text(result: Result) -> str:
+    if result.attention == "equal":
+        return f"equal ({result.attention_calls} calls, max {result.max_attention_error:.1e})"
+    if result.attention.startswith("refused: "):
+        reason = result.attention.removeprefix("refused: queries: ").split(";")[0]
+        return f"`--queries` refused: {reason}"
+    return f"**{result.attention}**"
 
 
 def main(argv: list[str]) -> int:

@@ -293,7 +293,7 @@ class _Snapshots:
         assert self.recorder is not None
         if not self.recorder.layers:
             raise CaptureError(
-                "--queries: this model's attention does not go through mlx-lm's "
+                "queries: none of this model's layers computed attention through mlx-lm's "
                 "scaled_dot_product_attention, so there are no queries to capture"
             )
         return [

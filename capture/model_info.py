@@ -14,8 +14,6 @@ import kvformat
 
 from .state import ROLES
 
-_LATENT_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "minicpm3")
-
 
 def model_config(model: nn.Module) -> dict[str, Any]:
     """The model's config as plain JSON (its ``args`` dataclass, or what it exposes); a number
@@ -88,22 +86,37 @@ def layer_rope_base(config: dict[str, Any], layer: int) -> float | None:
     return None
 
 
-def latent_attributes(config: dict[str, Any]) -> dict[str, Any] | None:
+def latent_module(model: nn.Module | None) -> Any:
+    """The model's multi-head latent attention (MLA) module in mlx-lm's absorbed form, recognised
+    by its structure (a ``kv_lora_rank`` and the absorbed query projection ``embed_q``), or None."""
+    if model is None:
+        return None
+    for module in model.modules():
+        rank = getattr(module, "kv_lora_rank", None)
+        if isinstance(rank, int) and not isinstance(rank, bool) and hasattr(module, "embed_q"):
+            return module
+    return None
+
+
+def latent_attributes(model: nn.Module | None) -> dict[str, Any] | None:
     """Layer attributes of a multi-head latent attention (MLA) cache, or None for other models.
 
-    mlx-lm's MLA layers cache the compressed latent (after its layernorm) in the K slot and the
-    shared RoPE'd key part in the V slot; the attributes say so (spec 15.2, kind "latent").
+    mlx-lm's MLA layers (DeepSeek-V3, Kimi-K2.5, GLM-4.7-lite, Mistral-4, ...) cache the
+    compressed latent (after its layernorm) in the K slot and the shared RoPE'd key part in the
+    V slot; the attributes say so (spec 15.2, kind "latent"). Recognised from the model's modules
+    (`latent_module`), not from its name.
     """
-    if config.get("model_type") not in _LATENT_MODEL_TYPES:
+    module = latent_module(model)
+    if module is None:
         return None
     return {
         "kind": "latent",
         "k_holds": "kv_latent",
         "v_holds": "k_rope",
-        "kv_lora_rank": config.get("kv_lora_rank"),
-        "qk_rope_head_dim": config.get("qk_rope_head_dim"),
-        "qk_nope_head_dim": config.get("qk_nope_head_dim"),
-        "v_head_dim": config.get("v_head_dim"),
+        "kv_lora_rank": int(module.kv_lora_rank),
+        "qk_rope_head_dim": getattr(module, "qk_rope_head_dim", None),
+        "qk_nope_head_dim": getattr(module, "qk_nope_head_dim", None),
+        "v_head_dim": getattr(module, "v_head_dim", None),
     }
 
 
@@ -169,12 +182,12 @@ def annotate_layers(attributes: list[dict[str, Any]], present: list[bool], model
     if model is None:
         return
     config = model_config(model)
-    latent = latent_attributes(config)
+    latent = latent_attributes(model)
     for index, (attrs, here) in enumerate(zip(attributes, present, strict=True)):
         base = layer_rope_base(config, index)
         if base is not None:
             attrs["rope_base"] = base
-        if latent is not None and here:
+        if latent is not None and here and attrs.get("kind") == "full":
             attrs.update(latent)
         state = attrs.get("state")
         if isinstance(state, list):

@@ -89,6 +89,7 @@ class _Layer:
     dim: int
     dtype: Any
     pending: list[tuple[mx.array, int]]
+    end: int = 0  # one past the last position seen
 
 
 def check_hookable(model: Any) -> None:
@@ -97,12 +98,20 @@ def check_hookable(model: Any) -> None:
     (gemma2 and olmo compute it themselves): its file would hold no queries at all."""
     from mlx_lm.models import base
 
+    from .model_info import latent_module
+
+    args = getattr(model, "args", None)
+    architecture = getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
+    if latent_module(model) is not None:
+        raise UnsupportedModelError(
+            f"queries: {architecture} computes multi-head latent attention in absorbed form, whose "
+            "RoPE part reaches the attention function as an additive mask, not in the queries; "
+            'recording its queries is not supported: capture it without --queries (queries="none")'
+        )
     hooked = base.scaled_dot_product_attention
     names = {type(module).__module__ for module in model.modules()}
     if any(getattr(sys.modules.get(name), "scaled_dot_product_attention", None) is hooked for name in names):
         return
-    args = getattr(model, "args", None)
-    architecture = getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
     raise UnsupportedModelError(
         f"queries: {architecture} computes attention without mlx-lm's scaled_dot_product_attention, "
         'where kvsnap records queries; capture it without --queries (queries="none")'
@@ -115,8 +124,9 @@ class QueryRecorder:
 
     def __init__(self, prompt_cache: list[Any], first: int) -> None:
         self._caches = prompt_cache  # mlx-lm may replace entries (--kv-bits quantizes in place)
-        self._layer_of = {id(cache): index for index, cache in enumerate(prompt_cache)}
+        self._layer_of = self._places()
         self._first = first
+        self._kv_map: dict[int, tuple[int, ...] | None] = {}
         self.layers: dict[int, _Layer] = {}
         self._saved: list[tuple[Any, Callable[..., Any]]] = []
 
@@ -149,17 +159,45 @@ class QueryRecorder:
             mask: Any,
             sinks: Any = None,
         ) -> mx.array:
-            layer = self._layer_of.get(id(cache))
-            if layer is None and cache is not None:  # a cache replaced since: map them again
-                self._layer_of = {id(c): index for index, c in enumerate(self._caches)}
-                layer = self._layer_of.get(id(cache))
-            if layer is not None:
-                self._keep(layer, queries, cache, scale, sinks)
+            place = self._layer_of.get(id(cache))
+            if place is None and cache is not None:  # a cache replaced since: map them again
+                self._layer_of = self._places()
+                place = self._layer_of.get(id(cache))
+            if place is None:
+                raise CaptureError(
+                    "queries: one of this model's attention calls reads K/V of no layer's cache of "
+                    "its own (a layer that shares another layer's K/V); its queries would have no "
+                    "layer in the file: capture without --queries"
+                )
+            if place is not None:
+                if isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating):
+                    raise CaptureError(
+                        f"queries: layer {place[0]}'s attention adds a score term of its own (a float "
+                        "mask), which its queries do not carry; capture without --queries"
+                    )
+                self._keep(place[0], queries, place[1], scale, sinks, keys)
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
         return scaled_dot_product_attention
 
-    def _keep(self, layer: int, queries: mx.array, cache: Any, scale: float, sinks: Any) -> None:
+    def _places(self) -> dict[int, tuple[int, Any]]:
+        """``id(cache object) -> (file layer, the K/V cache whose offset counts its positions)``
+        for every cache the model may hand to attention: each layer's cache, a `CacheList`
+        and its K/V caches (the first is its layer's; each further one has a file layer of its
+        own, `caches.file_caches`)."""
+        from .caches import file_caches, kv_sub_caches
+
+        places: dict[int, tuple[int, Any]] = {}
+        for index, (cache, _) in enumerate(file_caches(self._caches)):
+            places.setdefault(id(cache), (index, cache))
+            if type(cache).__name__ == "CacheList":
+                kv = kv_sub_caches(cache)
+                if kv:
+                    places[id(cache)] = (index, cache.caches[kv[0]])
+                    places.setdefault(id(cache.caches[kv[0]]), (index, cache.caches[kv[0]]))
+        return places
+
+    def _keep(self, layer: int, queries: mx.array, cache: Any, scale: float, sinks: Any, keys: Any) -> None:
         count = queries.shape[2]
         end = getattr(cache, "offset", None)  # after update_and_fetch: one past the last position
         if not isinstance(end, int):
@@ -172,6 +210,15 @@ class QueryRecorder:
             seen = self.layers[layer] = _Layer(
                 float(scale), sinks, queries.shape[1], queries.shape[3], queries.dtype, []
             )
+            self._kv_map[layer] = _kv_heads_of(layer, queries, keys, cache)
+        elif start < seen.end or seen.dim != queries.shape[3] or seen.num_heads != queries.shape[1]:
+            raise CaptureError(
+                f"queries: layer {layer}'s attention ran again for positions it already had, or "
+                "with other query shapes (the model reuses this layer's K/V for another layer's "
+                "attention, or loops over its layers); its queries cannot be told apart: capture "
+                "without --queries"
+            )
+        seen.end = end
         first = max(start, self._first)
         if first < end:
             # Decode steps keep the (batch, heads, 1, dim) array itself, no op, except where the
@@ -224,6 +271,7 @@ class QueryRecorder:
         if seen is None:
             return None
         group = max(1, seen.num_heads // max(kv_heads, 1))
+        mapped = self._kv_map.get(layer)
         sinks = None
         if seen.sinks is not None:
             sinks = tuple(float(x) for x in np.array(seen.sinks.astype(mx.float32)).reshape(-1).tolist())
@@ -233,12 +281,36 @@ class QueryRecorder:
             dim=seen.dim,
             dtype=kvformat.dtypes.from_name(str(seen.dtype).removeprefix("mlx.core.")),
             scale=seen.scale,
-            kv_heads=tuple(h // group for h in range(seen.num_heads)),
+            kv_heads=mapped if mapped is not None else tuple(h // group for h in range(seen.num_heads)),
             window=int(window) if window else None,
             keep=int(attributes.get("keep") or 0) if window else 0,
             softcap=None,
             sinks=sinks,
         )
+
+
+def _kv_heads_of(layer: int, queries: mx.array, keys: Any, cache: Any) -> tuple[int, ...] | None:
+    """Which cached KV head each query head reads, where the model handed attention its keys in
+    another head layout than the cache holds (plamo tiles K/V across query heads: the keys
+    attention receives are the cache's heads repeated as a whole, not each head in a run); None
+    where the keys are the cache's heads (grouped-query attention: runs of query heads)."""
+    if not isinstance(keys, mx.array) or not isinstance(getattr(cache, "keys", None), mx.array):
+        return None
+    held = cache.keys
+    handed, stored = int(keys.shape[1]), int(held.shape[1])
+    if handed == stored or handed % stored:
+        return None
+    end = int(cache.offset)
+    last_handed = np.array(keys[0, :, -1].astype(mx.float32))  # (handed, dim)
+    last_held = np.array(held[0, :, end - 1].astype(mx.float32))  # (stored, dim)
+    source = []
+    for row in last_handed:
+        match = [j for j in range(stored) if np.array_equal(row, last_held[j])]
+        if len(match) != 1:
+            raise CaptureError(f"queries: layer {layer} hands attention keys that are not its cached heads")
+        source.append(match[0])
+    per = max(1, int(queries.shape[1]) // handed)
+    return tuple(source[h // per] for h in range(int(queries.shape[1])))
 
 
 def _positions(pending: list[tuple[mx.array, int]]) -> np.ndarray:

@@ -363,6 +363,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen3_next": {"mlp_only_layers": [], "full_attention_interval": 2},
     "gptj": {"rotary_dim": 8},
     "phixtral": {"rotary_dim": 8},
+    "granitemoehybrid": {
+        "layer_types": ["mamba", "attention", "mamba", "attention"],
+        "shared_intermediate_size": 64,
+    },
     "minimax": {"rotary_dim": 8},
     "plamo": {"n_shared_head": 2, "num_key_value_heads": 2},
     "step3p5": {"moe_num_experts": 8, "moe_top_k": 2},

@@ -33,6 +33,11 @@ def test_the_architecture_resumes_exactly_from_a_snapshot(name: str, tmp_path: P
     assert result.max_logprob_error <= 1e-5
     if any(c in "".join(result.cache_classes) for c in ("ArraysCache", "LayerCache")):
         assert result.state_layers > 0  # its state travels in the file
+    # Attention recomputed from the file equals the hooked attention function, call by call,
+    # or --queries is refused by name before any file is written.
+    assert result.attention == "equal" or result.attention.startswith("refused: queries:"), result.attention
+    if result.attention == "equal":
+        assert result.attention_calls > 0 and result.max_attention_error <= 1e-5
 
 
 def test_the_guide_lists_every_architecture_as_the_check_finds_it() -> None:
@@ -43,3 +48,4 @@ def test_the_guide_lists_every_architecture_as_the_check_finds_it() -> None:
             assert "not checked" in row
         else:
             assert "| yes |" in row, name  # the per-architecture test above holds it
+            assert "| equal (" in row or "refused" in row, name
