@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from .tools.diff import head_diff
     from .tools.export import export_heads
     from .tools.similarity import head_similarity, similarity_for_file
+    from .tools.state import state_stats
     from .viewer.notebook import view
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "run_stats",
     "similarity_for_file",
     "simulate",
+    "state_stats",
     "token_table",
     "view",
 ]

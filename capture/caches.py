@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
@@ -19,6 +18,7 @@ from kvformat import QUANTIZATION_BITS as QUANT_BITS
 from kvformat import LayerSpec, Quantization, dtypes
 
 from . import state as recurrent
+from .conversion import to_mlx, to_numpy
 from .errors import UnsupportedModelError
 
 
@@ -81,20 +81,6 @@ class LayerKV:
             attributes=self.attributes,
             quantization=self.quantization,
         )
-
-
-def to_numpy(array: mx.array) -> np.ndarray:
-    """A numpy view of an evaluated mlx array (bfloat16 through a uint16 view); no copy."""
-    if array.dtype == mx.bfloat16:
-        return np.asarray(array.view(mx.uint16)).view(ml_dtypes.bfloat16)
-    return np.asarray(array)
-
-
-def to_mlx(array: np.ndarray) -> mx.array:
-    """An mlx array from numpy (bfloat16 via uint16)."""
-    if array.dtype == ml_dtypes.bfloat16:
-        return mx.array(array.view(np.uint16)).view(mx.bfloat16)
-    return mx.array(array)
 
 
 def _split(keys: mx.array, values: mx.array, positions: np.ndarray, attributes: dict[str, Any]) -> LayerKV:

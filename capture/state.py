@@ -21,11 +21,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvformat import dtypes
+from kvformat import CorruptFileError, dtypes
+from kvformat.state import WORDS, array_name, numpy_dtype
+from kvformat.state import checked as checked_description
 
+from .conversion import to_mlx, to_numpy
 from .errors import CaptureError, UnsupportedModelError
-
-PREFIX = "state"
 
 ROLES: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
@@ -121,26 +122,14 @@ def describe(holder: Any) -> list[dict[str, Any] | None]:
     return out
 
 
-WORDS: dict[str, int] = {"int32": 1, "uint32": 1, "int64": 2, "uint64": 2}
-"""Integer slot types (token ids, counters) and how many float32 words hold one element: the
-format's element types are floats, stored bit-exactly, so integers go in as their bytes."""
-
-
 def _dtype_name(dtype: Any) -> str:
-    from .caches import to_numpy
-
-    numpy_dtype = to_numpy(mx.zeros((0,), dtype)).dtype
-    if numpy_dtype.name in WORDS:
-        return numpy_dtype.name
+    found = to_numpy(mx.zeros((0,), dtype)).dtype
+    if found.name in WORDS:
+        return found.name
     try:
-        return dtypes.from_numpy(numpy_dtype).name
+        return dtypes.from_numpy(found).name
     except Exception:
-        raise UnsupportedModelError(f"recurrent state of type {numpy_dtype} cannot be stored") from None
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """The numpy dtype of a slot's ``dtype`` name (SPEC 15.4)."""
-    return np.dtype(name) if name in WORDS else dtypes.from_name(name).numpy
+        raise UnsupportedModelError(f"recurrent state of type {found} cannot be stored") from None
 
 
 def _as_words(array: Any, name: str) -> Any:
@@ -155,7 +144,8 @@ def local_name(slot: int, head: int | None = None) -> str:
 
 def name(layer: int, local: str) -> str:
     """The snapshot array name of a layer's state array ``local`` (SPEC 15.4)."""
-    return f"{PREFIX}/{layer}/{local}"
+    slot, _, head = local.partition("/")
+    return array_name(layer, int(slot), int(head) if head else None)
 
 
 def _two_d(array: Any, shape: tuple[int, ...]) -> Any:
@@ -191,8 +181,6 @@ def device_arrays(layer: int, holder: Any, described: list[dict[str, Any] | None
 
 def host_arrays(layer: int, holder: Any, described: list[dict[str, Any] | None]) -> dict[str, np.ndarray]:
     """`device_arrays` copied to the host (numpy)."""
-    from .caches import to_numpy
-
     arrays = device_arrays(layer, holder, described)
     mx.eval(list(arrays.values()))
     return {key: np.ascontiguousarray(to_numpy(value)) for key, value in arrays.items()}
@@ -201,8 +189,6 @@ def host_arrays(layer: int, holder: Any, described: list[dict[str, Any] | None])
 def values(described: list[dict[str, Any] | None], read: Any) -> list[Any]:
     """Each slot's array (mlx, or None for a slot not set) from the arrays ``read(local_name)``
     returns (``(rows, width)`` numpy or None) for one layer whose ``state`` is ``described``."""
-    from .caches import to_mlx
-
     out: list[Any] = []
     for slot, entry in enumerate(described):
         if entry is None:
@@ -250,30 +236,12 @@ def _stored(read: Any, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.
 
 
 def checked(layer: int, described: Any) -> list[dict[str, Any] | None]:
-    """A ``state`` attribute read from a file, checked to be what `describe` writes (anything
-    else: `UnsupportedModelError` naming the layer, never a deep traceback)."""
-    ok = isinstance(described, list) and len(described) <= 1024
-    for entry in described if ok else []:
-        if entry is None:
-            continue
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        heads = entry.get("heads") if isinstance(entry, dict) else None
-        ok = (
-            isinstance(shape, list)
-            and 1 <= len(shape) <= 8
-            and all(type(n) is int and 0 <= n < 2**40 for n in shape)
-            and isinstance(entry.get("dtype"), str)
-            and (heads is None if len(shape) < 4 else heads == shape[1])
-        )
-        if ok:
-            ok = entry["dtype"] in dtypes.BY_NAME or entry["dtype"] in WORDS
-        if not ok:
-            break
-    if not ok:
-        raise UnsupportedModelError(
-            f"layer {layer}: its 'state' attribute is not a state description (SPEC 15.4)"
-        )
-    return described
+    """A ``state`` attribute read from a file, checked (`kvformat.state.checked`): anything but a
+    state description is `UnsupportedModelError` naming the layer, never a deep traceback."""
+    try:
+        return checked_description(layer, described)
+    except CorruptFileError as exc:
+        raise UnsupportedModelError(str(exc)) from None
 
 
 def local_names(described: list[dict[str, Any] | None]) -> list[str]:

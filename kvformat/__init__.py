@@ -20,7 +20,8 @@ attention recomputed from a file), `kvformat.checksum` (CRC-32C and its combinat
 `kvformat.channel_order` (the recorded RoPE channel order), `kvformat.sniff` (a file's kind from
 its first bytes), `kvformat.pages` (page management for a pass over a whole file: batched reads,
 releasing and prefetching pages; `kvformat.pages.of(snap)`), `kvformat.io` (local, HTTP and
-object-store sources; the rule for every file written) and `kvformat.importers` (go-mlx files).
+object-store sources; the rule for every file written), `kvformat.importers` (go-mlx files) and
+`kvformat.state` (a hybrid model's recurrent state, SPEC 15.4).
 Every other module is the implementation.
 """
 
@@ -72,6 +73,7 @@ PUBLIC_MODULES = (
     "io",
     "pages",
     "sniff",
+    "state",
 )
 """Submodules that are part of the public API, beside `__all__`."""
 

@@ -53,17 +53,17 @@ def stats_arguments(p: argparse.ArgumentParser) -> None:
 def stat_groups_type(text: str) -> frozenset[str]:
     """argparse type: comma-separated statistic groups (``all``, ``norms``, ``channels``, ...)."""
     named = {name.strip() for name in text.split(",")}
-    if "attention" in named:
-        if named != {"attention"}:
-            raise argparse.ArgumentTypeError(
-                "attention rows are per query head, the other groups' per KV head: "
-                "ask for --stats attention on its own"
-            )
-        return frozenset({"attention"})
+    for own, rows in (("attention", "per query head"), ("state", "per recurrent state array")):
+        if own in named:
+            if named != {own}:
+                raise argparse.ArgumentTypeError(
+                    f"{own} rows are {rows}, the other groups' per KV head: ask for --stats {own} on its own"
+                )
+            return frozenset({own})
     try:
         return stat_groups(text)
-    except ValueError as exc:  # the groups of `stats`, and the attention group beside them
-        raise argparse.ArgumentTypeError(f"{exc}, attention") from None
+    except ValueError as exc:  # the groups of `stats`, and the attention and state groups beside them
+        raise argparse.ArgumentTypeError(f"{exc}, attention, state") from None
 
 
 def span(text: str) -> tuple[int, int]:

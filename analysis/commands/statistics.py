@@ -281,6 +281,8 @@ def stats_command(args: argparse.Namespace) -> int:
     # Printed and saved from Arrow: polars' import is left to the commands that need it.
     if options.stats == frozenset({"attention"}):
         return _attention_stats(options, args)
+    if options.stats == frozenset({"state"}):
+        return _state_stats(options, args)
     for option, value in (("--needle", options.needle), ("--retrieval", options.retrieval)):
         if value is not None:
             raise ValueError(f"{option} scores attention: use it with --stats attention")
@@ -428,6 +430,49 @@ def _attention_stats(options: StatsOptions, args: argparse.Namespace) -> int:
         save_table(table, options.output, args)
     _attention_summary(table, options.window)
     return 1 if failures else 0
+
+
+def _state_stats(options: StatsOptions, args: argparse.Namespace) -> int:
+    """``stats --stats state``: per recurrent state array and snapshot (`tools.state`); every
+    snapshot of a series unless ``--snapshot N`` (N >= 0) names one."""
+    from ..tools.state import state_table
+
+    failures: list[FileFailure] = []
+    snapshot = None if options.snapshot == -1 else options.snapshot
+    table = state_table(options.files, snapshot, storage_options=url_options(args), failures=failures)
+    files = len(set(table.column("file").to_pylist())) + len(failures)
+    report_failures(failures, files)
+    if not table.num_rows:
+        raise CommandError("no recurrent state statistics: every file failed")
+    if options.output:
+        save_table(table, options.output, args)
+    _state_summary(table)
+    return 1 if failures else 0
+
+
+def _state_summary(table: Any) -> None:
+    """Per (layer, slot) of the last snapshot: norm, effective rank and change (mean over heads)."""
+    rows = table.to_pylist()
+    last = max(row["snapshot"] for row in rows)
+    snapshots = len({row["snapshot"] for row in rows})
+    print(f"recurrent state of {snapshots} snapshot(s); snapshot {last}, mean over heads and sequences:")
+    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["snapshot"] == last:
+            groups.setdefault((row["file"], row["layer"], row["slot"]), []).append(row)
+    several = len({key[0] for key in groups}) > 1
+    for (name, layer, _), found in groups.items():
+        changes = [r["change"] for r in found if r["change"] is not None]
+        change = f", change {sum(changes) / len(changes):.3g}" if changes else ""
+        where = f"{os.path.basename(name)}: " if several else ""
+        bad = sum(r["nonfinite_values"] for r in found)
+        flagged = f", {bad} NON-FINITE values" if bad else ""
+        shape = f"{len(found)} x {found[0]['rows']}x{found[0]['cols']}"
+        print(
+            f"  {where}layer {layer:3d} {found[0]['role']:<12} {shape}: "
+            f"norm {sum(r['norm'] for r in found) / len(found):.4g}, effective rank "
+            f"{sum(r['effective_rank'] for r in found) / len(found):.3g}{change}{flagged}"
+        )
 
 
 def _attention_summary(table: Any, window: int) -> None:
