@@ -126,6 +126,12 @@ class Pages:
         for first, last in zip([0, *breaks.tolist()], [*(breaks - 1).tolist(), len(chunks) - 1], strict=True):
             file.source.release(int(starts[first]), int(ends[last] - starts[first]))
 
+    def release_chunk(self, chunk: int) -> None:
+        """`release` for one chunk of any kind (an array chunk: a snapshot's recurrent state)."""
+        file = self.file
+        start = int(file.table["offset"][chunk])
+        self.file.source.release(start, DESCRIPTOR_SIZE + int(file.table["stored_size"][chunk]))
+
     def byte_span(self, segments: Sequence[Segment]) -> tuple[int, int]:
         """``(start, end)``: the file's bytes from the first record to the end of the last record
         of the chunks of ``segments`` (non-empty), other records between them included."""

@@ -151,6 +151,11 @@ class Snapshot:
         """Names of the arrays attached to this snapshot (e.g. ``"last_logits"``)."""
         return sorted(self._arrays)
 
+    def array_chunk(self, name: str) -> int | None:
+        """The chunk index of the array ``name`` attached to this snapshot, or None."""
+        chunk = self._arrays.get(name)
+        return int(chunk) if chunk is not None else None
+
     def array(self, name: str) -> np.ndarray | None:
         """An array attached to this snapshot, ``(rows, width)``, or None if there is none."""
         chunk = self._arrays.get(name)

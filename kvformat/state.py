@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvformat import dtypes
+from kvformat import dtypes, pages
 from kvformat.errors import CorruptFileError
 
 PREFIX = "state"
@@ -100,14 +100,18 @@ def state_arrays(layers: Any) -> Iterator[StateArray]:
                     yield StateArray(index, slot, head, role, (shape[0], *shape[2:]), entry["dtype"])
 
 
-def read(snapshot: Any, array: StateArray) -> np.ndarray | None:
+def read(snapshot: Any, array: StateArray, *, release: bool = False) -> np.ndarray | None:
     """The array in its own shape and type, or None where the snapshot holds none (no state at
-    that moment); a stored array of another size is `CorruptFileError`."""
+    that moment); a stored array of another size is `CorruptFileError`. ``release``: a copy, and
+    the chunk's pages are dropped from the process (a pass over every snapshot's state keeps a
+    resident set of one array, not of the file)."""
     stored = snapshot.array(array.name)
     if stored is None:
         return None
     dtype = numpy_dtype(array.dtype)
-    stored = np.ascontiguousarray(stored)
+    stored = np.array(stored) if release else np.ascontiguousarray(stored)
+    if release:
+        pages.of(snapshot).release_chunk(snapshot.array_chunk(array.name))
     if array.dtype in WORDS:
         if stored.dtype != np.float32:
             raise CorruptFileError(f"state array {array.name!r}: integer slots are stored as float32 words")
