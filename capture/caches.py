@@ -129,8 +129,13 @@ def read_layer(cache: Any) -> LayerKV:
     if kind is None:
         raise UnsupportedModelError(f"cache class {name} is not supported by kvsnap capture")
     attributes: dict[str, Any] = {"cache_class": name}
-    if kind.holds_kv and getattr(cache, "keys", None) is None:  # nothing cached yet
-        return LayerKV(attributes={**attributes, "kind": "full"}, present=True)
+    if kind.holds_kv and getattr(cache, "keys", None) is None:  # nothing cached (yet, or ever)
+        attributes.update(kind="full", empty=True)
+        if name == "RotatingKVCache":
+            attributes.update(kind="sliding", window=int(cache.max_size), keep=int(cache.keep))
+        elif name == "ChunkedKVCache":
+            attributes.update(kind="chunked", chunk_size=int(cache.chunk_size))
+        return LayerKV(attributes=attributes, present=True)
     return kind.read(cache, attributes)
 
 

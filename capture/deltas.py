@@ -207,8 +207,8 @@ def layer_specs(prompt_cache: list[Any]) -> tuple[list[kvformat.LayerSpec], int]
         inner = _kv_cache(cache)
         attributes = _cache_attributes(cache, inner)
         keys = getattr(inner, "keys", None)
-        if keys is None:
-            specs.append(kvformat.LayerSpec.absent(attributes))
+        if keys is None:  # nothing cached (yet, or ever: a no-op attention layer)
+            specs.append(kvformat.LayerSpec.absent({**attributes, "empty": True}))
             continue
         quant, shape, dtype, k_dim, v_dim = _geometry(inner)
         batch = max(batch, int(shape[0]))

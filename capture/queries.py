@@ -276,6 +276,7 @@ class QueryRecorder:
         if seen.sinks is not None:
             sinks = tuple(float(x) for x in np.array(seen.sinks.astype(mx.float32)).reshape(-1).tolist())
         window = attributes.get("window") if attributes.get("kind") == "sliding" else None
+        chunk = attributes.get("chunk_size") if attributes.get("kind") == "chunked" else None
         return QuerySpec(
             num_heads=seen.num_heads,
             dim=seen.dim,
@@ -286,6 +287,7 @@ class QueryRecorder:
             keep=int(attributes.get("keep") or 0) if window else 0,
             softcap=None,
             sinks=sinks,
+            chunk=int(chunk) if chunk else None,
         )
 
 

@@ -245,9 +245,9 @@ def tiny_config(model_type: str) -> dict[str, Any]:
     has one, else every model argument `SIZES` names at its tiny size, the others at their
     defaults (a required one without a size: a neutral value of its type), a text model's
     arguments (``text_config``) filled alike, then `OVERRIDES`."""
-    if model_type in CONFIGS:
+    if model_type in CONFIGS and CONFIGS[model_type]["model_type"] == model_type:
         return dict(CONFIGS[model_type])
-    module = importlib.import_module(f"mlx_lm.models.{_MODULES.get(model_type, model_type)}")
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
     config = _filled(module.ModelArgs, model_type)
     if any(item.name == "text_config" for item in dataclasses.fields(module.ModelArgs)):
         text_type, text_args = _text_arguments(module)
@@ -359,6 +359,15 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "no_rope_layers": [1, 1, 1, 0],
         "interleave_moe_layer_step": 2,
         "attention_chunk_size": 8,
+    },
+    "llama4.text": {
+        "no_rope_layers": [1, 1, 1, 0],
+        "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 8,
+        "num_experts_per_tok": 1,
+        "num_local_experts": 2,
+        "intermediate_size_mlp": 64,
+        "use_qk_norm": True,
     },
     "qwen3_next": {"mlp_only_layers": [], "full_attention_interval": 2},
     "gptj": {"rotary_dim": 8},
@@ -484,7 +493,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 def build(model_type: str, seed: int = 0) -> nn.Module:
     """A tiny random-weight model of any architecture in ``mlx_lm.models`` (`tiny_config`)."""
     config = tiny_config(model_type)
-    module = importlib.import_module(f"mlx_lm.models.{_MODULES.get(model_type, model_type)}")
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
     args = module.ModelArgs.from_dict(config)
     mx.random.seed(seed)
     model = module.Model(args)

@@ -6,6 +6,7 @@ For a query ``q`` at position ``p`` of query head ``h`` (reading KV head ``kv_he
     logit_j = scale * (q . k_j)                      for every key position j the snapshot holds
     logit_j = softcap * tanh(logit_j / softcap)      when softcap is set
     visible_j = j <= p  and  (window is null  or  p - j < window - keep  or  j < keep)
+                       and  (chunk is null   or  j // chunk == p // chunk)
     weight_j = exp(logit_j - m) / (sum_visible exp(logit - m) + [exp(sink_h - m)])
 
 with ``m`` the largest visible logit (and the sink's, when the layer has sinks). Everything is
@@ -92,6 +93,8 @@ def _spans(spec: QuerySpec, query_positions: np.ndarray) -> tuple[np.ndarray, np
     positions ``[0, sink_stop)`` and ``[recent_start, stop)`` (SPEC 10.1's mask as spans)."""
     p = np.asarray(query_positions, np.int64)
     stop = p + 1
+    if spec.chunk is not None:  # 1.6: the query's own block of `chunk` positions (never with a window)
+        return np.zeros_like(p), (p // int(spec.chunk)) * int(spec.chunk), stop
     if spec.window is None:
         return np.zeros_like(p), np.zeros_like(p), stop
     recent = int(spec.window) - int(spec.keep)
@@ -200,6 +203,8 @@ def visible(spec: QuerySpec, query_positions: np.ndarray, key_positions: np.ndar
     mask = j <= p
     if spec.window is not None:
         mask &= (p - j < spec.window - spec.keep) | (j < spec.keep)
+    if spec.chunk is not None:
+        mask &= j // spec.chunk == p // spec.chunk
     return mask
 
 

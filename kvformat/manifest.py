@@ -20,9 +20,11 @@ from kvformat.layout import MAX_HEAD_SEQUENCES, MAX_HEADS, MAX_LAYERS, MAX_POSIT
 from kvformat.quantization import Quantization
 
 # Features this implementation understands (SPEC section 14): 1.2 defines "append-chunks", 1.3
-# "queries"; a file that lists an unknown name under "required_features" is rejected.
+# "queries", 1.6 "chunked-attention"; a file that lists an unknown name under
+# "required_features" is rejected.
 QUERIES = "queries"
-KNOWN_FEATURES: frozenset[str] = frozenset({"append-chunks", QUERIES})
+CHUNKED_ATTENTION = "chunked-attention"
+KNOWN_FEATURES: frozenset[str] = frozenset({"append-chunks", QUERIES, CHUNKED_ATTENTION})
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,10 @@ class QuerySpec:
     ``num_heads`` query heads of ``dim`` elements in ``dtype``; query head ``h`` attends KV head
     ``kv_heads[h]``. Attention logits are ``scale * q.k`` (then ``softcap * tanh(x / softcap)``
     when ``softcap`` is set), over the keys at positions ``j <= p`` for a query at ``p`` (causal),
-    and with a ``window`` only those with ``p - j < window - keep`` or ``j < keep``. ``sinks``:
-    one logit per query head that joins the softmax's denominator (learned attention sinks), or
-    None."""
+    and with a ``window`` only those with ``p - j < window - keep`` or ``j < keep``; with a
+    ``chunk`` (1.6, chunked attention as Llama 4's local layers) only those in the query's block
+    of ``chunk`` positions, ``j // chunk == p // chunk``. ``sinks``: one logit per query head that
+    joins the softmax's denominator (learned attention sinks), or None."""
 
     num_heads: int
     dim: int
@@ -45,9 +48,10 @@ class QuerySpec:
     keep: int = 0
     softcap: float | None = None
     sinks: tuple[float, ...] | None = None
+    chunk: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        document: dict[str, Any] = {
             "num_heads": self.num_heads,
             "dim": self.dim,
             "dtype": self.dtype.name,
@@ -58,6 +62,9 @@ class QuerySpec:
             "softcap": self.softcap,
             "sinks": list(self.sinks) if self.sinks is not None else None,
         }
+        if self.chunk is not None:  # written only where set: files without it are 1.5's bytes
+            document["chunk"] = self.chunk
+        return document
 
     def check(self, kv_heads: int) -> None:
         """Raise ValueError for a description a writer must not declare (``kv_heads``: the
@@ -90,6 +97,10 @@ class QuerySpec:
             raise ValueError(f"queries keep must be an integer >= 0, got {self.keep!r}")
         if self.window is not None and self.keep >= self.window:
             raise ValueError(f"queries keep ({self.keep}) must be below the window ({self.window})")
+        if self.chunk is not None and (not _is_int(self.chunk) or not 1 <= self.chunk <= MAX_POSITION):
+            raise ValueError(f"queries chunk must be null or an integer in 1..2^53, got {self.chunk!r}")
+        if self.chunk is not None and self.window is not None:
+            raise ValueError("queries chunk and window cannot both be set")
 
 
 def _finite(values: tuple[float, ...]) -> bool:
@@ -137,6 +148,15 @@ def _keep(obj: dict[str, Any], where: str) -> int:
     return int(value)
 
 
+def _chunk(obj: dict[str, Any], where: str) -> int | None:
+    """A ``queries`` object's ``chunk`` (1.6): absent or null means none; else an integer
+    (its range is `QuerySpec.check`'s)."""
+    value = obj.get("chunk")
+    if value is not None and not _is_int(value):
+        raise CorruptFileError(f"{where} queries: 'chunk' must be null or an integer")
+    return value
+
+
 ABSENT = object()
 """A key the JSON leaves out (where null is not the same: a key typed "object" holds one)."""
 
@@ -174,6 +194,7 @@ def parse_queries(obj: Any, where: str, kv_heads: int) -> QuerySpec | None:
         keep=_keep(obj, where),
         softcap=number("softcap", True),
         sinks=tuple(_double(x, f"{where} queries: 'sinks'") for x in sinks) if sinks is not None else None,
+        chunk=_chunk(obj, where),
     )
     try:
         spec.check(kv_heads)
@@ -352,6 +373,11 @@ def parse_manifest(obj: Any) -> Manifest:
     check_head_sequences(manifest.layers, manifest.num_seqs, LimitExceededError)
     if any(layer.queries is not None for layer in manifest.layers) and QUERIES not in required:
         raise CorruptFileError("layers declare queries but 'required_features' does not list \"queries\"")
+    chunked = any(layer.queries is not None and layer.queries.chunk is not None for layer in manifest.layers)
+    if chunked and CHUNKED_ATTENTION not in required:
+        raise CorruptFileError(
+            "layers declare chunked attention but 'required_features' does not list \"chunked-attention\""
+        )
     return manifest
 
 

@@ -48,6 +48,7 @@ from kvformat.layout import (
     pack_header,
 )
 from kvformat.manifest import (
+    CHUNKED_ATTENTION,
     QUERIES,
     LayerSpec,
     Manifest,
@@ -132,6 +133,9 @@ class Writer:
         features = list(required_features)
         if any(spec.queries is not None for spec in specs) and QUERIES not in features:
             features.append(QUERIES)  # format 1.3: a 1.2 reader refuses the file, never misreads it
+        chunked = any(spec.queries is not None and spec.queries.chunk is not None for spec in specs)
+        if chunked and CHUNKED_ATTENTION not in features:
+            features.append(CHUNKED_ATTENTION)  # 1.6: a 1.5 reader refuses it, never ignores the chunks
         self.manifest = Manifest(specs, num_seqs, dict(metadata or {}), features, list(optional_features))
         manifest_json = dumps(self.manifest.to_json())
         try:

@@ -342,10 +342,13 @@ def _add_compiled(
     stacked, so that each product is one call for the group; ``sums`` one per head. One pass over
     each row's logits. Only the columns a query of the block can see are multiplied, and the
     streaming output only over the columns it keeps. Keys out of position order (a rotating cache
-    may hold them so), or logits that could overflow or hold a NaN, take the numpy path."""
+    may hold them so), logits that could overflow or hold a NaN, or chunked attention, take the
+    numpy path."""
     n = len(p)
     bound = float(np.abs(q).max(initial=0.0)) * keys.largest * q.shape[1] * float(spec.scale)
-    if not (keys.ordered and bound < FINITE):  # keys out of order; NaN, inf or overflow possible
+    # Keys out of order; NaN, inf or overflow possible; chunked attention (the C walk knows
+    # windows, not blocks): the numpy path, which applies SPEC 10.1's whole mask.
+    if spec.chunk is not None or not (keys.ordered and bound < FINITE):
         for i, (head_sums, head) in enumerate(zip(sums, heads, strict=True)):
             _add_block(head_sums, spec, head, q[i * n : (i + 1) * n], p, keys, window, copies)
         return

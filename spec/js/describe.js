@@ -49,7 +49,7 @@ const K = 0, V = 1, ARRAY = 2, Q = 3, MANIFEST = 16, SNAPSHOT = 17;
 const DTYPES = { 1: ["float32", 4], 2: ["float16", 2], 3: ["bfloat16", 2] };
 const DTYPE_CODES = { float32: 1, float16: 2, bfloat16: 3 };
 const CODECS = [0, 1, 2];
-const FEATURES = new Set(["append-chunks", "queries"]);
+const FEATURES = new Set(["append-chunks", "queries", "chunked-attention"]);
 const BITS = [2, 4, 8];
 const GROUP_SIZES = [32, 64, 128];
 
@@ -277,11 +277,16 @@ function parseQueries(q, where, kvHeads) {
     keep: parseKeep(q, where),
     softcap: number("softcap", true),
     sinks,
+    chunk: get(q, "chunk", null),  // 1.6
   };
+  const chunk = spec.chunk;
+  if (chunk !== null && !isInt(chunk)) fail(CORRUPT, "queries chunk");
   const bad = (why) => fail(CORRUPT, `${where}: queries ${why}`);
   if (kv.length !== spec.num_heads || !kv.every((h) => isInt(h) && h >= 0n && h < BigInt(kvHeads))) bad("kv_heads");
   if (window !== null && (window < 1n || window > BigInt(MAX_POSITION))) bad("window");
   if (window !== null && BigInt(spec.keep) >= window) bad("keep");
+  if (chunk !== null && (chunk < 1n || chunk > BigInt(MAX_POSITION))) bad("chunk");
+  if (chunk !== null && window !== null) bad("chunk and window");
   if (!(Number(scale) > 0 && Number.isFinite(Number(scale)))) bad("scale");
   if (spec.softcap !== null && !(Number(spec.softcap) > 0 && Number.isFinite(Number(spec.softcap)))) bad("softcap");
   if (sinks !== null && (sinks.length !== spec.num_heads || !sinks.every((x) => Number.isFinite(Number(x))))) bad("sinks");
@@ -348,6 +353,9 @@ function parseManifest(obj) {
   const triples = layers.reduce((n, l) => n + heads(l), 0) * manifest.num_seqs;
   if (triples > MAX_HEAD_SEQUENCES) fail(LIMIT, "too many (layer, head, sequence) triples");
   if (layers.some((l) => l.present && l.queries) && !required.includes("queries")) fail(CORRUPT, "queries not required");
+  if (layers.some((l) => l.present && l.queries && l.queries.chunk !== null) && !required.includes("chunked-attention")) {
+    fail(CORRUPT, "chunked attention not required");
+  }
   return manifest;
 }
 
@@ -806,6 +814,7 @@ function layerJson(layer) {
       num_heads: q.num_heads, dim: q.dim, dtype: q.dtype, scale: q.scale, kv_heads: q.kv_heads,
       window: q.window, keep: q.keep, softcap: q.softcap, sinks: q.sinks,
     };
+    if (q.chunk !== null) out.queries.chunk = q.chunk;
   }
   return out;
 }

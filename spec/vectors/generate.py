@@ -158,6 +158,21 @@ def recurrent_state(path: Path) -> None:
         writer.snapshot({"tokens_appended": [[5]]}, arrays=state())
 
 
+def queries_chunked(path: Path) -> None:
+    """1.6: chunked attention (Llama 4's local layers): 10 queries of a layer whose queries
+    object has ``chunk`` 4 (each query sees the keys of its own block of 4 positions), with the
+    required feature ``chunked-attention``."""
+    k, v = _kv(23, 1, 10, 8, 8, np.float32)
+    q = _rng(24).standard_normal((2, 10, 8)).astype(np.float32)
+    chunked = QuerySpec(num_heads=2, dim=8, dtype=kvformat.FLOAT32, scale=0.25, kv_heads=(0, 0), chunk=4)
+    attributes = {"kind": "chunked", "chunk_size": 4}
+    spec = kvformat.LayerSpec(1, 8, 8, kvformat.FLOAT32, attributes=attributes, queries=chunked)
+    with kvformat.Writer(path, [spec]) as writer:
+        writer.append(0, k, v)
+        writer.append_queries(0, q, np.arange(10))
+        writer.snapshot({"step": 0})
+
+
 def optional_feature(path: Path) -> None:
     """A file naming an optional feature this reader does not know: it must still read."""
     k, v = _kv(11, 1, 3, 8, 8, np.float32)
@@ -317,6 +332,11 @@ VECTORS: list[tuple[str, str, Callable[[Path], None]]] = [
         "recurrent-state.kv",
         "1.6: a recurrent layer's state as snapshot arrays (section 15.4)",
         recurrent_state,
+    ),
+    (
+        "queries-chunked.kv",
+        "1.6: chunked attention, queries 'chunk' 4 and its required feature",
+        queries_chunked,
     ),
     ("queries.kv", "format 1.3 queries: GQA, window with keep, sinks, two snapshots", queries),
     # SPEC 1.4 clarifications: one vector for each reading that could go either way.
@@ -747,6 +767,26 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         lambda s, o: _unknown_record(s, o, 5),
     ),
     (
+        "queries-chunk-zero.kv",
+        "1.6: queries-chunked.kv with 'chunk' 0 (outside 1..2^53: corrupt)",
+        lambda s, o: rebuild_index(_chunked_source(o), o, edit_json=_queries_key(chunk=0)),
+    ),
+    (
+        "queries-chunk-and-window.kv",
+        "1.6: queries-chunked.kv with a 'window' beside its 'chunk' (never both: corrupt)",
+        lambda s, o: rebuild_index(_chunked_source(o), o, edit_json=_queries_key(window=8)),
+    ),
+    (
+        "queries-chunk-without-feature.kv",
+        "1.6: queries-chunked.kv without 'chunked-attention' in required_features (a reader that "
+        "ignored 'chunk' would misread it): corrupt",
+        lambda s, o: rebuild_index(
+            _chunked_source(o),
+            o,
+            edit_json=lambda d: d["manifest"].__setitem__("required_features", ["queries"]),
+        ),
+    ),
+    (
         "index-offset-below-64.kv",
         "footer index_offset 0: aligned, but inside the header (R4: corrupt, as a misaligned one)",
         lambda s, o: rebuild_index(s, o, footer={"index_offset": 0}),
@@ -809,6 +849,11 @@ def _query_heads_over_limit(out: Path) -> None:
         spec.update(num_heads=16, kv_heads=[0] * 16, sinks=None)
 
     rebuild_index(_queries_source(out), out, edit_json=edit)
+
+
+def _chunked_source(out: Path) -> Path:
+    """The golden ``queries-chunked.kv`` beside ``bad/``."""
+    return out.parent.parent / "queries-chunked.kv"
 
 
 def _queries_source(out: Path) -> Path:

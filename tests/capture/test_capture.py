@@ -524,3 +524,24 @@ def test_queries_are_refused_where_attention_bypasses_the_hook(tmp_path: Path) -
     assert len(list(generate(model, tokenizer, list(range(1, 9)), max_tokens=2, output=path))) == 2
     with kvformat.open(path) as snap:
         assert all(layer.queries is None for layer in snap.layers) and snap.verify()
+
+
+def test_a_cache_that_held_nothing_is_recorded_empty_and_restores_as_one(tmp_path: Path) -> None:
+    """A layer whose attention never filled its cache (nemotron-nas's no-op and linear layers):
+    absent, ``empty``, its class's settings kept, restored as a new cache of that class."""
+    caches = [
+        cache_module.RotatingKVCache(max_size=8, keep=2),
+        cache_module.KVCache(),
+        cache_module.ChunkedKVCache(4),
+    ]
+    feed(caches[1], [3])
+    with roundtrip(tmp_path, caches) as snap:
+        attributes = [layer.attributes for layer in snap.layers]
+        assert [a.get("empty", False) for a in attributes] == [True, False, True]
+        assert (
+            attributes[0]["window"] == 8 and attributes[0]["keep"] == 2 and attributes[2]["chunk_size"] == 4
+        )
+        assert not snap.layers[0].present and snap.layers[1].present
+        rebuilt = restore(snap)
+    assert [type(c).__name__ for c in rebuilt] == ["RotatingKVCache", "KVCache", "ChunkedKVCache"]
+    assert [c.offset for c in rebuilt] == [0, 3, 0] and rebuilt[0].max_size == 8 and rebuilt[0].keep == 2

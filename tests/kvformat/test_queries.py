@@ -189,13 +189,15 @@ class _Outputs:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from mlx_lm.models import base
 
-        self.calls: list[np.ndarray] = []
+        self.calls: list[Any] = []
         fast, quantized = mx.fast.scaled_dot_product_attention, base.quantized_scaled_dot_product_attention
 
         def record(function: Any) -> Any:
             def wrapper(*args: Any, **kwargs: Any) -> Any:
                 out = function(*args, **kwargs)
-                self.calls.append(np.array(out.astype(mx.float32)))
+                # Kept as the output array itself (evaluated with the step; no copy that would
+                # synchronise each layer) and read on the host after generation.
+                self.calls.append(out)
                 return out
 
             return wrapper
@@ -208,8 +210,9 @@ class _Outputs:
         one call per layer per generated token."""
         found: dict[tuple[int, int], np.ndarray] = {}
         position = 0
-        for call in range(0, len(self.calls), layers):
-            step = self.calls[call : call + layers]
+        calls = [np.array(out.astype(mx.float32)) for out in self.calls]
+        for call in range(0, len(calls), layers):
+            step = calls[call : call + layers]
             count = step[0].shape[2]
             for layer, out in enumerate(step):
                 for i in range(count):
@@ -298,6 +301,23 @@ WINDOWED = {
 }
 
 
+def _held_to_kernel(
+    snap: kvformat.Snapshot, layer: int, heads: int, run: list[int], kernel: dict[tuple[int, int], np.ndarray]
+) -> list[float]:
+    """The relative error of each head's recomputed output against the kernel's, for the
+    consecutive query positions ``run`` (one `attention_output` call per head)."""
+    errors: list[float] = []
+    if not run:
+        return errors
+    for head in range(heads):
+        output, positions = snap.attention_output(layer, head, queries=(run[0], run[-1] + 1))
+        assert positions.tolist() == run
+        for row, position in enumerate(run):
+            expected = kernel[(layer, position)][head]
+            errors.append(float(np.linalg.norm(output[row] - expected) / max(np.linalg.norm(expected), 1e-6)))
+    return errors
+
+
 @pytest.mark.parametrize("case", list(WINDOWED))
 def test_windowed_attention_is_the_models_at_every_stored_query(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
@@ -350,21 +370,22 @@ def test_windowed_attention_is_the_models_at_every_stored_query(
                 stored = snap.queries(layer, 0)
                 assert stored is not None
                 keys = attention.context_keys(snap, layer, spec.kv_heads[0], 0, stored.positions)
+                run: list[int] = []  # consecutive complete queries: recomputed in one call per head
                 for position, complete in zip(stored.positions.tolist(), keys.complete.tolist(), strict=True):
                     seen = attention.visible(spec, np.array([position]), np.arange(position + 1))[0]
                     lost += int(not set(np.flatnonzero(seen).tolist()) <= ever[layer])
+                    if complete and (not run or position == run[-1] + 1):
+                        run.append(position)
+                        continue
+                    checked += len(run)
+                    errors += _held_to_kernel(snap, layer, spec.num_heads, run, kernel)
+                    run = [position] if complete else []
                     if not complete:
                         with pytest.raises(kvformat.MissingKeysError, match=f"positions {position}"):
                             snap.attention_output(layer, 0, queries=(position, position + 1))
                         refused += 1
-                        continue
-                    checked += 1
-                    for head in range(spec.num_heads):
-                        output, _ = snap.attention_output(layer, head, queries=(position, position + 1))
-                        expected = kernel[(layer, position)][head]
-                        errors.append(
-                            float(np.linalg.norm(output[0] - expected) / max(np.linalg.norm(expected), 1e-6))
-                        )
+                checked += len(run)
+                errors += _held_to_kernel(snap, layer, spec.num_heads, run, kernel)
     worst, median = max(errors), float(np.median(errors))
     print(
         f"{case}: {checked} queries held to the kernel, {refused} refused; "
@@ -475,3 +496,25 @@ def test_query_join_falls_back_where_the_gather_kernel_cannot_run(monkeypatch: p
         assert bool(mx.array_equal(joined, mx.concatenate(parts, axis=2)).item())
     assert dict(gather._WORKS) == {(mx.float32, 3, 8): False}
     assert gather.join([window]) is window
+
+
+def test_chunked_attention_sees_only_the_querys_block() -> None:
+    """SPEC 10.1 (1.6): with ``chunk`` C a query at p attends keys j <= p with j // C == p // C,
+    held to numpy's softmax over exactly those keys (vector queries-chunked.kv, C = 4)."""
+    path = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "queries-chunked.kv"
+    with kvformat.open(path) as snap:
+        spec = snap.layers[0].queries
+        assert spec is not None and spec.chunk == 4
+        head = snap.head(0, 0)
+        assert head is not None
+        for query_head in range(spec.num_heads):
+            found = snap.queries(0, query_head)
+            assert found is not None
+            weights = snap.attention(0, query_head).weights
+            for row, p in enumerate(found.positions.tolist()):
+                seen = [j for j in range(p + 1) if j // 4 == p // 4]
+                logits = spec.scale * (head.k[seen].astype(np.float64) @ found.q[row].astype(np.float64))
+                expected = np.exp(logits - logits.max())
+                expected /= expected.sum()
+                np.testing.assert_allclose(weights[row, seen], expected, rtol=1e-5)
+                assert np.count_nonzero(weights[row]) == len(seen)
