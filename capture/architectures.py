@@ -151,18 +151,17 @@ class _Kernel:
     queries it received and the output it returned), in every model module that uses it."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[np.ndarray, np.ndarray]] = []
+        self.calls: list[tuple[Any, Any, Any]] = []
         self._saved: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> _Kernel:
-        import mlx.core as mx
         from mlx_lm.models import base
 
         original = base.scaled_dot_product_attention
 
         def recorded(queries: Any, keys: Any, values: Any, *args: Any, **kwargs: Any) -> Any:
             out = original(queries, keys, values, *args, **kwargs)
-            self.calls.append((np.array(queries.astype(mx.float32)), np.array(out.astype(mx.float32))))
+            self.calls.append((queries, keys, out))  # read on the host after generation
             return out
 
         for module in [m for n, m in sys.modules.items() if n.startswith("mlx_lm.models")]:
@@ -212,17 +211,17 @@ def _check_attention(name: str, folder: str | Path, result: Result) -> None:
     except Exception as exc:
         result.attention = f"capture failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
         return
-    del mx
+    calls = [tuple(np.array(a.astype(mx.float32)) for a in call) for call in kernel.calls]
     try:
-        _compare(path, kernel.calls, result)
+        _compare(path, calls, result)
     except Exception as exc:
         result.attention = f"recomputing failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
 
 
-def _compare(path: Path, calls: list[tuple[np.ndarray, np.ndarray]], result: Result) -> None:
+def _compare(path: Path, calls: list[tuple[np.ndarray, ...]], result: Result) -> None:
     import kvformat
 
-    worst, compared, missing = 0.0, 0, 0
+    worst, compared, missing, prefill = 0.0, 0, 0, 0
     with kvformat.open(path) as snap:
         stored = {}
         for layer, spec in enumerate(snap.layers):
@@ -230,8 +229,21 @@ def _compare(path: Path, calls: list[tuple[np.ndarray, np.ndarray]], result: Res
                 found = snap.queries(layer, 0)
                 if found is not None:
                     stored[layer] = {int(p): row for p, row in zip(found.positions, found.q, strict=True)}
-        for queries, output in calls:
+        latent_layers = {
+            layer: snap.head(layer, 0)
+            for layer, spec in enumerate(snap.layers)
+            if spec.queries is not None and spec.queries.latent
+        }
+        for queries, keys, output in calls:
             place = _find(stored, queries[0, 0, 0])
+            if place is None and latent_layers:
+                # Absorbed MLA: the file's queries are [q_c; q_r]; a decode call is found by
+                # its keys (the latents, whose newest row is the file's at that position).
+                latent_place = _find_latent(latent_layers, keys, queries.shape[2])
+                if isinstance(latent_place, str):  # a prompt's call
+                    prefill += 1
+                    continue
+                place = latent_place
             if place is None:
                 missing += 1
                 continue
@@ -245,7 +257,7 @@ def _compare(path: Path, calls: list[tuple[np.ndarray, np.ndarray]], result: Res
                 scale = max(float(np.abs(expected).max()), 1e-30)
                 worst = max(worst, float(np.abs(recomputed - expected).max()) / scale)
                 compared += 1
-    result.attention_calls = len(calls)
+    result.attention_calls = len(calls) - prefill
     result.max_attention_error = worst
     if missing:
         result.attention = f"{missing} of {len(calls)} attention calls have no queries in the file"
@@ -253,6 +265,21 @@ def _compare(path: Path, calls: list[tuple[np.ndarray, np.ndarray]], result: Res
         result.attention = "no attention call was compared"
     else:
         result.attention = "equal" if worst <= 1e-5 else f"differs (relative {worst:.1e})"
+
+
+def _find_latent(latent_layers: dict[int, Any], keys: np.ndarray, count: int) -> tuple[int, int] | str | None:
+    """The (layer, position) of an absorbed MLA decode call, by its keys (the layer's latents
+    ``(1, 1, n, k_dim)``: their last row is the file's K row at position ``n - 1``); ``"prefill"``
+    for a prompt's call (per-head keys, compared through the decode calls only); None if no
+    latent layer holds them."""
+    if keys.shape[1] != 1:
+        return "prefill"
+    n = keys.shape[2]
+    for layer, head in latent_layers.items():
+        fits = head is not None and head.positions.size >= n and head.k.shape[1] == keys.shape[3]
+        if fits and count == 1 and np.array_equal(head.k[n - 1].astype(np.float32), keys[0, 0, -1]):
+            return layer, n - 1
+    return None
 
 
 def _find(stored: dict[int, dict[int, np.ndarray]], first_query: np.ndarray) -> tuple[int, int] | None:
@@ -278,7 +305,9 @@ def markdown(results: list[Result]) -> str:
         f"the same model run on the first {len(PROMPT) // 2} prompt tokens with every query "
         'captured (`queries="all"`, a snapshot every token), each call of mlx-lm\'s attention '
         "function (hooked) compared with attention recomputed from the file "
-        "(`Snapshot.attention_output`), relative error at most 1e-5; where the queries cannot be "
+        "(`Snapshot.attention_output`), relative error at most 1e-5 (absorbed latent attention: "
+        "its decode calls, which attend the latents the file holds; the prompt's calls expand them "
+        "per head first); where the queries cannot be "
         "recorded faithfully, `--queries` is refused by name before any file is written. "
         f"**{ok} of {len(results) - len(SKIPPED)} checked architectures restore exactly**; "
         f"{len(SKIPPED)} are not checked, each for the reason given.",

@@ -460,7 +460,7 @@ def generate(
     query_recorder = None
     if selection.enabled:
         first = len(start.history) if resume is not None else selection.first_position(len(start.prompt_ids))
-        query_recorder = QueryRecorder(start.cache, first)
+        query_recorder = QueryRecorder(start.cache, first, model)
     recorder = _LogitsRecorder()
     generate_kwargs["logits_processors"] = [*generate_kwargs.pop("logits_processors", []), recorder]
     prompt_tokens = len(start.prompt_ids) if resume is None else 0

@@ -90,6 +90,7 @@ class _Layer:
     dtype: Any
     pending: list[tuple[mx.array, int]]
     end: int = 0  # one past the last position seen
+    latent: bool = False  # absorbed multi-head latent attention: queries [q_c; q_r]
 
 
 def check_hookable(model: Any) -> None:
@@ -98,16 +99,8 @@ def check_hookable(model: Any) -> None:
     (gemma2 and olmo compute it themselves): its file would hold no queries at all."""
     from mlx_lm.models import base
 
-    from .model_info import latent_module
-
     args = getattr(model, "args", None)
     architecture = getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
-    if latent_module(model) is not None:
-        raise UnsupportedModelError(
-            f"queries: {architecture} computes multi-head latent attention in absorbed form, whose "
-            "RoPE part reaches the attention function as an additive mask, not in the queries; "
-            'recording its queries is not supported: capture it without --queries (queries="none")'
-        )
     hooked = base.scaled_dot_product_attention
     names = {type(module).__module__ for module in model.modules()}
     if any(getattr(sys.modules.get(name), "scaled_dot_product_attention", None) is hooked for name in names):
@@ -122,17 +115,22 @@ class QueryRecorder:
     """Keeps the selected queries of every layer of ``prompt_cache`` while installed (a context
     manager); ``first`` is the first absolute position kept."""
 
-    def __init__(self, prompt_cache: list[Any], first: int) -> None:
+    def __init__(self, prompt_cache: list[Any], first: int, model: Any = None) -> None:
         self._caches = prompt_cache  # mlx-lm may replace entries (--kv-bits quantizes in place)
         self._layer_of = self._places()
         self._first = first
         self._kv_map: dict[int, tuple[int, ...] | None] = {}
         self.layers: dict[int, _Layer] = {}
         self._saved: list[tuple[Any, Callable[..., Any]]] = []
+        self._latent_modules = _latent_modules(model)
+        self._rope_out: list[tuple[Any, mx.array]] = []  # what an MLA module's RoPE just returned
+        self._latent_checks: list[tuple[int, mx.array]] = []
 
     def __enter__(self) -> QueryRecorder:
         from mlx_lm.models import base
 
+        for module in self._latent_modules:  # see each MLA module's RoPE'd query part
+            module.rope = _RopeTap(self, module, module.rope)
         original = base.scaled_dot_product_attention
         wrapper = self._wrap(original)
         for name, module in list(sys.modules.items()):
@@ -148,6 +146,40 @@ class QueryRecorder:
         for module, original in self._saved:
             setattr(module, "scaled_dot_product_attention", original)  # noqa: B010
         self._saved.clear()
+        for module in self._latent_modules:
+            if isinstance(module.rope, _RopeTap):
+                module.rope = module.rope.rope
+
+    def _latent_queries(
+        self, layer: int, queries: mx.array, keys: mx.array, cache: Any, scale: float, mask: Any
+    ) -> mx.array | None:
+        """The absorbed query ``[q_c; q_r]`` of an MLA layer's call (SPEC 10.1, ``latent``), or
+        None where no MLA module's RoPE ran just before (an ordinary attention call): ``q_c`` is
+        what attention received in absorbed form (decode; the prefill's per-head queries go
+        through the module's ``embed_q``), ``q_r`` the RoPE'd part the module computed. Whether
+        ``scale * q_r . r_j`` is the score the model added as its mask is checked at the next
+        snapshot (`take`)."""
+        found = [(m, out) for m, out in self._rope_out if out.shape[1] == queries.shape[1]]
+        self._rope_out = []
+        scored = isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating)
+        if not found or not scored:  # not the absorbed form: an ordinary call (its mask a mask)
+            return None
+        module, rope_part = found[0]
+        absorbed = queries if keys.shape[1] == 1 else module.embed_q(queries)
+        if isinstance(getattr(cache, "values", None), mx.array):
+            end = int(cache.offset)
+            if mask.shape[-1] != end:
+                raise CaptureError(
+                    f"queries: layer {layer}'s attention reads a selection of its keys ({mask.shape[-1]} "
+                    f"of {end}: sparse attention, an indexer's top-k), which a file cannot express; "
+                    "capture without --queries"
+                )
+            rope_keys = cache.values[:, :, :end, :]
+            score = (rope_part * scale) @ rope_keys.swapaxes(-1, -2)
+            counted = mask > mx.finfo(mask.dtype).min / 2
+            largest = mx.maximum(mx.max(mx.where(counted, mx.abs(mask), 0)), 1e-30)
+            self._latent_checks.append((layer, mx.max(mx.where(counted, mx.abs(score - mask), 0)) / largest))
+        return mx.concatenate([absorbed, rope_part.astype(absorbed.dtype)], axis=-1)
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def scaled_dot_product_attention(
@@ -169,7 +201,10 @@ class QueryRecorder:
                     "its own (a layer that shares another layer's K/V); its queries would have no "
                     "layer in the file: capture without --queries"
                 )
-            if place is not None:
+            latent = self._latent_queries(place[0], queries, keys, place[1], scale, mask)
+            if latent is not None:
+                self._keep(place[0], latent, place[1], scale, sinks, None, latent=True)
+            else:
                 if isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating):
                     raise CaptureError(
                         f"queries: layer {place[0]}'s attention adds a score term of its own (a float "
@@ -197,7 +232,16 @@ class QueryRecorder:
                     places.setdefault(id(cache.caches[kv[0]]), (index, cache.caches[kv[0]]))
         return places
 
-    def _keep(self, layer: int, queries: mx.array, cache: Any, scale: float, sinks: Any, keys: Any) -> None:
+    def _keep(
+        self,
+        layer: int,
+        queries: mx.array,
+        cache: Any,
+        scale: float,
+        sinks: Any,
+        keys: Any,
+        latent: bool = False,
+    ) -> None:
         count = queries.shape[2]
         end = getattr(cache, "offset", None)  # after update_and_fetch: one past the last position
         if not isinstance(end, int):
@@ -208,9 +252,9 @@ class QueryRecorder:
         seen = self.layers.get(layer)
         if seen is None:
             seen = self.layers[layer] = _Layer(
-                float(scale), sinks, queries.shape[1], queries.shape[3], queries.dtype, []
+                float(scale), sinks, queries.shape[1], queries.shape[3], queries.dtype, [], latent=latent
             )
-            self._kv_map[layer] = _kv_heads_of(layer, queries, keys, cache)
+            self._kv_map[layer] = None if latent else _kv_heads_of(layer, queries, keys, cache)
         elif start < seen.end or seen.dim != queries.shape[3] or seen.num_heads != queries.shape[1]:
             raise CaptureError(
                 f"queries: layer {layer}'s attention ran again for positions it already had, or "
@@ -234,6 +278,17 @@ class QueryRecorder:
         them. Returns those arrays, ``(batch, heads, n, dim)`` each, and per layer ``(layer,
         array index, first column, positions)``. What this costs the generating thread on CUDA is in
         the benchmarks in `benchmarks/`."""
+        if self._latent_checks:
+            checks, self._latent_checks = self._latent_checks, []
+            mx.eval([error for _, error in checks])
+            for layer, error in checks:
+                difference = float(np.array(error.astype(mx.float32)))
+                if difference > 1e-5:
+                    raise CaptureError(
+                        f"queries: layer {layer}'s latent attention adds a RoPE score that the recorded "
+                        f"query part does not reproduce (relative difference {difference:.1e}: "
+                        "the model scales or changes it after its RoPE); capture without --queries"
+                    )
         groups: dict[tuple[Any, ...], list[mx.array]] = {}
         widths: dict[tuple[Any, ...], int] = {}
         placed: list[tuple[int, tuple[Any, ...], int, np.ndarray]] = []
@@ -288,7 +343,35 @@ class QueryRecorder:
             softcap=None,
             sinks=sinks,
             chunk=int(chunk) if chunk else None,
+            latent=seen.latent,
         )
+
+
+class _RopeTap:
+    """Stands in for an MLA module's ``rope`` while queries are recorded: returns exactly what it
+    returns, and hands the recorder each result (the query part first, then the key part)."""
+
+    def __init__(self, recorder: QueryRecorder, module: Any, rope: Any) -> None:
+        self.recorder, self.module, self.rope = recorder, module, rope
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        out = self.rope(x, *args, **kwargs)
+        self.recorder._rope_out.append((self.module, out))
+        return out
+
+
+def _latent_modules(model: Any) -> list[Any]:
+    """The model's MLA attention modules in absorbed form (a ``kv_lora_rank``, ``embed_q`` and
+    a ``rope``)."""
+    if model is None:
+        return []
+    return [
+        module
+        for module in model.modules()
+        if isinstance(getattr(module, "kv_lora_rank", None), int)
+        and hasattr(module, "embed_q")
+        and hasattr(module, "rope")
+    ]
 
 
 def _kv_heads_of(layer: int, queries: mx.array, keys: Any, cache: Any) -> tuple[int, ...] | None:
@@ -309,7 +392,10 @@ def _kv_heads_of(layer: int, queries: mx.array, keys: Any, cache: Any) -> tuple[
     for row in last_handed:
         match = [j for j in range(stored) if np.array_equal(row, last_held[j])]
         if len(match) != 1:
-            raise CaptureError(f"queries: layer {layer} hands attention keys that are not its cached heads")
+            raise CaptureError(
+                f"queries: layer {layer} hands attention keys that are not its cached heads (it "
+                "computes them anew, not from the cache); capture without --queries"
+            )
         source.append(match[0])
     per = max(1, int(queries.shape[1]) // handed)
     return tuple(source[h // per] for h in range(int(queries.shape[1])))

@@ -167,6 +167,8 @@ def context_keys(
             positions = np.concatenate([positions, earlier.positions])[order]
             missing = np.setdiff1d(missing, earlier.positions, assume_unique=True)
     complete = complete_queries(spec, query_positions, missing)
+    if spec.latent:  # 1.6: keys [latent; RoPE key], values the latent (SPEC 10.1)
+        return ContextKeys(np.concatenate([k, v], axis=1), k, positions, complete)
     return ContextKeys(k, v, positions, complete)
 
 

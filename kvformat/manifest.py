@@ -20,11 +20,12 @@ from kvformat.layout import MAX_HEAD_SEQUENCES, MAX_HEADS, MAX_LAYERS, MAX_POSIT
 from kvformat.quantization import Quantization
 
 # Features this implementation understands (SPEC section 14): 1.2 defines "append-chunks", 1.3
-# "queries", 1.6 "chunked-attention"; a file that lists an unknown name under
+# "queries", 1.6 "chunked-attention" and "latent-attention"; a file that lists an unknown name under
 # "required_features" is rejected.
 QUERIES = "queries"
 CHUNKED_ATTENTION = "chunked-attention"
-KNOWN_FEATURES: frozenset[str] = frozenset({"append-chunks", QUERIES, CHUNKED_ATTENTION})
+LATENT_ATTENTION = "latent-attention"
+KNOWN_FEATURES: frozenset[str] = frozenset({"append-chunks", QUERIES, CHUNKED_ATTENTION, LATENT_ATTENTION})
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,10 @@ class QuerySpec:
     and with a ``window`` only those with ``p - j < window - keep`` or ``j < keep``; with a
     ``chunk`` (1.6, chunked attention as Llama 4's local layers) only those in the query's block
     of ``chunk`` positions, ``j // chunk == p // chunk``. ``sinks``: one logit per query head that
-    joins the softmax's denominator (learned attention sinks), or None."""
+    joins the softmax's denominator (learned attention sinks), or None. ``latent`` (1.6, multi-head
+    latent attention in absorbed form): the layer's K slot holds the latent ``c_j`` and its V
+    slot the shared RoPE key ``r_j``; a query ``[q_c; q_r]`` (``dim = k_dim + v_dim``) has logits
+    ``scale * (q_c . c_j + q_r . r_j)`` and output ``sum_j w_j c_j`` (``k_dim`` wide)."""
 
     num_heads: int
     dim: int
@@ -49,6 +53,7 @@ class QuerySpec:
     softcap: float | None = None
     sinks: tuple[float, ...] | None = None
     chunk: int | None = None
+    latent: bool = False
 
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {
@@ -64,11 +69,13 @@ class QuerySpec:
         }
         if self.chunk is not None:  # written only where set: files without it are 1.5's bytes
             document["chunk"] = self.chunk
+        if self.latent:
+            document["latent"] = True
         return document
 
-    def check(self, kv_heads: int) -> None:
+    def check(self, kv_heads: int, dims: tuple[int, int] | None = None) -> None:
         """Raise ValueError for a description a writer must not declare (``kv_heads``: the
-        layer's KV head count)."""
+        layer's KV head count; ``dims``: its K and V head dims, for a latent layer's ``dim``)."""
         for name, value, limit in (("num_heads", self.num_heads, MAX_HEADS), ("dim", self.dim, MAX_WIDTH)):
             if not _is_int(value) or not 1 <= value <= limit:
                 raise ValueError(f"queries {name} must be an integer in 1..{limit}, got {value!r}")
@@ -78,6 +85,10 @@ class QuerySpec:
             raise ValueError(f"queries kv_heads must name one KV head (0..{kv_heads - 1}) per query head")
         self._check_mask()
         self._check_logits()
+        if not isinstance(self.latent, bool):
+            raise ValueError(f"queries latent must be true or false, got {self.latent!r}")
+        if self.latent and dims is not None and self.dim != dims[0] + dims[1]:
+            raise ValueError(f"latent queries must have dim k_dim + v_dim = {sum(dims)}, got {self.dim}")
 
     def _check_logits(self) -> None:
         """``scale`` finite and positive, ``softcap`` null or so, ``sinks`` null or one finite
@@ -157,11 +168,21 @@ def _chunk(obj: dict[str, Any], where: str) -> int | None:
     return value
 
 
+def _latent(obj: dict[str, Any], where: str) -> bool:
+    """A ``queries`` object's ``latent`` (1.6): absent means false; else true or false."""
+    value = obj.get("latent", False)
+    if not isinstance(value, bool):
+        raise CorruptFileError(f"{where} queries: 'latent' must be true or false")
+    return value
+
+
 ABSENT = object()
 """A key the JSON leaves out (where null is not the same: a key typed "object" holds one)."""
 
 
-def parse_queries(obj: Any, where: str, kv_heads: int) -> QuerySpec | None:
+def parse_queries(
+    obj: Any, where: str, kv_heads: int, dims: tuple[int, int] | None = None
+) -> QuerySpec | None:
     """A layer's ``queries`` object (SPEC section 10.1), or None when the key is `ABSENT` (null is
     corrupt: the key is typed "object")."""
     if obj is ABSENT:
@@ -195,9 +216,10 @@ def parse_queries(obj: Any, where: str, kv_heads: int) -> QuerySpec | None:
         softcap=number("softcap", True),
         sinks=tuple(_double(x, f"{where} queries: 'sinks'") for x in sinks) if sinks is not None else None,
         chunk=_chunk(obj, where),
+        latent=_latent(obj, where),
     )
     try:
-        spec.check(kv_heads)
+        spec.check(kv_heads, dims)
     except ValueError as exc:
         raise CorruptFileError(f"{where}: {exc}") from None
     return spec
@@ -267,7 +289,7 @@ class LayerSpec:
             self.quantization.check_dim(self.k_dim)
             self.quantization.check_dim(self.v_dim)
         if self.queries is not None:
-            self.queries.check(self.num_heads)
+            self.queries.check(self.num_heads, (self.k_dim, self.v_dim))
 
 
 def _int(obj: dict[str, Any], key: str, low: int, high: int, where: str) -> int:
@@ -317,7 +339,7 @@ def parse_layer(obj: Any, index: int) -> LayerSpec:
         dtype=dtype,
         attributes=attributes,
         quantization=quantized,
-        queries=parse_queries(obj.get("queries", ABSENT), where, num_heads),
+        queries=parse_queries(obj.get("queries", ABSENT), where, num_heads, (k_dim, v_dim)),
     )
     try:
         spec.check()
@@ -377,6 +399,11 @@ def parse_manifest(obj: Any) -> Manifest:
     if chunked and CHUNKED_ATTENTION not in required:
         raise CorruptFileError(
             "layers declare chunked attention but 'required_features' does not list \"chunked-attention\""
+        )
+    latent = any(layer.queries is not None and layer.queries.latent for layer in manifest.layers)
+    if latent and LATENT_ATTENTION not in required:
+        raise CorruptFileError(
+            "layers declare latent attention but 'required_features' does not list \"latent-attention\""
         )
     return manifest
 

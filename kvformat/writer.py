@@ -49,6 +49,7 @@ from kvformat.layout import (
 )
 from kvformat.manifest import (
     CHUNKED_ATTENTION,
+    LATENT_ATTENTION,
     QUERIES,
     LayerSpec,
     Manifest,
@@ -136,6 +137,9 @@ class Writer:
         chunked = any(spec.queries is not None and spec.queries.chunk is not None for spec in specs)
         if chunked and CHUNKED_ATTENTION not in features:
             features.append(CHUNKED_ATTENTION)  # 1.6: a 1.5 reader refuses it, never ignores the chunks
+        latent = any(spec.queries is not None and spec.queries.latent for spec in specs)
+        if latent and LATENT_ATTENTION not in features:
+            features.append(LATENT_ATTENTION)  # 1.6: likewise for the latent layout
         self.manifest = Manifest(specs, num_seqs, dict(metadata or {}), features, list(optional_features))
         manifest_json = dumps(self.manifest.to_json())
         try:

@@ -49,7 +49,7 @@ const K = 0, V = 1, ARRAY = 2, Q = 3, MANIFEST = 16, SNAPSHOT = 17;
 const DTYPES = { 1: ["float32", 4], 2: ["float16", 2], 3: ["bfloat16", 2] };
 const DTYPE_CODES = { float32: 1, float16: 2, bfloat16: 3 };
 const CODECS = [0, 1, 2];
-const FEATURES = new Set(["append-chunks", "queries", "chunked-attention"]);
+const FEATURES = new Set(["append-chunks", "queries", "chunked-attention", "latent-attention"]);
 const BITS = [2, 4, 8];
 const GROUP_SIZES = [32, 64, 128];
 
@@ -249,7 +249,7 @@ function parseKeep(q, where) {
   return Number(keep);
 }
 
-function parseQueries(q, where, kvHeads) {
+function parseQueries(q, where, kvHeads, dims) {
   if (q === undefined) return null;  // absent; null is no absence: the key is typed "object" (section 10)
   if (q === null) fail(CORRUPT, `${where}: 'queries' must be an object`);
   object(q, `${where} queries`);
@@ -278,9 +278,11 @@ function parseQueries(q, where, kvHeads) {
     softcap: number("softcap", true),
     sinks,
     chunk: get(q, "chunk", null),  // 1.6
+    latent: get(q, "latent", false),  // 1.6
   };
   const chunk = spec.chunk;
   if (chunk !== null && !isInt(chunk)) fail(CORRUPT, "queries chunk");
+  if (typeof spec.latent !== "boolean") fail(CORRUPT, "queries latent");
   const bad = (why) => fail(CORRUPT, `${where}: queries ${why}`);
   if (kv.length !== spec.num_heads || !kv.every((h) => isInt(h) && h >= 0n && h < BigInt(kvHeads))) bad("kv_heads");
   if (window !== null && (window < 1n || window > BigInt(MAX_POSITION))) bad("window");
@@ -290,6 +292,7 @@ function parseQueries(q, where, kvHeads) {
   if (!(Number(scale) > 0 && Number.isFinite(Number(scale)))) bad("scale");
   if (spec.softcap !== null && !(Number(spec.softcap) > 0 && Number.isFinite(Number(spec.softcap)))) bad("softcap");
   if (sinks !== null && (sinks.length !== spec.num_heads || !sinks.every((x) => Number.isFinite(Number(x))))) bad("sinks");
+  if (spec.latent && dims && spec.dim !== dims[0] + dims[1]) bad("latent dim");
   return spec;
 }
 
@@ -320,7 +323,7 @@ function parseLayer(obj, index) {
     code,
     attributes,
     quantization: q,
-    queries: parseQueries(get(obj, "queries"), where, heads),
+    queries: parseQueries(get(obj, "queries"), where, heads, [kDim, vDim]),
   };
 }
 
@@ -355,6 +358,9 @@ function parseManifest(obj) {
   if (layers.some((l) => l.present && l.queries) && !required.includes("queries")) fail(CORRUPT, "queries not required");
   if (layers.some((l) => l.present && l.queries && l.queries.chunk !== null) && !required.includes("chunked-attention")) {
     fail(CORRUPT, "chunked attention not required");
+  }
+  if (layers.some((l) => l.present && l.queries && l.queries.latent) && !required.includes("latent-attention")) {
+    fail(CORRUPT, "latent attention not required");
   }
   return manifest;
 }
@@ -815,6 +821,7 @@ function layerJson(layer) {
       window: q.window, keep: q.keep, softcap: q.softcap, sinks: q.sinks,
     };
     if (q.chunk !== null) out.queries.chunk = q.chunk;
+    if (q.latent) out.queries.latent = true;
   }
   return out;
 }

@@ -173,6 +173,21 @@ def queries_chunked(path: Path) -> None:
         writer.snapshot({"step": 0})
 
 
+def queries_latent(path: Path) -> None:
+    """1.6: multi-head latent attention in absorbed form (DeepSeek-V3): one "head" whose K slot
+    holds a 6-wide latent and V slot a 2-wide RoPE key; 3 query heads of 8 = 6 + 2, ``latent``
+    true, and the required feature ``latent-attention``."""
+    k, v = _kv(25, 1, 7, 6, 2, np.float32)
+    q = _rng(26).standard_normal((3, 7, 8)).astype(np.float32)
+    latent = QuerySpec(num_heads=3, dim=8, dtype=kvformat.FLOAT32, scale=0.3, kv_heads=(0, 0, 0), latent=True)
+    attributes = {"kind": "latent", "k_holds": "kv_latent", "v_holds": "k_rope"}
+    spec = kvformat.LayerSpec(1, 6, 2, kvformat.FLOAT32, attributes=attributes, queries=latent)
+    with kvformat.Writer(path, [spec]) as writer:
+        writer.append(0, k, v)
+        writer.append_queries(0, q, np.arange(7))
+        writer.snapshot({"step": 0})
+
+
 def optional_feature(path: Path) -> None:
     """A file naming an optional feature this reader does not know: it must still read."""
     k, v = _kv(11, 1, 3, 8, 8, np.float32)
@@ -337,6 +352,11 @@ VECTORS: list[tuple[str, str, Callable[[Path], None]]] = [
         "queries-chunked.kv",
         "1.6: chunked attention, queries 'chunk' 4 and its required feature",
         queries_chunked,
+    ),
+    (
+        "queries-latent.kv",
+        "1.6: latent (MLA) attention, queries 'latent' and its required feature",
+        queries_latent,
     ),
     ("queries.kv", "format 1.3 queries: GQA, window with keep, sinks, two snapshots", queries),
     # SPEC 1.4 clarifications: one vector for each reading that could go either way.
@@ -787,6 +807,20 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         ),
     ),
     (
+        "queries-latent-dim.kv",
+        "1.6: queries-latent.kv with queries 'dim' 6, not k_dim + v_dim = 8: corrupt",
+        lambda s, o: rebuild_index(_latent_source(o), o, edit_json=_queries_key(dim=6)),
+    ),
+    (
+        "queries-latent-without-feature.kv",
+        "1.6: queries-latent.kv without 'latent-attention' in required_features: corrupt",
+        lambda s, o: rebuild_index(
+            _latent_source(o),
+            o,
+            edit_json=lambda d: d["manifest"].__setitem__("required_features", ["queries"]),
+        ),
+    ),
+    (
         "index-offset-below-64.kv",
         "footer index_offset 0: aligned, but inside the header (R4: corrupt, as a misaligned one)",
         lambda s, o: rebuild_index(s, o, footer={"index_offset": 0}),
@@ -849,6 +883,11 @@ def _query_heads_over_limit(out: Path) -> None:
         spec.update(num_heads=16, kv_heads=[0] * 16, sinks=None)
 
     rebuild_index(_queries_source(out), out, edit_json=edit)
+
+
+def _latent_source(out: Path) -> Path:
+    """The golden ``queries-latent.kv`` beside ``bad/``."""
+    return out.parent.parent / "queries-latent.kv"
 
 
 def _chunked_source(out: Path) -> Path:

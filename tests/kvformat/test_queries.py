@@ -518,3 +518,28 @@ def test_chunked_attention_sees_only_the_querys_block() -> None:
                 expected /= expected.sum()
                 np.testing.assert_allclose(weights[row, seen], expected, rtol=1e-5)
                 assert np.count_nonzero(weights[row]) == len(seen)
+
+
+def test_latent_attention_uses_the_latent_and_the_rope_key_as_the_spec_says() -> None:
+    """SPEC 10.1 (1.6): a latent layer's query [q_c; q_r] has logits scale * (q_c . c_j + q_r .
+    r_j) over the K slot's latents c and the V slot's RoPE keys r, and its output is the weighted
+    sum of the latents (vector queries-latent.kv), held to numpy."""
+    path = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "queries-latent.kv"
+    with kvformat.open(path) as snap:
+        spec = snap.layers[0].queries
+        assert spec is not None and spec.latent and spec.dim == 8
+        head = snap.head(0, 0)
+        assert head is not None
+        latents, rope_keys = head.k.astype(np.float64), head.v.astype(np.float64)
+        for query_head in range(spec.num_heads):
+            found = snap.queries(0, query_head)
+            assert found is not None
+            output, positions = snap.attention_output(0, query_head)
+            weights = snap.attention(0, query_head).weights
+            for row, p in enumerate(positions.tolist()):
+                q = found.q[row].astype(np.float64)
+                logits = spec.scale * (latents[: p + 1] @ q[:6] + rope_keys[: p + 1] @ q[6:])
+                expected = np.exp(logits - logits.max())
+                expected /= expected.sum()
+                np.testing.assert_allclose(weights[row, : p + 1], expected, rtol=1e-5)
+                np.testing.assert_allclose(output[row], expected @ latents[: p + 1], rtol=1e-5, atol=1e-6)

@@ -63,10 +63,10 @@ def test_vectors_are_small_and_cover_the_features() -> None:
     }
     assert listed == on_disk  # every vector file is in the manifest, and only those
     results = run(VECTORS)
-    assert len(results) == len(manifest["vectors"]) == 78
+    assert len(results) == len(manifest["vectors"]) == 81
     assert all(r.passed for r in results), [r for r in results if not r.passed]
     expectations = [entry["expect"] for entry in manifest["vectors"]]
-    assert sum("error" in e for e in expectations) == 53  # hostile vectors, each with its error class
+    assert sum("error" in e for e in expectations) == 55  # hostile vectors, each with its error class
 
 
 def test_series_as_triples_and_as_ranges_describe_alike() -> None:
@@ -79,7 +79,7 @@ def test_series_as_triples_and_as_ranges_describe_alike() -> None:
 def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reader = f"{sys.executable} -m kvsnap.cli describe"
     assert main(["conformance", str(VECTORS), "--reader", reader]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("78/78 passed")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("81/81 passed")
     # Wrong readers against a few vectors, good and bad (a reader process per vector is slow).
     few = _few_vectors(
         tmp_path / "few", ["float32-raw.kv", "series.kv", "bad/truncated-footer.kv", "bad/zero-heads.kv"]
