@@ -1,5 +1,6 @@
-"""Tiny random-weight models built through mlx-lm's own model classes (no downloads), one per
-cache layout capture must handle: full (llama, qwen3), sliding window (gemma3_text), chunked
+"""Tiny random-weight models built through mlx-lm's own model classes (no downloads): `build`
+makes one of any architecture in ``mlx_lm.models`` (`tiny_config`, `OVERRIDES`); `CONFIGS` names
+one per cache layout capture must handle: full (llama, qwen3), sliding window (gemma3_text), chunked
 attention blocks (llama4_text), recurrent hybrid (lfm2), latent MLA (deepseek_v3); and model
 arguments that name things their own way: the width as ``hidden_dim`` (afm7) or ``n_embd``
 (lille-130m), a config holding an infinite value (nemotron_h's ``time_step_limit``); attention
@@ -151,7 +152,13 @@ _MODULES = {"llama4": "llama4_text"}
 def tiny_model(architecture: str, seed: int = 0) -> nn.Module:
     """A small random-weight mlx-lm model of ``architecture`` (a key of `CONFIGS`)."""
     config = CONFIGS[architecture]
-    module = importlib.import_module(f"mlx_lm.models.{_MODULES.get(architecture, config['model_type'])}")
+    return _random_weights(_MODULES.get(architecture, config["model_type"]), config, seed)
+
+
+def _random_weights(module_name: str, config: dict[str, Any], seed: int) -> nn.Module:
+    """The model of ``mlx_lm.models.{module_name}`` built from ``config``, its weights drawn with
+    ``seed`` and evaluated."""
+    module = importlib.import_module(f"mlx_lm.models.{module_name}")
     args = module.ModelArgs.from_dict(config)
     mx.random.seed(seed)
     model = module.Model(args)
@@ -492,13 +499,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 
 def build(model_type: str, seed: int = 0) -> nn.Module:
     """A tiny random-weight model of any architecture in ``mlx_lm.models`` (`tiny_config`)."""
-    config = tiny_config(model_type)
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
-    args = module.ModelArgs.from_dict(config)
-    mx.random.seed(seed)
-    model = module.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return _random_weights(model_type, tiny_config(model_type), seed)
 
 
 def byte_tokenizer() -> Any:
