@@ -182,7 +182,7 @@ def _build_layer_cache(layer: LayerKV, name: str) -> Any:
     if cls is None or not isinstance(described, list):
         raise UnsupportedModelError(f"{module} defines no LayerCache, or the layer holds no state")
     return recurrent.restore_layer_cache(
-        cls, int(layer.attributes["window_size"]), recurrent.values(described, layer.state.get)
+        cls, _setting(layer, "window_size"), recurrent.values(described, layer.state.get)
     )
 
 
@@ -345,18 +345,29 @@ def build_cache(layer: LayerKV, extra: dict[int, LayerKV] | None = None) -> Any:
     return kind.build(layer, name)
 
 
+def _setting(layer: LayerKV, key: str, default: int | None = None) -> int:
+    """A cache setting the layer's attributes record (a window, a chunk size): a non-negative
+    integer, or `UnsupportedModelError` naming it (a file's attributes are input)."""
+    value = layer.attributes.get(key, default)
+    if type(value) is not int or not 0 <= value < 2**53 or (value == 0 and default is None):
+        raise UnsupportedModelError(
+            f"the layer's attribute {key!r} is {value!r}, not the {layer.attributes.get('cache_class')} "
+            "setting capture writes; it cannot be restored"
+        )
+    return value
+
+
 def _build_empty(layer: LayerKV, name: str) -> Any:
     """A K/V cache that held nothing when the snapshot was taken (a layer whose attention is a
     no-op or a linear map, as in nemotron-nas, never fills its cache): a new one of its class."""
     from mlx_lm.models import cache as cache_module
 
-    attributes = layer.attributes
     if name == "RotatingKVCache":
         return cache_module.RotatingKVCache(
-            max_size=int(attributes["window"]), keep=int(attributes.get("keep", 0))
+            max_size=_setting(layer, "window"), keep=_setting(layer, "keep", 0)
         )
     if name == "ChunkedKVCache":
-        return cache_module.ChunkedKVCache(int(attributes["chunk_size"]))
+        return cache_module.ChunkedKVCache(_setting(layer, "chunk_size"))
     if name in ("KVCache", "ConcatenateKVCache"):
         return getattr(cache_module, name)()
     raise UnsupportedModelError(f"layer of class {name} holds no K/V in the snapshot; it cannot be restored")
@@ -450,7 +461,7 @@ def _build_rotating(layer: LayerKV, name: str) -> Any:
 
     positions = layer.positions[0]
     n = int(positions.size)
-    window, keep = int(layer.attributes["window"]), int(layer.attributes.get("keep", 0))
+    window, keep = _setting(layer, "window"), _setting(layer, "keep", 0)
     cache = cache_module.RotatingKVCache(max_size=window, keep=keep)
     if n:
         offset = int(positions[-1]) + 1
@@ -465,7 +476,7 @@ def _build_chunked(layer: LayerKV, name: str) -> Any:
     from mlx_lm.models import cache as cache_module
 
     positions = layer.positions[0]
-    cache = cache_module.ChunkedKVCache(int(layer.attributes["chunk_size"]))
+    cache = cache_module.ChunkedKVCache(_setting(layer, "chunk_size"))
     if positions.size:
         cache.keys, cache.values = _stacked(layer.k), _stacked(layer.v)
         cache.offset, cache.start_position = int(positions[-1]) + 1, int(positions[0])

@@ -88,3 +88,39 @@ def test_a_malformed_state_description_is_one_named_error(tmp_path: Path, broken
     rebuild_index(good, bad, edit_json=edit)
     with kvformat.open(bad) as snap, pytest.raises(UnsupportedModelError, match="layer 0: its 'state'"):
         restore(snap)
+
+
+def _edited(tmp_path: Path, caches: list, edit) -> Path:  # type: ignore[no-untyped-def,type-arg]
+    good, bad = tmp_path / "good.kv", tmp_path / "bad.kv"
+    good.unlink(missing_ok=True)
+    bad.unlink(missing_ok=True)
+    snapshot_kv(caches).save(good)
+    rebuild_index(good, bad, edit_json=lambda d: edit(d["manifest"]["layers"]))
+    return bad
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda layers: layers[0]["attributes"].update(window="8"),  # an empty rotating cache's window
+        lambda layers: layers[0]["attributes"].__delitem__("window"),
+        lambda layers: layers[1]["attributes"].update(of_layer=-1, sub_cache=1),
+        lambda layers: layers[1]["attributes"].update(of_layer="0", sub_cache=1),
+        lambda layers: layers[0]["attributes"].update(cache_class="LayerCache", cache_module="os"),
+        lambda layers: layers[0]["attributes"].update(cache_class="LayerCache", window_size="x"),
+    ],
+    ids=["window-text", "window-missing", "of-layer-negative", "of-layer-text", "module", "window-size"],
+)
+def test_attributes_a_file_should_not_have_are_one_named_error(tmp_path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    """Restore reads layer attributes from the file: anything but what capture writes is
+    `UnsupportedModelError` naming it, never a KeyError or ValueError from deep inside."""
+    from mlx_lm.models import cache as cache_module
+
+    caches = [cache_module.RotatingKVCache(max_size=8, keep=2), cache_module.KVCache()]
+    caches[1].update_and_fetch(mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))
+    with (
+        kvformat.open(_edited(tmp_path, caches, edit)) as snap,
+        pytest.raises(UnsupportedModelError) as found,
+    ):
+        restore(snap)
+    assert "\n" not in str(found.value)
