@@ -234,7 +234,12 @@ class _Snapshots:
             arrays.append(mx.array(logits).astype(mx.float32).reshape(-1, logits.shape[-1]))
         transfer = Transfer(arrays)
         if self.series is None:
-            annotate_layers([spec.attributes for spec in specs], [spec.present for spec in specs], self.model)
+            annotate_layers(
+                [spec.attributes for spec in specs],
+                [spec.present for spec in specs],
+                self.model,
+                [(spec.k_dim, spec.v_dim) if spec.present else None for spec in specs],
+            )
             if self.recorder is not None:
                 specs = self._with_queries(specs)
             # Opening writes the header and manifest: small, once, here.

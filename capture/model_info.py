@@ -176,7 +176,12 @@ def file_metadata(model: nn.Module, model_path: str | None, tokenizer: Any = Non
     return metadata
 
 
-def annotate_layers(attributes: list[dict[str, Any]], present: list[bool], model: nn.Module | None) -> None:
+def annotate_layers(
+    attributes: list[dict[str, Any]],
+    present: list[bool],
+    model: nn.Module | None,
+    dims: list[tuple[int, int] | None] | None = None,
+) -> None:
     """Add what the model says about each layer to its attributes (in place): a per-layer RoPE
     base, the latent (MLA) layout of present layers, and what each recurrent state slot holds."""
     if model is None:
@@ -187,7 +192,12 @@ def annotate_layers(attributes: list[dict[str, Any]], present: list[bool], model
         base = layer_rope_base(config, index)
         if base is not None:
             attrs["rope_base"] = base
-        if latent is not None and here and attrs.get("kind") == "full":
+        # A latent layer caches the latent and the RoPE key (a sparse-attention indexer's keys,
+        # in a layer of their own, are not one): its K and V widths say so, where known.
+        shape = dims[index] if dims is not None else None
+        expected = (latent["kv_lora_rank"], latent["qk_rope_head_dim"]) if latent is not None else None
+        fits = shape is None or shape == expected
+        if latent is not None and here and attrs.get("kind") == "full" and fits:
             attrs.update(latent)
         state = attrs.get("state")
         if isinstance(state, list):

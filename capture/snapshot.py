@@ -127,7 +127,12 @@ def snapshot_kv(
     layers = [read_layer(cache) for cache, _ in placed]
     link_extra_layers([data.attributes for data in layers], [place for _, place in placed])
     info = file_metadata(model, model_path, tokenizer) if model is not None else {}
-    annotate_layers([data.attributes for data in layers], [data.present for data in layers], model)
+    annotate_layers(
+        [data.attributes for data in layers],
+        [data.present for data in layers],
+        model,
+        [data.dims[1:] if data.present and data.k else None for data in layers],
+    )
     info["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     info.update(metadata or {})
     snapshot_meta = _token_metadata(tokens, tokenizer) if tokens is not None else {}

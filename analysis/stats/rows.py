@@ -117,8 +117,10 @@ def _norms(stack: Sequence[RunningSums], n: np.ndarray) -> list[dict[str, Any]]:
                 "norm_p50": p50[b],
                 "norm_p99": p99[b],
                 "norm_sq_mean": sq_mean,
+                # NaN without position 0, and for a head of zero vectors (0 / 0: a sparse
+                # attention indexer's cache stores zeros as its values)
                 "sink_ratio": acc.first_norm_sum / acc.first_count / mean_norm
-                if acc.first_count
+                if acc.first_count and mean_norm > 0
                 else float("nan"),
                 "norm_by_position": by_position[b, : last[b]],
                 "anisotropy": anisotropy[b],

@@ -5,6 +5,7 @@ positions that are non-finite on one side."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import warnings
@@ -273,3 +274,18 @@ def test_a_quantized_layer_with_an_inf_scale(
     kept = np.delete(k, 7, axis=0).astype(np.float64)
     np.testing.assert_allclose(row["norm_mean"], np.linalg.norm(kept, axis=1).mean(), rtol=1e-4)
     assert _pick(rows, 0, 0, "v")["nonfinite_rows"] == 0
+
+
+def test_a_head_of_zero_vectors_has_no_sink_ratio_and_no_error(tmp_path: Path) -> None:
+    """A head whose every vector is 0 (a sparse-attention indexer's cache stores zeros as its
+    values): ``sink_ratio`` is 0 / 0, NaN, and the rest of the row is computed."""
+    import kvsnap
+
+    k = np.random.default_rng(3).standard_normal((1, 6, 8)).astype(np.float32)
+    path = tmp_path / "zeros.kv"
+    kvformat.save(path, [kvformat.Layer(k, np.zeros_like(k))])
+    table = kvsnap.head_stats(path)
+    values = table.filter(table["tensor"] == "v").row(0, named=True)
+    keys = table.filter(table["tensor"] == "k").row(0, named=True)
+    assert values["norm_mean"] == 0.0 and math.isnan(values["sink_ratio"])
+    assert math.isfinite(keys["sink_ratio"]) and keys["sink_ratio"] > 0
