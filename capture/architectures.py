@@ -223,20 +223,28 @@ def _compare(path: Path, calls: list[tuple[np.ndarray, ...]], result: Result) ->
 
     worst, compared, missing, prefill = 0.0, 0, 0, 0
     with kvformat.open(path) as snap:
-        stored = {}
+        stored = {}  # (layer, first query head of a reader) -> {position: query of that head}
         for layer, spec in enumerate(snap.layers):
             if spec.queries is not None:
-                found = snap.queries(layer, 0)
-                if found is not None:
-                    stored[layer] = {int(p): row for p, row in zip(found.positions, found.q, strict=True)}
+                per_reader = spec.queries.num_heads // int(spec.attributes.get("query_readers", 1))
+                for head in range(0, spec.queries.num_heads, per_reader):
+                    found = snap.queries(layer, head)
+                    if found is not None:
+                        rows = zip(found.positions, found.q, strict=True)
+                        stored[(layer, head)] = {int(p): row for p, row in rows}
         latent_layers = {
             layer: snap.head(layer, 0)
             for layer, spec in enumerate(snap.layers)
             if spec.queries is not None and spec.queries.latent
         }
         for queries, keys, output in calls:
-            place = _find(stored, queries[0, 0, 0])
-            if place is None and latent_layers:
+            match = _find(stored, queries[0, 0, 0])
+            offset = 0
+            place: tuple[int, int] | None = None
+            if match is not None:
+                (layer, offset), first = match
+                place = (layer, first)
+            elif latent_layers:
                 # Absorbed MLA: the file's queries are [q_c; q_r]; a decode call is found by
                 # its keys (the latents, whose newest row is the file's at that position).
                 latent_place = _find_latent(latent_layers, keys, queries.shape[2])
@@ -251,8 +259,10 @@ def _compare(path: Path, calls: list[tuple[np.ndarray, ...]], result: Result) ->
             count = queries.shape[2]
             query_spec = snap.layers[layer].queries
             assert query_spec is not None
-            for head in range(query_spec.num_heads):
-                recomputed, positions = snap.attention_output(layer, head, queries=(first, first + count))
+            for head in range(queries.shape[1]):  # this call's heads: its reader's in the file
+                recomputed, positions = snap.attention_output(
+                    layer, offset + head, queries=(first, first + count)
+                )
                 expected = output[0, head, : positions.size]
                 scale = max(float(np.abs(expected).max()), 1e-30)
                 worst = max(worst, float(np.abs(recomputed - expected).max()) / scale)
@@ -282,12 +292,15 @@ def _find_latent(latent_layers: dict[int, Any], keys: np.ndarray, count: int) ->
     return None
 
 
-def _find(stored: dict[int, dict[int, np.ndarray]], first_query: np.ndarray) -> tuple[int, int] | None:
-    """The (layer, position) whose stored query of head 0 equals ``first_query`` bit for bit."""
-    for layer, rows in stored.items():
+def _find(
+    stored: dict[tuple[int, int], dict[int, np.ndarray]], first_query: np.ndarray
+) -> tuple[tuple[int, int], int] | None:
+    """``((layer, first head of the reader), position)`` whose stored query equals
+    ``first_query`` (a call's head 0, first position) bit for bit."""
+    for place, rows in stored.items():
         for position, row in rows.items():
             if row.shape == first_query.shape and np.array_equal(row.astype(np.float32), first_query):
-                return layer, position
+                return place, position
     return None
 
 

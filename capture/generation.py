@@ -301,12 +301,18 @@ class _Snapshots:
                 "queries: none of this model's layers computed attention through mlx-lm's "
                 "scaled_dot_product_attention, so there are no queries to capture"
             )
-        return [
-            dataclasses.replace(spec, queries=self.recorder.spec(i, spec.num_heads, spec.attributes))
-            if spec.present
-            else spec
-            for i, spec in enumerate(specs)
-        ]
+        recorder = self.recorder
+        out = []
+        for i, spec in enumerate(specs):
+            if spec.present:
+                attributes = spec.attributes
+                if recorder.readers(i) > 1:  # SPEC 15.2: query_readers
+                    attributes = {**attributes, "query_readers": recorder.readers(i)}
+                spec = dataclasses.replace(
+                    spec, attributes=attributes, queries=recorder.spec(i, spec.num_heads, spec.attributes)
+                )
+            out.append(spec)
+        return out
 
     def _take_file(
         self, generated: int, tokens: list[int], pieces: list[str], base_text: str, logits: Any

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -91,6 +91,9 @@ class _Layer:
     pending: list[tuple[mx.array, int]]
     end: int = 0  # one past the last position seen
     latent: bool = False  # absorbed multi-head latent attention: queries [q_c; q_r]
+    groups: int = 1  # attention calls on this layer's K/V per step (another layer sharing it)
+    step: tuple[int, int] = (-1, 0)  # the current step's (start, calls so far)
+    extra: list[list[tuple[mx.array, int]]] = field(default_factory=list)  # groups 1.. pending
 
 
 def check_hookable(model: Any) -> None:
@@ -125,6 +128,10 @@ class QueryRecorder:
         self._latent_modules = _latent_modules(model)
         self._rope_out: list[tuple[Any, mx.array]] = []  # what an MLA module's RoPE just returned
         self._latent_checks: list[tuple[int, mx.array]] = []
+        self._taken = False  # whether a snapshot took the queries (the layout is then fixed)
+        # Per layer, the keys its last attention call read: a layer sharing them (Gemma-4, afm7)
+        # passes the same array without a cache. One per layer, so nothing older is kept alive.
+        self._last_keys: dict[int, tuple[tuple[int, Any], Any]] = {}
 
     def __enter__(self) -> QueryRecorder:
         from mlx_lm.models import base
@@ -195,6 +202,10 @@ class QueryRecorder:
             if place is None and cache is not None:  # a cache replaced since: map them again
                 self._layer_of = self._places()
                 place = self._layer_of.get(id(cache))
+            if place is None and cache is None:  # a layer reading the K/V another layer just read
+                place = next((p for p, k in self._last_keys.values() if k is keys), None)
+            elif place is not None:
+                self._last_keys[place[0]] = (place, keys)
             if place is None:
                 raise CaptureError(
                     "queries: one of this model's attention calls reads K/V of no layer's cache of "
@@ -255,13 +266,28 @@ class QueryRecorder:
                 float(scale), sinks, queries.shape[1], queries.shape[3], queries.dtype, [], latent=latent
             )
             self._kv_map[layer] = None if latent else _kv_heads_of(layer, queries, keys, cache)
-        elif start < seen.end or seen.dim != queries.shape[3] or seen.num_heads != queries.shape[1]:
+        elif seen.dim != queries.shape[3] or seen.num_heads != queries.shape[1] or seen.scale != float(scale):
             raise CaptureError(
-                f"queries: layer {layer}'s attention ran again for positions it already had, or "
-                "with other query shapes (the model reuses this layer's K/V for another layer's "
-                "attention, or loops over its layers); its queries cannot be told apart: capture "
-                "without --queries"
+                f"queries: layer {layer}'s attention ran with other query shapes or another scale "
+                "(another layer reads its K/V differently); capture without --queries"
             )
+        group = 0
+        if start < seen.end:  # another call on these positions: a layer that shares this one's K/V
+            step_start, calls = seen.step
+            if start != step_start or end != seen.end or seen.latent:
+                raise CaptureError(
+                    f"queries: layer {layer}'s attention ran again for positions it already had, "
+                    "but not as a second reader of the same step (the model loops over its "
+                    "layers); its queries cannot be told apart: capture without --queries"
+                )
+            group, seen.step = calls, (start, calls + 1)
+            if group >= seen.groups:
+                if self._taken:  # a layer starting to share after the file's layout was fixed
+                    raise CaptureError(f"queries: layer {layer} gained a reader mid-generation")
+                seen.groups = group + 1
+                seen.extra.append([])
+        else:
+            seen.step = (start, 1)
         seen.end = end
         first = max(start, self._first)
         if first < end:
@@ -269,7 +295,8 @@ class QueryRecorder:
             # attention function updates it in place (mlx-lm's quantized one: ``queries *= scale``):
             # a slice is a node of its own, which the in-place update leaves as it was.
             whole = first == start and not hasattr(cache, "bits")
-            seen.pending.append((queries if whole else queries[:, :, first - start :, :], first))
+            piece = (queries if whole else queries[:, :, first - start :, :], first)
+            (seen.pending if group == 0 else seen.extra[group - 1]).append(piece)
 
     def take(self) -> tuple[list[mx.array], list[tuple[int, int, int, np.ndarray]]]:
         """What every layer kept since the last call, as few device arrays as possible (not
@@ -292,10 +319,19 @@ class QueryRecorder:
         groups: dict[tuple[Any, ...], list[mx.array]] = {}
         widths: dict[tuple[Any, ...], int] = {}
         placed: list[tuple[int, tuple[Any, ...], int, np.ndarray]] = []
+        self._taken = True
         for layer, seen in sorted(self.layers.items()):
             if not seen.pending:
                 continue
             arrays = [array for array, _ in seen.pending]
+            if seen.groups > 1:  # each step's readers side by side: query heads of group g after g-1
+                if any([f for _, f in extra] != [f for _, f in seen.pending] for extra in seen.extra):
+                    raise CaptureError(f"queries: layer {layer}'s readers ran on different positions")
+                arrays = [
+                    mx.concatenate([array, *(extra[i][0] for extra in seen.extra)], axis=1)
+                    for i, array in enumerate(arrays)
+                ]
+                seen.extra = [[] for _ in seen.extra]
             positions = _positions(seen.pending)
             count = positions.size
             seen.pending = []
@@ -319,6 +355,12 @@ class QueryRecorder:
             for layer, which, column, positions in layout
         ]
 
+    def readers(self, layer: int) -> int:
+        """How many attention calls read the layer's K/V each step: 1, or more where other
+        layers share it (Gemma-3n); the file's query heads hold each reader's heads in turn."""
+        seen = self.layers.get(layer)
+        return seen.groups if seen is not None else 1
+
     def spec(self, layer: int, kv_heads: int, attributes: dict[str, Any]) -> QuerySpec | None:
         """The layer's `QuerySpec` from what its attention was seen doing and its attributes
         (a sliding window, a kept prefix); None if its attention never ran through the hook."""
@@ -327,17 +369,18 @@ class QueryRecorder:
             return None
         group = max(1, seen.num_heads // max(kv_heads, 1))
         mapped = self._kv_map.get(layer)
+        own = mapped if mapped is not None else tuple(h // group for h in range(seen.num_heads))
         sinks = None
         if seen.sinks is not None:
             sinks = tuple(float(x) for x in np.array(seen.sinks.astype(mx.float32)).reshape(-1).tolist())
         window = attributes.get("window") if attributes.get("kind") == "sliding" else None
         chunk = attributes.get("chunk_size") if attributes.get("kind") == "chunked" else None
         return QuerySpec(
-            num_heads=seen.num_heads,
+            num_heads=seen.num_heads * seen.groups,
             dim=seen.dim,
             dtype=kvformat.dtypes.from_name(str(seen.dtype).removeprefix("mlx.core.")),
             scale=seen.scale,
-            kv_heads=mapped if mapped is not None else tuple(h // group for h in range(seen.num_heads)),
+            kv_heads=own * seen.groups,
             window=int(window) if window else None,
             keep=int(attributes.get("keep") or 0) if window else 0,
             softcap=None,
