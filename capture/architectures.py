@@ -321,7 +321,8 @@ def markdown(results: list[Result]) -> str:
         "(`Snapshot.attention_output`), relative error at most 1e-5 (absorbed latent attention: "
         "its decode calls, which attend the latents the file holds; the prompt's calls expand them "
         "per head first); where the queries cannot be "
-        "recorded faithfully, `--queries` is refused by name before any file is written. "
+        "recorded faithfully, `--queries` is refused by name before any file is written (sparse "
+        "attention: at the first step whose keys are a selection). "
         f"**{ok} of {len(results) - len(SKIPPED)} checked architectures restore exactly**; "
         f"{len(SKIPPED)} are not checked, each for the reason given.",
         "",
