@@ -132,6 +132,9 @@ class QueryRecorder:
         # Per layer, the keys its last attention call read: a layer sharing them (Gemma-4, afm7)
         # passes the same array without a cache. One per layer, so nothing older is kept alive.
         self._last_keys: dict[int, tuple[tuple[int, Any], Any]] = {}
+        self._last_place: tuple[int, Any] | None = None
+        self._copy_checks: list[tuple[int, mx.array]] = []  # afm7: keys read as a copy
+        self._copies_checked: set[int] = set()
 
     def __enter__(self) -> QueryRecorder:
         from mlx_lm.models import base
@@ -156,6 +159,22 @@ class QueryRecorder:
         for module in self._latent_modules:
             if isinstance(module.rope, _RopeTap):
                 module.rope = module.rope.rope
+
+    def _copy_of(self, keys: Any) -> tuple[int, Any] | None:
+        """For an attention call without a cache whose keys are not another call's array: the
+        layer that ran attention last, where its keys have their shape (afm7's shared layers read
+        a copy of the last layer's K/V); that they are equal is checked once per layer, at the
+        next snapshot (`take`), before a file holds anything."""
+        place = self._last_place
+        if place is None or not isinstance(keys, mx.array):
+            return None
+        _, source = self._last_keys[place[0]]
+        if not isinstance(source, mx.array) or source.shape != keys.shape:
+            return None
+        if place[0] not in self._copies_checked:
+            self._copies_checked.add(place[0])
+            self._copy_checks.append((place[0], mx.array_equal(keys, source)))
+        return place
 
     def _latent_queries(
         self, layer: int, queries: mx.array, keys: mx.array, cache: Any, scale: float, mask: Any
@@ -204,8 +223,11 @@ class QueryRecorder:
                 place = self._layer_of.get(id(cache))
             if place is None and cache is None:  # a layer reading the K/V another layer just read
                 place = next((p for p, k in self._last_keys.values() if k is keys), None)
+                if place is None:
+                    place = self._copy_of(keys)
             elif place is not None:
                 self._last_keys[place[0]] = (place, keys)
+                self._last_place = place
             if place is None:
                 raise CaptureError(
                     "queries: one of this model's attention calls reads K/V of no layer's cache of "
@@ -315,6 +337,16 @@ class QueryRecorder:
                         f"queries: layer {layer}'s latent attention adds a RoPE score that the recorded "
                         f"query part does not reproduce (relative difference {difference:.1e}: "
                         "the model scales or changes it after its RoPE); capture without --queries"
+                    )
+        if self._copy_checks:
+            copies, self._copy_checks = self._copy_checks, []
+            mx.eval([same for _, same in copies])
+            for layer, same in copies:
+                if not bool(np.array(same)):
+                    raise CaptureError(
+                        f"queries: an attention call without a cache of its own read keys that are "
+                        f"not layer {layer}'s, the layer before it; its queries would have no layer in "
+                        "the file: capture without --queries"
                     )
         groups: dict[tuple[Any, ...], list[mx.array]] = {}
         widths: dict[tuple[Any, ...], int] = {}
