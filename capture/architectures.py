@@ -141,7 +141,7 @@ def check(name: str, folder: str | Path) -> Result:
     except Exception as exc:  # recorded: the table says what failed and where
         result.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     if result.error is None:
-        _check_attention(name, folder, result)
+        _check_attention(model, name, folder, result)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -175,7 +175,7 @@ class _Kernel:
             setattr(module, "scaled_dot_product_attention", original)  # noqa: B010
 
 
-def _check_attention(name: str, folder: str | Path, result: Result) -> None:
+def _check_attention(model: Any, name: str, folder: str | Path, result: Result) -> None:
     """Capture every query and hold attention recomputed from the file (`Snapshot.attention_output`)
     to what the model's attention function returned, call by call: each call is found in the
     file by its queries (the layer and positions whose stored queries equal them bit for bit)."""
@@ -184,9 +184,8 @@ def _check_attention(name: str, folder: str | Path, result: Result) -> None:
 
     from .errors import CaptureError, UnsupportedModelError
     from .generation import generate
-    from .tiny import build, byte_tokenizer
+    from .tiny import byte_tokenizer
 
-    model = build(name)
     path = Path(folder) / f"{name}-queries.kv"
     try:
         with _Kernel() as kernel:

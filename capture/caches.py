@@ -139,32 +139,26 @@ def read_layer(cache: Any) -> LayerKV:
     return kind.read(cache, attributes)
 
 
-def _read_recurrent(cache: Any, attributes: dict[str, Any]) -> LayerKV:
-    """Recurrent (SSM / linear-attention) state, not K/V: an absent layer whose ``state``
-    attribute describes the arrays stored beside it (`capture.state`)."""
-    described = recurrent.describe(cache)
-    layer = LayerKV(attributes={**attributes, "kind": "recurrent", "state": described}, present=False)
-    layer.state = recurrent.host_arrays(-1, cache, described)
-    return layer
+def state_attributes(cache: Any) -> dict[str, Any]:
+    """The attributes of a layer whose cache is stored as state (`capture.state.HOLDERS`): an
+    `ArraysCache` (recurrent: SSM / linear-attention state, not K/V), or deepseek_v41's own
+    `LayerCache` (a sliding window, compressed groups and their index keys, the open group's rows:
+    all of it, with the module defining the class and its window size, so restore builds the same
+    class). ``state`` describes the arrays stored beside the layer; nothing is copied."""
+    attributes: dict[str, Any] = {"cache_class": type(cache).__name__, "state": recurrent.describe(cache)}
+    if type(cache).__name__ == "LayerCache":
+        attributes.update(
+            kind="compressed", cache_module=type(cache).__module__, window_size=int(cache.window_size)
+        )
+    else:
+        attributes["kind"] = "recurrent"
+    return attributes
 
 
-def _read_layer_cache(cache: Any, attributes: dict[str, Any]) -> LayerKV:
-    """deepseek_v41's own `LayerCache` (a sliding window, compressed groups and their index
-    keys, the open group's rows): all of it as state (`capture.state`), with the module that
-    defines the class and its window size, so restore builds the same class."""
-    described = recurrent.describe(cache)
-    module = type(cache).__module__
-    layer = LayerKV(
-        attributes={
-            **attributes,
-            "kind": "compressed",
-            "state": described,
-            "cache_module": module,
-            "window_size": int(cache.window_size),
-        },
-        present=False,
-    )
-    layer.state = recurrent.host_arrays(-1, cache, described)
+def _read_state(cache: Any, attributes: dict[str, Any]) -> LayerKV:
+    """A cache stored as state: an absent layer (`state_attributes`) and its arrays on the host."""
+    layer = LayerKV(attributes={**attributes, **state_attributes(cache)}, present=False)
+    layer.state = recurrent.host_arrays(-1, cache, layer.attributes["state"])
     return layer
 
 
@@ -502,8 +496,8 @@ CACHE_CLASSES: dict[str, CacheClass] = {
     "QuantizedKVCache": CacheClass(_read_quantized, _build_quantized),
     "BatchKVCache": CacheClass(_read_batch, None),  # restore one sequence of it instead
     "BatchRotatingKVCache": CacheClass(_read_batch_rotating, None),
-    "ArraysCache": CacheClass(_read_recurrent, None, holds_kv=False),
+    "ArraysCache": CacheClass(_read_state, None, holds_kv=False),
     "CacheList": CacheClass(_read_cache_list, None, holds_kv=False),
-    "LayerCache": CacheClass(_read_layer_cache, None, holds_kv=False),  # deepseek_v41's own
+    "LayerCache": CacheClass(_read_state, None, holds_kv=False),  # deepseek_v41's own
 }
 """Every mlx-lm cache class kvsnap captures, by class name: the one place to add a class."""

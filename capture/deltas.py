@@ -21,7 +21,7 @@ from kvformat import QUANTIZATION_BITS as QUANT_BITS
 from kvformat import Quantization
 
 from . import state as recurrent
-from .caches import kv_sub_caches, read_layer, to_numpy
+from .caches import kv_sub_caches, read_layer, state_attributes, to_numpy
 from .errors import CaptureError, UnsupportedModelError
 from .gather import Rows
 
@@ -199,8 +199,11 @@ def layer_specs(prompt_cache: list[Any]) -> tuple[list[kvformat.LayerSpec], int]
     batch = 1
     for cache in prompt_cache:
         name = type(cache).__name__
-        if name in recurrent.HOLDERS or type(_kv_cache(cache)).__name__ not in _INCREMENTAL:
-            layer = read_layer(cache)  # absent, or a batch cache: its own description
+        if name in recurrent.HOLDERS:  # absent: its state travels with each snapshot
+            specs.append(kvformat.LayerSpec.absent(state_attributes(cache)))
+            continue
+        if type(_kv_cache(cache)).__name__ not in _INCREMENTAL:
+            layer = read_layer(cache)  # a batch cache: its own description
             specs.append(layer.spec())
             batch = max(batch, len(layer.k))
             continue

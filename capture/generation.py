@@ -204,17 +204,7 @@ class _Snapshots:
         if self.separate_files:
             self._take_file(generated, tokens, pieces, base_text, logits)
             return
-        metadata: dict[str, Any] = {"generated": generated}
-        # Token ids are copied here; their pieces are decoded on the writer thread.
-        if self.series is None and self.taken == 0:
-            new_tokens, pieces_key = list(tokens), "token_pieces"
-            metadata["tokens"] = [new_tokens]
-            metadata["text"] = [base_text + "".join(pieces)]
-        else:  # SPEC 15.3: what was added since the previous snapshot
-            new_tokens, pieces_key = tokens[self._tokens_written :], "token_pieces_appended"
-            metadata["tokens_appended"] = [new_tokens]
-            metadata["text_appended"] = ["".join(pieces[self._text_written :])]
-        self._tokens_written, self._text_written = len(tokens), len(pieces)
+        metadata, new_tokens, pieces_key = self._token_metadata(generated, tokens, pieces, base_text)
         placed = file_caches(self.prompt_cache)
         caches = [cache for cache, _ in placed]
         deltas = self.tracker.read(caches)
@@ -225,34 +215,12 @@ class _Snapshots:
         arrays = [array for delta in deltas for array in (*delta.keys, *delta.values)]
         queries, layout = self.recorder.take() if self.recorder is not None else ([], [])
         arrays += queries
-        if self.series is None:
-            specs, num_seqs = layer_specs(caches)
-            link_extra_layers([spec.attributes for spec in specs], [place for _, place in placed])
-        states = self._states(specs if self.series is None else None)
+        series = self.series or self._open_series(placed)
+        states = self._states()
         arrays += list(states.values())
         if logits is not None:
             arrays.append(mx.array(logits).astype(mx.float32).reshape(-1, logits.shape[-1]))
         transfer = Transfer(arrays)
-        if self.series is None:
-            annotate_layers(
-                [spec.attributes for spec in specs],
-                [spec.present for spec in specs],
-                self.model,
-                [(spec.k_dim, spec.v_dim) if spec.present else None for spec in specs],
-            )
-            if self.recorder is not None:
-                specs = self._with_queries(specs)
-            # Opening writes the header and manifest: small, once, here.
-            self.series = SeriesWriter(
-                self.output,
-                self.codec,
-                self.file_metadata,
-                specs,
-                num_seqs,
-                durable=self.durable,
-                overwrite=self.overwrite,
-            )
-        series = self.series
         index, count = self.taken, len(tokens)
         output = os.fspath(self.output)
         event_path = output + ".partial"
@@ -277,15 +245,59 @@ class _Snapshots:
         self.background.submit(write)
         self.taken += 1
 
-    def _states(self, specs: list[kvformat.LayerSpec] | None) -> dict[str, mx.array]:
+    def _token_metadata(
+        self, generated: int, tokens: list[int], pieces: list[str], base_text: str
+    ) -> tuple[dict[str, Any], list[int], str]:
+        """A series snapshot's metadata (its token ids and text: in full in the first, what was
+        added since the previous one after it, SPEC 15.3), the ids whose pieces the writer
+        thread decodes, and the key they go under."""
+        metadata: dict[str, Any] = {"generated": generated}
+        # Token ids are copied here; their pieces are decoded on the writer thread.
+        if self.series is None and self.taken == 0:
+            new_tokens, pieces_key = list(tokens), "token_pieces"
+            metadata["tokens"] = [new_tokens]
+            metadata["text"] = [base_text + "".join(pieces)]
+        else:
+            new_tokens, pieces_key = tokens[self._tokens_written :], "token_pieces_appended"
+            metadata["tokens_appended"] = [new_tokens]
+            metadata["text_appended"] = ["".join(pieces[self._text_written :])]
+        self._tokens_written, self._text_written = len(tokens), len(pieces)
+        return metadata, new_tokens, pieces_key
+
+    def _open_series(self, placed: list[tuple[Any, dict[str, Any]]]) -> SeriesWriter:
+        """The series file, opened at the first snapshot (header and manifest: small, once): the
+        layers described from the caches (`caches.file_caches`), what the model says of them, their
+        queries; which layers hold state is kept for every snapshot (`_states`)."""
+        specs, num_seqs = layer_specs([cache for cache, _ in placed])
+        link_extra_layers([spec.attributes for spec in specs], [place for _, place in placed])
+        annotate_layers(
+            [spec.attributes for spec in specs],
+            [spec.present for spec in specs],
+            self.model,
+            [(spec.k_dim, spec.v_dim) if spec.present else None for spec in specs],
+        )
+        if self.recorder is not None:
+            specs = self._with_queries(specs)
+        self._state_layers = [
+            (index, described)
+            for index, spec in enumerate(specs)
+            if isinstance(described := spec.attributes.get("state"), list)
+        ]
+        assert self.output is not None
+        self.series = SeriesWriter(
+            self.output,
+            self.codec,
+            self.file_metadata,
+            specs,
+            num_seqs,
+            durable=self.durable,
+            overwrite=self.overwrite,
+        )
+        return self.series
+
+    def _states(self) -> dict[str, mx.array]:
         """Every layer's recurrent state as device arrays named as the file stores them (SPEC
-        15.4); ``specs`` (when the file is opened) record which layers hold state and its shape."""
-        if specs is not None:
-            self._state_layers = [
-                (index, described)
-                for index, spec in enumerate(specs)
-                if isinstance(described := spec.attributes.get("state"), list)
-            ]
+        15.4), for the layers `_open_series` found holding state."""
         out: dict[str, mx.array] = {}
         for index, described in self._state_layers:
             arrays_cache, _ = recurrent.of(self.prompt_cache[index])

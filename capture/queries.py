@@ -327,6 +327,31 @@ class QueryRecorder:
         them. Returns those arrays, ``(batch, heads, n, dim)`` each, and per layer ``(layer,
         array index, first column, positions)``. What this costs the generating thread on CUDA is in
         the benchmarks in `benchmarks/`."""
+        self._verify()
+        groups: dict[tuple[Any, ...], list[mx.array]] = {}
+        widths: dict[tuple[Any, ...], int] = {}
+        placed: list[tuple[int, tuple[Any, ...], int, np.ndarray]] = []
+        self._taken = True
+        for layer, seen in sorted(self.layers.items()):
+            if not seen.pending:
+                continue
+            arrays = _readers_side_by_side(layer, seen)
+            positions = _positions(seen.pending)
+            count = positions.size
+            seen.pending = []
+            shape = arrays[0].shape
+            key = (shape[0], shape[1], shape[3], arrays[0].dtype)
+            groups.setdefault(key, []).extend(arrays)
+            placed.append((layer, key, widths.get(key, 0), positions))
+            widths[key] = widths.get(key, 0) + count
+        index = {key: i for i, key in enumerate(groups)}
+        joined = [join(parts) for parts in groups.values()]
+        return joined, [(layer, index[key], column, positions) for layer, key, column, positions in placed]
+
+    def _verify(self) -> None:
+        """The checks a step left to the snapshot (no synchronisation in the step): an MLA
+        layer's RoPE score reproduced by its recorded query part, a shared layer's copy of the
+        K/V equal to the layer's. `CaptureError` for the first that fails."""
         if self._latent_checks:
             checks, self._latent_checks = self._latent_checks, []
             mx.eval([error for _, error in checks])
@@ -348,33 +373,6 @@ class QueryRecorder:
                         f"not layer {layer}'s, the layer before it; its queries would have no layer in "
                         "the file: capture without --queries"
                     )
-        groups: dict[tuple[Any, ...], list[mx.array]] = {}
-        widths: dict[tuple[Any, ...], int] = {}
-        placed: list[tuple[int, tuple[Any, ...], int, np.ndarray]] = []
-        self._taken = True
-        for layer, seen in sorted(self.layers.items()):
-            if not seen.pending:
-                continue
-            arrays = [array for array, _ in seen.pending]
-            if seen.groups > 1:  # each step's readers side by side: query heads of group g after g-1
-                if any([f for _, f in extra] != [f for _, f in seen.pending] for extra in seen.extra):
-                    raise CaptureError(f"queries: layer {layer}'s readers ran on different positions")
-                arrays = [
-                    mx.concatenate([array, *(extra[i][0] for extra in seen.extra)], axis=1)
-                    for i, array in enumerate(arrays)
-                ]
-                seen.extra = [[] for _ in seen.extra]
-            positions = _positions(seen.pending)
-            count = positions.size
-            seen.pending = []
-            shape = arrays[0].shape
-            key = (shape[0], shape[1], shape[3], arrays[0].dtype)
-            groups.setdefault(key, []).extend(arrays)
-            placed.append((layer, key, widths.get(key, 0), positions))
-            widths[key] = widths.get(key, 0) + count
-        index = {key: i for i, key in enumerate(groups)}
-        joined = [join(parts) for parts in groups.values()]
-        return joined, [(layer, index[key], column, positions) for layer, key, column, positions in placed]
 
     @staticmethod
     def on_host(
@@ -474,6 +472,22 @@ def _kv_heads_of(layer: int, queries: mx.array, keys: Any, cache: Any) -> tuple[
         source.append(match[0])
     per = max(1, int(queries.shape[1]) // handed)
     return tuple(source[h // per] for h in range(int(queries.shape[1])))
+
+
+def _readers_side_by_side(layer: int, seen: _Layer) -> list[mx.array]:
+    """A layer's pending query pieces, with each further reader's (a layer sharing its K/V) as
+    the next block of query heads of the same piece; the readers' pending lists are emptied."""
+    arrays = [array for array, _ in seen.pending]
+    if seen.groups == 1:
+        return arrays
+    if any([f for _, f in extra] != [f for _, f in seen.pending] for extra in seen.extra):
+        raise CaptureError(f"queries: layer {layer}'s readers ran on different positions")
+    joined = [
+        mx.concatenate([array, *(extra[i][0] for extra in seen.extra)], axis=1)
+        for i, array in enumerate(arrays)
+    ]
+    seen.extra = [[] for _ in seen.extra]
+    return joined
 
 
 def _positions(pending: list[tuple[mx.array, int]]) -> np.ndarray:

@@ -18,6 +18,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .errors import UnsupportedModelError
+
 _COMMON = {
     "hidden_size": 64,
     "num_hidden_layers": 4,
@@ -288,7 +290,7 @@ def _text_arguments(module: Any) -> tuple[str, Any]:
             if any(item.name == "text_config" for item in dataclasses.fields(candidate.ModelArgs)):
                 return _text_arguments(candidate)  # itself a wrapper (qwen3_5_moe of qwen3_5)
             return imported, candidate.ModelArgs
-    raise ValueError(f"{module.__name__}: no text model arguments found")
+    raise UnsupportedModelError(f"{module.__name__}: no text model arguments found to build it tiny")
 
 
 _FOUR_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
