@@ -5,7 +5,7 @@ For each model module of ``mlx_lm.models`` (`names`), `check` builds a tiny rand
 compares every next-token log-probability with the uninterrupted run. The tests run it for every
 architecture; ``python -m kvsnap.capture.architectures FILE`` writes the table of the guide.
 
-    python -m kvsnap.capture.architectures docs/architectures.md
+    python -m kvsnap.capture.architectures docs/architectures.md --force
 """
 
 from __future__ import annotations
@@ -325,7 +325,7 @@ def markdown(results: list[Result]) -> str:
         f"**{ok} of {len(results) - len(SKIPPED)} checked architectures restore exactly**; "
         f"{len(SKIPPED)} are not checked, each for the reason given.",
         "",
-        "Regenerate with `python -m kvsnap.capture.architectures docs/architectures.md` "
+        "Regenerate with `python -m kvsnap.capture.architectures docs/architectures.md --force` "
         "(`tests/capture/test_architectures.py` runs the same check for every architecture).",
         "",
         "| architecture | caches | layer kinds in the file | state layers | restores exactly "
@@ -356,6 +356,16 @@ def _attention_text(result: Result) -> str:
 
 
 def main(argv: list[str]) -> int:
+    import argparse
+
+    from kvformat.io import check_output, output_path
+
+    parser = argparse.ArgumentParser(prog="python -m kvsnap.capture.architectures")
+    parser.add_argument("output", nargs="?", help="the Markdown table to write (default: print it)")
+    parser.add_argument("--force", action="store_true", help="replace an existing output")
+    options = parser.parse_args(argv)
+    if options.output:
+        check_output(options.output, force=options.force)  # before the minute of checks
     results = []
     with tempfile.TemporaryDirectory() as folder:
         for name in names():
@@ -370,12 +380,19 @@ def main(argv: list[str]) -> int:
             )
             print(f"{name}: {status}")
     text = markdown(results)
-    if argv:
-        Path(argv[0]).write_text(text, encoding="utf-8")
-    else:
+    if not options.output:
         print(text)
+        return 0
+    with output_path(options.output, force=options.force) as temporary:
+        Path(temporary).write_text(text, encoding="utf-8")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from kvformat import KVSnapError
+
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KVSnapError as exc:  # a refused output: one line
+        print(f"python -m kvsnap.capture.architectures: error: {exc}", file=sys.stderr)
+        sys.exit(2)
