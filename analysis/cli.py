@@ -77,8 +77,8 @@ def register(sub: Any) -> None:
         type=method,
         nargs="+",
         default=None,
-        help="streaming, snapkv, observed, h2o, random, kivi2, kivi4, token2, token4 (default: every "
-        "one the file's queries allow)",
+        help="streaming, snapkv, pyramidkv, observed, tova, knorm, keydiff, lagkv, cur, h2o, random, "
+        "kivi2, kivi4, token2, token4 (default: every one the file's queries allow)",
     )
     p.add_argument(
         "--budget",
@@ -111,6 +111,9 @@ def register(sub: Any) -> None:
         help="with --compress context: the position where the question begins",
     )
     p.add_argument("--seed", type=int, default=0, help="the random method's sample")
+    p.add_argument(
+        "--lag", type=positive_int, default=128, help="LagKV's partition, keys (default 128, kvpress's)"
+    )
     p.add_argument(
         "-o",
         "--output",

@@ -1,8 +1,11 @@
 """`kvsnap view` in a real browser (Debian's Chromium through Playwright), timed in the page with
 ``performance.now()``: the first map on screen after the page starts loading; then, once the head
-grid is there, switching heads and a zoom step; and the server's peak resident memory (the file's
-pages the grid's pass read count in it). The server is a fresh ``kvsnap view FILE
---no-browser`` process with default settings; the file a synthetic capture with queries in
+grid is there, switching heads (``switch_ms``: from the call to the new head's map and its last
+query's row on screen; ``switch_all_panels_ms``: until its K/V view is drawn too), a zoom step,
+and drawing the head's queries and keys in one plane (at most 32,768 keys, every n-th past that);
+and the server's peak resident memory (the file's pages the grid's pass read count in it). The
+server is a fresh ``kvsnap view FILE --no-browser`` process with default settings; the file a
+synthetic capture with queries in
 Qwen3-8B-like layers (8 KV heads, 32 query heads, head_dim 128, float16), queries of the last 64
 positions as ``--queries window:64`` keeps them.
 
@@ -86,19 +89,26 @@ def run_once(path: Path) -> dict[str, float]:
             page.wait_for_function("window.kvsnap.grid !== null", timeout=600_000)  # then steady state
             switch = page.evaluate(
                 "async () => { const t = performance.now(); await window.kvsnap.select(3, 17); "
-                "return [performance.now() - t, window.kvsnap.mapMs]; }"
+                "return [performance.now() - t, window.kvsnap.headShownAt - t]; }"
             )
             zoom = page.evaluate(
                 "async () => { const m = window.kvsnap.map; const t = performance.now(); "
                 "await window.kvsnap.zoom({q0: m.queries[0], q1: m.queries[0] + 16, k0: 0, k1: 512}); "
                 "return performance.now() - t; }"
             )
+            qk = page.evaluate(
+                "async () => { const t = performance.now(); await window.kvsnap.showQk(); "
+                "const v = window.kvsnap.qk; "
+                "return [performance.now() - t, v.keys.x.length + v.queries.x.length]; }"
+            )
             browser.close()
         time.sleep(0.2)
         return {
+            "qk_plane_ms": qk[0],
+            "qk_points": qk[1],
             "first_ms": first,
-            "switch_ms": switch[0],
-            "switch_map_ms": switch[1],
+            "switch_ms": switch[1],
+            "switch_all_panels_ms": switch[0],
             "zoom_ms": zoom,
             "server_rss_at_first_map_mib": at_first_map,
             "server_rss_after_mib": rss_mib(server.pid, "VmRSS"),

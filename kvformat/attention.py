@@ -61,6 +61,7 @@ class Snapshot(Protocol):
         positions: tuple[int, int] | range | None = None,
         *,
         tokens: tuple[int, int] | range | None = None,
+        values: bool = True,
     ) -> Head | None: ...
 
     def queries(
@@ -147,14 +148,20 @@ class ContextKeys:
 
 
 def context_keys(
-    snap: Snapshot, layer: int, kv_head: int, seq: int, query_positions: np.ndarray
+    snap: Snapshot, layer: int, kv_head: int, seq: int, query_positions: np.ndarray, *, values: bool = True
 ) -> ContextKeys:
     """The keys of ``kv_head`` the queries at ``query_positions`` attended: those the snapshot
     holds plus, for positions it no longer holds (a window that moved on), the rows the snapshots
-    it descends from hold. A query that saw a key found nowhere is marked incomplete."""
+    it descends from hold. A query that saw a key found nowhere is marked incomplete.
+    ``values=False``: the keys alone (``v`` empty; a latent layer's values are part of its keys,
+    so they are read there)."""
     spec = snap.layers[layer].queries
     assert spec is not None
-    kv = snap.head(layer, kv_head, seq)
+    kv = (
+        snap.head(layer, kv_head, seq)
+        if values or spec.latent
+        else snap.head(layer, kv_head, seq, values=False)
+    )
     assert kv is not None
     k, v, positions = kv.k, kv.v, kv.positions
     missing = np.setdiff1d(seen_positions(spec, query_positions), positions, assume_unique=True)
@@ -163,7 +170,7 @@ def context_keys(
         if earlier.positions.size:
             order = np.argsort(np.concatenate([positions, earlier.positions]), kind="stable")
             k = np.concatenate([k, earlier.k])[order]
-            v = np.concatenate([v, earlier.v])[order]
+            v = np.concatenate([v, earlier.v])[order] if v.shape[0] else v
             positions = np.concatenate([positions, earlier.positions])[order]
             missing = np.setdiff1d(missing, earlier.positions, assume_unique=True)
     complete = complete_queries(spec, query_positions, missing)
@@ -220,27 +227,35 @@ def weights(
 ) -> np.ndarray:
     """The softmax weights ``(n_queries, n_keys)`` float32 of queries ``q`` ``(n, dim)`` over
     keys ``k`` ``(m, dim)`` for query head ``head`` (SPEC 10.1)."""
-    logits = (np.asarray(q, np.float32) @ np.asarray(k, np.float32).T) * np.float32(spec.scale)
+    # One (n, m) float32 buffer, every step in place: the same operations in the same order as
+    # softmax(where(mask, cap * tanh(q k^T * scale / cap), -inf)), so the same bits, at a few
+    # passes over memory instead of a dozen.
+    logits = np.asarray(q, np.float32) @ np.asarray(k, np.float32).T
+    logits *= np.float32(spec.scale)
     if spec.softcap is not None:
         cap = np.float32(spec.softcap)
-        logits = cap * np.tanh(logits / cap)
+        logits /= cap
+        np.tanh(logits, out=logits)
+        logits *= cap
     mask = visible(spec, query_positions, key_positions)
-    logits = np.where(mask, logits, np.float32(-np.inf))
+    np.putmask(logits, ~mask, np.float32(-np.inf))
     top = logits.max(axis=1, initial=np.float32(-np.inf), keepdims=True)
     sink = None
     if spec.sinks is not None:
         sink = np.float32(spec.sinks[head])
         top = np.maximum(top, sink)
     top = np.where(np.isfinite(top), top, np.float32(0))  # a query that sees nothing: all zeros
+    logits -= top  # a masked key stays -inf, so exp gives it exactly 0
     with np.errstate(under="ignore"):
-        exp = np.exp(logits - top)
-    exp[~mask] = 0.0
-    total = exp.sum(axis=1, keepdims=True)
+        np.exp(logits, out=logits)
+    total = logits.sum(axis=1, keepdims=True)
     if sink is not None:
         total = total + np.exp(sink - top)
+    positive = total > 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        out = np.where(total > 0, exp / np.where(total > 0, total, 1), 0)
-    return out.astype(np.float32, copy=False)
+        logits /= np.where(positive, total, np.float32(1))
+    logits[~positive[:, 0]] = 0  # nothing seen, or a non-finite total: all zeros
+    return logits
 
 
 def _inputs(

@@ -195,12 +195,15 @@ class Snapshot:
         positions: tuple[int, int] | range | None = None,
         *,
         tokens: tuple[int, int] | range | None = None,
+        values: bool = True,
     ) -> Head | None:
         """K, V and positions of one head, or ``None`` if ``layer`` is absent from the file.
 
         ``positions=(start, stop)`` (or ``range(start, stop)``) keeps absolute positions
         ``start <= p < stop``; ``tokens=`` is its former name (deprecated). A single raw chunk
         comes back as a zero-copy read-only view; anything else is one new array.
+        ``values=False`` leaves V unread (``v`` is then empty, ``(0, v_dim)``): a pass that needs
+        the keys alone reads half the bytes.
         """
         if tokens is not None:
             if positions is not None:
@@ -215,7 +218,7 @@ class Snapshot:
         segments = self._segments.of_head(layer, seq, head)
         start, stop = _position_range(positions)
         wanted = [s for s in segments if max(start, s.position) < min(stop, s.position + s.count)]
-        self._file.prefetch([c for s in wanted for c in (s.k_chunk, s.v_chunk)])
+        self._file.prefetch([c for s in wanted for c in ((s.k_chunk, s.v_chunk) if values else (s.k_chunk,))])
         k_parts: list[np.ndarray] = []
         v_parts: list[np.ndarray] = []
         pos_parts: list[np.ndarray] = []
@@ -226,7 +229,8 @@ class Snapshot:
                 continue
             skip, n = first - seg.position, last - first
             k_parts.append(self._file.chunk_array(seg.k_chunk)[seg.k_row + skip :][:n])
-            v_parts.append(self._file.chunk_array(seg.v_chunk)[seg.v_row + skip :][:n])
+            if values:
+                v_parts.append(self._file.chunk_array(seg.v_chunk)[seg.v_row + skip :][:n])
             pos_parts.append(np.arange(first, last, dtype=np.int64))
         if not k_parts:
             empty = spec.dtype.numpy
@@ -238,6 +242,8 @@ class Snapshot:
                 np.empty((0, spec.v_dim), empty),
                 np.empty(0, np.int64),
             )
+        if not values:
+            v_parts = [np.empty((0, spec.v_dim), spec.dtype.numpy)]
         if len(k_parts) == 1:
             return Head(layer, head, seq, k_parts[0], v_parts[0], pos_parts[0])
         return Head(

@@ -28,9 +28,29 @@ Eviction methods (which keys of the span stay; ties between equal scores go to t
   the window's attention to it, averaged over the window's queries, pooled over ``kernel`` (5)
   neighbouring keys (``pooling="avg"``: zero-padded average, as ``avg_pool1d``; ``"max"``: the
   maximum, as some SnapKV ports do), then averaged over the query heads that share the KV head;
+- ``pyramidkv``: PyramidKV (Cai et al. 2024) as kvpress's ``PyramidKVPress``
+  (``presses/pyramidkv_press.py``, ``get_layer_budget``): SnapKV's choice with a budget per layer,
+  largest in the first layer and falling linearly to the last (``beta`` 20), the layers' mean the
+  budget given;
 - ``observed``: kvpress's ``ObservedAttentionPress``: each key's attention summed over every query
   of the span and divided by how many of them see it (``n - j`` for key ``j``), averaged over the
   group; needs every query of the span (``--queries all``);
+- ``tova``: TOVA (Oren et al. 2024) as kvpress's ``TOVAPress`` (``presses/tova_press.py``,
+  ``score``): the last query of the span's attention, averaged over every query head of the layer
+  (not only the group's), the same for every KV head; the last key always stays;
+- ``knorm``: kvpress's ``KnormPress`` (``presses/knorm_press.py``; Devoto et al. 2024): the keys of
+  smallest L2 norm;
+- ``keydiff``: KeyDiff (Park et al. 2025) as kvpress's ``KeyDiffPress``
+  (``presses/keydiff_press.py``): the keys least similar (cosine) to the mean of the span's
+  normalized keys;
+- ``lagkv``: LagKV (Liang et al. 2025) as kvpress's ``LagKVPress`` (``presses/lagkv_press.py``,
+  ``score`` and ``_get_states_score``): the 4 sinks and the last partitions stay; in each earlier
+  partition of ``lag`` keys (128), keys ranked by the spread (standard deviation over channels) of
+  their K and V scaled by the next partition's per-channel range, a softmax over the partition,
+  K's and V's averaged; a span shorter than ``4 + 2 lag`` keeps the sinks and the most recent;
+- ``cur``: CurDKV (Sengupta et al. 2025) as kvpress's ``CURPress`` (``presses/cur_press.py``,
+  defaults): each key's squared K norm times its squared V norm, each normalized within its block
+  of 16 keys; the 4 sinks always stay;
 - ``h2o``: H2O (Zhang et al. 2023) as the paper defines it (kvpress has no H2O press): half the
   budget the most recent keys, half the heavy hitters, the keys with the most attention
   accumulated (summed) over every query of the span the file holds and over the group;
@@ -92,6 +112,7 @@ class Options:
     compress: str = "prompt"
     question_start: int | None = None
     seed: int = 0
+    lag: int = 128
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -102,6 +123,8 @@ class Options:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {self.pooling!r}")
         if self.compress not in COMPRESS:
             raise ValueError(f"compress must be one of {', '.join(COMPRESS)}, not {self.compress!r}")
+        if self.lag < 1:
+            raise ValueError(f"lag must be a positive number of keys, not {self.lag}")
         if self.compress == "context" and self.question_start is None:
             raise ValueError(
                 "compress='context' needs question_start: the position where the question begins"
@@ -185,15 +208,20 @@ def kept_keys(
     scores: dict[str, np.ndarray],
     rng: np.random.Generator,
     window: int = OBSERVATION,
+    layer: tuple[int, int] = (0, 1),
 ) -> np.ndarray:
     """Boolean ``(n_keys,)``: the keys an eviction ``method`` keeps at ``budget`` (the span's keys
     are those at positions below ``end``; every later key stays). ``scores``: per method, a score
     per key (``snapkv``: pooled and averaged, NaN in the observation window; ``observed``,
-    ``h2o``)."""
+    ``h2o``, ...; higher kept first). ``layer``: the layer's index and the model's layer count
+    (``pyramidkv``'s budget)."""
     span = k_positions < end
     keep = ~span
     index = np.flatnonzero(span)  # the span's keys in position order
     count = kept_count(budget, index.size) if index.size else 0
+    if method == "pyramidkv" and index.size:
+        count = pyramid_count(budget, index.size, window, *layer)
+        method = "snapkv"
     if method == "streaming":
         chosen = np.concatenate([index[: min(SINKS, count)], index[index.size - max(0, count - SINKS) :]])
     elif method == "random":
@@ -204,6 +232,8 @@ def kept_keys(
         chosen = np.concatenate([fixed, _top(scores["snapkv"], count - fixed.size, span & ~observed)])
     elif method == "observed":
         chosen = _top(scores["observed"], count, span)
+    elif method in SCORED:
+        chosen = _top(scores[method], count, span)
     elif method == "h2o":
         recent = index[index.size - count // 2 :] if count // 2 else index[:0]
         heavy_among = span.copy()
@@ -213,6 +243,30 @@ def kept_keys(
         raise ValueError(f"{method!r} is not an eviction method")
     keep[chosen] = True
     return keep
+
+
+SCORED = ("tova", "knorm", "keydiff", "lagkv", "cur")
+"""The methods that keep the span's keys of highest score, nothing else."""
+BETA = 20
+"""PyramidKV's ratio of its largest layer budget to its smallest (kvpress's default)."""
+
+
+def pyramid_count(budget: float, n: int, window: int, layer: int, layers: int, beta: int = BETA) -> int:
+    """PyramidKV's keys kept in ``layer`` of ``layers`` of a span of ``n`` keys: kvpress's
+    ``PyramidKVPress.get_layer_budget`` (``presses/pyramidkv_press.py``, after KVCache-Factory):
+    budgets falling linearly from the first layer to the last, their mean ``budget * n`` plus the
+    observation ``window``; where the pyramid does not fit the span, the flat
+    ``round(budget * n)``."""
+    capacity = window + n * budget
+    low = (capacity - window) / beta
+    high = (capacity - window) * 2 - low
+    if high >= n - window:
+        high = n - window
+        low = (capacity - window) * 2 - high
+    if not n >= high >= low >= window:
+        return max(1, round(n * budget))
+    steps = (high - low) / (layers - 1) if layers > 1 else 0.0
+    return min(n, max(1, round(high - layer * steps)))
 
 
 def quantize(x: np.ndarray, bits: int, axis: int, group: int | None = None) -> np.ndarray:
@@ -251,7 +305,7 @@ def _group_scores(
     size = heads[0].k.shape[0]
     positions = heads[0].k_positions
     out: dict[str, np.ndarray] = {}
-    if "snapkv" in wanted:
+    if wanted & {"snapkv", "pyramidkv"}:
         first = end - options.observation
         before = positions < first
         pooled = np.zeros(int(before.sum()))
@@ -281,6 +335,8 @@ def _group_scores(
             seen_by = np.maximum(end - positions, 1)
             observed += weights.astype(np.float64).sum(axis=0) / seen_by
         out["observed"] = observed / len(heads)
+    if wanted & {"knorm", "keydiff", "lagkv", "cur"}:
+        out.update(_key_scores(heads[0], end, wanted, options))
     if "h2o" in wanted:
         h2o = np.zeros(size)
         for h in heads:
@@ -288,6 +344,106 @@ def _group_scores(
             h2o += weights.astype(np.float64).sum(axis=0)
         out["h2o"] = h2o
     return out
+
+
+def _key_scores(h: _Head, end: int, wanted: set[str], options: Options) -> dict[str, np.ndarray]:
+    """The scores of the methods that read the span's keys and values alone, per key of ``h``'s
+    KV head (NaN after the span): see the module's docstring for each."""
+    span = h.k_positions < end
+    k = h.k[span].astype(np.float64)
+    v = h.v[span].astype(np.float64)
+    out: dict[str, np.ndarray] = {}
+
+    def padded(values: np.ndarray) -> np.ndarray:
+        full = np.full(h.k_positions.size, np.nan)
+        full[span] = values
+        return full
+
+    k_norm = np.linalg.norm(k, axis=1)
+    if "knorm" in wanted:  # KnormPress.score: -||k||
+        out["knorm"] = padded(-k_norm)
+    if "keydiff" in wanted:  # KeyDiffPress.score: -cos(k, mean of F.normalize(k))
+        anchor = (k / np.maximum(k_norm, 1e-12)[:, None]).mean(axis=0)
+        cosine = (k @ anchor) / np.maximum(k_norm * np.linalg.norm(anchor), 1e-8)
+        out["keydiff"] = padded(-cosine)
+    if "lagkv" in wanted:
+        out["lagkv"] = padded(_lagkv(k, v, options.lag))
+    if "cur" in wanted:
+        out["cur"] = padded(_cur(k, v))
+    return out
+
+
+def _lagkv(k: np.ndarray, v: np.ndarray, lag: int, sinks: int = SINKS) -> np.ndarray:
+    """LagKVPress.score for one KV head's span ``k``, ``v`` ``(n, dim)``."""
+    n = k.shape[0]
+    if n < sinks + 2 * lag:
+        score = np.ones(n)
+        if n > sinks:
+            score[sinks:] = np.arange(n - sinks) / (n - sinks)
+        return score
+    end = sinks + ((n - sinks) // lag) * lag
+
+    def states(x: np.ndarray) -> np.ndarray:  # LagKVPress._get_states_score
+        parts = x[sinks:end].reshape(-1, lag, x.shape[1])
+        reference, scored = parts[1:], parts[:-1]
+        low, high = reference.min(axis=1, keepdims=True), reference.max(axis=1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            spread = ((scored - low) / (high - low)).std(axis=-1, ddof=1)
+        spread = np.exp(spread - spread.max(axis=-1, keepdims=True))
+        return spread / spread.sum(axis=-1, keepdims=True)
+
+    score = (states(k) + states(v)) / 2
+    ranks = score.argsort(axis=-1, kind="stable").argsort(axis=-1, kind="stable") / lag
+    return np.concatenate([np.ones(sinks), ranks.reshape(-1), np.ones(n - end + lag)])
+
+
+def _cur(k: np.ndarray, v: np.ndarray, sinks: int = SINKS, block: int = 16) -> np.ndarray:
+    """CURPress.score (kv_product, local approximation over blocks of 16 keys) for one KV head's
+    span ``k``, ``v`` ``(n, dim)``."""
+    n = k.shape[0]
+
+    def local(x: np.ndarray) -> np.ndarray:
+        squares = np.pad((x**2).sum(axis=1), (0, (block - n % block) % block)).reshape(-1, block)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (squares / squares.sum(axis=1, keepdims=True)).reshape(-1)[:n]
+
+    scores = local(k) * local(v)
+    scores = scores / scores.sum()
+    scores[:sinks] = 1.0
+    return scores
+
+
+def tova_scores(snap: kvformat.Snapshot, layer: int, seq: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    """TOVAPress.score for ``layer``: ``(key positions, scores)``, the attention of the query at
+    ``end - 1`` to each earlier key averaged over every query head of the layer (the key at
+    ``end - 1`` itself: the largest score plus 1, as kvpress pads it; NaN after the span).
+    ValueError where the file does not hold that query."""
+    spec = snap.layers[layer].queries
+    assert spec is not None
+    total: np.ndarray | None = None
+    positions = np.empty(0, np.int64)
+    for kv_head in sorted(set(spec.kv_heads)):
+        keys = context_keys(snap, layer, kv_head, seq, np.array([end - 1]), values=False)
+        k = float32_rows(keys.k, compiled=True)
+        for head in (h for h in range(spec.num_heads) if spec.kv_heads[h] == kv_head):
+            found = snap.queries(layer, head, seq, positions=(end - 1, end))
+            if found is None or not found.positions.size or not keys.complete.all():
+                raise ValueError(
+                    f"tova scores keys by the query at position {end - 1}, which the file does not hold "
+                    f"whole for layer {layer} head {head} (capture with --queries window:W or all)"
+                )
+            row = attention_weights(
+                spec, head, np.asarray(found.q, np.float32), k, found.positions, keys.positions
+            )
+            total = row[0].astype(np.float64) if total is None else total + row[0]
+            positions = keys.positions
+    assert total is not None
+    scores = total / spec.num_heads
+    span = positions < end - 1
+    out = np.full(positions.size, np.nan)
+    out[span] = scores[span]
+    out[positions == end - 1] = scores[span].max(initial=0.0) + 1
+    return positions, out
 
 
 def _warn_small_budget(methods: Iterable[str], budgets: Sequence[float], n: int, options: Options) -> None:
@@ -318,7 +474,7 @@ def resolve_window(snap: kvformat.Snapshot, end: int, options: Options, methods:
     holds no query right before ``end``."""
     if options.window is not None:
         return options
-    if "snapkv" not in set(methods):
+    if not {"snapkv", "pyramidkv"} & set(methods):
         return dataclasses.replace(options, window=OBSERVATION)
     found = query_layers(snap)
     held = snap.queries(found[0], 0) if found else None
@@ -422,9 +578,30 @@ def kept_mask(
     end = options.span_end(snap)
     options = resolve_window(snap, end, options, [method])
     scores = _group_scores(heads, end, [method], options)
-    rng = np.random.default_rng(options.seed)
     positions = heads[0].k_positions
-    return positions, kept_keys(method, budget, positions, end, scores, rng, options.observation)
+    scores.update(_layer_scores(snap, layer, seq, end, [method], positions))
+    rng = np.random.default_rng(options.seed)
+    where = (layer, model_layers(snap))
+    return positions, kept_keys(method, budget, positions, end, scores, rng, options.observation, where)
+
+
+def model_layers(snap: kvformat.Snapshot) -> int:
+    """The model's layer count: the file's layers less those holding a further cache of a model
+    layer (``of_layer``, SPEC 1.6)."""
+    return sum(1 for spec in snap.layers if "of_layer" not in spec.attributes)
+
+
+def _layer_scores(
+    snap: kvformat.Snapshot, layer: int, seq: int, end: int, methods: Iterable[str], positions: np.ndarray
+) -> dict[str, np.ndarray]:
+    """The scores of the methods that read every query head of ``layer`` (``tova``), per key at
+    ``positions`` (a KV head's)."""
+    if "tova" not in set(methods):
+        return {}
+    at, scores = tova_scores(snap, layer, seq, end)
+    if not np.array_equal(at, positions):
+        raise ValueError(f"layer {layer}: its KV heads hold different positions; tova scores them alike")
+    return {"tova": scores}
 
 
 def _group_heads(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) -> tuple[list[_Head], int]:
@@ -488,12 +665,13 @@ def _available(snap: kvformat.Snapshot, end: int) -> list[str]:
         methods.remove("observed")
     if _tail(held.positions, end, 1) == 0:
         warnings.warn(
-            f"{snap.name}: snapkv left out: it scores keys by the queries right before position {end}, "
-            "which the file does not hold (capture with --queries window:W or all)",
+            f"{snap.name}: snapkv, pyramidkv and tova left out: they score keys by the queries right "
+            f"before position {end}, which the file does not hold (capture with --queries window:W or all)",
             CompressionWarning,
             stacklevel=3,
         )
-        methods.remove("snapkv")
+        for method in ("snapkv", "pyramidkv", "tova"):
+            methods.remove(method)
     return methods
 
 
@@ -537,9 +715,11 @@ def simulate_rows(
                     _warn_small_budget(chosen, budgets, int((heads[0].k_positions < end).sum()), options)
                     warned = True
                 scores = _group_scores(heads, end, [m for m in chosen if m in EVICTION], options)
+                scores.update(_layer_scores(snap, layer, seq, end, chosen, heads[0].k_positions))
                 ends = (end, prompt_end(snap))
+                where = (layer, model_layers(snap))
                 for h in heads:
-                    rows += _head_rows(h, layer, kv_head, chosen, budgets, ends, options, scores, rng)
+                    rows += _head_rows(h, where, kv_head, chosen, budgets, ends, options, scores, rng)
         if left_out:
             warnings.warn(
                 f"{snap.name}: {left_out} queries left out: they attended keys no snapshot of the file holds",
@@ -551,7 +731,7 @@ def simulate_rows(
 
 def _head_rows(
     h: _Head,
-    layer: int,
+    where: tuple[int, int],
     kv_head: int,
     methods: list[str],
     budgets: Sequence[float],
@@ -560,8 +740,10 @@ def _head_rows(
     scores: dict[str, np.ndarray],
     rng: np.random.Generator,
 ) -> list[dict[str, Any]]:
-    """``h``'s rows; ``ends``: the compressed span's end and the prompt's (None if unknown)."""
+    """``h``'s rows; ``where``: the layer and the model's layer count; ``ends``: the compressed
+    span's end and the prompt's (None if unknown)."""
     end, prompt = ends
+    layer = where[0]
     decode = h.q_positions >= max(end, prompt or 0)
     if not decode.any():
         decode = h.q_positions >= end
@@ -594,7 +776,7 @@ def _head_rows(
             )
             continue
         for budget in budgets:
-            keep = kept_keys(method, budget, h.k_positions, end, scores, rng, options.observation)
+            keep = kept_keys(method, budget, h.k_positions, end, scores, rng, options.observation, where)
             error, agreement = _error(h, rows_eval, full, full_top, keep, h.k, h.v)
             out.append(
                 {

@@ -251,6 +251,11 @@ def _add_head(
             _add_block(sums, spec, head, q[rows], positions[rows], keys, window, copies)
 
 
+WORK_BYTES = 64 << 20
+"""The most bytes of one block's float32 weights (rows x keys) a thread holds: at 128k keys, a
+block holds 128 rows."""
+
+
 def _add_stacked(
     sums: list[_Sums],
     spec: Any,
@@ -262,9 +267,10 @@ def _add_stacked(
 ) -> None:
     """The heads' queries (``(q, positions)`` each, the same positions) through `_add_compiled`
     a block at a time, their rows stacked into this thread's work buffer: at most ``BLOCK``
-    rows a block over all heads."""
+    rows a block over all heads, and fewer where their weights would pass `WORK_BYTES`."""
     positions = queries[0][1]
-    step = max(1, attention_math.BLOCK // len(heads))
+    rows = min(attention_math.BLOCK, WORK_BYTES // (4 * max(1, keys.positions.size)))
+    step = max(1, rows // len(heads))
     dim = queries[0][0].shape[1]
     for start in range(0, len(positions), step):
         at = positions[start : start + step]
@@ -575,10 +581,12 @@ def attention_rows(
     needle: tuple[int, int] | None = None,
     retrieval: str = "generated",
     storage_options: dict[str, Any] | None = None,
+    threads: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """One row per (layer, query head) of a file with queries: ``file``, ``snapshot``, ``layer``,
-    ``head`` (the query head), ``kv_head``, then `COLUMNS`. Layers are scored on threads (one per
-    core, BLAS single-threaded; the results do not depend on the thread count), rows in order.
+    ``head`` (the query head), ``kv_head``, then `COLUMNS`. Layers are scored on ``threads``
+    threads (default one per core; BLAS single-threaded; the results do not depend on the thread
+    count; each thread holds one KV head's keys, values and weights), rows in order.
 
     Queries that attended keys the file no longer holds (a windowed cache snapshotted after they
     left the window) are left out of every score and counted in ``queries_incomplete``, with one
@@ -609,7 +617,7 @@ def attention_rows(
             return [rows[head] for head in sorted(rows)]
 
         incomplete = heads = 0
-        for rows in _each_layer(layer_rows, layers):
+        for rows in _each_layer(layer_rows, layers, threads):
             for row in rows:
                 incomplete += row["queries_incomplete"]
                 heads += row["queries_incomplete"] > 0
@@ -624,10 +632,12 @@ def attention_rows(
             )
 
 
-def _each_layer(layer_rows: Any, layers: list[int]) -> Iterator[list[dict[str, Any]]]:
-    """``layer_rows(layer)`` of each layer in order, on threads (one per core, BLAS
-    single-threaded) where there are several."""
-    threads = min(parallel.cores(), len(layers))
+def _each_layer(
+    layer_rows: Any, layers: list[int], threads: int | None = None
+) -> Iterator[list[dict[str, Any]]]:
+    """``layer_rows(layer)`` of each layer in order, on ``threads`` threads (default one per core;
+    BLAS single-threaded) where there are several."""
+    threads = min(threads or parallel.cores(), len(layers))
     if threads <= 1:
         for layer in layers:
             yield layer_rows(layer)

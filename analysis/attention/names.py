@@ -2,7 +2,19 @@
 line's argument checks run before anything heavy is imported): the what-if methods of
 `compression` and the one-number columns of `head_importance`."""
 
-EVICTION = ("streaming", "snapkv", "observed", "h2o", "random")
+EVICTION = (
+    "streaming",
+    "snapkv",
+    "pyramidkv",
+    "observed",
+    "tova",
+    "knorm",
+    "keydiff",
+    "lagkv",
+    "cur",
+    "h2o",
+    "random",
+)
 """The what-if methods that evict keys."""
 QUANTIZATION = {
     "kivi2": ("channel", 2),

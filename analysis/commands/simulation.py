@@ -27,6 +27,7 @@ class SimulateOptions(FromArgs):
     compress: str = "prompt"
     question_start: int | None = None
     seed: int = 0
+    lag: int = 128
     output: str = ""
     plot: str | None = None
     force: bool = False
@@ -52,6 +53,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             compress=options.compress,
             question_start=options.question_start,
             seed=options.seed,
+            lag=options.lag,
             storage_options=url_options(args),
         )
     save_table(table, options.output, args)

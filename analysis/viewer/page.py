@@ -25,6 +25,10 @@ def _static(name: str) -> str:
     return resources.files(__package__).joinpath("static", name).read_text("utf-8")
 
 
+EMBEDDED_POINTS = 4096
+"""The most keys (and queries) of a head's query-key projection a standalone page holds."""
+
+
 def render(embedded: dict[str, Any] | None, config: dict[str, Any]) -> str:
     """The page: served (``embedded`` None: the script asks the server, ``config`` carries the
     token) or standalone (``embedded``: every answer the page can show, precomputed)."""
@@ -47,13 +51,14 @@ def write_html(
     storage_options: dict[str, Any] | None = None,
 ) -> int:
     """Write one self-contained page of ``paths`` (one or two files) to ``out``: the head grid for
-    every score, and the maps (pooled to 256 x 512 tiles) and K/V views of ``layers`` x ``heads``
-    (default: the first 4 layers and heads that hold queries, or K/V heads without). Returns the
+    every score, and the maps (pooled to 256 x 512 tiles), query-key planes (at most
+    `EMBEDDED_POINTS` keys) and K/V views of ``layers`` x ``heads`` (default: the first 4 layers
+    and heads that hold queries, or K/V heads without). Returns the
     number of maps embedded. Written through a temporary name; an existing ``out`` only with
     ``force``; never one of ``paths``."""
 
     sources = [data.Source(path, storage_options) for path in paths]
-    embedded: dict[str, Any] = {"files": [], "grids": {}, "maps": {}, "kv": {}, "diff": None}
+    embedded: dict[str, Any] = {"files": [], "grids": {}, "maps": {}, "kv": {}, "qk": {}, "diff": None}
     count = 0
     try:
         for number, source in enumerate(sources):
@@ -105,6 +110,7 @@ def _embed_layer(
     query_heads = query_heads if spec["query_heads"] else []
     for head in query_heads:
         embedded["maps"][f"{prefix}:{head}"] = data.attention_map(snap, layer, head)
+        embedded["qk"][f"{prefix}:{head}"] = data.qk_projection(snap, layer, head, limit=EMBEDDED_POINTS)
     kv_heads = heads if heads is not None else list(range(min(4, spec["kv_heads"])))
     for head in (h for h in kv_heads if h < spec["kv_heads"]):
         embedded["kv"][f"{prefix}:{head}"] = data.kv_view(snap, layer, head)

@@ -12,10 +12,12 @@ with one line (its traceback goes to the server's standard error), and the serve
 
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import re
 import secrets
+import socket
 import sys
 import threading
 import traceback
@@ -23,6 +25,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
 
 from kvformat import KVSnapError
 
@@ -111,6 +115,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args: Any) -> None:  # quiet: the terminal shows the URL only
         return
 
+    def setup(self) -> None:
+        super().setup()
+        # headers and body leave as two writes: without this, the body of a small answer waits
+        # for the browser's delayed acknowledgement (40 ms on Linux)
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
     def _send(self, status: int, body: bytes, kind: str) -> None:
         self.send_response(status)
         self.send_header("Content-Type", kind)
@@ -183,6 +193,8 @@ class _Handler(BaseHTTPRequestHandler):
         source = self._source(query)
         if name == "diff":
             return data.difference(source.snap, self._source(query, "other").snap)
+        if name == "mapdiff":
+            return _map_difference(source.snap, self._source(query, "other").snap, query)
         if name == "grid":
             return source.grid((query.get("score") or ["sink_mass"])[0])
         answer = _ANSWERS[name]
@@ -195,7 +207,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def _map(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
     end = snap.seq_len
-    return data.attention_map(
+    binary = _encoding(query)
+    answer = data.attention_map(
         snap,
         layer,
         head,
@@ -203,6 +216,50 @@ def _map(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
         keys=_span(query, "k0", "k1", end),
         rows=_int(query, "rows", 256, 1, data.MAX_TILES),
         columns=_int(query, "columns", 512, 1, data.MAX_TILES),
+        as_array=binary,
+    )
+    return _tiles_encoded(answer) if binary else answer
+
+
+def _encoding(query: dict[str, list[str]]) -> bool:
+    """Whether the request asks for its tiles as float32 bytes (``encoding=f32``)."""
+    encoding = (query.get("encoding") or ["json"])[0]
+    if encoding not in ("json", "f32"):
+        raise data.ViewerError("encoding must be json or f32")
+    return encoding == "f32"
+
+
+def _tiles_encoded(answer: dict[str, Any]) -> dict[str, Any]:
+    """``tiles`` as ``tiles_f32`` (base64 of little-endian float32, rows one after another; NaN
+    where a tile shows nothing) and ``shape``: a map of 250k tiles is a quarter of its JSON
+    text, and the page decodes it without parsing numbers."""
+    tiles = answer.pop("tiles")
+    answer["shape"] = list(tiles.shape)
+    answer["tiles_f32"] = base64.b64encode(np.ascontiguousarray(tiles, "<f4").tobytes()).decode("ascii")
+    return answer
+
+
+def _map_difference(a: Any, b: Any, query: dict[str, list[str]]) -> Any:
+    end = min(a.seq_len, b.seq_len)
+    layer = _int(query, "layer", 0, 0, min(a.num_layers, b.num_layers) - 1)
+    binary = _encoding(query)
+    answer = data.attention_difference(
+        a,
+        b,
+        layer,
+        _int(query, "head", 0, 0, data.MAX_HEADS),
+        queries=_span(query, "q0", "q1", end),
+        keys=_span(query, "k0", "k1", end),
+        rows=_int(query, "rows", 256, 1, data.MAX_TILES),
+        columns=_int(query, "columns", 512, 1, data.MAX_TILES),
+        as_array=binary,
+    )
+    return _tiles_encoded(answer) if binary else answer
+
+
+def _qk(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
+    return data.qk_projection(
+        snap, layer, head, limit=_int(query, "points", data.MAX_POINTS, 16, data.MAX_POINTS)
     )
 
 
@@ -228,6 +285,8 @@ def _kv(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
 _ANSWERS: dict[str, Callable[[Any, int, int, dict[str, list[str]]], Any] | None] = {
     "grid": None,  # (the file's, not a head's)
     "diff": None,  # (two files')
+    "mapdiff": None,  # (two files')
+    "qk": _qk,
     "map": _map,
     "row": _row,
     "kept": _kept,

@@ -144,7 +144,10 @@ def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path)
         table = simulate.simulate(tmp_path / "a.kv", budgets=(0.25, 1.0), window=6)
     assert set(table["method"].to_list()) == set(simulate.METHODS) - {"observed"}  # needs every query
     full_budget = table.filter(table["budget"] == 1.0)
-    assert full_budget.height == 4 * 4 and (full_budget["relative_error"] == 0).all()  # every key kept
+    evictions = len(simulate.EVICTION) - 1  # observed left out
+    assert (
+        full_budget.height == evictions * 4 and (full_budget["relative_error"] == 0).all()
+    )  # every key kept
     assert (full_budget["top1_agreement"] == 1).all()
     evicting = full_budget.filter(full_budget["method"].is_in(list(simulate.EVICTION)))
     assert (evicting["keys_evicted"] == 0).all()  # nothing evicted: exact by construction
@@ -170,7 +173,11 @@ def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path)
             ]  # fmt: skip
             snapkv = np.full(POSITIONS, np.nan)
             snapkv[before] = np.mean(pooled, axis=0)
-            scores[kv_head] = {"h2o": together.sum(axis=0), "snapkv": snapkv}
+            scores[kv_head] = {
+                "h2o": together.sum(axis=0),
+                "snapkv": snapkv,
+                **_kvpress_scores(data, spec, kv_head),
+            }
         for row in table.filter(table["budget"] == 0.25).iter_rows(named=True):
             head = row["head"]
             if row["method"] not in simulate.EVICTION or row["method"] == "random":
@@ -192,6 +199,42 @@ def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path)
     assert (quantized["budget"] == 2 / 16).all() and (quantized["relative_error"] > 0).all()
     kivi4 = table.filter(table["method"] == "kivi4")["relative_error"].mean()
     assert kivi4 < quantized["relative_error"].mean()  # more bits, less error
+
+
+def _kvpress_scores(data: dict[str, Any], spec: QuerySpec, kv_head: int) -> dict[str, np.ndarray]:
+    """The scores of kvpress's KnormPress, KeyDiffPress, CURPress, LagKVPress (a span shorter
+    than 4 + 2 x 128: the sinks, then recency) and TOVAPress over the prompt's keys, written
+    here from those presses' ``score`` methods (NaN after the prompt)."""
+    k = data["k"][kv_head, :PROMPT].astype(np.float64)
+    v = data["v"][kv_head, :PROMPT].astype(np.float64)
+    norm = np.linalg.norm(k, axis=1)
+    anchor = (k / norm[:, None]).mean(axis=0)
+    blocks = -(-PROMPT // 16) * 16
+
+    def local(x: np.ndarray) -> np.ndarray:
+        squares = np.zeros(blocks)
+        squares[:PROMPT] = (x**2).sum(axis=1)
+        squares = squares.reshape(-1, 16)
+        return (squares / squares.sum(axis=1, keepdims=True)).reshape(-1)[:PROMPT]
+
+    cur = local(k) * local(v)
+    cur = cur / cur.sum()
+    cur[:4] = 1.0
+    lagkv = np.ones(PROMPT)
+    lagkv[4:] = np.arange(PROMPT - 4) / (PROMPT - 4)
+    last = np.array([PROMPT - 1])
+    tova = np.mean([_weights(data, spec, h, last, np.arange(PROMPT))[0] for h in range(4)], axis=0)
+    tova[-1] = tova[:-1].max() + 1
+    out = {
+        "knorm": -norm,
+        "keydiff": -(k @ anchor) / (norm * np.linalg.norm(anchor)),
+        "cur": cur,
+        "lagkv": lagkv,
+        "tova": tova,
+    }
+    return {
+        name: np.concatenate([values, np.full(POSITIONS - PROMPT, np.nan)]) for name, values in out.items()
+    }
 
 
 def test_quantize_matches_a_plain_min_max_quantizer() -> None:

@@ -280,7 +280,7 @@ def test_the_host_header_must_name_this_server(server: ViewerServer) -> None:
         assert status == 403 and b"Host header" in body, host
 
 
-ENDPOINTS = ["files", "grid", "diff", "map", "row", "kept", "kv", "nothing"]
+ENDPOINTS = ["files", "grid", "diff", "map", "mapdiff", "row", "kept", "kv", "qk", "nothing"]
 PARAMETERS = [
     "file",
     "other",
@@ -296,6 +296,8 @@ PARAMETERS = [
     "score",
     "method",
     "budget",
+    "encoding",
+    "points",
 ]
 
 

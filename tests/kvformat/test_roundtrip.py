@@ -119,6 +119,28 @@ def test_raw_single_chunk_is_zero_copy_view(tmp_path: Path) -> None:
         assert np.array_equal(head.k, k[1])
 
 
+def test_keys_alone_leave_the_values_unread(tmp_path: Path) -> None:
+    k = np.arange(1 * 6 * 2, dtype=np.float32).reshape(1, 6, 2)
+    v = np.ones((1, 6, 3), np.float32)
+    path = tmp_path / "k.kv"
+    kvformat.save(path, [kvformat.Layer(k, v)], chunk_bytes=8)  # several chunks a head
+    with kvformat.open(path) as snap:
+        read: list[int] = []
+        chunk_array = snap._file.chunk_array
+        snap._file.chunk_array = lambda i, checked=False: read.append(i) or chunk_array(i, checked)  # type: ignore[method-assign]
+        head = snap.head(0, 0, positions=(1, 5), values=False)
+        assert (
+            head is not None and np.array_equal(head.k, k[0, 1:5]) and head.positions.tolist() == [1, 2, 3, 4]
+        )
+        assert head.v.shape == (0, 3)
+        kinds = snap._file.table["kind"][read]
+        assert read and set(kinds.tolist()) == {
+            int(snap._file.table["kind"][snap._segments.of_head(0, 0, 0)[0].k_chunk])
+        }
+        both = snap.head(0, 0, positions=(1, 5))
+        assert both is not None and np.array_equal(both.v, v[0, 1:5])
+
+
 def test_a_position_range_selects_absolute_positions(tmp_path: Path) -> None:
     k = np.arange(1 * 6 * 2, dtype=np.float32).reshape(1, 6, 2)
     positions = np.array([0, 1, 10, 11, 12, 30])

@@ -4,8 +4,9 @@ the reference Python (``make reference``: torch, transformers, kvpress), never i
 
     python kvpress_kept.py MODEL.gguf IDS.json PRESSES.json OUT.npz
 
-``PRESSES.json``: a list of ``{"name", "press": "snapkv" | "streaming" | "observed",
-"compression_ratio", "window_size", "kernel_size"}``. For each press the ids are prefilled once
+``PRESSES.json``: a list of ``{"name", "press": "snapkv" | "pyramidkv" | "streaming" | "observed"
+| "tova" | "knorm" | "keydiff" | "lagkv" | "cur", "compression_ratio", and the press's own
+arguments (``window_size``, ``kernel_size``, ``lag_size``)}``. For each press the ids are prefilled once
 with the press applied (kvpress compresses the cache at the end of the prefill); the positions of
 the keys left in each layer's cache are found by matching them to an uncompressed prefill's keys.
 Writes ``{name}/{layer}``: ``(kv_heads, n_kept)`` int64 key positions, increasing.
@@ -26,18 +27,21 @@ from transformers_kv import _read_once
 
 
 def _press(config: dict[str, object]) -> object:
-    from kvpress import ObservedAttentionPress, SnapKVPress, StreamingLLMPress
+    import kvpress
 
-    ratio = float(config["compression_ratio"])  # type: ignore[arg-type]
-    if config["press"] == "snapkv":
-        return SnapKVPress(
-            compression_ratio=ratio,
-            window_size=int(config["window_size"]),  # type: ignore[call-overload]
-            kernel_size=int(config["kernel_size"]),  # type: ignore[call-overload]
-        )
-    if config["press"] == "streaming":
-        return StreamingLLMPress(compression_ratio=ratio)
-    return ObservedAttentionPress(compression_ratio=ratio)
+    presses = {
+        "snapkv": kvpress.SnapKVPress,
+        "pyramidkv": kvpress.PyramidKVPress,
+        "streaming": kvpress.StreamingLLMPress,
+        "observed": kvpress.ObservedAttentionPress,
+        "tova": kvpress.TOVAPress,
+        "knorm": kvpress.KnormPress,
+        "keydiff": kvpress.KeyDiffPress,
+        "lagkv": kvpress.LagKVPress,
+        "cur": kvpress.CURPress,
+    }
+    arguments = {k: v for k, v in config.items() if k not in ("name", "press")}
+    return presses[str(config["press"])](**arguments)
 
 
 def _prefill(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
