@@ -81,15 +81,23 @@ def _simulate_plot(means: Any, options: SimulateOptions, args: argparse.Namespac
 
     matplotlib.use("Agg")
 
-    figure, axis = plt.subplots(figsize=(6.4, 4.2))
-    for method in means["method"].unique(maintain_order=True).to_list():
+    figure, axis = plt.subplots(figsize=(7.6, 4.4))
+    methods = means["method"].unique(maintain_order=True).to_list()
+    colours = plt.get_cmap("tab20").colors  # 20 distinct colours; markers tell the rest apart
+    for i, method in enumerate(methods):
         rows = means.filter(means["method"] == method).sort("budget")
-        axis.plot(rows["budget"].to_list(), rows["error"].to_list(), marker="o", label=method)
+        axis.plot(
+            rows["budget"].to_list(),
+            rows["error"].to_list(),
+            marker="osD^v<>"[i % 7],
+            color=colours[(2 * i) % 20 + (i // 10) % 2],
+            label=method,
+        )
     axis.set_xlabel("budget (fraction of prompt keys kept; bits/16 for quantization)")
     axis.set_ylabel("relative error of the attention output")
     axis.set_yscale("log")
     axis.set_title(f"{options.file}: KV compression what-ifs (mean over heads)", fontsize=9)
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     figure.tight_layout()
     assert options.plot is not None  # (drawn for --plot only)
     save_figure(figure, options.plot, args)
