@@ -83,7 +83,8 @@ def _simulate_plot(means: Any, options: SimulateOptions, args: argparse.Namespac
 
     figure, axis = plt.subplots(figsize=(7.6, 4.4))
     methods = means["method"].unique(maintain_order=True).to_list()
-    colours = plt.get_cmap("tab20").colors  # 20 distinct colours; markers tell the rest apart
+    palette = plt.get_cmap("tab20")
+    colours = [palette(i) for i in range(20)]  # 20 distinct colours; markers tell the rest apart
     for i, method in enumerate(methods):
         rows = means.filter(means["method"] == method).sort("budget")
         axis.plot(
