@@ -77,8 +77,8 @@ def register(sub: Any) -> None:
         type=method,
         nargs="+",
         default=None,
-        help="streaming, snapkv, pyramidkv, observed, tova, knorm, keydiff, lagkv, cur, h2o, random, "
-        "kivi2, kivi4, token2, token4 (default: every one the file's queries allow)",
+        help="streaming, snapkv, pyramidkv, adakv, observed, tova, expected_attention, knorm, keydiff, "
+        "lagkv, cur, h2o, random, kivi2, kivi4, token2, token4 (default: every one the file's queries allow)",
     )
     p.add_argument(
         "--budget",
@@ -113,6 +113,12 @@ def register(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="the random method's sample")
     p.add_argument(
         "--lag", type=positive_int, default=128, help="LagKV's partition, keys (default 128, kvpress's)"
+    )
+    p.add_argument(
+        "--adakv-scorer",
+        choices=["snapkv", "tova", "expected_attention", "knorm", "keydiff", "lagkv", "cur"],
+        default="snapkv",
+        help="the scores AdaKV shares a layer's budget by (default snapkv)",
     )
     p.add_argument(
         "-o",
@@ -210,15 +216,40 @@ def register(sub: Any) -> None:
     )
 
     p = sub.add_parser(
-        "export", help="one file per layer and head (L00-H00.csv, as go-mlx probes), streamed head by head"
+        "export",
+        help="one file per layer and head (L00-H00.csv, as go-mlx probes), streamed head by head; or "
+        "artifacts kvpress loads (DuoAttention's head pattern, ExpectedAttention's query statistics)",
     )
-    p.add_argument("file")
+    p.add_argument(
+        "files",
+        nargs="+",
+        metavar="file",
+        help="a capture (several, or patterns, for --expected-attention-stats: pooled)",
+    )
     p.add_argument(
         "-o",
         "--output",
-        required=True,
         help="a folder (created if missing): only export's own L..-H.. files are written there; an "
         "existing one of them is refused without --force",
+    )
+    p.add_argument(
+        "--duo-attention",
+        metavar="DIR",
+        help="write DuoAttention's full_attention_heads.tsv and config.json (kvpress's DuoAttentionPress) "
+        "from the capture's streaming_error and retrieval_score (needs --queries)",
+    )
+    p.add_argument(
+        "--window",
+        type=positive_int,
+        default=256,
+        help="with --duo-attention: the recent keys a streaming head keeps (default 256)",
+    )
+    p.add_argument(
+        "--expected-attention-stats",
+        metavar="DIR",
+        help="write model.safetensors and config.json for kvpress's ExpectedAttentionStatsPress"
+        "(stats_folder=DIR): the pre-RoPE query mean and covariance per layer and head, pooled over the "
+        "files (needs --queries)",
     )
     p.add_argument("--layer", type=non_negative_int, action="append", help="only this layer (repeatable)")
     p.add_argument("--head", type=non_negative_int, action="append", help="only this head (repeatable)")

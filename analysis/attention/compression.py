@@ -32,12 +32,25 @@ Eviction methods (which keys of the span stay; ties between equal scores go to t
   (``presses/pyramidkv_press.py``, ``get_layer_budget``): SnapKV's choice with a budget per layer,
   largest in the first layer and falling linearly to the last (``beta`` 20), the layers' mean the
   budget given;
+- ``adakv``: AdaKV (Feng et al. 2024) as kvpress's ``AdaKVPress`` (``presses/adakv_press.py``,
+  ``compress``) over a scorer (``adakv_scorer``, default ``snapkv``): the layer's budget shared
+  among its KV heads: each head keeps its top 20% of its share (``alpha_safeguard``), then the
+  layer's lowest-scoring keys over all its heads go, so a head whose scores are concentrated keeps
+  fewer keys and a diffuse one more;
 - ``observed``: kvpress's ``ObservedAttentionPress``: each key's attention summed over every query
   of the span and divided by how many of them see it (``n - j`` for key ``j``), averaged over the
   group; needs every query of the span (``--queries all``);
 - ``tova``: TOVA (Oren et al. 2024) as kvpress's ``TOVAPress`` (``presses/tova_press.py``,
   ``score``): the last query of the span's attention, averaged over every query head of the layer
   (not only the group's), the same for every KV head; the last key always stays;
+- ``expected_attention``: kvpress's ``ExpectedAttentionPress``
+  (``presses/expected_attention_press.py``, ``get_query_statistics``, ``apply_avg_rope`` and
+  ``score``; Devoto et al. 2025) with its defaults: each query head's pre-RoPE queries (the file's
+  own, RoPE undone with the rotation the file records) over the span after the 4 sinks give a mean
+  and covariance, both carried through the mean rotation of the next 512 positions; each key
+  scores ``softmax(k . mu / sqrt(d) + k^T Sigma k / 2d)``, averaged over the group, times
+  ``||v||``; the sinks always stay. Needs every query of the span (``--queries all``) and a RoPE
+  the file describes;
 - ``knorm``: kvpress's ``KnormPress`` (``presses/knorm_press.py``; Devoto et al. 2024): the keys of
   smallest L2 norm;
 - ``keydiff``: KeyDiff (Park et al. 2025) as kvpress's ``KeyDiffPress``
@@ -79,11 +92,17 @@ from kvformat.attention import context_keys
 from kvformat.attention import weights as attention_weights
 
 from ..dependencies import pl
+from ..errors import AnalysisError
 from ..kernels.arrays import float32_rows
+from ..stats.rope import Rope
 from .head_importance import NoQueriesError, layers_with_queries, prompt_end, query_layers
-from .names import EVICTION, METHODS, QUANTIZATION
+from .names import EVICTION, METHODS, NOT_FROM_A_FILE, QUANTIZATION
 
 BUDGETS = (0.1, 0.25, 0.5)
+ADAKV_SCORERS = ("snapkv", "tova", "expected_attention", "knorm", "keydiff", "lagkv", "cur")
+"""The scorers AdaKV shares a layer's budget by (kvpress's ScorerPresses that kvsnap computes)."""
+SAFEGUARD = 0.2
+"""AdaKV's ``alpha_safeguard``: the share of its budget every head keeps by its own ranking."""
 OBSERVATION = 64  # SnapKV's observation window, queries (kvpress's default)
 SINKS = 4
 POOL = 5  # SnapKV's pooling kernel, keys
@@ -113,6 +132,7 @@ class Options:
     question_start: int | None = None
     seed: int = 0
     lag: int = 128
+    adakv_scorer: str = "snapkv"
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -123,6 +143,10 @@ class Options:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {self.pooling!r}")
         if self.compress not in COMPRESS:
             raise ValueError(f"compress must be one of {', '.join(COMPRESS)}, not {self.compress!r}")
+        if self.adakv_scorer not in ADAKV_SCORERS:
+            raise ValueError(
+                f"adakv_scorer must be one of {', '.join(ADAKV_SCORERS)}, not {self.adakv_scorer!r}"
+            )
         if self.lag < 1:
             raise ValueError(f"lag must be a positive number of keys, not {self.lag}")
         if self.compress == "context" and self.question_start is None:
@@ -166,6 +190,8 @@ class _Head:
 def check_methods(methods: Iterable[str]) -> list[str]:
     """``methods`` as a list; ValueError naming an unknown one."""
     chosen = list(methods)
+    for refused in (m for m in chosen if m in NOT_FROM_A_FILE):
+        raise ValueError(NOT_FROM_A_FILE[refused])
     unknown = [m for m in chosen if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown method {unknown[0]!r}: one of {', '.join(METHODS)}")
@@ -219,6 +245,8 @@ def kept_keys(
     keep = ~span
     index = np.flatnonzero(span)  # the span's keys in position order
     count = kept_count(budget, index.size) if index.size else 0
+    if method == "adakv":
+        return scores[adakv_key(budget)] > 0  # chosen over the whole layer (`adakv_masks`)
     if method == "pyramidkv" and index.size:
         count = pyramid_count(budget, index.size, window, *layer)
         method = "snapkv"
@@ -245,10 +273,65 @@ def kept_keys(
     return keep
 
 
-SCORED = ("tova", "knorm", "keydiff", "lagkv", "cur")
+SCORED = ("tova", "expected_attention", "knorm", "keydiff", "lagkv", "cur")
 """The methods that keep the span's keys of highest score, nothing else."""
 BETA = 20
 """PyramidKV's ratio of its largest layer budget to its smallest (kvpress's default)."""
+
+
+def adakv_key(budget: float) -> str:
+    """Where `adakv_masks` puts a KV head's kept keys at ``budget`` among its scores."""
+    return f"adakv@{budget!r}"
+
+
+def adakv_keep(scores: np.ndarray, budget: float, safeguard: float = SAFEGUARD) -> np.ndarray:
+    """``(kv_heads, n)`` bool: the keys AdaKVPress.compress keeps of a layer whose KV heads score
+    their ``n`` keys ``scores``: each head's top ``int(safeguard * kept)`` (at least 1) first, then
+    the ``kv_heads * (n - kept)`` lowest scores of the layer go (ties: the later key first)."""
+    heads, n = scores.shape
+    kept = kept_count(budget, n)
+    safe = max(1, int(kept * safeguard)) if kept > 0 else 0
+    ranked = scores.astype(np.float64).copy()
+    for head in range(heads):
+        ranked[head, _top(ranked[head], safe, np.ones(n, bool))] = np.inf
+    pruned = heads * (n - kept)
+    flat = np.arange(heads * n)
+    order = np.lexsort((-(flat % n), ranked.reshape(-1)))  # lowest first; among equals the later key
+    keep = np.ones(heads * n, bool)
+    keep[order[:pruned]] = False
+    return keep.reshape(heads, n)
+
+
+def adakv_masks(
+    snap: kvformat.Snapshot, layer: int, seq: int, end: int, budgets: Sequence[float], options: Options
+) -> dict[int, dict[str, np.ndarray]]:
+    """Per KV head of ``layer``, the keys `adakv` keeps at each of ``budgets`` (under
+    `adakv_key`): the scorer's scores of every KV head of the layer (SnapKV's observation window:
+    the layer's largest score, as SnapKVPress pads it), shared by `adakv_keep`."""
+    spec = snap.layers[layer].queries
+    assert spec is not None
+    inner = options.adakv_scorer
+    rope = layer_rope(snap, layer, [inner])
+    kv_heads = sorted(set(spec.kv_heads))
+    rows, positions = [], np.empty(0, np.int64)
+    for kv_head in kv_heads:
+        heads, _ = _group_heads(snap, layer, kv_head, seq)
+        positions = heads[0].k_positions
+        scores = _group_scores(heads, end, [inner], options, rope)
+        scores.update(_layer_scores(snap, layer, seq, end, [inner], positions))
+        rows.append(scores[inner][positions < end])
+    table = np.stack(rows)
+    if inner == "snapkv":
+        table = np.where(np.isnan(table), np.nanmax(table), table)
+    out: dict[int, dict[str, np.ndarray]] = {kv_head: {} for kv_head in kv_heads}
+    span = positions < end
+    for budget in budgets:
+        keep = adakv_keep(table, budget)
+        for row, kv_head in enumerate(kv_heads):
+            mask = np.ones(positions.size, np.float64)
+            mask[span] = keep[row]
+            out[kv_head][adakv_key(budget)] = mask
+    return out
 
 
 def pyramid_count(budget: float, n: int, window: int, layer: int, layers: int, beta: int = BETA) -> int:
@@ -296,11 +379,11 @@ def _span_weights(h: _Head, end: int, low: int = 0) -> tuple[np.ndarray, np.ndar
 
 
 def _group_scores(
-    heads: Sequence[_Head], end: int, methods: Iterable[str], options: Options
+    heads: Sequence[_Head], end: int, methods: Iterable[str], options: Options, rope: Rope | None = None
 ) -> dict[str, np.ndarray]:
     """Per key of the group's KV head, the scores the eviction ``methods`` rank by (see the
-    module's docstring), from the query heads ``heads`` that read it. ValueError where the file
-    lacks the queries a method needs."""
+    module's docstring), from the query heads ``heads`` that read it (``rope``: the layer's, for
+    ``expected_attention``). ValueError where the file lacks the queries a method needs."""
     wanted = set(methods)
     size = heads[0].k.shape[0]
     positions = heads[0].k_positions
@@ -337,6 +420,8 @@ def _group_scores(
         out["observed"] = observed / len(heads)
     if wanted & {"knorm", "keydiff", "lagkv", "cur"}:
         out.update(_key_scores(heads[0], end, wanted, options))
+    if "expected_attention" in wanted:
+        out["expected_attention"] = _expected_attention(heads, end, rope)
     if "h2o" in wanted:
         h2o = np.zeros(size)
         for h in heads:
@@ -371,6 +456,64 @@ def _key_scores(h: _Head, end: int, wanted: set[str], options: Options) -> dict[
     if "cur" in wanted:
         out["cur"] = padded(_cur(k, v))
     return out
+
+
+FUTURE = 512
+"""ExpectedAttention's future positions, over which the queries' rotation is averaged."""
+
+
+def _expected_attention(
+    heads: Sequence[_Head], end: int, rope: Rope | None, sinks: int = SINKS
+) -> np.ndarray:
+    """ExpectedAttentionPress.score (covariance and value norms on, epsilon 0) for one KV head,
+    from its query heads' own queries over the span."""
+    if rope is None:
+        raise ValueError("expected_attention undoes RoPE on the file's queries: the file describes none")
+    h = heads[0]
+    span = h.k_positions < end
+    if int(span.sum()) <= sinks:
+        raise ValueError(f"expected_attention needs more than {sinks} keys before position {end}")
+    dim = h.k.shape[1]
+    if rope.dims != dim:
+        raise ValueError(
+            f"expected_attention: a partial RoPE ({rope.dims} of {dim} channels) is not kvpress's"
+        )
+    k = h.k[span][sinks:].astype(np.float64)
+    mean_rotation = _mean_rotation(rope, end, dim)
+    total = np.zeros(k.shape[0])
+    for head in heads:
+        rows = (head.q_positions >= sinks) & (head.q_positions < end)
+        if int(rows.sum()) != end - sinks:
+            raise ValueError(
+                f"expected_attention needs every query from position {sinks} to {end - 1}; the file holds "
+                f"{int(rows.sum())} for query head {head.head} (capture with --queries all)"
+            )
+        q = rope.rotate(head.q[rows], head.q_positions[rows], inverse=True).astype(np.float64)
+        mu = q.mean(axis=0)
+        centred = q - mu
+        cov = centred.T @ centred / q.shape[0]
+        mu, cov = mean_rotation @ mu, mean_rotation @ cov @ mean_rotation.T
+        logits = k @ mu / math.sqrt(dim) + np.einsum("ni,ij,nj->n", k, cov, k) / dim / 2
+        weights = np.exp(logits - logits.max())
+        total += weights / weights.sum()
+    scores = total / len(heads) * np.linalg.norm(h.v[span][sinks:].astype(np.float64), axis=1)
+    out = np.full(h.k_positions.size, np.nan)
+    where = np.flatnonzero(span)
+    out[where[:sinks]] = scores.max() + 1
+    out[where[sinks:]] = scores
+    return out
+
+
+def _mean_rotation(rope: Rope, start: int, dim: int, count: int = FUTURE) -> np.ndarray:
+    """``(dim, dim)``: RoPE's rotation averaged over positions ``start .. start + count - 1``
+    (ExpectedAttentionPress.apply_avg_rope's ``R``)."""
+    theta = rope.angles(np.arange(start, start + count))
+    cos, sin = np.cos(theta).mean(axis=0), np.sin(theta).mean(axis=0)
+    first, second = rope.pair_indices()
+    rotation = np.eye(dim)
+    rotation[first, first], rotation[second, second] = cos, cos
+    rotation[first, second], rotation[second, first] = -sin, sin
+    return rotation
 
 
 def _lagkv(k: np.ndarray, v: np.ndarray, lag: int, sinks: int = SINKS) -> np.ndarray:
@@ -474,7 +617,8 @@ def resolve_window(snap: kvformat.Snapshot, end: int, options: Options, methods:
     holds no query right before ``end``."""
     if options.window is not None:
         return options
-    if not {"snapkv", "pyramidkv"} & set(methods):
+    wanted = set(methods) | ({options.adakv_scorer} if "adakv" in set(methods) else set())
+    if not {"snapkv", "pyramidkv"} & wanted:
         return dataclasses.replace(options, window=OBSERVATION)
     found = query_layers(snap)
     held = snap.queries(found[0], 0) if found else None
@@ -577,12 +721,26 @@ def kept_mask(
     heads, _ = _group_heads(snap, layer, spec.kv_heads[head], seq)
     end = options.span_end(snap)
     options = resolve_window(snap, end, options, [method])
-    scores = _group_scores(heads, end, [method], options)
+    scores = _group_scores(heads, end, [method], options, layer_rope(snap, layer, [method]))
     positions = heads[0].k_positions
     scores.update(_layer_scores(snap, layer, seq, end, [method], positions))
+    if method == "adakv":
+        scores.update(adakv_masks(snap, layer, seq, end, [budget], options)[spec.kv_heads[head]])
     rng = np.random.default_rng(options.seed)
     where = (layer, model_layers(snap))
     return positions, kept_keys(method, budget, positions, end, scores, rng, options.observation, where)
+
+
+def layer_rope(snap: kvformat.Snapshot, layer: int, methods: Iterable[str]) -> Rope | None:
+    """The RoPE of ``layer`` as the file describes it, where a method needs it; None otherwise
+    (or where the file describes none: the method then says so)."""
+    if "expected_attention" not in set(methods):
+        return None
+    spec = snap.layers[layer]
+    try:
+        return Rope.from_metadata(snap.metadata, spec.attributes, spec.k_dim)
+    except AnalysisError as exc:
+        raise ValueError(f"expected_attention: {exc}") from None
 
 
 def model_layers(snap: kvformat.Snapshot) -> int:
@@ -657,20 +815,29 @@ def _available(snap: kvformat.Snapshot, end: int) -> list[str]:
         return methods
     if int((held.positions < end).sum()) < end:
         warnings.warn(
-            f"{snap.name}: observed left out: it needs every query before position {end} "
-            "(capture with --queries all)",
+            f"{snap.name}: observed and expected_attention left out: they need every query before "
+            f"position {end} (capture with --queries all)",
             CompressionWarning,
             stacklevel=3,
         )
         methods.remove("observed")
+        methods.remove("expected_attention")
+    elif not isinstance(snap.metadata.get("rope"), dict) or end <= SINKS + 1:
+        why = (
+            "the file describes no RoPE to undo on its queries"
+            if end > SINKS + 1
+            else (f"its statistics need more than {SINKS + 1} prompt queries, the file's prompt is {end}")
+        )
+        warnings.warn(f"{snap.name}: expected_attention left out: {why}", CompressionWarning, stacklevel=3)
+        methods.remove("expected_attention")
     if _tail(held.positions, end, 1) == 0:
         warnings.warn(
-            f"{snap.name}: snapkv, pyramidkv and tova left out: they score keys by the queries right "
+            f"{snap.name}: snapkv, pyramidkv, adakv and tova left out: they score keys by the queries right "
             f"before position {end}, which the file does not hold (capture with --queries window:W or all)",
             CompressionWarning,
             stacklevel=3,
         )
-        for method in ("snapkv", "pyramidkv", "tova"):
+        for method in ("snapkv", "pyramidkv", "adakv", "tova"):
             methods.remove(method)
     return methods
 
@@ -708,14 +875,17 @@ def simulate_rows(
         for layer in layers_with_queries(snap):
             spec = snap.layers[layer].queries
             assert spec is not None
+            shared = adakv_masks(snap, layer, seq, end, budgets, options) if "adakv" in chosen else {}
             for kv_head in sorted(set(spec.kv_heads)):
                 heads, dropped = _group_heads(snap, layer, kv_head, seq)
                 left_out += dropped
                 if not warned:
                     _warn_small_budget(chosen, budgets, int((heads[0].k_positions < end).sum()), options)
                     warned = True
-                scores = _group_scores(heads, end, [m for m in chosen if m in EVICTION], options)
+                rope = layer_rope(snap, layer, chosen)
+                scores = _group_scores(heads, end, [m for m in chosen if m in EVICTION], options, rope)
                 scores.update(_layer_scores(snap, layer, seq, end, chosen, heads[0].k_positions))
+                scores.update(shared.get(kv_head, {}))
                 ends = (end, prompt_end(snap))
                 where = (layer, model_layers(snap))
                 for h in heads:

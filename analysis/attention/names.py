@@ -6,8 +6,10 @@ EVICTION = (
     "streaming",
     "snapkv",
     "pyramidkv",
+    "adakv",
     "observed",
     "tova",
+    "expected_attention",
     "knorm",
     "keydiff",
     "lagkv",
@@ -24,6 +26,15 @@ QUANTIZATION = {
 }
 """The what-if methods that quantize K and V: (grouping, bits)."""
 METHODS = (*EVICTION, *QUANTIZATION)
+NOT_FROM_A_FILE = {
+    "qfilter": "qfilter scores keys by filters trained per model (kvpress's QFilterPress downloads them); "
+    "a file holds no such filters",
+    "kvzip": "kvzip scores keys by how well the model reconstructs the context from the cache (kvpress's "
+    "KVzipPress runs the model again); a file cannot run the model",
+    "duo_attention": "duo_attention needs a head pattern: kvsnap export --duo-attention DIR writes one from "
+    "this file's scores for kvpress's DuoAttentionPress",
+}
+"""kvpress methods `simulate` cannot compute from a file, each with why (said in one line)."""
 
 SCALARS = (
     "sink_mass",

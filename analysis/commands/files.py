@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 import kvformat
 from kvformat.attention import check_selection
 from kvformat.io.outputs import output_path
+from kvsnap.cli.errors import OptionsConflictError
 
 from ..dependencies import pl, tqdm
 from ..tools.export import export_heads
+from ..tools.kvpress_export import write_duo_attention, write_expected_attention_stats
 from .common import FromArgs, inputs, url_options
 
 
@@ -22,8 +25,11 @@ from .common import FromArgs, inputs, url_options
 class ExportOptions(FromArgs):
     """``kvsnap export``'s options, typed (`from_args`)."""
 
-    file: str = ""
-    output: str = ""
+    files: list[str] = field(default_factory=list)
+    output: str | None = None
+    duo_attention: str | None = None
+    window: int = 256
+    expected_attention_stats: str | None = None
     layer: list[int] | None = None
     head: list[int] | None = None
     format: str = "csv"
@@ -32,11 +38,43 @@ class ExportOptions(FromArgs):
     force: bool = False
 
 
+def _one_file(options: ExportOptions, what: str) -> str:
+    if len(options.files) != 1:
+        raise OptionsConflictError(f"{what} takes one capture, not {len(options.files)}")
+    return options.files[0]
+
+
 def export_command(args: argparse.Namespace) -> int:
     options = ExportOptions.from_args(args)
+    if not (options.output or options.duo_attention or options.expected_attention_stats):
+        raise OptionsConflictError(
+            "export writes -o DIR (a file per head), --duo-attention DIR or --expected-attention-stats DIR"
+        )
+    if options.duo_attention:
+        path = _one_file(options, "--duo-attention")
+        for written_path in write_duo_attention(
+            path, options.duo_attention, window=options.window, force=options.force
+        ):
+            print(f"wrote {written_path}")
+    if options.expected_attention_stats:
+        names = [
+            found
+            for name in options.files
+            for found in (sorted(glob.glob(name)) if glob.has_magic(name) else [name])
+        ]
+        folder = options.expected_attention_stats
+        for written_path in write_expected_attention_stats(names, folder, force=options.force):
+            print(f"wrote {written_path}")
+    if options.output:
+        return _export_heads(options, args)
+    return 0
+
+
+def _export_heads(options: ExportOptions, args: argparse.Namespace) -> int:
+    assert options.output is not None
     written = 0
     paths = export_heads(
-        options.file,
+        _one_file(options, "-o"),
         options.output,
         layers=options.layer,
         heads=options.head,

@@ -11,7 +11,7 @@ import math
 
 from kvsnap.cli.options import positive_float, positive_int
 
-from ..attention.names import EVICTION, METHODS
+from ..attention.names import EVICTION, METHODS, NOT_FROM_A_FILE
 from ..kernels import CHOICES as BACKENDS
 from ..kernels import DEFAULT as DEFAULT_KERNEL
 from ..stats.groups import GROUPS, stat_groups
@@ -103,6 +103,8 @@ def kept(text: str) -> tuple[str, float]:
 
 def method(text: str) -> str:
     """argparse type: a `simulate` method."""
+    if text in NOT_FROM_A_FILE:
+        raise argparse.ArgumentTypeError(NOT_FROM_A_FILE[text])
     if text not in METHODS:
         raise argparse.ArgumentTypeError(f"unknown method {text!r}: one of {', '.join(METHODS)}")
     return text

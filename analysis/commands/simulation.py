@@ -28,6 +28,7 @@ class SimulateOptions(FromArgs):
     question_start: int | None = None
     seed: int = 0
     lag: int = 128
+    adakv_scorer: str = "snapkv"
     output: str = ""
     plot: str | None = None
     force: bool = False
@@ -54,6 +55,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             question_start=options.question_start,
             seed=options.seed,
             lag=options.lag,
+            adakv_scorer=options.adakv_scorer,
             storage_options=url_options(args),
         )
     save_table(table, options.output, args)

@@ -206,33 +206,30 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _map(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:
-    end = snap.seq_len
-    binary = _encoding(query)
-    answer = data.attention_map(
-        snap,
-        layer,
-        head,
-        queries=_span(query, "q0", "q1", end),
-        keys=_span(query, "k0", "k1", end),
-        rows=_int(query, "rows", 256, 1, data.MAX_TILES),
-        columns=_int(query, "columns", 512, 1, data.MAX_TILES),
-        as_array=binary,
-    )
-    return _tiles_encoded(answer) if binary else answer
+    tiling = _tiling(query, snap.seq_len)
+    answer = data.attention_map(snap, layer, head, **tiling)
+    return _tiles_encoded(answer) if tiling["as_array"] else answer
 
 
-def _encoding(query: dict[str, list[str]]) -> bool:
-    """Whether the request asks for its tiles as float32 bytes (``encoding=f32``)."""
+def _tiling(query: dict[str, list[str]], end: int) -> dict[str, Any]:
+    """A map's query and key spans (inside ``0 .. end``), its tile counts, and whether its tiles
+    go as float32 bytes (``encoding=f32``)."""
     encoding = (query.get("encoding") or ["json"])[0]
     if encoding not in ("json", "f32"):
         raise data.ViewerError("encoding must be json or f32")
-    return encoding == "f32"
+    return {
+        "queries": _span(query, "q0", "q1", end),
+        "keys": _span(query, "k0", "k1", end),
+        "rows": _int(query, "rows", 256, 1, data.MAX_TILES),
+        "columns": _int(query, "columns", 512, 1, data.MAX_TILES),
+        "as_array": encoding == "f32",
+    }
 
 
 def _tiles_encoded(answer: dict[str, Any]) -> dict[str, Any]:
     """``tiles`` as ``tiles_f32`` (base64 of little-endian float32, rows one after another; NaN
-    where a tile shows nothing) and ``shape``: a map of 250k tiles is a quarter of its JSON
-    text, and the page decodes it without parsing numbers."""
+    where a tile shows nothing) and ``shape``: about the size of the JSON text, but written
+    without formatting 250k numbers and read by the page without parsing them."""
     tiles = answer.pop("tiles")
     answer["shape"] = list(tiles.shape)
     answer["tiles_f32"] = base64.b64encode(np.ascontiguousarray(tiles, "<f4").tobytes()).decode("ascii")
@@ -240,21 +237,10 @@ def _tiles_encoded(answer: dict[str, Any]) -> dict[str, Any]:
 
 
 def _map_difference(a: Any, b: Any, query: dict[str, list[str]]) -> Any:
-    end = min(a.seq_len, b.seq_len)
     layer = _int(query, "layer", 0, 0, min(a.num_layers, b.num_layers) - 1)
-    binary = _encoding(query)
-    answer = data.attention_difference(
-        a,
-        b,
-        layer,
-        _int(query, "head", 0, 0, data.MAX_HEADS),
-        queries=_span(query, "q0", "q1", end),
-        keys=_span(query, "k0", "k1", end),
-        rows=_int(query, "rows", 256, 1, data.MAX_TILES),
-        columns=_int(query, "columns", 512, 1, data.MAX_TILES),
-        as_array=binary,
-    )
-    return _tiles_encoded(answer) if binary else answer
+    tiling = _tiling(query, min(a.seq_len, b.seq_len))
+    answer = data.attention_difference(a, b, layer, _int(query, "head", 0, 0, data.MAX_HEADS), **tiling)
+    return _tiles_encoded(answer) if tiling["as_array"] else answer
 
 
 def _qk(snap: Any, layer: int, head: int, query: dict[str, list[str]]) -> Any:

@@ -140,11 +140,12 @@ def test_every_score_equals_the_definition(tmp_path: Path, name: str) -> None:
 def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path) -> None:
     spec = SPECS["window-sinks"]
     data = _write(tmp_path / "a.kv", spec)
-    with pytest.warns(simulate.CompressionWarning, match="observed left out"):
+    with pytest.warns(simulate.CompressionWarning, match="observed and expected_attention left out"):
         table = simulate.simulate(tmp_path / "a.kv", budgets=(0.25, 1.0), window=6)
-    assert set(table["method"].to_list()) == set(simulate.METHODS) - {"observed"}  # needs every query
+    # observed and expected_attention need every query
+    assert set(table["method"].to_list()) == set(simulate.METHODS) - {"observed", "expected_attention"}
     full_budget = table.filter(table["budget"] == 1.0)
-    evictions = len(simulate.EVICTION) - 1  # observed left out
+    evictions = len(simulate.EVICTION) - 2
     assert (
         full_budget.height == evictions * 4 and (full_budget["relative_error"] == 0).all()
     )  # every key kept
@@ -152,7 +153,10 @@ def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path)
     evicting = full_budget.filter(full_budget["method"].is_in(list(simulate.EVICTION)))
     assert (evicting["keys_evicted"] == 0).all()  # nothing evicted: exact by construction
     quarter = table.filter((table["budget"] == 0.25) & table["method"].is_in(list(simulate.EVICTION)))
-    assert (quarter["keys_evicted"] == PROMPT - 9).all()  # 25% of 36 prompt keys kept
+    shared = quarter.filter(quarter["method"] == "adakv")  # a layer's budget shared among its KV heads
+    assert (quarter.filter(quarter["method"] != "adakv")["keys_evicted"] == PROMPT - 9).all()  # 25% of 36
+    per_kv_head = {(r["kv_head"], r["keys_evicted"]) for r in shared.iter_rows(named=True)}
+    assert len(per_kv_head) == 2 and sum(PROMPT - evicted for _, evicted in per_kv_head) == 2 * 9
     quantized = table.filter(~table["method"].is_in(list(simulate.EVICTION)))
     assert quantized["keys_evicted"].null_count() == quantized.height == 4 * 4  # 4 methods x 4 heads
     decode = np.arange(PROMPT, POSITIONS)
@@ -180,7 +184,7 @@ def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path)
             }
         for row in table.filter(table["budget"] == 0.25).iter_rows(named=True):
             head = row["head"]
-            if row["method"] not in simulate.EVICTION or row["method"] == "random":
+            if row["method"] not in simulate.EVICTION or row["method"] in ("random", "adakv"):
                 continue  # its sample is the generator's; checked by the budget-1 rows and its count
             keep = simulate.kept_keys(
                 row["method"], 0.25, keys, PROMPT, scores[spec.kv_heads[head]], np.random.default_rng(0), 6
@@ -682,3 +686,22 @@ def test_attention_statistics_take_many_files_as_kv_statistics_do(
     assert trivial["streaming_trivial"].all() and (trivial["streaming_error"] < 1e-6).all()  # rounding
     assert main(["stats", "many/a.kv", "--stats", "attention"]) == 0
     assert "highest streaming error: none to rank" in capsys.readouterr().out
+
+
+def test_kvpress_methods_a_file_cannot_compute_are_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvsnap.cli import main
+
+    _write(tmp_path / "a.kv", SPECS["window-sinks"])
+    for method, why in (
+        ("qfilter", "trained"),
+        ("kvzip", "reconstructs"),
+        ("duo_attention", "--duo-attention"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            simulate.simulate(tmp_path / "a.kv", [method])
+        with pytest.raises(SystemExit) as exited:  # argparse's one line
+            main(["simulate", str(tmp_path / "a.kv"), "--method", method, "-o", str(tmp_path / "o.parquet")])
+        assert exited.value.code == 2 and why in capsys.readouterr().err
+    assert not (tmp_path / "o.parquet").exists()

@@ -5,11 +5,14 @@ the reference Python (``make reference``: torch, transformers, kvpress), never i
     python kvpress_kept.py MODEL.gguf IDS.json PRESSES.json OUT.npz
 
 ``PRESSES.json``: a list of ``{"name", "press": "snapkv" | "pyramidkv" | "streaming" | "observed"
-| "tova" | "knorm" | "keydiff" | "lagkv" | "cur", "compression_ratio", and the press's own
-arguments (``window_size``, ``kernel_size``, ``lag_size``)}``. For each press the ids are prefilled once
+| "tova" | "expected_attention" | "knorm" | "keydiff" | "lagkv" | "cur", "compression_ratio", and
+the press's own arguments (``window_size``, ``kernel_size``, ``lag_size``)}``. For each press the
+ids are prefilled once
 with the press applied (kvpress compresses the cache at the end of the prefill); the positions of
 the keys left in each layer's cache are found by matching them to an uncompressed prefill's keys.
-Writes ``{name}/{layer}``: ``(kv_heads, n_kept)`` int64 key positions, increasing.
+Writes ``{name}/{layer}``: ``(kv_heads, n_kept)`` int64 key positions, increasing; for
+``"adakv"`` (``AdaKVPress`` over ``"scorer"``, which masks keys rather than dropping them, so each
+KV head keeps its own number) ``(kv_heads, n)`` bool, the keys left unmasked.
 """
 
 from __future__ import annotations
@@ -35,12 +38,15 @@ def _press(config: dict[str, object]) -> object:
         "streaming": kvpress.StreamingLLMPress,
         "observed": kvpress.ObservedAttentionPress,
         "tova": kvpress.TOVAPress,
+        "expected_attention": kvpress.ExpectedAttentionPress,
         "knorm": kvpress.KnormPress,
         "keydiff": kvpress.KeyDiffPress,
         "lagkv": kvpress.LagKVPress,
         "cur": kvpress.CURPress,
     }
-    arguments = {k: v for k, v in config.items() if k not in ("name", "press")}
+    arguments = {k: v for k, v in config.items() if k not in ("name", "press", "scorer")}
+    if config["press"] == "adakv":  # AdaKVPress over a scorer, the ratio the scorer's
+        return kvpress.AdaKVPress(press=presses[str(config["scorer"])](**arguments))
     return presses[str(config["press"])](**arguments)
 
 
@@ -61,7 +67,21 @@ def main(gguf: str, ids_path: str, presses_path: str, out: str) -> None:
     ids = torch.tensor([json.loads(Path(ids_path).read_text())])
     full = _prefill(model, ids)
     arrays: dict[str, np.ndarray] = {}
+    masking = None  # AdaKVPress masks keys instead of dropping them, under sdpa attention only
     for config in json.loads(Path(presses_path).read_text()):
+        if config["press"] == "adakv":
+            if masking is None:
+                masking = AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa"
+                ).eval()
+            with _press(config)(masking):  # type: ignore[operator]
+                _prefill(masking, ids)
+            for layer, block in enumerate(masking.model.layers):
+                kept = np.ones((masking.config.num_key_value_heads, ids.shape[1]), bool)
+                _, heads, positions = block.self_attn.masked_key_indices
+                kept[heads.numpy(), positions.numpy()] = False
+                arrays[f"{config['name']}/{layer}"] = kept
+            continue
         with _press(config)(model):  # type: ignore[operator]
             kept = _prefill(model, ids)
         for layer, (compressed, original) in enumerate(zip(kept, full, strict=True)):
