@@ -226,19 +226,33 @@ def weights(
     key_positions: np.ndarray,
 ) -> np.ndarray:
     """The softmax weights ``(n_queries, n_keys)`` float32 of queries ``q`` ``(n, dim)`` over
-    keys ``k`` ``(m, dim)`` for query head ``head`` (SPEC 10.1)."""
-    # One (n, m) float32 buffer, every step in place: the same operations in the same order as
-    # softmax(where(mask, cap * tanh(q k^T * scale / cap), -inf)), so the same bits, at a few
-    # passes over memory instead of a dozen.
-    logits = np.asarray(q, np.float32) @ np.asarray(k, np.float32).T
-    logits *= np.float32(spec.scale)
+    keys ``k`` ``(m, dim)`` for query head ``head`` (SPEC 10.1): `softmax` of `logits`."""
+    return softmax(spec, head, logits(spec, q, k, query_positions, key_positions))
+
+
+def logits(
+    spec: QuerySpec, q: np.ndarray, k: np.ndarray, query_positions: np.ndarray, key_positions: np.ndarray
+) -> np.ndarray:
+    """``(n_queries, n_keys)`` float32: ``cap * tanh(q k^T * scale / cap)`` (without a softcap,
+    ``q k^T * scale``), -inf where the query does not see the key (SPEC 10.1's mask). A column
+    subset of it is the logits of that subset of keys."""
+    # In place, one (n, m) float32 buffer: the same operations in the same order as the
+    # expression above, so the same bits, at a few passes over memory instead of a dozen.
+    out = np.asarray(q, np.float32) @ np.asarray(k, np.float32).T
+    out *= np.float32(spec.scale)
     if spec.softcap is not None:
         cap = np.float32(spec.softcap)
-        logits /= cap
-        np.tanh(logits, out=logits)
-        logits *= cap
-    mask = visible(spec, query_positions, key_positions)
-    np.putmask(logits, ~mask, np.float32(-np.inf))
+        out /= cap
+        np.tanh(out, out=out)
+        out *= cap
+    np.putmask(out, ~visible(spec, query_positions, key_positions), np.float32(-np.inf))
+    return out
+
+
+def softmax(spec: QuerySpec, head: int, logits: np.ndarray) -> np.ndarray:
+    """`logits` ``(n, m)`` float32 made the weights of query head ``head``, in place (and
+    returned): each row's softmax, with the head's attention sink in the denominator where the
+    layer has sinks; a row that sees nothing is all zeros."""
     top = logits.max(axis=1, initial=np.float32(-np.inf), keepdims=True)
     sink = None
     if spec.sinks is not None:

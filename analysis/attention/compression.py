@@ -80,6 +80,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -88,10 +89,12 @@ from typing import Any
 import numpy as np
 
 import kvformat
-from kvformat.attention import context_keys
+from kvformat.attention import BLOCK, context_keys
+from kvformat.attention import logits as attention_logits
+from kvformat.attention import softmax as attention_softmax
 from kvformat.attention import weights as attention_weights
 
-from ..dependencies import pl
+from ..dependencies import pl, tqdm
 from ..errors import AnalysisError
 from ..kernels.arrays import float32_rows
 from ..stats.rope import Rope
@@ -406,29 +409,39 @@ def _group_scores(
             )
         out["snapkv"] = np.full(size, np.nan)
         out["snapkv"][before] = pooled / len(heads)
+    sums = {h.head: _column_sums(h, end) for h in heads} if wanted & {"observed", "h2o"} else {}
     if "observed" in wanted:
         observed = np.zeros(size)
         for h in heads:
-            weights, at = _span_weights(h, end)
-            if at.size != end:
+            total, count = sums[h.head]
+            if count != end:
                 raise ValueError(
-                    f"observed needs every query before position {end}; the file holds {at.size} for query "
+                    f"observed needs every query before position {end}; the file holds {count} for query "
                     f"head {h.head} (capture with --queries all)"
                 )
             seen_by = np.maximum(end - positions, 1)
-            observed += weights.astype(np.float64).sum(axis=0) / seen_by
+            observed += total / seen_by
         out["observed"] = observed / len(heads)
     if wanted & {"knorm", "keydiff", "lagkv", "cur"}:
         out.update(_key_scores(heads[0], end, wanted, options))
     if "expected_attention" in wanted:
         out["expected_attention"] = _expected_attention(heads, end, rope)
     if "h2o" in wanted:
-        h2o = np.zeros(size)
-        for h in heads:
-            weights, _ = _span_weights(h, end)
-            h2o += weights.astype(np.float64).sum(axis=0)
-        out["h2o"] = h2o
+        out["h2o"] = np.sum([sums[h.head][0] for h in heads], axis=0)
     return out
+
+
+def _column_sums(h: _Head, end: int) -> tuple[np.ndarray, int]:
+    """The attention each key receives summed over ``h``'s queries before ``end`` (float64,
+    ``(n_keys,)``), and how many queries those are: a block of queries at a time, so memory holds
+    one block's weights whatever the span's length."""
+    rows = np.flatnonzero(h.q_positions < end)
+    total = np.zeros(h.k.shape[0])
+    for start in range(0, rows.size, BLOCK):
+        block = rows[start : start + BLOCK]
+        weights = attention_weights(h.spec, h.head, h.q[block], h.k, h.q_positions[block], h.k_positions)
+        total += weights.sum(axis=0, dtype=np.float64)
+    return total, int(rows.size)
 
 
 def _key_scores(h: _Head, end: int, wanted: set[str], options: Options) -> dict[str, np.ndarray]:
@@ -493,7 +506,7 @@ def _expected_attention(
         centred = q - mu
         cov = centred.T @ centred / q.shape[0]
         mu, cov = mean_rotation @ mu, mean_rotation @ cov @ mean_rotation.T
-        logits = k @ mu / math.sqrt(dim) + np.einsum("ni,ij,nj->n", k, cov, k) / dim / 2
+        logits = k @ mu / math.sqrt(dim) + ((k @ cov) * k).sum(axis=1) / dim / 2  # k^T Sigma k
         weights = np.exp(logits - logits.max())
         total += weights / weights.sum()
     scores = total / len(heads) * np.linalg.norm(h.v[span][sinks:].astype(np.float64), axis=1)
@@ -797,7 +810,15 @@ def _error(
     columns = slice(None) if keep is None else keep
     kept_positions = h.k_positions[columns]
     found = attention_weights(h.spec, h.head, h.q[rows], k[columns], h.q_positions[rows], kept_positions)
-    output = found.astype(np.float64) @ np.asarray(v[columns], np.float64)
+    return _compared(found, np.asarray(v[columns], np.float64), kept_positions, full, full_top)
+
+
+def _compared(
+    found: np.ndarray, v: np.ndarray, kept_positions: np.ndarray, full: np.ndarray, full_top: np.ndarray
+) -> tuple[float, float]:
+    """``(relative error, top-1 agreement)`` of weights ``found`` over values ``v`` (float64) at
+    ``kept_positions`` against the uncompressed output ``full`` and top-1 keys ``full_top``."""
+    output = found.astype(np.float64) @ v
     reference = (full**2).sum()
     error = float(np.sqrt(((output - full) ** 2).sum() / reference)) if reference > 0 else float("nan")
     top = kept_positions[np.argmax(found, axis=1)] if found.shape[1] else np.full(len(full_top), -1)
@@ -851,9 +872,11 @@ def simulate_rows(
     seq: int = 0,
     options: Options | None = None,
     storage_options: dict[str, Any] | None = None,
+    progress: bool = False,
 ) -> list[dict[str, Any]]:
     """One row per (method, budget, layer, query head); see the module's docstring. ``methods``:
-    default, every method the file's queries allow."""
+    default, every method the file's queries allow. ``progress``: a bar per layer on standard
+    error (where it is a terminal)."""
     options = options or Options()
     chosen = check_methods(methods) if methods is not None else None
     for budget in budgets:
@@ -872,7 +895,11 @@ def simulate_rows(
             chosen = _available(snap, end)
         options = resolve_window(snap, end, options, chosen)
         warned = False
-        for layer in layers_with_queries(snap):
+        layers = layers_with_queries(snap)
+        bar = tqdm.tqdm(
+            layers, unit="layer", file=sys.stderr, disable=None if progress else True, leave=False
+        )
+        for layer in bar:
             spec = snap.layers[layer].queries
             assert spec is not None
             shared = adakv_masks(snap, layer, seq, end, budgets, options) if "adakv" in chosen else {}
@@ -888,8 +915,11 @@ def simulate_rows(
                 scores.update(shared.get(kv_head, {}))
                 ends = (end, prompt_end(snap))
                 where = (layer, model_layers(snap))
+                quantized: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # the group's, shared
                 for h in heads:
-                    rows += _head_rows(h, where, kv_head, chosen, budgets, ends, options, scores, rng)
+                    rows += _head_rows(
+                        h, where, kv_head, chosen, budgets, ends, options, scores, rng, quantized
+                    )
         if left_out:
             warnings.warn(
                 f"{snap.name}: {left_out} queries left out: they attended keys no snapshot of the file holds",
@@ -909,9 +939,11 @@ def _head_rows(
     options: Options,
     scores: dict[str, np.ndarray],
     rng: np.random.Generator,
+    quantized: dict[str, tuple[np.ndarray, np.ndarray]],
 ) -> list[dict[str, Any]]:
     """``h``'s rows; ``where``: the layer and the model's layer count; ``ends``: the compressed
-    span's end and the prompt's (None if unknown)."""
+    span's end and the prompt's (None if unknown); ``quantized``: K and V per quantization
+    method, filled by the group's first head and shared by the others (they read one KV head)."""
     end, prompt = ends
     layer = where[0]
     decode = h.q_positions >= max(end, prompt or 0)
@@ -921,18 +953,22 @@ def _head_rows(
     rows_eval = decode if decode.any() else window
     if not rows_eval.any():
         return []
-    full_weights = attention_weights(
-        h.spec, h.head, h.q[rows_eval], h.k, h.q_positions[rows_eval], h.k_positions
-    )
-    full = full_weights.astype(np.float64) @ h.v.astype(np.float64)
+    # the eval queries' logits over every key, once: an eviction's weights are the softmax of
+    # their kept columns (a column subset of the logits is the logits of that subset of keys)
+    logits = attention_logits(h.spec, h.q[rows_eval], h.k, h.q_positions[rows_eval], h.k_positions)
+    full_weights = attention_softmax(h.spec, h.head, logits.copy())
+    values = h.v.astype(np.float64)
+    full = full_weights.astype(np.float64) @ values
     full_top = h.k_positions[np.argmax(full_weights, axis=1)]
     base = {"layer": layer, "head": h.head, "kv_head": kv_head, "n_queries": int(rows_eval.sum())}
     out = []
     for method in methods:
         if method in QUANTIZATION:
             axis, bits = QUANTIZATION[method]
-            k = quantize(h.k, bits, axis=0 if axis == "channel" else 1, group=GROUP)
-            v = quantize(h.v, bits, axis=1)
+            if method not in quantized:
+                quantized[method] = (quantize(h.k, bits, axis=0 if axis == "channel" else 1, group=GROUP),
+                                     quantize(h.v, bits, axis=1))  # fmt: skip
+            k, v = quantized[method]
             error, agreement = _error(h, rows_eval, full, full_top, None, k, v)
             out.append(
                 {
@@ -947,7 +983,10 @@ def _head_rows(
             continue
         for budget in budgets:
             keep = kept_keys(method, budget, h.k_positions, end, scores, rng, options.observation, where)
-            error, agreement = _error(h, rows_eval, full, full_top, keep, h.k, h.v)
+            # (row-major, as the full one: a row's sum then adds in the same order, so a budget
+            # that keeps every key gives the full weights bit for bit)
+            kept = attention_softmax(h.spec, h.head, np.ascontiguousarray(logits[:, keep]))
+            error, agreement = _compared(kept, values[keep], h.k_positions[keep], full, full_top)
             out.append(
                 {
                     "method": method,
@@ -971,8 +1010,9 @@ def simulate(
     """`simulate_rows` as a Polars DataFrame: ``method``, ``budget``, ``layer``, ``head``,
     ``kv_head``, ``n_queries``, ``relative_error``, ``top1_agreement``, ``keys_evicted``. Keyword
     arguments:
-    ``seq``, ``storage_options``, and the fields of `Options` (``window``, ``kernel``,
-    ``pooling``, ``compress``, ``question_start``, ``seed``)."""
+    ``seq``, ``storage_options``, ``progress``, and the fields of `Options` (``window``,
+    ``kernel``, ``pooling``, ``compress``, ``question_start``, ``seed``, ``lag``,
+    ``adakv_scorer``)."""
 
     passed = {name: options.pop(name) for name in list(options) if name in Options.__dataclass_fields__}
     return pl.DataFrame(simulate_rows(path, methods, budgets, snapshot, options=Options(**passed), **options))

@@ -56,6 +56,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             seed=options.seed,
             lag=options.lag,
             adakv_scorer=options.adakv_scorer,
+            progress=True,
             storage_options=url_options(args),
         )
     save_table(table, options.output, args)

@@ -1,0 +1,67 @@
+"""`kvsnap simulate` against `kvsnap stats --stats attention` on the same file, in the same run:
+the what-ifs of every method the file's queries allow at the default 3 budgets, against the one
+pass that scores every head's attention. Each a fresh process with default settings, alternated;
+prints each one's wall-clock times, its peak resident memory and the ratio of the medians.
+
+    python -m benchmarks.simulate_bench [FILE] [--runs 3]
+
+FILE defaults to ``out/needle/needle.kv`` (``python -m benchmarks.needle`` writes it: SmolLM2-135M,
+a 906-position capture with every query).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def timed(argv: list[str]) -> tuple[float, float]:
+    """Wall-clock seconds and peak resident MiB of one fresh process running ``argv``."""
+    import os
+
+    start = time.perf_counter()
+    child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise SystemExit(f"{' '.join(argv)} failed ({child.returncode})")
+    return seconds, usage.ru_maxrss / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("file", nargs="?", default="out/needle/needle.kv")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    if not Path(args.file).exists():
+        raise SystemExit(f"{args.file} does not exist: python -m benchmarks.needle writes it")
+    folder = Path(tempfile.mkdtemp(prefix="kvsnap-simulate-bench-"))
+    kvsnap = [sys.executable, "-m", "kvsnap"]
+    commands = {
+        "stats --stats attention": [*kvsnap, "stats", args.file, "--stats", "attention",
+                                    "-o", str(folder / "attention.parquet"), "--force"],
+        "simulate (every method, 3 budgets)": [*kvsnap, "simulate", args.file,
+                                               "-o", str(folder / "simulate.parquet"), "--force"],
+    }  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in commands}
+    peaks: dict[str, float] = {}
+    for _ in range(args.runs):
+        for name, argv in commands.items():
+            seconds, peak = timed(argv)
+            times[name].append(seconds)
+            peaks[name] = max(peaks.get(name, 0.0), peak)
+    for name, values in times.items():
+        spread = f"{min(values):.2f}-{max(values):.2f}"
+        print(f"{name}: median {statistics.median(values):.2f} s ({spread}), peak {peaks[name]:.0f} MiB")
+    first, second = (statistics.median(values) for values in times.values())
+    print(f"simulate / attention statistics: {second / first:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
