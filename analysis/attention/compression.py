@@ -114,6 +114,11 @@ COMPRESS = ("prompt", "context")
 GROUP = 32  # KIVI's group of tokens for per-channel K
 
 
+class CompressionError(AnalysisError):
+    """A what-if the file or the options cannot give: a method it lacks the queries for, options
+    out of range, a kvpress method that needs more than a file (one line naming it)."""
+
+
 class CompressionWarning(UserWarning):
     """A what-if whose result says little about the method (a budget no larger than SnapKV's
     observation window), or queries left out (keys the file no longer holds)."""
@@ -139,21 +144,21 @@ class Options:
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be a positive number of queries, not {self.window}")
+            raise CompressionError(f"window must be a positive number of queries, not {self.window}")
         if self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(f"kernel must be a positive odd number of keys, not {self.kernel}")
+            raise CompressionError(f"kernel must be a positive odd number of keys, not {self.kernel}")
         if self.pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, not {self.pooling!r}")
+            raise CompressionError(f"pooling must be one of {', '.join(POOLINGS)}, not {self.pooling!r}")
         if self.compress not in COMPRESS:
-            raise ValueError(f"compress must be one of {', '.join(COMPRESS)}, not {self.compress!r}")
+            raise CompressionError(f"compress must be one of {', '.join(COMPRESS)}, not {self.compress!r}")
         if self.adakv_scorer not in ADAKV_SCORERS:
-            raise ValueError(
+            raise CompressionError(
                 f"adakv_scorer must be one of {', '.join(ADAKV_SCORERS)}, not {self.adakv_scorer!r}"
             )
         if self.lag < 1:
-            raise ValueError(f"lag must be a positive number of keys, not {self.lag}")
+            raise CompressionError(f"lag must be a positive number of keys, not {self.lag}")
         if self.compress == "context" and self.question_start is None:
-            raise ValueError(
+            raise CompressionError(
                 "compress='context' needs question_start: the position where the question begins"
             )
 
@@ -169,7 +174,7 @@ class Options:
             return self.question_start
         end = prompt_end(snap)
         if end is None:
-            raise ValueError(
+            raise CompressionError(
                 f"{snap.name} records no prompt length: give the span with compress='context' and "
                 "question_start (--compress context --question-start P)"
             )
@@ -194,10 +199,10 @@ def check_methods(methods: Iterable[str]) -> list[str]:
     """``methods`` as a list; ValueError naming an unknown one."""
     chosen = list(methods)
     for refused in (m for m in chosen if m in NOT_FROM_A_FILE):
-        raise ValueError(NOT_FROM_A_FILE[refused])
+        raise CompressionError(NOT_FROM_A_FILE[refused])
     unknown = [m for m in chosen if m not in METHODS]
     if unknown:
-        raise ValueError(f"unknown method {unknown[0]!r}: one of {', '.join(METHODS)}")
+        raise CompressionError(f"unknown method {unknown[0]!r}: one of {', '.join(METHODS)}")
     return chosen
 
 
@@ -271,7 +276,7 @@ def kept_keys(
         heavy_among[recent] = False
         chosen = np.concatenate([recent, _top(scores["h2o"], count - recent.size, heavy_among)])
     else:
-        raise ValueError(f"{method!r} is not an eviction method")
+        raise CompressionError(f"{method!r} is not an eviction method")
     keep[chosen] = True
     return keep
 
@@ -315,13 +320,14 @@ def adakv_masks(
     assert spec is not None
     inner = options.adakv_scorer
     rope = layer_rope(snap, layer, [inner])
+    shared = _layer_scores(snap, layer, seq, end, [inner])
     kv_heads = sorted(set(spec.kv_heads))
     rows, positions = [], np.empty(0, np.int64)
     for kv_head in kv_heads:
         heads, _ = _group_heads(snap, layer, kv_head, seq)
         positions = heads[0].k_positions
         scores = _group_scores(heads, end, [inner], options, rope)
-        scores.update(_layer_scores(snap, layer, seq, end, [inner], positions))
+        scores.update(shared.of(positions))
         rows.append(scores[inner][positions < end])
     table = np.stack(rows)
     if inner == "snapkv":
@@ -398,7 +404,7 @@ def _group_scores(
         for h in heads:
             weights, at = _span_weights(h, end, first)
             if at.size != options.observation or first < 1:
-                raise ValueError(
+                raise CompressionError(
                     f"snapkv's observation window is the {options.observation} queries before position "
                     f"{end}; "
                     f"the file holds {at.size} of them for query head {h.head} (capture with --queries "
@@ -415,7 +421,7 @@ def _group_scores(
         for h in heads:
             total, count = sums[h.head]
             if count != end:
-                raise ValueError(
+                raise CompressionError(
                     f"observed needs every query before position {end}; the file holds {count} for query "
                     f"head {h.head} (capture with --queries all)"
                 )
@@ -481,14 +487,16 @@ def _expected_attention(
     """ExpectedAttentionPress.score (covariance and value norms on, epsilon 0) for one KV head,
     from its query heads' own queries over the span."""
     if rope is None:
-        raise ValueError("expected_attention undoes RoPE on the file's queries: the file describes none")
+        raise CompressionError(
+            "expected_attention undoes RoPE on the file's queries: the file describes none"
+        )
     h = heads[0]
     span = h.k_positions < end
     if int(span.sum()) <= sinks:
-        raise ValueError(f"expected_attention needs more than {sinks} keys before position {end}")
+        raise CompressionError(f"expected_attention needs more than {sinks} keys before position {end}")
     dim = h.k.shape[1]
     if rope.dims != dim:
-        raise ValueError(
+        raise CompressionError(
             f"expected_attention: a partial RoPE ({rope.dims} of {dim} channels) is not kvpress's"
         )
     k = h.k[span][sinks:].astype(np.float64)
@@ -497,7 +505,7 @@ def _expected_attention(
     for head in heads:
         rows = (head.q_positions >= sinks) & (head.q_positions < end)
         if int(rows.sum()) != end - sinks:
-            raise ValueError(
+            raise CompressionError(
                 f"expected_attention needs every query from position {sinks} to {end - 1}; the file holds "
                 f"{int(rows.sum())} for query head {head.head} (capture with --queries all)"
             )
@@ -584,7 +592,7 @@ def tova_scores(snap: kvformat.Snapshot, layer: int, seq: int, end: int) -> tupl
         for head in (h for h in range(spec.num_heads) if spec.kv_heads[h] == kv_head):
             found = snap.queries(layer, head, seq, positions=(end - 1, end))
             if found is None or not found.positions.size or not keys.complete.all():
-                raise ValueError(
+                raise CompressionError(
                     f"tova scores keys by the query at position {end - 1}, which the file does not hold "
                     f"whole for layer {layer} head {head} (capture with --queries window:W or all)"
                 )
@@ -719,9 +727,9 @@ def kept_mask(
     draws from ``default_rng(options.seed)`` for this head alone (`simulate` draws once per file)."""
     options = options or Options()
     if method not in EVICTION:
-        raise ValueError(f"{method!r} is not an eviction method: one of {', '.join(EVICTION)}")
+        raise CompressionError(f"{method!r} is not an eviction method: one of {', '.join(EVICTION)}")
     if not 0 < budget <= 1:
-        raise ValueError(f"budget {budget} is not in (0, 1]")
+        raise CompressionError(f"budget {budget} is not in (0, 1]")
     if not 0 <= layer < snap.num_layers:
         raise kvformat.OutOfRangeError(f"layer {layer} out of range 0..{snap.num_layers - 1}")
     spec = snap.layers[layer].queries
@@ -736,7 +744,7 @@ def kept_mask(
     options = resolve_window(snap, end, options, [method])
     scores = _group_scores(heads, end, [method], options, layer_rope(snap, layer, [method]))
     positions = heads[0].k_positions
-    scores.update(_layer_scores(snap, layer, seq, end, [method], positions))
+    scores.update(_layer_scores(snap, layer, seq, end, [method]).of(positions))
     if method == "adakv":
         scores.update(adakv_masks(snap, layer, seq, end, [budget], options)[spec.kv_heads[head]])
     rng = np.random.default_rng(options.seed)
@@ -753,7 +761,7 @@ def layer_rope(snap: kvformat.Snapshot, layer: int, methods: Iterable[str]) -> R
     try:
         return Rope.from_metadata(snap.metadata, spec.attributes, spec.k_dim)
     except AnalysisError as exc:
-        raise ValueError(f"expected_attention: {exc}") from None
+        raise CompressionError(f"expected_attention: {exc}") from None
 
 
 def model_layers(snap: kvformat.Snapshot) -> int:
@@ -762,17 +770,34 @@ def model_layers(snap: kvformat.Snapshot) -> int:
     return sum(1 for spec in snap.layers if "of_layer" not in spec.attributes)
 
 
+@dataclass(frozen=True)
+class _LayerScores:
+    """The scores of the methods that read every query head of a layer (``tova``), computed once
+    per layer: ``positions`` (the keys they score, None when no such method is asked for) and the
+    scores by method."""
+
+    layer: int
+    positions: np.ndarray | None
+    scores: dict[str, np.ndarray]
+
+    def of(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+        """The scores for a KV head holding keys at ``positions`` (the layer's scores are one
+        ranking for all its KV heads, so they must hold the same positions)."""
+        if self.positions is not None and not np.array_equal(self.positions, positions):
+            raise CompressionError(
+                f"layer {self.layer}: its KV heads hold different positions; tova scores them alike"
+            )
+        return self.scores
+
+
 def _layer_scores(
-    snap: kvformat.Snapshot, layer: int, seq: int, end: int, methods: Iterable[str], positions: np.ndarray
-) -> dict[str, np.ndarray]:
-    """The scores of the methods that read every query head of ``layer`` (``tova``), per key at
-    ``positions`` (a KV head's)."""
+    snap: kvformat.Snapshot, layer: int, seq: int, end: int, methods: Iterable[str]
+) -> _LayerScores:
+    """`_LayerScores` of ``layer`` for ``methods``."""
     if "tova" not in set(methods):
-        return {}
+        return _LayerScores(layer, None, {})
     at, scores = tova_scores(snap, layer, seq, end)
-    if not np.array_equal(at, positions):
-        raise ValueError(f"layer {layer}: its KV heads hold different positions; tova scores them alike")
-    return {"tova": scores}
+    return _LayerScores(layer, at, {"tova": scores})
 
 
 def _group_heads(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int) -> tuple[list[_Head], int]:
@@ -881,14 +906,14 @@ def simulate_rows(
     chosen = check_methods(methods) if methods is not None else None
     for budget in budgets:
         if not 0 < budget <= 1:
-            raise ValueError(f"budget {budget} is not in (0, 1]")
+            raise CompressionError(f"budget {budget} is not in (0, 1]")
     rng = np.random.default_rng(options.seed)
     rows: list[dict[str, Any]] = []
     left_out = 0
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
         end = options.span_end(snap)
         if not 0 < end <= snap.seq_len:
-            raise ValueError(
+            raise CompressionError(
                 f"the compressed span ends at {end}, outside the file's positions 0..{snap.seq_len}"
             )
         if chosen is None:
@@ -903,18 +928,18 @@ def simulate_rows(
             spec = snap.layers[layer].queries
             assert spec is not None
             shared = adakv_masks(snap, layer, seq, end, budgets, options) if "adakv" in chosen else {}
+            whole_layer = _layer_scores(snap, layer, seq, end, chosen)
+            rope = layer_rope(snap, layer, chosen)
+            where, ends = (layer, model_layers(snap)), (end, prompt_end(snap))
             for kv_head in sorted(set(spec.kv_heads)):
                 heads, dropped = _group_heads(snap, layer, kv_head, seq)
                 left_out += dropped
                 if not warned:
                     _warn_small_budget(chosen, budgets, int((heads[0].k_positions < end).sum()), options)
                     warned = True
-                rope = layer_rope(snap, layer, chosen)
                 scores = _group_scores(heads, end, [m for m in chosen if m in EVICTION], options, rope)
-                scores.update(_layer_scores(snap, layer, seq, end, chosen, heads[0].k_positions))
+                scores.update(whole_layer.of(heads[0].k_positions))
                 scores.update(shared.get(kv_head, {}))
-                ends = (end, prompt_end(snap))
-                where = (layer, model_layers(snap))
                 quantized: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # the group's, shared
                 for h in heads:
                     rows += _head_rows(

@@ -64,24 +64,21 @@ def duo_attention_pattern(path: str | os.PathLike[str], *, window: int = 256) ->
     rows = list(attention_rows(path, window=window))
     if not rows:
         raise ExportError(f"{path}: no queries: capture with --queries window:W or all")
-    errors = [
-        r["streaming_error"]
-        for r in rows
-        if r["streaming_error"] is not None and math.isfinite(r["streaming_error"])
-    ]
-    largest = max(errors, default=0.0)
+    largest = max((_finite(r["streaming_error"]) for r in rows), default=0.0)
     pattern = np.ones((len(layers), kv_heads))
     seen = np.zeros(pattern.shape, bool)
     for row in rows:
-        error = row["streaming_error"]
-        streaming = error / largest if largest > 0 and error is not None and math.isfinite(error) else 0.0
-        retrieval = row["retrieval_score"]
-        retrieval = retrieval if retrieval is not None and math.isfinite(retrieval) else 0.0
-        value = min(1.0, max(streaming, retrieval))
+        streaming = _finite(row["streaming_error"]) / largest if largest > 0 else 0.0
+        value = min(1.0, max(streaming, _finite(row["retrieval_score"])))
         at = (row["layer"], row["kv_head"])
         pattern[at] = value if not seen[at] else max(pattern[at], value)
         seen[at] = True
     return pattern
+
+
+def _finite(value: float | None) -> float:
+    """``value``, or 0 where a score is missing or NaN (no streaming error, no retrieval event)."""
+    return value if value is not None and math.isfinite(value) else 0.0
 
 
 def write_duo_attention(
@@ -125,17 +122,7 @@ def expected_attention_stats(
     model_name, longest = "", 0
     for path in paths:
         with kvformat.open(path) as snap:
-            layers = [(i, spec) for i, spec in enumerate(snap.layers) if "of_layer" not in spec.attributes]
-            found = [(i, spec) for i, spec in layers if spec.present and spec.queries is not None]
-            if not found:
-                raise ExportError(f"{snap.name}: no queries: capture with --queries all (or window:W)")
-            specs = {(spec.queries.num_heads, spec.queries.dim) for _, spec in found}  # type: ignore[union-attr]
-            if len(specs) != 1 or len(found) != len(layers):
-                raise ExportError(
-                    f"{snap.name}: every layer must hold queries of one shape for kvpress's table"
-                )
-            heads, dim = specs.pop()
-            here = (len(layers), heads, dim)
+            layers, here = _query_layers(snap)
             if shape is not None and here != shape:
                 raise ExportError(
                     f"{snap.name}: {here} (layers, query heads, dim), not the first file's {shape}"
@@ -144,26 +131,69 @@ def expected_attention_stats(
             model = snap.metadata.get("model")
             model_name = model_name or (str(model.get("name")) if isinstance(model, dict) else "")
             longest = max(longest, snap.seq_len)
-            for number, (layer, spec) in enumerate(found):
-                try:
-                    rope = Rope.from_metadata(snap.metadata, spec.attributes, dim)
-                except AnalysisError as exc:
-                    raise ExportError(f"{snap.name}: {exc}") from None
-                for head in range(heads):
-                    queries = snap.queries(layer, head)
-                    assert queries is not None
-                    keep = queries.positions >= n_sink
-                    q = rope.rotate(queries.q[keep], queries.positions[keep], inverse=True).astype(np.float64)
-                    held = moments.setdefault(
-                        (number, head), _Moments(0, np.zeros(dim), np.zeros((dim, dim)))
-                    )
-                    held.count += q.shape[0]
-                    held.total += q.sum(axis=0)
-                    held.outer += q.T @ q
+            for number, layer in enumerate(layers):
+                _add_layer(snap, layer, number, shape, n_sink, moments)
     assert shape is not None
-    layers_count, heads, dim = shape
+    mean, cov = _mean_and_covariance(moments, shape)
+    config = {
+        "num_layers": shape[0],
+        "num_heads": shape[1],
+        "head_dim": shape[2],
+        "dataset_name": "kvsnap:" + ",".join(os.path.basename(os.fspath(p)) for p in paths)[:200],
+        "model_name": model_name or "unknown",
+        "num_samples": len(paths),
+        "sample_seq_len": longest,
+        "n_sink": n_sink,
+    }
+    return mean, cov, config
+
+
+def _query_layers(snap: kvformat.Snapshot) -> tuple[list[int], tuple[int, int, int]]:
+    """The model's layers of ``snap`` and ``(layers, query heads, dim)``; `ExportError` unless
+    every one holds queries of one shape (kvpress's table is one array)."""
+    layers = [i for i, spec in enumerate(snap.layers) if "of_layer" not in spec.attributes]
+    specs = [snap.layers[i].queries if snap.layers[i].present else None for i in layers]
+    if not any(specs):
+        raise ExportError(f"{snap.name}: no queries: capture with --queries all (or window:W)")
+    shapes = {(spec.num_heads, spec.dim) if spec is not None else None for spec in specs}
+    if len(shapes) != 1 or None in shapes:
+        raise ExportError(f"{snap.name}: every layer must hold queries of one shape for kvpress's table")
+    heads, dim = shapes.pop()  # type: ignore[misc]
+    return layers, (len(layers), heads, dim)
+
+
+def _add_layer(
+    snap: kvformat.Snapshot,
+    layer: int,
+    number: int,
+    shape: tuple[int, int, int],
+    n_sink: int,
+    moments: dict[tuple[int, int], _Moments],
+) -> None:
+    """Add the pre-RoPE queries of file layer ``layer`` (the model's ``number``) at positions
+    ``>= n_sink`` to ``moments``, a head at a time."""
+    dim = shape[2]
+    try:
+        rope = Rope.from_metadata(snap.metadata, snap.layers[layer].attributes, dim)
+    except AnalysisError as exc:
+        raise ExportError(f"{snap.name}: {exc}") from None
+    for head in range(shape[1]):
+        queries = snap.queries(layer, head)
+        assert queries is not None
+        keep = queries.positions >= n_sink
+        q = rope.rotate(queries.q[keep], queries.positions[keep], inverse=True).astype(np.float64)
+        held = moments.setdefault((number, head), _Moments(0, np.zeros(dim), np.zeros((dim, dim))))
+        held.count += q.shape[0]
+        held.total += q.sum(axis=0)
+        held.outer += q.T @ q
+
+
+def _mean_and_covariance(
+    moments: dict[tuple[int, int], _Moments], shape: tuple[int, int, int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each head's mean and covariance (over ``N - 1``), float32 ``(layers, heads, d[, d])``."""
     mean = np.zeros(shape, np.float64)
-    cov = np.zeros((layers_count, heads, dim, dim), np.float64)
+    cov = np.zeros((*shape, shape[2]), np.float64)
     for (layer, head), held in moments.items():
         if held.count < 2:
             raise ExportError(
@@ -172,17 +202,7 @@ def expected_attention_stats(
         mu = held.total / held.count
         mean[layer, head] = mu
         cov[layer, head] = (held.outer - held.count * np.outer(mu, mu)) / (held.count - 1)
-    config = {
-        "num_layers": layers_count,
-        "num_heads": heads,
-        "head_dim": dim,
-        "dataset_name": "kvsnap:" + ",".join(os.path.basename(os.fspath(p)) for p in paths)[:200],
-        "model_name": model_name or "unknown",
-        "num_samples": len(paths),
-        "sample_seq_len": longest,
-        "n_sink": n_sink,
-    }
-    return mean.astype(np.float32), cov.astype(np.float32), config
+    return mean.astype(np.float32), cov.astype(np.float32)
 
 
 def write_expected_attention_stats(

@@ -122,8 +122,9 @@ def _check_head(snap: kvformat.Snapshot, layer: int, head: int) -> kvformat.Quer
 
 def _tiling(
     positions: np.ndarray, keys: tuple[int, int] | None, rows: int, columns: int
-) -> tuple[tuple[int, int], tuple[int, int], int, int]:
-    """The query span, the key span and the tile steps of a map over query ``positions``."""
+) -> tuple[tuple[int, int], tuple[int, int], int, int, tuple[int, int]]:
+    """The query span, the key span, the tile steps and the tiles' shape of a map over query
+    ``positions``."""
     rows, columns = min(max(rows, 1), MAX_TILES), min(max(columns, 1), MAX_TILES)
     q_low, q_high = int(positions[0]), int(positions[-1]) + 1
     k_low, k_high = keys if keys is not None else (0, q_high)
@@ -131,7 +132,8 @@ def _tiling(
     k_high = max(min(k_high, q_high), k_low + 1)
     q_step = max(1, math.ceil((q_high - q_low) / rows))
     k_step = max(1, math.ceil((k_high - k_low) / columns))
-    return (q_low, q_high), (k_low, k_high), q_step, k_step
+    shape = (math.ceil((q_high - q_low) / q_step), math.ceil((k_high - k_low) / k_step))
+    return (q_low, q_high), (k_low, k_high), q_step, k_step, shape
 
 
 def _pool(
@@ -175,10 +177,9 @@ def attention_map(
     held = snap.queries(layer, head)
     assert held is not None
     q_positions = _in_span(held.positions, queries)
-    (q_low, q_high), (k_low, k_high), q_step, k_step = _tiling(q_positions, keys, rows, columns)
-    q_tiles = math.ceil((q_high - q_low) / q_step)
-    k_tiles = math.ceil((k_high - k_low) / k_step)
-    tiles = np.full((q_tiles, k_tiles), -1.0, np.float32)
+    (q_low, q_high), (k_low, k_high), q_step, k_step, shape = _tiling(q_positions, keys, rows, columns)
+    k_tiles = shape[1]
+    tiles = np.full(shape, -1.0, np.float32)
     received = np.zeros(k_high - k_low, np.float64)
     counted = 0
     for weights, at, key_positions in _blocks(snap, layer, head, (q_low, q_high), (k_low, k_high)):
@@ -227,14 +228,12 @@ def attention_difference(
     held_a, held_b = a.queries(layer, head), b.queries(layer, head)
     assert held_a is not None and held_b is not None
     common = _in_span(np.intersect1d(held_a.positions, held_b.positions), queries)
-    (q_low, q_high), (k_low, k_high), q_step, k_step = _tiling(common, keys, rows, columns)
-    q_tiles = math.ceil((q_high - q_low) / q_step)
-    k_tiles = math.ceil((k_high - k_low) / k_step)
-    high = np.full((q_tiles, k_tiles), -np.inf, np.float32)
-    low = np.full((q_tiles, k_tiles), np.inf, np.float32)
+    (q_low, q_high), (k_low, k_high), q_step, k_step, shape = _tiling(common, keys, rows, columns)
+    high = np.full(shape, -np.inf, np.float32)
+    low = np.full(shape, np.inf, np.float32)
     span, cut = (q_low, q_high), (k_low, k_high)
-    spec_a, q_a, at_a, k_a, keys_a = _head_inputs(a, layer, head, span, common)
-    spec_b, q_b, at_b, k_b, keys_b = _head_inputs(b, layer, head, span, common)
+    _, q_a, at_a, k_a, keys_a = _head_inputs(a, layer, head, span, common)
+    _, q_b, at_b, k_b, keys_b = _head_inputs(b, layer, head, span, common)
     both, in_a, in_b = np.intersect1d(at_a, at_b, assume_unique=True, return_indices=True)
     inside_a, inside_b = _inside(keys_a, cut), _inside(keys_b, cut)
     union = np.union1d(keys_a[inside_a], keys_b[inside_b])
