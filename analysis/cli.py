@@ -1,5 +1,7 @@
 """Analysis commands: `kvsnap stats`, `outliers`, `simulate`, `attention`, `plot`, `export`, `diff`,
-`similarity`. This module only declares them; each command lives in `analysis.commands`."""
+`similarity`. This module only declares them; each command lives in `analysis.commands`. The
+capture stage adds ``simulate --model`` (the end-to-end what-if, which runs the model:
+`capture.cli.extend_simulate`)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +206,60 @@ class GilProbe:
         )
 
 
+@dataclass
+class Phases:
+    """One run's wall clock, split where a capture can add to it (seconds): ``prefill`` until the
+    first token arrives, ``decode`` from the first token to the last, ``tail`` from the last
+    token until the generator returns (a capture's final snapshot, its index and fsync)."""
+
+    prefill: float
+    decode: float
+    tail: float
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.decode + self.tail
+
+
+def timed_run(responses: Any) -> Phases:
+    """Drain a token generator, timing its phases (`Phases`)."""
+    start = time.perf_counter()
+    first = last = None
+    for _ in responses:
+        last = time.perf_counter()
+        first = first or last
+    first = first or start
+    last = last or start
+    end = time.perf_counter()
+    return Phases(first - start, last - first, end - last)
+
+
+@dataclass
+class Overhead:
+    """Paired runs of plain generation and of a capture (alternated ABBA, so drift cancels)."""
+
+    plain: list[Phases]
+    captured: list[Phases]
+
+    def ratios(self) -> np.ndarray:
+        return np.array([c.total / p.total for p, c in zip(self.plain, self.captured, strict=True)])
+
+    def line(self) -> str:
+        """The paired overhead (median and quartiles) and where it lands, in ms per run."""
+        r = 100 * (self.ratios() - 1)
+        q1, med, q3 = np.percentile(r, [25, 50, 75])
+        parts = []
+        for phase in ("prefill", "decode", "tail"):
+            diff = [
+                getattr(c, phase) - getattr(p, phase) for p, c in zip(self.plain, self.captured, strict=True)
+            ]
+            parts.append(f"{phase} {1e3 * float(np.median(diff)):+.1f} ms")
+        return (
+            f"paired overhead median {med:+.2f}% (quartiles {q1:+.2f}% .. {q3:+.2f}%, "
+            f"{r.size} pairs); median differences: " + ", ".join(parts)
+        )
+
+
 def generation_overhead(
     model: Any,
     tokenizer: Any,
@@ -213,9 +269,9 @@ def generation_overhead(
     runs: int,
     tmp: Path,
     variant: str = "",
-) -> tuple[float, float]:
-    """Median seconds of plain `stream_generate` and of `capture.generate` writing a series
-    snapshot every ``every`` tokens (None: the final one only), alternating the two; the overhead
+) -> Overhead:
+    """Plain `stream_generate` against `capture.generate` writing a series snapshot every
+    ``every`` tokens (None: the final one only), ``runs`` pairs in ABBA order; the overhead
     reported is the median of each pair's ratio (a pair ran back to back, under the same load)."""
     vocab = len(tokenizer.get_vocab()) if hasattr(tokenizer, "get_vocab") else 49152
     banned = mx.array(sorted(tokenizer.eos_token_ids))
@@ -230,16 +286,14 @@ def generation_overhead(
     prompt = [int(t) for t in np.random.default_rng(3).integers(100, min(vocab, 40000), prompt_len)]
     sizes: dict[str, int] = {}
 
-    def plain() -> None:
-        count = sum(
-            1
-            for _ in stream_generate(
+    def plain() -> Phases:
+        return timed_run(
+            stream_generate(
                 model, tokenizer, mx.array(prompt), max_tokens=tokens, logits_processors=[restrict]
             )
         )
-        assert count == tokens
 
-    def disk_load() -> None:
+    def disk_load() -> Phases:
         """Plain generation beside a thread writing and syncing as much as a capture does."""
         import threading
 
@@ -253,22 +307,34 @@ def generation_overhead(
 
         thread = threading.Thread(target=write)
         thread.start()
-        plain()
+        phases = plain()
         thread.join()
+        return phases
 
-    def captured() -> None:
+    def captured() -> Phases:
         import kvsnap.capture.series
 
         if variant == "disk-load":
-            disk_load()
-            return
+            return disk_load()
+        if variant.startswith("switch-"):  # the interpreter's switch interval for this run only
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(float(variant[7:]))
+            try:
+                return capture_run(durable=True, queries="none")
+            finally:
+                sys.setswitchinterval(interval)
         if variant.startswith("sync-"):
             kvsnap.capture.series.SYNC_EACH = variant[5:]
+        return capture_run(
+            durable=variant != "no-fsync",
+            queries=variant.removeprefix("queries-") if variant.startswith("queries-") else "none",
+        )
+
+    def capture_run(durable: bool, queries: str) -> Phases:
         out = tmp / "overhead.kv"
         out.unlink(missing_ok=True)
-        count = sum(
-            1
-            for _ in generate(
+        phases = timed_run(
+            generate(
                 model,
                 tokenizer,
                 prompt,
@@ -276,45 +342,47 @@ def generation_overhead(
                 output=out,
                 every=every,
                 logits_processors=[restrict],
-                durable=variant != "no-fsync",
-                queries=variant.removeprefix("queries-") if variant.startswith("queries-") else "none",
+                durable=durable,
+                queries=queries,
             )
         )
-        assert count == tokens
         sizes[variant] = out.stat().st_size
+        return phases
 
     for _ in range(2):  # warm up both (the first runs of a process are slow and erratic on CUDA)
         plain()
         captured()
-    plain_s, captured_s = [], []
     if os.environ.get("KVSNAP_BENCH_GIL"):
         for label, run in (("plain", plain), ("captured", captured)):
             with GilProbe() as probe:
                 run()
             print(f"    {variant or 'default'} every={every} {label}: {probe.line()}", flush=True)
-    for _ in range(runs):
-        plain_s.append(best_of(1, plain))
-        captured_s.append(best_of(1, captured))
+    result = Overhead([], [])
+    for i in range(runs):
+        if i % 2:  # ABBA: captured first in odd pairs
+            result.captured.append(captured())
+            result.plain.append(plain())
+        else:
+            result.plain.append(plain())
+            result.captured.append(captured())
     if os.environ.get("KVSNAP_BENCH_PROFILE"):
         snapshots = tokens // every if every else 1
+        plain_s = float(np.median([p.total for p in result.plain]))
         print(f"    one captured run: {profile_snapshots(captured)}", flush=True)
         for _ in range(2):
-            line = profile_snapshots(
-                captured, snapshots, float(np.median(plain_s)) / tokens * (every or tokens)
-            )
+            line = profile_snapshots(captured, snapshots, plain_s / tokens * (every or tokens))
             print(f"    per snapshot: {line}", flush=True)
-    ratios = np.array(captured_s) / np.array(plain_s)
     print(
         f"    {variant or 'default'} every={every}: pair overheads "
-        + " ".join(f"{100 * (r - 1):+.1f}%" for r in ratios),
+        + " ".join(f"{100 * (r - 1):+.1f}%" for r in result.ratios()),
         flush=True,
     )
-    ratio = float(np.median(ratios))
+    print(f"    {variant or 'default'} every={every}: {result.line()}", flush=True)
     if variant in sizes:
         held = prompt_len + tokens
         size = sizes[variant]
         print(f"    {variant or 'default'}: file {size / 1e6:.1f} MB, {size / held:.0f} B/token")
-    return float(np.median(plain_s)), float(np.median(plain_s)) * ratio
+    return result
 
 
 def profile_snapshots(run: Any, snapshots: int = 0, decode_between: float = 0.0) -> str:
@@ -326,7 +394,6 @@ def profile_snapshots(run: Any, snapshots: int = 0, decode_between: float = 0.0)
     and ``decode_between`` (plain decode seconds between two snapshots): the generating thread's
     time per snapshot while generating (``take + query hook``, not the close) and its share of
     ``decode_between``."""
-    import sys
 
     import kvsnap.capture.background as background
     import kvsnap.capture.deltas as deltas
@@ -462,8 +529,9 @@ def shapes_main(
     context: int,
     tokenizer_path: str,
     queries: list[str] | None = None,
+    prompt: int | None = None,
+    new_tokens: int | None = None,
 ) -> None:
-    import sys
 
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -479,16 +547,20 @@ def shapes_main(
         tmp = Path(name)
         for shape in names:
             spec = SHAPES[shape]
+            prompt_len, tokens = prompt or spec["prompt"], new_tokens or spec["tokens"]
             model = random_model(shape)
             variants = [(every, ""), (None, "")]
             variants += [(every, f"queries-{selection}") for selection in queries or []]
-            if os.environ.get("KVSNAP_BENCH_VARIANTS"):
-                variants = [(every, f"sync-{mode}") for mode in ("writeback", "fdatasync", "none")]
-                variants += [(every, "no-fsync"), (every, "sync-writeback")]
+            if os.environ.get("KVSNAP_BENCH_VARIANTS"):  # e.g. "default,no-fsync,switch-0.0005"
+                variants = [
+                    (every, "" if name == "default" else name)
+                    for name in os.environ["KVSNAP_BENCH_VARIANTS"].split(",")
+                ]
             for cadence, variant in variants:
-                plain_s, captured_s = generation_overhead(
-                    model, tokenizer, spec["prompt"], spec["tokens"], cadence, runs, tmp, variant
+                overhead = generation_overhead(
+                    model, tokenizer, prompt_len, tokens, cadence, runs, tmp, variant
                 )
+                plain_s = float(np.median([p.total for p in overhead.plain]))
                 label = f"every {cadence}" if cadence else "final snapshot only"
                 if variant == "no-fsync":
                     label += " (durable=False)"
@@ -496,13 +568,17 @@ def shapes_main(
                     label += f" (each snapshot: {variant[5:]})"
                 elif variant.startswith("queries-"):
                     label += f", --queries {variant.removeprefix('queries-')}"
+                elif variant.startswith("switch-"):
+                    label += f" (switch interval {variant[7:]} s)"
                 elif variant == "disk-load":
                     label = "plain, beside a thread writing 200 MB with fsyncs (no capture)"
+                ratios = 100 * (overhead.ratios() - 1)
+                q1, med, q3 = np.percentile(ratios, [25, 50, 75])
                 lines.append(
-                    f"| {shape} {spec['dtype']}, {spec['prompt']} + {spec['tokens']} tokens, series {label} "
-                    f"| {captured_s:.3f} s | plain stream_generate {plain_s:.3f} s "
-                    f"({spec['tokens'] / plain_s:.0f} tok/s) "
-                    f"| overhead {100 * (captured_s - plain_s) / plain_s:+.1f}% |"
+                    f"| {shape} {spec['dtype']}, {prompt_len} + {tokens} tokens, series {label} "
+                    f"| {plain_s * (1 + med / 100):.3f} s | plain stream_generate {plain_s:.3f} s "
+                    f"({tokens / plain_s:.0f} tok/s) "
+                    f"| paired median {med:+.2f}% (quartiles {q1:+.2f}% .. {q3:+.2f}%, {ratios.size} pairs) |"
                 )
                 print(lines[-1], flush=True)
             del model
@@ -513,7 +589,10 @@ def shapes_main(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument(
+        "--tokens", type=int, help="new tokens (default: 256; with --shapes, the shape's own)"
+    )
+    parser.add_argument("--prompt", type=int, help="with --shapes: prompt tokens (default: the shape's)")
     parser.add_argument("--every", type=int, default=16)
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens for the save test")
     parser.add_argument(
@@ -543,8 +622,9 @@ def main() -> None:
         names = args.shapes or ["smollm2-135m", "qwen3-8b"]
         context = args.save_context or (8192 if args.accelerator_shapes else 0)
         tokenizer = args.tokenizer or str(fetch_model("smollm2-135m"))
-        shapes_main(names, args.runs, args.every, context, tokenizer, args.queries)
+        shapes_main(names, args.runs, args.every, context, tokenizer, args.queries, args.prompt, args.tokens)
         return
+    args.tokens = args.tokens or 256
     path = str(fetch_model("smollm2-135m"))
     model, tokenizer = load(path)
     lines = ["| measurement | kvsnap | peer / machine limit | ratio |", "|---|---:|---:|---:|"]

@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvsnap.cli.errors import CommandError
 from kvsnap.cli.options import fraction, non_negative_float, positive_int, typed
 
 
@@ -90,6 +91,173 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_fetch)
 
     register_capture(sub)
+    extend_simulate(sub)
+    register_bench(sub)
+
+
+def register_bench(sub: Any) -> None:
+    """``kvsnap bench compression``: every eviction method at kvpress's ratios on synthetic
+    RULER-style tasks, end to end (`capture.compression_bench`)."""
+    from .compression_bench import METHODS, RATIOS
+    from .ruler import TASKS
+
+    p = sub.add_parser("bench", help="benchmarks a researcher can cite: 'kvsnap bench compression'")
+    p.add_argument(
+        "suite", choices=["compression"], help="compression: KV-compression accuracy (RULER-style)"
+    )
+    p.add_argument("--model", default="smollm2-135m", help="mlx-lm model (default smollm2-135m, a fixture)")
+    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="default: all four")
+    p.add_argument("--samples", type=positive_int, default=2, help="samples per task (default 2)")
+    p.add_argument("--tokens", type=positive_int, default=512, help="context tokens (default 512)")
+    p.add_argument("--method", nargs="+", default=list(METHODS), help="default: kvpress's leaderboard's 12")
+    p.add_argument(
+        "--ratio",
+        type=fraction,
+        nargs="+",
+        default=list(RATIOS),
+        help="fractions evicted (default kvpress's)",
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=16, help="answer tokens (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="the samples' seed (default 0)")
+    p.add_argument(
+        "-o", "--output", required=True, help="folder for accuracy.parquet, accuracy.png, samples.jsonl"
+    )
+    p.add_argument("--force", action="store_true", help="replace those three files if they exist")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import os
+    import sys
+
+    from mlx_lm import load
+
+    from kvformat.io.outputs import check_output
+
+    # mypy checks the analysis stage as the top-level package `analysis`: it cannot resolve this name.
+    from kvsnap.analysis.attention.compression import EVICTION  # type: ignore[import-not-found]
+
+    from . import compression_bench, ruler
+
+    unknown = [m for m in args.method if m not in EVICTION]
+    if unknown:
+        raise CommandError(
+            f"--method {unknown[0]}: end to end runs the eviction methods: {', '.join(EVICTION)}"
+        )
+    paths = compression_bench.outputs(args.output)
+    os.makedirs(args.output, exist_ok=True)
+    for path in paths.values():
+        check_output(path, force=args.force)
+    model_path = _resolve_model(args.model)
+    model, tokenizer = _load(load, args.model, model_path)[:2]
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    samples = ruler.samples(count, args.tokens, args.samples, args.seed, tuple(args.tasks))
+    runs = len(samples) * len(args.method) * len(args.ratio)
+    done = [0]
+
+    def progress(label: str) -> None:
+        done[0] += 1
+        print(f"bench compression: [{done[0]}/{runs}] {label}", file=sys.stderr, flush=True)
+
+    rows = compression_bench.run(
+        model, tokenizer, samples, args.method, args.ratio, args.max_tokens, progress=progress
+    )
+    title = f"{args.model}: {len(samples)} samples of about {args.tokens} tokens"
+    for line in compression_bench.save(rows, samples, paths, args.force, title):
+        print(line)
+    return 0
+
+
+def extend_simulate(sub: Any) -> None:
+    """``kvsnap simulate FILE --model M``: the end-to-end what-if (`capture.compressed`: what the
+    model answers from the compressed cache) beside analysis's per-head one, which declares the
+    command and its method options; without the analysis stage there is no ``simulate``."""
+    parser = sub.choices.get("simulate")
+    if parser is None:
+        return
+    group = parser.add_argument_group("end to end: decode from the compressed cache (with --model)")
+    group.add_argument(
+        "--model", help="the mlx-lm model the file was captured from (directory, .gguf or fixture name)"
+    )
+    group.add_argument("--question", default="", help="text read after the compressed span (uncompressed)")
+    group.add_argument("--answer", help="the known answer: report whether each run's text contains it")
+    group.add_argument(
+        "--max-tokens", type=positive_int, default=32, help="answer tokens decoded greedily (default 32)"
+    )
+    per_head = parser.get_default("func")
+
+    def simulate(args: argparse.Namespace) -> int:
+        if args.model:
+            return _simulate_model(args)
+        given = [f"--{name}" for name in ("question", "answer") if getattr(args, name)]
+        if given:
+            raise CommandError(f"{given[0]} is for the end-to-end what-if: give --model too")
+        return int(per_head(args))
+
+    simulate.__name__ = simulate.__qualname__ = "simulate_command"
+    parser.set_defaults(func=simulate)
+
+
+def _simulate_model(args: argparse.Namespace) -> int:
+    """``simulate --model``: one row per (method, budget), the full cache's first."""
+    import sys
+    import warnings
+
+    import kvformat
+
+    # mypy checks the analysis stage as the top-level package `analysis`: these names it cannot resolve.
+    from kvsnap.analysis.attention import compression  # type: ignore[import-not-found]
+    from kvsnap.analysis.commands.common import save_table  # type: ignore[import-not-found]
+    from kvsnap.analysis.commands.simulation import SimulateOptions  # type: ignore[import-not-found]
+    from kvsnap.analysis.dependencies import pl  # type: ignore[import-not-found]
+
+    from .compressed import compressed_answers
+
+    if args.plot:
+        raise CommandError("--plot draws the per-head what-if: drop it with --model")
+    options = SimulateOptions.from_args(args).compression()
+    from mlx_lm import load
+
+    model_path = _resolve_model(args.model)
+    model, tokenizer = _load(load, args.model, model_path)[:2]
+    with kvformat.open(args.file, args.snapshot) as snap, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", compression.CompressionWarning)
+        end = options.span_end(snap)
+        methods = args.method or [m for m in compression.available(snap, end) if m in compression.EVICTION]
+        runs = len(methods) * len(args.budget)
+        done = [0]
+
+        def progress(label: str) -> None:
+            done[0] += 1
+            print(f"simulate: [{done[0]}/{runs}] {label}", file=sys.stderr, flush=True)
+
+        answers = compressed_answers(
+            model,
+            tokenizer,
+            snap,
+            methods,
+            args.budget,
+            question=args.question,
+            answer=args.answer,
+            max_tokens=args.max_tokens,
+            options=options,
+            progress=progress,
+        )
+    for warning in caught:
+        print(f"kvsnap: {warning.message}", file=sys.stderr)
+    table = pl.DataFrame([answer.row() for answer in answers])
+    save_table(table, args.output, args)
+    print("method, budget -> KL(full || compressed) mean, top-1 agreement, greedy agreement, answer found")
+    for a in answers:
+        found = "" if a.answer_found is None else ("  found" if a.answer_found else "  missed")
+        print(
+            f"  {a.method:>18} {a.budget:5.3f} -> {a.kl_mean:8.4f} {a.top1_agreement:6.3f} "
+            f"{a.greedy_agreement:6.3f}{found}  {a.text!r}"
+        )
+    return 0
 
 
 def _resolve_model(spec: str) -> str:

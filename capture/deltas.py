@@ -21,7 +21,8 @@ from kvformat import QUANTIZATION_BITS as QUANT_BITS
 from kvformat import Quantization
 
 from . import state as recurrent
-from .caches import kv_sub_caches, read_layer, state_attributes, to_numpy
+from .caches import kv_sub_caches, read_layer, state_attributes
+from .conversion import host_dtype
 from .errors import CaptureError, UnsupportedModelError
 from .gather import Rows
 
@@ -220,7 +221,7 @@ def layer_specs(prompt_cache: list[Any]) -> tuple[list[kvformat.LayerSpec], int]
                 num_heads=int(shape[1]),
                 k_dim=k_dim,
                 v_dim=v_dim,
-                dtype=kvformat.dtypes.from_numpy(to_numpy(mx.zeros((0,), dtype)).dtype),
+                dtype=kvformat.dtypes.from_numpy(host_dtype(dtype)),
                 attributes=attributes,
                 quantization=quant,
             )

@@ -114,6 +114,30 @@ def check_hookable(model: Any) -> None:
     )
 
 
+def hook_attention(wrapper: Callable[..., Any]) -> list[tuple[Any, Any]]:
+    """Put ``wrapper`` in place of mlx-lm's ``scaled_dot_product_attention`` in every loaded model
+    module that calls it; returns what `unhook_attention` puts back."""
+    from mlx_lm.models import base
+
+    original = base.scaled_dot_product_attention
+    saved = []
+    for name, module in list(sys.modules.items()):
+        if (
+            name.startswith("mlx_lm.models.")
+            and getattr(module, "scaled_dot_product_attention", None) is original
+        ):
+            saved.append((module, original))
+            setattr(module, "scaled_dot_product_attention", wrapper)  # noqa: B010 - any module
+    return saved
+
+
+def unhook_attention(saved: list[tuple[Any, Any]]) -> None:
+    """Undo `hook_attention` (``saved`` is emptied)."""
+    for module, original in saved:
+        setattr(module, "scaled_dot_product_attention", original)  # noqa: B010
+    saved.clear()
+
+
 class QueryRecorder:
     """Keeps the selected queries of every layer of ``prompt_cache`` while installed (a context
     manager); ``first`` is the first absolute position kept."""
@@ -141,21 +165,11 @@ class QueryRecorder:
 
         for module in self._latent_modules:  # see each MLA module's RoPE'd query part
             module.rope = _RopeTap(self, module, module.rope)
-        original = base.scaled_dot_product_attention
-        wrapper = self._wrap(original)
-        for name, module in list(sys.modules.items()):
-            if (
-                name.startswith("mlx_lm.models.")
-                and getattr(module, "scaled_dot_product_attention", None) is original
-            ):
-                self._saved.append((module, original))
-                setattr(module, "scaled_dot_product_attention", wrapper)  # noqa: B010 - any module
+        self._saved = hook_attention(self._wrap(base.scaled_dot_product_attention))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for module, original in self._saved:
-            setattr(module, "scaled_dot_product_attention", original)  # noqa: B010
-        self._saved.clear()
+        unhook_attention(self._saved)
         for module in self._latent_modules:
             if isinstance(module.rope, _RopeTap):
                 module.rope = module.rope.rope

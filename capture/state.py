@@ -25,7 +25,7 @@ from kvformat import CorruptFileError, dtypes
 from kvformat.state import WORDS, array_name, numpy_dtype
 from kvformat.state import checked as checked_description
 
-from .conversion import to_mlx, to_numpy
+from .conversion import host_dtype, to_mlx, to_numpy
 from .errors import CaptureError, UnsupportedModelError
 
 ROLES: dict[str, tuple[str, ...]] = {
@@ -123,7 +123,7 @@ def describe(holder: Any) -> list[dict[str, Any] | None]:
 
 
 def _dtype_name(dtype: Any) -> str:
-    found = to_numpy(mx.zeros((0,), dtype)).dtype
+    found = host_dtype(dtype)
     if found.name in WORDS:
         return found.name
     try:

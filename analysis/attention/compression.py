@@ -850,7 +850,7 @@ def _compared(
     return error, float(np.mean(top == full_top)) if len(full_top) else float("nan")
 
 
-def _available(snap: kvformat.Snapshot, end: int) -> list[str]:
+def available(snap: kvformat.Snapshot, end: int) -> list[str]:
     """`METHODS` less ``observed`` where the file does not hold every query of the span, and less
     ``snapkv`` where it holds no query right before the span's end (a `CompressionWarning` says
     so): the methods a default `simulate` runs."""
@@ -917,7 +917,7 @@ def simulate_rows(
                 f"the compressed span ends at {end}, outside the file's positions 0..{snap.seq_len}"
             )
         if chosen is None:
-            chosen = _available(snap, end)
+            chosen = available(snap, end)
         options = resolve_window(snap, end, options, chosen)
         warned = False
         layers = layers_with_queries(snap)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvsnap.cli.errors import OptionsConflictError
 
-from ..attention.compression import CompressionWarning, simulate
+from ..attention.compression import CompressionWarning, Options, simulate
 from ..dependencies import matplotlib, pl, plt
 from .common import FromArgs, save_figure, save_table, url_options, warnings_printed
 
@@ -33,6 +33,19 @@ class SimulateOptions(FromArgs):
     plot: str | None = None
     force: bool = False
 
+    def compression(self) -> Options:
+        """How the keys are chosen, as `compression.Options`."""
+        return Options(
+            window=self.window,
+            kernel=self.kernel,
+            pooling=self.pooling,
+            compress=self.compress,
+            question_start=self.question_start,
+            seed=self.seed,
+            lag=self.lag,
+            adakv_scorer=self.adakv_scorer,
+        )
+
 
 def simulate_command(args: argparse.Namespace) -> int:
     """``simulate``: attention-output error per (method, budget, layer, head) under compression."""
@@ -48,14 +61,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             options.method,
             options.budget,
             options.snapshot,
-            window=options.window,
-            kernel=options.kernel,
-            pooling=options.pooling,
-            compress=options.compress,
-            question_start=options.question_start,
-            seed=options.seed,
-            lag=options.lag,
-            adakv_scorer=options.adakv_scorer,
+            **asdict(options.compression()),
             progress=True,
             storage_options=url_options(args),
         )

