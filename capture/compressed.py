@@ -94,6 +94,34 @@ def compressed_answers(
     of ``model`` holding the queries the methods need (as for `simulate`); the span compressed is
     ``options.span_end(snap)`` (the prompt, or the context before ``question_start``)."""
     options = options or compression.Options()
+    end, context, follow = _inputs(tokenizer, snap, methods, question, max_tokens, options)
+    base = _restored(snap, model, end)
+    _check_model(model, snap, base, context[: min(end, 32)])
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    reference, full = _decoded(model, base, follow, {}, max_tokens, eos, None)
+    text = tokenizer.decode(reference)
+    out = [Answer("full", 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, _found(answer, text), reference, text)]
+    for method in methods:
+        for budget in budgets:
+            if progress is not None:
+                progress(f"{method} {budget:g}")
+            evicted, kept = _evicted(snap, method, budget, end, options)
+            tokens, logits = _decoded(model, base, follow, evicted, max_tokens, eos, reference)
+            got = Answer(method, budget, kept, 0.0, 0.0, 0.0, 0.0, None, tokens, tokenizer.decode(tokens))
+            out.append(_compared(got, full, logits, reference, answer))
+    return out
+
+
+def _inputs(
+    tokenizer: Any,
+    snap: kvformat.Snapshot,
+    methods: Sequence[str],
+    question: str,
+    max_tokens: int,
+    options: compression.Options,
+) -> tuple[int, list[int], list[int]]:
+    """The span's end, the file's token ids and the ids read after the span (the prompt's rest,
+    then ``question``); `CompressionError` for what cannot run."""
     for method in methods:
         if method not in compression.EVICTION:
             raise compression.CompressionError(
@@ -103,11 +131,11 @@ def compressed_answers(
         raise compression.CompressionError(f"max_tokens must be at least 1, not {max_tokens}")
     end = options.span_end(snap)
     context = tokens_of(snap)[0]
-    if not 0 < end <= min(len(context), compression.prompt_end(snap) or len(context)):
+    prompt = compression.prompt_end(snap) or len(context)
+    if not 0 < end <= min(len(context), prompt):
         raise compression.CompressionError(
             f"the span's end {end} is not inside the file's {len(context)} tokens"
         )
-    prompt = compression.prompt_end(snap) or len(context)
     asked = list(tokenizer.encode(question, add_special_tokens=False)) if question else []
     follow = context[end:prompt] + asked
     if not follow:
@@ -115,40 +143,32 @@ def compressed_answers(
             "nothing follows the compressed span in the prompt: give the question (--question TEXT), "
             "or compress the context before it (--compress context --question-start P)"
         )
-    base = _restored(snap, model, end)
-    _check_model(model, snap, base, context[: min(end, 32)])
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    return end, context, follow
 
-    def decoded(evicted: dict[int, np.ndarray]) -> tuple[list[int], np.ndarray]:
-        """The greedy answer from the cache with ``evicted`` masked out, and the log-probabilities
-        teacher-forced along the reference answer (the reference's own, on its first run)."""
-        cache = _fresh(base)
-        with _Masking(cache, evicted) as masking:
-            tokens = _greedy(model, cache, follow, max_tokens, eos)
-        missing = set(range(len(cache))) - masking.calls
-        if missing:
-            raise UnsupportedModelError(
-                f"layer {min(missing)} computes attention without mlx-lm's scaled_dot_product_attention, "
-                "where end to end masks the evicted keys"
-            )
-        along = reference_tokens or tokens
-        cache = _fresh(base)
-        with _Masking(cache, evicted):
-            return tokens, _forced(model, cache, follow, along)
 
-    reference_tokens: list[int] = []
-    reference_tokens, full = decoded({})
-    text = tokenizer.decode(reference_tokens)
-    out = [Answer("full", 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, _found(answer, text), reference_tokens, text)]
-    for method in methods:
-        for budget in budgets:
-            if progress is not None:
-                progress(f"{method} {budget:g}")
-            evicted, kept = _evicted(snap, method, budget, end, options)
-            tokens, logits = decoded(evicted)
-            got = Answer(method, budget, kept, 0.0, 0.0, 0.0, 0.0, None, tokens, tokenizer.decode(tokens))
-            out.append(_compared(got, full, logits, reference_tokens, answer))
-    return out
+def _decoded(
+    model: Any,
+    base: list[Any],
+    follow: list[int],
+    evicted: dict[int, np.ndarray],
+    max_tokens: int,
+    eos: set[int],
+    reference: list[int] | None,
+) -> tuple[list[int], np.ndarray]:
+    """The greedy answer from ``base`` with ``evicted`` masked out, and the log-probabilities
+    teacher-forced along ``reference`` (None: along that answer itself)."""
+    cache = _fresh(base)
+    with _Masking(cache, evicted) as masking:
+        tokens = _greedy(model, cache, follow, max_tokens, eos)
+    missing = set(range(len(cache))) - masking.calls
+    if missing:
+        raise UnsupportedModelError(
+            f"layer {min(missing)} computes attention without mlx-lm's scaled_dot_product_attention, "
+            "where end to end masks the evicted keys"
+        )
+    cache = _fresh(base)
+    with _Masking(cache, evicted):
+        return tokens, _forced(model, cache, follow, reference or tokens)
 
 
 def _found(answer: str | None, text: str) -> bool | None:

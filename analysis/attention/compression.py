@@ -443,10 +443,18 @@ def _column_sums(h: _Head, end: int) -> tuple[np.ndarray, int]:
     one block's weights whatever the span's length."""
     rows = np.flatnonzero(h.q_positions < end)
     total = np.zeros(h.k.shape[0])
+    ordered = bool(np.all(np.diff(h.k_positions) > 0))
     for start in range(0, rows.size, BLOCK):
         block = rows[start : start + BLOCK]
-        weights = attention_weights(h.spec, h.head, h.q[block], h.k, h.q_positions[block], h.k_positions)
-        total += weights.sum(axis=0, dtype=np.float64)
+        # keys after the block's last query get no weight (causal): with the keys in position
+        # order, the block reads only those up to it
+        seen = h.k.shape[0]
+        if ordered:
+            seen = int(np.searchsorted(h.k_positions, h.q_positions[block].max(), side="right"))
+        weights = attention_weights(
+            h.spec, h.head, h.q[block], h.k[:seen], h.q_positions[block], h.k_positions[:seen]
+        )
+        total[:seen] += weights.sum(axis=0, dtype=np.float64)
     return total, int(rows.size)
 
 
