@@ -15,3 +15,7 @@ class UnsupportedModelError(CaptureError):
 
 class ModelFolderError(CaptureError):
     """A model folder that does not load: the message names the file that fails."""
+
+
+class UnknownTaskError(CaptureError, ValueError):
+    """A benchmark task name `capture.ruler` does not generate."""

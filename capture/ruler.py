@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .errors import UnknownTaskError
+
 if TYPE_CHECKING:
     import random
 
@@ -104,7 +106,7 @@ def samples(
     out = []
     for task in tasks:
         if task not in TASKS:
-            raise ValueError(f"unknown task {task!r}: one of {', '.join(TASKS)}")
+            raise UnknownTaskError(f"unknown task {task!r}: one of {', '.join(TASKS)}")
         for index in range(per_task):
             rng = random.Random(f"{seed}/{task}/{index}")
             out.append(_MAKERS[task](rng, count_tokens, tokens, index))
