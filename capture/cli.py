@@ -145,9 +145,13 @@ def _bench(args: argparse.Namespace) -> int:
             f"--method {unknown[0]}: end to end runs the eviction methods: {', '.join(EVICTION)}"
         )
     paths = compression_bench.outputs(args.output)
-    os.makedirs(args.output, exist_ok=True)
-    for path in paths.values():
-        check_output(path, force=args.force)
+    if os.path.isdir(args.output):
+        for path in paths.values():
+            check_output(path, force=args.force)
+    elif os.path.exists(args.output):
+        raise CommandError(f"-o {args.output}: not a folder")
+    elif not os.access(os.path.dirname(os.path.abspath(args.output)), os.W_OK | os.X_OK):
+        raise CommandError(f"-o {args.output}: its parent folder is not writable")
     model_path = _resolve_model(args.model)
     model, tokenizer = _load(load, args.model, model_path)[:2]
 
@@ -165,6 +169,7 @@ def _bench(args: argparse.Namespace) -> int:
     rows = compression_bench.run(
         model, tokenizer, samples, args.method, args.ratio, args.max_tokens, progress=progress
     )
+    os.makedirs(args.output, exist_ok=True)  # made only once there is something to put in it
     title = f"{args.model}: {len(samples)} samples of about {args.tokens} tokens"
     for line in compression_bench.save(rows, samples, paths, args.force, title):
         print(line)
