@@ -23,15 +23,17 @@ from kvsnap.exports import exports
 if TYPE_CHECKING:
     from .attention.compression import simulate
     from .attention.head_importance import attention_stats
+    from .engine.accumulator import HeadAccumulator
     from .engine.batch import BatchResult, FileFailure, expand_paths, merged_stats, run_stats
     from .engine.plan import BatchOptions
-    from .engine.tables import head_stats, head_stats_reader, head_stats_table, outliers, token_table
-    from .stats.accumulator import HeadAccumulator
+    from .engine.tables import head_stats, head_stats_reader, head_stats_table
+    from .stats.outliers import outliers
     from .stats.rope import Rope, RopeError, checkpoint_keys
     from .tools.diff import head_diff
     from .tools.export import export_heads
     from .tools.similarity import head_similarity, similarity_for_file
     from .tools.state import state_stats
+    from .tools.token_table import token_table
     from .viewer.notebook import view
 
 __all__ = [

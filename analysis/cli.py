@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvsnap.cli.options import non_negative_int, odd_int, positive_float, positive_int
+from kvsnap.arguments import non_negative_int, odd_int, positive_float, positive_int
 
 from .commands.common import FIGURES, TABLES, check_outputs
 from .commands.options import (

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
     import ray
     import threadpoolctl
     import tqdm
+
+    import kvformat.errors as kvformat_errors
 else:
     multiprocessing = OnFirstUse("multiprocessing")
     multiprocessing_util = OnFirstUse("multiprocessing.util")
@@ -64,10 +66,12 @@ else:
     ray = OnFirstUse("ray")
     threadpoolctl = OnFirstUse("threadpoolctl")
     tqdm = OnFirstUse("tqdm")
+    kvformat_errors = OnFirstUse("kvformat.errors")  # for modules that load before numpy
 
 __all__ = [
     "OnFirstUse",
     "futures_process",
+    "kvformat_errors",
     "matplotlib",
     "mcolors",
     "multiprocessing",

@@ -10,3 +10,7 @@ from kvformat import KVSnapError
 class AnalysisError(KVSnapError, ValueError):
     """An analysis the files cannot give: no queries, layouts that differ, no RoPE description, a
     viewer request outside the file."""
+
+
+class LayoutMismatchError(AnalysisError):
+    """Files compared or merged do not hold the same layers, heads, dims or sequences."""

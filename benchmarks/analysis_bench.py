@@ -133,7 +133,7 @@ elif mode == "naive":
     # catalogue on it (same accumulator, one add per head), never release pages.
     import kvformat
     from kvsnap.analysis.stats.rope import Rope
-    from kvsnap.analysis.stats.accumulator import HeadAccumulator
+    from kvsnap.analysis.engine.accumulator import HeadAccumulator
     with kvformat.open(path) as snap:
         for layer, spec in enumerate(snap.layers):
             for head in range(spec.num_heads):

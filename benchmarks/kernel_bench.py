@@ -35,7 +35,7 @@ t2 = time.perf_counter()
 import sys
 import kvsnap.analysis.kernels.native
 from kvsnap.analysis.kernels import eigen, halves
-from kvsnap.analysis.stats.accumulator import HeadAccumulator
+from kvsnap.analysis.engine.accumulator import HeadAccumulator
 from kvsnap.analysis.stats.catalogue import ALL
 from kvsnap.analysis.stats.rope import Rope
 

@@ -32,6 +32,21 @@ STAGES = {
     "analysis": "kvsnap.analysis",
     "benchmarks": "benchmarks",
 }
+#: The layers of ``kvsnap.analysis``, lowest first: a module imports only from its own layer or
+#: below. The package's front door (``kvsnap.analysis``) and ``cli.py`` stand above them all.
+ANALYSIS_LAYERS: dict[str, int] = {
+    "dependencies": 0,  # the heavy and optional modules, loaded on first use
+    "errors": 0,
+    "machine": 0,
+    "stats": 1,  # what a statistic is
+    "kernels": 2,  # what fills its running sums
+    "engine": 3,  # how a file or a batch is processed
+    "attention": 4,  # attention and head importance from saved queries
+    "tools": 4,  # diff, similarity, export, tables of tokens
+    "viewer": 5,
+    "commands": 5,
+    "cli": 6,
+}
 #: Backend names that, compared as strings, mean a caller decides by kernel name.
 BACKEND_NAMES = ("mlx", "cpu", "numba", "native", "reference", "cuda", "metal")
 
@@ -179,6 +194,49 @@ def circles(modules: dict[str, Module]) -> list[list[str]]:
     return groups
 
 
+def _analysis_part(name: str) -> str | None:
+    """The first name below ``kvsnap.analysis`` of module ``name`` (its folder or module), or
+    None for the package itself and modules outside it."""
+    parts = name.split(".")
+    return parts[2] if parts[:2] == ["kvsnap", "analysis"] and len(parts) > 2 else None
+
+
+def analysis_upward(modules: dict[str, Module]) -> list[tuple[str, str]]:
+    """Imports in ``kvsnap.analysis`` that run up its layers (`ANALYSIS_LAYERS`), to the shell
+    (``kvsnap.cli``), or from or to a folder no layer names: ``(importer, imported)``."""
+    found = []
+    for module in modules.values():
+        part = _analysis_part(module.name)
+        if part is None:
+            continue
+        for target, _ in module.imports:
+            if target == "kvsnap.cli" or target.startswith("kvsnap.cli."):
+                found.append((module.name, target))
+                continue
+            other = _analysis_part(target)
+            if other is None or other == part:
+                continue
+            layers = (ANALYSIS_LAYERS.get(part), ANALYSIS_LAYERS.get(other))
+            if layers[0] is None or layers[1] is None or layers[1] > layers[0]:
+                found.append((module.name, target))
+    return sorted(set(found))
+
+
+def analysis_folder_loops(modules: dict[str, Module]) -> list[list[str]]:
+    """Loops between the folders and top modules of ``kvsnap.analysis`` (every import counted)."""
+    folders: dict[str, Module] = {}
+    for module in modules.values():
+        part = _analysis_part(module.name)
+        if part is None:
+            continue
+        merged = folders.setdefault(part, Module(part, module.path, True))
+        for target, inside in module.imports:
+            other = _analysis_part(target)
+            if other is not None and other != part:
+                merged.imports.append((other, inside))
+    return circles(folders)
+
+
 def kvformat_reached(modules: dict[str, Module], public: set[str]) -> Counter[str]:
     """kvformat modules the stages import other than the package itself and its public subpackages."""
     reached: Counter[str] = Counter()
@@ -250,6 +308,8 @@ def report(root: Path) -> dict[str, object]:
     )
     return {
         "circles": circles(modules),
+        "analysis imports up its layers": [f"{a} -> {b}" for a, b in analysis_upward(modules)],
+        "analysis folder loops": analysis_folder_loops(modules),
         "kvformat imports of other stages": kvformat_out,
         "kvformat modules the stages reach": dict(kvformat_reached(modules, import_kvformat_public)),
         "analysis imports inside functions": local,

@@ -18,6 +18,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from kvformat.errors import InvalidArgumentError
+
 from . import gather
 from .caches import to_numpy
 from .errors import CaptureError
@@ -111,7 +113,7 @@ class BackgroundWriter:
 
     def __init__(self, max_pending: int = DEFAULT_MAX_PENDING) -> None:
         if max_pending < 1:
-            raise ValueError("max_pending must be at least 1")
+            raise InvalidArgumentError("max_pending must be at least 1")
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=max_pending)
         self._error: BaseException | None = None  # the first failure; kept, so later jobs are dropped
         self._reported = False

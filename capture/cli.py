@@ -7,13 +7,14 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsnap.cli.errors import CommandError
-from kvsnap.cli.options import fraction, non_negative_float, positive_int, typed
+from kvformat.errors import InvalidArgumentError
+from kvsnap.arguments import fraction, non_negative_float, positive_int, typed
+from kvsnap.errors import CommandError
 
 
 @dataclass(frozen=True)
 class CaptureOptions:
-    """``kvsnap capture``'s options, typed (`kvsnap.cli.options.typed`)."""
+    """``kvsnap capture``'s options, typed (`kvsnap.arguments.typed`)."""
 
     model: str = ""
     prompt: str | None = None
@@ -278,7 +279,7 @@ def _resolve_model(spec: str) -> str:
         return str(converted_gguf(path))
     if (path / "config.json").exists():
         return str(path)
-    raise ValueError(
+    raise InvalidArgumentError(
         f"--model {spec!r}: not a fixture name ({', '.join(MODELS)}), .gguf file or model directory"
     )
 
@@ -408,7 +409,7 @@ def _prompt(options: CaptureOptions, tokenizer: Any) -> str:
     if not options.chat:
         return str(prompt)
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"--chat: {options.model} has no chat template (its tokenizer config, or the GGUF's "
             "tokenizer.chat_template, holds none); give the prompt as the model expects it, without --chat"
         )

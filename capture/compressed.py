@@ -156,16 +156,23 @@ def _decoded(
     reference: list[int] | None,
 ) -> tuple[list[int], np.ndarray]:
     """The greedy answer from ``base`` with ``evicted`` masked out, and the log-probabilities
-    teacher-forced along ``reference`` (None: along that answer itself)."""
+    teacher-forced along ``reference`` (None: along that answer itself).
+
+    Where the greedy answer runs along ``reference`` (always for None), the decode's own
+    log-probabilities are the teacher-forced ones (the model read the same tokens after the same
+    cache), and no second pass runs; otherwise one pass reads ``follow`` and ``reference``."""
     cache = _fresh(base)
     with _Masking(cache, evicted) as masking:
-        tokens = _greedy(model, cache, follow, max_tokens, eos)
+        tokens, decoded = _greedy(model, cache, follow, max_tokens, eos)
     missing = set(range(len(cache))) - masking.calls
     if missing:
         raise UnsupportedModelError(
             f"layer {min(missing)} computes attention without mlx-lm's scaled_dot_product_attention, "
             "where end to end masks the evicted keys"
         )
+    along = reference or tokens
+    if len(tokens) >= len(along) and tokens[: len(along) - 1] == along[:-1]:
+        return tokens, decoded[: len(along)]
     cache = _fresh(base)
     with _Masking(cache, evicted):
         return tokens, _forced(model, cache, follow, reference or tokens)
@@ -343,15 +350,20 @@ def _fresh(base: list[Any]) -> list[Any]:
     return copies
 
 
-def _greedy(model: Any, cache: list[Any], follow: list[int], max_tokens: int, eos: set[int]) -> list[int]:
-    """Read ``follow``, then decode up to ``max_tokens`` greedily (stopping after an end token)."""
+def _greedy(
+    model: Any, cache: list[Any], follow: list[int], max_tokens: int, eos: set[int]
+) -> tuple[list[int], np.ndarray]:
+    """Read ``follow``, then decode up to ``max_tokens`` greedily (stopping after an end token):
+    the tokens, and the float32 log-probabilities ``(len(tokens), vocab)`` each was chosen from."""
     logits = _step(model, cache, follow)[-1]
     out: list[int] = []
+    rows: list[np.ndarray] = []
     while True:
-        token = int(np.asarray(mx.argmax(logits)))
+        rows.append(np.array(logits))
+        token = int(np.argmax(rows[-1]))
         out.append(token)
         if token in eos or len(out) == max_tokens:
-            return out
+            return out, np.stack(rows)
         logits = _step(model, cache, [token])[-1]
 
 

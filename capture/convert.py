@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvformat.errors import UnknownNameError
 from kvformat.io.outputs import check_output, output_path
 
 from .errors import UnsupportedModelError
@@ -287,7 +288,7 @@ def convert_gguf(
     from gguf import GGUFReader
 
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        raise UnknownNameError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     gguf_path = Path(gguf_path)
     try:
         reader = GGUFReader(os.fspath(gguf_path))

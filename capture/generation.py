@@ -24,6 +24,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kvformat
+from kvformat.errors import ConflictingArgumentsError, InvalidArgumentError
 from kvformat.io.outputs import check_output, refuse_inside
 
 from . import state as recurrent
@@ -385,7 +386,7 @@ def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list[Any]:
     if max_kv_size is None:
         return cache
     if not isinstance(max_kv_size, int) or max_kv_size < 1:
-        raise ValueError(f"max_kv_size must be a positive number of tokens, got {max_kv_size!r}")
+        raise InvalidArgumentError(f"max_kv_size must be a positive number of tokens, got {max_kv_size!r}")
     limited = [RotatingKVCache(max_size=max_kv_size, keep=4) if type(c) is KVCache else c for c in cache]
     if not any(type(c).__name__ == "RotatingKVCache" and c.max_size == max_kv_size for c in limited):
         names = sorted({type(c).__name__ for c in cache})
@@ -436,7 +437,7 @@ class Capture:
         if capture is None:
             return cls(**given), rest
         if given:
-            raise TypeError(
+            raise ConflictingArgumentsError(
                 f"give {', '.join(sorted(given))} in capture=Capture(...) or as keywords, not both"
             )
         return capture, rest
@@ -477,7 +478,7 @@ def generate(
     if resume is not None:
         start = _resume_start(resume, tokenizer, sampler, max_tokens)
     elif prompt is None:
-        raise ValueError("give a prompt or a snapshot to resume from")
+        raise InvalidArgumentError("give a prompt or a snapshot to resume from")
     else:
         start = _prompt_start(model, tokenizer, prompt, max_kv_size)
     query_recorder = None

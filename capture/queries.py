@@ -25,6 +25,7 @@ import numpy as np
 
 import kvformat
 from kvformat import QuerySpec
+from kvformat.errors import InvalidArgumentError, UnknownNameError
 
 from .errors import CaptureError, UnsupportedModelError
 from .gather import join
@@ -54,12 +55,12 @@ class QuerySelection:
             except ValueError:
                 size = 0
             if size < 1:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"--queries {text!r}: window:W needs a positive number of prompt positions W"
                 )
             return cls("window", size)
         if name not in MODES or value:
-            raise ValueError(f"--queries {text!r}: choose none, decode, window:W or all")
+            raise UnknownNameError(f"--queries {text!r}: choose none, decode, window:W or all")
         return cls(name)
 
     @property

@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvformat.errors import InvalidArgumentError
+
 
 @dataclass(frozen=True)
 class Triggers:
@@ -27,10 +29,10 @@ class Triggers:
         final: bool = True,
     ) -> Triggers:
         if every is not None and (not isinstance(every, int) or every < 1):
-            raise ValueError(f"every must be a positive number of tokens, got {every!r}")
+            raise InvalidArgumentError(f"every must be a positive number of tokens, got {every!r}")
         counts = frozenset(int(n) for n in at)
         if any(n < 1 for n in counts):
-            raise ValueError(f"'at' counts must be positive, got {sorted(counts)}")
+            raise InvalidArgumentError(f"'at' counts must be positive, got {sorted(counts)}")
         return cls(every, counts, when, final)
 
     def due(self, generated: int, response: Any, is_final: bool) -> bool:

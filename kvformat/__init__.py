@@ -17,6 +17,8 @@ stores; HTTP uses the standard library).
 The public API is `__all__` plus the modules of `PUBLIC_MODULES`: `kvformat.attention` (SPEC 10.1's
 attention recomputed from a file), `kvformat.checksum` (CRC-32C and its combination over pieces),
 `kvformat.codecs` and `kvformat.dtypes` (the format's codecs and element types by name),
+`kvformat.errors` (every error class: `KVSnapError` at the root, `KVFormatError` for a file and
+`UsageError` for a request),
 `kvformat.channel_order` (the recorded RoPE channel order), `kvformat.sniff` (a file's kind from
 its first bytes), `kvformat.pages` (page management for a pass over a whole file: batched reads,
 releasing and prefetching pages; `kvformat.pages.of(snap)`), `kvformat.io` (local, HTTP and
@@ -46,6 +48,7 @@ from kvformat.errors import (
     TruncatedFileError,
     UnsupportedFeatureError,
     UnsupportedVersionError,
+    UsageError,
 )
 from kvformat.layout import MAJOR, MINOR
 from kvformat.manifest import LayerSpec, QuerySpec
@@ -69,6 +72,7 @@ PUBLIC_MODULES = (
     "checksum",
     "codecs",
     "dtypes",
+    "errors",
     "importers",
     "io",
     "pages",
@@ -114,6 +118,7 @@ __all__ = [
     "TruncatedFileError",
     "UnsupportedFeatureError",
     "UnsupportedVersionError",
+    "UsageError",
     "VerifyReport",
     "Writer",
     "Zstd",

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from kvformat.errors import MissingKeysError, OutOfRangeError
+from kvformat.errors import MissingKeysError, NoQueriesError, OutOfRangeError
 from kvformat.runs import ranges
 
 if TYPE_CHECKING:
@@ -283,7 +283,7 @@ def _inputs(
     spec = snap.layers[layer].queries
     found = snap.queries(layer, head, seq, positions=queries)
     if spec is None or found is None:
-        raise ValueError(f"layer {layer} holds no queries")
+        raise NoQueriesError(f"layer {layer} holds no queries")
     keys = context_keys(snap, layer, spec.kv_heads[head], seq, found.positions)
     refuse_incomplete(snap, layer, head, found.positions, keys.complete)
     return spec, found.q, found.positions, keys.k, keys.v, keys.positions
@@ -305,7 +305,7 @@ def check_selection(
     found = snap.queries(layer, head, seq)
     spec = snap.layers[layer].queries
     if found is None or spec is None:
-        raise ValueError(f"layer {layer} holds no queries")
+        raise NoQueriesError(f"layer {layer} holds no queries")
     chosen = _within(queries, found.positions)
     if queries is not None and not found.positions[chosen].size:
         raise OutOfRangeError(

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from kvformat.errors import InvalidArrayError
+
 
 def _crc32c_module() -> Any:
     """The crc32c package's compiled module, loaded without running the package's
@@ -115,7 +117,7 @@ def crc32c_rows(rows: np.ndarray) -> np.ndarray:
     numpy alone (table lookups, no call per row): the writer checksums thousands of 60-byte
     descriptors per snapshot this way."""
     if rows.ndim != 2 or rows.dtype != np.uint8:
-        raise ValueError("rows must be a 2-D uint8 array")
+        raise InvalidArrayError("rows must be a 2-D uint8 array")
     n, length = rows.shape
     if n == 0:
         return np.zeros(0, np.uint32)

@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 import zstandard
 
-from kvformat.errors import CorruptFileError, UnsupportedFeatureError
+from kvformat.errors import CorruptFileError, InvalidArgumentError, UnknownNameError, UnsupportedFeatureError
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -177,6 +177,6 @@ def parse(spec: str | Codec) -> Codec:
         try:
             level = int(level_text) if level_text else DEFAULT_ZSTD_LEVEL
         except ValueError:
-            raise ValueError(f"codec level must be an integer, got {level_text!r}") from None
+            raise InvalidArgumentError(f"codec level must be an integer, got {level_text!r}") from None
         return Zstd(level) if name == "zstd" else BytePlaneZstd(level)
-    raise ValueError(f"unknown codec {spec!r}; choose from {', '.join(NAMES)} (zstd may take ':LEVEL')")
+    raise UnknownNameError(f"unknown codec {spec!r}; choose from {', '.join(NAMES)} (zstd may take ':LEVEL')")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvformat.errors import UnsupportedFeatureError
+from kvformat.errors import InvalidArrayError, UnsupportedFeatureError
 
 
 @dataclass(frozen=True)
@@ -65,4 +65,4 @@ def from_numpy(dtype: np.dtype | type) -> DType:
     for d in ALL:  # bfloat16 last: its numpy dtype is only looked up (imported) when needed
         if (d is not BFLOAT16 or dt.name == "bfloat16") and dt == d.numpy:
             return d
-    raise TypeError(f"unsupported array dtype {dt}; use float32, float16 or bfloat16")
+    raise InvalidArrayError(f"unsupported array dtype {dt}; use float32, float16 or bfloat16")

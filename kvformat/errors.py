@@ -1,8 +1,12 @@
-"""Errors raised for files that are not valid `.kv` snapshots, and the root of every error kvsnap
-raises on purpose.
+"""Errors raised for files that are not valid `.kv` snapshots and for requests that cannot be done
+as asked, and the root of every error kvsnap raises on purpose.
 
 Every malformed, truncated or hostile file raises a subclass of `KVFormatError` (itself a
-`ValueError`), never a bare numpy, struct, zstd or JSON exception. `KVSnapError` is the base of
+`ValueError`), never a bare numpy, struct, zstd or JSON exception. Every request kvsnap refuses
+(an argument outside its domain, an unknown name, arrays that do not fit a layer) raises a
+subclass of `UsageError` (also a `ValueError`; those that Python would raise as a ``TypeError``
+are one too). A bare built-in exception from kvsnap is a bug, and the command line shows its
+traceback. `KVSnapError` is the base of
 every error class of kvformat, the capture stage and the analysis stage (``kvsnap.Error``): one
 ``except`` catches whatever kvsnap refused, while each class still is the built-in exception its
 meaning is (``ValueError``, ``IndexError``, ``OSError``, ...).
@@ -79,3 +83,48 @@ class OutOfRangeError(KVSnapError, IndexError):
 class FileInUseError(KVSnapError, OSError):
     """A ``.partial`` file that a live writer still holds (its advisory lock) was given to a command
     that would read it as abandoned (`kvformat.recover`)."""
+
+
+class UsageError(KVSnapError, ValueError):
+    """A call or a command asked for something that cannot be done as asked: the file is fine,
+    the request is not. The message names the argument and what it may be."""
+
+
+class InvalidArgumentError(UsageError):
+    """An argument, option or setting outside its domain (a count below 1, a range that runs
+    backwards, an environment variable that is not one of its values)."""
+
+
+class UnknownNameError(UsageError):
+    """A name (codec, backend, statistic, group, method, executor, format) that is none of the
+    choices; the message lists them."""
+
+
+class ConflictingArgumentsError(UsageError, TypeError):
+    """Arguments that cannot be given together (a keyword and the option object that holds it,
+    an old name and its new one), or an argument the call does not take."""
+
+
+class InvalidArrayError(UsageError, TypeError):
+    """Arrays or positions handed to a writer that do not fit the layer they are written to:
+    their shape, dtype, count or order (positions strictly increasing, after those written)."""
+
+
+class InvalidLayoutError(UsageError):
+    """A layer, query or quantization description, or metadata, that the format cannot hold
+    (SPEC 7): a count out of its range, settings that exclude each other, metadata that is not
+    plain JSON."""
+
+
+class WriterClosedError(UsageError):
+    """A `kvformat.Writer` used after it was closed."""
+
+
+class NoQueriesError(UsageError):
+    """Attention was asked of a layer or file that holds no queries: capture with ``--queries``
+    (``queries=...``)."""
+
+
+class InvalidTypeError(UsageError, TypeError):
+    """An argument of a kind the call does not take (a file object that cannot seek, a
+    filesystem that is neither fsspec's nor pyarrow's)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvformat import dtypes, quantization
 from kvformat.dtypes import DType
-from kvformat.errors import CorruptFileError, LimitExceededError, UnsupportedFeatureError
+from kvformat.errors import CorruptFileError, InvalidLayoutError, LimitExceededError, UnsupportedFeatureError
 from kvformat.layout import MAX_HEAD_SEQUENCES, MAX_HEADS, MAX_LAYERS, MAX_POSITION, MAX_SEQS, MAX_WIDTH
 from kvformat.quantization import Quantization
 
@@ -78,40 +78,50 @@ class QuerySpec:
         layer's KV head count; ``dims``: its K and V head dims, for a latent layer's ``dim``)."""
         for name, value, limit in (("num_heads", self.num_heads, MAX_HEADS), ("dim", self.dim, MAX_WIDTH)):
             if not _is_int(value) or not 1 <= value <= limit:
-                raise ValueError(f"queries {name} must be an integer in 1..{limit}, got {value!r}")
+                raise InvalidLayoutError(f"queries {name} must be an integer in 1..{limit}, got {value!r}")
         if len(self.kv_heads) != self.num_heads or not all(
             _is_int(h) and 0 <= h < kv_heads for h in self.kv_heads
         ):
-            raise ValueError(f"queries kv_heads must name one KV head (0..{kv_heads - 1}) per query head")
+            raise InvalidLayoutError(
+                f"queries kv_heads must name one KV head (0..{kv_heads - 1}) per query head"
+            )
         self._check_mask()
         self._check_logits()
         if not isinstance(self.latent, bool):
-            raise ValueError(f"queries latent must be true or false, got {self.latent!r}")
+            raise InvalidLayoutError(f"queries latent must be true or false, got {self.latent!r}")
         if self.latent and dims is not None and self.dim != dims[0] + dims[1]:
-            raise ValueError(f"latent queries must have dim k_dim + v_dim = {sum(dims)}, got {self.dim}")
+            raise InvalidLayoutError(
+                f"latent queries must have dim k_dim + v_dim = {sum(dims)}, got {self.dim}"
+            )
 
     def _check_logits(self) -> None:
         """``scale`` finite and positive, ``softcap`` null or so, ``sinks`` null or one finite
         number per query head."""
         if not (isinstance(self.scale, float | int) and math.isfinite(self.scale) and self.scale > 0):
-            raise ValueError(f"queries scale must be a finite number above 0, got {self.scale!r}")
+            raise InvalidLayoutError(f"queries scale must be a finite number above 0, got {self.scale!r}")
         if self.softcap is not None and not (math.isfinite(self.softcap) and self.softcap > 0):
-            raise ValueError(f"queries softcap must be null or a finite number above 0, got {self.softcap!r}")
+            raise InvalidLayoutError(
+                f"queries softcap must be null or a finite number above 0, got {self.softcap!r}"
+            )
         if self.sinks is not None and (len(self.sinks) != self.num_heads or not _finite(self.sinks)):
-            raise ValueError("queries sinks must be null or one finite number per query head")
+            raise InvalidLayoutError("queries sinks must be null or one finite number per query head")
 
     def _check_mask(self) -> None:
         """``window`` null or positive, ``keep`` an integer >= 0 and below the window."""
         if self.window is not None and (not _is_int(self.window) or not 1 <= self.window <= MAX_POSITION):
-            raise ValueError(f"queries window must be null or an integer in 1..2^53, got {self.window!r}")
+            raise InvalidLayoutError(
+                f"queries window must be null or an integer in 1..2^53, got {self.window!r}"
+            )
         if not _is_int(self.keep) or self.keep < 0:
-            raise ValueError(f"queries keep must be an integer >= 0, got {self.keep!r}")
+            raise InvalidLayoutError(f"queries keep must be an integer >= 0, got {self.keep!r}")
         if self.window is not None and self.keep >= self.window:
-            raise ValueError(f"queries keep ({self.keep}) must be below the window ({self.window})")
+            raise InvalidLayoutError(f"queries keep ({self.keep}) must be below the window ({self.window})")
         if self.chunk is not None and (not _is_int(self.chunk) or not 1 <= self.chunk <= MAX_POSITION):
-            raise ValueError(f"queries chunk must be null or an integer in 1..2^53, got {self.chunk!r}")
+            raise InvalidLayoutError(
+                f"queries chunk must be null or an integer in 1..2^53, got {self.chunk!r}"
+            )
         if self.chunk is not None and self.window is not None:
-            raise ValueError("queries chunk and window cannot both be set")
+            raise InvalidLayoutError("queries chunk and window cannot both be set")
 
 
 def _finite(values: tuple[float, ...]) -> bool:
@@ -277,14 +287,14 @@ class LayerSpec:
         if not self.present:
             return
         if self.dtype is None:
-            raise ValueError("a present layer needs a dtype")
+            raise InvalidLayoutError("a present layer needs a dtype")
         for name, value, limit in (
             ("num_heads", self.num_heads, MAX_HEADS),
             ("k_dim", self.k_dim, MAX_WIDTH),
             ("v_dim", self.v_dim, MAX_WIDTH),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-                raise ValueError(f"layer {name} must be an integer in 1..{limit}, got {value!r}")
+                raise InvalidLayoutError(f"layer {name} must be an integer in 1..{limit}, got {value!r}")
         if self.quantization is not None:
             self.quantization.check_dim(self.k_dim)
             self.quantization.check_dim(self.v_dim)
@@ -436,7 +446,7 @@ def dumps(obj: Any) -> bytes:
     try:
         return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     except (TypeError, ValueError) as exc:
-        raise ValueError(
+        raise InvalidLayoutError(
             f"metadata must be plain JSON (dict, list, str, int, float, bool, None): {exc}"
         ) from None
 
@@ -477,6 +487,7 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 def _reject_constant(name: str) -> Any:
+    # internal: `loads` maps it to CorruptFileError
     raise ValueError(f"{name} is not JSON")
 
 
@@ -485,6 +496,7 @@ def _json_float(text: str) -> float:
     valid JSON text, but no reader can keep its value; SPEC section 2)."""
     value = float(text)
     if math.isinf(value):
+        # internal: `loads` maps it to CorruptFileError
         raise ValueError(f"number {text} is out of the range of a double")
     return value
 
@@ -497,6 +509,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for name, _ in pairs:
             if name in seen:
+                # internal: `loads` maps it to CorruptFileError
                 raise ValueError(f"object holds the name {name!r} twice")
             seen.add(name)
     return value

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvformat import codecs
+from kvformat.errors import InvalidArgumentError
 from kvformat.layout import DESCRIPTOR_SIZE
 from kvformat.runs import Segment, ranges
 from kvformat.structure import FileStructure, payload_crc_mismatch
@@ -95,7 +96,7 @@ class Pages:
         per segment where segments are many and small (a series of snapshots)."""
         first = segments[0]
         if len({(s.layer, s.seq, s.head) for s in segments}) != 1:
-            raise ValueError("read_many takes segments of one head")
+            raise InvalidArgumentError("read_many takes segments of one head")
         file = self.file
         counts = [s.count for s in segments]
         k = file.chunk_rows([s.k_chunk for s in segments], [s.k_row for s in segments], counts)

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from kvformat.errors import InvalidLayoutError
+
 BITS = (2, 4, 8)
 GROUP_SIZES = (32, 64, 128)
 
@@ -33,7 +35,7 @@ class Quantization:
 
     def check_dim(self, dim: int) -> None:
         if dim % self.group_size or (dim * self.bits) % 32:
-            raise ValueError(f"head dim {dim} is not a multiple of group size {self.group_size}")
+            raise InvalidLayoutError(f"head dim {dim} is not a multiple of group size {self.group_size}")
 
     def widths(self, dim: int) -> tuple[int, int]:
         """(uint32 words, scales) per row of ``dim`` elements."""

@@ -18,7 +18,13 @@ import numpy as np
 
 from kvformat import attention
 from kvformat.attention import Attention
-from kvformat.errors import IncompleteSnapshotError, OutOfRangeError
+from kvformat.errors import (
+    ConflictingArgumentsError,
+    IncompleteSnapshotError,
+    InvalidArgumentError,
+    NoQueriesError,
+    OutOfRangeError,
+)
 from kvformat.io import remote
 from kvformat.io.remote import READ_AHEAD
 from kvformat.io.source import open_source
@@ -207,7 +213,9 @@ class Snapshot:
         """
         if tokens is not None:
             if positions is not None:
-                raise TypeError("give positions=, not both positions= and its former name tokens=")
+                raise ConflictingArgumentsError(
+                    "give positions=, not both positions= and its former name tokens="
+                )
             warnings.warn("head(tokens=...) is now head(positions=...)", DeprecationWarning, stacklevel=2)
             positions = tokens
         spec = self._layer(layer, head, seq)
@@ -324,7 +332,7 @@ class Snapshot:
         if not spec.present:
             return None
         if spec.queries is None:
-            raise ValueError(
+            raise NoQueriesError(
                 f"layer {layer} of {self.name} holds no queries: capture with --queries (queries=...)"
             )
         if not isinstance(head, int) or not 0 <= head < spec.queries.num_heads:
@@ -364,7 +372,7 @@ class Snapshot:
         if spec is None:
             return None
         if spec.quantization is None:
-            raise ValueError(f"layer {layer} is not quantized")
+            raise InvalidArgumentError(f"layer {layer} is not quantized")
         self._check_whole(layer, seq, head)
         segments = self._segments.of_head(layer, seq, head)
         k_parts = [self._file.chunk_parts(s.k_chunk) for s in segments]
@@ -416,7 +424,7 @@ class Snapshot:
         pages fault back in).
         """
         if not callable(hold) and (not isinstance(hold, int) or hold < 0):
-            raise ValueError(f"hold must be a non-negative integer, not {hold!r}")
+            raise InvalidArgumentError(f"hold must be a non-negative integer, not {hold!r}")
         holding = hold if callable(hold) else (lambda: hold)
         segments = self.segments()
         announced = 0
@@ -510,7 +518,7 @@ def _position_range(positions: tuple[int, int] | range | None) -> tuple[int, int
         return 0, MAX_POSITION
     if isinstance(positions, range):
         if positions.step != 1:
-            raise ValueError("a positions range must have step 1")
+            raise InvalidArgumentError("a positions range must have step 1")
         return positions.start, positions.stop
     start, stop = positions
     return int(start), int(stop)

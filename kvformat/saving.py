@@ -13,6 +13,7 @@ import numpy as np
 
 from kvformat import dtypes
 from kvformat.codecs import Codec
+from kvformat.errors import InvalidArrayError
 from kvformat.manifest import LayerSpec
 from kvformat.writer import DEFAULT_CHUNK_BYTES, Writer
 
@@ -70,14 +71,16 @@ def save(
         else:
             positions = list(layer.positions)
         if not (len(ks) == len(vs) == len(positions)):
-            raise ValueError(f"layer {index}: k, v and positions disagree on the number of sequences")
+            raise InvalidArrayError(f"layer {index}: k, v and positions disagree on the number of sequences")
         if num_seqs is None:
             num_seqs = len(ks)
         elif num_seqs != len(ks):
-            raise ValueError(f"layer {index} has {len(ks)} sequences, earlier layers {num_seqs}")
+            raise InvalidArrayError(f"layer {index} has {len(ks)} sequences, earlier layers {num_seqs}")
         first_k, first_v = np.asarray(ks[0]), np.asarray(vs[0])
         if first_k.ndim != 3 or first_v.ndim != 3:
-            raise ValueError(f"layer {index}: k and v must be (num_heads, n_tokens, head_dim) per sequence")
+            raise InvalidArrayError(
+                f"layer {index}: k and v must be (num_heads, n_tokens, head_dim) per sequence"
+            )
         specs.append(
             LayerSpec(
                 num_heads=first_k.shape[0],

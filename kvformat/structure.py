@@ -13,6 +13,7 @@ from kvformat.errors import (
     ChecksumError,
     CorruptFileError,
     ForeignFormatError,
+    InvalidArgumentError,
     KVFormatError,
     LimitExceededError,
     TruncatedFileError,
@@ -172,7 +173,7 @@ class FileStructure:
         c = self.chunk(i)
         quant = self._quantization(c)
         if quant is None:
-            raise ValueError(f"chunk {i} is not quantized")
+            raise InvalidArgumentError(f"chunk {i} is not quantized")
         return self._parts(i, c, quant)
 
     def _parts(self, i: int, c: Descriptor, quant: Quantization, checked: bool = False) -> Parts:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from kvformat.errors import InvalidArgumentError, InvalidArrayError, InvalidLayoutError
 from kvformat.layout import MAX_CHUNK_DECODED, MAX_POSITION
 from kvformat.manifest import LayerSpec, check_head_sequences
 
@@ -15,17 +16,17 @@ from kvformat.manifest import LayerSpec, check_head_sequences
 def as_positions(positions: Any, count: int) -> np.ndarray:
     array = positions if isinstance(positions, np.ndarray) else np.asarray(positions)
     if array.shape != (count,):
-        raise ValueError(f"positions must have shape ({count},), got {array.shape}")
+        raise InvalidArrayError(f"positions must have shape ({count},), got {array.shape}")
     if not count:
         return array.astype(np.int64, copy=False)
     if array.dtype.kind not in "iu":
-        raise TypeError(f"positions must be integers, got {array.dtype}")
+        raise InvalidArrayError(f"positions must be integers, got {array.dtype}")
     array = array.astype(np.int64, copy=False)
     first, last = int(array[0]), int(array[-1])
     if first < 0 or last >= MAX_POSITION:
-        raise ValueError(f"positions must lie in 0..2**53-1, got {first}..{last}")
+        raise InvalidArrayError(f"positions must lie in 0..2**53-1, got {first}..{last}")
     if count > 1 and not (array[1:] > array[:-1]).all():
-        raise ValueError("positions must be strictly increasing")
+        raise InvalidArrayError("positions must be strictly increasing")
     return array
 
 
@@ -41,22 +42,24 @@ def rows_of(spec: LayerSpec, where: str, data: Any, dim: int, heads: tuple[int, 
         array = np.asarray(data)
         count = array.shape[len(heads)] if array.ndim == len(heads) + 2 else -1
         if array.shape != (*heads, count, dim):
-            raise ValueError(f"{where} must have shape {(*heads, 'n_tokens', dim)}, got {array.shape}")
+            raise InvalidArrayError(f"{where} must have shape {(*heads, 'n_tokens', dim)}, got {array.shape}")
         if array.dtype != spec.dtype.numpy:
-            raise TypeError(f"{where} is {array.dtype} but the layer is {spec.dtype.name}; convert first")
+            raise InvalidArrayError(
+                f"{where} is {array.dtype} but the layer is {spec.dtype.name}; convert first"
+            )
         return array
     if not isinstance(data, tuple | list) or len(data) != 3:
-        raise TypeError(f"{where}: a quantized layer takes (packed, scales, biases)")
+        raise InvalidArrayError(f"{where}: a quantized layer takes (packed, scales, biases)")
     words, groups = spec.quantization.widths(dim)
     packed, scales, biases = (np.asarray(p) for p in data)
     count = packed.shape[len(heads)] if packed.ndim == len(heads) + 2 else -1
     if packed.shape != (*heads, count, words) or packed.dtype != np.uint32:
-        raise ValueError(
+        raise InvalidArrayError(
             f"{where}: packed must be uint32 ({leading}, {words}), got {packed.dtype} {packed.shape}"
         )
     for name, part in (("scales", scales), ("biases", biases)):
         if part.shape != (*heads, count, groups) or part.dtype != spec.dtype.numpy:
-            raise ValueError(
+            raise InvalidArrayError(
                 f"{where}: {name} must be {spec.dtype.name} ({leading}, {groups}), "
                 f"got {part.dtype} {part.shape}"
             )
@@ -72,10 +75,10 @@ def checked_layout(layers: Sequence[LayerSpec | None], num_seqs: int, chunk_byte
     for spec in specs:
         spec.check()
     if not isinstance(num_seqs, int) or num_seqs < 1:
-        raise ValueError(f"num_seqs must be a positive integer, got {num_seqs!r}")
-    check_head_sequences(specs, num_seqs, ValueError)
+        raise InvalidArgumentError(f"num_seqs must be a positive integer, got {num_seqs!r}")
+    check_head_sequences(specs, num_seqs, InvalidLayoutError)
     if not 1 <= chunk_bytes <= MAX_CHUNK_DECODED:
-        raise ValueError(f"chunk_bytes must be in 1..{MAX_CHUNK_DECODED}")
+        raise InvalidArgumentError(f"chunk_bytes must be in 1..{MAX_CHUNK_DECODED}")
     return specs
 
 
@@ -84,7 +87,7 @@ def block_start(positions: Any, count: int, start: int | None) -> int | None:
     limit) or the first of ``positions``; None when ``positions`` has gaps (one chunk per run)."""
     if start is not None:
         if count and not 0 <= start <= MAX_POSITION - count:
-            raise ValueError(f"positions must lie in 0..2**53-1, got {start}..{start + count - 1}")
+            raise InvalidArrayError(f"positions must lie in 0..2**53-1, got {start}..{start + count - 1}")
         return start
     pos = as_positions(positions, count)
     if count and int(pos[-1]) - int(pos[0]) != count - 1:

@@ -30,7 +30,13 @@ from kvformat import codecs, dtypes
 from kvformat.checksum import crc32c
 from kvformat.codecs import BytesLike, Codec
 from kvformat.encode import ZEROS, prepare
-from kvformat.errors import OutOfRangeError
+from kvformat.errors import (
+    InvalidArgumentError,
+    InvalidArrayError,
+    NoQueriesError,
+    OutOfRangeError,
+    WriterClosedError,
+)
 from kvformat.index import index_bytes
 from kvformat.io.durability import fsync_directory
 from kvformat.io.outputs import check_output, lock_for_writing, publish
@@ -309,33 +315,33 @@ class Writer:
         if head is None:
             head = int(np.argmax(held))
         if position < held[head]:
-            raise ValueError(
+            raise InvalidArrayError(
                 f"layer {layer} head {head} seq {seq}: position {position} is not after the "
                 f"last position held ({int(held[head]) - 1})"
             )
 
     def _write_array(self, name: str, value: Any) -> int:
         if not isinstance(name, str) or not name:
-            raise ValueError("array names must be non-empty strings")
+            raise InvalidArrayError("array names must be non-empty strings")
         array = np.ascontiguousarray(value)
         if array.ndim == 1:
             array = array.reshape(1, -1)
         if array.ndim != 2:
-            raise ValueError(f"array {name!r} must be 1-D or 2-D, got shape {array.shape}")
+            raise InvalidArrayError(f"array {name!r} must be 1-D or 2-D, got shape {array.shape}")
         dtype = dtypes.from_numpy(array.dtype)
         unit: Unit = [Part(KIND_ARRAY, 0, 0, 0, 0, array, array.shape[1], dtype)]
         return self._commit(self._prepare(unit, 0, self._offset))[0]
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError(f"writer for {self.path} is closed")
+            raise WriterClosedError(f"writer for {self.path} is closed")
 
     def _layer(self, layer: int) -> LayerSpec:
         if not isinstance(layer, int) or not 0 <= layer < len(self.manifest.layers):
             raise OutOfRangeError(f"layer {layer} out of range 0..{len(self.manifest.layers) - 1}")
         spec = self.manifest.layers[layer]
         if not spec.present:
-            raise ValueError(f"layer {layer} is declared absent; it cannot hold K/V")
+            raise InvalidArgumentError(f"layer {layer} is declared absent; it cannot hold K/V")
         return spec
 
     def _check_seq(self, seq: int) -> None:
@@ -388,23 +394,23 @@ class Writer:
         spec = self._layer(layer)
         self._check_seq(seq)
         if spec.queries is None:
-            raise ValueError(f"layer {layer} declares no queries (LayerSpec(queries=QuerySpec(...)))")
+            raise NoQueriesError(f"layer {layer} declares no queries (LayerSpec(queries=QuerySpec(...)))")
         queries = spec.queries
         q = np.asarray(q) if not isinstance(q, np.ndarray) else q
         if q.ndim != 3 or q.shape[0] != queries.num_heads or q.shape[2] != queries.dim:
-            raise ValueError(
+            raise InvalidArrayError(
                 f"layer {layer}: queries must be (num_query_heads={queries.num_heads}, n_tokens, "
                 f"dim={queries.dim}), got {q.shape}"
             )
         if q.dtype != queries.dtype.numpy:
-            raise ValueError(f"layer {layer}: queries must be {queries.dtype.name}, got {q.dtype}")
+            raise InvalidArrayError(f"layer {layer}: queries must be {queries.dtype.name}, got {q.dtype}")
         count = q.shape[1]
         pos = as_positions(positions, count)
         if not count:
             return
         key = (layer, seq)
         if int(pos[0]) < self._query_ends.get(key, 0):
-            raise ValueError(
+            raise InvalidArrayError(
                 f"layer {layer} seq {seq}: query position {int(pos[0])} is not after the last one "
                 f"appended ({self._query_ends[key] - 1})"
             )
@@ -492,7 +498,7 @@ class Writer:
             if first < held[layer * self.manifest.num_seqs + seq]:
                 self._check_after(layer, seq, first)  # names the head
         elif first < earlier:
-            raise ValueError(
+            raise InvalidArrayError(
                 f"layer {layer} seq {seq}: position {first} is not after the last position "
                 f"appended earlier in this call ({earlier - 1})"
             )
@@ -524,7 +530,7 @@ class Writer:
         v_rows = rows_of(spec, f"layer {layer} v", v, spec.v_dim, heads)
         count = k_rows[0].shape[0] if spec.num_heads else 0
         if spec.num_heads and v_rows[0].shape[0] != count:
-            raise ValueError(f"layer {layer}: k has {count} tokens, v has {v_rows[0].shape[0]}")
+            raise InvalidArrayError(f"layer {layer}: k has {count} tokens, v has {v_rows[0].shape[0]}")
         return [(h, k_rows[h], v_rows[h]) for h in range(spec.num_heads)], count
 
     def _parts(
@@ -574,7 +580,7 @@ class Writer:
         k_rows = rows_of(spec, f"{where} k", k, spec.k_dim, ())
         v_rows = rows_of(spec, f"{where} v", v, spec.v_dim, ())
         if k_rows.shape[0] != v_rows.shape[0]:
-            raise ValueError(f"{where}: k has {k_rows.shape[0]} tokens, v has {v_rows.shape[0]}")
+            raise InvalidArrayError(f"{where}: k has {k_rows.shape[0]} tokens, v has {v_rows.shape[0]}")
         pos = as_positions(positions, k_rows.shape[0])
         if pos.size:
             self._check_after(layer, seq, int(pos[0]), head)
@@ -595,7 +601,7 @@ class Writer:
         self._layer(layer)
         self._check_seq(seq)
         if not (type(start) is int and type(stop) is int and 0 <= start <= stop <= MAX_POSITION):
-            raise ValueError(f"drop range must be integers 0 <= start <= stop, got {start}, {stop}")
+            raise InvalidArgumentError(f"drop range must be integers 0 <= start <= stop, got {start}, {stop}")
         held = self._held(layer, seq)
         # A head whose last position was dropped may take positions from ``start`` on again.
         held[(held > start) & (held <= stop)] = start

@@ -63,7 +63,7 @@ def _cuda() -> str | None:
 
 
 def _reference() -> str | None:
-    from tests.capture.test_reference import reference_python
+    from tests.reference.runs import reference_python
 
     if reference_python().exists():
         return None

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.structure import build, circles, kvformat_reached, public_modules, stage_imports
+from benchmarks.structure import (
+    ANALYSIS_LAYERS,
+    analysis_folder_loops,
+    analysis_upward,
+    build,
+    circles,
+    kvformat_reached,
+    public_modules,
+    stage_imports,
+)
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 
@@ -54,6 +63,46 @@ def test_analysis_never_imports_capture(modules: dict) -> None:
         if t.startswith("kvsnap.capture")
     }
     assert reached == set()
+
+
+def test_analysis_imports_only_down_its_layers(modules: dict) -> None:
+    """stats, then kernels, then engine, then attention and tools, then viewer and commands
+    (`benchmarks.structure.ANALYSIS_LAYERS`): no import runs back up, none reaches the shell
+    (``kvsnap.cli``), every folder is in a layer, and no two folders import each other, even
+    through others."""
+    top = REPOSITORY / "analysis"
+    folders = {p.name for p in top.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    modules_at_top = {p.stem for p in top.glob("*.py")} - {"__init__"}
+    assert folders | modules_at_top == set(ANALYSIS_LAYERS)
+    assert analysis_upward(modules) == []
+    assert analysis_folder_loops(modules) == []
+
+
+def test_the_layer_check_can_fail(tmp_path: Path) -> None:
+    """A statistic importing a kernel, a kernel importing the engine through a function, an
+    import of the shell and two same-layer folders importing each other are all found."""
+    top = tmp_path / "analysis"
+    for folder in ("stats", "kernels", "engine", "attention", "tools", "commands"):
+        (top / folder).mkdir(parents=True)
+        (top / folder / "__init__.py").write_text("")
+    (top / "__init__.py").write_text("")
+    (tmp_path / "kvsnap" / "cli").mkdir(parents=True)
+    for init in ("kvsnap/__init__.py", "kvsnap/cli/__init__.py", "kvsnap/cli/options.py"):
+        (tmp_path / init).write_text("")
+    (top / "stats" / "sums.py").write_text("from ..kernels import fill\n")
+    (top / "kernels" / "fill.py").write_text("def f():\n    from ..engine import plan\n")
+    (top / "commands" / "run.py").write_text("from kvsnap.cli import options\n")
+    (top / "attention" / "maps.py").write_text("from ..tools import table\n")
+    (top / "tools" / "table.py").write_text("from ..attention import maps\n")
+    graph = build(tmp_path)
+    assert analysis_upward(graph) == [
+        ("kvsnap.analysis.commands.run", "kvsnap.cli"),
+        ("kvsnap.analysis.commands.run", "kvsnap.cli.options"),
+        ("kvsnap.analysis.kernels.fill", "kvsnap.analysis.engine"),
+        ("kvsnap.analysis.stats.sums", "kvsnap.analysis.kernels"),
+        ("kvsnap.analysis.stats.sums", "kvsnap.analysis.kernels.fill"),
+    ]
+    assert analysis_folder_loops(graph) == [["attention", "tools"]]
 
 
 def test_analysis_names_its_heavy_modules_at_the_top(modules: dict) -> None:

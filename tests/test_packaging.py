@@ -207,7 +207,7 @@ def test_the_wheel_installs_the_stages_under_kvsnap(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names}
     assert {"kvsnap", "kvformat"} <= tops and not {"analysis", "capture"} & tops
-    assert "kvsnap/analysis/stats/accumulator.py" in names and "kvsnap/capture/generation.py" in names
+    assert "kvsnap/analysis/engine/accumulator.py" in names and "kvsnap/capture/generation.py" in names
     # Every module of the stages, subpackages included: a package missing from pyproject's list
     # would install from the checkout and be absent from the wheel.
     for stage in ("analysis", "capture"):

@@ -49,6 +49,7 @@ import numpy as np
 import kvformat
 from kvformat import attention as attention_math
 from kvformat import pages
+from kvformat.errors import InvalidArgumentError, UnknownNameError
 
 from ..dependencies import pa, pl
 from ..engine import parallel
@@ -82,7 +83,7 @@ COLUMNS = (
 )
 
 
-class NoQueriesError(AnalysisError):
+class NoQueriesError(AnalysisError, kvformat.errors.NoQueriesError):
     """The file holds no queries: the attention statistics need a capture with ``--queries``."""
 
 
@@ -538,7 +539,7 @@ def check_needle(needle: tuple[int, int] | None, count: int, name: str) -> None:
         return
     low, high = needle
     if not 0 <= low < high <= count:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"--needle {low}:{high} is not inside the {count} positions whose tokens {name} records "
             f"(0:{count})"
         )
@@ -550,11 +551,11 @@ def _copies(
     """The copy events ``retrieval_score`` counts (None without recorded tokens, or when
     ``retrieval="generated"`` and the file records no prompt length: the score is then NaN)."""
     if retrieval not in RETRIEVAL:
-        raise ValueError(f"retrieval must be one of {', '.join(RETRIEVAL)}, not {retrieval!r}")
+        raise UnknownNameError(f"retrieval must be one of {', '.join(RETRIEVAL)}, not {retrieval!r}")
     ids = token_ids(snap)
     if ids is None or seq >= len(ids):
         if needle is not None:
-            raise ValueError(f"--needle needs the token ids, which {snap.name} does not record")
+            raise InvalidArgumentError(f"--needle needs the token ids, which {snap.name} does not record")
         return None
     check_needle(needle, len(ids[seq]), snap.name)
     first = 0

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Self
 
 import kvformat
+from kvformat.errors import UnknownNameError
 from kvformat.io.outputs import check_output, check_output_folder, output_format, output_path, same_file
-from kvsnap.cli.options import storage_options
+from kvsnap.arguments import storage_options
+from kvsnap.errors import OptionsConflictError
 
 from ..attention.names import SCALARS
 from ..dependencies import pa, pa_csv, pq
@@ -96,7 +98,7 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     del parser
     shared = Shared.from_args(args)
     if shared.address and shared.engine != "ray":
-        raise ValueError(
+        raise OptionsConflictError(
             f"--address {shared.address} names a Ray cluster: add --engine ray, or drop --address"
         )
     _check_stat(shared)
@@ -111,7 +113,7 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         check_output(shared.plot, inputs=inputs(args), force=shared.force)
         output_format(shared.plot, FIGURES, "--plot")
     if shared.output and shared.plot and same_file(shared.output, shared.plot):
-        raise ValueError(f"-o and --plot name the same file {shared.output}")
+        raise OptionsConflictError(f"-o and --plot name the same file {shared.output}")
 
 
 def _check_stat(shared: Shared) -> None:
@@ -125,7 +127,9 @@ def _check_stat(shared: Shared) -> None:
         check_scalar(shared.stat, stat_groups(shared.stats))
     except ValueError as exc:
         if "no such statistic" in str(exc):
-            raise ValueError(f"{exc}, {', '.join(SCALARS)} (per query head, from saved queries)") from None
+            raise UnknownNameError(
+                f"{exc}, {', '.join(SCALARS)} (per query head, from saved queries)"
+            ) from None
         raise
 
 

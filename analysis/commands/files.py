@@ -13,7 +13,7 @@ import numpy as np
 import kvformat
 from kvformat.attention import check_selection
 from kvformat.io.outputs import output_path
-from kvsnap.cli.errors import OptionsConflictError
+from kvsnap.errors import OptionsConflictError
 
 from ..dependencies import pl, tqdm
 from ..tools.export import export_heads

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from kvsnap.cli.options import positive_float, positive_int
+from kvsnap.arguments import positive_float, positive_int
 
 from ..attention.names import EVICTION, METHODS, NOT_FROM_A_FILE
 from ..kernels import CHOICES as BACKENDS

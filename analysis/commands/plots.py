@@ -13,14 +13,14 @@ import numpy as np
 import polars as pl
 
 import kvformat
-from kvsnap.cli.errors import CommandError, OptionsConflictError
+from kvsnap.errors import CommandError, OptionsConflictError
 
 from ..attention.compression import Options, kept_mask
 from ..attention.head_importance import attention_stats
 from ..attention.names import SCALARS
 from ..attention.tokens import token_pieces
 from ..dependencies import matplotlib, mcolors, plt
-from ..engine.tables import token_table
+from ..tools.token_table import token_table
 from .common import FromArgs, save_figure, url_options
 from .statistics import BatchRequest, statistics_table
 

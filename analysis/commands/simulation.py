@@ -6,7 +6,7 @@ import argparse
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvsnap.cli.errors import OptionsConflictError
+from kvsnap.errors import OptionsConflictError
 
 from ..attention.compression import CompressionWarning, Options, simulate
 from ..dependencies import matplotlib, pl, plt

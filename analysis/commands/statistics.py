@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from kvformat.io.outputs import output_path
-from kvsnap.cli.errors import CommandError
-from kvsnap.cli.options import storage_options
+from kvsnap.arguments import storage_options
+from kvsnap.errors import CommandError, OptionsConflictError
 
 from ..attention.head_importance import AttentionWarning, attention_stats, attention_table
 from ..attention.names import SCALARS
@@ -25,9 +25,9 @@ from ..engine import batch, processes
 from ..engine.files import FileFailure
 from ..engine.parallel import cores
 from ..engine.progress import bar as progress_bar
-from ..engine.tables import outliers
 from ..kernels import DEFAULT as DEFAULT_KERNEL
 from ..kernels import missing_note, profile
+from ..stats.outliers import outliers
 from .common import KEYS, FromArgs, ParquetSink, expanded, save_table, url_options, warnings_printed
 
 
@@ -285,7 +285,7 @@ def stats_command(args: argparse.Namespace) -> int:
         return _state_stats(options, args)
     for option, value in (("--needle", options.needle), ("--retrieval", options.retrieval)):
         if value is not None:
-            raise ValueError(f"{option} scores attention: use it with --stats attention")
+            raise OptionsConflictError(f"{option} scores attention: use it with --stats attention")
     if options.merge:
         return _merged(options, args)
     request: BatchRequest = options
@@ -322,7 +322,7 @@ def key_rows(rows: Any, factor: float) -> list[dict[str, Any]]:
     """The K rows of the Arrow table ``rows`` as dicts (``file``, ``seq``, ``layer``, ``head``,
     ``n_tokens``, ``norm_mean``) with ``ratio_to_median`` (``norm_mean`` over the median K head of
     its file; None where either is NaN or null) and ``outlier`` (the ratio above ``factor``): what
-    `analysis.engine.tables.outliers` computes, without polars."""
+    `analysis.stats.outliers.outliers` computes, without polars."""
     columns = ["file", "seq", "layer", "head", "n_tokens", "norm_mean", "tensor"]
     # Filtered in Python: pyarrow.compute's first call imports pandas where it is there.
     keys = [row for row in rows.select(columns).to_pylist() if row["tensor"] == "k"]

@@ -6,7 +6,8 @@ import argparse
 import sys
 from dataclasses import dataclass, field
 
-from kvsnap.cli.errors import OptionsConflictError
+from kvformat.errors import InvalidArgumentError
+from kvsnap.errors import OptionsConflictError
 
 from ..viewer.data import Source
 from ..viewer.page import write_html
@@ -20,7 +21,7 @@ def _indices(text: str | None) -> list[int] | None:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{text!r}: give comma-separated numbers, e.g. 0,5,12") from None
+        raise InvalidArgumentError(f"{text!r}: give comma-separated numbers, e.g. 0,5,12") from None
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def view_command(args: argparse.Namespace) -> int:
     """Serve the viewer (and open the browser), or with ``--html`` write the page."""
     options = ViewOptions.from_args(args)
     if len(options.files) > 2:
-        raise ValueError("kvsnap view takes one file, or two to compare")
+        raise InvalidArgumentError("kvsnap view takes one file, or two to compare")
     if not options.html and (options.layers or options.heads):
         which = "--layers" if options.layers else "--heads"
         raise OptionsConflictError(

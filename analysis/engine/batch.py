@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..dependencies import pa, pl
-from ..stats.accumulator import HeadAccumulator
+from ..errors import LayoutMismatchError
+from .accumulator import HeadAccumulator
 from .files import (
     BatchResult,
     FileFailure,
@@ -88,11 +89,11 @@ class Merger:
     def add(self, path: str, accumulators: dict[MergedKey, HeadAccumulator]) -> None:
         """Merge one file's state; ValueError naming the file if its heads or dims differ."""
         if self.state and accumulators.keys() != self.state.keys():
-            raise ValueError(f"{path}: layers or heads differ from the files merged before it")
+            raise LayoutMismatchError(f"{path}: layers or heads differ from the files merged before it")
         for key, acc in accumulators.items():
             mine = self.state.get(key)
             if mine is not None and mine.dim != acc.dim:
-                raise ValueError(
+                raise LayoutMismatchError(
                     f"{path}: layer {key[0]} head {key[1]} {key[2]} has {acc.dim} channels, "
                     f"the files merged before it {mine.dim}"
                 )

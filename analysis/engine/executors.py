@@ -49,7 +49,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, ClassVar
 
-from ..dependencies import futures_process, multiprocessing, multiprocessing_util, ray
+from ..dependencies import futures_process, kvformat_errors, multiprocessing, multiprocessing_util, ray
 
 __all__ = [
     "EXECUTORS",
@@ -75,7 +75,7 @@ class Executor(abc.ABC):
 
     def __init__(self, workers: int) -> None:
         if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers must be a positive integer, not {workers!r}")
+            raise kvformat_errors.InvalidArgumentError(f"workers must be a positive integer, not {workers!r}")
         self.workers = workers
 
     @abc.abstractmethod
@@ -256,7 +256,9 @@ def make(name: str, workers: int, **settings: Any) -> Executor:
     `Inline`: the same results without the start-up."""
     kind = EXECUTORS.get(name)
     if kind is None:
-        raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, not {name!r}")
+        raise kvformat_errors.UnknownNameError(
+            f"executor must be one of {', '.join(EXECUTORS)}, not {name!r}"
+        )
     if workers <= 1 and kind in (Threads, Processes):
         return Inline()
     return kind(workers, **settings)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvformat import KVSnapError
 from kvformat.io.remote import expand, is_url
 
 from ..dependencies import pa, pl
@@ -75,11 +76,12 @@ def describe_error(exc: BaseException) -> str:
 def file_or_failure(
     path: str, work: Callable[[str, PassOptions], Any], options: PassOptions, fail_fast: bool
 ) -> Any:
-    """``work(path, options)``, or the `FileFailure` it raised (raised again with
-    ``fail_fast``)."""
+    """``work(path, options)``, or the `FileFailure` of what it refused (a `KVSnapError`: a file
+    that is not valid, a request it cannot answer) or of the operating system's error (raised
+    again with ``fail_fast``). Any other exception is a bug in kvsnap and is raised as it is."""
     try:
         return work(path, options)
-    except Exception as exc:
+    except (KVSnapError, OSError) as exc:
         if fail_fast:
             raise
         return FileFailure(path, describe_error(exc))

@@ -1,31 +1,25 @@
-"""How many workers a pass may use and how BLAS behaves beside them: this process's cores, the
-split of a batch's cores between files and each file's workers, BLAS on one thread while our own
-workers (`engine.executors`) spread the work (N workers x a BLAS pool each would oversubscribe
-the cores, and results would depend on the thread count).
+"""How many workers a pass may use and how BLAS behaves beside them: this process's cores
+(`analysis.machine.cores`), the split of a batch's cores between files and each file's workers,
+BLAS on one thread while our own workers (`engine.executors`) spread the work (N workers x a BLAS
+pool each would oversubscribe the cores, and results would depend on the thread count).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
-from ..dependencies import threadpoolctl
+from ..dependencies import kvformat_errors, threadpoolctl
+from ..machine import cores
 
-
-def cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS tells it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+__all__ = ["cores", "limit_blas_threads", "single_threaded_blas", "split_jobs"]
 
 
 def split_jobs(jobs: int, files: int) -> tuple[int, int]:
     """``(processes, threads per file)`` for ``jobs`` cores over ``files`` files: files in
     parallel first (no sharing at all), the cores left over as threads within each file."""
     if jobs < 1:
-        raise ValueError(f"jobs must be at least 1, not {jobs}")
+        raise kvformat_errors.InvalidArgumentError(f"jobs must be at least 1, not {jobs}")
     processes = max(1, min(jobs, files))
     return processes, max(1, jobs // processes)
 

@@ -15,14 +15,15 @@ from typing import Any
 import kvformat
 from kvformat import pages
 from kvformat.checksum import crc32c
+from kvformat.errors import ConflictingArgumentsError, InvalidArgumentError, UnknownNameError
 
 from ..kernels import check as check_backend
 from ..kernels import profile
 from ..kernels.arrays import PIECE, bytes_of
-from ..stats.accumulator import HeadAccumulator, stack
 from ..stats.catalogue import ALL, stat_groups
 from ..stats.rope import Rope
 from . import executors
+from .accumulator import HeadAccumulator, stack
 from .parallel import cores, split_jobs
 from .progress import bar
 
@@ -53,7 +54,7 @@ class FileOptions:
 
     def __post_init__(self) -> None:
         if self.keys not in ("post_rope", "pre_rope"):
-            raise ValueError("keys must be 'post_rope' or 'pre_rope'")
+            raise UnknownNameError("keys must be 'post_rope' or 'pre_rope'")
         check_backend(self.backend)
         object.__setattr__(self, "stats", stat_groups(self.stats))
 
@@ -81,9 +82,9 @@ class PassOptions(FileOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.workers, int) or self.workers < 1:
-            raise ValueError(f"workers must be a positive integer, not {self.workers!r}")
+            raise InvalidArgumentError(f"workers must be a positive integer, not {self.workers!r}")
         if not isinstance(self.device_share, int) or self.device_share < 1:
-            raise ValueError(f"device_share must be a positive integer, not {self.device_share!r}")
+            raise InvalidArgumentError(f"device_share must be a positive integer, not {self.device_share!r}")
         check_part(self.part)
 
 
@@ -91,7 +92,7 @@ def check_part(part: Any) -> None:
     """ValueError unless ``part`` is ``(index, count)``, two ints, ``0 <= index < count``."""
     pair = isinstance(part, tuple) and len(part) == 2 and all(isinstance(n, int) for n in part)
     if not (pair and 0 <= part[0] < part[1]):
-        raise ValueError(f"part must be (index, count) with 0 <= index < count, not {part!r}")
+        raise InvalidArgumentError(f"part must be (index, count) with 0 <= index < count, not {part!r}")
 
 
 def add_segments(
@@ -326,9 +327,9 @@ class BatchOptions(FileOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.engine not in ENGINES:
-            raise ValueError(f"engine must be 'local' or 'ray', not {self.engine!r}")
+            raise UnknownNameError(f"engine must be 'local' or 'ray', not {self.engine!r}")
         if self.jobs is not None and (not isinstance(self.jobs, int) or self.jobs < 1):
-            raise ValueError(f"jobs must be a positive integer, not {self.jobs!r}")
+            raise InvalidArgumentError(f"jobs must be a positive integer, not {self.jobs!r}")
 
     @classmethod
     def of(cls, options: BatchOptions | None, settings: dict[str, Any]) -> BatchOptions:
@@ -338,7 +339,7 @@ class BatchOptions(FileOptions):
         known = [f.name for f in dataclasses.fields(cls) if f.name not in shared] + shared
         unknown = sorted(set(settings) - set(known))
         if unknown:
-            raise TypeError(f"unknown batch option {unknown[0]!r}; known: {', '.join(known)}")
+            raise ConflictingArgumentsError(f"unknown batch option {unknown[0]!r}; known: {', '.join(known)}")
         return dataclasses.replace(options or cls(), **settings)
 
     @property

@@ -55,7 +55,6 @@ from kvformat.io import remote
 
 from ..dependencies import futures_process, multiprocessing
 from ..kernels import profile
-from ..stats.rows import compute as compute_rows
 from . import executors, fork_server
 from .fork_server import FULL_CORES, PROCESS_MIN_BYTES, PROCESS_MIN_HEADS, START_METHOD
 from .parallel import limit_blas_threads
@@ -70,13 +69,14 @@ from .plan import (
     pass_order,
     row_parts,
 )
+from .rows import compute as compute_rows
 
 if TYPE_CHECKING:  # the kernels load in the workers; this module stays light to import
     # (multiprocessing and the process pool, too: a command on a small file never starts one)
     from ..kernels import Profile
     from ..kernels.mlx_pipeline import Pipeline
-    from ..stats.accumulator import HeadAccumulator
     from ..stats.rope import Rope
+    from .accumulator import HeadAccumulator
     from .plan import Key, LayerResult, PassOptions, Window
 
 MLX_ONE_SHOT_BYTES = 12 << 30

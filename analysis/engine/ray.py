@@ -22,6 +22,8 @@ import ray
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
+from kvformat.errors import KVSnapError, UnknownNameError
+
 from ..dependencies import pa
 from ..stats import stat_groups
 from .files import Options, describe_error, expand_paths
@@ -32,7 +34,7 @@ def _read_file(path: str, options: PassOptions, errors: str) -> Iterator[pa.Tabl
 
     try:
         yield from layer_tables(path, options)
-    except Exception as exc:
+    except (KVSnapError, OSError) as exc:  # anything else is a bug: raised as it is
         if errors == "raise":
             raise
         yield pa.table({"file": [path], "error": [describe_error(exc)]})
@@ -46,7 +48,7 @@ class KVDatasource(Datasource):
 
     def __init__(self, paths: list[str], options: PassOptions, errors: str = "raise") -> None:
         if errors not in ("raise", "collect"):
-            raise ValueError("errors must be 'raise' or 'collect'")
+            raise UnknownNameError("errors must be 'raise' or 'collect'")
         self.paths = list(paths)
         self.options = dataclasses.replace(options, workers=1, progress=False)  # Ray schedules the cores
         self.errors = errors

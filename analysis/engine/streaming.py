@@ -17,10 +17,9 @@ import kvformat
 from kvformat import pages
 
 from ..kernels import profile
-from ..stats.accumulator import HeadAccumulator
 from ..stats.rope import Rope
-from ..stats.rows import compute as compute_rows
 from . import processes
+from .accumulator import HeadAccumulator
 from .executors import OrderedPool, after
 from .parallel import single_threaded_blas
 from .plan import (
@@ -38,6 +37,7 @@ from .plan import (
     pass_order,
     row_parts,
 )
+from .rows import compute as compute_rows
 
 
 class _Workers:

@@ -13,10 +13,10 @@ import ml_dtypes  # noqa: F401  (bfloat16 files: kvformat imports it on first us
 import numpy as np
 
 from ..kernels.arrays import GRAM_FLOAT64_ROWS
-from ..stats.accumulator import HeadAccumulator
 from ..stats.catalogue import ALL
 from ..stats.rope import Rope
 from . import plan, processes  # noqa: F401  (a task's own modules)
+from .accumulator import HeadAccumulator
 
 with contextlib.suppress(ImportError):  # comes with the analysis extra
     import threadpoolctl  # noqa: F401

@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from ..dependencies import kvformat_errors
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -114,7 +116,7 @@ def _device_modules() -> tuple[Any, Any]:
 def profile(name: str) -> Profile:
     """The `Profile` of kernel ``name`` (`NAMES`); ValueError for another name."""
     if name not in _PROFILES:
-        raise ValueError(f"unknown backend {name!r}: one of {', '.join(NAMES)}")
+        raise kvformat_errors.UnknownNameError(f"unknown backend {name!r}: one of {', '.join(NAMES)}")
     return _PROFILES[name]
 
 
@@ -122,10 +124,12 @@ def check(name: str) -> None:
     """ValueError for an unknown kernel, or ``"mlx"`` where mlx is not installed (looked for, not
     imported). ``"numpy"`` (the reference) is accepted too."""
     if name not in NAMES:
-        raise ValueError(f"unknown backend {name!r}; choose from {', '.join(CHOICES)}")
+        raise kvformat_errors.UnknownNameError(f"unknown backend {name!r}; choose from {', '.join(CHOICES)}")
     module: Backend = importlib.import_module(f"{__name__}.{_MODULES[name]}")
     if profile(name).device and not module.available():
-        raise ValueError(f"backend {name!r} needs mlx: pip install 'kvsnap[capture]' (or mlx-cuda, mlx[cpu])")
+        raise kvformat_errors.InvalidArgumentError(
+            f"backend {name!r} needs mlx: pip install 'kvsnap[capture]' (or mlx-cuda, mlx[cpu])"
+        )
 
 
 class Backend(Protocol):
@@ -147,7 +151,7 @@ def of(name: str) -> Backend:
     """The backend called ``name`` (`NAMES`): ``"cpu"`` is the compiled kernel where the C
     library is built, else the numpy reference. Raises ValueError for another name."""
     if name not in _MODULES:
-        raise ValueError(f"unknown backend {name!r}: one of {', '.join(NAMES)}")
+        raise kvformat_errors.UnknownNameError(f"unknown backend {name!r}: one of {', '.join(NAMES)}")
     module: Backend = importlib.import_module(f"{__name__}.{_MODULES[name]}")
     if name == "cpu" and not module.available():
         return of("numpy")

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvformat.checksum import crc32c
+from kvformat.errors import InvalidArgumentError
 
 from ..dependencies import mx
 from .arrays import GRAM_FLOAT64_ROWS, HEAVY, PIECE, bytes_of
@@ -107,7 +108,7 @@ def compiles() -> bool:
 
     setting = os.environ.get("KVSNAP_MLX_COMPILE", "")
     if setting not in ("", "0", "1"):
-        raise ValueError(f"KVSNAP_MLX_COMPILE must be 0 or 1, not {setting!r}")
+        raise InvalidArgumentError(f"KVSNAP_MLX_COMPILE must be 0 or 1, not {setting!r}")
     if setting:
         return setting == "1"
 

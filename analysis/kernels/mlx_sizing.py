@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import sys
 
-from ..engine.parallel import cores
+from kvformat.errors import InvalidArgumentError
+
+from ..machine import cores
 
 PROCESS_SHARE = 3 / 4
 """Worker processes an mlx pass over a local file uses, per worker asked for (`analysis.engine.processes`):
@@ -77,5 +79,5 @@ def batch_bytes(worker: bool = False) -> int:
     if not text:
         return (WORKER_BATCH_MIB if worker else BATCH_MIB) << 20
     if not text.isdigit() or not 1 <= int(text) <= 4096:
-        raise ValueError(f"KVSNAP_MLX_BATCH_MIB={text!r}: a whole number of MiB from 1 to 4096")
+        raise InvalidArgumentError(f"KVSNAP_MLX_BATCH_MIB={text!r}: a whole number of MiB from 1 to 4096")
     return int(text) << 20

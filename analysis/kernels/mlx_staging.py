@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from kvformat.checksum import concatenated_linear, linear_crc, zeros_crc
+from kvformat.errors import InvalidArgumentError
 
 from ..dependencies import mx
 from . import unified_memory
@@ -60,7 +61,7 @@ class Staging:
         self.free: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # (shape, dtype name)
         self.placement = placement or os.environ.get("KVSNAP_MLX_STAGING", PLACEMENT)
         if self.placement not in unified_memory.MODES:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"KVSNAP_MLX_STAGING={self.placement!r}: one of {', '.join(unified_memory.MODES)}"
             )
         self.memory = unified_memory.UnifiedMemory.load() if self.placement != "fault" and on_cuda() else None

@@ -192,6 +192,7 @@ def _address(array: np.ndarray, dtype: type, size: int | None = None) -> int:
     """The address of C-contiguous ``array`` of ``dtype`` (of at least ``size`` elements): what
     the C code may read and write. Anything else is a caller's bug, raised before C sees it."""
     if array.dtype != dtype or not array.flags.c_contiguous or (size is not None and array.size < size):
+        # internal: a caller in kvsnap broke the contract (a bug)
         raise TypeError(f"native kernel: expected a C-contiguous {np.dtype(dtype)} array of >= {size}")
     return int(array.__array_interface__["data"][0])
 
@@ -290,6 +291,7 @@ def accumulate(
     )
     status = LIBRARY.kvsnap_accumulate(ctypes.byref(piece), ctypes.byref(settings), ctypes.byref(sums))
     if status == -2:
+        # internal: a caller in kvsnap broke the contract (a bug)
         raise TypeError(f"native kernel: {dim}-channel rows for {sums.dim}-channel sums")
     if status:
         raise MemoryError("native kernel: no memory for its work space")
@@ -325,6 +327,7 @@ def halves_to_float32(halves: np.ndarray, out: np.ndarray) -> None:
     ``out`` of the same size (both C-contiguous)."""
     assert LIBRARY is not None
     if out.size != halves.size:
+        # internal: a caller in kvsnap broke the contract (a bug)
         raise TypeError("native kernel: out must have as many values as halves")
     LIBRARY.kvsnap_halves_to_float32(_address(halves, np.uint16), halves.size, _address(out, np.float32))
 
@@ -379,6 +382,7 @@ def block_scores(
     assert LIBRARY is not None
     n, m = logits.shape
     if query_positions.shape != (n,) or key_positions.shape != (m,):
+        # internal: a caller in kvsnap broke the contract (a bug)
         raise TypeError("native kernel: one query position per row, one key position per column")
     status = LIBRARY.kvsnap_block_scores(
         _address(logits, np.float32),

@@ -23,6 +23,7 @@ import threading
 from typing import ClassVar
 
 from kvformat import KVSnapError
+from kvformat.errors import UnknownNameError
 
 from . import cuda_driver
 
@@ -154,7 +155,7 @@ class UnifiedMemory:
         elif mode == "mostly":
             self._advise(address, size, _SET_READ_MOSTLY, host=False)
         elif mode not in MODES:
-            raise ValueError(f"unknown placement {mode!r}: one of {', '.join(MODES)}")
+            raise UnknownNameError(f"unknown placement {mode!r}: one of {', '.join(MODES)}")
 
     def unplace(self, address: int, size: int, mode: str) -> None:
         """Clear the hints `place` set for ``mode``."""

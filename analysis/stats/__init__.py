@@ -1,11 +1,11 @@
 """What a per-head statistic is and how it is summed: the catalogue (`catalogue`: every statistic,
-its group and formula, every running sum declared once), the sums of one head (`sums.RunningSums`)
-and `accumulator.HeadAccumulator` (rows in, statistics out: `rows`), non-finite rows (`finite`),
-RoPE (`rope`) and Arrow tables of rows (`arrow`). No pass and no file here: `analysis.engine`
-runs those. This package's own names are the catalogue's, loaded on first use (its group names,
-`groups`, need the standard library only: the command line checks them before numpy loads); it
-imports nothing else, so that the kernels (`analysis.kernels`) can fill `sums.RunningSums` below
-`accumulator`, which calls them. The formulas are in ``analysis/README.md``.
+its group and formula, every running sum declared once), the sums of one head (`sums.RunningSums`),
+non-finite rows (`finite`), RoPE (`rope`), Arrow tables of rows (`arrow`) and the heads that stand
+out (`outliers`). No kernel, pass or file here: the kernels (`analysis.kernels`) fill
+`sums.RunningSums`, and `analysis.engine.accumulator.HeadAccumulator` (rows in through a kernel,
+statistics out: `engine.rows`) runs them. This package's own names are the catalogue's, loaded on
+first use (its group names, `groups`, need the standard library only: the command line checks them
+before numpy loads). The formulas are in ``analysis/README.md``.
 """
 
 from __future__ import annotations

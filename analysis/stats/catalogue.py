@@ -1,6 +1,6 @@
 """The statistics catalogue: which statistics exist (`GROUPS`), their fixed parameters, and
 the numpy definitions the kernels are held to (`quant_error`, the log histogram). Shared by the
-accumulator (`analysis.stats.accumulator`), the compiled kernel and the mlx kernel. The formulas are
+accumulator (`analysis.engine.accumulator`), the compiled kernel and the mlx kernel. The formulas are
 in ``analysis/README.md``."""
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ..dependencies import kvformat_errors
+
 QUANT_BITS = (8, 4, 2)  # bit widths of the quantization-error statistics
 RANKS = (1, 4, 16)  # rank-r approximation errors
 
@@ -57,11 +59,17 @@ def check_scalar(name: str, groups: frozenset[str]) -> None:
         return
     if owner is None:
         scalars = [c for columns in GROUPS.values() for c in columns if c not in LIST_COLUMNS]
-        raise ValueError(f"--stat {name!r}: no such statistic; one of: {', '.join([*ALWAYS, *scalars])}")
+        raise kvformat_errors.UnknownNameError(
+            f"--stat {name!r}: no such statistic; one of: {', '.join([*ALWAYS, *scalars])}"
+        )
     if name in LIST_COLUMNS:
-        raise ValueError(f"--stat {name!r} holds a list per head; give a one-number statistic")
+        raise kvformat_errors.InvalidArgumentError(
+            f"--stat {name!r} holds a list per head; give a one-number statistic"
+        )
     if owner not in groups:
-        raise ValueError(f"--stat {name!r} is in the {owner!r} group, which --stats leaves out")
+        raise kvformat_errors.InvalidArgumentError(
+            f"--stat {name!r} is in the {owner!r} group, which --stats leaves out"
+        )
 
 
 ALL = frozenset(GROUPS)
@@ -81,10 +89,14 @@ def stat_groups(stats: str | Iterable[str] | None = None) -> frozenset[str]:
         return ALL
     names = [n for n in _names(stats) if n]
     if not names:
-        raise ValueError(f"no statistic group named; choose from all, {', '.join(GROUPS)}")
+        raise kvformat_errors.InvalidArgumentError(
+            f"no statistic group named; choose from all, {', '.join(GROUPS)}"
+        )
     if "all" in names:
         return ALL
     unknown = [n for n in names if n not in GROUPS]
     if unknown:
-        raise ValueError(f"unknown statistic group {unknown[0]!r}; choose from all, {', '.join(GROUPS)}")
+        raise kvformat_errors.UnknownNameError(
+            f"unknown statistic group {unknown[0]!r}; choose from all, {', '.join(GROUPS)}"
+        )
     return frozenset(names)

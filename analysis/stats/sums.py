@@ -2,7 +2,7 @@
 in `catalogue.SUMS` (shape, merge rule, the groups that read it), allocated and merged from there.
 Memory is bounded by ``head_dim^2`` per head, never by the number of tokens, and sums of different
 chunks or files merge exactly. Kernels (`analysis.kernels`) add rows into them; `HeadAccumulator`
-(`analysis.stats.accumulator`) adds the rows and computes the statistics.
+(`analysis.engine.accumulator`) adds the rows and computes the statistics.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ..errors import LayoutMismatchError
 from . import finite
 from .catalogue import ALL, SUMS, allocate, merged, stat_groups
 from .rope import Rope
@@ -139,6 +140,7 @@ class RunningSums:
 
     def _check_open(self) -> None:
         if self._sealed:
+            # internal: the pass adds no rows after computing a head's statistics
             raise RuntimeError("this accumulator is sealed (its row computed, its sums dropped)")
 
     def merge(self, other: RunningSums) -> None:
@@ -149,9 +151,11 @@ class RunningSums:
         self.settle()
         other.settle()
         if other.dim != self.dim:
-            raise ValueError(f"cannot merge {other.dim}-channel statistics into {self.dim}-channel ones")
+            raise LayoutMismatchError(
+                f"cannot merge {other.dim}-channel statistics into {self.dim}-channel ones"
+            )
         if other.groups != self.groups:
-            raise ValueError(
+            raise LayoutMismatchError(
                 f"cannot merge statistics of groups {sorted(other.groups)} into {sorted(self.groups)}"
             )
         self.computed_row = None

@@ -42,15 +42,12 @@ from typing import Any
 import numpy as np
 
 import kvformat
+from kvformat.errors import InvalidArgumentError, UnknownNameError
 
 from ..attention.tokens import token_ids
 from ..dependencies import pl
-from ..errors import AnalysisError
+from ..errors import LayoutMismatchError
 from ..stats.rope import Rope, interleaved_to_half
-
-
-class LayoutMismatchError(AnalysisError):
-    """The two files do not hold the same layers, heads, dims or sequences."""
 
 
 def _layout_difference(a: kvformat.Snapshot, b: kvformat.Snapshot) -> str | None:
@@ -262,9 +259,9 @@ def head_diff(
     `LayoutMismatchError` if the layouts differ; a `UserWarning` if the token ids differ."""
 
     if keys not in ("post_rope", "pre_rope"):
-        raise ValueError("keys must be 'post_rope' or 'pre_rope'")
+        raise UnknownNameError("keys must be 'post_rope' or 'pre_rope'")
     if not tolerance > 0:
-        raise ValueError(f"tolerance must be above 0, got {tolerance}")
+        raise InvalidArgumentError(f"tolerance must be above 0, got {tolerance}")
     rows: list[dict[str, Any]] = []
     with (
         kvformat.open(a, snapshot_a, storage_options=storage_options) as first,

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 import kvformat
+from kvformat.errors import UnknownNameError
 from kvformat.io.outputs import check_output_folder, files_into
 
 from ..dependencies import pa, pa_csv, pq
@@ -92,9 +93,9 @@ def export_heads(
     moved into place once every head is written: a failure (or a generator closed early) leaves
     ``directory`` as it was."""
     if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+        raise UnknownNameError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     if keys not in ("post_rope", "pre_rope"):
-        raise ValueError("keys must be 'post_rope' or 'pre_rope'")
+        raise UnknownNameError("keys must be 'post_rope' or 'pre_rope'")
     final = Path(directory)
     check_output_folder(final)
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:

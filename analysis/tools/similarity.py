@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 import kvformat
+from kvformat.errors import UnknownNameError
 
 from ..dependencies import pa, pl
 from ..engine import executors
@@ -99,7 +100,7 @@ def similarity_rows(
     """Rows ``{file, snapshot, seq, tensor, kind ("head" | "layer"), layer, head, other_layer,
     other_head, n_tokens, cka, cosine_mean}`` for one file, streamed a layer at a time."""
     if keys not in ("post_rope", "pre_rope"):
-        raise ValueError("keys must be 'post_rope' or 'pre_rope'")
+        raise UnknownNameError("keys must be 'post_rope' or 'pre_rope'")
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
         name, index = os.fspath(path), snap.index
         present = [i for i, spec in enumerate(snap.layers) if spec.present and spec.num_heads > 0]

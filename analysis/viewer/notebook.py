@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from kvformat.errors import InvalidArgumentError
+
 from .data import Source, ViewerError
 from .server import ViewerServer
 
@@ -31,7 +33,7 @@ def view(
     """Show the viewer of one file (or two, compared) in a notebook cell; the server stops with the
     kernel. Returns the ``IPython.display.IFrame`` (its ``src`` is the URL, token included)."""
     if not 1 <= len(paths) <= 2:
-        raise ValueError("view takes one file, or two to compare")
+        raise InvalidArgumentError("view takes one file, or two to compare")
     if not in_notebook():
         names = " ".join(os.fspath(path) for path in paths)
         raise NotInNotebookError(

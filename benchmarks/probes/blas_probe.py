@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvsnap.analysis.engine.accumulator import HeadAccumulator
 from kvsnap.analysis.engine.parallel import single_threaded_blas
 from kvsnap.analysis.stats import stat_groups
-from kvsnap.analysis.stats.accumulator import HeadAccumulator
 
 
 def rate(jobs: int, work: Callable[[], None], repeat: int) -> float:

@@ -61,7 +61,7 @@ if os.environ.get("KVSNAP_TRACE_DIR"):
     from kvsnap.analysis.kernels import mlx as mlx_backend
 
     from kvsnap.analysis.kernels import mlx_fold, mlx_pipeline, mlx_staging
-    from kvsnap.analysis.stats import accumulator, plan, processes, rows
+    from kvsnap.analysis.engine import accumulator, plan, processes, rows
 
     _wrap(mlx_staging.Staging, "start_fill", "copy started")
     _wrap(mlx_staging._Fill, "result", "copy wait")

@@ -35,7 +35,7 @@ def threads_up_to(n: int) -> list[int]:
 def memory(threads: list[int]) -> None:
     from threadpoolctl import threadpool_limits
 
-    from kvsnap.analysis.stats.accumulator import HeadAccumulator
+    from kvsnap.analysis.engine.accumulator import HeadAccumulator
     from kvsnap.analysis.stats.catalogue import stat_groups
     from kvsnap.analysis.stats.rope import Rope
 

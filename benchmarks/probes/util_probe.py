@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvsnap.analysis.engine.accumulator import HeadAccumulator
 from kvsnap.analysis.engine.parallel import single_threaded_blas
 from kvsnap.analysis.engine.tables import stats_for_file
 from kvsnap.analysis.stats import stat_groups
-from kvsnap.analysis.stats.accumulator import HeadAccumulator
 
 
 def timed(work: object) -> tuple[float, float, float]:

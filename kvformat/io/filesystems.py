@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvformat.errors import RemoteError, RemoteNotFoundError, TruncatedFileError
+from kvformat.errors import InvalidArgumentError, RemoteError, RemoteNotFoundError, TruncatedFileError
 
 
 def remote_errors(name: str, call: Callable[[], Any]) -> Any:
@@ -68,7 +68,7 @@ def glob(pattern: str, *, storage_options: dict[str, Any] | None = None) -> list
         return [pattern]
     scheme = pattern.split("://", 1)[0].lower()
     if scheme in ("http", "https"):
-        raise ValueError(f"{pattern}: HTTP servers cannot be listed; give each URL")
+        raise InvalidArgumentError(f"{pattern}: HTTP servers cannot be listed; give each URL")
     try:
         import fsspec
     except ImportError:

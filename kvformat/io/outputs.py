@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 
-from kvformat.errors import KVSnapError
+from kvformat.errors import InvalidArgumentError, KVSnapError
 
 __all__ = [
     "MissingFolderError",
@@ -284,7 +284,7 @@ def check_output_folder(path: str | os.PathLike[str]) -> str:
     there). Returns the path as a string."""
     out = os.fspath(path)
     if _is_url(out):
-        raise ValueError(f"{out}: write the output to a local folder")
+        raise InvalidArgumentError(f"{out}: write the output to a local folder")
     if os.path.lexists(out) and not os.path.isdir(out):
         raise OutputIsFileError(errno.ENOTDIR, f"{out} is a file; give a folder name")
     parent = os.path.dirname(os.path.abspath(out))

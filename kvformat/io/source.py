@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import numpy as np
 
-from kvformat.errors import TruncatedFileError
+from kvformat.errors import InvalidTypeError, TruncatedFileError
 
 if TYPE_CHECKING:
     from kvformat.io.remote import RangeReader
@@ -129,7 +129,7 @@ class FileObjectSource:
         try:
             self.size = fileobj.seek(0, io.SEEK_END)
         except (OSError, AttributeError, ValueError) as exc:
-            raise TypeError(f"{self.name}: file object must be seekable ({exc})") from None
+            raise InvalidTypeError(f"{self.name}: file object must be seekable ({exc})") from None
 
     def read(self, offset: int, size: int) -> memoryview:
         if offset < 0 or size < 0 or offset + size > self.size:
@@ -210,7 +210,7 @@ def range_reader(
             return ArrowRangeReader(filesystem, path)
         if hasattr(filesystem, "cat_file"):
             return FsspecRangeReader(filesystem, path)
-        raise TypeError(f"{type(filesystem).__name__} is neither an fsspec nor a pyarrow filesystem")
+        raise InvalidTypeError(f"{type(filesystem).__name__} is neither an fsspec nor a pyarrow filesystem")
     scheme = path.split("://", 1)[0].lower()
     if scheme in ("http", "https") and set(storage_options or {}) <= {"headers"}:
         from kvformat.io.http_range import HTTPRangeReader

@@ -1,8 +1,9 @@
 """The ``kvsnap`` command line: `main` and `build_parser` (in `shell`, loaded on first use), the
-option types every stage's commands share (`options`), the one-line errors (`errors`), the
 console script's early start (`launch`), the conformance runner and the generated reference page.
-Importing this package, or `options`, loads the standard library only: the console script reads
-the commands' options before numpy is imported (`kvsnap.analysis.engine.fork_server`).
+The option types and errors every stage's commands share are below the stages
+(`kvsnap.arguments`, `kvsnap.errors`); importing this package, or those, loads the standard
+library only: the console script reads the commands' options before numpy is imported
+(`kvsnap.analysis.commands.early_start`).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import numpy as np
 
 from kvformat import KVFormatError, LimitExceededError, Snapshot
 from kvformat import open as open_kv
+from kvformat.errors import InvalidArgumentError
 
 
 def _sha(array: np.ndarray) -> str:
@@ -211,7 +212,9 @@ def run(directory: str | Path, reader: str | None = None) -> list[Result]:
                     [*shlex.split(reader), str(path)], capture_output=True, text=True, timeout=120
                 )
             except (OSError, subprocess.TimeoutExpired) as error:
-                raise ValueError(f"reader command {reader!r} failed on {path.name}: {error}") from None
+                raise InvalidArgumentError(
+                    f"reader command {reader!r} failed on {path.name}: {error}"
+                ) from None
             try:
                 printed = json.loads(completed.stdout)
             except json.JSONDecodeError:

@@ -1,5 +1,5 @@
 """The ``kvsnap`` command's entry point: it starts what the command will wait for (the CPU
-workers' fork server, `kvsnap.analysis.engine.fork_server`) before importing anything heavy, then runs
+workers' fork server: `kvsnap.analysis.commands.early_start`) before importing anything heavy, then runs
 `kvsnap.cli.main`. Importing this module loads the standard library only."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``kvsnap`` with ``argv`` (default: the process's arguments); the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:  # by name: kvsnap.analysis is the repository's analysis/ folder, mapped at install
-        fork_server = importlib.import_module("kvsnap.analysis.engine.fork_server")
+        early_start = importlib.import_module("kvsnap.analysis.commands.early_start")
     except ImportError:  # the analysis stage's files missing: the command says what is wrong
         pass
     else:
-        fork_server.start_early(args)
+        early_start.start_early(args)
     from kvsnap.cli import main as run
 
     return run(args)

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,15 +19,16 @@ from typing import Any
 import numpy as np
 
 import kvformat
-from kvformat import KVFormatError, OutOfRangeError, channel_order, codecs, dtypes
+from kvformat import KVFormatError, KVSnapError, OutOfRangeError, channel_order, codecs, dtypes
+from kvformat.errors import InvalidArgumentError
 from kvformat.io import check_output, output_format, output_path
-from kvsnap.cli.errors import CommandError
-from kvsnap.cli.options import non_negative_int, positive_int, remote_options, storage_options, typed
+from kvsnap.arguments import non_negative_int, positive_int, remote_options, storage_options, typed
+from kvsnap.errors import BUG_REPORT, CommandError
 
 
 @dataclass(frozen=True)
 class FileOptions:
-    """A command's file or URL and its ``--storage-option``s, typed (`kvsnap.cli.options.typed`):
+    """A command's file or URL and its ``--storage-option``s, typed (`kvsnap.arguments.typed`):
     the options of ``verify`` and ``describe``, and the first of ``info``'s and ``dump``'s."""
 
     file: str = ""
@@ -392,9 +394,9 @@ def _open_npz(path: str) -> Any:
     try:
         npz_file = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError):
-        raise ValueError(f"{path}: not an .npz file of arrays (k_L<i>/v_L<i>)") from None
+        raise InvalidArgumentError(f"{path}: not an .npz file of arrays (k_L<i>/v_L<i>)") from None
     if not isinstance(npz_file, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path}: a single array, not an .npz of k_L<i>/v_L<i> arrays")
+        raise InvalidArgumentError(f"{path}: a single array, not an .npz of k_L<i>/v_L<i> arrays")
     return npz_file
 
 
@@ -659,8 +661,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """Run a parsed command: its argument checks first, then the command; known errors as one
-    line and exit 2."""
+    """Run a parsed command: its argument checks first, then the command. What kvsnap refuses on
+    purpose (a `KVSnapError`), an operating-system error and a missing optional package print one
+    line and exit 2 (a `CommandError`: its own status); any other exception is a bug in kvsnap:
+    its traceback, then `BUG_REPORT`, exit 1."""
     check = vars(args).get("check")  # set by the commands that check their arguments first
     try:
         if check is not None:  # argument checks that need no model or file: before anything loads
@@ -673,9 +677,13 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         # Output piped into `head` and the like: stop quietly, as Unix tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (OSError, ValueError, RuntimeError, ModuleNotFoundError, OutOfRangeError) as exc:
+    except (KVSnapError, OSError, ModuleNotFoundError) as exc:
         print(_error_line(exc, args.command), file=sys.stderr)
         return exc.status if isinstance(exc, CommandError) else 2
+    except Exception:  # not refused on purpose: a bug in kvsnap, shown with its traceback
+        traceback.print_exc()
+        print(BUG_REPORT.format(command=args.command), file=sys.stderr)
+        return 1
 
 
 def _error_line(exc: Exception, command: str) -> str:

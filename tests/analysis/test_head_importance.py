@@ -422,7 +422,7 @@ def test_token_table_snapkv_score_equals_the_definition(tmp_path: Path, name: st
     last 64 prompt queries, or as many as the file holds), SnapKV's score as kvpress computes it
     (the window's mean per head, a zero-padded mean over 5 keys, the group's mean), from the
     float64 definition; null from the window on and in a file without queries."""
-    from kvsnap.analysis.engine.tables import token_table
+    from kvsnap.analysis.tools.token_table import token_table
 
     spec = SPECS[name]
     data = _write(tmp_path / "a.kv", spec)

@@ -10,10 +10,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from kvsnap.analysis.engine.accumulator import HeadAccumulator
 from kvsnap.analysis.kernels import compiled as compiled_backend
 from kvsnap.analysis.kernels import kernel
 from kvsnap.analysis.kernels import reference as reference_backend
-from kvsnap.analysis.stats.accumulator import HeadAccumulator
 from kvsnap.analysis.stats.rope import Rope
 from tests.analysis.test_kernels_oracle import assert_close_to_reference
 

@@ -7,7 +7,6 @@ Marked ``reference``."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +14,8 @@ import pytest
 
 import kvformat
 from kvsnap.analysis.attention import compression
-from tests.capture.test_reference import reference_python
-from tests.conftest import PROSE, ROOT
+from tests.conftest import PROSE
+from tests.reference.runs import ReferenceRun
 
 TOKENS = 256
 PRESSES = [
@@ -68,19 +67,12 @@ def test_eviction_keeps_the_keys_kvpress_keeps(smollm2_dir: Path, tmp_path: Path
     ids = list(tokenizer.encode(PROSE * 3))[:TOKENS]
     (tmp_path / "ids.json").write_text(json.dumps(ids))
     (tmp_path / "presses.json").write_text(json.dumps(PRESSES))
-    script = ROOT / "tests" / "reference" / "kvpress_kept.py"
-    run = subprocess.Popen(
-        [str(reference_python()), str(script), str(fetch_gguf("smollm2-135m")), str(tmp_path / "ids.json"),
-         str(tmp_path / "presses.json"), str(tmp_path / "kept.npz")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+    run = ReferenceRun("kvpress_kept.py", fetch_gguf("smollm2-135m"),
+                       [tmp_path / "ids.json", tmp_path / "presses.json"], tmp_path / "kept.npz")  # fmt: skip
     path = tmp_path / "run.kv"
     for _ in kvsnap.generate(model, tokenizer, ids, max_tokens=1, output=path, queries="all"):
         pass
-    _, errors = run.communicate(timeout=600)
-    assert run.returncode == 0, errors[-3000:]
+    run.wait()
     results: dict[str, tuple[float, float]] = {}
     above: list[float] = []
     with np.load(tmp_path / "kept.npz") as kept, kvformat.open(path) as snap:
@@ -179,15 +171,8 @@ def test_kvpress_loads_the_exports_unchanged(smollm2_dir: Path, tmp_path: Path) 
     stats, duo = tmp_path / "stats", tmp_path / "duo"
     export = ["export", str(path), "--duo-attention", str(duo), "--window", "64"]
     assert main([*export, "--expected-attention-stats", str(stats)]) == 0
-    script = ROOT / "tests" / "reference" / "kvpress_exports.py"
-    run = subprocess.run(
-        [str(reference_python()), str(script), str(fetch_gguf("smollm2-135m")), str(tmp_path / "ids.json"),
-         str(stats), str(duo), str(tmp_path / "loaded.npz")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    ReferenceRun("kvpress_exports.py", fetch_gguf("smollm2-135m"), [tmp_path / "ids.json", stats, duo],
+                 tmp_path / "loaded.npz").wait()  # fmt: skip
     from safetensors.numpy import load_file
 
     written = load_file(str(stats / "model.safetensors"))

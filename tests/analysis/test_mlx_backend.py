@@ -209,8 +209,8 @@ def test_staging_buffers_carry_the_rows_and_are_reused(dtype: Any) -> None:
 
 
 def test_staged_and_copied_batches_give_the_same_sums(tmp_path: Path) -> None:
+    from kvsnap.analysis.engine import accumulator
     from kvsnap.analysis.kernels import mlx_pipeline
-    from kvsnap.analysis.stats import accumulator
 
     path = random_file(tmp_path / "r.kv", ml_dtypes.bfloat16, 64, 3000)
     rows = []
@@ -236,7 +236,7 @@ def test_a_pass_holds_two_batches_of_staging_buffers_and_one_of_pages(
     been launched (its pages released) and the one before that fetched (its buffers given
     back), so at most two batches' buffers and one batch's unreleased pages exist at a time;
     the sums are the unstaged pipeline's."""
-    from kvsnap.analysis.stats import accumulator
+    from kvsnap.analysis.engine import accumulator
 
     live: list[int] = []
     taken: list[int] = []
@@ -492,7 +492,7 @@ def test_a_corrupt_chunk_is_found_by_the_copy_threads(tmp_path: Path, tensor: st
 
 
 def _piece_accumulators(count: int, rows: int = 700, dim: int = 32) -> list[tuple[Any, np.ndarray]]:
-    from kvsnap.analysis.stats import accumulator
+    from kvsnap.analysis.engine import accumulator
 
     rng = np.random.default_rng(3)
     return [
@@ -642,8 +642,8 @@ def _folded(order: list[int], stacked: bool, merged: int | None = None) -> list[
     before the second batch."""
     import mlx.core as mx
 
+    from kvsnap.analysis.engine.accumulator import HeadAccumulator, stack
     from kvsnap.analysis.kernels.arrays import GRAM_FLOAT64_ROWS
-    from kvsnap.analysis.stats.accumulator import HeadAccumulator, stack
     from kvsnap.analysis.stats.rope import Rope
 
     rng = np.random.default_rng(3)

@@ -29,7 +29,7 @@ SUMS = r"""
 import json, sys
 import ml_dtypes, numpy as np
 from kvsnap.analysis.kernels import eigen, halves
-from kvsnap.analysis.stats.accumulator import HeadAccumulator
+from kvsnap.analysis.engine.accumulator import HeadAccumulator
 from kvsnap.analysis.kernels import kernel
 from kvsnap.analysis.stats.catalogue import ALL
 from kvsnap.analysis.stats.rope import Rope

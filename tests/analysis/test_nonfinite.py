@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvsnap.analysis.engine.tables import head_stats, stats_rows, token_table
+from kvsnap.analysis.engine.tables import head_stats, stats_rows
 from kvsnap.analysis.kernels import kernel
 from kvsnap.analysis.kernels import mlx as mlx_backend
 from kvsnap.analysis.stats import finite
+from kvsnap.analysis.tools.token_table import token_table
 from kvsnap.cli import main
 
 TOKENS, DIM = 200, 16
@@ -160,7 +161,8 @@ def test_cli_stats_prints_a_whole_nan_head_as_null_and_ranks_it_last(
     import polars as pl
 
     from kvsnap.analysis.commands.statistics import key_rows
-    from kvsnap.analysis.engine.tables import outliers, rows_of
+    from kvsnap.analysis.engine.tables import rows_of
+    from kvsnap.analysis.stats.outliers import outliers
 
     path, _, _ = _files(tmp_path, "whole_head", np.nan, np.float32)
     assert main(["stats", str(path)]) == 0
@@ -183,7 +185,7 @@ def test_cli_stats_prints_a_whole_nan_head_as_null_and_ranks_it_last(
 
 
 def test_a_whole_nan_head_does_not_poison_the_outlier_medians(tmp_path: Path) -> None:
-    from kvsnap.analysis.engine.tables import outliers
+    from kvsnap.analysis.stats.outliers import outliers
 
     path, _, _ = _files(tmp_path, "whole_head", np.nan, np.float32)
     table = head_stats(path)

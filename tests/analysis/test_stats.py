@@ -11,10 +11,11 @@ import polars as pl
 import pytest
 
 import kvformat
-from kvsnap.analysis.engine.tables import head_stats, head_stats_reader, stats_rows, token_table
+from kvsnap.analysis.engine.accumulator import HeadAccumulator
+from kvsnap.analysis.engine.tables import head_stats, head_stats_reader, stats_rows
 from kvsnap.analysis.stats import GROUPS, stat_groups
-from kvsnap.analysis.stats.accumulator import HeadAccumulator
 from kvsnap.analysis.stats.rope import Rope, RopeError
+from kvsnap.analysis.tools.token_table import token_table
 from tests.factories import random_file
 
 ROPE = {"rope": {"base": 10000.0, "dims": 16, "pairing": "half", "scaling": None}}
@@ -238,7 +239,7 @@ def test_arrow_tables_from_array_rows_equal_those_from_list_rows(tmp_path: Path)
     """The pass builds its tables from rows whose vector columns are numpy arrays
     (`HeadAccumulator.row_arrays`); they equal the tables of the same rows as lists, for every
     group (RoPE bands present and absent: a null column)."""
-    from kvsnap.analysis.stats.accumulator import HeadAccumulator
+    from kvsnap.analysis.engine.accumulator import HeadAccumulator
     from kvsnap.analysis.stats.arrow import arrow_table
     from kvsnap.analysis.stats.rope import Rope
 
@@ -262,8 +263,8 @@ def test_a_payload_check_is_computed_piece_by_piece_as_the_kernel_adds(
     compiled and the numpy path."""
     from kvformat.checksum import crc32c
     from kvformat.pages import PayloadCheck
+    from kvsnap.analysis.engine.accumulator import HeadAccumulator
     from kvsnap.analysis.kernels import arrays, kernel
-    from kvsnap.analysis.stats.accumulator import HeadAccumulator
 
     rows = np.random.default_rng(3).standard_normal((2 * arrays.KERNEL_ROWS + 77, 16)).astype(np.float32)
     positions = np.arange(rows.shape[0])
@@ -311,7 +312,7 @@ def test_a_damaged_byte_in_a_late_piece_of_a_large_chunk_stops_the_pass(
 def test_the_small_median_equals_numpy(size: int) -> None:
     """`outlier_channel_ratio`'s median (a sort per stacked row instead of ``np.median``): the
     same value, NaN for NaN input."""
-    from kvsnap.analysis.stats.rows import medians
+    from kvsnap.analysis.engine.rows import medians
 
     rng = np.random.default_rng(size)
     values = np.abs(rng.standard_normal((3, size))) * 10.0 ** rng.integers(-3, 3, (3, size))
@@ -325,7 +326,7 @@ def test_the_small_median_equals_numpy(size: int) -> None:
 def test_rows_computed_in_a_stack_equal_rows_computed_alone(groups: str) -> None:
     """`rows.compute` stacks the accumulators of one dim and groups; each row equals, bit for
     bit, the row the accumulator computes alone (also empty ones, and NaN channels)."""
-    from kvsnap.analysis.stats import rows
+    from kvsnap.analysis.engine import rows
     from kvsnap.analysis.stats.rope import Rope
 
     rng = np.random.default_rng(4)
@@ -396,7 +397,7 @@ def test_every_sum_of_an_accumulator_is_declared_once_in_the_catalogue() -> None
     rule and groups), and merging follows each declared rule."""
     from dataclasses import fields
 
-    from kvsnap.analysis.stats.accumulator import HeadAccumulator
+    from kvsnap.analysis.engine.accumulator import HeadAccumulator
     from kvsnap.analysis.stats.catalogue import GROUPS, SUMS
 
     names = [total.name for total in SUMS]

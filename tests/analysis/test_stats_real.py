@@ -68,7 +68,7 @@ def test_float32_gram_pieces_hold_1e_5_on_long_real_sequences(real_capture: Path
     `_GRAM_ROWS`, mixed scales), and the spectrum and every other column still lie within 1e-5
     of the float64 reference."""
     import kvformat
-    from kvsnap.analysis.stats.accumulator import HeadAccumulator
+    from kvsnap.analysis.engine.accumulator import HeadAccumulator
 
     with kvformat.open(real_capture) as snap:
         parts = []

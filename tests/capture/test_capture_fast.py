@@ -32,7 +32,7 @@ from kvformat.checksum import (
     zeros_crc,
 )
 from kvsnap.analysis.attention.tokens import token_ids, token_pieces
-from kvsnap.analysis.engine.tables import token_table
+from kvsnap.analysis.tools.token_table import token_table
 from kvsnap.capture import gather
 from kvsnap.capture.background import BackgroundWriter, Transfer
 from kvsnap.capture.caches import read_layer, to_numpy

@@ -6,7 +6,6 @@ mlx-lm's own generation."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,8 @@ import pytest
 
 import kvformat
 from kvsnap.analysis.attention import compression
-from tests.capture.test_reference import reference_python
-from tests.conftest import PROSE, ROOT
+from tests.conftest import PROSE
+from tests.reference.runs import ReferenceRun
 
 NUMBER = "72931"
 CONTEXT = PROSE + f" The secret number is {NUMBER}. " + PROSE
@@ -113,12 +112,8 @@ def test_answers_as_kvpress_pipeline(needle: dict[str, Any], tmp_path: Path) -> 
     spec = {"context": needle["context"], "question": needle["question"], "max_new_tokens": MAX_TOKENS,
             "presses": [press for press, _ in PRESSES]}  # fmt: skip
     (tmp_path / "input.json").write_text(json.dumps(spec))
-    script = ROOT / "tests" / "reference" / "kvpress_answers.py"
-    run = subprocess.Popen(
-        [str(reference_python()), str(script), str(fetch_gguf("smollm2-135m")), str(tmp_path / "input.json"),
-         str(tmp_path / "out.json")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    run = ReferenceRun("kvpress_answers.py", fetch_gguf("smollm2-135m"), [tmp_path / "input.json"],
+                       tmp_path / "out.json")  # fmt: skip
     n = len(needle["context"])
     mine = {}
     for ratio in sorted({float(press["compression_ratio"]) for press, _ in PRESSES}):  # while kvpress runs
@@ -127,9 +122,7 @@ def test_answers_as_kvpress_pipeline(needle: dict[str, Any], tmp_path: Path) -> 
         full, *runs = _answers(needle, [m for _, m in chosen], [int(n * (1 - ratio)) / n], window=32)
         for (press, _), answer in zip(chosen, runs, strict=True):
             mine[str(press["name"])] = (full, answer)
-    _, errors = run.communicate(timeout=900)
-    assert run.returncode == 0, errors[-3000:]
-    theirs = json.loads((tmp_path / "out.json").read_text())
+    theirs = json.loads(run.wait().read_text())
     tokenizer = needle["tokenizer"]
     rows = []
     for press, _ in PRESSES:

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from kvsnap.capture import ruler
-from tests.capture.test_reference import reference_python
-from tests.conftest import ROOT
+from tests.reference.runs import ReferenceRun
 
 
 def _words(text: str) -> int:
@@ -88,11 +86,8 @@ def test_accuracy_as_kvpress_pipeline(tmp_path: Path, capsys: pytest.CaptureFixt
     (tmp_path / "input.json").write_text(
         json.dumps({"samples": samples, "presses": presses, "max_new_tokens": 10})
     )
-    run = subprocess.Popen(
-        [str(reference_python()), str(ROOT / "tests" / "reference" / "kvpress_answers.py"),
-         str(fetch_gguf("smollm2-135m")), str(tmp_path / "input.json"), str(tmp_path / "out.json")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    run = ReferenceRun("kvpress_answers.py", fetch_gguf("smollm2-135m"), [tmp_path / "input.json"],
+                       tmp_path / "out.json")  # fmt: skip
     out = tmp_path / "bench"
     args = ["bench", "compression", "--model", model, "--tasks", "kv_retrieval", "--samples", "1",
             "--tokens", "240", "--method", "snapkv", "knorm", "--ratio", "0.5", "0.7", "--max-tokens", "10",
@@ -102,9 +97,7 @@ def test_accuracy_as_kvpress_pipeline(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "full cache:" in printed and "snapkv" in printed
     assert [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()] == samples
     assert (out / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
-    _, errors = run.communicate(timeout=900)
-    assert run.returncode == 0, errors[-3000:]
-    theirs = json.loads((tmp_path / "out.json").read_text())["samples"]
+    theirs = json.loads(run.wait().read_text())["samples"]
     table = pl.read_parquet(out / "accuracy.parquet")
     for sample, other in zip(samples, theirs, strict=True):
         ids = tokenize(tokenizer, ruler.Sample(**sample))

@@ -12,8 +12,6 @@ ids, in the checkpoint's channel order.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,8 @@ import pytest
 
 import kvformat
 from kvsnap.analysis.stats.rope import Rope
-from tests.conftest import PROSE, ROOT
+from tests.conftest import PROSE
+from tests.reference.runs import ReferenceRun
 
 TOKENS = 96
 
@@ -218,33 +217,16 @@ def test_gemma3_first_layer_equals_a_numpy_forward_pass(gemma3_dir: Path, tmp_pa
 # -- Hugging Face transformers ----------------------------------------------------------------------
 
 
-def reference_python() -> Path:
-    """The Python with torch and transformers (`make reference`), or $KVSNAP_REFERENCE_PYTHON."""
-    return Path(os.environ.get("KVSNAP_REFERENCE_PYTHON") or ROOT / ".cache" / "reference" / "bin" / "python")
-
-
-def _transformers(gguf: Path, tokens: list[int], tmp_path: Path) -> subprocess.Popen[str]:
+def _transformers(gguf: Path, tokens: list[int], tmp_path: Path) -> ReferenceRun:
     """The reference run started (it takes ~20 s; `_reference` waits for it)."""
     ids = tmp_path / "ids.json"
     ids.write_text(json.dumps(tokens))
-    script = ROOT / "tests" / "reference" / "transformers_kv.py"
-    return subprocess.Popen(
-        [str(reference_python()), str(script), str(gguf), str(ids), str(tmp_path / "reference.npz")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return ReferenceRun("transformers_kv.py", gguf, [ids], tmp_path / "reference.npz")
 
 
-def _reference(run: subprocess.Popen[str], tmp_path: Path) -> dict[str, np.ndarray]:
+def _reference(run: ReferenceRun) -> dict[str, np.ndarray]:
     """The arrays of a `_transformers` run, once it has finished."""
-    try:
-        _, stderr = run.communicate(timeout=900)
-    finally:
-        if run.poll() is None:
-            run.kill()
-    assert run.returncode == 0, stderr[-3000:]
-    with np.load(tmp_path / "reference.npz") as arrays:
+    with np.load(run.wait()) as arrays:
         return dict(arrays)
 
 
@@ -273,7 +255,7 @@ def test_kv_equals_transformers_past_key_values(model: str, tmp_path: Path) -> N
         path = tmp_path / f"{dtype}.kv"
         assert _capture(fetch_model(model, dtype), path) == tokens
         captures[dtype] = path
-    reference = _reference(run, tmp_path)
+    reference = _reference(run)
     for dtype, path in captures.items():
         target, layers = TARGETS[(model, dtype)]
         worst = 0.0

@@ -1,5 +1,6 @@
-"""The ``kvsnap`` entry point (`kvsnap.cli.launch`): it starts the CPU workers' fork server before
-anything heavy is imported, for the default ``kvsnap stats`` of one big local file only."""
+"""The ``kvsnap`` entry point (`kvsnap.cli.launch`, `kvsnap.analysis.commands.early_start`): it
+starts the CPU workers' fork server before anything heavy is imported, for the default
+``kvsnap stats`` of one big local file only."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvformat
+from kvsnap.analysis.commands import early_start
 from kvsnap.analysis.engine import fork_server
 from kvsnap.cli.launch import main
 
@@ -21,22 +23,22 @@ def big(tmp_path: Path) -> Path:
     its size only)."""
     path = tmp_path / "big.kv"
     with open(path, "wb") as f:
-        f.truncate(fork_server.process_min_bytes(fork_server.cores()))
+        f.truncate(fork_server.process_min_bytes(early_start.cores()))
     return path
 
 
 def test_the_default_stats_of_one_big_local_file_wants_the_fork_server(
     big: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fork_server, "cores", lambda: 16)
+    monkeypatch.setattr(early_start, "cores", lambda: 16)
     small = tmp_path / "small.kv"
     small.write_bytes(b"x")
     file = str(big)
-    assert fork_server.wanted(["stats", file])
-    assert fork_server.wanted(["stats", file, "-o", str(tmp_path / "out.parquet"), "--force"])
-    assert fork_server.wanted(["stats", "--factor", "2", file])
-    assert fork_server.wanted(["stats", file, "--backend=cpu"])  # the default, spelled out
-    assert fork_server.wanted(["stats", "--backend", "cpu", file])
+    assert early_start.wanted(["stats", file])
+    assert early_start.wanted(["stats", file, "-o", str(tmp_path / "out.parquet"), "--force"])
+    assert early_start.wanted(["stats", "--factor", "2", file])
+    assert early_start.wanted(["stats", file, "--backend=cpu"])  # the default, spelled out
+    assert early_start.wanted(["stats", "--backend", "cpu", file])
     # The command may start no CPU workers: it decides for itself.
     for other in (
         ["stats", file, "--backend", "mlx"],
@@ -53,9 +55,9 @@ def test_the_default_stats_of_one_big_local_file_wants_the_fork_server(
         ["info", file],
         ["stats"],
     ):
-        assert not fork_server.wanted(other), other
-    monkeypatch.setattr(fork_server, "cores", lambda: 1)
-    assert not fork_server.wanted(["stats", file])
+        assert not early_start.wanted(other), other
+    monkeypatch.setattr(early_start, "cores", lambda: 1)
+    assert not early_start.wanted(["stats", file])
 
 
 def test_the_decision_reads_the_stats_commands_own_arguments(
@@ -68,10 +70,10 @@ def test_the_decision_reads_the_stats_commands_own_arguments(
     from kvsnap.cli import build_parser
 
     stats = build_parser()._subparsers._group_actions[0].choices["stats"]  # type: ignore[union-attr]
-    early = fork_server._Parser(add_help=False)
-    fork_server.stats_arguments(early)
+    early = early_start._Parser(add_help=False)
+    early_start.stats_arguments(early)
     assert set(stats._option_string_actions) - {"-h", "--help"} == set(early._option_string_actions)
-    monkeypatch.setattr(fork_server, "cores", lambda: 16)
+    monkeypatch.setattr(early_start, "cores", lambda: 16)
     small = str(tmp_path / "small.kv")
     file = str(big)
     for values in (
@@ -80,16 +82,16 @@ def test_the_decision_reads_the_stats_commands_own_arguments(
         ["--storage-option", "anon=true", "--keys", "pre_rope"],
         ["--snapshot", "0", "--factor", "3"],
     ):
-        assert fork_server.wanted(["stats", *values, file]), values
+        assert early_start.wanted(["stats", *values, file]), values
     for refused in (["--factor", "-1"], ["--retrieval", "some"], ["--backend", "tpu"]):
-        assert not fork_server.wanted(["stats", file, *refused]), refused
+        assert not early_start.wanted(["stats", file, *refused]), refused
 
 
 def test_the_decision_imports_nothing_heavy() -> None:
     """Deciding (the console script's first step) loads no numpy, kvformat or pyarrow."""
     code = (
-        "import sys; from kvsnap.analysis.engine import fork_server\n"
-        "fork_server.wanted(['stats', 'missing.kv', '-o', 'x.parquet'])\n"
+        "import sys; from kvsnap.analysis.commands import early_start\n"
+        "early_start.wanted(['stats', 'missing.kv', '-o', 'x.parquet'])\n"
         "print(sorted(m for m in ('numpy', 'kvformat', 'pyarrow', 'polars') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -100,8 +102,9 @@ def test_start_early_starts_the_server_the_pool_then_uses(big: Path, monkeypatch
     """A fresh process: `start_early` leaves the fork server running with the kernels preloaded
     and BLAS at one thread in its environment; the pool's own start finds it (same pid)."""
     script = (
-        "import sys; from multiprocessing import forkserver; from kvsnap.analysis.engine import fork_server\n"
-        f"fork_server.start_early(['stats', {str(big)!r}])\n"
+        "import sys; from multiprocessing import forkserver\n"
+        "from kvsnap.analysis.commands import early_start\n"
+        f"early_start.start_early(['stats', {str(big)!r}])\n"
         "first = forkserver._forkserver._forkserver_pid\n"
         "from kvsnap.analysis.engine import processes\n"
         "processes._pool(2, 'cpu')\n"
@@ -110,15 +113,15 @@ def test_start_early_starts_the_server_the_pool_then_uses(big: Path, monkeypatch
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
     )
-    assert done.stdout.strip().splitlines()[-1] == ("True" if fork_server.cores() > 1 else "False")
+    assert done.stdout.strip().splitlines()[-1] == ("True" if early_start.cores() > 1 else "False")
 
 
 def test_start_early_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(argv: object) -> bool:
         raise OSError("no")
 
-    monkeypatch.setattr(fork_server, "wanted", broken)
-    fork_server.start_early(["stats", "x.kv"])
+    monkeypatch.setattr(early_start, "wanted", broken)
+    early_start.start_early(["stats", "x.kv"])
 
 
 def test_the_entry_point_runs_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,7 @@
 """argparse types and options that every stage's commands share: checked numbers (one line naming
-the rule, never a traceback), ``--storage-option KEY=VALUE`` for remote files."""
+the rule, never a traceback), ``--storage-option KEY=VALUE`` for remote files, and `typed` (a
+namespace as a command's options dataclass). Below the stages: `kvsnap.capture` and
+`kvsnap.analysis` build their commands from it, and the shell (`kvsnap.cli`) above them."""
 
 from __future__ import annotations
 
@@ -71,7 +73,9 @@ def storage_options(items: Sequence[str] | None) -> dict[str, Any] | None:
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--storage-option wants KEY=VALUE, not {item!r}")
+            from kvformat.errors import InvalidArgumentError  # here: this module loads before numpy
+
+            raise InvalidArgumentError(f"--storage-option wants KEY=VALUE, not {item!r}")
         try:
             options[key] = json.loads(value)
         except json.JSONDecodeError:

@@ -1,4 +1,4 @@
-"""`HeadAccumulator`: the running sums of one (sequence, layer, head, tensor) (`sums.RunningSums`)
+"""`HeadAccumulator`: the running sums of one (sequence, layer, head, tensor) (`stats.sums.RunningSums`)
 with the two things a user asks of them: add rows (with the accumulator's kernel,
 `kernels.of(backend)`) and compute the statistics (`rows.statistics`). An accumulator holds sums
 only, so memory is bounded by ``head_dim^2`` per head and accumulators of different chunks or files
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import kernels
+from ..stats.sums import STACKED, Pending, RunningSums, Stack, stack
 from .rows import statistics as row_statistics
-from .sums import STACKED, Pending, RunningSums, Stack, stack
 
 if TYPE_CHECKING:
     from kvformat import PayloadCheck

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import kernels
-from .catalogue import POSITION_BINS, QUANT_BITS, RANKS, hist_quantiles
+from ..stats.catalogue import POSITION_BINS, QUANT_BITS, RANKS, hist_quantiles
 
 if TYPE_CHECKING:
-    from .sums import RunningSums
+    from ..stats.sums import RunningSums
 
 
 def compute(accumulators: Sequence[RunningSums]) -> None:
