@@ -204,21 +204,75 @@ PROSE = (
 REAL_TOKENS = 320  # CPU prefill is slow here (~0.1 s a token)
 
 
-@pytest.fixture(scope="session", params=["smollm2_dir", "gemma3_dir"])
-def real_capture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A one-snapshot capture of each fixture model after a 320-token prefill of `PROSE` (real
-    K/V for the analysis tests; made once per session)."""
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
+def kept_capture(
+    name: str,
+    model_dir: Path,
+    recipe: str,
+    make: Callable[[Path], dict[str, np.ndarray] | None],
+    sources: tuple[Path, ...] = (),
+) -> Path:
+    """A capture made by ``make(path)`` once and kept by content: in ``$KVSNAP_CACHE/test-captures``
+    under the SHA-256 of ``recipe`` (what the capture reads: prompt, options), the model folder's
+    files, mlx and mlx-lm's versions, every source file of kvformat and the capture stage and
+    ``sources`` (the test module that records what the model computed), so any change to what
+    writes it makes it again. The arrays ``make`` returns (what the model computed meanwhile)
+    are kept beside it (`kept_arrays`). Test workers and later sessions share both; a test must
+    not write to them (copy first)."""
+    import hashlib
+    import os
+    from importlib import metadata
 
-    from kvsnap.capture.snapshot import snapshot_kv
+    from kvsnap.capture.fixtures import cache_dir
 
-    model, tokenizer = load(str(request.getfixturevalue(request.param)))
-    tokens = (tokenizer.encode(PROSE) * 12)[:REAL_TOKENS]
-    cache = make_prompt_cache(model)
-    model(mx.array([tokens]), cache=cache)
-    mx.eval([c.state for c in cache])
-    path = tmp_path_factory.mktemp("real") / f"{request.param}.kv"
-    snapshot_kv(cache, model, tokens=tokens).save(path)
+    digest = hashlib.sha256(recipe.encode() + b"\0")
+    for package in ("mlx", "mlx-lm"):
+        digest.update(f"{package}={metadata.version(package)}\0".encode())
+    for source in sorted(model_dir.iterdir()):
+        if source.is_file():
+            stat = source.stat()
+            digest.update(f"{source.name}:{stat.st_size}:{stat.st_mtime_ns}\0".encode())
+    code = [s for folder in ("kvformat", "capture") for s in sorted((ROOT / folder).rglob("*.py"))]
+    for source in [*code, *sources]:
+        digest.update(str(source.relative_to(ROOT)).encode() + b"\0" + source.read_bytes())
+    path = cache_dir() / "test-captures" / f"{name}-{digest.hexdigest()[:32]}.kv"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.kv")
+        if partial.exists():
+            partial.unlink()
+        arrays = make(partial)
+        if arrays is not None:  # the arrays first: the .kv's presence says both are complete
+            staged = path.with_name(f"{path.stem}.{os.getpid()}.npz")
+            np.savez(staged, **arrays)
+            os.replace(staged, path.with_suffix(".npz"))
+        os.replace(partial, path)  # two workers making it at once write the same bytes
     return path
+
+
+def kept_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The arrays kept beside a `kept_capture`."""
+    with np.load(path.with_suffix(".npz")) as arrays:
+        return dict(arrays)
+
+
+@pytest.fixture(scope="session", params=["smollm2_dir", "gemma3_dir"])
+def real_capture(request: pytest.FixtureRequest) -> Path:
+    """A one-snapshot capture of each fixture model after a 320-token prefill of `PROSE` (real
+    K/V for the analysis tests; made once, `kept_capture`). Read it; never write to it."""
+    model_dir = request.getfixturevalue(request.param)
+
+    def make(path: Path) -> None:
+        import mlx.core as mx
+        from mlx_lm import load
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from kvsnap.capture.snapshot import snapshot_kv
+
+        model, tokenizer = load(str(model_dir))
+        tokens = (tokenizer.encode(PROSE) * 12)[:REAL_TOKENS]
+        cache = make_prompt_cache(model)
+        model(mx.array([tokens]), cache=cache)
+        mx.eval([c.state for c in cache])
+        snapshot_kv(cache, model, tokens=tokens).save(path)
+
+    return kept_capture(request.param, model_dir, f"prefill {REAL_TOKENS} tokens of PROSE x 12", make)

@@ -14,7 +14,7 @@ import pytest
 
 import kvformat
 from kvsnap.analysis.attention import compression
-from tests.conftest import PROSE
+from tests.conftest import PROSE, kept_capture
 from tests.reference.runs import ReferenceRun
 
 TOKENS = 256
@@ -56,22 +56,33 @@ PRESSES = [
 ]
 
 
-@pytest.mark.reference
-def test_eviction_keeps_the_keys_kvpress_keeps(smollm2_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def prose(smollm2_dir: Path) -> tuple[list[int], Path]:
+    """The first `TOKENS` ids of `PROSE` x 3 and their capture with every query, one token
+    generated (made once and kept by content, `kept_capture`; read it, never write to it)."""
     from mlx_lm import load
 
     import kvsnap
-    from kvsnap.capture.fixtures import fetch_gguf
 
     model, tokenizer = load(str(smollm2_dir))
     ids = list(tokenizer.encode(PROSE * 3))[:TOKENS]
+
+    def make(path: Path) -> None:
+        for _ in kvsnap.generate(model, tokenizer, ids, max_tokens=1, output=path, queries="all"):
+            pass
+
+    return ids, kept_capture("prose", smollm2_dir, f"PROSE x 3, {TOKENS} ids, queries all", make)
+
+
+@pytest.mark.reference
+def test_eviction_keeps_the_keys_kvpress_keeps(prose: tuple[list[int], Path], tmp_path: Path) -> None:
+    from kvsnap.capture.fixtures import fetch_gguf
+
+    ids, path = prose
     (tmp_path / "ids.json").write_text(json.dumps(ids))
     (tmp_path / "presses.json").write_text(json.dumps(PRESSES))
     run = ReferenceRun("kvpress_kept.py", fetch_gguf("smollm2-135m"),
                        [tmp_path / "ids.json", tmp_path / "presses.json"], tmp_path / "kept.npz")  # fmt: skip
-    path = tmp_path / "run.kv"
-    for _ in kvsnap.generate(model, tokenizer, ids, max_tokens=1, output=path, queries="all"):
-        pass
     run.wait()
     results: dict[str, tuple[float, float]] = {}
     above: list[float] = []
@@ -150,24 +161,17 @@ def _above_the_ties(
 
 
 @pytest.mark.reference
-def test_kvpress_loads_the_exports_unchanged(smollm2_dir: Path, tmp_path: Path) -> None:
+def test_kvpress_loads_the_exports_unchanged(prose: tuple[list[int], Path], tmp_path: Path) -> None:
     """``kvsnap export --duo-attention`` and ``--expected-attention-stats`` read by kvpress 0.5.5's
     own presses in the reference Python: the statistics it loads are the files' bit for bit and
     equal the ones kvpress's ``collect_queries`` forms from transformers on the same ids (float16
     capture against float32); DuoAttentionPress's streaming heads are the pattern's lowest half;
     both presses then compress a prefill."""
-    from mlx_lm import load
-
-    import kvsnap
     from kvsnap.capture.fixtures import fetch_gguf
     from kvsnap.cli import main
 
-    model, tokenizer = load(str(smollm2_dir))
-    ids = list(tokenizer.encode(PROSE * 3))[:TOKENS]
+    ids, path = prose
     (tmp_path / "ids.json").write_text(json.dumps(ids))
-    path = tmp_path / "run.kv"
-    for _ in kvsnap.generate(model, tokenizer, ids, max_tokens=1, output=path, queries="all"):
-        pass
     stats, duo = tmp_path / "stats", tmp_path / "duo"
     export = ["export", str(path), "--duo-attention", str(duo), "--window", "64"]
     assert main([*export, "--expected-attention-stats", str(stats)]) == 0

@@ -14,7 +14,7 @@ import pytest
 
 import kvformat
 from kvsnap.analysis.attention import compression
-from tests.conftest import PROSE
+from tests.conftest import PROSE, kept_arrays, kept_capture
 from tests.reference.runs import ReferenceRun
 
 NUMBER = "72931"
@@ -36,20 +36,21 @@ PRESSES = [  # kvpress's name and arguments, the method kvsnap runs for it
 
 
 @pytest.fixture(scope="module")
-def needle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """SmolLM2 in float32, a capture of context + question with every query, and the ids."""
+def needle() -> dict[str, Any]:
+    """SmolLM2 in float32, a capture of context + question with every query (made once and kept
+    by content, `kept_capture`), the ids and the tokens mlx-lm generated while it was written."""
     from mlx_lm import load
 
     import kvsnap
     from kvsnap.capture.fixtures import fetch_model
 
-    model, tokenizer = load(str(fetch_model("smollm2-135m", "float32")))
+    model_dir = fetch_model("smollm2-135m", "float32")
+    model, tokenizer = load(str(model_dir))
     context = list(tokenizer.encode(CONTEXT))
     question = list(tokenizer.encode(QUESTION, add_special_tokens=False))
-    path = tmp_path_factory.mktemp("compressed") / "needle.kv"
-    generated = [
-        int(r.token)
-        for r in kvsnap.generate(
+
+    def make(path: Path) -> dict[str, np.ndarray]:
+        run = kvsnap.generate(
             model,
             tokenizer,
             context + question,
@@ -58,7 +59,10 @@ def needle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             queries="all",
             final=True,
         )
-    ]
+        return {"generated": np.array([int(r.token) for r in run])}
+
+    path = kept_capture("needle", model_dir, repr((CONTEXT, QUESTION, MAX_TOKENS)), make)
+    generated = kept_arrays(path)["generated"].tolist()
     return {"model": model, "tokenizer": tokenizer, "context": context, "question": question,
             "path": path, "generated": generated}  # fmt: skip
 
