@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from kvsnap.arguments import non_negative_int, odd_int, positive_float, positive_int
+from kvsnap.arguments import non_negative_int, odd_int, positive_float, positive_int, remote_options
 
 from .commands.common import FIGURES, TABLES, check_outputs
 from .commands.options import (
@@ -60,7 +60,8 @@ def command(name: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def register(sub: Any) -> None:
+def _stats_parser(sub: Any) -> None:
+    """``kvsnap stats``'s arguments."""
     p = sub.add_parser(
         "stats",
         help="per-head statistics (norms, channels, spectrum, ...); prints mean ||K||, outliers flagged",
@@ -68,6 +69,9 @@ def register(sub: Any) -> None:
     stats_arguments(p)
     p.set_defaults(func=command("stats_command"), check=check_outputs, output_formats=TABLES)
 
+
+def _simulate_parser(sub: Any) -> None:
+    """``kvsnap simulate``'s arguments."""
     p = sub.add_parser(
         "simulate",
         help="attention-output error per head if the cache had been compressed (needs --queries)",
@@ -95,10 +99,7 @@ def register(sub: Any) -> None:
         help="SnapKV's observation window, queries (default 64, or as many as the file holds right "
         "before the compressed span's end where it holds fewer: said in one line)",
     )
-    p.add_argument("--kernel", type=odd_int, default=5, help="SnapKV's pooling kernel, keys (odd; default 5)")
-    p.add_argument(
-        "--pooling", choices=["avg", "max"], default="avg", help="SnapKV's pooling of scores (default avg)"
-    )
+    _method_settings(p)
     p.add_argument(
         "--compress",
         choices=["prompt", "context"],
@@ -112,6 +113,24 @@ def register(sub: Any) -> None:
         metavar="P",
         help="with --compress context: the position where the question begins",
     )
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="Parquet or CSV table (by extension), one row per (method, budget, layer, head)",
+    )
+    p.add_argument("--plot", help="PNG, SVG or PDF (by extension): error against budget per method")
+    remote_options(p)
+    force_option(p)
+    p.set_defaults(func=command("simulate_command"), check=check_outputs, output_formats=TABLES)
+
+
+def _method_settings(p: argparse.ArgumentParser) -> None:
+    """``kvsnap simulate``'s settings of particular methods (SnapKV's pooling, LagKV, AdaKV, random)."""
+    p.add_argument("--kernel", type=odd_int, default=5, help="SnapKV's pooling kernel, keys (odd; default 5)")
+    p.add_argument(
+        "--pooling", choices=["avg", "max"], default="avg", help="SnapKV's pooling of scores (default avg)"
+    )
     p.add_argument("--seed", type=int, default=0, help="the random method's sample")
     p.add_argument(
         "--lag", type=positive_int, default=128, help="LagKV's partition, keys (default 128, kvpress's)"
@@ -122,19 +141,10 @@ def register(sub: Any) -> None:
         default="snapkv",
         help="the scores AdaKV shares a layer's budget by (default snapkv)",
     )
-    p.add_argument(
-        "-o",
-        "--output",
-        required=True,
-        help="Parquet or CSV table (by extension), one row per (method, budget, layer, head)",
-    )
-    p.add_argument("--plot", help="PNG, SVG or PDF (by extension): error against budget per method")
-    p.add_argument(
-        "--storage-option", action="append", metavar="KEY=VALUE", help="for a URL: fsspec option; repeatable"
-    )
-    force_option(p)
-    p.set_defaults(func=command("simulate_command"), check=check_outputs, output_formats=TABLES)
 
+
+def _outliers_parser(sub: Any) -> None:
+    """``kvsnap outliers``'s arguments."""
     p = sub.add_parser("outliers", help="heads whose statistic exceeds N x the median head")
     common_options(p)
     p.add_argument(
@@ -145,6 +155,9 @@ def register(sub: Any) -> None:
     stats_option(p)
     p.set_defaults(func=command("outliers_command"), check=check_outputs)
 
+
+def _attention_parser(sub: Any) -> None:
+    """``kvsnap attention``'s arguments."""
     p = sub.add_parser(
         "attention",
         help="one query head's attention weights recomputed from saved queries (.npz or .parquet)",
@@ -162,10 +175,13 @@ def register(sub: Any) -> None:
         required=True,
         help="FILE.npz (the map), or FILE.parquet or FILE.csv (non-zero weights, long form)",
     )
-    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
+    remote_options(p)
     force_option(p)
     p.set_defaults(func=command("attention_command"), check=check_outputs, output_formats=ATTENTION_FORMATS)
 
+
+def _plot_parser(sub: Any) -> None:
+    """``kvsnap plot``'s arguments."""
     p = sub.add_parser("plot", help="PNG: layers x heads heatmap of a statistic, norm by position")
     p.add_argument("file")
     common_options(p, many=False)
@@ -217,6 +233,9 @@ def register(sub: Any) -> None:
         func=command("plot_command"), check=check_outputs, heatmap_from_queries=True, output_formats=FIGURES
     )
 
+
+def _export_parser(sub: Any) -> None:
+    """``kvsnap export``'s arguments."""
     p = sub.add_parser(
         "export",
         help="one file per layer and head (L00-H00.csv, as go-mlx probes), streamed head by head; or "
@@ -258,10 +277,13 @@ def register(sub: Any) -> None:
     p.add_argument("--format", choices=["csv", "npy", "npz", "parquet"], default="csv")
     p.add_argument("--snapshot", type=int, default=-1)
     keys_option(p)
-    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
+    remote_options(p)
     force_option(p)
     p.set_defaults(func=command("export_command"), check=check_outputs, output_folder=True)
 
+
+def _diff_parser(sub: Any) -> None:
+    """``kvsnap diff``'s arguments."""
     p = sub.add_parser("diff", help="compare two captures head by head at the positions both hold")
     p.add_argument("a", help="reference capture (A)")
     p.add_argument("b", help="capture compared with it (B)")
@@ -282,10 +304,13 @@ def register(sub: Any) -> None:
         help="also compare positions after the files' token ids diverge (by default only those before)",
     )
     keys_option(p)
-    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
+    remote_options(p)
     force_option(p)
     p.set_defaults(func=command("diff_command"), check=check_outputs, output_formats=TABLES)
 
+
+def _view_parser(sub: Any) -> None:
+    """``kvsnap view``'s arguments."""
     p = sub.add_parser(
         "view",
         help="an attention explorer in the browser: head grid, maps, tokens, K/V (served locally, or --html)",
@@ -299,10 +324,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--port", type=non_negative_int, default=0, help="port (default: a free one)")
     p.add_argument("--no-browser", action="store_true", help="print the URL, do not open a browser")
-    p.add_argument("--storage-option", action="append", metavar="KEY=VALUE", help="fsspec option for URLs")
+    remote_options(p)
     force_option(p)
     p.set_defaults(func=command("view_command"))
 
+
+def _similarity_parser(sub: Any) -> None:
+    """``kvsnap similarity``'s arguments."""
     p = sub.add_parser("similarity", help="cross-head and cross-layer linear CKA and cosine")
     common_options(p, engines=False)
     p.add_argument("--tensor", choices=["k", "v"], default="k")
@@ -310,3 +338,23 @@ def register(sub: Any) -> None:
     p.add_argument("-o", "--output", help="write every pair as Parquet or CSV")
     force_option(p)
     p.set_defaults(func=command("similarity_command"), check=check_outputs, output_formats=TABLES)
+
+
+PARSERS = (
+    _stats_parser,
+    _simulate_parser,
+    _outliers_parser,
+    _attention_parser,
+    _plot_parser,
+    _export_parser,
+    _diff_parser,
+    _view_parser,
+    _similarity_parser,
+)
+"""The analysis commands' parser declarations, in the order ``kvsnap --help`` lists them."""
+
+
+def register(sub: Any) -> None:
+    """Declare the analysis commands (`PARSERS`); each runs from its module (`COMMANDS`)."""
+    for declare in PARSERS:
+        declare(sub)

@@ -7,7 +7,9 @@ from them, by module; and how often that path goes back to a module it had alrea
 Traced in this process (`sys.setprofile`) on a small file written for the purpose: the calls
 into kvsnap's own modules whose arguments include the ``argparse.Namespace`` or an instance of a
 class named ``...Options``, ``...Request``, ``Shared`` or ``Statistics``, until the pass begins
-(``kvsnap.analysis.engine.streaming.layers`` or the worker processes' ``layers``). ``--tree``
+(``kvsnap.analysis.engine.streaming.layers`` or the worker processes' ``layers``). The one
+helper that turns the namespace into an options object (``kvsnap.arguments.typed``, behind every
+``from_args``) is how a step begins, not a step: it is not counted. ``--tree``
 runs the same on another source tree's code (its folder first on ``sys.path``, as
 `benchmarks.cli_bench` does).
 """
@@ -56,6 +58,8 @@ def profile(frame, event, arg):
     if not module.startswith(("kvsnap", "kvformat")):
         return
     qualified = f"{module}.{frame.f_code.co_name}"
+    if qualified == "kvsnap.arguments.typed":
+        return
     if qualified in PASS:
         calls.append([module, frame.f_code.co_name])
         sys.setprofile(None)

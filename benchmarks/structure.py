@@ -74,7 +74,7 @@ def _modules(root: Path) -> dict[str, Module]:
     found: dict[str, Module] = {}
     for top in STAGES:
         for path in sorted((root / top).rglob("*.py")):
-            if "node_modules" in path.parts or "probes" in path.parts:
+            if "node_modules" in path.parts:
                 continue
             name = module_name(root, path)
             if name is not None:

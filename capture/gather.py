@@ -3,7 +3,7 @@
 
 A snapshot every 16 tokens of a 36-layer model holds 36 x 16 = 576 decode query pieces ``(1, heads,
 1, dim)``. ``mx.concatenate`` copies each input with a kernel of its own, launched from the calling
-thread, the generating one: one launch per piece (`python -m benchmarks.probes.query_join_probe`
+thread, the generating one: one launch per piece (`python -m benchmarks.query_join_bench`
 times both ways). `join` copies up to `ARITY` pieces per launch with one small custom kernel instead
 (``mx.fast.cuda_kernel``): one source for every count, so mlx compiles it once per dtype and shape
 and keeps the binary in its on-disk cache (``$TMPDIR/mlx/<version>/ptx``, or ``MLX_PTX_CACHE_DIR``);

@@ -10,13 +10,13 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 import kvformat
 from kvformat.errors import UnknownNameError
 from kvformat.io.outputs import check_output, check_output_folder, output_format, output_path, same_file
-from kvsnap.arguments import storage_options
+from kvsnap.arguments import storage_options, typed
 from kvsnap.errors import OptionsConflictError
 
 from ..attention.names import SCALARS
@@ -27,14 +27,12 @@ KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 
 
 class FromArgs:
-    """A dataclass of a command's options, built from argparse's namespace (`from_args`): the
-    fields the command's parser declares, the others at their defaults."""
+    """A dataclass of a command's options, built from argparse's namespace (`from_args`:
+    `kvsnap.arguments.typed`, the one way every command does it)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Self:
-        given = vars(args)
-        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
-        return cls(**{name: given[name] for name in names if name in given})
+        return typed(cls, args)
 
 
 @dataclass(frozen=True)

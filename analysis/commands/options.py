@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from kvsnap.arguments import positive_float, positive_int
+from kvsnap.arguments import positive_float, positive_int, remote_options
 
 from ..attention.names import EVICTION, METHODS, NOT_FROM_A_FILE
 from ..kernels import CHOICES as BACKENDS
@@ -149,12 +149,7 @@ def common_options(p: argparse.ArgumentParser, many: bool = True, engines: bool 
         type=positive_int,
         help="cores to use (default: all): files in processes, the cores left as each file's workers",
     )
-    p.add_argument(
-        "--storage-option",
-        action="append",
-        metavar="KEY=VALUE",
-        help="fsspec option for URLs (e.g. endpoint_url=http://host:9000); repeatable",
-    )
+    remote_options(p)
     if many and engines:
         p.add_argument(
             "--engine",

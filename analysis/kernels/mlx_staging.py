@@ -24,7 +24,7 @@ PLACEMENT = "host"
 """Where staging buffers live on CUDA (`unified_memory.MODES`; ``KVSNAP_MLX_STAGING`` overrides):
 in host memory, the device reading them in place: faster than the driver's default (``fault``:
 pages moved on demand, both ways, at each reuse) and than ``prefetch`` or ``mostly``
-(`benchmarks/probes/mlx_copy_probe.py`; the probe prints the figures)."""
+(`benchmarks/mlx_copy_bench.py` prints the figures)."""
 
 
 def on_cuda() -> bool:
@@ -49,7 +49,7 @@ class Staging:
     On CUDA that memory is managed memory, and by default its pages move on demand: the device
     faults each batch in, the host faults it back at its next write. ``placement`` (`PLACEMENT`)
     keeps the buffers in host memory instead, the device reading them in place over the bus
-    (`unified_memory`; both measured by `benchmarks/probes/mlx_copy_probe.py`). Float32 rows are
+    (`unified_memory`; both measured by `benchmarks/mlx_copy_bench.py`). Float32 rows are
     then copied to device memory once per call (`piece_function` ``copy``); 16-bit rows already
     are, by their conversion."""
 

@@ -30,7 +30,7 @@ def console() -> None:
 
     A command that drove mlx's device ends the process at once (`os._exit`) once its output is
     written and flushed: at interpreter exit mlx frees its cached device buffers and its CUDA
-    context one by one (`python -m benchmarks.probes.exit_probe` times it), all of which the
+    context one by one (`python -m benchmarks.exit_bench` times it), all of which the
     operating system frees anyway. Not where a child process or a thread the interpreter would wait
     for is still alive, and never for `main` called in a process that goes on."""
     code = main()

@@ -1,6 +1,6 @@
 """`analysis.unified_memory` against a recording stand-in for the CUDA driver (this machine has no
 GPU), and `mlx_staging.Staging`'s placement setting. The real driver is exercised on the H200
-machine by `benchmarks/probes/mlx_copy_probe.py --placements` (every placement's device results
+machine by `benchmarks/mlx_copy_bench.py --placements` (every placement's device results
 checked against numpy)."""
 
 from __future__ import annotations

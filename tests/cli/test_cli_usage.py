@@ -448,20 +448,20 @@ def test_each_stage_command_reads_typed_options_its_parser_declares() -> None:
         fields = {field.name for field in dataclasses.fields(options)}
         assert fields <= declared, (command, sorted(fields - declared))
     from kvsnap.capture import cli as capture_cli
-    from kvsnap.cli import shell
+    from kvsnap.cli import format_commands
 
     for command, options in (
         ("capture", capture_cli.CaptureOptions),
         ("convert-gguf", capture_cli.ConvertOptions),
         ("fetch-models", capture_cli.FetchOptions),
-        ("info", shell.InfoOptions),
-        ("verify", shell.FileOptions),
-        ("recover", shell.RecoverOptions),
-        ("pack", shell.PackOptions),
-        ("import-mlxkv", shell.ImportOptions),
-        ("describe", shell.FileOptions),
-        ("conformance", shell.ConformanceOptions),
-        ("dump", shell.DumpOptions),
+        ("info", format_commands.InfoOptions),
+        ("verify", format_commands.FileOptions),
+        ("recover", format_commands.RecoverOptions),
+        ("pack", format_commands.PackOptions),
+        ("import-mlxkv", format_commands.ImportOptions),
+        ("describe", format_commands.FileOptions),
+        ("conformance", format_commands.ConformanceOptions),
+        ("dump", format_commands.DumpOptions),
     ):
         declared = {action.dest for action in commands[command]._actions}
         assert {field.name for field in dataclasses.fields(options)} <= declared, command

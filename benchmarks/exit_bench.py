@@ -3,7 +3,7 @@ returned: the interpreter's exit (its handlers, threads, mlx's CUDA teardown whe
 drove the device), per backend, with the console script's own ending (`kvsnap.cli.launch.console`)
 and with the command returning to an ordinary interpreter exit.
 
-    python -m benchmarks.probes.exit_probe FILE [--runs 3] [--backends cpu,mlx]
+    python -m benchmarks.exit_bench FILE [--runs 3] [--backends cpu,mlx]
 
 Each run is a new process; it writes the time at which the command returned to a file, and the
 probe takes the time the process ended; medians over ``--runs``.

@@ -1,10 +1,10 @@
 """What holds a process's host memory (resident set) when it computes with mlx.
 
-    python -m benchmarks.probes.mlx_memory_probe                      # steps, one process
-    python -m benchmarks.probes.mlx_memory_probe --pass FILE [--jobs N] [--passes 2]
-    python -m benchmarks.probes.mlx_memory_probe --operations
-    python -m benchmarks.probes.mlx_memory_probe --selections          # KVSNAP_CUDA_GRAM=0: with cuBLAS
-    python -m benchmarks.probes.mlx_memory_probe --modules 40
+    python -m benchmarks.mlx_memory_bench                      # steps, one process
+    python -m benchmarks.mlx_memory_bench --pass FILE [--jobs N] [--passes 2]
+    python -m benchmarks.mlx_memory_bench --operations
+    python -m benchmarks.mlx_memory_bench --selections          # KVSNAP_CUDA_GRAM=0: with cuBLAS
+    python -m benchmarks.mlx_memory_bench --modules 40
 
 ``--selections``: the per-piece function of each group selection (`SELECTIONS`), alone in a
 fresh process: what it adds to a started process, and a call's time. ``--modules N``: the
@@ -50,8 +50,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-
-from benchmarks.probes import mlx_device_probe
 
 MIB = 1 << 20
 
@@ -307,15 +305,34 @@ def operation(name: str) -> None:
     )
 
 
+def _inputs(dtype: str, batch: int, seed: int = 0) -> tuple[Any, Any]:
+    """``batch`` pieces of random rows (128 channels) on the device and their position bins."""
+    import mlx.core as mx
+
+    from kvsnap.analysis.kernels import mlx_fold
+    from kvsnap.analysis.kernels.arrays import PIECE
+
+    mx.random.seed(seed)
+    x = mx.random.normal((batch, PIECE, 128)).astype(getattr(mx, dtype))
+    bins = mx.array(np.stack([mlx_fold.piece_bins(np.arange(PIECE))] * batch))
+    mx.eval(x, bins)
+    return x, bins
+
+
 SELECTIONS = {
-    **mlx_device_probe.SELECTIONS,
+    # (norms, channels, rope, mean, gram, quant), as `mlx_backend.piece_flags` gives them
+    "all": (True, True, True, True, True, True),
+    "norms": (True, False, False, False, False, False),
+    "channels": (False, True, False, True, False, False),
+    "spectrum": (False, False, False, True, True, False),
+    "quant": (False, False, False, False, False, True),
+    "square_sum_only": (False, False, False, False, False, False),
     "power sums (channel means)": (False, False, False, True, False, False),
     "rope": (False, False, True, True, False, False),
     "norms, channels": (True, True, False, True, False, False),
     "all but spectrum": (True, True, True, True, False, True),
 }
-"""Group selections of the per-piece function (`mlx_backend.piece_function`'s flags): the device
-probe's, and the combinations measured with it."""
+"""Group selections of the per-piece function (`mlx_backend.piece_function`'s flags)."""
 
 
 def selection(name: str) -> None:
@@ -327,7 +344,7 @@ def selection(name: str) -> None:
 
     flags = SELECTIONS[name]
     mx.eval(mx.ones((4,)) + 1)
-    x, bins = mlx_device_probe._inputs("bfloat16", 16)
+    x, bins = _inputs("bfloat16", 16)
     before = status()["VmRSS"]
     function = mlx_backend.piece_function(*flags, batched=True)
     inputs = (x, bins) if flags[0] else (x,)
@@ -382,7 +399,7 @@ def fresh_processes(flag: str, names: list[str]) -> None:
     import sys
 
     for name in names:
-        subprocess.run([sys.executable, "-m", "benchmarks.probes.mlx_memory_probe", flag, name], check=False)
+        subprocess.run([sys.executable, "-m", "benchmarks.mlx_memory_bench", flag, name], check=False)
 
 
 def main() -> None:

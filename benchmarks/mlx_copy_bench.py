@@ -3,7 +3,7 @@ did at first) against copying into the memory of an existing mlx array through i
 buffer (``np.copyto`` into ``np.asarray(memoryview(array))``, on 1..N threads), each followed by a
 small device reduction that reads every byte, in a pipeline of two batches like the pass.
 
-    python -m benchmarks.probes.mlx_copy_probe [--gib 2] [--batch-mib 32]
+    python -m benchmarks.mlx_copy_bench [--gib 2] [--batch-mib 32]
         [--placements fault,host,prefetch,mostly]
 
 ``--placements``: the pass's own `Staging` buffers under each CUDA managed-memory placement

@@ -2,8 +2,8 @@
 worker pool's start (fork server, kernels, workers), the first pass over the file and a second
 pass in the same process (the warm figure), each as a wall-clock delta.
 
-    python -m benchmarks.probes.fresh_probe FILE [--jobs 16] [--backend cpu]
-    python -m benchmarks.probes.fresh_probe FILE --jobs 1 --backend mlx   # the command's mlx pass
+    python -m benchmarks.fresh_bench FILE [--jobs 16] [--backend cpu]
+    python -m benchmarks.fresh_bench FILE --jobs 1 --backend mlx   # the command's mlx pass
 
 Run it after byte-compiling the sources (``python -m compileall -q kvformat analysis capture``),
 as a ``pip install`` leaves them.

@@ -5,7 +5,7 @@ pieces with ``mx.concatenate`` (one copy kernel per piece) and with `capture.gat
 custom kernel launch per 64 pieces; its first call compiles, or loads mlx's on-disk cache), and
 the wait for the result. Needs mlx's CUDA backend.
 
-    python -m benchmarks.probes.query_join_probe [--heads 32] [--dim 128] [--rounds 20]
+    python -m benchmarks.query_join_bench [--heads 32] [--dim 128] [--rounds 20]
 """
 
 from __future__ import annotations

@@ -1,0 +1,571 @@
+"""The format's own commands: ``info``, ``verify``, ``recover``, ``pack``, ``import-mlxkv``,
+``describe``, ``conformance`` and ``dump`` (`register` declares them; each runs through its
+options dataclass). They need kvformat and numpy only, never a stage."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import kvformat
+from kvformat import KVFormatError, channel_order, codecs, dtypes
+from kvformat.errors import InvalidArgumentError
+from kvformat.io import check_output, output_format, output_path
+from kvsnap.arguments import non_negative_int, positive_int, remote_options, storage_options, typed
+from kvsnap.errors import CommandError
+
+
+@dataclass(frozen=True)
+class FileOptions:
+    """A command's file or URL and its ``--storage-option``s, typed (`kvsnap.arguments.typed`):
+    the options of ``verify`` and ``describe``, and the first of ``info``'s and ``dump``'s."""
+
+    file: str = ""
+    storage_option: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class InfoOptions(FileOptions):
+    """``kvsnap info``'s options, typed."""
+
+    snapshot: int = -1
+    json: bool = False
+
+
+@dataclass(frozen=True)
+class RecoverOptions:
+    """``kvsnap recover``'s options, typed."""
+
+    file: str = ""
+    output: str | None = None
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """``kvsnap pack``'s options, typed."""
+
+    input: str = ""
+    output: str = ""
+    codec: str = "raw"
+    chunk_tokens: int | None = None
+    dtype: str | None = None
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class ImportOptions:
+    """``kvsnap import-mlxkv``'s options, typed."""
+
+    source: str = ""
+    output: str | None = None
+    bundle: str | None = None
+    list: bool = False
+    codec: str = "raw"
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class ConformanceOptions:
+    """``kvsnap conformance``'s options, typed."""
+
+    directory: str = ""
+    reader: str | None = None
+
+
+@dataclass(frozen=True)
+class DumpOptions(FileOptions):
+    """``kvsnap dump``'s options, typed."""
+
+    layer: int = 0
+    head: int = 0
+    seq: int = 0
+    snapshot: int = -1
+    output: str = ""
+    force: bool = False
+
+
+def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
+    layers = []
+    for i, spec in enumerate(snap.layers):
+        entry: dict[str, Any] = {"layer": i, **spec.to_json()}
+        if spec.present:
+            positions = snap.positions(i, 0, 0)
+            assert positions is not None
+            entry["tokens"] = int(positions.size)
+            entry["first_position"] = int(positions[0]) if positions.size else None
+            entry["last_position"] = int(positions[-1]) if positions.size else None
+            if spec.queries is not None:
+                held = snap.queries(i, 0, 0)
+                assert held is not None
+                entry["query_count"] = int(held.positions.size)
+                entry["query_spans"] = _spans(held.positions)
+        layers.append(entry)
+    return {
+        "file": snap.name,
+        "version": f"{snap.version[0]}.{snap.version[1]}",
+        "snapshot": snap.index,
+        "num_snapshots": snap.num_snapshots,
+        "num_layers": snap.num_layers,
+        "num_heads": snap.num_heads,
+        "head_dim": snap.head_dim,
+        "num_seqs": snap.num_seqs,
+        "seq_len": snap.seq_len,
+        "num_chunks": snap.num_chunks,
+        "metadata": snap.metadata,
+        "snapshot_metadata": snap.snapshot_metadata,
+        "incomplete": snap.describe_incomplete() or None,
+        "layers": layers,
+    }
+
+
+def _spans(positions: Any) -> list[list[int]]:
+    """Increasing positions as ``[start, stop)`` runs."""
+    runs: list[list[int]] = []
+    for p in positions.tolist():
+        if runs and runs[-1][1] == p:
+            runs[-1][1] = p + 1
+        else:
+            runs.append([p, p + 1])
+    return runs
+
+
+def _open(options: FileOptions, snapshot: int = -1) -> kvformat.Snapshot:
+    """The file or URL of a command, with its ``--storage-option``s."""
+    return kvformat.open(options.file, snapshot, storage_options=storage_options(options.storage_option))
+
+
+def _info(args: argparse.Namespace) -> int:
+    options = typed(InfoOptions, args)
+    with _open(options, options.snapshot) as snap:
+        description = _describe(snap)
+    if options.json:
+        print(json.dumps(description, indent=2, ensure_ascii=False))
+        return 0
+    d = description
+    count = d["num_snapshots"]
+    print(f"{d['file']}: .kv v{d['version']}, snapshot {d['snapshot']} of {count} (numbered 0..{count - 1})")
+    print(
+        f"  {d['num_layers']} layers, {d['num_heads']} KV heads, head_dim {d['head_dim']}, "
+        f"{d['num_seqs']} sequence(s), seq_len {d['seq_len']}, {d['num_chunks']} chunks"
+    )
+    if d["incomplete"]:
+        print(f"  INCOMPLETE: {d['incomplete']} (its heads' rows are refused)")
+    state = sum(_state_bytes(layer.get("attributes") or {}) for layer in d["layers"])
+    if state:
+        print(
+            f"  recurrent state: {_size(state)} per snapshot, stored whole in each (it changes every "
+            "token, so snapshots do not share it)"
+        )
+    for line in _metadata_lines(d["metadata"]) + _snapshot_lines(d["snapshot_metadata"]):
+        print(f"  {line}")
+    for first, last, layer in _layer_runs(d["layers"]):
+        which = f"layer {first:3d}" if first == last else f"layers {first}-{last}"
+        print(f"  {which}: {_layer_line(layer)}")
+    return 0
+
+
+def _metadata_lines(meta: dict[str, Any]) -> list[str]:
+    """`info`'s lines for the file's metadata: model, K channel order, import source, generation
+    settings, prompt and generated text (each only when recorded)."""
+    order = channel_order.describe(meta)
+    found = (_model_line(meta), order and f"K channel order: {order}", _source_line(meta))
+    lines = [line for line in found if line]
+    generation = meta.get("generation")
+    if isinstance(generation, dict):
+        settings = ", ".join(f"{k} {v}" for k, v in generation.items() if v not in (None, [], ""))
+        lines.append(f"generation: {settings}")
+    for label, text in (("prompt", meta.get("prompt")), ("generated", meta.get("generated_text"))):
+        if isinstance(text, str) and text:
+            lines.append(f"{label}: {_shorten(text)}")
+    return lines
+
+
+def _model_line(meta: dict[str, Any]) -> str | None:
+    """`info`'s model line: name, architecture, the GGUF file it came from."""
+    model = meta.get("model", {})
+    if not isinstance(model, dict) or not (model.get("name") or model.get("architecture")):
+        return None
+    source = model.get("gguf", {}) if isinstance(model.get("gguf"), dict) else {}
+    origin = f", from GGUF {source['file']}" if source.get("file") else ""
+    return f"model: {model.get('name', '(unnamed)')} ({model.get('architecture', '?')}{origin})"
+
+
+def _source_line(meta: dict[str, Any]) -> str | None:
+    """`info`'s line for an imported file: the foreign file, format, version, size and digest."""
+    imported = meta.get("source")
+    if not isinstance(imported, dict) or not imported.get("format"):
+        return None
+    parts = [f"{imported['format']}"]
+    if "version" in imported:
+        parts[0] += f" version {imported['version']}"
+    if "bundles" in imported:
+        version = imported.get("block_version", "?")
+        parts.append(f"{len(imported['bundles'])} bundle(s), blocks of MLXKV001 version {version}")
+    parts.append(f"{imported.get('bytes', '?')} bytes")
+    if imported.get("sha256"):
+        parts.append(f"sha256 {str(imported['sha256'])[:16]}...")
+    return f"imported from: {imported.get('file', '?')} ({', '.join(parts)})"
+
+
+def _snapshot_lines(meta: dict[str, Any]) -> list[str]:
+    """`info`'s lines for the snapshot's own metadata (token id lists left out: `dump` has them)."""
+    lines = []
+    for key, value in meta.items():
+        if key in ("tokens", "tokens_appended"):
+            continue
+        words = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        lines.append(f"this snapshot: {key} {_shorten(' '.join(value) if words else value)}")
+    return lines
+
+
+def _shorten(value: Any, width: int = 100) -> str:
+    """One line of at most ``width`` characters (the middle elided), for text in `info`."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = " ".join(text.split())
+    return text if len(text) <= width else f"{text[: width // 2 - 2]} ... {text[-(width // 2 - 3) :]}"
+
+
+def _layer_line(layer: dict[str, Any]) -> str:
+    """A layer's description in `info`: heads, dims, storage (quantization), tokens, kind."""
+    attributes = layer.get("attributes") or {}
+    state = _state_text(attributes)
+    if not layer["present"]:
+        shown = {k: v for k, v in attributes.items() if k != "state"} if state else attributes
+        return f"absent {json.dumps(shown) if shown else ''}{state}".rstrip()
+    span = f"positions {layer['first_position']}..{layer['last_position']}" if layer["tokens"] else "empty"
+    kind = attributes.get("kind")
+    window = f", window {attributes['window']}" if attributes.get("window") else ""
+    extra = f", {kind}{window}" if kind else ""
+    return (
+        f"{layer['num_heads']} heads, k_dim {layer['k_dim']}, v_dim {layer['v_dim']}, {_storage(layer)}, "
+        f"{layer['tokens']} tokens ({span}){extra}{_queries_text(layer)}{state}"
+    )
+
+
+def _state_bytes(attributes: dict[str, Any]) -> int:
+    """Bytes of recurrent state one snapshot stores for a layer (SPEC 15.4; 0 without)."""
+    total = 0
+    for entry in attributes.get("state") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("shape"), list):
+            try:
+                itemsize = dtypes.from_name(str(entry.get("dtype"))).numpy.itemsize
+            except KVFormatError:
+                continue
+            total += math.prod(int(n) for n in entry["shape"] if isinstance(n, int)) * itemsize
+    return total
+
+
+def _state_text(attributes: dict[str, Any]) -> str:
+    """`info`'s words for a layer's recurrent state: each slot's role and shape, and its bytes
+    per snapshot; empty for a layer without."""
+    entries = attributes.get("state")
+    if not isinstance(entries, list):
+        return ""
+    slots = [
+        f"{e.get('role', 'slot')} {'x'.join(str(n) for n in e.get('shape', []))} {e.get('dtype')}"
+        for e in entries
+        if isinstance(e, dict)
+    ]
+    return f"; state {', '.join(slots)} ({_size(_state_bytes(attributes))} in every snapshot)"
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024  # type: ignore[assignment]
+    return f"{nbytes:.1f} GiB"
+
+
+def _storage(layer: dict[str, Any]) -> str:
+    """How a layer's K/V are stored: the dtype, or its quantization."""
+    quant = layer.get("quantization")
+    if not isinstance(quant, dict):
+        return str(layer["dtype"])
+    groups = f"groups of {quant.get('group_size')}, {layer['dtype']} scales"
+    return f"{quant.get('bits')}-bit {quant.get('mode', 'affine')} quantized ({groups})"
+
+
+def _queries_text(layer: dict[str, Any]) -> str:
+    """``; queries: ...`` for a layer holding queries (heads, positions, their first runs), else ""."""
+    if not isinstance(layer.get("queries"), dict):
+        return ""
+    runs = layer.get("query_spans") or []
+    where = ", ".join(f"{a}..{b - 1}" if b - a > 1 else f"{a}" for a, b in runs[:4])
+    where += f" (+{len(runs) - 4} more runs)" if len(runs) > 4 else ""
+    return (
+        f"; queries: {layer['queries'].get('num_heads')} heads, {layer.get('query_count', 0)} "
+        f"positions ({where or 'none'})"
+    )
+
+
+def _layer_runs(layers: list[dict[str, Any]]) -> list[tuple[int, int, dict[str, Any]]]:
+    """Runs of consecutive layers that `info` would describe with the same line."""
+    runs: list[tuple[int, int, dict[str, Any]]] = []
+    for layer in layers:
+        if runs and _layer_line(runs[-1][2]) == _layer_line(layer):
+            runs[-1] = (runs[-1][0], layer["layer"], runs[-1][2])
+        else:
+            runs.append((layer["layer"], layer["layer"], layer))
+    return runs
+
+
+def _verify(args: argparse.Namespace) -> int:
+    options = typed(FileOptions, args)
+    with _open(options) as snap:
+        report = snap.verify()
+    print(
+        f"{options.file}: OK — {report.records} records, {report.chunks} chunks, "
+        f"{report.snapshots} snapshot(s), {report.bytes_checked} bytes checked"
+    )
+    return 0
+
+
+def _recover(args: argparse.Namespace) -> int:
+    options = typed(RecoverOptions, args)
+    report = kvformat.recover(options.file, options.output, overwrite=options.force, force=options.force)
+    if report.path is None:
+        print(f"{options.file} is complete and valid: nothing to recover, nothing written")
+        return 0
+    extra = (
+        ", the last rebuilt from chunks written after the last commit" if report.recovered_snapshot else ""
+    )
+    print(
+        f"wrote {report.path}: {report.chunks} chunks, {report.snapshots} snapshot(s){extra}; "
+        f"{report.bytes_dropped} incomplete bytes of {options.file} left out ({options.file} unchanged)"
+    )
+    if report.rows_left_out:
+        print(f"note: {report.describe_cut()}")
+    return 0
+
+
+def _pack(args: argparse.Namespace) -> int:
+    options = typed(PackOptions, args)
+    check_output(options.output, inputs=[options.input], force=options.force)
+    with _open_npz(options.input) as npz:
+        names = set(npz.files)
+        layer_ids = sorted({int(n[3:]) for n in names if n.startswith(("k_L", "v_L")) and n[3:].isdigit()})
+        if not layer_ids:
+            raise CommandError(f"{options.input}: no arrays named k_L<layer> / v_L<layer>")
+        layers = [_npz_layer(npz, layer, options) for layer in range(layer_ids[-1] + 1)]
+    row_bytes = max(max(l.k.shape[2], l.v.shape[2]) * l.k.dtype.itemsize for l in layers if l)
+    chunk_bytes = options.chunk_tokens * row_bytes if options.chunk_tokens else kvformat.DEFAULT_CHUNK_BYTES
+    kvformat.save(
+        options.output,
+        layers,
+        codec=options.codec,
+        chunk_bytes=chunk_bytes,
+        metadata={"source": {"npz": str(options.input)}},
+        overwrite=options.force,
+    )
+    print(f"wrote {options.output}")
+    return 0
+
+
+def _stored(array: np.ndarray, name: str, options: PackOptions) -> np.ndarray:
+    """`pack`'s ``array`` in a dtype .kv stores: uint16 read as bfloat16 bits, ``--dtype`` converts,
+    any other dtype is refused naming the array."""
+    stored = {np.dtype(d.numpy) for d in dtypes.BY_NAME.values()} | {np.dtype(np.uint16)}
+    if not options.dtype and array.dtype not in stored:
+        raise CommandError(
+            f"{options.input}: {name} is {array.dtype}, which .kv does not store: "
+            f"pass --dtype {' or '.join(sorted(dtypes.BY_NAME))} to convert"
+        )
+    if array.dtype != np.uint16 and not options.dtype:
+        return array
+    target = dtypes.from_name(options.dtype or "bfloat16").numpy
+    return array.view(target) if array.dtype == np.uint16 else array.astype(target)
+
+
+def _open_npz(path: str) -> Any:
+    """``path`` as an open `numpy.lib.npyio.NpzFile` (no pickles), or a ValueError naming it."""
+    try:
+        npz_file = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError):
+        raise InvalidArgumentError(f"{path}: not an .npz file of arrays (k_L<i>/v_L<i>)") from None
+    if not isinstance(npz_file, np.lib.npyio.NpzFile):
+        raise InvalidArgumentError(f"{path}: a single array, not an .npz of k_L<i>/v_L<i> arrays")
+    return npz_file
+
+
+def _npz_layer(npz: Any, layer: int, options: PackOptions) -> kvformat.Layer | None:
+    """Layer ``layer`` of `pack`'s input: ``k_L<i>``/``v_L<i>`` ``(heads, tokens, head_dim)``
+    (uint16 read as bfloat16 bits, other dtypes only with ``--dtype``), ``positions_L<i>`` if
+    present; None when neither array is there."""
+    names = set(npz.files)
+    if f"k_L{layer}" not in names and f"v_L{layer}" not in names:
+        return None
+    if f"k_L{layer}" not in names or f"v_L{layer}" not in names:
+        raise CommandError(f"{options.input}: layer {layer} needs both k_L{layer} and v_L{layer}")
+    k, v = (_stored(npz[f"{name}_L{layer}"], f"{name}_L{layer}", options) for name in ("k", "v"))
+    if k.ndim != 3 or v.ndim != 3:
+        raise CommandError(f"{options.input}: layer {layer} arrays must be (heads, tokens, head_dim)")
+    positions = npz[f"positions_L{layer}"] if f"positions_L{layer}" in names else None
+    return kvformat.Layer(k, v, positions)
+
+
+def _import_mlxkv(args: argparse.Namespace) -> int:
+    from kvformat import sniff
+    from kvformat.importers import bundles
+    from kvformat.importers.mlxkv import import_mlxkv
+
+    options = typed(ImportOptions, args)
+    with open(options.source, "rb") as f:
+        single = sniff.kind(f.read(sniff.PREFIX_BYTES)) == "mlxkv"
+    if options.list:
+        if single:
+            raise CommandError(f"{options.source}: a single MLXKV001 snapshot holds no bundles to list")
+        rows = bundles.list_bundles(options.source)
+        print(f"{options.source}: {len(rows)} bundle(s), in write order")
+        for row in rows:
+            print(
+                f"  {row['uri'] or '(no uri)'}  chunk {row['chunk_id']}: {row['tokens']} tokens, "
+                f"{row['blocks']} blocks ({row['reused_blocks']} reused per its manifest, "
+                f"{row['shared_with_earlier']} shared with an earlier bundle), "
+                f"{row['kv_encoding'] or 'encoding unstated'}"
+            )
+        return 0
+    if options.output is None:
+        raise CommandError("import-mlxkv: give the output .kv file (or --list to print the bundles)")
+    check_output(options.output, inputs=[options.source], force=options.force)
+    if single:
+        if options.bundle is not None:
+            raise CommandError(f"{options.source}: --bundle applies to a State log, container or manifest")
+        report = import_mlxkv(options.source, options.output, codec=options.codec, overwrite=options.force)
+        print(
+            f"wrote {report.path}: MLXKV001 version {report.version}, {report.layers} layer(s) with K/V, "
+            f"seq_len {report.seq_len}, source sha256 {report.sha256[:16]}..."
+        )
+        return 0
+    done = bundles.import_bundles(options.source, options.output, bundle=options.bundle, codec=options.codec,
+                                  overwrite=options.force)  # fmt: skip
+    print(
+        f"wrote {done.path}: {done.bundles} bundle(s) of a {done.kind} as {done.bundles} snapshot(s); "
+        f"{done.blocks} block ref(s), {done.stored_blocks} block(s) stored; last bundle {done.tokens} tokens"
+    )
+    return 0
+
+
+def _describe_command(args: argparse.Namespace) -> int:
+    from kvsnap.cli.conformance import describe
+
+    options = typed(FileOptions, args)
+    storage = storage_options(options.storage_option)
+    print(json.dumps(describe(options.file, storage_options=storage), ensure_ascii=False))
+    return 0
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    from kvsnap.cli.conformance import run
+
+    options = typed(ConformanceOptions, args)
+    results = run(options.directory, options.reader)
+    width = max(len(r.name) for r in results) if results else 4
+    print(f"{'vector':{width}s}  result")
+    for result in results:
+        print(f"{result.name:{width}s}  {'pass' if result.passed else 'FAIL ' + result.detail}")
+    passed = sum(r.passed for r in results)
+    print(f"{passed}/{len(results)} passed ({options.reader or 'kvformat'})")
+    return 0 if passed == len(results) else 1
+
+
+def _dump(args: argparse.Namespace) -> int:
+    options = typed(DumpOptions, args)
+    check_output(options.output, inputs=[options.file], force=options.force)
+    output_format(options.output, ("npz",))
+    with _open(options, options.snapshot) as snap:
+        head = snap.head(options.layer, options.head, options.seq)
+        if head is None:
+            raise CommandError(f"{options.file}: layer {options.layer} is absent from this snapshot")
+        with (
+            output_path(options.output, inputs=[options.file], force=options.force) as temporary,
+            open(temporary, "xb") as f,
+        ):  # a file object: numpy adds no ".npz" to the name given
+            np.savez(f, k=head.k.astype(np.float32), v=head.v.astype(np.float32), positions=head.positions)
+    print(f"wrote {options.output}: k {head.k.shape}, v {head.v.shape}, float32")
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add the format's commands to the ``kvsnap`` subparsers ``sub``."""
+
+    p = sub.add_parser("info", help="describe a .kv file (reads only its index)")
+    p.add_argument("file")
+    remote_options(p)
+    p.add_argument("--snapshot", type=int, default=-1, help="which snapshot of a series (default: last)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_info)
+
+    p = sub.add_parser("verify", help="check every checksum and rule of a .kv file")
+    p.add_argument("file")
+    remote_options(p)
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser(
+        "recover", help="write a valid copy of FILE.kv.partial left by a crashed writer (FILE is only read)"
+    )
+    p.add_argument("file")
+    p.add_argument(
+        "-o", "--output", help="output path (default: X.partial -> X; any other X.kv -> X.recovered.kv)"
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing output file; recover a .partial that a live writer still holds",
+    )
+    p.set_defaults(func=_recover)
+
+    p = sub.add_parser("pack", help="convert an .npz of k_L<i>/v_L<i> (heads, tokens, dim) arrays")
+    p.add_argument("input")
+    p.add_argument("output")
+    p.add_argument("--codec", default="raw", help=f"one of {', '.join(codecs.NAMES)} (zstd:LEVEL too)")
+    p.add_argument("--chunk-tokens", type=positive_int, default=None, help="tokens per chunk")
+    p.add_argument("--dtype", choices=sorted(dtypes.BY_NAME), help="convert arrays to this dtype")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.set_defaults(func=_pack)
+
+    p = sub.add_parser(
+        "import-mlxkv",
+        help="convert go-mlx KV snapshots to .kv: an MLXKV001 file (versions 1-6), a State log (.mvlog), "
+        "a KVST container or a bundle manifest",
+    )
+    p.add_argument("source", help="MLXKV001 file, .mvlog State log, KVST container, or bundle manifest JSON")
+    p.add_argument(
+        "output", nargs="?", help="the .kv file to write (one snapshot per bundle, in write order)"
+    )
+    p.add_argument("--bundle", metavar="URI", help="import only this bundle (the last one with this URI)")
+    p.add_argument(
+        "--list", action="store_true", help="print the bundles (URI, tokens, blocks) and write nothing"
+    )
+    p.add_argument("--codec", default="raw", help=f"one of {', '.join(codecs.NAMES)} (zstd:LEVEL too)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.set_defaults(func=_import_mlxkv)
+
+    p = sub.add_parser("describe", help="the conformance description of a file (JSON; see spec/vectors)")
+    p.add_argument("file")
+    remote_options(p)
+    p.set_defaults(func=_describe_command)
+
+    p = sub.add_parser("conformance", help="check a reader against spec/vectors/manifest.json")
+    p.add_argument("directory")
+    p.add_argument("--reader", help="command; 'CMD FILE' prints the description JSON (default: kvformat)")
+    p.set_defaults(func=_conformance)
+
+    p = sub.add_parser("dump", help="write one head's K, V (float32) and positions to .npz")
+    p.add_argument("file")
+    remote_options(p)
+    p.add_argument("--layer", type=non_negative_int, required=True, help="layer index (0-based)")
+    p.add_argument("--head", type=non_negative_int, required=True, help="KV head index within the layer")
+    p.add_argument("--seq", type=non_negative_int, default=0, help="sequence of a batch (default 0)")
+    p.add_argument(
+        "--snapshot", type=int, default=-1, help="which snapshot of a series (default: -1, the last)"
+    )
+    p.add_argument("-o", "--output", required=True, help="the .npz file to write (the exact name given)")
+    p.add_argument("--force", action="store_true", help="replace an existing output file")
+    p.set_defaults(func=_dump)
