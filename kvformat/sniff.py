@@ -26,6 +26,6 @@ def kind(prefix: bytes) -> str | None:
 
 
 def is_go_mlx(prefix: bytes) -> bool:
-    """Whether a file starting with ``prefix`` is anything ``kvsnap import-mlxkv`` reads: an MLXKV001
+    """Whether a file starting with ``prefix`` is a go-mlx file ``kvsnap import`` reads: an MLXKV001
     snapshot, a State log or a ``KVST`` container."""
     return kind(prefix) in ("mlxkv", "kvst", "statelog", "statelog-legacy")

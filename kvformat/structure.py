@@ -38,7 +38,6 @@ from kvformat.layout import (
 from kvformat.manifest import Manifest, loads, parse_manifest
 from kvformat.quantization import Parts, Quantization
 from kvformat.series import APPEND_CHUNKS, Chain, parse_entry
-from kvformat.sniff import is_go_mlx, kind
 from kvformat.table_rules import check_table
 
 
@@ -52,14 +51,18 @@ def chunk_label(table: np.ndarray, i: int) -> str:
 
 
 def _checked_header(name: str, header: bytes, size: int) -> tuple[int, int]:
-    """SPEC 13.1 step 1 (R1, R2): a go-mlx file named as such; the magic where the file has it,
-    then the size, then the header's own checks. Returns ``(major, minor)``."""
-    if is_go_mlx(header):
-        what = {"mlxkv": "MLXKV001 snapshot", "kvst": "KVST container"}.get(kind(header) or "", "State log")
-        raise ForeignFormatError(
-            f"{name} is a go-mlx {what}, not a kvsnap .kv file; convert it with "
-            f"'kvsnap import-mlxkv {name} OUT.kv'"
-        )
+    """SPEC 13.1 step 1 (R1, R2): a file of a format kvsnap imports named as such (by its magic:
+    `kvformat.importers.by_magic`); the magic where the file has it, then the size, then the
+    header's own checks. Returns ``(major, minor)``."""
+    if header[: len(MAGIC)] != MAGIC:
+        from kvformat.importers.registry import by_magic  # the importers load only for such a file
+
+        importer = by_magic(header)
+        if importer is not None:
+            raise ForeignFormatError(
+                f"{name} is a {importer.what(header)}, not a kvsnap .kv file; convert it with "
+                f"'kvsnap import {name} OUT.kv'"
+            )
     if size < HEADER_SIZE + FOOTER_SIZE:
         if size >= len(MAGIC) and header[: len(MAGIC)] != MAGIC:
             raise CorruptFileError(f"{name}: not a .kv file (magic {header[:8]!r})")

@@ -39,12 +39,14 @@ import numpy as np
 from kvformat import dtypes
 from kvformat.checksum import crc32c
 from kvformat.codecs import Codec
-from kvformat.errors import CorruptFileError, KVFormatError
+from kvformat.errors import CorruptFileError, InvalidArgumentError, KVFormatError
 from kvformat.importers.bundle_manifest import Block, Bundle, bundles_of, parse_bundle, unwrap
+from kvformat.importers.contract import Imported, Importer
 from kvformat.importers.mlxkv import TAG_Q8, _last_logits, _Plan, _Source, _Stream, _Tensor, read_layout
 from kvformat.importers.statelog import BUNDLE_KIND, MAX_JSON, Log, Record, open_log, parse_json
 from kvformat.io.outputs import check_output
 from kvformat.manifest import LayerSpec
+from kvformat.sniff import KVST, STATE_LOGS
 from kvformat.writer import Writer
 
 
@@ -538,3 +540,54 @@ def _provenance(log: Log, bundles: list[Bundle], first: _Source) -> dict[str, An
         source["container"] = json.loads(json.dumps(log.container))
         source["container_version"] = log.container_version
     return source
+
+
+class BundlesImporter(Importer):
+    """go-mlx's State logs, ``KVST`` containers and bundle manifests: a series, one snapshot per
+    bundle (option ``bundle``: only the last one with that URI)."""
+
+    name = "go-mlx-bundles"
+    description = "go-mlx State log, KVST container or bundle manifest (JSON)"
+    magics = (KVST, *STATE_LOGS)
+
+    def recognises(self, prefix: bytes) -> bool:
+        return super().recognises(prefix) or prefix.lstrip()[:1] == b"{"  # a manifest beside its log
+
+    def what(self, prefix: bytes) -> str:
+        return "go-mlx KVST container" if prefix.startswith(KVST) else "go-mlx State log"
+
+    def convert(
+        self,
+        source: str | os.PathLike[str],
+        output: str | os.PathLike[str],
+        *,
+        codec: str | Codec = "raw",
+        overwrite: bool = False,
+        **options: Any,
+    ) -> Imported:
+        bundle = options.pop("bundle", None)
+        if any(value not in (None, False) for value in options.values()):
+            raise InvalidArgumentError(
+                f"{os.fspath(source)}: options {sorted(options)} are not this format's"
+            )
+        done = import_bundles(source, output, bundle=bundle, codec=codec, overwrite=overwrite)
+        return Imported(
+            done.path,
+            f"{done.bundles} bundle(s) of a {done.kind} as {done.bundles} snapshot(s); {done.blocks} "
+            f"block ref(s), {done.stored_blocks} block(s) stored; last bundle {done.tokens} tokens",
+        )
+
+    def listing(self, source: str | os.PathLike[str]) -> list[str]:
+        rows = list_bundles(source)
+        lines = [f"{os.fspath(source)}: {len(rows)} bundle(s), in write order"]
+        for row in rows:
+            lines.append(
+                f"  {row['uri'] or '(no uri)'}  chunk {row['chunk_id']}: {row['tokens']} tokens, "
+                f"{row['blocks']} blocks ({row['reused_blocks']} reused per its manifest, "
+                f"{row['shared_with_earlier']} shared with an earlier bundle), "
+                f"{row['kv_encoding'] or 'encoding unstated'}"
+            )
+        return lines
+
+
+IMPORTER = BundlesImporter()

@@ -40,11 +40,13 @@ from kvformat.codecs import Codec
 from kvformat.dtypes import DType
 from kvformat.errors import (
     CorruptFileError,
+    InvalidArgumentError,
     LimitExceededError,
     TruncatedFileError,
     UnsupportedFeatureError,
     UnsupportedVersionError,
 )
+from kvformat.importers.contract import Imported, Importer
 from kvformat.io.outputs import check_output
 from kvformat.layout import MAX_HEADS, MAX_LAYERS, MAX_SEQS, MAX_WIDTH
 from kvformat.manifest import LayerSpec
@@ -565,3 +567,40 @@ def _write_layer(writer: Writer, file: BinaryIO, plan: _Plan, layer: _Layer, seq
         return
     for seq in range(plan.seqs):
         writer.append(layer.index, k[seq], v[seq], np.arange(seq_len - rows, seq_len), seq=seq)
+
+
+class MlxkvImporter(Importer):
+    """go-mlx's MLXKV001 snapshot (layout versions 1 to 6): one `.kv` snapshot."""
+
+    name = "mlxkv"
+    description = "go-mlx MLXKV001 snapshot"
+    magics = (MAGIC,)
+
+    def convert(
+        self,
+        source: str | os.PathLike[str],
+        output: str | os.PathLike[str],
+        *,
+        codec: str | Codec = "raw",
+        overwrite: bool = False,
+        **options: Any,
+    ) -> Imported:
+        given = sorted(name for name, value in options.items() if value not in (None, False))
+        if given:
+            raise InvalidArgumentError(
+                f"{os.fspath(source)}: {', '.join(given)} applies to a State log, container or manifest"
+            )
+        report = import_mlxkv(source, output, codec=codec, overwrite=overwrite)
+        return Imported(
+            report.path,
+            f"MLXKV001 version {report.version}, {report.layers} layer(s) with K/V, "
+            f"seq_len {report.seq_len}, source sha256 {report.sha256[:16]}...",
+        )
+
+    def listing(self, source: str | os.PathLike[str]) -> list[str]:
+        raise InvalidArgumentError(
+            f"{os.fspath(source)}: a single MLXKV001 snapshot holds no bundles to list"
+        )
+
+
+IMPORTER = MlxkvImporter()

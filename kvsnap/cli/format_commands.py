@@ -1,6 +1,6 @@
-"""The format's own commands: ``info``, ``verify``, ``recover``, ``pack``, ``import-mlxkv``,
-``describe``, ``conformance`` and ``dump`` (`register` declares them; each runs through its
-options dataclass). They need kvformat and numpy only, never a stage."""
+"""The format's own commands: ``info``, ``verify``, ``recover``, ``pack``, ``import`` (also named
+``import-mlxkv``), ``describe``, ``conformance`` and ``dump`` (`register` declares them; each runs
+through its options dataclass). They need kvformat and numpy only, never a stage."""
 
 from __future__ import annotations
 
@@ -60,10 +60,11 @@ class PackOptions:
 
 @dataclass(frozen=True)
 class ImportOptions:
-    """``kvsnap import-mlxkv``'s options, typed."""
+    """``kvsnap import``'s options, typed."""
 
     source: str = ""
     output: str | None = None
+    format: str | None = None
     bundle: str | None = None
     list: bool = False
     codec: str = "raw"
@@ -410,45 +411,23 @@ def _npz_layer(npz: Any, layer: int, options: PackOptions) -> kvformat.Layer | N
     return kvformat.Layer(k, v, positions)
 
 
-def _import_mlxkv(args: argparse.Namespace) -> int:
-    from kvformat import sniff
-    from kvformat.importers import bundles
-    from kvformat.importers.mlxkv import import_mlxkv
+def _import(args: argparse.Namespace) -> int:
+    from kvformat.importers import for_source
 
     options = typed(ImportOptions, args)
-    with open(options.source, "rb") as f:
-        single = sniff.kind(f.read(sniff.PREFIX_BYTES)) == "mlxkv"
+    importer = for_source(options.source, options.format)
     if options.list:
-        if single:
-            raise CommandError(f"{options.source}: a single MLXKV001 snapshot holds no bundles to list")
-        rows = bundles.list_bundles(options.source)
-        print(f"{options.source}: {len(rows)} bundle(s), in write order")
-        for row in rows:
-            print(
-                f"  {row['uri'] or '(no uri)'}  chunk {row['chunk_id']}: {row['tokens']} tokens, "
-                f"{row['blocks']} blocks ({row['reused_blocks']} reused per its manifest, "
-                f"{row['shared_with_earlier']} shared with an earlier bundle), "
-                f"{row['kv_encoding'] or 'encoding unstated'}"
-            )
+        print("\n".join(importer.listing(options.source)))
         return 0
     if options.output is None:
-        raise CommandError("import-mlxkv: give the output .kv file (or --list to print the bundles)")
-    check_output(options.output, inputs=[options.source], force=options.force)
-    if single:
-        if options.bundle is not None:
-            raise CommandError(f"{options.source}: --bundle applies to a State log, container or manifest")
-        report = import_mlxkv(options.source, options.output, codec=options.codec, overwrite=options.force)
-        print(
-            f"wrote {report.path}: MLXKV001 version {report.version}, {report.layers} layer(s) with K/V, "
-            f"seq_len {report.seq_len}, source sha256 {report.sha256[:16]}..."
+        raise CommandError(
+            f"{args.command}: give the output .kv file (or --list to see what the source holds)"
         )
-        return 0
-    done = bundles.import_bundles(options.source, options.output, bundle=options.bundle, codec=options.codec,
-                                  overwrite=options.force)  # fmt: skip
-    print(
-        f"wrote {done.path}: {done.bundles} bundle(s) of a {done.kind} as {done.bundles} snapshot(s); "
-        f"{done.blocks} block ref(s), {done.stored_blocks} block(s) stored; last bundle {done.tokens} tokens"
+    check_output(options.output, inputs=[options.source], force=options.force)
+    done = importer.convert(
+        options.source, options.output, codec=options.codec, overwrite=options.force, bundle=options.bundle
     )
+    print(f"wrote {done.path}: {done.summary}")
     return 0
 
 
@@ -531,13 +510,19 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_pack)
 
     p = sub.add_parser(
-        "import-mlxkv",
-        help="convert go-mlx KV snapshots to .kv: an MLXKV001 file (versions 1-6), a State log (.mvlog), "
-        "a KVST container or a bundle manifest",
+        "import",
+        aliases=["import-mlxkv"],
+        help="convert a foreign KV-cache file to .kv (its format found by its first bytes): go-mlx's "
+        "MLXKV001 snapshots (versions 1-6), State logs (.mvlog), KVST containers, bundle manifests",
     )
-    p.add_argument("source", help="MLXKV001 file, .mvlog State log, KVST container, or bundle manifest JSON")
+    p.add_argument(
+        "source", help="the foreign file (MLXKV001, .mvlog State log, KVST container, manifest JSON)"
+    )
     p.add_argument(
         "output", nargs="?", help="the .kv file to write (one snapshot per bundle, in write order)"
+    )
+    p.add_argument(
+        "--format", metavar="NAME", help="the importer to use, not the one the file's first bytes name"
     )
     p.add_argument("--bundle", metavar="URI", help="import only this bundle (the last one with this URI)")
     p.add_argument(
@@ -545,7 +530,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--codec", default="raw", help=f"one of {', '.join(codecs.NAMES)} (zstd:LEVEL too)")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
-    p.set_defaults(func=_import_mlxkv)
+    p.set_defaults(func=_import)
 
     p = sub.add_parser("describe", help="the conformance description of a file (JSON; see spec/vectors)")
     p.add_argument("file")

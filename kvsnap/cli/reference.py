@@ -12,9 +12,14 @@ WIDTH = "100"  # argparse wraps help at the terminal's width: a fixed one, for a
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Each command's parser by its name (an alias, which shares its command's parser, left out)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
+            named: dict[str, argparse.ArgumentParser] = {}
+            for name, sub in action.choices.items():
+                if all(sub is not other for other in named.values()):
+                    named[name] = sub
+            return named
     return {}
 
 
