@@ -55,14 +55,15 @@ $(JS_READER): spec/js/package-lock.json
 		else echo "install Node.js for the JavaScript reader's tests" >&2; exit 1; fi; }
 	npm ci --silent --no-audit --no-fund --prefix spec/js
 
-# Every conformance folder through both readers: the pass counts of the README's table.
+# Every conformance folder through both readers: the pass counts of the README's table (the tests,
+# tests/spec, hold every folder through both readers too).
 conformance: install $(JS_READER)
 	@for folder in spec/vectors spec/vectors/gold/1.0 spec/vectors/gold/1.1 spec/vectors/gold/1.2 spec/vectors/gold/1.3 spec/vectors/gold/1.4 spec/vectors/gold/1.5 spec/vectors/gold/1.6 spec/vectors/fuzz; do \
 		$(BIN)/kvsnap conformance $$folder | tail -1 | sed "s|^|$$folder: |"; \
 		$(BIN)/kvsnap conformance $$folder --reader "node spec/js/describe.js" | tail -1 | sed "s|^|$$folder: |"; \
 	done
 
-# nginx serves snapshots over HTTP range requests to tests/kvformat/test_remote.py and tests/analysis/test_batch.py
+# nginx serves snapshots over HTTP range requests to tests/kvformat/test_remote.py and tests/analysis/engine/test_batch.py
 # (started on loopback by tests/servers.py). Installed from Debian's packages or Homebrew.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 nginx:
@@ -72,7 +73,7 @@ nginx:
 		elif command -v brew >/dev/null 2>&1; then brew install nginx; \
 		else echo "install nginx for the remote-reading tests" >&2; exit 1; fi; }
 
-# Debian's Chromium (or Homebrew's) for the viewer's tests in a real browser (tests/analysis/test_viewer.py),
+# Debian's Chromium (or Homebrew's) for the viewer's tests in a real browser (tests/analysis/viewer/test_viewer.py),
 # driven by Playwright's Python package with executable_path: no browser download at run time.
 chromium:
 	@command -v chromium >/dev/null 2>&1 || test -x /usr/bin/chromium || { \
@@ -94,15 +95,15 @@ $(REFERENCE): tests/reference/requirements.txt
 reference: $(REFERENCE)
 
 # Tests marked `cuda` need mlx on an NVIDIA GPU, which CI does not have: run them there with
-# `python -m pytest -m cuda tests` (and tests/analysis/test_mlx_backend.py for the whole table).
+# `python -m pytest -m cuda tests` (and tests/analysis/kernels/test_mlx_backend.py for the whole table).
 # pytest-xdist: one worker per core; work stealing evens out the slow real-model tests; the 15
 # slowest tests are listed at the end (where the suite's time goes).
 # The guide (docs/, MkDocs with Material), built with warnings as errors into .cache/site.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-test: lint docs $(KAITAI) $(JS_READER) nginx chromium $(REFERENCE) conformance
+test: lint docs $(KAITAI) $(JS_READER) nginx chromium $(REFERENCE)
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15 tests
 	# Without a C compiler (no analysis/kernels/kernels.c build) the numpy reference computes every table.
-	KVSNAP_KERNEL=numpy $(BIN)/python -m pytest -q -n auto tests/analysis/test_stats.py tests/analysis/test_head_importance.py tests/analysis/test_kernels_oracle.py \
-		tests/analysis/test_diff.py
+	KVSNAP_KERNEL=numpy $(BIN)/python -m pytest -q -n auto tests/analysis/stats/test_stats.py tests/analysis/attention/test_head_importance.py tests/analysis/kernels/test_kernels_oracle.py \
+		tests/analysis/tools/test_diff.py

@@ -4,7 +4,7 @@ backend (`mlx`) where mlx computes on CUDA.
 Why not mlx's matrix product: on CUDA that is cuBLAS, whose first use loads its kernel module
 into each process's host memory. This kernel is one small module (a 12 KiB cubin) summing in
 float32 FMAs: within 2e-5 of the largest entry of float64's product in
-`tests/analysis/test_mlx_cuda.py`, where cuBLAS's float32 product on the same 8192-row pieces was 7e-5
+`tests/analysis/kernels/test_mlx_cuda.py`, where cuBLAS's float32 product on the same 8192-row pieces was 7e-5
 off this kernel's.
 
 Why precompiled: mlx 0.32's ``mx.fast.cuda_kernel`` compiles its source with NVRTC in every

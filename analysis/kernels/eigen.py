@@ -9,7 +9,7 @@ then the root-free QL iteration with Wilkinson shifts of LAPACK's ``dsterf`` (tw
 rotation, no square root: 1.5x faster than ``tqli``'s implicit QL on 128 x 128 Gram matrices),
 the matrix scaled by a power of two first so that no square can overflow or underflow. Both
 steps are backward stable: each eigenvalue is within ~n eps ||A|| of LAPACK's
-(`tests/analysis/test_kernel.py` holds them to 1e-12 of the largest).
+(`tests/analysis/kernels/test_kernel.py` holds them to 1e-12 of the largest).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A normal half moves its exponent and mantissa into place with integer operations
 15 -> 127: add ``112 << 23``); an infinity or NaN keeps its payload with an all-ones exponent;
 zero stays zero. Subnormal halves (magnitude below 2**-14), rare in K/V data, are fixed in a
 second pass only where the first found one: ``mantissa * 2**-24``, exact in float32. Every one of
-the 65,536 halves converts to the bits numpy gives (`tests/analysis/test_arrays.py`).
+the 65,536 halves converts to the bits numpy gives (`tests/analysis/kernels/test_arrays.py`).
 """
 
 from __future__ import annotations

@@ -394,7 +394,7 @@ INLINE void quant_tile(const float *RESTRICT x, int64_t dim, int64_t group, int6
 }
 
 /* What one kvsnap_accumulate call reads and adds into, as three structs (field per line:
- * analysis/kernels/native.py declares the same layouts with ctypes, and tests/analysis/test_native.py
+ * analysis/kernels/native.py declares the same layouts with ctypes, and tests/analysis/kernels/test_native.py
  * compares the two field by field). */
 
 /* Piece: one call's rows and what it writes for each. */

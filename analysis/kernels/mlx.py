@@ -14,7 +14,7 @@ The backend's other jobs live beside it: `mlx_pipeline` (many accumulators per d
 
 `add` here serves one accumulator alone: it starts a piece (``mx.async_eval``) and folds it in at
 the next `add` or `settle`. Sums run in float32 on the device within a piece, in float64 on the
-host across pieces; `tests/analysis/test_mlx_backend.py` holds every column to the CPU kernel within
+host across pieces; `tests/analysis/kernels/test_mlx_backend.py` holds every column to the CPU kernel within
 `TOLERANCES`.
 """
 

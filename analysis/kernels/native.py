@@ -6,7 +6,8 @@ They are the one native path: the statistics pass (`kernels.kernel`), eigenvalue
 float16 conversion (`halves`) and the attention pass (`attention`). Where the library is
 not built (no C compiler at install) the numpy reference computes the same table, slower, and
 `missing_note` says so once. The numpy reference is the oracle the C kernels are held to
-(`tests/analysis/test_kernel.py`, `tests/analysis/test_native.py`, `tests/analysis/test_head_importance.py`).
+(`tests/analysis/kernels/test_kernel.py`, `tests/analysis/kernels/test_native.py`,
+`tests/analysis/attention/test_head_importance.py`).
 
 ``KVSNAP_KERNEL`` in the environment: ``compiled`` (the default) takes this library where it was
 built; ``numpy`` skips it. `accumulate` takes three structs (`Piece`, `Settings`,

@@ -419,7 +419,7 @@ MAGIC = {"parquet": b"PAR1", "npz": b"PK\x03\x04", "png": b"\x89PNG", "svg": b"<
 
 @pytest.fixture
 def with_queries(tmp_path: Path) -> Path:
-    from tests.analysis.test_head_importance import SPECS, _write
+    from tests.analysis.attention.test_head_importance import SPECS, _write
 
     path = tmp_path / "q.kv"
     _write(path, SPECS["causal"])

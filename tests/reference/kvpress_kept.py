@@ -1,6 +1,7 @@
 """NVIDIA kvpress's own presses on Hugging Face transformers: which keys each press keeps for given
-token ids, the reference `tests/analysis/test_kvpress.py` holds ``kvsnap simulate``'s choices to. Runs in
-the reference Python (``make reference``: torch, transformers, kvpress), never imports kvsnap.
+token ids, the reference `tests/analysis/attention/test_kvpress.py` holds ``kvsnap simulate``'s
+choices to. Runs in the reference Python (``make reference``: torch, transformers, kvpress),
+never imports kvsnap.
 
     python kvpress_kept.py MODEL.gguf IDS.json PRESSES.json OUT.npz
 

@@ -1,7 +1,8 @@
 """mlx on an NVIDIA GPU: what only runs there, kvsnap's own Gram kernel
 (`cuda_gram.gram_product`, used in place of cuBLAS). Marked ``cuda``: run them on a machine
-where mlx computes on CUDA (``pytest -m cuda tests``, with `tests/analysis/test_mlx_backend.py` for the
-whole table); `make test` deselects them, CI having no accelerator."""
+where mlx computes on CUDA (``pytest -m cuda tests``, with
+`tests/analysis/kernels/test_mlx_backend.py` for the whole table); `make test` deselects them, CI
+having no accelerator."""
 
 from __future__ import annotations
 

@@ -227,7 +227,7 @@ def test_diff_reports_positions_nonfinite_on_one_side(tmp_path: Path) -> None:
 
 def test_imported_go_mlx_fixture_with_nonfinite_values(tmp_path: Path) -> None:
     """The repository's go-mlx fixture that failed `kvsnap stats`."""
-    source = Path(__file__).resolve().parents[1] / "mlxkv" / "mixed-tags.mlxkv"
+    source = Path(__file__).resolve().parents[2] / "mlxkv" / "mixed-tags.mlxkv"
     out = tmp_path / "mixed.kv"
     kvformat.import_mlxkv(source, out)
     result = subprocess.run(

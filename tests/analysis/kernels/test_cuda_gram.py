@@ -1,5 +1,5 @@
 """`cuda_gram`'s build and cache logic, which runs anywhere (the kernel itself runs only on
-CUDA: `tests/analysis/test_mlx_cuda.py`): the cubin is compiled once per machine and architecture,
+CUDA: `tests/analysis/kernels/test_mlx_cuda.py`): the cubin is compiled once per machine and architecture,
 kept atomically, recompiled when the kept file is not a cubin, and a machine where it cannot
 be built falls back to mlx's matrix product with a warning."""
 

@@ -15,7 +15,7 @@ from kvsnap.analysis.kernels import compiled as compiled_backend
 from kvsnap.analysis.kernels import kernel
 from kvsnap.analysis.kernels import reference as reference_backend
 from kvsnap.analysis.stats.rope import Rope
-from tests.analysis.test_kernels_oracle import assert_close_to_reference
+from tests.analysis.kernels.test_kernels_oracle import assert_close_to_reference
 
 
 def test_the_compiled_kernel_is_in_use() -> None:

@@ -1,7 +1,8 @@
-"""The kernels in C (`analysis.kernels.native`, built at install time) against the numpy reference, their
-oracle, each in a process of its own: the same table for every statistic group, dtype, odd size and
-non-finite input (every count exactly, the sums to the tolerances of `tests/analysis/test_kernel.py`), the
-same eigenvalues (LAPACK's) and float16 conversions (numpy's ``astype``)."""
+"""The kernels in C (`analysis.kernels.native`, built at install time) against the numpy
+reference, their oracle, each in a process of its own: the same table for every statistic group,
+dtype, odd size and non-finite input (every count exactly, the sums to the tolerances of
+`tests/analysis/kernels/test_kernel.py`), the same eigenvalues (LAPACK's) and float16
+conversions (numpy's ``astype``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvsnap.analysis.kernels import kernel, native
-from tests.analysis.test_kernels_oracle import assert_close_to_reference
+from tests.analysis.kernels.test_kernels_oracle import assert_close_to_reference
 
 DEFAULT = os.environ.get("KVSNAP_KERNEL", "compiled") == "compiled"
 

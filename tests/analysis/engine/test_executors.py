@@ -189,7 +189,7 @@ def test_a_worker_process_that_keeps_a_pool_still_ends() -> None:
     workers forever."""
     done = fresh_process(
         "from kvsnap.analysis.engine import executors",
-        "from tests.analysis.test_executors import keep_a_pool",
+        "from tests.analysis.engine.test_executors import keep_a_pool",
         "with executors.Processes(2) as executor:",
         "    print(list(executor.map(keep_a_pool, range(4))))",
         "print('ended')",

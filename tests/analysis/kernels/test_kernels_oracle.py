@@ -47,7 +47,7 @@ def assert_close_to_reference(name: str, got: Any, expected: Any, message: str) 
 
 def _agree(kernel: str, got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
     if kernel == "mlx":
-        from tests.analysis.test_mlx_backend import assert_close
+        from tests.analysis.kernels.test_mlx_backend import assert_close
 
         assert_close(got, expected)
         return

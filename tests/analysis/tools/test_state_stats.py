@@ -96,7 +96,7 @@ def test_the_command_refuses_a_file_without_state_in_one_line(
 ) -> None:
     path, _ = hybrid
     run = [sys.executable, "-m", "kvsnap.cli", "stats", "--stats", "state"]
-    plain = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "float32-raw.kv"
+    plain = Path(__file__).resolve().parents[3] / "spec" / "vectors" / "float32-raw.kv"
     refused = subprocess.run([*run, str(plain)], capture_output=True, text=True)
     assert refused.returncode == 1
     assert refused.stderr.strip().count("\n") == 0 and "holds no recurrent state" in refused.stderr
