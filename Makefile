@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint install nginx chromium reference conformance docs
+.PHONY: demo test lint install nginx chromium reference conformance docs test-format
 
 # Two stamps: the demo needs only the capture and analysis extras; the tests need everything
 # (Ray, moto, flask, ...). A full install satisfies the demo too.
@@ -102,8 +102,21 @@ reference: $(REFERENCE)
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
+# The format's tests on the base install alone (numpy, zstandard, ml-dtypes, crc32c: no mlx, no
+# polars, no object-store packages), in a Python of its own, run from a copy of the tests outside
+# the source tree so that `kvsnap` and `kvformat` are the installed ones; -m "not s3": reading
+# object stores needs the remote extra.
+BASE := .cache/base
+test-format: nginx
+	if test -x $(BASE)/bin/python; then $(BASE)/bin/python -m pip install --quiet --force-reinstall --no-deps .; \
+	else $(PYTHON) -m venv $(BASE) && $(BASE)/bin/python -m pip install --quiet . pytest pytest-xdist hypothesis; fi
+	rm -rf build .cache/base-tests && mkdir -p .cache/base-tests/spec
+	cp -r tests pyproject.toml .cache/base-tests/ && cp -r spec/vectors .cache/base-tests/spec/
+	cd .cache/base-tests && ../base/bin/python -m pytest -q -n auto -m "not s3" -p no:cacheprovider tests/kvformat
+
 test: lint docs $(KAITAI) $(JS_READER) nginx chromium $(REFERENCE)
 	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15 tests
 	# Without a C compiler (no analysis/kernels/kernels.c build) the numpy reference computes every table.
 	KVSNAP_KERNEL=numpy $(BIN)/python -m pytest -q -n auto tests/analysis/stats/test_stats.py tests/analysis/attention/test_head_importance.py tests/analysis/kernels/test_kernels_oracle.py \
 		tests/analysis/tools/test_diff.py
+	$(MAKE) --no-print-directory test-format

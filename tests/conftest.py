@@ -47,6 +47,14 @@ def _npm() -> str | None:
     return "npm is not installed (it installs the Kaitai Struct compiler): `make test` installs both"
 
 
+def _s3() -> str | None:
+    wanted = ("fsspec", "s3fs", "moto", "pyarrow")
+    missing = [name for name in wanted if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return f"{', '.join(missing)} not installed: pip install -e '.[dev]' (the remote extra and moto)"
+
+
 def _ray() -> str | None:
     return None if importlib.util.find_spec("ray") else "Ray is not installed: pip install -e '.[dev]'"
 
@@ -75,6 +83,7 @@ NEEDS: dict[str, tuple[str, Callable[[], str | None]]] = {
     "nginx": ("serves files over HTTP ranges with nginx on loopback", _nginx),
     "npm": ("compiles spec/kv.ksy with the Kaitai Struct compiler from npm", _npm),
     "ray": ("runs jobs on a local Ray cluster", _ray),
+    "s3": ("reads object stores through fsspec and s3fs from moto's S3 server on loopback", _s3),
     "cuda": ("runs mlx on an NVIDIA GPU (`make test` deselects them)", _cuda),
     "reference": ("runs Hugging Face transformers (torch, CPU) in a Python of its own", _reference),
 }
@@ -89,6 +98,7 @@ _FIXTURE_NEEDS = {
     "real_capture": "network",
     "served": "nginx",
     "local_ray": "ray",
+    "s3": "s3",
 }
 
 

@@ -471,9 +471,8 @@ def _dump(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: Any) -> None:
-    """Add the format's commands to the ``kvsnap`` subparsers ``sub``."""
-
+def _info_parser(sub: Any) -> None:
+    """``kvsnap info``'s arguments."""
     p = sub.add_parser("info", help="describe a .kv file (reads only its index)")
     p.add_argument("file")
     remote_options(p)
@@ -481,11 +480,17 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_info)
 
+
+def _verify_parser(sub: Any) -> None:
+    """``kvsnap verify``'s arguments."""
     p = sub.add_parser("verify", help="check every checksum and rule of a .kv file")
     p.add_argument("file")
     remote_options(p)
     p.set_defaults(func=_verify)
 
+
+def _recover_parser(sub: Any) -> None:
+    """``kvsnap recover``'s arguments."""
     p = sub.add_parser(
         "recover", help="write a valid copy of FILE.kv.partial left by a crashed writer (FILE is only read)"
     )
@@ -500,6 +505,9 @@ def register(sub: Any) -> None:
     )
     p.set_defaults(func=_recover)
 
+
+def _pack_parser(sub: Any) -> None:
+    """``kvsnap pack``'s arguments."""
     p = sub.add_parser("pack", help="convert an .npz of k_L<i>/v_L<i> (heads, tokens, dim) arrays")
     p.add_argument("input")
     p.add_argument("output")
@@ -509,6 +517,9 @@ def register(sub: Any) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_pack)
 
+
+def _import_parser(sub: Any) -> None:
+    """``kvsnap import``'s arguments."""
     p = sub.add_parser(
         "import",
         aliases=["import-mlxkv"],
@@ -532,16 +543,25 @@ def register(sub: Any) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_import)
 
+
+def _describe_parser(sub: Any) -> None:
+    """``kvsnap describe``'s arguments."""
     p = sub.add_parser("describe", help="the conformance description of a file (JSON; see spec/vectors)")
     p.add_argument("file")
     remote_options(p)
     p.set_defaults(func=_describe_command)
 
+
+def _conformance_parser(sub: Any) -> None:
+    """``kvsnap conformance``'s arguments."""
     p = sub.add_parser("conformance", help="check a reader against spec/vectors/manifest.json")
     p.add_argument("directory")
     p.add_argument("--reader", help="command; 'CMD FILE' prints the description JSON (default: kvformat)")
     p.set_defaults(func=_conformance)
 
+
+def _dump_parser(sub: Any) -> None:
+    """``kvsnap dump``'s arguments."""
     p = sub.add_parser("dump", help="write one head's K, V (float32) and positions to .npz")
     p.add_argument("file")
     remote_options(p)
@@ -554,3 +574,22 @@ def register(sub: Any) -> None:
     p.add_argument("-o", "--output", required=True, help="the .npz file to write (the exact name given)")
     p.add_argument("--force", action="store_true", help="replace an existing output file")
     p.set_defaults(func=_dump)
+
+
+PARSERS = (
+    _info_parser,
+    _verify_parser,
+    _recover_parser,
+    _pack_parser,
+    _import_parser,
+    _describe_parser,
+    _conformance_parser,
+    _dump_parser,
+)
+"""The format commands' parser declarations, in the order ``kvsnap --help`` lists them."""
+
+
+def register(sub: Any) -> None:
+    """Add the format's commands (`PARSERS`) to the ``kvsnap`` subparsers ``sub``."""
+    for declare in PARSERS:
+        declare(sub)

@@ -143,3 +143,14 @@ def test_a_damaged_cached_model_is_converted_again(tmp_path: Path, monkeypatch: 
     assert not fixtures._finished(out, digest)
     (out / fixtures.COMPLETE).write_text(fixtures._stamp(digest) + "\n")  # a marker without file lines
     assert not fixtures._finished(out, digest)
+
+
+@pytest.mark.network
+def test_chat_without_a_template_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "g.kv"
+    code = main(
+        ["capture", "--model", "gemma3-270m", "--chat", "--prompt", "Hi", "--max-tokens", "2", "-o", str(out)]
+    )
+    assert code == 2
+    assert "has no chat template" in capsys.readouterr().err
+    assert not out.exists()

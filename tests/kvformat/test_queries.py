@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -15,7 +14,6 @@ import kvformat
 from kvformat import attention
 from kvformat.manifest import QuerySpec
 from kvformat.rewrite import rebuild_index
-from kvsnap.capture.queries import QuerySelection
 
 # -- the format ------------------------------------------------------------------------------
 
@@ -166,115 +164,6 @@ def test_hostile_query_references(tmp_path: Path) -> None:
     rebuild_index(source, tmp_path / "undeclared.kv", edit_json=undeclared)
     with pytest.raises(kvformat.CorruptFileError, match="queries"):
         kvformat.open(tmp_path / "undeclared.kv")
-
-
-def test_query_selection_parses_the_cli_forms() -> None:
-    assert QuerySelection.parse("none").enabled is False
-    assert QuerySelection.parse("window:64").first_position(100) == 36
-    assert QuerySelection.parse("decode").first_position(100) == 100
-    assert QuerySelection.parse("all").first_position(100) == 0
-    for bad in ("window", "window:0", "some", "all:3"):
-        with pytest.raises(ValueError, match="--queries"):
-            QuerySelection.parse(bad)
-
-
-# -- the command line ---------------------------------------------------------------------------
-
-
-def test_attention_command_and_map(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import polars as pl
-
-    from kvsnap.cli import main
-
-    spec = _spec(window=8)
-    data = _write(tmp_path / "q.kv", spec)
-    assert spec.queries is not None
-    out = tmp_path / "att.npz"
-    assert main(["attention", str(tmp_path / "q.kv"), "--layer", "0", "--head", "2", "-o", str(out)]) == 0
-    assert f"wrote {out}: layer 0 query head 2, 20 queries x 40 keys" in capsys.readouterr().out
-    with np.load(out) as saved:
-        expected = _reference(data, spec.queries, 2, saved["query_positions"])
-        np.testing.assert_allclose(saved["weights"], expected, rtol=1e-5, atol=1e-6)
-    table = tmp_path / "att.parquet"
-    args = ["attention", str(tmp_path / "q.kv"), "--layer", "0", "--head", "2", "--queries", "30:32"]
-    assert main([*args, "-o", str(table)]) == 0
-    long = pl.read_parquet(table)
-    assert set(long["query_position"].to_list()) == {30, 31} and long.height == 2 * 8  # the window
-    assert main([*args, "-o", str(table)]) == 2  # exists
-    png = tmp_path / "map.png"
-    assert main(["plot", str(tmp_path / "q.kv"), "--attention", "0:3", "-o", str(png)]) == 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (
-        main(["attention", str(tmp_path / "q.kv"), "--layer", "0", "--head", "9", "-o", str(out), "--force"])
-        == 2
-    )
-    with pytest.raises(SystemExit) as refused:  # argparse: usage and exit status 2
-        main(
-            [
-                "attention",
-                str(tmp_path / "q.kv"),
-                "--layer",
-                "0",
-                "--head",
-                "0",
-                "--queries",
-                "9:3",
-                "-o",
-                "x",
-            ]
-        )
-    assert refused.value.code == 2
-
-
-def test_selections_and_indices_outside_the_file_are_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A layer out of range, or a query or key range that selects nothing the file stores: one
-    line naming what the file holds, exit 2, nothing written; `OutOfRangeError` from Python."""
-    from kvsnap.cli import main
-
-    path = tmp_path / "q.kv"
-    _write(path, _spec(window=8))
-    capsys.readouterr()
-    out = tmp_path / "att.npz"
-    cases = {
-        ("--layer", "5", "--head", "0"): "layer 5 out of range 0..1",
-        ("--layer", "0", "--head", "0", "--queries", "100:200"): "--queries 100:200 selects none of the "
-        "queries layer 0 stores for query head 0 (positions 20..39)",
-        ("--layer", "0", "--head", "0", "--keys", "50:60"): "--keys 50:60 selects none of the keys",
-    }
-    for options, message in cases.items():
-        assert main(["attention", str(path), *options, "-o", str(out)]) == 2
-        err = capsys.readouterr().err
-        assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-        assert not out.exists()
-    assert main(["plot", str(path), "--attention", "7:0", "-o", str(tmp_path / "m.png")]) == 2
-    assert "layer 7 out of range 0..1" in capsys.readouterr().err
-    with kvformat.open(path) as snap, pytest.raises(kvformat.OutOfRangeError, match="layer 7 out of range"):
-        snap.attention(7, 0)
-    with pytest.raises(SystemExit):
-        main(["stats", str(path), "--stats", "atention"])
-    assert "choose from all, norms, channels, rope, spectrum, quant, attention" in capsys.readouterr().err
-    assert main(["outliers", str(path), "--stat", "sink_mass", "--threshold", "1.0"]) == 0
-    assert "query heads with sink_mass above 1.0x" in capsys.readouterr().out
-    assert main(["stats", str(path), "--needle", "0:4"]) == 2
-    assert "--needle scores attention: use it with --stats attention" in capsys.readouterr().err
-
-
-def test_query_join_falls_back_where_the_gather_kernel_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`capture.gather.join` with the kernel asked for where it cannot run (this CPU build has no
-    CUDA): each shape is tried once, found unusable, and joined by ``mx.concatenate``, so a capture
-    never fails on it; runs longer than one launch and other pieces between them keep their order."""
-    from kvsnap.capture import gather
-
-    monkeypatch.setattr(gather, "_WORKS", {})
-    window = mx.random.normal((1, 3, 5, 8))
-    singles = [mx.random.normal((1, 3, 1, 8)) for _ in range(150)]
-    for parts in ([window, *singles], singles[:3], [*singles[:70], window, *singles[70:]]):
-        joined = gather.join(parts, gather=True)
-        assert bool(mx.array_equal(joined, mx.concatenate(parts, axis=2)).item())
-    assert dict(gather._WORKS) == {(mx.float32, 3, 8): False}
-    assert gather.join([window]) is window
 
 
 def test_chunked_attention_sees_only_the_querys_block() -> None:

@@ -17,6 +17,7 @@ from kvsnap.analysis.tools.diff import LayoutMismatchError, head_diff
 from kvsnap.capture.generation import generate
 from kvsnap.cli import main
 from tests.conftest import PROSE
+from tests.kvformat.test_channel_order import _pair
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +123,15 @@ def test_only_positions_before_the_tokens_diverge_are_compared(
     assert pl.read_parquet(out)["tokens_diverge_at"].to_list() == [1, 1]
     assert main([*argv[:3], "--all-positions"]) == 0
     assert "later positions compared too (--all-positions)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("keys", ["post_rope", "pre_rope"])
+def test_diff_compares_in_one_order_and_says_so(tmp_path: Path, keys: str) -> None:
+    a, b, _ = _pair(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = head_diff(a, b, keys=keys)
+    assert any("pair RoPE channels differently" in str(w.message) for w in caught)
+    assert max(table["rel_error"].to_list()) < 1e-5  # never a silent 1.4
+    plain = head_diff(b, b, keys=keys)
+    assert max(plain["rel_error"].to_list()) == 0.0
