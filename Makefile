@@ -115,7 +115,8 @@ test-format: nginx
 	cd .cache/base-tests && ../base/bin/python -m pytest -q -n auto -m "not s3" -p no:cacheprovider tests/kvformat
 
 test: lint docs $(KAITAI) $(JS_READER) nginx chromium $(REFERENCE)
-	$(BIN)/python -m pytest -m "not cuda" -n auto --dist worksteal --durations=15 tests
+	# tests/kvformat runs on the base install (test-format), those that read S3 here.
+	$(BIN)/python -m pytest -m "not cuda and (not kvformat or s3)" -n auto --dist worksteal --durations=15 tests
 	# Without a C compiler (no analysis/kernels/kernels.c build) the numpy reference computes every table.
 	KVSNAP_KERNEL=numpy $(BIN)/python -m pytest -q -n auto tests/analysis/stats/test_stats.py tests/analysis/attention/test_head_importance.py tests/analysis/kernels/test_kernels_oracle.py \
 		tests/analysis/tools/test_diff.py

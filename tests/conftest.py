@@ -16,6 +16,7 @@ import pytest
 import kvformat
 
 ROOT = Path(__file__).resolve().parent.parent
+FORMAT_TESTS = ROOT / "tests" / "kvformat"
 
 
 def _network() -> str | None:
@@ -105,11 +106,17 @@ _FIXTURE_NEEDS = {
 def pytest_configure(config: pytest.Config) -> None:
     for name, (what, _) in NEEDS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
+    config.addinivalue_line(
+        "markers", "kvformat: a test of tests/kvformat (make test runs those on the base install, s3 apart)"
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that use a fixture needing a tool carry that tool's marker too."""
+    """Tests that use a fixture needing a tool carry that tool's marker too; those of
+    tests/kvformat carry ``kvformat``."""
     for item in items:
+        if FORMAT_TESTS in Path(str(item.path)).parents:
+            item.add_marker("kvformat")
         for fixture in getattr(item, "fixturenames", ()):
             if fixture in _FIXTURE_NEEDS:
                 item.add_marker(_FIXTURE_NEEDS[fixture])
