@@ -233,7 +233,7 @@ def kept_capture(
     files, mlx and mlx-lm's versions, every source file of kvformat and the capture stage and
     ``sources`` (the test module that records what the model computed), so any change to what
     writes it makes it again. The arrays ``make`` returns (what the model computed meanwhile)
-    are kept beside it (`kept_arrays`). Test workers and later sessions share both; a test must
+    are kept beside it (`kept_arrays`). Test workers and later test runs share both; a test must
     not write to them (copy first)."""
     import hashlib
     import os
