@@ -105,7 +105,7 @@ def _opened(src: str | os.PathLike[str], bundle: str | None = None) -> Iterator[
     name = os.fspath(src)
     manifest: tuple[str, bytes] | None = None
     with open(name, "rb") as probe:
-        if probe.read(1) == b"{":
+        if _is_manifest(probe.read(1)):
             manifest = (name, _manifest_bytes(name))
             name = _log_beside(name, parse_json(manifest[1], name))
     with open(name, "rb") as file:
@@ -120,6 +120,11 @@ def _opened(src: str | os.PathLike[str], bundle: str | None = None) -> Iterator[
         if not bundles:
             raise CorruptFileError(f"{name}: the log holds no bundle manifest (kind {BUNDLE_KIND})")
         yield log, bundles
+
+
+def _is_manifest(prefix: bytes) -> bool:
+    """Whether a file beginning with ``prefix`` is a bundle manifest kept as JSON (not a log)."""
+    return prefix[:1] == b"{"
 
 
 def _manifest_bytes(path: str) -> bytes:
@@ -551,7 +556,7 @@ class BundlesImporter(Importer):
     magics = (KVST, *STATE_LOGS)
 
     def recognises(self, prefix: bytes) -> bool:
-        return super().recognises(prefix) or prefix.lstrip()[:1] == b"{"  # a manifest beside its log
+        return super().recognises(prefix) or _is_manifest(prefix)  # a manifest beside its log
 
     def what(self, prefix: bytes) -> str:
         return "go-mlx KVST container" if prefix.startswith(KVST) else "go-mlx State log"
