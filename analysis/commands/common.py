@@ -21,7 +21,8 @@ from kvsnap.errors import OptionsConflictError
 
 from ..attention.names import SCALARS
 from ..dependencies import pa, pa_csv, pq
-from ..stats.catalogue import check_scalar, stat_groups
+from ..stats.catalogue import stat_groups
+from ..stats.statistic import check_scalar
 
 KEYS = ("snapshot", "seq", "layer", "head", "n_tokens")
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import kernels
+from ..stats import statistic
 from ..stats.catalogue import POSITION_BINS, QUANT_BITS, RANKS, hist_quantiles
 
 if TYPE_CHECKING:
@@ -76,9 +77,12 @@ def statistics(accumulators: Sequence[RunningSums]) -> list[dict[str, Any]]:
         parts.append(_spectrum(stack, n, m1))
     if "quant" in groups:
         parts.append([_quant(acc) for acc in stack])
+    added = statistic.active(groups)
     for b, i in enumerate(live):
         for part in parts:
             rows[i].update(part[b])
+        if added:
+            rows[i].update(statistic.values(added, stack[b].sums_by_name()))
     return rows
 
 

@@ -47,6 +47,7 @@ def add(acc: RunningSums, rows: np.ndarray, positions: np.ndarray, check: Payloa
     acc.prepare_add()
     with quiet if check is not None else contextlib.nullcontext():
         _add(acc, rows, positions, check)
+    acc.add_added(rows, positions)
 
 
 @functools.cache

@@ -423,19 +423,21 @@ typedef struct {
 } Settings;
 
 /* RunningSums: one accumulator's running sums (analysis/stats/sums.py's RunningSums), which the
- * call adds into. */
+ * call adds into: two counts, the call's scalars and channel maxima, then the catalogue's sums
+ * the kernel adds into in place, each named and typed as analysis/stats/catalogue.py's SUMS
+ * declares it, in the order of analysis/kernels/native.py's KERNEL_SUMS. */
 typedef struct {
     int64_t dim;             /* channels */
+    int64_t position_bins;   /* bins of position_count and position_norm */
     double *scalars;         /* (6,) NORM_SUM ... FIRST_COUNT */
+    int32_t *absmax_bits;    /* (dim,) each channel's max |x| as float32 bits */
     int64_t *norm_hist;      /* (bins,) */
     int64_t *peak_hist;      /* (bins,) */
     double *power;           /* (4, dim) sums of x, x^2, x^3, x^4 */
-    int32_t *absmax_bits;    /* (dim,) each channel's max |x| as float32 bits */
     double *unit_sum;        /* (dim,) */
     double *band;            /* (pairs,) RoPE pair energy; unread without the ROPE flag */
     int64_t *position_count; /* (position_bins,) */
     double *position_norm;   /* (position_bins,) */
-    int64_t position_bins;   /* bins of the two above */
     double *quant_token;     /* (3,) per-token quantization error sums at 8, 4, 2 bits */
     double *quant_channel;   /* (3,) per-channel ones */
 } RunningSums;

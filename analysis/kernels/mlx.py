@@ -389,6 +389,7 @@ def add(acc: RunningSums, rows: np.ndarray, positions: np.ndarray, check: Payloa
     if check is not None:
         check.check(crc32c(bytes_of(rows)))
     rows, positions = acc.drop_nonfinite(rows, positions)
+    acc.add_added(rows, positions)
     for x, pos in split_pieces(rows, positions):
         flags = piece_flags(acc, x.shape[0])
         inputs = [to_device(x)] + ([mx.array(piece_bins(pos))] if flags[0] else [])

@@ -208,6 +208,7 @@ class Pipeline:
         if check is not None and (rows.shape[0] > PIECE or self._staging is None):
             check.check(crc32c(bytes_of(rows)))
             check = None
+        acc.add_added(rows, positions)
         for x, pos in split_pieces(rows, positions):
             self._entries.append((acc, x, pos, check))
             self._bytes += 2 * x.size  # as 16-bit values: float32 batches as many (`BATCH_MIB`)

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..stats.catalogue import QUANT_GROUP
+from ..stats.catalogue import QUANT_GROUP, SUMS, size_of
 
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _ROPE = 2  # `kernels.kernel.ROPE`: the flag under which the kernel writes ``band``
@@ -69,25 +69,34 @@ class Settings(ctypes.Structure):
     band_size: int  # the ``band`` sums the kernel writes (0 without the ROPE flag)
 
 
+KERNEL_SUMS = tuple(
+    total
+    for total in SUMS
+    for name in ("norm_hist", "peak_hist", "power", "unit_sum", "band", "position_count",
+                 "position_norm", "quant_token", "quant_channel")
+    if total.name == name
+)  # fmt: skip
+"""The catalogue's sums (`catalogue.SUMS`) the kernel adds into in place, in the order of the
+struct's fields: each a field of its name, pointing at the accumulator's array of that sum (its
+declared dtype and shape; tests hold ``kernels.c``'s field types to the declaration). The
+others: ``count`` and the top peaks are added here from the call's outputs, the scalar sums and
+``absmax`` go through the call's ``scalars`` and ``absmax_bits``, and ``gram`` is BLAS's."""
+
+
 class RunningSums(ctypes.Structure):
     """One accumulator's running sums, which an `accumulate` call adds into (``RunningSums`` in
-    `kernels.c`; `analysis.stats.sums.RunningSums` declares them); made by `running_sums`, which
-    keeps the arrays it points to alive."""
+    `kernels.c`; `analysis.stats.sums.RunningSums` declares them): ``dim`` and
+    ``position_bins``, the call's ``scalars`` (6 float64: `kernels.kernel.SCALARS`) and
+    ``absmax_bits`` (``(dim,)`` int32: each channel's max |x| as float32 bits), then a pointer
+    for each of `KERNEL_SUMS`. Made by `running_sums`, which keeps the arrays it points to
+    alive."""
 
     _fields_ = [
         ("dim", _INT),
-        ("scalars", _POINTER),  # (6,) float64: `kernels.kernel.SCALARS`
-        ("norm_hist", _POINTER),  # (bins,) int64
-        ("peak_hist", _POINTER),  # (bins,) int64
-        ("power", _POINTER),  # (4, dim) float64: sums of x, x^2, x^3, x^4
-        ("absmax_bits", _POINTER),  # (dim,) int32: each channel's max |x| as float32 bits
-        ("unit_sum", _POINTER),  # (dim,) float64
-        ("band", _POINTER),  # (pairs,) float64; unread without the ROPE flag
-        ("position_count", _POINTER),  # (position_bins,) int64
-        ("position_norm", _POINTER),  # (position_bins,) float64
         ("position_bins", _INT),
-        ("quant_token", _POINTER),  # (3,) float64
-        ("quant_channel", _POINTER),  # (3,) float64
+        ("scalars", _POINTER),
+        ("absmax_bits", _POINTER),
+        *((total.name, _POINTER) for total in KERNEL_SUMS),
     ]
     _arrays: tuple[np.ndarray, ...]
 
@@ -189,7 +198,7 @@ def missing_note() -> str | None:
     )
 
 
-def _address(array: np.ndarray, dtype: type, size: int | None = None) -> int:
+def _address(array: np.ndarray, dtype: type | np.dtype[Any], size: int | None = None) -> int:
     """The address of C-contiguous ``array`` of ``dtype`` (of at least ``size`` elements): what
     the C code may read and write. Anything else is a caller's bug, raised before C sees it."""
     if array.dtype != dtype or not array.flags.c_contiguous or (size is not None and array.size < size):
@@ -240,26 +249,23 @@ def running_sums(acc: Any, settings: Settings, scalars: np.ndarray, absmax_bits:
     ||x_0||, count of x_0) and ``absmax_bits`` ``(dim,)`` int32 (the float32 bits of each
     channel's max |x| so far), each checked against the sizes ``settings`` implies. The arrays
     stay alive as long as the struct."""
-    dim, bins = acc.dim, settings.bins
-    band = acc.band if acc.band is not None else _EMPTY
-    arrays: tuple[np.ndarray, ...] = (scalars, acc.norm_hist, acc.peak_hist, acc.power, absmax_bits)
-    arrays += (acc.unit_sum, band, acc.position_count, acc.position_norm, acc.quant_token, acc.quant_channel)
+    arrays = {total.name: getattr(acc, total.name) for total in KERNEL_SUMS}
+    if arrays["band"] is None:
+        arrays["band"] = _EMPTY
+    pointers = {
+        total.name: _address(
+            arrays[total.name], np.dtype(total.dtype), size_of(total, acc.dim, settings.band_size)
+        )
+        for total in KERNEL_SUMS
+    }
     made = RunningSums(
-        dim=dim,
-        scalars=_address(scalars, np.float64, 6),
-        norm_hist=_address(acc.norm_hist, np.int64, bins),
-        peak_hist=_address(acc.peak_hist, np.int64, bins),
-        power=_address(acc.power, np.float64, 4 * dim),
-        absmax_bits=_address(absmax_bits, np.int32, dim),
-        unit_sum=_address(acc.unit_sum, np.float64, dim),
-        band=_address(band, np.float64, settings.band_size),
-        position_count=_address(acc.position_count, np.int64),
-        position_norm=_address(acc.position_norm, np.float64, acc.position_count.shape[0]),
+        dim=acc.dim,
         position_bins=acc.position_count.shape[0],
-        quant_token=_address(acc.quant_token, np.float64, 3),
-        quant_channel=_address(acc.quant_channel, np.float64, 3),
+        scalars=_address(scalars, np.float64, 6),
+        absmax_bits=_address(absmax_bits, np.int32, acc.dim),
+        **pointers,
     )
-    made._arrays = arrays
+    made._arrays = (scalars, absmax_bits, *arrays.values())
     return made
 
 

@@ -33,6 +33,7 @@ def add(acc: RunningSums, rows: np.ndarray, positions: np.ndarray, check: Payloa
         check.check(crc32c(bytes_of(rows)))
     rows, positions = acc.drop_nonfinite(rows, positions)
     _add(acc, rows, positions)
+    acc.add_added(rows, positions)
 
 
 def _add(acc: RunningSums, rows: np.ndarray, positions: np.ndarray) -> None:

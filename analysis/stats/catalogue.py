@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 # The groups and their columns, by name (re-exported: the catalogue's names)
-from .groups import ALL, ALWAYS, GROUPS, LIST_COLUMNS, QUANT_BITS, RANKS, check_scalar, stat_groups  # noqa: F401
+from .groups import ALL, ALWAYS, GROUPS, LIST_COLUMNS, QUANT_BITS, RANKS, stat_groups  # noqa: F401
 
 LOG_LOW, LOG_HIGH, BINS = -8.0, 8.0, 2048  # log10 histogram of norms and peaks: ~1.8% relative bin width
 TOP_K = 8  # largest per-token peaks kept (massive activations)
@@ -154,11 +154,8 @@ SUMS: tuple[Sum, ...] = (
 """Every accumulated sum, declared once (see `Sum`)."""
 
 
-def allocate(total: Sum, dim: int, band: int | None, groups: frozenset[str]) -> Any:
-    """A fresh (zero) value of ``total`` for ``dim`` channels, ``band`` RoPE pairs (None: no RoPE)
-    and the statistic ``groups``: an array of its shape, or None (``band`` without a RoPE)."""
-    if total.name == "band" and band is None:
-        return None
+def shape_of(total: Sum, dim: int, band: int | None) -> tuple[int, ...]:
+    """The shape of ``total``'s array for ``dim`` channels and ``band`` RoPE pairs (None: 0)."""
     sizes = {
         "dim": dim,
         "bins": BINS,
@@ -167,7 +164,20 @@ def allocate(total: Sum, dim: int, band: int | None, groups: frozenset[str]) -> 
         "band": band,
         "4": 4,
     }
-    shape = tuple(int(sizes[axis] or 0) for axis in total.shape)
+    return tuple(int(sizes[axis] or 0) for axis in total.shape)
+
+
+def size_of(total: Sum, dim: int, band: int | None) -> int:
+    """The values in ``total``'s array (`shape_of`)."""
+    return int(np.prod(shape_of(total, dim, band), dtype=np.int64))
+
+
+def allocate(total: Sum, dim: int, band: int | None, groups: frozenset[str]) -> Any:
+    """A fresh (zero) value of ``total`` for ``dim`` channels, ``band`` RoPE pairs (None: no RoPE)
+    and the statistic ``groups``: an array of its shape, or None (``band`` without a RoPE)."""
+    if total.name == "band" and band is None:
+        return None
+    shape = shape_of(total, dim, band)
     if total.name == "gram" and "spectrum" not in groups:
         shape = (0, 0)  # 128 KiB at 128 channels: allocated only where the spectrum needs it
     return np.zeros(shape, total.dtype)

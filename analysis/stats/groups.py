@@ -1,6 +1,7 @@
 """The statistic groups and their columns, by name: what the command line checks before anything
 heavy is imported (this module needs the standard library only). `catalogue` defines each
-statistic; these are its names."""
+statistic; these are its names. Statistics added to the catalogue (`statistic`) join these
+groups."""
 
 from __future__ import annotations
 
@@ -49,27 +50,6 @@ LIST_COLUMNS = frozenset(
      "massive_positions", "massive_values", "rope_band_energy", "eigenvalues"}
 )  # fmt: skip
 """Columns that hold a list per row (the others are one number)."""
-
-
-def check_scalar(name: str, groups: frozenset[str]) -> None:
-    """ValueError unless ``name`` is a one-number statistic the groups ``groups`` compute, naming
-    what is wrong: a misspelling (the choices listed), a list column, or a group left out."""
-    owner = next((group for group, columns in GROUPS.items() if name in columns), None)
-    if name in ALWAYS:
-        return
-    if owner is None:
-        scalars = [c for columns in GROUPS.values() for c in columns if c not in LIST_COLUMNS]
-        raise kvformat_errors.UnknownNameError(
-            f"--stat {name!r}: no such statistic; one of: {', '.join([*ALWAYS, *scalars])}"
-        )
-    if name in LIST_COLUMNS:
-        raise kvformat_errors.InvalidArgumentError(
-            f"--stat {name!r} holds a list per head; give a one-number statistic"
-        )
-    if owner not in groups:
-        raise kvformat_errors.InvalidArgumentError(
-            f"--stat {name!r} is in the {owner!r} group, which --stats leaves out"
-        )
 
 
 ALL = frozenset(GROUPS)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import LayoutMismatchError
-from . import finite
+from . import finite, statistic
 from .catalogue import ALL, SUMS, allocate, merged, stat_groups
 from .rope import Rope
 
@@ -61,7 +61,7 @@ def stack(accumulators: Sequence[RunningSums]) -> Stack | None:
     return shared
 
 
-_SUMS = ("rope", *(total.name for total in SUMS if total.shape or total.merge == "top"))
+_SUMS = ("rope", "added", *(total.name for total in SUMS if total.shape or total.merge == "top"))
 """What `HeadAccumulator.seal` leaves out of the pickled state: what only `add` and `merge` use
 (the sums' arrays; the numbers are small)."""
 
@@ -98,6 +98,7 @@ class RunningSums:
     backend: str = "cpu"  # the `kernels` name: "cpu" (C, or numpy where not built), "numpy", "mlx"
     nonfinite_rows: int = 0  # rows left out of every sum: they held inf or NaN (`analysis.stats.finite`)
     nonfinite_values: int = 0  # the inf and NaN values in those rows
+    added: dict[str, np.ndarray] = field(init=False)  # the sums of added statistics (`statistic`)
     pending: Pending | None = field(default=None, init=False, repr=False, compare=False)
     computed_row: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
     layout: Stack | None = field(default=None, init=False, repr=False, compare=False)  # see `stack`
@@ -110,6 +111,19 @@ class RunningSums:
         for total in SUMS:
             if total.shape:
                 setattr(self, total.name, allocate(total, self.dim, band, self.groups))
+        self.added = statistic.allocated(statistic.active(self.groups), self.dim)
+
+    def add_added(self, rows: np.ndarray, positions: np.ndarray) -> None:
+        """Add ``rows`` ``(n, dim)`` at ``positions`` into the sums of the added statistics of
+        this accumulator's groups (`statistic`; nothing where none is added): what every backend
+        calls beside its own kernel, with the rows it was given."""
+        if self.added:
+            statistic.add(statistic.active(self.groups), self.added, rows, positions)
+
+    def sums_by_name(self) -> dict[str, Any]:
+        """Every sum by name (the catalogue's, the added statistics', and ``dim``): what an added
+        statistic's value is computed from."""
+        return {total.name: getattr(self, total.name) for total in SUMS} | self.added | {"dim": self.dim}
 
     def prepare_add(self) -> None:
         """What a backend calls before it adds rows: refuses a sealed accumulator and forgets the
@@ -161,3 +175,9 @@ class RunningSums:
         self.computed_row = None
         for total in SUMS:
             setattr(self, total.name, merged(total, getattr(self, total.name), getattr(other, total.name)))
+        if self.added.keys() != other.added.keys():
+            raise LayoutMismatchError(
+                "cannot merge statistics computed with different added statistics "
+                f"({sorted(other.added)} into {sorted(self.added)})"
+            )
+        statistic.merge(statistic.active(self.groups), self.added, other.added)

@@ -213,15 +213,27 @@ def test_the_ctypes_structs_lay_out_the_c_ones_field_by_field(struct: type) -> N
         )
 
 
-def test_the_running_sums_struct_holds_the_accumulators_sums_by_name() -> None:
-    """`native.RunningSums`' arrays are `stats.sums.RunningSums`' own sums by name, but for the
-    call's scalars and channel maxima (bits), which `compiled` folds in after the call."""
+def test_the_running_sums_struct_is_the_catalogues_declaration() -> None:
+    """`kernels.c`'s ``RunningSums`` holds each of `native.KERNEL_SUMS` as a pointer to the C type
+    of the dtype `catalogue.SUMS` declares for it, named as declared (and an array of
+    `stats.sums.RunningSums`), after the two counts and the call's own scalars and channel
+    maxima: a sum whose declaration and kernel slot disagree fails here, not in a table."""
+    from kvsnap.analysis.stats.catalogue import SUMS
     from kvsnap.analysis.stats.sums import RunningSums
 
-    fields = {field for field, kind in native.RunningSums._fields_ if kind is ctypes.c_void_p}
+    source = (Path(native.__file__).parent / "kernels.c").read_text()
+    c_fields = _c_struct_fields(source, "RunningSums")
+    assert c_fields[:4] == [("int64_t", "dim"), ("int64_t", "position_bins"), ("double*", "scalars"),
+                            ("int32_t*", "absmax_bits")]  # fmt: skip
+    declared = {total.name: total for total in SUMS}
+    c_types = {"float64": "double*", "int64": "int64_t*"}
+    slots = c_fields[4:]
+    assert [field for _, field in slots] == [total.name for total in native.KERNEL_SUMS]
+    for c_kind, field in slots:
+        assert c_kind == c_types[declared[field].dtype], field
+        assert declared[field].shape, field  # an array sum
     own = {f.name for f in dataclasses.fields(RunningSums)}
-    assert fields - own == {"scalars", "absmax_bits"}
-    assert {"dim", "position_bins"} <= {field for field, _ in native.RunningSums._fields_}
+    assert {field for _, field in slots} <= own
 
 
 @pytest.mark.skipif(not native.AVAILABLE, reason="the C kernels are not built here")

@@ -402,7 +402,18 @@ def test_every_sum_of_an_accumulator_is_declared_once_in_the_catalogue() -> None
 
     names = [total.name for total in SUMS]
     assert len(names) == len(set(names))
-    state = {"dim", "rope", "groups", "backend", "pending", "computed_row", "layout", "slot", "_sealed"}
+    state = {
+        "dim",
+        "rope",
+        "groups",
+        "backend",
+        "pending",
+        "computed_row",
+        "layout",
+        "slot",
+        "_sealed",
+        "added",
+    }
     assert {f.name for f in fields(HeadAccumulator)} - state == set(names)
     for total in SUMS:
         assert total.merge in ("add", "min", "max", "top") and total.groups <= set(GROUPS), total
