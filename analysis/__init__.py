@@ -24,9 +24,7 @@ if TYPE_CHECKING:
     from .attention.compression import simulate
     from .attention.head_importance import attention_stats
     from .engine.accumulator import HeadAccumulator
-    from .engine.batch import BatchResult, FileFailure, expand_paths, merged_stats, run_stats
-    from .engine.plan import BatchOptions
-    from .engine.tables import head_stats, head_stats_reader, head_stats_table
+    from .engine.batch import FileFailure, expand_paths, head_stats
     from .stats.outliers import outliers
     from .stats.rope import Rope, RopeError, checkpoint_keys
     from .tools.diff import head_diff
@@ -37,8 +35,6 @@ if TYPE_CHECKING:
     from .viewer.notebook import view
 
 __all__ = [
-    "BatchOptions",
-    "BatchResult",
     "FileFailure",
     "HeadAccumulator",
     "Rope",
@@ -50,11 +46,7 @@ __all__ = [
     "head_diff",
     "head_similarity",
     "head_stats",
-    "head_stats_reader",
-    "head_stats_table",
-    "merged_stats",
     "outliers",
-    "run_stats",
     "similarity_for_file",
     "simulate",
     "state_stats",

@@ -11,8 +11,11 @@ unless ``fail_fast``.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from kvformat.errors import ConflictingArgumentsError
 
 from ..dependencies import pa, pl
 from ..errors import LayoutMismatchError
@@ -39,9 +42,42 @@ __all__ = [
     "FileFailure",
     "Merger",
     "expand_paths",
+    "head_stats",
     "merged_stats",
     "run_stats",
 ]
+
+
+def head_stats(
+    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    merge: bool = False,
+    failures: list[FileFailure] | None = None,
+    progress: Callable[[str], None] | None = None,
+    **settings: Any,
+) -> pl.DataFrame:
+    """The per-head statistics of snapshots as a Polars DataFrame: kvsnap's one way to get the
+    table (``kvsnap stats`` runs the same). One row per (file, snapshot, seq, layer, head,
+    tensor); with ``merge=True``, one per (layer, head, tensor) over every token of every file
+    (each file's sums merged as it arrives: ``n_files`` first; ``kvsnap stats --merge``).
+
+    ``paths``: a path, URL or glob pattern (``runs/*.kv``, ``s3://bucket/runs/*.kv``), or several.
+    ``settings``, all keywords: ``stats`` (groups, default all: `GROUPS`), ``keys``
+    (``"post_rope"``, or ``"pre_rope"`` to un-rotate K first), ``snapshot`` (default the last),
+    ``backend`` (``"cpu"``, or ``"mlx"``: mlx's default device), ``jobs`` (cores, default all),
+    ``engine`` (``"local"`` processes or ``"ray"``, with ``address``), ``storage_options``
+    (remote files). ``failures``: None raises the first failing file's error; a list collects
+    each failing file (`FileFailure`: its path and the error) and the others' rows come back.
+    ``progress`` is called with each file's name as it finishes. An Arrow table of the same rows:
+    ``.to_arrow()``."""
+    if "fail_fast" in settings:
+        raise ConflictingArgumentsError("head_stats takes failures=[...] (collect) or nothing (raise)")
+    patterns = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
+    run = merged_stats if merge else run_stats
+    result = run(patterns, progress=progress, fail_fast=failures is None, **settings)
+    if failures is not None:
+        failures.extend(result.failures)
+    return result.table
 
 
 def run_stats(

@@ -37,7 +37,6 @@ __all__ = [
     "file_table",
     "file_tables",
     "frame_of",
-    "head_stats",
     "head_stats_reader",
     "head_stats_table",
     "layer_tables",
@@ -215,24 +214,6 @@ def file_tables(
         yield found[0] if len(found) == 1 else rows_of(found)
 
 
-def head_stats(
-    paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
-    snapshot: int = -1,
-    keys: str = "post_rope",
-    jobs: int | None = None,
-    progress: Callable[[str], None] | None = None,
-    *,
-    stats: str | Iterable[str] | None = None,
-    backend: str = "cpu",
-) -> pl.DataFrame:
-    """A Polars DataFrame, one row per (file, seq, layer, head, tensor); ``keys="pre_rope"``
-    un-rotates K first using the RoPE description in the metadata; ``stats`` names the groups
-    (`GROUPS`; default all); ``jobs`` cores (default: all); ``backend="mlx"`` computes on mlx's
-    default device (a GPU where there is one); ``progress`` is called with each file name as it
-    finishes."""
-    return frame_of([head_stats_table(paths, snapshot, keys, jobs, progress, stats=stats, backend=backend)])
-
-
 def head_stats_table(
     paths: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     snapshot: int = -1,
@@ -243,7 +224,8 @@ def head_stats_table(
     stats: str | Iterable[str] | None = None,
     backend: str = "cpu",
 ) -> pa.Table:
-    """`head_stats` as one Arrow table (no polars import): the same rows and columns."""
+    """The rows of `analysis.head_stats` (files in this process, no batch engine) as one Arrow
+    table, without importing polars: what the commands that print rows use."""
     return rows_of(list(file_tables(paths, snapshot, keys, jobs, progress, stats=stats, backend=backend)))
 
 

@@ -9,7 +9,8 @@ import polars as pl
 import pytest
 
 import kvformat
-from kvsnap.analysis.engine.tables import head_stats, head_stats_reader, head_stats_table
+from kvsnap.analysis.engine.batch import head_stats
+from kvsnap.analysis.engine.tables import head_stats_reader, head_stats_table
 from kvsnap.analysis.stats.outliers import outliers
 from kvsnap.cli import main
 from tests.factories import random_file

@@ -13,8 +13,7 @@ import polars as pl
 import pytest
 
 import kvformat
-from kvsnap.analysis.engine.batch import expand_paths, merged_stats, run_stats
-from kvsnap.analysis.engine.tables import head_stats
+from kvsnap.analysis.engine.batch import expand_paths, head_stats, merged_stats, run_stats
 from kvsnap.cli import main
 from tests.factories import random_file
 from tests.servers import moto_s3, nginx

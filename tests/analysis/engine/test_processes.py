@@ -18,9 +18,10 @@ import threadpoolctl
 
 import kvformat
 from kvsnap.analysis.engine import processes
+from kvsnap.analysis.engine.batch import head_stats
 from kvsnap.analysis.engine.plan import PassOptions, windows
 from kvsnap.analysis.engine.streaming import layers
-from kvsnap.analysis.engine.tables import head_stats, layer_tables, stats_for_file
+from kvsnap.analysis.engine.tables import layer_tables, stats_for_file
 from kvsnap.analysis.kernels import mlx_sizing
 from tests.factories import random_file
 
@@ -230,7 +231,7 @@ def test_a_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
             f"""
             import sys
             from kvsnap.analysis.engine import processes
-            from kvsnap.analysis.engine.tables import head_stats
+            from kvsnap.analysis.engine.batch import head_stats
             processes.PROCESS_MIN_BYTES = 0  # a small file, on processes all the same
             processes.start(2)  # the workers asked for on a helper thread, the pass at once
             print("rows", head_stats({str(path)!r}, jobs=2).height, flush=True)

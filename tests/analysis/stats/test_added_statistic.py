@@ -15,8 +15,7 @@ import polars as pl
 import pytest
 
 from kvformat.errors import InvalidArgumentError, UnknownNameError
-from kvsnap.analysis.engine.batch import merged_stats
-from kvsnap.analysis.engine.tables import head_stats
+from kvsnap.analysis.engine.batch import head_stats
 from kvsnap.analysis.stats import statistic
 from kvsnap.analysis.stats.catalogue import Sum
 from tests.factories import random_file
@@ -96,7 +95,7 @@ def test_every_backend_computes_an_added_statistic(package: Path, tmp_path: Path
 def test_an_added_statistic_merges_exactly_over_files(package: Path, tmp_path: Path) -> None:
     first = random_file(tmp_path / "a.kv", seed=1)
     second = random_file(tmp_path / "b.kv", seed=2)
-    table = merged_stats([str(tmp_path / "a.kv"), str(tmp_path / "b.kv")], jobs=1).table
+    table = head_stats([tmp_path / "a.kv", tmp_path / "b.kv"], merge=True, jobs=1)
     row = table.filter((pl.col("tensor") == "k") & (pl.col("head") == 0)).row(0, named=True)
     both = np.concatenate([first.k[0][0], second.k[0][0]])
     positions = np.concatenate([np.arange(first.k[0].shape[1])] * 2)

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import kvformat
-from kvsnap.analysis.engine.tables import head_stats, stats_rows
+from kvsnap.analysis.engine.batch import head_stats
+from kvsnap.analysis.engine.tables import stats_rows
 from kvsnap.analysis.kernels import kernel
 from kvsnap.analysis.kernels import mlx as mlx_backend
 from kvsnap.analysis.stats import finite

@@ -12,7 +12,8 @@ import pytest
 
 import kvformat
 from kvsnap.analysis.engine.accumulator import HeadAccumulator
-from kvsnap.analysis.engine.tables import head_stats, head_stats_reader, stats_rows
+from kvsnap.analysis.engine.batch import head_stats
+from kvsnap.analysis.engine.tables import head_stats_reader, stats_rows
 from kvsnap.analysis.stats import GROUPS, stat_groups
 from kvsnap.analysis.stats.rope import Rope, RopeError
 from kvsnap.analysis.tools.token_table import token_table
@@ -360,7 +361,7 @@ def test_without_the_c_kernels_the_numpy_reference_gives_the_table_and_stats_say
     the compiled kernel's table; ``kvsnap stats`` says once, on stderr, that the compiled kernels
     are missing and how to get them. With them built it says nothing."""
     from kvsnap.analysis import kernels as backends
-    from kvsnap.analysis.engine.tables import head_stats
+    from kvsnap.analysis.engine.batch import head_stats
     from kvsnap.analysis.kernels import kernel, native
     from kvsnap.cli import main
 
