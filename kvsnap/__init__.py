@@ -18,7 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvsnap import blas
 from kvsnap.exports import exports
+
+blas.load()  # $KVSNAP_BLAS, before any stage imports mlx (see kvsnap.blas)
 
 __version__ = "0.1.0"
 

@@ -4,16 +4,26 @@ the tests that need a tool from outside Python (`NEEDS`)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import socket
 from collections.abc import Callable
 from pathlib import Path
 
-import ml_dtypes
-import numpy as np
-import pytest
+# mlx[cpu]'s Linux wheel carries the reference BLAS; with Debian's OpenBLAS (`make test` installs
+# it) the model tests' matrix products run ~20x faster (`kvsnap.blas`), one thread per test worker.
+# Set before anything imports mlx; the commands the tests start inherit both.
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
+if OPENBLAS.exists():
+    os.environ.setdefault("KVSNAP_BLAS", str(OPENBLAS))
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import kvformat
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import kvformat  # noqa: E402
+import kvsnap  # noqa: E402, F401  (loads $KVSNAP_BLAS)
 
 ROOT = Path(__file__).resolve().parent.parent
 FORMAT_TESTS = ROOT / "tests" / "kvformat"
@@ -230,13 +240,12 @@ def kept_capture(
 ) -> Path:
     """A capture made by ``make(path)`` once and kept by content: in ``$KVSNAP_CACHE/test-captures``
     under the SHA-256 of ``recipe`` (what the capture reads: prompt, options), the model folder's
-    files, mlx and mlx-lm's versions, every source file of kvformat and the capture stage and
-    ``sources`` (the test module that records what the model computed), so any change to what
-    writes it makes it again. The arrays ``make`` returns (what the model computed meanwhile)
-    are kept beside it (`kept_arrays`). Test workers and later test runs share both; a test must
-    not write to them (copy first)."""
+    files, mlx and mlx-lm's versions and BLAS (`kvsnap.blas`), every source file of kvformat and
+    the capture stage and ``sources`` (the test module that records what the model computed), so
+    any change to what writes it makes it again. The arrays ``make`` returns (what the model
+    computed meanwhile) are kept beside it (`kept_arrays`). Test workers and later test runs share
+    both; a test must not write to them (copy first)."""
     import hashlib
-    import os
     from importlib import metadata
 
     from kvsnap.capture.fixtures import cache_dir
@@ -244,6 +253,7 @@ def kept_capture(
     digest = hashlib.sha256(recipe.encode() + b"\0")
     for package in ("mlx", "mlx-lm"):
         digest.update(f"{package}={metadata.version(package)}\0".encode())
+    digest.update(f"blas={os.environ.get('KVSNAP_BLAS', '')}\0".encode())  # their sums' order
     for source in sorted(model_dir.iterdir()):
         if source.is_file():
             stat = source.stat()
