@@ -121,15 +121,23 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+LONG_FIRST = ("tests/test_examples.py", "tests/test_readme.py", "tests/capture/test_convert.py")
+"""Modules of the longest tests (a minute of shell examples, the README's blocks, the GGUF
+conversions), run first: the short tests then even out the workers' ends, where a long test
+started last would keep one worker busy while the other waits."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that use a fixture needing a tool carry that tool's marker too; those of
-    tests/kvformat carry ``kvformat``."""
+    tests/kvformat carry ``kvformat``; the modules of `LONG_FIRST` go first."""
     for item in items:
         if FORMAT_TESTS in Path(str(item.path)).parents:
             item.add_marker("kvformat")
         for fixture in getattr(item, "fixturenames", ()):
             if fixture in _FIXTURE_NEEDS:
                 item.add_marker(_FIXTURE_NEEDS[fixture])
+    first = {str(ROOT / module) for module in LONG_FIRST}
+    items.sort(key=lambda item: str(item.path) not in first)  # stable: the order otherwise kept
 
 
 _MISSING: dict[str, str | None] = {}

@@ -927,32 +927,16 @@ def simulate_rows(
         if chosen is None:
             chosen = available(snap, end)
         options = resolve_window(snap, end, options, chosen)
-        warned = False
         layers = layers_with_queries(snap)
         bar = tqdm.tqdm(
             layers, unit="layer", file=sys.stderr, disable=None if progress else True, leave=False
         )
-        for layer in bar:
-            spec = snap.layers[layer].queries
-            assert spec is not None
-            shared = adakv_masks(snap, layer, seq, end, budgets, options) if "adakv" in chosen else {}
-            whole_layer = _layer_scores(snap, layer, seq, end, chosen)
-            rope = layer_rope(snap, layer, chosen)
-            where, ends = (layer, model_layers(snap)), (end, prompt_end(snap))
-            for kv_head in sorted(set(spec.kv_heads)):
-                heads, dropped = _group_heads(snap, layer, kv_head, seq)
-                left_out += dropped
-                if not warned:
-                    _warn_small_budget(chosen, budgets, int((heads[0].k_positions < end).sum()), options)
-                    warned = True
-                scores = _group_scores(heads, end, [m for m in chosen if m in EVICTION], options, rope)
-                scores.update(whole_layer.of(heads[0].k_positions))
-                scores.update(shared.get(kv_head, {}))
-                quantized: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # the group's, shared
-                for h in heads:
-                    rows += _head_rows(
-                        h, where, kv_head, chosen, budgets, ends, options, scores, rng, quantized
-                    )
+        for number, layer in enumerate(bar):
+            layer_rows, dropped = _layer_rows(
+                snap, layer, seq, end, chosen, budgets, options, rng, warn=number == 0
+            )
+            rows += layer_rows
+            left_out += dropped
         if left_out:
             warnings.warn(
                 f"{snap.name}: {left_out} queries left out: they attended keys no snapshot of the file holds",
@@ -960,6 +944,42 @@ def simulate_rows(
                 stacklevel=2,
             )
     return rows
+
+
+def _layer_rows(
+    snap: kvformat.Snapshot,
+    layer: int,
+    seq: int,
+    end: int,
+    chosen: list[str],
+    budgets: Sequence[float],
+    options: Options,
+    rng: np.random.Generator,
+    warn: bool,
+) -> tuple[list[dict[str, Any]], int]:
+    """`simulate_rows`' rows of one layer, KV group by KV group, and the queries left out (they
+    attended keys no snapshot holds); ``warn``: say first where a budget keeps too few keys."""
+    spec = snap.layers[layer].queries
+    assert spec is not None
+    shared = adakv_masks(snap, layer, seq, end, budgets, options) if "adakv" in chosen else {}
+    whole_layer = _layer_scores(snap, layer, seq, end, chosen)
+    rope = layer_rope(snap, layer, chosen)
+    where, ends = (layer, model_layers(snap)), (end, prompt_end(snap))
+    rows: list[dict[str, Any]] = []
+    left_out = 0
+    for kv_head in sorted(set(spec.kv_heads)):
+        heads, dropped = _group_heads(snap, layer, kv_head, seq)
+        left_out += dropped
+        if warn:
+            _warn_small_budget(chosen, budgets, int((heads[0].k_positions < end).sum()), options)
+            warn = False
+        scores = _group_scores(heads, end, [m for m in chosen if m in EVICTION], options, rope)
+        scores.update(whole_layer.of(heads[0].k_positions))
+        scores.update(shared.get(kv_head, {}))
+        quantized: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # the group's, shared
+        for h in heads:
+            rows += _head_rows(h, where, kv_head, chosen, budgets, ends, options, scores, rng, quantized)
+    return rows, left_out
 
 
 def _head_rows(
@@ -977,13 +997,9 @@ def _head_rows(
     """``h``'s rows; ``where``: the layer and the model's layer count; ``ends``: the compressed
     span's end and the prompt's (None if unknown); ``quantized``: K and V per quantization
     method, filled by the group's first head and shared by the others (they read one KV head)."""
-    end, prompt = ends
+    end, _ = ends
     layer = where[0]
-    decode = h.q_positions >= max(end, prompt or 0)
-    if not decode.any():
-        decode = h.q_positions >= end
-    window = (h.q_positions >= end - options.observation) & (h.q_positions < end)
-    rows_eval = decode if decode.any() else window
+    rows_eval = _evaluated_queries(h, ends, options.observation)
     if not rows_eval.any():
         return []
     # the eval queries' logits over every key, once: an eviction's weights are the softmax of
@@ -997,12 +1013,8 @@ def _head_rows(
     out = []
     for method in methods:
         if method in QUANTIZATION:
-            axis, bits = QUANTIZATION[method]
-            if method not in quantized:
-                quantized[method] = (quantize(h.k, bits, axis=0 if axis == "channel" else 1, group=GROUP),
-                                     quantize(h.v, bits, axis=1))  # fmt: skip
-            k, v = quantized[method]
-            error, agreement = _error(h, rows_eval, full, full_top, None, k, v)
+            bits = QUANTIZATION[method][1]
+            error, agreement = _quantized_error(h, method, rows_eval, full, full_top, quantized)
             out.append(
                 {
                     "method": method,
@@ -1031,6 +1043,36 @@ def _head_rows(
                 }
             )
     return out
+
+
+def _evaluated_queries(h: _Head, ends: tuple[int, int | None], observation: int) -> np.ndarray:
+    """The queries ``h``'s error is measured over (a mask of ``h.q_positions``): those past the
+    compressed span and the prompt (``ends``), else past the span, else the span's observation
+    window."""
+    end, prompt = ends
+    decode = h.q_positions >= max(end, prompt or 0)
+    if not decode.any():
+        decode = h.q_positions >= end
+    window = (h.q_positions >= end - observation) & (h.q_positions < end)
+    return decode if decode.any() else window
+
+
+def _quantized_error(
+    h: _Head,
+    method: str,
+    rows_eval: np.ndarray,
+    full: np.ndarray,
+    full_top: np.ndarray,
+    quantized: dict[str, tuple[np.ndarray, np.ndarray]],
+) -> tuple[float, float]:
+    """The relative error and top-1 agreement of quantization ``method`` (`QUANTIZATION`) for
+    ``h``'s queries ``rows_eval``; its K and V quantized once per group (kept in ``quantized``)."""
+    axis, bits = QUANTIZATION[method]
+    if method not in quantized:
+        quantized[method] = (quantize(h.k, bits, axis=0 if axis == "channel" else 1, group=GROUP),
+                             quantize(h.v, bits, axis=1))  # fmt: skip
+    k, v = quantized[method]
+    return _error(h, rows_eval, full, full_top, None, k, v)
 
 
 def simulate(

@@ -229,6 +229,41 @@ def attention_difference(
     assert held_a is not None and held_b is not None
     common = _in_span(np.intersect1d(held_a.positions, held_b.positions), queries)
     (q_low, q_high), (k_low, k_high), q_step, k_step, shape = _tiling(common, keys, rows, columns)
+    high, low, counted = _difference_extremes(
+        (a, spec_a), (b, spec_b), layer, head, common, (q_low, q_high, q_step), (k_low, k_high, k_step), shape
+    )
+    if not counted:
+        raise ViewerError("no query of that range has its keys in both files")
+    tiles, listed = _signed_tiles(high, low, as_array)
+    return {
+        "layer": layer,
+        "head": head,
+        "queries": [q_low, q_high],
+        "keys": [k_low, k_high],
+        "step": [q_step, k_step],
+        "tiles": listed,
+        "largest": float(np.abs(tiles).max()) if tiles.size else 0.0,
+        "exact": q_step == 1 and k_step == 1,
+        "compared": counted,
+    }
+
+
+def _difference_extremes(
+    first: tuple[kvformat.Snapshot, Any],
+    second: tuple[kvformat.Snapshot, Any],
+    layer: int,
+    head: int,
+    common: np.ndarray,
+    query_tiling: tuple[int, int, int],
+    key_tiling: tuple[int, int, int],
+    shape: tuple[int, int],
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """For `attention_difference`: the largest and the smallest difference (second's weight minus
+    first's) in each tile ``shape`` of the queries ``common`` (``(low, high, step)`` tilings of
+    queries and keys), and the queries compared (those whose keys both files hold)."""
+    (a, spec_a), (b, spec_b) = first, second
+    q_low, q_high, q_step = query_tiling
+    k_low, k_high, k_step = key_tiling
     high = np.full(shape, -np.inf, np.float32)
     low = np.full(shape, np.inf, np.float32)
     span, cut = (q_low, q_high), (k_low, k_high)
@@ -251,31 +286,22 @@ def attention_difference(
         row_tiles = (at - q_low) // q_step
         _pool(high, np.where(seen, delta, np.float32(-np.inf)), row_tiles, col_tiles, np.maximum)
         _pool(low, np.where(seen, delta, np.float32(np.inf)), row_tiles, col_tiles, np.minimum)
-    counted = int(both.size)
-    if not counted:
-        raise ViewerError("no query of that range has its keys in both files")
+    return high, low, int(both.size)
+
+
+def _signed_tiles(high: np.ndarray, low: np.ndarray, as_array: bool) -> tuple[np.ndarray, Any]:
+    """Each tile's difference of largest magnitude, sign kept (0 where every cell is masked), and
+    the same as sent: a float32 array with NaN, or lists with None, where every cell is masked."""
     signed = np.where(np.abs(low) > np.abs(high), low, high)
     shown = np.isfinite(signed)
     tiles = np.where(shown, signed, 0).round(7)
-    listed: Any = (
-        np.where(shown, tiles, np.float32(np.nan)).astype(np.float32)
-        if as_array
-        else [
-            [v if s else None for v, s in zip(r, m, strict=True)]
-            for r, m in zip(tiles.tolist(), shown.tolist(), strict=True)
-        ]
-    )
-    return {
-        "layer": layer,
-        "head": head,
-        "queries": [q_low, q_high],
-        "keys": [k_low, k_high],
-        "step": [q_step, k_step],
-        "tiles": listed,
-        "largest": float(np.abs(tiles).max()) if tiles.size else 0.0,
-        "exact": q_step == 1 and k_step == 1,
-        "compared": counted,
-    }
+    if as_array:
+        return tiles, np.where(shown, tiles, np.float32(np.nan)).astype(np.float32)
+    listed = [
+        [v if s else None for v, s in zip(r, m, strict=True)]
+        for r, m in zip(tiles.tolist(), shown.tolist(), strict=True)
+    ]
+    return tiles, listed
 
 
 MAX_POINTS = 32768

@@ -20,6 +20,7 @@ from kvsnap.analysis.attention import head_importance
 from kvsnap.analysis.kernels import attention as attention_kernel
 from kvsnap.analysis.kernels import native
 from kvsnap.analysis.stats.catalogue import POSITION_BINS, position_bins
+from tests.conftest import kept_arrays, kept_capture
 
 POSITIONS = 48
 PROMPT = 36  # positions 0..35 are the prompt; queries at 24..47
@@ -368,10 +369,18 @@ def test_scores_on_a_real_capture_equal_numpy_over_the_recomputed_attention(
     import kvsnap
 
     fixture, layers, heads, kv_heads = REAL_MODELS[name]
-    model, tokenizer = load(str(request.getfixturevalue(fixture)))
-    prompt = tokenizer.encode("The bridge was built in 1820 and the bridge still stands; the bridge")
-    path = tmp_path / "run.kv"
-    list(kvsnap.generate(model, tokenizer, prompt, max_tokens=8, output=path, queries="window:8"))
+    model_dir = request.getfixturevalue(fixture)
+    text = "The bridge was built in 1820 and the bridge still stands; the bridge"
+
+    def make(path: Path) -> dict[str, np.ndarray]:
+        model, tokenizer = load(str(model_dir))
+        ids = tokenizer.encode(text)
+        list(kvsnap.generate(model, tokenizer, ids, max_tokens=8, output=path, queries="window:8"))
+        return {"prompt": np.array(ids)}
+
+    recipe = f"{text!r}, 8 new tokens, queries window:8"
+    path = kept_capture(f"bridge-{name}", model_dir, recipe, make, (Path(__file__),))  # read only
+    prompt = kept_arrays(path)["prompt"]
     rows = list(head_importance.attention_rows(path, window=6))
     every = list(head_importance.attention_rows(path, window=6, retrieval="all"))
     assert len(rows) == layers * heads
@@ -604,13 +613,15 @@ def test_a_windowed_capture_scores_only_queries_whose_keys_the_file_holds(
     from kvformat import attention
     from kvsnap.cli import main
 
-    model, tokenizer = load(str(smollm2_dir))
-    prompt = tokenizer.encode("The history of the city begins when a small settlement grew up by a bridge")
-    path = tmp_path / "run.kv"
-    for _ in kvsnap.generate(
-        model, tokenizer, prompt, max_tokens=40, output=path, every=20, queries="window:16", max_kv_size=24
-    ):
-        pass
+    text = "The history of the city begins when a small settlement grew up by a bridge"
+
+    def make(path: Path) -> None:
+        model, tokenizer = load(str(smollm2_dir))
+        options = {"every": 20, "queries": "window:16", "max_kv_size": 24}
+        list(kvsnap.generate(model, tokenizer, tokenizer.encode(text), max_tokens=40, output=path, **options))
+
+    recipe = f"{text!r}, 40 new tokens, every 20, queries window:16, max_kv_size 24"
+    path = kept_capture("rotating-window", smollm2_dir, recipe, make)  # read only
     with pytest.warns(head_importance.AttentionWarning, match="left out of the attention statistics"):
         rows = list(head_importance.attention_rows(path, retrieval="all"))
     with kvformat.open(path) as snap:

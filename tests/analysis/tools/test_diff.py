@@ -4,6 +4,7 @@ with 8-bit and 4-bit quantized caches (quantizing from the first token)."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,25 +17,32 @@ import kvformat
 from kvsnap.analysis.tools.diff import LayoutMismatchError, head_diff
 from kvsnap.capture.generation import generate
 from kvsnap.cli import main
-from tests.conftest import PROSE
+from tests.conftest import PROSE, kept_capture
 from tests.kvformat.test_channel_order import _pair
 
 
 @pytest.fixture(scope="module")
-def captures(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    model, tokenizer = load(str(smollm2_dir))
-    prompt = tokenizer.encode(PROSE)[:48]
-    out = tmp_path_factory.mktemp("diff")
+def captures(smollm2_dir: Path) -> dict[str, Path]:
+    """The three captures, each made once and kept by content (`kept_capture`): read only."""
+    loaded: list[tuple[object, object]] = []
+
+    def capture(extra: dict[str, int]) -> Callable[[Path], None]:
+        def make(path: Path) -> None:
+            if not loaded:
+                loaded.append(load(str(smollm2_dir)))
+            model, tokenizer = loaded[0]
+            prompt = tokenizer.encode(PROSE)[:48]  # type: ignore[attr-defined]
+            sampler = make_sampler(0.0)
+            list(generate(model, tokenizer, prompt, max_tokens=2, output=path, sampler=sampler, **extra))
+
+        return make
+
     paths = {}
     for name, extra in (("fp16", {}), ("kv8", {"kv_bits": 8}), ("kv4", {"kv_bits": 4})):
         if extra:
             extra = {**extra, "kv_group_size": 64, "quantized_kv_start": 0}
-        paths[name] = out / f"{name}.kv"
-        list(
-            generate(
-                model, tokenizer, prompt, max_tokens=2, output=paths[name], sampler=make_sampler(0.0), **extra
-            )
-        )
+        recipe = f"PROSE[:48] ids, 2 new tokens, greedy, {sorted(extra.items())}"
+        paths[name] = kept_capture(f"diff-{name}", smollm2_dir, recipe, capture(extra), (Path(__file__),))
     return paths
 
 
