@@ -193,11 +193,7 @@ def attention_map(
     padded = np.zeros(k_tiles * k_step)
     padded[: mean.size] = mean
     return {
-        "layer": layer,
-        "head": head,
-        "queries": [q_low, q_high],
-        "keys": [k_low, k_high],
-        "step": [q_step, k_step],
+        **_placement(layer, head, (q_low, q_high, q_step), (k_low, k_high, k_step)),
         "tiles": tiles if as_array else tiles.round(7).tolist(),
         "received": padded.reshape(k_tiles, k_step).max(axis=1).round(7).tolist(),
         "exact": q_step == 1 and k_step == 1,
@@ -236,15 +232,26 @@ def attention_difference(
         raise ViewerError("no query of that range has its keys in both files")
     tiles, listed = _signed_tiles(high, low, as_array)
     return {
+        **_placement(layer, head, (q_low, q_high, q_step), (k_low, k_high, k_step)),
+        "tiles": listed,
+        "largest": float(np.abs(tiles).max()) if tiles.size else 0.0,
+        "exact": q_step == 1 and k_step == 1,
+        "compared": counted,
+    }
+
+
+def _placement(
+    layer: int, head: int, query_tiling: tuple[int, int, int], key_tiling: tuple[int, int, int]
+) -> dict[str, Any]:
+    """Where a map's tiles lie: its head, its ``[low, high)`` query and key spans and their steps
+    (the fields `attention_map` and `attention_difference` answer first)."""
+    (q_low, q_high, q_step), (k_low, k_high, k_step) = query_tiling, key_tiling
+    return {
         "layer": layer,
         "head": head,
         "queries": [q_low, q_high],
         "keys": [k_low, k_high],
         "step": [q_step, k_step],
-        "tiles": listed,
-        "largest": float(np.abs(tiles).max()) if tiles.size else 0.0,
-        "exact": q_step == 1 and k_step == 1,
-        "compared": counted,
     }
 
 
