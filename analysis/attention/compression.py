@@ -1014,35 +1014,33 @@ def _head_rows(
     for method in methods:
         if method in QUANTIZATION:
             bits = QUANTIZATION[method][1]
-            error, agreement = _quantized_error(h, method, rows_eval, full, full_top, quantized)
-            out.append(
-                {
-                    "method": method,
-                    "budget": bits / 16,
-                    **base,
-                    "relative_error": error,
-                    "top1_agreement": agreement,
-                    "keys_evicted": None,
-                }
-            )
+            measured = _quantized_error(h, method, rows_eval, full, full_top, quantized)
+            out.append(_row(method, bits / 16, base, measured, None))
             continue
         for budget in budgets:
             keep = kept_keys(method, budget, h.k_positions, end, scores, rng, options.observation, where)
             # (row-major, as the full one: a row's sum then adds in the same order, so a budget
             # that keeps every key gives the full weights bit for bit)
             kept = attention_softmax(h.spec, h.head, np.ascontiguousarray(logits[:, keep]))
-            error, agreement = _compared(kept, values[keep], h.k_positions[keep], full, full_top)
-            out.append(
-                {
-                    "method": method,
-                    "budget": budget,
-                    **base,
-                    "relative_error": error,
-                    "top1_agreement": agreement,
-                    "keys_evicted": int((~keep).sum()),
-                }
-            )
+            measured = _compared(kept, values[keep], h.k_positions[keep], full, full_top)
+            out.append(_row(method, budget, base, measured, int((~keep).sum())))
     return out
+
+
+def _row(
+    method: str, budget: float, base: dict[str, Any], measured: tuple[float, float], evicted: int | None
+) -> dict[str, Any]:
+    """One row of `simulate_rows`: the method and budget, the head (``base``), the relative error
+    and top-1 agreement ``measured``, the keys evicted (None for a quantization)."""
+    error, agreement = measured
+    return {
+        "method": method,
+        "budget": budget,
+        **base,
+        "relative_error": error,
+        "top1_agreement": agreement,
+        "keys_evicted": evicted,
+    }
 
 
 def _evaluated_queries(h: _Head, ends: tuple[int, int | None], observation: int) -> np.ndarray:

@@ -334,6 +334,40 @@ def _compiled_available() -> bool:
     return bool(attention_kernel.AVAILABLE)
 
 
+def _block_rows(
+    weights: np.ndarray,
+    spec: Any,
+    heads: Sequence[int],
+    p: np.ndarray,
+    key_positions: np.ndarray,
+    window: int,
+) -> np.ndarray:
+    """`attention_kernel.block_scores` for each of ``heads``' blocks of ``weights`` (``len(p)``
+    rows each, the raw products over ``key_positions``; exponentials after it): their rows of
+    ``ROW_FIELDS`` sums, ``(len(heads) * len(p), ROW_FIELDS)``."""
+    n = len(p)
+    rows = np.empty((weights.shape[0], k.ROW_FIELDS))
+    query_positions = np.ascontiguousarray(p, np.int64)
+    key_positions = np.ascontiguousarray(key_positions, np.int64)
+    for i, head in enumerate(heads):
+        k.block_scores(
+            weights[i * n : (i + 1) * n],
+            rows[i * n : (i + 1) * n],
+            query_positions,
+            key_positions,
+            float(spec.scale),
+            float(spec.softcap or 0.0),
+            -1 if spec.window is None else int(spec.window),
+            int(spec.keep),
+            float(spec.sinks[head]) if spec.sinks is not None else 0.0,
+            spec.sinks is not None,
+            SINKS,
+            LOCAL,
+            int(window),
+        )
+    return rows
+
+
 def _add_compiled(
     sums: Sequence[_Sums],
     spec: Any,
@@ -366,25 +400,7 @@ def _add_compiled(
     # one at a time.
     weights = np.matmul(q, keys.k[:end].T, out=work_matrix("attention weights", len(q), end))
 
-    rows = np.empty((len(q), k.ROW_FIELDS))
-    query_positions = np.ascontiguousarray(p, np.int64)
-    key_positions = np.ascontiguousarray(positions[:end], np.int64)
-    for i, head in enumerate(heads):
-        k.block_scores(
-            weights[i * n : (i + 1) * n],
-            rows[i * n : (i + 1) * n],
-            query_positions,
-            key_positions,
-            float(spec.scale),
-            float(spec.softcap or 0.0),
-            -1 if spec.window is None else int(spec.window),
-            int(spec.keep),
-            float(spec.sinks[head]) if spec.sinks is not None else 0.0,
-            spec.sinks is not None,
-            SINKS,
-            LOCAL,
-            int(window),
-        )
+    rows = _block_rows(weights, spec, heads, p, positions[:end], window)
     # The outputs are normalized after the products (``weights`` holds exponentials).
     inverse = rows[:, k.INVERSE, None]
     full = (weights @ keys.v[:end]) * inverse

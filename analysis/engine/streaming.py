@@ -173,64 +173,79 @@ def layers(
     with kvformat.open(path, options.snapshot, storage_options=options.storage_options) as snap:
         name, index = os.fspath(path), snap.index
         ropes = layers_of_part(layer_ropes(snap, options.keys), options.part)
-        unrotate = options.keys == "pre_rope"
         order, last = pass_order(snap, ropes)
-        regrouped = any(w.release for w in order)  # small segments: released by window
         bar = layer_bar(name, len(ropes), progress)
         for layer in ropes:
             if layer not in last:  # present but holding no tokens
                 bar.update()
                 yield name, index, layer, fresh_accumulators(snap, layer, ropes[layer], options)
-        started: dict[int, _OpenLayer] = {}
-        closing: collections.deque[int] = collections.deque()
-        in_flight: collections.deque[Future[Any]] = collections.deque()
+        yield from _streamed(snap, name, options, ropes, (order, last), bar, finish)
 
-        def finished(workers: _Workers, keep: int) -> Iterator[LayerResult]:
-            """The closed layers whose work is done, in order, waiting for the oldest until at
-            most ``keep`` closed layers are left."""
-            while closing and (len(closing) > keep or all(f.done() for f in started[closing[0]].work)):
-                layer = closing.popleft()
-                done = started.pop(layer)
-                workers.wait(done)
-                bar.update()
-                yield name, index, layer, done.accumulators
 
-        # Windows of small segments whose pages are released once their work is done.
-        releasing: collections.deque[tuple[Window, list[Future[Any]]]] = collections.deque()
-        window_work: list[Future[Any]] = []
+def _streamed(
+    snap: kvformat.Snapshot,
+    name: str,
+    options: PassOptions,
+    ropes: dict[int, Any],
+    plan: tuple[list[Window], dict[int, Any]],
+    bar: Any,
+    finish: bool,
+) -> Iterator[LayerResult]:
+    """`layers`' threads at work: ``plan`` (`pass_order`: the windows in order and each layer's
+    last) read batch by batch, each layer yielded once past its last chunk and its work done."""
+    order, last = plan
+    index, unrotate = snap.index, options.keys == "pre_rope"
+    regrouped = any(w.release for w in order)  # small segments: released by window
+    started: dict[int, _OpenLayer] = {}
+    closing: collections.deque[int] = collections.deque()
+    in_flight: collections.deque[Future[Any]] = collections.deque()
 
-        def release_done(wait: bool) -> None:
-            while releasing and (wait or all(f.done() for f in releasing[0][1])):
-                window, work = releasing.popleft()
-                for future in work:
-                    future.result()
-                pages.of(snap).release(window.segments)
+    def finished(workers: _Workers, keep: int) -> Iterator[LayerResult]:
+        """The closed layers whose work is done, in order, waiting for the oldest until at
+        most ``keep`` closed layers are left."""
+        while closing and (len(closing) > keep or all(f.done() for f in started[closing[0]].work)):
+            layer = closing.popleft()
+            done = started.pop(layer)
+            workers.wait(done)
+            bar.update()
+            yield name, index, layer, done.accumulators
 
-        with _Workers(options, len(last)) as workers, bar:
-            for batch, closes, window_end in head_batches(snap, order, last):
-                layer = batch[0].layer
-                if layer not in started:
-                    started[layer] = _OpenLayer(fresh_accumulators(snap, layer, ropes[layer], options))
-                open_layer = started[layer]
-                rope = ropes[layer] if unrotate else None
-                future = workers.add(snap, batch, open_layer.accumulators, rope, not regrouped)
-                open_layer.work.append(future)
-                in_flight.append(future)
-                window_work.append(future)
-                if window_end is not None:
-                    if window_end.release:
-                        releasing.append((window_end, window_work))
-                    window_work = []
-                release_done(wait=False)
-                if closes:
-                    workers.finish_layer(open_layer, finish)
-                    closing.append(layer)
-                while len(in_flight) > options.workers + 2:
-                    in_flight.popleft().result()
-                yield from finished(workers, keep=CLOSING_LAYERS)
-            workers.drain()
-            release_done(wait=True)
-            yield from finished(workers, keep=0)
+    # Windows of small segments whose pages are released once their work is done.
+    releasing: collections.deque[tuple[Window, list[Future[Any]]]] = collections.deque()
+    window_work: list[Future[Any]] = []
+
+    def release_done(wait: bool) -> None:
+        while releasing and (wait or all(f.done() for f in releasing[0][1])):
+            window, work = releasing.popleft()
+            for future in work:
+                future.result()
+            pages.of(snap).release(window.segments)
+
+    with _Workers(options, len(last)) as workers, bar:
+        for batch, closes, window_end in head_batches(snap, order, last):
+            layer = batch[0].layer
+            if layer not in started:
+                started[layer] = _OpenLayer(fresh_accumulators(snap, layer, ropes[layer], options))
+            open_layer = started[layer]
+            rope = ropes[layer] if unrotate else None
+            future = workers.add(snap, batch, open_layer.accumulators, rope, not regrouped)
+            open_layer.work.append(future)
+            in_flight.append(future)
+            window_work.append(future)
+            if window_end is not None:
+                if window_end.release:
+                    releasing.append((window_end, window_work))
+                window_work = []
+            release_done(wait=False)
+            if closes:
+                workers.finish_layer(open_layer, finish)
+                closing.append(layer)
+            while len(in_flight) > options.workers + 2:
+                in_flight.popleft().result()
+            yield from finished(workers, keep=CLOSING_LAYERS)
+        workers.drain()
+        release_done(wait=True)
+        yield from finished(workers, keep=0)
 
 
 def accumulate(path: str | os.PathLike[str], options: PassOptions) -> dict[Key, HeadAccumulator]:
