@@ -214,13 +214,6 @@ def _streamed(
     releasing: collections.deque[tuple[Window, list[Future[Any]]]] = collections.deque()
     window_work: list[Future[Any]] = []
 
-    def release_done(wait: bool) -> None:
-        while releasing and (wait or all(f.done() for f in releasing[0][1])):
-            window, work = releasing.popleft()
-            for future in work:
-                future.result()
-            pages.of(snap).release(window.segments)
-
     with _Workers(options, len(last)) as workers, bar:
         for batch, closes, window_end in head_batches(snap, order, last):
             layer = batch[0].layer
@@ -236,7 +229,7 @@ def _streamed(
                 if window_end.release:
                     releasing.append((window_end, window_work))
                 window_work = []
-            release_done(wait=False)
+            _release(snap, releasing, wait=False)
             if closes:
                 workers.finish_layer(open_layer, finish)
                 closing.append(layer)
@@ -244,8 +237,20 @@ def _streamed(
                 in_flight.popleft().result()
             yield from finished(workers, keep=CLOSING_LAYERS)
         workers.drain()
-        release_done(wait=True)
+        _release(snap, releasing, wait=True)
         yield from finished(workers, keep=0)
+
+
+def _release(
+    snap: kvformat.Snapshot, releasing: collections.deque[tuple[Window, list[Future[Any]]]], wait: bool
+) -> None:
+    """Release the mapped pages of the windows in ``releasing`` whose work is done (``wait``: of
+    all of them, waiting for their work), oldest first."""
+    while releasing and (wait or all(f.done() for f in releasing[0][1])):
+        window, work = releasing.popleft()
+        for future in work:
+            future.result()
+        pages.of(snap).release(window.segments)
 
 
 def accumulate(path: str | os.PathLike[str], options: PassOptions) -> dict[Key, HeadAccumulator]:

@@ -199,146 +199,189 @@ def _piece(
         mx.array(device_hist_edges(squared=False)),
     )
 
-    def column_sums(a: Any) -> Any:
-        """Sums over rows in two levels of at most `SPAN` terms (float32 rounding then grows
-        with ~2 sqrt(SPAN), not with the rows, whatever order the device reduces in)."""
-        n = a.shape[0]
-        full = n - n % SPAN
-        total = a[:full].reshape(-1, SPAN, *a.shape[1:]).sum(axis=1).sum(axis=0) if full else None
-        if full < n:
-            rest = a[full:].sum(axis=0)
-            total = rest if total is None else total + rest
-        return total
-
-    def group_error(g: Any, levels: int, axis: int) -> Any:
-        """Squared errors of min-max quantizing ``g`` along ``axis``, summed per group: the host
-        adds the (few) group sums in float64."""
-        low = g.min(axis=axis, keepdims=True)
-        high = g.max(axis=axis, keepdims=True)
-        step = mx.where(high > low, (high - low) / levels, mx.array(1.0, mx.float32))
-        restored = mx.round((g - low) * (1.0 / step)) * step + low  # the level as defined
-        error = mx.square(restored - g)
-        return error.reshape(error.shape[0], -1).sum(axis=1)
-
-    def quant_errors(x: Any) -> tuple[list[Any], list[list[Any]]]:
-        """Per bit width: per-row sums of the per-token error ``(n,)``, and per-group sums of
-        the per-channel error in one or two parts (whole groups of rows, the rest), to be
-        joined on the host (`join_results`)."""
-        n, dim = x.shape
-        token: list[Any] = []
-        channel: list[list[Any]] = []
-        for bits in QUANT_BITS:
-            levels = (1 << bits) - 1
-            full = dim - dim % QUANT_GROUP
-            t = group_error(x[:, :full].reshape(n, -1, QUANT_GROUP), levels, 2) if full else mx.zeros(n)
-            if full < dim:
-                t = t + group_error(x[:, full:], levels, 1)
-            full = n - n % QUANT_GROUP
-            parts = [group_error(x[:full].reshape(-1, QUANT_GROUP, dim), levels, 1)] if full else []
-            if full < n:
-                parts.append(group_error(x[full:][None], levels, 1))
-            token.append(t)
-            channel.append(parts)
-        return token, channel
-
-    def bin_of(values: Any, logs: Any, edges: Any) -> Any:
-        """`catalogue.hist_index` of ``values`` (``logs``: their log10), exactly as the host
-        computes it in float64: a float32 estimate, then one step down or up against the bin's
-        exact float32 edges (`device_hist_edges`)."""
-        scaled = (mx.maximum(logs, LOG_LOW) - LOG_LOW) * (BINS / (LOG_HIGH - LOG_LOW))
-        scaled = mx.where(scaled == scaled, scaled, 0.0)  # NaN rows: bin 0, an index in range
-        estimate = mx.clip(mx.floor(scaled), 0, BINS - 1).astype(mx.int32)
-        lower, upper = mx.take(edges, estimate), mx.take(edges, estimate + 1)
-        exact = estimate - (values < lower).astype(mx.int32) + (values >= upper).astype(mx.int32)
-        # inf and NaN: bin 0, as on the host and in the CPU kernel (and never out of range)
-        return mx.where(values < np.inf, mx.clip(exact, 0, BINS - 1), 0)
-
-    def histogram(values: Any, logs: Any, edges: Any) -> Any:
-        """``(BINS,)`` int32: how many of ``values`` fall in each bin (`bin_of`)."""
-        index = bin_of(values, logs, edges)
-        return mx.zeros((BINS,), mx.int32).at[index].add(mx.ones(index.shape, mx.int32))
-
-    def top_rows(peaks: Any) -> tuple[list[Any], list[Any]]:
-        """The rows of the ``k = min(TOP_K, n)`` largest peaks, ties to the later rows (the order
-        of `kernel.top_rows`), as two ``(k,)`` int32 index sets padded with -1: the rows above
-        the k-th largest peak (fewer than k), and the latest k rows at it (the host takes as
-        many as are missing). Non-negative floats order as their bits, NaN above inf, as on
-        the host; with their peaks. The k-th largest is the partition's element at ``n - k``
-        (no reduction over the partition's strided slice), and the index sets are made
-        contiguous by an elementwise op: on CUDA a reduction, stack or host copy of a strided
-        array runs mlx's general copy kernels, whose code cost each CUDA worker ~100 MiB of
-        host memory (the benchmarks in `benchmarks/`)."""
-        n = peaks.shape[0]
-        k = min(TOP_K, n)
-        bits = peaks.view(mx.int32)
-        kth = mx.partition(bits, n - k)[n - k]
-        index = mx.arange(n, dtype=mx.int32)
-        above = mx.topk(mx.where(bits > kth, index, -1), k) + 0  # + 0: a contiguous copy
-        level = mx.topk(mx.where(bits == kth, index, -1), k) + 0
-        rows = [above, level]
-        return rows, [mx.take(peaks, mx.maximum(r, 0)) for r in rows]
-
     def piece(stored: Any, bins: Any = None) -> dict[str, Any]:
-        # float32 rows the device reads over the bus (``copy``): one read into device memory;
-        # float16 / bfloat16 cross as stored, and their conversion is the device's copy
-        x = stored * 1.0 if copy else stored.astype(mx.float32)
-        square = x * x
-        sq = square.sum(axis=1)
-        out: dict[str, Any] = {"sq_sum": column_sums(sq)}
-        if norms:
-            # Everything the host needs of the row norms, folded here: sums, extremes, the
-            # histogram bin of each row (exact), the norm of the first row, sums per position bin.
-            norm = mx.sqrt(sq)
-            out["unit"] = column_sums(x / mx.maximum(norm, 1e-30)[:, None])
-            out["norm_sum"] = column_sums(norm)
-            out["norm_min"], out["norm_max"] = norm.min(), norm.max()
-            out["norm_first"] = norm[0] + 0.0  # contiguous when batched (see `top_rows`)
-            out["norm_hist"] = histogram(sq, 0.5 * mx.log10(sq), square_edges)
-            by_bin = bins[:, None] == mx.arange(POSITION_BINS).astype(mx.uint8)[None, :]
-            out["position_norm"] = column_sums(mx.where(by_bin, norm[:, None], 0.0))
-        if channels or rope or mean:
-            # Power sums about the piece's own mean (well conditioned in float32 even for a
-            # channel whose mean is many standard deviations); the host expands them to raw
-            # sums in float64 (`_raw_powers`).
-            shift = column_sums(x) / x.shape[0]
-            d = x - shift
-            d2 = d * d
-            out["shift"] = shift
-            # in parts, joined on the host (`join_results`): no stack on the device (see `top_rows`)
-            for power, term in enumerate((d, d2, d2 * d, d2 * d2)):
-                out[f"central:{power}"] = column_sums(term)
-        if channels:
-            magnitude = mx.abs(x)
-            peaks = magnitude.max(axis=1)
-            rows, row_peaks = top_rows(peaks)
-            for part, (r, p) in enumerate(zip(rows, row_peaks, strict=True)):
-                out[f"top_rows:{part}"], out[f"top_peaks:{part}"] = r, p
-            out["peak_hist"] = histogram(peaks, mx.log10(peaks), peak_edges)
-            out["absmax"] = magnitude.max(axis=0)
-        if gram:
-            n = x.shape[0]
-            ordered = mx.sort(sq)
-            median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
-            light = (sq <= HEAVY * median).astype(x.dtype)
-            weighted = x * light[:, None]
-            light_sums = column_sums(weighted)
-            center = light_sums / mx.maximum(light.sum(), 1.0)
-            shifted = (x - center) * light[:, None]
-            heavy = n - light.sum().astype(mx.int32)
-            out.update(light=light, heavy=heavy, center=center, light_sums=light_sums)
-            if own_gram:
-                out["shifted"] = shifted
-            else:
-                out["product"] = shifted.T @ shifted
-        if quant:
-            token, channel = quant_errors(x)
-            for bits, (t, parts) in enumerate(zip(token, channel, strict=True)):
-                out[f"quant_token:{bits}"] = column_sums(t)  # the per-row errors summed
-                for part, groups in enumerate(parts):
-                    out[f"quant_channel:{bits}:{part}"] = groups
-        return out
+        return _piece_sums(stored, bins, flags, (square_edges, peak_edges), copy, own_gram)
 
+    flags = (norms, channels, rope, mean, gram, quant)
     return piece
+
+
+def _column_sums(a: Any) -> Any:
+    """Sums over rows in two levels of at most `SPAN` terms (float32 rounding then grows
+    with ~2 sqrt(SPAN), not with the rows, whatever order the device reduces in)."""
+    n = a.shape[0]
+    full = n - n % SPAN
+    total = a[:full].reshape(-1, SPAN, *a.shape[1:]).sum(axis=1).sum(axis=0) if full else None
+    if full < n:
+        rest = a[full:].sum(axis=0)
+        total = rest if total is None else total + rest
+    return total
+
+
+def _group_error(g: Any, levels: int, axis: int) -> Any:
+    """Squared errors of min-max quantizing ``g`` along ``axis``, summed per group: the host
+    adds the (few) group sums in float64."""
+    low = g.min(axis=axis, keepdims=True)
+    high = g.max(axis=axis, keepdims=True)
+    step = mx.where(high > low, (high - low) / levels, mx.array(1.0, mx.float32))
+    restored = mx.round((g - low) * (1.0 / step)) * step + low  # the level as defined
+    error = mx.square(restored - g)
+    return error.reshape(error.shape[0], -1).sum(axis=1)
+
+
+def _quant_errors(x: Any) -> tuple[list[Any], list[list[Any]]]:
+    """Per bit width: per-row sums of the per-token error ``(n,)``, and per-group sums of
+    the per-channel error in one or two parts (whole groups of rows, the rest), to be
+    joined on the host (`join_results`)."""
+    n, dim = x.shape
+    token: list[Any] = []
+    channel: list[list[Any]] = []
+    for bits in QUANT_BITS:
+        levels = (1 << bits) - 1
+        full = dim - dim % QUANT_GROUP
+        t = _group_error(x[:, :full].reshape(n, -1, QUANT_GROUP), levels, 2) if full else mx.zeros(n)
+        if full < dim:
+            t = t + _group_error(x[:, full:], levels, 1)
+        full = n - n % QUANT_GROUP
+        parts = [_group_error(x[:full].reshape(-1, QUANT_GROUP, dim), levels, 1)] if full else []
+        if full < n:
+            parts.append(_group_error(x[full:][None], levels, 1))
+        token.append(t)
+        channel.append(parts)
+    return token, channel
+
+
+def _bin_of(values: Any, logs: Any, edges: Any) -> Any:
+    """`catalogue.hist_index` of ``values`` (``logs``: their log10), exactly as the host
+    computes it in float64: a float32 estimate, then one step down or up against the bin's
+    exact float32 edges (`device_hist_edges`)."""
+    scaled = (mx.maximum(logs, LOG_LOW) - LOG_LOW) * (BINS / (LOG_HIGH - LOG_LOW))
+    scaled = mx.where(scaled == scaled, scaled, 0.0)  # NaN rows: bin 0, an index in range
+    estimate = mx.clip(mx.floor(scaled), 0, BINS - 1).astype(mx.int32)
+    lower, upper = mx.take(edges, estimate), mx.take(edges, estimate + 1)
+    exact = estimate - (values < lower).astype(mx.int32) + (values >= upper).astype(mx.int32)
+    # inf and NaN: bin 0, as on the host and in the CPU kernel (and never out of range)
+    return mx.where(values < np.inf, mx.clip(exact, 0, BINS - 1), 0)
+
+
+def _histogram(values: Any, logs: Any, edges: Any) -> Any:
+    """``(BINS,)`` int32: how many of ``values`` fall in each bin (`bin_of`)."""
+    index = _bin_of(values, logs, edges)
+    return mx.zeros((BINS,), mx.int32).at[index].add(mx.ones(index.shape, mx.int32))
+
+
+def _top_rows(peaks: Any) -> tuple[list[Any], list[Any]]:
+    """The rows of the ``k = min(TOP_K, n)`` largest peaks, ties to the later rows (the order
+    of `kernel.top_rows`), as two ``(k,)`` int32 index sets padded with -1: the rows above
+    the k-th largest peak (fewer than k), and the latest k rows at it (the host takes as
+    many as are missing). Non-negative floats order as their bits, NaN above inf, as on
+    the host; with their peaks. The k-th largest is the partition's element at ``n - k``
+    (no reduction over the partition's strided slice), and the index sets are made
+    contiguous by an elementwise op: on CUDA a reduction, stack or host copy of a strided
+    array runs mlx's general copy kernels, whose code cost each CUDA worker ~100 MiB of
+    host memory (the benchmarks in `benchmarks/`)."""
+    n = peaks.shape[0]
+    k = min(TOP_K, n)
+    bits = peaks.view(mx.int32)
+    kth = mx.partition(bits, n - k)[n - k]
+    index = mx.arange(n, dtype=mx.int32)
+    above = mx.topk(mx.where(bits > kth, index, -1), k) + 0  # + 0: a contiguous copy
+    level = mx.topk(mx.where(bits == kth, index, -1), k) + 0
+    rows = [above, level]
+    return rows, [mx.take(peaks, mx.maximum(r, 0)) for r in rows]
+
+
+def _piece_sums(
+    stored: Any, bins: Any, flags: tuple[bool, ...], edges: tuple[Any, Any], copy: bool, own_gram: bool
+) -> dict[str, Any]:
+    """`_piece`'s computation of one piece: ``flags`` the groups (norms, channels, rope, mean,
+    gram, quant), ``edges`` the histogram edges of squared norms and of peaks."""
+    norms, channels, rope, mean, gram, quant = flags
+    square_edges, peak_edges = edges
+    # float32 rows the device reads over the bus (``copy``): one read into device memory;
+    # float16 / bfloat16 cross as stored, and their conversion is the device's copy
+    x = stored * 1.0 if copy else stored.astype(mx.float32)
+    square = x * x
+    sq = square.sum(axis=1)
+    out: dict[str, Any] = {"sq_sum": _column_sums(sq)}
+    if norms:
+        out.update(_norm_sums(x, sq, bins, square_edges))
+    if channels or rope or mean:
+        out.update(_central_sums(x))
+    if channels:
+        out.update(_channel_sums(x, peak_edges))
+    if gram:
+        out.update(_gram_sums(x, sq, own_gram))
+    if quant:
+        token, channel = _quant_errors(x)
+        for bits, (t, parts) in enumerate(zip(token, channel, strict=True)):
+            out[f"quant_token:{bits}"] = _column_sums(t)  # the per-row errors summed
+            for part, groups in enumerate(parts):
+                out[f"quant_channel:{bits}:{part}"] = groups
+    return out
+
+
+def _norm_sums(x: Any, sq: Any, bins: Any, square_edges: Any) -> dict[str, Any]:
+    """Everything the host needs of the row norms, folded here: sums, extremes, the histogram bin
+    of each row (exact), the norm of the first row, sums per position bin (``bins``)."""
+    out: dict[str, Any] = {}
+    norm = mx.sqrt(sq)
+    out["unit"] = _column_sums(x / mx.maximum(norm, 1e-30)[:, None])
+    out["norm_sum"] = _column_sums(norm)
+    out["norm_min"], out["norm_max"] = norm.min(), norm.max()
+    out["norm_first"] = norm[0] + 0.0  # contiguous when batched (see `_top_rows`)
+    out["norm_hist"] = _histogram(sq, 0.5 * mx.log10(sq), square_edges)
+    by_bin = bins[:, None] == mx.arange(POSITION_BINS).astype(mx.uint8)[None, :]
+    out["position_norm"] = _column_sums(mx.where(by_bin, norm[:, None], 0.0))
+    return out
+
+
+def _central_sums(x: Any) -> dict[str, Any]:
+    """Power sums about the piece's own mean (well conditioned in float32 even for a channel
+    whose mean is many standard deviations); the host expands them to raw sums in float64
+    (`_raw_powers`). In parts, joined on the host (`join_results`): no stack on the device (see
+    `_top_rows`)."""
+    shift = _column_sums(x) / x.shape[0]
+    d = x - shift
+    d2 = d * d
+    out: dict[str, Any] = {"shift": shift}
+    for power, term in enumerate((d, d2, d2 * d, d2 * d2)):
+        out[f"central:{power}"] = _column_sums(term)
+    return out
+
+
+def _channel_sums(x: Any, peak_edges: Any) -> dict[str, Any]:
+    """Each row's peak ``max |x|``: the rows of the largest (`_top_rows`) and the peaks' histogram;
+    each channel's ``max |x|``."""
+    out: dict[str, Any] = {}
+    magnitude = mx.abs(x)
+    peaks = magnitude.max(axis=1)
+    rows, row_peaks = _top_rows(peaks)
+    for part, (r, p) in enumerate(zip(rows, row_peaks, strict=True)):
+        out[f"top_rows:{part}"], out[f"top_peaks:{part}"] = r, p
+    out["peak_hist"] = _histogram(peaks, mx.log10(peaks), peak_edges)
+    out["absmax"] = magnitude.max(axis=0)
+    return out
+
+
+def _gram_sums(x: Any, sq: Any, own_gram: bool) -> dict[str, Any]:
+    """The Gram matrix of the piece's light rows (squared norm at most `HEAVY` times the median)
+    about their mean, and what the host needs to add the heavy rows in float64 (``own_gram``:
+    the shifted rows instead of their product)."""
+    n = x.shape[0]
+    ordered = mx.sort(sq)
+    median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
+    light = (sq <= HEAVY * median).astype(x.dtype)
+    light_sums = _column_sums(x * light[:, None])
+    center = light_sums / mx.maximum(light.sum(), 1.0)
+    shifted = (x - center) * light[:, None]
+    heavy = n - light.sum().astype(mx.int32)
+    out: dict[str, Any] = {"light": light, "heavy": heavy, "center": center, "light_sums": light_sums}
+    if own_gram:
+        out["shifted"] = shifted
+    else:
+        out["product"] = shifted.T @ shifted
+    return out
 
 
 def to_device(rows: np.ndarray) -> Any:
