@@ -146,6 +146,33 @@ class _Snapshots:
     thread, written by a background thread (`capture.background`), one series file or one file
     per snapshot."""
 
+    @classmethod
+    def of(
+        cls,
+        prompt_cache: list[Any],
+        model: nn.Module,
+        tokenizer: Any,
+        options: Capture,
+        file_metadata: dict[str, Any],
+        recorder: QueryRecorder | None,
+    ) -> _Snapshots:
+        """The snapshots a `Capture`'s ``options`` ask for, the file's metadata ``file_metadata``."""
+        return cls(
+            prompt_cache,
+            model,
+            tokenizer,
+            output=options.output,
+            separate_files=options.separate_files,
+            codec=options.codec,
+            model_path=options.model_path,
+            file_metadata=file_metadata,
+            on_snapshot=options.on_snapshot,
+            max_pending=options.max_pending,
+            durable=options.durable,
+            overwrite=options.overwrite,
+            recorder=recorder,
+        )
+
     def __init__(
         self,
         prompt_cache: list[Any],
@@ -463,57 +490,72 @@ def generate(
     keyword arguments (``sampler``, ``kv_bits``, ``prefill_step_size``, ...).
     """
     options, generate_kwargs = Capture.split(capture, kwargs)
-    output, every, at, when, final = options.output, options.every, options.at, options.when, options.final
-    separate_files, codec, queries = options.separate_files, options.codec, options.queries
-    model_path, metadata, overwrite = options.model_path, options.metadata, options.overwrite
     from mlx_lm.sample_utils import make_sampler
 
-    triggers = Triggers.of(every, at, when, final)
+    triggers = Triggers.of(options.every, options.at, options.when, options.final)
     if max_tokens <= 0:
         return
-    selection = _check_arguments(codec, queries, output, separate_files, overwrite, model_path)
+    selection = _check_arguments(
+        options.codec,
+        options.queries,
+        options.output,
+        options.separate_files,
+        options.overwrite,
+        options.model_path,
+    )
     if selection.enabled:
         check_hookable(model)
     sampler = generate_kwargs.pop("sampler", None) or make_sampler(0.0)
-    if resume is not None:
-        start = _resume_start(resume, tokenizer, sampler, max_tokens)
-    elif prompt is None:
-        raise InvalidArgumentError("give a prompt or a snapshot to resume from")
-    else:
-        start = _prompt_start(model, tokenizer, prompt, max_kv_size)
-    query_recorder = None
-    if selection.enabled:
-        first = len(start.history) if resume is not None else selection.first_position(len(start.prompt_ids))
-        query_recorder = QueryRecorder(start.cache, first, model)
+    start = _start(model, tokenizer, prompt, resume, sampler, (max_tokens, max_kv_size))
+    query_recorder = _query_recorder(selection, start, resume is not None, model)
     recorder = _LogitsRecorder()
     generate_kwargs["logits_processors"] = [*generate_kwargs.pop("logits_processors", []), recorder]
     prompt_tokens = len(start.prompt_ids) if resume is None else 0
-    info = _file_info(model, model_path, tokenizer, metadata, prompt_tokens, len(start.history))
+    info = _file_info(
+        model, options.model_path, tokenizer, options.metadata, prompt_tokens, len(start.history)
+    )
     if selection.enabled:
         info["queries"] = selection.to_json()
-    settings = {k: v for k, v in generate_kwargs.items() if isinstance(v, int | float | str | None)}
     info.setdefault("generation", {}).update(
-        {"max_tokens": max_tokens, "every": every, "at": sorted(triggers.at), "max_kv_size": max_kv_size}
-        | settings
+        {
+            "max_tokens": max_tokens,
+            "every": options.every,
+            "at": sorted(triggers.at),
+            "max_kv_size": max_kv_size,
+        }
+        | {k: v for k, v in generate_kwargs.items() if isinstance(v, int | float | str | None)}
     )
-    snapshots = _Snapshots(
-        start.cache,
-        model,
-        tokenizer,
-        output=output,
-        separate_files=separate_files,
-        codec=codec,
-        model_path=model_path,
-        file_metadata=info,
-        on_snapshot=options.on_snapshot,
-        max_pending=options.max_pending,
-        durable=options.durable,
-        overwrite=overwrite,
-        recorder=query_recorder,
-    )
+    snapshots = _Snapshots.of(start.cache, model, tokenizer, options, info, query_recorder)
     logits = recorder if options.save_logits else None
     run = _Run(model, tokenizer, start, snapshots, triggers, logits, resume is not None)
-    yield from run.stream(query_recorder, max_tokens, sampler, output is not None, generate_kwargs)
+    yield from run.stream(query_recorder, max_tokens, sampler, options.output is not None, generate_kwargs)
+
+
+def _query_recorder(selection: Any, start: _Start, resumed: bool, model: nn.Module) -> QueryRecorder | None:
+    """The recorder of the queries ``selection`` asks for (None: no queries), from the first
+    position it keeps: past the history a resumed run starts from."""
+    if not selection.enabled:
+        return None
+    first = len(start.history) if resumed else selection.first_position(len(start.prompt_ids))
+    return QueryRecorder(start.cache, first, model)
+
+
+def _start(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str | Sequence[int] | None,
+    resume: KVSnapshot | kvformat.Snapshot | None,
+    sampler: Any,
+    limits: tuple[int, int | None],
+) -> _Start:
+    """Where `generate` starts: the snapshot ``resume`` continues from, else the prompt's
+    (``limits``: ``max_tokens`` and ``max_kv_size``)."""
+    max_tokens, max_kv_size = limits
+    if resume is not None:
+        return _resume_start(resume, tokenizer, sampler, max_tokens)
+    if prompt is None:
+        raise InvalidArgumentError("give a prompt or a snapshot to resume from")
+    return _prompt_start(model, tokenizer, prompt, max_kv_size)
 
 
 def _check_arguments(

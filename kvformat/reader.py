@@ -38,6 +38,15 @@ from kvformat.structure import FileStructure, check_arrays
 from kvformat.verify import VerifyReport, verify
 
 
+def _former_tokens(positions: Any, tokens: Any) -> Any:
+    """`Snapshot.head`'s ``tokens=`` (the former name of ``positions=``): its value, with a
+    deprecation warning; both given is an error."""
+    if positions is not None:
+        raise ConflictingArgumentsError("give positions=, not both positions= and its former name tokens=")
+    warnings.warn("head(tokens=...) is now head(positions=...)", DeprecationWarning, stacklevel=3)
+    return tokens
+
+
 class Snapshot:
     """One snapshot of a `.kv` file (the last one unless another is selected).
 
@@ -212,12 +221,7 @@ class Snapshot:
         the keys alone reads half the bytes.
         """
         if tokens is not None:
-            if positions is not None:
-                raise ConflictingArgumentsError(
-                    "give positions=, not both positions= and its former name tokens="
-                )
-            warnings.warn("head(tokens=...) is now head(positions=...)", DeprecationWarning, stacklevel=2)
-            positions = tokens
+            positions = _former_tokens(positions, tokens)
         spec = self._layer(layer, head, seq)
         if spec is None:
             return None
@@ -227,19 +231,7 @@ class Snapshot:
         start, stop = _position_range(positions)
         wanted = [s for s in segments if max(start, s.position) < min(stop, s.position + s.count)]
         self._file.prefetch([c for s in wanted for c in ((s.k_chunk, s.v_chunk) if values else (s.k_chunk,))])
-        k_parts: list[np.ndarray] = []
-        v_parts: list[np.ndarray] = []
-        pos_parts: list[np.ndarray] = []
-        for seg in segments:
-            first = max(start, seg.position)
-            last = min(stop, seg.position + seg.count)
-            if first >= last:
-                continue
-            skip, n = first - seg.position, last - first
-            k_parts.append(self._file.chunk_array(seg.k_chunk)[seg.k_row + skip :][:n])
-            if values:
-                v_parts.append(self._file.chunk_array(seg.v_chunk)[seg.v_row + skip :][:n])
-            pos_parts.append(np.arange(first, last, dtype=np.int64))
+        k_parts, v_parts, pos_parts = self._head_parts(wanted, start, stop, values)
         if not k_parts:
             empty = spec.dtype.numpy
             return Head(
@@ -257,6 +249,26 @@ class Snapshot:
         return Head(
             layer, head, seq, np.concatenate(k_parts), np.concatenate(v_parts), np.concatenate(pos_parts)
         )
+
+    def _head_parts(
+        self, segments: list[Any], start: int, stop: int, values: bool
+    ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        """K rows, V rows (none without ``values``) and positions of ``segments`` between
+        positions ``start`` and ``stop``, a part per segment (views of its chunks)."""
+        k_parts: list[np.ndarray] = []
+        v_parts: list[np.ndarray] = []
+        pos_parts: list[np.ndarray] = []
+        for seg in segments:
+            first = max(start, seg.position)
+            last = min(stop, seg.position + seg.count)
+            if first >= last:
+                continue
+            skip, n = first - seg.position, last - first
+            k_parts.append(self._file.chunk_array(seg.k_chunk)[seg.k_row + skip :][:n])
+            if values:
+                v_parts.append(self._file.chunk_array(seg.v_chunk)[seg.v_row + skip :][:n])
+            pos_parts.append(np.arange(first, last, dtype=np.int64))
+        return k_parts, v_parts, pos_parts
 
     def _check_whole(self, layer: int, seq: int, head: int) -> None:
         """Refuse a head that a cut file's rebuilt snapshot holds only in part (`incomplete`)."""

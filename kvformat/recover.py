@@ -349,20 +349,7 @@ def recover(
     the input.
     """
     partial = os.fspath(partial_path)
-    finished = partial.removesuffix(".partial")
-    if partial != finished and not os.path.lexists(partial) and os.path.isfile(finished):
-        raise FileNotFoundError(
-            errno.ENOENT,
-            f"{partial} does not exist: the capture finished as {finished}, nothing to recover "
-            f"(kvsnap verify {finished} checks it)",
-        )
-    out = os.fspath(out_path) if out_path is not None else default_output(partial)
-    check_output(out, inputs=[partial], force=overwrite)
-    if not force and in_use(partial):
-        raise FileInUseError(
-            f"{partial} is being written by a live process (it holds the file's lock); wait for it to "
-            "finish, or pass --force (force=True from Python) to recover what it has written so far"
-        )
+    out = _checked_paths(partial, out_path, overwrite, force)
     if _complete(partial):
         if partial.endswith(".partial"):
             return _finish_complete(partial, out, overwrite)
@@ -382,6 +369,50 @@ def recover(
             f"snapshot was written ({_short(trailing.short_layers, manifest)} reached position "
             f"{trailing.end}); nothing to recover"
         )
+    _write_recovered(partial, out, overwrite, good_end, (blocks, manifest, snapshots))
+    chunks = sum(len(block) for block in blocks) // DESCRIPTOR_SIZE
+    return RecoverReport(
+        out,
+        chunks,
+        len(snapshots),
+        trailing.entry is not None,
+        max(size - good_end, 0),
+        trailing.rows_left_out,
+        trailing.end if trailing.rows_left_out else None,
+        trailing.short_layers,
+    )
+
+
+def _checked_paths(
+    partial: str, out_path: str | os.PathLike[str] | None, overwrite: bool, force: bool
+) -> str:
+    """`recover`'s output path, once the input and the output are found fit: the input is not a
+    capture that finished under another name, the output is not the input nor (without
+    ``overwrite``) an existing file, and no live writer holds the input (without ``force``)."""
+    finished = partial.removesuffix(".partial")
+    if partial != finished and not os.path.lexists(partial) and os.path.isfile(finished):
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"{partial} does not exist: the capture finished as {finished}, nothing to recover "
+            f"(kvsnap verify {finished} checks it)",
+        )
+    out = os.fspath(out_path) if out_path is not None else default_output(partial)
+    check_output(out, inputs=[partial], force=overwrite)
+    if not force and in_use(partial):
+        raise FileInUseError(
+            f"{partial} is being written by a live process (it holds the file's lock); wait for it to "
+            "finish, or pass --force (force=True from Python) to recover what it has written so far"
+        )
+    return out
+
+
+def _write_recovered(
+    partial: str, out: str, overwrite: bool, good_end: int, found: tuple[list[bytes], Manifest, list[Entry]]
+) -> None:
+    """Write ``out``: ``partial``'s first ``good_end`` bytes, then an index of ``found`` (the
+    table blocks, the manifest and the snapshots kept), through a temporary file that is read
+    back (every snapshot materializes) before it takes the output's name."""
+    blocks, manifest, snapshots = found
     index_offset = align(good_end)
     with output_path(out, inputs=[partial], force=overwrite) as temporary:
         _copy_prefix(partial, temporary, good_end)
@@ -394,17 +425,6 @@ def recover(
         with reader.open(temporary) as snap:
             snap._check_snapshots()  # every snapshot materializes (each entry checked once)
     fsync_directory(out)
-    chunks = sum(len(block) for block in blocks) // DESCRIPTOR_SIZE
-    return RecoverReport(
-        out,
-        chunks,
-        len(snapshots),
-        trailing.entry is not None,
-        max(size - good_end, 0),
-        trailing.rows_left_out,
-        trailing.end if trailing.rows_left_out else None,
-        trailing.short_layers,
-    )
 
 
 def _short(layers: tuple[int, ...], manifest: Manifest) -> str:

@@ -63,33 +63,12 @@ def save(
             specs.append(None)
             per_layer.append(None)
             continue
-        ks, vs = _per_sequence(layer.k), _per_sequence(layer.v)
-        if layer.positions is None:
-            positions: list[Any] = [None] * len(ks)
-        elif len(ks) == 1 and np.asarray(layer.positions).ndim == 1:
-            positions = [layer.positions]
-        else:
-            positions = list(layer.positions)
-        if not (len(ks) == len(vs) == len(positions)):
-            raise InvalidArrayError(f"layer {index}: k, v and positions disagree on the number of sequences")
+        ks, vs, positions = _sequences(index, layer)
         if num_seqs is None:
             num_seqs = len(ks)
         elif num_seqs != len(ks):
             raise InvalidArrayError(f"layer {index} has {len(ks)} sequences, earlier layers {num_seqs}")
-        first_k, first_v = np.asarray(ks[0]), np.asarray(vs[0])
-        if first_k.ndim != 3 or first_v.ndim != 3:
-            raise InvalidArrayError(
-                f"layer {index}: k and v must be (num_heads, n_tokens, head_dim) per sequence"
-            )
-        specs.append(
-            LayerSpec(
-                num_heads=first_k.shape[0],
-                k_dim=first_k.shape[2],
-                v_dim=first_v.shape[2],
-                dtype=dtypes.from_numpy(first_k.dtype),
-                attributes=dict(layer.attributes or {}),
-            )
-        )
+        specs.append(_layer_spec(index, layer, ks[0], vs[0]))
         per_layer.append((ks, vs, positions))
     appends = [
         (index, k, v, pos, seq)
@@ -106,6 +85,38 @@ def save(
         codec=codec,
         chunk_bytes=chunk_bytes,
         overwrite=overwrite,
+    )
+
+
+def _sequences(index: int, layer: Layer) -> tuple[list[Any], list[Any], list[Any]]:
+    """Layer ``index``'s K, V and positions, one entry per sequence (positions None where the
+    layer gives none); `InvalidArrayError` where they disagree on the number of sequences."""
+    ks, vs = _per_sequence(layer.k), _per_sequence(layer.v)
+    if layer.positions is None:
+        positions: list[Any] = [None] * len(ks)
+    elif len(ks) == 1 and np.asarray(layer.positions).ndim == 1:
+        positions = [layer.positions]
+    else:
+        positions = list(layer.positions)
+    if not (len(ks) == len(vs) == len(positions)):
+        raise InvalidArrayError(f"layer {index}: k, v and positions disagree on the number of sequences")
+    return ks, vs, positions
+
+
+def _layer_spec(index: int, layer: Layer, k: Any, v: Any) -> LayerSpec:
+    """Layer ``index``'s `LayerSpec` from its first sequence's K and V ``(num_heads, n_tokens,
+    head_dim)``."""
+    first_k, first_v = np.asarray(k), np.asarray(v)
+    if first_k.ndim != 3 or first_v.ndim != 3:
+        raise InvalidArrayError(
+            f"layer {index}: k and v must be (num_heads, n_tokens, head_dim) per sequence"
+        )
+    return LayerSpec(
+        num_heads=first_k.shape[0],
+        k_dim=first_k.shape[2],
+        v_dim=first_v.shape[2],
+        dtype=dtypes.from_numpy(first_k.dtype),
+        attributes=dict(layer.attributes or {}),
     )
 
 

@@ -97,6 +97,23 @@ _IOV_MAX = 1024  # buffers per writev call (POSIX guarantees at least 16; Linux 
 # row per K/V chunk run not yet in a snapshot.
 
 
+def _required_features(specs: Sequence[LayerSpec], given: Sequence[str]) -> list[str]:
+    """``given`` and the features the layers' queries need: ``queries`` (format 1.3: a 1.2
+    reader refuses the file, never misreads it), chunked and latent attention (1.6: a 1.5 reader
+    refuses them, never ignores the chunks or the latent layout)."""
+    features = list(given)
+    needed = (
+        (QUERIES, any(spec.queries is not None for spec in specs)),
+        (
+            CHUNKED_ATTENTION,
+            any(spec.queries is not None and spec.queries.chunk is not None for spec in specs),
+        ),
+        (LATENT_ATTENTION, any(spec.queries is not None and spec.queries.latent for spec in specs)),
+    )
+    features += [name for name, wanted in needed if wanted and name not in features]
+    return features
+
+
 class Writer:
     """Write one `.kv` file incrementally.
 
@@ -137,15 +154,7 @@ class Writer:
         self.overwrite = overwrite
         self.codec = codecs.parse(codec)
         self.chunk_bytes = chunk_bytes
-        features = list(required_features)
-        if any(spec.queries is not None for spec in specs) and QUERIES not in features:
-            features.append(QUERIES)  # format 1.3: a 1.2 reader refuses the file, never misreads it
-        chunked = any(spec.queries is not None and spec.queries.chunk is not None for spec in specs)
-        if chunked and CHUNKED_ATTENTION not in features:
-            features.append(CHUNKED_ATTENTION)  # 1.6: a 1.5 reader refuses it, never ignores the chunks
-        latent = any(spec.queries is not None and spec.queries.latent for spec in specs)
-        if latent and LATENT_ATTENTION not in features:
-            features.append(LATENT_ATTENTION)  # 1.6: likewise for the latent layout
+        features = _required_features(specs, required_features)
         self.manifest = Manifest(specs, num_seqs, dict(metadata or {}), features, list(optional_features))
         manifest_json = dumps(self.manifest.to_json())
         try:
@@ -157,6 +166,12 @@ class Writer:
                 f"'kvsnap recover {self.partial_path}' to keep its data, or delete it."
             ) from None
         lock_for_writing(self._file.fileno())
+        self._start_state(specs, num_seqs)
+        self._write_all([pack_header(format_minor(self.manifest))])
+        self._write_json_record(KIND_MANIFEST, manifest_json)
+
+    def _start_state(self, specs: Sequence[LayerSpec], num_seqs: int) -> None:
+        """The bookkeeping of a file with nothing written yet but its header and manifest."""
         self._offset = 0
         self._table: list[bytes] = []  # packed descriptors of every table chunk, in chunk order
         self._chunks = 0  # table chunks written
@@ -183,8 +198,6 @@ class Writer:
         # per strided head; mlx-lm keeps V as a strided view).
         self._scratch = [np.empty(0, np.uint8) for _ in range(_AHEAD + 2)]
         self.pipeline_bytes = PIPELINE_BYTES
-        self._write_all([pack_header(format_minor(self.manifest))])
-        self._write_json_record(KIND_MANIFEST, manifest_json)
 
     # -- low level -----------------------------------------------------------------------
     def _write_all(self, buffers: Sequence[BytesLike], total: int | None = None) -> None:

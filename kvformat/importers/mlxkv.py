@@ -462,6 +462,41 @@ class ImportReport:
     sha256: str
 
 
+def _file_metadata(source: _Source, name: str, size: int) -> dict[str, Any]:
+    """The `.kv` file's metadata of the go-mlx snapshot ``name`` (``size`` bytes): its model and
+    where it came from."""
+    return {
+        "model": {
+            "architecture": source.architecture,
+            "num_layers": source.num_layers,
+            "num_attention_heads": source.num_query_heads,
+            "num_kv_heads": source.num_kv_heads,
+        },
+        "source": {
+            "format": "go-mlx MLXKV001",
+            "version": source.version,
+            "file": os.path.basename(name),
+            "bytes": size,
+            "seq_len": source.seq_len,
+            "token_offset": source.token_offset,
+        },
+    }
+
+
+def _write_snapshot(writer: Writer, file: BinaryIO, source: _Source, name: str, seqs: int) -> None:
+    """The one snapshot: its token counts, the tokens of a single sequence, the last logits
+    where the source holds them."""
+    snapshot_metadata: dict[str, Any] = {"generated": len(source.generated)}
+    if seqs == 1:
+        snapshot_metadata["tokens"] = [source.tokens]
+        snapshot_metadata["generated_ids"] = [source.generated]
+    arrays = {}
+    if source.logits is not None:
+        arrays["last_logits"] = _last_logits(file, source, name)
+        snapshot_metadata["last_logits_shape"] = source.logit_shape
+    writer.snapshot(snapshot_metadata, arrays=arrays)
+
+
 def import_mlxkv(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -486,22 +521,7 @@ def import_mlxkv(
             by_index[i].spec if i in by_index else None for i in range(source.num_layers)
         ]
         seqs = plans[0].seqs if plans else 1
-        metadata = {
-            "model": {
-                "architecture": source.architecture,
-                "num_layers": source.num_layers,
-                "num_attention_heads": source.num_query_heads,
-                "num_kv_heads": source.num_kv_heads,
-            },
-            "source": {
-                "format": "go-mlx MLXKV001",
-                "version": source.version,
-                "file": os.path.basename(name),
-                "bytes": size,
-                "seq_len": source.seq_len,
-                "token_offset": source.token_offset,
-            },
-        }
+        metadata = _file_metadata(source, name, size)
         writer = Writer(out, specs, num_seqs=seqs, metadata=metadata, codec=codec, overwrite=overwrite)
         try:
             for plan in plans:
@@ -509,15 +529,7 @@ def import_mlxkv(
                 file.seek(plan.layer.offset)
                 layer = _layer(stream, source.version, 0, source)  # the same bytes as in pass 1
                 _write_layer(writer, file, plan, layer, source.seq_len)
-            snapshot_metadata: dict[str, Any] = {"generated": len(source.generated)}
-            if seqs == 1:
-                snapshot_metadata["tokens"] = [source.tokens]
-                snapshot_metadata["generated_ids"] = [source.generated]
-            arrays = {}
-            if source.logits is not None:
-                arrays["last_logits"] = _last_logits(file, source, name)
-                snapshot_metadata["last_logits_shape"] = source.logit_shape
-            writer.snapshot(snapshot_metadata, arrays=arrays)
+            _write_snapshot(writer, file, source, name, seqs)
             digest = sha256_of(name)
             writer.close({"source": {**metadata["source"], "sha256": digest}})
         except BaseException:
