@@ -325,10 +325,28 @@ def generation_overhead(
                 sys.setswitchinterval(interval)
         if variant.startswith("sync-"):
             kvsnap.capture.series.SYNC_EACH = variant[5:]
+        if variant == "copy-stream":  # the snapshot's device copies queued on a stream of their own
+            return copy_stream_run()
         return capture_run(
             durable=variant != "no-fsync",
             queries=variant.removeprefix("queries-") if variant.startswith("queries-") else "none",
         )
+
+    def copy_stream_run() -> Phases:
+        from kvsnap.capture import background
+
+        original = background.Transfer.__init__
+        stream = mx.new_stream(mx.default_device())
+
+        def on_stream(self: Any, arrays: Any) -> None:
+            with mx.stream(stream):
+                original(self, arrays)
+
+        background.Transfer.__init__ = on_stream  # type: ignore[method-assign]
+        try:
+            return capture_run(durable=True, queries="none")
+        finally:
+            background.Transfer.__init__ = original  # type: ignore[method-assign]
 
     def capture_run(durable: bool, queries: str) -> Phases:
         out = tmp / "overhead.kv"
