@@ -109,7 +109,8 @@ $(REFERENCE): tests/reference/requirements.txt | $(UV)
 reference: $(REFERENCE)
 
 # One test worker more than cores: some tests wait on the commands, servers and browser they start
-# (on a 2-core VM, 3 workers take the suite in 4 min 11 s, 2 in 4 min 30 s, 4 in 4 min 28 s).
+# (on a 2-core VM, one run each: 3 workers 4 min 11 s, 2 workers 4 min 30 s, 4 workers 4 min 28 s;
+# the machine's run-to-run spread is about 15 s).
 WORKERS ?= $(shell $(PYTHON) -c "import os; print((os.cpu_count() or 1) + 1)")
 
 # Tests marked `cuda` need mlx on an NVIDIA GPU, which CI does not have: run them there with
