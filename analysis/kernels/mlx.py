@@ -199,10 +199,11 @@ def _piece(
         mx.array(device_hist_edges(squared=False)),
     )
 
+    flags = (norms, channels, rope, mean, gram, quant)
+
     def piece(stored: Any, bins: Any = None) -> dict[str, Any]:
         return _piece_sums(stored, bins, flags, (square_edges, peak_edges), copy, own_gram)
 
-    flags = (norms, channels, rope, mean, gram, quant)
     return piece
 
 

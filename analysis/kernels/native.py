@@ -69,12 +69,11 @@ class Settings(ctypes.Structure):
     band_size: int  # the ``band`` sums the kernel writes (0 without the ROPE flag)
 
 
+_DECLARED = {total.name: total for total in SUMS}
 KERNEL_SUMS = tuple(
-    total
-    for total in SUMS
+    _DECLARED[name]
     for name in ("norm_hist", "peak_hist", "power", "unit_sum", "band", "position_count",
                  "position_norm", "quant_token", "quant_channel")
-    if total.name == name
 )  # fmt: skip
 """The catalogue's sums (`catalogue.SUMS`) the kernel adds into in place, in the order of the
 struct's fields: each a field of its name, pointing at the accumulator's array of that sum (its
