@@ -10,6 +10,7 @@ architecture; ``python -m kvsnap.capture.architectures FILE`` writes the table o
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 import sys
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .queries import OWN_ATTENTION, CallTap
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
 """12 token ids (the tiny models have 256)."""
@@ -148,11 +151,13 @@ def check(name: str, folder: str | Path) -> Result:
 
 class _Kernel:
     """Records every call of mlx-lm's ``scaled_dot_product_attention`` while installed (the
-    queries it received and the output it returned), in every model module that uses it."""
+    queries it received and the output it returned), in every model module that uses it, and
+    every call of an attention module that computes attention itself (`OWN_ATTENTION`)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, Any, Any]] = []
         self._saved: list[tuple[Any, Any]] = []
+        self._own: list[tuple[type, Any]] = []
 
     def __enter__(self) -> _Kernel:
         from mlx_lm.models import base
@@ -168,11 +173,42 @@ class _Kernel:
             if getattr(module, "scaled_dot_product_attention", None) is original:
                 self._saved.append((module, original))
                 setattr(module, "scaled_dot_product_attention", recorded)  # noqa: B010
+        for name in OWN_ATTENTION:
+            where, _, qualname = name.rpartition(".")
+            kind = getattr(sys.modules.get(where), qualname, None)
+            if isinstance(kind, type):
+                self._own.append((kind, kind.__call__))
+                kind.__call__ = self._recorded_own(kind.__call__)  # type: ignore[method-assign]
         return self
+
+    def _recorded_own(self, call: Any) -> Any:
+        """``call``, an `OWN_ATTENTION` class's ``__call__``, recording the queries its ``rope``
+        returns first and the attention output its ``o_proj`` receives, as ``(batch, heads, L,
+        dim)``."""
+
+        @functools.wraps(call)
+        def attention(module: Any, *args: Any, **kwargs: Any) -> Any:
+            ropes: list[Any] = []
+            projected: list[Any] = []
+            rope, o_proj = module.rope, module.o_proj
+            module.rope, module.o_proj = CallTap(rope, ropes), CallTap(o_proj, [], projected)
+            try:
+                out = call(module, *args, **kwargs)
+            finally:
+                module.rope, module.o_proj = rope, o_proj
+            queries = ropes[0]
+            batch, heads, length, _ = queries.shape
+            output = projected[0].reshape(batch, length, heads, -1).transpose(0, 2, 1, 3)
+            self.calls.append((queries, ropes[1], output))
+            return out
+
+        return attention
 
     def __exit__(self, *exc: object) -> None:
         for module, original in self._saved:
             setattr(module, "scaled_dot_product_attention", original)  # noqa: B010
+        for kind, call in reversed(self._own):
+            kind.__call__ = call
 
 
 def _check_attention(model: Any, name: str, folder: str | Path, result: Result) -> None:
@@ -316,7 +352,8 @@ def markdown(results: list[Result]) -> str:
         "uninterrupted run's (float32, relative error at most 1e-5). *Attention from the file*: "
         f"the same model run on the first {len(PROMPT) // 2} prompt tokens with every query "
         'captured (`queries="all"`, a snapshot every token), each call of mlx-lm\'s attention '
-        "function (hooked) compared with attention recomputed from the file "
+        "function (hooked; for a module that computes attention itself, Gemma 2's and PLaMo 2's, "
+        "what reaches its output projection) compared with attention recomputed from the file "
         "(`Snapshot.attention_output`), relative error at most 1e-5 (absorbed latent attention: "
         "its decode calls, which attend the latents the file holds; the prompt's calls expand them "
         "per head first); where the queries cannot be "

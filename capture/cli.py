@@ -42,8 +42,11 @@ class ConvertOptions:
 
     gguf: str = ""
     out_dir: str = ""
-    dtype: str = "float16"
+    dtype: str | None = None  # None: fixtures.default_dtype()
     force: bool = False
+
+
+DTYPE_HELP = "the weights' dtype (default: float16 where mlx has a GPU, float32 on its CPU build)"
 
 
 @dataclass(frozen=True)
@@ -51,14 +54,16 @@ class FetchOptions:
     """``kvsnap fetch-models``' options, typed."""
 
     names: list[str] = field(default_factory=list)
-    dtype: str = "float16"
+    dtype: str | None = None  # None: fixtures.default_dtype()
 
 
 def _convert(args: argparse.Namespace) -> int:
     from .convert import convert_gguf
+    from .fixtures import default_dtype
 
     options = typed(ConvertOptions, args)
-    out = convert_gguf(options.gguf, options.out_dir, options.dtype, overwrite=options.force)
+    dtype = options.dtype or default_dtype()
+    out = convert_gguf(options.gguf, options.out_dir, dtype, overwrite=options.force)
     print(f"wrote mlx-lm model directory {out}")
     return 0
 
@@ -82,13 +87,17 @@ def register(sub: Any) -> None:
     p = sub.add_parser("convert-gguf", help="convert a GGUF model (llama, gemma3) to an mlx-lm directory")
     p.add_argument("gguf")
     p.add_argument("out_dir")
-    p.add_argument("--dtype", choices=DTYPES, default="float16")
+    p.add_argument("--dtype", choices=DTYPES, help=DTYPE_HELP)
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("fetch-models", help="download, verify and convert the fixture models (cached)")
     p.add_argument("names", nargs="*", metavar="NAME", help=f"any of {', '.join(MODELS)} (default: all)")
-    p.add_argument("--dtype", choices=DTYPES, default="float16")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help=DTYPE_HELP,
+    )
     p.set_defaults(func=_fetch)
 
     register_capture(sub)

@@ -175,16 +175,30 @@ def _target_name(name: str, names: dict[str, str]) -> str:
     raise UnsupportedModelError(f"GGUF tensor {name!r} has no mlx-lm counterpart in this converter")
 
 
+def open_gguf(gguf_path: str | os.PathLike[str]) -> Any:
+    """A ``gguf.GGUFReader`` of the file that parses a plain ndarray view of its memory map: the
+    same fields and tensors from the same pages, ~3x faster where a vocabulary is large
+    (Gemma-3's 262k strings: 2.5 s instead of 7.7 s on a 2-core x86-64 VM), since each slice of
+    an ``np.memmap`` runs Python code (``__array_finalize__``) and a plain view's does not."""
+    from gguf import GGUFReader
+
+    class _PlainViewReader(GGUFReader):
+        def _build_fields(self, offs: int, count: int) -> int:
+            self.data = self.data.view(np.ndarray)  # type: ignore[assignment]  # its base, the memmap, stays alive
+            return int(super()._build_fields(offs, count))
+
+    return _PlainViewReader(os.fspath(gguf_path))
+
+
 def dequantized_tensors(
     gguf_path: str | os.PathLike[str], rows: dict[str, slice] | None = None
 ) -> Iterator[tuple[str, np.ndarray]]:
     """Every tensor of a GGUF file as float32 in numpy (row-major) shape, under its GGUF name;
     ``rows`` names tensors of which only those rows (of the first axis) are wanted, for checking
     a large tensor by sample (quantized rows are independent: only those are dequantized)."""
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(os.fspath(gguf_path))
+    reader = open_gguf(gguf_path)
     for tensor in reader.tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         data = tensor.data
@@ -285,13 +299,11 @@ def convert_gguf(
     renamed at the end (a failed conversion leaves nothing); an existing one is refused unless
     ``overwrite`` (then replaced whole).
     """
-    from gguf import GGUFReader
-
     if dtype not in DTYPES:
         raise UnknownNameError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     gguf_path = Path(gguf_path)
     try:
-        reader = GGUFReader(os.fspath(gguf_path))
+        reader = open_gguf(gguf_path)
     except (ValueError, OSError) as exc:  # gguf's own messages do not name the file
         raise UnsupportedModelError(f"{gguf_path}: not a readable GGUF file ({exc})") from None
     meta = _Metadata(reader)

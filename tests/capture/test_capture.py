@@ -511,19 +511,43 @@ def test_model_arguments_of_every_naming_capture(tmp_path: Path, arch: str) -> N
 
 
 def test_queries_are_refused_where_attention_bypasses_the_hook(tmp_path: Path) -> None:
-    """gemma2 computes attention itself, not through mlx-lm's ``scaled_dot_product_attention``
-    where queries are recorded: ``queries=`` is refused by name before anything is generated or
-    written (never a file silently without queries); without queries it captures."""
-    from kvsnap.capture.errors import UnsupportedModelError
+    """A model none of whose modules computes attention through mlx-lm's
+    ``scaled_dot_product_attention`` or is an attention class kvsnap reads itself (RWKV-7):
+    ``queries=`` is refused by name before anything is generated or written (never a file
+    silently without queries); without queries it captures."""
+    from kvsnap.capture.tiny import build
 
-    model, tokenizer = tiny_model("gemma2"), _tiny_tokenizer()
-    path = tmp_path / "g.kv"
-    with pytest.raises(UnsupportedModelError, match="gemma2 computes attention without"):
+    model, tokenizer = build("rwkv7"), _tiny_tokenizer()
+    path = tmp_path / "r.kv"
+    with pytest.raises(UnsupportedModelError, match="rwkv7 computes attention without"):
         next(iter(generate(model, tokenizer, list(range(1, 9)), max_tokens=2, output=path, queries="all")))
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert len(list(generate(model, tokenizer, list(range(1, 9)), max_tokens=2, output=path))) == 2
     with kvformat.open(path) as snap:
         assert all(layer.queries is None for layer in snap.layers) and snap.verify()
+
+
+def test_an_attention_module_of_its_own_records_its_queries_and_softcap(tmp_path: Path) -> None:
+    """Gemma 2 computes soft-capped attention itself: its queries are recorded through its own
+    call, with its scale and soft-cap, and its class is left as it was afterwards (the
+    architecture check holds the recomputed attention to the model's)."""
+    from mlx_lm.models import gemma2
+
+    original = gemma2.Attention.__call__
+    model, tokenizer = tiny_model("gemma2"), _tiny_tokenizer()
+    path = tmp_path / "g.kv"
+    steps = generate(model, tokenizer, list(range(1, 9)), max_tokens=2, output=path, queries="all")
+    assert len(list(steps)) == 2
+    assert gemma2.Attention.__call__ is original
+    attention = model.model.layers[0].self_attn
+    with kvformat.open(path) as snap:
+        for layer in snap.layers:
+            assert layer.queries is not None
+            assert layer.queries.softcap == attention.attn_logit_softcapping == 0.5
+            assert layer.queries.scale == pytest.approx(attention.scale)
+        found, keys = snap.queries(0, 0), snap.head(0, 0)
+        assert found is not None and keys is not None
+        assert found.positions.tolist() == keys.positions.tolist()  # a query at every position
 
 
 def test_a_cache_that_held_nothing_is_recorded_empty_and_restores_as_one(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from mlx_lm.utils import load_model
 
 from kvsnap.capture.convert import _ARCHITECTURES, _target_name, convert_gguf, dequantized_tensors
 from kvsnap.capture.errors import UnsupportedModelError
-from kvsnap.capture.fixtures import fetch_gguf
+from kvsnap.capture.fixtures import default_dtype, fetch_gguf
 from tests.conftest import PROSE
 
 
@@ -80,13 +80,14 @@ def test_converted_weights_equal_dequantized_gguf(name: str, smollm2_dir: Path, 
             got = np.array(weights[key][sample].astype(mx.float32))
         else:
             got = np.array(weights[key].astype(mx.float32))
-        np.testing.assert_array_equal(got, expected.astype(np.float16).astype(np.float32), err_msg=key)
+        stored = {mx.float16: np.float16, mx.float32: np.float32}[weights[key].dtype]  # the fixture's
+        np.testing.assert_array_equal(got, expected.astype(stored).astype(np.float32), err_msg=key)
         seen.add(key)
     assert seen == set(weights)
 
 
 def test_conversion_is_deterministic(tmp_path: Path, smollm2_dir: Path) -> None:
-    out = convert_gguf(fetch_gguf("smollm2-135m"), tmp_path / "again", "float16")
+    out = convert_gguf(fetch_gguf("smollm2-135m"), tmp_path / "again", default_dtype())  # smollm2_dir's
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
         first = hashlib.sha256((smollm2_dir / name).read_bytes()).hexdigest()
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == first, name
@@ -132,9 +133,10 @@ def test_a_gguf_is_converted_once_staged_and_named_by_itself(
     assert list(converted.iterdir()) == []  # no staging folder, no half-made model
     monkeypatch.setattr(fixtures, "convert_gguf", convert_gguf)
     out = fixtures.converted_gguf(gguf)
-    assert out == converted / digest[:16]
+    dtype = fixtures.default_dtype()
+    assert out == converted / (digest[:16] if dtype == "float16" else f"{digest[:16]}-{dtype}")
     said = capsys.readouterr().err
-    assert f"cached in {out}" in said and " MB, float16)" in said
+    assert f"cached in {out}" in said and f" MB, {dtype})" in said
     assert fixtures.converted_gguf(gguf) == out and capsys.readouterr().err == ""  # reused, silently
     model, tokenizer = load(str(out))
     meta = file_metadata(model, str(out), tokenizer)["model"]

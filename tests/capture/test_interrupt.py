@@ -26,8 +26,9 @@ def test_ctrl_c_during_capture_leaves_the_snapshots_taken(tmp_path: Path, smollm
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's job
     )
+    two_snapshots = 900_000 * (2 if smollm2_dir.name.endswith("float32") else 1)  # float32 K/V: twice
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (partial.exists() and partial.stat().st_size > 900_000):
+    while time.monotonic() < deadline and not (partial.exists() and partial.stat().st_size > two_snapshots):
         time.sleep(0.2)  # two snapshots or more taken
     assert run.poll() is None, "the capture ended before it could be interrupted"
     run.send_signal(signal.SIGINT)

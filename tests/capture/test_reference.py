@@ -51,12 +51,13 @@ def _relative(got: np.ndarray, expected: np.ndarray) -> float:
 
 
 class Gguf:
-    """Tensors (float64, numpy shape) and key/values of a GGUF file, read with ``gguf`` alone."""
+    """Tensors (float64, numpy shape) and key/values of a GGUF file, read with ``gguf``'s reader
+    (through `open_gguf`, which parses a plain view of the same memory map)."""
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader
+        from kvsnap.capture.convert import open_gguf
 
-        self.reader = GGUFReader(str(path))
+        self.reader = open_gguf(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
 
     def value(self, key: str) -> Any:
