@@ -199,17 +199,48 @@ class QueryRecorder:
         modules = model.modules() if model is not None else []
         self._own_classes = {type(m) for m in modules if own_attention(m) is not None}
         self._own_saved: list[tuple[type, Any]] = []
+        # MLA classes whose call scales the whole query per position after RoPE (Mistral-4's
+        # Llama-4 ``attn_scale``), and the scale of each module's call in progress.
+        latent_classes = {type(m) for m in self._latent_modules}
+        self._scaled_classes = {
+            c for c in latent_classes if "attn_scale" in inspect.signature(c.__call__).parameters
+        }
+        self._query_scale: dict[int, Any] = {}
 
     def __enter__(self) -> QueryRecorder:
         from mlx_lm.models import base
 
         for module in self._latent_modules:  # see each MLA module's RoPE'd query part
-            module.rope = _RopeTap(self, module, module.rope)
+            if hasattr(module, "rope"):
+                module.rope = _RopeTap(self, module, module.rope)
+            else:  # no RoPE (Kimi-Linear): the query projection's last channels per head
+                name = _query_projection(module)
+                setattr(module, name, _QueryPartTap(self, module, getattr(module, name)))
         self._saved = hook_attention(self._wrap(base.scaled_dot_product_attention))
         for kind in self._own_classes:
             self._own_saved.append((kind, kind.__call__))
             kind.__call__ = self._wrap_own(kind.__call__)
+        for kind in self._scaled_classes:
+            self._own_saved.append((kind, kind.__call__))
+            kind.__call__ = self._wrap_scaled(kind.__call__)
         return self
+
+    def _wrap_scaled(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call`` (an MLA class's ``__call__`` taking ``attn_scale``) that keeps the call's
+        query scale while it runs, for `_latent_queries` to scale the RoPE'd query part as the
+        model does."""
+        signature = inspect.signature(call)
+
+        @functools.wraps(call)
+        def attention(module: Any, *args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(module, *args, **kwargs)
+            self._query_scale[id(module)] = bound.arguments["attn_scale"]
+            try:
+                return call(module, *args, **kwargs)
+            finally:
+                self._query_scale.pop(id(module), None)
+
+        return attention
 
     def __exit__(self, *exc: object) -> None:
         unhook_attention(self._saved)
@@ -217,8 +248,12 @@ class QueryRecorder:
             kind.__call__ = call
         self._own_saved.clear()
         for module in self._latent_modules:
-            if isinstance(module.rope, _RopeTap):
+            if isinstance(getattr(module, "rope", None), _RopeTap):
                 module.rope = module.rope.rope
+            elif not hasattr(module, "rope"):
+                name = _query_projection(module)
+                if isinstance(getattr(module, name), _QueryPartTap):
+                    setattr(module, name, getattr(module, name).projection)
 
     def _wrap_own(self, call: Callable[..., Any]) -> Callable[..., Any]:
         """``call`` (an `OWN_ATTENTION` class's ``__call__``) that also keeps the queries its
@@ -282,9 +317,13 @@ class QueryRecorder:
         found = [(m, out) for m, out in self._rope_out if out.shape[1] == queries.shape[1]]
         self._rope_out = []
         scored = isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating)
-        if not found or not scored:  # not the absorbed form: an ordinary call (its mask a mask)
+        if not found:  # no MLA module's RoPE ran: an ordinary call
             return None
         module, rope_part = found[0]
+        if id(module) in self._query_scale:  # the query scaled after RoPE, as the model scales it
+            rope_part = rope_part * self._query_scale[id(module)]
+        if not scored:  # its mask a mask: an ordinary call, or an MLA prompt's unabsorbed one
+            return self._unabsorbed(layer, module, queries, keys, cache)
         absorbed = queries if keys.shape[1] == 1 else module.embed_q(queries)
         if isinstance(getattr(cache, "values", None), mx.array):
             end = int(cache.offset)
@@ -300,6 +339,34 @@ class QueryRecorder:
             largest = mx.maximum(mx.max(mx.where(counted, mx.abs(mask), 0)), 1e-30)
             self._latent_checks.append((layer, mx.max(mx.where(counted, mx.abs(score - mask), 0)) / largest))
         return mx.concatenate([absorbed, rope_part.astype(absorbed.dtype)], axis=-1)
+
+    def _unabsorbed(
+        self, layer: int, module: Any, queries: mx.array, keys: Any, cache: Any
+    ) -> mx.array | None:
+        """The absorbed query ``[q_c; q_r]`` of an MLA prompt's call in unabsorbed form (Mistral-4:
+        per head ``[q_nope; q_r]`` over ``[embed_q(latent); RoPE key]``), or None where the call
+        is not in that form. That the keys are the cached latents and RoPE keys is checked at the
+        next snapshot (`take`)."""
+        nope = getattr(module, "qk_nope_head_dim", None)
+        held, rope_keys = getattr(cache, "keys", None), getattr(cache, "values", None)
+        if (
+            not isinstance(nope, int)
+            or not isinstance(keys, mx.array)
+            or not isinstance(held, mx.array)
+            or not isinstance(rope_keys, mx.array)
+            or keys.shape[1] != queries.shape[1]
+            or queries.shape[-1] != nope + rope_keys.shape[-1]
+        ):
+            return None
+        end = int(cache.offset)
+        latent_keys = module.embed_q(held[:, :, :end, :], transpose=False)
+        shape = (*latent_keys.shape[:3], rope_keys.shape[-1])
+        position_keys = mx.broadcast_to(rope_keys[:, :, :end, :], shape)
+        expected = mx.concatenate([latent_keys, position_keys.astype(latent_keys.dtype)], axis=-1)
+        largest = mx.maximum(mx.max(mx.abs(expected)), 1e-30)
+        self._latent_checks.append((layer, mx.max(mx.abs(keys - expected)) / largest))
+        absorbed = module.embed_q(queries[..., :nope])
+        return mx.concatenate([absorbed, queries[..., nope:].astype(absorbed.dtype)], axis=-1)
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def scaled_dot_product_attention(
@@ -333,10 +400,13 @@ class QueryRecorder:
         if place is None and cache is not None:  # a cache replaced since: map them again
             self._layer_of = self._places()
             place = self._layer_of.get(id(cache))
-        if place is None and cache is None and keys is not None:  # reading K/V another layer just read
-            place = next((p for p, k in self._last_keys.values() if k is keys), None)
-            if place is None:
-                place = self._copy_of(keys)
+        # The very keys another layer's call read: that layer's K/V, read again (Gemma-3n's shared
+        # layers pass no cache; iQuest's second loop passes its own cache with the first loop's keys).
+        shared = None if keys is None else next((p for p, k in self._last_keys.values() if k is keys), None)
+        if shared is not None and (place is None or shared[0] != place[0]):
+            return shared
+        if place is None and cache is None and keys is not None:
+            place = self._copy_of(keys)
         elif place is not None:
             self._last_keys[place[0]] = (place, keys)
             self._last_place = place
@@ -459,9 +529,9 @@ class QueryRecorder:
                 difference = float(np.array(error.astype(mx.float32)))
                 if difference > 1e-5:
                     raise CaptureError(
-                        f"queries: layer {layer}'s latent attention adds a RoPE score that the recorded "
-                        f"query part does not reproduce (relative difference {difference:.1e}: "
-                        "the model scales or changes it after its RoPE); capture without --queries"
+                        f"queries: layer {layer}'s latent attention is not what its recorded query "
+                        f"and the cached latents and RoPE keys give (relative difference {difference:.1e}: "
+                        "the model scales or changes them after its RoPE); capture without --queries"
                     )
         if self._copy_checks:
             copies, self._copy_checks = self._copy_checks, []
@@ -548,9 +618,34 @@ class CallTap:
         return out
 
 
+class _QueryPartTap:
+    """Stands in for the query projection of an MLA module without RoPE (Kimi-Linear's, Kimi-K3's
+    NoPE latent attention) while queries are recorded: returns exactly what it returns, and hands
+    the recorder the part of each head that scores the cached position keys (its last
+    ``qk_rope_head_dim`` channels, unrotated), as `_RopeTap` hands the RoPE'd part."""
+
+    def __init__(self, recorder: QueryRecorder, module: Any, projection: Any) -> None:
+        self.recorder, self.module, self.projection = recorder, module, projection
+
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        out = self.projection(x, *args, **kwargs)
+        module = self.module
+        batch, length = out.shape[0], out.shape[1]
+        heads = out.reshape(batch, length, module.num_heads, -1).transpose(0, 2, 1, 3)
+        self.recorder._rope_out.append((module, heads[..., module.qk_nope_head_dim :]))
+        return out
+
+
+def _query_projection(module: Any) -> str:
+    """The name of an MLA module's last query projection: ``q_b_proj`` after a low-rank query,
+    else ``q_proj``."""
+    return "q_b_proj" if hasattr(module, "q_b_proj") else "q_proj"
+
+
 def _latent_modules(model: Any) -> list[Any]:
-    """The model's MLA attention modules in absorbed form (a ``kv_lora_rank``, ``embed_q`` and
-    a ``rope``)."""
+    """The model's MLA attention modules in absorbed form: a ``kv_lora_rank``, ``embed_q`` and
+    a ``rope``, or without one (NoPE), a ``qk_nope_head_dim`` split of the query projection's
+    heads whose rest scores the cached position keys."""
     if model is None:
         return []
     return [
@@ -558,7 +653,15 @@ def _latent_modules(model: Any) -> list[Any]:
         for module in model.modules()
         if isinstance(getattr(module, "kv_lora_rank", None), int)
         and hasattr(module, "embed_q")
-        and hasattr(module, "rope")
+        and (
+            hasattr(module, "rope")
+            or (
+                isinstance(getattr(module, "qk_nope_head_dim", None), int)
+                and isinstance(getattr(module, "qk_rope_head_dim", None), int)
+                and module.qk_rope_head_dim > 0
+                and isinstance(getattr(module, "num_heads", None), int)
+            )
+        )
     ]
 
 

@@ -419,8 +419,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "ministral3": {
         "rope_parameters": {**_ROPE, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 256}
     },
-    "mistral4": {
-        "rope_parameters": {**_ROPE, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 256}
+    "mistral4": {  # its Llama-4 query scale departs from 1 from position 4 on
+        "rope_parameters": {**_ROPE, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 4}
     },
     "mistral3.text": {
         "model_type": "ministral3",
