@@ -327,6 +327,8 @@ def generation_overhead(
             kvsnap.capture.series.SYNC_EACH = variant[5:]
         if variant == "copy-stream":  # the snapshot's device copies queued on a stream of their own
             return copy_stream_run()
+        if variant == "hold-buffers":  # the snapshot's device buffers kept until the run ends
+            return hold_buffers_run()
         return capture_run(
             durable=variant != "no-fsync",
             queries=variant.removeprefix("queries-") if variant.startswith("queries-") else "none",
@@ -347,6 +349,26 @@ def generation_overhead(
             return capture_run(durable=True, queries="none")
         finally:
             background.Transfer.__init__ = original  # type: ignore[method-assign]
+
+    def hold_buffers_run() -> Phases:
+        """A capture whose snapshot buffers are not handed back to mlx's buffer cache once copied
+        to the host: on CUDA (managed memory) a buffer the writer read has its pages on the host,
+        and a kernel that later reuses it would fault them back to the GPU."""
+        from kvsnap.capture import background
+
+        original = background.Transfer.to_host
+        held: list[Any] = []
+
+        def holding(self: Any) -> Any:
+            held.extend(self._flats)
+            return original(self)
+
+        background.Transfer.to_host = holding  # type: ignore[method-assign]
+        try:
+            return capture_run(durable=True, queries="none")
+        finally:
+            background.Transfer.to_host = original  # type: ignore[method-assign]
+            held.clear()
 
     def capture_run(durable: bool, queries: str) -> Phases:
         out = tmp / "overhead.kv"
@@ -588,6 +610,8 @@ def shapes_main(
                     label += f", --queries {variant.removeprefix('queries-')}"
                 elif variant.startswith("switch-"):
                     label += f" (switch interval {variant[7:]} s)"
+                elif variant == "hold-buffers":
+                    label += " (snapshot buffers held to the end)"
                 elif variant == "disk-load":
                     label = "plain, beside a thread writing 200 MB with fsyncs (no capture)"
                 ratios = 100 * (overhead.ratios() - 1)

@@ -195,44 +195,62 @@ def _dict_difference(expected: dict[str, Any], actual: dict[str, Any], where: st
     return ""
 
 
-def run(directory: str | Path, reader: str | None = None) -> list[Result]:
+def run(directory: str | Path, reader: str | None = None, *, batch: bool = False) -> list[Result]:
     """Check every vector of ``directory/manifest.json`` with our reader or ``reader`` (a
-    command; ``CMD FILE`` must print the description JSON)."""
+    command; ``CMD FILE`` must print the description JSON). ``batch``: one process for every
+    vector, ``CMD FILE...`` printing one description a line, in order (a vector without its
+    line fails)."""
     directory = Path(directory)
     manifest = json.loads((directory / "manifest.json").read_text("utf-8"))
+    entries = manifest["vectors"]
+    if reader is None:
+        printed: list[object] = [describe(directory / entry["file"]) for entry in entries]
+    elif batch:
+        printed = _batch_descriptions(reader, [directory / entry["file"] for entry in entries])
+    else:
+        printed = [_reader_description(reader, directory / entry["file"]) for entry in entries]
     results = []
-    for entry in manifest["vectors"]:
-        path = directory / entry["file"]
+    for entry, actual in zip(entries, printed, strict=True):
         expected = entry["expect"]
-        if reader is None:
-            actual = describe(path)
-        else:
-            try:
-                completed = subprocess.run(
-                    [*shlex.split(reader), str(path)], capture_output=True, text=True, timeout=120
-                )
-            except (OSError, subprocess.TimeoutExpired) as error:
-                raise InvalidArgumentError(
-                    f"reader command {reader!r} failed on {path.name}: {error}"
-                ) from None
-            try:
-                printed = json.loads(completed.stdout)
-            except json.JSONDecodeError:
-                printed = None
-            if isinstance(printed, dict):
-                actual = printed
-            else:  # a crash is not a refusal: it fails every vector
-                results.append(
-                    Result(
-                        entry["file"], False, f"no JSON object from the reader (exit {completed.returncode})"
-                    )
-                )
-                continue
-        if "error" in expected:
+        if not isinstance(actual, dict):  # a crash is not a refusal: it fails every vector
+            results.append(Result(entry["file"], False, f"no JSON object from the reader ({actual})"))
+        elif "error" in expected:
             ok = actual.get("error") == expected["error"]
             detail = "" if ok else f"expected error {expected['error']}, got {actual.get('error', 'a read')}"
+            results.append(Result(entry["file"], ok, detail))
         else:
             detail = first_difference(expected, actual)
-            ok = not detail
-        results.append(Result(entry["file"], ok, detail))
+            results.append(Result(entry["file"], not detail, detail))
     return results
+
+
+def _reader_description(reader: str, path: Path) -> object:
+    """What ``reader FILE`` printed, parsed, or a string saying why there is no description."""
+    completed = _reader_run(reader, [path])
+    try:
+        return json.loads(completed.stdout)
+    except json.JSONDecodeError:
+        return f"exit {completed.returncode}"
+
+
+def _batch_descriptions(reader: str, paths: list[Path]) -> list[object]:
+    """What ``reader FILE...`` printed, a line per file, parsed (a string where a line is missing
+    or is not JSON)."""
+    completed = _reader_run(reader, paths)
+    lines = completed.stdout.splitlines()
+    found: list[object] = []
+    for index in range(len(paths)):
+        try:
+            found.append(json.loads(lines[index]))
+        except (IndexError, json.JSONDecodeError):
+            found.append(f"line {index + 1} of the batch, exit {completed.returncode}")
+    return found
+
+
+def _reader_run(reader: str, paths: list[Path]) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            [*shlex.split(reader), *map(str, paths)], capture_output=True, text=True, timeout=120 * len(paths)
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise InvalidArgumentError(f"reader command {reader!r} failed on {paths[0].name}: {error}") from None

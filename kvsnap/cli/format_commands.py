@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -72,11 +72,20 @@ class ImportOptions:
 
 
 @dataclass(frozen=True)
+class DescribeOptions:
+    """``kvsnap describe``'s options, typed."""
+
+    files: list[str] = field(default_factory=list)
+    storage_option: list[str] | None = None
+
+
+@dataclass(frozen=True)
 class ConformanceOptions:
     """``kvsnap conformance``'s options, typed."""
 
     directory: str = ""
     reader: str | None = None
+    batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -434,9 +443,10 @@ def _import(args: argparse.Namespace) -> int:
 def _describe_command(args: argparse.Namespace) -> int:
     from kvsnap.cli.conformance import describe
 
-    options = typed(FileOptions, args)
+    options = typed(DescribeOptions, args)
     storage = storage_options(options.storage_option)
-    print(json.dumps(describe(options.file, storage_options=storage), ensure_ascii=False))
+    for file in options.files:  # a line each (the conformance runner's --batch)
+        print(json.dumps(describe(file, storage_options=storage), ensure_ascii=False), flush=True)
     return 0
 
 
@@ -444,7 +454,7 @@ def _conformance(args: argparse.Namespace) -> int:
     from kvsnap.cli.conformance import run
 
     options = typed(ConformanceOptions, args)
-    results = run(options.directory, options.reader)
+    results = run(options.directory, options.reader, batch=options.batch)
     width = max(len(r.name) for r in results) if results else 4
     print(f"{'vector':{width}s}  result")
     for result in results:
@@ -547,7 +557,7 @@ def _import_parser(sub: Any) -> None:
 def _describe_parser(sub: Any) -> None:
     """``kvsnap describe``'s arguments."""
     p = sub.add_parser("describe", help="the conformance description of a file (JSON; see spec/vectors)")
-    p.add_argument("file")
+    p.add_argument("files", nargs="+", metavar="file", help="one or more; a JSON line each")
     remote_options(p)
     p.set_defaults(func=_describe_command)
 
@@ -557,6 +567,11 @@ def _conformance_parser(sub: Any) -> None:
     p = sub.add_parser("conformance", help="check a reader against spec/vectors/manifest.json")
     p.add_argument("directory")
     p.add_argument("--reader", help="command; 'CMD FILE' prints the description JSON (default: kvformat)")
+    p.add_argument(
+        "--batch",
+        action="store_true",
+        help="run the reader once: 'CMD FILE...' prints one description a line, in order",
+    )
     p.set_defaults(func=_conformance)
 
 

@@ -459,7 +459,7 @@ def test_each_stage_command_reads_typed_options_its_parser_declares() -> None:
         ("recover", format_commands.RecoverOptions),
         ("pack", format_commands.PackOptions),
         ("import-mlxkv", format_commands.ImportOptions),
-        ("describe", format_commands.FileOptions),
+        ("describe", format_commands.DescribeOptions),
         ("conformance", format_commands.ConformanceOptions),
         ("dump", format_commands.DumpOptions),
     ):

@@ -78,12 +78,23 @@ def test_series_as_triples_and_as_ranges_describe_alike() -> None:
 
 def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reader = f"{sys.executable} -m kvsnap.cli describe"
-    assert main(["conformance", str(VECTORS), "--reader", reader]) == 0
+    assert main(["conformance", str(VECTORS), "--reader", reader, "--batch"]) == 0  # one process
     assert capsys.readouterr().out.splitlines()[-1].startswith("81/81 passed")
-    # Wrong readers against a few vectors, good and bad (a reader process per vector is slow).
     few = _few_vectors(
         tmp_path / "few", ["float32-raw.kv", "series.kv", "bad/truncated-footer.kv", "bad/zero-heads.kv"]
     )
+    assert main(["conformance", str(few), "--reader", reader]) == 0  # a process per vector
+    assert capsys.readouterr().out.splitlines()[-1].startswith("4/4 passed")
+    # A batch that stops short: the vectors without their line fail, the others pass.
+    short = tmp_path / "short.py"
+    short.write_text(
+        "import subprocess, sys\n"
+        f"subprocess.run([{sys.executable!r}, '-m', 'kvsnap.cli', 'describe', *sys.argv[1:3]])\n"
+    )
+    results = run(few, f"{sys.executable} {short}", batch=True)
+    assert [r.passed for r in results] == [True, True, False, False]
+    assert "line 3 of the batch" in results[2].detail
+    # Wrong readers against a few vectors, good and bad.
     liar = tmp_path / "liar.py"
     liar.write_text("print('{\"version\": [1, 0]}')\n")
     assert main(["conformance", str(few), "--reader", f"{sys.executable} {liar}"]) == 1
