@@ -102,7 +102,6 @@ def check(name: str, folder: str | Path) -> Result:
     """Build ``name`` tiny, generate `GENERATED` tokens greedily capturing a series every `EVERY`,
     resume from the snapshot after `EVERY` tokens, and compare tokens and log-probabilities of
     the resumed steps with the uninterrupted run. Errors are recorded, not raised."""
-    import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
@@ -135,18 +134,26 @@ def check(name: str, folder: str | Path) -> Result:
             )
         later = full[EVERY:]
         result.tokens_equal = [r.token for r in resumed] == [r.token for r in later]
-        errors = []
-        for a, b in zip(resumed, later, strict=False):
-            x, y = np.array(a.logprobs.astype(mx.float32)), np.array(b.logprobs.astype(mx.float32))
-            scale = max(float(np.abs(y[np.isfinite(y)]).max(initial=0.0)), 1e-30)
-            errors.append(float(np.abs(x - y).max()) / scale)
-        result.max_logprob_error = max(errors, default=float("nan"))
+        result.max_logprob_error = _logprob_error(resumed, later)
     except Exception as exc:  # recorded: the table says what failed and where
         result.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
     if result.error is None:
         _check_attention(model, name, folder, result)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _logprob_error(resumed: list[Any], later: list[Any]) -> float:
+    """The largest difference of next-token log-probabilities between two runs' steps, relative
+    to the largest finite |log-probability| of the uninterrupted one."""
+    import mlx.core as mx
+
+    errors = []
+    for a, b in zip(resumed, later, strict=False):
+        x, y = np.array(a.logprobs.astype(mx.float32)), np.array(b.logprobs.astype(mx.float32))
+        scale = max(float(np.abs(y[np.isfinite(y)]).max(initial=0.0)), 1e-30)
+        errors.append(float(np.abs(x - y).max()) / scale)
+    return max(errors, default=float("nan"))
 
 
 class _Kernel:
@@ -258,45 +265,68 @@ def _compare(path: Path, calls: list[tuple[np.ndarray, ...]], result: Result) ->
 
     worst, compared, missing, prefill = 0.0, 0, 0, 0
     with kvformat.open(path) as snap:
-        stored = {}  # (layer, first query head of a reader) -> {position: query of that head}
-        for layer, spec in enumerate(snap.layers):
-            if spec.queries is not None:
-                per_reader = spec.queries.num_heads // int(spec.attributes.get("query_readers", 1))
-                for head in range(0, spec.queries.num_heads, per_reader):
-                    found = snap.queries(layer, head)
-                    if found is not None:
-                        rows = zip(found.positions, found.q, strict=True)
-                        stored[(layer, head)] = {int(p): row for p, row in rows}
+        stored = _stored_queries(snap)
         latent_layers = {
             layer: snap.head(layer, 0)
             for layer, spec in enumerate(snap.layers)
             if spec.queries is not None and spec.queries.latent
         }
         for queries, keys, output in calls:
-            places = [(layer, offset, first) for (layer, offset), first in _find(stored, queries[0, 0, 0])]
-            if not places and latent_layers:
-                # Absorbed MLA: the file's queries are [q_c; q_r]; a decode call is found by
-                # its keys (the latents, whose newest row is the file's at that position).
-                latent_place = _find_latent(latent_layers, keys, queries.shape[2])
-                if isinstance(latent_place, str):  # a prompt's call
-                    prefill += 1
-                    continue
-                places = [] if latent_place is None else [(latent_place[0], 0, latent_place[1])]
-            if not places:
+            places = _places(stored, latent_layers, queries, keys)
+            if isinstance(places, str):  # an absorbed prompt call
+                prefill += 1
+            elif not places:
                 missing += 1
-                continue
-            # One set of queries may read two layers' K/V (iQuest's second loop reads the first
-            # loop's keys and its own window): the call is the place whose attention it equals.
-            worst = max(worst, min(_call_error(snap, place, queries.shape, output) for place in places))
-            compared += queries.shape[1]
+            else:
+                # One set of queries may read two layers' K/V (iQuest's second loop reads the
+                # first loop's keys and its own window): the call is the place whose attention
+                # it equals.
+                worst = max(worst, min(_call_error(snap, place, queries.shape, output) for place in places))
+                compared += queries.shape[1]
     result.attention_calls = len(calls) - prefill
     result.max_attention_error = worst
+    result.attention = _verdict(missing, len(calls), compared, worst)
+
+
+def _verdict(missing: int, calls: int, compared: int, worst: float) -> str:
     if missing:
-        result.attention = f"{missing} of {len(calls)} attention calls have no queries in the file"
-    elif not compared:
-        result.attention = "no attention call was compared"
-    else:
-        result.attention = "equal" if worst <= 1e-5 else f"differs (relative {worst:.1e})"
+        return f"{missing} of {calls} attention calls have no queries in the file"
+    if not compared:
+        return "no attention call was compared"
+    return "equal" if worst <= 1e-5 else f"differs (relative {worst:.1e})"
+
+
+def _stored_queries(snap: Any) -> dict[tuple[int, int], dict[int, np.ndarray]]:
+    """``(layer, first query head of a reader) -> {position: query of that head}`` of a file."""
+    stored = {}
+    for layer, spec in enumerate(snap.layers):
+        if spec.queries is None:
+            continue
+        per_reader = spec.queries.num_heads // int(spec.attributes.get("query_readers", 1))
+        for head in range(0, spec.queries.num_heads, per_reader):
+            found = snap.queries(layer, head)
+            if found is not None:
+                stored[(layer, head)] = {int(p): row for p, row in zip(found.positions, found.q, strict=True)}
+    return stored
+
+
+def _places(
+    stored: dict[tuple[int, int], dict[int, np.ndarray]],
+    latent_layers: dict[int, Any],
+    queries: np.ndarray,
+    keys: np.ndarray,
+) -> list[tuple[int, int, int]] | str:
+    """Where in the file a call's queries are: ``(layer, first query head, first position)``
+    each, or ``"prefill"`` for an absorbed MLA prompt's call (compared through its decode calls)."""
+    places = [(layer, offset, first) for (layer, offset), first in _find(stored, queries[0, 0, 0])]
+    if places or not latent_layers:
+        return places
+    # Absorbed MLA: the file's queries are [q_c; q_r]; a decode call is found by its keys (the
+    # latents, whose newest row is the file's at that position).
+    latent_place = _find_latent(latent_layers, keys, queries.shape[2])
+    if isinstance(latent_place, str):
+        return latent_place
+    return [] if latent_place is None else [(latent_place[0], 0, latent_place[1])]
 
 
 def _find_latent(latent_layers: dict[int, Any], keys: np.ndarray, count: int) -> tuple[int, int] | str | None:

@@ -327,16 +327,22 @@ def build_cache(layer: LayerKV, extra: dict[int, LayerKV] | None = None) -> Any:
         return _build_layer_cache(layer, name)
     if not layer.present:
         return _build_empty(layer, name)
-    if not layer.k:
-        raise UnsupportedModelError("layer without sequences cannot be restored")
-    if any(not np.array_equal(p, layer.positions[0]) for p in layer.positions):
-        raise UnsupportedModelError("sequences of a batch hold different positions; restore one sequence")
+    _check_restorable(layer)
     if layer.quantization is not None:
         name = "QuantizedKVCache"  # whatever class wrote it: quantized data goes back quantized
     kind = CACHE_CLASSES.get(name)
     if kind is None or kind.build is None:
         raise UnsupportedModelError(f"restoring cache class {name} is not supported")
     return kind.build(layer, name)
+
+
+def _check_restorable(layer: LayerKV) -> None:
+    """`UnsupportedModelError` for a present layer with no sequence, or sequences at different
+    positions (a cache holds one position list)."""
+    if not layer.k:
+        raise UnsupportedModelError("layer without sequences cannot be restored")
+    if any(not np.array_equal(p, layer.positions[0]) for p in layer.positions):
+        raise UnsupportedModelError("sequences of a batch hold different positions; restore one sequence")
 
 
 def _setting(layer: LayerKV, key: str, default: int | None = None) -> int:

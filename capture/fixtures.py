@@ -165,13 +165,14 @@ def _finished(out: Path, digest: str, check_hashes: bool = False) -> bool:
     files = [line.split(" ") for line in lines[1:] if line.startswith("file ")]
     if not lines or lines[0].strip() != _stamp(digest) or not files:
         return False
-    for _, name, size, sha in files:
-        path = out / name
-        if not path.is_file() or path.stat().st_size != int(size):
-            return False
-        if check_hashes and sha256_of(path) != sha:
-            return False
-    return True
+    return all(_file_as_written(out / name, int(size), sha, check_hashes) for _, name, size, sha in files)
+
+
+def _file_as_written(path: Path, size: int, sha: str, check_hashes: bool) -> bool:
+    """Whether a converted file still has its recorded size (and SHA-256, with ``check_hashes``)."""
+    if not path.is_file() or path.stat().st_size != size:
+        return False
+    return not check_hashes or sha256_of(path) == sha
 
 
 def converted_gguf(gguf: Path) -> Path:

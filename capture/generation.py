@@ -86,18 +86,38 @@ def byte_label(tokenizer: Any, token: int) -> str | None:
     )
     if convert is None:
         return None
-    entry = convert(token)
-    if not isinstance(entry, str) or not entry:
-        return None
-    if _BYTE_TOKEN.fullmatch(entry):
-        data = bytes(int(entry[i + 3 : i + 5], 16) for i in range(0, len(entry), 6))
-    elif all(c in _BYTE_DECODER for c in entry):
-        data = bytes(_BYTE_DECODER[c] for c in entry)
-    else:
+    data = _entry_bytes(convert(token))
+    if data is None:
         return None
     # whole characters as text, the bytes of a part of one as <0xHH>
     text = data.decode("utf-8", errors="surrogateescape")
     return "".join(f"<0x{ord(c) - 0xDC00:02X}>" if 0xDC80 <= ord(c) <= 0xDCFF else c for c in text)
+
+
+def _entry_bytes(entry: Any) -> bytes | None:
+    """The bytes a vocabulary entry stands for: SentencePiece's byte fallback (``<0xE6>``) or a
+    byte-level BPE entry (a character a byte); None for any other entry."""
+    if not isinstance(entry, str) or not entry:
+        return None
+    if _BYTE_TOKEN.fullmatch(entry):
+        return bytes(int(entry[i + 3 : i + 5], 16) for i in range(0, len(entry), 6))
+    if all(c in _BYTE_DECODER for c in entry):
+        return bytes(_BYTE_DECODER[c] for c in entry)
+    return None
+
+
+def _split_host(
+    host: list[np.ndarray], queries: int, states: list[str], with_logits: bool
+) -> tuple[list[np.ndarray], list[np.ndarray], dict[str, np.ndarray], np.ndarray | None]:
+    """A snapshot's host copies in the order `_Snapshots.take` handed them over (K/V, then
+    ``queries`` query arrays, then the named ``states``, then the logits if any), apart:
+    ``(K/V, queries, {state name: array}, logits or None)``."""
+    last = host.pop() if with_logits else None
+    kept = len(host) - len(states)
+    state = dict(zip(states, host[kept:], strict=True))
+    host = host[:kept]
+    kept -= queries
+    return host[:kept], host[kept:], state, last
 
 
 def text_in_context(tokenizer: Any, context: Sequence[int], token: int) -> str:
@@ -235,17 +255,12 @@ class _Snapshots:
         metadata, new_tokens, pieces_key = self._token_metadata(generated, tokens, pieces, base_text)
         placed = file_caches(self.prompt_cache)
         caches = [cache for cache, _ in placed]
-        deltas = self.tracker.read(caches)
-        if self.tracker.end() not in (0, len(tokens)):
-            raise CaptureError(
-                f"cache holds {self.tracker.end()} positions but {len(tokens)} tokens were processed"
-            )
-        arrays = [array for delta in deltas for array in (*delta.keys, *delta.values)]
+        deltas = self._deltas(caches, len(tokens))
         queries, layout = self.recorder.take() if self.recorder is not None else ([], [])
-        arrays += queries
         series = self.series or self._open_series(placed)
         states = self._states()
-        arrays += list(states.values())
+        arrays = [array for delta in deltas for array in (*delta.keys, *delta.values)]
+        arrays += [*queries, *states.values()]
         if logits is not None:
             arrays.append(mx.array(logits).astype(mx.float32).reshape(-1, logits.shape[-1]))
         transfer = Transfer(arrays)
@@ -257,12 +272,8 @@ class _Snapshots:
         def write() -> None:
             metadata[pieces_key] = [token_pieces(self.tokenizer, new_tokens)]
             host = transfer.to_host()
-            last = host.pop() if with_logits else None
-            state = dict(zip(states, host[len(host) - len(states) :], strict=True))
-            host = host[: len(host) - len(states)]
-            if queries:
-                kept = len(host) - len(queries)
-                host, found = host[:kept], host[kept:]
+            host, found, state, last = _split_host(host, len(queries), list(states), with_logits)
+            if found:
                 series.add_queries(QueryRecorder.on_host(found, layout))
             series.add(deltas, host, metadata, last, state)
             if self.on_snapshot is not None:
@@ -272,6 +283,16 @@ class _Snapshots:
         assert self.background is not None
         self.background.submit(write)
         self.taken += 1
+
+    def _deltas(self, caches: list[Any], tokens: int) -> list[Any]:
+        """What the caches gained since the last snapshot (`deltas.DeltaTracker.read`), checked
+        against the ``tokens`` processed."""
+        deltas = self.tracker.read(caches)
+        if self.tracker.end() not in (0, tokens):
+            raise CaptureError(
+                f"cache holds {self.tracker.end()} positions but {tokens} tokens were processed"
+            )
+        return deltas
 
     def _token_metadata(
         self, generated: int, tokens: list[int], pieces: list[str], base_text: str

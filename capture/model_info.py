@@ -48,11 +48,20 @@ def head_dim_of(config: dict[str, Any], model: nn.Module | None = None) -> int |
     value = config.get("head_dim")
     if isinstance(value, int) and value > 0:
         return value
-    if model is not None:
-        for module in model.modules():
-            value = getattr(module, "head_dim", None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
+    return _held_head_dim(model) or _width_over_heads(config)
+
+
+def _held_head_dim(model: nn.Module | None) -> int | None:
+    """The first positive integer ``head_dim`` a module of the model holds."""
+    for module in model.modules() if model is not None else []:
+        value = getattr(module, "head_dim", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _width_over_heads(config: dict[str, Any]) -> int | None:
+    """Width / heads under the names the model's arguments use, where both are there."""
     width = next((config[k] for k in _WIDTHS if isinstance(config.get(k), int)), None)
     heads = next((config[k] for k in _HEADS if isinstance(config.get(k), int) and config[k] > 0), None)
     return width // heads if width and heads else None
@@ -188,6 +197,7 @@ def annotate_layers(
         return
     config = model_config(model)
     latent = latent_attributes(model)
+    roles = ROLES.get(str(config.get("model_type")), ())
     for index, (attrs, here) in enumerate(zip(attributes, present, strict=True)):
         base = layer_rope_base(config, index)
         if base is not None:
@@ -195,13 +205,19 @@ def annotate_layers(
         # A latent layer caches the latent and the RoPE key (a sparse-attention indexer's keys,
         # in a layer of their own, are not one): its K and V widths say so, where known.
         shape = dims[index] if dims is not None else None
-        expected = (latent["kv_lora_rank"], latent["qk_rope_head_dim"]) if latent is not None else None
-        fits = shape is None or shape == expected
-        if latent is not None and here and attrs.get("kind") == "full" and fits:
+        if latent is not None and here and attrs.get("kind") == "full" and _latent_shape(shape, latent):
             attrs.update(latent)
-        state = attrs.get("state")
-        if isinstance(state, list):
-            roles = ROLES.get(str(config.get("model_type")), ())
-            for slot, entry in enumerate(state):
-                if isinstance(entry, dict) and slot < len(roles):
-                    entry["role"] = roles[slot]
+        _name_state_roles(attrs.get("state"), roles)
+
+
+def _latent_shape(shape: tuple[int, int] | None, latent: dict[str, Any]) -> bool:
+    """Whether a layer's K and V widths (None: unknown) are a latent layer's."""
+    return shape is None or shape == (latent["kv_lora_rank"], latent["qk_rope_head_dim"])
+
+
+def _name_state_roles(state: Any, roles: tuple[str, ...]) -> None:
+    """Each described slot of a layer's ``state`` attribute gets its ``role`` (in place)."""
+    if isinstance(state, list):
+        for slot, entry in enumerate(state):
+            if isinstance(entry, dict) and slot < len(roles):
+                entry["role"] = roles[slot]

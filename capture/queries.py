@@ -396,13 +396,10 @@ class QueryRecorder:
     def _place(self, cache: Any, keys: Any) -> tuple[int, Any]:
         """``(file layer, its K/V cache)`` of an attention call on ``cache`` reading ``keys``;
         `CaptureError` where no layer's cache is its own."""
-        place = self._layer_of.get(id(cache))
-        if place is None and cache is not None:  # a cache replaced since: map them again
-            self._layer_of = self._places()
-            place = self._layer_of.get(id(cache))
+        place = self._cache_place(cache)
         # The very keys another layer's call read: that layer's K/V, read again (Gemma-3n's shared
         # layers pass no cache; iQuest's second loop passes its own cache with the first loop's keys).
-        shared = None if keys is None else next((p for p, k in self._last_keys.values() if k is keys), None)
+        shared = self._shared_place(keys)
         if shared is not None and (place is None or shared[0] != place[0]):
             return shared
         if place is None and cache is None and keys is not None:
@@ -417,6 +414,20 @@ class QueryRecorder:
                 "layer in the file: capture without --queries"
             )
         return place
+
+    def _cache_place(self, cache: Any) -> tuple[int, Any] | None:
+        """`_places`' entry of ``cache`` (mapped again where mlx-lm replaced a cache since)."""
+        place = self._layer_of.get(id(cache))
+        if place is None and cache is not None:
+            self._layer_of = self._places()
+            place = self._layer_of.get(id(cache))
+        return place
+
+    def _shared_place(self, keys: Any) -> tuple[int, Any] | None:
+        """The place of the layer whose last attention call read the very array ``keys``."""
+        if keys is None:
+            return None
+        return next((place for place, read in self._last_keys.values() if read is keys), None)
 
     def _places(self) -> dict[int, tuple[int, Any]]:
         """``id(cache object) -> (file layer, the K/V cache whose offset counts its positions)``
@@ -445,13 +456,8 @@ class QueryRecorder:
         keys: Any,
         latent: bool = False,
     ) -> None:
-        count = queries.shape[2]
-        end = getattr(cache, "offset", None)  # after update_and_fetch: one past the last position
-        if not isinstance(end, int):
-            raise CaptureError(
-                f"layer {layer}: queries of a {type(cache).__name__} (per-sequence offsets) are not captured"
-            )
-        start = end - count
+        end = _end_of(layer, cache)
+        start = end - queries.shape[2]
         seen = self.layers.get(layer)
         if seen is None:
             seen = self.layers[layer] = _Layer(
@@ -463,23 +469,7 @@ class QueryRecorder:
                 f"queries: layer {layer}'s attention ran with other query shapes or another scale "
                 "(another layer reads its K/V differently); capture without --queries"
             )
-        group = 0
-        if start < seen.end:  # another call on these positions: a layer that shares this one's K/V
-            step_start, calls = seen.step
-            if start != step_start or end != seen.end or seen.latent:
-                raise CaptureError(
-                    f"queries: layer {layer}'s attention ran again for positions it already had, "
-                    "but not as a second reader of the same step (the model loops over its "
-                    "layers); its queries cannot be told apart: capture without --queries"
-                )
-            group, seen.step = calls, (start, calls + 1)
-            if group >= seen.groups:
-                if self._taken:  # a layer starting to share after the file's layout was fixed
-                    raise CaptureError(f"queries: layer {layer} gained a reader mid-generation")
-                seen.groups = group + 1
-                seen.extra.append([])
-        else:
-            seen.step = (start, 1)
+        group = self._reader(layer, seen, start, end)
         seen.end = end
         first = max(start, self._first)
         if first < end:
@@ -489,6 +479,27 @@ class QueryRecorder:
             whole = first == start and not hasattr(cache, "bits")
             piece = (queries if whole else queries[:, :, first - start :, :], first)
             (seen.pending if group == 0 else seen.extra[group - 1]).append(piece)
+
+    def _reader(self, layer: int, seen: _Layer, start: int, end: int) -> int:
+        """Which reader of the layer's K/V a call on positions ``start .. end`` is: 0, or the next
+        one of the same step (a layer sharing this one's K/V)."""
+        if start >= seen.end:
+            seen.step = (start, 1)
+            return 0
+        step_start, calls = seen.step
+        if start != step_start or end != seen.end or seen.latent:
+            raise CaptureError(
+                f"queries: layer {layer}'s attention ran again for positions it already had, "
+                "but not as a second reader of the same step (the model loops over its "
+                "layers); its queries cannot be told apart: capture without --queries"
+            )
+        seen.step = (start, calls + 1)
+        if calls >= seen.groups:
+            if self._taken:  # a layer starting to share after the file's layout was fixed
+                raise CaptureError(f"queries: layer {layer} gained a reader mid-generation")
+            seen.groups = calls + 1
+            seen.extra.append([])
+        return calls
 
     def take(self) -> tuple[list[mx.array], list[tuple[int, int, int, np.ndarray]]]:
         """What every layer kept since the last call, as few device arrays as possible (not
@@ -570,23 +581,16 @@ class QueryRecorder:
         group = max(1, seen.num_heads // max(kv_heads, 1))
         mapped = self._kv_map.get(layer)
         own = mapped if mapped is not None else tuple(h // group for h in range(seen.num_heads))
-        sinks = None
-        if seen.sinks is not None:
-            sinks = tuple(float(x) for x in np.array(seen.sinks.astype(mx.float32)).reshape(-1).tolist())
-        window = attributes.get("window") if attributes.get("kind") == "sliding" else None
-        chunk = attributes.get("chunk_size") if attributes.get("kind") == "chunked" else None
         return QuerySpec(
             num_heads=seen.num_heads * seen.groups,
             dim=seen.dim,
             dtype=kvformat.dtypes.from_name(str(seen.dtype).removeprefix("mlx.core.")),
             scale=seen.scale,
             kv_heads=own * seen.groups,
-            window=int(window) if window else None,
-            keep=int(attributes.get("keep") or 0) if window else 0,
             softcap=seen.softcap,
-            sinks=sinks,
-            chunk=int(chunk) if chunk else None,
+            sinks=_sinks(seen.sinks),
             latent=seen.latent,
+            **_visibility(attributes),
         )
 
 
@@ -663,6 +667,37 @@ def _latent_modules(model: Any) -> list[Any]:
             )
         )
     ]
+
+
+def _sinks(sinks: Any) -> tuple[float, ...] | None:
+    """A layer's sink logits (an mlx array, one a query head) as a tuple, or None."""
+    if sinks is None:
+        return None
+    return tuple(float(x) for x in np.array(sinks.astype(mx.float32)).reshape(-1).tolist())
+
+
+def _visibility(attributes: dict[str, Any]) -> dict[str, Any]:
+    """`QuerySpec`'s ``window``, ``keep`` and ``chunk`` from a layer's attributes (a sliding
+    window and its kept prefix, a chunked layer's block size)."""
+    kind = attributes.get("kind")
+    window = attributes.get("window") if kind == "sliding" else None
+    chunk = attributes.get("chunk_size") if kind == "chunked" else None
+    return {
+        "window": int(window) if window else None,
+        "keep": int(attributes.get("keep") or 0) if window else 0,
+        "chunk": int(chunk) if chunk else None,
+    }
+
+
+def _end_of(layer: int, cache: Any) -> int:
+    """One past the last position of ``cache`` (after ``update_and_fetch``); `CaptureError` for a
+    cache with per-sequence offsets."""
+    end = getattr(cache, "offset", None)
+    if not isinstance(end, int):
+        raise CaptureError(
+            f"layer {layer}: queries of a {type(cache).__name__} (per-sequence offsets) are not captured"
+        )
+    return end
 
 
 def _kv_heads_of(layer: int, queries: mx.array, keys: Any, cache: Any) -> tuple[int, ...] | None:

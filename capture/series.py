@@ -66,11 +66,7 @@ class SeriesWriter:
         cursor = 0
         for delta in deltas:
             if delta.host is not None:  # compared on the host (batch caches)
-                for seq, start, stop in delta.host_drops:
-                    writer.drop(delta.layer, start, stop, seq=seq)
-                for seq, (k, v, positions) in enumerate(delta.host):
-                    if positions.size:
-                        appends.append((delta.layer, k, v, positions, seq))
+                appends += self._host_delta(delta)
                 continue
             for start, stop in delta.drops:
                 for seq in range(self.num_seqs):
@@ -78,15 +74,8 @@ class SeriesWriter:
             n = len(delta.keys)
             keys, values = host[cursor : cursor + n], host[cursor + n : cursor + 2 * n]
             cursor += 2 * n
-            if not delta.positions.size:
-                continue
-            positions = delta.positions
-            for seq in range(keys[0].shape[0]):
-                if n == 1:
-                    k, v = keys[0][seq], values[0][seq]
-                else:  # quantized: (packed, scales, biases)
-                    k, v = tuple(x[seq] for x in keys), tuple(x[seq] for x in values)
-                appends.append((delta.layer, k, v, positions, seq))
+            if delta.positions.size:
+                appends += _per_sequence(delta.layer, keys, values, delta.positions)
         writer.append_many(appends)
         arrays = dict(state or {})
         if last_logits is not None:
@@ -95,6 +84,17 @@ class SeriesWriter:
         if writer.durable:
             _sync_each(writer.fileno(), SYNC_EACH)
         return index
+
+    def _host_delta(self, delta: LayerDelta) -> list[tuple[int, Any, Any, Any, int]]:
+        """A delta compared on the host (batch caches): its drops written, its appends."""
+        for seq, start, stop in delta.host_drops:
+            self.writer.drop(delta.layer, start, stop, seq=seq)
+        assert delta.host is not None
+        return [
+            (delta.layer, k, v, positions, seq)
+            for seq, (k, v, positions) in enumerate(delta.host)
+            if positions.size
+        ]
 
     def add_queries(self, queries: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
         """Write queries (format 1.3) for the next snapshot: ``(layer, q, positions)`` with
@@ -109,3 +109,16 @@ class SeriesWriter:
     def leave_partial(self) -> None:
         """Stop without an index: the ``.partial`` file stays, for `kvsnap recover`."""
         self.writer.__exit__(RuntimeError, None, None)
+
+
+def _per_sequence(
+    layer: int, keys: list[np.ndarray], values: list[np.ndarray], positions: np.ndarray
+) -> list[tuple[int, Any, Any, Any, int]]:
+    """One layer's host K/V ``(batch, heads, n, dim)`` as an append per sequence; a quantized
+    layer's as its ``(packed, scales, biases)`` tuples."""
+    if len(keys) == 1:
+        return [(layer, keys[0][seq], values[0][seq], positions, seq) for seq in range(keys[0].shape[0])]
+    return [
+        (layer, tuple(x[seq] for x in keys), tuple(x[seq] for x in values), positions, seq)
+        for seq in range(keys[0].shape[0])
+    ]

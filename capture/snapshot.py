@@ -123,20 +123,27 @@ def snapshot_kv(
     ``tokens`` are the token ids whose K/V the cache holds (one list per sequence);
     ``last_logits`` the ``(num_seqs, vocab)`` logits after the last of them, for resuming.
     """
+    layers = _described_layers(prompt_cache, model)
+    info = file_metadata(model, model_path, tokenizer) if model is not None else {}
+    info["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    info.update(metadata or {})
+    snapshot_meta = _token_metadata(tokens, tokenizer) if tokens is not None else {}
+    return KVSnapshot(layers, info, snapshot_meta, _host_logits(last_logits))
+
+
+def _described_layers(prompt_cache: list[Any], model: nn.Module | None) -> list[Any]:
+    """Every file layer of the cache (`caches.file_caches`) read to the host, with what the
+    model says of it and a `CacheList`'s further caches linked to their owner."""
     placed = file_caches(prompt_cache)
     layers = [read_layer(cache) for cache, _ in placed]
     link_extra_layers([data.attributes for data in layers], [place for _, place in placed])
-    info = file_metadata(model, model_path, tokenizer) if model is not None else {}
     annotate_layers(
         [data.attributes for data in layers],
         [data.present for data in layers],
         model,
         [data.dims[1:] if data.present and data.k else None for data in layers],
     )
-    info["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    info.update(metadata or {})
-    snapshot_meta = _token_metadata(tokens, tokenizer) if tokens is not None else {}
-    return KVSnapshot(layers, info, snapshot_meta, _host_logits(last_logits))
+    return layers
 
 
 def _token_metadata(tokens: list[int] | list[list[int]], tokenizer: Any) -> dict[str, Any]:

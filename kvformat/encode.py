@@ -8,6 +8,8 @@ keeps one payload per chunk, written from the caller's memory where it is contig
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -79,28 +81,33 @@ def prepare(unit: Unit, codec: Codec, scratch: np.ndarray, offset: int) -> tuple
     (``scratch``, or a larger one) that holds the unit's gathered strided rows until written."""
     if all(isinstance(item, Block) for item in unit) and small_chunks(cast(list[Block], unit)):
         return block_records(cast(list[Block], unit), offset, scratch)
-    strided = sum(p.rows.nbytes for p in unit if isinstance(p, Part) and not p.rows.flags.c_contiguous)
+    strided = _strided_bytes(unit)
     if scratch.nbytes < strided:
         scratch = np.empty(strided, np.uint8)
-    chunks, used, i = _Chunks(), 0, 0
-    while i < len(unit):
-        if isinstance(unit[i], Block):
-            j = i
-            while j < len(unit) and isinstance(unit[j], Block):
-                j += 1
-            chunks.add_blocks(cast(list[Block], unit[i:j]))
-            i = j
+    chunks, used = _Chunks(), 0
+    for is_block, run in itertools.groupby(unit, key=lambda item: isinstance(item, Block)):
+        if is_block:
+            chunks.add_blocks(cast(list[Block], list(run)))
             continue
-        part = cast(Part, unit[i])
-        rows = part.rows
-        if not rows.flags.c_contiguous:
-            out = scratch[used : used + rows.nbytes].view(rows.dtype).reshape(rows.shape)
-            np.copyto(out, rows)
-            used += rows.nbytes
-            rows = out
-        chunks.add_part(part, rows, codec)
-        i += 1
+        for part in cast(Iterator[Part], run):
+            rows, used = _contiguous(part.rows, scratch, used)
+            chunks.add_part(part, rows, codec)
     return _records(chunks, codec, offset), scratch
+
+
+def _strided_bytes(unit: Unit) -> int:
+    """The bytes of the unit's parts whose rows are not C-contiguous (gathered before writing)."""
+    return sum(p.rows.nbytes for p in unit if isinstance(p, Part) and not p.rows.flags.c_contiguous)
+
+
+def _contiguous(rows: np.ndarray, scratch: np.ndarray, used: int) -> tuple[np.ndarray, int]:
+    """``rows`` themselves where C-contiguous, else gathered into ``scratch`` from byte
+    ``used`` on; and the scratch bytes used after them."""
+    if rows.flags.c_contiguous:
+        return rows, used
+    out = scratch[used : used + rows.nbytes].view(rows.dtype).reshape(rows.shape)
+    np.copyto(out, rows)
+    return out, used + rows.nbytes
 
 
 def _records(chunks: _Chunks, codec: Codec, offset: int) -> Records:

@@ -87,6 +87,10 @@ class QuerySpec:
             )
         self._check_mask()
         self._check_logits()
+        self._check_latent(dims)
+
+    def _check_latent(self, dims: tuple[int, int] | None) -> None:
+        """``latent`` a boolean; a latent layer's ``dim`` its K and V head dims together."""
         if not isinstance(self.latent, bool):
             raise InvalidLayoutError(f"queries latent must be true or false, got {self.latent!r}")
         if self.latent and dims is not None and self.dim != dims[0] + dims[1]:
@@ -106,20 +110,22 @@ class QuerySpec:
         if self.sinks is not None and (len(self.sinks) != self.num_heads or not _finite(self.sinks)):
             raise InvalidLayoutError("queries sinks must be null or one finite number per query head")
 
-    def _check_mask(self) -> None:
-        """``window`` null or positive, ``keep`` an integer >= 0 and below the window."""
-        if self.window is not None and (not _is_int(self.window) or not 1 <= self.window <= MAX_POSITION):
-            raise InvalidLayoutError(
-                f"queries window must be null or an integer in 1..2^53, got {self.window!r}"
-            )
+    def _check_keep(self) -> None:
+        """``keep`` an integer >= 0, below the window where there is one."""
         if not _is_int(self.keep) or self.keep < 0:
             raise InvalidLayoutError(f"queries keep must be an integer >= 0, got {self.keep!r}")
         if self.window is not None and self.keep >= self.window:
             raise InvalidLayoutError(f"queries keep ({self.keep}) must be below the window ({self.window})")
-        if self.chunk is not None and (not _is_int(self.chunk) or not 1 <= self.chunk <= MAX_POSITION):
-            raise InvalidLayoutError(
-                f"queries chunk must be null or an integer in 1..2^53, got {self.chunk!r}"
-            )
+
+    def _check_mask(self) -> None:
+        """``window`` and ``chunk`` null or positive (not both), ``keep`` an integer >= 0 and
+        below the window."""
+        for name, value in (("window", self.window), ("chunk", self.chunk)):
+            if value is not None and (not _is_int(value) or not 1 <= value <= MAX_POSITION):
+                raise InvalidLayoutError(
+                    f"queries {name} must be null or an integer in 1..2^53, got {value!r}"
+                )
+        self._check_keep()
         if self.chunk is not None and self.window is not None:
             raise InvalidLayoutError("queries chunk and window cannot both be set")
 
@@ -403,19 +409,23 @@ def parse_manifest(obj: Any) -> Manifest:
         optional_features=_strings(obj.get("optional_features", []), "optional_features"),
     )
     check_head_sequences(manifest.layers, manifest.num_seqs, LimitExceededError)
-    if any(layer.queries is not None for layer in manifest.layers) and QUERIES not in required:
-        raise CorruptFileError("layers declare queries but 'required_features' does not list \"queries\"")
-    chunked = any(layer.queries is not None and layer.queries.chunk is not None for layer in manifest.layers)
-    if chunked and CHUNKED_ATTENTION not in required:
-        raise CorruptFileError(
-            "layers declare chunked attention but 'required_features' does not list \"chunked-attention\""
-        )
-    latent = any(layer.queries is not None and layer.queries.latent for layer in manifest.layers)
-    if latent and LATENT_ATTENTION not in required:
-        raise CorruptFileError(
-            "layers declare latent attention but 'required_features' does not list \"latent-attention\""
-        )
+    _check_features_declared(manifest.layers, required)
     return manifest
+
+
+def _check_features_declared(layers: list[LayerSpec], required: list[str]) -> None:
+    """`CorruptFileError` where the layers use queries, chunked or latent attention that
+    ``required_features`` does not list (checked in that order)."""
+    queries = [layer.queries for layer in layers if layer.queries is not None]
+    for used, feature, what in (
+        (bool(queries), QUERIES, "queries"),
+        (any(q.chunk is not None for q in queries), CHUNKED_ATTENTION, "chunked attention"),
+        (any(q.latent for q in queries), LATENT_ATTENTION, "latent attention"),
+    ):
+        if used and feature not in required:
+            raise CorruptFileError(
+                f"layers declare {what} but 'required_features' does not list \"{feature}\""
+            )
 
 
 def format_minor(manifest: Manifest) -> int:

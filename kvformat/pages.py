@@ -97,15 +97,21 @@ class Pages:
         first = segments[0]
         if len({(s.layer, s.seq, s.head) for s in segments}) != 1:
             raise InvalidArgumentError("read_many takes segments of one head")
-        file = self.file
         counts = [s.count for s in segments]
-        k = file.chunk_rows([s.k_chunk for s in segments], [s.k_row for s in segments], counts)
-        v = file.chunk_rows([s.v_chunk for s in segments], [s.v_row for s in segments], counts)
-        if k is None or v is None:  # encoded or quantized chunks: one by one
-            heads = [self.read(s) for s in segments]
-            k, v = np.concatenate([h.k for h in heads]), np.concatenate([h.v for h in heads])
+        k, v = self._joined_rows(segments, counts)
         positions = ranges(np.array([s.position for s in segments]), np.array(counts))
         return Head(first.layer, first.head, first.seq, k, v, positions)
+
+    def _joined_rows(self, segments: Sequence[Segment], counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The K and V rows of ``segments`` one after another: gathered straight from raw chunks,
+        or (encoded or quantized chunks) read segment by segment and joined."""
+        file = self.file
+        k = file.chunk_rows([s.k_chunk for s in segments], [s.k_row for s in segments], counts)
+        v = file.chunk_rows([s.v_chunk for s in segments], [s.v_row for s in segments], counts)
+        if k is None or v is None:
+            heads = [self.read(s) for s in segments]
+            return np.concatenate([h.k for h in heads]), np.concatenate([h.v for h in heads])
+        return k, v
 
     def release(self, segment: Segment | Sequence[Segment]) -> None:
         """Drop the pages of the chunks of ``segment`` (or of several segments) from this process

@@ -38,6 +38,18 @@ from kvformat.structure import FileStructure, check_arrays
 from kvformat.verify import VerifyReport, verify
 
 
+def _chunks_of(segments: list[Any], values: bool) -> list[int]:
+    """The K chunks of ``segments`` (and their V chunks with ``values``), in order."""
+    if values:
+        return [c for s in segments for c in (s.k_chunk, s.v_chunk)]
+    return [s.k_chunk for s in segments]
+
+
+def _joined(*parts: list[np.ndarray]) -> list[np.ndarray]:
+    """Each list of parts as one array: the part itself where it is alone (a zero-copy view)."""
+    return [found[0] if len(found) == 1 else np.concatenate(found) for found in parts]
+
+
 def _former_tokens(positions: Any, tokens: Any) -> Any:
     """`Snapshot.head`'s ``tokens=`` (the former name of ``positions=``): its value, with a
     deprecation warning; both given is an error."""
@@ -230,25 +242,14 @@ class Snapshot:
         segments = self._segments.of_head(layer, seq, head)
         start, stop = _position_range(positions)
         wanted = [s for s in segments if max(start, s.position) < min(stop, s.position + s.count)]
-        self._file.prefetch([c for s in wanted for c in ((s.k_chunk, s.v_chunk) if values else (s.k_chunk,))])
+        self._file.prefetch(_chunks_of(wanted, values))
         k_parts, v_parts, pos_parts = self._head_parts(wanted, start, stop, values)
+        no_rows = np.empty((0, spec.v_dim), spec.dtype.numpy)
         if not k_parts:
-            empty = spec.dtype.numpy
             return Head(
-                layer,
-                head,
-                seq,
-                np.empty((0, spec.k_dim), empty),
-                np.empty((0, spec.v_dim), empty),
-                np.empty(0, np.int64),
+                layer, head, seq, np.empty((0, spec.k_dim), no_rows.dtype), no_rows, np.empty(0, np.int64)
             )
-        if not values:
-            v_parts = [np.empty((0, spec.v_dim), spec.dtype.numpy)]
-        if len(k_parts) == 1:
-            return Head(layer, head, seq, k_parts[0], v_parts[0], pos_parts[0])
-        return Head(
-            layer, head, seq, np.concatenate(k_parts), np.concatenate(v_parts), np.concatenate(pos_parts)
-        )
+        return Head(layer, head, seq, *_joined(k_parts, v_parts if values else [no_rows], pos_parts))
 
     def _head_parts(
         self, segments: list[Any], start: int, stop: int, values: bool

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -95,15 +96,10 @@ def _scan(source: MmapSource) -> tuple[int, Manifest, list[bytes], list[Entry], 
                 good_end = end
                 cursor = align(end)
                 continue
-        try:
-            desc = Descriptor.unpack(source.read(cursor, DESCRIPTOR_SIZE))
-        except KVFormatError:
+        found = _whole_record(source, cursor)
+        if found is None:
             break
-        if desc.offset != cursor or desc.end > source.size:
-            break
-        payload = source.read(desc.payload_offset, desc.stored_size)
-        if crc32c(payload) != desc.payload_crc:
-            break
+        desc, payload = found
         try:
             if manifest is None:
                 if desc.kind != KIND_MANIFEST:
@@ -124,6 +120,19 @@ def _scan(source: MmapSource) -> tuple[int, Manifest, list[bytes], list[Entry], 
     if manifest is None:
         raise TruncatedFileError(f"{source.name}: no complete manifest record; nothing to recover")
     return good_end, manifest, blocks, snapshots, committed
+
+
+def _whole_record(source: MmapSource, cursor: int) -> tuple[Descriptor, Any] | None:
+    """The descriptor and payload of the record at ``cursor`` where it is whole (a descriptor
+    that says it lies there, a payload inside the file that has its checksum), else None."""
+    try:
+        desc = Descriptor.unpack(source.read(cursor, DESCRIPTOR_SIZE))
+    except KVFormatError:
+        return None
+    if desc.offset != cursor or desc.end > source.size:
+        return None
+    payload = source.read(desc.payload_offset, desc.stored_size)
+    return (desc, payload) if crc32c(payload) == desc.payload_crc else None
 
 
 def _descriptors(source: MmapSource, cursor: int, count: int) -> bytes:
@@ -226,35 +235,22 @@ def _trailing_snapshot(
     tail = table[committed:]
     if snapshots and not bool(np.any(np.isin(tail["kind"], (KIND_K, KIND_V)))):
         return _Trailing(None, 0, (), 0)  # nothing after the last snapshot: the usual crash point
-    expected = _expected_heads(manifest)
-    held_end: dict[int, int] = dict.fromkeys(expected.tolist(), 0)
-    if snapshots:
-        runs = Chain(snapshots, table).runs(len(snapshots) - 1)
-        if runs.shape[0]:
-            keys = _key(runs[:, LAYER], runs[:, SEQ], runs[:, HEAD])
-            ends = runs[:, POSITION] + runs[:, COUNT]
-            order = np.lexsort((ends, keys))
-            for key, end in zip(keys[order].tolist(), ends[order].tolist(), strict=True):
-                held_end[key] = end  # the largest end of each head comes last
-    complete: list[tuple[int, int, int, int]] = []  # (k index, v index, position, rows)
-    pending: dict[tuple[int, int, int, int, int], int] = {}
-    columns = [tail[name].tolist() for name in ("kind", "layer", "seq", "head", "position", "rows")]
-    reached = held_end
-    for offset, (kind, layer, seq, head, position, rows) in enumerate(zip(*columns, strict=True)):
-        i = committed + offset
-        run = (layer, seq, head, position, rows)
-        if kind == KIND_K:
-            pending[run] = i
-        elif run in pending:
-            k = pending.pop(run)
-            key = (layer << 36) | (seq << 16) | head
-            if position >= reached.get(key, 0) and rows:
-                complete.append((k, i, position, rows))
-                reached[key] = position + rows
-    end = min((reached.get(key, 0) for key in expected.tolist()), default=0)
-    short = sorted({key >> 36 for key in expected.tolist() if reached.get(key, 0) == end})
-    top = max(reached.values(), default=0)
-    short_layers = tuple(short) if end < top else ()
+    expected = _expected_heads(manifest).tolist()
+    reached = _held_ends(snapshots, table, expected)
+    complete = _complete_runs(tail, committed, reached)
+    end = min((reached.get(key, 0) for key in expected), default=0)
+    short = sorted({key >> 36 for key in expected if reached.get(key, 0) == end})
+    short_layers = tuple(short) if end < max(reached.values(), default=0) else ()
+    appends, left_out = _cut(complete, end)
+    if not appends:
+        return _Trailing(None, end, short_layers, left_out)
+    parent = len(snapshots) - 1 if snapshots else None
+    return _Trailing(Entry(parent, [], appends, {"recovered": True}), end, short_layers, left_out)
+
+
+def _cut(complete: list[tuple[int, int, int, int]], end: int) -> tuple[list[tuple[int, int, int]], int]:
+    """The appends ``(chunk, first row, rows)`` of the complete K/V runs up to position ``end``,
+    and how many rows past it were left out."""
     appends: list[tuple[int, int, int]] = []
     left_out = 0
     for k, v, position, rows in complete:
@@ -262,10 +258,45 @@ def _trailing_snapshot(
         left_out += rows - max(kept, 0)
         if kept > 0:
             appends += [(k, 0, kept), (v, 0, kept)]
-    if not appends:
-        return _Trailing(None, end, short_layers, left_out)
-    parent = len(snapshots) - 1 if snapshots else None
-    return _Trailing(Entry(parent, [], appends, {"recovered": True}), end, short_layers, left_out)
+    return appends, left_out
+
+
+def _held_ends(snapshots: list[Entry], table: np.ndarray, expected: list[int]) -> dict[int, int]:
+    """Per head key (`_key`) of ``expected``, one past the last position the last committed
+    snapshot holds (0 without one)."""
+    held_end: dict[int, int] = dict.fromkeys(expected, 0)
+    if not snapshots:
+        return held_end
+    runs = Chain(snapshots, table).runs(len(snapshots) - 1)
+    if runs.shape[0]:
+        keys = _key(runs[:, LAYER], runs[:, SEQ], runs[:, HEAD])
+        ends = runs[:, POSITION] + runs[:, COUNT]
+        order = np.lexsort((ends, keys))
+        for key, end in zip(keys[order].tolist(), ends[order].tolist(), strict=True):
+            held_end[key] = end  # the largest end of each head comes last
+    return held_end
+
+
+def _complete_runs(
+    tail: np.ndarray, committed: int, reached: dict[int, int]
+) -> list[tuple[int, int, int, int]]:
+    """``(K index, V index, position, rows)`` of each K run of ``tail`` (the table after the
+    ``committed`` chunks) whose V run followed, continuing its head; ``reached`` (head key ->
+    one past its last position) is advanced past each."""
+    complete: list[tuple[int, int, int, int]] = []
+    pending: dict[tuple[int, int, int, int, int], int] = {}
+    columns = [tail[name].tolist() for name in ("kind", "layer", "seq", "head", "position", "rows")]
+    for offset, (kind, layer, seq, head, position, rows) in enumerate(zip(*columns, strict=True)):
+        run = (layer, seq, head, position, rows)
+        if kind == KIND_K:
+            pending[run] = committed + offset
+        elif run in pending:
+            k = pending.pop(run)
+            key = (layer << 36) | (seq << 16) | head
+            if position >= reached.get(key, 0) and rows:
+                complete.append((k, committed + offset, position, rows))
+                reached[key] = position + rows
+    return complete
 
 
 def default_output(partial_path: str | os.PathLike[str]) -> str:

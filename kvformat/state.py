@@ -39,25 +39,34 @@ def checked(layer: int, described: Any) -> list[dict[str, Any] | None]:
     """A layer's ``state`` attribute, checked to be a state description (SPEC 15.2): a list of
     ``null`` or ``{"shape", "dtype", "heads", ...}``; anything else is `CorruptFileError` naming
     the layer."""
-    ok = isinstance(described, list) and len(described) <= 1024
-    for entry in described if ok else []:
-        if entry is None:
-            continue
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        heads = entry.get("heads") if isinstance(entry, dict) else None
-        ok = (
-            isinstance(shape, list)
-            and 1 <= len(shape) <= 8
-            and all(type(n) is int and 0 <= n < 2**40 for n in shape)
-            and isinstance(entry.get("dtype"), str)
-            and (entry["dtype"] in dtypes.BY_NAME or entry["dtype"] in WORDS)
-            and (heads is None if len(shape) < 4 else heads == shape[1])
-        )
-        if not ok:
-            break
+    ok = isinstance(described, list) and len(described) <= 1024 and all(map(_slot_described, described))
     if not ok:
         raise CorruptFileError(f"layer {layer}: its 'state' attribute is not a state description (SPEC 15.4)")
     return described
+
+
+def _slot_described(entry: Any) -> bool:
+    """Whether one entry of a ``state`` attribute is ``null`` or a slot's description."""
+    if entry is None:
+        return True
+    if not isinstance(entry, dict):
+        return False
+    shape, heads, dtype = entry.get("shape"), entry.get("heads"), entry.get("dtype")
+    if not _shape_described(shape) or not (
+        isinstance(dtype, str) and (dtype in dtypes.BY_NAME or dtype in WORDS)
+    ):
+        return False
+    assert isinstance(shape, list)
+    return heads is None if len(shape) < 4 else heads == shape[1]
+
+
+def _shape_described(shape: Any) -> bool:
+    """A list of 1 to 8 integers in ``0 .. 2^40``."""
+    return (
+        isinstance(shape, list)
+        and 1 <= len(shape) <= 8
+        and all(type(n) is int and 0 <= n < 2**40 for n in shape)
+    )
 
 
 @dataclass(frozen=True)

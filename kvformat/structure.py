@@ -37,7 +37,7 @@ from kvformat.layout import (
 )
 from kvformat.manifest import Manifest, loads, parse_manifest
 from kvformat.quantization import Parts, Quantization
-from kvformat.series import APPEND_CHUNKS, Chain, parse_entry
+from kvformat.series import APPEND_CHUNKS, Chain, Entry, parse_entry
 from kvformat.table_rules import check_table
 
 
@@ -94,18 +94,8 @@ class FileStructure:
         header = bytes(source.read(0, min(size, HEADER_SIZE)))  # one read, whatever the size
         self.version = _checked_header(source.name, header, size)
         self.footer = f = _checked_footer(source, self.version)
-        if f.chunk_count > MAX_CHUNK_COUNT:
-            raise LimitExceededError(f"chunk count {f.chunk_count} exceeds {MAX_CHUNK_COUNT}")
-        if f.json_size > MAX_JSON_SIZE:
-            raise LimitExceededError(f"index JSON of {f.json_size} bytes exceeds {MAX_JSON_SIZE}")
-        if f.index_offset % ALIGN or f.index_offset < HEADER_SIZE:
-            raise CorruptFileError(f"index offset {f.index_offset} is not a 64-aligned offset")
+        _check_index_place(source.name, f, size)
         table_size = f.chunk_count * DESCRIPTOR_SIZE
-        if f.index_offset + table_size + f.json_size + FOOTER_SIZE != size:
-            raise TruncatedFileError(
-                f"{source.name}: footer places index at {f.index_offset} with {f.chunk_count} "
-                f"chunks and {f.json_size} JSON bytes, which does not end at file size {size}"
-            )
         index = source.read(f.index_offset, table_size + f.json_size)
         if crc32c(index, crc32c(header)) != f.index_crc:
             raise ChecksumError(f"{source.name}: CRC-32C over header and index does not match")
@@ -120,13 +110,7 @@ class FileStructure:
         check_table(self.table, self.footer.index_offset, self.manifest)
         layers, seqs = len(self.manifest.layers), self.manifest.num_seqs
         self.entries = [parse_entry(entry, i, layers, seqs) for i, entry in enumerate(snapshots)]
-        if APPEND_CHUNKS not in self.manifest.required_features:
-            for i, entry in enumerate(self.entries):
-                if entry.chunk_ranges.size:
-                    raise CorruptFileError(
-                        f"snapshot {i} uses 'append_chunks' but required_features does not list "
-                        f"{APPEND_CHUNKS!r}"
-                    )
+        _check_appends_declared(self.entries, self.manifest)
         self.chain = Chain(self.entries, self.table)
 
     def chunk(self, i: int) -> Descriptor:
@@ -247,3 +231,30 @@ def check_arrays(file: FileStructure, index: int, arrays: dict[str, int]) -> Non
     for name, chunk in arrays.items():
         if chunk >= len(file.table) or int(file.table["kind"][chunk]) != KIND_ARRAY:
             raise CorruptFileError(f"snapshot {index}: array {name!r} names chunk {chunk}, not an array")
+
+
+def _check_index_place(name: str, footer: Footer, size: int) -> None:
+    """The footer's counts within the limits, and its index 64-aligned, after the header and
+    ending where the footer begins (SPEC 13.1, in that order)."""
+    if footer.chunk_count > MAX_CHUNK_COUNT:
+        raise LimitExceededError(f"chunk count {footer.chunk_count} exceeds {MAX_CHUNK_COUNT}")
+    if footer.json_size > MAX_JSON_SIZE:
+        raise LimitExceededError(f"index JSON of {footer.json_size} bytes exceeds {MAX_JSON_SIZE}")
+    if footer.index_offset % ALIGN or footer.index_offset < HEADER_SIZE:
+        raise CorruptFileError(f"index offset {footer.index_offset} is not a 64-aligned offset")
+    if footer.index_offset + footer.chunk_count * DESCRIPTOR_SIZE + footer.json_size + FOOTER_SIZE != size:
+        raise TruncatedFileError(
+            f"{name}: footer places index at {footer.index_offset} with {footer.chunk_count} "
+            f"chunks and {footer.json_size} JSON bytes, which does not end at file size {size}"
+        )
+
+
+def _check_appends_declared(entries: list[Entry], manifest: Manifest) -> None:
+    """A snapshot that appends chunk ranges needs the ``append_chunks`` feature declared."""
+    if APPEND_CHUNKS in manifest.required_features:
+        return
+    for i, entry in enumerate(entries):
+        if entry.chunk_ranges.size:
+            raise CorruptFileError(
+                f"snapshot {i} uses 'append_chunks' but required_features does not list {APPEND_CHUNKS!r}"
+            )

@@ -130,14 +130,26 @@ def _verify_in_one_pass(file: FileStructure, runs: _Runs) -> tuple[VerifyReport 
                 helper.result()
     if one_pass is None:
         return None, batches
-    between, nbytes, stream_crc = one_pass
-    if stream.result() != stream_crc or not _zero_padding(file, batches, runs.offsets):
-        return None, batches
+    return _one_pass_report(file, runs, batches, one_pass, stream.result()), batches
+
+
+def _one_pass_report(
+    file: FileStructure,
+    runs: _Runs,
+    batches: list[_Batch],
+    one_pass: tuple[int, int, int],
+    stream_crc: int | None,
+) -> VerifyReport | None:
+    """The report of a one-pass check whose runs all held: None where the streamed checksum or
+    the padding between records does not; every snapshot's arrays and queries checked."""
+    between, nbytes, expected_crc = one_pass
+    if stream_crc != expected_crc or not _zero_padding(file, batches, runs.offsets):
+        return None
     for i, entry in enumerate(file.entries):
         check_arrays(file, i, entry.arrays)
     check_all_queries(file)
     chunk_bytes = sum(b.count * (DESCRIPTOR_SIZE + b.size) for b in batches)
-    return VerifyReport(between + runs.n, runs.n, len(file.entries), nbytes + chunk_bytes), batches
+    return VerifyReport(between + runs.n, runs.n, len(file.entries), nbytes + chunk_bytes)
 
 
 def _check_batches(
@@ -578,22 +590,46 @@ def _descriptors_hold(span: np.ndarray, starts: np.ndarray, table: np.ndarray) -
     return np.array_equal(crc32c_rows(np.ascontiguousarray(descriptors[:, :60])), table["descriptor_crc"])
 
 
+def _descriptor_at(file: FileStructure, cursor: int) -> tuple[memoryview | bytes, Descriptor]:
+    """The raw bytes and the descriptor of the record at ``cursor``: inside the records, where it
+    says it lies, its payload before the index."""
+    index_offset = file.footer.index_offset
+    if cursor + DESCRIPTOR_SIZE > index_offset:
+        raise CorruptFileError(f"record at {cursor} overruns the index")
+    raw = file.source.read(cursor, DESCRIPTOR_SIZE)
+    try:
+        desc = Descriptor.unpack(raw)
+    except KVFormatError as exc:
+        raise type(exc)(f"{file.source.name}: record at offset {cursor}: {exc}") from None
+    if desc.offset != cursor:
+        raise CorruptFileError(f"record at {cursor} says it lies at {desc.offset}")
+    if desc.end > index_offset:
+        raise CorruptFileError(f"record at {cursor} runs into the index")
+    return raw, desc
+
+
+def _check_other_record(
+    file: FileStructure, desc: Descriptor, payload: memoryview | bytes, label: str
+) -> None:
+    """A record that is not a table chunk: a JSON record's fields and text, or a kind unknown
+    to this version refused (a newer minor's is skipped)."""
+    if desc.kind in JSON_KINDS:
+        if desc.dtype or desc.codec or desc.flags or desc.decoded_size != desc.stored_size:
+            raise CorruptFileError(
+                f"{label}: a JSON record's dtype, codec and flags must be 0 and its decoded size "
+                "its stored size"
+            )
+        loads(payload, label)
+    elif file.version[1] <= MINOR:
+        raise CorruptFileError(f"{label}: unknown record kind {desc.kind}")
+
+
 def _verify_record(file: FileStructure, cursor: int, records: int, chunk: int) -> tuple[int, int, int]:
     """Check the one record at ``cursor`` (the ``records``-th; ``chunk`` table chunks before it).
     Returns the next record's offset, the chunks seen, and this record's bytes."""
     source = file.source
     index_offset = file.footer.index_offset
-    if cursor + DESCRIPTOR_SIZE > index_offset:
-        raise CorruptFileError(f"record at {cursor} overruns the index")
-    raw = source.read(cursor, DESCRIPTOR_SIZE)
-    try:
-        desc = Descriptor.unpack(raw)
-    except KVFormatError as exc:
-        raise type(exc)(f"{source.name}: record at offset {cursor}: {exc}") from None
-    if desc.offset != cursor:
-        raise CorruptFileError(f"record at {cursor} says it lies at {desc.offset}")
-    if desc.end > index_offset:
-        raise CorruptFileError(f"record at {cursor} runs into the index")
+    raw, desc = _descriptor_at(file, cursor)
     payload = source.read(desc.payload_offset, desc.stored_size)
     label = f"record at offset {cursor}"
     if desc.kind in TABLE_KINDS:
@@ -605,15 +641,8 @@ def _verify_record(file: FileStructure, cursor: int, records: int, chunk: int) -
     if desc.kind in TABLE_KINDS:
         file.chunk_array(chunk, checked=True)
         chunk += 1
-    elif desc.kind in JSON_KINDS:
-        if desc.dtype or desc.codec or desc.flags or desc.decoded_size != desc.stored_size:
-            raise CorruptFileError(
-                f"{label}: a JSON record's dtype, codec and flags must be 0 and its decoded size "
-                "its stored size"
-            )
-        loads(payload, label)
-    elif file.version[1] <= MINOR:
-        raise CorruptFileError(f"{label}: unknown record kind {desc.kind}")
+    else:
+        _check_other_record(file, desc, payload, label)
     if (records == 0) != (desc.kind == KIND_MANIFEST):
         raise CorruptFileError(f"{label}: the manifest must be the first record, and only it")
     next_record = align(desc.end)

@@ -37,17 +37,27 @@ def rows_of(spec: LayerSpec, where: str, data: Any, dim: int, heads: tuple[int, 
     shape ``heads``, the joined rows ``(*heads, n_tokens, row_bytes)`` uint8. ``heads``: ``()``
     for one head, ``(num_heads,)`` for a layer."""
     assert spec.dtype is not None
-    leading = " x ".join(["num_heads"] * len(heads) + ["n_tokens"])
     if spec.quantization is None:
-        array = np.asarray(data)
-        count = array.shape[len(heads)] if array.ndim == len(heads) + 2 else -1
-        if array.shape != (*heads, count, dim):
-            raise InvalidArrayError(f"{where} must have shape {(*heads, 'n_tokens', dim)}, got {array.shape}")
-        if array.dtype != spec.dtype.numpy:
-            raise InvalidArrayError(
-                f"{where} is {array.dtype} but the layer is {spec.dtype.name}; convert first"
-            )
-        return array
+        return _plain_rows(spec, where, data, dim, heads)
+    return _quantized_rows(spec, where, data, dim, heads)
+
+
+def _plain_rows(spec: LayerSpec, where: str, data: Any, dim: int, heads: tuple[int, ...]) -> np.ndarray:
+    """`rows_of` for a layer that is not quantized: the array itself, checked."""
+    assert spec.dtype is not None
+    array = np.asarray(data)
+    count = array.shape[len(heads)] if array.ndim == len(heads) + 2 else -1
+    if array.shape != (*heads, count, dim):
+        raise InvalidArrayError(f"{where} must have shape {(*heads, 'n_tokens', dim)}, got {array.shape}")
+    if array.dtype != spec.dtype.numpy:
+        raise InvalidArrayError(f"{where} is {array.dtype} but the layer is {spec.dtype.name}; convert first")
+    return array
+
+
+def _quantized_rows(spec: LayerSpec, where: str, data: Any, dim: int, heads: tuple[int, ...]) -> np.ndarray:
+    """`rows_of` for a quantized layer: ``(packed, scales, biases)`` checked and joined."""
+    assert spec.dtype is not None and spec.quantization is not None
+    leading = " x ".join(["num_heads"] * len(heads) + ["n_tokens"])
     if not isinstance(data, tuple | list) or len(data) != 3:
         raise InvalidArrayError(f"{where}: a quantized layer takes (packed, scales, biases)")
     words, groups = spec.quantization.widths(dim)
@@ -57,15 +67,23 @@ def rows_of(spec: LayerSpec, where: str, data: Any, dim: int, heads: tuple[int, 
         raise InvalidArrayError(
             f"{where}: packed must be uint32 ({leading}, {words}), got {packed.dtype} {packed.shape}"
         )
-    for name, part in (("scales", scales), ("biases", biases)):
-        if part.shape != (*heads, count, groups) or part.dtype != spec.dtype.numpy:
-            raise InvalidArrayError(
-                f"{where}: {name} must be {spec.dtype.name} ({leading}, {groups}), "
-                f"got {part.dtype} {part.shape}"
-            )
+    _check_scales(spec, where, (scales, biases), (*heads, count, groups), leading)
     if not heads:
         return spec.quantization.join((packed, scales, biases))
     return np.stack([spec.quantization.join((packed[h], scales[h], biases[h])) for h in range(heads[0])])
+
+
+def _check_scales(
+    spec: LayerSpec, where: str, parts: tuple[np.ndarray, np.ndarray], shape: tuple[int, ...], leading: str
+) -> None:
+    """A quantized layer's scales and biases: the layer's dtype, ``shape``."""
+    assert spec.dtype is not None
+    for name, part in zip(("scales", "biases"), parts, strict=True):
+        if part.shape != shape or part.dtype != spec.dtype.numpy:
+            raise InvalidArrayError(
+                f"{where}: {name} must be {spec.dtype.name} ({leading}, {shape[-1]}), "
+                f"got {part.dtype} {part.shape}"
+            )
 
 
 def checked_layout(layers: Sequence[LayerSpec | None], num_seqs: int, chunk_bytes: int) -> list[LayerSpec]:

@@ -102,17 +102,23 @@ def check_outputs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         )
     _check_stat(shared)
     check_snapshot(shared)
-    if shared.output and shared.output_folder:
-        check_output_folder(shared.output)  # files written into it are checked by name
-    elif shared.output:
-        check_output(shared.output, inputs=inputs(args), force=shared.force)
-        if shared.output_formats:
-            output_format(shared.output, shared.output_formats)
+    _check_main_output(shared, args)
     if shared.plot:
         check_output(shared.plot, inputs=inputs(args), force=shared.force)
         output_format(shared.plot, FIGURES, "--plot")
     if shared.output and shared.plot and same_file(shared.output, shared.plot):
         raise OptionsConflictError(f"-o and --plot name the same file {shared.output}")
+
+
+def _check_main_output(shared: Shared, args: argparse.Namespace) -> None:
+    """``-o``: a folder whose files are checked by name as they are written, or a file allowed
+    here (not an input, not replaced without ``--force``) in one of the command's formats."""
+    if shared.output and shared.output_folder:
+        check_output_folder(shared.output)
+    elif shared.output:
+        check_output(shared.output, inputs=inputs(args), force=shared.force)
+        if shared.output_formats:
+            output_format(shared.output, shared.output_formats)
 
 
 def _check_stat(shared: Shared) -> None:
@@ -136,14 +142,20 @@ def check_snapshot(shared: Shared) -> None:
     """`kvformat.OutOfRangeError` (one line, exit 2) for a ``--snapshot`` outside a local file."""
     if shared.snapshot is None or shared.snapshot == -1:
         return
-    for name in [shared.file, *(shared.files or [])]:
-        if name and "://" not in name and not glob.has_magic(name) and os.path.isfile(name):
+    for name in filter(_local_file, [shared.file, *(shared.files or [])]):
+        if name:
             try:
                 kvformat.open(name, shared.snapshot).close()
             except kvformat.OutOfRangeError as exc:
                 raise kvformat.OutOfRangeError(f"--snapshot {shared.snapshot}: {name}: {exc}") from None
             except kvformat.KVFormatError:
                 return  # a bad file: the command reports it as it does any other
+
+
+def _local_file(name: str | None) -> bool:
+    """Whether ``name`` is a file on this machine (not a URL, not a pattern)."""
+    text = str(name or "")
+    return bool(text) and "://" not in text and not glob.has_magic(text) and os.path.isfile(text)
 
 
 def save_table(table: Any, path: str, args: argparse.Namespace) -> None:

@@ -52,22 +52,23 @@ def export_command(args: argparse.Namespace) -> int:
         )
     if options.duo_attention:
         path = _one_file(options, "--duo-attention")
-        for written_path in write_duo_attention(
-            path, options.duo_attention, window=options.window, force=options.force
-        ):
-            print(f"wrote {written_path}")
+        _said(write_duo_attention(path, options.duo_attention, window=options.window, force=options.force))
     if options.expected_attention_stats:
-        names = [
-            found
-            for name in options.files
-            for found in (sorted(glob.glob(name)) if glob.has_magic(name) else [name])
-        ]
-        folder = options.expected_attention_stats
-        for written_path in write_expected_attention_stats(names, folder, force=options.force):
-            print(f"wrote {written_path}")
+        names = [found for name in options.files for found in _matches(name)]
+        _said(write_expected_attention_stats(names, options.expected_attention_stats, force=options.force))
     if options.output:
         return _export_heads(options, args)
     return 0
+
+
+def _said(paths: list[str]) -> None:
+    for path in paths:
+        print(f"wrote {path}")
+
+
+def _matches(name: str) -> list[str]:
+    """The files a glob pattern matches, sorted; any other name as it is."""
+    return sorted(glob.glob(name)) if glob.has_magic(name) else [name]
 
 
 def _export_heads(options: ExportOptions, args: argparse.Namespace) -> int:

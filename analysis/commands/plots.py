@@ -52,19 +52,26 @@ def plot_command(args: argparse.Namespace) -> int:
     boundary; token labels on request. ``--attention`` and per-query-head statistics go to their
     own figures."""
     options = PlotOptions.from_args(args)
-
-    if options.window is not None and (options.kept is None or options.kept[0] != "snapkv"):
-        raise OptionsConflictError("--window sets SnapKV's observation window: give it with --kept snapkv:B")
+    _check_combination(options)
     if options.attention is not None:
-        if options.stat is not None:
-            raise OptionsConflictError("--stat picks a heatmap's statistic: leave it out with --attention")
         return _attention_map(options, args)
-    if options.kept is not None:
-        print("kvsnap: error: --kept shades an attention map: give it with --attention L:H", file=sys.stderr)
-        return 2
     if options.statistic in SCALARS:
         return _attention_stat_plot(options, args)
+    return _statistic_plot(options, args)
 
+
+def _check_combination(options: PlotOptions) -> None:
+    """`OptionsConflictError` for options that belong to another kind of figure."""
+    if options.window is not None and (options.kept is None or options.kept[0] != "snapkv"):
+        raise OptionsConflictError("--window sets SnapKV's observation window: give it with --kept snapkv:B")
+    if options.attention is not None and options.stat is not None:
+        raise OptionsConflictError("--stat picks a heatmap's statistic: leave it out with --attention")
+    if options.attention is None and options.kept is not None:
+        raise OptionsConflictError("--kept shades an attention map: give it with --attention L:H")
+
+
+def _statistic_plot(options: PlotOptions, args: argparse.Namespace) -> int:
+    """The heatmap of one statistic per layer and KV head beside the per-position norm curves."""
     matplotlib.use("Agg")
 
     layers, grid = _statistic_grid(options, args)

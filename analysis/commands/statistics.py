@@ -288,11 +288,23 @@ def stats_command(args: argparse.Namespace) -> int:
             raise OptionsConflictError(f"{option} scores attention: use it with --stats attention")
     if options.merge:
         return _merged(options, args)
+    found = _statistics_saved(options, args)
+    rows = found.rows
+    if "norm_mean" not in rows.column_names:  # --stats without norms: medians of what was computed
+        _medians(rows)
+    else:
+        _print_files(key_rows(rows, options.factor), options.factor)
+    return 1 if found.failed else 0
+
+
+def _statistics_saved(options: StatsOptions, args: argparse.Namespace) -> Any:
+    """The statistics rows of every file, saved to ``-o`` where one is given: a CSV once every
+    file is done, Parquet as the files finish (the output checked before any work)."""
     request: BatchRequest = options
-    if options.output and options.output.lower().endswith(".csv"):  # written once every file is done
+    if options.output and options.output.lower().endswith(".csv"):
         found = statistics_rows(request)
         save_table(found.rows, options.output, args)
-    elif options.output:  # written as the files finish; checked (exists? an input?) before any work
+    elif options.output:
         with output_path(options.output, inputs=expanded(request.files), force=options.force) as temporary:
             sink = ParquetSink(temporary)
             found = statistics_rows(request, sink.add)
@@ -300,12 +312,7 @@ def stats_command(args: argparse.Namespace) -> int:
         print(f"wrote {options.output}: {len(found.rows)} rows")
     else:
         found = statistics_rows(request)
-    rows = found.rows
-    if "norm_mean" not in rows.column_names:  # --stats without norms: medians of what was computed
-        _medians(rows)
-    else:
-        _print_files(key_rows(rows, options.factor), options.factor)
-    return 1 if found.failed else 0
+    return found
 
 
 def _print_files(keys: list[dict[str, Any]], factor: float) -> None:
@@ -462,17 +469,32 @@ def _state_summary(table: Any) -> None:
             groups.setdefault((row["file"], row["layer"], row["slot"]), []).append(row)
     several = len({key[0] for key in groups}) > 1
     for (name, layer, _), found in groups.items():
-        changes = [r["change"] for r in found if r["change"] is not None]
-        change = f", change {sum(changes) / len(changes):.3g}" if changes else ""
-        where = f"{os.path.basename(name)}: " if several else ""
-        bad = sum(r["nonfinite_values"] for r in found)
-        flagged = f", {bad} NON-FINITE values" if bad else ""
-        shape = f"{len(found)} x {found[0]['rows']}x{found[0]['cols']}"
-        print(
-            f"  {where}layer {layer:3d} {found[0]['role']:<12} {shape}: "
-            f"norm {sum(r['norm'] for r in found) / len(found):.4g}, effective rank "
-            f"{sum(r['effective_rank'] for r in found) / len(found):.3g}{change}{flagged}"
-        )
+        print(_state_line(f"{os.path.basename(name)}: " if several else "", layer, found))
+
+
+def _state_line(where: str, layer: int, found: list[dict[str, Any]]) -> str:
+    """One (layer, slot)'s line of `_state_summary`: its rows' means, NaNs counted."""
+    changes = [r["change"] for r in found if r["change"] is not None]
+    change = f", change {sum(changes) / len(changes):.3g}" if changes else ""
+    bad = sum(r["nonfinite_values"] for r in found)
+    flagged = f", {bad} NON-FINITE values" if bad else ""
+    shape = f"{len(found)} x {found[0]['rows']}x{found[0]['cols']}"
+    return (
+        f"  {where}layer {layer:3d} {found[0]['role']:<12} {shape}: "
+        f"norm {sum(r['norm'] for r in found) / len(found):.4g}, effective rank "
+        f"{sum(r['effective_rank'] for r in found) / len(found):.3g}{change}{flagged}"
+    )
+
+
+def _highest(rows: list[dict[str, Any]], column: str, several: bool) -> str:
+    """The five query heads of highest ``column`` (``L3.H1=0.842``, named with their file where
+    there are ``several``); NaNs and trivial streaming errors left out, ties in order."""
+    scored = [row for row in rows if row[column] is not None and not math.isnan(row[column])]
+    if column == "streaming_error":
+        scored = [row for row in scored if not row["streaming_trivial"]]
+    ranked = sorted(scored, key=lambda row: row[column], reverse=True)[:5]
+    where = (lambda r: f"{os.path.basename(r['file'])}:") if several else (lambda r: "")
+    return ", ".join(f"{where(r)}L{r['layer']}.H{r['head']}={r[column]:.3f}" for r in ranked)
 
 
 def _attention_summary(table: Any, window: int) -> None:
@@ -491,12 +513,7 @@ def _attention_summary(table: Any, window: int) -> None:
         ("retrieval_score", "retrieval score"),
         ("streaming_error", "streaming error"),
     ):
-        scored = [row for row in rows if row[column] is not None and not math.isnan(row[column])]
-        if column == "streaming_error":
-            scored = [row for row in scored if not row["streaming_trivial"]]
-        ranked = sorted(scored, key=lambda row: row[column], reverse=True)[:5]  # stable: ties in order
-        where = (lambda r: f"{os.path.basename(r['file'])}:") if several else (lambda r: "")
-        cells = ", ".join(f"{where(r)}L{r['layer']}.H{r['head']}={r[column]:.3f}" for r in ranked)
+        cells = _highest(rows, column, several)
         if not cells and column == "streaming_error":
             cells = (
                 f"none to rank: every query sees only the sinks and the last {window} positions, "

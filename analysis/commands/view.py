@@ -59,7 +59,11 @@ def view_command(args: argparse.Namespace) -> int:
         )
         print(f"wrote {options.html}: {count} attention map(s); open it in a browser, no server needed")
         return 0
+    return _serve(options, args)
 
+
+def _serve(options: ViewOptions, args: argparse.Namespace) -> int:
+    """Serve the viewer until Ctrl-C: the files opened and checked before the URL is given out."""
     if options.host not in ("127.0.0.1", "localhost", "::1"):
         print(
             f"kvsnap: warning: serving on {options.host}: anyone who can reach it and has the URL's token "

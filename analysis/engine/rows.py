@@ -54,29 +54,7 @@ def statistics(accumulators: Sequence[RunningSums]) -> list[dict[str, Any]]:
         return rows
     stack = [accumulators[i] for i in live]
     groups = stack[0].groups
-    n = np.array([acc.count for acc in stack], np.float64)
-    power = np.stack([acc.power for acc in stack]) / n[:, None, None]  # (B, 4, dim) moments
-    m1 = power[:, 0]
-    parts: list[list[dict[str, Any]]] = []
-    if "norms" in groups:
-        parts.append(_norms(stack, n))
-    if "channels" in groups:
-        parts.append(_channels(stack, power))
-    if "rope" in groups:
-        parts.append(
-            [
-                {
-                    "rope_band_energy": acc.band / max(float(acc.band.sum()), 1e-30)
-                    if acc.band is not None
-                    else None
-                }
-                for acc in stack
-            ]
-        )
-    if "spectrum" in groups:
-        parts.append(_spectrum(stack, n, m1))
-    if "quant" in groups:
-        parts.append([_quant(acc) for acc in stack])
+    parts = _group_columns(stack, groups)
     added = statistic.active(groups)
     for b, i in enumerate(live):
         for part in parts:
@@ -84,6 +62,26 @@ def statistics(accumulators: Sequence[RunningSums]) -> list[dict[str, Any]]:
         if added:
             rows[i].update(statistic.values(added, stack[b].sums_by_name()))
     return rows
+
+
+def _group_columns(stack: list[RunningSums], groups: frozenset[str]) -> list[list[dict[str, Any]]]:
+    """Per group of ``groups`` in the catalogue's order, the columns of each accumulator of
+    ``stack`` (every one holding rows)."""
+    n = np.array([acc.count for acc in stack], np.float64)
+    power = np.stack([acc.power for acc in stack]) / n[:, None, None]  # (B, 4, dim) moments
+    columns = {
+        "norms": lambda: _norms(stack, n),
+        "channels": lambda: _channels(stack, power),
+        "rope": lambda: [{"rope_band_energy": _band_energy(acc.band)} for acc in stack],
+        "spectrum": lambda: _spectrum(stack, n, power[:, 0]),
+        "quant": lambda: [_quant(acc) for acc in stack],
+    }
+    return [make() for group, make in columns.items() if group in groups]
+
+
+def _band_energy(band: np.ndarray | None) -> np.ndarray | None:
+    """The RoPE bands' share of the energy (None where the group held no bands)."""
+    return None if band is None else band / max(float(band.sum()), 1e-30)
 
 
 def medians(values: np.ndarray) -> np.ndarray:

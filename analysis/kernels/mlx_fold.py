@@ -39,16 +39,21 @@ def join_results(host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         parts.setdefault(name, {})[tuple(int(i) for i in index)] = host.pop(key)
     for name, pieces in parts.items():
         if name == "quant_channel":
-            widths = sorted({index[0] for index in pieces})
-            joined = [
-                np.concatenate([pieces[i] for i in sorted(i for i in pieces if i[0] == b)], axis=-1)
-                for b in widths
-            ]
-            host[name] = np.stack(joined, axis=-2)
+            host[name] = _joined_by_width(pieces)
         else:
             ordered = [pieces[index] for index in sorted(pieces)]
             host[name] = np.stack(ordered, axis=-1 if name == "quant_token" else -2)
     return host
+
+
+def _joined_by_width(pieces: dict[tuple[int, ...], np.ndarray]) -> np.ndarray:
+    """``quant_channel:b:i`` parts joined: each bit width's groups along the last axis, the
+    widths stacked before it ``(..., bits, groups)``."""
+    widths = sorted({index[0] for index in pieces})
+    joined = [
+        np.concatenate([pieces[i] for i in sorted(i for i in pieces if i[0] == b)], axis=-1) for b in widths
+    ]
+    return np.stack(joined, axis=-2)
 
 
 def _raw_powers(shift: np.ndarray, central: np.ndarray, n: int) -> np.ndarray:
@@ -169,24 +174,55 @@ def fold_group(entries: list[tuple[RunningSums, np.ndarray, np.ndarray]], out: d
     device, would be most of the fold."""
     groups = entries[0][0].groups
     n = entries[0][1].shape[0]
-    raw = _raw_powers(out["shift"], out["central"], n) if "central" in out else None
-    powers = None  # what the accumulators' power sums take: x to x^4 (channels), x (spectrum)
-    if raw is not None and ("channels" in groups or "spectrum" in groups):
-        powers = raw if "channels" in groups else raw[:, :1]
+    raw, powers = _powers(out, groups, n)
     gram = _gram_of(out, n) if "spectrum" in groups and "product" in out else None
     shared = shared_stack(entries)
     _add_arrays(entries, shared, _array_adds(out, groups), powers, out)
     scalars = _Scalars(out, groups)
-    for b, (acc, x, p) in enumerate(entries):
-        scalars.add(acc, b, n, p)
-        if raw is not None and "rope" in groups and acc.band is not None and acc.rope is not None:
-            first, second = acc.rope.pair_indices()
-            acc.band += raw[b, 1][first] + raw[b, 1][second]
-        if "spectrum" in groups:
-            _add_gram(acc, x, out, b, None if shared is not None or gram is None else gram[b])
+    bands = raw[:, 1] if raw is not None and "rope" in groups else None
+    _add_each(entries, out, scalars, bands, None if shared is not None else gram)
     if shared is not None and gram is not None:
         arrays, rows = shared
         arrays["gram"][rows] += gram  # after each accumulator's heavy rows, as one by one
+
+
+def _add_each(
+    entries: list[tuple[RunningSums, np.ndarray, np.ndarray]],
+    out: dict[str, np.ndarray],
+    scalars: _Scalars,
+    bands: np.ndarray | None,
+    gram: np.ndarray | None,
+) -> None:
+    """What each accumulator takes alone, in order: its scalars, its RoPE bands' energy
+    (``bands`` ``(B, dim)``), its spectrum's Gram matrix (``gram`` ``(B, dim, dim)`` where the
+    accumulators do not share one stack)."""
+    groups = entries[0][0].groups
+    n = entries[0][1].shape[0]
+    for b, (acc, x, p) in enumerate(entries):
+        scalars.add(acc, b, n, p)
+        if bands is not None:
+            _add_band(acc, bands[b])
+        if "spectrum" in groups:
+            _add_gram(acc, x, out, b, None if gram is None else gram[b])
+
+
+def _powers(
+    out: dict[str, np.ndarray], groups: frozenset[str], n: int
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The raw power sums of the group's pieces (None where the device computed none), and what
+    the accumulators' power sums take of them: x to x^4 (channels), x (spectrum), or None."""
+    raw = _raw_powers(out["shift"], out["central"], n) if "central" in out else None
+    if raw is None or not ("channels" in groups or "spectrum" in groups):
+        return raw, None
+    return raw, raw if "channels" in groups else raw[:, :1]
+
+
+def _add_band(acc: RunningSums, squares: np.ndarray) -> None:
+    """Add a piece's per-channel sums of squares ``(dim,)`` to the accumulator's RoPE bands (a
+    band: the two channels RoPE rotates together)."""
+    if acc.band is not None and acc.rope is not None:
+        first, second = acc.rope.pair_indices()
+        acc.band += squares[first] + squares[second]
 
 
 def _array_adds(out: dict[str, np.ndarray], groups: frozenset[str]) -> dict[str, np.ndarray]:

@@ -168,19 +168,9 @@ def check_scalar(name: str, groups: frozenset[str]) -> None:
     """`UsageError` unless ``name`` is a one-number statistic (the catalogue's or an added one)
     the groups ``groups`` compute, naming what is wrong: a misspelling (the choices listed), a
     list column, or a group left out."""
-    owner = next((group for group, columns in GROUPS.items() if name in columns), None)
     if name in ALWAYS:
         return
-    vector = name in LIST_COLUMNS
-    if owner is None:  # an added statistic?
-        declared = added().get(name)
-        if declared is None:
-            scalars = [c for columns in GROUPS.values() for c in columns if c not in LIST_COLUMNS]
-            scalars += [s.name for s in added().values() if not s.vector]
-            raise kvformat_errors.UnknownNameError(
-                f"--stat {name!r}: no such statistic; one of: {', '.join([*ALWAYS, *scalars])}"
-            )
-        owner, vector = declared.group, declared.vector
+    owner, vector = _owner(name)
     if vector:
         raise kvformat_errors.InvalidArgumentError(
             f"--stat {name!r} holds a list per head; give a one-number statistic"
@@ -189,6 +179,22 @@ def check_scalar(name: str, groups: frozenset[str]) -> None:
         raise kvformat_errors.InvalidArgumentError(
             f"--stat {name!r} is in the {owner!r} group, which --stats leaves out"
         )
+
+
+def _owner(name: str) -> tuple[str, bool]:
+    """The group a statistic belongs to and whether it holds a list per head (the catalogue's
+    or an added one's); `UnknownNameError` listing the one-number statistics otherwise."""
+    owner = next((group for group, columns in GROUPS.items() if name in columns), None)
+    if owner is not None:
+        return owner, name in LIST_COLUMNS
+    declared = added().get(name)
+    if declared is None:
+        scalars = [c for columns in GROUPS.values() for c in columns if c not in LIST_COLUMNS]
+        scalars += [s.name for s in added().values() if not s.vector]
+        raise kvformat_errors.UnknownNameError(
+            f"--stat {name!r}: no such statistic; one of: {', '.join([*ALWAYS, *scalars])}"
+        )
+    return declared.group, declared.vector
 
 
 _CATALOGUE_SUMS = frozenset(total.name for total in SUMS)
@@ -208,6 +214,11 @@ def _check(statistic: Statistic, others: Mapping[str, Statistic]) -> None:
         )
     if statistic.name in others:
         raise kvformat_errors.InvalidArgumentError(f"{where} is declared twice")
+    _check_sums(statistic, others, where)
+
+
+def _check_sums(statistic: Statistic, others: Mapping[str, Statistic], where: str) -> None:
+    """Its sums named apart from the catalogue's and ``others``', each merged by add, min or max."""
     taken = _CATALOGUE_SUMS | {s.name for other in others.values() for s in other.sums}
     for total in statistic.sums:
         if total.name in taken or total.name == "dim":

@@ -278,6 +278,22 @@ def read_layout(stream: _Stream, keep_heads: bool = False) -> _Source:
     """Parse everything but tensor payloads (pass 1). ``keep_heads``: keep each layer's per-head
     tensor list in its plan (a block of a bundle, parsed from memory), else drop it (one layer's
     tensors at a time; pass 2 parses them again)."""
+    source = _header(stream)
+    _layer_records(stream, source, keep_heads)
+    if source.version >= 2:
+        source.logit_shape = stream.i32s("logit_shape").tolist()
+        count = stream.u32("count of logits")
+        offset = stream.skip(4 * count, f"{count} float32 logits")
+        source.logits = _Tensor(TAG_FLOAT32, count, offset, dtypes.FLOAT32, "float32") if count else None
+    if stream.left():
+        raise CorruptFileError(
+            f"{stream.name}: MLXKV001 has {stream.left()} bytes after its last field (byte {stream.position})"
+        )
+    return source
+
+
+def _header(stream: _Stream) -> _Source:
+    """The fields before the layer records: magic, version, architecture, sizes, tokens."""
     magic = stream.take(len(MAGIC), "magic") if stream.size >= len(MAGIC) else b""
     if magic != MAGIC:
         raise CorruptFileError(f"{stream.name}: not an MLXKV001 file (magic {magic[:8]!r})")
@@ -300,18 +316,23 @@ def read_layout(stream: _Stream, keep_heads: bool = False) -> _Source:
     token_offset = stream.u32("token_offset") if version >= 2 else 0
     tokens = stream.i32s("tokens").tolist()
     generated = stream.i32s("generated").tolist() if version >= 2 else []
-    source = _Source(
+    return _Source(
         version, architecture, num_layers, num_kv_heads, seq_len, head_dim, num_query_heads,
         token_offset, tokens, generated, [], [], None,
     )  # fmt: skip
+
+
+def _layer_records(stream: _Stream, source: _Source, keep_heads: bool) -> None:
+    """The layer records, each planned (`_plan`) into ``source.plans``: no layer twice, no more
+    records than layers, one batch size."""
     layer_count = stream.u32("layer_count")
-    if layer_count > num_layers:
+    if layer_count > source.num_layers:
         raise CorruptFileError(
-            f"{stream.name}: MLXKV001 lists {layer_count} layer records for {num_layers} layers"
+            f"{stream.name}: MLXKV001 lists {layer_count} layer records for {source.num_layers} layers"
         )
     seen: set[int] = set()
     for number in range(layer_count):
-        layer = _layer(stream, version, number, source)
+        layer = _layer(stream, source.version, number, source)
         if layer.index in seen:
             raise CorruptFileError(f"{stream.name}: MLXKV001 lists layer {layer.index} twice")
         seen.add(layer.index)
@@ -323,16 +344,6 @@ def read_layout(stream: _Stream, keep_heads: bool = False) -> _Source:
     batch = {p.seqs for p in source.plans}
     if len(batch) > 1:
         raise CorruptFileError(f"{stream.name}: MLXKV001 layers hold different batch sizes {sorted(batch)}")
-    if version >= 2:
-        source.logit_shape = stream.i32s("logit_shape").tolist()
-        count = stream.u32("count of logits")
-        offset = stream.skip(4 * count, f"{count} float32 logits")
-        source.logits = _Tensor(TAG_FLOAT32, count, offset, dtypes.FLOAT32, "float32") if count else None
-    if stream.left():
-        raise CorruptFileError(
-            f"{stream.name}: MLXKV001 has {stream.left()} bytes after its last field (byte {stream.position})"
-        )
-    return source
 
 
 @dataclass
@@ -381,25 +392,39 @@ def _plan(name: str, source: _Source, layer: _Layer) -> _Plan | None:
     }
     if layer.cache_mode:
         attributes["cache_mode"] = layer.cache_mode
-    rows: list[int] = []
     if layer.uses_slab:
-        form, seqs, heads, length, k_dim, v_dim = _slab_geometry(name, layer)
-        rows = [length]
-        if any(t.count for pair in layer.heads for t in pair):
-            attributes["per_head_tensors_ignored"] = True  # the slab holds the layer
-        if not 1 <= seqs <= MAX_SEQS:
-            raise CorruptFileError(f"{where}: slab batch size {seqs} out of range 1..{MAX_SEQS}")
+        form, seqs, heads, rows, k_dim, v_dim = _slab_form(name, where, layer, attributes)
     else:
         form, seqs, heads, k_dim, v_dim = "heads", 1, len(layer.heads), source.head_dim, source.head_dim
         rows = _head_rows(where, source, layer)
     if heads == 0:
         return None  # a layer record without K/V: the layer stays absent
     _check_geometry(where, source, heads, rows, k_dim, v_dim)
-    sliding = layer.max_size > 0 or any(r < source.seq_len for r in rows)
-    attributes["kind"] = "sliding" if sliding else "full"
-    if layer.max_size:
-        attributes["window"] = layer.max_size
+    attributes.update(_window(layer, rows, source.seq_len))
     return _Plan(layer, LayerSpec(heads, k_dim, v_dim, dtype, attributes), seqs, form)
+
+
+def _window(layer: _Layer, rows: list[int], seq_len: int) -> dict[str, Any]:
+    """A layer's ``kind`` (sliding where it has a window or holds fewer rows than the sequence)
+    and its ``window``."""
+    sliding = layer.max_size > 0 or any(r < seq_len for r in rows)
+    return {
+        "kind": "sliding" if sliding else "full",
+        **({"window": layer.max_size} if layer.max_size else {}),
+    }
+
+
+def _slab_form(
+    name: str, where: str, layer: _Layer, attributes: dict[str, Any]
+) -> tuple[str, int, int, list[int], int, int]:
+    """A slab layer's form, batch size, heads, rows, K and V dims (`_slab_geometry`); that its
+    per-head tensors are ignored is noted in ``attributes``."""
+    form, seqs, heads, length, k_dim, v_dim = _slab_geometry(name, layer)
+    if any(t.count for pair in layer.heads for t in pair):
+        attributes["per_head_tensors_ignored"] = True  # the slab holds the layer
+    if not 1 <= seqs <= MAX_SEQS:
+        raise CorruptFileError(f"{where}: slab batch size {seqs} out of range 1..{MAX_SEQS}")
+    return form, seqs, heads, [length], k_dim, v_dim
 
 
 def _head_rows(where: str, source: _Source, layer: _Layer) -> list[int]:

@@ -7,6 +7,7 @@ import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -229,6 +230,25 @@ def local_ray() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def test_the_ray_executor_gives_the_results_in_order_and_the_tasks_own_errors(
+    tmp_path: Path, local_ray: None
+) -> None:
+    from kvsnap.analysis.engine import executors
+    from tests.analysis.engine.test_executors import fail_on_three, square
+
+    executor = executors.make("ray", 2)
+    assert isinstance(executor, executors.Ray) and executor.workers == 2
+    assert list(executor.map(square, range(10))) == [x * x for x in range(10)]
+    with pytest.raises(KeyError, match="item 3"):  # not Ray's wrapper
+        list(executor.map(fail_on_three, range(6)))
+    random_file(tmp_path / "a.kv", layers=2, heads=2, tokens=40, dim=8)
+    random_file(tmp_path / "b.kv", layers=3, heads=2, tokens=30, dim=8)
+    tables: list[Any] = []
+    on_ray = run_stats(str(tmp_path / "*.kv"), engine="ray", sink=tables.append)
+    assert on_ray.table.equals(run_stats(str(tmp_path / "*.kv"), jobs=1).table)
+    assert len(tables) == 2  # one per file, as each finishes
 
 
 def test_ray_engine_gives_the_local_table(runs: Path, local_ray: None) -> None:

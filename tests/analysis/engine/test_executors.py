@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from kvsnap.analysis.engine import executors
-from kvsnap.analysis.engine.batch import BatchOptions, run_stats
-from tests.factories import random_file
+from kvsnap.analysis.engine.batch import BatchOptions
 
 
 def square(x: int) -> int:
@@ -234,23 +233,3 @@ def test_a_batch_plan_names_its_executor_and_tasks(tmp_path: Path) -> None:
         "ray://head:10001",
     )
     assert not on_ray.in_process
-
-
-def test_the_ray_executor_gives_the_results_in_order_and_the_tasks_own_errors(tmp_path: Path) -> None:
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        executor = executors.make("ray", 2)
-        assert isinstance(executor, executors.Ray) and executor.workers == 2
-        assert list(executor.map(square, range(10))) == [x * x for x in range(10)]
-        with pytest.raises(KeyError, match="item 3"):  # not Ray's wrapper
-            list(executor.map(fail_on_three, range(6)))
-        random_file(tmp_path / "a.kv", layers=2, heads=2, tokens=40, dim=8)
-        random_file(tmp_path / "b.kv", layers=3, heads=2, tokens=30, dim=8)
-        tables: list[Any] = []
-        on_ray = run_stats(str(tmp_path / "*.kv"), engine="ray", sink=tables.append)
-        assert on_ray.table.equals(run_stats(str(tmp_path / "*.kv"), jobs=1).table)
-        assert len(tables) == 2  # one per file, as each finishes
-    finally:
-        ray.shutdown()
