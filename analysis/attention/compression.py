@@ -96,9 +96,10 @@ from kvformat.attention import weights as attention_weights
 
 from ..dependencies import pl, tqdm
 from ..errors import AnalysisError
+from ..kernels import attention as attention_kernel
 from ..kernels.arrays import float32_rows
 from ..stats.rope import Rope
-from .head_importance import NoQueriesError, layers_with_queries, prompt_end, query_layers
+from .head_importance import FINITE, NoQueriesError, layers_with_queries, prompt_end, query_layers
 from .names import EVICTION, METHODS, NOT_FROM_A_FILE, QUANTIZATION
 
 BUDGETS = (0.1, 0.25, 0.5)
@@ -226,12 +227,21 @@ def _pool(scores: np.ndarray, width: int, pooling: str) -> np.ndarray:
 
 def _top(scores: np.ndarray, count: int, among: np.ndarray) -> np.ndarray:
     """Indices (into ``scores``) of the ``count`` highest among the boolean ``among``, the earlier
-    key first among equal scores."""
+    key kept among equal scores and NaN the lowest (a set: in no particular order)."""
     candidates = np.flatnonzero(among)
     if count <= 0 or not candidates.size:
         return np.empty(0, np.int64)
-    order = np.lexsort((candidates, -scores[candidates]))
-    return candidates[order[:count]]
+    if count >= candidates.size:
+        return candidates
+    # The set a stable sort by score would keep (NaN last), found by partition: every candidate
+    # better than the count-th best score, then the earliest of those equal to it.
+    worse = -scores[candidates]
+    kth = np.partition(worse, count - 1)[count - 1]
+    if np.isnan(kth):
+        held = ~np.isnan(worse)
+        return np.concatenate([candidates[held], candidates[~held][: count - int(held.sum())]])
+    better = candidates[worse < kth]
+    return np.concatenate([better, candidates[worse == kth][: count - better.size]])
 
 
 def kept_keys(
@@ -444,6 +454,7 @@ def _column_sums(h: _Head, end: int) -> tuple[np.ndarray, int]:
     rows = np.flatnonzero(h.q_positions < end)
     total = np.zeros(h.k.shape[0])
     ordered = bool(np.all(np.diff(h.k_positions) > 0))
+    compiled = ordered and _compiled_fits(h)
     for start in range(0, rows.size, BLOCK):
         block = rows[start : start + BLOCK]
         # keys after the block's last query get no weight (causal): with the keys in position
@@ -451,11 +462,52 @@ def _column_sums(h: _Head, end: int) -> tuple[np.ndarray, int]:
         seen = h.k.shape[0]
         if ordered:
             seen = int(np.searchsorted(h.k_positions, h.q_positions[block].max(), side="right"))
+        if compiled:
+            total[:seen] += _compiled_column_sums(h, block, seen)
+            continue
         weights = attention_weights(
             h.spec, h.head, h.q[block], h.k[:seen], h.q_positions[block], h.k_positions[:seen]
         )
         total[:seen] += weights.sum(axis=0, dtype=np.float64)
     return total, int(rows.size)
+
+
+def _compiled_fits(h: _Head) -> bool:
+    """Whether `_compiled_column_sums` may take ``h`` (keys in position order is the caller's):
+    the compiled kernel built, no chunked attention, float32 inputs whose logits cannot overflow
+    or be NaN (as `head_importance` sends blocks to it)."""
+    if not attention_kernel.AVAILABLE or h.spec.chunk is not None or not h.k.size or not h.q.size:
+        return False
+    if h.q.dtype != np.float32 or h.k.dtype != np.float32:
+        return False
+    bound = float(np.abs(h.q).max()) * float(np.abs(h.k).max()) * h.k.shape[1] * float(h.spec.scale)
+    return bound < FINITE
+
+
+def _compiled_column_sums(h: _Head, block: np.ndarray, seen: int) -> np.ndarray:
+    """The attention each of the first ``seen`` keys receives from the queries ``block`` (float64,
+    summed over them), through the compiled softmax pass (`attention_kernel.block_scores`: SPEC
+    10.1's scale, softcap, mask and sinks; it agrees with `kvformat.attention.weights` to float32
+    rounding)."""
+    spec = h.spec
+    exponentials = np.ascontiguousarray(h.q[block]) @ np.ascontiguousarray(h.k[:seen]).T
+    rows = np.empty((block.size, attention_kernel.ROW_FIELDS))
+    attention_kernel.block_scores(
+        exponentials,
+        rows,
+        np.ascontiguousarray(h.q_positions[block], np.int64),
+        np.ascontiguousarray(h.k_positions[:seen], np.int64),
+        float(spec.scale),
+        float(spec.softcap or 0.0),
+        -1 if spec.window is None else int(spec.window),
+        int(spec.keep),
+        float(spec.sinks[h.head]) if spec.sinks is not None else 0.0,
+        spec.sinks is not None,
+        SINKS,
+        1,
+        1,
+    )
+    return rows[:, attention_kernel.INVERSE] @ exponentials
 
 
 def _key_scores(h: _Head, end: int, wanted: set[str], options: Options) -> dict[str, np.ndarray]:
@@ -1010,7 +1062,8 @@ def _head_rows(
     full = full_weights.astype(np.float64) @ values
     full_top = h.k_positions[np.argmax(full_weights, axis=1)]
     base = {"layer": layer, "head": h.head, "kv_head": kv_head, "n_queries": int(rows_eval.sum())}
-    out = []
+    out: list[dict[str, Any]] = []
+    evictions: list[tuple[int, np.ndarray]] = []  # (row index, kept keys), measured together
     for method in methods:
         if method in QUANTIZATION:
             bits = QUANTIZATION[method][1]
@@ -1019,12 +1072,69 @@ def _head_rows(
             continue
         for budget in budgets:
             keep = kept_keys(method, budget, h.k_positions, end, scores, rng, options.observation, where)
-            # (row-major, as the full one: a row's sum then adds in the same order, so a budget
-            # that keeps every key gives the full weights bit for bit)
-            kept = attention_softmax(h.spec, h.head, np.ascontiguousarray(logits[:, keep]))
-            measured = _compared(kept, values[keep], h.k_positions[keep], full, full_top)
-            out.append(_row(method, budget, base, measured, int((~keep).sum())))
+            evictions.append((len(out), keep))
+            out.append(_row(method, budget, base, (math.nan, math.nan), int((~keep).sum())))
+    masks = [keep for _, keep in evictions]
+    for (index, _), (error, agreement) in zip(
+        evictions, _evictions_measured(h, logits, masks, values, full, full_top), strict=True
+    ):
+        out[index]["relative_error"], out[index]["top1_agreement"] = error, agreement
     return out
+
+
+EVICTION_BYTES = 32 << 20
+"""Most bytes of masked logits `_evictions_measured` holds at once (float32 and float64 copies
+of a batch of evictions)."""
+
+
+def _evictions_measured(
+    h: _Head,
+    logits: np.ndarray,
+    masks: list[np.ndarray],
+    values: np.ndarray,
+    full: np.ndarray,
+    full_top: np.ndarray,
+) -> list[tuple[float, float]]:
+    """``(relative error, top-1 agreement)`` of each eviction (a mask of the keys kept) for the
+    eval queries whose ``logits`` ``(e, n)`` over every key are given: each eviction's weights are
+    the softmax of its kept columns, computed for a batch of evictions at once as the softmax of
+    the logits with the evicted columns at -inf (an evicted key's weight is exactly 0). A mask
+    keeping every key is the uncompressed cache: error 0, agreement 1."""
+    e, n = logits.shape
+    per = max(1, EVICTION_BYTES // max(1, 12 * e * n))
+    found: list[tuple[float, float]] = []
+    for start in range(0, len(masks), per):
+        batch = np.stack(masks[start : start + per])  # (b, n)
+        masked = np.where(batch[:, None, :], logits[None], np.float32(-np.inf))
+        weights = attention_softmax(h.spec, h.head, masked.reshape(-1, n)).reshape(len(batch), e, n)
+        found += _batch_compared(weights, batch, h.k_positions, values, full, full_top)
+    return found
+
+
+def _batch_compared(
+    weights: np.ndarray,
+    masks: np.ndarray,
+    positions: np.ndarray,
+    values: np.ndarray,
+    full: np.ndarray,
+    full_top: np.ndarray,
+) -> list[tuple[float, float]]:
+    """`_compared` for a batch of evictions: ``weights`` ``(b, e, n)`` over every key (0 for the
+    evicted ones), ``masks`` ``(b, n)`` the keys kept; the top-1 key of a query that sees none
+    of the kept keys is the first kept one (-1 where none is kept), as `_compared` gives it."""
+    b, e, n = weights.shape
+    outputs = (weights.reshape(b * e, n).astype(np.float64) @ values).reshape(b, e, -1)  # one product
+    reference = float((full**2).sum())
+    errors = np.full(len(masks), math.nan)
+    if reference > 0:
+        errors = np.sqrt(((outputs - full) ** 2).sum(axis=(1, 2)) / reference)
+        errors[masks.all(axis=1)] = 0.0  # every key kept: the uncompressed output itself
+    chosen = np.argmax(np.where(masks[:, None, :], weights, np.float32(-1)), axis=2)  # (b, e)
+    top = np.where(np.asarray(masks.any(axis=1))[:, None], positions[chosen], -1)
+    agreements = np.full(len(masks), math.nan)
+    if len(full_top):
+        agreements = np.asarray(top == full_top, np.float64).mean(axis=1)
+    return [(float(error), float(agreement)) for error, agreement in zip(errors, agreements, strict=True)]
 
 
 def _row(
