@@ -4,6 +4,7 @@ pass that scores every head's attention. Each a fresh process with default setti
 prints each one's wall-clock times, its peak resident memory and the ratio of the medians.
 
     python -m benchmarks.simulate_bench [FILE] [--runs 3]
+    python -m benchmarks.simulate_bench out/seed.kv --seed-sized --runs 1
 
 FILE defaults to ``out/needle/needle.kv`` (``python -m benchmarks.needle`` writes it: SmolLM2-135M,
 a 906-position capture with every query).
@@ -38,7 +39,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("file", nargs="?", default="out/needle/needle.kv")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--seed-sized",
+        action="store_true",
+        help="FILE is the 8.6 GB seed-sized capture (8,192 tokens, 32 layers of 32 KV heads, float32, "
+        "queries at the last 64 positions), written there first if missing",
+    )
     args = parser.parse_args()
+    if args.seed_sized and not Path(args.file).exists():
+        from benchmarks.viewer_bench import synthetic
+
+        synthetic(Path(args.file), 8192, 32, kv_heads=32, dtype="float32")
     if not Path(args.file).exists():
         raise SystemExit(f"{args.file} does not exist: python -m benchmarks.needle writes it")
     folder = Path(tempfile.mkdtemp(prefix="kvsnap-simulate-bench-"))

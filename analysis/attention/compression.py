@@ -89,6 +89,7 @@ from typing import Any
 import numpy as np
 
 import kvformat
+from kvformat import pages
 from kvformat.attention import BLOCK, context_keys
 from kvformat.attention import logits as attention_logits
 from kvformat.attention import softmax as attention_softmax
@@ -374,19 +375,28 @@ def pyramid_count(budget: float, n: int, window: int, layer: int, layers: int, b
 def quantize(x: np.ndarray, bits: int, axis: int, group: int | None = None) -> np.ndarray:
     """``x`` ``(n, dim)`` float32 quantized and dequantized: asymmetric min-max to ``2^bits``
     levels, one scale and offset per row (``axis=1``: per token) or per column (``axis=0``: per
-    channel, in groups of ``group`` rows)."""
+    channel, in groups of ``group`` rows; the whole groups at once, the last, shorter one alone)."""
     levels = (1 << bits) - 1
-    out = np.empty_like(x, dtype=np.float32)
-    step = group if (axis == 0 and group) else x.shape[0]
-    for start in range(0, max(x.shape[0], 1), max(step, 1)):
-        part = x[start : start + step].astype(np.float32)
-        if not part.size:
-            continue
-        low = part.min(axis=axis, keepdims=True)
-        high = part.max(axis=axis, keepdims=True)
-        scale = np.where(high > low, (high - low) / levels, 1.0).astype(np.float32)
-        out[start : start + step] = np.round((part - low) / scale) * scale + low
+    x = np.asarray(x, np.float32)
+    if not x.size:
+        return np.empty_like(x)
+    if axis == 1 or not group or group >= x.shape[0]:
+        return _min_max_levels(x, axis, levels)
+    whole = x.shape[0] - x.shape[0] % group
+    out = np.empty_like(x)
+    out[:whole] = _min_max_levels(x[:whole].reshape(-1, group, x.shape[1]), 1, levels).reshape(whole, -1)
+    if whole < x.shape[0]:
+        out[whole:] = _min_max_levels(x[whole:], 0, levels)
     return out
+
+
+def _min_max_levels(part: np.ndarray, axis: int, levels: int) -> np.ndarray:
+    """``part`` (float32) rounded to ``levels + 1`` levels between its minimum and maximum along
+    ``axis``."""
+    low = part.min(axis=axis, keepdims=True)
+    high = part.max(axis=axis, keepdims=True)
+    scale = np.where(high > low, (high - low) / levels, 1.0).astype(np.float32)
+    return np.round((part - low) / scale) * scale + low
 
 
 def _span_weights(h: _Head, end: int, low: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -1031,6 +1041,9 @@ def _layer_rows(
         quantized: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # the group's, shared
         for h in heads:
             rows += _head_rows(h, where, kv_head, chosen, budgets, ends, options, scores, rng, quantized)
+        # this KV head's pages leave the process, as in `head_importance`: a file larger than
+        # memory keeps a bounded resident set (views stay valid; pages fault back in if read)
+        pages.of(snap).release(snap._segments.of_head(layer, seq, kv_head))
     return rows, left_out
 
 
