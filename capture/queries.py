@@ -193,6 +193,7 @@ class QueryRecorder:
         # Per layer, the keys its last attention call read: a layer sharing them (Gemma-4, afm7)
         # passes the same array without a cache. One per layer, so nothing older is kept alive.
         self._last_keys: dict[int, tuple[tuple[int, Any], Any]] = {}
+        self._read_by: dict[int, int] = {}  # id(keys) -> the layer whose last call read them
         self._last_place: tuple[int, Any] | None = None
         self._copy_checks: list[tuple[int, mx.array]] = []  # afm7: keys read as a copy
         self._copies_checked: set[int] = set()
@@ -405,8 +406,7 @@ class QueryRecorder:
         if place is None and cache is None and keys is not None:
             place = self._copy_of(keys)
         elif place is not None:
-            self._last_keys[place[0]] = (place, keys)
-            self._last_place = place
+            self._remember_keys(place, keys)
         if place is None:
             raise CaptureError(
                 "queries: one of this model's attention calls reads K/V of no layer's cache of "
@@ -423,11 +423,24 @@ class QueryRecorder:
             place = self._layer_of.get(id(cache))
         return place
 
+    def _remember_keys(self, place: tuple[int, Any], keys: Any) -> None:
+        """The keys the layer at ``place`` just read, found again by identity in O(1)."""
+        layer = place[0]
+        before = self._last_keys.get(layer)
+        if before is not None:
+            self._read_by.pop(id(before[1]), None)
+        self._last_keys[layer] = (place, keys)
+        self._read_by[id(keys)] = layer
+        self._last_place = place
+
     def _shared_place(self, keys: Any) -> tuple[int, Any] | None:
-        """The place of the layer whose last attention call read the very array ``keys``."""
-        if keys is None:
+        """The place of the layer whose last attention call read the very array ``keys`` (one
+        dictionary lookup a call: every attention call of a step asks)."""
+        layer = None if keys is None else self._read_by.get(id(keys))
+        if layer is None:
             return None
-        return next((place for place, read in self._last_keys.values() if read is keys), None)
+        place, read = self._last_keys[layer]
+        return place if read is keys else None
 
     def _places(self) -> dict[int, tuple[int, Any]]:
         """``id(cache object) -> (file layer, the K/V cache whose offset counts its positions)``
