@@ -100,7 +100,14 @@ from ..errors import AnalysisError
 from ..kernels import attention as attention_kernel
 from ..kernels.arrays import float32_rows
 from ..stats.rope import Rope
-from .head_importance import FINITE, NoQueriesError, layers_with_queries, prompt_end, query_layers
+from .head_importance import (
+    FINITE,
+    NoQueriesError,
+    block_rows,
+    layers_with_queries,
+    prompt_end,
+    query_layers,
+)
 from .names import EVICTION, METHODS, NOT_FROM_A_FILE, QUANTIZATION
 
 BUDGETS = (0.1, 0.25, 0.5)
@@ -499,24 +506,8 @@ def _compiled_column_sums(h: _Head, block: np.ndarray, seen: int) -> np.ndarray:
     summed over them), through the compiled softmax pass (`attention_kernel.block_scores`: SPEC
     10.1's scale, softcap, mask and sinks; it agrees with `kvformat.attention.weights` to float32
     rounding)."""
-    spec = h.spec
     exponentials = np.ascontiguousarray(h.q[block]) @ np.ascontiguousarray(h.k[:seen]).T
-    rows = np.empty((block.size, attention_kernel.ROW_FIELDS))
-    attention_kernel.block_scores(
-        exponentials,
-        rows,
-        np.ascontiguousarray(h.q_positions[block], np.int64),
-        np.ascontiguousarray(h.k_positions[:seen], np.int64),
-        float(spec.scale),
-        float(spec.softcap or 0.0),
-        -1 if spec.window is None else int(spec.window),
-        int(spec.keep),
-        float(spec.sinks[h.head]) if spec.sinks is not None else 0.0,
-        spec.sinks is not None,
-        SINKS,
-        1,
-        1,
-    )
+    rows = block_rows(exponentials, h.spec, [h.head], h.q_positions[block], h.k_positions[:seen], SINKS)
     return rows[:, attention_kernel.INVERSE] @ exponentials
 
 

@@ -334,7 +334,7 @@ def _compiled_available() -> bool:
     return bool(attention_kernel.AVAILABLE)
 
 
-def _block_rows(
+def block_rows(
     weights: np.ndarray,
     spec: Any,
     heads: Sequence[int],
@@ -400,7 +400,7 @@ def _add_compiled(
     # one at a time.
     weights = np.matmul(q, keys.k[:end].T, out=work_matrix("attention weights", len(q), end))
 
-    rows = _block_rows(weights, spec, heads, p, positions[:end], window)
+    rows = block_rows(weights, spec, heads, p, positions[:end], window)
     # The outputs are normalized after the products (``weights`` holds exponentials).
     inverse = rows[:, k.INVERSE, None]
     full = (weights @ keys.v[:end]) * inverse
