@@ -322,11 +322,36 @@ def _places(
     if places or not latent_layers:
         return places
     # Absorbed MLA: the file's queries are [q_c; q_r]; a decode call is found by its keys (the
-    # latents, whose newest row is the file's at that position).
+    # latents, whose newest row is the file's at that position), or where it read a selection of
+    # them (sparse attention), by its queries' q_c, the first columns of the file's.
+    chosen = _find_by_latent_query(stored, latent_layers, queries, keys)
+    if chosen:
+        return chosen
     latent_place = _find_latent(latent_layers, keys, queries.shape[2])
     if isinstance(latent_place, str):
         return latent_place
     return [] if latent_place is None else [(latent_place[0], 0, latent_place[1])]
+
+
+def _find_by_latent_query(
+    stored: dict[tuple[int, int], dict[int, np.ndarray]],
+    latent_layers: dict[int, Any],
+    queries: np.ndarray,
+    keys: np.ndarray,
+) -> list[tuple[int, int, int]]:
+    """The places of an absorbed MLA decode call whose query ``q_c`` (the call's queries) is the
+    first columns of a latent layer's stored ``[q_c; q_r]``: a sparse call, whose keys are the
+    ones its indexer gathered, is found so."""
+    width = queries.shape[-1]
+    if keys.shape[1] != 1:
+        return []
+    return [
+        (layer, offset, position)
+        for (layer, offset), rows in stored.items()
+        if layer in latent_layers
+        for position, row in rows.items()
+        if row.shape[-1] > width and np.array_equal(row[:width].astype(np.float32), queries[0, 0, 0])
+    ]
 
 
 def _find_latent(latent_layers: dict[int, Any], keys: np.ndarray, count: int) -> tuple[int, int] | str | None:
@@ -387,10 +412,10 @@ def markdown(results: list[Result]) -> str:
         "function (hooked; for a module that computes attention itself, Gemma 2's and PLaMo 2's, "
         "what reaches its output projection) compared with attention recomputed from the file "
         "(`Snapshot.attention_output`), relative error at most 1e-5 (absorbed latent attention: "
-        "its decode calls, which attend the latents the file holds; the prompt's calls expand them "
-        "per head first); where the queries cannot be "
-        "recorded faithfully, `--queries` is refused by name before any file is written (sparse "
-        "attention: at the first step whose keys are a selection). "
+        "its decode calls, which attend the latents the file holds, or with sparse attention "
+        "(DeepSeek-V3.2, GLM-5) the keys its indexer selected, which the file records; the "
+        "prompt's calls expand them per head first); where the queries cannot be recorded "
+        "faithfully, `--queries` is refused by name before any file is written. "
         f"**{ok} of {len(results) - len(SKIPPED)} checked architectures restore exactly**; "
         f"{len(SKIPPED)} are not checked, each for the reason given.",
         "",

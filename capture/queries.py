@@ -207,6 +207,12 @@ class QueryRecorder:
             c for c in latent_classes if "attn_scale" in inspect.signature(c.__call__).parameters
         }
         self._query_scale: dict[int, Any] = {}
+        # Sparse attention (DeepSeek-V3.2's indexer): what the indexer just chose, for the
+        # attention call that follows it in the same module call.
+        self._indexers = _indexers(model)
+        self._chosen: tuple[int, Any] | None = None
+        self._widths: dict[int, int] = {}  # layer -> its indexer's top-k
+        self._selected: dict[int, list[tuple[mx.array, int]]] = {}  # layer -> pending selections
 
     def __enter__(self) -> QueryRecorder:
         from mlx_lm.models import base
@@ -217,6 +223,8 @@ class QueryRecorder:
             else:  # no RoPE (Kimi-Linear): the query projection's last channels per head
                 name = _query_projection(module)
                 setattr(module, name, _QueryPartTap(self, module, getattr(module, name)))
+        for module in self._indexers:
+            module.indexer = _IndexerTap(self, module.indexer)
         self._saved = hook_attention(self._wrap(base.scaled_dot_product_attention))
         for kind in self._own_classes:
             self._own_saved.append((kind, kind.__call__))
@@ -248,6 +256,9 @@ class QueryRecorder:
         for kind, call in reversed(self._own_saved):
             kind.__call__ = call
         self._own_saved.clear()
+        for module in self._indexers:
+            if isinstance(module.indexer, _IndexerTap):
+                module.indexer = module.indexer.indexer
         for module in self._latent_modules:
             if isinstance(getattr(module, "rope", None), _RopeTap):
                 module.rope = module.rope.rope
@@ -307,14 +318,22 @@ class QueryRecorder:
         return place
 
     def _latent_queries(
-        self, layer: int, queries: mx.array, keys: mx.array, cache: Any, scale: float, mask: Any
+        self,
+        layer: int,
+        queries: mx.array,
+        keys: mx.array,
+        cache: Any,
+        scale: float,
+        mask: Any,
+        chosen: Any = None,
     ) -> mx.array | None:
         """The absorbed query ``[q_c; q_r]`` of an MLA layer's call (SPEC 10.1, ``latent``), or
         None where no MLA module's RoPE ran just before (an ordinary attention call): ``q_c`` is
         what attention received in absorbed form (decode; the prefill's per-head queries go
         through the module's ``embed_q``), ``q_r`` the RoPE'd part the module computed. Whether
         ``scale * q_r . r_j`` is the score the model added as its mask is checked at the next
-        snapshot (`take`)."""
+        snapshot (`take`). ``chosen``: the indexer's top-k ``(batch, 1, L, k)`` of a sparse layer's
+        call, or None; a decode call then reads those keys only, gathered."""
         found = [(m, out) for m, out in self._rope_out if out.shape[1] == queries.shape[1]]
         self._rope_out = []
         scored = isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating)
@@ -328,13 +347,7 @@ class QueryRecorder:
         absorbed = queries if keys.shape[1] == 1 else module.embed_q(queries)
         if isinstance(getattr(cache, "values", None), mx.array):
             end = int(cache.offset)
-            if mask.shape[-1] != end:
-                raise CaptureError(
-                    f"queries: layer {layer}'s attention reads a selection of its keys ({mask.shape[-1]} "
-                    f"of {end}: sparse attention, an indexer's top-k), which a file cannot express; "
-                    "capture without --queries"
-                )
-            rope_keys = cache.values[:, :, :end, :]
+            rope_keys = _read_keys(layer, cache.values[:, :, :end, :], mask.shape[-1], chosen)
             score = (rope_part * scale) @ rope_keys.swapaxes(-1, -2)
             counted = mask > mx.finfo(mask.dtype).min / 2
             largest = mx.maximum(mx.max(mx.where(counted, mx.abs(mask), 0)), 1e-30)
@@ -380,7 +393,12 @@ class QueryRecorder:
             sinks: Any = None,
         ) -> mx.array:
             place = self._place(cache, keys)
-            latent = self._latent_queries(place[0], queries, keys, place[1], scale, mask)
+            chosen, self._chosen = self._chosen, None
+            latent = self._latent_queries(
+                place[0], queries, keys, place[1], scale, mask, chosen[1] if chosen else None
+            )
+            if chosen is not None:
+                self._select(place[0], place[1], queries.shape[2], chosen)
             if latent is not None:
                 self._keep(place[0], latent, place[1], scale, sinks, None, latent=True)
             else:
@@ -493,6 +511,21 @@ class QueryRecorder:
             piece = (queries if whole else queries[:, :, first - start :, :], first)
             (seen.pending if group == 0 else seen.extra[group - 1]).append(piece)
 
+    def _select(self, layer: int, cache: Any, length: int, chosen: tuple[int, Any]) -> None:
+        """Keep a sparse layer's key selection of a call on ``length`` positions: ``chosen`` is
+        the indexer's top-k and, for its call, the ``(batch, 1, length, k)`` key positions it
+        chose, or None (it chose none: the cache held no more keys than its top-k)."""
+        width, indices = chosen
+        self._widths[layer] = width
+        if indices is None:
+            return
+        end = _end_of(layer, cache)
+        start = end - length
+        first = max(start, self._first)
+        if first < end:
+            piece = indices if first == start else indices[:, :, first - start :, :]
+            self._selected.setdefault(layer, []).append((piece, first))
+
     def _reader(self, layer: int, seen: _Layer, start: int, end: int) -> int:
         """Which reader of the layer's K/V a call on positions ``start .. end`` is: 0, or the next
         one of the same step (a layer sharing this one's K/V)."""
@@ -514,33 +547,38 @@ class QueryRecorder:
             seen.extra.append([])
         return calls
 
-    def take(self) -> tuple[list[mx.array], list[tuple[int, int, int, np.ndarray]]]:
+    def take(self) -> tuple[list[mx.array], list[tuple[int, int, int, np.ndarray, bool]]]:
         """What every layer kept since the last call, as few device arrays as possible (not
         evaluated): the layers' pieces of one shape joined along the position axis (`gather.join`:
         on CUDA 64 decode pieces a launch), so the snapshot's transfer carries one array for
-        them. Returns those arrays, ``(batch, heads, n, dim)`` each, and per layer ``(layer,
-        array index, first column, positions)``. What this costs the generating thread on CUDA is in
-        the benchmarks in `benchmarks/`."""
+        them. Returns those arrays, ``(batch, heads, n, dim)`` each (a sparse layer's key
+        selections: ``(batch, 1, n, k)`` integers), and per layer ``(layer, array index, first
+        column, positions, whether they are selections)``. What this costs the generating thread
+        on CUDA is in the benchmarks in `benchmarks/`."""
         self._verify()
         groups: dict[tuple[Any, ...], list[mx.array]] = {}
         widths: dict[tuple[Any, ...], int] = {}
-        placed: list[tuple[int, tuple[Any, ...], int, np.ndarray]] = []
+        placed: list[tuple[int, tuple[Any, ...], int, np.ndarray, bool]] = []
         self._taken = True
-        for layer, seen in sorted(self.layers.items()):
-            if not seen.pending:
+        pending = [(layer, seen.pending, False) for layer, seen in sorted(self.layers.items())]
+        pending += [(layer, pieces, True) for layer, pieces in sorted(self._selected.items())]
+        for layer, pieces, selected in pending:
+            if not pieces:
                 continue
-            arrays = _readers_side_by_side(layer, seen)
-            positions = _positions(seen.pending)
+            arrays = [a for a, _ in pieces] if selected else _readers_side_by_side(layer, self.layers[layer])
+            positions = _positions(pieces)
             count = positions.size
-            seen.pending = []
+            pieces.clear()
             shape = arrays[0].shape
             key = (shape[0], shape[1], shape[3], arrays[0].dtype)
             groups.setdefault(key, []).extend(arrays)
-            placed.append((layer, key, widths.get(key, 0), positions))
+            placed.append((layer, key, widths.get(key, 0), positions, selected))
             widths[key] = widths.get(key, 0) + count
         index = {key: i for i, key in enumerate(groups)}
         joined = [join(parts) for parts in groups.values()]
-        return joined, [(layer, index[key], column, positions) for layer, key, column, positions in placed]
+        return joined, [
+            (layer, index[key], column, at, selected) for layer, key, column, at, selected in placed
+        ]
 
     def _verify(self) -> None:
         """The checks a step left to the snapshot (no synchronisation in the step): an MLA
@@ -570,13 +608,13 @@ class QueryRecorder:
 
     @staticmethod
     def on_host(
-        arrays: list[np.ndarray], layout: list[tuple[int, int, int, np.ndarray]]
-    ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        arrays: list[np.ndarray], layout: list[tuple[int, int, int, np.ndarray, bool]]
+    ) -> list[tuple[int, np.ndarray, np.ndarray, bool]]:
         """`take`'s arrays, copied to the host, split back into ``(layer, queries (batch, heads,
-        n, dim), positions)``."""
+        n, dim) or selections (batch, 1, n, k), positions, whether they are selections)``."""
         return [
-            (layer, arrays[which][:, :, column : column + positions.size], positions)
-            for layer, which, column, positions in layout
+            (layer, arrays[which][:, :, column : column + positions.size], positions, selected)
+            for layer, which, column, positions, selected in layout
         ]
 
     def readers(self, layer: int) -> int:
@@ -603,6 +641,7 @@ class QueryRecorder:
             softcap=seen.softcap,
             sinks=_sinks(seen.sinks),
             latent=seen.latent,
+            selection=self._widths.get(layer),
             **_visibility(attributes),
         )
 
@@ -618,6 +657,48 @@ class _RopeTap:
         out = self.rope(x, *args, **kwargs)
         self.recorder._rope_out.append((self.module, out))
         return out
+
+
+class _IndexerTap:
+    """Stands in for a sparse-attention module's ``indexer`` (DeepSeek-V3.2, GLM-5) while queries
+    are recorded: returns exactly what it returns (the top-k key positions of each query, or None
+    where the cache holds no more keys than its top-k), and hands the recorder its top-k and
+    that result, for the attention call that follows."""
+
+    def __init__(self, recorder: QueryRecorder, indexer: Any) -> None:
+        self.recorder, self.indexer = recorder, indexer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.indexer(*args, **kwargs)
+        self.recorder._chosen = (int(self.indexer.index_topk), out)
+        return out
+
+
+def _read_keys(layer: int, rope_keys: mx.array, read: int, chosen: Any) -> mx.array:
+    """The RoPE keys ``(batch, 1, n, dim)`` an MLA call that read ``read`` keys scored: all of
+    them, or those a sparse decode call gathered (``chosen``: its indexer's ``(batch, 1, 1, k)``
+    top-k); `CaptureError` where it read fewer keys and no indexer chose them."""
+    if read == rope_keys.shape[2]:
+        return rope_keys
+    if chosen is None or chosen.shape[2] != 1 or chosen.shape[-1] != read:
+        raise CaptureError(
+            f"queries: layer {layer}'s attention reads {read} of its {rope_keys.shape[2]} keys, "
+            "chosen by no indexer kvsnap sees; capture without --queries"
+        )
+    at = chosen[:, :, 0, :, None]
+    return mx.take_along_axis(rope_keys, mx.broadcast_to(at, (*at.shape[:-1], rope_keys.shape[-1])), axis=2)
+
+
+def _indexers(model: Any) -> list[Any]:
+    """The model's attention modules whose ``indexer`` picks each query's keys (a top-k over an
+    indexer's own key cache: DeepSeek-V3.2-style sparse attention)."""
+    if model is None:
+        return []
+    return [
+        module
+        for module in model.modules()
+        if isinstance(getattr(getattr(module, "indexer", None), "index_topk", None), int)
+    ]
 
 
 class CallTap:

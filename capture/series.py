@@ -96,12 +96,16 @@ class SeriesWriter:
             if positions.size
         ]
 
-    def add_queries(self, queries: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
-        """Write queries (format 1.3) for the next snapshot: ``(layer, q, positions)`` with
-        ``q`` ``(batch, query_heads, n, dim)`` host arrays."""
-        for layer, q, positions in queries:
+    def add_queries(self, queries: list[tuple[int, np.ndarray, np.ndarray, bool]]) -> None:
+        """Write queries (format 1.3) for the next snapshot: ``(layer, q, positions, False)`` with
+        ``q`` ``(batch, query_heads, n, dim)`` host arrays, and a sparse layer's key selections
+        (1.7): ``(layer, chosen, positions, True)``, ``chosen`` ``(batch, 1, n, k)``."""
+        for layer, q, positions, selected in queries:
             for seq in range(q.shape[0]):
-                self.writer.append_queries(layer, q[seq], positions, seq=seq)
+                if selected:
+                    self.writer.append_selection(layer, q[seq, 0], positions, seq=seq)
+                else:
+                    self.writer.append_queries(layer, q[seq], positions, seq=seq)
 
     def close(self, metadata: dict[str, Any] | None = None) -> None:
         self.writer.close(metadata)

@@ -7,6 +7,7 @@ For a query ``q`` at position ``p`` of query head ``h`` (reading KV head ``kv_he
     logit_j = softcap * tanh(logit_j / softcap)      when softcap is set
     visible_j = j <= p  and  (window is null  or  p - j < window - keep  or  j < keep)
                        and  (chunk is null   or  j // chunk == p // chunk)
+                       and  (the layer has no selection row at p  or  j is in that row)
     weight_j = exp(logit_j - m) / (sum_visible exp(logit - m) + [exp(sink_h - m)])
 
 with ``m`` the largest visible logit (and the sink's, when the layer has sinks). Everything is
@@ -37,7 +38,7 @@ from kvformat.runs import ranges
 if TYPE_CHECKING:
     from kvformat.manifest import LayerSpec, QuerySpec
     from kvformat.pages import Head
-    from kvformat.queries import Queries
+    from kvformat.queries import Queries, Selection
 
 
 class Snapshot(Protocol):
@@ -67,6 +68,10 @@ class Snapshot(Protocol):
     def queries(
         self, layer: int, head: int, seq: int = 0, positions: tuple[int, int] | range | None = None
     ) -> Queries | None: ...
+
+    def selection(
+        self, layer: int, seq: int = 0, positions: tuple[int, int] | range | None = None
+    ) -> Selection | None: ...
 
     def _dropped_rows(self, layer: int, head: int, seq: int, positions: np.ndarray) -> Head: ...
 
@@ -205,8 +210,45 @@ def refuse_incomplete(
     )
 
 
-def visible(spec: QuerySpec, query_positions: np.ndarray, key_positions: np.ndarray) -> np.ndarray:
-    """``(n_queries, n_keys)`` bool: which keys each query attends (SPEC 10.1's mask)."""
+def selected_rows(snap: Snapshot, layer: int, seq: int, query_positions: np.ndarray) -> np.ndarray | None:
+    """The key selections of the queries at ``query_positions`` (format 1.7) as `visible` takes
+    them: ``(n_queries, width)`` int64, a row of -1 where a query has none (it attends every
+    visible key); None for a layer without selections."""
+    found = snap.selection(layer, seq)
+    if found is None:
+        return None
+    out = np.full((query_positions.size, found.rows.shape[1]), -1, np.int64)
+    at = np.searchsorted(found.positions, query_positions)
+    inside = at < found.positions.size
+    has = np.zeros(query_positions.size, bool)
+    has[inside] = found.positions[at[inside]] == query_positions[inside]
+    out[has] = found.rows[at[has]]
+    return out
+
+
+def _selected(selection: np.ndarray, key_positions: np.ndarray) -> np.ndarray:
+    """``(n_queries, n_keys)`` bool: the keys each query's selection row names (every key for a
+    row of -1: no selection)."""
+    n, m = selection.shape[0], key_positions.size
+    out = np.zeros((n, m), bool)
+    out[selection[:, 0] < 0] = True
+    if not m:
+        return out
+    at = np.minimum(np.searchsorted(key_positions, selection), m - 1)
+    hit = (selection >= 0) & (key_positions[at] == selection)
+    rows = np.broadcast_to(np.arange(n)[:, None], selection.shape)
+    out[rows[hit], at[hit]] = True
+    return out
+
+
+def visible(
+    spec: QuerySpec,
+    query_positions: np.ndarray,
+    key_positions: np.ndarray,
+    selection: np.ndarray | None = None,
+) -> np.ndarray:
+    """``(n_queries, n_keys)`` bool: which keys each query attends (SPEC 10.1's mask);
+    ``selection``: the queries' `selected_rows` in a layer with key selections (1.7)."""
     p = query_positions[:, None]
     j = key_positions[None, :]
     mask = j <= p
@@ -214,6 +256,8 @@ def visible(spec: QuerySpec, query_positions: np.ndarray, key_positions: np.ndar
         mask &= (p - j < spec.window - spec.keep) | (j < spec.keep)
     if spec.chunk is not None:
         mask &= j // spec.chunk == p // spec.chunk
+    if selection is not None:
+        mask &= _selected(selection, key_positions)
     return mask
 
 
@@ -224,14 +268,20 @@ def weights(
     k: np.ndarray,
     query_positions: np.ndarray,
     key_positions: np.ndarray,
+    selection: np.ndarray | None = None,
 ) -> np.ndarray:
     """The softmax weights ``(n_queries, n_keys)`` float32 of queries ``q`` ``(n, dim)`` over
     keys ``k`` ``(m, dim)`` for query head ``head`` (SPEC 10.1): `softmax` of `logits`."""
-    return softmax(spec, head, logits(spec, q, k, query_positions, key_positions))
+    return softmax(spec, head, logits(spec, q, k, query_positions, key_positions, selection))
 
 
 def logits(
-    spec: QuerySpec, q: np.ndarray, k: np.ndarray, query_positions: np.ndarray, key_positions: np.ndarray
+    spec: QuerySpec,
+    q: np.ndarray,
+    k: np.ndarray,
+    query_positions: np.ndarray,
+    key_positions: np.ndarray,
+    selection: np.ndarray | None = None,
 ) -> np.ndarray:
     """``(n_queries, n_keys)`` float32: ``cap * tanh(q k^T * scale / cap)`` (without a softcap,
     ``q k^T * scale``), -inf where the query does not see the key (SPEC 10.1's mask). A column
@@ -245,7 +295,7 @@ def logits(
         out /= cap
         np.tanh(out, out=out)
         out *= cap
-    np.putmask(out, ~visible(spec, query_positions, key_positions), np.float32(-np.inf))
+    np.putmask(out, ~visible(spec, query_positions, key_positions, selection), np.float32(-np.inf))
     return out
 
 
@@ -274,10 +324,10 @@ def softmax(spec: QuerySpec, head: int, logits: np.ndarray) -> np.ndarray:
 
 def _inputs(
     snap: Snapshot, layer: int, head: int, seq: int, queries: tuple[int, int] | range | None
-) -> tuple[QuerySpec, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The layer's queries description, the head's queries and positions, and its KV head's keys,
-    values and positions: the keys those queries saw (`context_keys`); `MissingKeysError` for
-    queries that saw a key the file no longer holds."""
+) -> tuple[QuerySpec, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The layer's queries description, the head's queries and positions, its KV head's keys,
+    values and positions (the keys those queries saw, `context_keys`; `MissingKeysError` for
+    queries that saw a key the file no longer holds), and the queries' `selected_rows`."""
     if not isinstance(layer, int) or not 0 <= layer < snap.num_layers:
         raise OutOfRangeError(f"layer {layer} out of range 0..{snap.num_layers - 1}")
     spec = snap.layers[layer].queries
@@ -286,7 +336,8 @@ def _inputs(
         raise NoQueriesError(f"layer {layer} holds no queries")
     keys = context_keys(snap, layer, spec.kv_heads[head], seq, found.positions)
     refuse_incomplete(snap, layer, head, found.positions, keys.complete)
-    return spec, found.q, found.positions, keys.k, keys.v, keys.positions
+    selection = selected_rows(snap, layer, seq, found.positions)
+    return spec, found.q, found.positions, keys.k, keys.v, keys.positions, selection
 
 
 def check_selection(
@@ -345,11 +396,12 @@ def blocks(
     block: int = BLOCK,
 ) -> Iterator[Attention]:
     """`attention` a block of ``block`` queries at a time (memory: one block's map)."""
-    spec, q, q_positions, k, _v, k_positions = _inputs(snap, layer, head, seq, queries)
+    spec, q, q_positions, k, _v, k_positions, selection = _inputs(snap, layer, head, seq, queries)
     columns = _within(keys, k_positions)
     for start in range(0, q.shape[0], block):
         rows = slice(start, start + block)
-        found = weights(spec, head, q[rows], k, q_positions[rows], k_positions)
+        chosen = selection[rows] if selection is not None else None
+        found = weights(spec, head, q[rows], k, q_positions[rows], k_positions, chosen)
         yield Attention(layer, head, seq, found[:, columns], q_positions[rows], k_positions[columns])
 
 
@@ -395,10 +447,11 @@ def attention_output(
     """``(output, positions)``: the attention output ``weights @ V`` ``(n_queries, v_dim)``
     float32 of query head ``head`` (what the kernel returned for it, before the output
     projection), a block of queries at a time."""
-    spec, q, q_positions, k, v, k_positions = _inputs(snap, layer, head, seq, queries)
+    spec, q, q_positions, k, v, k_positions, selection = _inputs(snap, layer, head, seq, queries)
     values = np.asarray(v, np.float32)
     out = np.empty((q.shape[0], values.shape[1]), np.float32)
     for start in range(0, q.shape[0], block):
         rows = slice(start, start + block)
-        out[rows] = weights(spec, head, q[rows], k, q_positions[rows], k_positions) @ values
+        chosen = selection[rows] if selection is not None else None
+        out[rows] = weights(spec, head, q[rows], k, q_positions[rows], k_positions, chosen) @ values
     return out, q_positions

@@ -38,8 +38,12 @@ FLOAT32 = DType(1, "float32", 4)
 FLOAT16 = DType(2, "float16", 2)
 BFLOAT16 = DType(3, "bfloat16", 2)
 
+INT32 = DType(4, "int32", 4)
+"""Format 1.7: the key positions of selection chunks only (SPEC 6); never a layer's or queries'
+element type, so it has no JSON name here."""
+
 ALL: tuple[DType, ...] = (FLOAT32, FLOAT16, BFLOAT16)
-BY_CODE: dict[int, DType] = {d.code: d for d in ALL}
+BY_CODE: dict[int, DType] = {d.code: d for d in (*ALL, INT32)}
 BY_NAME: dict[str, DType] = {d.name: d for d in ALL}
 
 

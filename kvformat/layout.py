@@ -28,7 +28,10 @@ MAGIC = sniff.KV
 FOOTER_MAGIC = b"KVSINDEX"
 DESCRIPTOR_MAGIC = b"KVCK"
 MAJOR = 1
-MINOR = 6  # what this reader implements; the writer writes 2, or 3 for a file with queries (1.3)
+MINOR = (
+    7  # what this reader implements; the writer writes 2, 3 for a file with queries (1.3), 7 with selections
+)
+LAST_STRICT_MINOR = 6  # up to 1.6 every unknown record kind is corrupt; from 1.7, features define kinds (5.2)
 ALIGN = 64
 HEADER_SIZE = 64
 DESCRIPTOR_SIZE = 64
@@ -39,12 +42,13 @@ KIND_K = 0
 KIND_V = 1
 KIND_ARRAY = 2
 KIND_Q = 3  # format 1.3: queries (feature "queries")
+KIND_SELECTION = 4  # format 1.7: sparse attention's key selections (feature "sparse-attention")
 KIND_MANIFEST = 16
 KIND_SNAPSHOT = 17
 TENSOR_KINDS = (KIND_K, KIND_V)
-TABLE_KINDS = (KIND_K, KIND_V, KIND_ARRAY, KIND_Q)
+TABLE_KINDS = (KIND_K, KIND_V, KIND_ARRAY, KIND_Q, KIND_SELECTION)
 JSON_KINDS = (KIND_MANIFEST, KIND_SNAPSHOT)
-TENSOR_NAMES = {KIND_K: "k", KIND_V: "v", KIND_ARRAY: "array", KIND_Q: "q"}
+TENSOR_NAMES = {KIND_K: "k", KIND_V: "v", KIND_ARRAY: "array", KIND_Q: "q", KIND_SELECTION: "selection"}
 
 # Hard limits a reader applies before trusting any size field (spec section 8).
 MAX_JSON_SIZE = 256 * 1024 * 1024

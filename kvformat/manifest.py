@@ -20,12 +20,15 @@ from kvformat.layout import MAX_HEAD_SEQUENCES, MAX_HEADS, MAX_LAYERS, MAX_POSIT
 from kvformat.quantization import Quantization
 
 # Features this implementation understands (SPEC section 14): 1.2 defines "append-chunks", 1.3
-# "queries", 1.6 "chunked-attention" and "latent-attention"; a file that lists an unknown name under
-# "required_features" is rejected.
+# "queries", 1.6 "chunked-attention" and "latent-attention", 1.7 "sparse-attention"; a file that
+# lists an unknown name under "required_features" is rejected.
 QUERIES = "queries"
 CHUNKED_ATTENTION = "chunked-attention"
 LATENT_ATTENTION = "latent-attention"
-KNOWN_FEATURES: frozenset[str] = frozenset({"append-chunks", QUERIES, CHUNKED_ATTENTION, LATENT_ATTENTION})
+SPARSE_ATTENTION = "sparse-attention"
+KNOWN_FEATURES: frozenset[str] = frozenset(
+    {"append-chunks", QUERIES, CHUNKED_ATTENTION, LATENT_ATTENTION, SPARSE_ATTENTION}
+)
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,10 @@ class QuerySpec:
     joins the softmax's denominator (learned attention sinks), or None. ``latent`` (1.6, multi-head
     latent attention in absorbed form): the layer's K slot holds the latent ``c_j`` and its V
     slot the shared RoPE key ``r_j``; a query ``[q_c; q_r]`` (``dim = k_dim + v_dim``) has logits
-    ``scale * (q_c . c_j + q_r . r_j)`` and output ``sum_j w_j c_j`` (``k_dim`` wide)."""
+    ``scale * (q_c . c_j + q_r . r_j)`` and output ``sum_j w_j c_j`` (``k_dim`` wide).
+    ``selection`` (1.7, sparse attention as DeepSeek-V3.2's indexer chooses keys): the width of
+    the layer's selection rows; a query with a row sees only the visible keys its row names
+    (one row per position, shared by every query head), a query without one every visible key."""
 
     num_heads: int
     dim: int
@@ -54,6 +60,7 @@ class QuerySpec:
     sinks: tuple[float, ...] | None = None
     chunk: int | None = None
     latent: bool = False
+    selection: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {
@@ -71,6 +78,8 @@ class QuerySpec:
             document["chunk"] = self.chunk
         if self.latent:
             document["latent"] = True
+        if self.selection is not None:
+            document["selection"] = self.selection
         return document
 
     def check(self, kv_heads: int, dims: tuple[int, int] | None = None) -> None:
@@ -88,6 +97,14 @@ class QuerySpec:
         self._check_mask()
         self._check_logits()
         self._check_latent(dims)
+        self._check_selection()
+
+    def _check_selection(self) -> None:
+        """``selection`` null or a row width in ``1 .. 2^20``."""
+        if self.selection is not None and (
+            not _is_int(self.selection) or not 1 <= self.selection <= MAX_WIDTH
+        ):
+            raise InvalidLayoutError(f"queries selection must be null or an integer in 1..{MAX_WIDTH}")
 
     def _check_latent(self, dims: tuple[int, int] | None) -> None:
         """``latent`` a boolean; a latent layer's ``dim`` its K and V head dims together."""
@@ -175,12 +192,12 @@ def _keep(obj: dict[str, Any], where: str) -> int:
     return int(value)
 
 
-def _chunk(obj: dict[str, Any], where: str) -> int | None:
-    """A ``queries`` object's ``chunk`` (1.6): absent or null means none; else an integer
-    (its range is `QuerySpec.check`'s)."""
-    value = obj.get("chunk")
+def _optional_int(obj: dict[str, Any], key: str, where: str) -> int | None:
+    """A ``queries`` object's ``chunk`` (1.6) or ``selection`` (1.7): absent or null means none;
+    else an integer (its range is `QuerySpec.check`'s)."""
+    value = obj.get(key)
     if value is not None and not _is_int(value):
-        raise CorruptFileError(f"{where} queries: 'chunk' must be null or an integer")
+        raise CorruptFileError(f"{where} queries: '{key}' must be null or an integer")
     return value
 
 
@@ -231,8 +248,9 @@ def parse_queries(
         keep=_keep(obj, where),
         softcap=number("softcap", True),
         sinks=tuple(_double(x, f"{where} queries: 'sinks'") for x in sinks) if sinks is not None else None,
-        chunk=_chunk(obj, where),
+        chunk=_optional_int(obj, "chunk", where),
         latent=_latent(obj, where),
+        selection=_optional_int(obj, "selection", where),
     )
     try:
         spec.check(kv_heads, dims)
@@ -414,13 +432,14 @@ def parse_manifest(obj: Any) -> Manifest:
 
 
 def _check_features_declared(layers: list[LayerSpec], required: list[str]) -> None:
-    """`CorruptFileError` where the layers use queries, chunked or latent attention that
+    """`CorruptFileError` where the layers use queries, chunked, latent or sparse attention that
     ``required_features`` does not list (checked in that order)."""
     queries = [layer.queries for layer in layers if layer.queries is not None]
     for used, feature, what in (
         (bool(queries), QUERIES, "queries"),
         (any(q.chunk is not None for q in queries), CHUNKED_ATTENTION, "chunked attention"),
         (any(q.latent for q in queries), LATENT_ATTENTION, "latent attention"),
+        (any(q.selection is not None for q in queries), SPARSE_ATTENTION, "sparse attention"),
     ):
         if used and feature not in required:
             raise CorruptFileError(
@@ -429,8 +448,11 @@ def _check_features_declared(layers: list[LayerSpec], required: list[str]) -> No
 
 
 def format_minor(manifest: Manifest) -> int:
-    """The minor version a writer writes: 3 for a file with queries (feature ``queries``), else
-    2, so that files without queries stay byte for byte what a 1.2 writer writes."""
+    """The minor version a writer writes: 7 for a file with key selections (feature
+    ``sparse-attention``), 3 for a file with queries (feature ``queries``), else 2, so that files
+    without them stay byte for byte what a 1.2 or 1.3 writer writes."""
+    if SPARSE_ATTENTION in manifest.required_features:
+        return 7
     return 3 if QUERIES in manifest.required_features else 2
 
 

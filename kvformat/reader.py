@@ -32,7 +32,14 @@ from kvformat.layout import KIND_K, KIND_V, MAX_POSITION
 from kvformat.manifest import LayerSpec
 from kvformat.pages import Head, Pages
 from kvformat.quantization import Parts
-from kvformat.queries import Queries, check_all_queries, check_queries, read_queries
+from kvformat.queries import (
+    Queries,
+    Selection,
+    check_all_queries,
+    check_queries,
+    read_queries,
+    read_selection,
+)
 from kvformat.runs import CHUNK, COUNT, HEAD, KIND, LAYER, POSITION, ROW, SEQ, Segment, Segments, ranges
 from kvformat.structure import FileStructure, check_arrays
 from kvformat.verify import VerifyReport, verify
@@ -355,6 +362,23 @@ class Snapshot:
         start, stop = _position_range(positions)
         q, found = read_queries(self._file, self._query_chunks, layer, head, seq, start, stop)
         return Queries(layer, head, seq, q, found)
+
+    def selection(
+        self, layer: int, seq: int = 0, positions: tuple[int, int] | range | None = None
+    ) -> Selection | None:
+        """The key selections of ``layer`` (format 1.7, sparse attention: the keys an indexer let
+        each query attend, shared by the layer's query heads), at ``positions`` (``(start,
+        stop)``); None where the layer records none (dense attention, or no queries)."""
+        if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise OutOfRangeError(f"layer {layer} out of range 0..{self.num_layers - 1}")
+        spec = self.layers[layer]
+        if not spec.present or spec.queries is None or spec.queries.selection is None:
+            return None
+        if not isinstance(seq, int) or not 0 <= seq < self.num_seqs:
+            raise OutOfRangeError(f"seq {seq} out of range 0..{self.num_seqs - 1}")
+        start, stop = _position_range(positions)
+        rows, found = read_selection(self._file, self._query_chunks, layer, seq, start, stop)
+        return Selection(layer, seq, rows, found)
 
     def attention(
         self,

@@ -27,6 +27,7 @@ from kvformat.layout import (
     HEADER_SIZE,
     KIND_ARRAY,
     KIND_Q,
+    KIND_SELECTION,
     MAGIC,
     MAX_CHUNK_COUNT,
     MAX_JSON_SIZE,
@@ -151,7 +152,7 @@ class FileStructure:
             raise type(exc)(f"{self.chunk_name(i)}: {exc}") from None
 
     def _quantization(self, c: Descriptor) -> Quantization | None:
-        if c.kind in (KIND_ARRAY, KIND_Q):  # queries are stored plain, whatever the layer's K/V
+        if c.kind in (KIND_ARRAY, KIND_Q, KIND_SELECTION):  # stored plain, whatever the layer's K/V
             return None
         return self.manifest.layers[c.layer].quantization
 

@@ -23,6 +23,7 @@ from kvformat.layout import (
     KIND_ARRAY,
     KIND_K,
     KIND_Q,
+    KIND_SELECTION,
     KIND_V,
     MAX_CHUNK_DECODED,
     MAX_POSITION,
@@ -93,14 +94,18 @@ class TableFacts:
         return self["kind"] == KIND_Q
 
     @functools.cached_property
+    def is_selection(self) -> np.ndarray:
+        return self["kind"] == KIND_SELECTION
+
+    @functools.cached_property
     def located(self) -> np.ndarray:
-        """K, V and Q chunks: those that name a layer, head and sequence (not arrays)."""
+        """K, V, Q and selection chunks: those that name a layer, head and sequence (not arrays)."""
         return ~self.is_array
 
     @functools.cached_property
     def tensor(self) -> np.ndarray:
-        """K or V chunks (not arrays, not queries)."""
-        return ~self.is_array & ~self.is_query
+        """K or V chunks (not arrays, queries or selections)."""
+        return ~self.is_array & ~self.is_query & ~self.is_selection
 
     @functools.cached_property
     def of(self) -> np.ndarray:
@@ -144,10 +149,12 @@ class _LayerTables:
         self.query_heads = np.zeros(count, np.int64)  # 0: the layer declares no queries
         self.query_dims = np.zeros(count, np.int64)
         self.query_dtype_codes = np.zeros(count, np.int64)
+        self.selection_widths = np.zeros(count, np.int64)  # 0: the layer has no key selections
         for index, spec in enumerate(layers):
             if not spec.present:
                 continue
             if spec.queries is not None:
+                self.selection_widths[index] = spec.queries.selection or 0
                 self.query_heads[index] = spec.queries.num_heads
                 self.query_dims[index] = spec.queries.dim
                 self.query_dtype_codes[index] = spec.queries.dtype.code
@@ -174,7 +181,7 @@ def magic(t: TableFacts) -> str | None:
 
 
 def kind(t: TableFacts) -> str | None:
-    unknown = t["kind"] > max(TABLE_KINDS)  # kinds 0, 1, 2, 3
+    unknown = t["kind"] > max(TABLE_KINDS)  # kinds 0 .. 4
     return f"chunk table entry {_first(unknown)} has an unknown kind" if unknown.any() else None
 
 
@@ -300,6 +307,24 @@ def query_agreement(t: TableFacts) -> str | None:
     return None
 
 
+def selection_agreement(t: TableFacts) -> str | None:
+    """Selection chunks (1.7): the layer's queries declare a selection of this width; head 0,
+    dtype int32."""
+    layers, of = t.per_layer, t.of
+    wrong = t.is_selection & (
+        (t["head"] != 0)
+        | (layers.selection_widths[of] == 0)
+        | (t.width != layers.selection_widths[of])
+        | (t["dtype"] != dtypes.INT32.code)
+    )
+    if wrong.any():
+        return (
+            f"selection chunk of layer {int(t.layer[wrong][0])} disagrees with the layer's queries "
+            "(no selection declared, or its width), or has a head other than 0 or a dtype other than int32"
+        )
+    return None
+
+
 Rule = Callable[[TableFacts], "str | None"]
 
 RULES: list[tuple[type[KVFormatError], Rule]] = [
@@ -321,6 +346,7 @@ RULES: list[tuple[type[KVFormatError], Rule]] = [
     (CorruptFileError, present_layer),
     (CorruptFileError, layer_agreement),
     (CorruptFileError, query_agreement),
+    (CorruptFileError, selection_agreement),
 ]
 """(the error a failing rule raises, the rule), in the order they run."""
 

@@ -31,14 +31,16 @@ from kvformat.layout import (
     HEADER_SIZE,
     JSON_KINDS,
     KIND_MANIFEST,
+    KIND_SELECTION,
     KIND_SNAPSHOT,
+    LAST_STRICT_MINOR,
     MINOR,
     TABLE_KINDS,
     Descriptor,
     align,
 )
 from kvformat.manifest import loads
-from kvformat.queries import check_all_queries
+from kvformat.queries import check_all_queries, check_selection_rows
 from kvformat.runs import ranges
 from kvformat.structure import FileStructure, check_arrays, chunk_label, payload_crc_mismatch
 
@@ -78,8 +80,16 @@ def verify(file: FileStructure) -> VerifyReport:
         raise snapshot_error
     for i, entry in enumerate(file.entries):
         check_arrays(file, i, entry.arrays)
-    check_all_queries(file)
+    _check_queries_and_selections(file)
     return VerifyReport(records, chunk, len(file.entries), checked)
+
+
+def _check_queries_and_selections(file: FileStructure) -> None:
+    """Every snapshot's queries (`check_all_queries`) and every selection chunk's rows (1.7:
+    key positions in increasing order)."""
+    check_all_queries(file)
+    for i in np.flatnonzero(file.table["kind"] == KIND_SELECTION).tolist():
+        check_selection_rows(file.chunk_array(i, checked=True), file.chunk_name(i))
 
 
 class _Runs:
@@ -147,7 +157,7 @@ def _one_pass_report(
         return None
     for i, entry in enumerate(file.entries):
         check_arrays(file, i, entry.arrays)
-    check_all_queries(file)
+    _check_queries_and_selections(file)
     chunk_bytes = sum(b.count * (DESCRIPTOR_SIZE + b.size) for b in batches)
     return VerifyReport(between + runs.n, runs.n, len(file.entries), nbytes + chunk_bytes)
 
@@ -620,7 +630,9 @@ def _check_other_record(
                 "its stored size"
             )
         loads(payload, label)
-    elif file.version[1] <= MINOR:
+    elif file.version[1] <= min(MINOR, LAST_STRICT_MINOR):
+        # From 1.7 a record kind that matters comes with the required feature that defines it
+        # (which refuses the file before any record is read), so an unknown one is ignored.
         raise CorruptFileError(f"{label}: unknown record kind {desc.kind}")
 
 

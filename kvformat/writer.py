@@ -46,6 +46,7 @@ from kvformat.layout import (
     KIND_K,
     KIND_MANIFEST,
     KIND_Q,
+    KIND_SELECTION,
     KIND_SNAPSHOT,
     KIND_V,
     MAX_POSITION,
@@ -57,6 +58,7 @@ from kvformat.manifest import (
     CHUNKED_ATTENTION,
     LATENT_ATTENTION,
     QUERIES,
+    SPARSE_ATTENTION,
     LayerSpec,
     Manifest,
     QuerySpec,
@@ -102,13 +104,12 @@ def _required_features(specs: Sequence[LayerSpec], given: Sequence[str]) -> list
     reader refuses the file, never misreads it), chunked and latent attention (1.6: a 1.5 reader
     refuses them, never ignores the chunks or the latent layout)."""
     features = list(given)
+    queries = [spec.queries for spec in specs if spec.queries is not None]
     needed = (
-        (QUERIES, any(spec.queries is not None for spec in specs)),
-        (
-            CHUNKED_ATTENTION,
-            any(spec.queries is not None and spec.queries.chunk is not None for spec in specs),
-        ),
-        (LATENT_ATTENTION, any(spec.queries is not None and spec.queries.latent for spec in specs)),
+        (QUERIES, bool(queries)),
+        (CHUNKED_ATTENTION, any(q.chunk is not None for q in queries)),
+        (LATENT_ATTENTION, any(q.latent for q in queries)),
+        (SPARSE_ATTENTION, any(q.selection is not None for q in queries)),
     )
     features += [name for name, wanted in needed if wanted and name not in features]
     return features
@@ -184,7 +185,7 @@ class Writer:
         self._pending_drops: list[tuple[int, int, int, int]] = []
         self._pending_queries: list[np.ndarray] = []  # Q chunk indices since the last snapshot
         self._snapshots: list[Entry] = []
-        self._query_ends: dict[tuple[int, int], int] = {}  # (layer, seq) -> one past the last query
+        self._query_ends: dict[tuple[int, ...], int] = {}  # (layer, seq[, kind]) -> one past the last
         self._dirty = False
         self._closed = False
         # `append`'s small items, checked and copied, written together at the next snapshot (or
@@ -264,7 +265,7 @@ class Writer:
                 grown[:first] = self._chunk_rows[:first]
                 self._chunk_rows = grown
             self._chunk_rows[first : first + count] = columns[:, COUNT]
-            queries = columns[:, KIND] == KIND_Q
+            queries = (columns[:, KIND] == KIND_Q) | (columns[:, KIND] == KIND_SELECTION)
             if queries.any():
                 self._pending_queries.append(columns[queries, CHUNK].copy())
                 self._dirty = True
@@ -430,26 +431,57 @@ class Writer:
         self._query_ends[key] = int(pos[-1]) + 1
         self._run(self._query_parts(layer, seq, queries, q, pos))
 
+    def append_selection(self, layer: int, rows: Any, positions: Any, *, seq: int = 0) -> None:
+        """Append key selections (format 1.7, sparse attention) of ``layer`` for sequence
+        ``seq``: ``rows`` ``(n_tokens, width)`` integer key positions, row ``i`` the keys the
+        queries at ``positions[i]`` may attend (any order, no repeats; stored sorted), at
+        ``positions`` ``(n_tokens,)`` strictly increasing, after the last selection the layer
+        holds. The layer's queries must declare ``selection=width``. They join the next snapshot,
+        and every later one."""
+        self._check_open()
+        self._flush()
+        spec = self._layer(layer)
+        self._check_seq(seq)
+        queries = spec.queries
+        if queries is None or queries.selection is None:
+            raise NoQueriesError(f"layer {layer} declares no key selection (QuerySpec(selection=width))")
+        ordered = _sorted_selection(layer, rows, queries.selection)
+        count = ordered.shape[0]
+        pos = as_positions(positions, count)
+        if not count:
+            return
+        key = (layer, seq, KIND_SELECTION)
+        if int(pos[0]) < self._query_ends.get(key, 0):
+            raise InvalidArrayError(
+                f"layer {layer} seq {seq}: selection position {int(pos[0])} is not after the last one "
+                f"appended ({self._query_ends[key] - 1})"
+            )
+        self._query_ends[key] = int(pos[-1]) + 1
+        table = ordered.astype("<i4")[None]  # one "head": selections are shared by every query head
+        self._run(self._query_parts(layer, seq, queries, table, pos, KIND_SELECTION))
+
     def _query_parts(
-        self, layer: int, seq: int, queries: QuerySpec, q: np.ndarray, pos: np.ndarray
+        self, layer: int, seq: int, queries: QuerySpec, q: np.ndarray, pos: np.ndarray, kind: int = KIND_Q
     ) -> list[Part | Block]:
-        """The chunks of ``q`` ``(num_query_heads, n, dim)`` at positions ``pos``: per query head,
-        per run of consecutive positions, split at ``chunk_bytes``."""
-        rows_per_chunk = max(1, self.chunk_bytes // (queries.dim * queries.dtype.itemsize))
+        """The chunks of ``q`` ``(num_query_heads, n, dim)`` at positions ``pos`` (a selection:
+        ``(1, n, width)`` int32): per query head, per run of consecutive positions, split at
+        ``chunk_bytes``."""
+        width, dtype = (queries.dim, queries.dtype) if kind == KIND_Q else (q.shape[2], dtypes.INT32)
+        rows_per_chunk = max(1, self.chunk_bytes // (width * dtype.itemsize))
         breaks = np.flatnonzero(np.diff(pos) != 1) + 1  # runs of consecutive positions
         runs = list(zip([0, *breaks.tolist()], [*breaks.tolist(), pos.shape[0]], strict=True))
         return [
             Part(
-                KIND_Q,
+                kind,
                 layer,
                 seq,
                 head,
                 int(pos[first]),
                 q[head, first : min(first + rows_per_chunk, stop)],
-                queries.dim,
-                queries.dtype,
+                width,
+                dtype,
             )
-            for head in range(queries.num_heads)
+            for head in range(q.shape[0])
             for start, stop in runs
             for first in range(start, stop, rows_per_chunk)
         ]
@@ -709,6 +741,27 @@ class Writer:
             self._closed = True
             self._file.close()
             self._pool.shutdown()
+
+
+def _sorted_selection(layer: int, rows: Any, width: int) -> np.ndarray:
+    """``rows`` ``(n, width)`` of distinct key positions in ``0 .. 2^31-1``, each sorted, as
+    int64; `InvalidArrayError` otherwise."""
+    rows = np.asarray(rows)
+    if rows.ndim != 2 or rows.shape[1] != width or rows.dtype.kind not in "iu":
+        raise InvalidArrayError(
+            f"layer {layer}: selections must be integers (n_tokens, width={width}), "
+            f"got {rows.dtype} {rows.shape}"
+        )
+    ordered = np.sort(rows.astype(np.int64), axis=1)
+    if ordered.size and (
+        int(ordered[:, 0].min()) < 0
+        or int(ordered[:, -1].max()) > np.iinfo(np.int32).max
+        or bool(np.any(ordered[:, 1:] == ordered[:, :-1]))
+    ):
+        raise InvalidArrayError(
+            f"layer {layer}: a selection row must name distinct key positions in 0..2^31-1"
+        )
+    return ordered
 
 
 def _skip_written(views: list[memoryview], i: int, written: int) -> int:

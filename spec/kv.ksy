@@ -11,7 +11,9 @@ doc: |
   A reader starts from the footer. The grammar describes structure only: CRC-32C checks, codecs,
   the JSON schema and the validation rules of section 13 are in the prose spec. Version 1.2
   changed only the JSON (the snapshot key `append_chunks`, section 11); version 1.3 added record
-  kind 3 (Q chunk, queries) and JSON keys: the layout below is that of every 1.x version.
+  kind 3 (Q chunk, queries) and JSON keys, version 1.7 record kind 4 (selection chunk, sparse
+  attention) and element type 4 (int32, selection chunks only): the layout below is that of
+  every 1.x version.
 seq:
   - id: header
     type: header
@@ -132,6 +134,7 @@ enums:
     1: v
     2: array
     3: q
+    4: selection
     16: manifest
     17: snapshot
   dtype:
@@ -139,6 +142,7 @@ enums:
     1: float32
     2: float16
     3: bfloat16
+    4: int32
   codec:
     0: raw
     1: zstd

@@ -156,6 +156,15 @@ class _Keys:
     # (n,) increasing: the queries the keys were gathered for; (n,) bool: each saw all its keys
     query_positions: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     complete: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
+    # sparse attention (format 1.7): each query's key selection, a row of `query_positions`
+    selection: np.ndarray | None = None
+
+    def selection_at(self, positions: np.ndarray) -> np.ndarray | None:
+        """The key selections (`kvformat.attention.selected_rows`) of queries at ``positions``,
+        or None in a layer without selections."""
+        if self.selection is None:
+            return None
+        return self.selection[np.searchsorted(self.query_positions, positions)]
 
     def complete_at(self, positions: np.ndarray) -> np.ndarray:
         """``(len(positions),)`` bool: `complete` of queries at ``positions`` (among those the
@@ -180,6 +189,7 @@ def _keys(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int, query_pos
         float(np.maximum(k.max(initial=0.0), -k.min(initial=0.0))),  # NaN stays NaN
         np.asarray(query_positions, np.int64),
         found.complete,
+        attention_math.selected_rows(snap, layer, seq, np.asarray(query_positions, np.int64)),
     )
 
 
@@ -387,9 +397,9 @@ def _add_compiled(
     numpy path."""
     n = len(p)
     bound = float(np.abs(q).max(initial=0.0)) * keys.largest * q.shape[1] * float(spec.scale)
-    # Keys out of order; NaN, inf or overflow possible; chunked attention (the C walk knows
-    # windows, not blocks): the numpy path, which applies SPEC 10.1's whole mask.
-    if spec.chunk is not None or not (keys.ordered and bound < FINITE):
+    # Keys out of order; NaN, inf or overflow possible; chunked or sparse attention (the C walk
+    # knows windows, not blocks or selections): the numpy path, which applies SPEC 10.1's whole mask.
+    if spec.chunk is not None or keys.selection is not None or not (keys.ordered and bound < FINITE):
         for i, (head_sums, head) in enumerate(zip(sums, heads, strict=True)):
             _add_block(head_sums, spec, head, q[i * n : (i + 1) * n], p, keys, window, copies)
         return
@@ -493,8 +503,9 @@ def _add_block(
     """The numpy path (no compiled pass, keys out of position order, or logits that could overflow):
     the scores of queries ``q`` at ``p`` from `kvformat.attention.weights`."""
     j = keys.positions
-    w = attention_math.weights(spec, head, q, keys.k, p, j)  # float32; sums below in float64
-    seen = attention_math.visible(spec, p, j)
+    chosen = keys.selection_at(p)
+    w = attention_math.weights(spec, head, q, keys.k, p, j, chosen)  # float32; sums below in float64
+    seen = attention_math.visible(spec, p, j, chosen)
     back = (p[:, None] - j[None, :]).astype(np.float32)
     sums.queries += w.shape[0]
     sums.sink += float(w[:, j < SINKS].sum(dtype=np.float64))
@@ -507,13 +518,19 @@ def _add_block(
     # Streaming: the same logits over sinks + recent keys only; a layer's own sinks keep their
     # share of the denominator.
     kept = np.where((j[None, :] < SINKS) | (back < window), w, np.float32(0))
-    denominator = kept.sum(axis=1, dtype=np.float64) + _sink_share(spec, head, q, keys.k, p, j)
+    denominator = kept.sum(axis=1, dtype=np.float64) + _sink_share(spec, head, q, keys.k, p, j, chosen)
     _add_streaming(sums, (w @ keys.v).astype(np.float64), kept @ keys.v, denominator)
     _add_top(sums, p, j[np.argmax(w, axis=1)], count > 0, copies)
 
 
 def _sink_share(
-    spec: Any, head: int, q: np.ndarray, k: np.ndarray, p: np.ndarray, j: np.ndarray
+    spec: Any,
+    head: int,
+    q: np.ndarray,
+    k: np.ndarray,
+    p: np.ndarray,
+    j: np.ndarray,
+    chosen: np.ndarray | None,
 ) -> np.ndarray:
     """``(n,)`` float64: the weight of the layer's own sink, ``exp(sink - m) / T`` in SPEC 10.1's
     terms (0 without sinks). Not ``1 - sum(w)``: that is float32 rounding where the share is small."""
@@ -522,7 +539,7 @@ def _sink_share(
     logits = (np.asarray(q, np.float64) @ np.asarray(k, np.float64).T) * spec.scale
     if spec.softcap is not None:
         logits = spec.softcap * np.tanh(logits / spec.softcap)
-    logits = np.where(attention_math.visible(spec, p, j), logits, -np.inf)
+    logits = np.where(attention_math.visible(spec, p, j, chosen), logits, -np.inf)
     sink = float(spec.sinks[head])
     top = np.maximum(logits.max(axis=1, initial=-np.inf), sink)
     with np.errstate(invalid="ignore"):

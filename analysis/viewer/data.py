@@ -186,7 +186,8 @@ def attention_map(
         columns_at = key_positions - k_low
         received[columns_at] += np.ones(at.size, np.float32) @ weights  # (masked weights are 0)
         counted += at.size
-        _mark_unseen(snap.layers[layer].queries, weights, at, key_positions)  # type: ignore[arg-type]
+        chosen = attention.selected_rows(snap, layer, 0, at)
+        _mark_unseen(snap.layers[layer].queries, weights, at, key_positions, chosen)  # type: ignore[arg-type]
         _pool(tiles, weights, (at - q_low) // q_step, columns_at // k_step, np.maximum)
     refused = int(q_positions.size - counted)
     mean = received / max(counted, 1)
@@ -284,12 +285,16 @@ def _difference_extremes(
     for start in range(0, both.size, attention.BLOCK):
         rows_at = slice(start, start + attention.BLOCK)
         at = both[rows_at]
-        w_a = attention.weights(spec_a, head, q_a[in_a[rows_at]], k_a, at, keys_a)[:, inside_a]
-        w_b = attention.weights(spec_b, head, q_b[in_b[rows_at]], k_b, at, keys_b)[:, inside_b]
+        chosen_a, chosen_b = (
+            attention.selected_rows(a, layer, 0, at),
+            attention.selected_rows(b, layer, 0, at),
+        )
+        w_a = attention.weights(spec_a, head, q_a[in_a[rows_at]], k_a, at, keys_a, chosen_a)[:, inside_a]
+        w_b = attention.weights(spec_b, head, q_b[in_b[rows_at]], k_b, at, keys_b, chosen_b)[:, inside_b]
         delta = np.zeros((at.size, union.size), np.float32)
         delta[:, columns_b] += w_b
         delta[:, columns_a] -= w_a
-        seen = attention.visible(spec_a, at, union) | attention.visible(spec_b, at, union)
+        seen = attention.visible(spec_a, at, union, chosen_a) | attention.visible(spec_b, at, union, chosen_b)
         row_tiles = (at - q_low) // q_step
         _pool(high, np.where(seen, delta, np.float32(-np.inf)), row_tiles, col_tiles, np.maximum)
         _pool(low, np.where(seen, delta, np.float32(np.inf)), row_tiles, col_tiles, np.minimum)
@@ -383,17 +388,22 @@ def _points(positions: np.ndarray, xy: np.ndarray) -> dict[str, list[Any]]:
 
 
 def _mark_unseen(
-    spec: kvformat.QuerySpec, weights: np.ndarray, at: np.ndarray, key_positions: np.ndarray
+    spec: kvformat.QuerySpec,
+    weights: np.ndarray,
+    at: np.ndarray,
+    key_positions: np.ndarray,
+    chosen: np.ndarray | None = None,
 ) -> None:
     """Set ``weights`` ``(n, m)`` to -1 where query ``at[i]`` does not see key ``key_positions[j]``
-    (SPEC 10.1's mask). Causal attention over keys in position order hides a run at the end of
-    each row, set row by row; anything else goes through the whole mask."""
+    (SPEC 10.1's mask; ``chosen``: the queries' key selections in a sparse layer). Causal
+    attention over keys in position order hides a run at the end of each row, set row by row;
+    anything else goes through the whole mask."""
     ordered = key_positions.size < 2 or bool(np.all(key_positions[1:] > key_positions[:-1]))
-    if spec.window is None and spec.chunk is None and ordered:
+    if spec.window is None and spec.chunk is None and chosen is None and ordered:
         for i, end in enumerate(np.searchsorted(key_positions, at, side="right").tolist()):
             weights[i, end:] = -1
         return
-    np.putmask(weights, ~attention.visible(spec, at, key_positions), np.float32(-1))
+    np.putmask(weights, ~attention.visible(spec, at, key_positions, chosen), np.float32(-1))
 
 
 def _in_span(positions: np.ndarray, span: tuple[int, int] | None) -> np.ndarray:
@@ -529,9 +539,11 @@ def _blocks(
     saw; only the columns are cut); queries whose keys the file no longer holds are left out."""
     spec, q, at, k, positions = _head_inputs(snap, layer, head, span)
     inside = _inside(positions, keys)
+    chosen = attention.selected_rows(snap, layer, 0, at)
     for start in range(0, at.size, attention.BLOCK):
         rows = slice(start, start + attention.BLOCK)
-        block = attention.weights(spec, head, q[rows], k, at[rows], positions)
+        picked = chosen[rows] if chosen is not None else None
+        block = attention.weights(spec, head, q[rows], k, at[rows], positions, picked)
         yield block[:, inside], at[rows], positions[inside]
 
 
@@ -561,10 +573,12 @@ def query_row(snap: kvformat.Snapshot, layer: int, head: int, position: int) -> 
         _, q, at, k, key_positions = _head_inputs(snap, layer, h, (position, position + 1))
         if not at.size:
             raise ViewerError(f"no query at position {position} whose keys the file holds")
-        weights = attention.weights(spec, h, q, k, at, key_positions)[0]
+        chosen = attention.selected_rows(snap, layer, 0, at)
+        weights = attention.weights(spec, h, q, k, at, key_positions, chosen)[0]
         total = weights.astype(np.float64) if total is None else total + weights
     assert total is not None
-    seen = np.flatnonzero(attention.visible(spec, np.array([position]), key_positions)[0])
+    chosen = attention.selected_rows(snap, layer, 0, np.array([position]))
+    seen = np.flatnonzero(attention.visible(spec, np.array([position]), key_positions, chosen)[0])
     mean = (total / len(heads)).astype(np.float32)[seen]
     shown = np.arange(seen.size)
     if seen.size > MAX_ROW_KEYS:

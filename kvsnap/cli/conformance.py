@@ -9,14 +9,17 @@ The description of a file is what any reader can compute from `spec/SPEC.md` alo
                     "heads": [{"layer", "head", "seq", "n_tokens",
                                "positions": sha256, "k": sha256, "v": sha256}, ...],
                     "queries": [{"layer", "head", "seq", "n_queries",
-                                 "positions": sha256, "q": sha256}, ...]}, ...]}
+                                 "positions": sha256, "q": sha256}, ...],
+                    "selections": [{"layer", "seq", "n_rows",
+                                    "positions": sha256, "rows": sha256}, ...]}, ...]}
 
 Hashes are SHA-256 (hex) of a canonical layout: positions as little-endian int64; K and V as the
 decoded ``(n_tokens, dim)`` rows, C order, little-endian, in the layer's dtype (``float32`` /
 ``float16`` / ``bfloat16``; a quantized layer dequantized to its scale dtype); arrays likewise.
 Heads are listed for every present layer, sequence and head (``n_tokens`` may be 0). A file a
 reader must refuse is described as ``{"error": "<KVFormatError subclass name>"}``. ``queries``
-(format 1.3) appears only in files with a layer that has queries.
+(format 1.3) appears only in files with a layer that has queries, ``selections`` (1.7) only in
+files with a layer whose queries have a ``selection`` (rows hashed as little-endian int32).
 """
 
 from __future__ import annotations
@@ -84,6 +87,32 @@ def _queries(snap: Any) -> list[dict[str, Any]]:
     return found
 
 
+def _selects(spec: Any) -> bool:
+    """Whether a layer holds key selections (format 1.7)."""
+    return bool(spec.present and spec.queries is not None and spec.queries.selection is not None)
+
+
+def _selections(snap: Any) -> list[dict[str, Any]]:
+    """The ``selections`` of a snapshot's description (format 1.7): every layer with key
+    selections, then sequence, with the hashes of its positions and rows."""
+    found = []
+    for layer, spec in enumerate(snap.layers):
+        if not _selects(spec):
+            continue
+        for seq in range(snap.num_seqs):
+            data = snap.selection(layer, seq)
+            found.append(
+                {
+                    "layer": layer,
+                    "seq": seq,
+                    "n_rows": int(data.positions.size),
+                    "positions": _sha(data.positions.astype("<i8")),
+                    "rows": _sha(data.rows.astype("<i4")),
+                }
+            )
+    return found
+
+
 def describe(path: str | Path, **open_options: Any) -> dict[str, Any]:
     """The manifest-shaped description of one file, or ``{"error": class name}``;
     ``open_options`` go to `kvformat.open` (e.g. ``storage_options`` for a URL)."""
@@ -115,7 +144,7 @@ def _check_size(snap: Snapshot) -> None:
     """`LimitExceededError` for a file whose description would list more than
     `MAX_DESCRIBED_HEADS` head entries (a valid 6 kB file of 2^20 sequences lists millions)."""
     per_snapshot = sum(
-        layer.num_heads + (layer.queries.num_heads if layer.queries is not None else 0)
+        layer.num_heads + (layer.queries.num_heads if layer.queries is not None else 0) + _selects(layer)
         for layer in snap.layers
         if layer.present
     )
@@ -156,6 +185,8 @@ def _snapshot_entry(snap: Snapshot) -> dict[str, Any]:
     entry: dict[str, Any] = {"metadata": snap.snapshot_metadata, "arrays": arrays, "heads": heads}
     if any(spec.queries is not None for spec in snap.layers):
         entry["queries"] = _queries(snap)
+    if any(_selects(spec) for spec in snap.layers):
+        entry["selections"] = _selections(snap)
     return entry
 
 

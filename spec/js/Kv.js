@@ -16,7 +16,9 @@
  * A reader starts from the footer. The grammar describes structure only: CRC-32C checks, codecs,
  * the JSON schema and the validation rules of section 13 are in the prose spec. Version 1.2
  * changed only the JSON (the snapshot key `append_chunks`, section 11); version 1.3 added record
- * kind 3 (Q chunk, queries) and JSON keys: the layout below is that of every 1.x version.
+ * kind 3 (Q chunk, queries) and JSON keys, version 1.7 record kind 4 (selection chunk, sparse
+ * attention) and element type 4 (int32, selection chunks only): the layout below is that of
+ * every 1.x version.
  */
 
 var Kv = (function() {
@@ -35,11 +37,13 @@ var Kv = (function() {
     FLOAT32: 1,
     FLOAT16: 2,
     BFLOAT16: 3,
+    INT32: 4,
 
     0: "NONE",
     1: "FLOAT32",
     2: "FLOAT16",
     3: "BFLOAT16",
+    4: "INT32",
   });
 
   Kv.Kind = Object.freeze({
@@ -47,6 +51,7 @@ var Kv = (function() {
     V: 1,
     ARRAY: 2,
     Q: 3,
+    SELECTION: 4,
     MANIFEST: 16,
     SNAPSHOT: 17,
 
@@ -54,6 +59,7 @@ var Kv = (function() {
     1: "V",
     2: "ARRAY",
     3: "Q",
+    4: "SELECTION",
     16: "MANIFEST",
     17: "SNAPSHOT",
   });

@@ -33,7 +33,8 @@ function fail(category, message) {
 }
 
 // -- limits and codes (sections 4-10, 13) ------------------------------------------------------
-const MINOR = 6;  // the version this reader implements: unknown record kinds are refused up to it
+const MINOR = 7;  // the version this reader implements
+const LAST_STRICT_MINOR = 6;  // unknown record kinds are refused in files up to this minor (5.2)
 const MAGIC = Buffer.from([0x89, 0x4b, 0x56, 0x53, 0x0d, 0x0a, 0x1a, 0x0a]);
 const MAX_CHUNK_COUNT = 2 ** 28;
 const MAX_JSON_SIZE = 256 * 1024 * 1024;
@@ -45,11 +46,11 @@ const MAX_HEADS = 2 ** 16;
 const MAX_SEQS = 2 ** 20;
 const MAX_HEAD_SEQUENCES = 2 ** 24;
 const MAX_POSITION = 2 ** 53;
-const K = 0, V = 1, ARRAY = 2, Q = 3, MANIFEST = 16, SNAPSHOT = 17;
-const DTYPES = { 1: ["float32", 4], 2: ["float16", 2], 3: ["bfloat16", 2] };
+const K = 0, V = 1, ARRAY = 2, Q = 3, SELECTION = 4, MANIFEST = 16, SNAPSHOT = 17;
+const DTYPES = { 1: ["float32", 4], 2: ["float16", 2], 3: ["bfloat16", 2], 4: ["int32", 4] };  // int32: selections only
 const DTYPE_CODES = { float32: 1, float16: 2, bfloat16: 3 };
 const CODECS = [0, 1, 2];
-const FEATURES = new Set(["append-chunks", "queries", "chunked-attention", "latent-attention"]);
+const FEATURES = new Set(["append-chunks", "queries", "chunked-attention", "latent-attention", "sparse-attention"]);
 const BITS = [2, 4, 8];
 const GROUP_SIZES = [32, 64, 128];
 
@@ -279,10 +280,12 @@ function parseQueries(q, where, kvHeads, dims) {
     sinks,
     chunk: get(q, "chunk", null),  // 1.6
     latent: get(q, "latent", false),  // 1.6
+    selection: get(q, "selection", null),  // 1.7
   };
   const chunk = spec.chunk;
   if (chunk !== null && !isInt(chunk)) fail(CORRUPT, "queries chunk");
   if (typeof spec.latent !== "boolean") fail(CORRUPT, "queries latent");
+  if (spec.selection !== null && !isInt(spec.selection)) fail(CORRUPT, "queries selection");
   const bad = (why) => fail(CORRUPT, `${where}: queries ${why}`);
   if (kv.length !== spec.num_heads || !kv.every((h) => isInt(h) && h >= 0n && h < BigInt(kvHeads))) bad("kv_heads");
   if (window !== null && (window < 1n || window > BigInt(MAX_POSITION))) bad("window");
@@ -293,6 +296,8 @@ function parseQueries(q, where, kvHeads, dims) {
   if (spec.softcap !== null && !(Number(spec.softcap) > 0 && Number.isFinite(Number(spec.softcap)))) bad("softcap");
   if (sinks !== null && (sinks.length !== spec.num_heads || !sinks.every((x) => Number.isFinite(Number(x))))) bad("sinks");
   if (spec.latent && dims && spec.dim !== dims[0] + dims[1]) bad("latent dim");
+  if (spec.selection !== null && (spec.selection < 1n || spec.selection > BigInt(MAX_WIDTH))) bad("selection");
+  if (spec.selection !== null) spec.selection = Number(spec.selection);
   return spec;
 }
 
@@ -361,6 +366,9 @@ function parseManifest(obj) {
   }
   if (layers.some((l) => l.present && l.queries && l.queries.latent) && !required.includes("latent-attention")) {
     fail(CORRUPT, "latent attention not required");
+  }
+  if (layers.some((l) => l.present && l.queries && l.queries.selection !== null) && !required.includes("sparse-attention")) {
+    fail(CORRUPT, "sparse attention not required");
   }
   return manifest;
 }
@@ -479,7 +487,7 @@ function checkTable(table, indexOffset, manifest) {
     if (table.some(test)) fail(category, message);
   };
   rule(CORRUPT, (d) => !d.magicOk, "descriptor magic");
-  rule(CORRUPT, (d) => d.kind > 3, "unknown kind");
+  rule(CORRUPT, (d) => d.kind > SELECTION, "unknown kind");
   rule(CORRUPT, (d) => d.flags !== 0, "flags");
   rule(CORRUPT, (d) => d.storedSize > indexOffset || d.offset > indexOffset, "past the index");
   rule(CORRUPT, (d, i) => d.offset % 64 !== 0 || (i === 0 && d.offset < 64), "alignment");
@@ -510,6 +518,11 @@ function checkTable(table, indexOffset, manifest) {
     const q = layers[d.layer].queries;
     return !q || d.head >= q.num_heads || d.width !== q.dim || d.dtype !== q.code;
   }, "Q disagrees with the layer's queries");
+  rule(CORRUPT, (d) => {  // 1.7
+    if (d.kind !== SELECTION) return false;
+    const q = layers[d.layer].queries;
+    return d.head !== 0 || !q || q.selection === null || d.width !== q.selection || d.dtype !== 4;
+  }, "selection chunk disagrees with the layer's queries");
 }
 
 // -- codecs (section 7) ------------------------------------------------------------------------
@@ -592,15 +605,15 @@ function walk(file) {
     const end = cursor + 64 + d.storedSize;
     if (end > indexOffset) fail(CORRUPT, "record runs into the index");
     const payload = data.subarray(cursor + 64, end);
-    if (d.kind <= 3 && (chunk >= table.length || !raw.equals(table[chunk].raw))) fail(CORRUPT, "chunk differs from its index copy");
+    if (d.kind <= SELECTION && (chunk >= table.length || !raw.equals(table[chunk].raw))) fail(CORRUPT, "chunk differs from its index copy");
     if (crc32c(payload) !== d.payloadCrc) fail(CHECKSUM, "payload CRC");
-    if (d.kind <= 3) {
+    if (d.kind <= SELECTION) {
       decoded[chunk] = decode(payload, d);
       chunk++;
     } else if (d.kind === MANIFEST || d.kind === SNAPSHOT) {
       if (d.dtype || d.codec || d.flags || d.decodedSize !== d.storedSize) fail(CORRUPT, "JSON record fields");
       parseJson(decodeText(payload, "JSON record"), "JSON record");
-    } else if (file.minor <= MINOR) {
+    } else if (file.minor <= Math.min(MINOR, LAST_STRICT_MINOR)) {
       fail(CORRUPT, `unknown record kind ${d.kind}`);
     }
     if ((records === 0) !== (d.kind === MANIFEST)) fail(CORRUPT, "the manifest must be the first record, and only it");
@@ -660,7 +673,7 @@ function materialize(file) {
     for (const [first, stop] of entry.queries) {
       if (stop > table.length) fail(CORRUPT, `${where}: queries past the table`);
       for (let c = first; c < stop; c++) {
-        if (table[c].kind !== Q) fail(CORRUPT, `${where}: queries names no Q chunk`);
+        if (table[c].kind !== Q && table[c].kind !== SELECTION) fail(CORRUPT, `${where}: queries names no Q or selection chunk`);
         queries.push(c);
       }
     }
@@ -700,7 +713,7 @@ function checkQueries(chunks, table, where) {
   const out = new Map();
   for (const c of chunks) {
     const d = table[c];
-    const key = `${d.layer},${d.seq},${d.head}`;
+    const key = d.kind === SELECTION ? `${d.layer},${d.seq},selection` : `${d.layer},${d.seq},${d.head}`;
     if (!out.has(key)) out.set(key, []);
     out.get(key).push(c);
   }
@@ -822,6 +835,7 @@ function layerJson(layer) {
     };
     if (q.chunk !== null) out.queries.chunk = q.chunk;
     if (q.latent) out.queries.latent = true;
+    if (q.selection !== null) out.queries.selection = q.selection;
   }
   return out;
 }
@@ -831,14 +845,28 @@ const MAX_DESCRIBED_HEADS = 2 ** 20;
 
 function describe(data) {
   const file = openFile(data);
+  const selects = (l) => l.present && l.queries && l.queries.selection !== null;
   const perSnapshot = file.manifest.layers.reduce(
-    (sum, l) => sum + (l.present ? l.num_heads + (l.queries ? l.queries.num_heads : 0) : 0), 0);
+    (sum, l) => sum + (l.present ? l.num_heads + (l.queries ? l.queries.num_heads : 0) + (selects(l) ? 1 : 0) : 0), 0);
   if (perSnapshot * file.manifest.num_seqs * file.entries.length > MAX_DESCRIBED_HEADS) {
     fail(LIMIT, "the description would list more than 2^20 head entries");
   }
   const decoded = walk(file);
   const states = materialize(file);
   const { manifest, table } = file;
+  // 1.7: every selection row holds key positions >= 0 in increasing order (after the snapshots)
+  table.forEach((d, c) => {
+    if (d.kind !== SELECTION) return;
+    const rows = decoded[c];
+    for (let r = 0; r < d.rows; r++) {
+      let last = -1;
+      for (let i = 0; i < d.width; i++) {
+        const value = rows.readInt32LE(4 * (r * d.width + i));
+        if (value <= last) fail(CORRUPT, "a selection row is not increasing key positions");
+        last = value;
+      }
+    }
+  });
   const plainRow = (c) => table[c].width * DTYPES[table[c].dtype][1];
   const withQueries = manifest.layers.some((l) => l.present && l.queries);
   const snapshots = file.entries.map((entry, index) => {
@@ -879,6 +907,19 @@ function describe(data) {
             const rows = Buffer.concat(chunks.map((c) => decoded[c]));
             out.queries.push({ layer: l, head: h, seq: s, n_queries: positions.length, positions: positionsHash(positions), q: sha(rows) });
           }
+        }
+      });
+    }
+    if (manifest.layers.some(selects)) {  // 1.7
+      out.selections = [];
+      manifest.layers.forEach((layer, l) => {
+        if (!selects(layer)) return;
+        for (let s = 0; s < manifest.num_seqs; s++) {
+          const chunks = state.queryHeads.get(`${l},${s},selection`) || [];
+          const positions = [];
+          for (const c of chunks) for (let p = 0; p < table[c].rows; p++) positions.push(table[c].position + p);
+          const rows = Buffer.concat(chunks.map((c) => decoded[c]));
+          out.selections.push({ layer: l, seq: s, n_rows: positions.length, positions: positionsHash(positions), rows: sha(rows) });
         }
       });
     }

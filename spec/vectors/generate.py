@@ -188,6 +188,49 @@ def queries_latent(path: Path) -> None:
         writer.snapshot({"step": 0})
 
 
+def _sparse_spec() -> kvformat.LayerSpec:
+    """One KV head of 8, two query heads reading it, key selections 3 wide (1.7)."""
+    sparse = QuerySpec(num_heads=2, dim=8, dtype=kvformat.FLOAT32, scale=0.25, kv_heads=(0, 0), selection=3)
+    return kvformat.LayerSpec(1, 8, 8, kvformat.FLOAT32, queries=sparse)
+
+
+def queries_sparse(path: Path) -> None:
+    """1.7: sparse attention (DeepSeek-V3.2's indexer): 9 keys, queries at every position, key
+    selections 3 wide for positions 4..8 (positions 0..3 attend every visible key; position 4's
+    row names a future key, which visibility leaves out), over two snapshots, with the required
+    feature ``sparse-attention``."""
+    k, v = _kv(27, 1, 9, 8, 8, np.float32)
+    q = _rng(28).standard_normal((2, 9, 8)).astype(np.float32)
+    rows = np.array([[0, 2, 5], [1, 3, 5], [0, 5, 6], [2, 4, 7], [0, 7, 8]])
+    with kvformat.Writer(path, [_sparse_spec()]) as writer:
+        writer.append(0, k[:, :6], v[:, :6])
+        writer.append_queries(0, q[:, :6], np.arange(6))
+        writer.append_selection(0, rows[:2], np.arange(4, 6))
+        writer.snapshot({"step": 0})
+        writer.append(0, k[:, 6:], v[:, 6:])
+        writer.append_queries(0, q[:, 6:], np.arange(6, 9))
+        writer.append_selection(0, rows[2:], np.arange(6, 9))
+        writer.snapshot({"step": 1})
+
+
+def _raw_selection(path: Path, rows: np.ndarray, positions: np.ndarray, *, twice: bool = False) -> None:
+    """A file of one sparse layer whose selection chunk holds ``rows`` exactly as given
+    (bypassing the writer's sorting and checks); ``twice``: the chunk written twice."""
+    from kvformat.layout import KIND_SELECTION
+
+    k, v = _kv(29, 1, 6, 8, 8, np.float32)
+    q = _rng(30).standard_normal((2, 6, 8)).astype(np.float32)
+    spec = _sparse_spec()
+    assert spec.queries is not None
+    with kvformat.Writer(path, [spec]) as writer:
+        writer.append(0, k, v)
+        writer.append_queries(0, q, np.arange(6))
+        table = rows.astype("<i4")[None]
+        for _ in range(2 if twice else 1):
+            writer._run(writer._query_parts(0, 0, spec.queries, table, positions, KIND_SELECTION))
+        writer.snapshot({"step": 0})
+
+
 def optional_feature(path: Path) -> None:
     """A file naming an optional feature this reader does not know: it must still read."""
     k, v = _kv(11, 1, 3, 8, 8, np.float32)
@@ -358,6 +401,11 @@ VECTORS: list[tuple[str, str, Callable[[Path], None]]] = [
         "1.6: latent (MLA) attention, queries 'latent' and its required feature",
         queries_latent,
     ),
+    (
+        "queries-sparse.kv",
+        "1.7: sparse attention, queries 'selection' 3, selection chunks and the required feature",
+        queries_sparse,
+    ),
     ("queries.kv", "format 1.3 queries: GQA, window with keep, sinks, two snapshots", queries),
     # SPEC 1.4 clarifications: one vector for each reading that could go either way.
     (
@@ -486,6 +534,16 @@ def _two_faults(source: Path, out: Path, table_fault: Callable[[np.ndarray], Non
     )
     if table_fault is None:
         _patched(out, out, _first_payload(out), bytes([out.read_bytes()[_first_payload(out)] ^ 0x10]))
+
+
+def _without_feature(name: str) -> Callable[[Path, Path], None]:
+    """The golden file ``name`` (beside ``bad/``) with ``required_features`` cut to
+    ``["queries"]``."""
+
+    def edit(document: dict[str, Any]) -> None:
+        document["manifest"]["required_features"] = ["queries"]
+
+    return lambda _s, out: rebuild_index(out.parent.parent / name, out, edit_json=edit)
 
 
 BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
@@ -800,11 +858,7 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         "queries-chunk-without-feature.kv",
         "1.6: queries-chunked.kv without 'chunked-attention' in required_features (a reader that "
         "ignored 'chunk' would misread it): corrupt",
-        lambda s, o: rebuild_index(
-            _chunked_source(o),
-            o,
-            edit_json=lambda d: d["manifest"].__setitem__("required_features", ["queries"]),
-        ),
+        _without_feature("queries-chunked.kv"),
     ),
     (
         "queries-latent-dim.kv",
@@ -814,11 +868,43 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
     (
         "queries-latent-without-feature.kv",
         "1.6: queries-latent.kv without 'latent-attention' in required_features: corrupt",
-        lambda s, o: rebuild_index(
-            _latent_source(o),
-            o,
-            edit_json=lambda d: d["manifest"].__setitem__("required_features", ["queries"]),
-        ),
+        _without_feature("queries-latent.kv"),
+    ),
+    (
+        "queries-selection-without-feature.kv",
+        "1.7: queries-sparse.kv without 'sparse-attention' in required_features (a reader that "
+        "ignored 'selection' would compute attention over keys the model never read): corrupt",
+        _without_feature("queries-sparse.kv"),
+    ),
+    (
+        "queries-selection-zero.kv",
+        "1.7: queries-sparse.kv with 'selection' 0 (outside 1..2^20: corrupt)",
+        lambda s, o: rebuild_index(_sparse_source(o), o, edit_json=_queries_key(selection=0)),
+    ),
+    (
+        "selection-width.kv",
+        "1.7: queries-sparse.kv with 'selection' 4 while its selection chunks are 3 wide: corrupt",
+        lambda s, o: rebuild_index(_sparse_source(o), o, edit_json=_queries_key(selection=4)),
+    ),
+    (
+        "selection-head.kv",
+        "1.7: a selection chunk with head 1 (selections are per layer: head 0): corrupt",
+        lambda s, o: rebuild_index(_sparse_source(o), o, edit_table=_selection_chunk("head", 1)),
+    ),
+    (
+        "selection-dtype.kv",
+        "1.7: a selection chunk of dtype float32 (code 1, same size) instead of int32: corrupt",
+        lambda s, o: rebuild_index(_sparse_source(o), o, edit_table=_selection_chunk("dtype", 1)),
+    ),
+    (
+        "selection-row-order.kv",
+        "1.7: a selection row [2, 0, 1], not in increasing order (CRCs valid): corrupt",
+        lambda s, o: _raw_selection(o, np.array([[0, 1, 3], [2, 0, 1]]), np.arange(4, 6)),
+    ),
+    (
+        "selection-position-twice.kv",
+        "1.7: two selection chunks of layer 0 both holding positions 4 and 5: corrupt",
+        lambda s, o: _raw_selection(o, np.array([[0, 1, 3], [0, 1, 2]]), np.arange(4, 6), twice=True),
     ),
     (
         "index-offset-below-64.kv",
@@ -895,6 +981,18 @@ def _chunked_source(out: Path) -> Path:
     return out.parent.parent / "queries-chunked.kv"
 
 
+def _sparse_source(out: Path) -> Path:
+    """The golden ``queries-sparse.kv`` beside ``bad/``."""
+    return out.parent.parent / "queries-sparse.kv"
+
+
+def _selection_chunk(field: str, value: int) -> Callable[[np.ndarray], None]:
+    def edit(table: np.ndarray) -> None:
+        table[field][np.flatnonzero(table["kind"] == 4)[0]] = value
+
+    return edit
+
+
 def _queries_source(out: Path) -> Path:
     """The golden ``queries.kv`` beside ``bad/``."""
     return out.parent.parent / "queries.kv"
@@ -908,12 +1006,12 @@ def _query_head(value: int) -> Callable[[np.ndarray], None]:
 
 
 def newer_minor(directory: Path) -> Callable[[Path], None]:
-    """Version 1.7 of the format with an unknown optional feature and unknown JSON keys: a 1.0
+    """Version 1.8 of the format with an unknown optional feature and unknown JSON keys: a 1.0
     reader must read it (SPEC section 14)."""
 
     def build(path: Path) -> None:
         source = path.with_suffix(".tmp")
-        _patched(directory / "optional-feature.kv", source, 10, struct.pack("<H", 7), header_crc=True)
+        _patched(directory / "optional-feature.kv", source, 10, struct.pack("<H", 8), header_crc=True)
 
         def extend(document: dict[str, Any]) -> None:
             document["manifest"]["optional_features"] = ["x-future-hint", "x-attention-stats"]
@@ -945,14 +1043,14 @@ def generate(directory: Path) -> dict[str, object]:
         *VECTORS,
         (
             "newer-minor.kv",
-            "format 1.7, unknown optional feature and keys: must read",
+            "format 1.8, unknown optional feature and keys: must read",
             newer_minor(directory),
         ),
         ("older-minor.kv", "format 1.0 (before the 1.1 rules): must read", older_minor(directory)),
         (
             "newer-minor-unknown-record.kv",
-            "format 1.7 with a record of kind 20 in the stream: ignored by a 1.5 reader (section 5.2)",
-            lambda path: _unknown_record(directory / "float32-raw.kv", path, 7),
+            "format 1.8 with a record of kind 20 in the stream: ignored (section 5.2)",
+            lambda path: _unknown_record(directory / "float32-raw.kv", path, 8),
         ),
         ("series-1.1.kv", "series.kv as format 1.1 wrote it: appends as triples", older_series(directory)),
     ]
@@ -970,7 +1068,7 @@ def generate(directory: Path) -> dict[str, object]:
         if "error" not in expect:
             raise AssertionError(f"bad vector {name} reads as valid")
         entries.append({"file": f"bad/{name}", "covers": breaks, "expect": expect})
-    manifest = {"format_version": [1, 6], "hash": "sha256", "vectors": entries}
+    manifest = {"format_version": [1, 7], "hash": "sha256", "vectors": entries}
     (directory / "manifest.json").write_text(
         json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", "utf-8"
     )

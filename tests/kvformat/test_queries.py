@@ -137,7 +137,10 @@ def test_hostile_query_references(tmp_path: Path) -> None:
 
     bad = tmp_path / "bad.kv"
     rebuild_index(source, bad, edit_json=point_at_k)
-    with kvformat.open(bad) as snap, pytest.raises(kvformat.CorruptFileError, match="not a Q chunk"):
+    with (
+        kvformat.open(bad) as snap,
+        pytest.raises(kvformat.CorruptFileError, match="neither a Q nor a selection chunk"),
+    ):
         snap.queries(0, 0)
 
     def twice(document: dict[str, Any]) -> None:
@@ -166,6 +169,14 @@ def test_hostile_query_references(tmp_path: Path) -> None:
         kvformat.open(tmp_path / "undeclared.kv")
 
 
+def _softmax_over(keys: np.ndarray, query: np.ndarray, scale: float) -> np.ndarray:
+    """numpy's softmax of ``scale * keys @ query`` in float64: one query's weights over exactly
+    ``keys``."""
+    logits = scale * (keys.astype(np.float64) @ query.astype(np.float64))
+    expected = np.exp(logits - logits.max())
+    return expected / expected.sum()
+
+
 def test_chunked_attention_sees_only_the_querys_block() -> None:
     """SPEC 10.1 (1.6): with ``chunk`` C a query at p attends keys j <= p with j // C == p // C,
     held to numpy's softmax over exactly those keys (vector queries-chunked.kv, C = 4)."""
@@ -181,9 +192,7 @@ def test_chunked_attention_sees_only_the_querys_block() -> None:
             weights = snap.attention(0, query_head).weights
             for row, p in enumerate(found.positions.tolist()):
                 seen = [j for j in range(p + 1) if j // 4 == p // 4]
-                logits = spec.scale * (head.k[seen].astype(np.float64) @ found.q[row].astype(np.float64))
-                expected = np.exp(logits - logits.max())
-                expected /= expected.sum()
+                expected = _softmax_over(head.k[seen], found.q[row], spec.scale)
                 np.testing.assert_allclose(weights[row, seen], expected, rtol=1e-5)
                 assert np.count_nonzero(weights[row]) == len(seen)
 
@@ -211,3 +220,89 @@ def test_latent_attention_uses_the_latent_and_the_rope_key_as_the_spec_says() ->
                 expected /= expected.sum()
                 np.testing.assert_allclose(weights[row, : p + 1], expected, rtol=1e-5)
                 np.testing.assert_allclose(output[row], expected @ latents[: p + 1], rtol=1e-5, atol=1e-6)
+
+
+SPARSE_VECTOR = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "queries-sparse.kv"
+
+
+def test_sparse_attention_reads_only_the_selected_keys_as_the_spec_says() -> None:
+    """SPEC 10.1 (1.7): a query at p with a selection row attends only the keys j <= p its row
+    names; a query without one every key j <= p (vector queries-sparse.kv: rows for positions
+    4..8, position 4's naming a future key), held to numpy's softmax over exactly those keys."""
+    with kvformat.open(SPARSE_VECTOR) as snap:
+        spec = snap.layers[0].queries
+        assert spec is not None and spec.selection == 3 and snap.version == (1, 7)
+        chosen = snap.selection(0)
+        assert chosen is not None and chosen.positions.tolist() == [4, 5, 6, 7, 8]
+        assert chosen.rows[0].tolist() == [0, 2, 5]
+        rows = {int(p): set(r.tolist()) for p, r in zip(chosen.positions, chosen.rows, strict=True)}
+        head = snap.head(0, 0)
+        assert head is not None
+        for query_head in range(spec.num_heads):
+            found = snap.queries(0, query_head)
+            assert found is not None
+            weights = snap.attention(0, query_head).weights
+            output, _ = snap.attention_output(0, query_head)
+            for row, p in enumerate(found.positions.tolist()):
+                seen = [j for j in range(p + 1) if p not in rows or j in rows[p]]
+                expected = _softmax_over(head.k[seen], found.q[row], spec.scale)
+                np.testing.assert_allclose(weights[row, seen], expected, rtol=1e-5)
+                assert np.count_nonzero(weights[row]) == len(seen)
+                np.testing.assert_allclose(output[row], expected @ head.v[seen], rtol=1e-5, atol=1e-6)
+        # Ignoring the selections gives other weights: the check above can fail.
+        plain = attention.weights(spec, 0, found.q, head.k, found.positions, head.positions)
+        assert not np.allclose(plain, weights)
+
+
+def test_selections_are_written_sorted_checked_and_need_their_feature(tmp_path: Path) -> None:
+    """The writer stores each row sorted and refuses rows it cannot store; a file with selections
+    lists ``sparse-attention`` and has minor 7 (a 1.6 reader refuses it at R7); one without stays
+    minor 3."""
+    from kvformat import manifest
+
+    spec = kvformat.LayerSpec(
+        1, 8, 8, kvformat.FLOAT32, queries=QuerySpec(2, 8, kvformat.FLOAT32, 0.25, (0, 0), selection=2)
+    )
+    rng = np.random.default_rng(5)
+    path = tmp_path / "sparse.kv"
+    with kvformat.Writer(path, [spec]) as writer:
+        writer.append(
+            0,
+            rng.standard_normal((1, 4, 8)).astype(np.float32),
+            rng.standard_normal((1, 4, 8)).astype(np.float32),
+        )
+        writer.append_queries(0, rng.standard_normal((2, 4, 8)).astype(np.float32), np.arange(4))
+        for bad, why in (
+            (np.array([[1, 1]]), "distinct"),
+            (np.array([[-1, 0]]), "distinct"),
+            (np.array([[0, 1, 2]]), "width=2"),
+            (np.array([[0.0, 1.0]]), "integers"),
+        ):
+            with pytest.raises(kvformat.errors.InvalidArrayError, match=why):
+                writer.append_selection(0, bad, [3])
+        writer.append_selection(0, np.array([[2, 0], [3, 1]]), [2, 3])
+        with pytest.raises(kvformat.errors.InvalidArrayError, match="not after"):
+            writer.append_selection(0, np.array([[0, 1]]), [3])
+    with kvformat.open(path) as snap:
+        assert snap.version == (1, 7)
+        assert "sparse-attention" in snap._file.manifest.required_features
+        found = snap.selection(0)
+        assert found is not None and found.rows.tolist() == [[0, 2], [1, 3]]
+        assert snap.selection(0, positions=(3, 4)).positions.tolist() == [3]  # type: ignore[union-attr]
+        snap.verify()
+    _write(tmp_path / "dense.kv")
+    with kvformat.open(tmp_path / "dense.kv") as snap:
+        assert snap.version == (1, 3) and snap.selection(0) is None
+    plain = kvformat.LayerSpec(
+        1, 8, 8, kvformat.FLOAT32, queries=QuerySpec(2, 8, kvformat.FLOAT32, 0.25, (0, 0))
+    )
+    with (
+        kvformat.Writer(tmp_path / "no.kv", [plain]) as writer,
+        pytest.raises(kvformat.errors.NoQueriesError),
+    ):
+        writer.append_selection(0, np.array([[0, 1]]), [1])
+    known = manifest.KNOWN_FEATURES - {"sparse-attention"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(manifest, "KNOWN_FEATURES", known)
+        with pytest.raises(kvformat.UnsupportedFeatureError, match="sparse-attention"):
+            kvformat.open(path)

@@ -716,3 +716,38 @@ def test_kvpress_methods_a_file_cannot_compute_are_refused_by_name(
             main(["simulate", str(tmp_path / "a.kv"), "--method", method, "-o", str(tmp_path / "o.parquet")])
         assert exited.value.code == 2 and why in capsys.readouterr().err
     assert not (tmp_path / "o.parquet").exists()
+
+
+SPARSE_VECTOR = Path(__file__).resolve().parents[3] / "spec" / "vectors" / "queries-sparse.kv"
+
+
+def test_sparse_attention_scores_the_keys_each_query_read() -> None:
+    """A layer with key selections (format 1.7): the statistics, the viewer's row and heatmap
+    weigh only the keys each query's selection names (numpy's softmax over exactly those keys),
+    and simulate refuses the layer by name."""
+    from kvsnap.analysis.viewer import data as viewer_data
+
+    with kvformat.open(SPARSE_VECTOR) as snap:
+        spec = snap.layers[0].queries
+        chosen = snap.selection(0)
+        head = snap.head(0, 0)
+        assert spec is not None and chosen is not None and head is not None
+        rows = {int(p): set(r.tolist()) for p, r in zip(chosen.positions, chosen.rows, strict=True)}
+        for query_head in range(spec.num_heads):
+            found = snap.queries(0, query_head)
+            assert found is not None
+            entropies = []
+            for row, p in enumerate(found.positions.tolist()):
+                seen = [j for j in range(p + 1) if p not in rows or j in rows[p]]
+                logits = spec.scale * (head.k[seen].astype(np.float64) @ found.q[row].astype(np.float64))
+                expected = np.exp(logits - logits.max())
+                expected /= expected.sum()
+                entropies.append(float(-(expected * np.log(expected)).sum()))
+                shown = viewer_data.query_row(snap, 0, query_head, p)
+                assert shown["keys"] == seen
+                np.testing.assert_allclose(shown["weights"], expected, rtol=1e-4)
+            scores = head_importance.head_scores(snap, 0, query_head)
+            assert scores["n_queries"] == found.positions.size
+            np.testing.assert_allclose(scores["entropy"], np.mean(entropies), rtol=1e-5)
+    with pytest.raises(simulate.CompressionError, match="sparse attention"):
+        simulate.simulate_rows(SPARSE_VECTOR, ["streaming"], [0.5])
