@@ -403,7 +403,14 @@ def _min_max_levels(part: np.ndarray, axis: int, levels: int) -> np.ndarray:
     low = part.min(axis=axis, keepdims=True)
     high = part.max(axis=axis, keepdims=True)
     scale = np.where(high > low, (high - low) / levels, 1.0).astype(np.float32)
-    return np.round((part - low) / scale) * scale + low
+    # ``round((part - low) / scale) * scale + low`` in one buffer: the same float32 operations
+    # in the same order (so the same bits), without a temporary array for each step.
+    out = np.subtract(part, low)
+    out /= scale
+    np.rint(out, out=out)
+    out *= scale
+    out += low
+    return out
 
 
 def _span_weights(h: _Head, end: int, low: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -613,7 +620,14 @@ def _lagkv(k: np.ndarray, v: np.ndarray, lag: int, sinks: int = SINKS) -> np.nda
         reference, scored = parts[1:], parts[:-1]
         low, high = reference.min(axis=1, keepdims=True), reference.max(axis=1, keepdims=True)
         with np.errstate(divide="ignore", invalid="ignore"):
-            spread = ((scored - low) / (high - low)).std(axis=-1, ddof=1)
+            # ``((scored - low) / (high - low)).std(axis=-1, ddof=1)`` in one buffer: numpy's
+            # own steps (the mean, the squared deviations, their sum over n - 1), so the same bits
+            normed = np.subtract(scored, low)
+            normed /= high - low
+            width = normed.shape[-1]
+            normed -= normed.sum(axis=-1, keepdims=True) / width
+            np.multiply(normed, normed, out=normed)
+            spread = np.sqrt(normed.sum(axis=-1) / (width - 1))
         spread = np.exp(spread - spread.max(axis=-1, keepdims=True))
         return spread / spread.sum(axis=-1, keepdims=True)
 
@@ -1078,7 +1092,8 @@ def _head_rows(
     full_weights = attention_softmax(h.spec, h.head, logits.copy())
     values = h.v.astype(np.float64)
     full = full_weights.astype(np.float64) @ values
-    full_top = h.k_positions[np.argmax(full_weights, axis=1)]
+    first = np.argmax(full_weights, axis=1)  # each eval query's top-1 column
+    full_top = h.k_positions[first]
     base = {"layer": layer, "head": h.head, "kv_head": kv_head, "n_queries": int(rows_eval.sum())}
     out: list[dict[str, Any]] = []
     evictions: list[tuple[int, np.ndarray]] = []  # (row index, kept keys), measured together
@@ -1094,15 +1109,10 @@ def _head_rows(
             out.append(_row(method, budget, base, (math.nan, math.nan), int((~keep).sum())))
     masks = [keep for _, keep in evictions]
     for (index, _), (error, agreement) in zip(
-        evictions, _evictions_measured(h, logits, masks, values, full, full_top), strict=True
+        evictions, _evictions_measured(h, logits, masks, values, full, first), strict=True
     ):
         out[index]["relative_error"], out[index]["top1_agreement"] = error, agreement
     return out
-
-
-EVICTION_BYTES = 32 << 20
-"""Most bytes of masked logits `_evictions_measured` holds at once (float32 and float64 copies
-of a batch of evictions)."""
 
 
 def _evictions_measured(
@@ -1111,48 +1121,96 @@ def _evictions_measured(
     masks: list[np.ndarray],
     values: np.ndarray,
     full: np.ndarray,
-    full_top: np.ndarray,
+    first: np.ndarray,
 ) -> list[tuple[float, float]]:
     """``(relative error, top-1 agreement)`` of each eviction (a mask of the keys kept) for the
-    eval queries whose ``logits`` ``(e, n)`` over every key are given: each eviction's weights are
-    the softmax of its kept columns, computed for a batch of evictions at once as the softmax of
-    the logits with the evicted columns at -inf (an evicted key's weight is exactly 0). A mask
-    keeping every key is the uncompressed cache: error 0, agreement 1."""
-    e, n = logits.shape
-    per = max(1, EVICTION_BYTES // max(1, 12 * e * n))
-    found: list[tuple[float, float]] = []
-    for start in range(0, len(masks), per):
-        batch = np.stack(masks[start : start + per])  # (b, n)
-        masked = np.where(batch[:, None, :], logits[None], np.float32(-np.inf))
-        weights = attention_softmax(h.spec, h.head, masked.reshape(-1, n)).reshape(len(batch), e, n)
-        found += _batch_compared(weights, batch, h.k_positions, values, full, full_top)
+    eval queries whose ``logits`` ``(e, n)`` over every key, uncompressed output ``full`` and
+    top-1 columns ``first`` are given. An eviction's weights are
+    the softmax of its kept columns: with ``x_j = exp(logit_j - m)`` (``m`` the row's largest
+    logit, or the sink's), its output is ``sum_kept x_j v_j / (sum_kept x_j + sink)``, in float64.
+    The sums run over the kept keys, or, where more than half are kept, are the whole row's less
+    the evicted keys' (rows whose kept share is below 1e-9 of the whole are summed directly). A
+    query's top-1 key is the row's unless that key is evicted (the first kept key where it sees
+    none of them). A mask keeping every key is the uncompressed cache: error 0, agreement 1."""
+    if not masks:
+        return []
+    top = logits.max(axis=1, initial=-np.inf)
+    sink = np.zeros(len(logits))
+    if h.spec.sinks is not None:
+        top = np.maximum(top, np.float32(h.spec.sinks[h.head]))
+    top = np.where(np.isfinite(top), top, np.float32(0)).astype(np.float64)
+    if h.spec.sinks is not None:
+        sink = np.exp(float(h.spec.sinks[h.head]) - top)
+    exps = np.exp(logits.astype(np.float64) - top[:, None])  # a key the query does not see: 0
+    whole = _Sums(exps @ values, exps.sum(axis=1))
+    full_top = h.k_positions[first]
+    reference = float((full**2).sum())
+    found = []
+    for mask in masks:
+        kept = np.flatnonzero(mask)
+        if kept.size == mask.size:
+            found.append((0.0, 1.0 if len(full_top) else math.nan))
+            continue
+        sums = _kept_sums(exps, values, mask, kept, whole)
+        denominator = sums.denominator + sink
+        output = np.divide(
+            sums.numerator,
+            denominator[:, None],
+            out=np.zeros_like(sums.numerator),
+            where=denominator[:, None] > 0,
+        )
+        error = math.sqrt(float(((output - full) ** 2).sum()) / reference) if reference > 0 else math.nan
+        columns = _kept_top(logits, mask, kept, first)
+        top_positions = np.where(columns >= 0, h.k_positions[np.maximum(columns, 0)], -1)
+        agreement = float(np.mean(top_positions == full_top)) if len(full_top) else math.nan
+        found.append((error, agreement))
     return found
 
 
-def _batch_compared(
-    weights: np.ndarray,
-    masks: np.ndarray,
-    positions: np.ndarray,
-    values: np.ndarray,
-    full: np.ndarray,
-    full_top: np.ndarray,
-) -> list[tuple[float, float]]:
-    """`_compared` for a batch of evictions: ``weights`` ``(b, e, n)`` over every key (0 for the
-    evicted ones), ``masks`` ``(b, n)`` the keys kept; the top-1 key of a query that sees none
-    of the kept keys is the first kept one (-1 where none is kept), as `_compared` gives it."""
-    b, e, n = weights.shape
-    outputs = (weights.reshape(b * e, n).astype(np.float64) @ values).reshape(b, e, -1)  # one product
-    reference = float((full**2).sum())
-    errors = np.full(len(masks), math.nan)
-    if reference > 0:
-        errors = np.sqrt(((outputs - full) ** 2).sum(axis=(1, 2)) / reference)
-        errors[masks.all(axis=1)] = 0.0  # every key kept: the uncompressed output itself
-    chosen = np.argmax(np.where(masks[:, None, :], weights, np.float32(-1)), axis=2)  # (b, e)
-    top = np.where(np.asarray(masks.any(axis=1))[:, None], positions[chosen], -1)
-    agreements = np.full(len(masks), math.nan)
-    if len(full_top):
-        agreements = np.asarray(top == full_top, np.float64).mean(axis=1)
-    return [(float(error), float(agreement)) for error, agreement in zip(errors, agreements, strict=True)]
+@dataclass(frozen=True)
+class _Sums:
+    """Softmax sums of a set of keys, per eval query: ``numerator`` ``(e, d)`` ``sum x_j v_j``,
+    ``denominator`` ``(e,)`` ``sum x_j`` (float64)."""
+
+    numerator: np.ndarray
+    denominator: np.ndarray
+
+
+def _kept_sums(
+    exps: np.ndarray, values: np.ndarray, mask: np.ndarray, kept: np.ndarray, whole: _Sums
+) -> _Sums:
+    """`_Sums` of the ``kept`` columns (``mask``) of ``exps`` ``(e, n)``: summed directly where
+    they are at most half the keys, else the ``whole`` less the evicted ones; rows where that
+    difference keeps less than 1e-9 of the whole are summed directly (no cancellation)."""
+    if 2 * kept.size <= mask.size:
+        part = exps[:, kept]
+        return _Sums(part @ values[kept], part.sum(axis=1))
+    gone = np.flatnonzero(~mask)
+    part = exps[:, gone]
+    numerator = whole.numerator - part @ values[gone]
+    denominator = whole.denominator - part.sum(axis=1)
+    small = denominator <= 1e-9 * whole.denominator
+    if small.any():
+        direct = exps[np.ix_(np.flatnonzero(small), kept)]
+        numerator[small] = direct @ values[kept]
+        denominator[small] = direct.sum(axis=1)
+    return _Sums(numerator, denominator)
+
+
+def _kept_top(logits: np.ndarray, mask: np.ndarray, kept: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """Each eval query's top-1 column among the kept keys: its top-1 over every key (``first``)
+    where that is kept, else the largest kept logit's (the first kept column where it sees none
+    of them); -1 where nothing is kept."""
+    if not kept.size:
+        return np.full(len(first), -1)
+    columns = first.copy()
+    lost = np.flatnonzero(~mask[first])
+    if lost.size:
+        candidates = logits[np.ix_(lost, kept)]
+        best = np.argmax(candidates, axis=1)
+        sees = np.isfinite(candidates[np.arange(lost.size), best])
+        columns[lost] = np.where(sees, kept[best], kept[0])
+    return columns
 
 
 def _row(
