@@ -68,7 +68,8 @@ def main() -> None:
             if round_ >= 5:
                 times[setting].append(elapsed)
             del out, product
-    print(f"device {mx.default_device()}, {args.mib} MiB buffers, {args.rounds} rounds, driver hints: {memory is not None}")
+    hints = memory is not None
+    print(f"device {mx.default_device()}, {args.mib} MiB buffers, {args.rounds} rounds, hints: {hints}")
     for setting, values in times.items():
         q = np.percentile(np.array(values) * 1e3, [25, 50, 75])
         print(f"{setting:>11}: kernel {q[1]:.3f} ms (quartiles {q[0]:.3f}..{q[2]:.3f})")
