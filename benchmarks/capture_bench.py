@@ -329,8 +329,6 @@ def generation_overhead(
             return copy_stream_run()
         if variant == "hold-buffers":  # the snapshot's device buffers kept until the run ends
             return hold_buffers_run()
-        if variant == "prefetch-back":  # each host-read buffer moved back to the device at once
-            return prefetch_back_run()
         return capture_run(
             durable=variant != "no-fsync",
             queries=variant.removeprefix("queries-") if variant.startswith("queries-") else "none",
@@ -371,33 +369,6 @@ def generation_overhead(
         finally:
             background.Transfer.to_host = original  # type: ignore[method-assign]
             held.clear()
-
-    def prefetch_back_run() -> Phases:
-        """A capture whose snapshot buffers, once the writer copied them to the host, are moved
-        back to the device in one transfer each (``cuMemPrefetchAsync``, on the writer thread),
-        so that the kernel that next reuses one finds its pages on the device, not faults them
-        back one at a time."""
-        from kvsnap.analysis.kernels.unified_memory import UnifiedMemory
-        from kvsnap.capture import background
-
-        memory = UnifiedMemory.load()
-        original = background.Transfer.to_host
-
-        def returning(self: Any) -> Any:
-            flats = list(self._flats)
-            hosts = original(self)
-            if memory is not None:
-                for flat in flats:
-                    view = np.asarray(flat.view(mx.uint8))
-                    if view.size and memory.is_managed(int(view.ctypes.data)):
-                        memory.prefetch(int(view.ctypes.data), view.size)
-            return hosts
-
-        background.Transfer.to_host = returning  # type: ignore[method-assign]
-        try:
-            return capture_run(durable=True, queries="none")
-        finally:
-            background.Transfer.to_host = original  # type: ignore[method-assign]
 
     def capture_run(durable: bool, queries: str) -> Phases:
         out = tmp / "overhead.kv"
@@ -641,8 +612,6 @@ def shapes_main(
                     label += f" (switch interval {variant[7:]} s)"
                 elif variant == "hold-buffers":
                     label += " (snapshot buffers held to the end)"
-                elif variant == "prefetch-back":
-                    label += " (host-read buffers prefetched back to the device)"
                 elif variant == "disk-load":
                     label = "plain, beside a thread writing 200 MB with fsyncs (no capture)"
                 ratios = 100 * (overhead.ratios() - 1)
