@@ -115,6 +115,9 @@ def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
                 assert held is not None
                 entry["query_count"] = int(held.positions.size)
                 entry["query_spans"] = _spans(held.positions)
+                chosen = snap.selection(i, 0)
+                if chosen is not None:  # sparse attention (1.7): positions whose keys an indexer chose
+                    entry["selection_count"] = int(chosen.positions.size)
         layers.append(entry)
     return {
         "file": snap.name,
@@ -309,9 +312,15 @@ def _queries_text(layer: dict[str, Any]) -> str:
     runs = layer.get("query_spans") or []
     where = ", ".join(f"{a}..{b - 1}" if b - a > 1 else f"{a}" for a, b in runs[:4])
     where += f" (+{len(runs) - 4} more runs)" if len(runs) > 4 else ""
+    sparse = ""
+    if layer["queries"].get("selection") is not None:
+        sparse = (
+            f"; sparse: {layer.get('selection_count', 0)} of them read {layer['queries']['selection']} "
+            "keys an indexer chose"
+        )
     return (
         f"; queries: {layer['queries'].get('num_heads')} heads, {layer.get('query_count', 0)} "
-        f"positions ({where or 'none'})"
+        f"positions ({where or 'none'}){sparse}"
     )
 
 

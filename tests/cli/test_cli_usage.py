@@ -164,6 +164,8 @@ def test_info_shows_text_settings_quantization_and_groups_layers(
     vectors = Path(__file__).resolve().parents[2] / "spec" / "vectors"
     assert main(["info", str(vectors / "quantized.kv")]) == 0
     assert "4-bit affine quantized (groups of 32, float16 scales)" in capsys.readouterr().out
+    assert main(["info", str(vectors / "queries-sparse.kv")]) == 0  # 1.7: rows at positions 4..8
+    assert "queries: 2 heads, 9 positions (0..8); sparse: 5 of them read 3 keys" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("fmt", ["csv", "npy", "npz", "parquet"])
