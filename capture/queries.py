@@ -14,6 +14,12 @@ while recording, its ``__call__`` is wrapped to see the queries its ``rope`` ret
 and soft-cap the module holds (the architecture check holds the recomputed attention to what
 reaches its output projection).
 
+Sparse attention (DeepSeek-V3.2, GLM-5): each attention module's ``indexer`` picks the keys each
+query reads (its top-k once the cache holds more). While recording, the indexer is wrapped
+(`_IndexerTap`) and what it returns is kept beside the queries of the call that follows, as the
+layer's key selections (format 1.7); a decode call's gathered keys are checked against the score
+the model added, as for dense latent attention.
+
 Selections (``--queries``): ``none``; ``decode`` (every generated position); ``window:W`` (the last
 ``W`` prompt positions, SnapKV's observation window, and every generated one); ``all``.
 """
