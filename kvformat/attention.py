@@ -214,7 +214,13 @@ def selected_rows(snap: Snapshot, layer: int, seq: int, query_positions: np.ndar
     """The key selections of the queries at ``query_positions`` (format 1.7) as `visible` takes
     them: ``(n_queries, width)`` int64, a row of -1 where a query has none (it attends every
     visible key); None for a layer without selections."""
-    found = snap.selection(layer, seq)
+    return rows_for(snap.selection(layer, seq), query_positions)
+
+
+def rows_for(found: Selection | None, query_positions: np.ndarray) -> np.ndarray | None:
+    """`selected_rows` from a layer's `Selection` (``found``; None: the layer has none): callers
+    that go over a head's queries a block at a time read the selection once and take each
+    block's rows here (``(block, width)`` int64, not every query's at once)."""
     if found is None:
         return None
     out = np.full((query_positions.size, found.rows.shape[1]), -1, np.int64)
@@ -324,10 +330,11 @@ def softmax(spec: QuerySpec, head: int, logits: np.ndarray) -> np.ndarray:
 
 def _inputs(
     snap: Snapshot, layer: int, head: int, seq: int, queries: tuple[int, int] | range | None
-) -> tuple[QuerySpec, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+) -> tuple[QuerySpec, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Selection | None]:
     """The layer's queries description, the head's queries and positions, its KV head's keys,
     values and positions (the keys those queries saw, `context_keys`; `MissingKeysError` for
-    queries that saw a key the file no longer holds), and the queries' `selected_rows`."""
+    queries that saw a key the file no longer holds), and the layer's key selections (`rows_for`
+    gives a block's)."""
     if not isinstance(layer, int) or not 0 <= layer < snap.num_layers:
         raise OutOfRangeError(f"layer {layer} out of range 0..{snap.num_layers - 1}")
     spec = snap.layers[layer].queries
@@ -336,8 +343,7 @@ def _inputs(
         raise NoQueriesError(f"layer {layer} holds no queries")
     keys = context_keys(snap, layer, spec.kv_heads[head], seq, found.positions)
     refuse_incomplete(snap, layer, head, found.positions, keys.complete)
-    selection = selected_rows(snap, layer, seq, found.positions)
-    return spec, found.q, found.positions, keys.k, keys.v, keys.positions, selection
+    return spec, found.q, found.positions, keys.k, keys.v, keys.positions, snap.selection(layer, seq)
 
 
 def check_selection(
@@ -400,7 +406,7 @@ def blocks(
     columns = _within(keys, k_positions)
     for start in range(0, q.shape[0], block):
         rows = slice(start, start + block)
-        chosen = selection[rows] if selection is not None else None
+        chosen = rows_for(selection, q_positions[rows])
         found = weights(spec, head, q[rows], k, q_positions[rows], k_positions, chosen)
         yield Attention(layer, head, seq, found[:, columns], q_positions[rows], k_positions[columns])
 
@@ -452,6 +458,6 @@ def attention_output(
     out = np.empty((q.shape[0], values.shape[1]), np.float32)
     for start in range(0, q.shape[0], block):
         rows = slice(start, start + block)
-        chosen = selection[rows] if selection is not None else None
+        chosen = rows_for(selection, q_positions[rows])
         out[rows] = weights(spec, head, q[rows], k, q_positions[rows], k_positions, chosen) @ values
     return out, q_positions

@@ -151,6 +151,7 @@ def _rows_between(
     (`check_selection_rows`)."""
     parts: list[np.ndarray] = []
     places: list[np.ndarray] = []
+    checked = file.checked_selections
     for chunk in chunks.tolist():
         info = file.table[chunk]
         first, count = int(info["position"]), int(info["rows"])
@@ -158,8 +159,9 @@ def _rows_between(
         if low >= high:
             continue
         rows = file.chunk_array(chunk)
-        if selections:
+        if selections and chunk not in checked:  # each chunk's rows checked once per open file
             check_selection_rows(rows, file.chunk_name(chunk))
+            checked.add(chunk)
         parts.append(rows[low - first : high - first])
         places.append(np.arange(low, high, dtype=np.int64))
     if not parts:

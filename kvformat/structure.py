@@ -113,6 +113,7 @@ class FileStructure:
         self.entries = [parse_entry(entry, i, layers, seqs) for i, entry in enumerate(snapshots)]
         _check_appends_declared(self.entries, self.manifest)
         self.chain = Chain(self.entries, self.table)
+        self.checked_selections: set[int] = set()  # selection chunks whose rows were checked (1.7)
 
     def chunk(self, i: int) -> Descriptor:
         """The descriptor of table chunk ``i`` (a couple of microseconds: nothing per chunk is

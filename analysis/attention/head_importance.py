@@ -50,6 +50,7 @@ import kvformat
 from kvformat import attention as attention_math
 from kvformat import pages
 from kvformat.errors import InvalidArgumentError, UnknownNameError
+from kvformat.queries import Selection
 
 from ..dependencies import pa, pl
 from ..engine import parallel
@@ -156,15 +157,13 @@ class _Keys:
     # (n,) increasing: the queries the keys were gathered for; (n,) bool: each saw all its keys
     query_positions: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     complete: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
-    # sparse attention (format 1.7): each query's key selection, a row of `query_positions`
-    selection: np.ndarray | None = None
+    # sparse attention (format 1.7): the layer's key selections, read once
+    selection: Selection | None = None
 
     def selection_at(self, positions: np.ndarray) -> np.ndarray | None:
-        """The key selections (`kvformat.attention.selected_rows`) of queries at ``positions``,
-        or None in a layer without selections."""
-        if self.selection is None:
-            return None
-        return self.selection[np.searchsorted(self.query_positions, positions)]
+        """The key selections (`kvformat.attention.selected_rows`) of queries at ``positions``
+        ``(block, width)``, or None in a layer without selections."""
+        return attention_math.rows_for(self.selection, positions)
 
     def complete_at(self, positions: np.ndarray) -> np.ndarray:
         """``(len(positions),)`` bool: `complete` of queries at ``positions`` (among those the
@@ -189,7 +188,7 @@ def _keys(snap: kvformat.Snapshot, layer: int, kv_head: int, seq: int, query_pos
         float(np.maximum(k.max(initial=0.0), -k.min(initial=0.0))),  # NaN stays NaN
         np.asarray(query_positions, np.int64),
         found.complete,
-        attention_math.selected_rows(snap, layer, seq, np.asarray(query_positions, np.int64)),
+        snap.selection(layer, seq),
     )
 
 
