@@ -55,6 +55,7 @@ from kvformat.manifest import LayerSpec, QuerySpec
 from kvformat.pages import PayloadCheck
 from kvformat.quantization import BITS as QUANTIZATION_BITS
 from kvformat.quantization import Quantization
+from kvformat.queries import Queries, Selection
 from kvformat.reader import Head, Segment, Snapshot, VerifyReport, open
 from kvformat.recover import RecoverReport, recover
 from kvformat.saving import Layer, save, write_snapshot
@@ -108,12 +109,14 @@ __all__ = [
     "OutOfRangeError",
     "PayloadCheck",
     "Quantization",
+    "Queries",
     "QuerySpec",
     "Raw",
     "RecoverReport",
     "RemoteError",
     "RemoteNotFoundError",
     "Segment",
+    "Selection",
     "Snapshot",
     "TruncatedFileError",
     "UnsupportedFeatureError",

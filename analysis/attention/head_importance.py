@@ -50,7 +50,6 @@ import kvformat
 from kvformat import attention as attention_math
 from kvformat import pages
 from kvformat.errors import InvalidArgumentError, UnknownNameError
-from kvformat.queries import Selection
 
 from ..dependencies import pa, pl
 from ..engine import parallel
@@ -158,7 +157,7 @@ class _Keys:
     query_positions: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     complete: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
     # sparse attention (format 1.7): the layer's key selections, read once
-    selection: Selection | None = None
+    selection: kvformat.Selection | None = None
 
     def selection_at(self, positions: np.ndarray) -> np.ndarray | None:
         """The key selections (`kvformat.attention.selected_rows`) of queries at ``positions``
