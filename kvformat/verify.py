@@ -90,6 +90,7 @@ def _check_queries_and_selections(file: FileStructure) -> None:
     check_all_queries(file)
     for i in np.flatnonzero(file.table["kind"] == KIND_SELECTION).tolist():
         check_selection_rows(file.chunk_array(i, checked=True), file.chunk_name(i))
+        file.checked_selections.add(i)  # a later read of it need not check its rows again
 
 
 class _Runs:

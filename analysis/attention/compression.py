@@ -704,12 +704,12 @@ def _warn_small_budget(methods: Iterable[str], budgets: Sequence[float], n: int,
         )
 
 
-def _refuse_sparse(snap: kvformat.Snapshot, layers: Iterable[int]) -> None:
+def _refuse_sparse(snap: kvformat.Snapshot) -> None:
     """`CompressionError` for a layer with sparse attention (key selections, format 1.7): its
     queries already read only the keys an indexer chose, and what evicting more would change is
     not what kvpress's methods measure on dense attention."""
-    for layer in layers:
-        spec = snap.layers[layer].queries
+    for layer, found in enumerate(snap.layers):
+        spec = found.queries if found.present else None
         if spec is not None and spec.selection is not None:
             raise CompressionError(
                 f"layer {layer} uses sparse attention (each query reads the {spec.selection} keys an "
@@ -999,7 +999,7 @@ def simulate_rows(
     rows: list[dict[str, Any]] = []
     left_out = 0
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
-        _refuse_sparse(snap, layers_with_queries(snap))
+        _refuse_sparse(snap)
         end = options.span_end(snap)
         if not 0 < end <= snap.seq_len:
             raise CompressionError(

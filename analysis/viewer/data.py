@@ -569,15 +569,14 @@ def query_row(snap: kvformat.Snapshot, layer: int, head: int, position: int) -> 
     heads = range(spec.num_heads) if head < 0 else [head]
     total: np.ndarray | None = None
     key_positions = np.empty(0, np.int64)
+    chosen = attention.selected_rows(snap, layer, 0, np.array([position]))  # one row, every head's
     for h in heads:
         _, q, at, k, key_positions = _head_inputs(snap, layer, h, (position, position + 1))
         if not at.size:
             raise ViewerError(f"no query at position {position} whose keys the file holds")
-        chosen = attention.selected_rows(snap, layer, 0, at)
         weights = attention.weights(spec, h, q, k, at, key_positions, chosen)[0]
         total = weights.astype(np.float64) if total is None else total + weights
     assert total is not None
-    chosen = attention.selected_rows(snap, layer, 0, np.array([position]))
     seen = np.flatnonzero(attention.visible(spec, np.array([position]), key_positions, chosen)[0])
     mean = (total / len(heads)).astype(np.float32)[seen]
     shown = np.arange(seen.size)
