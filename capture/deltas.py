@@ -10,7 +10,7 @@ incrementally (the batch caches) are read whole and compared on the host, as bef
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -50,6 +50,18 @@ class LayerDelta:
     positions: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     host: list[tuple[Any, Any, np.ndarray]] | None = None
     host_drops: list[tuple[int, int, int]] = field(default_factory=list)  # (seq, start, stop)
+    parts: int = -1  # arrays per side once `without_arrays` let them go; -1: ``len(keys)``
+
+    @property
+    def arrays_per_side(self) -> int:
+        """How many arrays ``keys`` (and ``values``) hold: 1, or 3 for a quantized layer."""
+        return len(self.keys) if self.parts < 0 else self.parts
+
+    def without_arrays(self) -> LayerDelta:
+        """This delta without its device arrays (once a transfer holds copies of them): a
+        reference to a cache buffer kept while the snapshot is written would stop mlx from
+        updating that buffer in place, so each step until then would copy the whole buffer."""
+        return replace(self, keys=[], values=[], parts=self.arrays_per_side)
 
 
 @dataclass

@@ -264,6 +264,12 @@ class _Snapshots:
         if logits is not None:
             arrays.append(mx.array(logits).astype(mx.float32).reshape(-1, logits.shape[-1]))
         transfer = Transfer(arrays)
+        # The transfer's copies from here on: no device array is kept beyond it, so the caches'
+        # buffers stay the caches' own (updated in place, not copied, at the next steps).
+        del arrays
+        deltas = [delta.without_arrays() for delta in deltas]
+        query_count, state_names = len(queries), list(states)
+        del queries, states
         index, count = self.taken, len(tokens)
         output = os.fspath(self.output)
         event_path = output + ".partial"
@@ -272,7 +278,7 @@ class _Snapshots:
         def write() -> None:
             metadata[pieces_key] = [token_pieces(self.tokenizer, new_tokens)]
             host = transfer.to_host()
-            host, found, state, last = _split_host(host, len(queries), list(states), with_logits)
+            host, found, state, last = _split_host(host, query_count, state_names, with_logits)
             if found:
                 series.add_queries(QueryRecorder.on_host(found, layout))
             series.add(deltas, host, metadata, last, state)

@@ -30,6 +30,7 @@ import functools
 import inspect
 import itertools
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +118,37 @@ def own_attention(module: Any) -> OwnAttention | None:
     return OWN_ATTENTION.get(f"{kind.__module__}.{kind.__qualname__}")
 
 
+class _Seen:
+    """Which keys an attention call read, without keeping them alive: ``id`` of ``keys`` and a
+    weak reference to each of its arrays (a quantized cache's keys are a tuple of three), so
+    that an array freed since, whose ``id`` a new one took, is never taken for it."""
+
+    __slots__ = ("ident", "refs")
+
+    def __init__(self, keys: Any) -> None:
+        self.ident = id(keys)
+        self.refs = tuple(_weak(part) for part in _parts(keys))
+
+    def same(self, keys: Any) -> bool:
+        """Whether ``keys`` is the very object (every array of it) seen."""
+        parts = _parts(keys)
+        if len(parts) != len(self.refs):
+            return False
+        return all(ref() is part for ref, part in zip(self.refs, parts, strict=True))
+
+
+def _parts(keys: Any) -> tuple[Any, ...]:
+    return keys if isinstance(keys, tuple) else (keys,)
+
+
+def _weak(value: Any) -> Callable[[], Any]:
+    """A weak reference to ``value``, or a strong one where it takes none (None, a list)."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
+
+
 @dataclass
 class _Layer:
     """What one layer's attention was seen doing: its scale and sinks, the query shape, and the
@@ -197,10 +229,13 @@ class QueryRecorder:
         self._latent_checks: list[tuple[int, mx.array]] = []
         self._taken = False  # whether a snapshot took the queries (the layout is then fixed)
         # Per layer, the keys its last attention call read: a layer sharing them (Gemma-4, afm7)
-        # passes the same array without a cache. One per layer, so nothing older is kept alive.
-        self._last_keys: dict[int, tuple[tuple[int, Any], Any]] = {}
+        # passes the same array without a cache. Held weakly (`_Seen`): a reference kept until the
+        # layer's next step would stop mlx from updating its cache buffer in place, so every
+        # step would copy the whole buffer. Only the very last call's keys are held (`_copy_of`).
+        self._last_keys: dict[int, tuple[tuple[int, Any], _Seen]] = {}
         self._read_by: dict[int, int] = {}  # id(keys) -> the layer whose last call read them
         self._last_place: tuple[int, Any] | None = None
+        self._last_read: Any = None  # the keys of the last attention call
         self._copy_checks: list[tuple[int, mx.array]] = []  # afm7: keys read as a copy
         self._copies_checked: set[int] = set()
         modules = model.modules() if model is not None else []
@@ -315,7 +350,7 @@ class QueryRecorder:
         place = self._last_place
         if place is None or not isinstance(keys, mx.array):
             return None
-        _, source = self._last_keys[place[0]]
+        source = self._last_read
         if not isinstance(source, mx.array) or source.shape != keys.shape:
             return None
         if place[0] not in self._copies_checked:
@@ -451,11 +486,12 @@ class QueryRecorder:
         """The keys the layer at ``place`` just read, found again by identity in O(1)."""
         layer = place[0]
         before = self._last_keys.get(layer)
-        if before is not None:
-            self._read_by.pop(id(before[1]), None)
-        self._last_keys[layer] = (place, keys)
+        if before is not None and self._read_by.get(before[1].ident) == layer:
+            del self._read_by[before[1].ident]  # (its id may be another layer's keys' by now)
+        self._last_keys[layer] = (place, _Seen(keys))
         self._read_by[id(keys)] = layer
         self._last_place = place
+        self._last_read = keys
 
     def _shared_place(self, keys: Any) -> tuple[int, Any] | None:
         """The place of the layer whose last attention call read the very array ``keys`` (one
@@ -464,7 +500,7 @@ class QueryRecorder:
         if layer is None:
             return None
         place, read = self._last_keys[layer]
-        return place if read is keys else None
+        return place if read.same(keys) else None
 
     def _places(self) -> dict[int, tuple[int, Any]]:
         """``id(cache object) -> (file layer, the K/V cache whose offset counts its positions)``

@@ -71,7 +71,7 @@ class SeriesWriter:
             for start, stop in delta.drops:
                 for seq in range(self.num_seqs):
                     writer.drop(delta.layer, start, stop, seq=seq)
-            n = len(delta.keys)
+            n = delta.arrays_per_side
             keys, values = host[cursor : cursor + n], host[cursor + n : cursor + 2 * n]
             cursor += 2 * n
             if delta.positions.size:

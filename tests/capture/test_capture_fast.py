@@ -524,3 +524,66 @@ def test_host_dtype_names_what_to_numpy_gives() -> None:
 
     for dtype in (mx.float16, mx.bfloat16, mx.float32, mx.uint8, mx.uint32, mx.int32, mx.int64, mx.bool_):
         assert host_dtype(dtype) == to_numpy(mx.zeros((2,), dtype)).dtype, dtype
+
+
+def test_capture_holds_no_reference_to_the_caches_between_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mlx updates a cache buffer in place only where nothing else references it; a reference kept
+    from one step to the next makes every step copy the whole buffer. So neither a snapshot
+    waiting to be written nor the query recorder keeps one: while the writer is held back, the
+    caches' buffers are referenced by their caches alone, and the keys a layer's attention read
+    at one step are gone before its cache is updated at the next."""
+    import gc
+    import weakref
+
+    model, tokenizer = tiny_model("qwen3"), _tiny_tokenizer()
+    made: list[Any] = []
+    original_make = cache_module.make_prompt_cache
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        made.append(original_make(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(cache_module, "make_prompt_cache", make)
+    release = threading.Event()
+    original_add = SeriesWriter.add
+
+    def add(self: SeriesWriter, *args: Any, **kwargs: Any) -> int:
+        release.wait(60)  # every snapshot waits to be written until the test has looked
+        return original_add(self, *args, **kwargs)
+
+    monkeypatch.setattr(SeriesWriter, "add", add)
+    read_last_step: dict[int, Any] = {}  # layer -> weak reference to the keys its update returned
+    alive_at_update: list[int] = []
+    original_update = cache_module.KVCache.update_and_fetch
+
+    def update(self: Any, keys: mx.array, values: mx.array) -> Any:
+        before = read_last_step.get(id(self))
+        if before is not None and before() is not None:
+            alive_at_update.append(id(self))
+        out = original_update(self, keys, values)
+        read_last_step[id(self)] = weakref.ref(out[0])
+        return out
+
+    monkeypatch.setattr(cache_module.KVCache, "update_and_fetch", update)
+    path = tmp_path / "held.kv"
+    steps = generate(model, tokenizer, list(range(1, 12)), max_tokens=8, output=path, every=2, queries="all")
+    looked = False
+    try:
+        for response in steps:
+            if response.generation_tokens == 5:  # two snapshots taken, neither written yet
+                gc.collect()
+                for cache in made[0]:
+                    sides = (cache.keys, cache.values)
+                    for buffer in sides:
+                        owners = [r for r in gc.get_referrers(buffer) if r is not sides]
+                        assert len(owners) == 1 and owners[0] in (cache, vars(cache)), owners  # its cache's
+                looked = True
+                release.set()
+    finally:
+        release.set()
+    assert looked and len(made) == 1
+    assert alive_at_update == []
+    with kvformat.open(path) as snap:  # and the file is whole
+        assert snap.num_snapshots == 4 and snap.queries(0, 0) is not None
