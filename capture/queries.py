@@ -118,35 +118,27 @@ def own_attention(module: Any) -> OwnAttention | None:
     return OWN_ATTENTION.get(f"{kind.__module__}.{kind.__qualname__}")
 
 
-class _Seen:
-    """Which keys an attention call read, without keeping them alive: ``id`` of ``keys`` and a
-    weak reference to each of its arrays (a quantized cache's keys are a tuple of three), so
-    that an array freed since, whose ``id`` a new one took, is never taken for it."""
-
-    __slots__ = ("ident", "refs")
-
-    def __init__(self, keys: Any) -> None:
-        self.ident = id(keys)
-        self.refs = tuple(_weak(part) for part in _parts(keys))
-
-    def same(self, keys: Any) -> bool:
-        """Whether ``keys`` is the very object (every array of it) seen."""
-        parts = _parts(keys)
-        if len(parts) != len(self.refs):
-            return False
-        return all(ref() is part for ref, part in zip(self.refs, parts, strict=True))
-
-
-def _parts(keys: Any) -> tuple[Any, ...]:
-    return keys if isinstance(keys, tuple) else (keys,)
-
-
-def _weak(value: Any) -> Callable[[], Any]:
-    """A weak reference to ``value``, or a strong one where it takes none (None, a list)."""
+def _weak(keys: Any) -> Any:
+    """What identifies ``keys`` (an array, or a quantized cache's tuple of three) without keeping
+    it alive: a weak reference to each array, so that an array freed since, whose ``id`` a new
+    one took, is never taken for it (a strong reference where an object takes no weak one)."""
+    if isinstance(keys, tuple):
+        return tuple(_weak(part) for part in keys)
     try:
-        return weakref.ref(value)
+        return weakref.ref(keys)
     except TypeError:
-        return lambda: value
+        return lambda: keys
+
+
+def _is(seen: Any, keys: Any) -> bool:
+    """Whether ``keys`` is the very object (every array of it) `_weak` saw."""
+    if isinstance(seen, tuple):
+        return (
+            isinstance(keys, tuple)
+            and len(keys) == len(seen)
+            and all(_is(ref, part) for ref, part in zip(seen, keys, strict=True))
+        )
+    return seen() is keys
 
 
 @dataclass
@@ -229,10 +221,10 @@ class QueryRecorder:
         self._latent_checks: list[tuple[int, mx.array]] = []
         self._taken = False  # whether a snapshot took the queries (the layout is then fixed)
         # Per layer, the keys its last attention call read: a layer sharing them (Gemma-4, afm7)
-        # passes the same array without a cache. Held weakly (`_Seen`): a reference kept until the
+        # passes the same array without a cache. Held weakly (`_weak`): a reference kept until the
         # layer's next step would stop mlx from updating its cache buffer in place, so every
         # step would copy the whole buffer. Only the very last call's keys are held (`_copy_of`).
-        self._last_keys: dict[int, tuple[tuple[int, Any], _Seen]] = {}
+        self._last_keys: dict[int, tuple[tuple[int, Any], int, Any]] = {}  # (place, id, `_weak`)
         self._read_by: dict[int, int] = {}  # id(keys) -> the layer whose last call read them
         self._last_place: tuple[int, Any] | None = None
         self._last_read: Any = None  # the keys of the last attention call
@@ -375,11 +367,13 @@ class QueryRecorder:
         ``scale * q_r . r_j`` is the score the model added as its mask is checked at the next
         snapshot (`take`). ``chosen``: the indexer's top-k ``(batch, 1, L, k)`` of a sparse layer's
         call, or None; a decode call then reads those keys only, gathered."""
+        if not self._rope_out:  # no MLA module's RoPE ran: an ordinary call
+            return None
         found = [(m, out) for m, out in self._rope_out if out.shape[1] == queries.shape[1]]
         self._rope_out = []
-        scored = isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating)
-        if not found:  # no MLA module's RoPE ran: an ordinary call
+        if not found:
             return None
+        scored = isinstance(mask, mx.array) and mx.issubdtype(mask.dtype, mx.floating)
         module, rope_part = found[0]
         if id(module) in self._query_scale:  # the query scaled after RoPE, as the model scales it
             rope_part = rope_part * self._query_scale[id(module)]
@@ -486,10 +480,11 @@ class QueryRecorder:
         """The keys the layer at ``place`` just read, found again by identity in O(1)."""
         layer = place[0]
         before = self._last_keys.get(layer)
-        if before is not None and self._read_by.get(before[1].ident) == layer:
-            del self._read_by[before[1].ident]  # (its id may be another layer's keys' by now)
-        self._last_keys[layer] = (place, _Seen(keys))
-        self._read_by[id(keys)] = layer
+        if before is not None and self._read_by.get(before[1]) == layer:
+            del self._read_by[before[1]]  # (its id may be another layer's keys' by now)
+        ident = id(keys)
+        self._last_keys[layer] = (place, ident, _weak(keys))
+        self._read_by[ident] = layer
         self._last_place = place
         self._last_read = keys
 
@@ -499,8 +494,8 @@ class QueryRecorder:
         layer = None if keys is None else self._read_by.get(id(keys))
         if layer is None:
             return None
-        place, read = self._last_keys[layer]
-        return place if read.same(keys) else None
+        place, _, read = self._last_keys[layer]
+        return place if _is(read, keys) else None
 
     def _places(self) -> dict[int, tuple[int, Any]]:
         """``id(cache object) -> (file layer, the K/V cache whose offset counts its positions)``
@@ -530,14 +525,14 @@ class QueryRecorder:
         latent: bool = False,
     ) -> None:
         end = _end_of(layer, cache)
-        start = end - queries.shape[2]
+        _, heads, length, dim = queries.shape
+        start = end - length
         seen = self.layers.get(layer)
         if seen is None:
-            seen = self.layers[layer] = _Layer(
-                float(scale), sinks, queries.shape[1], queries.shape[3], queries.dtype, [], latent=latent
-            )
+            seen = _Layer(float(scale), sinks, heads, dim, queries.dtype, [], latent=latent)
+            self.layers[layer] = seen
             self._kv_map[layer] = None if latent else _kv_heads_of(layer, queries, keys, cache)
-        elif seen.dim != queries.shape[3] or seen.num_heads != queries.shape[1] or seen.scale != float(scale):
+        elif seen.dim != dim or seen.num_heads != heads or seen.scale != float(scale):
             raise CaptureError(
                 f"queries: layer {layer}'s attention ran with other query shapes or another scale "
                 "(another layer reads its K/V differently); capture without --queries"
