@@ -334,19 +334,40 @@ def adakv_masks(
     """Per KV head of ``layer``, the keys `adakv` keeps at each of ``budgets`` (under
     `adakv_key`): the scorer's scores of every KV head of the layer (SnapKV's observation window:
     the layer's largest score, as SnapKVPress pads it), shared by `adakv_keep`."""
+    inner = [options.adakv_scorer]
+    whole_layer = _layer_scores(snap, layer, seq, end, inner)
+    masks, _ = _adakv_pass(snap, layer, seq, end, budgets, options, inner, whole_layer)
+    return masks
+
+
+def _adakv_pass(
+    snap: kvformat.Snapshot,
+    layer: int,
+    seq: int,
+    end: int,
+    budgets: Sequence[float],
+    options: Options,
+    methods: Sequence[str],
+    whole_layer: _LayerScores,
+) -> tuple[dict[int, dict[str, np.ndarray]], dict[int, dict[str, np.ndarray]]]:
+    """`adakv_masks`, and per KV head the group scores of the eviction ``methods`` (which hold
+    AdaKV's scorer) computed in the same pass over the layer's heads, for the methods beside it
+    (``whole_layer``: the layer's `_LayerScores` of them)."""
     spec = snap.layers[layer].queries
     assert spec is not None
     inner = options.adakv_scorer
-    rope = layer_rope(snap, layer, [inner])
-    shared = _layer_scores(snap, layer, seq, end, [inner])
+    rope = layer_rope(snap, layer, methods)
     kv_heads = sorted(set(spec.kv_heads))
     rows, positions = [], np.empty(0, np.int64)
+    by_head: dict[int, dict[str, np.ndarray]] = {}
     for kv_head in kv_heads:
         heads, _ = _group_heads(snap, layer, kv_head, seq)
         positions = heads[0].k_positions
-        scores = _group_scores(heads, end, [inner], options, rope)
-        scores.update(shared.of(positions))
+        scores = _group_scores(heads, end, methods, options, rope)
+        by_head[kv_head] = dict(scores)
+        scores.update(whole_layer.of(positions))
         rows.append(scores[inner][positions < end])
+        pages.of(snap).release(snap._segments.of_head(layer, seq, kv_head))
     table = np.stack(rows)
     if inner == "snapkv":
         table = np.where(np.isnan(table), np.nanmax(table), table)
@@ -358,7 +379,7 @@ def adakv_masks(
             mask = np.ones(positions.size, np.float64)
             mask[span] = keep[row]
             out[kv_head][adakv_key(budget)] = mask
-    return out
+    return out, by_head
 
 
 def pyramid_count(budget: float, n: int, window: int, layer: int, layers: int, beta: int = BETA) -> int:
@@ -1042,9 +1063,16 @@ def _layer_rows(
     attended keys no snapshot holds); ``warn``: say first where a budget keeps too few keys."""
     spec = snap.layers[layer].queries
     assert spec is not None
-    shared = adakv_masks(snap, layer, seq, end, budgets, options) if "adakv" in chosen else {}
-    whole_layer = _layer_scores(snap, layer, seq, end, chosen)
-    rope = layer_rope(snap, layer, chosen)
+    eviction = [m for m in chosen if m in EVICTION]
+    shared: dict[int, dict[str, np.ndarray]] = {}
+    group_scores: dict[int, dict[str, np.ndarray]] = {}  # computed beside AdaKV's, once
+    if "adakv" in chosen:
+        scored = [*eviction, *([options.adakv_scorer] if options.adakv_scorer not in eviction else [])]
+        whole_layer = _layer_scores(snap, layer, seq, end, [*chosen, options.adakv_scorer])
+        shared, group_scores = _adakv_pass(snap, layer, seq, end, budgets, options, scored, whole_layer)
+    else:
+        whole_layer = _layer_scores(snap, layer, seq, end, chosen)
+    rope = None if group_scores else layer_rope(snap, layer, chosen)
     where, ends = (layer, model_layers(snap)), (end, prompt_end(snap))
     rows: list[dict[str, Any]] = []
     left_out = 0
@@ -1054,7 +1082,7 @@ def _layer_rows(
         if warn:
             _warn_small_budget(chosen, budgets, int((heads[0].k_positions < end).sum()), options)
             warn = False
-        scores = _group_scores(heads, end, [m for m in chosen if m in EVICTION], options, rope)
+        scores = group_scores.get(kv_head) or _group_scores(heads, end, eviction, options, rope)
         scores.update(whole_layer.of(heads[0].k_positions))
         scores.update(shared.get(kv_head, {}))
         quantized: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # the group's, shared
