@@ -427,6 +427,17 @@ class QueryRecorder:
             mask: Any,
             sinks: Any = None,
         ) -> mx.array:
+            place = self._layer_of.get(id(cache))
+            if (
+                place is not None
+                and self._chosen is None
+                and not self._rope_out
+                and not isinstance(mask, mx.array)
+                and not self._shared_by_another(place[0], keys)
+            ):  # an ordinary call on its layer's own cache and keys (every decode call, mostly)
+                self._remember_keys(place, keys)
+                self._keep(place[0], queries, place[1], scale, sinks, keys)
+                return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
             place = self._place(cache, keys)
             chosen, self._chosen = self._chosen, None
             latent = self._latent_queries(
@@ -487,6 +498,12 @@ class QueryRecorder:
         self._read_by[ident] = layer
         self._last_place = place
         self._last_read = keys
+
+    def _shared_by_another(self, layer: int, keys: Any) -> bool:
+        """Whether ``keys`` are the very keys another layer's last call read (`_place`'s test,
+        for a call on ``layer``'s own cache)."""
+        other = self._read_by.get(id(keys))
+        return other is not None and other != layer and _is(self._last_keys[other][2], keys)
 
     def _shared_place(self, keys: Any) -> tuple[int, Any] | None:
         """The place of the layer whose last attention call read the very array ``keys`` (one
