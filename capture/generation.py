@@ -264,12 +264,10 @@ class _Snapshots:
         if logits is not None:
             arrays.append(mx.array(logits).astype(mx.float32).reshape(-1, logits.shape[-1]))
         transfer = Transfer(arrays)
-        # The transfer's copies from here on: no device array is kept beyond it, so the caches'
+        # The transfer's copies from here on: the write job keeps no device array, so the caches'
         # buffers stay the caches' own (updated in place, not copied, at the next steps).
-        del arrays
         deltas = [delta.without_arrays() for delta in deltas]
         query_count, state_names = len(queries), list(states)
-        del queries, states
         index, count = self.taken, len(tokens)
         output = os.fspath(self.output)
         event_path = output + ".partial"

@@ -502,8 +502,8 @@ class QueryRecorder:
     def _shared_by_another(self, layer: int, keys: Any) -> bool:
         """Whether ``keys`` are the very keys another layer's last call read (`_place`'s test,
         for a call on ``layer``'s own cache)."""
-        other = self._read_by.get(id(keys))
-        return other is not None and other != layer and _is(self._last_keys[other][2], keys)
+        shared = self._shared_place(keys)
+        return shared is not None and shared[0] != layer
 
     def _shared_place(self, keys: Any) -> tuple[int, Any] | None:
         """The place of the layer whose last attention call read the very array ``keys`` (one
