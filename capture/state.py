@@ -96,30 +96,61 @@ def describe(holder: Any) -> list[dict[str, Any] | None]:
     """The layer attribute ``state``: per slot ``{"shape", "dtype", "heads", "role"}`` (``shape``
     with the batch axis first; ``heads`` the size of axis 1 for arrays of 4 or more axes, else
     None; ``role`` ``slot{i}`` until `model_info.annotate_layers` names it), or None for a slot
-    not yet set."""
+    not yet set. A `LayerCache`'s arrays grow as tokens come (its window until it is full, its
+    compressed groups, its open group's rows): their axis 1 is ``null`` (SPEC 15.4), and a slot
+    not set yet is ``(S, null, null)`` of ``null`` type: each snapshot's chunk gives its width
+    and float type."""
     out: list[dict[str, Any] | None] = []
     roles = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate", "offset")
     named = type(holder).__name__ == "LayerCache"
+    batch = _layer_cache_batch(holder) if named else 1
     for slot, value in enumerate(slots(holder)):
+        grows = named and slot < len(LAYER_CACHE_FIELDS)
         if value is None:
-            out.append(None)
+            out.append(
+                {"shape": [batch, None, None], "dtype": None, "heads": None, "role": roles[slot]}
+                if grows
+                else None
+            )
             continue
         if not isinstance(value, mx.array):
             raise UnsupportedModelError(
                 f"ArraysCache slot {slot} holds a {type(value).__name__}, not an array; it cannot be stored"
             )
-        shape = tuple(int(n) for n in value.shape)
+        shape: list[int | None] = [int(n) for n in value.shape]
         if not shape:
             raise UnsupportedModelError(f"ArraysCache slot {slot} holds a scalar, not a per-sequence array")
+        if grows:
+            if len(shape) != 3:
+                raise UnsupportedModelError(
+                    f"LayerCache {LAYER_CACHE_FIELDS[slot]} of shape {shape}: expected (batch, rows, width)"
+                )
+            shape[1] = None
         out.append(
             {
-                "shape": list(shape),
+                "shape": shape,
                 "dtype": _dtype_name(value.dtype),
-                "heads": _heads(shape),
+                "heads": _heads(tuple(n or 0 for n in shape)),
                 "role": roles[slot] if named else f"slot{slot}",
             }
         )
     return out
+
+
+def _layer_cache_batch(holder: Any) -> int:
+    """The sequences a `LayerCache` holds (1 before its first call)."""
+    for name in LAYER_CACHE_FIELDS:
+        value = getattr(holder, name, None)
+        if isinstance(value, mx.array) and value.ndim:
+            return int(value.shape[0])
+    return 1
+
+
+def _fits(described: list[Any], shape: tuple[int, ...]) -> bool:
+    """Whether an array of ``shape`` is one a slot described as ``described`` holds (``null``: any
+    length)."""
+    pairs = zip(described, shape, strict=False)
+    return len(described) == len(shape) and all(d is None or d == n for d, n in pairs)
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -150,9 +181,12 @@ def name(layer: int, local: str) -> str:
 
 def _two_d(array: Any, shape: tuple[int, ...]) -> Any:
     """Elements of shape ``(batch, a, b, ...)`` as ``(batch * a, b * ...)``, ``(batch, a)`` as
-    is, ``(batch,)`` as ``(batch, 1)`` (wider rows where integers are held as words)."""
+    is, ``(batch,)`` as ``(batch, 1)`` (``shape`` the slot's; ``array`` its integers viewed as
+    float32 words: wider rows); an array of no elements keeps its width."""
     rows = shape[0] if len(shape) <= 2 else shape[0] * shape[1]
-    return array.reshape(rows, -1)
+    if rows:
+        return array.reshape(rows, -1)
+    return array.reshape(0, math.prod(array.shape[min(len(shape), 2) :]))
 
 
 def device_arrays(layer: int, holder: Any, described: list[dict[str, Any] | None]) -> dict[str, mx.array]:
@@ -165,7 +199,7 @@ def device_arrays(layer: int, holder: Any, described: list[dict[str, Any] | None
         if value is None:
             continue
         shape = tuple(int(n) for n in value.shape)
-        if entry is None or tuple(entry["shape"]) != shape:
+        if entry is None or not _fits(entry["shape"], shape):
             raise CaptureError(
                 f"layer {layer}: state slot {slot} changed shape to {list(shape)} during generation "
                 f"(the file describes {entry and entry['shape']})"
@@ -194,6 +228,9 @@ def values(described: list[dict[str, Any] | None], read: Any) -> list[Any]:
         if entry is None:
             out.append(None)
             continue
+        if None in entry["shape"]:  # it grows (a `LayerCache`): the stored rows give its length
+            out.append(_grown(read, local_name(slot), entry))
+            continue
         shape = tuple(int(n) for n in entry["shape"])
         dtype = numpy_dtype(entry["dtype"])
         if entry["heads"] is None:
@@ -216,6 +253,30 @@ def rebuild(described: list[dict[str, Any] | None], read: Any) -> Any:
     for slot, value in enumerate(values(described, read)):
         cache[slot] = value
     return cache
+
+
+def _grown(read: Any, key: str, entry: dict[str, Any]) -> Any:
+    """A growing slot's array (``(S, null, b)`` or ``(S, null, null)``), shaped from its stored
+    ``(S * a, b)`` rows; None where the snapshot holds none (the slot was not set at that
+    moment, SPEC 15.4)."""
+    array = read(key)
+    if array is None:
+        return None
+    array = np.asarray(array)
+    batch, _, width = entry["shape"]
+    dtype = None if entry["dtype"] is None else numpy_dtype(entry["dtype"])
+    if (
+        array.ndim != 2
+        or array.shape[0] % batch
+        or (width is not None and array.shape[1] != width)
+        or (dtype is not None and array.dtype != dtype)
+    ):
+        raise UnsupportedModelError(
+            f"state array {key!r} holds {array.shape} {array.dtype}, "
+            f"the layer describes {entry['shape']} {entry['dtype']}"
+        )
+    shape = (batch, array.shape[0] // batch, array.shape[1])
+    return to_mlx(np.ascontiguousarray(array.reshape(shape)))
 
 
 def _stored(read: Any, key: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -253,12 +314,3 @@ def local_names(described: list[dict[str, Any] | None]) -> list[str]:
         heads = entry["heads"]
         names += [local_name(slot)] if heads is None else [local_name(slot, h) for h in range(heads)]
     return names
-
-
-def nbytes(described: list[dict[str, Any] | None]) -> int:
-    """Bytes one snapshot stores for a layer's state."""
-    return sum(
-        math.prod(entry["shape"]) * numpy_dtype(entry["dtype"]).itemsize
-        for entry in described
-        if entry is not None
-    )

@@ -309,6 +309,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "is_moe_layer": [False, True, True, True],
         "rope_parameters": _ROPE,
     },
+    # Every part of DeepSeek-V4.1's attention state: windows (8), compressed groups of 4 and 2
+    # rows, index keys, the indexer's top-k (4 of 5 groups by the last token) and candidate blocks.
+    "deepseek_v41": {
+        "compress_ratios": [0, 4, 4, 2],
+        "kv_source_layer_ids": [1, 3],
+        "index_source_layer_ids": [1, 2],
+        "candidate_source_layer_id": 1,
+        "candidate_topk_blocks": 2,
+        "candidate_block_size": 2,
+    },
     "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 8},
     "gear": {"layer_types": _FOUR_TYPES},
     "mellum": {

@@ -4,7 +4,9 @@ describes, their names, and reading one back in its own shape.
 A hybrid or state-space model's layer keeps, per slot, an array whose first axis is the sequence
 (batch): ``(S, a, b, ...)``, or ``(S, H, a, b, ...)`` with a head axis (4 or more axes). Each is
 attached to every snapshot as array chunks named ``state/{layer}/{slot}`` or, one per head,
-``state/{layer}/{slot}/{head}``; integer slots are stored bit for bit as float32 words.
+``state/{layer}/{slot}/{head}``; integer slots are stored bit for bit as float32 words. A slot
+whose axis 1 changes length between snapshots (deepseek_v41's sliding window, compressed groups
+and open group) is described with ``null`` there; each snapshot's array gives its length.
 """
 
 from __future__ import annotations
@@ -52,42 +54,60 @@ def _slot_described(entry: Any) -> bool:
     if not isinstance(entry, dict):
         return False
     shape, heads, dtype = entry.get("shape"), entry.get("heads"), entry.get("dtype")
-    if not _shape_described(shape) or not (
-        isinstance(dtype, str) and (dtype in dtypes.BY_NAME or dtype in WORDS)
-    ):
+    if not _shape_described(shape):
         return False
     assert isinstance(shape, list)
+    if not (
+        (isinstance(dtype, str) and (dtype in dtypes.BY_NAME or dtype in WORDS))
+        or (dtype is None and len(shape) == 3 and shape[1] is None)  # a slot not set yet
+    ):
+        return False
     return heads is None if len(shape) < 4 else heads == shape[1]
 
 
 def _shape_described(shape: Any) -> bool:
-    """A list of 1 to 8 integers in ``0 .. 2^40``."""
+    """A list of 1 to 8 integers in ``0 .. 2^40``; of 2 or 3 items, its second MAY be ``null``
+    (an axis that grows: the length each snapshot's array has), and of 3 items with a growing
+    second, its third too (the width each snapshot's chunk has)."""
     return (
         isinstance(shape, list)
         and 1 <= len(shape) <= 8
-        and all(type(n) is int and 0 <= n < 2**40 for n in shape)
+        and all(
+            (type(n) is int and 0 <= n < 2**40)
+            or (n is None and len(shape) <= 3 and (i == 1 or (i == 2 and shape[1] is None)))
+            for i, n in enumerate(shape)
+        )
     )
 
 
 @dataclass(frozen=True)
 class StateArray:
     """One stored array of a layer's state: a slot, or one head of a slot with a head axis.
-    ``shape`` is the array's own, sequence axis first (a head's: the slot's without axis 1)."""
+    ``shape`` is the array's own, sequence axis first (a head's: the slot's without axis 1);
+    None at axis 1 where its length changes between snapshots (`read` gives each one's)."""
 
     layer: int
     slot: int
     head: int | None
     role: str
-    shape: tuple[int, ...]
-    dtype: str
+    shape: tuple[int | None, ...]
+    dtype: str | None  # None: a slot not set when the file was written (its chunks' float type)
 
     @property
     def name(self) -> str:
         return array_name(self.layer, self.slot, self.head)
 
     @property
+    def grows(self) -> bool:
+        """Whether axis 1's length is each snapshot's own (described as ``null``)."""
+        return None in self.shape
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * numpy_dtype(self.dtype).itemsize
+        """Bytes of one snapshot's array (a growing axis counted as 0 long)."""
+        if self.dtype is None:
+            return 0
+        return math.prod(n or 0 for n in self.shape) * numpy_dtype(self.dtype).itemsize
 
 
 def state_arrays(layers: Any) -> Iterator[StateArray]:
@@ -117,17 +137,34 @@ def read(snapshot: Any, array: StateArray, *, release: bool = False) -> np.ndarr
     stored = snapshot.array(array.name)
     if stored is None:
         return None
-    dtype = numpy_dtype(array.dtype)
+    dtype = stored.dtype if array.dtype is None else numpy_dtype(array.dtype)
     stored = np.array(stored) if release else np.ascontiguousarray(stored)
     if release:
         pages.of(snapshot).release_chunk(snapshot.array_chunk(array.name))
-    if array.dtype in WORDS:
+    if array.dtype is not None and array.dtype in WORDS:
         if stored.dtype != np.float32:
             raise CorruptFileError(f"state array {array.name!r}: integer slots are stored as float32 words")
         stored = stored.view(dtype)
-    if stored.size != math.prod(array.shape) or stored.dtype != dtype:
+    shape = grown_shape(array.shape, stored.shape)
+    if shape is None or stored.size != math.prod(shape) or stored.dtype != dtype:
         raise CorruptFileError(
             f"state array {array.name!r} holds {stored.shape} {stored.dtype}; the layer describes "
             f"{list(array.shape)} {array.dtype}"
         )
-    return stored.reshape(array.shape)
+    return stored.reshape(shape)
+
+
+def grown_shape(shape: tuple[int | None, ...], stored: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``shape`` with its growing axes (None: axis 1, and axis 2 of a slot not yet set when the
+    file was written) given by the stored chunk array ``stored`` ``(rows, width)``, or None where
+    the chunk holds no whole rows of it; ``shape`` itself where nothing grows."""
+    if None not in shape:
+        return tuple(int(n) for n in shape)  # type: ignore[arg-type]
+    rows, width = (stored[0], stored[1]) if len(stored) == 2 else (0, 0)
+    batch = int(shape[0])  # type: ignore[arg-type]
+    if len(stored) != 2 or batch == 0 or rows % batch:
+        return None
+    if len(shape) == 2:
+        return (batch, width) if rows == batch else None
+    third = width if shape[2] is None else int(shape[2])
+    return (batch, rows // batch, third) if third == width else None

@@ -22,6 +22,7 @@ the largest state array, not by the file or the number of snapshots.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -104,7 +105,10 @@ def _matrices(array: np.ndarray) -> list[np.ndarray]:
     """Per sequence, the state matrix of ``array`` ``(S, a, b, ...)``: ``(a, b * ...)``
     (``(1, a)`` for ``(S, a)``, ``(1, 1)`` for ``(S,)``)."""
     per_seq = array.reshape(array.shape[0], -1) if array.ndim <= 2 else array
-    return [np.atleast_2d(x.reshape(x.shape[0], -1) if x.ndim >= 2 else x.reshape(1, -1)) for x in per_seq]
+    return [
+        np.atleast_2d(x.reshape(x.shape[0], math.prod(x.shape[1:])) if x.ndim >= 2 else x.reshape(1, -1))
+        for x in per_seq
+    ]
 
 
 def state_rows(
@@ -152,7 +156,7 @@ def state_rows(
                                 "seq": seq,
                                 "rows": int(matrix.shape[0]),
                                 "cols": int(matrix.shape[1]),
-                                "dtype": array.dtype,
+                                "dtype": array.dtype or value.dtype.name,  # type: ignore[union-attr]
                                 **matrix_statistics(matrix),
                                 "change": _change(matrix, previous[seq] if previous else None),
                             }

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +13,7 @@ import numpy as np
 
 import kvformat
 from kvformat import KVFormatError, channel_order, codecs, dtypes
+from kvformat import state as stored_state
 from kvformat.errors import InvalidArgumentError
 from kvformat.io import check_output, output_format, output_path
 from kvsnap.arguments import non_negative_int, positive_int, remote_options, storage_options, typed
@@ -104,6 +104,8 @@ def _describe(snap: kvformat.Snapshot) -> dict[str, Any]:
     layers = []
     for i, spec in enumerate(snap.layers):
         entry: dict[str, Any] = {"layer": i, **spec.to_json()}
+        if "state" in spec.attributes:
+            entry["state_bytes"] = _state_bytes(snap, i)
         if spec.present:
             positions = snap.positions(i, 0, 0)
             assert positions is not None
@@ -169,10 +171,10 @@ def _info(args: argparse.Namespace) -> int:
     )
     if d["incomplete"]:
         print(f"  INCOMPLETE: {d['incomplete']} (its heads' rows are refused)")
-    state = sum(_state_bytes(layer.get("attributes") or {}) for layer in d["layers"])
+    state = sum(layer.get("state_bytes", 0) for layer in d["layers"])
     if state:
         print(
-            f"  recurrent state: {_size(state)} per snapshot, stored whole in each (it changes every "
+            f"  recurrent state: {_size(state)} in this snapshot, stored whole in each (it changes every "
             "token, so snapshots do not share it)"
         )
     for line in _metadata_lines(d["metadata"]) + _snapshot_lines(d["snapshot_metadata"]):
@@ -247,7 +249,7 @@ def _shorten(value: Any, width: int = 100) -> str:
 def _layer_line(layer: dict[str, Any]) -> str:
     """A layer's description in `info`: heads, dims, storage (quantization), tokens, kind."""
     attributes = layer.get("attributes") or {}
-    state = _state_text(attributes)
+    state = _state_text(layer)
     if not layer["present"]:
         shown = {k: v for k, v in attributes.items() if k != "state"} if state else attributes
         return f"absent {json.dumps(shown) if shown else ''}{state}".rstrip()
@@ -261,31 +263,36 @@ def _layer_line(layer: dict[str, Any]) -> str:
     )
 
 
-def _state_bytes(attributes: dict[str, Any]) -> int:
-    """Bytes of recurrent state one snapshot stores for a layer (SPEC 15.4; 0 without)."""
+def _state_bytes(snap: kvformat.Snapshot, layer: int) -> int:
+    """Bytes of recurrent state snapshot ``snap`` stores for ``layer`` (SPEC 15.4): a slot of
+    fixed shape as described, a growing one (``null`` axis) as its array holds."""
     total = 0
-    for entry in attributes.get("state") or []:
-        if isinstance(entry, dict) and isinstance(entry.get("shape"), list):
-            try:
-                itemsize = dtypes.from_name(str(entry.get("dtype"))).numpy.itemsize
-            except KVFormatError:
-                continue
-            total += math.prod(int(n) for n in entry["shape"] if isinstance(n, int)) * itemsize
+    try:
+        arrays = [a for a in stored_state.state_arrays(snap.layers[layer : layer + 1])]
+    except KVFormatError:
+        return 0
+    for array in arrays:
+        if array.grows:
+            held = snap.array(stored_state.array_name(layer, array.slot, array.head))
+            total += 0 if held is None else int(held.nbytes)
+        elif snap.array_chunk(stored_state.array_name(layer, array.slot, array.head)) is not None:
+            total += array.nbytes
     return total
 
 
-def _state_text(attributes: dict[str, Any]) -> str:
-    """`info`'s words for a layer's recurrent state: each slot's role and shape, and its bytes
-    per snapshot; empty for a layer without."""
-    entries = attributes.get("state")
+def _state_text(layer: dict[str, Any]) -> str:
+    """`info`'s words for a layer's recurrent state: each slot's role and shape (``n``: a length
+    that grows), and its bytes in this snapshot; empty for a layer without."""
+    entries = (layer.get("attributes") or {}).get("state")
     if not isinstance(entries, list):
         return ""
     slots = [
-        f"{e.get('role', 'slot')} {'x'.join(str(n) for n in e.get('shape', []))} {e.get('dtype')}"
+        f"{e.get('role', 'slot')} {'x'.join('n' if n is None else str(n) for n in e.get('shape', []))}"
+        + (f" {e['dtype']}" if e.get("dtype") else "")
         for e in entries
         if isinstance(e, dict)
     ]
-    return f"; state {', '.join(slots)} ({_size(_state_bytes(attributes))} in every snapshot)"
+    return f"; state {', '.join(slots)} ({_size(layer.get('state_bytes', 0))} in this snapshot)"
 
 
 def _size(nbytes: int) -> str:

@@ -3,6 +3,8 @@ bit for bit, so generation resumes as if never interrupted; a malformed descript
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -124,3 +126,51 @@ def test_attributes_a_file_should_not_have_are_one_named_error(tmp_path: Path, e
     ):
         restore(snap)
     assert "\n" not in str(found.value)
+
+
+def test_a_cache_whose_arrays_grow_restores_from_every_snapshot(tmp_path: Path) -> None:
+    """DeepSeek-V4.1's LayerCache from a 2-token prompt: its window grows to 8 rows, a group of 4
+    (or 2) closes every 4 (or 2) tokens, index keys appear once a group closes; each slot's axis 1
+    is described as null (SPEC 15.4), and every snapshot of the series resumes exactly."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from kvformat import state as stored_state
+    from kvsnap.analysis.tools.state import state_rows
+    from kvsnap.capture import generate
+    from kvsnap.capture.tiny import build, byte_tokenizer
+
+    model, tokenizer, greedy = build("deepseek_v41"), byte_tokenizer(), make_sampler(0.0)
+    path = tmp_path / "v41.kv"
+    full = list(generate(model, tokenizer, [3, 14], max_tokens=10, output=path, every=1, sampler=greedy))
+    with kvformat.open(path) as snap:
+        described = snap.layers[1].attributes["state"]
+        assert [entry["shape"][1] for entry in described[:5]] == [None] * 5
+        arrays = {a.role: a for a in stored_state.state_arrays(snap.layers) if a.layer == 1}
+        window, groups = arrays["window"], arrays["compress_kv"]
+        rows, closed = [], []
+        for index in range(snap.num_snapshots):
+            view = snap.select(index)
+            rows.append(stored_state.read(view, window).shape[1])
+            found = stored_state.read(view, groups)
+            closed.append(0 if found is None else found.shape[1])
+            done = view.snapshot_metadata["generated"]
+            later = full[done : done + 2]
+            if not later:  # the last snapshot: nothing after it to compare
+                continue
+            resumed = list(generate(model, tokenizer, [], max_tokens=len(later), resume=view, sampler=greedy))
+            assert [r.token for r in resumed] == [r.token for r in later]
+            for mine, theirs in zip(resumed, later, strict=True):
+                np.testing.assert_array_equal(np.array(mine.logprobs), np.array(theirs.logprobs))
+        last = snap.select(snap.num_snapshots - 1)
+        held = sum(a.nbytes for r in arrays.values() if (a := stored_state.read(last, r)) is not None)
+    assert rows[0] < 8 and rows[-1] == 8 and rows == sorted(rows)
+    assert closed[0] == 0 and closed[-1] > 1 and closed == sorted(closed)
+    # The state statistics read each snapshot's own length: one row per snapshot holding groups.
+    found = [r for r in state_rows(path) if r["layer"] == 1 and r["role"] == "compress_kv"]
+    assert [r["rows"] for r in found] == [n for n in closed if n]
+    assert all(r["dtype"] == "float32" and r["cols"] == 16 for r in found)
+    # `info` names the growing axis and counts what the snapshot holds.
+    info = subprocess.run([sys.executable, "-m", "kvsnap", "info", str(path)], capture_output=True, text=True)
+    line = next(text for text in info.stdout.splitlines() if text.strip().startswith("layer   1:"))
+    size = f"{held} B" if held < 1024 else f"{held / 1024:.1f} KiB"
+    assert "window 1xnx16 float32" in line and f"({size} in this snapshot)" in line
