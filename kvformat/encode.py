@@ -61,6 +61,19 @@ class _Chunks:
                 self.payloads.append(k_bytes[h * k_size : (h + 1) * k_size])
                 self.payloads.append(v_bytes[h * v_size : (h + 1) * v_size])
 
+    def add_raw_parts(self, parts: list[Part], rows: list[np.ndarray]) -> None:
+        """Chunks stored as they are (the raw codec), ``rows`` C-contiguous: their columns built
+        with one numpy call per field for the whole run (a snapshot's queries are thousands of
+        small chunks: one per query head, layer and run of positions)."""
+        pairs = zip(parts, rows, strict=True)
+        # The decoded size rides in the CHUNK column (index 4) until the chunk index is known.
+        fields = [(p.layer, p.seq, p.head, p.kind, r.nbytes, 0, r.shape[0], p.position) for p, r in pairs]
+        columns = np.array(fields, np.int64).reshape(-1, 8)
+        self.columns.append(columns)
+        self.widths.append(np.array([p.width for p in parts], np.int64))
+        self.dtype_codes.append(np.array([p.dtype.code for p in parts], np.int64))
+        self.payloads += [byte_view(r) for r in rows]
+
     def add_part(self, part: Part, rows: np.ndarray, codec: Codec) -> None:
         """One chunk, ``rows`` C-contiguous, encoded by ``codec``."""
         data = byte_view(rows)
@@ -88,6 +101,14 @@ def prepare(unit: Unit, codec: Codec, scratch: np.ndarray, offset: int) -> tuple
     for is_block, run in itertools.groupby(unit, key=lambda item: isinstance(item, Block)):
         if is_block:
             chunks.add_blocks(cast(list[Block], list(run)))
+            continue
+        if codec.code == 0:  # raw: no per-chunk encoding, the columns made for the run at once
+            parts = cast(list[Part], list(run))
+            gathered = []
+            for part in parts:
+                rows, used = _contiguous(part.rows, scratch, used)
+                gathered.append(rows)
+            chunks.add_raw_parts(parts, gathered)
             continue
         for part in cast(Iterator[Part], run):
             rows, used = _contiguous(part.rows, scratch, used)
