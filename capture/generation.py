@@ -230,6 +230,7 @@ class _Snapshots:
         self._text_written = 0  # streamed text pieces already recorded
         self.failed = False
         self._state_layers: list[tuple[int, list[Any]]] = []
+        self._appended: dict[int, dict[int, int]] = {}  # per layer, appended slot -> rows stored
 
     def check(self) -> None:
         """Raise a writer-thread error in the generating thread."""
@@ -354,7 +355,8 @@ class _Snapshots:
         out: dict[str, mx.array] = {}
         for index, described in self._state_layers:
             arrays_cache, _ = recurrent.of(self.prompt_cache[index])
-            for local, array in recurrent.device_arrays(index, arrays_cache, described).items():
+            stored = self._appended.setdefault(index, {})  # each snapshot's parent is the one before
+            for local, array in recurrent.device_arrays(index, arrays_cache, described, stored).items():
                 out[recurrent.name(index, local)] = array
         return out
 

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 import kvformat
+from kvformat import state as stored_state
 
 from . import state as recurrent
 from .caches import LayerKV, build_cache
@@ -28,6 +29,7 @@ def layers_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[LayerKV]:
                 for local in recurrent.local_names(described)
                 if (array := snapshot.array(recurrent.name(index, local))) is not None
             }
+            data.state.update(_appended_state(snapshot, index, described))
         if not spec.present:
             layers.append(data)
             continue
@@ -39,6 +41,21 @@ def layers_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[LayerKV]:
             data.positions.append(positions)
         layers.append(data)
     return layers
+
+
+def _appended_state(snapshot: kvformat.Snapshot, layer: int, described: list[Any]) -> dict[str, Any]:
+    """The appended slots (SPEC 15.4, ``append``) of a layer's state as the snapshot has them:
+    the rows of its whole parent chain, ``(S * n, b)`` like any stored slot."""
+    out: dict[str, Any] = {}
+    for slot, entry in enumerate(described):
+        if entry is None or not entry.get("append"):
+            continue
+        role, shape = str(entry.get("role")), tuple(entry["shape"])
+        array = stored_state.StateArray(layer, slot, None, role, shape, entry["dtype"], append=True)
+        found = stored_state.read(snapshot, array)
+        if found is not None:
+            out[recurrent.local_name(slot)] = found.reshape(found.shape[0] * found.shape[1], found.shape[2])
+    return out
 
 
 def _read_quantized(

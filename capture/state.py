@@ -50,6 +50,11 @@ model not listed is named ``slot{i}``)."""
 LAYER_CACHE_FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
 """The arrays of deepseek_v41's own `LayerCache`, stored as its slots, then its ``offset``."""
 
+LAYER_CACHE_APPENDED = ("compress_kv", "index_k")
+"""The `LayerCache` arrays that only ever gain rows (closed groups and their index keys: the
+model appends to them, and its cache is not trimmable): a series stores each row once (SPEC
+15.4, ``append``)."""
+
 HOLDERS = ("ArraysCache", "LayerCache")
 """Cache classes whose contents are stored as state (they hold no K/V kvsnap can append to)."""
 
@@ -106,9 +111,10 @@ def describe(holder: Any) -> list[dict[str, Any] | None]:
     batch = _layer_cache_batch(holder) if named else 1
     for slot, value in enumerate(slots(holder)):
         grows = named and slot < len(LAYER_CACHE_FIELDS)
+        appended = {"append": True} if named and roles[slot] in LAYER_CACHE_APPENDED else {}
         if value is None:
             out.append(
-                {"shape": [batch, None, None], "dtype": None, "heads": None, "role": roles[slot]}
+                {"shape": [batch, None, None], "dtype": None, "heads": None, "role": roles[slot], **appended}
                 if grows
                 else None
             )
@@ -132,6 +138,7 @@ def describe(holder: Any) -> list[dict[str, Any] | None]:
                 "dtype": _dtype_name(value.dtype),
                 "heads": _heads(tuple(n or 0 for n in shape)),
                 "role": roles[slot] if named else f"slot{slot}",
+                **appended,
             }
         )
     return out
@@ -189,15 +196,30 @@ def _two_d(array: Any, shape: tuple[int, ...]) -> Any:
     return array.reshape(0, math.prod(array.shape[min(len(shape), 2) :]))
 
 
-def device_arrays(layer: int, holder: Any, described: list[dict[str, Any] | None]) -> dict[str, mx.array]:
+def device_arrays(
+    layer: int, holder: Any, described: list[dict[str, Any] | None], stored: dict[int, int] | None = None
+) -> dict[str, mx.array]:
     """The arrays of one layer's state, as lazy mlx arrays ``(rows, width)`` by local name
     (`local_name`; `describe` gave ``described`` when the file was opened; ``layer`` names the
-    layer in errors)."""
+    layer in errors). ``stored``: for a series, per appended slot (``append``) the rows along
+    axis 1 its earlier snapshots hold; only the rows after them are returned (none added: no
+    array), and ``stored`` is updated."""
     out: dict[str, mx.array] = {}
     for slot, value in enumerate(slots(holder)):
         entry = described[slot] if slot < len(described) else None
         if value is None:
             continue
+        if stored is not None and entry is not None and entry.get("append"):
+            held, length = stored.get(slot, 0), int(value.shape[1])
+            if length < held:
+                raise CaptureError(
+                    f"layer {layer}: state slot {slot} ({entry.get('role')}) lost rows during generation "
+                    f"({length} after {held}); it cannot be stored as rows appended"
+                )
+            stored[slot] = length
+            if length == held:
+                continue
+            value = value[:, held:]
         shape = tuple(int(n) for n in value.shape)
         if entry is None or not _fits(entry["shape"], shape):
             raise CaptureError(

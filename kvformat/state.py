@@ -6,7 +6,9 @@ A hybrid or state-space model's layer keeps, per slot, an array whose first axis
 attached to every snapshot as array chunks named ``state/{layer}/{slot}`` or, one per head,
 ``state/{layer}/{slot}/{head}``; integer slots are stored bit for bit as float32 words. A slot
 whose axis 1 changes length between snapshots (deepseek_v41's sliding window, compressed groups
-and open group) is described with ``null`` there; each snapshot's array gives its length.
+and open group) is described with ``null`` there; each snapshot's array gives its length. One
+whose rows are only ever appended (its compressed groups, their index keys) is ``append``: a
+snapshot with a parent stores only the rows added since it, so a series stores each row once.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def _slot_described(entry: Any) -> bool:
         or (dtype is None and len(shape) == 3 and shape[1] is None)  # a slot not set yet
     ):
         return False
+    append = entry.get("append", False)
+    if type(append) is not bool or (append and not (len(shape) == 3 and shape[1] is None)):
+        return False  # appended rows: a growing (S, n, b) slot only
     return heads is None if len(shape) < 4 else heads == shape[1]
 
 
@@ -92,6 +97,7 @@ class StateArray:
     role: str
     shape: tuple[int | None, ...]
     dtype: str | None  # None: a slot not set when the file was written (its chunks' float type)
+    append: bool = False  # only rows appended: a snapshot stores those added since its parent
 
     @property
     def name(self) -> str:
@@ -123,7 +129,9 @@ def state_arrays(layers: Any) -> Iterator[StateArray]:
             shape = tuple(entry["shape"])
             role = str(entry.get("role", f"slot{slot}"))
             if entry["heads"] is None:
-                yield StateArray(index, slot, None, role, shape, entry["dtype"])
+                yield StateArray(
+                    index, slot, None, role, shape, entry["dtype"], bool(entry.get("append", False))
+                )
             else:
                 for head in range(entry["heads"]):
                     yield StateArray(index, slot, head, role, (shape[0], *shape[2:]), entry["dtype"])
@@ -133,7 +141,26 @@ def read(snapshot: Any, array: StateArray, *, release: bool = False) -> np.ndarr
     """The array in its own shape and type, or None where the snapshot holds none (no state at
     that moment); a stored array of another size is `CorruptFileError`. ``release``: a copy, and
     the chunk's pages are dropped from the process (a pass over every snapshot's state keeps a
-    resident set of one array, not of the file)."""
+    resident set of one array, not of the file). An appended slot (``append``) is the rows
+    every snapshot of the parent chain added, oldest first, along axis 1."""
+    if not array.append:
+        return _stored(snapshot, array, release)
+    parts: list[np.ndarray] = []
+    current: Any = snapshot
+    for _ in range(snapshot.num_snapshots):  # parents are earlier snapshots: a chain ends
+        found = _stored(current, array, release)
+        if found is not None:
+            parts.append(found)
+        if current.parent is None:
+            break
+        current = current.select(current.parent)
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else np.concatenate(parts[::-1], axis=1)
+
+
+def _stored(snapshot: Any, array: StateArray, release: bool) -> np.ndarray | None:
+    """What ``snapshot`` itself stores of ``array``, in its own shape, or None."""
     stored = snapshot.array(array.name)
     if stored is None:
         return None

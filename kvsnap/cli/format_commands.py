@@ -282,13 +282,15 @@ def _state_bytes(snap: kvformat.Snapshot, layer: int) -> int:
 
 def _state_text(layer: dict[str, Any]) -> str:
     """`info`'s words for a layer's recurrent state: each slot's role and shape (``n``: a length
-    that grows), and its bytes in this snapshot; empty for a layer without."""
+    that grows; ``appended``: a snapshot stores the rows added since its parent), and the bytes
+    this snapshot stores; empty for a layer without."""
     entries = (layer.get("attributes") or {}).get("state")
     if not isinstance(entries, list):
         return ""
     slots = [
         f"{e.get('role', 'slot')} {'x'.join('n' if n is None else str(n) for n in e.get('shape', []))}"
         + (f" {e['dtype']}" if e.get("dtype") else "")
+        + (" appended" if e.get("append") else "")
         for e in entries
         if isinstance(e, dict)
     ]

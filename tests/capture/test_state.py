@@ -131,7 +131,8 @@ def test_attributes_a_file_should_not_have_are_one_named_error(tmp_path: Path, e
 def test_a_cache_whose_arrays_grow_restores_from_every_snapshot(tmp_path: Path) -> None:
     """DeepSeek-V4.1's LayerCache from a 2-token prompt: its window grows to 8 rows, a group of 4
     (or 2) closes every 4 (or 2) tokens, index keys appear once a group closes; each slot's axis 1
-    is described as null (SPEC 15.4), and every snapshot of the series resumes exactly."""
+    is described as null (SPEC 15.4), the closed groups and index keys are stored once (each
+    snapshot the rows added since its parent), and every snapshot of the series resumes exactly."""
     from mlx_lm.sample_utils import make_sampler
 
     from kvformat import state as stored_state
@@ -161,8 +162,11 @@ def test_a_cache_whose_arrays_grow_restores_from_every_snapshot(tmp_path: Path) 
             assert [r.token for r in resumed] == [r.token for r in later]
             for mine, theirs in zip(resumed, later, strict=True):
                 np.testing.assert_array_equal(np.array(mine.logprobs), np.array(theirs.logprobs))
+        # The closed groups are stored once: each snapshot holds the groups added since its parent.
         last = snap.select(snap.num_snapshots - 1)
-        held = sum(a.nbytes for r in arrays.values() if (a := stored_state.read(last, r)) is not None)
+        added = last.array(groups.name)
+        assert added is not None and added.shape[0] == closed[-1] - closed[-2] < closed[-1]
+        held = sum(a.nbytes for r in arrays.values() if (a := last.array(r.name)) is not None)
     assert rows[0] < 8 and rows[-1] == 8 and rows == sorted(rows)
     assert closed[0] == 0 and closed[-1] > 1 and closed == sorted(closed)
     # The state statistics read each snapshot's own length: one row per snapshot holding groups.

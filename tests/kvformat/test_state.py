@@ -61,3 +61,34 @@ def test_a_chunk_that_is_no_whole_rows_of_the_slot_is_corrupt() -> None:
     assert state.grown_shape((2, None, 4), (5, 4)) is None
     assert state.grown_shape((2, None, 4), (6, 5)) is None
     assert state.grown_shape((1, None), (1, 9)) == (1, 9)
+
+
+def test_an_appended_slot_is_the_rows_of_its_whole_parent_chain(tmp_path: Path) -> None:
+    """Two sequences: each snapshot stores the rows it added, ``(S * n, b)`` batch-major; the
+    array is the chain's rows along axis 1, oldest first (a snapshot adding none stores none)."""
+    described = [{"shape": [2, None, 3], "dtype": "float32", "heads": None, "role": "groups", "append": True}]
+    attributes = {"kind": "compressed", "state": described}
+    spec = kvformat.LayerSpec(1, 4, 4, kvformat.FLOAT32, attributes, present=False)
+    full = np.arange(2 * 5 * 3, dtype=np.float32).reshape(2, 5, 3)
+    path = tmp_path / "append.kv"
+    with kvformat.Writer(path, [spec]) as writer:
+        for low, high in ((0, 2), (2, 2), (2, 5)):
+            added = full[:, low:high]
+            writer.snapshot(arrays={"state/0/0": added.reshape(-1, 3)} if high > low else {})
+    with kvformat.open(path) as snap:
+        (groups,) = state.state_arrays(snap.layers)
+        assert groups.append
+        found = [state.read(snap.select(i), groups) for i in range(3)]
+    np.testing.assert_array_equal(found[0], full[:, :2])
+    np.testing.assert_array_equal(found[1], full[:, :2])
+    np.testing.assert_array_equal(found[2], full)
+
+
+def test_only_a_growing_3_axis_slot_may_be_appended() -> None:
+    for entry in (
+        {"shape": [1, 4, 3], "dtype": "float32", "heads": None, "append": True},
+        {"shape": [1, None], "dtype": "float32", "heads": None, "append": True},
+        {"shape": [1, None, 3], "dtype": "float32", "heads": None, "append": "yes"},
+    ):
+        with pytest.raises(kvformat.CorruptFileError, match="not a state description"):
+            state.checked(0, [entry])
