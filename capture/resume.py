@@ -45,13 +45,13 @@ def layers_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[LayerKV]:
 
 def _appended_state(snapshot: kvformat.Snapshot, layer: int, described: list[Any]) -> dict[str, Any]:
     """The appended slots (SPEC 15.4, ``append``) of a layer's state as the snapshot has them:
-    the rows of its whole parent chain, ``(S * n, b)`` like any stored slot."""
+    the rows of its parent chain (the last ``last`` of them where it says so), ``(S * n, b)``
+    like any stored slot."""
     out: dict[str, Any] = {}
     for slot, entry in enumerate(described):
         if entry is None or not entry.get("append"):
             continue
-        role, shape = str(entry.get("role")), tuple(entry["shape"])
-        array = stored_state.StateArray(layer, slot, None, role, shape, entry["dtype"], append=True)
+        (array,) = stored_state.slot_arrays(layer, slot, entry)
         found = stored_state.read(snapshot, array)
         if found is not None:
             out[recurrent.local_name(slot)] = found.reshape(found.shape[0] * found.shape[1], found.shape[2])

@@ -53,7 +53,8 @@ LAYER_CACHE_FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending
 LAYER_CACHE_APPENDED = ("compress_kv", "index_k")
 """The `LayerCache` arrays that only ever gain rows (closed groups and their index keys: the
 model appends to them, and its cache is not trimmable): a series stores each row once (SPEC
-15.4, ``append``)."""
+15.4, ``append``). Its window is the last ``window_size`` rows of the rows appended to it
+(``append`` with ``last``); only the open group's rows are stored whole."""
 
 HOLDERS = ("ArraysCache", "LayerCache")
 """Cache classes whose contents are stored as state (they hold no K/V kvsnap can append to)."""
@@ -111,7 +112,11 @@ def describe(holder: Any) -> list[dict[str, Any] | None]:
     batch = _layer_cache_batch(holder) if named else 1
     for slot, value in enumerate(slots(holder)):
         grows = named and slot < len(LAYER_CACHE_FIELDS)
-        appended = {"append": True} if named and roles[slot] in LAYER_CACHE_APPENDED else {}
+        appended: dict[str, Any] = {}
+        if named and roles[slot] in LAYER_CACHE_APPENDED:
+            appended = {"append": True}
+        elif named and roles[slot] == "window":  # the last window_size rows of all appended
+            appended = {"append": True, "last": int(holder.window_size)}
         if value is None:
             out.append(
                 {"shape": [batch, None, None], "dtype": None, "heads": None, "role": roles[slot], **appended}
@@ -202,24 +207,28 @@ def device_arrays(
     """The arrays of one layer's state, as lazy mlx arrays ``(rows, width)`` by local name
     (`local_name`; `describe` gave ``described`` when the file was opened; ``layer`` names the
     layer in errors). ``stored``: for a series, per appended slot (``append``) the rows along
-    axis 1 its earlier snapshots hold; only the rows after them are returned (none added: no
-    array), and ``stored`` is updated."""
+    axis 1 appended by the time of the previous snapshot; only the rows after them are returned
+    (none added: no array; a window that moved on further than it holds: all it holds), and
+    ``stored`` is updated."""
     out: dict[str, mx.array] = {}
     for slot, value in enumerate(slots(holder)):
         entry = described[slot] if slot < len(described) else None
         if value is None:
             continue
         if stored is not None and entry is not None and entry.get("append"):
-            held, length = stored.get(slot, 0), int(value.shape[1])
-            if length < held:
+            # Rows appended so far: a window's are the tokens its layer processed (it keeps the
+            # last ones), another slot's all its rows.
+            total = int(holder.offset) if entry.get("last") else int(value.shape[1])
+            held = stored.get(slot, 0)
+            if total < held:
                 raise CaptureError(
                     f"layer {layer}: state slot {slot} ({entry.get('role')}) lost rows during generation "
-                    f"({length} after {held}); it cannot be stored as rows appended"
+                    f"({total} after {held}); it cannot be stored as rows appended"
                 )
-            stored[slot] = length
-            if length == held:
+            stored[slot] = total
+            if total == held:
                 continue
-            value = value[:, held:]
+            value = value[:, -min(total - held, int(value.shape[1])) :]
         shape = tuple(int(n) for n in value.shape)
         if entry is None or not _fits(entry["shape"], shape):
             raise CaptureError(

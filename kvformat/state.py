@@ -64,9 +64,11 @@ def _slot_described(entry: Any) -> bool:
         or (dtype is None and len(shape) == 3 and shape[1] is None)  # a slot not set yet
     ):
         return False
-    append = entry.get("append", False)
+    append, last = entry.get("append", False), entry.get("last")
     if type(append) is not bool or (append and not (len(shape) == 3 and shape[1] is None)):
         return False  # appended rows: a growing (S, n, b) slot only
+    if last is not None and not (append and type(last) is int and 1 <= last < 2**40):
+        return False  # the last rows of an appended slot only
     return heads is None if len(shape) < 4 else heads == shape[1]
 
 
@@ -98,6 +100,7 @@ class StateArray:
     shape: tuple[int | None, ...]
     dtype: str | None  # None: a slot not set when the file was written (its chunks' float type)
     append: bool = False  # only rows appended: a snapshot stores those added since its parent
+    last: int | None = None  # an appended slot holding only its last rows (a sliding window)
 
     @property
     def name(self) -> str:
@@ -124,17 +127,21 @@ def state_arrays(layers: Any) -> Iterator[StateArray]:
         if "state" not in attributes:
             continue
         for slot, entry in enumerate(checked(index, attributes["state"])):
-            if entry is None:
-                continue
-            shape = tuple(entry["shape"])
-            role = str(entry.get("role", f"slot{slot}"))
-            if entry["heads"] is None:
-                yield StateArray(
-                    index, slot, None, role, shape, entry["dtype"], bool(entry.get("append", False))
-                )
-            else:
-                for head in range(entry["heads"]):
-                    yield StateArray(index, slot, head, role, (shape[0], *shape[2:]), entry["dtype"])
+            if entry is not None:
+                yield from slot_arrays(index, slot, entry)
+
+
+def slot_arrays(layer: int, slot: int, entry: dict[str, Any]) -> list[StateArray]:
+    """The stored arrays of one slot described by ``entry`` (checked): itself, or one per head."""
+    shape, dtype = tuple(entry["shape"]), entry["dtype"]
+    role = str(entry.get("role", f"slot{slot}"))
+    if entry["heads"] is None:
+        return [
+            StateArray(layer, slot, None, role, shape, dtype, bool(entry.get("append")), entry.get("last"))
+        ]
+    return [
+        StateArray(layer, slot, head, role, (shape[0], *shape[2:]), dtype) for head in range(entry["heads"])
+    ]
 
 
 def read(snapshot: Any, array: StateArray, *, release: bool = False) -> np.ndarray | None:
@@ -142,21 +149,25 @@ def read(snapshot: Any, array: StateArray, *, release: bool = False) -> np.ndarr
     that moment); a stored array of another size is `CorruptFileError`. ``release``: a copy, and
     the chunk's pages are dropped from the process (a pass over every snapshot's state keeps a
     resident set of one array, not of the file). An appended slot (``append``) is the rows
-    every snapshot of the parent chain added, oldest first, along axis 1."""
+    every snapshot of the parent chain added, oldest first, along axis 1 (with ``last``: the
+    last ``last`` of them; the chain is read back only as far as they reach)."""
     if not array.append:
         return _stored(snapshot, array, release)
     parts: list[np.ndarray] = []
+    rows = 0
     current: Any = snapshot
     for _ in range(snapshot.num_snapshots):  # parents are earlier snapshots: a chain ends
         found = _stored(current, array, release)
         if found is not None:
             parts.append(found)
-        if current.parent is None:
+            rows += found.shape[1]
+        if current.parent is None or (array.last is not None and rows >= array.last):
             break
         current = current.select(current.parent)
     if not parts:
         return None
-    return parts[0] if len(parts) == 1 else np.concatenate(parts[::-1], axis=1)
+    joined = parts[0] if len(parts) == 1 else np.concatenate(parts[::-1], axis=1)
+    return joined if array.last is None else joined[:, -array.last :]
 
 
 def _stored(snapshot: Any, array: StateArray, release: bool) -> np.ndarray | None:

@@ -166,6 +166,8 @@ def test_a_cache_whose_arrays_grow_restores_from_every_snapshot(tmp_path: Path) 
         last = snap.select(snap.num_snapshots - 1)
         added = last.array(groups.name)
         assert added is not None and added.shape[0] == closed[-1] - closed[-2] < closed[-1]
+        newest = last.array(window.name)  # the window: the one row its token added (it keeps 8)
+        assert newest is not None and newest.shape[0] == 1
         held = sum(a.nbytes for r in arrays.values() if (a := last.array(r.name)) is not None)
     assert rows[0] < 8 and rows[-1] == 8 and rows == sorted(rows)
     assert closed[0] == 0 and closed[-1] > 1 and closed == sorted(closed)
@@ -177,4 +179,30 @@ def test_a_cache_whose_arrays_grow_restores_from_every_snapshot(tmp_path: Path) 
     info = subprocess.run([sys.executable, "-m", "kvsnap", "info", str(path)], capture_output=True, text=True)
     line = next(text for text in info.stdout.splitlines() if text.strip().startswith("layer   1:"))
     size = f"{held} B" if held < 1024 else f"{held / 1024:.1f} KiB"
-    assert "window 1xnx16 float32" in line and f"({size} in this snapshot)" in line
+    assert "window 1xnx16 float32 appended, compress_kv 1xnxn appended" in line  # not set at the start
+    assert f"({size} in this snapshot)" in line
+
+
+def test_a_window_that_moved_past_what_it_holds_between_snapshots_restores(tmp_path: Path) -> None:
+    """Snapshots 9 tokens apart over an 8-row window: each stores the whole window (the rows it
+    no longer holds are not needed), and resuming from each gives the uninterrupted tokens."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from kvsnap.capture import generate
+    from kvsnap.capture.tiny import build, byte_tokenizer
+
+    model, tokenizer, greedy = build("deepseek_v41"), byte_tokenizer(), make_sampler(0.0)
+    path = tmp_path / "apart.kv"
+    full = list(generate(model, tokenizer, [3, 14], max_tokens=20, output=path, every=9, sampler=greedy))
+    with kvformat.open(path) as snap:
+        assert snap.num_snapshots >= 3
+        for index in range(1, snap.num_snapshots - 1):
+            view = snap.select(index)
+            stored = view.array("state/0/0")
+            assert stored is not None and stored.shape[0] == 8  # 9 rows added, 8 held
+            done = view.snapshot_metadata["generated"]
+            later = full[done : done + 2]
+            resumed = list(generate(model, tokenizer, [], max_tokens=len(later), resume=view, sampler=greedy))
+            assert [r.token for r in resumed] == [r.token for r in later]
+            for mine, theirs in zip(resumed, later, strict=True):
+                np.testing.assert_array_equal(np.array(mine.logprobs), np.array(theirs.logprobs))

@@ -92,3 +92,36 @@ def test_only_a_growing_3_axis_slot_may_be_appended() -> None:
     ):
         with pytest.raises(kvformat.CorruptFileError, match="not a state description"):
             state.checked(0, [entry])
+
+
+def test_a_window_is_the_last_rows_of_its_chain(tmp_path: Path) -> None:
+    """``last``: the array is the last rows the chain appended; reading stops at the snapshot
+    whose rows reach that many."""
+    described = [
+        {
+            "shape": [1, None, 2],
+            "dtype": "float32",
+            "heads": None,
+            "role": "window",
+            "append": True,
+            "last": 3,
+        }
+    ]
+    spec = kvformat.LayerSpec(
+        1, 4, 4, kvformat.FLOAT32, {"kind": "compressed", "state": described}, present=False
+    )
+    rows = np.arange(20, dtype=np.float32).reshape(10, 2)
+    path = tmp_path / "window.kv"
+    with kvformat.Writer(path, [spec]) as writer:
+        for low, high in ((0, 2), (2, 6), (6, 7), (7, 10)):
+            writer.snapshot(arrays={"state/0/0": rows[max(low, high - 3) : high]})  # at most 3 kept
+    with kvformat.open(path) as snap:
+        (window,) = state.state_arrays(snap.layers)
+        assert window.last == 3
+        expected = [rows[:2], rows[3:6], rows[4:7], rows[7:10]]
+        for index, want in enumerate(expected):
+            np.testing.assert_array_equal(state.read(snap.select(index), window), want[None])
+    with pytest.raises(kvformat.CorruptFileError, match="not a state description"):
+        state.checked(0, [{**described[0], "append": False}])  # last without append
+    with pytest.raises(kvformat.CorruptFileError, match="not a state description"):
+        state.checked(0, [{**described[0], "last": 0}])
