@@ -65,7 +65,7 @@ $(JS_READER): spec/js/package-lock.json
 # Every conformance folder through both readers: the pass counts of the README's table (the tests,
 # tests/spec, hold every folder through both readers too).
 conformance: install $(JS_READER)
-	@for folder in spec/vectors spec/vectors/gold/1.0 spec/vectors/gold/1.1 spec/vectors/gold/1.2 spec/vectors/gold/1.3 spec/vectors/gold/1.4 spec/vectors/gold/1.5 spec/vectors/gold/1.6 spec/vectors/fuzz; do \
+	@for folder in spec/vectors spec/vectors/gold/1.0 spec/vectors/gold/1.1 spec/vectors/gold/1.2 spec/vectors/gold/1.3 spec/vectors/gold/1.4 spec/vectors/gold/1.5 spec/vectors/gold/1.6 spec/vectors/gold/1.7 spec/vectors/gold/1.8 spec/vectors/fuzz; do \
 		$(BIN)/kvsnap conformance $$folder | tail -1 | sed "s|^|$$folder: |"; \
 		$(BIN)/kvsnap conformance $$folder --reader "node spec/js/describe.js" | tail -1 | sed "s|^|$$folder: |"; \
 	done

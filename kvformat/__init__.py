@@ -51,7 +51,7 @@ from kvformat.errors import (
     UsageError,
 )
 from kvformat.layout import MAJOR, MINOR
-from kvformat.manifest import LayerSpec, QuerySpec
+from kvformat.manifest import LayerSpec, Pooled, QuerySpec
 from kvformat.pages import PayloadCheck
 from kvformat.quantization import BITS as QUANTIZATION_BITS
 from kvformat.quantization import Quantization
@@ -108,6 +108,7 @@ __all__ = [
     "MissingKeysError",
     "OutOfRangeError",
     "PayloadCheck",
+    "Pooled",
     "Quantization",
     "Queries",
     "QuerySpec",

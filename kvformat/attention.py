@@ -16,6 +16,11 @@ taken a block at a time (`BLOCK`), so memory is ``BLOCK x n_keys`` floats howeve
 there are; `attention` returns the full ``(n_queries, n_keys)`` map only because it was asked
 for (`blocks` streams it).
 
+A layer whose queries read pooled keys (format 1.8, DeepSeek-V4.1's compressed attention,
+``pooled``) takes, beside its own visible keys, the pooled layer's rows ``g`` with ``(g + 1) *
+ratio <= p + 1``, those of the query's selection row where it has one (the row then names pooled
+keys only), in the same softmax: their columns follow the layer's own (`Attention.pooled_keys`).
+
 The keys used are those each query saw (`context_keys`): the ones the selected snapshot holds
 and, for a sliding-window or rotating layer whose window has since moved on, the rows the
 snapshot dropped, taken from the snapshots it descends from (a series keeps them in the file). A
@@ -32,11 +37,17 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from kvformat.errors import MissingKeysError, NoQueriesError, OutOfRangeError
+from kvformat.errors import (
+    InvalidArgumentError,
+    MissingKeysError,
+    NoQueriesError,
+    OutOfRangeError,
+    PooledKeysError,
+)
 from kvformat.runs import ranges
 
 if TYPE_CHECKING:
-    from kvformat.manifest import LayerSpec, QuerySpec
+    from kvformat.manifest import LayerSpec, Pooled, QuerySpec
     from kvformat.pages import Head
     from kvformat.queries import Queries, Selection
 
@@ -92,6 +103,7 @@ class Attention:
     weights: np.ndarray
     query_positions: np.ndarray
     key_positions: np.ndarray
+    pooled_keys: int = 0  # the last columns: the pooled layer's keys, at their group positions
 
 
 def _spans(spec: QuerySpec, query_positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -144,24 +156,47 @@ def complete_queries(spec: QuerySpec, query_positions: np.ndarray, missing: np.n
 class ContextKeys:
     """The keys and values a group of queries saw: ``k`` ``(n_keys, k_dim)``, ``v``
     ``(n_keys, v_dim)`` in the file's dtype, their ``positions`` ``(n_keys,)`` (increasing), and
-    ``complete`` ``(n_queries,)`` bool: whether every key the query saw is among them."""
+    ``complete`` ``(n_queries,)`` bool: whether every key the query saw is among them.
+    ``pooled``: the last so many are the pooled layer's keys (format 1.8), at group positions."""
 
     k: np.ndarray
     v: np.ndarray
     positions: np.ndarray
     complete: np.ndarray
+    pooled: int = 0
+
+
+def refuse_pooled(spec: QuerySpec | None, layer: int) -> None:
+    """`PooledKeysError` for a layer whose queries read pooled keys (format 1.8): a computation
+    over its own keys alone would leave them out of the softmax."""
+    if spec is not None and spec.pooled is not None:
+        raise PooledKeysError(
+            f"layer {layer}'s queries also read layer {spec.pooled.layer}'s pooled keys (format 1.8, "
+            "DeepSeek-V4.1's compressed attention), which this computation does not take: "
+            "Snapshot.attention and Snapshot.attention_output compute its attention"
+        )
 
 
 def context_keys(
-    snap: Snapshot, layer: int, kv_head: int, seq: int, query_positions: np.ndarray, *, values: bool = True
+    snap: Snapshot,
+    layer: int,
+    kv_head: int,
+    seq: int,
+    query_positions: np.ndarray,
+    *,
+    values: bool = True,
+    pooled: bool = False,
 ) -> ContextKeys:
     """The keys of ``kv_head`` the queries at ``query_positions`` attended: those the snapshot
     holds plus, for positions it no longer holds (a window that moved on), the rows the snapshots
     it descends from hold. A query that saw a key found nowhere is marked incomplete.
     ``values=False``: the keys alone (``v`` empty; a latent layer's values are part of its keys,
-    so they are read there)."""
+    so they are read there). ``pooled``: a layer reading pooled keys (1.8) has them appended
+    (`ContextKeys.pooled`); without it such a layer is refused (`refuse_pooled`)."""
     spec = snap.layers[layer].queries
     assert spec is not None
+    if not pooled:
+        refuse_pooled(spec, layer)
     kv = (
         snap.head(layer, kv_head, seq)
         if values or spec.latent
@@ -181,7 +216,40 @@ def context_keys(
     complete = complete_queries(spec, query_positions, missing)
     if spec.latent:  # 1.6: keys [latent; RoPE key], values the latent (SPEC 10.1)
         return ContextKeys(np.concatenate([k, v], axis=1), k, positions, complete)
-    return ContextKeys(k, v, positions, complete)
+    own = ContextKeys(k, v, positions, complete)
+    if spec.pooled is not None:
+        return _with_pooled(snap, spec.pooled, (kv_head, seq), query_positions, own, values)
+    return own
+
+
+def _with_pooled(
+    snap: Snapshot,
+    pooled: Pooled,
+    where: tuple[int, int],
+    query_positions: np.ndarray,
+    own: ContextKeys,
+    values: bool,
+) -> ContextKeys:
+    """``own`` keys followed by the pooled layer's (format 1.8): every row the snapshot holds of
+    KV head and sequence ``where``; a query whose whole groups are not all among them (groups
+    ``0 .. (p + 1) // ratio - 1``) is incomplete."""
+    kv_head, seq = where
+    found = snap.head(pooled.layer, kv_head, seq, values=values)
+    assert found is not None  # a present layer (the manifest's rule)
+    groups = (np.asarray(query_positions, np.int64) + 1) // pooled.ratio
+    # Held positions are increasing: groups 0 .. n-1 are all held where the n-th is at index n - 1.
+    held = np.ones(groups.size, bool)
+    some = groups > 0
+    at = groups[some] - 1
+    inside = at < found.positions.size
+    held[some] = inside & (found.positions[np.minimum(at, max(found.positions.size - 1, 0))] == at)
+    return ContextKeys(
+        np.concatenate([own.k, found.k]),
+        np.concatenate([own.v, found.v]) if values else own.v,
+        np.concatenate([own.positions, found.positions]),
+        own.complete & held,
+        pooled=int(found.positions.size),
+    )
 
 
 def _spans_text(positions: np.ndarray) -> str:
@@ -252,19 +320,32 @@ def visible(
     query_positions: np.ndarray,
     key_positions: np.ndarray,
     selection: np.ndarray | None = None,
+    pooled: int | None = None,
 ) -> np.ndarray:
     """``(n_queries, n_keys)`` bool: which keys each query attends (SPEC 10.1's mask);
-    ``selection``: the queries' `selected_rows` in a layer with key selections (1.7)."""
+    ``selection``: the queries' `selected_rows` in a layer with key selections (1.7).
+    ``pooled``: for a layer reading pooled keys (1.8), how many of the last keys are the pooled
+    layer's (`ContextKeys.pooled`); such a layer without it is refused (`refuse_pooled`)."""
+    if spec.pooled is not None and pooled is None:
+        refuse_pooled(spec, -1)
+    own = key_positions.size - (pooled or 0)
     p = query_positions[:, None]
-    j = key_positions[None, :]
+    j = key_positions[None, :own]
     mask = j <= p
     if spec.window is not None:
         mask &= (p - j < spec.window - spec.keep) | (j < spec.keep)
     if spec.chunk is not None:
         mask &= j // spec.chunk == p // spec.chunk
+    if spec.pooled is None:
+        if selection is not None:
+            mask &= _selected(selection, key_positions)
+        return mask
+    # 1.8: a pooled key g once its group is whole; a selection row names pooled keys only.
+    groups = key_positions[own:]
+    seen = (groups[None, :] + 1) * spec.pooled.ratio <= p + 1
     if selection is not None:
-        mask &= _selected(selection, key_positions)
-    return mask
+        seen &= _selected(selection, groups)
+    return np.concatenate([mask, seen], axis=1)
 
 
 def weights(
@@ -275,10 +356,11 @@ def weights(
     query_positions: np.ndarray,
     key_positions: np.ndarray,
     selection: np.ndarray | None = None,
+    pooled: int | None = None,
 ) -> np.ndarray:
     """The softmax weights ``(n_queries, n_keys)`` float32 of queries ``q`` ``(n, dim)`` over
     keys ``k`` ``(m, dim)`` for query head ``head`` (SPEC 10.1): `softmax` of `logits`."""
-    return softmax(spec, head, logits(spec, q, k, query_positions, key_positions, selection))
+    return softmax(spec, head, logits(spec, q, k, query_positions, key_positions, selection, pooled))
 
 
 def logits(
@@ -288,6 +370,7 @@ def logits(
     query_positions: np.ndarray,
     key_positions: np.ndarray,
     selection: np.ndarray | None = None,
+    pooled: int | None = None,
 ) -> np.ndarray:
     """``(n_queries, n_keys)`` float32: ``cap * tanh(q k^T * scale / cap)`` (without a softcap,
     ``q k^T * scale``), -inf where the query does not see the key (SPEC 10.1's mask). A column
@@ -301,7 +384,7 @@ def logits(
         out /= cap
         np.tanh(out, out=out)
         out *= cap
-    np.putmask(out, ~visible(spec, query_positions, key_positions, selection), np.float32(-np.inf))
+    np.putmask(out, ~visible(spec, query_positions, key_positions, selection, pooled), np.float32(-np.inf))
     return out
 
 
@@ -330,20 +413,20 @@ def softmax(spec: QuerySpec, head: int, logits: np.ndarray) -> np.ndarray:
 
 def _inputs(
     snap: Snapshot, layer: int, head: int, seq: int, queries: tuple[int, int] | range | None
-) -> tuple[QuerySpec, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Selection | None]:
+) -> tuple[QuerySpec, np.ndarray, np.ndarray, ContextKeys, Selection | None]:
     """The layer's queries description, the head's queries and positions, its KV head's keys,
-    values and positions (the keys those queries saw, `context_keys`; `MissingKeysError` for
-    queries that saw a key the file no longer holds), and the layer's key selections (`rows_for`
-    gives a block's)."""
+    values and positions (the keys those queries saw, `context_keys`, pooled keys included;
+    `MissingKeysError` for queries that saw a key the file no longer holds), and the layer's key
+    selections (`rows_for` gives a block's)."""
     if not isinstance(layer, int) or not 0 <= layer < snap.num_layers:
         raise OutOfRangeError(f"layer {layer} out of range 0..{snap.num_layers - 1}")
     spec = snap.layers[layer].queries
     found = snap.queries(layer, head, seq, positions=queries)
     if spec is None or found is None:
         raise NoQueriesError(f"layer {layer} holds no queries")
-    keys = context_keys(snap, layer, spec.kv_heads[head], seq, found.positions)
+    keys = context_keys(snap, layer, spec.kv_heads[head], seq, found.positions, pooled=True)
     refuse_incomplete(snap, layer, head, found.positions, keys.complete)
-    return spec, found.q, found.positions, keys.k, keys.v, keys.positions, snap.selection(layer, seq)
+    return spec, found.q, found.positions, keys, snap.selection(layer, seq)
 
 
 def check_selection(
@@ -370,12 +453,23 @@ def check_selection(
             f"head {head} (positions {_spans_text(found.positions)})"
         )
     if keys is not None:
+        _keys_of_own(spec, layer)
         held = context_keys(snap, layer, spec.kv_heads[head], seq, found.positions[chosen]).positions
         if not held[_within(keys, held)].size:
             raise OutOfRangeError(
                 f"--keys {_span_text(keys)} selects none of the keys these queries attend "
                 f"(positions {_spans_text(held)})"
             )
+
+
+def _keys_of_own(spec: QuerySpec, layer: int) -> None:
+    """`InvalidArgumentError`: ``keys=(start, stop)`` selects key positions, which a layer that
+    also reads pooled keys (format 1.8) has in two kinds."""
+    if spec.pooled is not None:
+        raise InvalidArgumentError(
+            f"layer {layer} also reads pooled keys (format 1.8): keys=(start, stop) is not defined there; "
+            "take the columns from Attention.key_positions and Attention.pooled_keys"
+        )
 
 
 def _span_text(span: tuple[int, int] | range) -> str:
@@ -402,13 +496,16 @@ def blocks(
     block: int = BLOCK,
 ) -> Iterator[Attention]:
     """`attention` a block of ``block`` queries at a time (memory: one block's map)."""
-    spec, q, q_positions, k, _v, k_positions, selection = _inputs(snap, layer, head, seq, queries)
+    spec, q, q_positions, context, selection = _inputs(snap, layer, head, seq, queries)
+    if keys is not None:
+        _keys_of_own(spec, layer)
+    k_positions, pooled = context.positions, context.pooled
     columns = _within(keys, k_positions)
     for start in range(0, q.shape[0], block):
         rows = slice(start, start + block)
         chosen = rows_for(selection, q_positions[rows])
-        found = weights(spec, head, q[rows], k, q_positions[rows], k_positions, chosen)
-        yield Attention(layer, head, seq, found[:, columns], q_positions[rows], k_positions[columns])
+        found = weights(spec, head, q[rows], context.k, q_positions[rows], k_positions, chosen, pooled)
+        yield Attention(layer, head, seq, found[:, columns], q_positions[rows], k_positions[columns], pooled)
 
 
 def attention(
@@ -422,7 +519,8 @@ def attention(
 ) -> Attention:
     """The attention weights of query head ``head`` of ``layer`` for the snapshot's queries at
     positions ``queries`` (``(start, stop)``, default all) over its keys (normalized over every
-    visible key; ``keys=(start, stop)`` returns only those columns)."""
+    visible key; ``keys=(start, stop)`` returns only those columns). A layer reading pooled keys
+    (1.8) has their columns last (`Attention.pooled_keys`)."""
     parts = list(blocks(snap, layer, head, queries=queries, keys=keys, seq=seq))
     if not parts:
         spec = snap.layers[layer].queries
@@ -438,6 +536,7 @@ def attention(
         np.concatenate([p.weights for p in parts]),
         np.concatenate([p.query_positions for p in parts]),
         parts[0].key_positions,
+        parts[0].pooled_keys,
     )
 
 
@@ -453,11 +552,12 @@ def attention_output(
     """``(output, positions)``: the attention output ``weights @ V`` ``(n_queries, v_dim)``
     float32 of query head ``head`` (what the kernel returned for it, before the output
     projection), a block of queries at a time."""
-    spec, q, q_positions, k, v, k_positions, selection = _inputs(snap, layer, head, seq, queries)
-    values = np.asarray(v, np.float32)
+    spec, q, q_positions, context, selection = _inputs(snap, layer, head, seq, queries)
+    values = np.asarray(context.v, np.float32)
     out = np.empty((q.shape[0], values.shape[1]), np.float32)
     for start in range(0, q.shape[0], block):
         rows = slice(start, start + block)
-        chosen = rows_for(selection, q_positions[rows])
-        out[rows] = weights(spec, head, q[rows], k, q_positions[rows], k_positions, chosen) @ values
+        at, chosen = q_positions[rows], rows_for(selection, q_positions[rows])
+        found = weights(spec, head, q[rows], context.k, at, context.positions, chosen, context.pooled)
+        out[rows] = found @ values
     return out, q_positions

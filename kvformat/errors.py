@@ -120,6 +120,12 @@ class WriterClosedError(UsageError):
     """A `kvformat.Writer` used after it was closed."""
 
 
+class PooledKeysError(UsageError):
+    """A computation over a layer's own keys asked of a layer whose queries also read pooled
+    keys (format 1.8, DeepSeek-V4.1): it would leave those keys out. `kvformat.Snapshot`'s
+    ``attention`` and ``attention_output`` compute such a layer's attention."""
+
+
 class NoQueriesError(UsageError):
     """Attention was asked of a layer or file that holds no queries: capture with ``--queries``
     (``queries=...``)."""

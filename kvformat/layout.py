@@ -28,9 +28,7 @@ MAGIC = sniff.KV
 FOOTER_MAGIC = b"KVSINDEX"
 DESCRIPTOR_MAGIC = b"KVCK"
 MAJOR = 1
-MINOR = (
-    7  # what this reader implements; the writer writes 2, 3 for a file with queries (1.3), 7 with selections
-)
+MINOR = 8  # what this reader implements; written: 2, 3 with queries, 7 with selections, 8 pooled keys
 LAST_STRICT_MINOR = 6  # up to 1.6 every unknown record kind is corrupt; from 1.7, features define kinds (5.2)
 ALIGN = 64
 HEADER_SIZE = 64

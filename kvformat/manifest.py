@@ -20,15 +20,29 @@ from kvformat.layout import MAX_HEAD_SEQUENCES, MAX_HEADS, MAX_LAYERS, MAX_POSIT
 from kvformat.quantization import Quantization
 
 # Features this implementation understands (SPEC section 14): 1.2 defines "append-chunks", 1.3
-# "queries", 1.6 "chunked-attention" and "latent-attention", 1.7 "sparse-attention"; a file that
-# lists an unknown name under "required_features" is rejected.
+# "queries", 1.6 "chunked-attention" and "latent-attention", 1.7 "sparse-attention", 1.8
+# "pooled-attention"; a file that lists an unknown name under "required_features" is rejected.
 QUERIES = "queries"
 CHUNKED_ATTENTION = "chunked-attention"
 LATENT_ATTENTION = "latent-attention"
 SPARSE_ATTENTION = "sparse-attention"
+POOLED_ATTENTION = "pooled-attention"
 KNOWN_FEATURES: frozenset[str] = frozenset(
-    {"append-chunks", QUERIES, CHUNKED_ATTENTION, LATENT_ATTENTION, SPARSE_ATTENTION}
+    {"append-chunks", QUERIES, CHUNKED_ATTENTION, LATENT_ATTENTION, SPARSE_ATTENTION, POOLED_ATTENTION}
 )
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """Pooled keys a layer's queries also read (format 1.8, DeepSeek-V4.1's compressed
+    attention): layer ``layer``'s row at position ``g`` pools the ``ratio`` token positions from
+    ``g * ratio``, and a query at ``p`` sees it once its group is whole, ``(g + 1) * ratio <= p + 1``."""
+
+    layer: int
+    ratio: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layer": self.layer, "ratio": self.ratio}
 
 
 @dataclass(frozen=True)
@@ -47,7 +61,10 @@ class QuerySpec:
     ``scale * (q_c . c_j + q_r . r_j)`` and output ``sum_j w_j c_j`` (``k_dim`` wide).
     ``selection`` (1.7, sparse attention as DeepSeek-V3.2's indexer chooses keys): the width of
     the layer's selection rows; a query with a row sees only the visible keys its row names
-    (one row per position, shared by every query head), a query without one every visible key."""
+    (one row per position, shared by every query head), a query without one every visible key.
+    ``pooled`` (1.8, DeepSeek-V4.1): besides its own layer's visible keys, a query reads the
+    whole groups of another layer's pooled keys (`Pooled`), one softmax over both; a selection
+    row then names pooled keys (the indexer's top-k groups), never the layer's own."""
 
     num_heads: int
     dim: int
@@ -61,6 +78,7 @@ class QuerySpec:
     chunk: int | None = None
     latent: bool = False
     selection: int | None = None
+    pooled: Pooled | None = None
 
     def to_json(self) -> dict[str, Any]:
         document: dict[str, Any] = {
@@ -80,6 +98,8 @@ class QuerySpec:
             document["latent"] = True
         if self.selection is not None:
             document["selection"] = self.selection
+        if self.pooled is not None:
+            document["pooled"] = self.pooled.to_json()
         return document
 
     def check(self, kv_heads: int, dims: tuple[int, int] | None = None) -> None:
@@ -98,6 +118,21 @@ class QuerySpec:
         self._check_logits()
         self._check_latent(dims)
         self._check_selection()
+        self._check_pooled()
+
+    def _check_pooled(self) -> None:
+        """``pooled`` null or a layer in ``0 .. 2^16`` and a ratio in ``1 .. 2^53``; never with
+        latent attention."""
+        if self.pooled is None:
+            return
+        layer, ratio = self.pooled.layer, self.pooled.ratio
+        if not (_is_int(layer) and 0 <= layer < MAX_LAYERS and _is_int(ratio) and 1 <= ratio <= MAX_POSITION):
+            raise InvalidLayoutError(
+                f"queries pooled must name a layer in 0..{MAX_LAYERS - 1} and a ratio in 1..2^53, got "
+                f"{self.pooled.to_json()}"
+            )
+        if self.latent:
+            raise InvalidLayoutError("queries pooled and latent cannot both be set")
 
     def _check_selection(self) -> None:
         """``selection`` null or a row width in ``1 .. 2^20``."""
@@ -201,6 +236,18 @@ def _optional_int(obj: dict[str, Any], key: str, where: str) -> int | None:
     return value
 
 
+def _pooled(obj: dict[str, Any], where: str) -> Pooled | None:
+    """A ``queries`` object's ``pooled`` (1.8): absent means none; else an object of two
+    integers ``layer`` and ``ratio`` (their ranges are `QuerySpec.check`'s; null is corrupt: the
+    key is typed "object")."""
+    if "pooled" not in obj:
+        return None
+    value = obj["pooled"]
+    if not isinstance(value, dict) or not all(_is_int(value.get(key)) for key in ("layer", "ratio")):
+        raise CorruptFileError(f"{where} queries: 'pooled' must be an object of integers 'layer' and 'ratio'")
+    return Pooled(int(value["layer"]), int(value["ratio"]))
+
+
 def _latent(obj: dict[str, Any], where: str) -> bool:
     """A ``queries`` object's ``latent`` (1.6): absent means false; else true or false."""
     value = obj.get("latent", False)
@@ -251,6 +298,7 @@ def parse_queries(
         chunk=_optional_int(obj, "chunk", where),
         latent=_latent(obj, where),
         selection=_optional_int(obj, "selection", where),
+        pooled=_pooled(obj, where),
     )
     try:
         spec.check(kv_heads, dims)
@@ -428,7 +476,31 @@ def parse_manifest(obj: Any) -> Manifest:
     )
     check_head_sequences(manifest.layers, manifest.num_seqs, LimitExceededError)
     _check_features_declared(manifest.layers, required)
+    try:
+        check_pooled_layers(manifest.layers)
+    except ValueError as exc:
+        raise CorruptFileError(str(exc)) from None
     return manifest
+
+
+def check_pooled_layers(layers: list[LayerSpec]) -> None:
+    """`InvalidLayoutError` unless every present layer whose queries read pooled keys names
+    another present layer of as many KV heads and the same K and V head dims (SPEC 10.1, 1.8)."""
+    for index, layer in enumerate(layers):
+        pooled = layer.queries.pooled if layer.present and layer.queries is not None else None
+        if pooled is None:
+            continue
+        source = layers[pooled.layer] if pooled.layer < len(layers) else None
+        if (
+            pooled.layer == index
+            or source is None
+            or not source.present
+            or (source.num_heads, source.k_dim, source.v_dim) != (layer.num_heads, layer.k_dim, layer.v_dim)
+        ):
+            raise InvalidLayoutError(
+                f"layer {index} queries: 'pooled' names layer {pooled.layer}, which is not another present "
+                "layer of as many KV heads and the same K and V head dims"
+            )
 
 
 def _check_features_declared(layers: list[LayerSpec], required: list[str]) -> None:
@@ -440,6 +512,7 @@ def _check_features_declared(layers: list[LayerSpec], required: list[str]) -> No
         (any(q.chunk is not None for q in queries), CHUNKED_ATTENTION, "chunked attention"),
         (any(q.latent for q in queries), LATENT_ATTENTION, "latent attention"),
         (any(q.selection is not None for q in queries), SPARSE_ATTENTION, "sparse attention"),
+        (any(q.pooled is not None for q in queries), POOLED_ATTENTION, "pooled attention"),
     ):
         if used and feature not in required:
             raise CorruptFileError(
@@ -448,9 +521,12 @@ def _check_features_declared(layers: list[LayerSpec], required: list[str]) -> No
 
 
 def format_minor(manifest: Manifest) -> int:
-    """The minor version a writer writes: 7 for a file with key selections (feature
-    ``sparse-attention``), 3 for a file with queries (feature ``queries``), else 2, so that files
-    without them stay byte for byte what a 1.2 or 1.3 writer writes."""
+    """The minor version a writer writes: 8 for a file with pooled keys (feature
+    ``pooled-attention``), 7 for one with key selections (``sparse-attention``), 3 for a file
+    with queries (``queries``), else 2, so that files without them stay byte for byte what a
+    1.2, 1.3 or 1.7 writer writes."""
+    if POOLED_ATTENTION in manifest.required_features:
+        return 8
     if SPARSE_ATTENTION in manifest.required_features:
         return 7
     return 3 if QUERIES in manifest.required_features else 2

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvformat.errors import InvalidArgumentError, InvalidArrayError, InvalidLayoutError
 from kvformat.layout import MAX_CHUNK_DECODED, MAX_POSITION
-from kvformat.manifest import LayerSpec, check_head_sequences
+from kvformat.manifest import LayerSpec, check_head_sequences, check_pooled_layers
 
 
 def as_positions(positions: Any, count: int) -> np.ndarray:
@@ -95,6 +95,7 @@ def checked_layout(layers: Sequence[LayerSpec | None], num_seqs: int, chunk_byte
     if not isinstance(num_seqs, int) or num_seqs < 1:
         raise InvalidArgumentError(f"num_seqs must be a positive integer, got {num_seqs!r}")
     check_head_sequences(specs, num_seqs, InvalidLayoutError)
+    check_pooled_layers(specs)
     if not 1 <= chunk_bytes <= MAX_CHUNK_DECODED:
         raise InvalidArgumentError(f"chunk_bytes must be in 1..{MAX_CHUNK_DECODED}")
     return specs

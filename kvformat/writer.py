@@ -57,6 +57,7 @@ from kvformat.layout import (
 from kvformat.manifest import (
     CHUNKED_ATTENTION,
     LATENT_ATTENTION,
+    POOLED_ATTENTION,
     QUERIES,
     SPARSE_ATTENTION,
     LayerSpec,
@@ -110,6 +111,7 @@ def _required_features(specs: Sequence[LayerSpec], given: Sequence[str]) -> list
         (CHUNKED_ATTENTION, any(q.chunk is not None for q in queries)),
         (LATENT_ATTENTION, any(q.latent for q in queries)),
         (SPARSE_ATTENTION, any(q.selection is not None for q in queries)),
+        (POOLED_ATTENTION, any(q.pooled is not None for q in queries)),
     )
     features += [name for name, wanted in needed if wanted and name not in features]
     return features

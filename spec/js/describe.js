@@ -33,7 +33,7 @@ function fail(category, message) {
 }
 
 // -- limits and codes (sections 4-10, 13) ------------------------------------------------------
-const MINOR = 7;  // the version this reader implements
+const MINOR = 8;  // the version this reader implements
 const LAST_STRICT_MINOR = 6;  // unknown record kinds are refused in files up to this minor (5.2)
 const MAGIC = Buffer.from([0x89, 0x4b, 0x56, 0x53, 0x0d, 0x0a, 0x1a, 0x0a]);
 const MAX_CHUNK_COUNT = 2 ** 28;
@@ -50,7 +50,9 @@ const K = 0, V = 1, ARRAY = 2, Q = 3, SELECTION = 4, MANIFEST = 16, SNAPSHOT = 1
 const DTYPES = { 1: ["float32", 4], 2: ["float16", 2], 3: ["bfloat16", 2], 4: ["int32", 4] };  // int32: selections only
 const DTYPE_CODES = { float32: 1, float16: 2, bfloat16: 3 };
 const CODECS = [0, 1, 2];
-const FEATURES = new Set(["append-chunks", "queries", "chunked-attention", "latent-attention", "sparse-attention"]);
+const FEATURES = new Set([
+  "append-chunks", "queries", "chunked-attention", "latent-attention", "sparse-attention", "pooled-attention",
+]);
 const BITS = [2, 4, 8];
 const GROUP_SIZES = [32, 64, 128];
 
@@ -281,6 +283,7 @@ function parseQueries(q, where, kvHeads, dims) {
     chunk: get(q, "chunk", null),  // 1.6
     latent: get(q, "latent", false),  // 1.6
     selection: get(q, "selection", null),  // 1.7
+    pooled: parsePooled(q, where),  // 1.8
   };
   const chunk = spec.chunk;
   if (chunk !== null && !isInt(chunk)) fail(CORRUPT, "queries chunk");
@@ -298,7 +301,22 @@ function parseQueries(q, where, kvHeads, dims) {
   if (spec.latent && dims && spec.dim !== dims[0] + dims[1]) bad("latent dim");
   if (spec.selection !== null && (spec.selection < 1n || spec.selection > BigInt(MAX_WIDTH))) bad("selection");
   if (spec.selection !== null) spec.selection = Number(spec.selection);
+  const pooled = spec.pooled;
+  if (pooled !== null && (pooled.layer < 0n || pooled.layer >= BigInt(MAX_LAYERS) || pooled.ratio < 1n
+    || pooled.ratio > BigInt(MAX_POSITION))) bad("pooled");
+  if (pooled !== null && spec.latent) bad("pooled and latent");
+  if (pooled !== null) spec.pooled = { layer: Number(pooled.layer), ratio: Number(pooled.ratio) };
   return spec;
+}
+
+// 1.8: pooled keys another layer holds (an object of two integers; null is no absence)
+function parsePooled(q, where) {
+  if (!q.has("pooled")) return null;
+  const p = q.get("pooled");
+  if (!(p instanceof Map) || !isInt(get(p, "layer")) || !isInt(get(p, "ratio"))) {
+    fail(CORRUPT, `${where}: queries 'pooled' must be an object of integers 'layer' and 'ratio'`);
+  }
+  return { layer: p.get("layer"), ratio: p.get("ratio") };
 }
 
 function parseLayer(obj, index) {
@@ -370,6 +388,17 @@ function parseManifest(obj) {
   if (layers.some((l) => l.present && l.queries && l.queries.selection !== null) && !required.includes("sparse-attention")) {
     fail(CORRUPT, "sparse attention not required");
   }
+  if (layers.some((l) => l.present && l.queries && l.queries.pooled !== null) && !required.includes("pooled-attention")) {
+    fail(CORRUPT, "pooled attention not required");
+  }
+  // 1.8: the pooled layer is another present layer of as many KV heads and the same head dims
+  layers.forEach((l, index) => {
+    const pooled = l.present && l.queries ? l.queries.pooled : null;
+    if (pooled === null) return;
+    const source = layers[pooled.layer];
+    if (pooled.layer === index || !source || !source.present || source.num_heads !== l.num_heads
+      || source.k_dim !== l.k_dim || source.v_dim !== l.v_dim) fail(CORRUPT, `layer ${index}: queries 'pooled' layer`);
+  });
   return manifest;
 }
 
@@ -836,6 +865,7 @@ function layerJson(layer) {
     if (q.chunk !== null) out.queries.chunk = q.chunk;
     if (q.latent) out.queries.latent = true;
     if (q.selection !== null) out.queries.selection = q.selection;
+    if (q.pooled !== null) out.queries.pooled = { layer: q.pooled.layer, ratio: q.pooled.ratio };
   }
   return out;
 }

@@ -23,7 +23,7 @@ import numpy as np
 import kvformat
 from kvformat.checksum import crc32c
 from kvformat.layout import DESCRIPTOR_DTYPE, DESCRIPTOR_SIZE, FOOTER_SIZE, KIND_SNAPSHOT, Footer
-from kvformat.manifest import QuerySpec
+from kvformat.manifest import Pooled, QuerySpec
 from kvformat.quantization import Quantization
 from kvformat.rewrite import as_triples, empty_chunks, rebuild_index
 from kvsnap.cli.conformance import describe
@@ -213,6 +213,59 @@ def queries_sparse(path: Path) -> None:
         writer.snapshot({"step": 1})
 
 
+def queries_pooled(path: Path) -> None:
+    """1.8: pooled keys (DeepSeek-V4.1's compressed attention): layer 0 holds 10 keys and a window
+    of 4, with sinks; three query heads read KV head 0 there and, in one softmax, layer 1's pooled
+    keys (5 groups of 2 positions, group g whole from position 2g + 1); selection rows 2 wide from
+    position 3 name groups (position 4's names group 3, not yet whole; positions 0..2 read every
+    whole group), over two snapshots, with the required feature ``pooled-attention``."""
+    k, v = _kv(31, 1, 10, 8, 8, np.float32)
+    pooled_k, pooled_v = _kv(32, 1, 5, 8, 8, np.float32)
+    q = _rng(33).standard_normal((3, 10, 8)).astype(np.float32)
+    spec = QuerySpec(
+        num_heads=3,
+        dim=8,
+        dtype=kvformat.FLOAT32,
+        scale=0.3,
+        kv_heads=(0, 0, 0),
+        window=4,
+        sinks=(0.5, -1.0, 0.0),
+        selection=2,
+        pooled=Pooled(layer=1, ratio=2),
+    )
+    layers = [
+        kvformat.LayerSpec(1, 8, 8, kvformat.FLOAT32, {"kind": "sliding", "window": 4}, queries=spec),
+        kvformat.LayerSpec(1, 8, 8, kvformat.FLOAT32, {"kind": "pooled", "ratio": 2}),
+    ]
+    rows = np.array([[0, 1], [1, 3], [0, 2], [1, 2], [2, 3], [0, 3], [3, 4]])
+    with kvformat.Writer(path, layers) as writer:
+        writer.append(0, k[:, :6], v[:, :6])
+        writer.append(1, pooled_k[:, :3], pooled_v[:, :3])
+        writer.append_queries(0, q[:, :6], np.arange(6))
+        writer.append_selection(0, rows[:3], np.arange(3, 6))
+        writer.snapshot({"step": 0})
+        writer.append(0, k[:, 6:], v[:, 6:])
+        writer.append(1, pooled_k[:, 3:], pooled_v[:, 3:], np.arange(3, 5))
+        writer.append_queries(0, q[:, 6:], np.arange(6, 10))
+        writer.append_selection(0, rows[3:], np.arange(6, 10))
+        writer.snapshot({"step": 1})
+
+
+def _pooled_source(out: Path) -> Path:
+    """The golden ``queries-pooled.kv`` beside ``bad/``."""
+    return out.parent.parent / "queries-pooled.kv"
+
+
+def _pooled_in_absent_layer(out: Path) -> None:
+    """queries-pooled.kv whose ``pooled`` names a third layer, absent."""
+
+    def edit(document: dict[str, Any]) -> None:
+        document["manifest"]["layers"].append({"present": False, "attributes": {}})
+        document["manifest"]["layers"][0]["queries"]["pooled"] = {"layer": 2, "ratio": 2}
+
+    rebuild_index(_pooled_source(out), out, edit_json=edit)
+
+
 def _raw_selection(path: Path, rows: np.ndarray, positions: np.ndarray, *, twice: bool = False) -> None:
     """A file of one sparse layer whose selection chunk holds ``rows`` exactly as given
     (bypassing the writer's sorting and checks); ``twice``: the chunk written twice."""
@@ -329,7 +382,7 @@ def _queries_key(**changes: object) -> Callable[[dict[str, Any]], None]:
             if value is None:
                 spec.pop(key, None)
             else:
-                spec[key] = value
+                spec[key] = None if value == "null" else value
 
     return edit
 
@@ -405,6 +458,12 @@ VECTORS: list[tuple[str, str, Callable[[Path], None]]] = [
         "queries-sparse.kv",
         "1.7: sparse attention, queries 'selection' 3, selection chunks and the required feature",
         queries_sparse,
+    ),
+    (
+        "queries-pooled.kv",
+        "1.8: pooled keys, queries 'pooled' (layer 1, ratio 2) with a window, sinks and selection "
+        "rows naming groups, and the required feature",
+        queries_pooled,
     ),
     ("queries.kv", "format 1.3 queries: GQA, window with keep, sinks, two snapshots", queries),
     # SPEC 1.4 clarifications: one vector for each reading that could go either way.
@@ -907,6 +966,36 @@ BAD: list[tuple[str, str, Callable[[Path, Path], None]]] = [
         lambda s, o: _raw_selection(o, np.array([[0, 1, 3], [0, 1, 2]]), np.arange(4, 6), twice=True),
     ),
     (
+        "queries-pooled-without-feature.kv",
+        "1.8: queries-pooled.kv without 'pooled-attention' in required_features (a reader that "
+        "ignored 'pooled' would leave keys out of the softmax): corrupt",
+        _without_feature("queries-pooled.kv"),
+    ),
+    (
+        "queries-pooled-null.kv",
+        "1.8: queries-pooled.kv with 'pooled' null (the key is typed object): corrupt",
+        lambda s, o: rebuild_index(_pooled_source(o), o, edit_json=_queries_key(pooled="null")),
+    ),
+    (
+        "queries-pooled-ratio-zero.kv",
+        "1.8: queries-pooled.kv with 'pooled' ratio 0 (outside 1..2^53): corrupt",
+        lambda s, o: rebuild_index(
+            _pooled_source(o), o, edit_json=_queries_key(pooled={"layer": 1, "ratio": 0})
+        ),
+    ),
+    (
+        "queries-pooled-self.kv",
+        "1.8: queries-pooled.kv whose 'pooled' names its own layer 0: corrupt",
+        lambda s, o: rebuild_index(
+            _pooled_source(o), o, edit_json=_queries_key(pooled={"layer": 0, "ratio": 2})
+        ),
+    ),
+    (
+        "queries-pooled-absent.kv",
+        "1.8: queries-pooled.kv whose 'pooled' names a layer that is absent: corrupt",
+        lambda s, o: _pooled_in_absent_layer(o),
+    ),
+    (
         "index-offset-below-64.kv",
         "footer index_offset 0: aligned, but inside the header (R4: corrupt, as a misaligned one)",
         lambda s, o: rebuild_index(s, o, footer={"index_offset": 0}),
@@ -1006,12 +1095,12 @@ def _query_head(value: int) -> Callable[[np.ndarray], None]:
 
 
 def newer_minor(directory: Path) -> Callable[[Path], None]:
-    """Version 1.8 of the format with an unknown optional feature and unknown JSON keys: a 1.0
+    """Version 1.9 of the format with an unknown optional feature and unknown JSON keys: a 1.0
     reader must read it (SPEC section 14)."""
 
     def build(path: Path) -> None:
         source = path.with_suffix(".tmp")
-        _patched(directory / "optional-feature.kv", source, 10, struct.pack("<H", 8), header_crc=True)
+        _patched(directory / "optional-feature.kv", source, 10, struct.pack("<H", 9), header_crc=True)
 
         def extend(document: dict[str, Any]) -> None:
             document["manifest"]["optional_features"] = ["x-future-hint", "x-attention-stats"]
@@ -1043,14 +1132,14 @@ def generate(directory: Path) -> dict[str, object]:
         *VECTORS,
         (
             "newer-minor.kv",
-            "format 1.8, unknown optional feature and keys: must read",
+            "format 1.9, unknown optional feature and keys: must read",
             newer_minor(directory),
         ),
         ("older-minor.kv", "format 1.0 (before the 1.1 rules): must read", older_minor(directory)),
         (
             "newer-minor-unknown-record.kv",
-            "format 1.8 with a record of kind 20 in the stream: ignored (section 5.2)",
-            lambda path: _unknown_record(directory / "float32-raw.kv", path, 8),
+            "format 1.9 with a record of kind 20 in the stream: ignored (section 5.2)",
+            lambda path: _unknown_record(directory / "float32-raw.kv", path, 9),
         ),
         ("series-1.1.kv", "series.kv as format 1.1 wrote it: appends as triples", older_series(directory)),
     ]
@@ -1068,7 +1157,7 @@ def generate(directory: Path) -> dict[str, object]:
         if "error" not in expect:
             raise AssertionError(f"bad vector {name} reads as valid")
         entries.append({"file": f"bad/{name}", "covers": breaks, "expect": expect})
-    manifest = {"format_version": [1, 7], "hash": "sha256", "vectors": entries}
+    manifest = {"format_version": [1, 8], "hash": "sha256", "vectors": entries}
     (directory / "manifest.json").write_text(
         json.dumps(manifest, indent=1, ensure_ascii=False) + "\n", "utf-8"
     )

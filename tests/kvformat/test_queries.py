@@ -306,3 +306,75 @@ def test_selections_are_written_sorted_checked_and_need_their_feature(tmp_path: 
         patch.setattr(manifest, "KNOWN_FEATURES", known)
         with pytest.raises(kvformat.UnsupportedFeatureError, match="sparse-attention"):
             kvformat.open(path)
+
+
+POOLED_VECTOR = Path(__file__).resolve().parents[2] / "spec" / "vectors" / "queries-pooled.kv"
+
+
+def test_pooled_attention_reads_the_window_and_the_whole_selected_groups_as_the_spec_says() -> None:
+    """SPEC 10.1 (1.8): a query at p attends its own layer's keys j with p - j < window and,
+    in the same softmax (sinks included), layer 1's groups g with (g + 1) * ratio <= p + 1 that
+    its selection row names (every whole group without a row); held to numpy in float64
+    (vector queries-pooled.kv: window 4, ratio 2, rows from position 3)."""
+    with kvformat.open(POOLED_VECTOR) as snap:
+        spec = snap.layers[0].queries
+        assert spec is not None and spec.pooled == kvformat.Pooled(1, 2) and snap.version == (1, 8)
+        assert spec.sinks is not None
+        chosen = snap.selection(0)
+        assert chosen is not None
+        rows = {int(p): set(r.tolist()) for p, r in zip(chosen.positions, chosen.rows, strict=True)}
+        own, pooled = snap.head(0, 0), snap.head(1, 0)
+        assert own is not None and pooled is not None and pooled.positions.tolist() == [0, 1, 2, 3, 4]
+        for query_head in range(spec.num_heads):
+            found = snap.queries(0, query_head)
+            assert found is not None
+            result = snap.attention(0, query_head)
+            assert result.pooled_keys == 5
+            assert result.key_positions.tolist() == [*range(10), *range(5)]
+            output, _ = snap.attention_output(0, query_head)
+            sink = spec.sinks[query_head]
+            for row, p in enumerate(found.positions.tolist()):
+                mine = [j for j in range(10) if j <= p and p - j < 4]
+                groups = [g for g in range(5) if (g + 1) * 2 <= p + 1 and (p not in rows or g in rows[p])]
+                keys = np.concatenate([own.k[mine], pooled.k[groups]]).astype(np.float64)
+                values = np.concatenate([own.v[mine], pooled.v[groups]]).astype(np.float64)
+                logits = spec.scale * keys @ found.q[row].astype(np.float64)
+                top = max(logits.max(), sink)
+                expected = np.exp(logits - top) / (np.exp(logits - top).sum() + np.exp(sink - top))
+                columns = mine + [10 + g for g in groups]
+                np.testing.assert_allclose(result.weights[row, columns], expected, rtol=1e-5)
+                assert np.count_nonzero(result.weights[row]) == len(columns)
+                np.testing.assert_allclose(output[row], expected @ values, rtol=1e-5, atol=1e-6)
+        # A computation over the layer's own keys alone is refused, never quietly short.
+        with pytest.raises(kvformat.errors.PooledKeysError, match="pooled keys"):
+            attention.context_keys(snap, 0, 0, 0, found.positions)
+        with pytest.raises(kvformat.errors.PooledKeysError):
+            attention.visible(spec, found.positions, own.positions)
+        with pytest.raises(kvformat.errors.InvalidArgumentError, match=r"keys=\(start, stop\) is not"):
+            snap.attention(0, 0, keys=(0, 4))
+
+
+def test_pooled_keys_need_another_present_layer_of_the_same_shape(tmp_path: Path) -> None:
+    """The writer refuses what a reader would refuse (SPEC 10.1, 1.8), and writes minor 8 with
+    the feature ``pooled-attention``."""
+    pooled = QuerySpec(2, 8, kvformat.FLOAT32, 0.25, (0, 0), pooled=kvformat.Pooled(1, 4))
+    layer = kvformat.LayerSpec(1, 8, 8, kvformat.FLOAT32, queries=pooled)
+    for others, why in (
+        ([kvformat.LayerSpec.absent()], "not another present layer"),
+        ([kvformat.LayerSpec(1, 8, 4, kvformat.FLOAT32)], "same K and V head dims"),
+        ([], "not another present layer"),
+    ):
+        with pytest.raises(kvformat.errors.InvalidLayoutError, match=why):
+            kvformat.Writer(tmp_path / "bad.kv", [layer, *others])
+    self_pooled = QuerySpec(2, 8, kvformat.FLOAT32, 0.25, (0, 0), pooled=kvformat.Pooled(0, 4))
+    with pytest.raises(kvformat.errors.InvalidLayoutError):
+        kvformat.Writer(
+            tmp_path / "self.kv", [kvformat.LayerSpec(1, 8, 8, kvformat.FLOAT32, queries=self_pooled)]
+        )
+    with kvformat.Writer(
+        tmp_path / "good.kv", [layer, kvformat.LayerSpec(1, 8, 8, kvformat.FLOAT32)]
+    ) as writer:
+        writer.snapshot()
+    with kvformat.open(tmp_path / "good.kv") as snap:
+        assert snap.version == (1, 8)
+        assert "pooled-attention" in snap._file.manifest.required_features

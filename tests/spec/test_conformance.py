@@ -63,10 +63,10 @@ def test_vectors_are_small_and_cover_the_features() -> None:
     }
     assert listed == on_disk  # every vector file is in the manifest, and only those
     results = run(VECTORS)
-    assert len(results) == len(manifest["vectors"]) == 89
+    assert len(results) == len(manifest["vectors"]) == 95
     assert all(r.passed for r in results), [r for r in results if not r.passed]
     expectations = [entry["expect"] for entry in manifest["vectors"]]
-    assert sum("error" in e for e in expectations) == 62  # hostile vectors, each with its error class
+    assert sum("error" in e for e in expectations) == 67  # hostile vectors, each with its error class
 
 
 def test_series_as_triples_and_as_ranges_describe_alike() -> None:
@@ -79,7 +79,7 @@ def test_series_as_triples_and_as_ranges_describe_alike() -> None:
 def test_reader_command_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     reader = f"{sys.executable} -m kvsnap.cli describe"
     assert main(["conformance", str(VECTORS), "--reader", reader, "--batch"]) == 0  # one process
-    assert capsys.readouterr().out.splitlines()[-1].startswith("89/89 passed")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("95/95 passed")
     few = _few_vectors(
         tmp_path / "few", ["float32-raw.kv", "series.kv", "bad/truncated-footer.kv", "bad/zero-heads.kv"]
     )
@@ -249,5 +249,5 @@ def test_gold_files_are_never_rewritten() -> None:
     assert sorted(on_disk) == sorted(sums)
     for name, path in on_disk.items():
         assert hashlib.sha256(path.read_bytes()).hexdigest() == sums[name], f"gold file {name} was rewritten"
-    assert GOLD_VERSIONS == ["1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7"]
+    assert GOLD_VERSIONS == ["1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8"]
     assert f"{kvformat.FORMAT_VERSION[0]}.{kvformat.FORMAT_VERSION[1]}" in GOLD_VERSIONS

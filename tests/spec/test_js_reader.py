@@ -60,6 +60,7 @@ def js_describe(paths: list[Path]) -> list[dict[str, object]]:
         "gold/1.5",
         "gold/1.6",
         "gold/1.7",
+        "gold/1.8",
         "fuzz",
     ],
 )
