@@ -163,7 +163,7 @@ class _Kernel:
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, Any, Any]] = []
-        self._saved: list[tuple[Any, Any]] = []
+        self._saved: list[tuple[Any, ...]] = []
         self._own: list[tuple[type, Any]] = []
 
     def __enter__(self) -> _Kernel:
@@ -180,6 +180,17 @@ class _Kernel:
             if getattr(module, "scaled_dot_product_attention", None) is original:
                 self._saved.append((module, original))
                 setattr(module, "scaled_dot_product_attention", recorded)  # noqa: B010
+        compressed = sys.modules.get("mlx_lm.models.deepseek_v41")
+        if compressed is not None:  # DeepSeek-V4.1's own sparse attention: (B, S, H, D) in and out
+            sparse = getattr(compressed, "_sparse_attention")  # noqa: B009 - a model module
+
+            def recorded_sparse(q: Any, kvs: Any, indices: Any, **kwargs: Any) -> Any:
+                out = sparse(q, kvs, indices, **kwargs)
+                self.calls.append((q.transpose(0, 2, 1, 3), kvs[0], out.transpose(0, 2, 1, 3)))
+                return out
+
+            self._saved.append((compressed, sparse, "_sparse_attention"))
+            setattr(compressed, "_sparse_attention", recorded_sparse)  # noqa: B010 - a model module
         for name in OWN_ATTENTION:
             where, _, qualname = name.rpartition(".")
             kind = getattr(sys.modules.get(where), qualname, None)
@@ -212,8 +223,8 @@ class _Kernel:
         return attention
 
     def __exit__(self, *exc: object) -> None:
-        for module, original in self._saved:
-            setattr(module, "scaled_dot_product_attention", original)  # noqa: B010
+        for module, original, *name in self._saved:
+            setattr(module, name[0] if name else "scaled_dot_product_attention", original)
         for kind, call in reversed(self._own):
             kind.__call__ = call
 
@@ -410,7 +421,8 @@ def markdown(results: list[Result]) -> str:
         f"the same model run on the first {len(PROMPT) // 2} prompt tokens with every query "
         'captured (`queries="all"`, a snapshot every token), each call of mlx-lm\'s attention '
         "function (hooked; for a module that computes attention itself, Gemma 2's and PLaMo 2's, "
-        "what reaches its output projection) compared with attention recomputed from the file "
+        "what reaches its output projection; DeepSeek-V4.1's sparse attention over its window and "
+        "the pooled groups its indexer chose, format 1.8) compared with attention recomputed from the file "
         "(`Snapshot.attention_output`), relative error at most 1e-5 (absorbed latent attention: "
         "its decode calls, which attend the latents the file holds, or with sparse attention "
         "(DeepSeek-V3.2, GLM-5) the keys its indexer selected, which the file records; the "

@@ -213,28 +213,77 @@ def kv_sub_caches(cache: Any) -> list[int]:
     return [i for i, c in enumerate(inner) if CACHE_CLASSES[c].holds_kv]
 
 
-def file_caches(prompt_cache: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
+def file_caches(prompt_cache: list[Any], model: Any = None) -> list[tuple[Any, dict[str, Any]]]:
     """The cache object behind every layer of the file, with the attributes that place it: the
     model's caches in order (layer ``i`` of the file is the model's cache ``i``), then every
     further K/V cache of a `CacheList` (a sparse-attention indexer's keys, a second attention
-    block), as a file layer of its own with ``of_layer`` and ``sub_cache`` (SPEC 15.2)."""
+    block), as a file layer of its own with ``of_layer`` and ``sub_cache`` (SPEC 15.2), then,
+    with the ``model``, the keys a deepseek_v41 `LayerCache` holds as state (`key_views`)."""
     layers: list[tuple[Any, dict[str, Any]]] = [(cache, {}) for cache in prompt_cache]
     for index, cache in enumerate(prompt_cache):
         if type(cache).__name__ == "CacheList":
             for sub in kv_sub_caches(cache)[1:]:
                 layers.append((cache.caches[sub], {"of_layer": index, "sub_cache": sub}))
-    return layers
+    return layers + key_views(prompt_cache, model)
+
+
+def compressed_attention(model: Any) -> list[Any]:
+    """Per layer, deepseek_v41's attention module (compressed sparse attention over a
+    `LayerCache`), or an empty list for a model of another architecture."""
+    layers = getattr(model, "layers", None) if model is not None else None
+    modules = [getattr(layer, "self_attn", None) for layer in layers or []]
+    if not modules or any(type(m).__module__ != "mlx_lm.models.deepseek_v41" for m in modules):
+        return []
+    return modules
+
+
+def key_views(prompt_cache: list[Any], model: Any) -> list[tuple[Any, dict[str, Any]]]:
+    """deepseek_v41's keys as K/V file layers (SPEC 15.2, ``holds``), made anew from the layer
+    caches at each call (no copy: views of their arrays): for every layer, its sliding window's
+    rows as a `RotatingKVCache` of one head, K = V, at token positions (``holds: "window"``); for
+    every layer that pools its own keys, its closed groups as a `KVCache` of one head, K = V, at
+    group positions (``holds: "compress_kv"``, ``ratio``: token positions per group). Attention
+    from the file reads them (a query's window, and the groups its indexer chose)."""
+    modules = compressed_attention(model)
+    if not modules or len(modules) != len(prompt_cache):
+        return []
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    views: list[tuple[Any, dict[str, Any]]] = []
+    pooled: list[tuple[Any, dict[str, Any]]] = []
+    for index, (cache, module) in enumerate(zip(prompt_cache, modules, strict=True)):
+        window = getattr(cache, "window", None)
+        if type(cache).__name__ != "LayerCache" or window is None:
+            return []  # before the first step: nothing to describe yet
+        rows = window[:, None]  # (batch, 1 head, rows, head_dim)
+        view = RotatingKVCache(max_size=int(cache.window_size), keep=0)
+        view.keys, view.values, view.offset = rows, rows, int(cache.offset)
+        view._idx = int(rows.shape[2])  # its rows in temporal order
+        views.append((view, {"of_layer": index, "holds": "window"}))
+        if getattr(module, "is_kv_source", False) and int(getattr(module, "ratio", 0)) > 0:
+            groups = cache.compress_kv
+            empty = (*rows.shape[:2], 0, rows.shape[3])  # no group closed yet
+            keys = groups[:, None] if groups is not None else mx.zeros(empty, rows.dtype)
+            whole = KVCache()
+            whole.keys, whole.values, whole.offset = keys, keys, int(keys.shape[2])
+            place = {"of_layer": index, "holds": "compress_kv", "ratio": int(module.ratio), "kind": "pooled"}
+            pooled.append((whole, place))
+    return views + pooled
 
 
 def link_extra_layers(attributes: list[dict[str, Any]], placed: list[dict[str, Any]]) -> None:
     """Record, in place, where each further K/V cache of a `CacheList` went: ``extra_layers``
     (``[[sub_cache, file layer], ...]``) on its model layer, ``of_layer`` and ``sub_cache`` on
-    the file layer (``placed`` is `file_caches`'s second member per layer)."""
+    the file layer (``placed`` is `file_caches`'s second member per layer); a view of a layer's
+    state (``holds``) is placed likewise, its owner listing it in ``key_layers``."""
     for index, place in enumerate(placed):
         if place:
             attributes[index].update(place)
             owner = attributes[place["of_layer"]]
-            owner.setdefault("extra_layers", []).append([place["sub_cache"], index])
+            if "sub_cache" in place:
+                owner.setdefault("extra_layers", []).append([place["sub_cache"], index])
+            else:
+                owner.setdefault("key_layers", []).append([place["holds"], index])
 
 
 def _read_full(cache: Any, attributes: dict[str, Any]) -> LayerKV:

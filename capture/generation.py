@@ -254,7 +254,7 @@ class _Snapshots:
             self._take_file(generated, tokens, pieces, base_text, logits)
             return
         metadata, new_tokens, pieces_key = self._token_metadata(generated, tokens, pieces, base_text)
-        placed = file_caches(self.prompt_cache)
+        placed = file_caches(self.prompt_cache, self.model)
         caches = [cache for cache, _ in placed]
         deltas = self._deltas(caches, len(tokens))
         queries, layout = self.recorder.take() if self.recorder is not None else ([], [])

@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 import kvformat
-from kvformat import QuerySpec
+from kvformat import Pooled, QuerySpec
 from kvformat.errors import InvalidArgumentError, UnknownNameError
 
 from .errors import CaptureError, UnsupportedModelError
@@ -175,6 +175,10 @@ def check_hookable(model: Any) -> None:
         return
     if any(own_attention(module) is not None for module in modules):
         return
+    from .caches import compressed_attention
+
+    if compressed_attention(model):  # DeepSeek-V4.1: its attention call is recorded itself
+        return
     raise UnsupportedModelError(
         f"queries: {architecture} computes attention without mlx-lm's scaled_dot_product_attention, "
         'where kvsnap records queries; capture it without --queries (queries="none")'
@@ -246,6 +250,7 @@ class QueryRecorder:
         self._chosen: tuple[int, Any] | None = None
         self._widths: dict[int, int] = {}  # layer -> its indexer's top-k
         self._selected: dict[int, list[tuple[mx.array, int]]] = {}  # layer -> pending selections
+        self._compressed = _CompressedAttention(self, prompt_cache, model)
 
     def __enter__(self) -> QueryRecorder:
         from mlx_lm.models import base
@@ -259,6 +264,7 @@ class QueryRecorder:
         for module in self._indexers:
             module.indexer = _IndexerTap(self, module.indexer)
         self._saved = hook_attention(self._wrap(base.scaled_dot_product_attention))
+        self._compressed.install()
         for kind in self._own_classes:
             self._own_saved.append((kind, kind.__call__))
             kind.__call__ = self._wrap_own(kind.__call__)
@@ -286,6 +292,7 @@ class QueryRecorder:
 
     def __exit__(self, *exc: object) -> None:
         unhook_attention(self._saved)
+        self._compressed.remove()
         for kind, call in reversed(self._own_saved):
             kind.__call__ = call
         self._own_saved.clear()
@@ -696,8 +703,112 @@ class QueryRecorder:
             sinks=_sinks(seen.sinks),
             latent=seen.latent,
             selection=self._widths.get(layer),
+            pooled=self._compressed.pooled.get(layer),
             **_visibility(attributes),
         )
+
+
+@dataclass
+class _Offset:
+    """What `QueryRecorder._keep` reads of a cache: one past the last position."""
+
+    offset: int
+
+
+class _CompressedAttention:
+    """DeepSeek-V4.1's attention (``mlx_lm.models.deepseek_v41``), recorded while installed: its
+    ``Attention`` class's call is wrapped to know the module and its `LayerCache`, and the
+    module's ``_sparse_attention`` replaced by a function that returns exactly what it returns
+    and keeps, for the layer's window keys (`caches.key_views`), the queries ``(B, S, H, D)`` it
+    received (post-RoPE), the scale and sinks, and, where the layer reads pooled keys, the
+    groups the indexer chose: rows as wide as the model's ``index_topk``, a group it did not
+    choose or a row narrower than that filled with groups not yet whole (the selection then
+    names exactly the groups the call read, SPEC 10.1, 1.8)."""
+
+    def __init__(self, recorder: QueryRecorder, prompt_cache: list[Any], model: Any) -> None:
+        from .caches import compressed_attention
+
+        self.recorder = recorder
+        self.modules = compressed_attention(model)
+        self.pooled: dict[int, Pooled] = {}
+        self._call: tuple[Any, Any] | None = None  # (module, LayerCache) of the call in progress
+        self._saved: list[tuple[Any, str, Any]] = []
+        if not self.modules:
+            return
+        count = len(prompt_cache)
+        self._layer_of = {id(cache): index for index, cache in enumerate(prompt_cache)}
+        self._caches = prompt_cache
+        # File layers (`caches.key_views`): each layer's window after the model's layers, then
+        # the groups of each layer that pools its own keys, in layer order.
+        self.sources = [i for i, m in enumerate(self.modules) if m.is_kv_source and int(m.ratio) > 0]
+        self._group_layer = {source: 2 * count + n for n, source in enumerate(self.sources)}
+        self._window_layer = {index: count + index for index in range(count)}
+        self.top_k = int(getattr(getattr(model, "args", None), "index_topk", 0) or 0)
+
+    def install(self) -> None:
+        if not self.modules:
+            return
+        module = sys.modules[type(self.modules[0]).__module__]
+        kind = type(self.modules[0])
+        call, sparse = kind.__call__, getattr(module, "_sparse_attention")  # noqa: B009
+        self._saved = [(kind, "__call__", call), (module, "_sparse_attention", sparse)]
+
+        @functools.wraps(call)
+        def attention(attn: Any, *args: Any, **kwargs: Any) -> Any:
+            before, self._call = self._call, (attn, kwargs.get("cache"))
+            try:
+                return call(attn, *args, **kwargs)
+            finally:
+                self._call = before
+
+        @functools.wraps(sparse)
+        def sparse_attention(q: mx.array, kvs: list[mx.array], indices: list[mx.array], **kwargs: Any) -> Any:
+            self._record(q, kvs, indices, kwargs["sinks"], float(kwargs["scale"]))
+            return sparse(q, kvs, indices, **kwargs)
+
+        kind.__call__ = attention
+        setattr(module, "_sparse_attention", sparse_attention)  # noqa: B010 - a model module
+
+    def remove(self) -> None:
+        for owner, name, value in reversed(self._saved):
+            setattr(owner, name, value)
+        self._saved.clear()
+
+    def _record(
+        self, q: mx.array, kvs: list[mx.array], indices: list[mx.array], sinks: Any, scale: float
+    ) -> None:
+        if self._call is None:
+            raise CaptureError(
+                "queries: deepseek_v41's sparse attention ran outside an attention module's call"
+            )
+        attn, cache = self._call
+        layer = self._layer_of.get(id(cache))
+        if layer is None:
+            raise CaptureError(
+                "queries: a deepseek_v41 attention call read a cache that is not a layer of the prompt cache"
+            )
+        window = self._window_layer[layer]
+        end = int(cache.offset)
+        self.recorder._keep(window, q.transpose(0, 2, 1, 3), _Offset(end), scale, sinks, None)
+        ratio = int(attn.ratio)
+        source = max((s for s in self.sources if s <= layer), default=None) if ratio else None
+        if source is None:  # a window alone (or no layer pools keys before it): no pooled keys
+            return
+        if len(kvs) > 1 and kvs[1] is not self._caches[source].compress_kv:
+            raise CaptureError(
+                f"queries: deepseek_v41 layer {layer} read pooled keys that are not layer {source}'s; "
+                "capture without --queries"
+            )
+        self.pooled[window] = Pooled(self._group_layer[source], ratio)
+        length = int(q.shape[1])
+        whole = (end - length + 1 + mx.arange(length)) // ratio  # groups whole at each position
+        chosen = indices[1] if len(indices) > 1 else mx.zeros((q.shape[0], length, 0), mx.int32)
+        width = max(self.top_k, int(chosen.shape[-1]))
+        slots = mx.arange(width)
+        fillers = whole[None, :, None] + slots  # distinct groups not yet whole, one per slot
+        padded = mx.concatenate([chosen, fillers[..., chosen.shape[-1] :]], axis=-1)
+        rows = mx.where(padded >= 0, padded, fillers).astype(mx.int32)
+        self.recorder._select(window, _Offset(end), length, (width, rows[:, None]))
 
 
 class _RopeTap:
@@ -752,6 +863,7 @@ def _indexers(model: Any) -> list[Any]:
         module
         for module in model.modules()
         if isinstance(getattr(getattr(module, "indexer", None), "index_topk", None), int)
+        and type(module).__module__ != "mlx_lm.models.deepseek_v41"  # recorded by its own call
     ]
 
 

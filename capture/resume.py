@@ -86,7 +86,7 @@ def restore(snapshot: KVSnapshot | kvformat.Snapshot) -> list[Any]:
     extra: dict[int, dict[int, LayerKV]] = {}
     for data in layers:
         owner, sub = data.attributes.get("of_layer"), data.attributes.get("sub_cache")
-        if owner is not None:
+        if owner is not None and "holds" not in data.attributes:  # a view of state: not restored
             if not (isinstance(owner, int) and isinstance(sub, int) and 0 <= owner < len(layers)):
                 raise UnsupportedModelError(
                     f"a layer's of_layer {owner!r} / sub_cache {sub!r} names no layer"

@@ -134,7 +134,7 @@ def snapshot_kv(
 def _described_layers(prompt_cache: list[Any], model: nn.Module | None) -> list[Any]:
     """Every file layer of the cache (`caches.file_caches`) read to the host, with what the
     model says of it and a `CacheList`'s further caches linked to their owner."""
-    placed = file_caches(prompt_cache)
+    placed = file_caches(prompt_cache, model)
     layers = [read_layer(cache) for cache, _ in placed]
     link_extra_layers([data.attributes for data in layers], [place for _, place in placed])
     annotate_layers(
