@@ -7,6 +7,7 @@ import glob
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -121,13 +122,14 @@ def attention_command(args: argparse.Namespace) -> int:
     with output_path(options.output, inputs=inputs(args), force=options.force) as temporary:
         if suffix in (".parquet", ".csv"):
             rows, columns = np.nonzero(found.weights)
-            long = pl.DataFrame(
-                {
-                    "query_position": found.query_positions[rows],
-                    "key_position": found.key_positions[columns],
-                    "weight": found.weights[rows, columns],
-                }
-            )
+            table: dict[str, Any] = {
+                "query_position": found.query_positions[rows],
+                "key_position": found.key_positions[columns],
+                "weight": found.weights[rows, columns],
+            }
+            if found.pooled_keys:  # format 1.8: the last columns are pooled groups, by group index
+                table["pooled"] = columns >= found.weights.shape[1] - found.pooled_keys
+            long = pl.DataFrame(table)
             long.write_parquet(temporary) if suffix == ".parquet" else long.write_csv(temporary)
         else:
             with open(temporary, "xb") as f:
@@ -136,9 +138,11 @@ def attention_command(args: argparse.Namespace) -> int:
                     weights=found.weights,
                     query_positions=found.query_positions,
                     key_positions=found.key_positions,
+                    pooled_keys=np.int64(found.pooled_keys),  # the last columns' count: pooled groups
                 )
     form = "non-zero weights, long form" if suffix in (".parquet", ".csv") else "float32"
     count, keys = found.weights.shape
     where = f"layer {options.layer} query head {options.head}"
-    print(f"wrote {options.output}: {where}, {count} queries x {keys} keys ({form})")
+    pooled = f", the last {found.pooled_keys} pooled groups" if found.pooled_keys else ""
+    print(f"wrote {options.output}: {where}, {count} queries x {keys} keys{pooled} ({form})")
     return 0

@@ -13,6 +13,7 @@ import numpy as np
 import polars as pl
 
 import kvformat
+from kvformat.attention import refuse_pooled
 from kvsnap.errors import CommandError, OptionsConflictError
 
 from ..attention.compression import Options, kept_mask
@@ -238,6 +239,8 @@ def _attention_map(options: PlotOptions, args: argparse.Namespace) -> int:
     assert options.attention is not None  # (drawn for --attention only)
     layer, head = options.attention
     with kvformat.open(options.file, options.snapshot, storage_options=url_options(args)) as snap:
+        if 0 <= layer < snap.num_layers:  # a map by key position: pooled groups have none (1.8)
+            refuse_pooled(snap.layers[layer].queries, layer)
         found = snap.attention(layer, head)
         evicted = None
         if options.kept is not None:

@@ -91,3 +91,31 @@ def test_selections_and_indices_outside_the_file_are_one_line(
     assert "query heads with sink_mass above 1.0x" in capsys.readouterr().out
     assert main(["stats", str(path), "--needle", "0:4"]) == 2
     assert "--needle scores attention: use it with --stats attention" in capsys.readouterr().err
+
+
+def test_pooled_keys_are_marked_in_the_outputs_and_the_map_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A layer reading pooled keys (format 1.8, vector queries-pooled.kv: 10 own keys, 5 groups):
+    ``kvsnap attention`` marks the pooled columns (``pooled_keys`` in the .npz, a ``pooled`` column
+    in the table); ``plot --attention``, a map by key position, refuses it in one line."""
+    import polars as pl
+
+    from kvsnap.cli import main
+
+    vector = str(Path(__file__).resolve().parents[3] / "spec" / "vectors" / "queries-pooled.kv")
+    out, table = tmp_path / "att.npz", tmp_path / "att.parquet"
+    assert main(["attention", vector, "--layer", "0", "--head", "1", "-o", str(out)]) == 0
+    assert "10 queries x 15 keys, the last 5 pooled groups" in capsys.readouterr().out
+    with np.load(out) as saved, kvformat.open(vector) as snap:
+        assert int(saved["pooled_keys"]) == 5 and saved["key_positions"].tolist()[10:] == [0, 1, 2, 3, 4]
+        np.testing.assert_array_equal(saved["weights"], snap.attention(0, 1).weights)
+    assert main(["attention", vector, "--layer", "0", "--head", "1", "-o", str(table)]) == 0
+    long = pl.read_parquet(table)
+    pooled = long.filter(pl.col("pooled"))
+    assert pooled.height and pooled["key_position"].max() <= 4
+    assert (pooled["query_position"] + 1 >= (pooled["key_position"] + 1) * 2).all()  # whole groups only
+    capsys.readouterr()
+    assert main(["plot", vector, "--attention", "0:1", "-o", str(tmp_path / "map.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pooled keys" in err and not (tmp_path / "map.png").exists()
