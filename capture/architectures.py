@@ -163,7 +163,7 @@ class _Kernel:
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, Any, Any]] = []
-        self._saved: list[tuple[Any, ...]] = []
+        self._saved: list[tuple[Any, str, Any]] = []  # (module, attribute, original)
         self._own: list[tuple[type, Any]] = []
 
     def __enter__(self) -> _Kernel:
@@ -178,7 +178,7 @@ class _Kernel:
 
         for module in [m for n, m in sys.modules.items() if n.startswith("mlx_lm.models")]:
             if getattr(module, "scaled_dot_product_attention", None) is original:
-                self._saved.append((module, original))
+                self._saved.append((module, "scaled_dot_product_attention", original))
                 setattr(module, "scaled_dot_product_attention", recorded)  # noqa: B010
         compressed = sys.modules.get("mlx_lm.models.deepseek_v41")
         if compressed is not None:  # DeepSeek-V4.1's own sparse attention: (B, S, H, D) in and out
@@ -189,7 +189,7 @@ class _Kernel:
                 self.calls.append((q.transpose(0, 2, 1, 3), kvs[0], out.transpose(0, 2, 1, 3)))
                 return out
 
-            self._saved.append((compressed, sparse, "_sparse_attention"))
+            self._saved.append((compressed, "_sparse_attention", sparse))
             setattr(compressed, "_sparse_attention", recorded_sparse)  # noqa: B010 - a model module
         for name in OWN_ATTENTION:
             where, _, qualname = name.rpartition(".")
@@ -223,8 +223,8 @@ class _Kernel:
         return attention
 
     def __exit__(self, *exc: object) -> None:
-        for module, original, *name in self._saved:
-            setattr(module, name[0] if name else "scaled_dot_product_attention", original)
+        for module, name, original in self._saved:
+            setattr(module, name, original)
         for kind, call in reversed(self._own):
             kind.__call__ = call
 

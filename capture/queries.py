@@ -740,8 +740,14 @@ class _CompressedAttention:
         self._caches = prompt_cache
         # File layers (`caches.key_views`): each layer's window after the model's layers, then
         # the groups of each layer that pools its own keys, in layer order.
-        self.sources = [i for i, m in enumerate(self.modules) if m.is_kv_source and int(m.ratio) > 0]
-        self._group_layer = {source: 2 * count + n for n, source in enumerate(self.sources)}
+        sources = [i for i, m in enumerate(self.modules) if m.is_kv_source and int(m.ratio) > 0]
+        self._group_layer = {source: 2 * count + n for n, source in enumerate(sources)}
+        # The layer whose groups a compressing layer reads: the last source up to it (mlx-lm's
+        # ``_shared_reads``); None for a window alone.
+        self._source_of = {
+            layer: max((s for s in sources if s <= layer), default=None) if int(m.ratio) else None
+            for layer, m in enumerate(self.modules)
+        }
         self._window_layer = {index: count + index for index in range(count)}
         self.top_k = int(getattr(getattr(model, "args", None), "index_topk", 0) or 0)
 
@@ -790,8 +796,7 @@ class _CompressedAttention:
         window = self._window_layer[layer]
         end = int(cache.offset)
         self.recorder._keep(window, q.transpose(0, 2, 1, 3), _Offset(end), scale, sinks, None)
-        ratio = int(attn.ratio)
-        source = max((s for s in self.sources if s <= layer), default=None) if ratio else None
+        ratio, source = int(attn.ratio), self._source_of[layer]
         if source is None:  # a window alone (or no layer pools keys before it): no pooled keys
             return
         if len(kvs) > 1 and kvs[1] is not self._caches[source].compress_kv:

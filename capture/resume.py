@@ -24,12 +24,11 @@ def layers_of(snapshot: KVSnapshot | kvformat.Snapshot) -> list[LayerKV]:
         data = LayerKV(attributes=dict(spec.attributes), present=spec.present, quantization=spec.quantization)
         if "state" in spec.attributes:
             described = recurrent.checked(index, spec.attributes["state"])
-            data.state = {
-                local: array
-                for local in recurrent.local_names(described)
-                if (array := snapshot.array(recurrent.name(index, local))) is not None
-            }
-            data.state.update(_appended_state(snapshot, index, described))
+            data.state = _appended_state(snapshot, index, described)
+            for local in recurrent.local_names(described):
+                array = None if local in data.state else snapshot.array(recurrent.name(index, local))
+                if array is not None:
+                    data.state[local] = array
         if not spec.present:
             layers.append(data)
             continue

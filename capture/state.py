@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvformat import CorruptFileError, dtypes
-from kvformat.state import WORDS, array_name, numpy_dtype
+from kvformat.state import WORDS, array_name, grown_shape, numpy_dtype
 from kvformat.state import checked as checked_description
 
 from .conversion import host_dtype, to_mlx, to_numpy
@@ -294,19 +294,13 @@ def _grown(read: Any, key: str, entry: dict[str, Any]) -> Any:
     if array is None:
         return None
     array = np.asarray(array)
-    batch, _, width = entry["shape"]
+    shape = grown_shape(tuple(entry["shape"]), array.shape)
     dtype = None if entry["dtype"] is None else numpy_dtype(entry["dtype"])
-    if (
-        array.ndim != 2
-        or array.shape[0] % batch
-        or (width is not None and array.shape[1] != width)
-        or (dtype is not None and array.dtype != dtype)
-    ):
+    if shape is None or (dtype is not None and array.dtype != dtype):
         raise UnsupportedModelError(
             f"state array {key!r} holds {array.shape} {array.dtype}, "
             f"the layer describes {entry['shape']} {entry['dtype']}"
         )
-    shape = (batch, array.shape[0] // batch, array.shape[1])
     return to_mlx(np.ascontiguousarray(array.reshape(shape)))
 
 

@@ -166,12 +166,13 @@ class ContextKeys:
     pooled: int = 0
 
 
-def refuse_pooled(spec: QuerySpec | None, layer: int) -> None:
-    """`PooledKeysError` for a layer whose queries read pooled keys (format 1.8): a computation
-    over its own keys alone would leave them out of the softmax."""
+def refuse_pooled(spec: QuerySpec | None, layer: int | None) -> None:
+    """`PooledKeysError` for a layer (``layer``; None: not known here) whose queries read pooled
+    keys (format 1.8): a computation over its own keys alone would leave them out of the softmax."""
     if spec is not None and spec.pooled is not None:
+        which = "a layer's queries" if layer is None else f"layer {layer}'s queries"
         raise PooledKeysError(
-            f"layer {layer}'s queries also read layer {spec.pooled.layer}'s pooled keys (format 1.8, "
+            f"{which} also read layer {spec.pooled.layer}'s pooled keys (format 1.8, "
             "DeepSeek-V4.1's compressed attention), which this computation does not take: "
             "Snapshot.attention and Snapshot.attention_output compute its attention"
         )
@@ -237,12 +238,9 @@ def _with_pooled(
     found = snap.head(pooled.layer, kv_head, seq, values=values)
     assert found is not None  # a present layer (the manifest's rule)
     groups = (np.asarray(query_positions, np.int64) + 1) // pooled.ratio
-    # Held positions are increasing: groups 0 .. n-1 are all held where the n-th is at index n - 1.
-    held = np.ones(groups.size, bool)
-    some = groups > 0
-    at = groups[some] - 1
-    inside = at < found.positions.size
-    held[some] = inside & (found.positions[np.minimum(at, max(found.positions.size - 1, 0))] == at)
+    # Held positions are distinct and increasing from 0: groups 0 .. n-1 are all held where n of
+    # them lie below n.
+    held = np.searchsorted(found.positions, groups) == groups
     return ContextKeys(
         np.concatenate([own.k, found.k]),
         np.concatenate([own.v, found.v]) if values else own.v,
@@ -327,7 +325,7 @@ def visible(
     ``pooled``: for a layer reading pooled keys (1.8), how many of the last keys are the pooled
     layer's (`ContextKeys.pooled`); such a layer without it is refused (`refuse_pooled`)."""
     if spec.pooled is not None and pooled is None:
-        refuse_pooled(spec, -1)
+        refuse_pooled(spec, None)
     own = key_positions.size - (pooled or 0)
     p = query_positions[:, None]
     j = key_positions[None, :own]

@@ -266,17 +266,18 @@ def _layer_line(layer: dict[str, Any]) -> str:
 def _state_bytes(snap: kvformat.Snapshot, layer: int) -> int:
     """Bytes of recurrent state snapshot ``snap`` stores for ``layer`` (SPEC 15.4): a slot of
     fixed shape as described, a growing one (``null`` axis) as its array holds."""
-    total = 0
     try:
-        arrays = [a for a in stored_state.state_arrays(snap.layers[layer : layer + 1])]
+        described = stored_state.checked(layer, snap.layers[layer].attributes["state"])
     except KVFormatError:
         return 0
-    for array in arrays:
-        if array.grows:
-            held = snap.array(stored_state.array_name(layer, array.slot, array.head))
-            total += 0 if held is None else int(held.nbytes)
-        elif snap.array_chunk(stored_state.array_name(layer, array.slot, array.head)) is not None:
-            total += array.nbytes
+    total = 0
+    for slot, entry in enumerate(described):
+        for array in stored_state.slot_arrays(layer, slot, entry) if entry is not None else []:
+            if array.grows:
+                held = snap.array(array.name)
+                total += 0 if held is None else int(held.nbytes)
+            elif snap.array_chunk(array.name) is not None:
+                total += array.nbytes
     return total
 
 
