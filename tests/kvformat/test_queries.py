@@ -378,3 +378,23 @@ def test_pooled_keys_need_another_present_layer_of_the_same_shape(tmp_path: Path
     with kvformat.open(tmp_path / "good.kv") as snap:
         assert snap.version == (1, 8)
         assert "pooled-attention" in snap._file.manifest.required_features
+
+
+def test_a_query_whose_groups_the_file_does_not_hold_is_refused(tmp_path: Path) -> None:
+    """A pooled layer holding no rows yet: a query that saw whole groups cannot be recomputed
+    (`MissingKeysError`, SPEC 10.1), one that saw none can."""
+    pooled = QuerySpec(1, 4, kvformat.FLOAT32, 0.5, (0,), pooled=kvformat.Pooled(1, 2))
+    layers = [
+        kvformat.LayerSpec(1, 4, 4, kvformat.FLOAT32, queries=pooled),
+        kvformat.LayerSpec(1, 4, 4, kvformat.FLOAT32),
+    ]
+    rows = np.ones((1, 3, 4), np.float32)
+    with kvformat.Writer(tmp_path / "p.kv", layers) as writer:
+        writer.append(0, rows, rows)
+        writer.append_queries(0, rows, np.arange(3))
+        writer.snapshot()
+    with kvformat.open(tmp_path / "p.kv") as snap:
+        first = snap.attention(0, 0, queries=(0, 1))  # position 0: no whole group to see
+        assert first.pooled_keys == 0 and first.weights[0].tolist() == [1.0, 0.0, 0.0]
+        with pytest.raises(kvformat.MissingKeysError, match=r"positions 1\.\.2"):
+            snap.attention(0, 0)
