@@ -4,11 +4,15 @@ the tests that need a tool from outside Python (`NEEDS`)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
+import sys
+import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # mlx[cpu]'s Linux wheel carries the reference BLAS; with Debian's OpenBLAS (`make test` installs
 # it) the model tests' matrix products run ~20x faster (`kvsnap.blas`), one thread per test worker.
@@ -109,7 +113,6 @@ _FIXTURE_NEEDS = {
     "gemma3_dir": "network",
     "real_capture": "network",
     "served": "nginx",
-    "local_ray": "ray",
     "s3": "s3",
 }
 
@@ -144,7 +147,54 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 _MISSING: dict[str, str | None] = {}
 
 
+def _tokenizer_key(model_path: Any, *args: Any, **kwargs: Any) -> tuple[Any, ...] | None:
+    """What a tokenizer load depends on: the content of the folder's files but its weights (a
+    model's float16 and float32 folders share one tokenizer: their configs differ in ``dtype``
+    alone, which is left out) and the arguments; None for what is not a local folder."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        return None
+    files = []
+    for path in sorted(folder.iterdir()):
+        if not path.is_file() or path.suffix == ".safetensors" or path.name.startswith("."):
+            continue
+        data = path.read_bytes()
+        if path.name == "config.json":
+            config = json.loads(data)
+            config.pop("dtype", None)
+            config.pop("torch_dtype", None)
+            data = json.dumps(config, sort_keys=True).encode()
+        files.append((path.name, zlib.crc32(data)))
+    return (tuple(files), repr(args), repr(sorted(kwargs.items())))
+
+
+def _keep_tokenizers() -> None:
+    """mlx-lm's tokenizer loads kept per test process, by the folder's files and the arguments:
+    Gemma-3's takes ~7 s of this machine's CPU (its 33 MB tokenizer.json parsed three times), and
+    a dozen tests load it. Patched once mlx-lm is imported (``mlx_lm.load`` looks the function
+    up at each call); a test that imported the function itself before keeps mlx-lm's own."""
+    import mlx_lm.utils as utils
+
+    if getattr(utils.load_tokenizer, "kept_by_tests", False):
+        return
+    original = utils.load_tokenizer
+    kept: dict[tuple[Any, ...], Any] = {}
+
+    def load_tokenizer(model_path: Any, *args: Any, **kwargs: Any) -> Any:
+        key = _tokenizer_key(model_path, *args, **kwargs)
+        if key is None:
+            return original(model_path, *args, **kwargs)
+        if key not in kept:
+            kept[key] = original(model_path, *args, **kwargs)
+        return kept[key]
+
+    load_tokenizer.kept_by_tests = True  # type: ignore[attr-defined]
+    utils.load_tokenizer = load_tokenizer
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if "mlx_lm.utils" in sys.modules:
+        _keep_tokenizers()
     for marker in item.iter_markers():
         if marker.name in NEEDS:
             if marker.name not in _MISSING:

@@ -98,6 +98,7 @@ from kvformat.attention import weights as attention_weights
 from ..dependencies import pl, tqdm
 from ..errors import AnalysisError
 from ..kernels import attention as attention_kernel
+from ..kernels import native
 from ..kernels.arrays import float32_rows
 from ..stats.rope import Rope
 from .head_importance import (
@@ -420,7 +421,14 @@ def quantize(x: np.ndarray, bits: int, axis: int, group: int | None = None) -> n
 
 def _min_max_levels(part: np.ndarray, axis: int, levels: int) -> np.ndarray:
     """``part`` (float32) rounded to ``levels + 1`` levels between its minimum and maximum along
-    ``axis``."""
+    ``axis`` (of a ``(n, dim)`` array, or axis 1 of ``(groups, group, dim)``): in one pass by the
+    compiled kernel (`native.quantize_levels`, the same bits) where it is built and ``part`` is
+    finite, else by numpy."""
+    grouped = part.reshape(part.shape[0], -1, 1) if part.ndim == 2 and axis == 1 else part
+    grouped = grouped.reshape(1, *part.shape) if part.ndim == 2 and axis == 0 else grouped
+    compiled = native.quantize_levels(grouped, levels)
+    if compiled is not None:
+        return compiled.reshape(part.shape)
     low = part.min(axis=axis, keepdims=True)
     high = part.max(axis=axis, keepdims=True)
     scale = np.where(high > low, (high - low) / levels, 1.0).astype(np.float32)

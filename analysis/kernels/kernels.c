@@ -1,6 +1,7 @@
 /* The CPU backend's kernels, compiled ahead of time: the statistics pass of
  * analysis/kernels/kernel.py, the eigenvalues of analysis/kernels/eigen.py, the float16 conversion of
- * analysis/kernels/halves.py and the attention pass of analysis/kernels/attention.py (the docstrings there
+ * analysis/kernels/halves.py, the attention pass of analysis/kernels/attention.py and the min-max
+ * quantization of analysis/attention/compression.py's what-ifs (the docstrings there
  * and in analysis/kernels/native.py are the definitions; the numpy reference, analysis/kernels/reference.py
  * and analysis/stats/catalogue.py, is the oracle the tests hold these to). Built at install time; where
  * no C compiler is there, the numpy reference runs instead.
@@ -1115,6 +1116,75 @@ KERNEL static int block_scores(float *logits, int64_t n, int64_t m, double *rows
     return 0;
 }
 
+/* min_max_levels: x (groups, rows, cols) float32 rounded to levels + 1 steps between its minimum
+ * and maximum over ``rows`` (per group and column): ``rint((x - low) / step) * step + low`` with
+ * ``step = high > low ? (high - low) / levels : 1``, in float32 and in that order (no contraction:
+ * the bits of analysis/attention/compression.py's numpy definition). lows, highs: (cols,) scratch.
+ * Returns 1 at the first group holding a NaN or an infinity (the caller then computes the whole
+ * array with numpy, whose rules for those these loops do not copy). */
+INLINE int min_max_levels(const float *RESTRICT x, int64_t groups, int64_t rows, int64_t cols,
+                          float levels, float *RESTRICT out, float *RESTRICT lows,
+                          float *RESTRICT highs) {
+    const float one = 1.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        const float *RESTRICT block = x + g * rows * cols;
+        float *RESTRICT written = out + g * rows * cols;
+        if (cols == 1) { /* along a contiguous row: one scale */
+            float low = block[0], high = block[0];
+            SIMD_MINMAX(min, low)
+            for (int64_t r = 0; r < rows; r++) low = block[r] < low ? block[r] : low;
+            SIMD_MINMAX(max, high)
+            for (int64_t r = 0; r < rows; r++) high = block[r] > high ? block[r] : high;
+            float nonfinite = 0.0f; /* NaN where any value is NaN or infinite */
+            SIMD_REDUCE(+, nonfinite)
+            for (int64_t r = 0; r < rows; r++) nonfinite += block[r] * 0.0f;
+            if (nonfinite != 0.0f || !isfinite(low) || !isfinite(high)) return 1;
+            float spread = high - low;
+            float step = spread / levels;
+            step = high > low ? step : one;
+            for (int64_t r = 0; r < rows; r++) {
+                float level = (block[r] - low) / step;
+                level = level < 4194304.0f ? round_level(level) : rintf(level);
+                written[r] = level * step + low;
+            }
+            continue;
+        }
+        memcpy(lows, block, cols * sizeof(float));
+        memcpy(highs, block, cols * sizeof(float));
+        float nonfinite = 0.0f; /* NaN where any value is NaN or infinite */
+        for (int64_t r = 0; r < rows; r++) {
+            const float *RESTRICT row = block + r * cols;
+            SIMD_REDUCE(+, nonfinite)
+            for (int64_t c = 0; c < cols; c++) {
+                lows[c] = row[c] < lows[c] ? row[c] : lows[c];
+                highs[c] = row[c] > highs[c] ? row[c] : highs[c];
+                nonfinite += row[c] * 0.0f;
+            }
+        }
+        if (nonfinite != 0.0f) return 1;
+        for (int64_t c = 0; c < cols; c++) {
+            float spread = highs[c] - lows[c];
+            float step = spread / levels;
+            highs[c] = highs[c] > lows[c] ? step : one; /* highs now holds each column's step */
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            const float *RESTRICT row = block + r * cols;
+            float *RESTRICT target = written + r * cols;
+            for (int64_t c = 0; c < cols; c++) {
+                float level = (row[c] - lows[c]) / highs[c];
+                level = level < 4194304.0f ? round_level(level) : rintf(level);
+                target[c] = level * highs[c] + lows[c];
+            }
+        }
+    }
+    return 0;
+}
+
+KERNEL static int quantize_levels(const float *x, int64_t groups, int64_t rows, int64_t cols,
+                                  float levels, float *out, float *lows, float *highs) {
+    return min_max_levels(x, groups, rows, cols, levels, out, lows, highs);
+}
+
 /* exp_nonpositive over d (n,) into out (n,): for the tests, which hold it within 1 ulp */
 EXPORT void kvsnap_exp_nonpositive(const float *d, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) out[i] = exp_nonpositive(d[i]);
@@ -1150,6 +1220,11 @@ EXPORT int kvsnap_block_scores(float *logits, int64_t n, int64_t m, double *rows
                                int64_t stream_window) {
     return block_scores(logits, n, m, rows, query_positions, key_positions, scale, softcap,
                         window, keep, sink, has_sink, sinks, local, stream_window);
+}
+
+EXPORT int kvsnap_quantize_levels(const float *x, int64_t groups, int64_t rows, int64_t cols,
+                                   float levels, float *out, float *lows, float *highs) {
+    return quantize_levels(x, groups, rows, cols, levels, out, lows, highs);
 }
 
 /* An importable module too (empty), so that setuptools builds and names this library as it

@@ -3,7 +3,8 @@ shared library ``_native`` beside this module and called through ctypes (which r
 interpreter's lock for each call, so that threads run them in parallel).
 
 They are the one native path: the statistics pass (`kernels.kernel`), eigenvalues (`eigen`),
-float16 conversion (`halves`) and the attention pass (`attention`). Where the library is
+float16 conversion (`halves`), the attention pass (`attention`) and simulate's min-max
+quantization (`quantize_levels`). Where the library is
 not built (no C compiler at install) the numpy reference computes the same table, slower, and
 `missing_note` says so once. The numpy reference is the oracle the C kernels are held to
 (`tests/analysis/kernels/test_kernel.py`, `tests/analysis/kernels/test_native.py`,
@@ -175,6 +176,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvsnap_block_scores.restype = ctypes.c_int
     library.kvsnap_exp_nonpositive.argtypes = [_POINTER, _INT, _POINTER]
     library.kvsnap_exp_nonpositive.restype = None
+    library.kvsnap_quantize_levels.argtypes = [_POINTER, _INT, _INT, _INT, ctypes.c_float]
+    library.kvsnap_quantize_levels.argtypes += [_POINTER, _POINTER, _POINTER]
+    library.kvsnap_quantize_levels.restype = ctypes.c_int
 
 
 LIBRARY = _load()
@@ -419,3 +423,21 @@ def exp_nonpositive(d: np.ndarray) -> np.ndarray:
     out = np.empty_like(d)
     LIBRARY.kvsnap_exp_nonpositive(_address(d, np.float32), d.size, _address(out, np.float32))
     return out
+
+
+def quantize_levels(x: np.ndarray, levels: int) -> np.ndarray | None:
+    """``x`` ``(groups, rows, cols)`` float32 rounded to ``levels + 1`` steps between its minimum
+    and maximum over ``rows`` (per group and column), bit for bit as
+    `kvsnap.analysis.attention.compression`'s numpy definition; None where the library is not
+    loaded or ``x`` holds a NaN or an infinity (the numpy definition then computes it)."""
+    if LIBRARY is None or not REQUESTED or x.ndim != 3 or not x.size:
+        return None
+    x = np.ascontiguousarray(x, np.float32)
+    groups, rows, cols = x.shape
+    out = np.empty_like(x)
+    lows, highs = np.empty(cols, np.float32), np.empty(cols, np.float32)
+    status = LIBRARY.kvsnap_quantize_levels(
+        _address(x, np.float32), groups, rows, cols, float(levels), _address(out, np.float32),
+        _address(lows, np.float32), _address(highs, np.float32),
+    )  # fmt: skip
+    return None if status else out

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,20 +220,22 @@ def test_merging_reports_files_of_another_layout(runs: Path, tmp_path: Path) -> 
     assert set(result.table["n_files"].to_list()) == {3}
 
 
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
+@pytest.mark.ray
+def test_ray(runs: Path, tmp_path: Path) -> None:
+    """Every Ray check on one local cluster: starting one costs this machine more than all the
+    checks together, so they share it (one test: test workers never split it)."""
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        yield
+        _the_ray_executor_gives_the_results_in_order_and_the_tasks_own_errors(tmp_path)
+        _the_ray_engine_gives_the_local_table(runs)
+        _read_kv_is_a_ray_dataset_of_statistic_rows(runs)
     finally:
         ray.shutdown()
 
 
-def test_the_ray_executor_gives_the_results_in_order_and_the_tasks_own_errors(
-    tmp_path: Path, local_ray: None
-) -> None:
+def _the_ray_executor_gives_the_results_in_order_and_the_tasks_own_errors(tmp_path: Path) -> None:
     from kvsnap.analysis.engine import executors
     from tests.analysis.engine.test_executors import fail_on_three, square
 
@@ -251,7 +252,7 @@ def test_the_ray_executor_gives_the_results_in_order_and_the_tasks_own_errors(
     assert len(tables) == 2  # one per file, as each finishes
 
 
-def test_ray_engine_gives_the_local_table(runs: Path, local_ray: None) -> None:
+def _the_ray_engine_gives_the_local_table(runs: Path) -> None:
     local = run_stats(str(runs / "*.kv"), jobs=2)
     on_ray = run_stats(str(runs / "*.kv"), engine="ray")
     assert on_ray.table.equals(local.table)
@@ -264,7 +265,7 @@ def test_ray_engine_gives_the_local_table(runs: Path, local_ray: None) -> None:
     assert merged_ray.table.equals(merged_local.table)
 
 
-def test_read_kv_is_a_ray_dataset_of_statistic_rows(runs: Path, local_ray: None) -> None:
+def _read_kv_is_a_ray_dataset_of_statistic_rows(runs: Path) -> None:
     import ray
 
     from kvsnap.analysis.engine.ray import read_kv

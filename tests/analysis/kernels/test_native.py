@@ -257,3 +257,37 @@ def test_rows_of_another_width_than_the_sums_are_refused() -> None:
     assert not acc.power.any() and not acc.norm_hist.any()
     with pytest.raises(TypeError, match="int32 array of >= 8"):
         native.running_sums(acc, settings, scalars, absmax[:4].copy())
+
+
+def test_the_compiled_quantization_is_the_numpy_definition_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """simulate's min-max quantization (per token, per channel in groups of 32 with a shorter last
+    group, 2 to 8 bits) through the C kernel and through numpy: the same bits, over random scales
+    from 1e-30 to 1e30, constant rows, subnormals, and NaN and infinities (where the kernel hands
+    the array to numpy)."""
+    from kvsnap.analysis.attention import compression
+
+    assert native.AVAILABLE
+    rng = np.random.default_rng(5)
+    compiled = native.quantize_levels
+    ran = 0
+    for trial in range(120):
+        n, dim = int(rng.integers(1, 200)), int(rng.integers(1, 140))
+        x = (rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-30, 30)).astype(np.float32)
+        if trial % 5 == 0:
+            x[rng.integers(n), rng.integers(dim)] = (np.nan, np.inf, -np.inf)[trial % 3]
+        if trial % 7 == 0:
+            x[:] = x[0, 0]
+        if trial % 9 == 0:
+            x = (x * np.float32(1e-38)).astype(np.float32)
+        for bits, axis, group in ((2, 1, None), (4, 1, None), (2, 0, 32), (4, 0, 32), (8, 0, None)):
+            monkeypatch.setattr(native, "quantize_levels", compiled)
+            with np.errstate(all="ignore"):
+                got = compression.quantize(x, bits, axis=axis, group=group)
+            monkeypatch.setattr(native, "quantize_levels", lambda *_: None)
+            with np.errstate(all="ignore"):
+                want = compression.quantize(x, bits, axis=axis, group=group)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (trial, bits, axis, group)
+            ran += np.isfinite(x).all()
+    assert ran > 400  # the kernel itself, not only its numpy hand-over, was compared
