@@ -1165,7 +1165,9 @@ def _evictions_measured(
     the softmax of its kept columns: with ``x_j = exp(logit_j - m)`` (``m`` the row's largest
     logit, or the sink's), its output is ``sum_kept x_j v_j / (sum_kept x_j + sink)``, in float64.
     The sums run over the kept keys, or, where more than half are kept, are the whole row's less
-    the evicted keys' (rows whose kept share is below 1e-9 of the whole are summed directly). A
+    the evicted keys' (rows whose kept share is below 1e-9 of the whole are summed directly), or,
+    where that is fewer keys, are those of a smaller eviction summed directly whose keys it keeps
+    plus the keys it adds (`_subset_order`: a method's budgets keep nested sets). A
     query's top-1 key is the row's unless that key is evicted (the first kept key where it sees
     none of them). A mask keeping every key is the uncompressed cache: error 0, agreement 1."""
     if not masks:
@@ -1181,13 +1183,25 @@ def _evictions_measured(
     whole = _Sums(exps @ values, exps.sum(axis=1))
     full_top = h.k_positions[first]
     reference = float((full**2).sum())
-    found = []
-    for mask in masks:
+    found: list[tuple[float, float]] = [(math.nan, math.nan)] * len(masks)
+    done: dict[int, _Sums] = {}  # sums of masks summed without a subtraction
+    for index, within in _subset_order(masks):
+        mask = masks[index]
         kept = np.flatnonzero(mask)
         if kept.size == mask.size:
-            found.append((0.0, 1.0 if len(full_top) else math.nan))
+            found[index] = (0.0, 1.0 if len(full_top) else math.nan)
             continue
-        sums = _kept_sums(exps, values, mask, kept, whole)
+        base = None if within is None else done.get(within)
+        added = None if base is None or within is None else np.flatnonzero(mask & ~masks[within])
+        if base is not None and added is not None and added.size < min(kept.size, mask.size - kept.size):
+            part = exps[:, added]
+            sums = done[index] = _Sums(
+                base.numerator + part @ values[added], base.denominator + part.sum(axis=1)
+            )
+        else:
+            sums = _kept_sums(exps, values, mask, kept, whole)
+            if 2 * kept.size <= mask.size:
+                done[index] = sums
         denominator = sums.denominator + sink
         output = np.divide(
             sums.numerator,
@@ -1199,8 +1213,24 @@ def _evictions_measured(
         columns = _kept_top(logits, mask, kept, first)
         top_positions = np.where(columns >= 0, h.k_positions[np.maximum(columns, 0)], -1)
         agreement = float(np.mean(top_positions == full_top)) if len(full_top) else math.nan
-        found.append((error, agreement))
+        found[index] = (error, agreement)
     return found
+
+
+def _subset_order(masks: list[np.ndarray]) -> list[tuple[int, int | None]]:
+    """The masks in the order `_evictions_measured` sums them (fewest kept keys first), each with
+    the largest mask before it that it contains (None where none does): a method's budgets keep
+    nested sets, so each one's sums are the smaller one's plus the keys it adds (additions of
+    non-negative weights, no cancellation)."""
+    counts = [int(mask.sum()) for mask in masks]
+    order = sorted(range(len(masks)), key=lambda i: counts[i])
+    stacked = np.stack(masks).astype(np.float32)
+    shared = stacked @ stacked.T  # keys two masks both keep (exact: counts below 2^24)
+    out: list[tuple[int, int | None]] = []
+    for place, index in enumerate(order):
+        within = [j for j in order[:place] if shared[j, index] == counts[j] and counts[j] < counts[index]]
+        out.append((index, max(within, key=lambda j: counts[j]) if within else None))
+    return out
 
 
 @dataclass(frozen=True)
