@@ -1222,15 +1222,15 @@ def _subset_order(masks: list[np.ndarray]) -> list[tuple[int, int | None]]:
     the largest mask before it that it contains (None where none does): a method's budgets keep
     nested sets, so each one's sums are the smaller one's plus the keys it adds (additions of
     non-negative weights, no cancellation)."""
-    counts = [int(mask.sum()) for mask in masks]
-    order = sorted(range(len(masks)), key=lambda i: counts[i])
     stacked = np.stack(masks).astype(np.float32)
-    shared = stacked @ stacked.T  # keys two masks both keep (exact: counts below 2^24)
-    out: list[tuple[int, int | None]] = []
-    for place, index in enumerate(order):
-        within = [j for j in order[:place] if shared[j, index] == counts[j] and counts[j] < counts[index]]
-        out.append((index, max(within, key=lambda j: counts[j]) if within else None))
-    return out
+    counts = stacked.sum(axis=1)  # exact: counts below 2^24
+    shared = stacked @ stacked.T  # keys both of two masks keep
+    contains = (shared == counts[:, None]) & (counts[:, None] < counts[None, :])  # [a, b]: a in b
+    sizes = np.where(contains, counts[:, None], -1)
+    largest = sizes.argmax(axis=0)  # the first of the largest where several are as large
+    found = sizes.max(axis=0) >= 0
+    order = np.argsort(counts, kind="stable")
+    return [(int(b), int(largest[b]) if found[b] else None) for b in order]
 
 
 @dataclass(frozen=True)
