@@ -424,8 +424,9 @@ def _min_max_levels(part: np.ndarray, axis: int, levels: int) -> np.ndarray:
     ``axis`` (of a ``(n, dim)`` array, or axis 1 of ``(groups, group, dim)``): in one pass by the
     compiled kernel (`native.quantize_levels`, the same bits) where it is built and ``part`` is
     finite, else by numpy."""
-    grouped = part.reshape(part.shape[0], -1, 1) if part.ndim == 2 and axis == 1 else part
-    grouped = grouped.reshape(1, *part.shape) if part.ndim == 2 and axis == 0 else grouped
+    grouped = part  # (groups, rows reduced over, columns)
+    if part.ndim == 2:
+        grouped = part[:, :, None] if axis == 1 else part[None]
     compiled = native.quantize_levels(grouped, levels)
     if compiled is not None:
         return compiled.reshape(part.shape)
@@ -1192,7 +1193,7 @@ def _evictions_measured(
             found[index] = (0.0, 1.0 if len(full_top) else math.nan)
             continue
         base = None if within is None else done.get(within)
-        added = None if base is None or within is None else np.flatnonzero(mask & ~masks[within])
+        added = None if base is None else np.flatnonzero(mask & ~masks[within])  # type: ignore[index]
         if base is not None and added is not None and added.size < min(kept.size, mask.size - kept.size):
             part = exps[:, added]
             sums = done[index] = _Sums(
