@@ -329,6 +329,8 @@ def generation_overhead(
             return copy_stream_run()
         if variant == "hold-buffers":  # the snapshot's device buffers kept until the run ends
             return hold_buffers_run()
+        if variant == "process-writer":  # the series written by a child process, not the thread
+            return capture_run(durable=True, queries="none", in_process=True)
         return capture_run(
             durable=variant != "no-fsync",
             queries=variant.removeprefix("queries-") if variant.startswith("queries-") else "none",
@@ -370,7 +372,7 @@ def generation_overhead(
             background.Transfer.to_host = original  # type: ignore[method-assign]
             held.clear()
 
-    def capture_run(durable: bool, queries: str) -> Phases:
+    def capture_run(durable: bool, queries: str, in_process: bool = False) -> Phases:
         out = tmp / "overhead.kv"
         out.unlink(missing_ok=True)
         phases = timed_run(
@@ -384,6 +386,7 @@ def generation_overhead(
                 logits_processors=[restrict],
                 durable=durable,
                 queries=queries,
+                write_in_process=in_process,
             )
         )
         sizes[variant] = out.stat().st_size
@@ -612,6 +615,8 @@ def shapes_main(
                     label += f" (switch interval {variant[7:]} s)"
                 elif variant == "hold-buffers":
                     label += " (snapshot buffers held to the end)"
+                elif variant == "process-writer":
+                    label += " (written by a child process, write_in_process=True)"
                 elif variant == "disk-load":
                     label = "plain, beside a thread writing 200 MB with fsyncs (no capture)"
                 ratios = 100 * (overhead.ratios() - 1)

@@ -10,18 +10,19 @@ and the ``.partial`` file stays recoverable.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
 from kvformat.errors import InvalidArgumentError
 
 from . import gather
-from .caches import to_numpy
 from .errors import CaptureError
 from .gather import Rows
 
@@ -45,10 +46,16 @@ class Transfer:
         for index, array in enumerate(arrays):
             key = _group(array)
             groups.setdefault(array.dtype, {}).setdefault(key, []).append(index)
-        self._places: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, ())] * len(arrays)
+        # (flat, offset, size, shape) of each array: the writer thread slices without numpy calls
+        self._places: list[tuple[int, int, int, tuple[int, ...]]] = [(0, 0, 0, ())] * len(arrays)
         self._flats: list[mx.array] = []
+        self._bfloat16: list[bool] = []
         for dtype, by_shape in groups.items():
-            self._flats.append(self._pack(arrays, dtype, by_shape))
+            flat = self._pack(arrays, dtype, by_shape)
+            # bfloat16 leaves as uint16, viewed here: the writer thread adds nothing to mlx's
+            # graph, and its host copy is a plain 2-byte copy
+            self._bfloat16.append(dtype == mx.bfloat16)
+            self._flats.append(flat.view(mx.uint16) if dtype == mx.bfloat16 else flat)
         mx.async_eval(self._flats)
         self.nbytes = sum(f.nbytes for f in self._flats)
 
@@ -67,9 +74,10 @@ class Transfer:
             else:
                 joined.append(_join([arrays[i] for i in members]))
                 parts.append(joined[-1])
+            size = math.prod(shape)
             for i in members:
-                self._places[i] = (len(self._flats), offset, shape)
-                offset += first.size
+                self._places[i] = (len(self._flats), offset, size, shape)
+                offset += size
         if len(parts) == 1 and joined:  # a series snapshot's K/V: already a new buffer
             return parts[0]
         # Always a new buffer (a lone part might otherwise be a view of the cache, whose
@@ -79,11 +87,13 @@ class Transfer:
     def to_host(self) -> list[np.ndarray]:
         """Host copies (numpy copies release the GIL; on CUDA they fault mlx's managed pages in
         here, on the writer thread, not on the generating one)."""
-        hosts = [np.array(to_numpy(flat), copy=True) for flat in self._flats]
+        hosts = [np.array(np.asarray(flat), copy=True) for flat in self._flats]
+        hosts = [
+            h.view(ml_dtypes.bfloat16) if bf16 else h for h, bf16 in zip(hosts, self._bfloat16, strict=True)
+        ]
         self._flats = []
         return [
-            hosts[group][offset : offset + int(np.prod(shape))].reshape(shape)
-            for group, offset, shape in self._places
+            hosts[flat][offset : offset + size].reshape(shape) for flat, offset, size, shape in self._places
         ]
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import numpy as np
 import kvformat
 from kvformat.errors import ConflictingArgumentsError, InvalidArgumentError
 from kvformat.io.outputs import check_output, refuse_inside
+from kvformat.writer_process import WriterProcess
 
 from . import state as recurrent
 from .background import DEFAULT_MAX_PENDING, BackgroundWriter, Transfer
@@ -191,6 +193,7 @@ class _Snapshots:
             durable=options.durable,
             overwrite=options.overwrite,
             recorder=recorder,
+            write_in_process=options.write_in_process,
         )
 
     def __init__(
@@ -209,6 +212,7 @@ class _Snapshots:
         durable: bool = True,
         overwrite: bool = False,
         recorder: QueryRecorder | None = None,
+        write_in_process: bool = False,
     ) -> None:
         self.durable = durable
         self.overwrite = overwrite
@@ -225,6 +229,10 @@ class _Snapshots:
         self.tracker = CacheTracker()
         self.background = BackgroundWriter(max_pending) if output is not None else None
         self.series: SeriesWriter | None = None
+        # Started now, so that it has imported what it needs by the first snapshot.
+        self.process = (
+            _writer_process() if write_in_process and output is not None and not separate_files else None
+        )
         self.taken = 0
         self._tokens_written = 0  # token ids already recorded in the series' metadata
         self._text_written = 0  # streamed text pieces already recorded
@@ -346,6 +354,7 @@ class _Snapshots:
             num_seqs,
             durable=self.durable,
             overwrite=self.overwrite,
+            process=self.process,
         )
         return self.series
 
@@ -417,9 +426,11 @@ class _Snapshots:
         """Write the index (or, after a writer error, leave the ``.partial`` file) and stop."""
         if self.background is None:
             return
-        series = self.series
+        series, process = self.series, self.process
         if series is not None and not self.failed:
             self.background.submit(lambda: series.close({"generated_text": generated_text}))
+        elif series is None and process is not None:  # no snapshot was taken: the child just exits
+            self.background.submit(process.leave_partial)
         try:
             self.background.close()
         except CaptureError:
@@ -428,6 +439,22 @@ class _Snapshots:
         finally:
             if self.failed and series is not None:
                 series.leave_partial()  # the file closed (its lock released) for `kvsnap recover`
+            elif process is not None and series is None:
+                process.leave_partial()
+
+
+def _writer_process() -> WriterProcess | None:
+    """A started writer process, or None where one cannot be started (then the series is
+    written by the writer thread itself)."""
+    if not hasattr(os, "writev") or not hasattr(os, "readv") or not sys.executable:
+        return None
+    try:
+        return WriterProcess()
+    except OSError as exc:
+        warnings.warn(
+            f"snapshots are written by a thread: no writer process ({exc})", RuntimeWarning, stacklevel=3
+        )
+        return None
 
 
 def make_cache(model: nn.Module, max_kv_size: int | None = None) -> list[Any]:
@@ -463,7 +490,10 @@ class Capture:
     scratch captures. An existing ``output`` is refused before generation starts unless
     ``overwrite``. ``queries`` (`QuerySelection`: ``"none"``, ``"decode"``, ``"window:W"``,
     ``"all"``) also stores the post-RoPE queries of those positions, and how each layer's
-    attention used them (format 1.3), in a series file; generation is unchanged."""
+    attention used them (format 1.3), in a series file; generation is unchanged. ``write_in_process``
+    writes a series file from a child process instead of a thread of this one, so that the
+    writing's Python never holds the interpreter lock the generating thread needs (on a 2-core
+    CPU it costs more than it saves: ``python -m benchmarks.capture_gil_bench``)."""
 
     output: str | os.PathLike[str] | None = None
     every: int | None = None
@@ -480,6 +510,7 @@ class Capture:
     durable: bool = True
     overwrite: bool = False
     queries: str | QuerySelection = "none"
+    write_in_process: bool = False
 
     @classmethod
     def split(cls, capture: Capture | None, kwargs: dict[str, Any]) -> tuple[Capture, dict[str, Any]]:

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 import kvformat
+from kvformat.writer_process import WriterProcess, sync
 
 from .deltas import LayerDelta
 
@@ -17,16 +18,11 @@ kernel writing it to disk without waiting (``posix_fadvise(DONTNEED)``), so the 
 has little left; ``"fdatasync"`` waits until it is on disk; ``"none"`` leaves it all to close."""
 
 
-def _sync_each(fd: int, mode: str) -> None:
-    if mode == "fdatasync":
-        getattr(os, "fdatasync", os.fsync)(fd)  # macOS has no fdatasync
-    elif mode == "writeback" and hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
 class SeriesWriter:
     """Appends snapshots to one `.kv` file: each one the drops and new rows of every layer
-    (`capture.deltas`), so shared chunks are stored once and a snapshot costs what it adds."""
+    (`capture.deltas`), so shared chunks are stored once and a snapshot costs what it adds.
+    With ``process`` (a started `WriterProcess`) the file is written by that child process,
+    so the writing's Python does not hold this process's interpreter lock; else here."""
 
     def __init__(
         self,
@@ -37,18 +33,18 @@ class SeriesWriter:
         num_seqs: int,
         durable: bool = True,
         overwrite: bool = False,
+        process: WriterProcess | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.num_seqs = num_seqs
-        self.writer = kvformat.Writer(
-            self.path,
-            specs,
-            num_seqs=num_seqs,
-            metadata=metadata,
-            codec=codec,
-            durable=durable,
-            overwrite=overwrite,
-        )
+        options: dict[str, Any] = {"num_seqs": num_seqs, "metadata": metadata, "codec": codec}
+        options.update(durable=durable, overwrite=overwrite)
+        self.writer: kvformat.Writer | WriterProcess
+        if process is not None:
+            process.open(self.path, specs, **options)
+            self.writer = process
+        else:
+            self.writer = kvformat.Writer(self.path, specs, **options)
 
     def add(
         self,
@@ -80,9 +76,11 @@ class SeriesWriter:
         arrays = dict(state or {})
         if last_logits is not None:
             arrays["last_logits"] = last_logits
+        if isinstance(writer, WriterProcess):
+            return writer.snapshot(metadata, arrays=arrays, sync=SYNC_EACH)
         index = writer.snapshot(metadata, arrays=arrays)
         if writer.durable:
-            _sync_each(writer.fileno(), SYNC_EACH)
+            sync(writer.fileno(), SYNC_EACH)
         return index
 
     def _host_delta(self, delta: LayerDelta) -> list[tuple[int, Any, Any, Any, int]]:
@@ -112,7 +110,10 @@ class SeriesWriter:
 
     def leave_partial(self) -> None:
         """Stop without an index: the ``.partial`` file stays, for `kvsnap recover`."""
-        self.writer.__exit__(RuntimeError, None, None)
+        if isinstance(self.writer, WriterProcess):
+            self.writer.leave_partial()
+        else:
+            self.writer.__exit__(RuntimeError, None, None)
 
 
 def _per_sequence(

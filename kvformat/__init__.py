@@ -23,7 +23,8 @@ attention recomputed from a file), `kvformat.checksum` (CRC-32C and its combinat
 its first bytes), `kvformat.pages` (page management for a pass over a whole file: batched reads,
 releasing and prefetching pages; `kvformat.pages.of(snap)`), `kvformat.io` (local, HTTP and
 object-store sources; the rule for every file written), `kvformat.importers` (go-mlx files) and
-`kvformat.state` (a hybrid model's recurrent state, SPEC 15.4).
+`kvformat.state` (a hybrid model's recurrent state, SPEC 15.4) and `kvformat.writer_process` (a
+`Writer` run by a child process, fed through a pipe).
 Every other module is the implementation.
 """
 
@@ -79,6 +80,7 @@ PUBLIC_MODULES = (
     "pages",
     "sniff",
     "state",
+    "writer_process",
 )
 """Submodules that are part of the public API, beside `__all__`."""
 

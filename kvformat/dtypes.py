@@ -34,6 +34,11 @@ def _numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name).newbyteorder("<")
 
 
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a name: the format's dtype names, and numpy's own (little-endian)."""
+    return _numpy_dtype(name)
+
+
 FLOAT32 = DType(1, "float32", 4)
 FLOAT16 = DType(2, "float16", 2)
 BFLOAT16 = DType(3, "bfloat16", 2)

@@ -134,3 +134,8 @@ class NoQueriesError(UsageError):
 class InvalidTypeError(UsageError, TypeError):
     """An argument of a kind the call does not take (a file object that cannot seek, a
     filesystem that is neither fsspec's nor pyarrow's)."""
+
+
+class WriterProcessError(KVSnapError, RuntimeError):
+    """A writer process (`kvformat.writer_process`) stopped answering: it exited, or its pipe
+    broke."""

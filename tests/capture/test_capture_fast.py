@@ -265,6 +265,52 @@ def test_capture_options_as_an_object_or_as_keywords_write_the_same_file(tmp_pat
     assert not (tmp_path / "x.kv").exists()
 
 
+def test_a_series_written_by_the_writer_process_is_the_thread_s_file(tmp_path: Path) -> None:
+    """``write_in_process=True``: the same snapshots, queries and states as the writer thread
+    writes, the same events; the child's refusal stops generation with its one line."""
+    model, tokenizer = tiny_model("qwen3"), _tiny_tokenizer()
+    prompt = list(range(1, 12))
+    runs: dict[bool, list[Any]] = {}
+    for in_process in (False, True):
+        events: list[Any] = []
+        path = tmp_path / f"process-{in_process}.kv"
+        list(
+            generate(
+                model,
+                tokenizer,
+                prompt,
+                max_tokens=7,
+                output=path,
+                every=2,
+                queries="all",
+                on_snapshot=events.append,
+                write_in_process=in_process,
+            )
+        )
+        runs[in_process] = [(e.index, e.generated, e.cached_tokens, e.size) for e in events]
+    assert runs[True] == runs[False] and len(runs[True]) == 4
+    with kvformat.open(tmp_path / "process-False.kv") as a, kvformat.open(tmp_path / "process-True.kv") as b:
+        assert a.num_snapshots == b.num_snapshots == 4
+        for index in range(4):
+            sa, sb = a.select(index), b.select(index)
+            assert sa.snapshot_metadata == sb.snapshot_metadata
+            for layer in range(a.num_layers):
+                for head in range(2):
+                    ha, hb = sa.head(layer, head), sb.head(layer, head)
+                    assert ha is not None and hb is not None
+                    np.testing.assert_array_equal(ha.k, hb.k)
+                    np.testing.assert_array_equal(ha.v, hb.v)
+                    np.testing.assert_array_equal(ha.positions, hb.positions)
+                    qa, qb = sa.queries(layer, head), sb.queries(layer, head)
+                    np.testing.assert_array_equal(qa.q, qb.q)
+                    np.testing.assert_array_equal(qa.positions, qb.positions)
+    target = tmp_path / "x.kv"
+    Path(f"{target}.partial").mkdir()  # the child refuses to open its .partial file
+    with pytest.raises(CaptureError, match=r"writing snapshots failed: .*partial exists: an earlier write"):
+        list(generate(model, tokenizer, prompt, max_tokens=6, output=target, every=2, write_in_process=True))
+    assert not target.exists() and Path(f"{target}.partial").is_dir()  # left as it was
+
+
 def test_snapshot_events_name_the_file_and_count_tokens(tmp_path: Path) -> None:
     """Each event of a series names the output file (bytes in ``writing`` until the end), its
     index there, the tokens generated and held; separate files name themselves."""
