@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import ml_dtypes
@@ -41,7 +41,10 @@ class Transfer:
     (the benchmarks in `benchmarks/`); `Rows` of one buffer shape and span are instead copied by
     `gather.rows`, 64 buffers a launch."""
 
-    def __init__(self, arrays: list[mx.array | Rows]) -> None:
+    def __init__(self, arrays: list[mx.array | Rows], fresh: Collection[int] = ()) -> None:
+        """``fresh``: the indices of arrays that are buffers of their own, made for this snapshot
+        and never a view of a cache (the joined queries, the logits): each is transferred as it
+        is, not copied into a joined buffer once more."""
         groups: dict[Any, dict[tuple[Any, ...], list[int]]] = {}
         for index, array in enumerate(arrays):
             key = _group(array)
@@ -51,38 +54,43 @@ class Transfer:
         self._flats: list[mx.array] = []
         self._bfloat16: list[bool] = []
         for dtype, by_shape in groups.items():
-            flat = self._pack(arrays, dtype, by_shape)
-            # bfloat16 leaves as uint16, viewed here: the writer thread adds nothing to mlx's
-            # graph, and its host copy is a plain 2-byte copy
-            self._bfloat16.append(dtype == mx.bfloat16)
-            self._flats.append(flat.view(mx.uint16) if dtype == mx.bfloat16 else flat)
+            lone: list[int] = []
+            for members in by_shape.values():
+                shape = tuple(arrays[members[0]].shape)
+                if len(members) > 1 and shape:
+                    self._add(_join([arrays[i] for i in members]), members, shape)
+                    continue
+                for i in members:
+                    if i in fresh:
+                        self._add(_array(arrays[i]).reshape(-1), [i], shape)
+                    else:
+                        lone.append(i)
+            if lone:
+                # Always a new buffer (a lone array might otherwise be a view of the cache, whose
+                # rotating slots are overwritten later).
+                parts = [_array(arrays[i]).reshape(-1) for i in lone]
+                offset = 0
+                for i in lone:
+                    size = math.prod(arrays[i].shape)
+                    self._places[i] = (len(self._flats), offset, size, tuple(arrays[i].shape))
+                    offset += size
+                self._append(mx.concatenate([*parts, mx.zeros((0,), dtype)]))
         mx.async_eval(self._flats)
         self.nbytes = sum(f.nbytes for f in self._flats)
 
-    def _pack(
-        self, arrays: list[mx.array | Rows], dtype: Any, by_shape: dict[tuple[Any, ...], list[int]]
-    ) -> mx.array:
-        """The flat buffer of one dtype's arrays (grouped by shape), recording where each lands."""
-        parts: list[mx.array] = []
-        joined: list[mx.array] = []  # parts made by a join (buffers of their own)
-        offset = 0
-        for members in by_shape.values():
-            first = arrays[members[0]]
-            shape = tuple(first.shape)
-            if len(members) == 1 or not shape:
-                parts.extend(_array(arrays[i]).reshape(-1) for i in members)
-            else:
-                joined.append(_join([arrays[i] for i in members]))
-                parts.append(joined[-1])
-            size = math.prod(shape)
-            for i in members:
-                self._places[i] = (len(self._flats), offset, size, shape)
-                offset += size
-        if len(parts) == 1 and joined:  # a series snapshot's K/V: already a new buffer
-            return parts[0]
-        # Always a new buffer (a lone part might otherwise be a view of the cache, whose
-        # rotating slots are overwritten later).
-        return mx.concatenate([*parts, mx.zeros((0,), dtype)])
+    def _add(self, flat: mx.array, members: list[int], shape: tuple[int, ...]) -> None:
+        """``flat``: the arrays ``members`` of one ``shape``, one after another."""
+        size = math.prod(shape)
+        for j, i in enumerate(members):
+            self._places[i] = (len(self._flats), j * size, size, shape)
+        self._append(flat)
+
+    def _append(self, flat: mx.array) -> None:
+        # bfloat16 leaves as uint16, viewed here: the writer thread adds nothing to mlx's graph,
+        # and its host copy is a plain 2-byte copy
+        bfloat16 = flat.dtype == mx.bfloat16
+        self._bfloat16.append(bfloat16)
+        self._flats.append(flat.view(mx.uint16) if bfloat16 else flat)
 
     def to_host(self) -> list[np.ndarray]:
         """Host copies (numpy copies release the GIL; on CUDA they fault mlx's managed pages in

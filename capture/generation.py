@@ -269,10 +269,12 @@ class _Snapshots:
         series = self.series or self._open_series(placed)
         states = self._states()
         arrays = [array for delta in deltas for array in (*delta.keys, *delta.values)]
+        fresh = list(range(len(arrays), len(arrays) + len(queries)))  # the recorder's joins
         arrays += [*queries, *states.values()]
         if logits is not None:
+            fresh.append(len(arrays))
             arrays.append(mx.array(logits).astype(mx.float32).reshape(-1, logits.shape[-1]))
-        transfer = Transfer(arrays)
+        transfer = Transfer(arrays, fresh)
         # The transfer's copies from here on: the write job keeps no device array, so the caches'
         # buffers stay the caches' own (updated in place, not copied, at the next steps).
         deltas = [delta.without_arrays() for delta in deltas]

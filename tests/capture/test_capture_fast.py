@@ -142,6 +142,16 @@ def test_transfer_keeps_shapes_order_and_dtypes() -> None:
     for got, array in zip(host, arrays, strict=True):
         np.testing.assert_array_equal(got, to_numpy(array))
         assert got.shape == tuple(array.shape) and got.flags.c_contiguous
+    # Buffers: float32's joined shape and its lone arrays (3, 6) copied into one; bfloat16's
+    # joined shape (1, 8); uint32's lone array. Arrays marked fresh (buffers of their own) go as
+    # they are, a buffer each, and come back the same, in order.
+    assert len(Transfer(arrays)._flats) == 4
+    for fresh in ({3}, {3, 6}):
+        transfer = Transfer(arrays, fresh)
+        assert len(transfer._flats) == 5
+        for got, array in zip(transfer.to_host(), arrays, strict=True):
+            np.testing.assert_array_equal(got, to_numpy(array))
+            assert got.dtype == to_numpy(array).dtype and got.shape == tuple(array.shape)
 
 
 def test_transfer_takes_rows_of_cache_buffers() -> None:
