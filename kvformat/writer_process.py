@@ -36,8 +36,8 @@ import numpy as np
 
 from kvformat import errors as kv_errors
 from kvformat.dtypes import numpy_dtype
-from kvformat.errors import WriterProcessError
-from kvformat.manifest import LayerSpec, parse_layer
+from kvformat.errors import InvalidLayoutError, WriterProcessError
+from kvformat.manifest import LayerSpec, dumps, parse_layer
 
 _HEADER = 16
 
@@ -73,7 +73,7 @@ def _write_all(fd: int, buffers: list[memoryview]) -> None:
 
 
 def _send(fd: int, message: Any, data: Sequence[memoryview] = ()) -> None:
-    text = json.dumps(message, separators=(",", ":")).encode()
+    text = message if isinstance(message, bytes) else dumps(message)
     size = sum(view.nbytes for view in data)
     header = len(text).to_bytes(8, "little") + size.to_bytes(8, "little")
     _write_all(fd, [memoryview(header), memoryview(text), *data])
@@ -205,10 +205,15 @@ class WriterProcess:
             self._finish()
 
     def _request(self) -> Any:
-        ops, arrays = self._ops, self._arrays
+        try:
+            text = dumps({"ops": self._ops, "arrays": self._arrays.described})
+        except InvalidLayoutError:  # metadata that is not plain JSON, refused as `Writer` does
+            self._ops.pop()  # the call that brought it is undone; what came before stays queued
+            raise
+        arrays = self._arrays
         self._ops, self._arrays = [], _Arrays()
         try:
-            _send(self._out, {"ops": ops, "arrays": arrays.described}, arrays.data)
+            _send(self._out, text, arrays.data)
             reply = _receive(self._in)
         except (BrokenPipeError, EOFError) as exc:
             raise WriterProcessError(f"the writer process stopped ({self._status()}): {exc}") from None

@@ -127,3 +127,16 @@ def test_a_child_gone_is_one_clear_error_in_the_parent(tmp_path: Path) -> None:
         process.snapshot({})
     process.leave_partial()  # nothing left to tell: no second error
     assert Path(f"{path}.partial").exists()
+
+
+def test_metadata_that_is_not_json_is_refused_as_the_writer_refuses_it(tmp_path: Path) -> None:
+    """The same error class as `Writer`'s, and both go on: the next snapshot is number 0."""
+    process = WriterProcess()
+    process.open(tmp_path / "there.kv", SPECS, durable=False)
+    writer = kvformat.Writer(tmp_path / "here.kv", SPECS, durable=False)
+    for target in (writer, process):
+        with pytest.raises(kvformat.errors.InvalidLayoutError, match="plain JSON"):
+            target.snapshot({"x": float("nan")})
+        assert target.snapshot({"x": 1}) == 0
+        target.close()
+    assert (tmp_path / "here.kv").read_bytes() == (tmp_path / "there.kv").read_bytes()
