@@ -40,6 +40,8 @@ from kvformat.errors import InvalidLayoutError, WriterProcessError
 from kvformat.manifest import LayerSpec, dumps, parse_layer
 
 _HEADER = 16
+FLUSH_BYTES = 64 << 20
+"""Array bytes a request carries before queued calls are sent (the child's buffer's size)."""
 
 
 def _read_exact(fd: int, size: int) -> bytearray | None:
@@ -159,9 +161,19 @@ class WriterProcess:
         self._ops.append(["drop", layer, start, stop, seq])
 
     def append_many(self, appends: Iterable[tuple[int, Any, Any, Any, int]]) -> None:
-        ref = self._arrays.ref
-        items = [[layer, ref(k), ref(v), ref(positions), seq] for layer, k, v, positions, seq in appends]
-        self._ops.append(["append_many", items])
+        """`Writer.append_many`; a call of more than `FLUSH_BYTES` goes to the child in parts
+        of about that size (so the child never holds a copy of a whole large cache), each
+        checked and written before the next is sent."""
+        items: list[list[Any]] = []
+        for layer, k, v, positions, seq in appends:
+            ref = self._arrays.ref
+            items.append([layer, ref(k), ref(v), ref(positions), seq])
+            if self._arrays.size >= FLUSH_BYTES:
+                self._ops.append(["append_many", items])
+                self._request()
+                items = []
+        if items:
+            self._ops.append(["append_many", items])
 
     def append_queries(self, layer: int, q: Any, positions: Any = None, seq: int = 0) -> None:
         self._ops.append(["append_queries", layer, self._arrays.ref(q), self._arrays.ref(positions), seq])

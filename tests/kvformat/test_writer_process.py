@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import kvformat
+from kvformat import writer_process
 from kvformat.errors import InvalidArrayError, WriterProcessError
 from kvformat.writer_process import WriterProcess
 
@@ -58,7 +59,12 @@ def _replay(writer: Any, calls: list[tuple[str, Any]]) -> list[int]:
     return indices
 
 
-def test_the_writer_process_writes_the_bytes_the_writer_writes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flush_bytes", [64 << 20, 100])
+def test_the_writer_process_writes_the_bytes_the_writer_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flush_bytes: int
+) -> None:
+    """Also when every append goes to the child on its own (``FLUSH_BYTES`` below one layer)."""
+    monkeypatch.setattr(writer_process, "FLUSH_BYTES", flush_bytes)
     calls = _calls(np.random.default_rng(5))
     here, there = tmp_path / "here.kv", tmp_path / "there.kv"
     writer = kvformat.Writer(here, SPECS, metadata={"name": "série"}, durable=False)
