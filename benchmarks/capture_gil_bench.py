@@ -54,7 +54,7 @@ def run(
     thread (the default) or by a writer process (``in_process``)."""
     generation = sys.modules["kvsnap.capture.generation"]
     caches = make_prompt_cache(model)
-    layers, heads, dim = len(caches), 8, 128
+    heads, dim = 8, 128  # the KV shape of `qwen3-8b-kv-tiny`
     rng = np.random.default_rng(0)
     prefill = mx.array(rng.standard_normal((1, heads, prompt_len, dim)).astype(np.float32)).astype(
         mx.bfloat16
@@ -97,7 +97,6 @@ def run(
     mx.eval([c.state for c in caches])
     if snapshots is not None:
         snapshots.close("")
-    assert layers == 36
     return time.perf_counter() - start
 
 

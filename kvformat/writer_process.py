@@ -38,6 +38,7 @@ from kvformat import errors as kv_errors
 from kvformat.dtypes import numpy_dtype
 from kvformat.errors import InvalidLayoutError, WriterProcessError
 from kvformat.manifest import LayerSpec, dumps, parse_layer
+from kvformat.writer import _IOV_MAX, Writer, _skip_written
 
 _HEADER = 16
 FLUSH_BYTES = 64 << 20
@@ -60,18 +61,11 @@ def _read_exact(fd: int, size: int) -> bytearray | None:
 
 
 def _write_all(fd: int, buffers: list[memoryview]) -> None:
-    """Write ``buffers`` in order (``os.writev``, continued after partial writes)."""
+    """Write flat byte ``buffers`` in order (``os.writev``, continued after partial writes)."""
     views = [view for view in buffers if view.nbytes]
-    while views:
-        written = os.writev(fd, views[:1024])
-        while written:
-            first = views[0]
-            if written >= first.nbytes:
-                written -= first.nbytes
-                views.pop(0)
-            else:
-                views[0] = first[written:]
-                written = 0
+    i = 0
+    while i < len(views):
+        i = _skip_written(views, i, os.writev(fd, views[i : i + _IOV_MAX]))
 
 
 def _send(fd: int, message: Any, data: Sequence[memoryview] = ()) -> None:
@@ -271,8 +265,6 @@ def _subclasses(cls: type[BaseException]) -> list[type[BaseException]]:
 def serve() -> None:
     """The child's loop: read requests from stdin, run them on one `Writer`, reply on stdout.
     At end of input with the file still open, the ``.partial`` file is left as written."""
-    from kvformat.writer import Writer
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     requests, replies = os.dup(0), os.dup(1)
     os.dup2(2, 1)  # a stray print cannot reach the reply pipe
@@ -320,14 +312,12 @@ def _message(exc: BaseException) -> str:
     return str(exc)
 
 
-def _open(path: str, specs: list[Any], options: dict[str, Any]) -> Any:
-    from kvformat.writer import Writer
-
+def _open(path: str, specs: list[Any], options: dict[str, Any]) -> Writer:
     layers = [None if spec is None else parse_layer(spec, i) for i, spec in enumerate(specs)]
     return Writer(path, layers, **options)
 
 
-def _run(writer: Any, op: list[Any], arrays: list[np.ndarray]) -> Any:
+def _run(writer: Writer, op: list[Any], arrays: list[np.ndarray]) -> Any:
     def value(ref: Any) -> Any:
         if isinstance(ref, list):
             return tuple(value(r) for r in ref)
