@@ -120,6 +120,12 @@ def _simulate_parser(sub: Any) -> None:
         help="Parquet or CSV table (by extension), one row per (method, budget, layer, head)",
     )
     p.add_argument("--plot", help="PNG, SVG or PDF (by extension): error against budget per method")
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        help="worker processes the layers are spread over (default: every core; a local file under "
+        "128 MiB on 2 cores, or a URL, stays in this process); the rows are the same whatever the number",
+    )
     remote_options(p)
     force_option(p)
     p.set_defaults(func=command("simulate_command"), check=check_outputs, output_formats=TABLES)
@@ -131,7 +137,9 @@ def _method_settings(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pooling", choices=["avg", "max"], default="avg", help="SnapKV's pooling of scores (default avg)"
     )
-    p.add_argument("--seed", type=int, default=0, help="the random method's sample")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the random method's sample (each head and budget draws its own)"
+    )
     p.add_argument(
         "--lag", type=positive_int, default=128, help="LagKV's partition, keys (default 128, kvpress's)"
     )

@@ -331,6 +331,10 @@ def generation_overhead(
             return hold_buffers_run()
         if variant == "process-writer":  # the series written by a child process, not the thread
             return capture_run(durable=True, queries="none", in_process=True)
+        if variant.startswith("process-queries-"):  # the same, with queries
+            return capture_run(
+                durable=True, queries=variant.removeprefix("process-queries-"), in_process=True
+            )
         return capture_run(
             durable=variant != "no-fsync",
             queries=variant.removeprefix("queries-") if variant.startswith("queries-") else "none",
@@ -617,6 +621,11 @@ def shapes_main(
                     label += " (snapshot buffers held to the end)"
                 elif variant == "process-writer":
                     label += " (written by a child process, write_in_process=True)"
+                elif variant.startswith("process-queries-"):
+                    label += (
+                        f", --queries {variant.removeprefix('process-queries-')}"
+                        " (written by a child process, write_in_process=True)"
+                    )
                 elif variant == "disk-load":
                     label = "plain, beside a thread writing 200 MB with fsyncs (no capture)"
                 ratios = 100 * (overhead.ratios() - 1)

@@ -92,14 +92,16 @@ import kvformat
 from kvformat import pages
 from kvformat.attention import BLOCK, context_keys
 from kvformat.attention import logits as attention_logits
-from kvformat.attention import softmax as attention_softmax
 from kvformat.attention import weights as attention_weights
 
-from ..dependencies import pl, tqdm
+from ..dependencies import futures_process, pl, tqdm
+from ..engine import executors, processes
+from ..engine.parallel import single_threaded_blas
 from ..errors import AnalysisError
 from ..kernels import attention as attention_kernel
 from ..kernels import native
 from ..kernels.arrays import float32_rows
+from ..machine import cores
 from ..stats.rope import Rope
 from .head_importance import (
     FINITE,
@@ -322,10 +324,21 @@ def adakv_keep(scores: np.ndarray, budget: float, safeguard: float = SAFEGUARD) 
     for head in range(heads):
         ranked[head, _top(ranked[head], safe, np.ones(n, bool))] = np.inf
     pruned = heads * (n - kept)
-    flat = np.arange(heads * n)
-    order = np.lexsort((-(flat % n), ranked.reshape(-1)))  # lowest first; among equals the later key
     keep = np.ones(heads * n, bool)
-    keep[order[:pruned]] = False
+    if pruned <= 0:
+        return keep.reshape(heads, n)
+    # The ``pruned`` first of the order (score, later key first, lower head first; NaN last),
+    # found by partition: every score below the pruned-th lowest, then those equal to it in that
+    # order.
+    flat = ranked.reshape(-1)
+    kth = np.partition(flat, pruned - 1)[pruned - 1]
+    if np.isnan(kth):
+        below, tied = ~np.isnan(flat), np.flatnonzero(np.isnan(flat))
+    else:
+        below, tied = flat < kth, np.flatnonzero(flat == kth)
+    keep[below] = False
+    needed = pruned - int(below.sum())
+    keep[tied[np.lexsort((tied, -(tied % n)))][:needed]] = False
     return keep.reshape(heads, n)
 
 
@@ -841,8 +854,7 @@ def kept_mask(
     options: Options | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The keys of query head ``head``'s KV head that eviction ``method`` keeps at ``budget``, as
-    `simulate` chooses them: ``(key positions (n_keys,), kept (n_keys,) bool)``. ``random``
-    draws from ``default_rng(options.seed)`` for this head alone (`simulate` draws once per file)."""
+    `simulate` chooses them: ``(key positions (n_keys,), kept (n_keys,) bool)``."""
     options = options or Options()
     if method not in EVICTION:
         raise CompressionError(f"{method!r} is not an eviction method: one of {', '.join(EVICTION)}")
@@ -865,9 +877,17 @@ def kept_mask(
     scores.update(_layer_scores(snap, layer, seq, end, [method]).of(positions))
     if method == "adakv":
         scores.update(adakv_masks(snap, layer, seq, end, [budget], options)[spec.kv_heads[head]])
-    rng = np.random.default_rng(options.seed)
+    rng = head_rng(options.seed, layer, head, budget)
     where = (layer, model_layers(snap))
     return positions, kept_keys(method, budget, positions, end, scores, rng, options.observation, where)
+
+
+def head_rng(seed: int, layer: int, head: int, budget: float) -> np.random.Generator:
+    """``random``'s draws for query head ``head`` of ``layer`` at ``budget``: a generator of its
+    own, seeded by ``(seed, layer, head, budget's float64 bits)``, so that a head's kept keys do
+    not depend on which heads or budgets were simulated before, nor on the process that
+    simulated them (`kept_mask` draws the same)."""
+    return np.random.default_rng((seed, layer, head, int(np.float64(budget).view(np.uint64))))
 
 
 def layer_rope(snap: kvformat.Snapshot, layer: int, methods: Iterable[str]) -> Rope | None:
@@ -1016,16 +1036,19 @@ def simulate_rows(
     options: Options | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
+    workers: int | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (method, budget, layer, query head); see the module's docstring. ``methods``:
     default, every method the file's queries allow. ``progress``: a bar per layer on standard
-    error (where it is a terminal)."""
+    error (where it is a terminal). ``workers``: processes the layers are spread over (default:
+    this process's cores), for a local file large enough to be worth starting them for (as the
+    statistics' passes decide: `engine.processes.usable`); the rows are the same whatever their
+    number (BLAS on one thread in each, layers joined in order)."""
     options = options or Options()
     chosen = check_methods(methods) if methods is not None else None
     for budget in budgets:
         if not 0 < budget <= 1:
             raise CompressionError(f"budget {budget} is not in (0, 1]")
-    rng = np.random.default_rng(options.seed)
     rows: list[dict[str, Any]] = []
     left_out = 0
     with kvformat.open(path, snapshot, storage_options=storage_options) as snap:
@@ -1039,37 +1062,86 @@ def simulate_rows(
             chosen = available(snap, end)
         options = resolve_window(snap, end, options, chosen)
         layers = layers_with_queries(snap)
+        name, index = snap.name, snap.index
+        task = _Task(os.fspath(path), index, seq, end, tuple(chosen), tuple(budgets), options, layers[0])
+        count = min(workers or cores(), len(layers))
+        spread = storage_options is None and count > 1 and processes.usable(path, count, "cpu")
         bar = tqdm.tqdm(
-            layers, unit="layer", file=sys.stderr, disable=None if progress else True, leave=False
+            total=len(layers), unit="layer", file=sys.stderr, disable=None if progress else True, leave=False
         )
-        for number, layer in enumerate(bar):
-            layer_rows, dropped = _layer_rows(
-                snap, layer, seq, end, chosen, budgets, options, rng, warn=number == 0
-            )
-            rows += layer_rows
-            left_out += dropped
-        if left_out:
-            warnings.warn(
-                f"{snap.name}: {left_out} queries left out: they attended keys no snapshot of the file holds",
-                CompressionWarning,
-                stacklevel=2,
-            )
+        with bar:
+            if spread:
+                processes.start(count)
+                pool = processes.pool(count)
+                try:
+                    for layer_rows, dropped, said in pool.map(_layer_task, layers, task):
+                        for message, category in said:
+                            warnings.warn(message, category, stacklevel=2)
+                        rows += layer_rows
+                        left_out += dropped
+                        bar.update()
+                except futures_process.BrokenProcessPool:
+                    executors.discard(pool)
+                    raise
+            else:
+                with single_threaded_blas():
+                    for layer in layers:
+                        layer_rows, dropped = _layer_rows(snap, layer, task)
+                        rows += layer_rows
+                        left_out += dropped
+                        bar.update()
+    if left_out:
+        warnings.warn(
+            f"{name}: {left_out} queries left out: they attended keys no snapshot of the file holds",
+            CompressionWarning,
+            stacklevel=2,
+        )
     return rows
 
 
-def _layer_rows(
-    snap: kvformat.Snapshot,
-    layer: int,
-    seq: int,
-    end: int,
-    chosen: list[str],
-    budgets: Sequence[float],
-    options: Options,
-    rng: np.random.Generator,
-    warn: bool,
-) -> tuple[list[dict[str, Any]], int]:
+@dataclass(frozen=True)
+class _Task:
+    """What `simulate_rows` asks of every layer: the file (its path and snapshot index), the
+    sequence, the compressed span's end, the methods and budgets, the options, and the first
+    layer (which alone warns of budgets too small)."""
+
+    path: str
+    snapshot: int
+    seq: int
+    end: int
+    methods: tuple[str, ...]
+    budgets: tuple[float, ...]
+    options: Options
+    first_layer: int
+
+
+_OPEN: tuple[tuple[Any, ...], kvformat.Snapshot] | None = None
+"""A worker's open snapshot, kept for the layers that follow on the same file."""
+
+
+def _layer_task(layer: int, task: _Task) -> tuple[list[dict[str, Any]], int, list[tuple[str, type[Warning]]]]:
+    """In a worker process: `_layer_rows` of ``layer`` from this worker's own map of the file
+    (opened once, reopened where the file was replaced), and the warnings it gave."""
+    global _OPEN
+    status = os.stat(task.path)
+    identity = (task.path, task.snapshot, status.st_dev, status.st_ino, status.st_mtime_ns)
+    if _OPEN is None or _OPEN[0] != identity:
+        if _OPEN is not None:
+            _OPEN[1].close()
+            _OPEN = None
+        _OPEN = identity, kvformat.open(task.path, task.snapshot)
+    with warnings.catch_warnings(record=True) as said, single_threaded_blas():
+        warnings.simplefilter("always")
+        rows, dropped = _layer_rows(_OPEN[1], layer, task)
+    return rows, dropped, [(str(w.message), w.category) for w in said]
+
+
+def _layer_rows(snap: kvformat.Snapshot, layer: int, task: _Task) -> tuple[list[dict[str, Any]], int]:
     """`simulate_rows`' rows of one layer, KV group by KV group, and the queries left out (they
-    attended keys no snapshot holds); ``warn``: say first where a budget keeps too few keys."""
+    attended keys no snapshot holds); the task's first layer says first where a budget keeps
+    too few keys."""
+    seq, end, options, budgets = task.seq, task.end, task.options, task.budgets
+    chosen, warn = list(task.methods), layer == task.first_layer
     spec = snap.layers[layer].queries
     assert spec is not None
     eviction = [m for m in chosen if m in EVICTION]
@@ -1094,9 +1166,9 @@ def _layer_rows(
         scores = group_scores.get(kv_head) or _group_scores(heads, end, eviction, options, rope)
         scores.update(whole_layer.of(heads[0].k_positions))
         scores.update(shared.get(kv_head, {}))
-        quantized: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # the group's, shared
+        quantized: dict[str, np.ndarray] = {}  # the group's quantized K and V, shared
         for h in heads:
-            rows += _head_rows(h, where, kv_head, chosen, budgets, ends, options, scores, rng, quantized)
+            rows += _head_rows(h, where, kv_head, chosen, budgets, ends, options, scores, quantized)
         # this KV head's pages leave the process, as in `head_importance`: a file larger than
         # memory keeps a bounded resident set (views stay valid; pages fault back in if read)
         pages.of(snap).release(snap._segments.of_head(layer, seq, kv_head))
@@ -1112,12 +1184,13 @@ def _head_rows(
     ends: tuple[int, int | None],
     options: Options,
     scores: dict[str, np.ndarray],
-    rng: np.random.Generator,
-    quantized: dict[str, tuple[np.ndarray, np.ndarray]],
+    quantized: dict[str, np.ndarray],
 ) -> list[dict[str, Any]]:
     """``h``'s rows; ``where``: the layer and the model's layer count; ``ends``: the compressed
-    span's end and the prompt's (None if unknown); ``quantized``: K and V per quantization
-    method, filled by the group's first head and shared by the others (they read one KV head)."""
+    span's end and the prompt's (None if unknown); ``quantized``: the quantized K and V
+    (`_quantized_error`), filled by the group's first head and shared by the others (they read
+    one KV head).
+    ``random`` draws from `head_rng`."""
     end, _ = ends
     layer = where[0]
     rows_eval = _evaluated_queries(h, ends, options.observation)
@@ -1126,10 +1199,12 @@ def _head_rows(
     # the eval queries' logits over every key, once: an eviction's weights are the softmax of
     # their kept columns (a column subset of the logits is the logits of that subset of keys)
     logits = attention_logits(h.spec, h.q[rows_eval], h.k, h.q_positions[rows_eval], h.k_positions)
-    full_weights = attention_softmax(h.spec, h.head, logits.copy())
-    values = h.v.astype(np.float64)
-    full = full_weights.astype(np.float64) @ values
-    first = np.argmax(full_weights, axis=1)  # each eval query's top-1 column
+    if "v" not in quantized:
+        quantized["v"] = h.v.astype(np.float64)
+    values = quantized["v"]
+    softmax = _Softmax.of(h, logits, values)
+    full = softmax.output(softmax.whole)
+    first = np.argmax(logits, axis=1)  # each eval query's top-1 column
     full_top = h.k_positions[first]
     base = {"layer": layer, "head": h.head, "kv_head": kv_head, "n_queries": int(rows_eval.sum())}
     out: list[dict[str, Any]] = []
@@ -1141,30 +1216,68 @@ def _head_rows(
             out.append(_row(method, bits / 16, base, measured, None))
             continue
         for budget in budgets:
+            rng = head_rng(options.seed, layer, h.head, budget)
             keep = kept_keys(method, budget, h.k_positions, end, scores, rng, options.observation, where)
             evictions.append((len(out), keep))
             out.append(_row(method, budget, base, (math.nan, math.nan), int((~keep).sum())))
     masks = [keep for _, keep in evictions]
     for (index, _), (error, agreement) in zip(
-        evictions, _evictions_measured(h, logits, masks, values, full, first), strict=True
+        evictions, _evictions_measured(h, logits, softmax, masks, values, full, first), strict=True
     ):
         out[index]["relative_error"], out[index]["top1_agreement"] = error, agreement
     return out
 
 
+@dataclass(frozen=True)
+class _Softmax:
+    """The eval queries' softmax over every key, unnormalized, in float64: ``exps`` ``(e, n)``
+    ``x_j = exp(logit_j - m)`` (``m`` the row's largest logit, or the sink's; 0 for a key the
+    query does not see), the ``whole`` row's `_Sums` and the ``sink``'s ``exp(s - m)`` ``(e,)``
+    (0 without sinks)."""
+
+    exps: np.ndarray
+    whole: _Sums
+    sink: np.ndarray
+
+    @classmethod
+    def of(cls, h: _Head, logits: np.ndarray, values: np.ndarray) -> _Softmax:
+        """Of ``h``'s eval queries' ``logits`` ``(e, n)`` (float32) over ``values`` ``(n, d)``
+        (float64)."""
+        top = logits.max(axis=1, initial=-np.inf)
+        sink = np.zeros(len(logits))
+        if h.spec.sinks is not None:
+            top = np.maximum(top, np.float32(h.spec.sinks[h.head]))
+        top = np.where(np.isfinite(top), top, np.float32(0)).astype(np.float64)
+        if h.spec.sinks is not None:
+            sink = np.exp(float(h.spec.sinks[h.head]) - top)
+        exps = np.exp(logits.astype(np.float64) - top[:, None])  # a key the query does not see: 0
+        return cls(exps, _Sums(exps @ values, exps.sum(axis=1)), sink)
+
+    def output(self, sums: _Sums) -> np.ndarray:
+        """The attention output ``(e, d)`` of the keys summed in ``sums``: ``sum x_j v_j / (sum
+        x_j + sink)``; 0 for a query that sees none of them."""
+        denominator = sums.denominator + self.sink
+        return np.divide(
+            sums.numerator,
+            denominator[:, None],
+            out=np.zeros_like(sums.numerator),
+            where=denominator[:, None] > 0,
+        )
+
+
 def _evictions_measured(
     h: _Head,
     logits: np.ndarray,
+    softmax: _Softmax,
     masks: list[np.ndarray],
     values: np.ndarray,
     full: np.ndarray,
     first: np.ndarray,
 ) -> list[tuple[float, float]]:
     """``(relative error, top-1 agreement)`` of each eviction (a mask of the keys kept) for the
-    eval queries whose ``logits`` ``(e, n)`` over every key, uncompressed output ``full`` and
-    top-1 columns ``first`` are given. An eviction's weights are
-    the softmax of its kept columns: with ``x_j = exp(logit_j - m)`` (``m`` the row's largest
-    logit, or the sink's), its output is ``sum_kept x_j v_j / (sum_kept x_j + sink)``, in float64.
+    eval queries whose ``logits`` ``(e, n)`` over every key, `_Softmax`, uncompressed output
+    ``full`` and top-1 columns ``first`` are given. An eviction's weights are the softmax of its
+    kept columns: its output is ``sum_kept x_j v_j / (sum_kept x_j + sink)``, in float64.
     The sums run over the kept keys, or, where more than half are kept, are the whole row's less
     the evicted keys' (rows whose kept share is below 1e-9 of the whole are summed directly), or,
     where that is fewer keys, are those of a smaller eviction summed directly whose keys it keeps
@@ -1173,15 +1286,7 @@ def _evictions_measured(
     none of them). A mask keeping every key is the uncompressed cache: error 0, agreement 1."""
     if not masks:
         return []
-    top = logits.max(axis=1, initial=-np.inf)
-    sink = np.zeros(len(logits))
-    if h.spec.sinks is not None:
-        top = np.maximum(top, np.float32(h.spec.sinks[h.head]))
-    top = np.where(np.isfinite(top), top, np.float32(0)).astype(np.float64)
-    if h.spec.sinks is not None:
-        sink = np.exp(float(h.spec.sinks[h.head]) - top)
-    exps = np.exp(logits.astype(np.float64) - top[:, None])  # a key the query does not see: 0
-    whole = _Sums(exps @ values, exps.sum(axis=1))
+    exps, whole = softmax.exps, softmax.whole
     full_top = h.k_positions[first]
     reference = float((full**2).sum())
     found: list[tuple[float, float]] = [(math.nan, math.nan)] * len(masks)
@@ -1203,13 +1308,7 @@ def _evictions_measured(
             sums = _kept_sums(exps, values, mask, kept, whole)
             if 2 * kept.size <= mask.size:
                 done[index] = sums
-        denominator = sums.denominator + sink
-        output = np.divide(
-            sums.numerator,
-            denominator[:, None],
-            out=np.zeros_like(sums.numerator),
-            where=denominator[:, None] > 0,
-        )
+        output = softmax.output(sums)
         error = math.sqrt(float(((output - full) ** 2).sum()) / reference) if reference > 0 else math.nan
         columns = _kept_top(logits, mask, kept, first)
         top_positions = np.where(columns >= 0, h.k_positions[np.maximum(columns, 0)], -1)
@@ -1314,16 +1413,19 @@ def _quantized_error(
     rows_eval: np.ndarray,
     full: np.ndarray,
     full_top: np.ndarray,
-    quantized: dict[str, tuple[np.ndarray, np.ndarray]],
+    quantized: dict[str, np.ndarray],
 ) -> tuple[float, float]:
     """The relative error and top-1 agreement of quantization ``method`` (`QUANTIZATION`) for
-    ``h``'s queries ``rows_eval``; its K and V quantized once per group (kept in ``quantized``)."""
+    ``h``'s queries ``rows_eval``; its K quantized once per group, its V (per token at every
+    method: the same for every method of the same bits) once per group and bits, in float64 for
+    the output's sums (kept in ``quantized``)."""
     axis, bits = QUANTIZATION[method]
-    if method not in quantized:
-        quantized[method] = (quantize(h.k, bits, axis=0 if axis == "channel" else 1, group=GROUP),
-                             quantize(h.v, bits, axis=1))  # fmt: skip
-    k, v = quantized[method]
-    return _error(h, rows_eval, full, full_top, None, k, v)
+    k_key, v_key = f"k {method}", f"v {bits}"
+    if k_key not in quantized:
+        quantized[k_key] = quantize(h.k, bits, axis=0 if axis == "channel" else 1, group=GROUP)
+    if v_key not in quantized:
+        quantized[v_key] = quantize(h.v, bits, axis=1).astype(np.float64)
+    return _error(h, rows_eval, full, full_top, None, quantized[k_key], quantized[v_key])
 
 
 def simulate(
@@ -1336,7 +1438,7 @@ def simulate(
     """`simulate_rows` as a Polars DataFrame: ``method``, ``budget``, ``layer``, ``head``,
     ``kv_head``, ``n_queries``, ``relative_error``, ``top1_agreement``, ``keys_evicted``. Keyword
     arguments:
-    ``seq``, ``storage_options``, ``progress``, and the fields of `Options` (``window``,
+    ``seq``, ``storage_options``, ``progress``, ``workers``, and the fields of `Options` (``window``,
     ``kernel``, ``pooling``, ``compress``, ``question_start``, ``seed``, ``lag``,
     ``adakv_scorer``)."""
 

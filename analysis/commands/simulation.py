@@ -31,6 +31,7 @@ class SimulateOptions(FromArgs):
     adakv_scorer: str = "snapkv"
     output: str = ""
     plot: str | None = None
+    jobs: int | None = None
     force: bool = False
 
     def compression(self) -> Options:
@@ -64,6 +65,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             **asdict(options.compression()),
             progress=True,
             storage_options=url_options(args),
+            workers=options.jobs,
         )
     save_table(table, options.output, args)
 

@@ -170,6 +170,14 @@ def _pool(workers: int, backend: str = "cpu") -> executors.Processes:
     return executors.kept((workers, backend), started)
 
 
+def pool(workers: int) -> executors.Processes:
+    """The kept CPU pool of ``workers`` worker processes (forked from the fork server, one BLAS
+    thread each; started by `start`), for passes of their own (`simulate` spreads its layers
+    over it). A caller that finds it broken (``BrokenProcessPool``) passes it to
+    `executors.discard`."""
+    return _pool(workers, "cpu")
+
+
 def _one_blas_thread() -> None:
     """A spawned mlx worker's start: BLAS limited to one thread, as the fork server's environment
     limits the CPU workers' (a spawned process takes its parent's environment as it is, and

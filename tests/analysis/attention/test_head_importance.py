@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -186,10 +187,11 @@ def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path)
         # (a quarter's sums are a tenth's plus the keys it adds, where the tenth's are a subset)
         for row in table.filter(table["budget"] < 1).iter_rows(named=True):
             head, budget = row["head"], row["budget"]
-            if row["method"] not in simulate.EVICTION or row["method"] in ("random", "adakv"):
-                continue  # its sample is the generator's; checked by the budget-1 rows and its count
+            if row["method"] not in simulate.EVICTION or row["method"] == "adakv":
+                continue  # checked by the budget-1 rows and its counts
+            rng = simulate.head_rng(0, row["layer"], head, budget)  # random's own draws here
             keep = simulate.kept_keys(
-                row["method"], budget, keys, PROMPT, scores[spec.kv_heads[head]], np.random.default_rng(0), 6
+                row["method"], budget, keys, PROMPT, scores[spec.kv_heads[head]], rng, 6
             )
             assert keep[PROMPT:].all() and keep[:PROMPT].sum() == PROMPT - row["keys_evicted"]
             assert budget == 0.1 or keep[:PROMPT].sum() == 9  # 25% of 36 prompt keys
@@ -206,6 +208,42 @@ def test_simulate_equals_attention_with_the_evicted_keys_removed(tmp_path: Path)
     assert (quantized["budget"] == 2 / 16).all() and (quantized["relative_error"] > 0).all()
     kivi4 = table.filter(table["method"] == "kivi4")["relative_error"].mean()
     assert kivi4 < quantized["relative_error"].mean()  # more bits, less error
+
+
+def test_simulate_spread_over_processes_equals_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layers spread over worker processes give the rows one process gives, in the same order,
+    with the same warnings (the first layer's, said in a worker, said again here); ``random``
+    draws per head, so that its keys do not depend on which process simulated the head."""
+    from kvsnap.analysis.engine import executors, processes
+
+    spec = SPECS["window-sinks"]
+    rng = np.random.default_rng(7)
+    path = tmp_path / "layers.kv"
+    layers = [kvformat.LayerSpec(2, 8, 8, kvformat.FLOAT32, queries=spec) for _ in range(3)]
+    with kvformat.Writer(path, layers, metadata={"prompt_tokens": PROMPT}) as writer:
+        for layer in range(3):
+            k, v = (rng.standard_normal((2, POSITIONS, 8)).astype(np.float32) for _ in range(2))
+            writer.append(layer, k, v)
+            q = rng.standard_normal((4, POSITIONS - 24, 8)).astype(np.float32)
+            writer.append_queries(layer, q, np.arange(24, POSITIONS))
+        writer.snapshot()
+    monkeypatch.setattr(processes, "usable", lambda *args: True)  # a file this small stays in-process
+    tables, said = [], []
+    for workers in (2, 1):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tables.append(simulate.simulate(path, budgets=(0.1, 0.5), window=6, workers=workers))
+        said.append(sorted(str(w.message) for w in caught if w.category is simulate.CompressionWarning))
+        if workers == 2:
+            assert executors.is_kept((2, "cpu"))  # the layers went to the pool's workers
+    spread, alone = tables
+    # 3 layers x 4 heads x (11 evictions x 2 budgets + 4 quantizations): no observed or
+    # expected_attention (they need every query)
+    assert spread.height == 3 * 4 * (11 * 2 + 4)
+    assert spread.equals(alone)
+    assert said[0] == said[1] and any("keeps" in message for message in said[0])
 
 
 def _kvpress_scores(data: dict[str, Any], spec: QuerySpec, kv_head: int) -> dict[str, np.ndarray]:
