@@ -108,7 +108,8 @@ def main() -> None:
             peaks[name] = max(peaks.get(name, 0.0), peak)
     for name, values in times.items():
         spread = f"{min(values):.2f}-{max(values):.2f}"
-        print(f"{name}: median {statistics.median(values):.2f} s ({spread}), peak {peaks[name]:.0f} MiB private")
+        median = statistics.median(values)
+        print(f"{name}: median {median:.2f} s ({spread}), peak {peaks[name]:.0f} MiB private")
     first, second = (statistics.median(values) for values in times.values())
     print(f"simulate / attention statistics: {second / first:.2f}x")
 
