@@ -565,8 +565,10 @@ def _key_scores(h: _Head, end: int, wanted: set[str], options: Options) -> dict[
     """The scores of the methods that read the span's keys and values alone, per key of ``h``'s
     KV head (NaN after the span): see the module's docstring for each."""
     span = h.k_positions < end
-    k = h.k[span].astype(np.float64)
-    v = h.v[span].astype(np.float64)
+    count = int(span.sum())
+    rows = slice(count) if span[:count].all() else span  # the span's keys: the first ones, as a rule
+    k = h.k[rows].astype(np.float64)
+    v = h.v[rows].astype(np.float64)
     out: dict[str, np.ndarray] = {}
 
     def padded(values: np.ndarray) -> np.ndarray:
@@ -574,7 +576,9 @@ def _key_scores(h: _Head, end: int, wanted: set[str], options: Options) -> dict[
         full[span] = values
         return full
 
-    k_norm = np.linalg.norm(k, axis=1)
+    # ||k||^2 as np.linalg.norm sums it (and CURPress's squares are): the same bits
+    k_squares = np.add.reduce(k * k, axis=1)
+    k_norm = np.sqrt(k_squares)
     if "knorm" in wanted:  # KnormPress.score: -||k||
         out["knorm"] = padded(-k_norm)
     if "keydiff" in wanted:  # KeyDiffPress.score: -cos(k, mean of F.normalize(k))
@@ -584,7 +588,7 @@ def _key_scores(h: _Head, end: int, wanted: set[str], options: Options) -> dict[
     if "lagkv" in wanted:
         out["lagkv"] = padded(_lagkv(k, v, options.lag))
     if "cur" in wanted:
-        out["cur"] = padded(_cur(k, v))
+        out["cur"] = padded(_cur(k_squares, np.add.reduce(v * v, axis=1)))
     return out
 
 
@@ -660,6 +664,10 @@ def _lagkv(k: np.ndarray, v: np.ndarray, lag: int, sinks: int = SINKS) -> np.nda
 
     def states(x: np.ndarray) -> np.ndarray:  # LagKVPress._get_states_score
         parts = x[sinks:end].reshape(-1, lag, x.shape[1])
+        compiled = native.lagkv_spread(parts)  # the same bits in one pass, where it is built
+        if compiled is not None:
+            compiled = np.exp(compiled - compiled.max(axis=-1, keepdims=True))
+            return compiled / compiled.sum(axis=-1, keepdims=True)
         reference, scored = parts[1:], parts[:-1]
         low, high = reference.min(axis=1, keepdims=True), reference.max(axis=1, keepdims=True)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -679,17 +687,17 @@ def _lagkv(k: np.ndarray, v: np.ndarray, lag: int, sinks: int = SINKS) -> np.nda
     return np.concatenate([np.ones(sinks), ranks.reshape(-1), np.ones(n - end + lag)])
 
 
-def _cur(k: np.ndarray, v: np.ndarray, sinks: int = SINKS, block: int = 16) -> np.ndarray:
+def _cur(k_squares: np.ndarray, v_squares: np.ndarray, sinks: int = SINKS, block: int = 16) -> np.ndarray:
     """CURPress.score (kv_product, local approximation over blocks of 16 keys) for one KV head's
-    span ``k``, ``v`` ``(n, dim)``."""
-    n = k.shape[0]
+    span, from its keys' and values' squared norms ``(n,)`` (``(x**2).sum(axis=1)``)."""
+    n = k_squares.shape[0]
 
-    def local(x: np.ndarray) -> np.ndarray:
-        squares = np.pad((x**2).sum(axis=1), (0, (block - n % block) % block)).reshape(-1, block)
+    def local(squares: np.ndarray) -> np.ndarray:
+        squares = np.pad(squares, (0, (block - n % block) % block)).reshape(-1, block)
         with np.errstate(divide="ignore", invalid="ignore"):
             return (squares / squares.sum(axis=1, keepdims=True)).reshape(-1)[:n]
 
-    scores = local(k) * local(v)
+    scores = local(k_squares) * local(v_squares)
     scores = scores / scores.sum()
     scores[:sinks] = 1.0
     return scores

@@ -1185,6 +1185,74 @@ KERNEL static int quantize_levels(const float *x, int64_t groups, int64_t rows, 
     return min_max_levels(x, groups, rows, cols, levels, out, lows, highs);
 }
 
+/* numpy's pairwise sum of n contiguous doubles (numpy/_core/src/umath/loops_utils.h.src,
+ * ``pairwise_sum``): the same additions in the same order, so the same bits as ``x.sum(axis=-1)``
+ * gives for a row. */
+static inline double pairwise_block_f64(const double *a, int64_t n) { /* 8 <= n <= 128 */
+    double r[8];
+    int64_t i;
+    for (int j = 0; j < 8; j++) r[j] = a[j];
+    for (i = 8; i < n - (n % 8); i += 8)
+        for (int j = 0; j < 8; j++) r[j] += a[i + j];
+    double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; i++) res += a[i];
+    return res;
+}
+
+static double pairwise_sum_f64(const double *a, int64_t n) {
+    if (n < 8) {
+        double res = 0.;
+        for (int64_t i = 0; i < n; i++) res += a[i];
+        return res;
+    }
+    if (n <= 128) return pairwise_block_f64(a, n);
+    int64_t half = n / 2;
+    half -= half % 8;
+    return pairwise_sum_f64(a, half) + pairwise_sum_f64(a + half, n - half);
+}
+
+/* LagKV's spread, as kvsnap.analysis.attention.compression._lagkv's ``states`` computes it before
+ * its softmax: x (parts, lag, cols) float64; for each row of each part p < parts - 1, the standard
+ * deviation (ddof 1) over its cols of (x - low) / (high - low), low and high the minimum and the
+ * maximum over the rows of part p + 1, per column; numpy's operations in numpy's order (the mean
+ * subtracted, then the squares summed), so the same bits; out (parts - 1, lag). work: 3 x cols
+ * doubles. Returns 1, writing nothing, where x holds a NaN or an infinity (numpy computes it). */
+KERNEL static int lagkv_spread(const double *x, int64_t parts, int64_t lag, int64_t cols, double *out,
+                               double *work) {
+    int64_t total = parts * lag * cols;
+    double probe = 0.0; /* x * 0 is a zero for a finite x, NaN for a NaN or an infinity */
+#pragma omp simd reduction(+ : probe)
+    for (int64_t i = 0; i < total; i++) probe += x[i] * 0.0;
+    if (probe != 0.0) return 1;
+    double *low = work, *range = work + cols, *row = work + 2 * cols;
+    for (int64_t p = 0; p + 1 < parts; p++) {
+        const double *reference = x + (p + 1) * lag * cols;
+        for (int64_t c = 0; c < cols; c++) low[c] = range[c] = reference[c];  /* range: the high */
+        for (int64_t r = 1; r < lag; r++)
+            for (int64_t c = 0; c < cols; c++) {
+                double value = reference[r * cols + c];
+                low[c] = value < low[c] ? value : low[c];
+                range[c] = value > range[c] ? value : range[c];
+            }
+        for (int64_t c = 0; c < cols; c++) range[c] = range[c] - low[c];
+        for (int64_t t = 0; t < lag; t++) {
+            const double *scored = x + (p * lag + t) * cols;
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) row[c] = (scored[c] - low[c]) / range[c];
+            double mean = (cols >= 8 && cols <= 128 ? pairwise_block_f64(row, cols) : pairwise_sum_f64(row, cols)) /
+                          (double)cols;
+#pragma omp simd
+            for (int64_t c = 0; c < cols; c++) {
+                double deviation = row[c] - mean;
+                row[c] = deviation * deviation;
+            }
+            double squares = cols >= 8 && cols <= 128 ? pairwise_block_f64(row, cols) : pairwise_sum_f64(row, cols);
+            out[p * lag + t] = sqrt(squares / (double)(cols - 1));
+        }
+    }
+    return 0;
+}
+
 /* exp_nonpositive over d (n,) into out (n,): for the tests, which hold it within 1 ulp */
 EXPORT void kvsnap_exp_nonpositive(const float *d, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) out[i] = exp_nonpositive(d[i]);
@@ -1225,6 +1293,11 @@ EXPORT int kvsnap_block_scores(float *logits, int64_t n, int64_t m, double *rows
 EXPORT int kvsnap_quantize_levels(const float *x, int64_t groups, int64_t rows, int64_t cols,
                                    float levels, float *out, float *lows, float *highs) {
     return quantize_levels(x, groups, rows, cols, levels, out, lows, highs);
+}
+
+EXPORT int kvsnap_lagkv_spread(const double *x, int64_t parts, int64_t lag, int64_t cols, double *out,
+                                double *work) {
+    return lagkv_spread(x, parts, lag, cols, out, work);
 }
 
 /* An importable module too (empty), so that setuptools builds and names this library as it

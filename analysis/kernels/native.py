@@ -179,6 +179,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kvsnap_quantize_levels.argtypes = [_POINTER, _INT, _INT, _INT, ctypes.c_float]
     library.kvsnap_quantize_levels.argtypes += [_POINTER, _POINTER, _POINTER]
     library.kvsnap_quantize_levels.restype = ctypes.c_int
+    library.kvsnap_lagkv_spread.argtypes = [_POINTER, _INT, _INT, _INT, _POINTER, _POINTER]
+    library.kvsnap_lagkv_spread.restype = ctypes.c_int
 
 
 LIBRARY = _load()
@@ -440,4 +442,22 @@ def quantize_levels(x: np.ndarray, levels: int) -> np.ndarray | None:
         _address(x, np.float32), groups, rows, cols, float(levels), _address(out, np.float32),
         _address(lows, np.float32), _address(highs, np.float32),
     )  # fmt: skip
+    return None if status else out
+
+
+def lagkv_spread(parts: np.ndarray) -> np.ndarray | None:
+    """LagKV's spread of ``parts`` ``(count, lag, cols)`` float64: ``(count - 1, lag)``, each row
+    of a part but the last scaled by the next part's per-column range, its standard deviation
+    (ddof 1) over the columns, bit for bit as `kvsnap.analysis.attention.compression`'s numpy
+    definition; None where the library is not loaded or ``parts`` holds a NaN or an infinity
+    (the numpy definition then computes it)."""
+    if LIBRARY is None or not REQUESTED or parts.ndim != 3 or parts.shape[0] < 2 or parts.shape[2] < 2:
+        return None
+    parts = np.ascontiguousarray(parts, np.float64)
+    count, lag, cols = parts.shape
+    out = np.empty((count - 1, lag))
+    work = np.empty(3 * cols)
+    status = LIBRARY.kvsnap_lagkv_spread(
+        _address(parts, np.float64), count, lag, cols, _address(out, np.float64), _address(work, np.float64)
+    )
     return None if status else out

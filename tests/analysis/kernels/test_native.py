@@ -291,3 +291,34 @@ def test_the_compiled_quantization_is_the_numpy_definition_bit_for_bit(
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (trial, bits, axis, group)
             ran += np.isfinite(x).all()
     assert ran > 400  # the kernel itself, not only its numpy hand-over, was compared
+
+
+def test_lagkv_spread_is_numpys_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LagKV's scores through the compiled spread equal numpy's definition bit for bit: spans of
+    every length around the partitions (one whole partition and more, a remainder), channel
+    counts below, at and above numpy's 128-value pairwise block, constant channels (a zero range:
+    0 / 0), scales from 1e-30 to 1e30, and a NaN or an infinity (handed back to numpy)."""
+    from kvsnap.analysis.attention import compression
+
+    assert native.AVAILABLE
+    rng = np.random.default_rng(11)
+    compiled = native.lagkv_spread
+    ran = 0
+    for trial in range(80):
+        lag, dim = int(rng.integers(2, 40)), int(rng.integers(2, 300))
+        n = 4 + int(rng.integers(2, 6)) * lag + int(rng.integers(0, lag))
+        k = rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-30, 30)
+        v = rng.standard_normal((n, dim)) * rng.random(dim)
+        if trial % 4 == 0:
+            v[:, int(rng.integers(dim))] = 1.5
+        if trial % 6 == 0:
+            k[int(rng.integers(n)), int(rng.integers(dim))] = (np.nan, np.inf, -np.inf)[trial % 3]
+        monkeypatch.setattr(native, "lagkv_spread", compiled)
+        with np.errstate(all="ignore"):
+            got = compression._lagkv(k, v, lag)
+        monkeypatch.setattr(native, "lagkv_spread", lambda *_: None)
+        with np.errstate(all="ignore"):
+            want = compression._lagkv(k, v, lag)
+        assert np.array_equal(got, want, equal_nan=True), (trial, n, lag, dim)
+        ran += bool(np.isfinite(k).all())
+    assert ran > 60  # the kernel itself, not only its numpy hand-over, was compared
