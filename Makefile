@@ -46,12 +46,17 @@ demo: $(VENV)/.installed-demo openblas
 	$(BIN)/kvsnap info out/demo.kv | head -6
 	$(BIN)/kvsnap stats out/demo.kv
 
+# mypy's cache, one per checkout folder: its entries name the files' paths (the virtual
+# environment's too), so two checkouts sharing one cache would each find the other's entries
+# stale and check everything again (30-45 s); a fresh checkout in the same folder reuses it.
+CHECKOUT_KEY := $(shell printf '%s' "$(CURDIR)" | cksum | cut -d' ' -f1)
+
 # The project's own folders only: a scratch script in the checkout is the user's business.
 LINTED := kvformat capture analysis kvsnap tests benchmarks spec setup.py
 lint: install
 	$(BIN)/ruff check $(LINTED)
 	$(BIN)/ruff format --check $(LINTED)
-	MYPY_CACHE_DIR=$${KVSNAP_CACHE:-$$HOME/.cache/kvsnap}/mypy $(BIN)/mypy  # a fresh checkout reuses it (by content)
+	MYPY_CACHE_DIR=$${KVSNAP_CACHE:-$$HOME/.cache/kvsnap}/mypy/$(CHECKOUT_KEY) $(BIN)/mypy
 
 # The Kaitai Struct compiler (npm, JavaScript build) that tests/spec/test_kaitai.py runs on spec/kv.ksy.
 KAITAI := .cache/kaitai/node_modules/kaitai-struct-compiler
