@@ -123,8 +123,9 @@ def _simulate_parser(sub: Any) -> None:
     p.add_argument(
         "--jobs",
         type=positive_int,
-        help="worker processes the layers are spread over (default: every core; a local file under "
-        "128 MiB on 2 cores, or a URL, stays in this process); the rows are the same whatever the number",
+        help="worker processes the layers are spread over (default: every core; a file of fewer than "
+        "100,000 query heads x positions, or a URL, stays in this process); the rows are the same whatever "
+        "the number",
     )
     remote_options(p)
     force_option(p)

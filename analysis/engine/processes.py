@@ -101,20 +101,18 @@ def worker_count(workers: int, backend: str) -> int:
     return profile(backend).processes(workers)
 
 
-def usable(path: str | os.PathLike[str], workers: int, backend: str) -> bool:
+def usable(path: str | os.PathLike[str], workers: int, backend: str, worth: bool | None = None) -> bool:
     """Whether a pass over ``path`` with ``workers`` workers on ``backend`` runs on worker
     processes: more than one worker process (`worker_count`), a local file (URLs stay on
     threads: their reads share one connection pool) of at least `PROCESS_MIN_BYTES` or
-    `PROCESS_MIN_HEADS` heads (scaled to the worker count), or with the workers already running,
-    and a process allowed to start children (not a daemonic ``multiprocessing`` worker)."""
+    `PROCESS_MIN_HEADS` heads (scaled to the worker count; ``worth``, where given, decides
+    instead: a pass whose work per head is not the statistics'), or with the workers already
+    running, and a process allowed to start children (not a daemonic ``multiprocessing``
+    worker)."""
 
     count = worker_count(workers, backend)
-    if not (
-        profile(backend).worker_processes
-        and count > 1
-        and not remote.is_url(path)
-        and (_running(count, backend) or _worth_workers(path, count))
-    ):
+    worth = _running(count, backend) or (_worth_workers(path, count) if worth is None else worth)
+    if not (profile(backend).worker_processes and count > 1 and not remote.is_url(path) and worth):
         return False
 
     allowed = START_METHOD in multiprocessing.get_all_start_methods()
