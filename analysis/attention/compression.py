@@ -1111,9 +1111,9 @@ def simulate_rows(
 
 SPREAD_MIN_WORK = 100_000
 """Query heads x positions from which `simulate_rows` spreads its layers over worker processes
-(where they run already, from any size): below it starting them costs more than they save (a 906-position
-capture of 30 layers of 9 query heads, 245k, takes 2.1-2.5 s on 2 workers against 3.1-3.7 s in
-one process, 2-core VM)."""
+(from any size where they run already): below it, starting them costs more than they save. A
+906-position capture of 30 layers of 9 query heads (245k) takes 2.1-2.5 s on 2 workers against
+3.1-3.7 s in one process (2-core VM)."""
 
 
 @dataclass(frozen=True)
@@ -1183,7 +1183,7 @@ def _layer_rows(snap: kvformat.Snapshot, layer: int, task: _Task) -> tuple[list[
         scores = group_scores.get(kv_head) or _group_scores(heads, end, eviction, options, rope)
         scores.update(whole_layer.of(heads[0].k_positions))
         scores.update(shared.get(kv_head, {}))
-        quantized: dict[str, np.ndarray] = {}  # the group's quantized K and V, shared
+        quantized: dict[str, np.ndarray] = {}  # the group's float64 V, quantized K and V: shared
         for h in heads:
             rows += _head_rows(h, where, kv_head, chosen, budgets, ends, options, scores, quantized)
         # this KV head's pages leave the process, as in `head_importance`: a file larger than
