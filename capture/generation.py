@@ -494,8 +494,9 @@ class Capture:
     ``"all"``) also stores the post-RoPE queries of those positions, and how each layer's
     attention used them (format 1.3), in a series file; generation is unchanged. ``write_in_process``
     writes a series file from a child process instead of a thread of this one, so that the
-    writing's Python never holds the interpreter lock the generating thread needs (on a 2-core
-    CPU it costs more than it saves: ``python -m benchmarks.capture_gil_bench``)."""
+    writing's Python never holds the interpreter lock the generating thread needs; handing it
+    the bytes costs more than that saves, on 2 cores and on a 16-core GPU host alike
+    (``python -m benchmarks.capture_gil_bench``; docs/capturing.md has the figures)."""
 
     output: str | os.PathLike[str] | None = None
     every: int | None = None
