@@ -46,6 +46,12 @@ def rss(pid: int) -> int:
     return _field(f"/proc/{pid}/status", "VmRSS:")
 
 
+def anonymous(pid: int) -> int:
+    """Anonymous resident memory of ``pid``, bytes: its own, beyond the files it maps (a mapped
+    file's pages sit in the page cache, shared by every process that maps it)."""
+    return _field(f"/proc/{pid}/status", "RssAnon:")
+
+
 def pss(pid: int) -> int:
     """Proportional set of ``pid``, bytes: each shared page divided among the processes that map
     it, so the sum over a tree of forked workers counts their shared libraries once."""

@@ -14,7 +14,6 @@ a 906-position capture with every query).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -23,33 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (Linux ``/proc``; children read per thread)."""
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        try:
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children") as children:
-                    todo += [int(child) for child in children.read().split()]
-        except OSError:  # ended meanwhile
-            continue
-    return found
-
-
-def _private_mib(pids: list[int]) -> float:
-    """The anonymous (private) resident memory of ``pids`` together, MiB: what the command
-    holds beyond the file's pages in the page cache, which its processes share."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as status:
-                total += sum(int(line.split()[1]) for line in status if line.startswith("RssAnon:"))
-        except OSError:
-            continue
-    return total / 1024
+from benchmarks import memory
 
 
 def timed(argv: list[str]) -> tuple[float, float]:
@@ -61,7 +34,8 @@ def timed(argv: list[str]) -> tuple[float, float]:
 
     def sample() -> None:
         while child.poll() is None:
-            peak[0] = max(peak[0], _private_mib(_tree(child.pid)))
+            pids = memory.descendants(child.pid)
+            peak[0] = max(peak[0], sum(memory.anonymous(pid) for pid in pids) / 2**20)
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)

@@ -1132,24 +1132,13 @@ class _Task:
     first_layer: int
 
 
-_OPEN: tuple[tuple[Any, ...], kvformat.Snapshot] | None = None
-"""A worker's open snapshot, kept for the layers that follow on the same file."""
-
-
 def _layer_task(layer: int, task: _Task) -> tuple[list[dict[str, Any]], int, list[tuple[str, type[Warning]]]]:
     """In a worker process: `_layer_rows` of ``layer`` from this worker's own map of the file
-    (opened once, reopened where the file was replaced), and the warnings it gave."""
-    global _OPEN
-    status = os.stat(task.path)
-    identity = (task.path, task.snapshot, status.st_dev, status.st_ino, status.st_mtime_ns)
-    if _OPEN is None or _OPEN[0] != identity:
-        if _OPEN is not None:
-            _OPEN[1].close()
-            _OPEN = None
-        _OPEN = identity, kvformat.open(task.path, task.snapshot)
+    (`engine.processes.worker_snapshot`), and the warnings it gave."""
+    snap = processes.worker_snapshot(task.path, task.snapshot)
     with warnings.catch_warnings(record=True) as said, single_threaded_blas():
         warnings.simplefilter("always")
-        rows, dropped = _layer_rows(_OPEN[1], layer, task)
+        rows, dropped = _layer_rows(snap, layer, task)
     return rows, dropped, [(str(w.message), w.category) for w in said]
 
 

@@ -354,11 +354,29 @@ def layers(
 # --- in the worker processes -------------------------------------------------------------------
 
 
+_SNAPSHOT: tuple[tuple[Any, ...], kvformat.Snapshot] | None = None
+
+
+def worker_snapshot(path: str, index: int) -> kvformat.Snapshot:
+    """This worker's open snapshot ``index`` of ``path``, kept for the tasks that follow (the
+    statistics' and `simulate`'s alike): reopened when the file was replaced or another one is
+    asked for."""
+    global _SNAPSHOT
+    status = os.stat(path)
+    identity = (path, index, status.st_dev, status.st_ino, status.st_mtime_ns)
+    if _SNAPSHOT is None or _SNAPSHOT[0] != identity:
+        if _SNAPSHOT is not None:
+            _SNAPSHOT[1].close()
+            _SNAPSHOT = None
+        _SNAPSHOT = identity, kvformat.open(path, index)
+    return _SNAPSHOT[1]
+
+
 @dataclass
 class _OpenFile:
-    """A worker's open snapshot, kept for the tasks that follow on the same file."""
+    """A worker's `worker_snapshot` with the RoPE of each layer the pass's keys need."""
 
-    identity: tuple[Any, ...]
+    keys: str
     snap: kvformat.Snapshot
     ropes: dict[int, Rope | None]
 
@@ -367,19 +385,12 @@ _OPEN: _OpenFile | None = None
 
 
 def _open_file(path: str, index: int, options: PassOptions) -> _OpenFile:
-    """This worker's `_OpenFile` of snapshot ``index`` of ``path`` (reopened when the file was
-    replaced or another one is asked for)."""
+    """This worker's `_OpenFile` of snapshot ``index`` of ``path``."""
 
     global _OPEN
-    status = os.stat(path)
-    identity = (path, index, options.keys, status.st_dev, status.st_ino, status.st_mtime_ns)
-    if _OPEN is not None and _OPEN.identity == identity:
-        return _OPEN
-    if _OPEN is not None:
-        _OPEN.snap.close()
-        _OPEN = None
-    snap = kvformat.open(path, index)
-    _OPEN = _OpenFile(identity, snap, layer_ropes(snap, options.keys))
+    snap = worker_snapshot(path, index)
+    if _OPEN is None or _OPEN.snap is not snap or _OPEN.keys != options.keys:
+        _OPEN = _OpenFile(options.keys, snap, layer_ropes(snap, options.keys))
     return _OPEN
 
 
